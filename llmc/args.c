@@ -1,0 +1,268 @@
+/*
+ * args.c — getopt_long parsing and validation of the trainer's flags.
+ */
+#include "args.h"
+
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+#include "config.h"
+
+void args_defaults(TrainArgs* a) {
+    memset(a, 0, sizeof *a);
+    a->model = "tiny";
+    a->train = "data/tiny_train.bin";
+    a->val = "data/tiny_val.bin";
+    a->batch = 16;
+    a->seq = 64;
+    a->micro_batches = 1;
+    a->steps = 300;
+    a->lr = 3e-3f;
+    a->schedule = LR_COSINE;
+    a->warmup = 20;
+    a->min_lr_frac = 0.1f;
+    a->decay_frac = 0.2f;
+    a->weight_decay = 0.1f;
+    a->decay_embeddings = 0;
+    a->beta1 = 0.9f;
+    a->beta2 = 0.95f;
+    a->eps = 1e-8f;
+    a->grad_clip = 1.0f;
+    a->shuffle = 1;
+    a->seed = 1337;
+    a->eval_every = 100;
+    a->eval_batches = 8;
+    a->out = "";
+    a->log = "";
+    a->device = DEVICE_CPU;
+    a->n_devices = 0;
+    a->threads = 0;
+    a->dump_state = "";
+    a->sample_tokens = 64;
+    a->prompt = "";
+    a->init_std = 0.02f;
+}
+
+void args_usage(FILE* f) {
+    TrainArgs d;
+    args_defaults(&d);
+    fprintf(f,
+        "usage: ./train_roundpipe [flags]\n"
+        "With no flags: train the built-in tiny model on the shipped arithmetic corpus.\n"
+        "\n"
+        "model and data\n"
+        "  -e, --model M          preset name, HF directory, config.json or .safetensors (default %s)\n"
+        "                         presets:",
+        d.model);
+    for (const char* const* p = config_preset_names(); *p; p++) fprintf(f, " %s", *p);
+    fprintf(f,
+        "\n"
+        "  -i, --train GLOB       training token shards (default %s)\n"
+        "  -j, --val GLOB         validation token shards, \"\" for none (default %s)\n"
+        "  -b, --batch B          sequences per optimizer step (default %d)\n"
+        "  -t, --seq T            tokens per sequence (default %d)\n"
+        "  -m, --micro-batches M  split each batch into M micro-batches; B %% M == 0 (default %d)\n"
+        "      --shuffle 0|1      shuffle training windows each epoch (default %d)\n"
+        "      --seed S           seed for init, shuffling and sampling (default %u)\n"
+        "      --init-std X       std of the random init of matrices (default %g)\n"
+        "\n"
+        "optimisation\n"
+        "  -x, --steps N          optimizer steps (default %d)\n"
+        "  -l, --lr X             peak learning rate (default %g)\n"
+        "      --schedule S       constant | cosine | linear | wsd (default %s)\n"
+        "  -u, --warmup N         linear warmup steps (default %d)\n"
+        "  -q, --min-lr-frac X    final lr as a fraction of the peak (default %g)\n"
+        "      --decay-frac X     wsd: fraction of post-warmup steps spent decaying (default %g)\n"
+        "  -c, --weight-decay X   AdamW decoupled weight decay on matrices (default %g)\n"
+        "      --decay-embeddings 0|1  also decay the token embedding (default %d)\n"
+        "      --beta1 X          AdamW beta1 (default %g)\n"
+        "      --beta2 X          AdamW beta2 (default %g)\n"
+        "      --eps X            AdamW epsilon (default %g)\n"
+        "      --grad-clip X      global gradient-norm clip, 0 = off (default %g)\n"
+        "\n"
+        "evaluation, output\n"
+        "  -v, --eval-every N     validation loss every N steps, 0 = only at the end (default %d)\n"
+        "      --eval-batches N   batches per validation pass (default %d)\n"
+        "  -o, --out DIR          write the trained model (model.safetensors + config.json) here\n"
+        "      --log FILE         JSON-lines log: one object per step and per evaluation\n"
+        "      --dump-state FILE  forward+backward on the first (unshuffled) batch, write the loss\n"
+        "                         and grad.<HF name> tensors as safetensors, exit\n"
+        "      --sample-tokens N  tokens generated at the end, 0 = none (default %d)\n"
+        "      --prompt TEXT      generation prompt (byte-level vocabularies; default: EOT)\n"
+        "\n"
+        "execution\n"
+        "      --device D         cpu | cuda | cpu:N | cuda:N (default cpu)\n"
+        "      --threads N        CPU threads, 0 = all (default %d)\n"
+        "  -h, --help             this text\n",
+        d.train, d.val, d.batch, d.seq, d.micro_batches, d.shuffle, d.seed, (double)d.init_std,
+        d.steps, (double)d.lr, lr_schedule_name(d.schedule), d.warmup, (double)d.min_lr_frac,
+        (double)d.decay_frac, (double)d.weight_decay, d.decay_embeddings, (double)d.beta1,
+        (double)d.beta2, (double)d.eps, (double)d.grad_clip, d.eval_every, d.eval_batches,
+        d.sample_tokens, d.threads);
+}
+
+// ----------------------------------------------------------------------------
+// value parsing
+
+static int bad(const char* flag, const char* value, const char* what) {
+    args_usage(stderr);
+    fprintf(stderr, "train_roundpipe: error: %s '%s': %s\n", flag, value, what);
+    return 2;
+}
+
+static int int_in(const char* flag, const char* v, int lo, int hi, int* out) {
+    int64_t x;
+    if (parse_int64(v, &x) != 0) return bad(flag, v, "expected an integer");
+    if (x < lo || x > hi) {
+        char what[96];
+        snprintf(what, sizeof what, "must be between %d and %d", lo, hi);
+        return bad(flag, v, what);
+    }
+    *out = (int)x;
+    return 0;
+}
+
+static int float_in(const char* flag, const char* v, double lo, double hi, int lo_open,
+                    float* out) {
+    double x;
+    if (parse_double(v, &x) != 0) return bad(flag, v, "expected a finite number");
+    if (x < lo || x > hi || (lo_open && x == lo)) {
+        char what[96];
+        snprintf(what, sizeof what, "must be in %s%g, %g]", lo_open ? "(" : "[", lo, hi);
+        return bad(flag, v, what);
+    }
+    *out = (float)x;
+    return 0;
+}
+
+static int parse_device(TrainArgs* a, const char* v) {
+    const char* colon = strchr(v, ':');
+    size_t kind_len = colon ? (size_t)(colon - v) : strlen(v);
+    if (kind_len == 3 && strncmp(v, "cpu", 3) == 0) a->device = DEVICE_CPU;
+    else if (kind_len == 4 && strncmp(v, "cuda", 4) == 0) a->device = DEVICE_CUDA;
+    else return bad("--device", v, "expected cpu, cuda, cpu:N or cuda:N");
+    a->n_devices = 0;
+    if (colon) {
+        int64_t n;
+        if (parse_int64(colon + 1, &n) != 0 || n < 1 || n > 64)
+            return bad("--device", v, "N must be an integer between 1 and 64");
+        a->n_devices = (int)n;
+    }
+    return 0;
+}
+
+enum {
+    OPT_SHUFFLE = 1000, OPT_SEED, OPT_SCHEDULE, OPT_BETA1, OPT_BETA2, OPT_EPS, OPT_CLIP, OPT_LOG,
+    OPT_DEVICE, OPT_THREADS, OPT_DUMP, OPT_EVAL_BATCHES, OPT_SAMPLE, OPT_PROMPT, OPT_DECAY_FRAC,
+    OPT_DECAY_EMB, OPT_INIT_STD
+};
+
+int args_parse(TrainArgs* a, int argc, char** argv) {
+    static const struct option opts[] = {
+        {"model", required_argument, 0, 'e'},        {"train", required_argument, 0, 'i'},
+        {"val", required_argument, 0, 'j'},          {"batch", required_argument, 0, 'b'},
+        {"seq", required_argument, 0, 't'},          {"micro-batches", required_argument, 0, 'm'},
+        {"steps", required_argument, 0, 'x'},        {"lr", required_argument, 0, 'l'},
+        {"schedule", required_argument, 0, OPT_SCHEDULE},
+        {"warmup", required_argument, 0, 'u'},       {"min-lr-frac", required_argument, 0, 'q'},
+        {"decay-frac", required_argument, 0, OPT_DECAY_FRAC},
+        {"weight-decay", required_argument, 0, 'c'},
+        {"decay-embeddings", required_argument, 0, OPT_DECAY_EMB},
+        {"beta1", required_argument, 0, OPT_BETA1}, {"beta2", required_argument, 0, OPT_BETA2},
+        {"eps", required_argument, 0, OPT_EPS},      {"grad-clip", required_argument, 0, OPT_CLIP},
+        {"shuffle", required_argument, 0, OPT_SHUFFLE},
+        {"seed", required_argument, 0, OPT_SEED},    {"init-std", required_argument, 0, OPT_INIT_STD},
+        {"eval-every", required_argument, 0, 'v'},
+        {"eval-batches", required_argument, 0, OPT_EVAL_BATCHES},
+        {"out", required_argument, 0, 'o'},          {"log", required_argument, 0, OPT_LOG},
+        {"device", required_argument, 0, OPT_DEVICE},
+        {"threads", required_argument, 0, OPT_THREADS},
+        {"dump-state", required_argument, 0, OPT_DUMP},
+        {"sample-tokens", required_argument, 0, OPT_SAMPLE},
+        {"prompt", required_argument, 0, OPT_PROMPT},
+        {"help", no_argument, 0, 'h'},               {0, 0, 0, 0}};
+    optind = 1;
+    opterr = 0;
+    for (;;) {
+        int idx = 0;
+        int c = getopt_long(argc, argv, ":e:i:j:b:t:m:x:l:u:q:c:v:o:h", opts, &idx);
+        if (c == -1) break;
+        const char* v = optarg;
+        int rc = 0;
+        switch (c) {
+            case 'e': a->model = v; break;
+            case 'i': a->train = v; break;
+            case 'j': a->val = v; break;
+            case 'b': rc = int_in("--batch", v, 1, 1 << 20, &a->batch); break;
+            case 't': rc = int_in("--seq", v, 1, 1 << 24, &a->seq); break;
+            case 'm': rc = int_in("--micro-batches", v, 1, 1 << 20, &a->micro_batches); break;
+            case 'x': rc = int_in("--steps", v, 0, 1 << 30, &a->steps); break;
+            case 'l': rc = float_in("--lr", v, 0.0, 10.0, 1, &a->lr); break;
+            case OPT_SCHEDULE:
+                if (lr_schedule_parse(v, &a->schedule) != 0)
+                    rc = bad("--schedule", v, "expected constant, cosine, linear or wsd");
+                break;
+            case 'u': rc = int_in("--warmup", v, 0, 1 << 30, &a->warmup); break;
+            case 'q': rc = float_in("--min-lr-frac", v, 0.0, 1.0, 0, &a->min_lr_frac); break;
+            case OPT_DECAY_FRAC: rc = float_in("--decay-frac", v, 0.0, 1.0, 0, &a->decay_frac); break;
+            case 'c': rc = float_in("--weight-decay", v, 0.0, 10.0, 0, &a->weight_decay); break;
+            case OPT_DECAY_EMB: rc = int_in("--decay-embeddings", v, 0, 1, &a->decay_embeddings); break;
+            case OPT_BETA1: rc = float_in("--beta1", v, 0.0, 0.999999, 0, &a->beta1); break;
+            case OPT_BETA2: rc = float_in("--beta2", v, 0.0, 0.9999999, 0, &a->beta2); break;
+            case OPT_EPS: rc = float_in("--eps", v, 0.0, 1.0, 1, &a->eps); break;
+            case OPT_CLIP: rc = float_in("--grad-clip", v, 0.0, 1e9, 0, &a->grad_clip); break;
+            case OPT_SHUFFLE: rc = int_in("--shuffle", v, 0, 1, &a->shuffle); break;
+            case OPT_SEED: {
+                int64_t s;
+                if (parse_int64(v, &s) != 0 || s < 0 || s > 0xffffffffll)
+                    rc = bad("--seed", v, "expected an integer in [0, 4294967295]");
+                else a->seed = (uint32_t)s;
+                break;
+            }
+            case OPT_INIT_STD: rc = float_in("--init-std", v, 0.0, 10.0, 1, &a->init_std); break;
+            case 'v': rc = int_in("--eval-every", v, 0, 1 << 30, &a->eval_every); break;
+            case OPT_EVAL_BATCHES: rc = int_in("--eval-batches", v, 1, 1 << 20, &a->eval_batches); break;
+            case 'o': a->out = v; break;
+            case OPT_LOG: a->log = v; break;
+            case OPT_DEVICE: rc = parse_device(a, v); break;
+            case OPT_THREADS: rc = int_in("--threads", v, 0, 4096, &a->threads); break;
+            case OPT_DUMP: a->dump_state = v; break;
+            case OPT_SAMPLE: rc = int_in("--sample-tokens", v, 0, 1 << 20, &a->sample_tokens); break;
+            case OPT_PROMPT: a->prompt = v; break;
+            case 'h': args_usage(stdout); return 1;
+            case ':': {
+                const char* flag = argv[optind - 1];
+                args_usage(stderr);
+                fprintf(stderr, "train_roundpipe: error: %s needs a value\n", flag);
+                return 2;
+            }
+            default: {
+                const char* flag = argv[optind - 1];
+                args_usage(stderr);
+                fprintf(stderr, "train_roundpipe: error: unknown flag '%s'\n", flag);
+                return 2;
+            }
+        }
+        if (rc) return rc;
+    }
+    if (optind < argc) {
+        args_usage(stderr);
+        fprintf(stderr, "train_roundpipe: error: unexpected argument '%s'\n", argv[optind]);
+        return 2;
+    }
+    // cross-flag checks
+    if (a->batch % a->micro_batches != 0) {
+        char v[64];
+        snprintf(v, sizeof v, "%d", a->micro_batches);
+        char what[128];
+        snprintf(what, sizeof what, "--batch %d must be divisible by the number of micro-batches",
+                 a->batch);
+        return bad("--micro-batches", v, what);
+    }
+    if (!*a->model) return bad("--model", a->model, "must not be empty");
+    if (!*a->train) return bad("--train", a->train, "must not be empty");
+    return 0;
+}

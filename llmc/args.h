@@ -1,0 +1,54 @@
+/*
+ * args.h — command-line flags of ./train_roundpipe: one struct with every option and its default,
+ * getopt_long parsing with validation, and the --help text (which documents every flag).
+ */
+#ifndef LLMC_ARGS_H
+#define LLMC_ARGS_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "adamw.h"
+
+typedef enum { DEVICE_CPU = 0, DEVICE_CUDA } DeviceKind;
+
+typedef struct TrainArgs {
+    const char* model;       // preset | HF dir | config.json | .safetensors
+    const char* train;       // shard glob
+    const char* val;         // shard glob ("" = no validation)
+    int batch;               // B: sequences per optimizer step
+    int seq;                 // T: tokens per sequence
+    int micro_batches;       // M: the batch is split into M micro-batches of B/M sequences
+    int steps;
+    float lr;
+    LrScheduleType schedule;
+    int warmup;
+    float min_lr_frac;
+    float decay_frac;        // wsd: fraction of the post-warmup steps spent decaying
+    float weight_decay;
+    int decay_embeddings;
+    float beta1, beta2, eps;
+    float grad_clip;         // 0 = off
+    int shuffle;
+    uint32_t seed;
+    int eval_every;          // 0 = only at the end
+    int eval_batches;
+    const char* out;         // directory for the final model ("" = none)
+    const char* log;         // JSON-lines log file ("" = none)
+    DeviceKind device;
+    int n_devices;           // cpu:N / cuda:N (0 = plain, no engine)
+    int threads;             // 0 = all CPUs
+    const char* dump_state;  // safetensors path ("" = train normally)
+    int sample_tokens;       // tokens generated at the end (0 = none)
+    const char* prompt;      // generation prompt (byte-level vocabularies)
+    float init_std;
+} TrainArgs;
+
+// Defaults: the built-in tiny model on the shipped corpus.
+void args_defaults(TrainArgs* a);
+// Parse argv. On a bad flag or value: prints the usage and a one-line error to stderr and returns
+// 2 (the exit status). --help prints the usage to stdout and returns 1 (exit 0). Otherwise 0.
+int args_parse(TrainArgs* a, int argc, char** argv);
+void args_usage(FILE* f);
+
+#endif  // LLMC_ARGS_H

@@ -1,0 +1,317 @@
+/*
+ * common.c — checked wrappers, error reporting, files, time, number parsing, float conversions.
+ */
+#include "common.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+// ----------------------------------------------------------------------------
+// fatal errors
+
+void fatal(const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fflush(stdout);
+    fprintf(stderr, "train_roundpipe: error: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+    exit(1);
+}
+
+void fatal_at(const char* file, int line, const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fflush(stdout);
+    fprintf(stderr, "train_roundpipe: error at %s:%d: ", file, line);
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+    exit(1);
+}
+
+int errorf(char* err, const char* fmt, ...) {
+    if (err) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, ERR_LEN, fmt, ap);
+        va_end(ap);
+    }
+    return -1;
+}
+
+// ----------------------------------------------------------------------------
+// checked wrappers
+
+void* malloc_check_at(size_t size, const char* file, int line) {
+    void* p = malloc(size ? size : 1);
+    if (!p) fatal_at(file, line, "out of host memory allocating %zu bytes", size);
+    return p;
+}
+
+void* calloc_check_at(size_t n, size_t size, const char* file, int line) {
+    void* p = calloc(n ? n : 1, size ? size : 1);
+    if (!p) fatal_at(file, line, "out of host memory allocating %zu x %zu bytes", n, size);
+    return p;
+}
+
+void* realloc_check_at(void* p, size_t size, const char* file, int line) {
+    void* q = realloc(p, size ? size : 1);
+    if (!q) fatal_at(file, line, "out of host memory reallocating to %zu bytes", size);
+    return q;
+}
+
+void* aligned_alloc_check_at(size_t size, const char* file, int line) {
+    void* p = NULL;
+    if (posix_memalign(&p, 64, size ? size : 64) != 0 || !p)
+        fatal_at(file, line, "out of host memory allocating %zu aligned bytes", size);
+    return p;
+}
+
+FILE* fopen_check_at(const char* path, const char* mode, const char* file, int line) {
+    FILE* f = fopen(path, mode);
+    if (!f) fatal_at(file, line, "cannot open '%s' (mode %s): %s", path, mode, strerror(errno));
+    return f;
+}
+
+void fread_check_at(void* p, size_t size, size_t n, FILE* f, const char* path, const char* file,
+                    int line) {
+    size_t got = fread(p, size, n, f);
+    if (got != n) {
+        fatal_at(file, line, "%s: short read (%zu of %zu items): %s", path, got, n,
+                 feof(f) ? "unexpected end of file" : strerror(errno));
+    }
+}
+
+void fwrite_check_at(const void* p, size_t size, size_t n, FILE* f, const char* path,
+                     const char* file, int line) {
+    if (fwrite(p, size, n, f) != n) fatal_at(file, line, "%s: write failed: %s", path, strerror(errno));
+}
+
+void fclose_check_at(FILE* f, const char* path, const char* file, int line) {
+    if (fclose(f) != 0) fatal_at(file, line, "%s: close failed: %s", path, strerror(errno));
+}
+
+// ----------------------------------------------------------------------------
+// whole files
+
+char* file_read_all(const char* path, size_t max_bytes, size_t* out_len, char* err) {
+    FILE* f = fopen(path, "rb");
+    if (!f) {
+        errorf(err, "%s: cannot open: %s", path, strerror(errno));
+        return NULL;
+    }
+    if (fseeko(f, 0, SEEK_END) != 0) {
+        fclose(f);
+        errorf(err, "%s: cannot seek: %s", path, strerror(errno));
+        return NULL;
+    }
+    off_t size = ftello(f);
+    if (size < 0 || (uint64_t)size > max_bytes) {
+        fclose(f);
+        errorf(err, "%s: file size %lld exceeds the limit of %zu bytes", path, (long long)size,
+               max_bytes);
+        return NULL;
+    }
+    rewind(f);
+    char* buf = malloc_check((size_t)size + 1);
+    if (size > 0 && fread(buf, 1, (size_t)size, f) != (size_t)size) {
+        fclose(f);
+        free(buf);
+        errorf(err, "%s: short read", path);
+        return NULL;
+    }
+    fclose(f);
+    buf[size] = '\0';
+    if (out_len) *out_len = (size_t)size;
+    return buf;
+}
+
+int file_write_atomic(const char* path, const void* data, size_t len, char* err) {
+    char tmp[4096];
+    if (snprintf(tmp, sizeof tmp, "%s.tmp", path) >= (int)sizeof tmp)
+        return errorf(err, "%s: path too long", path);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0) return errorf(err, "%s: cannot create: %s", tmp, strerror(errno));
+    const char* p = data;
+    size_t left = len;
+    while (left > 0) {
+        ssize_t w = write(fd, p, left);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            close(fd);
+            unlink(tmp);
+            return errorf(err, "%s: write failed: %s", tmp, strerror(errno));
+        }
+        p += w;
+        left -= (size_t)w;
+    }
+    if (fsync(fd) != 0 || close(fd) != 0) {
+        unlink(tmp);
+        return errorf(err, "%s: fsync/close failed: %s", tmp, strerror(errno));
+    }
+    if (rename(tmp, path) != 0) {
+        unlink(tmp);
+        return errorf(err, "%s: rename failed: %s", path, strerror(errno));
+    }
+    return 0;
+}
+
+int file_exists(const char* path) {
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISREG(st.st_mode);
+}
+
+int dir_exists(const char* path) {
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+int mkdir_p(const char* path, char* err) {
+    char buf[4096];
+    if (strlen(path) >= sizeof buf) return errorf(err, "%s: path too long", path);
+    str_copy(buf, sizeof buf, path);
+    for (char* p = buf + 1; *p; p++) {
+        if (*p == '/') {
+            *p = '\0';
+            if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+                return errorf(err, "%s: cannot create directory: %s", buf, strerror(errno));
+            *p = '/';
+        }
+    }
+    if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+        return errorf(err, "%s: cannot create directory: %s", buf, strerror(errno));
+    if (!dir_exists(buf)) return errorf(err, "%s: exists and is not a directory", buf);
+    return 0;
+}
+
+// ----------------------------------------------------------------------------
+// time, numbers, strings
+
+double time_now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+int parse_int64(const char* s, int64_t* out) {
+    if (!s || !*s) return -1;
+    errno = 0;
+    char* end = NULL;
+    long long v = strtoll(s, &end, 10);
+    if (errno != 0 || end == s || *end != '\0') return -1;
+    *out = (int64_t)v;
+    return 0;
+}
+
+int parse_double(const char* s, double* out) {
+    if (!s || !*s) return -1;
+    errno = 0;
+    char* end = NULL;
+    double v = strtod(s, &end);
+    if (errno != 0 || end == s || *end != '\0' || !isfinite(v)) return -1;
+    *out = v;
+    return 0;
+}
+
+void str_copy(char* dst, size_t cap, const char* src) {
+    if (cap == 0) return;
+    size_t n = strlen(src);
+    if (n >= cap) n = cap - 1;
+    memcpy(dst, src, n);
+    dst[n] = '\0';
+}
+
+int str_ends_with(const char* s, const char* suffix) {
+    size_t a = strlen(s), b = strlen(suffix);
+    return a >= b && memcmp(s + a - b, suffix, b) == 0;
+}
+
+int size_mul(size_t a, size_t b, size_t* out) {
+    if (a != 0 && b > SIZE_MAX / a) return -1;
+    *out = a * b;
+    return 0;
+}
+
+int size_add(size_t a, size_t b, size_t* out) {
+    if (a > SIZE_MAX - b) return -1;
+    *out = a + b;
+    return 0;
+}
+
+// ----------------------------------------------------------------------------
+// float conversions
+
+float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // quiet NaN
+    uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+    return (uint16_t)((u + rounding) >> 16);
+}
+
+float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    uint32_t u;
+    if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else {  // subnormal: normalise
+            int e = -1;
+            do {
+                e++;
+                man <<= 1;
+            } while ((man & 0x400u) == 0);
+            u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else {
+        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+uint16_t f32_to_f16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t sign = (u >> 16) & 0x8000u;
+    int32_t exp = (int32_t)((u >> 23) & 0xffu);
+    uint32_t man = u & 0x7fffffu;
+    if (exp == 255) return (uint16_t)(sign | 0x7c00u | (man ? 0x200u : 0));  // inf / nan
+    int32_t e = exp - 127 + 15;
+    if (e >= 31) return (uint16_t)(sign | 0x7c00u);  // overflow -> inf
+    if (e <= 0) {                                    // subnormal or zero
+        if (e < -10) return (uint16_t)sign;
+        man |= 0x800000u;
+        uint32_t shift = (uint32_t)(14 - e);
+        uint32_t half = 1u << (shift - 1);
+        uint32_t rest = man & ((1u << shift) - 1);
+        uint32_t r = man >> shift;
+        if (rest > half || (rest == half && (r & 1u))) r++;
+        return (uint16_t)(sign | r);
+    }
+    uint32_t r = ((uint32_t)e << 10) | (man >> 13);
+    uint32_t rest = man & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (r & 1u))) r++;  // may carry into exponent: fine
+    return (uint16_t)(sign | r);
+}

@@ -1,0 +1,536 @@
+/*
+ * config.c — presets, HF config.json parsing (legacy and transformers-5 RoPE spellings),
+ * validation, RoPE frequencies (default, llama3, yarn) and parameter/FLOP counts.
+ */
+#include "config.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+#include "json.h"
+
+const char* const family_names[FAMILY_COUNT] = {"llama", "qwen3", "qwen3moe", "gptoss"};
+
+// ----------------------------------------------------------------------------
+// presets
+
+typedef struct Preset {
+    const char* name;
+    ModelFamily family;
+    int V, C, L, H, KVH, HD, F;
+    float eps;
+    int tied;
+    double theta;
+    RopeType rope;
+    double factor;  // llama3 scaling factor (0 when unused)
+    int orig_max;   // llama3 original_max_position_embeddings
+    int max_pos;
+    int bos, eos;
+} Preset;
+
+// Hub configurations (FORMATS_AND_MODELS.md §6) and small models for tests and the default run.
+static const Preset presets[] = {
+    {"qwen3-0.6b", FAMILY_QWEN3, 151936, 1024, 28, 16, 8, 128, 3072, 1e-6f, 1, 1e6, ROPE_DEFAULT, 0, 0, 40960, 151643, 151645},
+    {"qwen3-1.7b", FAMILY_QWEN3, 151936, 2048, 28, 16, 8, 128, 6144, 1e-6f, 1, 1e6, ROPE_DEFAULT, 0, 0, 40960, 151643, 151645},
+    {"qwen3-8b", FAMILY_QWEN3, 151936, 4096, 36, 32, 8, 128, 12288, 1e-6f, 0, 1e6, ROPE_DEFAULT, 0, 0, 40960, 151643, 151645},
+    {"qwen3-32b", FAMILY_QWEN3, 151936, 5120, 64, 64, 8, 128, 25600, 1e-6f, 0, 1e6, ROPE_DEFAULT, 0, 0, 40960, 151643, 151645},
+    {"llama3.2-1b", FAMILY_LLAMA, 128256, 2048, 16, 32, 8, 64, 8192, 1e-5f, 1, 5e5, ROPE_LLAMA3, 32.0, 8192, 131072, 128000, 128001},
+    {"llama3.1-8b", FAMILY_LLAMA, 128256, 4096, 32, 32, 8, 128, 14336, 1e-5f, 0, 5e5, ROPE_LLAMA3, 8.0, 8192, 131072, 128000, 128001},
+    // The default model: byte-level vocabulary (the shipped arithmetic corpus), Qwen3-style.
+    {"tiny", FAMILY_QWEN3, 256, 128, 4, 4, 2, 32, 384, 1e-6f, 1, 1e4, ROPE_DEFAULT, 0, 0, 1024, 0, 0},
+    // Small test models: GQA, llama3 scaling, untied head; Qwen3 with HD != C/H, tied.
+    {"test-llama", FAMILY_LLAMA, 96, 48, 2, 4, 2, 12, 80, 1e-5f, 0, 5e5, ROPE_LLAMA3, 8.0, 32, 512, 1, 2},
+    {"test-qwen3", FAMILY_QWEN3, 96, 48, 2, 4, 1, 16, 64, 1e-6f, 1, 1e6, ROPE_DEFAULT, 0, 0, 512, 1, 2},
+};
+
+static const char* const preset_name_list[] = {"qwen3-0.6b", "qwen3-1.7b", "qwen3-8b", "qwen3-32b",
+                                               "llama3.2-1b", "llama3.1-8b", "tiny", "test-llama",
+                                               "test-qwen3", NULL};
+
+const char* const* config_preset_names(void) { return preset_name_list; }
+
+static void config_defaults(ModelConfig* c) {
+    memset(c, 0, sizeof *c);
+    c->rope_factor = 1.0;
+    c->rope_low_freq_factor = 1.0;
+    c->rope_high_freq_factor = 4.0;
+    c->yarn_beta_fast = 32.0;
+    c->yarn_beta_slow = 1.0;
+    c->bos_id = -1;
+    c->eos_id = -1;
+}
+
+int config_from_preset(ModelConfig* cfg, const char* name, char* err) {
+    for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++) {
+        const Preset* p = &presets[i];
+        if (strcmp(p->name, name) != 0) continue;
+        config_defaults(cfg);
+        str_copy(cfg->name, sizeof cfg->name, p->name);
+        cfg->family = p->family;
+        cfg->V = p->V;
+        cfg->C = p->C;
+        cfg->L = p->L;
+        cfg->H = p->H;
+        cfg->KVH = p->KVH;
+        cfg->HD = p->HD;
+        cfg->F = p->F;
+        cfg->norm_eps = p->eps;
+        cfg->tied_embeddings = p->tied;
+        cfg->qk_norm = p->family == FAMILY_QWEN3;
+        cfg->rope_theta = p->theta;
+        cfg->rope_type = p->rope;
+        if (p->rope == ROPE_LLAMA3) {
+            cfg->rope_factor = p->factor;
+            cfg->rope_low_freq_factor = 1.0;
+            cfg->rope_high_freq_factor = 4.0;
+            cfg->rope_original_max_pos = p->orig_max;
+        }
+        cfg->max_pos = p->max_pos;
+        cfg->bos_id = p->bos;
+        cfg->eos_id = p->eos;
+        return config_validate(cfg, err);
+    }
+    char list[512] = "";
+    for (int i = 0; preset_name_list[i]; i++) {
+        if (i) strncat(list, ", ", sizeof list - strlen(list) - 1);
+        strncat(list, preset_name_list[i], sizeof list - strlen(list) - 1);
+    }
+    return errorf(err, "unknown model preset '%s' (presets: %s; or give an HF directory, a "
+                       "config.json or a .safetensors file)", name, list);
+}
+
+// ----------------------------------------------------------------------------
+// HF config.json
+
+// Required positive int field.
+static int get_pos_int(const JsonValue* o, const char* key, int* out, const char* path, char* err) {
+    int64_t v;
+    int r = json_get_int(o, key, &v);
+    if (r == 0) return errorf(err, "%s: missing field '%s'", path, key);
+    if (r < 0 || v <= 0 || v > (1 << 30))
+        return errorf(err, "%s: field '%s' must be a positive integer", path, key);
+    *out = (int)v;
+    return 0;
+}
+
+// Optional positive int field (keeps *out when absent or null).
+static int get_opt_int(const JsonValue* o, const char* key, int* out, const char* path, char* err) {
+    int64_t v;
+    int r = json_get_int(o, key, &v);
+    if (r == 0) return 0;
+    if (r < 0 || v < 0 || v > (1 << 30))
+        return errorf(err, "%s: field '%s' must be a non-negative integer", path, key);
+    *out = (int)v;
+    return 0;
+}
+
+static int get_opt_double(const JsonValue* o, const char* key, double* out, const char* path,
+                          char* err) {
+    double v;
+    int r = json_get_double(o, key, &v);
+    if (r == 0) return 0;
+    if (r < 0 || !isfinite(v)) return errorf(err, "%s: field '%s' must be a number", path, key);
+    *out = v;
+    return 0;
+}
+
+static int get_opt_bool(const JsonValue* o, const char* key, int* out, const char* path, char* err) {
+    int v;
+    int r = json_get_bool(o, key, &v);
+    if (r == 0) return 0;
+    if (r < 0) return errorf(err, "%s: field '%s' must be true or false", path, key);
+    *out = v;
+    return 0;
+}
+
+// bos/eos may be an int, a list of ints (take the first) or null.
+static int get_token_id(const JsonValue* o, const char* key, int* out, const char* path, char* err) {
+    const JsonValue* v = json_get(o, key);
+    if (!v || v->type == JSON_NULL) return 0;
+    if (v->type == JSON_ARRAY) {
+        if (v->n == 0) return 0;
+        v = &v->items[0];
+    }
+    if (v->type != JSON_NUMBER || !v->is_integer || v->integer < 0 || v->integer > (1 << 30))
+        return errorf(err, "%s: field '%s' must be a token id or a list of token ids", path, key);
+    *out = (int)v->integer;
+    return 0;
+}
+
+// RoPE: accept rope_parameters (transformers 5, possibly nested per layer type) or the legacy
+// rope_theta + rope_scaling (FORMATS_AND_MODELS.md §3.2).
+static int parse_rope(ModelConfig* c, const JsonValue* root, const char* path, char* err) {
+    const JsonValue* rp = json_get(root, "rope_parameters");
+    if (rp && rp->type == JSON_NULL) rp = NULL;
+    if (rp && rp->type != JSON_OBJECT)
+        return errorf(err, "%s: field 'rope_parameters' must be an object", path);
+    const JsonValue* scal = NULL;
+    if (rp) {
+        const JsonValue* full = json_get(rp, "full_attention");
+        if (full) {
+            if (full->type != JSON_OBJECT)
+                return errorf(err, "%s: 'rope_parameters.full_attention' must be an object", path);
+            // other layer types must agree on theta and type for dense families
+            for (size_t i = 0; i < rp->n; i++) {
+                const JsonValue* other = &rp->items[i];
+                if (other->type != JSON_OBJECT) continue;
+                double t1 = 0, t2 = 0;
+                const char *s1 = "default", *s2 = "default";
+                json_get_double(full, "rope_theta", &t1);
+                json_get_double(other, "rope_theta", &t2);
+                json_get_string(full, "rope_type", &s1);
+                json_get_string(other, "rope_type", &s2);
+                if (t1 != t2 || strcmp(s1, s2) != 0)
+                    return errorf(err, "%s: rope_parameters.%s differs from full_attention (per "
+                                       "layer-type RoPE is not supported for this family)",
+                                  path, rp->keys[i]);
+            }
+            rp = full;
+        }
+        if (json_get_double(rp, "rope_theta", &c->rope_theta) != 1)
+            return errorf(err, "%s: 'rope_parameters.rope_theta' missing or not a number", path);
+        scal = rp;
+    } else {
+        c->rope_theta = 10000.0;  // the transformers default when the field is absent
+        if (json_get_double(root, "rope_theta", &c->rope_theta) < 0)
+            return errorf(err, "%s: field 'rope_theta' must be a number", path);
+        scal = json_get(root, "rope_scaling");
+        if (scal && scal->type == JSON_NULL) scal = NULL;
+        if (scal && scal->type != JSON_OBJECT)
+            return errorf(err, "%s: field 'rope_scaling' must be an object or null", path);
+    }
+    if (!(c->rope_theta > 1.0) || !isfinite(c->rope_theta))
+        return errorf(err, "%s: rope_theta must be > 1 (got %g)", path, c->rope_theta);
+    const char* type = "default";
+    if (scal) {
+        const char* t = NULL;
+        if (json_get_string(scal, "rope_type", &t) == 1 || json_get_string(scal, "type", &t) == 1)
+            type = t;
+    }
+    if (strcmp(type, "default") == 0) {
+        c->rope_type = ROPE_DEFAULT;
+    } else if (strcmp(type, "llama3") == 0) {
+        c->rope_type = ROPE_LLAMA3;
+        double orig = 0;
+        if (json_get_double(scal, "factor", &c->rope_factor) != 1 ||
+            json_get_double(scal, "low_freq_factor", &c->rope_low_freq_factor) != 1 ||
+            json_get_double(scal, "high_freq_factor", &c->rope_high_freq_factor) != 1 ||
+            json_get_double(scal, "original_max_position_embeddings", &orig) != 1)
+            return errorf(err, "%s: llama3 RoPE scaling needs factor, low_freq_factor, "
+                               "high_freq_factor and original_max_position_embeddings", path);
+        if (!(c->rope_factor > 0) || !(c->rope_high_freq_factor > c->rope_low_freq_factor) ||
+            !(c->rope_low_freq_factor > 0) || !(orig >= 1 && orig < 1e9))
+            return errorf(err, "%s: llama3 RoPE scaling parameters out of range", path);
+        c->rope_original_max_pos = (int)orig;
+    } else if (strcmp(type, "yarn") == 0) {
+        c->rope_type = ROPE_YARN;
+        double orig = 0;
+        if (json_get_double(scal, "factor", &c->rope_factor) != 1 ||
+            json_get_double(scal, "original_max_position_embeddings", &orig) != 1)
+            return errorf(err, "%s: yarn RoPE scaling needs factor and "
+                               "original_max_position_embeddings", path);
+        if (get_opt_double(scal, "beta_fast", &c->yarn_beta_fast, path, err) ||
+            get_opt_double(scal, "beta_slow", &c->yarn_beta_slow, path, err) ||
+            get_opt_bool(scal, "truncate", &c->yarn_truncate, path, err))
+            return -1;
+        if (!(c->rope_factor >= 1) || !(orig >= 1 && orig < 1e9))
+            return errorf(err, "%s: yarn RoPE scaling parameters out of range", path);
+        c->rope_original_max_pos = (int)orig;
+    } else {
+        return errorf(err, "%s: unsupported rope_type '%s' (supported: default, llama3, yarn)",
+                      path, type);
+    }
+    return 0;
+}
+
+int config_from_hf_json(ModelConfig* cfg, const char* path, char* err) {
+    char ferr[ERR_LEN];
+    size_t len = 0;
+    char* text = file_read_all(path, 16u << 20, &len, ferr);
+    if (!text) return errorf(err, "%s", ferr);
+    JsonDoc doc;
+    if (json_parse(text, len, &doc, ferr) != 0) {
+        free(text);
+        return errorf(err, "%s: invalid JSON %s", path, ferr);
+    }
+    free(text);
+    const JsonValue* o = &doc.root;
+    int rc = -1;
+    ModelConfig c;
+    config_defaults(&c);
+    if (o->type != JSON_OBJECT) {
+        errorf(err, "%s: top level must be a JSON object", path);
+        goto done;
+    }
+
+    // family from model_type (fall back to architectures[0])
+    const char* mt = NULL;
+    if (json_get_string(o, "model_type", &mt) != 1) {
+        const JsonValue* arch = json_get(o, "architectures");
+        if (arch && arch->type == JSON_ARRAY && arch->n > 0 && arch->items[0].type == JSON_STRING) {
+            const char* a = arch->items[0].str;
+            mt = strcmp(a, "LlamaForCausalLM") == 0      ? "llama"
+                 : strcmp(a, "Qwen3ForCausalLM") == 0    ? "qwen3"
+                 : strcmp(a, "Qwen3MoeForCausalLM") == 0 ? "qwen3_moe"
+                 : strcmp(a, "GptOssForCausalLM") == 0   ? "gpt_oss"
+                                                         : a;
+        }
+    }
+    if (!mt) {
+        errorf(err, "%s: missing field 'model_type'", path);
+        goto done;
+    }
+    if (strcmp(mt, "llama") == 0) c.family = FAMILY_LLAMA;
+    else if (strcmp(mt, "qwen3") == 0) c.family = FAMILY_QWEN3;
+    else if (strcmp(mt, "qwen3_moe") == 0) c.family = FAMILY_QWEN3MOE;
+    else if (strcmp(mt, "gpt_oss") == 0) c.family = FAMILY_GPTOSS;
+    else {
+        errorf(err, "%s: unsupported model_type '%s' (supported: llama, qwen3, qwen3_moe, gpt_oss)",
+               path, mt);
+        goto done;
+    }
+
+    if (get_pos_int(o, "vocab_size", &c.V, path, err) ||
+        get_pos_int(o, "hidden_size", &c.C, path, err) ||
+        get_pos_int(o, "num_hidden_layers", &c.L, path, err) ||
+        get_pos_int(o, "num_attention_heads", &c.H, path, err))
+        goto done;
+    if (c.family != FAMILY_GPTOSS || json_get(o, "intermediate_size"))
+        if (get_pos_int(o, "intermediate_size", &c.F, path, err)) goto done;
+    c.KVH = c.H;
+    if (get_opt_int(o, "num_key_value_heads", &c.KVH, path, err)) goto done;
+    c.HD = c.C / c.H;
+    if (get_opt_int(o, "head_dim", &c.HD, path, err)) goto done;
+    double eps = 1e-6;
+    if (get_opt_double(o, "rms_norm_eps", &eps, path, err)) goto done;
+    if (!(eps > 0 && eps < 1)) {
+        errorf(err, "%s: field 'rms_norm_eps' must be in (0, 1)", path);
+        goto done;
+    }
+    c.norm_eps = (float)eps;
+    c.tied_embeddings = 0;  // LlamaConfig, Qwen3Config, ... default
+    if (get_opt_bool(o, "tie_word_embeddings", &c.tied_embeddings, path, err)) goto done;
+    if (get_opt_bool(o, "attention_bias", &c.attention_bias, path, err)) goto done;
+    c.max_pos = 2048;
+    if (get_opt_int(o, "max_position_embeddings", &c.max_pos, path, err)) goto done;
+    if (get_token_id(o, "bos_token_id", &c.bos_id, path, err) ||
+        get_token_id(o, "eos_token_id", &c.eos_id, path, err))
+        goto done;
+    const char* act = NULL;
+    if (json_get_string(o, "hidden_act", &act) == 1 && strcmp(act, "silu") != 0) {
+        errorf(err, "%s: hidden_act '%s' is not supported (only silu)", path, act);
+        goto done;
+    }
+    int mlp_bias = 0;
+    if (get_opt_bool(o, "mlp_bias", &mlp_bias, path, err)) goto done;
+    if (mlp_bias) {
+        errorf(err, "%s: mlp_bias true is not supported", path);
+        goto done;
+    }
+    c.qk_norm = c.family == FAMILY_QWEN3 || c.family == FAMILY_QWEN3MOE;
+    if (c.family == FAMILY_QWEN3 || c.family == FAMILY_QWEN3MOE) {
+        int sw = 0;
+        if (get_opt_bool(o, "use_sliding_window", &sw, path, err)) goto done;
+        if (sw) {
+            errorf(err, "%s: use_sliding_window true is not supported for qwen3", path);
+            goto done;
+        }
+    }
+    if (c.family == FAMILY_QWEN3MOE) {
+        if (get_pos_int(o, "num_experts", &c.E, path, err) ||
+            get_pos_int(o, "num_experts_per_tok", &c.K, path, err) ||
+            get_pos_int(o, "moe_intermediate_size", &c.F_expert, path, err))
+            goto done;
+        c.decoder_sparse_step = 1;
+        if (get_opt_int(o, "decoder_sparse_step", &c.decoder_sparse_step, path, err) ||
+            get_opt_bool(o, "norm_topk_prob", &c.norm_topk_prob, path, err))
+            goto done;
+    }
+    if (c.family == FAMILY_GPTOSS) {
+        if (get_pos_int(o, "num_local_experts", &c.E, path, err)) goto done;
+        if (json_get(o, "num_experts_per_tok")) {
+            if (get_pos_int(o, "num_experts_per_tok", &c.K, path, err)) goto done;
+        } else if (get_pos_int(o, "experts_per_token", &c.K, path, err)) {
+            goto done;
+        }
+        c.F_expert = c.F;
+        if (get_opt_int(o, "sliding_window", &c.sliding_window, path, err)) goto done;
+        double lim = 7.0;
+        if (get_opt_double(o, "swiglu_limit", &lim, path, err)) goto done;
+        c.swiglu_limit = (float)lim;
+    }
+    if (parse_rope(&c, o, path, err)) goto done;
+
+    {
+        // name: the directory holding config.json
+        char tmp[1024];
+        str_copy(tmp, sizeof tmp, path);
+        char* slash = strrchr(tmp, '/');
+        if (slash) *slash = '\0';
+        char* base = strrchr(tmp, '/');
+        str_copy(c.name, sizeof c.name, slash ? (base ? base + 1 : tmp) : "hf-model");
+    }
+    char verr[ERR_LEN];
+    if (config_validate(&c, verr) != 0) {
+        errorf(err, "%s: %s", path, verr);
+        goto done;
+    }
+    *cfg = c;
+    rc = 0;
+done:
+    json_free(&doc);
+    return rc;
+}
+
+// ----------------------------------------------------------------------------
+// validation
+
+int config_validate(const ModelConfig* c, char* err) {
+    if (c->family < 0 || c->family >= FAMILY_COUNT) return errorf(err, "unknown model family");
+    if (c->V <= 0 || c->C <= 0 || c->L <= 0 || c->H <= 0 || c->KVH <= 0 || c->HD <= 0)
+        return errorf(err, "model sizes must be positive (V=%d C=%d L=%d H=%d KVH=%d HD=%d)", c->V,
+                      c->C, c->L, c->H, c->KVH, c->HD);
+    if (c->L > CONFIG_MAX_LAYERS)
+        return errorf(err, "num_hidden_layers %d exceeds the limit of %d", c->L, CONFIG_MAX_LAYERS);
+    if (c->H % c->KVH != 0)
+        return errorf(err, "num_attention_heads %d is not a multiple of num_key_value_heads %d",
+                      c->H, c->KVH);
+    if (c->HD % 2 != 0) return errorf(err, "head_dim %d must be even for RoPE", c->HD);
+    if ((int64_t)c->H * c->HD > (1 << 20) || (int64_t)c->V * c->C > ((int64_t)1 << 36))
+        return errorf(err, "model dimensions are implausibly large");
+    if (!(c->norm_eps > 0)) return errorf(err, "rms_norm_eps must be positive");
+    if (c->family == FAMILY_QWEN3MOE || c->family == FAMILY_GPTOSS)
+        return errorf(err, "model family %s is recognised, but its mixture-of-experts math is not "
+                           "implemented yet (supported: llama, qwen3)", family_names[c->family]);
+    if (c->F <= 0) return errorf(err, "intermediate_size must be positive");
+    if (c->attention_bias) return errorf(err, "attention_bias is not supported for family %s",
+                                         family_names[c->family]);
+    if (c->bos_id >= c->V || c->eos_id >= c->V)
+        return errorf(err, "bos/eos token id out of the vocabulary (V=%d)", c->V);
+    return 0;
+}
+
+// ----------------------------------------------------------------------------
+// RoPE frequencies (transformers modeling_rope_utils, in fp32)
+
+float config_rope_inv_freq(const ModelConfig* c, float* inv) {
+    const int half = c->HD / 2;
+    const float base = (float)c->rope_theta;
+    for (int i = 0; i < half; i++) {
+        float e = (float)(2 * i) / (float)c->HD;
+        inv[i] = 1.0f / powf(base, e);
+    }
+    float attn_scale = 1.0f;
+    if (c->rope_type == ROPE_LLAMA3) {
+        const float factor = (float)c->rope_factor;
+        const float lf = (float)c->rope_low_freq_factor, hf = (float)c->rope_high_freq_factor;
+        const float old_ctx = (float)c->rope_original_max_pos;
+        const float low_wavelen = old_ctx / lf, high_wavelen = old_ctx / hf;
+        for (int i = 0; i < half; i++) {
+            float wavelen = (float)(2.0 * M_PI) / inv[i];
+            float scaled = wavelen > low_wavelen ? inv[i] / factor : inv[i];
+            if (!(wavelen < high_wavelen) && !(wavelen > low_wavelen)) {
+                float s = (old_ctx / wavelen - lf) / (hf - lf);
+                scaled = (1.0f - s) * scaled / factor + s * scaled;
+            }
+            inv[i] = scaled;
+        }
+    } else if (c->rope_type == ROPE_YARN) {
+        const double d = c->HD, b = c->rope_theta, L0 = c->rope_original_max_pos;
+        double low = d * log(L0 / (c->yarn_beta_fast * 2 * M_PI)) / (2 * log(b));
+        double high = d * log(L0 / (c->yarn_beta_slow * 2 * M_PI)) / (2 * log(b));
+        if (c->yarn_truncate) {
+            low = floor(low);
+            high = ceil(high);
+        }
+        if (low < 0) low = 0;
+        if (high > d - 1) high = d - 1;
+        if (low == high) high += 0.001;
+        const float factor = (float)c->rope_factor;
+        for (int i = 0; i < half; i++) {
+            float ramp = (float)(((double)i - low) / (high - low));
+            ramp = ramp < 0 ? 0 : (ramp > 1 ? 1 : ramp);
+            float extra_factor = 1.0f - ramp;
+            float pos_freq = 1.0f / inv[i];
+            float interp = 1.0f / (factor * pos_freq);
+            float extrap = 1.0f / pos_freq;
+            inv[i] = interp * (1.0f - extra_factor) + extrap * extra_factor;
+        }
+        attn_scale = (float)(0.1 * log(c->rope_factor) + 1.0);
+    }
+    return attn_scale;
+}
+
+// ----------------------------------------------------------------------------
+// counts
+
+static int64_t layer_matmul_params(const ModelConfig* c) {
+    int64_t C = c->C, qkv = (int64_t)(c->H + 2 * c->KVH) * c->HD, o = (int64_t)c->H * c->HD;
+    return C * qkv + o * C + 3 * C * (int64_t)c->F;
+}
+
+int64_t config_num_params(const ModelConfig* c) {
+    int64_t C = c->C, V = c->V;
+    int64_t per_layer = layer_matmul_params(c) + 2 * C + (c->qk_norm ? 2 * (int64_t)c->HD : 0);
+    return V * C + (int64_t)c->L * per_layer + C + (c->tied_embeddings ? 0 : V * C);
+}
+
+int64_t config_num_matmul_params(const ModelConfig* c) {
+    return (int64_t)c->L * layer_matmul_params(c) + (int64_t)c->V * c->C;
+}
+
+double config_flops_per_token(const ModelConfig* c, int T) {
+    return 6.0 * (double)config_num_matmul_params(c) + 6.0 * c->L * (double)T * c->H * c->HD;
+}
+
+// ----------------------------------------------------------------------------
+// printing and export
+
+void config_print(const ModelConfig* c) {
+    printf("model %s: family %s, V %d, C %d, L %d, H %d, KVH %d, HD %d, F %d, %s head\n", c->name,
+           family_names[c->family], c->V, c->C, c->L, c->H, c->KVH, c->HD, c->F,
+           c->tied_embeddings ? "tied" : "untied");
+    const char* rope = c->rope_type == ROPE_LLAMA3 ? "llama3" : c->rope_type == ROPE_YARN ? "yarn"
+                                                                                          : "default";
+    printf("  rope %s theta %g%s, norm eps %g, %.3f M parameters\n", rope, c->rope_theta,
+           c->qk_norm ? ", qk-norm" : "", (double)c->norm_eps,
+           (double)config_num_params(c) / 1e6);
+}
+
+char* config_to_hf_json(const ModelConfig* c) {
+    size_t cap = 4096;
+    char* s = malloc_check(cap);
+    const char* arch = c->family == FAMILY_LLAMA ? "LlamaForCausalLM" : "Qwen3ForCausalLM";
+    const char* mt = c->family == FAMILY_LLAMA ? "llama" : "qwen3";
+    // The legacy spelling (top-level rope_theta + rope_scaling): transformers 4 reads it and
+    // transformers 5 converts it to rope_parameters.
+    char rope[512];
+    if (c->rope_type == ROPE_LLAMA3) {
+        snprintf(rope, sizeof rope,
+                 "{\"rope_type\": \"llama3\", \"factor\": %.17g, "
+                 "\"low_freq_factor\": %.17g, \"high_freq_factor\": %.17g, "
+                 "\"original_max_position_embeddings\": %d}",
+                 c->rope_factor, c->rope_low_freq_factor, c->rope_high_freq_factor,
+                 c->rope_original_max_pos);
+    } else {
+        snprintf(rope, sizeof rope, "null");
+    }
+    char bos[32] = "null", eos[32] = "null";
+    if (c->bos_id >= 0) snprintf(bos, sizeof bos, "%d", c->bos_id);
+    if (c->eos_id >= 0) snprintf(eos, sizeof eos, "%d", c->eos_id);
+    snprintf(s, cap,
+             "{\n  \"architectures\": [\"%s\"],\n  \"model_type\": \"%s\",\n"
+             "  \"vocab_size\": %d,\n  \"hidden_size\": %d,\n  \"intermediate_size\": %d,\n"
+             "  \"num_hidden_layers\": %d,\n  \"num_attention_heads\": %d,\n"
+             "  \"num_key_value_heads\": %d,\n  \"head_dim\": %d,\n  \"rms_norm_eps\": %.9g,\n"
+             "  \"hidden_act\": \"silu\",\n  \"max_position_embeddings\": %d,\n"
+             "  \"tie_word_embeddings\": %s,\n  \"attention_bias\": false,\n"
+             "  \"bos_token_id\": %s,\n  \"eos_token_id\": %s,\n"
+             "  \"rope_theta\": %.17g,\n  \"rope_scaling\": %s,\n  \"dtype\": \"float32\"\n}\n",
+             arch, mt, c->V, c->C, c->F, c->L, c->H, c->KVH, c->HD, (double)c->norm_eps,
+             c->max_pos, c->tied_embeddings ? "true" : "false", bos, eos, c->rope_theta, rope);
+    return s;
+}

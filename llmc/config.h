@@ -1,0 +1,91 @@
+/*
+ * config.h — model configuration: families, built-in presets, HF config.json parsing.
+ *
+ * One ModelConfig describes every family the trainer knows. Dimension letters follow STYLE.md:
+ * V vocab, C model width, L layers, H query heads, KVH kv heads, HD head dim, F ffn width,
+ * E experts, K experts per token. Fields a family does not use stay zero.
+ */
+#ifndef LLMC_CONFIG_H
+#define LLMC_CONFIG_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum {
+    FAMILY_LLAMA = 0,  // LLaMA-3.x: RMSNorm, RoPE (optionally llama3-scaled), GQA, SwiGLU
+    FAMILY_QWEN3,      // Qwen3 dense: LLaMA + per-head RMSNorm of q and k before RoPE
+    FAMILY_QWEN3MOE,   // Qwen3-MoE: Qwen3 attention + routed SwiGLU experts (math: MoE issue)
+    FAMILY_GPTOSS,     // GPT-OSS: sinks, sliding windows, YaRN, biased clamped experts (MoE issue)
+    FAMILY_COUNT
+} ModelFamily;
+
+typedef enum { ROPE_DEFAULT = 0, ROPE_LLAMA3, ROPE_YARN } RopeType;
+
+#define CONFIG_MAX_LAYERS 1024
+
+typedef struct ModelConfig {
+    char name[64];  // preset name or the source path's basename
+    ModelFamily family;
+    int V;    // vocab size
+    int C;    // hidden size
+    int L;    // decoder layers
+    int H;    // query heads
+    int KVH;  // key/value heads (H % KVH == 0)
+    int HD;   // head dim (independent of C/H for Qwen3)
+    int F;    // dense MLP width (intermediate_size)
+    float norm_eps;
+    int tied_embeddings;  // LM head reuses the token embedding
+    int qk_norm;          // Qwen3: RMSNorm over HD on q and k before RoPE
+    int attention_bias;   // biases on q/k/v/o projections (GPT-OSS)
+    int max_pos;          // max_position_embeddings (informational; longer sequences warn)
+
+    // RoPE (half-split rotate_half convention for every family)
+    RopeType rope_type;
+    double rope_theta;
+    double rope_factor;           // llama3 / yarn scaling factor
+    double rope_low_freq_factor;  // llama3
+    double rope_high_freq_factor; // llama3
+    int rope_original_max_pos;    // llama3 / yarn original_max_position_embeddings
+    double yarn_beta_fast, yarn_beta_slow;
+    int yarn_truncate;
+
+    // MoE (Qwen3-MoE, GPT-OSS); unused by dense families
+    int E;                // experts
+    int K;                // experts per token
+    int F_expert;         // expert MLP width (moe_intermediate_size)
+    int norm_topk_prob;   // Qwen3-MoE
+    int decoder_sparse_step;
+    int sliding_window;   // GPT-OSS sliding attention window (0 = none)
+    float swiglu_limit;   // GPT-OSS clamp (7.0)
+
+    int bos_id, eos_id;  // -1 when unknown
+} ModelConfig;
+
+extern const char* const family_names[FAMILY_COUNT];  // "llama", "qwen3", "qwen3moe", "gptoss"
+
+// Fill from a built-in preset ("qwen3-1.7b", "llama3.1-8b", "tiny", ...). -1 + err if unknown.
+int config_from_preset(ModelConfig* cfg, const char* name, char* err);
+// Names of all presets, NULL-terminated (for --help and error hints).
+const char* const* config_preset_names(void);
+// Parse an HF config.json (both the legacy rope_theta/rope_scaling form and the transformers-5
+// rope_parameters form). Every field is validated; -1 + one line naming the file and field.
+int config_from_hf_json(ModelConfig* cfg, const char* path, char* err);
+// Check internal consistency (positive sizes, H % KVH, even HD, supported family...).
+int config_validate(const ModelConfig* cfg, char* err);
+// Write an HF-style config.json text for this config into a malloc'd string.
+char* config_to_hf_json(const ModelConfig* cfg);
+
+// RoPE inverse frequencies, HD/2 floats, after llama3/yarn scaling, computed the way
+// transformers does (fp32). Returns the attention scaling factor applied to cos/sin (1 unless yarn).
+float config_rope_inv_freq(const ModelConfig* cfg, float* inv_freq);
+
+// Parameter counts. n_mm counts matmul parameters per token (FLOP convention of
+// PERFORMANCE_MODEL.md; the LM head counts once even when tied).
+int64_t config_num_params(const ModelConfig* cfg);
+int64_t config_num_matmul_params(const ModelConfig* cfg);
+// Model FLOPs per trained token at sequence length T: 6*N_mm + 6*L*T*H*HD.
+double config_flops_per_token(const ModelConfig* cfg, int T);
+
+void config_print(const ModelConfig* cfg);
+
+#endif  // LLMC_CONFIG_H

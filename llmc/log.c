@@ -1,0 +1,58 @@
+/*
+ * log.c — console step lines and JSON-lines records.
+ */
+#include "log.h"
+
+#include <errno.h>
+#include <math.h>
+#include <string.h>
+
+#include "common.h"
+
+int log_open(StepLog* lg, const char* path, char* err) {
+    lg->f = NULL;
+    lg->path = path;
+    if (!path || !*path) return 0;
+    lg->f = fopen(path, "w");
+    if (!lg->f) return errorf(err, "--log %s: cannot open for writing: %s", path, strerror(errno));
+    return 0;
+}
+
+void log_close(StepLog* lg) {
+    if (lg->f) fclose_check(lg->f, lg->path);
+    lg->f = NULL;
+}
+
+// JSON has no NaN/Infinity: write null so every line stays valid JSON.
+static void json_num(FILE* f, const char* key, double v, int last) {
+    if (isfinite(v)) fprintf(f, "\"%s\":%.9g%s", key, v, last ? "" : ",");
+    else fprintf(f, "\"%s\":null%s", key, last ? "" : ",");
+}
+
+void log_step(StepLog* lg, const StepStats* s) {
+    printf("step %5d/%d | loss %.6f | norm %8.4f | lr %.3e | %8.1f ms | %9.0f tok/s", s->step,
+           s->steps, s->loss, s->norm, s->lr, s->ms, s->tok_s);
+    if (s->mfu >= 0) printf(" | MFU %5.1f%%", 100.0 * s->mfu);
+    printf("\n");
+    fflush(stdout);
+    if (!lg->f) return;
+    fprintf(lg->f, "{\"step\":%d,", s->step);
+    json_num(lg->f, "loss", s->loss, 0);
+    json_num(lg->f, "lr", s->lr, 0);
+    json_num(lg->f, "norm", s->norm, 0);
+    json_num(lg->f, "ms", s->ms, 0);
+    json_num(lg->f, "tok_s", s->tok_s, s->mfu < 0);
+    if (s->mfu >= 0) json_num(lg->f, "mfu", s->mfu, 1);
+    fprintf(lg->f, "}\n");
+    fflush(lg->f);
+}
+
+void log_eval(StepLog* lg, int step, double val_loss) {
+    printf("step %5d | val loss %.6f\n", step, val_loss);
+    fflush(stdout);
+    if (!lg->f) return;
+    fprintf(lg->f, "{\"step\":%d,", step);
+    json_num(lg->f, "val_loss", val_loss, 1);
+    fprintf(lg->f, "}\n");
+    fflush(lg->f);
+}

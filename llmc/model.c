@@ -1,0 +1,295 @@
+/*
+ * model.c — forward and backward of the prefix, decoder blocks and fused postfix, written once
+ * against the op table. See model.h for the math and the buffer conventions.
+ */
+#include "model.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+// Byte address of element `i` of a compute-dtype buffer.
+static inline void* at(const Workspace* ws, const void* p, int64_t i) {
+    return (char*)p + (size_t)i * (size_t)ws->ops->act_bytes;
+}
+
+// ----------------------------------------------------------------------------
+// model description
+
+int model_init(Model* m, const ModelConfig* cfg, int decay_embeddings, char* err) {
+    memset(m, 0, sizeof *m);
+    if (config_validate(cfg, err) != 0) return -1;
+    m->cfg = *cfg;
+    if (tensor_table_build(&m->tt, cfg, decay_embeddings, err) != 0) return -1;
+    m->QKV = (cfg->H + 2 * cfg->KVH) * cfg->HD;
+
+    // Block layout relative to the block slab, read off block 0 of the table.
+    const TensorTable* tt = &m->tt;
+    int64_t* slots[] = {&m->block.attn_norm, &m->block.wqkv, &m->block.q_norm, &m->block.k_norm,
+                        &m->block.wo, &m->block.mlp_norm, &m->block.wgu, &m->block.wdown};
+    const TensorKind kinds[] = {TK_ATTN_NORM, TK_WQ, TK_Q_NORM, TK_K_NORM,
+                                TK_WO, TK_MLP_NORM, TK_W_GATE, TK_W_DOWN};
+    for (int i = 0; i < 8; i++) {
+        int idx = tensor_table_index(tt, kinds[i], 0);
+        *slots[i] = idx < 0 ? -1 : tt->t[idx].param_offset;
+    }
+    // The fused matmuls rely on adjacency: check it once here rather than trusting the table.
+    const int64_t C = cfg->C;
+    int iq = tensor_table_index(tt, TK_WQ, 0), ik = tensor_table_index(tt, TK_WK, 0);
+    int iv = tensor_table_index(tt, TK_WV, 0), ig = tensor_table_index(tt, TK_W_GATE, 0);
+    int iu = tensor_table_index(tt, TK_W_UP, 0);
+    if (tt->t[ik].param_offset != tt->t[iq].param_offset + (int64_t)cfg->H * cfg->HD * C ||
+        tt->t[iv].param_offset != tt->t[ik].param_offset + (int64_t)cfg->KVH * cfg->HD * C ||
+        tt->t[iu].param_offset != tt->t[ig].param_offset + (int64_t)cfg->F * C)
+        fatal("internal: tensor table breaks the fused qkv / gate-up adjacency");
+
+    m->inv_freq = malloc_check((size_t)(cfg->HD / 2) * sizeof(float));
+    m->rope_scale = config_rope_inv_freq(cfg, m->inv_freq);
+    return 0;
+}
+
+void model_free(Model* m) {
+    tensor_table_free(&m->tt);
+    free(m->inv_freq);
+    memset(m, 0, sizeof *m);
+}
+
+// ----------------------------------------------------------------------------
+// workspaces
+
+// The LM-head chunk: as many rows as fit in about 64 MiB of logits, at least one sequence's
+// last row per batch entry (for generation), at most N.
+static int lm_chunk_rows(const Model* m, int act_bytes, int B, int T) {
+    int64_t N = (int64_t)B * T;
+    int64_t rows = (64ll << 20) / ((int64_t)m->cfg.V * act_bytes);
+    if (rows < B) rows = B;
+    if (rows > N) rows = N;
+    return (int)rows;
+}
+
+static void acts_sizes(const Model* m, int B, int T, size_t act_bytes, size_t* sizes) {
+    const ModelConfig* c = &m->cfg;
+    const size_t N = (size_t)B * T, C = c->C, F = c->F;
+    sizes[0] = N * C * act_bytes;                                 // ln1
+    sizes[1] = N * sizeof(float);                                 // rstd1
+    sizes[2] = N * m->QKV * act_bytes;                            // qkv_raw
+    sizes[3] = N * m->QKV * act_bytes;                            // qkv
+    sizes[4] = c->qk_norm ? N * (c->H + c->KVH) * sizeof(float) : 0;  // rstd_qk
+    sizes[5] = N * c->H * c->HD * act_bytes;                      // att
+    sizes[6] = (size_t)B * c->H * T * sizeof(float);              // lse
+    sizes[7] = N * C * act_bytes;                                 // h
+    sizes[8] = N * C * act_bytes;                                 // ln2
+    sizes[9] = N * sizeof(float);                                 // rstd2
+    sizes[10] = N * 2 * F * act_bytes;                            // gu
+    sizes[11] = N * F * act_bytes;                                // act
+}
+
+size_t workspace_bytes(const Model* m, int act_bytes, int B, int T, int n_acts) {
+    const ModelConfig* c = &m->cfg;
+    const size_t N = (size_t)B * T, C = c->C, F = c->F, ab = (size_t)act_bytes;
+    size_t sizes[12], per_set = 0;
+    acts_sizes(m, B, T, ab, sizes);
+    for (int i = 0; i < 12; i++) per_set += sizes[i];
+    size_t scratch = N * C * ab * 4 + N * c->H * c->HD * ab + 2 * N * m->QKV * ab +
+                     3 * N * F * ab + N * sizeof(float) +
+                     (size_t)lm_chunk_rows(m, act_bytes, B, T) * c->V * ab;
+    size_t rope = 2 * (size_t)T * (c->HD / 2) * sizeof(float);
+    return per_set * (size_t)n_acts + scratch + rope;
+}
+
+Workspace* workspace_create(const Model* m, const Ops* ops, void* ctx, int B, int T, int n_acts) {
+    const ModelConfig* c = &m->cfg;
+    Workspace* ws = calloc_check(1, sizeof(Workspace));
+    ws->ops = ops;
+    ws->ctx = ctx;
+    ws->B = B;
+    ws->T = T;
+    const size_t N = (size_t)B * T, C = c->C, F = c->F, ab = (size_t)ops->act_bytes;
+    const int half = c->HD / 2;
+
+    // RoPE tables: angle = fp32(pos * inv_freq) as transformers computes it, times the yarn
+    // attention scaling (1 otherwise).
+    float* cosb = malloc_check((size_t)T * half * sizeof(float));
+    float* sinb = malloc_check((size_t)T * half * sizeof(float));
+    for (int t = 0; t < T; t++) {
+        for (int i = 0; i < half; i++) {
+            float ang = (float)t * m->inv_freq[i];
+            cosb[(size_t)t * half + i] = cosf(ang) * m->rope_scale;
+            sinb[(size_t)t * half + i] = sinf(ang) * m->rope_scale;
+        }
+    }
+    ws->rope_cos = ops->alloc(ctx, (size_t)T * half * sizeof(float));
+    ws->rope_sin = ops->alloc(ctx, (size_t)T * half * sizeof(float));
+    ops->upload(ctx, ws->rope_cos, cosb, (size_t)T * half * sizeof(float));
+    ops->upload(ctx, ws->rope_sin, sinb, (size_t)T * half * sizeof(float));
+    free(cosb);
+    free(sinb);
+
+    ws->n_acts = n_acts;
+    ws->acts = calloc_check((size_t)n_acts, sizeof(BlockActs));
+    size_t sizes[12];
+    acts_sizes(m, B, T, ab, sizes);
+    for (int i = 0; i < n_acts; i++) {
+        BlockActs* a = &ws->acts[i];
+        void** slots[12] = {&a->ln1, (void**)&a->rstd1, &a->qkv_raw, &a->qkv,
+                            (void**)&a->rstd_qk, &a->att, (void**)&a->lse, &a->h,
+                            &a->ln2, (void**)&a->rstd2, &a->gu, &a->act};
+        for (int j = 0; j < 12; j++) *slots[j] = sizes[j] ? ops->alloc(ctx, sizes[j]) : NULL;
+    }
+    ws->proj = ops->alloc(ctx, N * C * ab);
+    ws->d_ln = ops->alloc(ctx, N * C * ab);
+    ws->d_att = ops->alloc(ctx, N * c->H * c->HD * ab);
+    ws->d_qkv = ops->alloc(ctx, N * m->QKV * ab);
+    ws->d_qkv_raw = ops->alloc(ctx, N * m->QKV * ab);
+    ws->d_act = ops->alloc(ctx, N * F * ab);
+    ws->d_gu = ops->alloc(ctx, N * 2 * F * ab);
+    ws->xf = ops->alloc(ctx, N * C * ab);
+    ws->rstdf = ops->alloc(ctx, N * sizeof(float));
+    ws->d_xf = ops->alloc(ctx, N * C * ab);
+    ws->lm_chunk = lm_chunk_rows(m, ops->act_bytes, B, T);
+    ws->logits = ops->alloc(ctx, (size_t)ws->lm_chunk * c->V * ab);
+    return ws;
+}
+
+void workspace_free(Workspace* ws) {
+    if (!ws) return;
+    const Ops* ops = ws->ops;
+    void* ctx = ws->ctx;
+    for (int i = 0; i < ws->n_acts; i++) {
+        BlockActs* a = &ws->acts[i];
+        void* ptrs[12] = {a->ln1, a->rstd1, a->qkv_raw, a->qkv, a->rstd_qk, a->att,
+                          a->lse, a->h, a->ln2, a->rstd2, a->gu, a->act};
+        for (int j = 0; j < 12; j++)
+            if (ptrs[j]) ops->free(ctx, ptrs[j]);
+    }
+    free(ws->acts);
+    void* bufs[] = {ws->rope_cos, ws->rope_sin, ws->proj, ws->d_ln, ws->d_att, ws->d_qkv,
+                    ws->d_qkv_raw, ws->d_act, ws->d_gu, ws->xf, ws->rstdf, ws->d_xf, ws->logits};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) ops->free(ctx, bufs[i]);
+    free(ws);
+}
+
+// ----------------------------------------------------------------------------
+// prefix
+
+void model_prefix_forward(const Model* m, Workspace* ws, void* x_out, const int32_t* ids,
+                          const void* wte, int B, int T) {
+    ws->ops->embedding_forward(ws->ctx, x_out, ids, wte, B * T, m->cfg.C);
+}
+
+void model_prefix_backward(const Model* m, Workspace* ws, float* dwte, const void* dx,
+                           const int32_t* ids, int B, int T) {
+    ws->ops->embedding_backward(ws->ctx, dwte, dx, ids, B * T, m->cfg.C, m->cfg.V);
+}
+
+// ----------------------------------------------------------------------------
+// decoder block
+
+void model_block_forward(const Model* m, Workspace* ws, BlockActs* a, const void* slab,
+                         const void* x_in, void* x_out, int B, int T) {
+    const Ops* ops = ws->ops;
+    void* ctx = ws->ctx;
+    const ModelConfig* c = &m->cfg;
+    const BlockLayout* bl = &m->block;
+    const int N = B * T, C = c->C, F = c->F, HD = c->HD, QD = c->H * c->HD;
+    const void* q_norm = bl->q_norm >= 0 ? at(ws, slab, bl->q_norm) : NULL;
+    const void* k_norm = bl->k_norm >= 0 ? at(ws, slab, bl->k_norm) : NULL;
+
+    // attention: h = x + o_proj(attn(rope(qk_norm(qkv_proj(rmsnorm(x))))))
+    ops->rmsnorm_forward(ctx, a->ln1, a->rstd1, x_in, at(ws, slab, bl->attn_norm), N, C,
+                         c->norm_eps);
+    ops->matmul_forward(ctx, a->qkv_raw, a->ln1, at(ws, slab, bl->wqkv), NULL, N, C, m->QKV);
+    ops->qknorm_rope_forward(ctx, a->qkv, a->rstd_qk, a->qkv_raw, q_norm, k_norm, ws->rope_cos,
+                             ws->rope_sin, B, T, c->H, c->KVH, HD, c->norm_eps);
+    ops->attention_forward(ctx, a->att, a->lse, a->qkv, B, T, c->H, c->KVH, HD);
+    ops->matmul_forward(ctx, ws->proj, a->att, at(ws, slab, bl->wo), NULL, N, QD, C);
+    ops->residual_rmsnorm_forward(ctx, a->h, a->ln2, a->rstd2, x_in, ws->proj,
+                                  at(ws, slab, bl->mlp_norm), N, C, c->norm_eps);
+    // MLP: x' = h + down(silu(gate(ln2)) * up(ln2))
+    ops->matmul_forward(ctx, a->gu, a->ln2, at(ws, slab, bl->wgu), NULL, N, C, 2 * F);
+    ops->swiglu_forward(ctx, a->act, a->gu, N, F);
+    ops->matmul_forward(ctx, ws->proj, a->act, at(ws, slab, bl->wdown), NULL, N, F, C);
+    ops->add(ctx, x_out, a->h, ws->proj, (size_t)N * C);
+}
+
+void model_block_backward(const Model* m, Workspace* ws, const BlockActs* a, const void* slab,
+                          float* gslab, const void* x_in, void* dres, int B, int T) {
+    const Ops* ops = ws->ops;
+    void* ctx = ws->ctx;
+    const ModelConfig* c = &m->cfg;
+    const BlockLayout* bl = &m->block;
+    const int N = B * T, C = c->C, F = c->F, HD = c->HD, QD = c->H * c->HD;
+    const void* q_norm = bl->q_norm >= 0 ? at(ws, slab, bl->q_norm) : NULL;
+    const void* k_norm = bl->k_norm >= 0 ? at(ws, slab, bl->k_norm) : NULL;
+    float* dq_norm = bl->q_norm >= 0 ? gslab + bl->q_norm : NULL;
+    float* dk_norm = bl->k_norm >= 0 ? gslab + bl->k_norm : NULL;
+
+    // MLP. dres is the gradient of x' and, through the residual, of h.
+    ops->matmul_backward(ctx, ws->d_act, gslab + bl->wdown, NULL, dres, a->act,
+                         at(ws, slab, bl->wdown), N, F, C);
+    ops->swiglu_backward(ctx, ws->d_gu, ws->d_act, a->gu, N, F);
+    ops->matmul_backward(ctx, ws->d_ln, gslab + bl->wgu, NULL, ws->d_gu, a->ln2,
+                         at(ws, slab, bl->wgu), N, C, 2 * F);
+    // rmsnorm_backward accumulates: dres becomes the full gradient of h
+    ops->rmsnorm_backward(ctx, dres, gslab + bl->mlp_norm, ws->d_ln, a->h,
+                          at(ws, slab, bl->mlp_norm), a->rstd2, N, C);
+    // attention. dres is the gradient of h and, through the residual, of x.
+    ops->matmul_backward(ctx, ws->d_att, gslab + bl->wo, NULL, dres, a->att, at(ws, slab, bl->wo),
+                         N, QD, C);
+    ops->attention_backward(ctx, ws->d_qkv, ws->d_att, a->qkv, a->att, a->lse, B, T, c->H, c->KVH,
+                            HD);
+    ops->qknorm_rope_backward(ctx, ws->d_qkv_raw, dq_norm, dk_norm, ws->d_qkv, a->qkv_raw, q_norm,
+                              k_norm, a->rstd_qk, ws->rope_cos, ws->rope_sin, B, T, c->H, c->KVH,
+                              HD);
+    ops->matmul_backward(ctx, ws->d_ln, gslab + bl->wqkv, NULL, ws->d_qkv_raw, a->ln1,
+                         at(ws, slab, bl->wqkv), N, C, m->QKV);
+    ops->rmsnorm_backward(ctx, dres, gslab + bl->attn_norm, ws->d_ln, x_in,
+                          at(ws, slab, bl->attn_norm), a->rstd1, N, C);
+}
+
+// ----------------------------------------------------------------------------
+// postfix: final norm, LM head, cross-entropy — chunked and fused with the backward
+
+void model_postfix_forward_backward(const Model* m, Workspace* ws, const void* norm_w,
+                                    const void* head_w, float* dnorm_w, float* dhead_w,
+                                    const void* x_in, void* dx, const int32_t* targets,
+                                    float* losses, float grad_scale, int compute_grad, int B,
+                                    int T) {
+    const Ops* ops = ws->ops;
+    void* ctx = ws->ctx;
+    const ModelConfig* c = &m->cfg;
+    const int N = B * T, C = c->C, V = c->V;
+    const size_t ab = (size_t)ops->act_bytes;
+
+    ops->rmsnorm_forward(ctx, ws->xf, ws->rstdf, x_in, norm_w, N, C, c->norm_eps);
+    for (int r0 = 0; r0 < N; r0 += ws->lm_chunk) {
+        int n = imin(ws->lm_chunk, N - r0);
+        const void* xf = at(ws, ws->xf, (int64_t)r0 * C);
+        ops->matmul_forward(ctx, ws->logits, xf, head_w, NULL, n, C, V);
+        // logits become dlogits in place; then this chunk's dxf and dW_head, so the chunk's
+        // logits never outlive the loop iteration.
+        ops->crossentropy_forward_backward(ctx, ws->logits, losses + r0, targets + r0, n, V,
+                                           grad_scale, compute_grad);
+        if (compute_grad)
+            ops->matmul_backward(ctx, at(ws, ws->d_xf, (int64_t)r0 * C), dhead_w, NULL,
+                                 ws->logits, xf, head_w, n, C, V);
+    }
+    if (compute_grad) {
+        ops->zero(ctx, dx, (size_t)N * C * ab);
+        ops->rmsnorm_backward(ctx, dx, dnorm_w, ws->d_xf, x_in, norm_w, ws->rstdf, N, C);
+    }
+}
+
+void model_postfix_logits_last(const Model* m, Workspace* ws, const void* norm_w,
+                               const void* head_w, const void* x_in, void* logits, int B, int T) {
+    const Ops* ops = ws->ops;
+    const ModelConfig* c = &m->cfg;
+    ops->rmsnorm_forward(ws->ctx, ws->xf, ws->rstdf, x_in, norm_w, B * T, c->C, c->norm_eps);
+    for (int b = 0; b < B; b++) {
+        const void* row = at(ws, ws->xf, ((int64_t)b * T + T - 1) * c->C);
+        ops->matmul_forward(ws->ctx, at(ws, logits, (int64_t)b * c->V), row, head_w, NULL, 1, c->C,
+                            c->V);
+    }
+}

@@ -1,0 +1,130 @@
+/*
+ * model.h — the decoder model written once against the op table (ops.h), layer by layer:
+ * prefix (token embedding), decoder blocks, postfix (final norm + LM head + loss). Each function
+ * runs one layer of the layer sequence (tensor.h) for one micro-batch on one backend, so the plain
+ * trainer and the RoundPipe engine can both drive it.
+ *
+ * A Model is device-independent (config, tensor table, RoPE frequencies). A Workspace holds the
+ * buffers one backend needs to run layers on micro-batches of up to B x T tokens: RoPE tables,
+ * saved block activations (BlockActs, for the backward) and scratch for gradients and LM-head
+ * chunks. The LM head and the loss are fused and chunked over tokens: full logits (N, V) are never
+ * materialised, and the head's weight gradient is computed inside the forward (ROUNDPIPE.md §12).
+ *
+ * Block math (HF modeling_llama / modeling_qwen3):
+ *     ln1 = RMSNorm(x) ; qkv = ln1·Wqkvᵀ ; (Qwen3: RMSNorm_HD(q), RMSNorm_HD(k)) ; RoPE(q, k)
+ *     h   = x + Attn(q, k, v)·Woᵀ
+ *     ln2 = RMSNorm(h) ; gu = ln2·Wguᵀ ; x' = h + (silu(gate) * up)·Wdownᵀ
+ */
+#ifndef LLMC_MODEL_H
+#define LLMC_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "config.h"
+#include "ops.h"
+#include "tensor.h"
+
+// Element offsets of each weight inside a decoder block's parameter (and gradient) slab.
+// q/k/v are adjacent (one (QKV, C) matrix), gate/up are adjacent (one (2F, C) matrix).
+typedef struct BlockLayout {
+    int64_t attn_norm, wqkv, q_norm, k_norm, wo, mlp_norm, wgu, wdown;  // -1 when absent
+} BlockLayout;
+
+typedef struct Model {
+    ModelConfig cfg;
+    TensorTable tt;
+    BlockLayout block;     // identical for every block
+    int QKV;               // (H + 2*KVH) * HD
+    float* inv_freq;       // (HD/2) RoPE inverse frequencies (host)
+    float rope_scale;      // attention scaling folded into cos/sin (1 except yarn)
+} Model;
+
+// Activations of one block for one micro-batch, saved by the forward for the backward.
+// N = B*T rows.
+typedef struct BlockActs {
+    void* ln1;       // (N, C)
+    float* rstd1;    // (N)
+    void* qkv_raw;   // (N, QKV) before qk-norm/RoPE
+    void* qkv;       // (N, QKV) after qk-norm/RoPE
+    float* rstd_qk;  // (N, H + KVH) qk-norm rstd (NULL without qk-norm)
+    void* att;       // (N, H*HD) attention output before Wo
+    float* lse;      // (B, H, T)
+    void* h;         // (N, C) residual after attention
+    void* ln2;       // (N, C)
+    float* rstd2;    // (N)
+    void* gu;        // (N, 2F) [gate | up]
+    void* act;       // (N, F) silu(gate) * up
+} BlockActs;
+
+typedef struct Workspace {
+    const Ops* ops;
+    void* ctx;
+    int B, T;          // capacity: micro-batches of at most B x T tokens
+    int lm_chunk;      // rows per LM-head chunk
+    float* rope_cos;   // (T, HD/2) device
+    float* rope_sin;   // (T, HD/2) device
+    int n_acts;
+    BlockActs* acts;   // n_acts activation sets
+    // scratch (device)
+    void* proj;        // (N, C) attention / MLP output projection
+    void* d_ln;        // (N, C)
+    void* d_att;       // (N, H*HD)
+    void* d_qkv;       // (N, QKV)
+    void* d_qkv_raw;   // (N, QKV)
+    void* d_act;       // (N, F)
+    void* d_gu;        // (N, 2F)
+    void* xf;          // (N, C) final-norm output
+    float* rstdf;      // (N)
+    void* d_xf;        // (N, C)
+    void* logits;      // (lm_chunk, V)
+} Workspace;
+
+// ----------------------------------------------------------------------------
+// model description
+
+int model_init(Model* m, const ModelConfig* cfg, int decay_embeddings, char* err);
+void model_free(Model* m);
+
+// ----------------------------------------------------------------------------
+// workspaces
+
+// n_acts activation sets (1: the backward must recompute each block; L: keep every block's).
+Workspace* workspace_create(const Model* m, const Ops* ops, void* ctx, int B, int T, int n_acts);
+void workspace_free(Workspace* ws);
+// Device bytes a workspace of this shape uses (for memory planning and the start-up report).
+size_t workspace_bytes(const Model* m, int act_bytes, int B, int T, int n_acts);
+
+// ----------------------------------------------------------------------------
+// layers. `slab` is the layer's parameter slab on the backend (compute dtype), `gslab` its fp32
+// gradient slab (accumulated into). B x T must fit the workspace.
+
+// x_out (N, C) = wte[ids].
+void model_prefix_forward(const Model* m, Workspace* ws, void* x_out, const int32_t* ids,
+                          const void* wte, int B, int T);
+// dwte (V, C) += scatter(dx).
+void model_prefix_backward(const Model* m, Workspace* ws, float* dwte, const void* dx,
+                           const int32_t* ids, int B, int T);
+
+void model_block_forward(const Model* m, Workspace* ws, BlockActs* a, const void* slab,
+                         const void* x_in, void* x_out, int B, int T);
+// dres (N, C): in = gradient w.r.t. the block output, out = gradient w.r.t. x_in (in place).
+// `a` must hold this block's activations for x_in (from model_block_forward, possibly a recompute).
+void model_block_backward(const Model* m, Workspace* ws, const BlockActs* a, const void* slab,
+                          float* gslab, const void* x_in, void* dres, int B, int T);
+
+// Final norm + LM head + cross-entropy, chunked over tokens, fused with the backward:
+//   losses (N, fp32, device) = per-token loss; when compute_grad, dx (N, C) = dloss/dx_in and
+//   dnorm_w (C) / dhead_w (V, C) are accumulated, with every gradient scaled by grad_scale
+//   (= 1 / tokens of the optimizer step). targets (N) < 0 are ignored.
+void model_postfix_forward_backward(const Model* m, Workspace* ws, const void* norm_w,
+                                    const void* head_w, float* dnorm_w, float* dhead_w,
+                                    const void* x_in, void* dx, const int32_t* targets,
+                                    float* losses, float grad_scale, int compute_grad, int B,
+                                    int T);
+// Logits of the last position of each of the B sequences: logits (B, V) device buffer in the
+// compute dtype (uses the workspace's logits chunk, so B <= lm_chunk).
+void model_postfix_logits_last(const Model* m, Workspace* ws, const void* norm_w,
+                               const void* head_w, const void* x_in, void* logits, int B, int T);
+
+#endif  // LLMC_MODEL_H

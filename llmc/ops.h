@@ -1,0 +1,121 @@
+/*
+ * ops.h — the operation table a compute backend implements. The model (model.c) is written once
+ * against it; ops_cpu.c is the fp32 reference, the CUDA backend (bf16 storage, fp32 accumulation)
+ * implements the same table.
+ *
+ * Conventions:
+ *  - `void*` buffers hold activations or weights in the backend's compute dtype (ops->act_bytes
+ *    bytes per element: fp32 on the CPU, bf16 on CUDA). `float*` buffers are always fp32
+ *    (parameter gradients, rstd, log-sum-exp, per-token losses). `int32_t*` are token ids.
+ *    All pointers are device pointers of the backend (plain host pointers on the CPU).
+ *  - N = B*T rows (tokens). Row-major everywhere. Weights follow nn.Linear: W is (OC, IC) and
+ *    a matmul computes out = inp · Wᵀ (+ bias).
+ *  - Parameter gradients always ACCUMULATE (+=) in fp32: micro-batches and chunks add up.
+ *  - Input gradients: documented per op; `dinp` of rmsnorm ACCUMULATES (it writes into the
+ *    residual-stream gradient), every other dinp is OVERWRITTEN (=). A NULL dinp means "skip".
+ *  - The packed qkv layout: one row is [q (H*HD) | k (KVH*HD) | v (KVH*HD)], QKV = (H+2*KVH)*HD.
+ *    The packed gate/up layout: one row is [gate (F) | up (F)].
+ *  - Results must not depend on the number of threads (fixed work split), so runs are repeatable.
+ */
+#ifndef LLMC_OPS_H
+#define LLMC_OPS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct Ops {
+    const char* name;  // "cpu", "cuda"
+    int act_bytes;     // bytes per compute-dtype element
+
+    // ---- memory (backend buffers) ----
+    void* (*alloc)(void* ctx, size_t bytes);  // zero-initialised; fatal on failure
+    void (*free)(void* ctx, void* p);
+    void (*zero)(void* ctx, void* p, size_t bytes);
+    void (*copy)(void* ctx, void* dst, const void* src, size_t bytes);  // device to device
+    // Host fp32 <-> compute-dtype buffer conversions (n elements).
+    void (*upload_f32)(void* ctx, void* dst, const float* src, size_t n);
+    void (*download_f32)(void* ctx, float* dst, const void* src, size_t n);
+    // Raw byte copies host <-> device (fp32 buffers, ids).
+    void (*upload)(void* ctx, void* dst, const void* src, size_t bytes);
+    void (*download)(void* ctx, void* dst, const void* src, size_t bytes);
+    void (*synchronize)(void* ctx);
+
+    // ---- token embedding ----
+    // out (N, C) = wte[ids[n]]. ids (N), wte (V, C).
+    void (*embedding_forward)(void* ctx, void* out, const int32_t* ids, const void* wte, int N,
+                              int C);
+    // dwte (V, C) += scatter of dout (N, C) by ids. Deterministic (no float atomics).
+    void (*embedding_backward)(void* ctx, float* dwte, const void* dout, const int32_t* ids, int N,
+                               int C, int V);
+
+    // ---- RMSNorm ----
+    // out = w * (inp * rstd), rstd = 1/sqrt(mean(inp²) + eps). inp/out (N, C), w (C), rstd (N).
+    void (*rmsnorm_forward)(void* ctx, void* out, float* rstd, const void* inp, const void* w,
+                            int N, int C, float eps);
+    // Fused residual: res = a + b, then out = rmsnorm(res). res may alias a.
+    void (*residual_rmsnorm_forward)(void* ctx, void* res, void* out, float* rstd, const void* a,
+                                     const void* b, const void* w, int N, int C, float eps);
+    // dinp (N, C) += d/dinp; dw (C) += Σ_rows dout * inp * rstd.
+    void (*rmsnorm_backward)(void* ctx, void* dinp, float* dw, const void* dout, const void* inp,
+                             const void* w, const float* rstd, int N, int C);
+
+    // ---- matmul ----
+    // out (N, OC) = inp (N, IC) · w (OC, IC)ᵀ + bias (OC) (bias may be NULL).
+    void (*matmul_forward)(void* ctx, void* out, const void* inp, const void* w, const void* bias,
+                           int N, int IC, int OC);
+    // dinp (N, IC) = dout · w (overwritten; NULL skips); dw (OC, IC) += doutᵀ · inp;
+    // dbias (OC) += Σ_rows dout (NULL skips).
+    void (*matmul_backward)(void* ctx, void* dinp, float* dw, float* dbias, const void* dout,
+                            const void* inp, const void* w, int N, int IC, int OC);
+
+    // ---- Qwen3 QK-norm + RoPE on the packed qkv rows ----
+    // For each row n (position t = n % T) and each q head and k head: if the norm weight is
+    // non-NULL, RMSNorm over HD with that weight (rstd saved in rstd (N, H+KVH): q heads first);
+    // then rotate_half RoPE: x'_i = x_i cos_i - x_{i+HD/2} sin_i, x'_{i+HD/2} = x_{i+HD/2} cos_i +
+    // x_i sin_i, with cos/sin (T, HD/2) fp32 tables. The v part is copied. out must not alias inp.
+    void (*qknorm_rope_forward)(void* ctx, void* out, float* rstd, const void* inp,
+                                const void* q_norm_w, const void* k_norm_w, const float* cos,
+                                const float* sin, int B, int T, int H, int KVH, int HD, float eps);
+    // dinp (N, QKV) = gradient through RoPE (rotation by -φ) and the norms (overwritten);
+    // dq_norm_w, dk_norm_w (HD) += (NULL when the family has no QK-norm).
+    void (*qknorm_rope_backward)(void* ctx, void* dinp, float* dq_norm_w, float* dk_norm_w,
+                                 const void* dout, const void* inp, const void* q_norm_w,
+                                 const void* k_norm_w, const float* rstd, const float* cos,
+                                 const float* sin, int B, int T, int H, int KVH, int HD);
+
+    // ---- causal grouped-query attention ----
+    // out (N, H*HD): for query head h (kv head h / (H/KVH)), softmax(q·kᵀ / sqrt(HD)) · v over
+    // keys 0..t (causal). qkv (N, QKV) packed. lse (B, H, T) saves the log-sum-exp of the scaled
+    // logits for the backward.
+    void (*attention_forward)(void* ctx, void* out, float* lse, const void* qkv, int B, int T,
+                              int H, int KVH, int HD);
+    // dqkv (N, QKV) = gradient w.r.t. q, k, v (overwritten).
+    void (*attention_backward)(void* ctx, void* dqkv, const void* dout, const void* qkv,
+                               const void* out, const float* lse, int B, int T, int H, int KVH,
+                               int HD);
+
+    // ---- SwiGLU ----
+    // out (N, F) = silu(gate) * up with gu (N, 2F) = [gate | up].
+    void (*swiglu_forward)(void* ctx, void* out, const void* gu, int N, int F);
+    // dgu (N, 2F) = gradient w.r.t. gate and up (overwritten).
+    void (*swiglu_backward)(void* ctx, void* dgu, const void* dout, const void* gu, int N, int F);
+
+    // ---- elementwise ----
+    // out = a + b (n elements; out may alias a or b).
+    void (*add)(void* ctx, void* out, const void* a, const void* b, size_t n);
+
+    // ---- softmax cross-entropy over a chunk of logits ----
+    // logits (n, V). losses[i] = logsumexp(logits[i]) - logits[i][targets[i]] (fp32 math).
+    // If compute_grad, logits is overwritten with dlogits = (softmax - onehot) * grad_scale.
+    // targets[i] < 0 means "ignored": loss 0 and zero gradient.
+    void (*crossentropy_forward_backward)(void* ctx, void* logits, float* losses,
+                                          const int32_t* targets, int n, int V, float grad_scale,
+                                          int compute_grad);
+} Ops;
+
+// The CPU fp32 reference backend. ctx = ops_cpu_create(n_threads) (n_threads <= 0: all CPUs).
+extern const Ops ops_cpu;
+void* ops_cpu_create(int n_threads);
+void ops_cpu_destroy(void* ctx);
+
+#endif  // LLMC_OPS_H

@@ -1,0 +1,971 @@
+/*
+ * ops_cpu.c — the fp32 CPU reference backend of the op table (ops.h).
+ *
+ * ctx is a CpuCtx: a ThreadPool plus the GEMM micro-kernel picked for this CPU. Buffers are plain
+ * 64-byte aligned host memory; uploads and downloads are memcpy.
+ *
+ * Determinism: every op splits its work into tasks whose number and extent depend only on the
+ * problem size (never on the thread count), and every floating-point sum runs in a fixed order
+ * inside one task. Reductions over rows (parameter gradients) either loop the rows in order inside
+ * a column task, or sum per-row-block partials in block order. So results are bit-identical for
+ * any number of threads.
+ *
+ * Matmuls share one packed GEMM, C (+)= A·B with A and B given by strides: both operands are packed
+ * into panels (A: GEMM_MR rows, B: GEMM_NR columns, k-major, zero-padded), a task owns a
+ * GEMM_MC x GEMM_NC tile of C and walks K in GEMM_KC blocks in ascending order, so every output
+ * element is summed k = 0, 1, ..., K-1. The register micro-kernel is chosen at ops_cpu_create:
+ * AVX-512F, AVX2+FMA or portable C. Both SIMD kernels use one fused multiply-add per term in the
+ * same order, so they agree bit for bit; the portable kernel rounds the product separately.
+ * Building with -DOPS_CPU_KERNEL=0/1/2 forces portable/AVX2/AVX-512 (to test every kernel).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+#include "ops.h"
+#include "threads.h"
+
+// ----------------------------------------------------------------------------
+// context and task helpers
+
+// C tile of one micro-kernel call: c (MR, ldc) (+)= a (kc, MR packed) · b (kc, NR packed).
+typedef void (*GemmKernel)(int kc, const float* a, const float* b, float* c, int ldc, int load_c);
+
+typedef struct CpuCtx {
+    ThreadPool* pool;
+    GemmKernel gemm_kernel;
+} CpuCtx;
+
+static ThreadPool* cpu_pool(void* ctx) { return ((CpuCtx*)ctx)->pool; }
+
+static int64_t task_count(int64_t n, int64_t per_task) { return (n + per_task - 1) / per_task; }
+
+// Rows per task for row-wise ops: about 16K elements of work each (fixed by the row width only).
+static int rows_per_task(size_t row_elems) {
+    size_t r = row_elems > 0 ? 16384 / row_elems : 16384;
+    return r < 1 ? 1 : (int)r;
+}
+
+#define COL_BLOCK 64  // columns per task of the column-parallel reductions (dw, dbias, dwte)
+
+// ----------------------------------------------------------------------------
+// vector helpers: fixed-order sums (16 interleaved partial sums, then a fixed tree)
+
+static float vec_dot(const float* a, const float* b, int n) {
+    float acc[16] = {0};
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; j++) acc[j] += a[i + j] * b[i + j];
+    for (int j = 0; i + j < n; j++) acc[j] += a[i + j] * b[i + j];
+    for (int w = 8; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) acc[j] += acc[j + w];
+    return acc[0];
+}
+
+// y += alpha * x
+static void vec_axpy(float* y, float alpha, const float* x, int n) {
+    for (int i = 0; i < n; i++) y[i] += alpha * x[i];
+}
+
+// ----------------------------------------------------------------------------
+// memory
+
+static void* cpu_alloc(void* ctx, size_t bytes) {
+    (void)ctx;
+    void* p = aligned_alloc_check(bytes);
+    memset(p, 0, bytes);
+    return p;
+}
+
+static void cpu_free(void* ctx, void* p) {
+    (void)ctx;
+    free(p);
+}
+
+static void cpu_zero(void* ctx, void* p, size_t bytes) {
+    (void)ctx;
+    if (bytes > 0) memset(p, 0, bytes);
+}
+
+// memmove: a copy onto itself (or an overlapping one) stays well defined.
+static void cpu_copy(void* ctx, void* dst, const void* src, size_t bytes) {
+    (void)ctx;
+    if (bytes > 0) memmove(dst, src, bytes);
+}
+
+static void cpu_upload_f32(void* ctx, void* dst, const float* src, size_t n) {
+    (void)ctx;
+    if (n > 0) memcpy(dst, src, n * sizeof(float));
+}
+
+static void cpu_download_f32(void* ctx, float* dst, const void* src, size_t n) {
+    (void)ctx;
+    if (n > 0) memcpy(dst, src, n * sizeof(float));
+}
+
+static void cpu_upload(void* ctx, void* dst, const void* src, size_t bytes) {
+    (void)ctx;
+    if (bytes > 0) memcpy(dst, src, bytes);
+}
+
+static void cpu_download(void* ctx, void* dst, const void* src, size_t bytes) {
+    (void)ctx;
+    if (bytes > 0) memcpy(dst, src, bytes);
+}
+
+static void cpu_synchronize(void* ctx) { (void)ctx; }
+
+// ----------------------------------------------------------------------------
+// token embedding
+
+typedef struct EmbeddingArgs {
+    float* out;           // (N, C)
+    float* dwte;          // (V, C)
+    const float* dout;    // (N, C)
+    const int32_t* ids;   // (N)
+    const float* wte;     // (V, C)
+    int N, C, V, rows_per_task;
+} EmbeddingArgs;
+
+static void embedding_forward_task(void* arg, int64_t task) {
+    const EmbeddingArgs* e = arg;
+    int n0 = (int)task * e->rows_per_task, n1 = imin(e->N, n0 + e->rows_per_task);
+    for (int n = n0; n < n1; n++)
+        memcpy(e->out + (size_t)n * e->C, e->wte + (size_t)e->ids[n] * e->C,
+               (size_t)e->C * sizeof(float));
+}
+
+static void cpu_embedding_forward(void* ctx, void* out, const int32_t* ids, const void* wte, int N,
+                                  int C) {
+    EmbeddingArgs e = {.out = out, .ids = ids, .wte = wte, .N = N, .C = C,
+                       .rows_per_task = rows_per_task((size_t)C)};
+    threadpool_run(cpu_pool(ctx), task_count(N, e.rows_per_task), embedding_forward_task, &e);
+}
+
+// One task owns a block of columns and walks the tokens in order: no two tasks touch the same
+// dwte element, and each element sums its tokens in token order.
+static void embedding_backward_task(void* arg, int64_t task) {
+    const EmbeddingArgs* e = arg;
+    int c0 = (int)task * COL_BLOCK, c1 = imin(e->C, c0 + COL_BLOCK);
+    for (int n = 0; n < e->N; n++) {
+        int id = e->ids[n];
+        if (id < 0 || id >= e->V) fatal("embedding_backward: token id %d outside [0, %d)", id, e->V);
+        float* dst = e->dwte + (size_t)id * e->C;
+        const float* src = e->dout + (size_t)n * e->C;
+        for (int c = c0; c < c1; c++) dst[c] += src[c];
+    }
+}
+
+static void cpu_embedding_backward(void* ctx, float* dwte, const void* dout, const int32_t* ids,
+                                   int N, int C, int V) {
+    EmbeddingArgs e = {.dwte = dwte, .dout = dout, .ids = ids, .N = N, .C = C, .V = V};
+    threadpool_run(cpu_pool(ctx), task_count(C, COL_BLOCK), embedding_backward_task, &e);
+}
+
+// ----------------------------------------------------------------------------
+// RMSNorm
+
+typedef struct RmsnormArgs {
+    float* res;          // (N, C) residual sum, or NULL (plain rmsnorm)
+    float* out;          // (N, C)
+    float* rstd;         // (N), may be NULL in the forward
+    const float* a;      // (N, C) input (or first residual term)
+    const float* b;      // (N, C) second residual term, or NULL
+    const float* w;      // (C)
+    float* dinp;         // (N, C) backward: accumulated
+    float* dw;           // (C) backward: accumulated
+    const float* dout;   // (N, C)
+    const float* crstd;  // (N) saved rstd for the backward
+    int N, C, rows_per_task;
+    float eps;
+} RmsnormArgs;
+
+static void rmsnorm_forward_task(void* arg, int64_t task) {
+    const RmsnormArgs* r = arg;
+    int n0 = (int)task * r->rows_per_task, n1 = imin(r->N, n0 + r->rows_per_task);
+    for (int n = n0; n < n1; n++) {
+        size_t off = (size_t)n * r->C;
+        const float* x = r->a + off;
+        if (r->res) {  // fused residual: x = a + b, written first so res may alias a
+            float* res = r->res + off;
+            const float* b = r->b + off;
+            for (int c = 0; c < r->C; c++) res[c] = x[c] + b[c];
+            x = res;
+        }
+        double ss = 0.0;
+        for (int c = 0; c < r->C; c++) ss += (double)x[c] * x[c];
+        float rs = (float)(1.0 / sqrt(ss / r->C + r->eps));
+        if (r->rstd) r->rstd[n] = rs;
+        float* y = r->out + off;
+        for (int c = 0; c < r->C; c++) y[c] = r->w[c] * (x[c] * rs);
+    }
+}
+
+static void cpu_rmsnorm_forward(void* ctx, void* out, float* rstd, const void* inp, const void* w,
+                                int N, int C, float eps) {
+    RmsnormArgs r = {.out = out, .rstd = rstd, .a = inp, .w = w, .N = N, .C = C, .eps = eps,
+                     .rows_per_task = rows_per_task((size_t)C)};
+    threadpool_run(cpu_pool(ctx), task_count(N, r.rows_per_task), rmsnorm_forward_task, &r);
+}
+
+static void cpu_residual_rmsnorm_forward(void* ctx, void* res, void* out, float* rstd, const void* a,
+                                         const void* b, const void* w, int N, int C, float eps) {
+    RmsnormArgs r = {.res = res, .out = out, .rstd = rstd, .a = a, .b = b, .w = w, .N = N, .C = C,
+                     .eps = eps, .rows_per_task = rows_per_task((size_t)C)};
+    threadpool_run(cpu_pool(ctx), task_count(N, r.rows_per_task), rmsnorm_forward_task, &r);
+}
+
+// dx = rstd * (g - x̂ * mean(g * x̂)), g = dy * w, x̂ = x * rstd (FORMATS_AND_MODELS.md §5.2).
+static void rmsnorm_backward_dinp_task(void* arg, int64_t task) {
+    const RmsnormArgs* r = arg;
+    int n0 = (int)task * r->rows_per_task, n1 = imin(r->N, n0 + r->rows_per_task);
+    for (int n = n0; n < n1; n++) {
+        size_t off = (size_t)n * r->C;
+        const float* x = r->a + off;
+        const float* dy = r->dout + off;
+        float rs = r->crstd[n];
+        double dot = 0.0;
+        for (int c = 0; c < r->C; c++) dot += (double)(dy[c] * r->w[c]) * (double)(x[c] * rs);
+        float mean = (float)(dot / r->C);
+        float* dx = r->dinp + off;
+        for (int c = 0; c < r->C; c++) dx[c] += rs * (dy[c] * r->w[c] - (x[c] * rs) * mean);
+    }
+}
+
+// dw: a task owns COL_BLOCK columns and sums the rows in order.
+static void rmsnorm_backward_dw_task(void* arg, int64_t task) {
+    const RmsnormArgs* r = arg;
+    int c0 = (int)task * COL_BLOCK, c1 = imin(r->C, c0 + COL_BLOCK);
+    float acc[COL_BLOCK] = {0};
+    for (int n = 0; n < r->N; n++) {
+        size_t off = (size_t)n * r->C;
+        float rs = r->crstd[n];
+        for (int c = c0; c < c1; c++) acc[c - c0] += r->dout[off + c] * (r->a[off + c] * rs);
+    }
+    for (int c = c0; c < c1; c++) r->dw[c] += acc[c - c0];
+}
+
+static void cpu_rmsnorm_backward(void* ctx, void* dinp, float* dw, const void* dout, const void* inp,
+                                 const void* w, const float* rstd, int N, int C) {
+    RmsnormArgs r = {.a = inp, .w = w, .dinp = dinp, .dw = dw, .dout = dout, .crstd = rstd,
+                     .N = N, .C = C, .rows_per_task = rows_per_task((size_t)C)};
+    if (dinp)
+        threadpool_run(cpu_pool(ctx), task_count(N, r.rows_per_task), rmsnorm_backward_dinp_task,
+                       &r);
+    if (dw) threadpool_run(cpu_pool(ctx), task_count(C, COL_BLOCK), rmsnorm_backward_dw_task, &r);
+}
+
+// ----------------------------------------------------------------------------
+// GEMM micro-kernels: c (MR rows, stride ldc) (+)= Σ_k a[k] ⊗ b[k] over packed panels
+
+#define GEMM_MR 8    // rows of a micro-tile (A panel height)
+#define GEMM_NR 32   // columns of a micro-tile (B panel width): two AVX-512 vectors
+#define GEMM_KC 256  // k block: an A and a B micro-panel stay in L1/L2 across the tile loop
+#define GEMM_MC 64   // rows of C per task (multiple of MR)
+#define GEMM_NC 128  // columns of C per task (multiple of NR)
+
+// 8 x 32 tile in 16 zmm accumulators; per k: 2 vector loads of b, 8 broadcasts of a, 16 FMAs.
+__attribute__((target("avx512f"))) static void gemm_kernel_avx512(int kc, const float* a,
+                                                                   const float* b, float* c,
+                                                                   int ldc, int load_c) {
+    __m512 acc[GEMM_MR][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < GEMM_MR; i++) {
+        acc[i][0] = load_c ? _mm512_loadu_ps(c + (size_t)i * ldc) : _mm512_setzero_ps();
+        acc[i][1] = load_c ? _mm512_loadu_ps(c + (size_t)i * ldc + 16) : _mm512_setzero_ps();
+    }
+    for (int k = 0; k < kc; k++) {
+        __m512 b0 = _mm512_load_ps(b + (size_t)k * GEMM_NR);
+        __m512 b1 = _mm512_load_ps(b + (size_t)k * GEMM_NR + 16);
+#pragma GCC unroll 8
+        for (int i = 0; i < GEMM_MR; i++) {
+            __m512 ai = _mm512_set1_ps(a[(size_t)k * GEMM_MR + i]);
+            acc[i][0] = _mm512_fmadd_ps(ai, b0, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(ai, b1, acc[i][1]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < GEMM_MR; i++) {
+        _mm512_storeu_ps(c + (size_t)i * ldc, acc[i][0]);
+        _mm512_storeu_ps(c + (size_t)i * ldc + 16, acc[i][1]);
+    }
+}
+
+// AVX2 has 16 ymm registers: the 8 x 32 tile runs as four 4 x 16 passes (8 accumulators each).
+__attribute__((target("avx2,fma"))) static void gemm_kernel_avx2(int kc, const float* a,
+                                                                  const float* b, float* c,
+                                                                  int ldc, int load_c) {
+    for (int i0 = 0; i0 < GEMM_MR; i0 += 4) {
+        for (int j0 = 0; j0 < GEMM_NR; j0 += 16) {
+            __m256 acc[4][2];
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                float* ci = c + (size_t)(i0 + i) * ldc + j0;
+                acc[i][0] = load_c ? _mm256_loadu_ps(ci) : _mm256_setzero_ps();
+                acc[i][1] = load_c ? _mm256_loadu_ps(ci + 8) : _mm256_setzero_ps();
+            }
+            for (int k = 0; k < kc; k++) {
+                __m256 b0 = _mm256_load_ps(b + (size_t)k * GEMM_NR + j0);
+                __m256 b1 = _mm256_load_ps(b + (size_t)k * GEMM_NR + j0 + 8);
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) {
+                    __m256 ai = _mm256_set1_ps(a[(size_t)k * GEMM_MR + i0 + i]);
+                    acc[i][0] = _mm256_fmadd_ps(ai, b0, acc[i][0]);
+                    acc[i][1] = _mm256_fmadd_ps(ai, b1, acc[i][1]);
+                }
+            }
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                float* ci = c + (size_t)(i0 + i) * ldc + j0;
+                _mm256_storeu_ps(ci, acc[i][0]);
+                _mm256_storeu_ps(ci + 8, acc[i][1]);
+            }
+        }
+    }
+}
+
+static void gemm_kernel_portable(int kc, const float* a, const float* b, float* c, int ldc,
+                                 int load_c) {
+    float acc[GEMM_MR][GEMM_NR];
+    for (int i = 0; i < GEMM_MR; i++)
+        for (int j = 0; j < GEMM_NR; j++) acc[i][j] = load_c ? c[(size_t)i * ldc + j] : 0.0f;
+    for (int k = 0; k < kc; k++)
+        for (int i = 0; i < GEMM_MR; i++) {
+            float ai = a[(size_t)k * GEMM_MR + i];
+            for (int j = 0; j < GEMM_NR; j++) acc[i][j] += ai * b[(size_t)k * GEMM_NR + j];
+        }
+    for (int i = 0; i < GEMM_MR; i++)
+        for (int j = 0; j < GEMM_NR; j++) c[(size_t)i * ldc + j] = acc[i][j];
+}
+
+static GemmKernel gemm_pick_kernel(void) {
+#if defined(OPS_CPU_KERNEL)
+    if (OPS_CPU_KERNEL == 2) return gemm_kernel_avx512;
+    if (OPS_CPU_KERNEL == 1) return gemm_kernel_avx2;
+    return gemm_kernel_portable;
+#else
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return gemm_kernel_avx512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return gemm_kernel_avx2;
+    return gemm_kernel_portable;
+#endif
+}
+
+// ----------------------------------------------------------------------------
+// packed GEMM: C (M, Nc) (+)= A (M, K) · B (K, Nc) (+ bias)
+
+typedef struct Gemm {
+    int M, Nc, K;
+    const float* a;  // A[i][k] = a[i * a_rs + k * a_cs]
+    size_t a_rs, a_cs;
+    const float* b;  // B[k][j] = b[k * b_rs + j * b_cs]
+    size_t b_rs, b_cs;
+    float* c;  // C[i][j] = c[i * ldc + j]
+    int ldc;
+    int accumulate;     // 1: C += A·B, 0: C = A·B
+    const float* bias;  // (Nc) added after the product, or NULL
+    float* a_pack;      // (ceil(M / MR), K, MR)
+    float* b_pack;      // (ceil(Nc / NR), K, NR)
+    int a_panels, b_panels, row_tiles, col_tiles;
+    GemmKernel kernel;
+} Gemm;
+
+static void gemm_pack_a(const Gemm* g, int p) {
+    int i0 = p * GEMM_MR, m = imin(GEMM_MR, g->M - i0);
+    float* dst = g->a_pack + (size_t)p * g->K * GEMM_MR;
+    if (g->a_cs == 1) {  // rows of A are contiguous: read along k
+        for (int i = 0; i < GEMM_MR; i++) {
+            const float* src = g->a + (size_t)(i0 + i) * g->a_rs;
+            for (int k = 0; k < g->K; k++) dst[(size_t)k * GEMM_MR + i] = i < m ? src[k] : 0.0f;
+        }
+    } else {
+        for (int k = 0; k < g->K; k++)
+            for (int i = 0; i < GEMM_MR; i++)
+                dst[(size_t)k * GEMM_MR + i] =
+                    i < m ? g->a[(size_t)(i0 + i) * g->a_rs + (size_t)k * g->a_cs] : 0.0f;
+    }
+}
+
+static void gemm_pack_b(const Gemm* g, int p) {
+    int j0 = p * GEMM_NR, n = imin(GEMM_NR, g->Nc - j0);
+    float* dst = g->b_pack + (size_t)p * g->K * GEMM_NR;
+    if (g->b_cs == 1) {  // rows of B are contiguous: copy row segments
+        for (int k = 0; k < g->K; k++) {
+            const float* src = g->b + (size_t)k * g->b_rs + j0;
+            for (int j = 0; j < GEMM_NR; j++) dst[(size_t)k * GEMM_NR + j] = j < n ? src[j] : 0.0f;
+        }
+    } else {  // columns of B are contiguous (B = Wᵀ): read along k
+        for (int j = 0; j < GEMM_NR; j++) {
+            const float* src = g->b + (size_t)(j0 + j) * g->b_cs;
+            for (int k = 0; k < g->K; k++)
+                dst[(size_t)k * GEMM_NR + j] = j < n ? src[(size_t)k * g->b_rs] : 0.0f;
+        }
+    }
+}
+
+static void gemm_pack_task(void* arg, int64_t task) {
+    const Gemm* g = arg;
+    if (task < g->a_panels) gemm_pack_a(g, (int)task);
+    else gemm_pack_b(g, (int)(task - g->a_panels));
+}
+
+// One micro-tile at C[i][j]; edge tiles go through a full-size scratch tile.
+static void gemm_micro_tile(const Gemm* g, int kc, const float* ap, const float* bp, int i, int j,
+                            int load_c) {
+    int m = imin(GEMM_MR, g->M - i), n = imin(GEMM_NR, g->Nc - j);
+    float* c = g->c + (size_t)i * g->ldc + j;
+    if (m == GEMM_MR && n == GEMM_NR) {
+        g->kernel(kc, ap, bp, c, g->ldc, load_c);
+        return;
+    }
+    _Alignas(64) float tmp[GEMM_MR * GEMM_NR] = {0};
+    if (load_c)
+        for (int r = 0; r < m; r++) memcpy(tmp + r * GEMM_NR, c + (size_t)r * g->ldc, n * sizeof(float));
+    g->kernel(kc, ap, bp, tmp, GEMM_NR, load_c);
+    for (int r = 0; r < m; r++) memcpy(c + (size_t)r * g->ldc, tmp + r * GEMM_NR, n * sizeof(float));
+}
+
+static void gemm_tile_task(void* arg, int64_t task) {
+    const Gemm* g = arg;
+    int i_begin = (int)(task / g->col_tiles) * GEMM_MC, i_end = imin(g->M, i_begin + GEMM_MC);
+    int j_begin = (int)(task % g->col_tiles) * GEMM_NC, j_end = imin(g->Nc, j_begin + GEMM_NC);
+    // k blocks ascend, so every element of C is summed in the order k = 0 .. K-1.
+    for (int k0 = 0; k0 < g->K; k0 += GEMM_KC) {
+        int kc = imin(GEMM_KC, g->K - k0);
+        int load_c = g->accumulate || k0 > 0;
+        for (int j = j_begin; j < j_end; j += GEMM_NR) {
+            const float* bp = g->b_pack + ((size_t)(j / GEMM_NR) * g->K + k0) * GEMM_NR;
+            for (int i = i_begin; i < i_end; i += GEMM_MR) {
+                const float* ap = g->a_pack + ((size_t)(i / GEMM_MR) * g->K + k0) * GEMM_MR;
+                gemm_micro_tile(g, kc, ap, bp, i, j, load_c);
+            }
+        }
+    }
+    for (int i = i_begin; i < i_end; i++) {
+        float* c = g->c + (size_t)i * g->ldc;
+        if (g->K == 0 && !g->accumulate)
+            for (int j = j_begin; j < j_end; j++) c[j] = 0.0f;
+        if (g->bias)
+            for (int j = j_begin; j < j_end; j++) c[j] += g->bias[j];
+    }
+}
+
+static void gemm_run(CpuCtx* cx, Gemm* g) {
+    if (g->M <= 0 || g->Nc <= 0) return;
+    g->kernel = cx->gemm_kernel;
+    g->a_panels = (int)task_count(g->M, GEMM_MR);
+    g->b_panels = (int)task_count(g->Nc, GEMM_NR);
+    g->row_tiles = (int)task_count(g->M, GEMM_MC);
+    g->col_tiles = (int)task_count(g->Nc, GEMM_NC);
+    g->a_pack = aligned_alloc_check((size_t)g->a_panels * GEMM_MR * g->K * sizeof(float));
+    g->b_pack = aligned_alloc_check((size_t)g->b_panels * GEMM_NR * g->K * sizeof(float));
+    threadpool_run(cx->pool, g->a_panels + g->b_panels, gemm_pack_task, g);
+    threadpool_run(cx->pool, (int64_t)g->row_tiles * g->col_tiles, gemm_tile_task, g);
+    free(g->a_pack);
+    free(g->b_pack);
+}
+
+// ----------------------------------------------------------------------------
+// matmul
+
+static void cpu_matmul_forward(void* ctx, void* out, const void* inp, const void* w,
+                               const void* bias, int N, int IC, int OC) {
+    // out (N, OC) = inp (N, IC) · wᵀ: B[k][j] = w[j][k].
+    Gemm g = {.M = N, .Nc = OC, .K = IC, .a = inp, .a_rs = (size_t)IC, .a_cs = 1, .b = w,
+              .b_rs = 1, .b_cs = (size_t)IC, .c = out, .ldc = OC, .accumulate = 0, .bias = bias};
+    gemm_run(ctx, &g);
+}
+
+typedef struct DbiasArgs {
+    float* dbias;       // (OC)
+    const float* dout;  // (N, OC)
+    int N, OC;
+} DbiasArgs;
+
+static void matmul_dbias_task(void* arg, int64_t task) {
+    const DbiasArgs* d = arg;
+    int c0 = (int)task * COL_BLOCK, c1 = imin(d->OC, c0 + COL_BLOCK);
+    float acc[COL_BLOCK] = {0};
+    for (int n = 0; n < d->N; n++) {
+        const float* row = d->dout + (size_t)n * d->OC;
+        for (int c = c0; c < c1; c++) acc[c - c0] += row[c];
+    }
+    for (int c = c0; c < c1; c++) d->dbias[c] += acc[c - c0];
+}
+
+static void cpu_matmul_backward(void* ctx, void* dinp, float* dw, float* dbias, const void* dout,
+                                const void* inp, const void* w, int N, int IC, int OC) {
+    if (dinp) {  // dinp (N, IC) = dout (N, OC) · w (OC, IC)
+        Gemm g = {.M = N, .Nc = IC, .K = OC, .a = dout, .a_rs = (size_t)OC, .a_cs = 1, .b = w,
+                  .b_rs = (size_t)IC, .b_cs = 1, .c = dinp, .ldc = IC, .accumulate = 0};
+        gemm_run(ctx, &g);
+    }
+    if (dw) {  // dw (OC, IC) += doutᵀ (OC, N) · inp (N, IC): A[i][k] = dout[k][i]
+        Gemm g = {.M = OC, .Nc = IC, .K = N, .a = dout, .a_rs = 1, .a_cs = (size_t)OC, .b = inp,
+                  .b_rs = (size_t)IC, .b_cs = 1, .c = dw, .ldc = IC, .accumulate = 1};
+        gemm_run(ctx, &g);
+    }
+    if (dbias) {
+        DbiasArgs d = {.dbias = dbias, .dout = dout, .N = N, .OC = OC};
+        threadpool_run(cpu_pool(ctx), task_count(OC, COL_BLOCK), matmul_dbias_task, &d);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// QK-norm + RoPE on packed qkv rows
+
+typedef struct RopeArgs {
+    float* out;            // (N, QKV) forward output / backward dinp
+    float* rstd;           // (N, H + KVH) forward: saved norm rstd, may be NULL
+    const float* inp;      // (N, QKV)
+    const float* dout;     // (N, QKV) backward
+    const float* crstd;    // (N, H + KVH) backward
+    const float* q_norm_w; // (HD) or NULL
+    const float* k_norm_w; // (HD) or NULL
+    const float* cos;      // (T, HD/2)
+    const float* sin;      // (T, HD/2)
+    float* dw_partial;     // (n_tasks, 2, HD) backward: per-task q/k norm weight gradients
+    int N, T, H, KVH, HD, rows_per_task;
+    float eps;
+} RopeArgs;
+
+static void rope_forward_task(void* arg, int64_t task) {
+    const RopeArgs* r = arg;
+    int HD = r->HD, half = HD / 2, heads = r->H + r->KVH, QKV = (r->H + 2 * r->KVH) * HD;
+    float* xn = malloc_check((size_t)HD * sizeof(float));  // normed head
+    int n0 = (int)task * r->rows_per_task, n1 = imin(r->N, n0 + r->rows_per_task);
+    for (int n = n0; n < n1; n++) {
+        const float* cs = r->cos + (size_t)(n % r->T) * half;
+        const float* sn = r->sin + (size_t)(n % r->T) * half;
+        const float* row = r->inp + (size_t)n * QKV;
+        float* orow = r->out + (size_t)n * QKV;
+        for (int hh = 0; hh < heads; hh++) {
+            const float* x = row + (size_t)hh * HD;
+            const float* w = hh < r->H ? r->q_norm_w : r->k_norm_w;
+            if (w) {
+                double ss = 0.0;
+                for (int i = 0; i < HD; i++) ss += (double)x[i] * x[i];
+                float rs = (float)(1.0 / sqrt(ss / HD + r->eps));
+                if (r->rstd) r->rstd[(size_t)n * heads + hh] = rs;
+                for (int i = 0; i < HD; i++) xn[i] = w[i] * (x[i] * rs);
+                x = xn;
+            }
+            float* y = orow + (size_t)hh * HD;
+            for (int i = 0; i < half; i++) {
+                y[i] = x[i] * cs[i] - x[i + half] * sn[i];
+                y[i + half] = x[i + half] * cs[i] + x[i] * sn[i];
+            }
+        }
+        memcpy(orow + (size_t)heads * HD, row + (size_t)heads * HD,
+               (size_t)r->KVH * HD * sizeof(float));
+    }
+    free(xn);
+}
+
+static void cpu_qknorm_rope_forward(void* ctx, void* out, float* rstd, const void* inp,
+                                    const void* q_norm_w, const void* k_norm_w, const float* cos,
+                                    const float* sin, int B, int T, int H, int KVH, int HD,
+                                    float eps) {
+    RopeArgs r = {.out = out, .rstd = rstd, .inp = inp, .q_norm_w = q_norm_w,
+                  .k_norm_w = k_norm_w, .cos = cos, .sin = sin, .N = B * T, .T = T, .H = H,
+                  .KVH = KVH, .HD = HD, .eps = eps,
+                  .rows_per_task = rows_per_task((size_t)(H + 2 * KVH) * HD)};
+    threadpool_run(cpu_pool(ctx), task_count(r.N, r.rows_per_task), rope_forward_task, &r);
+}
+
+static void rope_backward_task(void* arg, int64_t task) {
+    const RopeArgs* r = arg;
+    int HD = r->HD, half = HD / 2, heads = r->H + r->KVH, QKV = (r->H + 2 * r->KVH) * HD;
+    float* dy = malloc_check((size_t)HD * sizeof(float));  // gradient before the rotation
+    float* dwq = r->dw_partial + (size_t)task * 2 * HD;
+    float* dwk = dwq + HD;
+    for (int i = 0; i < 2 * HD; i++) dwq[i] = 0.0f;
+    int n0 = (int)task * r->rows_per_task, n1 = imin(r->N, n0 + r->rows_per_task);
+    for (int n = n0; n < n1; n++) {
+        const float* cs = r->cos + (size_t)(n % r->T) * half;
+        const float* sn = r->sin + (size_t)(n % r->T) * half;
+        const float* drow = r->dout + (size_t)n * QKV;
+        float* dxrow = r->out + (size_t)n * QKV;
+        for (int hh = 0; hh < heads; hh++) {
+            const float* g = drow + (size_t)hh * HD;
+            for (int i = 0; i < half; i++) {  // rotation by -φ
+                dy[i] = g[i] * cs[i] + g[i + half] * sn[i];
+                dy[i + half] = g[i + half] * cs[i] - g[i] * sn[i];
+            }
+            float* dx = dxrow + (size_t)hh * HD;
+            const float* w = hh < r->H ? r->q_norm_w : r->k_norm_w;
+            if (!w) {
+                memcpy(dx, dy, (size_t)HD * sizeof(float));
+                continue;
+            }
+            const float* x = r->inp + (size_t)n * QKV + (size_t)hh * HD;
+            float rs = r->crstd[(size_t)n * heads + hh];
+            float* dw = hh < r->H ? dwq : dwk;
+            double dot = 0.0;
+            for (int i = 0; i < HD; i++) dot += (double)(dy[i] * w[i]) * (double)(x[i] * rs);
+            float mean = (float)(dot / HD);
+            for (int i = 0; i < HD; i++) {
+                float xh = x[i] * rs;
+                dx[i] = rs * (dy[i] * w[i] - xh * mean);
+                dw[i] += dy[i] * xh;
+            }
+        }
+        memcpy(dxrow + (size_t)heads * HD, drow + (size_t)heads * HD,
+               (size_t)r->KVH * HD * sizeof(float));
+    }
+    free(dy);
+}
+
+static void cpu_qknorm_rope_backward(void* ctx, void* dinp, float* dq_norm_w, float* dk_norm_w,
+                                     const void* dout, const void* inp, const void* q_norm_w,
+                                     const void* k_norm_w, const float* rstd, const float* cos,
+                                     const float* sin, int B, int T, int H, int KVH, int HD) {
+    RopeArgs r = {.out = dinp, .inp = inp, .dout = dout, .crstd = rstd, .q_norm_w = q_norm_w,
+                  .k_norm_w = k_norm_w, .cos = cos, .sin = sin, .N = B * T, .T = T, .H = H,
+                  .KVH = KVH, .HD = HD,
+                  .rows_per_task = rows_per_task((size_t)(H + 2 * KVH) * HD)};
+    int64_t n_tasks = task_count(r.N, r.rows_per_task);
+    r.dw_partial = malloc_check((size_t)(n_tasks > 0 ? n_tasks : 1) * 2 * HD * sizeof(float));
+    threadpool_run(cpu_pool(ctx), n_tasks, rope_backward_task, &r);
+    // Ordered reduction of the per-task partials: the same sum order for any thread count.
+    float* dws[2] = {q_norm_w ? dq_norm_w : NULL, k_norm_w ? dk_norm_w : NULL};
+    for (int which = 0; which < 2; which++) {
+        if (!dws[which]) continue;
+        for (int i = 0; i < HD; i++) {
+            float s = 0.0f;
+            for (int64_t tk = 0; tk < n_tasks; tk++) s += r.dw_partial[(size_t)tk * 2 * HD + which * HD + i];
+            dws[which][i] += s;
+        }
+    }
+    free(r.dw_partial);
+}
+
+// ----------------------------------------------------------------------------
+// causal grouped-query attention
+
+#define ATT_BLOCK 16  // query rows (forward, dq) or key rows (dk, dv) per task
+
+typedef struct AttnArgs {
+    float* out;          // (N, H*HD) forward output
+    float* lse;          // (B, H, T) forward
+    float* dqkv;         // (N, QKV) backward
+    float* dsum;         // (B, H, T) backward: D = rowsum(dO ∘ O), written by the dq pass
+    const float* qkv;    // (N, QKV)
+    const float* dout;   // (N, H*HD)
+    const float* cout;   // (N, H*HD) saved forward output
+    const float* clse;   // (B, H, T)
+    int B, T, H, KVH, HD, QKV, blocks;
+    float scale;         // 1/sqrt(HD)
+} AttnArgs;
+
+// Pointers into a packed qkv row: query head h, kv head g.
+static const float* attn_q(const AttnArgs* a, int b, int t, int h) {
+    return a->qkv + (size_t)(b * a->T + t) * a->QKV + (size_t)h * a->HD;
+}
+static const float* attn_k(const AttnArgs* a, int b, int t, int g) {
+    return a->qkv + (size_t)(b * a->T + t) * a->QKV + (size_t)(a->H + g) * a->HD;
+}
+static const float* attn_v(const AttnArgs* a, int b, int t, int g) {
+    return a->qkv + (size_t)(b * a->T + t) * a->QKV + (size_t)(a->H + a->KVH + g) * a->HD;
+}
+
+// Task = (b, h, block of query rows). Two passes per row: scaled logits and their max, then
+// exponentials, their sum, and the weighted sum of values.
+static void attention_forward_task(void* arg, int64_t task) {
+    const AttnArgs* a = arg;
+    int blk = (int)(task % a->blocks), h = (int)(task / a->blocks % a->H);
+    int b = (int)(task / a->blocks / a->H), g = h / (a->H / a->KVH), HD = a->HD;
+    float* s = malloc_check((size_t)a->T * sizeof(float));  // logits, then probabilities
+    float* acc = malloc_check((size_t)HD * sizeof(float));
+    int t0 = blk * ATT_BLOCK, t1 = imin(a->T, t0 + ATT_BLOCK);
+    for (int t = t0; t < t1; t++) {
+        const float* q = attn_q(a, b, t, h);
+        float mx = -INFINITY;
+        for (int j = 0; j <= t; j++) {
+            s[j] = vec_dot(q, attn_k(a, b, j, g), HD) * a->scale;
+            if (s[j] > mx) mx = s[j];
+        }
+        double sum = 0.0;
+        for (int j = 0; j <= t; j++) {
+            s[j] = expf(s[j] - mx);
+            sum += s[j];
+        }
+        for (int i = 0; i < HD; i++) acc[i] = 0.0f;
+        for (int j = 0; j <= t; j++) vec_axpy(acc, s[j], attn_v(a, b, j, g), HD);
+        float inv = (float)(1.0 / sum);
+        float* o = a->out + (size_t)(b * a->T + t) * a->H * HD + (size_t)h * HD;
+        for (int i = 0; i < HD; i++) o[i] = acc[i] * inv;
+        a->lse[((size_t)b * a->H + h) * a->T + t] = mx + (float)log(sum);
+    }
+    free(s);
+    free(acc);
+}
+
+static void cpu_attention_forward(void* ctx, void* out, float* lse, const void* qkv, int B, int T,
+                                  int H, int KVH, int HD) {
+    AttnArgs a = {.out = out, .lse = lse, .qkv = qkv, .B = B, .T = T, .H = H, .KVH = KVH,
+                  .HD = HD, .QKV = (H + 2 * KVH) * HD, .blocks = (int)task_count(T, ATT_BLOCK),
+                  .scale = 1.0f / sqrtf((float)HD)};
+    threadpool_run(cpu_pool(ctx), (int64_t)B * H * a.blocks, attention_forward_task, &a);
+}
+
+// dS for one (query t, key j) pair: P = exp(s - lse), dS = P (dO·v - D). Both backward passes
+// recompute it the same way so they agree exactly.
+static float attn_ds(const AttnArgs* a, const float* q, const float* k, const float* v,
+                     const float* dO, float lse, float D, float* p_out) {
+    float p = expf(vec_dot(q, k, a->HD) * a->scale - lse);
+    *p_out = p;
+    return p * (vec_dot(dO, v, a->HD) - D);
+}
+
+// Pass 1, task = (b, h, block of query rows): D and dq = scale · Σ_j dS_tj k_j.
+static void attention_backward_dq_task(void* arg, int64_t task) {
+    const AttnArgs* a = arg;
+    int blk = (int)(task % a->blocks), h = (int)(task / a->blocks % a->H);
+    int b = (int)(task / a->blocks / a->H), g = h / (a->H / a->KVH), HD = a->HD;
+    float* acc = malloc_check((size_t)HD * sizeof(float));
+    int t0 = blk * ATT_BLOCK, t1 = imin(a->T, t0 + ATT_BLOCK);
+    for (int t = t0; t < t1; t++) {
+        size_t orow = (size_t)(b * a->T + t) * a->H * HD + (size_t)h * HD;
+        const float* dO = a->dout + orow;
+        size_t bht = ((size_t)b * a->H + h) * a->T + t;
+        float D = vec_dot(dO, a->cout + orow, HD);
+        a->dsum[bht] = D;
+        const float* q = attn_q(a, b, t, h);
+        for (int i = 0; i < HD; i++) acc[i] = 0.0f;
+        for (int j = 0; j <= t; j++) {
+            float p;
+            float ds = attn_ds(a, q, attn_k(a, b, j, g), attn_v(a, b, j, g), dO, a->clse[bht], D, &p);
+            vec_axpy(acc, ds, attn_k(a, b, j, g), HD);
+        }
+        float* dq = a->dqkv + (size_t)(b * a->T + t) * a->QKV + (size_t)h * HD;
+        for (int i = 0; i < HD; i++) dq[i] = acc[i] * a->scale;
+    }
+    free(acc);
+}
+
+// Pass 2, task = (b, kv head g, block of key rows): dk = scale · Σ dS q and dv = Σ P dO over the
+// query heads of the group (in head order) and the query rows t >= j (in row order).
+static void attention_backward_dkv_task(void* arg, int64_t task) {
+    const AttnArgs* a = arg;
+    int blk = (int)(task % a->blocks), g = (int)(task / a->blocks % a->KVH);
+    int b = (int)(task / a->blocks / a->KVH), group = a->H / a->KVH, HD = a->HD;
+    int j0 = blk * ATT_BLOCK, j1 = imin(a->T, j0 + ATT_BLOCK);
+    float* dk = calloc_check((size_t)ATT_BLOCK * HD, sizeof(float));
+    float* dv = calloc_check((size_t)ATT_BLOCK * HD, sizeof(float));
+    for (int h = g * group; h < (g + 1) * group; h++) {
+        for (int t = j0; t < a->T; t++) {
+            const float* q = attn_q(a, b, t, h);
+            const float* dO = a->dout + (size_t)(b * a->T + t) * a->H * HD + (size_t)h * HD;
+            size_t bht = ((size_t)b * a->H + h) * a->T + t;
+            int jend = imin(j1, t + 1);
+            for (int j = j0; j < jend; j++) {
+                float p;
+                float ds = attn_ds(a, q, attn_k(a, b, j, g), attn_v(a, b, j, g), dO, a->clse[bht],
+                                   a->dsum[bht], &p);
+                vec_axpy(dk + (size_t)(j - j0) * HD, ds, q, HD);
+                vec_axpy(dv + (size_t)(j - j0) * HD, p, dO, HD);
+            }
+        }
+    }
+    for (int j = j0; j < j1; j++) {
+        float* dkr = a->dqkv + (size_t)(b * a->T + j) * a->QKV + (size_t)(a->H + g) * HD;
+        float* dvr = dkr + (size_t)a->KVH * HD;
+        for (int i = 0; i < HD; i++) {
+            dkr[i] = dk[(size_t)(j - j0) * HD + i] * a->scale;
+            dvr[i] = dv[(size_t)(j - j0) * HD + i];
+        }
+    }
+    free(dk);
+    free(dv);
+}
+
+static void cpu_attention_backward(void* ctx, void* dqkv, const void* dout, const void* qkv,
+                                   const void* out, const float* lse, int B, int T, int H, int KVH,
+                                   int HD) {
+    AttnArgs a = {.dqkv = dqkv, .qkv = qkv, .dout = dout, .cout = out, .clse = lse, .B = B,
+                  .T = T, .H = H, .KVH = KVH, .HD = HD, .QKV = (H + 2 * KVH) * HD,
+                  .blocks = (int)task_count(T, ATT_BLOCK), .scale = 1.0f / sqrtf((float)HD)};
+    size_t n_bht = (size_t)B * H * T;
+    a.dsum = malloc_check((n_bht > 0 ? n_bht : 1) * sizeof(float));
+    // Pass 2 reads D of every query row of its group, so pass 1 must finish first.
+    threadpool_run(cpu_pool(ctx), (int64_t)B * H * a.blocks, attention_backward_dq_task, &a);
+    threadpool_run(cpu_pool(ctx), (int64_t)B * KVH * a.blocks, attention_backward_dkv_task, &a);
+    free(a.dsum);
+}
+
+// ----------------------------------------------------------------------------
+// SwiGLU
+
+typedef struct SwigluArgs {
+    float* out;         // (N, F) forward / (N, 2F) backward dgu
+    const float* gu;    // (N, 2F) = [gate | up]
+    const float* dout;  // (N, F)
+    int N, F, rows_per_task;
+} SwigluArgs;
+
+static float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+static void swiglu_forward_task(void* arg, int64_t task) {
+    const SwigluArgs* s = arg;
+    int n0 = (int)task * s->rows_per_task, n1 = imin(s->N, n0 + s->rows_per_task);
+    for (int n = n0; n < n1; n++) {
+        const float* gate = s->gu + (size_t)n * 2 * s->F;
+        const float* up = gate + s->F;
+        float* o = s->out + (size_t)n * s->F;
+        for (int i = 0; i < s->F; i++) o[i] = gate[i] * sigmoidf(gate[i]) * up[i];
+    }
+}
+
+static void cpu_swiglu_forward(void* ctx, void* out, const void* gu, int N, int F) {
+    SwigluArgs s = {.out = out, .gu = gu, .N = N, .F = F, .rows_per_task = rows_per_task((size_t)F)};
+    threadpool_run(cpu_pool(ctx), task_count(N, s.rows_per_task), swiglu_forward_task, &s);
+}
+
+// du = dy silu(a); da = dy u σ(a) (1 + a (1 - σ(a))) (FORMATS_AND_MODELS.md §5.5).
+static void swiglu_backward_task(void* arg, int64_t task) {
+    const SwigluArgs* s = arg;
+    int n0 = (int)task * s->rows_per_task, n1 = imin(s->N, n0 + s->rows_per_task);
+    for (int n = n0; n < n1; n++) {
+        const float* gate = s->gu + (size_t)n * 2 * s->F;
+        const float* up = gate + s->F;
+        const float* dy = s->dout + (size_t)n * s->F;
+        float* dgate = s->out + (size_t)n * 2 * s->F;
+        float* dup = dgate + s->F;
+        for (int i = 0; i < s->F; i++) {
+            float a = gate[i], sg = sigmoidf(a);
+            dup[i] = dy[i] * (a * sg);
+            dgate[i] = dy[i] * up[i] * sg * (1.0f + a * (1.0f - sg));
+        }
+    }
+}
+
+static void cpu_swiglu_backward(void* ctx, void* dgu, const void* dout, const void* gu, int N,
+                                int F) {
+    SwigluArgs s = {.out = dgu, .gu = gu, .dout = dout, .N = N, .F = F,
+                    .rows_per_task = rows_per_task((size_t)F)};
+    threadpool_run(cpu_pool(ctx), task_count(N, s.rows_per_task), swiglu_backward_task, &s);
+}
+
+// ----------------------------------------------------------------------------
+// elementwise add
+
+#define ADD_CHUNK 65536
+
+typedef struct AddArgs {
+    float* out;
+    const float* a;
+    const float* b;
+    size_t n;
+} AddArgs;
+
+static void add_task(void* arg, int64_t task) {
+    const AddArgs* d = arg;
+    size_t i0 = (size_t)task * ADD_CHUNK, i1 = i0 + ADD_CHUNK < d->n ? i0 + ADD_CHUNK : d->n;
+    for (size_t i = i0; i < i1; i++) d->out[i] = d->a[i] + d->b[i];
+}
+
+static void cpu_add(void* ctx, void* out, const void* a, const void* b, size_t n) {
+    AddArgs d = {.out = out, .a = a, .b = b, .n = n};
+    threadpool_run(cpu_pool(ctx), task_count((int64_t)n, ADD_CHUNK), add_task, &d);
+}
+
+// ----------------------------------------------------------------------------
+// softmax cross-entropy
+
+typedef struct XentArgs {
+    float* logits;           // (n, V), overwritten by dlogits when compute_grad
+    float* losses;           // (n)
+    const int32_t* targets;  // (n)
+    int n, V, rows_per_task, compute_grad;
+    float grad_scale;
+} XentArgs;
+
+static void crossentropy_task(void* arg, int64_t task) {
+    const XentArgs* x = arg;
+    int i0 = (int)task * x->rows_per_task, i1 = imin(x->n, i0 + x->rows_per_task);
+    for (int i = i0; i < i1; i++) {
+        float* z = x->logits + (size_t)i * x->V;
+        int y = x->targets[i];
+        if (y < 0) {  // ignored position
+            if (x->losses) x->losses[i] = 0.0f;
+            if (x->compute_grad) memset(z, 0, (size_t)x->V * sizeof(float));
+            continue;
+        }
+        if (y >= x->V) fatal("crossentropy: target %d outside [0, %d)", y, x->V);
+        float zy = z[y];
+        float mx = -INFINITY;
+        for (int j = 0; j < x->V; j++) mx = z[j] > mx ? z[j] : mx;
+        // The exponentials are kept in place when the gradient is wanted (one expf per logit).
+        double sum = 0.0;
+        for (int j = 0; j < x->V; j++) {
+            float e = expf(z[j] - mx);
+            sum += e;
+            if (x->compute_grad) z[j] = e;
+        }
+        if (x->losses) x->losses[i] = (float)((double)mx + log(sum) - (double)zy);
+        if (x->compute_grad) {
+            float inv = (float)(1.0 / sum);
+            float py = z[y] * inv;
+            for (int j = 0; j < x->V; j++) z[j] = (z[j] * inv) * x->grad_scale;
+            z[y] = (py - 1.0f) * x->grad_scale;
+        }
+    }
+}
+
+static void cpu_crossentropy_forward_backward(void* ctx, void* logits, float* losses,
+                                              const int32_t* targets, int n, int V,
+                                              float grad_scale, int compute_grad) {
+    XentArgs x = {.logits = logits, .losses = losses, .targets = targets, .n = n, .V = V,
+                  .rows_per_task = rows_per_task((size_t)V), .compute_grad = compute_grad,
+                  .grad_scale = grad_scale};
+    threadpool_run(cpu_pool(ctx), task_count(n, x.rows_per_task), crossentropy_task, &x);
+}
+
+// ----------------------------------------------------------------------------
+// the table
+
+void* ops_cpu_create(int n_threads) {
+    CpuCtx* cx = calloc_check(1, sizeof(CpuCtx));
+    cx->pool = threadpool_create(n_threads);
+    cx->gemm_kernel = gemm_pick_kernel();
+    return cx;
+}
+
+void ops_cpu_destroy(void* ctx) {
+    if (!ctx) return;
+    CpuCtx* cx = ctx;
+    threadpool_destroy(cx->pool);
+    free(cx);
+}
+
+const Ops ops_cpu = {
+    .name = "cpu",
+    .act_bytes = 4,
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .zero = cpu_zero,
+    .copy = cpu_copy,
+    .upload_f32 = cpu_upload_f32,
+    .download_f32 = cpu_download_f32,
+    .upload = cpu_upload,
+    .download = cpu_download,
+    .synchronize = cpu_synchronize,
+    .embedding_forward = cpu_embedding_forward,
+    .embedding_backward = cpu_embedding_backward,
+    .rmsnorm_forward = cpu_rmsnorm_forward,
+    .residual_rmsnorm_forward = cpu_residual_rmsnorm_forward,
+    .rmsnorm_backward = cpu_rmsnorm_backward,
+    .matmul_forward = cpu_matmul_forward,
+    .matmul_backward = cpu_matmul_backward,
+    .qknorm_rope_forward = cpu_qknorm_rope_forward,
+    .qknorm_rope_backward = cpu_qknorm_rope_backward,
+    .attention_forward = cpu_attention_forward,
+    .attention_backward = cpu_attention_backward,
+    .swiglu_forward = cpu_swiglu_forward,
+    .swiglu_backward = cpu_swiglu_backward,
+    .add = cpu_add,
+    .crossentropy_forward_backward = cpu_crossentropy_forward_backward,
+};

@@ -1,0 +1,56 @@
+/*
+ * plain.h — plain (non-pipelined) training on one backend: every layer of the layer sequence in
+ * order for each micro-batch, the fused loss stage, then the backward deepest first. It is the
+ * reference the RoundPipe engine is tested against, and the `--device cpu` path.
+ *
+ * Parameters and gradients live in the host Store. On the CPU backend the device slabs ARE the
+ * store's slabs (no copies); other backends get device slabs that plain_sync_params() uploads and
+ * plain_sync_grads() downloads.
+ */
+#ifndef LLMC_PLAIN_H
+#define LLMC_PLAIN_H
+
+#include <stdint.h>
+
+#include "model.h"
+#include "ops.h"
+#include "store.h"
+
+typedef struct Plain {
+    const Model* m;
+    Store* s;
+    const Ops* ops;
+    void* ctx;
+    Workspace* ws;
+    int B, T;        // micro-batch capacity
+    int recompute;   // 1: keep only block inputs and recompute each block in the backward
+    int aliased;     // device slabs are the host store's slabs
+    void** dparam;   // (n_layers) device parameter slabs (compute dtype)
+    float** dgrad;   // (n_layers) device fp32 gradient slabs
+    void** x;        // (L+1) residual stream: x[l] is the input of block l, x[L] of the postfix
+    void* dres;      // (N, C) residual-stream gradient
+    int32_t* ids;    // (N) device
+    int32_t* targets;  // (N) device
+    float* losses;   // (N) device
+    int32_t* ids_host;
+    int32_t* targets_host;
+    float* losses_host;
+} Plain;
+
+Plain* plain_create(const Model* m, Store* s, const Ops* ops, void* ctx, int B, int T,
+                    int recompute);
+void plain_free(Plain* p);
+// Copy the store's parameters to the device slabs (no-op when aliased).
+void plain_sync_params(Plain* p);
+// Add the device gradients into the store and zero them (no-op when aliased).
+void plain_sync_grads(Plain* p);
+
+// One micro-batch: tokens (B, T+1) host. Gradients (scaled by grad_scale) accumulate on the
+// device slabs. Returns the sum of the B*T per-token losses.
+double plain_forward_backward(Plain* p, const int32_t* tokens, int B, int T, float grad_scale);
+// Forward only: the sum of the per-token losses.
+double plain_forward_loss(Plain* p, const int32_t* tokens, int B, int T);
+// Logits (V, host fp32) after the last of n tokens of one sequence (n <= T).
+void plain_logits_last(Plain* p, const int32_t* tokens, int n, float* logits);
+
+#endif  // LLMC_PLAIN_H

@@ -1,0 +1,158 @@
+/*
+ * store.c — host layer store: allocation, init, loading from safetensors, tied-gradient folding.
+ */
+#include "store.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+#include "rng.h"
+
+static float* slab_alloc(int64_t n) {
+    if (n <= 0) return NULL;
+    float* p = aligned_alloc_check((size_t)n * sizeof(float));
+    memset(p, 0, (size_t)n * sizeof(float));
+    return p;
+}
+
+void store_create(Store* s, const TensorTable* tt) {
+    memset(s, 0, sizeof *s);
+    s->tt = tt;
+    s->n_layers = tt->n_layers;
+    s->param = calloc_check((size_t)s->n_layers, sizeof(float*));
+    s->grad = calloc_check((size_t)s->n_layers, sizeof(float*));
+    s->m = calloc_check((size_t)s->n_layers, sizeof(float*));
+    s->v = calloc_check((size_t)s->n_layers, sizeof(float*));
+    for (int l = 0; l < s->n_layers; l++) {
+        s->param[l] = slab_alloc(tt->param_numel[l]);
+        s->grad[l] = slab_alloc(tt->grad_numel[l]);
+        s->m[l] = slab_alloc(tt->param_numel[l]);
+        s->v[l] = slab_alloc(tt->param_numel[l]);
+    }
+}
+
+void store_free(Store* s) {
+    for (int l = 0; l < s->n_layers; l++) {
+        free(s->param[l]);
+        free(s->grad[l]);
+        free(s->m[l]);
+        free(s->v[l]);
+    }
+    free(s->param);
+    free(s->grad);
+    free(s->m);
+    free(s->v);
+    memset(s, 0, sizeof *s);
+}
+
+float* store_param(const Store* s, int i) {
+    const TensorDesc* d = &s->tt->t[i];
+    return s->param[d->owner_layer] + d->param_offset;
+}
+
+float* store_grad(const Store* s, int i) {
+    const TensorDesc* d = &s->tt->t[i];
+    return s->grad[d->layer] + d->grad_offset;
+}
+
+void store_init_random(Store* s, uint32_t seed, float std) {
+    Rng rng;
+    rng_seed(&rng, seed);
+    for (int i = 0; i < s->tt->n; i++) {
+        const TensorDesc* d = &s->tt->t[i];
+        if (d->tied_to >= 0) continue;
+        float* p = store_param(s, i);
+        if (d->ndim == 1) {
+            for (int64_t j = 0; j < d->numel; j++) p[j] = 1.0f;
+        } else {
+            for (int64_t j = 0; j < d->numel; j++) p[j] = std * rng_normal(&rng);
+        }
+    }
+}
+
+int store_load(Store* s, const StCheckpoint* ck, int* n_unused, char* err) {
+    const TensorTable* tt = s->tt;
+    char terr[ERR_LEN];
+    for (int i = 0; i < tt->n; i++) {
+        const TensorDesc* d = &tt->t[i];
+        if (d->tied_to >= 0) continue;
+        const StTensor* st = st_checkpoint_find(ck, d->hf_name);
+        if (!st) return errorf(err, "checkpoint has no tensor '%s'", d->hf_name);
+        int shape_ok = st->ndim == d->ndim;
+        for (int k = 0; shape_ok && k < d->ndim; k++) shape_ok = st->shape[k] == d->shape[k];
+        if (!shape_ok) {
+            char want[64], got[64];
+            if (d->ndim == 1) snprintf(want, sizeof want, "[%lld]", (long long)d->shape[0]);
+            else snprintf(want, sizeof want, "[%lld, %lld]", (long long)d->shape[0], (long long)d->shape[1]);
+            int off = snprintf(got, sizeof got, "[");
+            for (int k = 0; k < st->ndim && off < (int)sizeof got - 24; k++)
+                off += snprintf(got + off, sizeof got - off, k ? ", %lld" : "%lld", (long long)st->shape[k]);
+            snprintf(got + off, sizeof got - off, "]");
+            return errorf(err, "%s: tensor '%s' has shape %s, the config needs %s", st->file,
+                          d->hf_name, got, want);
+        }
+        if (st_tensor_to_f32(st, store_param(s, i), d->numel, terr) != 0)
+            return errorf(err, "%s", terr);
+    }
+    // Report checkpoint tensors we do not use. A tied model may carry lm_head.weight: accept it
+    // only if it equals the embedding, otherwise tying would silently change the model.
+    int unused = 0;
+    for (int k = 0; k < ck->n_tensors; k++) {
+        const char* name = ck->tensors[k]->name;
+        if (tensor_table_find_hf(tt, name) >= 0) continue;
+        int head = tensor_table_index(tt, TK_LM_HEAD, -1);
+        if (strcmp(name, "lm_head.weight") == 0 && head >= 0 && tt->t[head].tied_to >= 0) {
+            const TensorDesc* d = &tt->t[head];
+            float* tmp = malloc_check((size_t)d->numel * sizeof(float));
+            int bad = ck->tensors[k]->numel != d->numel ||
+                      st_tensor_to_f32(ck->tensors[k], tmp, d->numel, terr) != 0 ||
+                      memcmp(tmp, store_param(s, head), (size_t)d->numel * sizeof(float)) != 0;
+            free(tmp);
+            if (bad)
+                return errorf(err, "%s: lm_head.weight differs from the embedding but the config "
+                                   "ties them (tie_word_embeddings)", ck->tensors[k]->file);
+            continue;
+        }
+        unused++;
+    }
+    if (n_unused) *n_unused = unused;
+    return 0;
+}
+
+void store_zero_grads(Store* s) {
+    for (int l = 0; l < s->n_layers; l++)
+        if (s->grad[l]) memset(s->grad[l], 0, (size_t)s->tt->grad_numel[l] * sizeof(float));
+}
+
+void store_fold_tied_grads(Store* s) {
+    for (int i = 0; i < s->tt->n; i++) {
+        const TensorDesc* d = &s->tt->t[i];
+        if (d->tied_to < 0) continue;
+        float* src = store_grad(s, i);
+        float* dst = store_grad(s, d->tied_to);
+        for (int64_t j = 0; j < d->numel; j++) {
+            dst[j] += src[j];
+            src[j] = 0.0f;
+        }
+    }
+}
+
+int store_adamw_tensors(const Store* s, AdamWTensor* out) {
+    int n = 0;
+    for (int i = 0; i < s->tt->n; i++) {
+        const TensorDesc* d = &s->tt->t[i];
+        if (d->tied_to >= 0) continue;
+        out[n].param = store_param(s, i);
+        out[n].grad = store_grad(s, i);
+        out[n].m = s->m[d->owner_layer] + d->param_offset;
+        out[n].v = s->v[d->owner_layer] + d->param_offset;
+        out[n].n = (size_t)d->numel;
+        out[n].decay = d->decay;
+        out[n].out_bf16 = NULL;
+        n++;
+    }
+    return n;
+}

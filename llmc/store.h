@@ -1,0 +1,49 @@
+/*
+ * store.h — the host layer store: per layer of the layer sequence one contiguous slab each of
+ * fp32 parameters (the optimizer's master copy), fp32 gradient accumulators, AdamW m and v.
+ *
+ * Parameter slabs hold the tensors a layer OWNS; gradient slabs the tensors it USES (tensor.h), so
+ * a tied LM head has gradient space in the postfix and storage in the prefix; store_fold_tied_grads
+ * sums such gradients into the owner before the optimizer step. Slabs are 64-byte aligned.
+ */
+#ifndef LLMC_STORE_H
+#define LLMC_STORE_H
+
+#include <stdint.h>
+
+#include "adamw.h"
+#include "config.h"
+#include "safetensors.h"
+#include "tensor.h"
+#include "threads.h"
+
+typedef struct Store {
+    const TensorTable* tt;
+    int n_layers;
+    float** param;  // (n_layers) fp32 parameter slabs (NULL when a layer owns nothing)
+    float** grad;   // (n_layers) fp32 gradient slabs
+    float** m;      // (n_layers) AdamW first moments (same layout as param)
+    float** v;      // (n_layers) AdamW second moments
+    int64_t step;   // optimizer steps taken
+} Store;
+
+void store_create(Store* s, const TensorTable* tt);
+void store_free(Store* s);
+
+// Parameter / gradient of tensor i of the table.
+float* store_param(const Store* s, int i);
+float* store_grad(const Store* s, int i);
+
+// Seeded random init (HF style): matrices and embeddings ~ N(0, std), norms = 1.
+void store_init_random(Store* s, uint32_t seed, float std);
+// Load every owned tensor by HF name from a checkpoint, checking shapes; extra tensors in the
+// checkpoint are reported in *n_unused (a tied model's lm_head.weight is accepted if equal).
+int store_load(Store* s, const StCheckpoint* ck, int* n_unused, char* err);
+
+void store_zero_grads(Store* s);
+// Add the gradient of every tied tensor into its owner's gradient (and zero the tied slot).
+void store_fold_tied_grads(Store* s);
+// Fill out[] with one AdamWTensor per owned tensor; returns the count (<= tt->n).
+int store_adamw_tensors(const Store* s, AdamWTensor* out);
+
+#endif  // LLMC_STORE_H

@@ -1,0 +1,144 @@
+/*
+ * test_common.c — checked helpers, number parsing, float conversions, the thread pool, the RNG.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../common.h"
+#include "../rng.h"
+#include "../threads.h"
+#include "testing.h"
+
+static void test_common_parse_numbers(TestCtx* t) {
+    int64_t i;
+    double d;
+    CHECK(t, parse_int64("42", &i) == 0 && i == 42, "42");
+    CHECK(t, parse_int64("-7", &i) == 0 && i == -7, "-7");
+    CHECK(t, parse_int64("", &i) != 0, "empty");
+    CHECK(t, parse_int64("12x", &i) != 0, "trailing garbage");
+    CHECK(t, parse_int64("99999999999999999999", &i) != 0, "overflow");
+    CHECK(t, parse_double("3e-4", &d) == 0 && d == 3e-4, "3e-4");
+    CHECK(t, parse_double("nan", &d) != 0, "nan rejected");
+    CHECK(t, parse_double("inf", &d) != 0, "inf rejected");
+    CHECK(t, parse_double("1.5.2", &d) != 0, "garbage");
+    size_t s;
+    CHECK(t, size_mul(SIZE_MAX / 2, 3, &s) != 0, "size_mul overflow");
+    CHECK(t, size_add(SIZE_MAX, 1, &s) != 0, "size_add overflow");
+    CHECK(t, size_mul(1000, 1000, &s) == 0 && s == 1000000, "size_mul");
+}
+
+static void test_common_float_conversions(TestCtx* t) {
+    // bf16: exact values, round to nearest even, NaN stays NaN
+    CHECK(t, bf16_to_f32(f32_to_bf16(1.0f)) == 1.0f, "bf16 1");
+    CHECK(t, bf16_to_f32(f32_to_bf16(-2.5f)) == -2.5f, "bf16 -2.5");
+    float x = 1.0f + 1.0f / 256.0f;  // halfway between two bf16 values: ties to even (1.0)
+    CHECK(t, bf16_to_f32(f32_to_bf16(x)) == 1.0f, "bf16 tie to even");
+    x = 1.0f + 3.0f / 256.0f;  // halfway: ties to even (1 + 4/256)
+    CHECK(t, bf16_to_f32(f32_to_bf16(x)) == 1.0f + 4.0f / 256.0f, "bf16 tie up to even");
+    CHECK(t, isnan(bf16_to_f32(f32_to_bf16(NAN))), "bf16 nan");
+    // fp16: a sweep of all 65536 halves round-trips (NaNs stay NaN)
+    int bad = 0;
+    for (uint32_t h = 0; h < 65536; h++) {
+        float f = f16_to_f32((uint16_t)h);
+        uint16_t back = f32_to_f16(f);
+        if (isnan(f)) {
+            if (!isnan(f16_to_f32(back))) bad++;
+        } else if (back != h) {
+            bad++;
+        }
+    }
+    CHECK(t, bad == 0, "%d fp16 values do not round-trip", bad);
+    CHECK(t, f16_to_f32(0x3c00) == 1.0f && f16_to_f32(0xc000) == -2.0f, "fp16 values");
+    CHECK(t, f16_to_f32(0x0001) == ldexpf(1.0f, -24), "fp16 smallest subnormal");
+    CHECK(t, f32_to_f16(65520.0f) == 0x7c00, "fp16 overflow to inf");
+}
+
+typedef struct SumArg {
+    int64_t* out;
+} SumArg;
+
+static void sum_task(void* arg, int64_t i) {
+    SumArg* a = arg;
+    a->out[i] = i * i;
+}
+
+static void test_common_threadpool(TestCtx* t) {
+    for (int threads = 1; threads <= 4; threads++) {
+        ThreadPool* pool = threadpool_create(threads);
+        int64_t out[257];
+        int errors = 0;
+        // many short runs back to back: catches lost wake-ups and generation mix-ups
+        for (int rep = 0; rep < 2000; rep++) {
+            int64_t n = 1 + rep % 257;
+            memset(out, 0xff, sizeof out);
+            SumArg a = {out};
+            threadpool_run(pool, n, sum_task, &a);
+            for (int64_t i = 0; i < n; i++)
+                if (out[i] != i * i) errors++;
+            for (int64_t i = n; i < 257; i++)
+                if (out[i] != -1) errors++;
+        }
+        CHECK(t, errors == 0, "%d wrong task results with %d threads", errors, threads);
+        threadpool_destroy(pool);
+    }
+}
+
+static void test_common_rng(TestCtx* t) {
+    Rng a, b;
+    rng_seed(&a, 5489u);
+    // The reference mt19937 with the default seed 5489 yields 3499211612 first.
+    CHECK(t, rng_u32(&a) == 3499211612u, "mt19937 first output");
+    rng_seed(&a, 7);
+    rng_seed(&b, 7);
+    int same = 1;
+    for (int i = 0; i < 1000; i++) same &= rng_u32(&a) == rng_u32(&b);
+    CHECK(t, same, "same seed, same stream");
+    double mean = 0, var = 0;
+    const int n = 100000;
+    for (int i = 0; i < n; i++) {
+        double x = rng_normal(&a);
+        mean += x;
+        var += x * x;
+    }
+    mean /= n;
+    var = var / n - mean * mean;
+    CHECK(t, fabs(mean) < 0.02 && fabs(var - 1.0) < 0.03, "normal mean %g var %g", mean, var);
+    uint64_t counts[7] = {0};
+    for (int i = 0; i < 70000; i++) counts[rng_below(&a, 7)]++;
+    int ok = 1;
+    for (int i = 0; i < 7; i++) ok &= counts[i] > 9400 && counts[i] < 10600;
+    CHECK(t, ok, "rng_below roughly uniform");
+    uint32_t perm[100];
+    for (uint32_t i = 0; i < 100; i++) perm[i] = i;
+    rng_shuffle_u32(&a, perm, 100);
+    int seen[100] = {0}, dup = 0;
+    for (int i = 0; i < 100; i++) dup += seen[perm[i]]++ != 0;
+    CHECK(t, dup == 0, "shuffle is a permutation");
+}
+
+static void test_common_files(TestCtx* t) {
+    char dir[512], path[600], err[ERR_LEN];
+    test_path(t, dir, sizeof dir, "a/b/c");
+    CHECK(t, mkdir_p(dir, err) == 0, "mkdir_p: %s", err);
+    CHECK(t, dir_exists(dir), "dir exists");
+    snprintf(path, sizeof path, "%s/file.txt", dir);
+    CHECK(t, file_write_atomic(path, "hello", 5, err) == 0, "write: %s", err);
+    size_t len = 0;
+    char* s = file_read_all(path, 100, &len, err);
+    CHECK(t, s && len == 5 && strcmp(s, "hello") == 0, "read back");
+    free(s);
+    CHECK(t, file_read_all(path, 3, &len, err) == NULL && strstr(err, "limit"), "size limit");
+    CHECK(t, file_read_all("/nonexistent/x", 100, &len, err) == NULL && strstr(err, "/nonexistent/x"),
+          "missing file names the path: %s", err);
+    CHECK(t, mkdir_p(path, err) != 0, "mkdir_p over a file fails");
+}
+
+const TestCase tests_common[] = {
+    {"common_parse_numbers", test_common_parse_numbers},
+    {"common_float_conversions", test_common_float_conversions},
+    {"common_threadpool", test_common_threadpool},
+    {"common_rng", test_common_rng},
+    {"common_files", test_common_files},
+    {NULL, NULL},
+};

@@ -1,0 +1,226 @@
+/*
+ * test_config.c — presets, parameter counts, RoPE frequencies (llama3, yarn) against the values
+ * transformers produces, and HF config.json parsing in both RoPE spellings, with bad inputs.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../common.h"
+#include "../config.h"
+#include "testing.h"
+
+static void test_config_presets_counts(TestCtx* t) {
+    char err[ERR_LEN];
+    ModelConfig c;
+    CHECK(t, config_from_preset(&c, "qwen3-1.7b", err) == 0, "%s", err);
+    // FORMATS_AND_MODELS.md §6 / PERFORMANCE_MODEL.md §1.3
+    CHECK(t, config_num_params(&c) == 1720574976ll, "qwen3-1.7b total %lld",
+          (long long)config_num_params(&c));
+    CHECK(t, config_num_matmul_params(&c) == 1720451072ll, "qwen3-1.7b N_mm %lld",
+          (long long)config_num_matmul_params(&c));
+    CHECK_NEAR(t, config_flops_per_token(&c, 2048) / 1e9, 11.027, 0.001, "F_model 1.7b @2048");
+    CHECK(t, c.tied_embeddings && c.qk_norm && c.HD == 128, "qwen3-1.7b shape");
+    CHECK(t, config_from_preset(&c, "qwen3-32b", err) == 0, "%s", err);
+    CHECK(t, config_num_params(&c) == 32762123264ll, "qwen3-32b total %lld",
+          (long long)config_num_params(&c));
+    CHECK(t, config_from_preset(&c, "llama3.1-8b", err) == 0, "%s", err);
+    CHECK(t, config_num_params(&c) == 8030261248ll, "llama3.1-8b total %lld",
+          (long long)config_num_params(&c));
+    CHECK(t, config_num_matmul_params(&c) == 7504658432ll, "llama3.1-8b N_mm");
+    CHECK(t, !c.tied_embeddings && !c.qk_norm && c.rope_type == ROPE_LLAMA3, "llama3.1-8b");
+    for (const char* const* p = config_preset_names(); *p; p++)
+        CHECK(t, config_from_preset(&c, *p, err) == 0, "preset %s: %s", *p, err);
+    CHECK(t, config_from_preset(&c, "qwen4-9b", err) != 0 && strstr(err, "qwen4-9b") &&
+                 strstr(err, "qwen3-1.7b"),
+          "unknown preset error lists presets: %s", err);
+}
+
+static void test_config_rope_llama3(TestCtx* t) {
+    char err[ERR_LEN];
+    ModelConfig c;
+    config_from_preset(&c, "llama3.1-8b", err);
+    float inv[64];
+    float s = config_rope_inv_freq(&c, inv);
+    CHECK(t, s == 1.0f, "no attention scaling");
+    // transformers 5.17 values (FORMATS_AND_MODELS.md §5.3)
+    const double want[10] = {3.942276e-3, 3.211446e-3, 2.166571e-3, 1.371894e-3, 8.56751e-4,
+                             5.24846e-4,  3.12694e-4,  1.78508e-4,  9.5562e-5,   7.7847e-5};
+    for (int i = 0; i < 10; i++)
+        CHECK(t, fabs(inv[27 + i] - want[i]) <= 2e-5 * want[i] + 1e-12, "inv[%d] %.7g vs %.7g",
+              27 + i, inv[27 + i], want[i]);
+    CHECK_NEAR(t, inv[0], 1.0, 1e-7, "inv[0] unchanged");
+}
+
+static void test_config_rope_yarn(TestCtx* t) {
+    ModelConfig c;
+    memset(&c, 0, sizeof c);
+    c.HD = 64;
+    c.rope_theta = 150000;
+    c.rope_type = ROPE_YARN;
+    c.rope_factor = 32;
+    c.rope_original_max_pos = 4096;
+    c.yarn_beta_fast = 32;
+    c.yarn_beta_slow = 1;
+    float inv[32];
+    float s = config_rope_inv_freq(&c, inv);
+    CHECK_NEAR(t, s, 1.3465736, 1e-6, "yarn attention factor");
+    const double want[14] = {0.107024,   0.0737446,  0.0508133,  0.0317057,  0.0193350,
+                             0.0115920,  6.79496e-3, 3.86036e-3, 2.09379e-3, 1.05260e-3,
+                             4.56484e-4, 1.29319e-4, 3.8309e-5,  2.6396e-5};
+    for (int i = 0; i < 14; i++)
+        CHECK(t, fabs(inv[6 + i] - want[i]) <= 2e-5 * want[i], "yarn inv[%d] %.7g vs %.7g", 6 + i,
+              inv[6 + i], want[i]);
+}
+
+static int write_text(TestCtx* t, const char* name, const char* text, char* path, size_t cap) {
+    char err[ERR_LEN];
+    test_path(t, path, cap, name);
+    return file_write_atomic(path, text, strlen(text), err);
+}
+
+static void test_config_hf_json(TestCtx* t) {
+    char path[512], err[ERR_LEN];
+    ModelConfig c;
+    // legacy spelling, llama3 scaling, eos list, no head_dim
+    write_text(t, "legacy.json",
+               "{\"architectures\":[\"LlamaForCausalLM\"],\"model_type\":\"llama\",\"vocab_size\":"
+               "128256,\"hidden_size\":4096,\"intermediate_size\":14336,\"num_hidden_layers\":32,"
+               "\"num_attention_heads\":32,\"num_key_value_heads\":8,\"rms_norm_eps\":1e-05,"
+               "\"rope_theta\":500000.0,\"rope_scaling\":{\"factor\":8.0,\"low_freq_factor\":1.0,"
+               "\"high_freq_factor\":4.0,\"original_max_position_embeddings\":8192,\"rope_type\":"
+               "\"llama3\"},\"tie_word_embeddings\":false,\"bos_token_id\":128000,\"eos_token_id\":"
+               "[128001,128008,128009],\"hidden_act\":\"silu\",\"max_position_embeddings\":131072}",
+               path, sizeof path);
+    CHECK(t, config_from_hf_json(&c, path, err) == 0, "legacy: %s", err);
+    ModelConfig ref;
+    config_from_preset(&ref, "llama3.1-8b", err);
+    CHECK(t, c.family == FAMILY_LLAMA && c.HD == 128 && c.KVH == 8 && c.eos_id == 128001 &&
+                 c.rope_type == ROPE_LLAMA3 && c.rope_factor == 8.0 &&
+                 c.rope_original_max_pos == 8192 && c.rope_theta == 500000.0,
+          "legacy fields");
+    CHECK(t, config_num_params(&c) == config_num_params(&ref), "legacy = preset");
+
+    // transformers-5 spelling, Qwen3 with head_dim != C/H
+    write_text(t, "v5.json",
+               "{\"model_type\":\"qwen3\",\"vocab_size\":151936,\"hidden_size\":2048,"
+               "\"intermediate_size\":6144,\"num_hidden_layers\":28,\"num_attention_heads\":16,"
+               "\"num_key_value_heads\":8,\"head_dim\":128,\"rms_norm_eps\":1e-06,"
+               "\"rope_parameters\":{\"rope_theta\":1000000,\"rope_type\":\"default\"},"
+               "\"tie_word_embeddings\":true,\"layer_types\":[\"full_attention\"],"
+               "\"use_sliding_window\":false,\"sliding_window\":null,\"dtype\":\"bfloat16\"}",
+               path, sizeof path);
+    CHECK(t, config_from_hf_json(&c, path, err) == 0, "v5: %s", err);
+    CHECK(t, c.family == FAMILY_QWEN3 && c.qk_norm && c.tied_embeddings && c.rope_theta == 1e6 &&
+                 c.rope_type == ROPE_DEFAULT && c.HD == 128,
+          "v5 fields");
+    CHECK(t, config_num_params(&c) == 1720574976ll, "v5 qwen3-1.7b count");
+
+    // nested per-layer-type rope_parameters
+    write_text(t, "nested.json",
+               "{\"model_type\":\"qwen3\",\"vocab_size\":100,\"hidden_size\":64,"
+               "\"intermediate_size\":128,\"num_hidden_layers\":2,\"num_attention_heads\":4,"
+               "\"rope_parameters\":{\"full_attention\":{\"rope_theta\":10000,\"rope_type\":"
+               "\"default\"},\"sliding_attention\":{\"rope_theta\":10000,\"rope_type\":"
+               "\"default\"}}}",
+               path, sizeof path);
+    CHECK(t, config_from_hf_json(&c, path, err) == 0 && c.rope_theta == 10000 && c.KVH == 4 &&
+                 c.HD == 16,
+          "nested: %s", err);
+
+    // the committed parity fixtures (written by transformers)
+    const char* fixtures[] = {"dev/parity/fixtures/llama/config.json",
+                              "dev/parity/fixtures/qwen3/config.json"};
+    for (int i = 0; i < 2; i++) {
+        char fpath[4200];
+        snprintf(fpath, sizeof fpath, "%s/%s", t->exe_dir, fixtures[i]);
+        CHECK(t, config_from_hf_json(&c, fpath, err) == 0, "%s: %s", fixtures[i], err);
+    }
+    CHECK(t, c.HD == 32 && c.C == 64 && c.H == 4 && c.tied_embeddings, "qwen3 fixture shape");
+
+    // round trip through our own writer
+    config_from_preset(&ref, "test-llama", err);
+    char* json = config_to_hf_json(&ref);
+    write_text(t, "roundtrip.json", json, path, sizeof path);
+    free(json);
+    CHECK(t, config_from_hf_json(&c, path, err) == 0, "roundtrip: %s", err);
+    float a[8], b[8];
+    config_rope_inv_freq(&ref, a);
+    config_rope_inv_freq(&c, b);
+    CHECK(t, c.V == ref.V && c.C == ref.C && c.F == ref.F && c.KVH == ref.KVH && c.HD == ref.HD &&
+                 c.norm_eps == ref.norm_eps && c.tied_embeddings == ref.tied_embeddings &&
+                 memcmp(a, b, sizeof(float) * (size_t)(ref.HD / 2)) == 0,
+          "roundtrip fields");
+}
+
+static void test_config_hf_json_errors(TestCtx* t) {
+    char path[512], err[ERR_LEN];
+    ModelConfig c;
+    const char* base_ok =
+        "\"vocab_size\":100,\"hidden_size\":64,\"intermediate_size\":128,"
+        "\"num_hidden_layers\":2,\"num_attention_heads\":4";
+    struct {
+        const char* json;
+        const char* must_mention;
+    } cases[] = {
+        {"{\"model_type\":\"llama\",\"hidden_size\":64}", "vocab_size"},
+        {"{\"model_type\":\"mamba\",\"vocab_size\":1}", "mamba"},
+        {"[1,2]", "object"},
+        {"{\"model_type\":\"llama\",\"vocab_size\":\"big\"}", "vocab_size"},
+        {"{\"model_type\":\"llama\",\"vocab_size\":-5}", "vocab_size"},
+        {"{\"model_type\":\"llama\",", "JSON"},
+        {NULL, NULL},
+    };
+    for (int i = 0; cases[i].json; i++) {
+        write_text(t, "bad.json", cases[i].json, path, sizeof path);
+        int rc = config_from_hf_json(&c, path, err);
+        CHECK(t, rc != 0 && strstr(err, cases[i].must_mention) && strstr(err, "bad.json"),
+              "case %d: rc %d err '%s'", i, rc, rc ? err : "");
+    }
+    char buf[1024];
+    struct {
+        const char* extra;
+        const char* must_mention;
+    } more[] = {
+        {"\"num_key_value_heads\":3", "multiple"},
+        {"\"rope_scaling\":{\"rope_type\":\"dynamic\",\"factor\":2}", "dynamic"},
+        {"\"rope_scaling\":{\"rope_type\":\"llama3\",\"factor\":8}", "llama3"},
+        {"\"hidden_act\":\"gelu\"", "gelu"},
+        {"\"tie_word_embeddings\":3", "tie_word_embeddings"},
+        {"\"head_dim\":7", "even"},
+        {"\"rms_norm_eps\":-1", "rms_norm_eps"},
+        {"\"num_hidden_layers\":100000", "limit"},
+        {NULL, NULL},
+    };
+    for (int i = 0; more[i].extra; i++) {
+        // base_ok without the layer count, so a case may set it itself (no duplicate keys)
+        const char* layers = strstr(more[i].extra, "num_hidden_layers") ? "" : ",\"num_hidden_layers\":2";
+        snprintf(buf, sizeof buf,
+                 "{\"model_type\":\"llama\",\"vocab_size\":100,\"hidden_size\":64,"
+                 "\"intermediate_size\":128,\"num_attention_heads\":4%s,%s}",
+                 layers, more[i].extra);
+        write_text(t, "bad2.json", buf, path, sizeof path);
+        int rc = config_from_hf_json(&c, path, err);
+        CHECK(t, rc != 0 && strstr(err, more[i].must_mention), "extra %s: rc %d err '%s'",
+              more[i].extra, rc, rc ? err : "");
+    }
+    // MoE families are recognised but refused with a clear message
+    snprintf(buf, sizeof buf,
+             "{\"model_type\":\"qwen3_moe\",%s,\"num_experts\":8,\"num_experts_per_tok\":2,"
+             "\"moe_intermediate_size\":32}",
+             base_ok);
+    write_text(t, "moe.json", buf, path, sizeof path);
+    CHECK(t, config_from_hf_json(&c, path, err) != 0 && strstr(err, "qwen3moe"), "moe: %s", err);
+    CHECK(t, config_from_hf_json(&c, "/nonexistent/config.json", err) != 0 &&
+                 strstr(err, "/nonexistent/config.json"),
+          "missing file: %s", err);
+}
+
+const TestCase tests_config[] = {
+    {"config_presets_counts", test_config_presets_counts},
+    {"config_rope_llama3", test_config_rope_llama3},
+    {"config_rope_yarn", test_config_rope_yarn},
+    {"config_hf_json", test_config_hf_json},
+    {"config_hf_json_errors", test_config_hf_json_errors},
+    {NULL, NULL},
+};

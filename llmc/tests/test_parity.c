@@ -1,0 +1,128 @@
+/*
+ * test_parity.c — the fp32 CPU model against HF transformers fixtures (dev/parity/fixtures/<name>,
+ * made by dev/parity/make_fixtures.py): loss, every gradient by HF name, and an 8-step AdamW
+ * trajectory with clipping and the matrices-only decay rule.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../adamw.h"
+#include "../checkpoint.h"
+#include "../common.h"
+#include "../model.h"
+#include "../ops.h"
+#include "../plain.h"
+#include "../safetensors.h"
+#include "../store.h"
+#include "testing.h"
+
+static float meta_float(const StFile* f, const char* key) {
+    const char* v = st_meta(f, key);
+    double d = NAN;
+    if (!v || parse_double(v, &d) != 0) return NAN;
+    return (float)d;
+}
+
+static void parity_check(TestCtx* t, const char* name) {
+    char dir[4200], path[4300], err[ERR_LEN];
+    snprintf(dir, sizeof dir, "%s/dev/parity/fixtures/%s", t->exe_dir, name);
+    ModelSource src;
+    if (checkpoint_resolve_model(&src, dir, err) != 0) {
+        CHECK(t, 0, "%s", err);
+        return;
+    }
+    Model m;
+    CHECK(t, model_init(&m, &src.cfg, 0, err) == 0, "%s", err);
+    Store s;
+    store_create(&s, &m.tt);
+    int unused = -1;
+    CHECK(t, store_load(&s, &src.ck, &unused, err) == 0 && unused == 0, "load: %s", err);
+    checkpoint_close_source(&src);
+
+    StFile ex;
+    snprintf(path, sizeof path, "%s/expected.safetensors", dir);
+    if (st_open(&ex, path, err) != 0) {
+        CHECK(t, 0, "%s", err);
+        return;
+    }
+    const StTensor* tok = st_find(&ex, "tokens");
+    CHECK(t, tok && tok->dtype == ST_I32 && tok->ndim == 2, "tokens tensor");
+    const int B = (int)tok->shape[0], T = (int)tok->shape[1] - 1;
+    int32_t* tokens = malloc_check((size_t)B * (T + 1) * sizeof(int32_t));
+    memcpy(tokens, tok->data, (size_t)B * (T + 1) * sizeof(int32_t));
+    float ref_loss;
+    st_tensor_to_f32(st_find(&ex, "loss"), &ref_loss, 1, err);
+
+    void* ctx = ops_cpu_create(t->n_threads);
+    Plain* p = plain_create(&m, &s, &ops_cpu, ctx, B, T, 0);
+    const double N = (double)B * T;
+
+    // loss and gradients
+    store_zero_grads(&s);
+    double loss = plain_forward_backward(p, tokens, B, T, (float)(1.0 / N)) / N;
+    store_fold_tied_grads(&s);
+    CHECK(t, fabs(loss - ref_loss) <= 1e-5 * fabs(ref_loss), "%s loss %.9g vs HF %.9g", name, loss,
+          ref_loss);
+    int n_grads = 0;
+    for (int i = 0; i < m.tt.n; i++) {
+        const TensorDesc* d = &m.tt.t[i];
+        if (d->tied_to >= 0) continue;
+        char gname[160];
+        snprintf(gname, sizeof gname, "grad.%s", d->hf_name);
+        const StTensor* g = st_find(&ex, gname);
+        CHECK(t, g != NULL && g->numel == d->numel, "%s: %s missing or misshapen", name, gname);
+        if (!g || g->numel != d->numel) continue;
+        float* ref = malloc_check((size_t)d->numel * sizeof(float));
+        st_tensor_to_f32(g, ref, d->numel, err);
+        double e = rel_l2_error(store_grad(&s, i), ref, (size_t)d->numel);
+        CHECK(t, e <= 1e-4, "%s %s: gradient relative L2 error %.3g", name, d->hf_name, e);
+        free(ref);
+        n_grads++;
+    }
+    int n_expected = 0;
+    for (int k = 0; k < ex.n_tensors; k++) n_expected += strncmp(ex.tensors[k].name, "grad.", 5) == 0;
+    CHECK(t, n_grads == n_expected, "%s: compared %d of %d fixture gradients", name, n_grads,
+          n_expected);
+
+    // AdamW trajectory: loss before each of 8 updates on the same batch
+    const StTensor* traj = st_find(&ex, "traj_loss");
+    float ref_traj[8];
+    CHECK(t, traj && traj->numel == 8 && st_tensor_to_f32(traj, ref_traj, 8, err) == 0,
+          "traj_loss");
+    AdamWTensor opt[64];
+    int n_opt = store_adamw_tensors(&s, opt);
+    AdamWHyper h = {meta_float(&ex, "lr"), meta_float(&ex, "beta1"), meta_float(&ex, "beta2"),
+                    meta_float(&ex, "eps"), meta_float(&ex, "weight_decay")};
+    float clip = meta_float(&ex, "grad_clip");
+    CHECK(t, isfinite(h.lr) && isfinite(h.weight_decay) && isfinite(clip), "fixture metadata");
+    ThreadPool* pool = threadpool_create(t->n_threads);
+    double worst = 0;
+    for (int step = 1; step <= 8; step++) {
+        store_zero_grads(&s);
+        double l = plain_forward_backward(p, tokens, B, T, (float)(1.0 / N)) / N;
+        store_fold_tied_grads(&s);
+        double diff = fabs(l - ref_traj[step - 1]);
+        if (diff > worst) worst = diff;
+        double norm = sqrt(adamw_grad_norm_sq(pool, opt, n_opt));
+        adamw_step(pool, opt, n_opt, &h, step, adamw_clip_scale(norm, clip));
+    }
+    CHECK(t, worst <= 1e-4, "%s: AdamW trajectory differs by up to %.3g", name, worst);
+
+    threadpool_destroy(pool);
+    plain_free(p);
+    ops_cpu_destroy(ctx);
+    free(tokens);
+    st_close(&ex);
+    store_free(&s);
+    model_free(&m);
+}
+
+static void test_parity_llama(TestCtx* t) { parity_check(t, "llama"); }
+static void test_parity_qwen3(TestCtx* t) { parity_check(t, "qwen3"); }
+
+const TestCase tests_parity[] = {
+    {"parity_llama", test_parity_llama},
+    {"parity_qwen3", test_parity_qwen3},
+    {NULL, NULL},
+};

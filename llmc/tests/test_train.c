@@ -1,0 +1,235 @@
+/*
+ * test_train.c — ./train_roundpipe end to end: --help documents every flag, bad flags exit 2 with
+ * one error line, bad inputs exit 1 with one error line, a short run learns and writes a valid
+ * JSON-lines log and a loadable model, and --dump-state reproduces the HF parity gradients.
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+
+#include "../common.h"
+#include "../dataloader.h"
+#include "../json.h"
+#include "../safetensors.h"
+#include "testing.h"
+
+// Run ./train_roundpipe with `args` from the repository root; stdout/stderr go to
+// tmpdir/<tag>.out and .err. Returns the exit status (-1 if it did not exit normally).
+static int run_cli(TestCtx* t, const char* tag, const char* args) {
+    char cmd[16384];
+    snprintf(cmd, sizeof cmd, "cd '%s' && ./train_roundpipe %s > '%s/%s.out' 2> '%s/%s.err'",
+             t->exe_dir, args, t->tmpdir, tag, t->tmpdir, tag);
+    int st = system(cmd);
+    if (st == -1 || !WIFEXITED(st)) return -1;
+    return WEXITSTATUS(st);
+}
+
+static char* read_output(TestCtx* t, const char* tag, const char* ext) {
+    char path[4200], err[ERR_LEN];
+    snprintf(path, sizeof path, "%s/%s.%s", t->tmpdir, tag, ext);
+    char* s = file_read_all(path, 64u << 20, NULL, err);
+    return s ? s : calloc_check(1, 1);
+}
+
+static int count_lines(const char* s) {
+    int n = 0;
+    for (; *s; s++) n += *s == '\n';
+    return n;
+}
+
+static void test_train_help(TestCtx* t) {
+    int rc = run_cli(t, "help", "--help");
+    char* out = read_output(t, "help", "out");
+    CHECK(t, rc == 0, "--help exit %d", rc);
+    const char* flags[] = {"--model", "--train", "--val", "--batch", "--seq", "--micro-batches",
+                           "--steps", "--lr", "--schedule", "--warmup", "--min-lr-frac",
+                           "--weight-decay", "--beta1", "--beta2", "--eps", "--grad-clip",
+                           "--shuffle", "--seed", "--eval-every", "--out", "--log", "--device",
+                           "--threads", "--dump-state", "--decay-frac", "--decay-embeddings",
+                           "--eval-batches", "--sample-tokens", "--prompt", "--init-std", NULL};
+    for (int i = 0; flags[i]; i++) CHECK(t, strstr(out, flags[i]) != NULL, "--help lacks %s", flags[i]);
+    CHECK(t, strstr(out, "default") != NULL, "--help shows defaults");
+    free(out);
+}
+
+static void test_train_bad_flags(TestCtx* t) {
+    const char* cases[] = {"--batch 0", "--batch x", "--lr -1", "--lr nan", "--schedule foo",
+                           "--steps", "--frobnicate", "--batch 6 --micro-batches 4",
+                           "--device tpu", "--device cuda:0", "--shuffle 2", "--grad-clip -1",
+                           "--seed -3", "--min-lr-frac 2", "stray-argument", NULL};
+    for (int i = 0; cases[i]; i++) {
+        int rc = run_cli(t, "badflag", cases[i]);
+        char* err = read_output(t, "badflag", "err");
+        const char* last = err;
+        for (const char* s = err; *s; s++)
+            if (*s == '\n' && s[1]) last = s + 1;
+        CHECK(t, rc == 2, "'%s' exit %d (want 2)", cases[i], rc);
+        CHECK(t, strncmp(last, "train_roundpipe: error:", 23) == 0 && strstr(err, "usage:"),
+              "'%s': usage + one error line, got: %s", cases[i], last);
+        free(err);
+    }
+}
+
+static void test_train_bad_inputs(TestCtx* t) {
+    // a shard with a token outside the fixture models' 128-token vocabulary
+    char shard[1024], err[ERR_LEN], args[4096];
+    uint32_t toks[2000];
+    for (int i = 0; i < 2000; i++) toks[i] = (uint32_t)(i % 100);
+    toks[1500] = 200;
+    test_path(t, shard, sizeof shard, "bigtoken.bin");
+    CHECK(t, shard_write(shard, toks, 2000, 2, err) == 0, "%s", err);
+    struct {
+        const char* args;
+        const char* must_mention;
+    } cases[] = {
+        {"--model /nonexistent/model", "/nonexistent/model"},
+        {"--model no-such-preset", "no-such-preset"},
+        {"--train '/nonexistent/shard_*.bin'", "/nonexistent/shard_*.bin"},
+        {"--model dev/parity/fixtures/llama --val '' --train", "vocab"},
+        {"--model dev/parity/fixtures/llama/config.json --val '' --train", "1500"},
+        {"--model README.md", "README.md"},
+        {"--model dev/parity/fixtures/llama --val", "vocab"},
+        {NULL, NULL},
+    };
+    for (int i = 0; cases[i].args; i++) {
+        // cases ending in a data flag get the bad shard appended
+        size_t len = strlen(cases[i].args);
+        int wants_shard = len > 6 && (strcmp(cases[i].args + len - 7, "--train") == 0 ||
+                                      strcmp(cases[i].args + len - 5, "--val") == 0);
+        snprintf(args, sizeof args, "%s%s%s%s", cases[i].args, wants_shard ? " '" : "",
+                 wants_shard ? shard : "", wants_shard ? "'" : "");
+        int rc = run_cli(t, "badinput", args);
+        char* err = read_output(t, "badinput", "err");
+        CHECK(t, rc == 1, "'%s' exit %d (want 1)", cases[i].args, rc);
+        CHECK(t, count_lines(err) == 1 && strstr(err, "error") && strstr(err, cases[i].must_mention),
+              "'%s': want one error line mentioning '%s', got: %s", cases[i].args,
+              cases[i].must_mention, err);
+        free(err);
+    }
+}
+
+static void test_train_short_run(TestCtx* t) {
+    char args[4096], log[1024], outdir[1024];
+    test_path(t, log, sizeof log, "run.jsonl");
+    test_path(t, outdir, sizeof outdir, "saved");
+    snprintf(args, sizeof args,
+             "--steps 40 --batch 8 --seq 32 --warmup 5 --eval-every 20 --eval-batches 2 "
+             "--threads 2 --sample-tokens 16 --log '%s' --out '%s'",
+             log, outdir);
+    int rc = run_cli(t, "run", args);
+    char* out = read_output(t, "run", "out");
+    CHECK(t, rc == 0, "exit %d; stderr in %s/run.err", rc, t->tmpdir);
+    CHECK(t, strstr(out, "step    40/40") && strstr(out, "sample (greedy"), "step lines and sample");
+
+    char err[ERR_LEN];
+    char* text = file_read_all(log, 1 << 20, NULL, err);
+    CHECK(t, text != NULL, "log: %s", err);
+    int n_steps = 0, n_evals = 0;
+    double first = 0, last = 0;
+    for (char* line = text; text && *line;) {
+        char* nl = strchr(line, '\n');
+        size_t len = nl ? (size_t)(nl - line) : strlen(line);
+        JsonDoc doc;
+        int ok = json_parse(line, len, &doc, err) == 0;
+        CHECK(t, ok, "log line is not JSON: %.*s (%s)", (int)len, line, err);
+        if (ok) {
+            double loss, v;
+            if (json_get_double(&doc.root, "loss", &loss) == 1) {
+                CHECK(t, json_get_double(&doc.root, "lr", &v) == 1 &&
+                             json_get_double(&doc.root, "norm", &v) == 1 &&
+                             json_get_double(&doc.root, "ms", &v) == 1 &&
+                             json_get_double(&doc.root, "tok_s", &v) == 1,
+                      "step record keys: %.*s", (int)len, line);
+                if (n_steps == 0) first = loss;
+                last = loss;
+                n_steps++;
+            } else if (json_get_double(&doc.root, "val_loss", &v) == 1) {
+                n_evals++;
+            }
+            json_free(&doc);
+        }
+        line = nl ? nl + 1 : line + len;
+    }
+    free(text);
+    CHECK(t, n_steps == 40 && n_evals == 3, "%d step and %d eval records", n_steps, n_evals);
+    CHECK(t, first > 5.0 && last < 0.75 * first, "loss must fall: %.4f -> %.4f", first, last);
+
+    // the saved model loads back and evaluates to about the final training loss
+    snprintf(args, sizeof args, "--model '%s' --steps 0 --sample-tokens 0 --eval-batches 2", outdir);
+    rc = run_cli(t, "reload", args);
+    char* out2 = read_output(t, "reload", "out");
+    CHECK(t, rc == 0 && strstr(out2, "loaded weights") && strstr(out2, "val loss"),
+          "reload exit %d: %s", rc, out2);
+    free(out2);
+    free(out);
+}
+
+// --dump-state on the parity fixture's batch (as a shard) gives HF's loss and gradients.
+static void test_train_dump_state_parity(TestCtx* t) {
+    char path[4300], err[ERR_LEN], shard[1024], dump[1024], args[4096];
+    snprintf(path, sizeof path, "%s/dev/parity/fixtures/llama/expected.safetensors", t->exe_dir);
+    StFile ex;
+    if (st_open(&ex, path, err) != 0) {
+        CHECK(t, 0, "%s", err);
+        return;
+    }
+    const StTensor* tok = st_find(&ex, "tokens");
+    int64_t n = tok->numel;
+    uint32_t* toks = malloc_check((size_t)n * sizeof(uint32_t));
+    for (int64_t i = 0; i < n; i++) {
+        int32_t v;
+        memcpy(&v, tok->data + 4 * i, 4);
+        toks[i] = (uint32_t)v;
+    }
+    test_path(t, shard, sizeof shard, "parity_shard.bin");
+    CHECK(t, shard_write(shard, toks, n, 2, err) == 0, "%s", err);
+    free(toks);
+    for (int mb = 1; mb <= 2; mb++) {
+        snprintf(dump, sizeof dump, "%s/dump%d.safetensors", t->tmpdir, mb);
+        snprintf(args, sizeof args,
+                 "--model dev/parity/fixtures/llama --train '%s' --val '' --batch 2 --seq 16 "
+                 "--micro-batches %d --dump-state '%s'",
+                 shard, mb, dump);
+        int rc = run_cli(t, "dump", args);
+        CHECK(t, rc == 0, "dump-state exit %d", rc);
+        StFile d;
+        if (st_open(&d, dump, err) != 0) {
+            CHECK(t, 0, "%s", err);
+            continue;
+        }
+        float l, ref;
+        st_tensor_to_f32(st_find(&d, "loss"), &l, 1, err);
+        st_tensor_to_f32(st_find(&ex, "loss"), &ref, 1, err);
+        CHECK(t, fabs(l - ref) <= 1e-5 * ref, "dump loss %.8g vs %.8g", l, ref);
+        int compared = 0;
+        for (int k = 0; k < ex.n_tensors; k++) {
+            const StTensor* e = &ex.tensors[k];
+            if (strncmp(e->name, "grad.", 5) != 0) continue;
+            const StTensor* g = st_find(&d, e->name);
+            CHECK(t, g && g->numel == e->numel, "dump lacks %s", e->name);
+            if (!g || g->numel != e->numel) continue;
+            float* a = malloc_check((size_t)g->numel * sizeof(float));
+            float* b = malloc_check((size_t)g->numel * sizeof(float));
+            st_tensor_to_f32(g, a, g->numel, err);
+            st_tensor_to_f32(e, b, e->numel, err);
+            double rel = rel_l2_error(a, b, (size_t)g->numel);
+            CHECK(t, rel <= 1e-4, "%s (micro-batches %d): rel err %.3g", e->name, mb, rel);
+            free(a);
+            free(b);
+            compared++;
+        }
+        CHECK(t, compared == d.n_tensors - 1, "dump has %d tensors, compared %d grads", d.n_tensors,
+              compared);
+        st_close(&d);
+    }
+    st_close(&ex);
+}
+
+const TestCase tests_train[] = {
+    {"train_help", test_train_help},
+    {"train_bad_flags", test_train_bad_flags},
+    {"train_bad_inputs", test_train_bad_inputs},
+    {"train_short_run", test_train_short_run},
+    {"train_dump_state_parity", test_train_dump_state_parity},
+    {NULL, NULL},
+};

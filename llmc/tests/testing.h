@@ -1,0 +1,66 @@
+/*
+ * testing.h — the tiny test framework of test_roundpipe.c.
+ *
+ * A test is `void test_x(TestCtx* t)`; CHECK* macros record failures without aborting the test.
+ * Each test file exports one NULL-terminated TestCase array (tests_<suite>) that test_roundpipe.c
+ * lists. Temporary files go under t->tmpdir (one directory per run, removed at the end).
+ */
+#ifndef LLMC_TESTS_TESTING_H
+#define LLMC_TESTS_TESTING_H
+
+#include <math.h>
+#include <stdio.h>
+
+typedef struct TestCtx {
+    const char* name;   // current test
+    int checks;
+    int failures;
+    const char* tmpdir; // per-run scratch directory
+    const char* exe_dir; // directory holding ./train_roundpipe (for CLI tests)
+    int n_threads;      // threads tests may use (2 on CI)
+} TestCtx;
+
+typedef void (*TestFn)(TestCtx* t);
+typedef struct TestCase {
+    const char* name;
+    TestFn fn;
+} TestCase;
+
+#define CHECK(t, cond, ...)                                                              \
+    do {                                                                                 \
+        (t)->checks++;                                                                   \
+        if (!(cond)) {                                                                   \
+            (t)->failures++;                                                             \
+            fprintf(stderr, "  %s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond);   \
+            fprintf(stderr, __VA_ARGS__);                                                \
+            fprintf(stderr, "\n");                                                       \
+        }                                                                                \
+    } while (0)
+
+// |a - b| <= tol (NaN fails).
+#define CHECK_NEAR(t, a, b, tol, what)                                                    \
+    do {                                                                                  \
+        double a__ = (double)(a), b__ = (double)(b), tol__ = (double)(tol);               \
+        CHECK(t, fabs(a__ - b__) <= tol__, "%s: %.9g vs %.9g (tol %.3g)", (what), a__, b__, \
+              tol__);                                                                     \
+    } while (0)
+
+// Relative L2 error ||a - b|| / max(||b||, tiny) of two float arrays.
+static inline double rel_l2_error(const float* a, const float* b, size_t n) {
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double d = (double)a[i] - (double)b[i];
+        num += d * d;
+        den += (double)b[i] * (double)b[i];
+    }
+    if (isnan(num)) return INFINITY;
+    return sqrt(num) / (den > 0 ? sqrt(den) : 1e-30);
+}
+
+// Build "tmpdir/name" into buf (cap bytes) and return buf.
+static inline const char* test_path(const TestCtx* t, char* buf, size_t cap, const char* name) {
+    snprintf(buf, cap, "%s/%s", t->tmpdir, name);
+    return buf;
+}
+
+#endif  // LLMC_TESTS_TESTING_H

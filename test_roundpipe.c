@@ -1,0 +1,113 @@
+/*
+ * test_roundpipe.c — the test suite runner (`make test`).
+ *
+ * Every suite lives in llmc/tests/test_<suite>.c and exports a NULL-terminated TestCase array.
+ * The runner executes every test (or those whose name contains the filter argument), prints one
+ * line per test and finishes with "N passed, M failed"; the exit status is non-zero on any failure.
+ *
+ *   ./test_roundpipe            run everything
+ *   ./test_roundpipe json       run the tests whose name contains "json"
+ *   ./test_roundpipe --list     list test names
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "llmc/common.h"
+#include "llmc/threads.h"
+#include "llmc/tests/testing.h"
+
+// Suites are weak so a partial build (one module and its tests) still links; a missing suite in
+// the full build is reported as a failure below.
+#define SUITES(X)  \
+    X(common)      \
+    X(json)        \
+    X(safetensors) \
+    X(config)      \
+    X(tensor)      \
+    X(dataloader)  \
+    X(adamw)       \
+    X(ops)         \
+    X(model)       \
+    X(parity)      \
+    X(train)
+
+#define DECLARE_SUITE(s) extern const TestCase tests_##s[] __attribute__((weak));
+SUITES(DECLARE_SUITE)
+
+typedef struct Suite {
+    const char* name;
+    const TestCase* cases;
+} Suite;
+
+int main(int argc, char** argv) {
+    const char* filter = NULL;
+    int list_only = 0, allow_partial = 0;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--list") == 0) list_only = 1;
+        else if (strcmp(argv[i], "--partial") == 0) allow_partial = 1;  // module-only builds
+        else filter = argv[i];
+    }
+#define SUITE_ENTRY(s) {#s, tests_##s},
+    const Suite suites[] = {SUITES(SUITE_ENTRY)};
+    const int n_suites = (int)(sizeof suites / sizeof suites[0]);
+
+    char tmpdir[] = "/tmp/test_roundpipe.XXXXXX";
+    if (!list_only && mkdtemp(tmpdir) == NULL) fatal("cannot create a temporary directory");
+    char exe_dir[4096] = ".";
+    {
+        ssize_t n = readlink("/proc/self/exe", exe_dir, sizeof exe_dir - 1);
+        if (n > 0) {
+            exe_dir[n] = '\0';
+            char* slash = strrchr(exe_dir, '/');
+            if (slash) *slash = '\0';
+        } else {
+            str_copy(exe_dir, sizeof exe_dir, ".");
+        }
+    }
+    int n_threads = threads_online_cpus();
+    if (n_threads > 4) n_threads = 4;  // keep CPU tests representative of the 2-core CI machine
+
+    int passed = 0, failed = 0;
+    double t_start = time_now_s();
+    for (int s = 0; s < n_suites; s++) {
+        if (suites[s].cases == NULL) {
+            if (!allow_partial && !list_only && filter == NULL) {
+                printf("FAIL suite %s is missing from this build\n", suites[s].name);
+                failed++;
+            }
+            continue;
+        }
+        for (const TestCase* tc = suites[s].cases; tc->name != NULL; tc++) {
+            if (filter && strstr(tc->name, filter) == NULL) continue;
+            if (list_only) {
+                printf("%s\n", tc->name);
+                continue;
+            }
+            TestCtx t = {.name = tc->name, .tmpdir = tmpdir, .exe_dir = exe_dir,
+                         .n_threads = n_threads};
+            double t0 = time_now_s();
+            fflush(stdout);
+            tc->fn(&t);
+            double dt = time_now_s() - t0;
+            if (t.failures == 0) {
+                passed++;
+                printf("ok   %-44s %4d checks %8.2fs\n", tc->name, t.checks, dt);
+            } else {
+                failed++;
+                printf("FAIL %-44s %d of %d checks failed %8.2fs\n", tc->name, t.failures, t.checks,
+                       dt);
+            }
+            fflush(stdout);
+        }
+    }
+    if (!list_only) {
+        char cmd[4200];
+        snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
+        if (system(cmd) != 0) fprintf(stderr, "warning: could not remove %s\n", tmpdir);
+        printf("total time %.1fs\n", time_now_s() - t_start);
+        printf("%d passed, %d failed\n", passed, failed);
+    }
+    return failed == 0 ? 0 : 1;
+}

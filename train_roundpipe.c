@@ -1,0 +1,220 @@
+/*
+ * train_roundpipe.c — the trainer, top to bottom: parse flags, resolve the model, load or init
+ * the weights, open the data, train (micro-batches -> gradients -> AdamW), evaluate, sample, save.
+ *
+ *   make && ./train_roundpipe            trains the built-in tiny model on the shipped corpus
+ *   ./train_roundpipe --help             every flag with its default
+ *
+ * Everything below is a table of contents: the work happens in llmc/.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "llmc/adamw.h"
+#include "llmc/args.h"
+#include "llmc/checkpoint.h"
+#include "llmc/common.h"
+#include "llmc/dataloader.h"
+#include "llmc/log.h"
+#include "llmc/model.h"
+#include "llmc/ops.h"
+#include "llmc/plain.h"
+#include "llmc/store.h"
+#include "llmc/threads.h"
+
+// ----------------------------------------------------------------------------
+// one optimizer step's forward/backward: the batch split into micro-batches
+
+// tokens (B, T+1). Returns the mean loss over the B*T targets; gradients land in the store.
+static double train_forward_backward(Plain* p, const TrainArgs* a, const int32_t* tokens) {
+    const int Bm = a->batch / a->micro_batches, T = a->seq;
+    // Every micro-batch's gradient is scaled by 1/(tokens of the whole step), so the sum over
+    // micro-batches is the gradient of the step's mean loss (FORMATS_AND_MODELS.md §7).
+    const float grad_scale = 1.0f / ((float)a->batch * (float)T);
+    double loss_sum = 0.0;
+    store_zero_grads(p->s);
+    for (int mb = 0; mb < a->micro_batches; mb++)
+        loss_sum += plain_forward_backward(p, tokens + (size_t)mb * Bm * (T + 1), Bm, T, grad_scale);
+    plain_sync_grads(p);
+    store_fold_tied_grads(p->s);
+    return loss_sum / ((double)a->batch * T);
+}
+
+static double evaluate(Plain* p, DataLoader* val, const TrainArgs* a, int32_t* tokens) {
+    const int Bm = a->batch / a->micro_batches, T = a->seq;
+    int64_t n_batches = dataloader_batches_per_epoch(val);
+    if (n_batches > a->eval_batches) n_batches = a->eval_batches;
+    char err[ERR_LEN];
+    dataloader_reset(val);
+    double sum = 0.0;
+    for (int64_t i = 0; i < n_batches; i++) {
+        if (dataloader_next_batch(val, tokens, err) != 0) fatal("%s", err);
+        for (int mb = 0; mb < a->micro_batches; mb++)
+            sum += plain_forward_loss(p, tokens + (size_t)mb * Bm * (T + 1), Bm, T);
+    }
+    return sum / ((double)n_batches * a->batch * T);
+}
+
+// ----------------------------------------------------------------------------
+// greedy generation (printable for byte-level vocabularies)
+
+static void print_token(const ModelConfig* c, int tok) {
+    if (c->V == 256) {
+        if (tok == c->bos_id) printf("<|eot|>");
+        else if (tok == '\n') printf("\n");
+        else if (tok >= 32 && tok < 127) putchar(tok);
+        else printf("\\x%02x", tok);
+    } else {
+        printf("%d ", tok);
+    }
+}
+
+static void generate_sample(Plain* p, const TrainArgs* a) {
+    const ModelConfig* c = &p->m->cfg;
+    int cap = a->sample_tokens + (int)strlen(a->prompt) + 1;
+    int32_t* toks = malloc_check((size_t)cap * sizeof(int32_t));
+    float* logits = malloc_check((size_t)c->V * sizeof(float));
+    int n = 0;
+    if (c->bos_id >= 0) toks[n++] = c->bos_id;
+    if (c->V == 256)
+        for (const char* s = a->prompt; *s; s++) toks[n++] = (unsigned char)*s;
+    if (n == 0) toks[n++] = 0;
+    printf("sample (greedy, %d tokens):\n", a->sample_tokens);
+    for (int i = 0; i < n; i++) print_token(c, toks[i]);
+    for (int i = 0; i < a->sample_tokens; i++) {
+        int ctx = n < a->seq ? n : a->seq;  // sliding window of at most T tokens
+        plain_logits_last(p, toks + n - ctx, ctx, logits);
+        int best = 0;
+        for (int v = 1; v < c->V; v++)
+            if (logits[v] > logits[best]) best = v;
+        toks[n++] = best;
+        print_token(c, best);
+    }
+    printf("\n");
+    free(toks);
+    free(logits);
+}
+
+// ----------------------------------------------------------------------------
+
+int main(int argc, char** argv) {
+    char err[ERR_LEN];
+    TrainArgs a;
+    args_defaults(&a);
+    int rc = args_parse(&a, argc, argv);
+    if (rc == 1) return 0;  // --help
+    if (rc != 0) return rc;
+    if (a.device == DEVICE_CUDA) {
+        fprintf(stderr, "train_roundpipe: error: --device cuda: this version has no CUDA backend "
+                        "yet; use --device cpu\n");
+        return 2;
+    }
+    if (a.n_devices > 0) {
+        fprintf(stderr, "train_roundpipe: error: --device cpu:%d: the RoundPipe engine (emulated "
+                        "devices) is not in this version yet; use --device cpu\n", a.n_devices);
+        return 2;
+    }
+    const int dump = a.dump_state[0] != '\0';
+
+    // 1. model: configuration and weights
+    ModelSource src;
+    if (checkpoint_resolve_model(&src, a.model, err) != 0) fatal("%s", err);
+    Model model;
+    if (model_init(&model, &src.cfg, a.decay_embeddings, err) != 0) fatal("%s: %s", a.model, err);
+    config_print(&model.cfg);
+    if (a.seq > model.cfg.max_pos && model.cfg.max_pos > 0)
+        printf("warning: --seq %d exceeds max_position_embeddings %d\n", a.seq, model.cfg.max_pos);
+    Store store;
+    store_create(&store, &model.tt);
+    printf("host memory: %.1f MiB (fp32 weights, gradients, AdamW m and v)\n",
+           (double)model.tt.total_params * 16.0 / (1 << 20));
+    if (src.has_weights) {
+        int unused = 0;
+        if (store_load(&store, &src.ck, &unused, err) != 0) fatal("%s", err);
+        printf("loaded weights from %s%s\n", a.model,
+               unused ? " (some checkpoint tensors are unused by this model)" : "");
+        checkpoint_close_source(&src);
+    } else {
+        store_init_random(&store, a.seed, a.init_std);
+    }
+
+    // 2. backend
+    void* ctx = ops_cpu_create(a.threads);
+    const Ops* ops = &ops_cpu;
+    ThreadPool* opt_pool = threadpool_create(a.threads);
+    const int Bm = a.batch / a.micro_batches;
+    // Keep every block's activations unless that would need more than 8 GiB: then recompute.
+    int recompute = workspace_bytes(&model, ops->act_bytes, Bm, a.seq, model.cfg.L) > (8ull << 30);
+    Plain* plain = plain_create(&model, &store, ops, ctx, Bm, a.seq, recompute);
+    printf("device cpu (%d threads), batch %d x %d tokens in %d micro-batch(es)%s\n",
+           opt_pool->n_threads, a.batch, a.seq, a.micro_batches,
+           recompute ? ", recomputing activations" : "");
+
+    // 3. data
+    DataLoader train, val;
+    int have_val = a.val[0] != '\0' && !dump;
+    if (dataloader_open(&train, a.train, a.batch, a.seq, dump ? 0 : a.shuffle, a.seed,
+                        model.cfg.V, err) != 0)
+        fatal("--train: %s", err);
+    if (have_val && dataloader_open(&val, a.val, a.batch, a.seq, 0, a.seed, model.cfg.V, err) != 0)
+        fatal("--val: %s", err);
+    int32_t* tokens = malloc_check((size_t)a.batch * (a.seq + 1) * sizeof(int32_t));
+
+    // 4. --dump-state: gradients of the first batch, then exit
+    if (dump) {
+        if (dataloader_next_batch(&train, tokens, err) != 0) fatal("%s", err);
+        double loss = train_forward_backward(plain, &a, tokens);
+        if (checkpoint_dump_state(a.dump_state, &model, &store, (float)loss, err) != 0)
+            fatal("%s", err);
+        printf("loss %.7f; gradients written to %s\n", loss, a.dump_state);
+        return 0;
+    }
+
+    // 5. training
+    StepLog lg;
+    if (log_open(&lg, a.log, err) != 0) fatal("%s", err);
+    LrSchedule sched = {a.schedule, a.lr, a.warmup, a.steps, a.min_lr_frac, a.decay_frac};
+    AdamWHyper hyper = {a.lr, a.beta1, a.beta2, a.eps, a.weight_decay};
+    AdamWTensor* opt = malloc_check((size_t)model.tt.n * sizeof(AdamWTensor));
+    int n_opt = store_adamw_tensors(&store, opt);
+    if (have_val) log_eval(&lg, 0, evaluate(plain, &val, &a, tokens));
+    for (int step = 1; step <= a.steps; step++) {
+        double t0 = time_now_s();
+        if (dataloader_next_batch(&train, tokens, err) != 0) fatal("%s", err);
+        double loss = train_forward_backward(plain, &a, tokens);
+        if (!isfinite(loss)) fatal("loss is not finite at step %d (try a lower --lr)", step);
+        double norm = sqrt(adamw_grad_norm_sq(opt_pool, opt, n_opt));
+        hyper.lr = lr_schedule_at(&sched, step);
+        adamw_step(opt_pool, opt, n_opt, &hyper, step, adamw_clip_scale(norm, a.grad_clip));
+        store.step = step;
+        plain_sync_params(plain);
+        double dt = time_now_s() - t0;
+        StepStats st = {step, a.steps, loss, norm, hyper.lr, dt * 1e3,
+                        (double)a.batch * a.seq / dt, -1.0};
+        log_step(&lg, &st);
+        if (have_val && a.eval_every > 0 && step % a.eval_every == 0 && step != a.steps)
+            log_eval(&lg, step, evaluate(plain, &val, &a, tokens));
+    }
+    if (have_val && a.steps > 0) log_eval(&lg, a.steps, evaluate(plain, &val, &a, tokens));
+    log_close(&lg);
+
+    // 6. sample and save
+    if (a.sample_tokens > 0) generate_sample(plain, &a);
+    if (a.out[0]) {
+        if (checkpoint_save_hf(a.out, &model, &store, err) != 0) fatal("%s", err);
+        printf("saved the model to %s (model.safetensors, config.json)\n", a.out);
+    }
+
+    free(opt);
+    free(tokens);
+    dataloader_close(&train);
+    if (have_val) dataloader_close(&val);
+    plain_free(plain);
+    threadpool_destroy(opt_pool);
+    ops_cpu_destroy(ctx);
+    store_free(&store);
+    model_free(&model);
+    return 0;
+}
