@@ -21,6 +21,7 @@
 #include "llmc/model.h"
 #include "llmc/ops.h"
 #include "llmc/plain.h"
+#include "llmc/rng.h"
 #include "llmc/store.h"
 #include "llmc/threads.h"
 
@@ -58,7 +59,7 @@ static double evaluate(Plain* p, DataLoader* val, const TrainArgs* a, int32_t* t
 }
 
 // ----------------------------------------------------------------------------
-// greedy generation (printable for byte-level vocabularies)
+// sampling (printable for byte-level vocabularies)
 
 static void print_token(const ModelConfig* c, int tok) {
     if (c->V == 256) {
@@ -71,26 +72,41 @@ static void print_token(const ModelConfig* c, int tok) {
     }
 }
 
+// Sample from softmax(logits / temperature); temperature 0 = greedy.
+static int sample_token(const float* logits, int V, float temperature, Rng* rng) {
+    int best = 0;
+    for (int v = 1; v < V; v++)
+        if (logits[v] > logits[best]) best = v;
+    if (temperature <= 0.0f) return best;
+    double sum = 0.0;
+    for (int v = 0; v < V; v++) sum += exp((logits[v] - logits[best]) / temperature);
+    double r = rng_uniform(rng) * sum;
+    for (int v = 0; v < V; v++) {
+        r -= exp((logits[v] - logits[best]) / temperature);
+        if (r <= 0.0) return v;
+    }
+    return best;
+}
+
 static void generate_sample(Plain* p, const TrainArgs* a) {
     const ModelConfig* c = &p->m->cfg;
     int cap = a->sample_tokens + (int)strlen(a->prompt) + 1;
     int32_t* toks = malloc_check((size_t)cap * sizeof(int32_t));
     float* logits = malloc_check((size_t)c->V * sizeof(float));
+    Rng rng;
+    rng_seed(&rng, a->seed + 17);
     int n = 0;
     if (c->bos_id >= 0) toks[n++] = c->bos_id;
     if (c->V == 256)
         for (const char* s = a->prompt; *s; s++) toks[n++] = (unsigned char)*s;
     if (n == 0) toks[n++] = 0;
-    printf("sample (greedy, %d tokens):\n", a->sample_tokens);
+    printf("sample (%d tokens, temperature %g):\n", a->sample_tokens, (double)a->temperature);
     for (int i = 0; i < n; i++) print_token(c, toks[i]);
     for (int i = 0; i < a->sample_tokens; i++) {
         int ctx = n < a->seq ? n : a->seq;  // sliding window of at most T tokens
         plain_logits_last(p, toks + n - ctx, ctx, logits);
-        int best = 0;
-        for (int v = 1; v < c->V; v++)
-            if (logits[v] > logits[best]) best = v;
-        toks[n++] = best;
-        print_token(c, best);
+        toks[n] = sample_token(logits, c->V, a->temperature, &rng);
+        print_token(c, toks[n++]);
     }
     printf("\n");
     free(toks);

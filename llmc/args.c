@@ -19,7 +19,7 @@ void args_defaults(TrainArgs* a) {
     a->batch = 16;
     a->seq = 64;
     a->micro_batches = 1;
-    a->steps = 300;
+    a->steps = 500;
     a->lr = 3e-3f;
     a->schedule = LR_COSINE;
     a->warmup = 20;
@@ -43,6 +43,7 @@ void args_defaults(TrainArgs* a) {
     a->dump_state = "";
     a->sample_tokens = 64;
     a->prompt = "";
+    a->temperature = 0.8f;
     a->init_std = 0.02f;
 }
 
@@ -92,6 +93,7 @@ void args_usage(FILE* f) {
         "                         and grad.<HF name> tensors as safetensors, exit\n"
         "      --sample-tokens N  tokens generated at the end, 0 = none (default %d)\n"
         "      --prompt TEXT      generation prompt (byte-level vocabularies; default: EOT)\n"
+        "      --temperature X    sampling temperature, 0 = greedy (default %g)\n"
         "\n"
         "execution\n"
         "      --device D         cpu | cuda | cpu:N | cuda:N (default cpu)\n"
@@ -101,7 +103,7 @@ void args_usage(FILE* f) {
         d.steps, (double)d.lr, lr_schedule_name(d.schedule), d.warmup, (double)d.min_lr_frac,
         (double)d.decay_frac, (double)d.weight_decay, d.decay_embeddings, (double)d.beta1,
         (double)d.beta2, (double)d.eps, (double)d.grad_clip, d.eval_every, d.eval_batches,
-        d.sample_tokens, d.threads);
+        d.sample_tokens, (double)d.temperature, d.threads);
 }
 
 // ----------------------------------------------------------------------------
@@ -157,7 +159,7 @@ static int parse_device(TrainArgs* a, const char* v) {
 enum {
     OPT_SHUFFLE = 1000, OPT_SEED, OPT_SCHEDULE, OPT_BETA1, OPT_BETA2, OPT_EPS, OPT_CLIP, OPT_LOG,
     OPT_DEVICE, OPT_THREADS, OPT_DUMP, OPT_EVAL_BATCHES, OPT_SAMPLE, OPT_PROMPT, OPT_DECAY_FRAC,
-    OPT_DECAY_EMB, OPT_INIT_STD
+    OPT_DECAY_EMB, OPT_INIT_STD, OPT_TEMPERATURE
 };
 
 int args_parse(TrainArgs* a, int argc, char** argv) {
@@ -183,6 +185,7 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         {"dump-state", required_argument, 0, OPT_DUMP},
         {"sample-tokens", required_argument, 0, OPT_SAMPLE},
         {"prompt", required_argument, 0, OPT_PROMPT},
+        {"temperature", required_argument, 0, OPT_TEMPERATURE},
         {"help", no_argument, 0, 'h'},               {0, 0, 0, 0}};
     optind = 1;
     opterr = 0;
@@ -232,6 +235,7 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
             case OPT_DUMP: a->dump_state = v; break;
             case OPT_SAMPLE: rc = int_in("--sample-tokens", v, 0, 1 << 20, &a->sample_tokens); break;
             case OPT_PROMPT: a->prompt = v; break;
+            case OPT_TEMPERATURE: rc = float_in("--temperature", v, 0.0, 100.0, 0, &a->temperature); break;
             case 'h': args_usage(stdout); return 1;
             case ':': {
                 const char* flag = argv[optind - 1];

@@ -41,6 +41,7 @@ typedef struct TrainArgs {
     const char* dump_state;  // safetensors path ("" = train normally)
     int sample_tokens;       // tokens generated at the end (0 = none)
     const char* prompt;      // generation prompt (byte-level vocabularies)
+    float temperature;       // sampling temperature (0 = greedy)
     float init_std;
 } TrainArgs;
 

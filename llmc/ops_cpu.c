@@ -51,7 +51,7 @@ static int rows_per_task(size_t row_elems) {
 #define COL_BLOCK 64  // columns per task of the column-parallel reductions (dw, dbias, dwte)
 
 // ----------------------------------------------------------------------------
-// vector helpers: fixed-order sums (16 interleaved partial sums, then a fixed tree)
+// vector helper: a fixed-order dot product (16 interleaved partial sums, then a fixed tree)
 
 static float vec_dot(const float* a, const float* b, int n) {
     float acc[16] = {0};
@@ -62,11 +62,6 @@ static float vec_dot(const float* a, const float* b, int n) {
     for (int w = 8; w > 0; w /= 2)
         for (int j = 0; j < w; j++) acc[j] += acc[j + w];
     return acc[0];
-}
-
-// y += alpha * x
-static void vec_axpy(float* y, float alpha, const float* x, int n) {
-    for (int i = 0; i < n; i++) y[i] += alpha * x[i];
 }
 
 // ----------------------------------------------------------------------------
@@ -644,8 +639,50 @@ static void cpu_qknorm_rope_backward(void* ctx, void* dinp, float* dq_norm_w, fl
 
 // ----------------------------------------------------------------------------
 // causal grouped-query attention
+//
+// Flash-style blocks of ATT_BLOCK query rows x ATT_BLOCK keys, every product through the GEMM
+// micro-kernel on small packed panels. K and V are read in place from the packed qkv rows (query
+// head h uses kv head h / (H/KVH)); nothing is repeated per head. A logit is always Σ_d q_d k_d
+// summed d = 0 .. HD-1 by the kernel (a product commutes, so K·Qᵀ gives the same bits as Q·Kᵀ),
+// so the forward and both backward passes see the same logits.
 
-#define ATT_BLOCK 16  // query rows (forward, dq) or key rows (dk, dv) per task
+#define ATT_BLOCK GEMM_NR  // query rows and keys per block (one B panel of keys)
+
+// A panel (K, MR) from up to MR rows of K contiguous floats (row stride ld); missing rows are 0.
+static void pack_a_panel(float* dst, const float* src, size_t ld, int rows, int K) {
+    for (int i = 0; i < GEMM_MR; i++)
+        for (int k = 0; k < K; k++)
+            dst[(size_t)k * GEMM_MR + i] = i < rows ? src[(size_t)i * ld + k] : 0.0f;
+}
+
+// B panel (K, NR) whose column j is row j of src (K contiguous floats, row stride ld).
+static void pack_b_panel_t(float* dst, const float* src, size_t ld, int rows, int K) {
+    for (int j = 0; j < GEMM_NR; j++)
+        for (int k = 0; k < K; k++)
+            dst[(size_t)k * GEMM_NR + j] = j < rows ? src[(size_t)j * ld + k] : 0.0f;
+}
+
+// B panels (n_panels, K, NR) of the matrix whose k-th row is src row k (width floats, stride ld);
+// rows >= `rows` and columns >= width are 0.
+static void pack_b_panels(float* dst, const float* src, size_t ld, int rows, int K, int width,
+                          int n_panels) {
+    for (int p = 0; p < n_panels; p++)
+        for (int k = 0; k < K; k++)
+            for (int j = 0; j < GEMM_NR; j++) {
+                int col = p * GEMM_NR + j;
+                dst[((size_t)p * K + k) * GEMM_NR + j] =
+                    k < rows && col < width ? src[(size_t)k * ld + col] : 0.0f;
+            }
+}
+
+// c (a_panels*MR, ldc) (+)= A panels (kc each) · B panels (kc each).
+static void gemm_panels(GemmKernel kernel, int a_panels, int b_panels, int kc, const float* a,
+                        const float* b, float* c, int ldc, int load_c) {
+    for (int p = 0; p < a_panels; p++)
+        for (int q = 0; q < b_panels; q++)
+            kernel(kc, a + (size_t)p * kc * GEMM_MR, b + (size_t)q * kc * GEMM_NR,
+                   c + (size_t)p * GEMM_MR * ldc + (size_t)q * GEMM_NR, ldc, load_c);
+}
 
 typedef struct AttnArgs {
     float* out;          // (N, H*HD) forward output
@@ -656,11 +693,12 @@ typedef struct AttnArgs {
     const float* dout;   // (N, H*HD)
     const float* cout;   // (N, H*HD) saved forward output
     const float* clse;   // (B, H, T)
+    GemmKernel kernel;
     int B, T, H, KVH, HD, QKV, blocks;
+    int HDp;             // HD rounded up to whole B panels
     float scale;         // 1/sqrt(HD)
 } AttnArgs;
 
-// Pointers into a packed qkv row: query head h, kv head g.
 static const float* attn_q(const AttnArgs* a, int b, int t, int h) {
     return a->qkv + (size_t)(b * a->T + t) * a->QKV + (size_t)h * a->HD;
 }
@@ -670,129 +708,235 @@ static const float* attn_k(const AttnArgs* a, int b, int t, int g) {
 static const float* attn_v(const AttnArgs* a, int b, int t, int g) {
     return a->qkv + (size_t)(b * a->T + t) * a->QKV + (size_t)(a->H + a->KVH + g) * a->HD;
 }
+static size_t attn_o_offset(const AttnArgs* a, int b, int t, int h) {
+    return (size_t)(b * a->T + t) * a->H * a->HD + (size_t)h * a->HD;
+}
 
-// Task = (b, h, block of query rows). Two passes per row: scaled logits and their max, then
-// exponentials, their sum, and the weighted sum of values.
+// Task = (b, h, block of query rows), heaviest (last) blocks first. Online softmax over key
+// blocks: running max m and sum l per row; the output accumulator is rescaled by exp(m_old - m).
 static void attention_forward_task(void* arg, int64_t task) {
     const AttnArgs* a = arg;
-    int blk = (int)(task % a->blocks), h = (int)(task / a->blocks % a->H);
-    int b = (int)(task / a->blocks / a->H), g = h / (a->H / a->KVH), HD = a->HD;
-    float* s = malloc_check((size_t)a->T * sizeof(float));  // logits, then probabilities
-    float* acc = malloc_check((size_t)HD * sizeof(float));
-    int t0 = blk * ATT_BLOCK, t1 = imin(a->T, t0 + ATT_BLOCK);
-    for (int t = t0; t < t1; t++) {
-        const float* q = attn_q(a, b, t, h);
-        float mx = -INFINITY;
-        for (int j = 0; j <= t; j++) {
-            s[j] = vec_dot(q, attn_k(a, b, j, g), HD) * a->scale;
-            if (s[j] > mx) mx = s[j];
+    const int AB = ATT_BLOCK, HD = a->HD, HDp = a->HDp, vpanels = HDp / GEMM_NR;
+    int blk = a->blocks - 1 - (int)(task % a->blocks), h = (int)(task / a->blocks % a->H);
+    int b = (int)(task / a->blocks / a->H), g = h / (a->H / a->KVH);
+    int t0 = blk * AB, m = imin(AB, a->T - t0), qpanels = (m + GEMM_MR - 1) / GEMM_MR;
+    float* buf = aligned_alloc_check(((size_t)2 * AB * HD + 2 * AB * AB + 2 * AB * HDp) *
+                                     sizeof(float));
+    float* qp = buf;                    // (AB/MR, HD, MR) queries as A panels
+    float* kp = qp + (size_t)AB * HD;   // (HD, AB) keys of the block as a B panel
+    float* s = kp + (size_t)AB * HD;    // (AB, AB) logits, then probabilities
+    float* pp = s + (size_t)AB * AB;    // (AB/MR, AB, MR) probabilities as A panels
+    float* vp = pp + (size_t)AB * AB;   // (HDp/NR, AB, NR) values as B panels
+    float* o = vp + (size_t)AB * HDp;   // (AB, HDp) unnormalised output
+    float mrow[ATT_BLOCK];
+    double lrow[ATT_BLOCK];
+    for (int p = 0; p < qpanels; p++)
+        pack_a_panel(qp + (size_t)p * HD * GEMM_MR, attn_q(a, b, t0 + p * GEMM_MR, h), a->QKV,
+                     imin(GEMM_MR, m - p * GEMM_MR), HD);
+    memset(o, 0, (size_t)AB * HDp * sizeof(float));
+    memset(s, 0, (size_t)AB * AB * sizeof(float));  // rows >= m stay 0
+    for (int i = 0; i < AB; i++) mrow[i] = -INFINITY, lrow[i] = 0.0;
+    for (int j0 = 0; j0 < t0 + m; j0 += AB) {
+        int kb = imin(AB, t0 + m - j0);
+        pack_b_panel_t(kp, attn_k(a, b, j0, g), a->QKV, kb, HD);
+        gemm_panels(a->kernel, qpanels, 1, HD, qp, kp, s, AB, 0);
+        for (int i = 0; i < m; i++) {
+            float* row = s + (size_t)i * AB;
+            int nv = imin(kb, t0 + i - j0 + 1);  // causal: keys j <= t (>= 1: blocks are aligned)
+            float mx = mrow[i];
+            for (int jj = 0; jj < nv; jj++) mx = fmaxf(mx, row[jj] * a->scale);
+            float alpha = expf(mrow[i] - mx);  // 0 on the first block (m_old = -inf)
+            double sum = 0.0;
+            for (int jj = 0; jj < nv; jj++) {
+                row[jj] = expf(row[jj] * a->scale - mx);
+                sum += row[jj];
+            }
+            for (int jj = nv; jj < AB; jj++) row[jj] = 0.0f;
+            lrow[i] = lrow[i] * alpha + sum;
+            mrow[i] = mx;
+            for (int d = 0; d < HD; d++) o[(size_t)i * HDp + d] *= alpha;
         }
-        double sum = 0.0;
-        for (int j = 0; j <= t; j++) {
-            s[j] = expf(s[j] - mx);
-            sum += s[j];
-        }
-        for (int i = 0; i < HD; i++) acc[i] = 0.0f;
-        for (int j = 0; j <= t; j++) vec_axpy(acc, s[j], attn_v(a, b, j, g), HD);
-        float inv = (float)(1.0 / sum);
-        float* o = a->out + (size_t)(b * a->T + t) * a->H * HD + (size_t)h * HD;
-        for (int i = 0; i < HD; i++) o[i] = acc[i] * inv;
-        a->lse[((size_t)b * a->H + h) * a->T + t] = mx + (float)log(sum);
+        for (int p = 0; p < qpanels; p++)
+            pack_a_panel(pp + (size_t)p * AB * GEMM_MR, s + (size_t)p * GEMM_MR * AB, AB, GEMM_MR,
+                         AB);
+        pack_b_panels(vp, attn_v(a, b, j0, g), a->QKV, kb, AB, HD, vpanels);
+        gemm_panels(a->kernel, qpanels, vpanels, AB, pp, vp, o, HDp, 1);
     }
-    free(s);
-    free(acc);
+    for (int i = 0; i < m; i++) {
+        float inv = (float)(1.0 / lrow[i]);
+        float* dst = a->out + attn_o_offset(a, b, t0 + i, h);
+        for (int d = 0; d < HD; d++) dst[d] = o[(size_t)i * HDp + d] * inv;
+        a->lse[((size_t)b * a->H + h) * a->T + t0 + i] = mrow[i] + (float)log(lrow[i]);
+    }
+    free(buf);
 }
 
 static void cpu_attention_forward(void* ctx, void* out, float* lse, const void* qkv, int B, int T,
                                   int H, int KVH, int HD) {
-    AttnArgs a = {.out = out, .lse = lse, .qkv = qkv, .B = B, .T = T, .H = H, .KVH = KVH,
-                  .HD = HD, .QKV = (H + 2 * KVH) * HD, .blocks = (int)task_count(T, ATT_BLOCK),
-                  .scale = 1.0f / sqrtf((float)HD)};
-    threadpool_run(cpu_pool(ctx), (int64_t)B * H * a.blocks, attention_forward_task, &a);
+    CpuCtx* cx = ctx;
+    AttnArgs a = {.out = out, .lse = lse, .qkv = qkv, .kernel = cx->gemm_kernel, .B = B, .T = T,
+                  .H = H, .KVH = KVH, .HD = HD, .QKV = (H + 2 * KVH) * HD,
+                  .blocks = (int)task_count(T, ATT_BLOCK),
+                  .HDp = (int)task_count(HD, GEMM_NR) * GEMM_NR, .scale = 1.0f / sqrtf((float)HD)};
+    threadpool_run(cx->pool, (int64_t)B * H * a.blocks, attention_forward_task, &a);
 }
 
-// dS for one (query t, key j) pair: P = exp(s - lse), dS = P (dO·v - D). Both backward passes
-// recompute it the same way so they agree exactly.
-static float attn_ds(const AttnArgs* a, const float* q, const float* k, const float* v,
-                     const float* dO, float lse, float D, float* p_out) {
-    float p = expf(vec_dot(q, k, a->HD) * a->scale - lse);
-    *p_out = p;
-    return p * (vec_dot(dO, v, a->HD) - D);
-}
-
-// Pass 1, task = (b, h, block of query rows): D and dq = scale · Σ_j dS_tj k_j.
+// Pass 1, task = (b, h, block of query rows): D = rowsum(dO ∘ O) and
+// dq = scale · dS·K with P = exp(s - lse), dS = P ∘ (dO·vᵀ - D).
 static void attention_backward_dq_task(void* arg, int64_t task) {
     const AttnArgs* a = arg;
-    int blk = (int)(task % a->blocks), h = (int)(task / a->blocks % a->H);
-    int b = (int)(task / a->blocks / a->H), g = h / (a->H / a->KVH), HD = a->HD;
-    float* acc = malloc_check((size_t)HD * sizeof(float));
-    int t0 = blk * ATT_BLOCK, t1 = imin(a->T, t0 + ATT_BLOCK);
-    for (int t = t0; t < t1; t++) {
-        size_t orow = (size_t)(b * a->T + t) * a->H * HD + (size_t)h * HD;
-        const float* dO = a->dout + orow;
-        size_t bht = ((size_t)b * a->H + h) * a->T + t;
-        float D = vec_dot(dO, a->cout + orow, HD);
-        a->dsum[bht] = D;
-        const float* q = attn_q(a, b, t, h);
-        for (int i = 0; i < HD; i++) acc[i] = 0.0f;
-        for (int j = 0; j <= t; j++) {
-            float p;
-            float ds = attn_ds(a, q, attn_k(a, b, j, g), attn_v(a, b, j, g), dO, a->clse[bht], D, &p);
-            vec_axpy(acc, ds, attn_k(a, b, j, g), HD);
-        }
-        float* dq = a->dqkv + (size_t)(b * a->T + t) * a->QKV + (size_t)h * HD;
-        for (int i = 0; i < HD; i++) dq[i] = acc[i] * a->scale;
+    const int AB = ATT_BLOCK, HD = a->HD, HDp = a->HDp, vpanels = HDp / GEMM_NR;
+    int blk = a->blocks - 1 - (int)(task % a->blocks), h = (int)(task / a->blocks % a->H);
+    int b = (int)(task / a->blocks / a->H), g = h / (a->H / a->KVH);
+    int t0 = blk * AB, m = imin(AB, a->T - t0), qpanels = (m + GEMM_MR - 1) / GEMM_MR;
+    size_t ld_o = (size_t)a->H * HD;
+    float* buf = aligned_alloc_check(((size_t)4 * AB * HD + 3 * AB * AB + 2 * AB * HDp) *
+                                     sizeof(float));
+    float* qp = buf;                     // (AB/MR, HD, MR) queries as A panels
+    float* dop = qp + (size_t)AB * HD;   // (AB/MR, HD, MR) dO rows as A panels
+    float* kp = dop + (size_t)AB * HD;   // (HD, AB) Kᵀ block
+    float* vp = kp + (size_t)AB * HD;    // (HD, AB) Vᵀ block
+    float* s = vp + (size_t)AB * HD;     // (AB, AB) logits, then dS
+    float* dp = s + (size_t)AB * AB;     // (AB, AB) dO·vᵀ
+    float* dsp = dp + (size_t)AB * AB;   // (AB/MR, AB, MR) dS as A panels
+    float* kb_p = dsp + (size_t)AB * AB; // (HDp/NR, AB, NR) K rows as B panels
+    float* dq = kb_p + (size_t)AB * HDp; // (AB, HDp)
+    float D[ATT_BLOCK], L[ATT_BLOCK];
+    for (int i = 0; i < m; i++) {
+        size_t bht = ((size_t)b * a->H + h) * a->T + t0 + i;
+        size_t off = attn_o_offset(a, b, t0 + i, h);
+        D[i] = vec_dot(a->dout + off, a->cout + off, HD);
+        a->dsum[bht] = D[i];
+        L[i] = a->clse[bht];
     }
-    free(acc);
+    for (int p = 0; p < qpanels; p++) {
+        int rows = imin(GEMM_MR, m - p * GEMM_MR);
+        pack_a_panel(qp + (size_t)p * HD * GEMM_MR, attn_q(a, b, t0 + p * GEMM_MR, h), a->QKV,
+                     rows, HD);
+        pack_a_panel(dop + (size_t)p * HD * GEMM_MR,
+                     a->dout + attn_o_offset(a, b, t0 + p * GEMM_MR, h), ld_o, rows, HD);
+    }
+    memset(dq, 0, (size_t)AB * HDp * sizeof(float));
+    memset(s, 0, (size_t)AB * AB * sizeof(float));  // rows >= m stay 0
+    for (int j0 = 0; j0 < t0 + m; j0 += AB) {
+        int kb = imin(AB, t0 + m - j0);
+        pack_b_panel_t(kp, attn_k(a, b, j0, g), a->QKV, kb, HD);
+        pack_b_panel_t(vp, attn_v(a, b, j0, g), a->QKV, kb, HD);
+        gemm_panels(a->kernel, qpanels, 1, HD, qp, kp, s, AB, 0);
+        gemm_panels(a->kernel, qpanels, 1, HD, dop, vp, dp, AB, 0);
+        for (int i = 0; i < m; i++) {
+            float* row = s + (size_t)i * AB;
+            int nv = imin(kb, t0 + i - j0 + 1);
+            for (int jj = 0; jj < nv; jj++) {
+                float p = expf(row[jj] * a->scale - L[i]);
+                row[jj] = p * (dp[(size_t)i * AB + jj] - D[i]);
+            }
+            for (int jj = nv; jj < AB; jj++) row[jj] = 0.0f;
+        }
+        for (int p = 0; p < qpanels; p++)
+            pack_a_panel(dsp + (size_t)p * AB * GEMM_MR, s + (size_t)p * GEMM_MR * AB, AB,
+                         GEMM_MR, AB);
+        pack_b_panels(kb_p, attn_k(a, b, j0, g), a->QKV, kb, AB, HD, vpanels);
+        gemm_panels(a->kernel, qpanels, vpanels, AB, dsp, kb_p, dq, HDp, 1);
+    }
+    for (int i = 0; i < m; i++) {
+        float* dst = a->dqkv + (size_t)(b * a->T + t0 + i) * a->QKV + (size_t)h * HD;
+        for (int d = 0; d < HD; d++) dst[d] = dq[(size_t)i * HDp + d] * a->scale;
+    }
+    free(buf);
 }
 
-// Pass 2, task = (b, kv head g, block of key rows): dk = scale · Σ dS q and dv = Σ P dO over the
-// query heads of the group (in head order) and the query rows t >= j (in row order).
+// Pass 2, task = (b, kv head g, block of keys): dk = scale · dSᵀ·Q and dv = Pᵀ·dO summed over
+// the query heads of the group (in head order) and the query blocks from the diagonal on (in
+// order). Works on transposed tiles (keys x queries) so dk and dv come out of the kernel.
 static void attention_backward_dkv_task(void* arg, int64_t task) {
     const AttnArgs* a = arg;
+    const int AB = ATT_BLOCK, HD = a->HD, HDp = a->HDp, vpanels = HDp / GEMM_NR;
     int blk = (int)(task % a->blocks), g = (int)(task / a->blocks % a->KVH);
-    int b = (int)(task / a->blocks / a->KVH), group = a->H / a->KVH, HD = a->HD;
-    int j0 = blk * ATT_BLOCK, j1 = imin(a->T, j0 + ATT_BLOCK);
-    float* dk = calloc_check((size_t)ATT_BLOCK * HD, sizeof(float));
-    float* dv = calloc_check((size_t)ATT_BLOCK * HD, sizeof(float));
+    int b = (int)(task / a->blocks / a->KVH), group = a->H / a->KVH;
+    int j0 = blk * AB, kb = imin(AB, a->T - j0), kpanels = (kb + GEMM_MR - 1) / GEMM_MR;
+    size_t ld_o = (size_t)a->H * HD;
+    float* buf = aligned_alloc_check(((size_t)4 * AB * HD + 4 * AB * AB + 4 * AB * HDp) *
+                                     sizeof(float));
+    float* ka = buf;                      // (AB/MR, HD, MR) keys as A panels
+    float* va = ka + (size_t)AB * HD;     // (AB/MR, HD, MR) values as A panels
+    float* qt = va + (size_t)AB * HD;     // (HD, AB) Qᵀ block
+    float* dot = qt + (size_t)AB * HD;    // (HD, AB) dOᵀ block
+    float* st = dot + (size_t)AB * HD;    // (AB keys, AB queries) logits, then P
+    float* dpt = st + (size_t)AB * AB;    // (AB, AB) v·dOᵀ, then dS
+    float* pa = dpt + (size_t)AB * AB;    // (AB/MR, AB, MR) Pᵀ as A panels
+    float* dsa = pa + (size_t)AB * AB;    // (AB/MR, AB, MR) dSᵀ as A panels
+    float* qb = dsa + (size_t)AB * AB;    // (HDp/NR, AB, NR) Q rows as B panels
+    float* dob = qb + (size_t)AB * HDp;   // (HDp/NR, AB, NR) dO rows as B panels
+    float* dk = dob + (size_t)AB * HDp;   // (AB, HDp)
+    float* dv = dk + (size_t)AB * HDp;    // (AB, HDp)
+    for (int p = 0; p < kpanels; p++) {
+        int rows = imin(GEMM_MR, kb - p * GEMM_MR);
+        pack_a_panel(ka + (size_t)p * HD * GEMM_MR, attn_k(a, b, j0 + p * GEMM_MR, g), a->QKV,
+                     rows, HD);
+        pack_a_panel(va + (size_t)p * HD * GEMM_MR, attn_v(a, b, j0 + p * GEMM_MR, g), a->QKV,
+                     rows, HD);
+    }
+    memset(dk, 0, (size_t)2 * AB * HDp * sizeof(float));  // dk and dv
+    memset(st, 0, (size_t)2 * AB * AB * sizeof(float));   // rows >= kb stay 0
     for (int h = g * group; h < (g + 1) * group; h++) {
-        for (int t = j0; t < a->T; t++) {
-            const float* q = attn_q(a, b, t, h);
-            const float* dO = a->dout + (size_t)(b * a->T + t) * a->H * HD + (size_t)h * HD;
-            size_t bht = ((size_t)b * a->H + h) * a->T + t;
-            int jend = imin(j1, t + 1);
-            for (int j = j0; j < jend; j++) {
-                float p;
-                float ds = attn_ds(a, q, attn_k(a, b, j, g), attn_v(a, b, j, g), dO, a->clse[bht],
-                                   a->dsum[bht], &p);
-                vec_axpy(dk + (size_t)(j - j0) * HD, ds, q, HD);
-                vec_axpy(dv + (size_t)(j - j0) * HD, p, dO, HD);
+        for (int t0 = j0; t0 < a->T; t0 += AB) {
+            int m = imin(AB, a->T - t0);
+            size_t bh = ((size_t)b * a->H + h) * a->T;
+            const float* q0 = attn_q(a, b, t0, h);
+            const float* do0 = a->dout + attn_o_offset(a, b, t0, h);
+            pack_b_panel_t(qt, q0, a->QKV, m, HD);
+            pack_b_panel_t(dot, do0, ld_o, m, HD);
+            gemm_panels(a->kernel, kpanels, 1, HD, ka, qt, st, AB, 0);
+            gemm_panels(a->kernel, kpanels, 1, HD, va, dot, dpt, AB, 0);
+            for (int jj = 0; jj < kb; jj++) {
+                float* prow = st + (size_t)jj * AB;
+                float* drow = dpt + (size_t)jj * AB;
+                int first = imax(0, j0 + jj - t0);  // causal: queries t >= j
+                for (int i = 0; i < first; i++) prow[i] = 0.0f, drow[i] = 0.0f;
+                for (int i = first; i < m; i++) {
+                    float p = expf(prow[i] * a->scale - a->clse[bh + t0 + i]);
+                    prow[i] = p;
+                    drow[i] = p * (drow[i] - a->dsum[bh + t0 + i]);
+                }
+                for (int i = m; i < AB; i++) prow[i] = 0.0f, drow[i] = 0.0f;
             }
+            for (int p = 0; p < kpanels; p++) {
+                pack_a_panel(pa + (size_t)p * AB * GEMM_MR, st + (size_t)p * GEMM_MR * AB, AB,
+                             GEMM_MR, AB);
+                pack_a_panel(dsa + (size_t)p * AB * GEMM_MR, dpt + (size_t)p * GEMM_MR * AB, AB,
+                             GEMM_MR, AB);
+            }
+            pack_b_panels(qb, q0, a->QKV, m, AB, HD, vpanels);
+            pack_b_panels(dob, do0, ld_o, m, AB, HD, vpanels);
+            gemm_panels(a->kernel, kpanels, vpanels, AB, pa, dob, dv, HDp, 1);
+            gemm_panels(a->kernel, kpanels, vpanels, AB, dsa, qb, dk, HDp, 1);
         }
     }
-    for (int j = j0; j < j1; j++) {
-        float* dkr = a->dqkv + (size_t)(b * a->T + j) * a->QKV + (size_t)(a->H + g) * HD;
+    for (int jj = 0; jj < kb; jj++) {
+        float* dkr = a->dqkv + (size_t)(b * a->T + j0 + jj) * a->QKV + (size_t)(a->H + g) * HD;
         float* dvr = dkr + (size_t)a->KVH * HD;
-        for (int i = 0; i < HD; i++) {
-            dkr[i] = dk[(size_t)(j - j0) * HD + i] * a->scale;
-            dvr[i] = dv[(size_t)(j - j0) * HD + i];
+        for (int d = 0; d < HD; d++) {
+            dkr[d] = dk[(size_t)jj * HDp + d] * a->scale;
+            dvr[d] = dv[(size_t)jj * HDp + d];
         }
     }
-    free(dk);
-    free(dv);
+    free(buf);
 }
 
 static void cpu_attention_backward(void* ctx, void* dqkv, const void* dout, const void* qkv,
                                    const void* out, const float* lse, int B, int T, int H, int KVH,
                                    int HD) {
-    AttnArgs a = {.dqkv = dqkv, .qkv = qkv, .dout = dout, .cout = out, .clse = lse, .B = B,
-                  .T = T, .H = H, .KVH = KVH, .HD = HD, .QKV = (H + 2 * KVH) * HD,
-                  .blocks = (int)task_count(T, ATT_BLOCK), .scale = 1.0f / sqrtf((float)HD)};
+    CpuCtx* cx = ctx;
+    AttnArgs a = {.dqkv = dqkv, .qkv = qkv, .dout = dout, .cout = out, .clse = lse,
+                  .kernel = cx->gemm_kernel, .B = B, .T = T, .H = H, .KVH = KVH, .HD = HD,
+                  .QKV = (H + 2 * KVH) * HD, .blocks = (int)task_count(T, ATT_BLOCK),
+                  .HDp = (int)task_count(HD, GEMM_NR) * GEMM_NR, .scale = 1.0f / sqrtf((float)HD)};
     size_t n_bht = (size_t)B * H * T;
     a.dsum = malloc_check((n_bht > 0 ? n_bht : 1) * sizeof(float));
     // Pass 2 reads D of every query row of its group, so pass 1 must finish first.
-    threadpool_run(cpu_pool(ctx), (int64_t)B * H * a.blocks, attention_backward_dq_task, &a);
-    threadpool_run(cpu_pool(ctx), (int64_t)B * KVH * a.blocks, attention_backward_dkv_task, &a);
+    threadpool_run(cx->pool, (int64_t)B * H * a.blocks, attention_backward_dq_task, &a);
+    threadpool_run(cx->pool, (int64_t)B * KVH * a.blocks, attention_backward_dkv_task, &a);
     free(a.dsum);
 }
 
