@@ -31,6 +31,9 @@
     X(ops)         \
     X(model)       \
     X(parity)      \
+    X(device)      \
+    X(partition)   \
+    X(engine)      \
     X(train)
 
 #define DECLARE_SUITE(s) extern const TestCase tests_##s[] __attribute__((weak));

@@ -10,8 +10,10 @@
  *  - device_event_record(ev, stream) captures all work submitted to that stream so far. A later
  *    record of the same event replaces the capture.
  *  - device_stream_wait(stream, ev) makes work submitted to `stream` AFTER this call wait until the
- *    capture of ev's most recent record (at the time of the wait call) has completed. The event
- *    may belong to another device. Waiting on an event never recorded is a no-op (as in CUDA):
+ *    capture of ev's most recent record (at the time of the wait call) has completed. Events are
+ *    not tied to a device: any device's stream may record or wait on any event of the set (the
+ *    CUDA implementation keeps one CUDA event per device inside and waits on the one of the
+ *    device that recorded last). Waiting on an event never recorded is a no-op (as in CUDA):
  *    the engine therefore guarantees "record before wait" itself (ROUNDPIPE.md §5).
  *  - device_event_synchronize blocks the calling host thread the same way.
  *  - device_submit(stream, fn, arg): on the CPU emulation fn(arg) runs later, on the stream's
@@ -44,6 +46,7 @@ extern const char* const stream_names[STREAM_COUNT];
 
 typedef struct Device Device;       // one (emulated or real) device
 typedef struct DevEvent DevEvent;   // an event, usable across devices of one DeviceSet
+struct DeviceOptions;                // defined below; DeviceImpl.open takes one
 
 typedef void (*DevWorkFn)(void* arg);
 

@@ -1,8 +1,9 @@
 /*
  * ops_cpu.c — the fp32 CPU reference backend of the op table (ops.h).
  *
- * ctx is a CpuCtx: a ThreadPool plus the GEMM micro-kernel picked for this CPU. Buffers are plain
- * 64-byte aligned host memory; uploads and downloads are memcpy.
+ * ctx is a CpuCtx: a ThreadPool plus the SIMD kernels picked for this CPU. Buffers are plain
+ * 64-byte aligned host memory; uploads and downloads are memcpy. Ops may be called from several
+ * threads on one ctx: their parallel loops take turns on the pool.
  *
  * Determinism: every op splits its work into tasks whose number and extent depend only on the
  * problem size (never on the thread count), and every floating-point sum runs in a fixed order
@@ -17,6 +18,9 @@
  * AVX-512F, AVX2+FMA or portable C. Both SIMD kernels use one fused multiply-add per term in the
  * same order, so they agree bit for bit; the portable kernel rounds the product separately.
  * Building with -DOPS_CPU_KERNEL=0/1/2 forces portable/AVX2/AVX-512 (to test every kernel).
+ *
+ * Attention is flash-style on 32 x 32 blocks of queries x keys through the same micro-kernel,
+ * with a branch-free exp that vectorises (compiled per SIMD level like the kernel); see there.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -32,13 +36,25 @@
 
 // C tile of one micro-kernel call: c (MR, ldc) (+)= a (kc, MR packed) · b (kc, NR packed).
 typedef void (*GemmKernel)(int kc, const float* a, const float* b, float* c, int ldc, int load_c);
+// One row of attention probabilities (and dS); see att_row_body.
+typedef void (*AttRowFn)(float* x, float* ds, int first, int m, float scale, const float* shift,
+                         const float* dsum);
 
 typedef struct CpuCtx {
     ThreadPool* pool;
-    GemmKernel gemm_kernel;
+    pthread_mutex_t run_mu;  // ThreadPool runs one job at a time: callers on several threads queue
+    GemmKernel gemm_kernel;  // both picked for this CPU's SIMD level at ops_cpu_create
+    AttRowFn att_row;
 } CpuCtx;
 
-static ThreadPool* cpu_pool(void* ctx) { return ((CpuCtx*)ctx)->pool; }
+// Every parallel loop goes through here. The lock makes the backend safe to call from several
+// threads at once (e.g. CPU streams sharing one ctx); results do not depend on the interleaving.
+static void cpu_run(void* ctx, int64_t n_tasks, TaskFn fn, void* arg) {
+    CpuCtx* cx = ctx;
+    pthread_check(pthread_mutex_lock(&cx->run_mu));
+    threadpool_run(cx->pool, n_tasks, fn, arg);
+    pthread_check(pthread_mutex_unlock(&cx->run_mu));
+}
 
 static int64_t task_count(int64_t n, int64_t per_task) { return (n + per_task - 1) / per_task; }
 
@@ -136,7 +152,7 @@ static void cpu_embedding_forward(void* ctx, void* out, const int32_t* ids, cons
                                   int C) {
     EmbeddingArgs e = {.out = out, .ids = ids, .wte = wte, .N = N, .C = C,
                        .rows_per_task = rows_per_task((size_t)C)};
-    threadpool_run(cpu_pool(ctx), task_count(N, e.rows_per_task), embedding_forward_task, &e);
+    cpu_run(ctx, task_count(N, e.rows_per_task), embedding_forward_task, &e);
 }
 
 // One task owns a block of columns and walks the tokens in order: no two tasks touch the same
@@ -146,7 +162,8 @@ static void embedding_backward_task(void* arg, int64_t task) {
     int c0 = (int)task * COL_BLOCK, c1 = imin(e->C, c0 + COL_BLOCK);
     for (int n = 0; n < e->N; n++) {
         int id = e->ids[n];
-        if (id < 0 || id >= e->V) fatal("embedding_backward: token id %d outside [0, %d)", id, e->V);
+        if (id < 0 || id >= e->V)
+            fatal("embedding_backward: token id %d outside [0, %d)", id, e->V);
         float* dst = e->dwte + (size_t)id * e->C;
         const float* src = e->dout + (size_t)n * e->C;
         for (int c = c0; c < c1; c++) dst[c] += src[c];
@@ -156,7 +173,7 @@ static void embedding_backward_task(void* arg, int64_t task) {
 static void cpu_embedding_backward(void* ctx, float* dwte, const void* dout, const int32_t* ids,
                                    int N, int C, int V) {
     EmbeddingArgs e = {.dwte = dwte, .dout = dout, .ids = ids, .N = N, .C = C, .V = V};
-    threadpool_run(cpu_pool(ctx), task_count(C, COL_BLOCK), embedding_backward_task, &e);
+    cpu_run(ctx, task_count(C, COL_BLOCK), embedding_backward_task, &e);
 }
 
 // ----------------------------------------------------------------------------
@@ -202,14 +219,15 @@ static void cpu_rmsnorm_forward(void* ctx, void* out, float* rstd, const void* i
                                 int N, int C, float eps) {
     RmsnormArgs r = {.out = out, .rstd = rstd, .a = inp, .w = w, .N = N, .C = C, .eps = eps,
                      .rows_per_task = rows_per_task((size_t)C)};
-    threadpool_run(cpu_pool(ctx), task_count(N, r.rows_per_task), rmsnorm_forward_task, &r);
+    cpu_run(ctx, task_count(N, r.rows_per_task), rmsnorm_forward_task, &r);
 }
 
-static void cpu_residual_rmsnorm_forward(void* ctx, void* res, void* out, float* rstd, const void* a,
-                                         const void* b, const void* w, int N, int C, float eps) {
+static void cpu_residual_rmsnorm_forward(void* ctx, void* res, void* out, float* rstd,
+                                         const void* a, const void* b, const void* w, int N, int C,
+                                         float eps) {
     RmsnormArgs r = {.res = res, .out = out, .rstd = rstd, .a = a, .b = b, .w = w, .N = N, .C = C,
                      .eps = eps, .rows_per_task = rows_per_task((size_t)C)};
-    threadpool_run(cpu_pool(ctx), task_count(N, r.rows_per_task), rmsnorm_forward_task, &r);
+    cpu_run(ctx, task_count(N, r.rows_per_task), rmsnorm_forward_task, &r);
 }
 
 // dx = rstd * (g - x̂ * mean(g * x̂)), g = dy * w, x̂ = x * rstd (FORMATS_AND_MODELS.md §5.2).
@@ -242,14 +260,12 @@ static void rmsnorm_backward_dw_task(void* arg, int64_t task) {
     for (int c = c0; c < c1; c++) r->dw[c] += acc[c - c0];
 }
 
-static void cpu_rmsnorm_backward(void* ctx, void* dinp, float* dw, const void* dout, const void* inp,
-                                 const void* w, const float* rstd, int N, int C) {
+static void cpu_rmsnorm_backward(void* ctx, void* dinp, float* dw, const void* dout,
+                                 const void* inp, const void* w, const float* rstd, int N, int C) {
     RmsnormArgs r = {.a = inp, .w = w, .dinp = dinp, .dw = dw, .dout = dout, .crstd = rstd,
                      .N = N, .C = C, .rows_per_task = rows_per_task((size_t)C)};
-    if (dinp)
-        threadpool_run(cpu_pool(ctx), task_count(N, r.rows_per_task), rmsnorm_backward_dinp_task,
-                       &r);
-    if (dw) threadpool_run(cpu_pool(ctx), task_count(C, COL_BLOCK), rmsnorm_backward_dw_task, &r);
+    if (dinp) cpu_run(ctx, task_count(N, r.rows_per_task), rmsnorm_backward_dinp_task, &r);
+    if (dw) cpu_run(ctx, task_count(C, COL_BLOCK), rmsnorm_backward_dw_task, &r);
 }
 
 // ----------------------------------------------------------------------------
@@ -335,16 +351,15 @@ static void gemm_kernel_portable(int kc, const float* a, const float* b, float* 
         for (int j = 0; j < GEMM_NR; j++) c[(size_t)i * ldc + j] = acc[i][j];
 }
 
-static GemmKernel gemm_pick_kernel(void) {
+// 2: AVX-512F, 1: AVX2 + FMA, 0: portable C. -DOPS_CPU_KERNEL=level forces one (tests).
+static int cpu_simd_level(void) {
 #if defined(OPS_CPU_KERNEL)
-    if (OPS_CPU_KERNEL == 2) return gemm_kernel_avx512;
-    if (OPS_CPU_KERNEL == 1) return gemm_kernel_avx2;
-    return gemm_kernel_portable;
+    return OPS_CPU_KERNEL;
 #else
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return gemm_kernel_avx512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return gemm_kernel_avx2;
-    return gemm_kernel_portable;
+    if (__builtin_cpu_supports("avx512f")) return 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+    return 0;
 #endif
 }
 
@@ -367,35 +382,36 @@ typedef struct Gemm {
     GemmKernel kernel;
 } Gemm;
 
+// Panels are zero-padded past the last row / column, so the kernel always runs whole tiles.
 static void gemm_pack_a(const Gemm* g, int p) {
     int i0 = p * GEMM_MR, m = imin(GEMM_MR, g->M - i0);
     float* dst = g->a_pack + (size_t)p * g->K * GEMM_MR;
+    if (m < GEMM_MR) memset(dst, 0, (size_t)g->K * GEMM_MR * sizeof(float));
     if (g->a_cs == 1) {  // rows of A are contiguous: read along k
-        for (int i = 0; i < GEMM_MR; i++) {
+        for (int i = 0; i < m; i++) {
             const float* src = g->a + (size_t)(i0 + i) * g->a_rs;
-            for (int k = 0; k < g->K; k++) dst[(size_t)k * GEMM_MR + i] = i < m ? src[k] : 0.0f;
+            for (int k = 0; k < g->K; k++) dst[(size_t)k * GEMM_MR + i] = src[k];
         }
-    } else {
+    } else {  // columns of A are contiguous (A = doutᵀ): read MR-wide row segments
         for (int k = 0; k < g->K; k++)
-            for (int i = 0; i < GEMM_MR; i++)
+            for (int i = 0; i < m; i++)
                 dst[(size_t)k * GEMM_MR + i] =
-                    i < m ? g->a[(size_t)(i0 + i) * g->a_rs + (size_t)k * g->a_cs] : 0.0f;
+                    g->a[(size_t)(i0 + i) * g->a_rs + (size_t)k * g->a_cs];
     }
 }
 
 static void gemm_pack_b(const Gemm* g, int p) {
     int j0 = p * GEMM_NR, n = imin(GEMM_NR, g->Nc - j0);
     float* dst = g->b_pack + (size_t)p * g->K * GEMM_NR;
+    if (n < GEMM_NR) memset(dst, 0, (size_t)g->K * GEMM_NR * sizeof(float));
     if (g->b_cs == 1) {  // rows of B are contiguous: copy row segments
-        for (int k = 0; k < g->K; k++) {
-            const float* src = g->b + (size_t)k * g->b_rs + j0;
-            for (int j = 0; j < GEMM_NR; j++) dst[(size_t)k * GEMM_NR + j] = j < n ? src[j] : 0.0f;
-        }
+        for (int k = 0; k < g->K; k++)
+            memcpy(dst + (size_t)k * GEMM_NR, g->b + (size_t)k * g->b_rs + j0,
+                   (size_t)n * sizeof(float));
     } else {  // columns of B are contiguous (B = Wᵀ): read along k
-        for (int j = 0; j < GEMM_NR; j++) {
+        for (int j = 0; j < n; j++) {
             const float* src = g->b + (size_t)(j0 + j) * g->b_cs;
-            for (int k = 0; k < g->K; k++)
-                dst[(size_t)k * GEMM_NR + j] = j < n ? src[(size_t)k * g->b_rs] : 0.0f;
+            for (int k = 0; k < g->K; k++) dst[(size_t)k * GEMM_NR + j] = src[(size_t)k * g->b_rs];
         }
     }
 }
@@ -417,9 +433,11 @@ static void gemm_micro_tile(const Gemm* g, int kc, const float* ap, const float*
     }
     _Alignas(64) float tmp[GEMM_MR * GEMM_NR] = {0};
     if (load_c)
-        for (int r = 0; r < m; r++) memcpy(tmp + r * GEMM_NR, c + (size_t)r * g->ldc, n * sizeof(float));
+        for (int r = 0; r < m; r++)
+            memcpy(tmp + r * GEMM_NR, c + (size_t)r * g->ldc, n * sizeof(float));
     g->kernel(kc, ap, bp, tmp, GEMM_NR, load_c);
-    for (int r = 0; r < m; r++) memcpy(c + (size_t)r * g->ldc, tmp + r * GEMM_NR, n * sizeof(float));
+    for (int r = 0; r < m; r++)
+        memcpy(c + (size_t)r * g->ldc, tmp + r * GEMM_NR, n * sizeof(float));
 }
 
 static void gemm_tile_task(void* arg, int64_t task) {
@@ -456,8 +474,8 @@ static void gemm_run(CpuCtx* cx, Gemm* g) {
     g->col_tiles = (int)task_count(g->Nc, GEMM_NC);
     g->a_pack = aligned_alloc_check((size_t)g->a_panels * GEMM_MR * g->K * sizeof(float));
     g->b_pack = aligned_alloc_check((size_t)g->b_panels * GEMM_NR * g->K * sizeof(float));
-    threadpool_run(cx->pool, g->a_panels + g->b_panels, gemm_pack_task, g);
-    threadpool_run(cx->pool, (int64_t)g->row_tiles * g->col_tiles, gemm_tile_task, g);
+    cpu_run(cx, g->a_panels + g->b_panels, gemm_pack_task, g);
+    cpu_run(cx, (int64_t)g->row_tiles * g->col_tiles, gemm_tile_task, g);
     free(g->a_pack);
     free(g->b_pack);
 }
@@ -504,7 +522,7 @@ static void cpu_matmul_backward(void* ctx, void* dinp, float* dw, float* dbias, 
     }
     if (dbias) {
         DbiasArgs d = {.dbias = dbias, .dout = dout, .N = N, .OC = OC};
-        threadpool_run(cpu_pool(ctx), task_count(OC, COL_BLOCK), matmul_dbias_task, &d);
+        cpu_run(ctx, task_count(OC, COL_BLOCK), matmul_dbias_task, &d);
     }
 }
 
@@ -567,7 +585,7 @@ static void cpu_qknorm_rope_forward(void* ctx, void* out, float* rstd, const voi
                   .k_norm_w = k_norm_w, .cos = cos, .sin = sin, .N = B * T, .T = T, .H = H,
                   .KVH = KVH, .HD = HD, .eps = eps,
                   .rows_per_task = rows_per_task((size_t)(H + 2 * KVH) * HD)};
-    threadpool_run(cpu_pool(ctx), task_count(r.N, r.rows_per_task), rope_forward_task, &r);
+    cpu_run(ctx, task_count(r.N, r.rows_per_task), rope_forward_task, &r);
 }
 
 static void rope_backward_task(void* arg, int64_t task) {
@@ -623,14 +641,15 @@ static void cpu_qknorm_rope_backward(void* ctx, void* dinp, float* dq_norm_w, fl
                   .rows_per_task = rows_per_task((size_t)(H + 2 * KVH) * HD)};
     int64_t n_tasks = task_count(r.N, r.rows_per_task);
     r.dw_partial = malloc_check((size_t)(n_tasks > 0 ? n_tasks : 1) * 2 * HD * sizeof(float));
-    threadpool_run(cpu_pool(ctx), n_tasks, rope_backward_task, &r);
+    cpu_run(ctx, n_tasks, rope_backward_task, &r);
     // Ordered reduction of the per-task partials: the same sum order for any thread count.
     float* dws[2] = {q_norm_w ? dq_norm_w : NULL, k_norm_w ? dk_norm_w : NULL};
     for (int which = 0; which < 2; which++) {
         if (!dws[which]) continue;
         for (int i = 0; i < HD; i++) {
             float s = 0.0f;
-            for (int64_t tk = 0; tk < n_tasks; tk++) s += r.dw_partial[(size_t)tk * 2 * HD + which * HD + i];
+            for (int64_t tk = 0; tk < n_tasks; tk++)
+                s += r.dw_partial[(size_t)tk * 2 * HD + which * HD + i];
             dws[which][i] += s;
         }
     }
@@ -640,39 +659,41 @@ static void cpu_qknorm_rope_backward(void* ctx, void* dinp, float* dq_norm_w, fl
 // ----------------------------------------------------------------------------
 // causal grouped-query attention
 //
-// Flash-style blocks of ATT_BLOCK query rows x ATT_BLOCK keys, every product through the GEMM
-// micro-kernel on small packed panels. K and V are read in place from the packed qkv rows (query
-// head h uses kv head h / (H/KVH)); nothing is repeated per head. A logit is always Σ_d q_d k_d
-// summed d = 0 .. HD-1 by the kernel (a product commutes, so K·Qᵀ gives the same bits as Q·Kᵀ),
-// so the forward and both backward passes see the same logits.
+// Flash-style blocks of ATT_BLOCK query rows x ATT_BLOCK keys; every product goes through the GEMM
+// micro-kernel on packed panels. K and V are indexed per kv head (query head h reads kv head
+// h / (H/KVH)), never repeated per head. Each call first packs the panels that many tasks share
+// (Kᵀ and V of every key block, and in the backward also Qᵀ, dOᵀ, Q and dO of every query block);
+// probabilities and dS are written by the softmax loops straight into A-panel layout.
+// A logit is always Σ_d q_d k_d with d = 0 .. HD-1 in the kernel's order (a product commutes, so
+// K·Qᵀ gives the same bits as Q·Kᵀ): the forward and both backward passes see the same logits.
 
-#define ATT_BLOCK GEMM_NR  // query rows and keys per block (one B panel of keys)
+#define ATT_BLOCK GEMM_NR  // query rows and keys per block (a block of keys is one B panel)
 
 // A panel (K, MR) from up to MR rows of K contiguous floats (row stride ld); missing rows are 0.
 static void pack_a_panel(float* dst, const float* src, size_t ld, int rows, int K) {
-    for (int i = 0; i < GEMM_MR; i++)
-        for (int k = 0; k < K; k++)
-            dst[(size_t)k * GEMM_MR + i] = i < rows ? src[(size_t)i * ld + k] : 0.0f;
+    if (rows < GEMM_MR) memset(dst, 0, (size_t)K * GEMM_MR * sizeof(float));
+    for (int i = 0; i < rows; i++)
+        for (int k = 0; k < K; k++) dst[(size_t)k * GEMM_MR + i] = src[(size_t)i * ld + k];
 }
 
 // B panel (K, NR) whose column j is row j of src (K contiguous floats, row stride ld).
 static void pack_b_panel_t(float* dst, const float* src, size_t ld, int rows, int K) {
-    for (int j = 0; j < GEMM_NR; j++)
-        for (int k = 0; k < K; k++)
-            dst[(size_t)k * GEMM_NR + j] = j < rows ? src[(size_t)j * ld + k] : 0.0f;
+    memset(dst, 0, (size_t)K * GEMM_NR * sizeof(float));
+    for (int j = 0; j < rows; j++)
+        for (int k = 0; k < K; k++) dst[(size_t)k * GEMM_NR + j] = src[(size_t)j * ld + k];
 }
 
-// B panels (n_panels, K, NR) of the matrix whose k-th row is src row k (width floats, stride ld);
-// rows >= `rows` and columns >= width are 0.
+// B panels (n_panels, K, NR) of the matrix whose k-th row is src row k (width floats, stride
+// ld); rows >= `rows` and columns >= width are 0.
 static void pack_b_panels(float* dst, const float* src, size_t ld, int rows, int K, int width,
                           int n_panels) {
-    for (int p = 0; p < n_panels; p++)
-        for (int k = 0; k < K; k++)
-            for (int j = 0; j < GEMM_NR; j++) {
-                int col = p * GEMM_NR + j;
-                dst[((size_t)p * K + k) * GEMM_NR + j] =
-                    k < rows && col < width ? src[(size_t)k * ld + col] : 0.0f;
-            }
+    memset(dst, 0, (size_t)n_panels * K * GEMM_NR * sizeof(float));
+    for (int p = 0; p < n_panels; p++) {
+        int cols = imin(GEMM_NR, width - p * GEMM_NR);
+        for (int k = 0; k < rows; k++)
+            memcpy(dst + ((size_t)p * K + k) * GEMM_NR, src + (size_t)k * ld + p * GEMM_NR,
+                   (size_t)cols * sizeof(float));
+    }
 }
 
 // c (a_panels*MR, ldc) (+)= A panels (kc each) · B panels (kc each).
@@ -684,6 +705,83 @@ static void gemm_panels(GemmKernel kernel, int a_panels, int b_panels, int kc, c
                    c + (size_t)p * GEMM_MR * ldc + (size_t)q * GEMM_NR, ldc, load_c);
 }
 
+// Element (row r, k) of A panels with kc = ATT_BLOCK: where the softmax loops write P and dS.
+static size_t att_a_index(int r, int k) {
+    return ((size_t)(r / GEMM_MR) * ATT_BLOCK + k) * GEMM_MR + r % GEMM_MR;
+}
+
+// cond ? a : b on the bits: unlike a float select it cannot trap, so loops using it vectorise.
+static inline float select_bits(int cond, float a, float b) {
+    int32_t ia, ib, mask = -cond;
+    memcpy(&ia, &a, sizeof ia);
+    memcpy(&ib, &b, sizeof ib);
+    int32_t r = (ia & mask) | (ib & ~mask);
+    float f;
+    memcpy(&f, &r, sizeof f);
+    return f;
+}
+
+// exp(x) to about 1 ulp (Cephes expf): x = n ln2 + r, exp(r) by a polynomial, 2^n through the
+// exponent bits. Branch-free plain arithmetic, so the loops below vectorise (libm's expf does not)
+// and every clone gives the same bits. x is clamped to [-87.33, 88]: below that (and NaN) gives
+// about 1e-38 instead of 0, which no softmax sum notices.
+static inline float exp_approx(float x) {
+    x = select_bits(!__builtin_isgreaterequal(x, -87.33654f), -87.33654f, x);
+    x = select_bits(__builtin_isgreater(x, 88.0f), 88.0f, x);
+    float fx = x * 1.44269504088896341f + 0.5f;
+    int32_t n = (int32_t)fx;
+    n -= __builtin_isgreater((float)n, fx);  // floor
+    float nf = (float)n;
+    float r = x - nf * 0.693359375f;  // ln2 in two parts: nf * 0.693359375 is exact
+    r = r + nf * 2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * (r * r) + r + 1.0f;
+    int32_t bits = (n + 127) << 23;  // n in [-126, 127]
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return y * two_n;
+}
+
+// One row of probabilities, and optionally of dS, over the entries first <= i < m (0 elsewhere,
+// up to ATT_BLOCK): x[i] = P = exp(x[i] * scale - shift[i]), then ds[i] = P (ds[i] - dsum[i]).
+// Compiled once per ISA below (picked at ops_cpu_create like the GEMM kernel; no ifunc, which
+// ThreadSanitizer builds cannot start with). Plain arithmetic, so all variants give the same bits.
+static inline __attribute__((always_inline)) void att_row_body(float* x, float* ds, int first,
+                                                               int m, float scale,
+                                                               const float* shift,
+                                                               const float* dsum) {
+    for (int i = 0; i < first; i++) x[i] = 0.0f;
+    for (int i = first; i < m; i++) x[i] = exp_approx(x[i] * scale - shift[i]);
+    for (int i = m; i < ATT_BLOCK; i++) x[i] = 0.0f;
+    if (!ds) return;
+    for (int i = 0; i < first; i++) ds[i] = 0.0f;
+    for (int i = first; i < m; i++) ds[i] = x[i] * (ds[i] - dsum[i]);
+    for (int i = m; i < ATT_BLOCK; i++) ds[i] = 0.0f;
+}
+
+__attribute__((target("avx512f"))) static void att_row_avx512(float* x, float* ds, int first,
+                                                               int m, float scale,
+                                                               const float* shift,
+                                                               const float* dsum) {
+    att_row_body(x, ds, first, m, scale, shift, dsum);
+}
+
+__attribute__((target("avx2"))) static void att_row_avx2(float* x, float* ds, int first, int m,
+                                                         float scale, const float* shift,
+                                                         const float* dsum) {
+    att_row_body(x, ds, first, m, scale, shift, dsum);
+}
+
+static void att_row_portable(float* x, float* ds, int first, int m, float scale,
+                             const float* shift, const float* dsum) {
+    att_row_body(x, ds, first, m, scale, shift, dsum);
+}
+
 typedef struct AttnArgs {
     float* out;          // (N, H*HD) forward output
     float* lse;          // (B, H, T) forward
@@ -693,7 +791,13 @@ typedef struct AttnArgs {
     const float* dout;   // (N, H*HD)
     const float* cout;   // (N, H*HD) saved forward output
     const float* clse;   // (B, H, T)
+    // Shared packed panels, one set per (b, head, block); NULL when the call does not need them.
+    float *kt, *vt;      // (B, KVH, blocks, HD, AB) Kᵀ, Vᵀ
+    float *kr, *vr;      // (B, KVH, blocks, HDp/NR, AB, NR) K, V rows
+    float *qt, *dot;     // (B, H, blocks, HD, AB) Qᵀ, dOᵀ
+    float *qr, *dor;     // (B, H, blocks, HDp/NR, AB, NR) Q, dO rows
     GemmKernel kernel;
+    AttRowFn row;
     int B, T, H, KVH, HD, QKV, blocks;
     int HDp;             // HD rounded up to whole B panels
     float scale;         // 1/sqrt(HD)
@@ -711,8 +815,45 @@ static const float* attn_v(const AttnArgs* a, int b, int t, int g) {
 static size_t attn_o_offset(const AttnArgs* a, int b, int t, int h) {
     return (size_t)(b * a->T + t) * a->H * a->HD + (size_t)h * a->HD;
 }
+// Offsets of the shared panels of block blk of head `head` (of n_heads) in batch row b.
+static size_t attn_t_offset(const AttnArgs* a, int b, int head, int n_heads, int blk) {
+    return (((size_t)b * n_heads + head) * a->blocks + blk) * a->HD * ATT_BLOCK;
+}
+static size_t attn_r_offset(const AttnArgs* a, int b, int head, int n_heads, int blk) {
+    return (((size_t)b * n_heads + head) * a->blocks + blk) * ATT_BLOCK * a->HDp;
+}
 
-// Task = (b, h, block of query rows), heaviest (last) blocks first. Online softmax over key
+// Task = (b, kv head g, key block): the shared K/V panels that are wanted.
+static void attention_pack_kv_task(void* arg, int64_t task) {
+    const AttnArgs* a = arg;
+    int blk = (int)(task % a->blocks), g = (int)(task / a->blocks % a->KVH);
+    int b = (int)(task / a->blocks / a->KVH), j0 = blk * ATT_BLOCK;
+    int rows = imin(ATT_BLOCK, a->T - j0), panels = a->HDp / GEMM_NR;
+    size_t ot = attn_t_offset(a, b, g, a->KVH, blk), orr = attn_r_offset(a, b, g, a->KVH, blk);
+    if (a->kt) pack_b_panel_t(a->kt + ot, attn_k(a, b, j0, g), a->QKV, rows, a->HD);
+    if (a->vt) pack_b_panel_t(a->vt + ot, attn_v(a, b, j0, g), a->QKV, rows, a->HD);
+    if (a->kr)
+        pack_b_panels(a->kr + orr, attn_k(a, b, j0, g), a->QKV, rows, ATT_BLOCK, a->HD, panels);
+    if (a->vr)
+        pack_b_panels(a->vr + orr, attn_v(a, b, j0, g), a->QKV, rows, ATT_BLOCK, a->HD, panels);
+}
+
+// Task = (b, query head h, query block): Q and dO panels for the dk/dv pass.
+static void attention_pack_q_task(void* arg, int64_t task) {
+    const AttnArgs* a = arg;
+    int blk = (int)(task % a->blocks), h = (int)(task / a->blocks % a->H);
+    int b = (int)(task / a->blocks / a->H), t0 = blk * ATT_BLOCK;
+    int rows = imin(ATT_BLOCK, a->T - t0), panels = a->HDp / GEMM_NR;
+    size_t ot = attn_t_offset(a, b, h, a->H, blk), orr = attn_r_offset(a, b, h, a->H, blk);
+    const float* dO = a->dout + attn_o_offset(a, b, t0, h);
+    size_t ld_o = (size_t)a->H * a->HD;
+    pack_b_panel_t(a->qt + ot, attn_q(a, b, t0, h), a->QKV, rows, a->HD);
+    pack_b_panel_t(a->dot + ot, dO, ld_o, rows, a->HD);
+    pack_b_panels(a->qr + orr, attn_q(a, b, t0, h), a->QKV, rows, ATT_BLOCK, a->HD, panels);
+    pack_b_panels(a->dor + orr, dO, ld_o, rows, ATT_BLOCK, a->HD, panels);
+}
+
+// Task = (b, h, block of query rows), heaviest (last) blocks first. Online softmax over the key
 // blocks: running max m and sum l per row; the output accumulator is rescaled by exp(m_old - m).
 static void attention_forward_task(void* arg, int64_t task) {
     const AttnArgs* a = arg;
@@ -720,47 +861,43 @@ static void attention_forward_task(void* arg, int64_t task) {
     int blk = a->blocks - 1 - (int)(task % a->blocks), h = (int)(task / a->blocks % a->H);
     int b = (int)(task / a->blocks / a->H), g = h / (a->H / a->KVH);
     int t0 = blk * AB, m = imin(AB, a->T - t0), qpanels = (m + GEMM_MR - 1) / GEMM_MR;
-    float* buf = aligned_alloc_check(((size_t)2 * AB * HD + 2 * AB * AB + 2 * AB * HDp) *
-                                     sizeof(float));
+    float* buf = aligned_alloc_check(((size_t)AB * HD + 2 * AB * AB + AB * HDp) * sizeof(float));
     float* qp = buf;                    // (AB/MR, HD, MR) queries as A panels
-    float* kp = qp + (size_t)AB * HD;   // (HD, AB) keys of the block as a B panel
-    float* s = kp + (size_t)AB * HD;    // (AB, AB) logits, then probabilities
+    float* s = qp + (size_t)AB * HD;    // (AB, AB) logits
     float* pp = s + (size_t)AB * AB;    // (AB/MR, AB, MR) probabilities as A panels
-    float* vp = pp + (size_t)AB * AB;   // (HDp/NR, AB, NR) values as B panels
-    float* o = vp + (size_t)AB * HDp;   // (AB, HDp) unnormalised output
+    float* o = pp + (size_t)AB * AB;    // (AB, HDp) unnormalised output
     float mrow[ATT_BLOCK];
     double lrow[ATT_BLOCK];
     for (int p = 0; p < qpanels; p++)
         pack_a_panel(qp + (size_t)p * HD * GEMM_MR, attn_q(a, b, t0 + p * GEMM_MR, h), a->QKV,
                      imin(GEMM_MR, m - p * GEMM_MR), HD);
     memset(o, 0, (size_t)AB * HDp * sizeof(float));
-    memset(s, 0, (size_t)AB * AB * sizeof(float));  // rows >= m stay 0
+    memset(pp, 0, (size_t)AB * AB * sizeof(float));  // rows >= m stay 0
     for (int i = 0; i < AB; i++) mrow[i] = -INFINITY, lrow[i] = 0.0;
-    for (int j0 = 0; j0 < t0 + m; j0 += AB) {
+    for (int j0 = 0, jb = 0; j0 < t0 + m; j0 += AB, jb++) {
         int kb = imin(AB, t0 + m - j0);
-        pack_b_panel_t(kp, attn_k(a, b, j0, g), a->QKV, kb, HD);
-        gemm_panels(a->kernel, qpanels, 1, HD, qp, kp, s, AB, 0);
+        gemm_panels(a->kernel, qpanels, 1, HD, qp, a->kt + attn_t_offset(a, b, g, a->KVH, jb), s,
+                    AB, 0);
         for (int i = 0; i < m; i++) {
             float* row = s + (size_t)i * AB;
             int nv = imin(kb, t0 + i - j0 + 1);  // causal: keys j <= t (>= 1: blocks are aligned)
             float mx = mrow[i];
-            for (int jj = 0; jj < nv; jj++) mx = fmaxf(mx, row[jj] * a->scale);
+            for (int jj = 0; jj < nv; jj++) mx = row[jj] * a->scale > mx ? row[jj] * a->scale : mx;
             float alpha = expf(mrow[i] - mx);  // 0 on the first block (m_old = -inf)
+            float shift[ATT_BLOCK];
+            for (int jj = 0; jj < nv; jj++) shift[jj] = mx;
+            a->row(row, NULL, 0, nv, a->scale, shift, NULL);
             double sum = 0.0;
-            for (int jj = 0; jj < nv; jj++) {
-                row[jj] = expf(row[jj] * a->scale - mx);
+            for (int jj = 0; jj < AB; jj++) {
+                pp[att_a_index(i, jj)] = row[jj];
                 sum += row[jj];
             }
-            for (int jj = nv; jj < AB; jj++) row[jj] = 0.0f;
             lrow[i] = lrow[i] * alpha + sum;
             mrow[i] = mx;
             for (int d = 0; d < HD; d++) o[(size_t)i * HDp + d] *= alpha;
         }
-        for (int p = 0; p < qpanels; p++)
-            pack_a_panel(pp + (size_t)p * AB * GEMM_MR, s + (size_t)p * GEMM_MR * AB, AB, GEMM_MR,
-                         AB);
-        pack_b_panels(vp, attn_v(a, b, j0, g), a->QKV, kb, AB, HD, vpanels);
-        gemm_panels(a->kernel, qpanels, vpanels, AB, pp, vp, o, HDp, 1);
+        gemm_panels(a->kernel, qpanels, vpanels, AB, pp,
+                    a->vr + attn_r_offset(a, b, g, a->KVH, jb), o, HDp, 1);
     }
     for (int i = 0; i < m; i++) {
         float inv = (float)(1.0 / lrow[i]);
@@ -771,14 +908,47 @@ static void attention_forward_task(void* arg, int64_t task) {
     free(buf);
 }
 
+// Scratch of the shared panels; the pointers it sets must be freed by attention_free_panels.
+static void attention_alloc_panels(AttnArgs* a, int backward) {
+    size_t kv_t = (size_t)a->B * a->KVH * a->blocks * a->HD * ATT_BLOCK;
+    size_t kv_r = (size_t)a->B * a->KVH * a->blocks * ATT_BLOCK * a->HDp;
+    size_t q_t = (size_t)a->B * a->H * a->blocks * a->HD * ATT_BLOCK;
+    size_t q_r = (size_t)a->B * a->H * a->blocks * ATT_BLOCK * a->HDp;
+    a->kt = aligned_alloc_check(kv_t * sizeof(float));
+    if (!backward) {
+        a->vr = aligned_alloc_check(kv_r * sizeof(float));
+        return;
+    }
+    a->vt = aligned_alloc_check(kv_t * sizeof(float));
+    a->kr = aligned_alloc_check(kv_r * sizeof(float));
+    a->qt = aligned_alloc_check(q_t * sizeof(float));
+    a->dot = aligned_alloc_check(q_t * sizeof(float));
+    a->qr = aligned_alloc_check(q_r * sizeof(float));
+    a->dor = aligned_alloc_check(q_r * sizeof(float));
+}
+
+static void attention_free_panels(AttnArgs* a) {
+    free(a->kt), free(a->vt), free(a->kr), free(a->vr);
+    free(a->qt), free(a->dot), free(a->qr), free(a->dor);
+}
+
+static AttnArgs attention_args(CpuCtx* cx, int B, int T, int H, int KVH, int HD) {
+    return (AttnArgs){.kernel = cx->gemm_kernel, .row = cx->att_row, .B = B, .T = T, .H = H,
+                      .KVH = KVH, .HD = HD, .QKV = (H + 2 * KVH) * HD,
+                      .blocks = (int)task_count(T, ATT_BLOCK),
+                      .HDp = (int)task_count(HD, GEMM_NR) * GEMM_NR,
+                      .scale = 1.0f / sqrtf((float)HD)};
+}
+
 static void cpu_attention_forward(void* ctx, void* out, float* lse, const void* qkv, int B, int T,
                                   int H, int KVH, int HD) {
     CpuCtx* cx = ctx;
-    AttnArgs a = {.out = out, .lse = lse, .qkv = qkv, .kernel = cx->gemm_kernel, .B = B, .T = T,
-                  .H = H, .KVH = KVH, .HD = HD, .QKV = (H + 2 * KVH) * HD,
-                  .blocks = (int)task_count(T, ATT_BLOCK),
-                  .HDp = (int)task_count(HD, GEMM_NR) * GEMM_NR, .scale = 1.0f / sqrtf((float)HD)};
-    threadpool_run(cx->pool, (int64_t)B * H * a.blocks, attention_forward_task, &a);
+    AttnArgs a = attention_args(cx, B, T, H, KVH, HD);
+    a.out = out, a.lse = lse, a.qkv = qkv;
+    attention_alloc_panels(&a, 0);
+    cpu_run(cx, (int64_t)B * KVH * a.blocks, attention_pack_kv_task, &a);
+    cpu_run(cx, (int64_t)B * H * a.blocks, attention_forward_task, &a);
+    attention_free_panels(&a);
 }
 
 // Pass 1, task = (b, h, block of query rows): D = rowsum(dO ∘ O) and
@@ -789,18 +959,14 @@ static void attention_backward_dq_task(void* arg, int64_t task) {
     int blk = a->blocks - 1 - (int)(task % a->blocks), h = (int)(task / a->blocks % a->H);
     int b = (int)(task / a->blocks / a->H), g = h / (a->H / a->KVH);
     int t0 = blk * AB, m = imin(AB, a->T - t0), qpanels = (m + GEMM_MR - 1) / GEMM_MR;
-    size_t ld_o = (size_t)a->H * HD;
-    float* buf = aligned_alloc_check(((size_t)4 * AB * HD + 3 * AB * AB + 2 * AB * HDp) *
+    float* buf = aligned_alloc_check(((size_t)2 * AB * HD + 3 * AB * AB + AB * HDp) *
                                      sizeof(float));
     float* qp = buf;                     // (AB/MR, HD, MR) queries as A panels
     float* dop = qp + (size_t)AB * HD;   // (AB/MR, HD, MR) dO rows as A panels
-    float* kp = dop + (size_t)AB * HD;   // (HD, AB) Kᵀ block
-    float* vp = kp + (size_t)AB * HD;    // (HD, AB) Vᵀ block
-    float* s = vp + (size_t)AB * HD;     // (AB, AB) logits, then dS
-    float* dp = s + (size_t)AB * AB;     // (AB, AB) dO·vᵀ
+    float* s = dop + (size_t)AB * HD;    // (AB, AB) logits, then P
+    float* dp = s + (size_t)AB * AB;     // (AB, AB) dO·vᵀ, then dS
     float* dsp = dp + (size_t)AB * AB;   // (AB/MR, AB, MR) dS as A panels
-    float* kb_p = dsp + (size_t)AB * AB; // (HDp/NR, AB, NR) K rows as B panels
-    float* dq = kb_p + (size_t)AB * HDp; // (AB, HDp)
+    float* dq = dsp + (size_t)AB * AB;   // (AB, HDp)
     float D[ATT_BLOCK], L[ATT_BLOCK];
     for (int i = 0; i < m; i++) {
         size_t bht = ((size_t)b * a->H + h) * a->T + t0 + i;
@@ -814,30 +980,26 @@ static void attention_backward_dq_task(void* arg, int64_t task) {
         pack_a_panel(qp + (size_t)p * HD * GEMM_MR, attn_q(a, b, t0 + p * GEMM_MR, h), a->QKV,
                      rows, HD);
         pack_a_panel(dop + (size_t)p * HD * GEMM_MR,
-                     a->dout + attn_o_offset(a, b, t0 + p * GEMM_MR, h), ld_o, rows, HD);
+                     a->dout + attn_o_offset(a, b, t0 + p * GEMM_MR, h), (size_t)a->H * HD, rows,
+                     HD);
     }
     memset(dq, 0, (size_t)AB * HDp * sizeof(float));
-    memset(s, 0, (size_t)AB * AB * sizeof(float));  // rows >= m stay 0
-    for (int j0 = 0; j0 < t0 + m; j0 += AB) {
+    memset(dsp, 0, (size_t)AB * AB * sizeof(float));  // rows >= m stay 0
+    for (int j0 = 0, jb = 0; j0 < t0 + m; j0 += AB, jb++) {
         int kb = imin(AB, t0 + m - j0);
-        pack_b_panel_t(kp, attn_k(a, b, j0, g), a->QKV, kb, HD);
-        pack_b_panel_t(vp, attn_v(a, b, j0, g), a->QKV, kb, HD);
-        gemm_panels(a->kernel, qpanels, 1, HD, qp, kp, s, AB, 0);
-        gemm_panels(a->kernel, qpanels, 1, HD, dop, vp, dp, AB, 0);
+        size_t ot = attn_t_offset(a, b, g, a->KVH, jb);
+        gemm_panels(a->kernel, qpanels, 1, HD, qp, a->kt + ot, s, AB, 0);
+        gemm_panels(a->kernel, qpanels, 1, HD, dop, a->vt + ot, dp, AB, 0);
         for (int i = 0; i < m; i++) {
-            float* row = s + (size_t)i * AB;
             int nv = imin(kb, t0 + i - j0 + 1);
-            for (int jj = 0; jj < nv; jj++) {
-                float p = expf(row[jj] * a->scale - L[i]);
-                row[jj] = p * (dp[(size_t)i * AB + jj] - D[i]);
-            }
-            for (int jj = nv; jj < AB; jj++) row[jj] = 0.0f;
+            float lse_row[ATT_BLOCK], d_row[ATT_BLOCK];
+            for (int jj = 0; jj < nv; jj++) lse_row[jj] = L[i], d_row[jj] = D[i];
+            float* ds = dp + (size_t)i * AB;  // dO·vᵀ becomes dS in place
+            a->row(s + (size_t)i * AB, ds, 0, nv, a->scale, lse_row, d_row);
+            for (int jj = 0; jj < AB; jj++) dsp[att_a_index(i, jj)] = ds[jj];
         }
-        for (int p = 0; p < qpanels; p++)
-            pack_a_panel(dsp + (size_t)p * AB * GEMM_MR, s + (size_t)p * GEMM_MR * AB, AB,
-                         GEMM_MR, AB);
-        pack_b_panels(kb_p, attn_k(a, b, j0, g), a->QKV, kb, AB, HD, vpanels);
-        gemm_panels(a->kernel, qpanels, vpanels, AB, dsp, kb_p, dq, HDp, 1);
+        gemm_panels(a->kernel, qpanels, vpanels, AB, dsp,
+                    a->kr + attn_r_offset(a, b, g, a->KVH, jb), dq, HDp, 1);
     }
     for (int i = 0; i < m; i++) {
         float* dst = a->dqkv + (size_t)(b * a->T + t0 + i) * a->QKV + (size_t)h * HD;
@@ -855,20 +1017,15 @@ static void attention_backward_dkv_task(void* arg, int64_t task) {
     int blk = (int)(task % a->blocks), g = (int)(task / a->blocks % a->KVH);
     int b = (int)(task / a->blocks / a->KVH), group = a->H / a->KVH;
     int j0 = blk * AB, kb = imin(AB, a->T - j0), kpanels = (kb + GEMM_MR - 1) / GEMM_MR;
-    size_t ld_o = (size_t)a->H * HD;
-    float* buf = aligned_alloc_check(((size_t)4 * AB * HD + 4 * AB * AB + 4 * AB * HDp) *
+    float* buf = aligned_alloc_check(((size_t)2 * AB * HD + 4 * AB * AB + 2 * AB * HDp) *
                                      sizeof(float));
     float* ka = buf;                      // (AB/MR, HD, MR) keys as A panels
     float* va = ka + (size_t)AB * HD;     // (AB/MR, HD, MR) values as A panels
-    float* qt = va + (size_t)AB * HD;     // (HD, AB) Qᵀ block
-    float* dot = qt + (size_t)AB * HD;    // (HD, AB) dOᵀ block
-    float* st = dot + (size_t)AB * HD;    // (AB keys, AB queries) logits, then P
-    float* dpt = st + (size_t)AB * AB;    // (AB, AB) v·dOᵀ, then dS
+    float* st = va + (size_t)AB * HD;     // (AB keys, AB queries) logits, then Pᵀ
+    float* dpt = st + (size_t)AB * AB;    // (AB, AB) v·dOᵀ, then dSᵀ
     float* pa = dpt + (size_t)AB * AB;    // (AB/MR, AB, MR) Pᵀ as A panels
     float* dsa = pa + (size_t)AB * AB;    // (AB/MR, AB, MR) dSᵀ as A panels
-    float* qb = dsa + (size_t)AB * AB;    // (HDp/NR, AB, NR) Q rows as B panels
-    float* dob = qb + (size_t)AB * HDp;   // (HDp/NR, AB, NR) dO rows as B panels
-    float* dk = dob + (size_t)AB * HDp;   // (AB, HDp)
+    float* dk = dsa + (size_t)AB * AB;    // (AB, HDp)
     float* dv = dk + (size_t)AB * HDp;    // (AB, HDp)
     for (int p = 0; p < kpanels; p++) {
         int rows = imin(GEMM_MR, kb - p * GEMM_MR);
@@ -878,39 +1035,26 @@ static void attention_backward_dkv_task(void* arg, int64_t task) {
                      rows, HD);
     }
     memset(dk, 0, (size_t)2 * AB * HDp * sizeof(float));  // dk and dv
-    memset(st, 0, (size_t)2 * AB * AB * sizeof(float));   // rows >= kb stay 0
+    memset(pa, 0, (size_t)2 * AB * AB * sizeof(float));   // pa and dsa: rows >= kb stay 0
     for (int h = g * group; h < (g + 1) * group; h++) {
-        for (int t0 = j0; t0 < a->T; t0 += AB) {
+        for (int t0 = j0, tb = blk; t0 < a->T; t0 += AB, tb++) {
             int m = imin(AB, a->T - t0);
             size_t bh = ((size_t)b * a->H + h) * a->T;
-            const float* q0 = attn_q(a, b, t0, h);
-            const float* do0 = a->dout + attn_o_offset(a, b, t0, h);
-            pack_b_panel_t(qt, q0, a->QKV, m, HD);
-            pack_b_panel_t(dot, do0, ld_o, m, HD);
-            gemm_panels(a->kernel, kpanels, 1, HD, ka, qt, st, AB, 0);
-            gemm_panels(a->kernel, kpanels, 1, HD, va, dot, dpt, AB, 0);
+            size_t ot = attn_t_offset(a, b, h, a->H, tb), orr = attn_r_offset(a, b, h, a->H, tb);
+            gemm_panels(a->kernel, kpanels, 1, HD, ka, a->qt + ot, st, AB, 0);
+            gemm_panels(a->kernel, kpanels, 1, HD, va, a->dot + ot, dpt, AB, 0);
             for (int jj = 0; jj < kb; jj++) {
                 float* prow = st + (size_t)jj * AB;
                 float* drow = dpt + (size_t)jj * AB;
                 int first = imax(0, j0 + jj - t0);  // causal: queries t >= j
-                for (int i = 0; i < first; i++) prow[i] = 0.0f, drow[i] = 0.0f;
-                for (int i = first; i < m; i++) {
-                    float p = expf(prow[i] * a->scale - a->clse[bh + t0 + i]);
-                    prow[i] = p;
-                    drow[i] = p * (drow[i] - a->dsum[bh + t0 + i]);
+                a->row(prow, drow, first, m, a->scale, a->clse + bh + t0, a->dsum + bh + t0);
+                for (int i = 0; i < AB; i++) {
+                    pa[att_a_index(jj, i)] = prow[i];
+                    dsa[att_a_index(jj, i)] = drow[i];
                 }
-                for (int i = m; i < AB; i++) prow[i] = 0.0f, drow[i] = 0.0f;
             }
-            for (int p = 0; p < kpanels; p++) {
-                pack_a_panel(pa + (size_t)p * AB * GEMM_MR, st + (size_t)p * GEMM_MR * AB, AB,
-                             GEMM_MR, AB);
-                pack_a_panel(dsa + (size_t)p * AB * GEMM_MR, dpt + (size_t)p * GEMM_MR * AB, AB,
-                             GEMM_MR, AB);
-            }
-            pack_b_panels(qb, q0, a->QKV, m, AB, HD, vpanels);
-            pack_b_panels(dob, do0, ld_o, m, AB, HD, vpanels);
-            gemm_panels(a->kernel, kpanels, vpanels, AB, pa, dob, dv, HDp, 1);
-            gemm_panels(a->kernel, kpanels, vpanels, AB, dsa, qb, dk, HDp, 1);
+            gemm_panels(a->kernel, kpanels, vpanels, AB, pa, a->dor + orr, dv, HDp, 1);
+            gemm_panels(a->kernel, kpanels, vpanels, AB, dsa, a->qr + orr, dk, HDp, 1);
         }
     }
     for (int jj = 0; jj < kb; jj++) {
@@ -928,15 +1072,17 @@ static void cpu_attention_backward(void* ctx, void* dqkv, const void* dout, cons
                                    const void* out, const float* lse, int B, int T, int H, int KVH,
                                    int HD) {
     CpuCtx* cx = ctx;
-    AttnArgs a = {.dqkv = dqkv, .qkv = qkv, .dout = dout, .cout = out, .clse = lse,
-                  .kernel = cx->gemm_kernel, .B = B, .T = T, .H = H, .KVH = KVH, .HD = HD,
-                  .QKV = (H + 2 * KVH) * HD, .blocks = (int)task_count(T, ATT_BLOCK),
-                  .HDp = (int)task_count(HD, GEMM_NR) * GEMM_NR, .scale = 1.0f / sqrtf((float)HD)};
+    AttnArgs a = attention_args(cx, B, T, H, KVH, HD);
+    a.dqkv = dqkv, a.qkv = qkv, a.dout = dout, a.cout = out, a.clse = lse;
     size_t n_bht = (size_t)B * H * T;
     a.dsum = malloc_check((n_bht > 0 ? n_bht : 1) * sizeof(float));
+    attention_alloc_panels(&a, 1);
+    cpu_run(cx, (int64_t)B * KVH * a.blocks, attention_pack_kv_task, &a);
+    cpu_run(cx, (int64_t)B * H * a.blocks, attention_pack_q_task, &a);
     // Pass 2 reads D of every query row of its group, so pass 1 must finish first.
-    threadpool_run(cx->pool, (int64_t)B * H * a.blocks, attention_backward_dq_task, &a);
-    threadpool_run(cx->pool, (int64_t)B * KVH * a.blocks, attention_backward_dkv_task, &a);
+    cpu_run(cx, (int64_t)B * H * a.blocks, attention_backward_dq_task, &a);
+    cpu_run(cx, (int64_t)B * KVH * a.blocks, attention_backward_dkv_task, &a);
+    attention_free_panels(&a);
     free(a.dsum);
 }
 
@@ -964,8 +1110,9 @@ static void swiglu_forward_task(void* arg, int64_t task) {
 }
 
 static void cpu_swiglu_forward(void* ctx, void* out, const void* gu, int N, int F) {
-    SwigluArgs s = {.out = out, .gu = gu, .N = N, .F = F, .rows_per_task = rows_per_task((size_t)F)};
-    threadpool_run(cpu_pool(ctx), task_count(N, s.rows_per_task), swiglu_forward_task, &s);
+    SwigluArgs s = {.out = out, .gu = gu, .N = N, .F = F,
+                    .rows_per_task = rows_per_task((size_t)F)};
+    cpu_run(ctx, task_count(N, s.rows_per_task), swiglu_forward_task, &s);
 }
 
 // du = dy silu(a); da = dy u σ(a) (1 + a (1 - σ(a))) (FORMATS_AND_MODELS.md §5.5).
@@ -990,7 +1137,7 @@ static void cpu_swiglu_backward(void* ctx, void* dgu, const void* dout, const vo
                                 int F) {
     SwigluArgs s = {.out = dgu, .gu = gu, .dout = dout, .N = N, .F = F,
                     .rows_per_task = rows_per_task((size_t)F)};
-    threadpool_run(cpu_pool(ctx), task_count(N, s.rows_per_task), swiglu_backward_task, &s);
+    cpu_run(ctx, task_count(N, s.rows_per_task), swiglu_backward_task, &s);
 }
 
 // ----------------------------------------------------------------------------
@@ -1013,7 +1160,7 @@ static void add_task(void* arg, int64_t task) {
 
 static void cpu_add(void* ctx, void* out, const void* a, const void* b, size_t n) {
     AddArgs d = {.out = out, .a = a, .b = b, .n = n};
-    threadpool_run(cpu_pool(ctx), task_count((int64_t)n, ADD_CHUNK), add_task, &d);
+    cpu_run(ctx, task_count((int64_t)n, ADD_CHUNK), add_task, &d);
 }
 
 // ----------------------------------------------------------------------------
@@ -1065,7 +1212,7 @@ static void cpu_crossentropy_forward_backward(void* ctx, void* logits, float* lo
     XentArgs x = {.logits = logits, .losses = losses, .targets = targets, .n = n, .V = V,
                   .rows_per_task = rows_per_task((size_t)V), .compute_grad = compute_grad,
                   .grad_scale = grad_scale};
-    threadpool_run(cpu_pool(ctx), task_count(n, x.rows_per_task), crossentropy_task, &x);
+    cpu_run(ctx, task_count(n, x.rows_per_task), crossentropy_task, &x);
 }
 
 // ----------------------------------------------------------------------------
@@ -1074,7 +1221,12 @@ static void cpu_crossentropy_forward_backward(void* ctx, void* logits, float* lo
 void* ops_cpu_create(int n_threads) {
     CpuCtx* cx = calloc_check(1, sizeof(CpuCtx));
     cx->pool = threadpool_create(n_threads);
-    cx->gemm_kernel = gemm_pick_kernel();
+    pthread_check(pthread_mutex_init(&cx->run_mu, NULL));
+    int level = cpu_simd_level();
+    cx->gemm_kernel = level == 2   ? gemm_kernel_avx512
+                      : level == 1 ? gemm_kernel_avx2
+                                   : gemm_kernel_portable;
+    cx->att_row = level == 2 ? att_row_avx512 : level == 1 ? att_row_avx2 : att_row_portable;
     return cx;
 }
 
@@ -1082,6 +1234,7 @@ void ops_cpu_destroy(void* ctx) {
     if (!ctx) return;
     CpuCtx* cx = ctx;
     threadpool_destroy(cx->pool);
+    pthread_check(pthread_mutex_destroy(&cx->run_mu));
     free(cx);
 }
 

@@ -1,0 +1,994 @@
+/*
+ * engine.c — the RoundPipe engine: planning, slot-major dispatch, the transfer engine, the
+ * per-layer consistency protocol and the optimizer thread. Read engine.h first.
+ *
+ * Buffers and the events guarding them
+ *  - device parameter slots pslot[2] (stage s and stage s+N of a device alternate): an upload into
+ *    slot k waits pslot_free[k], recorded after the last compute that read it.
+ *  - device gradient slots gslot[2] (fp32): zeroed (or, in later rounds, loaded with the host's
+ *    partial sum) before a backward stage, downloaded after its last micro-batch; reuse waits
+ *    gslot_free[k], recorded after the download.
+ *  - device activation buffers come in two parities (micro-batch i uses parity i % 2), so the
+ *    upload of i+1 overlaps the compute of i and the download of i overlaps the compute of i+1
+ *    ("upload one early, download one late", ROUNDPIPE.md §7.2): an upload into parity p waits
+ *    comp_done[p] and down_done[p]; a compute into parity p waits down_done[p].
+ *  - host activations: x at a layer boundary (forward outputs, checkpoints) and dx (gradients
+ *    between backward stages) per micro-batch, in two iteration parities; x_ev / dx_ev mark a
+ *    download done and gate the consumer's upload (cross-device waits). Before iteration t reuses
+ *    parity t % 2 the controller waits for iteration t-2 to be entirely done.
+ *
+ * The consistency protocol (ROUNDPIPE.md §9), per layer l, with two compute-dtype master buffers:
+ *  - iteration t uploads layer l from master[t % 2] once param_ready[l] >= t (rule 2);
+ *  - optimizer step k (gradient of iteration k-1) writes master[(k + delay) % 2]; the previous
+ *    reader of that buffer is iteration k+delay-2 <= k-1, whose last upload of l precedes its last
+ *    gradient download of l, which the step waited for (rule 1);
+ *  - the step reads the host gradient of iteration k-1 and iteration k may only download into it
+ *    once grad_consumed[l] >= k-1 (rules 3 and 4);
+ *  - steps run in FIFO order on one thread (rule 5).
+ */
+#include "engine.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+// ----------------------------------------------------------------------------
+// data structures
+
+typedef struct Stage {
+    SlotKind kind;
+    int b, e;               // layers [b, e)
+    int64_t* p_off;         // (e-b) element offset of each layer's parameters in the slot
+    int64_t* g_off;         // (e-b) element offset of each layer's gradients in the grad slot
+    int64_t head_off;       // fused stage with a tied head: offset of the embedding copy, else -1
+    int64_t param_numel;    // slot elements (compute dtype)
+    int64_t grad_numel;     // grad slot elements (fp32; 0 for forward stages)
+} Stage;
+
+typedef struct DevState {
+    Device* d;
+    const Ops* ops;
+    void* ctx;
+    Workspace* ws;
+    void* pslot[2];
+    DevEvent* pslot_free[2];
+    int pnext;
+    float* gslot[2];
+    DevEvent* gslot_free[2];
+    int gnext;
+    void** xs[2];           // [parity][k]: input of the k-th layer of the running stage
+    void* dres[2];          // [parity] residual-stream gradient
+    int32_t* ids[2];
+    int32_t* targets[2];
+    float* losses[2];
+    DevEvent* up_done[2];
+    DevEvent* comp_done[2];
+    DevEvent* down_done[2];
+    DevEvent* param_done;   // parameter (and partial gradient) upload of the current stage done
+    DevEvent** marks;       // (M_R) activation-upload marks of the last stage run on this device
+    int n_marks;
+    DevEvent* iter_end[2][STREAM_COUNT];
+    double busy_last;       // compute busy seconds at the previous step (bubble accounting)
+} DevState;
+
+// Closure of one micro-batch of one stage, run on a compute stream. Lives in an arena until the
+// iteration that created it is done.
+typedef struct MbJob {
+    struct Engine* e;
+    DevState* ds;
+    const Stage* st;
+    int i;          // micro-batch index within the iteration
+    int p;          // device buffer parity (i % 2)
+    int ip;         // iteration parity
+    const void* pslot;
+    float* gslot;
+} MbJob;
+
+typedef struct JobBlock {
+    struct JobBlock* next;
+    int used;
+    MbJob jobs[256];
+} JobBlock;
+
+struct Engine {
+    const Model* m;
+    Store* s;
+    DeviceSet* devs;
+    const DeviceImpl* impl;
+    EngineOptions opt;
+    int NL, N, M, M_R, R, Bm, T, C;
+    size_t ab;              // compute-dtype bytes
+    PartitionPlan plan;
+    int S;
+    Stage* stages;          // (S) in slot order
+    int delay;              // 1 async, 0 sync
+    int64_t cursor;         // global slot counter, never reset
+    int64_t iter;           // iterations enqueued
+    // host buffers
+    void** master[2];       // [buffer][layer] compute-dtype weights
+    int* need_x;            // (NL+1) boundary b needs host x buffers
+    int* need_dx;
+    void*** hx[2];          // [iteration parity][boundary][micro-batch]
+    void*** hdx[2];
+    int32_t** hids[2];      // [iteration parity][micro-batch]
+    int32_t** htgt[2];
+    float** hloss[2];
+    DevEvent*** x_ev;       // [boundary][micro-batch]
+    DevEvent*** dx_ev;
+    DevEvent** loss_ev;     // [micro-batch]
+    DevEvent** grad_ev;     // [layer] last gradient download of the layer
+    JobBlock* arena[2];
+    DevState* dev;
+    // protocol flags (under mu)
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int64_t* param_ready;   // (NL) master for iterations <= this is ready
+    int64_t* grad_consumed; // (NL) gradients of iterations <= this are consumed
+    int64_t* grad_recorded; // (NL) final gradient download of iterations <= this is enqueued
+    // optimizer thread
+    pthread_t opt_thread;
+    int64_t steps_queued, steps_done;
+    int shutdown;
+    double last_norm, last_lr;
+    ThreadPool* pool;
+    AdamWTensor* opt_tensors;
+    int n_opt;
+    int* layer_first_opt;   // (NL+1) AdamW tensors of layer l are [first[l], first[l+1])
+    double t_last_step;
+};
+
+static void* dev_alloc(Engine* e, DevState* ds, size_t bytes) {
+    (void)ds;
+    return e->impl->alloc(ds->d, bytes ? bytes : 64);
+}
+
+// ----------------------------------------------------------------------------
+// stages
+
+static void stage_build(Engine* e, Stage* st, SlotKind kind, StageRange r) {
+    const TensorTable* tt = &e->m->tt;
+    st->kind = kind;
+    st->b = r.begin;
+    st->e = r.end;
+    int n = r.end - r.begin;
+    st->p_off = calloc_check((size_t)n, sizeof(int64_t));
+    st->g_off = calloc_check((size_t)n, sizeof(int64_t));
+    int64_t p = 0, g = 0;
+    for (int k = 0; k < n; k++) {
+        st->p_off[k] = p;
+        st->g_off[k] = g;
+        p += tt->param_numel[r.begin + k];
+        g += tt->grad_numel[r.begin + k];
+    }
+    st->head_off = -1;
+    int head = tensor_table_index(tt, TK_LM_HEAD, -1);
+    if (r.end == e->NL && tt->t[head].tied_to >= 0) {
+        st->head_off = p;  // the fused stage carries a copy of the embedding as its head
+        p += tt->t[head].numel;
+    }
+    st->param_numel = p;
+    st->grad_numel = kind == SLOT_FWD ? 0 : g;
+}
+
+// Pointer to the parameters of layer l inside a stage's slot.
+static const void* slot_layer(const Engine* e, const Stage* st, const void* slot, int l) {
+    return (const char*)slot + (size_t)st->p_off[l - st->b] * e->ab;
+}
+
+// ----------------------------------------------------------------------------
+// micro-batch compute (runs on the device's compute stream)
+
+static const void* postfix_head(const Engine* e, const MbJob* j) {
+    const TensorTable* tt = &e->m->tt;
+    int head = tensor_table_index(tt, TK_LM_HEAD, -1);
+    if (j->st->head_off >= 0) return (const char*)j->pslot + (size_t)j->st->head_off * e->ab;
+    return (const char*)slot_layer(e, j->st, j->pslot, e->NL - 1) +
+           (size_t)tt->t[head].param_offset * e->ab;
+}
+
+// Forward of layers [from, to) of the job's stage, keeping each block's activations in its own
+// set when keep != 0 (set k for the k-th layer of the stage), else in set 0.
+static void forward_layers(Engine* e, MbJob* j, int from, int to, int keep) {
+    const Model* m = e->m;
+    DevState* ds = j->ds;
+    const Stage* st = j->st;
+    void** xs = ds->xs[j->p];
+    for (int l = from; l < to; l++) {
+        int k = l - st->b;
+        if (l == 0) {
+            model_prefix_forward(m, ds->ws, xs[k + 1], ds->ids[j->p], slot_layer(e, st, j->pslot, 0),
+                                 e->Bm, e->T);
+        } else {
+            BlockActs* a = &ds->ws->acts[keep ? k : 0];
+            model_block_forward(m, ds->ws, a, slot_layer(e, st, j->pslot, l), xs[k], xs[k + 1],
+                                e->Bm, e->T);
+        }
+    }
+}
+
+// Backward of the blocks [from, to) deepest first (stage grain: activations in set k), then the
+// prefix when from == 0. dres holds the gradient of layer to's input on entry.
+static void backward_layers(Engine* e, MbJob* j, int from, int to) {
+    const Model* m = e->m;
+    DevState* ds = j->ds;
+    const Stage* st = j->st;
+    void** xs = ds->xs[j->p];
+    for (int l = to - 1; l >= from; l--) {
+        int k = l - st->b;
+        if (l == 0) {
+            model_prefix_backward(m, ds->ws, j->gslot + st->g_off[k], ds->dres[j->p],
+                                  ds->ids[j->p], e->Bm, e->T);
+            continue;
+        }
+        if (e->opt.grain == RECOMPUTE_LAYER && st->kind == SLOT_BWD) {
+            // layer grain: recompute just this block from its uploaded checkpoint; its output is
+            // written over the deeper boundary's buffer, which the deeper block no longer needs
+            model_block_forward(m, ds->ws, &ds->ws->acts[0], slot_layer(e, st, j->pslot, l), xs[k],
+                                xs[k + 1], e->Bm, e->T);
+            model_block_backward(m, ds->ws, &ds->ws->acts[0], slot_layer(e, st, j->pslot, l),
+                                 j->gslot + st->g_off[k], xs[k], ds->dres[j->p], e->Bm, e->T);
+        } else {
+            model_block_backward(m, ds->ws, &ds->ws->acts[k], slot_layer(e, st, j->pslot, l),
+                                 j->gslot + st->g_off[k], xs[k], ds->dres[j->p], e->Bm, e->T);
+        }
+    }
+}
+
+static void run_microbatch(void* arg) {
+    MbJob* j = arg;
+    Engine* e = j->e;
+    const Stage* st = j->st;
+    DevState* ds = j->ds;
+    if (st->kind == SLOT_FWD) {
+        forward_layers(e, j, st->b, st->e, 0);
+        return;
+    }
+    if (st->kind == SLOT_FUSED) {
+        const int last = e->NL - 1;  // the postfix
+        forward_layers(e, j, st->b, last, 1);
+        const TensorTable* tt = &e->m->tt;
+        int i_norm = tensor_table_index(tt, TK_FINAL_NORM, -1);
+        int i_head = tensor_table_index(tt, TK_LM_HEAD, -1);
+        float* g = j->gslot + st->g_off[last - st->b];
+        const void* norm_w = (const char*)slot_layer(e, st, j->pslot, last) +
+                             (size_t)tt->t[i_norm].param_offset * e->ab;
+        const float grad_scale = 1.0f / ((float)e->opt.B * (float)e->T);
+        model_postfix_forward_backward(e->m, ds->ws, norm_w, postfix_head(e, j),
+                                       g + tt->t[i_norm].grad_offset, g + tt->t[i_head].grad_offset,
+                                       ds->xs[j->p][last - st->b], ds->dres[j->p],
+                                       ds->targets[j->p], ds->losses[j->p], grad_scale, 1, e->Bm,
+                                       e->T);
+        backward_layers(e, j, st->b, last);
+        return;
+    }
+    // backward stage: recompute (stage grain) then backward
+    if (e->opt.grain == RECOMPUTE_STAGE) forward_layers(e, j, st->b, st->e, 1);
+    backward_layers(e, j, st->b, st->e);
+}
+
+// ----------------------------------------------------------------------------
+// arena of closures
+
+static MbJob* job_new(Engine* e, int ip) {
+    JobBlock* blk = e->arena[ip];
+    if (!blk || blk->used == (int)(sizeof blk->jobs / sizeof blk->jobs[0])) {
+        JobBlock* nb = calloc_check(1, sizeof(JobBlock));
+        nb->next = blk;
+        e->arena[ip] = nb;
+        blk = nb;
+    }
+    return &blk->jobs[blk->used++];
+}
+
+static void arena_free(JobBlock* b) {
+    while (b) {
+        JobBlock* n = b->next;
+        free(b);
+        b = n;
+    }
+}
+
+// ----------------------------------------------------------------------------
+// fences (controller side of the consistency protocol)
+
+static void fence_params(Engine* e, const Stage* st, int64_t t) {
+    pthread_check(pthread_mutex_lock(&e->mu));
+    for (int l = st->b; l < st->e; l++)
+        while (e->param_ready[l] < t) pthread_check(pthread_cond_wait(&e->cv, &e->mu));
+    if (st->head_off >= 0)
+        while (e->param_ready[0] < t) pthread_check(pthread_cond_wait(&e->cv, &e->mu));
+    pthread_check(pthread_mutex_unlock(&e->mu));
+}
+
+static void fence_grads(Engine* e, const Stage* st, int64_t t) {
+    pthread_check(pthread_mutex_lock(&e->mu));
+    for (int l = st->b; l < st->e; l++)
+        while (e->grad_consumed[l] < t - 1) pthread_check(pthread_cond_wait(&e->cv, &e->mu));
+    pthread_check(pthread_mutex_unlock(&e->mu));
+}
+
+// ----------------------------------------------------------------------------
+// transfers
+
+typedef struct Piece {
+    void* dst;
+    const void* src;
+    size_t bytes;
+} Piece;
+
+static int piece_cmp_desc(const void* a, const void* b) {
+    size_t x = ((const Piece*)a)->bytes, y = ((const Piece*)b)->bytes;
+    return x < y ? 1 : (x > y ? -1 : 0);
+}
+
+#define PIECE_MAX_BYTES (256u << 20)
+
+// Upload a stage's parameters into slot `k` on the parameter stream, split into pieces of at most
+// 256 MiB assigned longest-first to the bin with the least load (LPT, ROUNDPIPE.md §7.3); bin j
+// waits the j-th activation-upload mark of the stage currently running on this device, so the
+// parameter traffic fills the gaps between activation uploads instead of delaying them.
+static void upload_params(Engine* e, DevState* ds, const Stage* st, int k, int64_t t) {
+    const int ip = (int)(t % 2);
+    const TensorTable* tt = &e->m->tt;
+    int cap = 16, n = 0;
+    Piece* pieces = malloc_check((size_t)cap * sizeof(Piece));
+    for (int l = st->b; l <= st->e; l++) {
+        const void* src;
+        size_t bytes;
+        char* dst;
+        if (l < st->e) {
+            src = e->master[ip][l];
+            bytes = (size_t)tt->param_numel[l] * e->ab;
+            dst = (char*)ds->pslot[k] + (size_t)st->p_off[l - st->b] * e->ab;
+        } else if (st->head_off >= 0) {
+            int head = tensor_table_index(tt, TK_LM_HEAD, -1);
+            src = e->master[ip][0];
+            bytes = (size_t)tt->t[head].numel * e->ab;
+            dst = (char*)ds->pslot[k] + (size_t)st->head_off * e->ab;
+        } else {
+            break;
+        }
+        for (size_t off = 0; off < bytes; off += PIECE_MAX_BYTES) {
+            if (n == cap) pieces = realloc_check(pieces, (size_t)(cap *= 2) * sizeof(Piece));
+            size_t len = bytes - off < PIECE_MAX_BYTES ? bytes - off : PIECE_MAX_BYTES;
+            pieces[n++] = (Piece){dst + off, (const char*)src + off, len};
+        }
+    }
+    qsort(pieces, (size_t)n, sizeof(Piece), piece_cmp_desc);
+    int n_bins = ds->n_marks > 0 ? ds->n_marks : 1;
+    size_t* load = calloc_check((size_t)n_bins, sizeof(size_t));
+    int* bin_of = malloc_check((size_t)(n ? n : 1) * sizeof(int));
+    for (int i = 0; i < n; i++) {
+        int best = 0;
+        for (int b = 1; b < n_bins; b++)
+            if (load[b] < load[best]) best = b;
+        bin_of[i] = best;
+        load[best] += pieces[i].bytes;
+    }
+    const DeviceImpl* im = e->impl;
+    im->stream_wait(ds->d, STREAM_PARAM_UP, ds->pslot_free[k]);
+    for (int b = 0; b < n_bins; b++) {
+        if (ds->n_marks > 0) im->stream_wait(ds->d, STREAM_PARAM_UP, ds->marks[b]);
+        for (int i = 0; i < n; i++)
+            if (bin_of[i] == b)
+                im->copy_h2d(ds->d, STREAM_PARAM_UP, pieces[i].dst, pieces[i].src, pieces[i].bytes);
+    }
+    free(load);
+    free(bin_of);
+    free(pieces);
+}
+
+// Prepare the gradient slot of a backward stage on the parameter stream: zero in the first round,
+// the host's partial fp32 sum in later rounds (waiting for the previous round's download).
+static void prepare_grads(Engine* e, DevState* ds, const Stage* st, int k, int round) {
+    const DeviceImpl* im = e->impl;
+    const TensorTable* tt = &e->m->tt;
+    im->stream_wait(ds->d, STREAM_PARAM_UP, ds->gslot_free[k]);
+    if (round == 0) {
+        im->memset_zero(ds->d, STREAM_PARAM_UP, ds->gslot[k], (size_t)st->grad_numel * sizeof(float));
+        return;
+    }
+    for (int l = st->b; l < st->e; l++) {
+        im->stream_wait(ds->d, STREAM_PARAM_UP, e->grad_ev[l]);
+        im->copy_h2d(ds->d, STREAM_PARAM_UP, ds->gslot[k] + st->g_off[l - st->b], e->s->grad[l],
+                     (size_t)tt->grad_numel[l] * sizeof(float));
+    }
+}
+
+// ----------------------------------------------------------------------------
+// one stage on one device
+
+static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int round) {
+    DevState* ds = &e->dev[g];
+    const DeviceImpl* im = e->impl;
+    Device* d = ds->d;
+    const int ip = (int)(t % 2);
+    const size_t x_bytes = (size_t)e->Bm * e->T * e->C * e->ab;
+    const size_t tok_bytes = (size_t)e->Bm * e->T * sizeof(int32_t);
+    const int n = st->e - st->b;
+
+    fence_params(e, st, t);
+    if (st->kind != SLOT_FWD) fence_grads(e, st, t);
+
+    // parameters (and gradient slot) for this stage
+    int pk = ds->pnext;
+    ds->pnext ^= 1;
+    upload_params(e, ds, st, pk, t);
+    int gk = -1;
+    if (st->kind != SLOT_FWD) {
+        gk = ds->gnext;
+        ds->gnext ^= 1;
+        prepare_grads(e, ds, st, gk, round);
+    }
+    im->event_record(ds->param_done, d, STREAM_PARAM_UP);
+
+    for (int r = 0; r < e->M_R; r++) {
+        const int i = round * e->M_R + r;  // micro-batch index within the iteration
+        const int p = r % 2;
+        void** xs = ds->xs[p];
+
+        // activation upload (high priority path)
+        im->stream_wait(d, STREAM_ACT_UP, ds->comp_done[p]);
+        im->stream_wait(d, STREAM_ACT_UP, ds->down_done[p]);
+        if (st->b == 0) {
+            im->copy_h2d(d, STREAM_ACT_UP, ds->ids[p], e->hids[ip][i], tok_bytes);
+        } else {
+            im->stream_wait(d, STREAM_ACT_UP, e->x_ev[st->b][i]);
+            im->copy_h2d(d, STREAM_ACT_UP, xs[0], e->hx[ip][st->b][i], x_bytes);
+        }
+        if (st->kind == SLOT_FUSED)
+            im->copy_h2d(d, STREAM_ACT_UP, ds->targets[p], e->htgt[ip][i], tok_bytes);
+        if (st->kind == SLOT_BWD) {
+            if (e->opt.grain == RECOMPUTE_LAYER) {
+                for (int l = imax(st->b, 1); l < st->e; l++) {
+                    if (l == st->b) continue;  // already uploaded as the stage input
+                    im->stream_wait(d, STREAM_ACT_UP, e->x_ev[l][i]);
+                    im->copy_h2d(d, STREAM_ACT_UP, xs[l - st->b], e->hx[ip][l][i], x_bytes);
+                }
+            }
+            im->stream_wait(d, STREAM_ACT_UP, e->dx_ev[st->e][i]);
+            im->copy_h2d(d, STREAM_ACT_UP, ds->dres[p], e->hdx[ip][st->e][i], x_bytes);
+        }
+        im->event_record(ds->up_done[p], d, STREAM_ACT_UP);
+        im->event_record(ds->marks[r], d, STREAM_ACT_UP);
+
+        // compute
+        im->stream_wait(d, STREAM_COMPUTE, ds->up_done[p]);
+        im->stream_wait(d, STREAM_COMPUTE, ds->down_done[p]);
+        if (r == 0) im->stream_wait(d, STREAM_COMPUTE, ds->param_done);
+        MbJob* j = job_new(e, ip);
+        *j = (MbJob){e, ds, st, i, p, ip, ds->pslot[pk], gk >= 0 ? ds->gslot[gk] : NULL};
+        im->submit(d, STREAM_COMPUTE, run_microbatch, j);
+        im->event_record(ds->comp_done[p], d, STREAM_COMPUTE);
+
+        // activation download
+        im->stream_wait(d, STREAM_ACT_DOWN, ds->comp_done[p]);
+        if (st->kind == SLOT_FWD) {
+            for (int k = 1; k <= n; k++) {
+                int bnd = st->b + k;
+                if (!e->need_x[bnd]) continue;
+                im->copy_d2h(d, STREAM_ACT_DOWN, e->hx[ip][bnd][i], xs[k], x_bytes);
+                im->event_record(e->x_ev[bnd][i], d, STREAM_ACT_DOWN);
+            }
+        } else {
+            if (st->kind == SLOT_FUSED) {
+                im->copy_d2h(d, STREAM_ACT_DOWN, e->hloss[ip][i], ds->losses[p],
+                             (size_t)e->Bm * e->T * sizeof(float));
+                im->event_record(e->loss_ev[i], d, STREAM_ACT_DOWN);
+            }
+            if (st->b > 0) {
+                im->copy_d2h(d, STREAM_ACT_DOWN, e->hdx[ip][st->b][i], ds->dres[p], x_bytes);
+                im->event_record(e->dx_ev[st->b][i], d, STREAM_ACT_DOWN);
+            }
+        }
+        im->event_record(ds->down_done[p], d, STREAM_ACT_DOWN);
+    }
+    ds->n_marks = e->M_R;
+    im->event_record(ds->pslot_free[pk], d, STREAM_COMPUTE);
+
+    // gradient download after the last micro-batch
+    if (st->kind != SLOT_FWD) {
+        const TensorTable* tt = &e->m->tt;
+        im->stream_wait(d, STREAM_GRAD_DOWN, ds->comp_done[(e->M_R - 1) % 2]);
+        const int final_round = round == e->R - 1;
+        for (int l = st->b; l < st->e; l++) {
+            im->copy_d2h(d, STREAM_GRAD_DOWN, e->s->grad[l], ds->gslot[gk] + st->g_off[l - st->b],
+                         (size_t)tt->grad_numel[l] * sizeof(float));
+            im->event_record(e->grad_ev[l], d, STREAM_GRAD_DOWN);
+        }
+        im->event_record(ds->gslot_free[gk], d, STREAM_GRAD_DOWN);
+        if (final_round) {
+            pthread_check(pthread_mutex_lock(&e->mu));
+            for (int l = st->b; l < st->e; l++) e->grad_recorded[l] = t;
+            pthread_check(pthread_cond_broadcast(&e->cv));
+            pthread_check(pthread_mutex_unlock(&e->mu));
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------
+// optimizer thread
+
+static void write_master(Engine* e, int buf, int l) {
+    const int64_t n = e->m->tt.param_numel[l];
+    const float* src = e->s->param[l];
+    if (n == 0) return;
+    if (e->ab == 4) {
+        memcpy(e->master[buf][l], src, (size_t)n * sizeof(float));
+    } else {
+        uint16_t* dst = e->master[buf][l];
+        for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+    }
+}
+
+// Optimizer step k: the gradient of iteration k-1, learning rate lr(k), then the updated weights
+// go to the master buffer of iteration k + delay.
+static void optimizer_step(Engine* e, int64_t k) {
+    const int NL = e->NL;
+    for (int l = 0; l < NL; l++) {
+        pthread_check(pthread_mutex_lock(&e->mu));
+        while (e->grad_recorded[l] < k - 1) pthread_check(pthread_cond_wait(&e->cv, &e->mu));
+        pthread_check(pthread_mutex_unlock(&e->mu));
+        e->impl->event_synchronize(e->grad_ev[l]);
+    }
+    store_fold_tied_grads(e->s);
+    double norm = sqrt(adamw_grad_norm_sq(e->pool, e->opt_tensors, e->n_opt));
+    float scale = adamw_clip_scale(norm, e->opt.grad_clip);
+    AdamWHyper h = e->opt.hyper;
+    h.lr = lr_schedule_at(&e->opt.sched, k);
+    const int buf = (int)((k + e->delay) % 2);
+    // async: free the deep layers' gradients first (the next iteration's backward needs them
+    // first); sync: publish the shallow layers' weights first (the next forward needs them first)
+    for (int idx = 0; idx < NL; idx++) {
+        int l = e->delay ? NL - 1 - idx : idx;
+        int first = e->layer_first_opt[l], count = e->layer_first_opt[l + 1] - first;
+        if (count > 0) adamw_step(e->pool, e->opt_tensors + first, count, &h, k, scale);
+        write_master(e, buf, l);
+        pthread_check(pthread_mutex_lock(&e->mu));
+        e->param_ready[l] = k + e->delay;
+        e->grad_consumed[l] = k - 1;
+        pthread_check(pthread_cond_broadcast(&e->cv));
+        pthread_check(pthread_mutex_unlock(&e->mu));
+    }
+    e->s->step = k;
+    pthread_check(pthread_mutex_lock(&e->mu));
+    e->steps_done = k;
+    e->last_norm = norm;
+    e->last_lr = h.lr;
+    pthread_check(pthread_cond_broadcast(&e->cv));
+    pthread_check(pthread_mutex_unlock(&e->mu));
+}
+
+static void* optimizer_main(void* arg) {
+    Engine* e = arg;
+    for (;;) {
+        pthread_check(pthread_mutex_lock(&e->mu));
+        while (!e->shutdown && e->steps_done == e->steps_queued)
+            pthread_check(pthread_cond_wait(&e->cv, &e->mu));
+        if (e->steps_done == e->steps_queued) {  // shutdown with nothing left
+            pthread_check(pthread_mutex_unlock(&e->mu));
+            return NULL;
+        }
+        int64_t k = e->steps_done + 1;
+        pthread_check(pthread_mutex_unlock(&e->mu));
+        optimizer_step(e, k);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// creation
+
+static int plan_partition(Engine* e, char* err) {
+    const Model* m = e->m;
+    const TensorTable* tt = &m->tt;
+    const int NL = e->NL;
+    double* fc = calloc_check((size_t)NL, sizeof(double));
+    double* bc = calloc_check((size_t)NL, sizeof(double));
+    double* fb = calloc_check((size_t)NL, sizeof(double));
+    double* bb = calloc_check((size_t)NL, sizeof(double));
+    partition_estimate_costs(&m->cfg, e->T, e->Bm * e->T, fc, bc);
+    int head = tensor_table_index(tt, TK_LM_HEAD, -1);
+    for (int l = 0; l < NL; l++) {
+        fb[l] = (double)tt->param_numel[l] * (double)e->ab;
+        if (l == NL - 1 && tt->t[head].tied_to >= 0) fb[l] += (double)tt->t[head].numel * e->ab;
+        bb[l] = fb[l] + (double)tt->grad_numel[l] * sizeof(float);
+    }
+    double budget = e->opt.device_budget > 0 ? e->opt.device_budget / 2 : 1e300;
+    PartitionInput in = {NL, fc, bc, fb, bb, e->N, e->M, budget, !e->opt.sync};
+    int rc = partition_plan(&in, &e->plan, err);
+    free(fc);
+    free(bc);
+    free(fb);
+    free(bb);
+    return rc;
+}
+
+static DevEvent* ev_new(Engine* e) { return e->impl->event_create(e->devs->dev[0]); }
+
+Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOptions* opt,
+                      char* err) {
+    Engine* e = calloc_check(1, sizeof(Engine));
+    e->m = m;
+    e->s = s;
+    e->devs = devs;
+    e->impl = devs->impl;
+    e->opt = *opt;
+    e->NL = m->tt.n_layers;
+    e->N = devs->n;
+    e->M = opt->M;
+    e->M_R = opt->M_R > 0 ? opt->M_R : opt->M;
+    e->T = opt->T;
+    e->C = m->cfg.C;
+    e->delay = opt->sync ? 0 : 1;
+    if (e->M <= 0 || opt->B % e->M != 0 || e->M % e->M_R != 0) {
+        errorf(err, "micro-batches: batch %d, %d micro-batches, %d per round do not divide evenly",
+               opt->B, e->M, e->M_R);
+        free(e);
+        return NULL;
+    }
+    e->R = e->M / e->M_R;
+    e->Bm = opt->B / e->M;
+    e->ab = (size_t)e->impl->ops(devs->dev[0])->act_bytes;
+    if (plan_partition(e, err) != 0) {
+        free(e);
+        return NULL;
+    }
+    const int NL = e->NL;
+    const TensorTable* tt = &m->tt;
+
+    // stages in slot order
+    e->S = e->plan.n_fwd + e->plan.n_bwd;
+    e->stages = calloc_check((size_t)e->S, sizeof(Stage));
+    int max_len = 1, max_bwd_blocks = 1;
+    int64_t max_p = 0, max_g = 0;
+    for (int i = 0; i < e->S; i++) {
+        SlotInfo si;
+        partition_slot(&e->plan, i, &si);
+        stage_build(e, &e->stages[i], si.kind, si.range);
+        Stage* st = &e->stages[i];
+        max_len = imax(max_len, st->e - st->b);
+        if (si.kind != SLOT_FWD) max_bwd_blocks = imax(max_bwd_blocks, st->e - st->b);
+        if (st->param_numel > max_p) max_p = st->param_numel;
+        if (st->grad_numel > max_g) max_g = st->grad_numel;
+    }
+
+    // which layer boundaries need host copies
+    e->need_x = calloc_check((size_t)NL + 1, sizeof(int));
+    e->need_dx = calloc_check((size_t)NL + 1, sizeof(int));
+    const int efused = e->plan.bwd[0].begin;
+    for (int i = 0; i < e->plan.n_fwd; i++)
+        if (e->plan.fwd[i].begin > 0) e->need_x[e->plan.fwd[i].begin] = 1;
+    if (efused > 0) e->need_x[efused] = 1;
+    for (int i = 1; i < e->plan.n_bwd; i++) {
+        if (e->plan.bwd[i].begin > 0) e->need_x[e->plan.bwd[i].begin] = 1;
+        if (opt->grain == RECOMPUTE_LAYER)
+            for (int l = imax(1, e->plan.bwd[i].begin); l < e->plan.bwd[i].end; l++) e->need_x[l] = 1;
+    }
+    for (int i = 0; i < e->plan.n_bwd; i++)
+        if (e->plan.bwd[i].begin > 0) e->need_dx[e->plan.bwd[i].begin] = 1;
+
+    // host buffers
+    const size_t x_bytes = (size_t)e->Bm * e->T * e->C * e->ab;
+    const size_t tok = (size_t)e->Bm * e->T;
+    for (int b = 0; b < 2; b++) {
+        e->master[b] = calloc_check((size_t)NL, sizeof(void*));
+        for (int l = 0; l < NL; l++) {
+            e->master[b][l] = e->impl->host_alloc((size_t)tt->param_numel[l] * e->ab + 64);
+            write_master(e, b, l);
+        }
+        e->hx[b] = calloc_check((size_t)NL + 1, sizeof(void**));
+        e->hdx[b] = calloc_check((size_t)NL + 1, sizeof(void**));
+        for (int bnd = 0; bnd <= NL; bnd++) {
+            if (e->need_x[bnd]) {
+                e->hx[b][bnd] = calloc_check((size_t)e->M, sizeof(void*));
+                for (int i = 0; i < e->M; i++) e->hx[b][bnd][i] = e->impl->host_alloc(x_bytes);
+            }
+            if (e->need_dx[bnd]) {
+                e->hdx[b][bnd] = calloc_check((size_t)e->M, sizeof(void*));
+                for (int i = 0; i < e->M; i++) e->hdx[b][bnd][i] = e->impl->host_alloc(x_bytes);
+            }
+        }
+        e->hids[b] = calloc_check((size_t)e->M, sizeof(int32_t*));
+        e->htgt[b] = calloc_check((size_t)e->M, sizeof(int32_t*));
+        e->hloss[b] = calloc_check((size_t)e->M, sizeof(float*));
+        for (int i = 0; i < e->M; i++) {
+            e->hids[b][i] = e->impl->host_alloc(tok * sizeof(int32_t));
+            e->htgt[b][i] = e->impl->host_alloc(tok * sizeof(int32_t));
+            e->hloss[b][i] = e->impl->host_alloc(tok * sizeof(float));
+        }
+    }
+    e->x_ev = calloc_check((size_t)NL + 1, sizeof(DevEvent**));
+    e->dx_ev = calloc_check((size_t)NL + 1, sizeof(DevEvent**));
+    for (int bnd = 0; bnd <= NL; bnd++) {
+        if (e->need_x[bnd]) {
+            e->x_ev[bnd] = calloc_check((size_t)e->M, sizeof(DevEvent*));
+            for (int i = 0; i < e->M; i++) e->x_ev[bnd][i] = ev_new(e);
+        }
+        if (e->need_dx[bnd]) {
+            e->dx_ev[bnd] = calloc_check((size_t)e->M, sizeof(DevEvent*));
+            for (int i = 0; i < e->M; i++) e->dx_ev[bnd][i] = ev_new(e);
+        }
+    }
+    e->loss_ev = calloc_check((size_t)e->M, sizeof(DevEvent*));
+    for (int i = 0; i < e->M; i++) e->loss_ev[i] = ev_new(e);
+    e->grad_ev = calloc_check((size_t)NL, sizeof(DevEvent*));
+    for (int l = 0; l < NL; l++) e->grad_ev[l] = ev_new(e);
+
+    // devices
+    e->dev = calloc_check((size_t)e->N, sizeof(DevState));
+    const int n_acts = opt->grain == RECOMPUTE_LAYER ? imax(1, max_bwd_blocks) : max_bwd_blocks;
+    for (int g = 0; g < e->N; g++) {
+        DevState* ds = &e->dev[g];
+        ds->d = devs->dev[g];
+        ds->ops = e->impl->ops(ds->d);
+        ds->ctx = e->impl->ops_ctx(ds->d);
+        // the fused stage keeps every block's activations; layer-grain backward stages one
+        int acts = opt->grain == RECOMPUTE_LAYER ? imax(1, e->plan.bwd[0].end - e->plan.bwd[0].begin)
+                                                 : n_acts;
+        ds->ws = workspace_create(m, ds->ops, ds->ctx, e->Bm, e->T, acts);
+        for (int k = 0; k < 2; k++) {
+            ds->pslot[k] = dev_alloc(e, ds, (size_t)max_p * e->ab);
+            ds->gslot[k] = dev_alloc(e, ds, (size_t)max_g * sizeof(float));
+            ds->pslot_free[k] = e->impl->event_create(ds->d);
+            ds->gslot_free[k] = e->impl->event_create(ds->d);
+            ds->xs[k] = calloc_check((size_t)max_len + 1, sizeof(void*));
+            for (int j = 0; j <= max_len; j++) ds->xs[k][j] = dev_alloc(e, ds, x_bytes);
+            ds->dres[k] = dev_alloc(e, ds, x_bytes);
+            ds->ids[k] = dev_alloc(e, ds, tok * sizeof(int32_t));
+            ds->targets[k] = dev_alloc(e, ds, tok * sizeof(int32_t));
+            ds->losses[k] = dev_alloc(e, ds, tok * sizeof(float));
+            ds->up_done[k] = e->impl->event_create(ds->d);
+            ds->comp_done[k] = e->impl->event_create(ds->d);
+            ds->down_done[k] = e->impl->event_create(ds->d);
+            for (int s2 = 0; s2 < STREAM_COUNT; s2++) ds->iter_end[k][s2] = e->impl->event_create(ds->d);
+        }
+        ds->param_done = e->impl->event_create(ds->d);
+        ds->marks = calloc_check((size_t)e->M_R, sizeof(DevEvent*));
+        for (int r = 0; r < e->M_R; r++) ds->marks[r] = e->impl->event_create(ds->d);
+    }
+
+    // protocol flags: iterations 0..delay read θ_0, which both master buffers hold
+    e->param_ready = calloc_check((size_t)NL, sizeof(int64_t));
+    e->grad_consumed = calloc_check((size_t)NL, sizeof(int64_t));
+    e->grad_recorded = calloc_check((size_t)NL, sizeof(int64_t));
+    for (int l = 0; l < NL; l++) {
+        e->param_ready[l] = e->delay;
+        e->grad_consumed[l] = -1;
+        e->grad_recorded[l] = -1;
+    }
+    pthread_check(pthread_mutex_init(&e->mu, NULL));
+    pthread_check(pthread_cond_init(&e->cv, NULL));
+
+    // optimizer: AdamW tensors grouped by owner layer
+    e->opt_tensors = malloc_check((size_t)tt->n * sizeof(AdamWTensor));
+    e->n_opt = store_adamw_tensors(s, e->opt_tensors);
+    e->layer_first_opt = calloc_check((size_t)NL + 1, sizeof(int));
+    {
+        int idx = 0, t_i = 0;
+        for (int l = 0; l < NL; l++) {
+            e->layer_first_opt[l] = idx;
+            for (; t_i < tt->n && tt->t[t_i].layer == l; t_i++)
+                if (tt->t[t_i].tied_to < 0) idx++;
+        }
+        e->layer_first_opt[NL] = idx;
+    }
+    e->pool = threadpool_create(opt->opt_threads);
+    pthread_check(pthread_create(&e->opt_thread, NULL, optimizer_main, e));
+    for (int g = 0; g < e->N; g++) {
+        DeviceStats st;
+        e->impl->stats(e->dev[g].d, &st);
+        e->dev[g].busy_last = st.busy_s[STREAM_COMPUTE];
+    }
+    e->t_last_step = time_now_s();
+    return e;
+}
+
+// ----------------------------------------------------------------------------
+// stepping
+
+static void wait_iteration_done(Engine* e, int ip) {
+    for (int g = 0; g < e->N; g++)
+        for (int s2 = 0; s2 < STREAM_COUNT; s2++)
+            e->impl->event_synchronize(e->dev[g].iter_end[ip][s2]);
+    arena_free(e->arena[ip]);
+    e->arena[ip] = NULL;
+}
+
+EngineStepResult engine_step(Engine* e, const int32_t* tokens) {
+    const int64_t t = e->iter;
+    const int ip = (int)(t % 2);
+    const int T = e->T;
+    wait_iteration_done(e, ip);  // iteration t-2 used these host buffers and closures
+
+    // split the batch into micro-batches of inputs and targets
+    for (int i = 0; i < e->M; i++) {
+        for (int b = 0; b < e->Bm; b++) {
+            const int32_t* row = tokens + ((size_t)i * e->Bm + b) * (T + 1);
+            memcpy(e->hids[ip][i] + (size_t)b * T, row, (size_t)T * sizeof(int32_t));
+            memcpy(e->htgt[ip][i] + (size_t)b * T, row + 1, (size_t)T * sizeof(int32_t));
+        }
+    }
+    for (int round = 0; round < e->R; round++) {
+        for (int si = 0; si < e->S; si++) {
+            int g = (int)(e->cursor % e->N);
+            e->cursor++;
+            enqueue_stage(e, &e->stages[si], g, t, round);
+        }
+    }
+    for (int g = 0; g < e->N; g++)
+        for (int s2 = 0; s2 < STREAM_COUNT; s2++)
+            e->impl->event_record(e->dev[g].iter_end[ip][s2], e->dev[g].d, (StreamKind)s2);
+    e->iter++;
+
+    // hand the step for this iteration's gradient to the optimizer thread
+    pthread_check(pthread_mutex_lock(&e->mu));
+    e->steps_queued = t + 1;
+    pthread_check(pthread_cond_broadcast(&e->cv));
+    pthread_check(pthread_mutex_unlock(&e->mu));
+
+    // the losses of this iteration, summed in micro-batch order
+    double sum = 0.0;
+    const size_t tok = (size_t)e->Bm * T;
+    for (int i = 0; i < e->M; i++) {
+        e->impl->event_synchronize(e->loss_ev[i]);
+        for (size_t k = 0; k < tok; k++) sum += e->hloss[ip][i][k];
+    }
+    EngineStepResult res;
+    memset(&res, 0, sizeof res);
+    res.loss = sum / ((double)e->opt.B * T);
+    if (e->opt.sync) {
+        // the caller sees the step of this iteration's gradient (the next iteration waits for
+        // it anyway)
+        pthread_check(pthread_mutex_lock(&e->mu));
+        while (e->steps_done < t + 1) pthread_check(pthread_cond_wait(&e->cv, &e->mu));
+        pthread_check(pthread_mutex_unlock(&e->mu));
+    }
+    pthread_check(pthread_mutex_lock(&e->mu));
+    res.norm = e->last_norm;
+    res.lr = e->last_lr;
+    res.norm_step = e->steps_done;
+    pthread_check(pthread_mutex_unlock(&e->mu));
+
+    // bubble: device compute idle time over the wall time since the previous step returned
+    double now = time_now_s(), busy = 0.0;
+    for (int g = 0; g < e->N; g++) {
+        DeviceStats st;
+        e->impl->stats(e->dev[g].d, &st);
+        busy += st.busy_s[STREAM_COMPUTE] - e->dev[g].busy_last;
+        e->dev[g].busy_last = st.busy_s[STREAM_COMPUTE];
+    }
+    double wall = now - e->t_last_step;
+    e->t_last_step = now;
+    res.bubble = wall > 0 ? 1.0 - busy / (wall * e->N) : 0.0;
+    if (res.bubble < 0) res.bubble = 0;
+    return res;
+}
+
+void engine_synchronize(Engine* e) {
+    pthread_check(pthread_mutex_lock(&e->mu));
+    while (e->steps_done < e->steps_queued) pthread_check(pthread_cond_wait(&e->cv, &e->mu));
+    pthread_check(pthread_mutex_unlock(&e->mu));
+    for (int g = 0; g < e->N; g++) e->impl->synchronize(e->dev[g].d);
+}
+
+int64_t engine_steps_done(const Engine* e) { return e->steps_done; }
+
+const PartitionPlan* engine_plan(const Engine* e) { return &e->plan; }
+
+void engine_print_plan(const Engine* e, FILE* f) {
+    const TensorTable* tt = &e->m->tt;
+    const int NL = e->NL;
+    double* fb = calloc_check((size_t)NL, sizeof(double));
+    double* bb = calloc_check((size_t)NL, sizeof(double));
+    for (int l = 0; l < NL; l++) {
+        fb[l] = (double)tt->param_numel[l] * (double)e->ab;
+        bb[l] = fb[l] + (double)tt->grad_numel[l] * sizeof(float);
+    }
+    partition_print(&e->plan, &e->m->cfg, fb, bb, e->N, e->M, f);
+    fprintf(f, "rounds per step %d x %d micro-batches of %d sequences, %s recompute, %s optimizer\n",
+            e->R, e->M_R, e->Bm, e->opt.grain == RECOMPUTE_LAYER ? "layer" : "stage",
+            e->opt.sync ? "synchronous" : "one-step-delayed");
+    free(fb);
+    free(bb);
+}
+
+// ----------------------------------------------------------------------------
+// teardown
+
+void engine_free(Engine* e) {
+    if (!e) return;
+    engine_synchronize(e);
+    pthread_check(pthread_mutex_lock(&e->mu));
+    e->shutdown = 1;
+    pthread_check(pthread_cond_broadcast(&e->cv));
+    pthread_check(pthread_mutex_unlock(&e->mu));
+    pthread_check(pthread_join(e->opt_thread, NULL));
+    const DeviceImpl* im = e->impl;
+    const int NL = e->NL;
+    for (int g = 0; g < e->N; g++) {
+        DevState* ds = &e->dev[g];
+        workspace_free(ds->ws);
+        for (int k = 0; k < 2; k++) {
+            im->free(ds->d, ds->pslot[k]);
+            im->free(ds->d, ds->gslot[k]);
+            im->event_destroy(ds->pslot_free[k]);
+            im->event_destroy(ds->gslot_free[k]);
+            int max_len = 1;
+            for (int i = 0; i < e->S; i++) max_len = imax(max_len, e->stages[i].e - e->stages[i].b);
+            for (int j = 0; j <= max_len; j++) im->free(ds->d, ds->xs[k][j]);
+            free(ds->xs[k]);
+            im->free(ds->d, ds->dres[k]);
+            im->free(ds->d, ds->ids[k]);
+            im->free(ds->d, ds->targets[k]);
+            im->free(ds->d, ds->losses[k]);
+            im->event_destroy(ds->up_done[k]);
+            im->event_destroy(ds->comp_done[k]);
+            im->event_destroy(ds->down_done[k]);
+            for (int s2 = 0; s2 < STREAM_COUNT; s2++) im->event_destroy(ds->iter_end[k][s2]);
+        }
+        im->event_destroy(ds->param_done);
+        for (int r = 0; r < e->M_R; r++) im->event_destroy(ds->marks[r]);
+        free(ds->marks);
+    }
+    free(e->dev);
+    for (int b = 0; b < 2; b++) {
+        for (int l = 0; l < NL; l++) im->host_free(e->master[b][l]);
+        free(e->master[b]);
+        for (int bnd = 0; bnd <= NL; bnd++) {
+            if (e->hx[b][bnd]) {
+                for (int i = 0; i < e->M; i++) im->host_free(e->hx[b][bnd][i]);
+                free(e->hx[b][bnd]);
+            }
+            if (e->hdx[b][bnd]) {
+                for (int i = 0; i < e->M; i++) im->host_free(e->hdx[b][bnd][i]);
+                free(e->hdx[b][bnd]);
+            }
+        }
+        free(e->hx[b]);
+        free(e->hdx[b]);
+        for (int i = 0; i < e->M; i++) {
+            im->host_free(e->hids[b][i]);
+            im->host_free(e->htgt[b][i]);
+            im->host_free(e->hloss[b][i]);
+        }
+        free(e->hids[b]);
+        free(e->htgt[b]);
+        free(e->hloss[b]);
+        arena_free(e->arena[b]);
+    }
+    for (int bnd = 0; bnd <= NL; bnd++) {
+        if (e->x_ev[bnd]) {
+            for (int i = 0; i < e->M; i++) im->event_destroy(e->x_ev[bnd][i]);
+            free(e->x_ev[bnd]);
+        }
+        if (e->dx_ev[bnd]) {
+            for (int i = 0; i < e->M; i++) im->event_destroy(e->dx_ev[bnd][i]);
+            free(e->dx_ev[bnd]);
+        }
+    }
+    free(e->x_ev);
+    free(e->dx_ev);
+    for (int i = 0; i < e->M; i++) im->event_destroy(e->loss_ev[i]);
+    free(e->loss_ev);
+    for (int l = 0; l < NL; l++) im->event_destroy(e->grad_ev[l]);
+    free(e->grad_ev);
+    for (int i = 0; i < e->S; i++) {
+        free(e->stages[i].p_off);
+        free(e->stages[i].g_off);
+    }
+    free(e->stages);
+    free(e->need_x);
+    free(e->need_dx);
+    free(e->param_ready);
+    free(e->grad_consumed);
+    free(e->grad_recorded);
+    free(e->opt_tensors);
+    free(e->layer_first_opt);
+    threadpool_destroy(e->pool);
+    pthread_check(pthread_mutex_destroy(&e->mu));
+    pthread_check(pthread_cond_destroy(&e->cv));
+    free(e);
+}

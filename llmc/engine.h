@@ -1,0 +1,90 @@
+/*
+ * engine.h — the RoundPipe engine (ROUNDPIPE.md): stages of the layer sequence dispatched
+ * round-robin to N stateless devices, asymmetric forward/backward partitions with a fused
+ * loss stage, a prioritised transfer engine over four copy streams per device, a per-layer
+ * consistency protocol and a one-step-delayed CPU optimizer.
+ *
+ * One optimizer step = one iteration = R rounds of M_R micro-batches (M = R*M_R). A round is the
+ * slot sequence F_1..F_Sf, FB (fused: forward + loss + backward of the deepest layers), B_2..B_Sb.
+ * Global slot i goes to device (g0 + i) mod N; the cursor g0 is never reset (rounds, iterations).
+ *
+ * Threads: the caller's thread is the controller. It walks the slots in order and ENQUEUES all of
+ * a stage's work (parameter upload, per micro-batch activation upload / compute / download,
+ * gradient download) on the device's streams; cross-stage dependencies are device events, which a
+ * producer always records before a consumer waits on them because slots are enqueued in order
+ * (ROUNDPIPE.md §4 "single dispatcher"). The controller blocks only at fences on the host flags of
+ * the consistency protocol. One optimizer thread runs AdamW steps from a FIFO.
+ *
+ * Precision: devices compute in their backend's dtype (fp32 emulated, bf16 CUDA); the host keeps
+ * fp32 master weights, m, v and fp32 gradient accumulators (the Store) plus two compute-dtype
+ * copies of the weights ("master" buffers, ROUNDPIPE.md §9.5): the optimizer step for iteration
+ * t's gradient writes the updated weights straight into the buffer the next iteration to use them
+ * uploads from, so no separate P-copy or G-copy pass exists.
+ *
+ * Delayed update (default, ROUNDPIPE.md §9.4): iteration t computes with θ_{max(t-1,0)}; with
+ * `sync`, iteration t computes with θ_t (the step waits for the previous iteration).
+ *
+ * Determinism: every micro-batch runs the same ops in the same order whatever device it lands on;
+ * gradients of a layer accumulate micro-batch by micro-batch (and round by round, by re-uploading
+ * the fp32 partial sum), so in sync mode results are bit-identical for any N, and equal to the
+ * plain trainer's for the same micro-batch count.
+ */
+#ifndef LLMC_ENGINE_H
+#define LLMC_ENGINE_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "adamw.h"
+#include "device.h"
+#include "model.h"
+#include "partition.h"
+#include "store.h"
+
+typedef enum { RECOMPUTE_STAGE = 0, RECOMPUTE_LAYER } RecomputeGrain;
+
+typedef struct EngineOptions {
+    int B, T;                // batch (sequences per step) and sequence length
+    int M;                   // micro-batches per iteration
+    int M_R;                 // micro-batches per round (M % M_R == 0; 0 = M: one round)
+    RecomputeGrain grain;
+    int sync;                // 1: synchronous optimizer (no staleness)
+    double device_budget;    // bytes of device memory for parameter stages (0 = backend default)
+    int opt_threads;         // optimizer threads (0 = all CPUs)
+    const char* trace_path;  // Chrome trace JSON ("" = none)
+    // optimizer
+    AdamWHyper hyper;
+    LrSchedule sched;
+    float grad_clip;
+} EngineOptions;
+
+typedef struct EngineStepResult {
+    double loss;        // mean loss of this iteration's tokens
+    double norm;        // global gradient norm of the most recent optimizer step that finished
+    double lr;          // its learning rate
+    int64_t norm_step;  // which optimizer step the norm belongs to (1-based; 0 = none yet)
+    double bubble;      // fraction of device compute time idle during this iteration (0..1)
+} EngineStepResult;
+
+typedef struct Engine Engine;
+
+// Plan the partition and allocate everything. -1 + one line if the model cannot be planned (e.g.
+// a layer larger than the device budget) or the options are inconsistent.
+Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOptions* opt,
+                      char* err);
+void engine_free(Engine* e);
+// The chosen partition (for --plan and tests).
+const PartitionPlan* engine_plan(const Engine* e);
+// Print the plan, predicted bubble and per-device memory.
+void engine_print_plan(const Engine* e, FILE* f);
+
+// One iteration on tokens (B, T+1): enqueue every round, hand the optimizer step for this
+// iteration's gradient to the optimizer thread, wait only for this iteration's losses.
+EngineStepResult engine_step(Engine* e, const int32_t* tokens);
+// Wait until all enqueued work and all queued optimizer steps are done; afterwards the Store's
+// fp32 weights hold every applied update (for evaluation, sampling and checkpoints).
+void engine_synchronize(Engine* e);
+// Optimizer steps applied so far.
+int64_t engine_steps_done(const Engine* e);
+
+#endif  // LLMC_ENGINE_H

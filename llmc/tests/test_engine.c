@@ -1,0 +1,281 @@
+/*
+ * test_engine.c — the RoundPipe engine on emulated CPU devices:
+ *  - sync mode is bit-identical to the plain trainer (same micro-batches) for 1..4 devices, both
+ *    recompute grains, several rounds per step, with random delays injected into every stream;
+ *  - different micro-batch counts agree within fp32 summation noise;
+ *  - async mode equals a reference loop that applies AdamW with a one-step delay;
+ *  - the never-reset device cursor and plan validity.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../adamw.h"
+#include "../common.h"
+#include "../device.h"
+#include "../engine.h"
+#include "../model.h"
+#include "../plain.h"
+#include "../rng.h"
+#include "../store.h"
+#include "testing.h"
+
+#define STEPS 4
+
+typedef struct Run {
+    double loss[STEPS];
+    float* params;  // all parameter slabs concatenated after the last step
+    int64_t n_params;
+} Run;
+
+static ModelConfig engine_config(int tied) {
+    char err[ERR_LEN];
+    ModelConfig c;
+    config_from_preset(&c, tied ? "test-qwen3" : "test-llama", err);
+    c.V = 53;
+    c.C = 32;
+    c.L = 5;
+    c.H = 4;
+    c.KVH = 2;
+    c.HD = 8;
+    c.F = 48;
+    return c;
+}
+
+static int32_t* make_batches(int B, int T, uint32_t seed, int V) {
+    Rng r;
+    rng_seed(&r, seed);
+    int32_t* tok = malloc_check((size_t)STEPS * B * (T + 1) * sizeof(int32_t));
+    for (int i = 0; i < STEPS * B * (T + 1); i++) tok[i] = (int32_t)rng_below(&r, (uint64_t)V);
+    return tok;
+}
+
+static void init_store(Store* s, const Model* m) {
+    store_create(s, &m->tt);
+    store_init_random(s, 7, 0.2f);
+}
+
+static void collect_params(Run* run, const Store* s, const Model* m) {
+    int64_t n = 0;
+    for (int l = 0; l < m->tt.n_layers; l++) n += m->tt.param_numel[l];
+    run->params = malloc_check((size_t)n * sizeof(float));
+    run->n_params = n;
+    int64_t o = 0;
+    for (int l = 0; l < m->tt.n_layers; l++) {
+        memcpy(run->params + o, s->param[l], (size_t)m->tt.param_numel[l] * sizeof(float));
+        o += m->tt.param_numel[l];
+    }
+}
+
+static AdamWHyper test_hyper(void) { return (AdamWHyper){3e-3f, 0.9f, 0.95f, 1e-8f, 0.1f}; }
+static LrSchedule test_sched(void) { return (LrSchedule){LR_COSINE, 3e-3f, 2, STEPS, 0.1f, 0.2f}; }
+
+// The plain trainer: M micro-batches, synchronous AdamW.
+static void run_plain(Run* run, const ModelConfig* c, int B, int T, int M, const int32_t* tokens) {
+    char err[ERR_LEN];
+    Model m;
+    model_init(&m, c, 0, err);
+    Store s;
+    init_store(&s, &m);
+    void* ctx = ops_cpu_create(1);
+    const int Bm = B / M;
+    Plain* p = plain_create(&m, &s, &ops_cpu, ctx, Bm, T, 0);
+    AdamWTensor opt[128];
+    int n = store_adamw_tensors(&s, opt);
+    AdamWHyper h = test_hyper();
+    LrSchedule sched = test_sched();
+    ThreadPool* pool = threadpool_create(1);
+    for (int step = 0; step < STEPS; step++) {
+        const int32_t* batch = tokens + (size_t)step * B * (T + 1);
+        store_zero_grads(&s);
+        double sum = 0;
+        for (int mb = 0; mb < M; mb++)
+            sum += plain_forward_backward(p, batch + (size_t)mb * Bm * (T + 1), Bm, T,
+                                          1.0f / ((float)B * (float)T));
+        store_fold_tied_grads(&s);
+        run->loss[step] = sum / ((double)B * T);
+        double norm = sqrt(adamw_grad_norm_sq(pool, opt, n));
+        h.lr = lr_schedule_at(&sched, step + 1);
+        adamw_step(pool, opt, n, &h, step + 1, adamw_clip_scale(norm, 1.0f));
+    }
+    collect_params(run, &s, &m);
+    threadpool_destroy(pool);
+    plain_free(p);
+    ops_cpu_destroy(ctx);
+    store_free(&s);
+    model_free(&m);
+}
+
+typedef struct EngineCase {
+    int N, M, M_R, sync, delays;
+    RecomputeGrain grain;
+    double budget;  // device bytes (forces several stages when small)
+} EngineCase;
+
+static int run_engine(TestCtx* t, Run* run, const ModelConfig* c, int B, int T,
+                      const EngineCase* ec, const int32_t* tokens) {
+    char err[ERR_LEN];
+    Model m;
+    model_init(&m, c, 0, err);
+    Store s;
+    init_store(&s, &m);
+    DeviceOptions dopt = {.threads = 1, .delay_seed = 99, .max_delay_us = ec->delays ? 50 : 0};
+    DeviceSet devs;
+    device_set_open(&devs, &device_cpu_impl, ec->N, &dopt);
+    EngineOptions eo = {.B = B, .T = T, .M = ec->M, .M_R = ec->M_R, .grain = ec->grain,
+                        .sync = ec->sync, .device_budget = ec->budget, .opt_threads = 1,
+                        .trace_path = "", .hyper = test_hyper(), .sched = test_sched(),
+                        .grad_clip = 1.0f};
+    Engine* e = engine_create(&m, &s, &devs, &eo, err);
+    CHECK(t, e != NULL, "engine_create: %s", err);
+    if (!e) return -1;
+    for (int step = 0; step < STEPS; step++) {
+        EngineStepResult r = engine_step(e, tokens + (size_t)step * B * (T + 1));
+        run->loss[step] = r.loss;
+    }
+    engine_synchronize(e);
+    CHECK(t, engine_steps_done(e) == STEPS, "steps done %lld", (long long)engine_steps_done(e));
+    int S = engine_plan(e)->n_fwd + engine_plan(e)->n_bwd;
+    collect_params(run, &s, &m);
+    engine_free(e);
+    device_set_close(&devs);
+    store_free(&s);
+    model_free(&m);
+    return S;
+}
+
+static int runs_identical(const Run* a, const Run* b) {
+    for (int i = 0; i < STEPS; i++)
+        if (a->loss[i] != b->loss[i]) return 0;
+    return a->n_params == b->n_params &&
+           memcmp(a->params, b->params, (size_t)a->n_params * sizeof(float)) == 0;
+}
+
+static void test_engine_sync_matches_plain(TestCtx* t) {
+    const int B = 8, T = 12;
+    for (int tied = 0; tied <= 1; tied++) {
+        ModelConfig c = engine_config(tied);
+        int32_t* tokens = make_batches(B, T, 3 + tied, c.V);
+        Run ref;
+        run_plain(&ref, &c, B, T, 4, tokens);
+        // small budgets force many stages; rounds of 2 micro-batches exercise the cross-round
+        // gradient accumulation
+        const EngineCase cases[] = {
+            {1, 4, 4, 1, 0, RECOMPUTE_STAGE, 0},     {1, 4, 2, 1, 1, RECOMPUTE_STAGE, 1.6e5},
+            {2, 4, 4, 1, 1, RECOMPUTE_STAGE, 1.6e5},   {3, 4, 4, 1, 1, RECOMPUTE_LAYER, 1.6e5},
+            {4, 4, 2, 1, 1, RECOMPUTE_LAYER, 1.3e5},   {4, 4, 4, 1, 1, RECOMPUTE_STAGE, 1.3e5},
+        };
+        for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+            Run r;
+            int S = run_engine(t, &r, &c, B, T, &cases[k], tokens);
+            if (S < 0) continue;
+            CHECK(t, runs_identical(&r, &ref),
+                  "tied %d, N=%d M_R=%d grain %d (S=%d): loss %.9g/%.9g ... not bit-identical to "
+                  "plain %.9g/%.9g",
+                  tied, cases[k].N, cases[k].M_R, cases[k].grain, S, r.loss[0], r.loss[STEPS - 1],
+                  ref.loss[0], ref.loss[STEPS - 1]);
+            if (cases[k].budget > 0) CHECK(t, S >= 4, "budget should force several stages (S=%d)", S);
+            free(r.params);
+        }
+        free(ref.params);
+        free(tokens);
+    }
+}
+
+static void test_engine_microbatch_counts(TestCtx* t) {
+    const int B = 8, T = 12;
+    ModelConfig c = engine_config(0);
+    int32_t* tokens = make_batches(B, T, 5, c.V);
+    Run a, b;
+    EngineCase ca = {2, 2, 2, 1, 0, RECOMPUTE_STAGE, 1.6e5};
+    EngineCase cb = {2, 8, 4, 1, 0, RECOMPUTE_STAGE, 1.6e5};
+    run_engine(t, &a, &c, B, T, &ca, tokens);
+    run_engine(t, &b, &c, B, T, &cb, tokens);
+    CHECK(t, fabs(a.loss[0] - b.loss[0]) <= 1e-5 * fabs(a.loss[0]), "first loss %.9g vs %.9g",
+          a.loss[0], b.loss[0]);
+    for (int i = 1; i < STEPS; i++)
+        CHECK(t, fabs(a.loss[i] - b.loss[i]) <= 1e-3 * fabs(a.loss[i]), "loss %d: %.9g vs %.9g", i,
+              a.loss[i], b.loss[i]);
+    free(a.params);
+    free(b.params);
+    free(tokens);
+}
+
+// Reference for the one-step-delayed optimizer: iteration t computes gradients with θ_{max(t-1,0)}
+// (a second store holds the weights being computed with), the step applies them to θ_t.
+static void run_delayed_reference(Run* run, const ModelConfig* c, int B, int T, int M,
+                                  const int32_t* tokens) {
+    char err[ERR_LEN];
+    Model m;
+    model_init(&m, c, 0, err);
+    Store s, w;  // s: optimizer state θ_k; w: the weights an iteration computes with
+    init_store(&s, &m);
+    init_store(&w, &m);
+    void* ctx = ops_cpu_create(1);
+    const int Bm = B / M;
+    Plain* p = plain_create(&m, &w, &ops_cpu, ctx, Bm, T, 0);
+    AdamWTensor opt[128];
+    int n = store_adamw_tensors(&s, opt);
+    AdamWHyper h = test_hyper();
+    LrSchedule sched = test_sched();
+    ThreadPool* pool = threadpool_create(1);
+    const int NL = m.tt.n_layers;
+    for (int step = 0; step < STEPS; step++) {
+        // w holds θ_{max(step-1, 0)}: θ_0 initially, then the θ saved before the previous step
+        const int32_t* batch = tokens + (size_t)step * B * (T + 1);
+        store_zero_grads(&w);
+        double sum = 0;
+        for (int mb = 0; mb < M; mb++)
+            sum += plain_forward_backward(p, batch + (size_t)mb * Bm * (T + 1), Bm, T,
+                                          1.0f / ((float)B * (float)T));
+        store_fold_tied_grads(&w);
+        run->loss[step] = sum / ((double)B * T);
+        for (int l = 0; l < NL; l++) {
+            memcpy(s.grad[l], w.grad[l], (size_t)m.tt.grad_numel[l] * sizeof(float));
+            // the next iteration computes with θ_step (the weights before this step)
+            memcpy(w.param[l], s.param[l], (size_t)m.tt.param_numel[l] * sizeof(float));
+        }
+        double norm = sqrt(adamw_grad_norm_sq(pool, opt, n));
+        h.lr = lr_schedule_at(&sched, step + 1);
+        adamw_step(pool, opt, n, &h, step + 1, adamw_clip_scale(norm, 1.0f));
+    }
+    collect_params(run, &s, &m);
+    threadpool_destroy(pool);
+    plain_free(p);
+    ops_cpu_destroy(ctx);
+    store_free(&s);
+    store_free(&w);
+    model_free(&m);
+}
+
+static void test_engine_async_delayed(TestCtx* t) {
+    const int B = 8, T = 12;
+    for (int tied = 0; tied <= 1; tied++) {
+        ModelConfig c = engine_config(tied);
+        int32_t* tokens = make_batches(B, T, 11 + tied, c.V);
+        Run ref;
+        run_delayed_reference(&ref, &c, B, T, 4, tokens);
+        const EngineCase cases[] = {{1, 4, 4, 0, 1, RECOMPUTE_STAGE, 0},
+                                    {3, 4, 4, 0, 1, RECOMPUTE_STAGE, 1.6e5},
+                                    {2, 4, 2, 0, 1, RECOMPUTE_LAYER, 1.6e5}};
+        for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+            Run r;
+            if (run_engine(t, &r, &c, B, T, &cases[k], tokens) < 0) continue;
+            CHECK(t, runs_identical(&r, &ref),
+                  "async tied %d N=%d M_R=%d: loss %.9g %.9g %.9g %.9g vs reference %.9g %.9g "
+                  "%.9g %.9g",
+                  tied, cases[k].N, cases[k].M_R, r.loss[0], r.loss[1], r.loss[2], r.loss[3],
+                  ref.loss[0], ref.loss[1], ref.loss[2], ref.loss[3]);
+            free(r.params);
+        }
+        free(ref.params);
+        free(tokens);
+    }
+}
+
+const TestCase tests_engine[] = {
+    {"engine_sync_matches_plain", test_engine_sync_matches_plain},
+    {"engine_microbatch_counts", test_engine_microbatch_counts},
+    {"engine_async_delayed", test_engine_async_delayed},
+    {NULL, NULL},
+};
