@@ -17,6 +17,8 @@
 #include "llmc/checkpoint.h"
 #include "llmc/common.h"
 #include "llmc/dataloader.h"
+#include "llmc/device.h"
+#include "llmc/engine.h"
 #include "llmc/log.h"
 #include "llmc/model.h"
 #include "llmc/ops.h"
@@ -127,11 +129,6 @@ int main(int argc, char** argv) {
                         "yet; use --device cpu\n");
         return 2;
     }
-    if (a.n_devices > 0) {
-        fprintf(stderr, "train_roundpipe: error: --device cpu:%d: the RoundPipe engine (emulated "
-                        "devices) is not in this version yet; use --device cpu\n", a.n_devices);
-        return 2;
-    }
     const int dump = a.dump_state[0] != '\0';
 
     // 1. model: configuration and weights
@@ -164,9 +161,40 @@ int main(int argc, char** argv) {
     // Keep every block's activations unless that would need more than 8 GiB: then recompute.
     int recompute = workspace_bytes(&model, ops->act_bytes, Bm, a.seq, model.cfg.L) > (8ull << 30);
     Plain* plain = plain_create(&model, &store, ops, ctx, Bm, a.seq, recompute);
-    printf("device cpu (%d threads), batch %d x %d tokens in %d micro-batch(es)%s\n",
-           opt_pool->n_threads, a.batch, a.seq, a.micro_batches,
-           recompute ? ", recomputing activations" : "");
+    // The RoundPipe engine over N emulated devices (--device cpu:N, or --plan): it trains; the
+    // plain CPU path above still serves evaluation and sampling from the synchronised weights.
+    DeviceSet devs = {0};
+    Engine* eng = NULL;
+    if (a.n_devices > 0 || a.plan_only) {
+        const int N = a.n_devices > 0 ? a.n_devices : 1;
+        int per_dev = a.threads > 0 ? a.threads : threads_online_cpus() / N;
+        DeviceOptions dopt = {.threads = per_dev > 0 ? per_dev : 1, .delay_seed = a.seed,
+                              .max_delay_us = a.delay_us, .mem_limit = 0};
+        device_set_open(&devs, &device_cpu_impl, N, &dopt);
+        EngineOptions eo = {.B = a.batch, .T = a.seq, .M = a.micro_batches,
+                            .M_R = a.round_micro_batches,
+                            .grain = a.recompute_layer ? RECOMPUTE_LAYER : RECOMPUTE_STAGE,
+                            .sync = a.sync, .device_budget = a.device_mem,
+                            .opt_threads = a.threads, .trace_path = "",
+                            .hyper = {a.lr, a.beta1, a.beta2, a.eps, a.weight_decay},
+                            .sched = {a.schedule, a.lr, a.warmup, a.steps, a.min_lr_frac,
+                                      a.decay_frac},
+                            .grad_clip = a.grad_clip};
+        eng = engine_create(&model, &store, &devs, &eo, err);
+        if (!eng) fatal("%s", err);
+        engine_print_plan(eng, stdout);
+        if (a.plan_only) return 0;
+        const int M_R = a.round_micro_batches > 0 ? a.round_micro_batches : a.micro_batches;
+        if (M_R < N)
+            printf("warning: %d micro-batches per round < %d devices: some devices idle every "
+                   "round (RoundPipe needs M_R >= N)\n", M_R, N);
+        printf("device cpu:%d (emulated, %d threads each), batch %d x %d tokens in %d "
+               "micro-batch(es)\n", N, dopt.threads, a.batch, a.seq, a.micro_batches);
+    } else {
+        printf("device cpu (%d threads), batch %d x %d tokens in %d micro-batch(es)%s\n",
+               opt_pool->n_threads, a.batch, a.seq, a.micro_batches,
+               recompute ? ", recomputing activations" : "");
+    }
 
     // 3. data
     DataLoader train, val;
@@ -199,20 +227,41 @@ int main(int argc, char** argv) {
     for (int step = 1; step <= a.steps; step++) {
         double t0 = time_now_s();
         if (dataloader_next_batch(&train, tokens, err) != 0) fatal("%s", err);
-        double loss = train_forward_backward(plain, &a, tokens);
-        if (!isfinite(loss)) fatal("loss is not finite at step %d (try a lower --lr)", step);
-        double norm = sqrt(adamw_grad_norm_sq(opt_pool, opt, n_opt));
-        hyper.lr = lr_schedule_at(&sched, step);
-        adamw_step(opt_pool, opt, n_opt, &hyper, step, adamw_clip_scale(norm, a.grad_clip));
-        store.step = step;
-        plain_sync_params(plain);
+        StepStats st = {.step = step, .steps = a.steps, .mfu = -1, .bubble = -1, .dev_mib = -1};
+        if (eng) {
+            // the norm and lr are those of the latest optimizer step that finished (with the
+            // delayed update, the step applying the previous iteration's gradient)
+            EngineStepResult r = engine_step(eng, tokens);
+            st.loss = r.loss;
+            st.norm = r.norm;
+            st.lr = r.lr;
+            st.bubble = r.bubble;
+            st.dev_mib = 0;
+            for (int g = 0; g < devs.n; g++) {
+                DeviceStats ds;
+                devs.impl->stats(devs.dev[g], &ds);
+                st.dev_mib += (double)ds.mem_in_use / (1 << 20);
+            }
+        } else {
+            st.loss = train_forward_backward(plain, &a, tokens);
+            st.norm = sqrt(adamw_grad_norm_sq(opt_pool, opt, n_opt));
+            st.lr = hyper.lr = lr_schedule_at(&sched, step);
+            adamw_step(opt_pool, opt, n_opt, &hyper, step, adamw_clip_scale(st.norm, a.grad_clip));
+            store.step = step;
+            plain_sync_params(plain);
+        }
+        if (!isfinite(st.loss)) fatal("loss is not finite at step %d (try a lower --lr)", step);
         double dt = time_now_s() - t0;
-        StepStats st = {step, a.steps, loss, norm, hyper.lr, dt * 1e3,
-                        (double)a.batch * a.seq / dt, -1.0};
+        st.ms = dt * 1e3;
+        st.tok_s = (double)a.batch * a.seq / dt;
+        st.host_mib = log_host_rss_mib();
         log_step(&lg, &st);
-        if (have_val && a.eval_every > 0 && step % a.eval_every == 0 && step != a.steps)
+        if (have_val && a.eval_every > 0 && step % a.eval_every == 0 && step != a.steps) {
+            if (eng) engine_synchronize(eng);
             log_eval(&lg, step, evaluate(plain, &val, &a, tokens));
+        }
     }
+    if (eng) engine_synchronize(eng);
     if (have_val && a.steps > 0) log_eval(&lg, a.steps, evaluate(plain, &val, &a, tokens));
     log_close(&lg);
 
@@ -227,6 +276,10 @@ int main(int argc, char** argv) {
     free(tokens);
     dataloader_close(&train);
     if (have_val) dataloader_close(&val);
+    if (eng) {
+        engine_free(eng);
+        device_set_close(&devs);
+    }
     plain_free(plain);
     threadpool_destroy(opt_pool);
     ops_cpu_destroy(ctx);

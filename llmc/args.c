@@ -45,6 +45,12 @@ void args_defaults(TrainArgs* a) {
     a->prompt = "";
     a->temperature = 0.8f;
     a->init_std = 0.02f;
+    a->round_micro_batches = 0;
+    a->recompute_layer = 0;
+    a->sync = 0;
+    a->plan_only = 0;
+    a->device_mem = 0;
+    a->delay_us = 0;
 }
 
 void args_usage(FILE* f) {
@@ -96,8 +102,19 @@ void args_usage(FILE* f) {
         "      --temperature X    sampling temperature, 0 = greedy (default %g)\n"
         "\n"
         "execution\n"
-        "      --device D         cpu | cuda | cpu:N | cuda:N (default cpu)\n"
+        "      --device D         cpu (plain training), cpu:N (RoundPipe engine over N emulated\n"
+        "                         devices), cuda, cuda:N (default cpu)\n"
         "      --threads N        CPU threads, 0 = all (default %d)\n"
+        "\n"
+        "RoundPipe engine (--device cpu:N)\n"
+        "      --round M_R        micro-batches per round, M %% M_R == 0, 0 = all (default 0)\n"
+        "      --recompute G      stage | layer: what the backward recomputes from (default stage)\n"
+        "      --sync 0|1         1: synchronous optimizer; 0: one-step-delayed update (default 0)\n"
+        "      --device-mem BYTES device memory for parameter stages, e.g. 512M or 80G\n"
+        "                         (default: unlimited for emulated devices)\n"
+        "      --plan             print the partition, predicted bubble and memory, then exit\n"
+        "      --delay-us N       emulated devices: random 0..N us delay before every stream item\n"
+        "                         (fault injection for ordering bugs; default 0)\n"
         "  -h, --help             this text\n",
         d.train, d.val, d.batch, d.seq, d.micro_batches, d.shuffle, d.seed, (double)d.init_std,
         d.steps, (double)d.lr, lr_schedule_name(d.schedule), d.warmup, (double)d.min_lr_frac,
@@ -159,8 +176,28 @@ static int parse_device(TrainArgs* a, const char* v) {
 enum {
     OPT_SHUFFLE = 1000, OPT_SEED, OPT_SCHEDULE, OPT_BETA1, OPT_BETA2, OPT_EPS, OPT_CLIP, OPT_LOG,
     OPT_DEVICE, OPT_THREADS, OPT_DUMP, OPT_EVAL_BATCHES, OPT_SAMPLE, OPT_PROMPT, OPT_DECAY_FRAC,
-    OPT_DECAY_EMB, OPT_INIT_STD, OPT_TEMPERATURE
+    OPT_DECAY_EMB, OPT_INIT_STD, OPT_TEMPERATURE, OPT_ROUND, OPT_RECOMPUTE, OPT_SYNC, OPT_PLAN,
+    OPT_DEVICE_MEM, OPT_DELAY
 };
+
+// "512M", "80G", "1e9": bytes with an optional K/M/G/T suffix (powers of 1024).
+static int parse_bytes(const char* v, double* out) {
+    char buf[64];
+    size_t n = strlen(v);
+    if (n == 0 || n >= sizeof buf) return -1;
+    str_copy(buf, sizeof buf, v);
+    double mult = 1.0;
+    char last = buf[n - 1];
+    if (last == 'K' || last == 'k') mult = 1024.0;
+    if (last == 'M' || last == 'm') mult = 1024.0 * 1024.0;
+    if (last == 'G' || last == 'g') mult = 1024.0 * 1024.0 * 1024.0;
+    if (last == 'T' || last == 't') mult = 1024.0 * 1024.0 * 1024.0 * 1024.0;
+    if (mult > 1.0) buf[n - 1] = '\0';
+    double x;
+    if (parse_double(buf, &x) != 0 || x <= 0) return -1;
+    *out = x * mult;
+    return 0;
+}
 
 int args_parse(TrainArgs* a, int argc, char** argv) {
     static const struct option opts[] = {
@@ -186,6 +223,12 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         {"sample-tokens", required_argument, 0, OPT_SAMPLE},
         {"prompt", required_argument, 0, OPT_PROMPT},
         {"temperature", required_argument, 0, OPT_TEMPERATURE},
+        {"round", required_argument, 0, OPT_ROUND},
+        {"recompute", required_argument, 0, OPT_RECOMPUTE},
+        {"sync", required_argument, 0, OPT_SYNC},
+        {"plan", no_argument, 0, OPT_PLAN},
+        {"device-mem", required_argument, 0, OPT_DEVICE_MEM},
+        {"delay-us", required_argument, 0, OPT_DELAY},
         {"help", no_argument, 0, 'h'},               {0, 0, 0, 0}};
     optind = 1;
     opterr = 0;
@@ -235,6 +278,19 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
             case OPT_DUMP: a->dump_state = v; break;
             case OPT_SAMPLE: rc = int_in("--sample-tokens", v, 0, 1 << 20, &a->sample_tokens); break;
             case OPT_PROMPT: a->prompt = v; break;
+            case OPT_ROUND: rc = int_in("--round", v, 0, 1 << 20, &a->round_micro_batches); break;
+            case OPT_RECOMPUTE:
+                if (strcmp(v, "stage") == 0) a->recompute_layer = 0;
+                else if (strcmp(v, "layer") == 0) a->recompute_layer = 1;
+                else rc = bad("--recompute", v, "expected stage or layer");
+                break;
+            case OPT_SYNC: rc = int_in("--sync", v, 0, 1, &a->sync); break;
+            case OPT_PLAN: a->plan_only = 1; break;
+            case OPT_DEVICE_MEM:
+                if (parse_bytes(v, &a->device_mem) != 0)
+                    rc = bad("--device-mem", v, "expected a positive size such as 512M or 80G");
+                break;
+            case OPT_DELAY: rc = int_in("--delay-us", v, 0, 1000000, &a->delay_us); break;
             case OPT_TEMPERATURE: rc = float_in("--temperature", v, 0.0, 100.0, 0, &a->temperature); break;
             case 'h': args_usage(stdout); return 1;
             case ':': {
@@ -265,6 +321,11 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         snprintf(what, sizeof what, "--batch %d must be divisible by the number of micro-batches",
                  a->batch);
         return bad("--micro-batches", v, what);
+    }
+    if (a->round_micro_batches > 0 && a->micro_batches % a->round_micro_batches != 0) {
+        char v[32];
+        snprintf(v, sizeof v, "%d", a->round_micro_batches);
+        return bad("--round", v, "must divide --micro-batches");
     }
     if (!*a->model) return bad("--model", a->model, "must not be empty");
     if (!*a->train) return bad("--train", a->train, "must not be empty");

@@ -38,6 +38,13 @@ typedef struct TrainArgs {
     DeviceKind device;
     int n_devices;           // cpu:N / cuda:N (0 = plain, no engine)
     int threads;             // 0 = all CPUs
+    // RoundPipe engine (--device cpu:N / cuda:N)
+    int round_micro_batches; // M_R: micro-batches per round (0 = all M in one round)
+    int recompute_layer;     // 1: layer-grain recompute, 0: stage grain
+    int sync;                // 1: synchronous optimizer, 0: one-step-delayed (default)
+    int plan_only;           // --plan: print the partition and exit
+    double device_mem;       // device memory for parameter stages in bytes (0 = backend default)
+    int delay_us;            // emulated devices: random delay injected before each stream item
     const char* dump_state;  // safetensors path ("" = train normally)
     int sample_tokens;       // tokens generated at the end (0 = none)
     const char* prompt;      // generation prompt (byte-level vocabularies)

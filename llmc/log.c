@@ -5,6 +5,7 @@
 
 #include <errno.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
@@ -33,6 +34,9 @@ void log_step(StepLog* lg, const StepStats* s) {
     printf("step %5d/%d | loss %.6f | norm %8.4f | lr %.3e | %8.1f ms | %9.0f tok/s", s->step,
            s->steps, s->loss, s->norm, s->lr, s->ms, s->tok_s);
     if (s->mfu >= 0) printf(" | MFU %5.1f%%", 100.0 * s->mfu);
+    if (s->bubble >= 0) printf(" | bubble %4.1f%%", 100.0 * s->bubble);
+    if (s->host_mib >= 0) printf(" | host %.0f MiB", s->host_mib);
+    if (s->dev_mib >= 0) printf(" | dev %.0f MiB", s->dev_mib);
     printf("\n");
     fflush(stdout);
     if (!lg->f) return;
@@ -41,10 +45,27 @@ void log_step(StepLog* lg, const StepStats* s) {
     json_num(lg->f, "lr", s->lr, 0);
     json_num(lg->f, "norm", s->norm, 0);
     json_num(lg->f, "ms", s->ms, 0);
-    json_num(lg->f, "tok_s", s->tok_s, s->mfu < 0);
-    if (s->mfu >= 0) json_num(lg->f, "mfu", s->mfu, 1);
+    json_num(lg->f, "tok_s", s->tok_s, 0);
+    if (s->mfu >= 0) json_num(lg->f, "mfu", s->mfu, 0);
+    if (s->bubble >= 0) json_num(lg->f, "bubble", s->bubble, 0);
+    if (s->dev_mib >= 0) json_num(lg->f, "dev_mib", s->dev_mib, 0);
+    json_num(lg->f, "host_mib", s->host_mib, 1);
     fprintf(lg->f, "}\n");
     fflush(lg->f);
+}
+
+double log_host_rss_mib(void) {
+    FILE* f = fopen("/proc/self/status", "r");
+    if (!f) return -1;
+    char line[256];
+    double kib = -1;
+    while (fgets(line, sizeof line, f))
+        if (strncmp(line, "VmRSS:", 6) == 0) {
+            kib = atof(line + 6);
+            break;
+        }
+    fclose(f);
+    return kib < 0 ? -1 : kib / 1024.0;
 }
 
 void log_eval(StepLog* lg, int step, double val_loss) {

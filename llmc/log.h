@@ -19,8 +19,13 @@ typedef struct StepStats {
     double lr;
     double ms;
     double tok_s;
-    double mfu;  // < 0 when not measured (CPU)
+    double mfu;     // < 0 when not measured (CPU)
+    double bubble;  // fraction of device compute time idle (< 0: not pipelined)
+    double host_mib, dev_mib;  // memory in use (< 0: not reported)
 } StepStats;
+
+// Resident host memory of this process in MiB (from /proc/self/status; -1 if unavailable).
+double log_host_rss_mib(void);
 
 // Open (truncate) the log file; "" means no file. -1 + err on failure.
 int log_open(StepLog* lg, const char* path, char* err);

@@ -46,7 +46,9 @@ static void test_train_help(TestCtx* t) {
                            "--weight-decay", "--beta1", "--beta2", "--eps", "--grad-clip",
                            "--shuffle", "--seed", "--eval-every", "--out", "--log", "--device",
                            "--threads", "--dump-state", "--decay-frac", "--decay-embeddings",
-                           "--eval-batches", "--sample-tokens", "--prompt", "--init-std", "--temperature", NULL};
+                           "--eval-batches", "--sample-tokens", "--prompt", "--init-std", "--temperature",
+                           "--round", "--recompute", "--sync", "--device-mem", "--plan",
+                           "--delay-us", NULL};
     for (int i = 0; flags[i]; i++) CHECK(t, strstr(out, flags[i]) != NULL, "--help lacks %s", flags[i]);
     CHECK(t, strstr(out, "default") != NULL, "--help shows defaults");
     free(out);
@@ -225,11 +227,67 @@ static void test_train_dump_state_parity(TestCtx* t) {
     st_close(&ex);
 }
 
+// The "loss" fields of a JSON-lines log, as written (exact decimal strings).
+static int read_log_losses(const char* path, char losses[][32], int cap) {
+    char err[ERR_LEN];
+    char* text = file_read_all(path, 1 << 20, NULL, err);
+    if (!text) return 0;
+    int n = 0;
+    for (char* p = strstr(text, "\"loss\":"); p && n < cap; p = strstr(p + 1, "\"loss\":")) {
+        p += 7;
+        size_t len = strcspn(p, ",}");
+        if (len >= 32) len = 31;
+        memcpy(losses[n], p, len);
+        losses[n][len] = '\0';
+        n++;
+    }
+    free(text);
+    return n;
+}
+
+// --device cpu:N --sync 1 trains bit-identically to plain training with the same micro-batches.
+static void test_train_engine_cli(TestCtx* t) {
+    char log_a[1024], log_b[1024], args[4096];
+    test_path(t, log_a, sizeof log_a, "plain.jsonl");
+    test_path(t, log_b, sizeof log_b, "engine.jsonl");
+    const char* common = "--steps 6 --batch 8 --seq 32 --micro-batches 4 --warmup 2 --val '' "
+                         "--sample-tokens 0 --threads 1";
+    snprintf(args, sizeof args, "%s --log '%s'", common, log_a);
+    CHECK(t, run_cli(t, "plainrun", args) == 0, "plain run failed");
+    snprintf(args, sizeof args,
+             "%s --device cpu:3 --sync 1 --recompute layer --device-mem 4M --delay-us 20 "
+             "--log '%s'",
+             common, log_b);
+    int rc = run_cli(t, "enginerun", args);
+    char* out = read_output(t, "enginerun", "out");
+    CHECK(t, rc == 0 && strstr(out, "bubble") && strstr(out, "plan for tiny"),
+          "engine run exit %d: %s", rc, out);
+    free(out);
+    char la[16][32], lb[16][32];
+    int na = read_log_losses(log_a, la, 16), nb = read_log_losses(log_b, lb, 16);
+    CHECK(t, na == 6 && nb == 6, "%d and %d logged steps", na, nb);
+    for (int i = 0; i < na && i < nb; i++)
+        CHECK(t, strcmp(la[i], lb[i]) == 0, "step %d: plain loss %s, engine loss %s", i + 1, la[i],
+              lb[i]);
+    // --plan prints the partition and exits
+    rc = run_cli(t, "plan", "--device cpu:4 --micro-batches 4 --device-mem 4M --plan");
+    out = read_output(t, "plan", "out");
+    CHECK(t, rc == 0 && strstr(out, "FB") && strstr(out, "bubble") && !strstr(out, "step     1"),
+          "--plan exit %d: %s", rc, out);
+    free(out);
+    // a layer that cannot fit the device budget is a clear error
+    rc = run_cli(t, "noplan", "--device cpu:2 --device-mem 64K --steps 1");
+    char* err = read_output(t, "noplan", "err");
+    CHECK(t, rc == 1 && strstr(err, "budget"), "tiny budget: exit %d: %s", rc, err);
+    free(err);
+}
+
 const TestCase tests_train[] = {
     {"train_help", test_train_help},
     {"train_bad_flags", test_train_bad_flags},
     {"train_bad_inputs", test_train_bad_inputs},
     {"train_short_run", test_train_short_run},
     {"train_dump_state_parity", test_train_dump_state_parity},
+    {"train_engine_cli", test_train_engine_cli},
     {NULL, NULL},
 };
