@@ -2,7 +2,13 @@
 #
 #   make            build ./train_roundpipe (CPU backend always; CUDA kernels too when nvcc exists)
 #   make test       build and run ./test_roundpipe (last line: "N passed, M failed")
+#   make test-gpu   build with CUDA and run the `gpu` suite (the CUDA backend against the CPU one;
+#                   it passes as "skipped" on a machine without a GPU)
+#   make dev-cuda   build the CUDA kernel labs of dev/cuda (benchmarks; need a GPU to run)
 #   make clean
+#   make tsan       ThreadSanitizer build of the tests (build-tsan/), runs the suites in TSAN_SUITES
+#   make asan       AddressSanitizer+UBSan build of the tests (build-asan/), runs ASAN_SUITES
+#                   (empty = the whole suite); `make clean-san` removes both builds
 #
 # Host code: C11, gcc, -Wall -Wextra -Werror -O3. CUDA code only in kernels/*.cu, compiled by nvcc
 # for GPU_ARCH (default sm_90) when nvcc is on the PATH (or NVCC=...); NO_CUDA=1 forces a CPU-only
@@ -39,12 +45,19 @@ ifeq ($(USE_CUDA),1)
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
 NVCCFLAGS ?= -O3 -std=c++17 -arch=$(GPU_ARCH) -lineinfo -Xcompiler -Wall,-Werror,-fPIC --expt-relaxed-constexpr
 CFLAGS += -DHAVE_CUDA -I$(CUDA_HOME)/include
-LDLIBS += -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/targets/x86_64-linux/lib -lcublasLt -lcublas -lcudart -lstdc++
+LDLIBS += -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/targets/x86_64-linux/lib -Wl,-rpath,$(CUDA_HOME)/lib64 \
+          -lcublasLt -lcublas -lcudart -lstdc++
 CU_OBJS := $(patsubst kernels/%.cu,$(BUILD)/kernels/%.o,$(CU_SRCS))
 BUILD_NOTE := building with CUDA ($(NVCC), $(GPU_ARCH))
 else
 CU_OBJS :=
-BUILD_NOTE := nvcc not found (or NO_CUDA=1): building the CPU-only trainer
+ifeq ($(NO_CUDA),1)
+BUILD_NOTE := NO_CUDA=1: building the CPU-only trainer
+else ifeq ($(strip $(NVCC)),)
+BUILD_NOTE := nvcc not found: building the CPU-only trainer
+else
+BUILD_NOTE := nvcc found but no kernels/*.cu sources: building the CPU-only trainer
+endif
 endif
 
 LIB_OBJS := $(patsubst %.c,$(BUILD)/%.o,$(LIB_SRCS))
@@ -66,7 +79,7 @@ $(BUILD)/%.o: %.c $(wildcard llmc/*.h) $(wildcard llmc/tests/*.h) $(wildcard ker
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c -o $@ $<
 
-$(BUILD)/kernels/%.o: kernels/%.cu $(wildcard kernels/*.h) $(wildcard kernels/*.cuh)
+$(BUILD)/kernels/%.o: kernels/%.cu $(wildcard kernels/*.h) $(wildcard kernels/*.cuh) $(wildcard llmc/*.h)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c -o $@ $<
 
@@ -74,5 +87,66 @@ $(BUILD)/kernels/%.o: kernels/%.cu $(wildcard kernels/*.h) $(wildcard kernels/*.
 test: note train_roundpipe test_roundpipe
 	./test_roundpipe
 
+# The GPU suite alone (it compares the CUDA backend with the CPU one on every op and the model).
+.PHONY: test-gpu dev-cuda
+test-gpu: note test_roundpipe
+ifneq ($(USE_CUDA),1)
+	@echo "test-gpu: this build has no CUDA ($(BUILD_NOTE))"; exit 1
+endif
+	./test_roundpipe gpu
+
+# Kernel labs that link against the backend's objects (dev/cuda/attention.cu builds on its own:
+# it includes kernels/attention.cu).
+DEV_CUDA_LABS := matmul memory_bound
+DEV_CUDA_BINS := $(patsubst %,$(BUILD)/dev/cuda/%,$(DEV_CUDA_LABS))
+dev-cuda: note $(DEV_CUDA_BINS)
+$(BUILD)/dev/cuda/%: dev/cuda/%.cu $(CU_OBJS) $(LIB_OBJS) $(wildcard kernels/*.h) $(wildcard kernels/*.cuh)
+ifneq ($(USE_CUDA),1)
+	@echo "dev-cuda: this build has no CUDA ($(BUILD_NOTE))"; exit 1
+endif
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CU_OBJS) $(LIB_OBJS) -Xlinker -rpath,$(CUDA_HOME)/lib64 \
+	    -lcublasLt -lcublas -lm
+
 clean:
 	rm -rf $(BUILD) train_roundpipe test_roundpipe
+
+# ---- sanitizer builds ----
+# CPU-only test binaries with their own object directories, so they never mix with the normal
+# build. TSan checks the CPU device emulation and the engine's use of it (streams are threads);
+# suites that do not exercise threads add nothing under TSan, so the list is explicit. The asan
+# build runs the CLI tests against the normal ./train_roundpipe, hence its dependency.
+SAN_CC ?= $(CC)
+SAN_OPTFLAGS ?= -O1 -g -fno-omit-frame-pointer
+TSAN_SUITES ?= device engine
+ASAN_SUITES ?=
+TSAN_BUILD := build-tsan
+ASAN_BUILD := build-asan
+TSAN_FLAGS := $(CFLAGS_BASE) $(SAN_OPTFLAGS) -fsanitize=thread
+ASAN_FLAGS := $(CFLAGS_BASE) $(SAN_OPTFLAGS) -fsanitize=address,undefined -fno-sanitize-recover=undefined
+SAN_SRCS := test_roundpipe.c $(TEST_SRCS) $(LIB_SRCS)
+SAN_DEPS := $(wildcard llmc/*.h) $(wildcard llmc/tests/*.h)
+
+.PHONY: tsan asan clean-san
+tsan: test_roundpipe_tsan
+	set -e; for s in $(TSAN_SUITES); do TSAN_OPTIONS="halt_on_error=1 $(TSAN_OPTIONS)" ./test_roundpipe_tsan $$s; done
+
+asan: train_roundpipe test_roundpipe_asan
+	$(if $(strip $(ASAN_SUITES)),set -e; for s in $(ASAN_SUITES); do ./test_roundpipe_asan $$s; done,./test_roundpipe_asan)
+
+test_roundpipe_tsan: $(patsubst %.c,$(TSAN_BUILD)/%.o,$(SAN_SRCS))
+	$(SAN_CC) $(TSAN_FLAGS) -o $@ $^ -lm -pthread
+
+test_roundpipe_asan: $(patsubst %.c,$(ASAN_BUILD)/%.o,$(SAN_SRCS))
+	$(SAN_CC) $(ASAN_FLAGS) -o $@ $^ -lm -pthread
+
+$(TSAN_BUILD)/%.o: %.c $(SAN_DEPS)
+	@mkdir -p $(dir $@)
+	$(SAN_CC) $(TSAN_FLAGS) -c -o $@ $<
+
+$(ASAN_BUILD)/%.o: %.c $(SAN_DEPS)
+	@mkdir -p $(dir $@)
+	$(SAN_CC) $(ASAN_FLAGS) -c -o $@ $<
+
+clean-san:
+	rm -rf $(TSAN_BUILD) $(ASAN_BUILD) test_roundpipe_tsan test_roundpipe_asan

@@ -362,6 +362,7 @@ static void cpu_host_free(void* p) { free(p); }
 // work
 
 static void cpu_submit(Device* d, StreamKind s, DevWorkFn fn, void* arg) {
+    if (fn == NULL) fatal("device cpu:%d: NULL work function submitted", d->index);
     WorkItem* it = item_new(ITEM_CALL);
     it->fn = fn;
     it->arg = arg;

@@ -32,6 +32,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "common.h"
 
@@ -242,6 +243,12 @@ static void run_microbatch(void* arg) {
     Engine* e = j->e;
     const Stage* st = j->st;
     DevState* ds = j->ds;
+    if (e->opt.fake_compute_us > 0) {
+        struct timespec ts = {e->opt.fake_compute_us / 1000000,
+                              (long)(e->opt.fake_compute_us % 1000000) * 1000};
+        nanosleep(&ts, NULL);
+        return;
+    }
     if (st->kind == SLOT_FWD) {
         forward_layers(e, j, st->b, st->e, 0);
         return;

@@ -52,6 +52,8 @@ typedef struct EngineOptions {
     double device_budget;    // bytes of device memory for parameter stages (0 = backend default)
     int opt_threads;         // optimizer threads (0 = all CPUs)
     const char* trace_path;  // Chrome trace JSON ("" = none)
+    int fake_compute_us;     // tests only: a stage's micro-batch sleeps this long instead of
+                             // computing (uniform stage times, to measure the schedule's bubble)
     // optimizer
     AdamWHyper hyper;
     LrSchedule sched;

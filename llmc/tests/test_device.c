@@ -363,7 +363,9 @@ static void run_pipeline(TestCtx* t, int max_delay_us, uint32_t seed) {
         I->submit(d1, STREAM_COMPUTE, pipe_check_fn, &checks[i]);
         I->event_record(used, d1, STREAM_COMPUTE);
     }
-    CHECK(t, query_until(I, used, 60.0), "delay %d: the pipeline finishes", max_delay_us);
+    int finished = query_until(I, used, 60.0);
+    CHECK(t, finished, "delay %d: the pipeline finishes (no deadlock)", max_delay_us);
+    if (!finished) return;  // streams are stuck: leak everything rather than hang or crash
     I->event_synchronize(used);
     CHECK(t, runs == PIPE_ROUNDS && bad == 0, "delay %d seed %u: %d rounds checked, %d stale",
           max_delay_us, seed, runs, bad);

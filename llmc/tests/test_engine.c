@@ -273,9 +273,74 @@ static void test_engine_async_delayed(TestCtx* t) {
     }
 }
 
+// Makespan of one sync iteration with uniform stages, in units of t (one micro-batch of one
+// stage): slot i runs on device i % N, starts once its device is free and the previous slot has
+// produced its first micro-batch, and lasts M*t.
+static double uniform_makespan(int S, int N, int M) {
+    double dev_free[64] = {0}, prev_start = -1.0, end = 0.0;
+    for (int i = 0; i < S; i++) {
+        double start = dev_free[i % N];
+        if (i > 0 && start < prev_start + 1.0) start = prev_start + 1.0;
+        dev_free[i % N] = start + M;
+        prev_start = start;
+        if (start + M > end) end = start + M;
+    }
+    return end;
+}
+
+// Uniform stages (every micro-batch of every stage sleeps the same time) in sync mode: the
+// measured idle fraction of the devices matches the schedule's. When S is a multiple of N, device
+// g starts at g*t and runs S/N slots back to back, the makespan is (S*M/N + N-1)*t and the idle
+// fraction is exactly the paper's N(N-1) / (M*S + N(N-1)).
+static void test_engine_bubble_formula(TestCtx* t) {
+    const int B = 8, T = 8, M = 4;
+    ModelConfig c = engine_config(0);
+    int32_t* tokens = make_batches(B, T, 1, c.V);
+    char err[ERR_LEN];
+    for (int S_ = 4; S_ <= 12; S_ += 4) {
+        CHECK_NEAR(t, 1.0 - S_ * M / (2.0 * uniform_makespan(S_, 2, M)),
+                   2.0 / (M * S_ + 2.0), 1e-12, "makespan model = paper formula when N | S");
+    }
+    const int Ns[3] = {2, 3, 4};
+    for (int k = 0; k < 3; k++) {
+        const int N = Ns[k];
+        Model m;
+        model_init(&m, &c, 0, err);
+        Store s;
+        init_store(&s, &m);
+        DeviceOptions dopt = {.threads = 1};
+        DeviceSet devs;
+        device_set_open(&devs, &device_cpu_impl, N, &dopt);
+        EngineOptions eo = {.B = B, .T = T, .M = M, .M_R = M, .sync = 1, .device_budget = 1.6e5,
+                            .opt_threads = 1, .trace_path = "", .fake_compute_us = 25000,
+                            .hyper = test_hyper(), .sched = test_sched(), .grad_clip = 1.0f};
+        Engine* e = engine_create(&m, &s, &devs, &eo, err);
+        CHECK(t, e != NULL, "%s", err);
+        if (e) {
+            const int S = engine_plan(e)->n_fwd + engine_plan(e)->n_bwd;
+            const double want = 1.0 - (double)S * M / (N * uniform_makespan(S, N, M));
+            engine_step(e, tokens);  // warm-up: the first measurement includes set-up
+            double sum = 0;
+            for (int i = 0; i < 2; i++) sum += engine_step(e, tokens).bubble;
+            double got = sum / 2;
+            CHECK(t, fabs(got - want) < 0.03, "N=%d S=%d: measured bubble %.3f, schedule %.3f", N,
+                  S, got, want);
+            printf("       N=%d M=%d S=%d: bubble measured %.2f%%, uniform schedule %.2f%%, "
+                   "paper formula %.2f%%\n",
+                   N, M, S, 100 * got, 100 * want, 100.0 * N * (N - 1) / (M * S + N * (N - 1)));
+            engine_free(e);
+        }
+        device_set_close(&devs);
+        store_free(&s);
+        model_free(&m);
+    }
+    free(tokens);
+}
+
 const TestCase tests_engine[] = {
     {"engine_sync_matches_plain", test_engine_sync_matches_plain},
     {"engine_microbatch_counts", test_engine_microbatch_counts},
     {"engine_async_delayed", test_engine_async_delayed},
+    {"engine_bubble_formula", test_engine_bubble_formula},
     {NULL, NULL},
 };

@@ -288,6 +288,6 @@ const TestCase tests_train[] = {
     {"train_bad_inputs", test_train_bad_inputs},
     {"train_short_run", test_train_short_run},
     {"train_dump_state_parity", test_train_dump_state_parity},
-    {"train_engine_cli", test_train_engine_cli},
+    {"train_pipelined_cli", test_train_engine_cli},
     {NULL, NULL},
 };
