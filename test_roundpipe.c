@@ -31,6 +31,7 @@
     X(ops)         \
     X(model)       \
     X(parity)      \
+    X(gpu)         \
     X(device)      \
     X(partition)   \
     X(engine)      \

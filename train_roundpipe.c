@@ -143,15 +143,11 @@ int main(int argc, char** argv) {
     store_create(&store, &model.tt);
     printf("host memory: %.1f MiB (fp32 weights, gradients, AdamW m and v)\n",
            (double)model.tt.total_params * 16.0 / (1 << 20));
-    if (src.has_weights) {
-        int unused = 0;
-        if (store_load(&store, &src.ck, &unused, err) != 0) fatal("%s", err);
-        printf("loaded weights from %s%s\n", a.model,
-               unused ? " (some checkpoint tensors are unused by this model)" : "");
-        checkpoint_close_source(&src);
-    } else {
-        store_init_random(&store, a.seed, a.init_std);
-    }
+    // weights: a training-state checkpoint (--resume), the source's, or a random init
+    char* args_json = args_to_json(&a);
+    TrainState ts;
+    if (checkpoint_init_weights(&a, &src, &model, &store, &ts, args_json, err) != 0)
+        fatal("%s", err);
 
     // 2. backend
     void* ctx = ops_cpu_create(a.threads);
@@ -175,7 +171,7 @@ int main(int argc, char** argv) {
                             .M_R = a.round_micro_batches,
                             .grain = a.recompute_layer ? RECOMPUTE_LAYER : RECOMPUTE_STAGE,
                             .sync = a.sync, .device_budget = a.device_mem,
-                            .opt_threads = a.threads, .trace_path = "",
+                            .opt_threads = a.threads, .trace_path = a.trace,
                             .hyper = {a.lr, a.beta1, a.beta2, a.eps, a.weight_decay},
                             .sched = {a.schedule, a.lr, a.warmup, a.steps, a.min_lr_frac,
                                       a.decay_frac},
@@ -204,6 +200,8 @@ int main(int argc, char** argv) {
         fatal("--train: %s", err);
     if (have_val && dataloader_open(&val, a.val, a.batch, a.seq, 0, a.seed, model.cfg.V, err) != 0)
         fatal("--val: %s", err);
+    if (ts.resumed && dataloader_state_restore(&train, ts.train_loader, err) != 0)
+        fatal("--resume: %s", err);
     int32_t* tokens = malloc_check((size_t)a.batch * (a.seq + 1) * sizeof(int32_t));
 
     // 4. --dump-state: gradients of the first batch, then exit
@@ -223,8 +221,8 @@ int main(int argc, char** argv) {
     AdamWHyper hyper = {a.lr, a.beta1, a.beta2, a.eps, a.weight_decay};
     AdamWTensor* opt = malloc_check((size_t)model.tt.n * sizeof(AdamWTensor));
     int n_opt = store_adamw_tensors(&store, opt);
-    if (have_val) log_eval(&lg, 0, evaluate(plain, &val, &a, tokens));
-    for (int step = 1; step <= a.steps; step++) {
+    if (have_val) log_eval(&lg, (int)ts.step, evaluate(plain, &val, &a, tokens));
+    for (int step = (int)ts.step + 1; step <= a.steps; step++) {
         double t0 = time_now_s();
         if (dataloader_next_batch(&train, tokens, err) != 0) fatal("%s", err);
         StepStats st = {.step = step, .steps = a.steps, .mfu = -1, .bubble = -1, .dev_mib = -1};
@@ -256,12 +254,23 @@ int main(int argc, char** argv) {
         st.tok_s = (double)a.batch * a.seq / dt;
         st.host_mib = log_host_rss_mib();
         log_step(&lg, &st);
+        if (a.save_every > 0 && (step % a.save_every == 0 || step == a.steps)) {
+            if (eng) engine_synchronize(eng);
+            ts.step = step;
+            dataloader_state_save(&train, ts.train_loader);
+            if (checkpoint_save_state(a.out, a.keep, &model, &store, &ts, args_json, err) != 0)
+                fatal("%s", err);
+        }
         if (have_val && a.eval_every > 0 && step % a.eval_every == 0 && step != a.steps) {
             if (eng) engine_synchronize(eng);
             log_eval(&lg, step, evaluate(plain, &val, &a, tokens));
         }
     }
-    if (eng) engine_synchronize(eng);
+    if (eng) {
+        engine_synchronize(eng);
+        if (engine_write_trace(eng, err) != 0) fatal("%s", err);
+        if (a.trace[0]) printf("trace written to %s\n", a.trace);
+    }
     if (have_val && a.steps > 0) log_eval(&lg, a.steps, evaluate(plain, &val, &a, tokens));
     log_close(&lg);
 
@@ -271,6 +280,21 @@ int main(int argc, char** argv) {
         if (checkpoint_save_hf(a.out, &model, &store, err) != 0) fatal("%s", err);
         printf("saved the model to %s (model.safetensors, config.json)\n", a.out);
     }
+    if (a.export_hf[0]) {
+        if (checkpoint_export_hf(a.export_hf, &model, &store, a.export_dtype,
+                                 (uint64_t)a.export_shard_bytes, &src, err) != 0)
+            fatal("%s", err);
+        printf("exported the model to %s (HF layout, %s)\n", a.export_hf,
+               export_dtype_name(a.export_dtype));
+    }
+    if (a.export_gguf[0]) {
+        if (checkpoint_export_gguf(a.export_gguf, &model, &store, a.export_dtype, &src, err) != 0)
+            fatal("%s", err);
+        printf("exported the model to %s (GGUF, %s)\n", a.export_gguf,
+               export_dtype_name(a.export_dtype));
+    }
+    checkpoint_close_source(&src);
+    free(args_json);
 
     free(opt);
     free(tokens);

@@ -10,6 +10,7 @@
 
 #include "common.h"
 #include "config.h"
+#include "json.h"
 
 void args_defaults(TrainArgs* a) {
     memset(a, 0, sizeof *a);
@@ -51,6 +52,14 @@ void args_defaults(TrainArgs* a) {
     a->plan_only = 0;
     a->device_mem = 0;
     a->delay_us = 0;
+    a->trace = "";
+    a->save_every = 0;
+    a->keep = 0;
+    a->resume = 0;
+    a->export_hf = "";
+    a->export_gguf = "";
+    a->export_dtype = EXPORT_F32;
+    a->export_shard_bytes = 5e9;  // transformers' max_shard_size "5GB"
 }
 
 void args_usage(FILE* f) {
@@ -61,7 +70,8 @@ void args_usage(FILE* f) {
         "With no flags: train the built-in tiny model on the shipped arithmetic corpus.\n"
         "\n"
         "model and data\n"
-        "  -e, --model M          preset name, HF directory, config.json or .safetensors (default %s)\n"
+        "  -e, --model M          preset name, HF directory, config.json, .safetensors or .gguf\n"
+        "                         (default %s)\n"
         "                         presets:",
         d.model);
     for (const char* const* p = config_preset_names(); *p; p++) fprintf(f, " %s", *p);
@@ -93,7 +103,20 @@ void args_usage(FILE* f) {
         "evaluation, output\n"
         "  -v, --eval-every N     validation loss every N steps, 0 = only at the end (default %d)\n"
         "      --eval-batches N   batches per validation pass (default %d)\n"
-        "  -o, --out DIR          write the trained model (model.safetensors + config.json) here\n"
+        "  -o, --out DIR          write the trained model (model.safetensors + config.json) here;\n"
+        "                         with --save-every also the checkpoints DIR/step_<N>/\n"
+        "      --save-every N     training-state checkpoint (weights, AdamW state, data and RNG\n"
+        "                         position, config, flags) every N steps and at the last step into\n"
+        "                         --out DIR/step_<N>/, atomically (DONE marks it complete); 0 = none\n"
+        "                         (default 0)\n"
+        "      --keep K           keep only the newest K checkpoints, 0 = all (default 0)\n"
+        "      --resume           continue bit-exactly from the newest complete checkpoint in --out\n"
+        "                         (none there: start from step 0)\n"
+        "      --export-hf DIR    at the end, write DIR in HF layout (safetensors, sharded with an\n"
+        "                         index past --export-shard-size, config.json, tokenizer files)\n"
+        "      --export-gguf FILE at the end, write a GGUF file (llama.cpp layout)\n"
+        "      --export-dtype D   f32 | bf16 | f16: weight dtype of the exports (default f32)\n"
+        "      --export-shard-size BYTES  --export-hf shard size, e.g. 2G (default 5000000000)\n"
         "      --log FILE         JSON-lines log: one object per step and per evaluation\n"
         "      --dump-state FILE  forward+backward on the first (unshuffled) batch, write the loss\n"
         "                         and grad.<HF name> tensors as safetensors, exit\n"
@@ -115,6 +138,8 @@ void args_usage(FILE* f) {
         "      --plan             print the partition, predicted bubble and memory, then exit\n"
         "      --delay-us N       emulated devices: random 0..N us delay before every stream item\n"
         "                         (fault injection for ordering bugs; default 0)\n"
+        "      --trace FILE       write a Chrome/Perfetto trace (every stage job, transfer and\n"
+        "                         optimizer step per device and stream; ui.perfetto.dev)\n"
         "  -h, --help             this text\n",
         d.train, d.val, d.batch, d.seq, d.micro_batches, d.shuffle, d.seed, (double)d.init_std,
         d.steps, (double)d.lr, lr_schedule_name(d.schedule), d.warmup, (double)d.min_lr_frac,
@@ -177,7 +202,8 @@ enum {
     OPT_SHUFFLE = 1000, OPT_SEED, OPT_SCHEDULE, OPT_BETA1, OPT_BETA2, OPT_EPS, OPT_CLIP, OPT_LOG,
     OPT_DEVICE, OPT_THREADS, OPT_DUMP, OPT_EVAL_BATCHES, OPT_SAMPLE, OPT_PROMPT, OPT_DECAY_FRAC,
     OPT_DECAY_EMB, OPT_INIT_STD, OPT_TEMPERATURE, OPT_ROUND, OPT_RECOMPUTE, OPT_SYNC, OPT_PLAN,
-    OPT_DEVICE_MEM, OPT_DELAY
+    OPT_DEVICE_MEM, OPT_DELAY, OPT_TRACE, OPT_SAVE_EVERY, OPT_KEEP, OPT_RESUME, OPT_EXPORT_HF,
+    OPT_EXPORT_GGUF, OPT_EXPORT_DTYPE, OPT_EXPORT_SHARD
 };
 
 // "512M", "80G", "1e9": bytes with an optional K/M/G/T suffix (powers of 1024).
@@ -229,6 +255,14 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         {"plan", no_argument, 0, OPT_PLAN},
         {"device-mem", required_argument, 0, OPT_DEVICE_MEM},
         {"delay-us", required_argument, 0, OPT_DELAY},
+        {"trace", required_argument, 0, OPT_TRACE},
+        {"save-every", required_argument, 0, OPT_SAVE_EVERY},
+        {"keep", required_argument, 0, OPT_KEEP},
+        {"resume", no_argument, 0, OPT_RESUME},
+        {"export-hf", required_argument, 0, OPT_EXPORT_HF},
+        {"export-gguf", required_argument, 0, OPT_EXPORT_GGUF},
+        {"export-dtype", required_argument, 0, OPT_EXPORT_DTYPE},
+        {"export-shard-size", required_argument, 0, OPT_EXPORT_SHARD},
         {"help", no_argument, 0, 'h'},               {0, 0, 0, 0}};
     optind = 1;
     opterr = 0;
@@ -291,6 +325,22 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
                     rc = bad("--device-mem", v, "expected a positive size such as 512M or 80G");
                 break;
             case OPT_DELAY: rc = int_in("--delay-us", v, 0, 1000000, &a->delay_us); break;
+            case OPT_TRACE: a->trace = v; break;
+            case OPT_SAVE_EVERY: rc = int_in("--save-every", v, 0, 1 << 30, &a->save_every); break;
+            case OPT_KEEP: rc = int_in("--keep", v, 0, 1 << 30, &a->keep); break;
+            case OPT_RESUME: a->resume = 1; break;
+            case OPT_EXPORT_HF: a->export_hf = v; break;
+            case OPT_EXPORT_GGUF: a->export_gguf = v; break;
+            case OPT_EXPORT_DTYPE:
+                if (strcmp(v, "f32") == 0) a->export_dtype = EXPORT_F32;
+                else if (strcmp(v, "bf16") == 0) a->export_dtype = EXPORT_BF16;
+                else if (strcmp(v, "f16") == 0) a->export_dtype = EXPORT_F16;
+                else rc = bad("--export-dtype", v, "expected f32, bf16 or f16");
+                break;
+            case OPT_EXPORT_SHARD:
+                if (parse_bytes(v, &a->export_shard_bytes) != 0 || a->export_shard_bytes < 1)
+                    rc = bad("--export-shard-size", v, "expected a positive size, e.g. 2G");
+                break;
             case OPT_TEMPERATURE: rc = float_in("--temperature", v, 0.0, 100.0, 0, &a->temperature); break;
             case 'h': args_usage(stdout); return 1;
             case ':': {
@@ -327,7 +377,60 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         snprintf(v, sizeof v, "%d", a->round_micro_batches);
         return bad("--round", v, "must divide --micro-batches");
     }
+    if (a->trace[0] && a->n_devices == 0)
+        return bad("--trace", a->trace, "traces the RoundPipe engine: use it with --device cpu:N");
     if (!*a->model) return bad("--model", a->model, "must not be empty");
+    if (a->save_every > 0 && !*a->out) {
+        char v[32];
+        snprintf(v, sizeof v, "%d", a->save_every);
+        return bad("--save-every", v, "needs --out DIR for the checkpoints");
+    }
+    if (a->resume && !*a->out) return bad("--resume", "", "needs --out DIR holding the checkpoints");
+    if (a->resume && a->n_devices > 0)
+        return bad("--resume", "", "resuming the RoundPipe engine (--device cpu:N) is not supported "
+                                   "yet; resume with --device cpu");
     if (!*a->train) return bad("--train", a->train, "must not be empty");
     return 0;
+}
+
+// ----------------------------------------------------------------------------
+// args.json
+
+const char* export_dtype_name(ExportDtype d) {
+    return d == EXPORT_BF16 ? "bf16" : d == EXPORT_F16 ? "f16" : "f32";
+}
+
+char* args_to_json(const TrainArgs* a) {
+    char* buf = NULL;
+    size_t len = 0;
+    FILE* m = open_memstream(&buf, &len);
+    if (!m) fatal("open_memstream failed");
+    fputs("{\n  \"model\": ", m);
+    json_write_string(m, a->model);
+    fputs(",\n  \"train\": ", m);
+    json_write_string(m, a->train);
+    fputs(",\n  \"val\": ", m);
+    json_write_string(m, a->val);
+    fprintf(m, ",\n  \"batch\": %d,\n  \"seq\": %d,\n  \"micro-batches\": %d,\n  \"steps\": %d",
+            a->batch, a->seq, a->micro_batches, a->steps);
+    fprintf(m, ",\n  \"lr\": %.9g,\n  \"schedule\": \"%s\",\n  \"warmup\": %d", (double)a->lr,
+            lr_schedule_name(a->schedule), a->warmup);
+    fprintf(m, ",\n  \"min-lr-frac\": %.9g,\n  \"decay-frac\": %.9g,\n  \"weight-decay\": %.9g",
+            (double)a->min_lr_frac, (double)a->decay_frac, (double)a->weight_decay);
+    fprintf(m, ",\n  \"decay-embeddings\": %d,\n  \"beta1\": %.9g,\n  \"beta2\": %.9g",
+            a->decay_embeddings, (double)a->beta1, (double)a->beta2);
+    fprintf(m, ",\n  \"eps\": %.9g,\n  \"grad-clip\": %.9g,\n  \"shuffle\": %d,\n  \"seed\": %u",
+            (double)a->eps, (double)a->grad_clip, a->shuffle, a->seed);
+    fprintf(m, ",\n  \"init-std\": %.9g,\n  \"eval-every\": %d,\n  \"eval-batches\": %d",
+            (double)a->init_std, a->eval_every, a->eval_batches);
+    fputs(",\n  \"out\": ", m);
+    json_write_string(m, a->out);
+    fprintf(m, ",\n  \"save-every\": %d,\n  \"keep\": %d,\n  \"device\": \"%s\",\n"
+               "  \"devices\": %d,\n  \"threads\": %d",
+            a->save_every, a->keep, a->device == DEVICE_CUDA ? "cuda" : "cpu", a->n_devices,
+            a->threads);
+    fprintf(m, ",\n  \"round\": %d,\n  \"recompute\": \"%s\",\n  \"sync\": %d\n}\n",
+            a->round_micro_batches, a->recompute_layer ? "layer" : "stage", a->sync);
+    if (ferror(m) || fclose(m) != 0) fatal("building args.json failed");
+    return buf;
 }

@@ -11,6 +11,7 @@
 #include "adamw.h"
 
 typedef enum { DEVICE_CPU = 0, DEVICE_CUDA } DeviceKind;
+typedef enum { EXPORT_F32 = 0, EXPORT_BF16, EXPORT_F16 } ExportDtype;
 
 typedef struct TrainArgs {
     const char* model;       // preset | HF dir | config.json | .safetensors
@@ -33,7 +34,14 @@ typedef struct TrainArgs {
     uint32_t seed;
     int eval_every;          // 0 = only at the end
     int eval_batches;
-    const char* out;         // directory for the final model ("" = none)
+    const char* out;         // directory for the final model and step_<N> checkpoints ("" = none)
+    int save_every;          // training-state checkpoint every N steps and at the end (0 = never)
+    int keep;                // keep the newest K checkpoints (0 = all)
+    int resume;              // continue from the newest complete checkpoint in --out
+    const char* export_hf;   // HF directory written at the end ("" = none)
+    const char* export_gguf; // GGUF file written at the end ("" = none)
+    ExportDtype export_dtype;
+    double export_shard_bytes;  // --export-hf: shard size in bytes
     const char* log;         // JSON-lines log file ("" = none)
     DeviceKind device;
     int n_devices;           // cpu:N / cuda:N (0 = plain, no engine)
@@ -45,6 +53,7 @@ typedef struct TrainArgs {
     int plan_only;           // --plan: print the partition and exit
     double device_mem;       // device memory for parameter stages in bytes (0 = backend default)
     int delay_us;            // emulated devices: random delay injected before each stream item
+    const char* trace;       // Chrome trace JSON of the engine's work ("" = none)
     const char* dump_state;  // safetensors path ("" = train normally)
     int sample_tokens;       // tokens generated at the end (0 = none)
     const char* prompt;      // generation prompt (byte-level vocabularies)
@@ -58,5 +67,8 @@ void args_defaults(TrainArgs* a);
 // 2 (the exit status). --help prints the usage to stdout and returns 1 (exit 0). Otherwise 0.
 int args_parse(TrainArgs* a, int argc, char** argv);
 void args_usage(FILE* f);
+// The flags as a JSON object, keys = long flag names (args.json of checkpoints). malloc'd.
+char* args_to_json(const TrainArgs* a);
+const char* export_dtype_name(ExportDtype d);  // "f32", "bf16", "f16"
 
 #endif  // LLMC_ARGS_H

@@ -1,13 +1,27 @@
 /*
- * checkpoint.c — model source resolution, HF-layout saving, --dump-state output.
+ * checkpoint.c — model source resolution (HF, safetensors, GGUF), HF-layout saving, --dump-state,
+ * training-state checkpoints (save, find, load) and the HF / GGUF exports.
+ *
+ * Crash safety of a training-state checkpoint: every file is written to a temporary name,
+ * fsync'd and renamed (st_writer_write, file_write_atomic); the whole directory is built as
+ * step_<N>.tmp, fsync'd and renamed to step_<N>, whose parent is fsync'd; DONE is written last.
+ * A reader only trusts directories named step_<N> that hold DONE, so a crash at any point leaves
+ * either the previous complete checkpoints or the new one, never a torn one.
  */
 #include "checkpoint.h"
 
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "common.h"
+#include "json.h"
 
 // ----------------------------------------------------------------------------
 // --model resolution
@@ -17,6 +31,22 @@ static void dir_of(const char* path, char* out, size_t cap) {
     char* slash = strrchr(out, '/');
     if (slash) *slash = '\0';
     else str_copy(out, cap, ".");
+}
+
+static int resolve_gguf(ModelSource* src, const char* spec, char* err) {
+    if (!file_exists(spec)) return errorf(err, "%s: no such file", spec);
+    if (gguf_open(&src->gguf, spec, err) != 0) return -1;
+    if (gguf_config(&src->gguf, &src->cfg, err) != 0) {
+        gguf_close(&src->gguf);
+        return -1;
+    }
+    if (src->gguf.nonsequential)
+        printf("warning: %s: tensor offsets are valid but not in the writers' packed order\n",
+               spec);
+    gguf_tokenizer_extract(&src->gguf, &src->tokenizer);
+    src->kind = SOURCE_GGUF;
+    src->has_weights = 1;
+    return 0;
 }
 
 int checkpoint_resolve_model(ModelSource* src, const char* spec, char* err) {
@@ -31,12 +61,12 @@ int checkpoint_resolve_model(ModelSource* src, const char* spec, char* err) {
                           spec);
         if (config_from_hf_json(&src->cfg, src->config_path, err) != 0) return -1;
         if (st_checkpoint_open(&src->ck, spec, err) != 0) return -1;
+        str_copy(src->hf_dir, sizeof src->hf_dir, spec);
+        src->kind = SOURCE_SAFETENSORS;
         src->has_weights = 1;
         return 0;
     }
-    if (str_ends_with(spec, ".gguf"))
-        return errorf(err, "%s: GGUF checkpoints are not supported by this build yet (use an HF "
-                           "directory or .safetensors)", spec);
+    if (str_ends_with(spec, ".gguf")) return resolve_gguf(src, spec, err);
     if (str_ends_with(spec, ".json")) {
         if (!file_exists(spec)) return errorf(err, "%s: no such file", spec);
         str_copy(src->config_path, sizeof src->config_path, spec);
@@ -53,17 +83,34 @@ int checkpoint_resolve_model(ModelSource* src, const char* spec, char* err) {
                           src->config_path);
         if (config_from_hf_json(&src->cfg, src->config_path, err) != 0) return -1;
         if (st_checkpoint_open(&src->ck, spec, err) != 0) return -1;
+        str_copy(src->hf_dir, sizeof src->hf_dir, dir);
+        src->kind = SOURCE_SAFETENSORS;
         src->has_weights = 1;
         return 0;
     }
     if (strchr(spec, '/') || file_exists(spec))
-        return errorf(err, "%s: not a model directory, config.json or .safetensors file", spec);
+        return errorf(err, "%s: not a model directory, config.json, .safetensors or .gguf file",
+                      spec);
     return config_from_preset(&src->cfg, spec, err);
 }
 
-void checkpoint_close_source(ModelSource* src) {
-    if (src->has_weights) st_checkpoint_close(&src->ck);
+int checkpoint_load_weights(const ModelSource* src, Store* s, int* n_unused, char* err) {
+    if (!src->has_weights) return errorf(err, "the model source has no weights");
+    if (src->kind == SOURCE_GGUF) return store_load_gguf(s, &src->gguf, &src->cfg, n_unused, err);
+    return store_load(s, &src->ck, n_unused, err);
+}
+
+void checkpoint_release_weights(ModelSource* src) {
+    if (src->has_weights) {
+        if (src->kind == SOURCE_GGUF) gguf_close(&src->gguf);
+        else st_checkpoint_close(&src->ck);
+    }
     src->has_weights = 0;
+}
+
+void checkpoint_close_source(ModelSource* src) {
+    checkpoint_release_weights(src);
+    gguf_tokenizer_free(&src->tokenizer);
 }
 
 // ----------------------------------------------------------------------------
@@ -109,5 +156,553 @@ int checkpoint_dump_state(const char* path, const Model* m, const Store* s, floa
     st_writer_free(&w);
     for (int i = 0; i < m->tt.n; i++) free(names[i]);
     free(names);
+    return rc;
+}
+
+// ----------------------------------------------------------------------------
+// directory helpers
+
+static int fsync_dir(const char* dir, char* err) {
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return errorf(err, "%s: cannot open directory: %s", dir, strerror(errno));
+    int rc = fsync(fd);
+    int e = errno;
+    close(fd);
+    if (rc != 0) return errorf(err, "%s: fsync failed: %s", dir, strerror(e));
+    return 0;
+}
+
+// Remove a checkpoint directory we wrote: regular files only (one level), then the directory.
+// Anything else inside (a subdirectory) is refused rather than deleted recursively.
+static int remove_flat_dir(const char* dir, char* err) {
+    DIR* d = opendir(dir);
+    if (!d) return errno == ENOENT ? 0 : errorf(err, "%s: cannot open: %s", dir, strerror(errno));
+    char path[4096];
+    int rc = 0;
+    struct dirent* e;
+    while (rc == 0 && (e = readdir(d)) != NULL) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        if (unlink(path) != 0)
+            rc = errorf(err, "%s: cannot remove (checkpoint directories hold only files): %s",
+                        path, strerror(errno));
+    }
+    closedir(d);
+    if (rc == 0 && rmdir(dir) != 0) rc = errorf(err, "%s: cannot remove: %s", dir, strerror(errno));
+    return rc;
+}
+
+// "step_<digits>" -> the step; -1 for anything else (including "step_<N>.tmp").
+static int64_t parse_step_name(const char* name) {
+    if (strncmp(name, "step_", 5) != 0) return -1;
+    const char* p = name + 5;
+    if (!*p) return -1;
+    int64_t v = 0;
+    for (; *p; p++) {
+        if (*p < '0' || *p > '9' || v > (INT64_MAX - 9) / 10) return -1;
+        v = v * 10 + (*p - '0');
+    }
+    return v;
+}
+
+// Steps of the complete checkpoints in dir, ascending (malloc'd; *n entries).
+static int64_t* list_complete_steps(const char* dir, int* n) {
+    *n = 0;
+    DIR* d = opendir(dir);
+    if (!d) return NULL;
+    int cap = 0;
+    int64_t* steps = NULL;
+    char path[4096];
+    struct dirent* e;
+    while ((e = readdir(d)) != NULL) {
+        int64_t step = parse_step_name(e->d_name);
+        if (step < 0) continue;
+        snprintf(path, sizeof path, "%s/%s/DONE", dir, e->d_name);
+        if (!file_exists(path)) continue;  // half-written: ignored
+        if (*n == cap) {
+            cap = cap ? 2 * cap : 16;
+            steps = realloc_check(steps, (size_t)cap * sizeof(int64_t));
+        }
+        steps[(*n)++] = step;
+    }
+    closedir(d);
+    for (int i = 1; i < *n; i++)  // insertion sort: a handful of entries
+        for (int j = i; j > 0 && steps[j - 1] > steps[j]; j--) {
+            int64_t t = steps[j];
+            steps[j] = steps[j - 1];
+            steps[j - 1] = t;
+        }
+    return steps;
+}
+
+// ----------------------------------------------------------------------------
+// training state
+
+void train_state_init(TrainState* ts, uint32_t seed) {
+    memset(ts, 0, sizeof *ts);
+    rng_seed(&ts->rng, seed);
+}
+
+static int write_train_state(const char* path, const Model* m, const Store* s,
+                             const TrainState* ts, char* err) {
+    StWriter w;
+    st_writer_init(&w);
+    st_writer_meta(&w, "format", "train_roundpipe-state");
+    int64_t one = 1, n_dl = DATALOADER_STATE_BYTES, n_mt = 624;
+    int32_t rng_index = ts->rng.index, rng_has_spare = ts->rng.has_spare;
+    st_writer_add(&w, "step", ST_I64, 1, &one, &ts->step);
+    st_writer_add(&w, "dataloader", ST_U8, 1, &n_dl, ts->train_loader);
+    st_writer_add(&w, "rng.mt", ST_U32, 1, &n_mt, ts->rng.mt);
+    st_writer_add(&w, "rng.index", ST_I32, 1, &one, &rng_index);
+    st_writer_add(&w, "rng.has_spare", ST_I32, 1, &one, &rng_has_spare);
+    st_writer_add(&w, "rng.spare", ST_F32, 1, &one, &ts->rng.spare);
+    char name[128];
+    for (int i = 0; i < m->tt.n; i++) {
+        const TensorDesc* d = &m->tt.t[i];
+        if (d->tied_to >= 0) continue;
+        snprintf(name, sizeof name, "m.%s", d->hf_name);
+        st_writer_add(&w, name, ST_F32, d->ndim, d->shape, s->m[d->owner_layer] + d->param_offset);
+        snprintf(name, sizeof name, "v.%s", d->hf_name);
+        st_writer_add(&w, name, ST_F32, d->ndim, d->shape, s->v[d->owner_layer] + d->param_offset);
+    }
+    int rc = st_writer_write(&w, path, err);
+    st_writer_free(&w);
+    return rc;
+}
+
+// Keep the newest `keep` complete checkpoints.
+static int apply_retention(const char* dir, int keep, char* err) {
+    if (keep <= 0) return 0;
+    int n = 0;
+    int64_t* steps = list_complete_steps(dir, &n);
+    int rc = 0;
+    char path[4096];
+    for (int i = 0; i < n - keep && rc == 0; i++) {
+        snprintf(path, sizeof path, "%s/step_%lld", dir, (long long)steps[i]);
+        // DONE goes first, so an interrupted removal leaves an incomplete (ignored) directory
+        char done[4200];
+        snprintf(done, sizeof done, "%s/DONE", path);
+        if (unlink(done) != 0) rc = errorf(err, "%s: cannot remove: %s", done, strerror(errno));
+        if (rc == 0) rc = remove_flat_dir(path, err);
+    }
+    free(steps);
+    return rc;
+}
+
+int checkpoint_save_state(const char* dir, int keep, const Model* m, const Store* s,
+                          const TrainState* ts, const char* args_json, char* err) {
+    char tmp[4096], final[4096], path[4200];
+    if (snprintf(tmp, sizeof tmp, "%s/step_%lld.tmp", dir, (long long)ts->step) >= (int)sizeof tmp)
+        return errorf(err, "%s: path too long", dir);
+    snprintf(final, sizeof final, "%s/step_%lld", dir, (long long)ts->step);
+    if (mkdir_p(dir, err) != 0) return -1;
+    if (remove_flat_dir(tmp, err) != 0) return -1;  // left over from a crash
+    if (checkpoint_save_hf(tmp, m, s, err) != 0) return -1;
+    snprintf(path, sizeof path, "%s/train_state.safetensors", tmp);
+    if (write_train_state(path, m, s, ts, err) != 0) return -1;
+    snprintf(path, sizeof path, "%s/args.json", tmp);
+    if (file_write_atomic(path, args_json, strlen(args_json), err) != 0) return -1;
+    if (fsync_dir(tmp, err) != 0) return -1;
+    // an older checkpoint of the same step (a re-run into the same --out) is replaced
+    if (remove_flat_dir(final, err) != 0) return -1;
+    if (rename(tmp, final) != 0)
+        return errorf(err, "%s: rename from %s failed: %s", final, tmp, strerror(errno));
+    if (fsync_dir(dir, err) != 0) return -1;
+    char done[64];
+    int len = snprintf(done, sizeof done, "step %lld\n", (long long)ts->step);
+    snprintf(path, sizeof path, "%s/DONE", final);
+    if (file_write_atomic(path, done, (size_t)len, err) != 0) return -1;
+    if (fsync_dir(final, err) != 0) return -1;
+    return apply_retention(dir, keep, err);
+}
+
+int checkpoint_find_latest(const char* dir, char* path, size_t cap, int64_t* step, char* err) {
+    if (!dir_exists(dir)) return 0;
+    int n = 0;
+    int64_t* steps = list_complete_steps(dir, &n);
+    int found = n > 0;
+    if (found) {
+        *step = steps[n - 1];
+        if (snprintf(path, cap, "%s/step_%lld", dir, (long long)*step) >= (int)cap) {
+            free(steps);
+            return errorf(err, "%s: path too long", dir);
+        }
+    }
+    free(steps);
+    return found;
+}
+
+// The saved config must describe the same model (a checkpoint of another model would load
+// with a shape error at best; this names the field).
+static int check_same_model(const char* step_dir, const ModelConfig* have, char* err) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/config.json", step_dir);
+    ModelConfig c;
+    if (config_from_hf_json(&c, path, err) != 0) return -1;
+    struct {
+        const char* name;
+        long long saved, now;
+    } f[] = {{"family", c.family, have->family}, {"vocab_size", c.V, have->V},
+             {"hidden_size", c.C, have->C}, {"num_hidden_layers", c.L, have->L},
+             {"num_attention_heads", c.H, have->H}, {"num_key_value_heads", c.KVH, have->KVH},
+             {"head_dim", c.HD, have->HD}, {"intermediate_size", c.F, have->F},
+             {"tie_word_embeddings", c.tied_embeddings, have->tied_embeddings}};
+    for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)
+        if (f[i].saved != f[i].now)
+            return errorf(err, "%s: the checkpoint's %s is %lld, this run's model has %lld (resume "
+                               "with the same --model)", path, f[i].name, f[i].saved, f[i].now);
+    return 0;
+}
+
+// One tensor of train_state.safetensors with the expected dtype and element count.
+static const StTensor* state_tensor(const StFile* f, const char* name, StDtype dt, int64_t numel,
+                                    char* err) {
+    const StTensor* t = st_find(f, name);
+    if (!t) {
+        errorf(err, "%s: tensor '%s' is missing", f->path, name);
+        return NULL;
+    }
+    if (t->dtype != dt || t->numel != numel) {
+        errorf(err, "%s: tensor '%s' is %s with %lld elements, expected %s with %lld", f->path,
+               name, st_dtype_name(t->dtype), (long long)t->numel, st_dtype_name(dt),
+               (long long)numel);
+        return NULL;
+    }
+    return t;
+}
+
+static int read_train_state(const char* path, const Model* m, Store* s, TrainState* ts,
+                            char* err) {
+    StFile f;
+    if (st_open(&f, path, err) != 0) return -1;
+    int rc = -1;
+    const StTensor *step, *dl, *mt, *idx, *spare, *has_spare;
+    if (!(step = state_tensor(&f, "step", ST_I64, 1, err)) ||
+        !(dl = state_tensor(&f, "dataloader", ST_U8, DATALOADER_STATE_BYTES, err)) ||
+        !(mt = state_tensor(&f, "rng.mt", ST_U32, 624, err)) ||
+        !(idx = state_tensor(&f, "rng.index", ST_I32, 1, err)) ||
+        !(has_spare = state_tensor(&f, "rng.has_spare", ST_I32, 1, err)) ||
+        !(spare = state_tensor(&f, "rng.spare", ST_F32, 1, err)))
+        goto done;
+    memcpy(&ts->step, step->data, 8);
+    memcpy(ts->train_loader, dl->data, DATALOADER_STATE_BYTES);
+    memcpy(ts->rng.mt, mt->data, sizeof ts->rng.mt);
+    int32_t index, hs;
+    memcpy(&index, idx->data, 4);
+    memcpy(&hs, has_spare->data, 4);
+    memcpy(&ts->rng.spare, spare->data, 4);
+    if (ts->step < 0 || index < 0 || index > 624 || (hs != 0 && hs != 1)) {
+        errorf(err, "%s: step %lld, rng.index %d or rng.has_spare %d out of range", path,
+               (long long)ts->step, index, hs);
+        goto done;
+    }
+    ts->rng.index = index;
+    ts->rng.has_spare = hs;
+    char name[128];
+    for (int i = 0; i < m->tt.n; i++) {
+        const TensorDesc* d = &m->tt.t[i];
+        if (d->tied_to >= 0) continue;
+        for (int which = 0; which < 2; which++) {
+            snprintf(name, sizeof name, "%c.%s", which ? 'v' : 'm', d->hf_name);
+            const StTensor* t = state_tensor(&f, name, ST_F32, d->numel, err);
+            float* dst = (which ? s->v : s->m)[d->owner_layer] + d->param_offset;
+            if (!t || st_tensor_to_f32(t, dst, d->numel, err) != 0) goto done;
+        }
+    }
+    s->step = ts->step;
+    rc = 0;
+done:
+    st_close(&f);
+    return rc;
+}
+
+// Warn about training flags that differ from the checkpoint's args.json (a changed --lr or
+// --steps is legitimate, but the continuation is then not the run that was interrupted).
+static void warn_changed_flags(const char* step_dir, const char* args_json) {
+    static const char* const keys[] = {
+        "model", "train", "batch", "seq", "micro-batches", "steps", "lr", "schedule", "warmup",
+        "min-lr-frac", "decay-frac", "weight-decay", "decay-embeddings", "beta1", "beta2", "eps",
+        "grad-clip", "shuffle", "seed", NULL};
+    char path[4200], err[ERR_LEN];
+    snprintf(path, sizeof path, "%s/args.json", step_dir);
+    size_t len;
+    char* text = file_read_all(path, 1 << 20, &len, err);
+    if (!text) {
+        printf("warning: %s\n", err);
+        return;
+    }
+    JsonDoc saved, now;
+    int ok_saved = json_parse(text, len, &saved, err) == 0;
+    int ok_now = ok_saved && json_parse(args_json, strlen(args_json), &now, err) == 0;
+    free(text);
+    if (!ok_now) {
+        printf("warning: %s: %s\n", path, err);
+        if (ok_saved) json_free(&saved);
+        return;
+    }
+    for (int i = 0; keys[i]; i++) {
+        const JsonValue* a = json_get(&saved.root, keys[i]);
+        const JsonValue* b = json_get(&now.root, keys[i]);
+        if (!a || !b) continue;
+        int same = a->type == b->type &&
+                   ((a->type == JSON_NUMBER && a->number == b->number) ||
+                    (a->type == JSON_STRING && strcmp(a->str, b->str) == 0));
+        if (same) continue;
+        if (a->type == JSON_STRING && b->type == JSON_STRING)
+            printf("warning: resuming with --%s %s; the checkpoint was trained with %s\n", keys[i],
+                   b->str, a->str);
+        else if (a->type == JSON_NUMBER && b->type == JSON_NUMBER)
+            printf("warning: resuming with --%s %g; the checkpoint was trained with %g\n", keys[i],
+                   b->number, a->number);
+    }
+    json_free(&saved);
+    json_free(&now);
+}
+
+int checkpoint_load_state(const char* step_dir, const Model* m, Store* s, TrainState* ts,
+                          const char* args_json, char* err) {
+    if (check_same_model(step_dir, &m->cfg, err) != 0) return -1;
+    StCheckpoint ck;
+    if (st_checkpoint_open(&ck, step_dir, err) != 0) return -1;
+    int unused = 0;
+    int rc = store_load(s, &ck, &unused, err);
+    st_checkpoint_close(&ck);
+    if (rc != 0) return -1;
+    char path[4200];
+    snprintf(path, sizeof path, "%s/train_state.safetensors", step_dir);
+    if (read_train_state(path, m, s, ts, err) != 0) return -1;
+    int64_t named = parse_step_name(strrchr(step_dir, '/') ? strrchr(step_dir, '/') + 1 : step_dir);
+    if (named >= 0 && named != ts->step)
+        return errorf(err, "%s: holds step %lld but the directory is named for step %lld", path,
+                      (long long)ts->step, (long long)named);
+    if (args_json) warn_changed_flags(step_dir, args_json);
+    return 0;
+}
+
+int checkpoint_init_weights(const TrainArgs* a, ModelSource* src, const Model* m, Store* s,
+                            TrainState* ts, const char* args_json, char* err) {
+    train_state_init(ts, a->seed);
+    char dir[4096] = "";
+    int64_t step = 0;
+    if (a->resume) {
+        int found = checkpoint_find_latest(a->out, dir, sizeof dir, &step, err);
+        if (found < 0) return -1;
+        if (!found) printf("--resume: no complete checkpoint in %s, starting from step 0\n", a->out);
+    }
+    int rc = 0;
+    if (dir[0]) {
+        rc = checkpoint_load_state(dir, m, s, ts, args_json, err);
+        if (rc == 0) {
+            ts->resumed = 1;
+            printf("resumed from %s (step %lld)\n", dir, (long long)ts->step);
+        }
+    } else if (src->has_weights) {
+        int unused = 0;
+        rc = checkpoint_load_weights(src, s, &unused, err);
+        if (rc == 0)
+            printf("loaded weights from %s%s\n", a->model,
+                   unused ? " (some checkpoint tensors are unused by this model)" : "");
+    } else {
+        store_init_random(s, a->seed, a->init_std);
+    }
+    checkpoint_release_weights(src);
+    return rc;
+}
+
+// ----------------------------------------------------------------------------
+// HF export
+
+// Float tensor in the export dtype: the store's own memory for F32, a converted copy otherwise.
+static const void* export_data(const float* src, int64_t n, StDtype dt, void** owned, const char* name,
+                               char* err) {
+    *owned = NULL;
+    if (dt == ST_F32) return src;
+    uint16_t* out = malloc_check((size_t)(n > 0 ? n : 1) * 2);
+    for (int64_t i = 0; i < n; i++) {
+        out[i] = dt == ST_BF16 ? f32_to_bf16(src[i]) : f32_to_f16(src[i]);
+        if (dt == ST_F16 && (out[i] & 0x7c00u) == 0x7c00u && isfinite(src[i])) {
+            free(out);
+            errorf(err, "tensor '%s' element %lld = %g overflows F16 (use --export-dtype bf16 or "
+                        "f32)", name, (long long)i, (double)src[i]);
+            return NULL;
+        }
+    }
+    *owned = out;
+    return out;
+}
+
+// Weight files of an earlier export that a new one would leave inconsistent (a stale index is
+// preferred by loaders over model.safetensors).
+static void remove_old_weights(const char* dir) {
+    DIR* d = opendir(dir);
+    if (!d) return;
+    char path[4096];
+    struct dirent* e;
+    while ((e = readdir(d)) != NULL) {
+        int a, b, n = 0;
+        int shard = sscanf(e->d_name, "model-%5d-of-%5d.safetensors%n", &a, &b, &n) == 2 &&
+                    e->d_name[n] == '\0';
+        if (shard || strcmp(e->d_name, "model.safetensors") == 0 ||
+            strcmp(e->d_name, "model.safetensors.index.json") == 0) {
+            snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+            unlink(path);
+        }
+    }
+    closedir(d);
+}
+
+static void copy_tokenizer_files(const char* from, const char* to) {
+    static const char* const names[] = {
+        "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+        "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja", NULL};
+    char src[4096], dst[4096], err[ERR_LEN];
+    for (int i = 0; names[i]; i++) {
+        snprintf(src, sizeof src, "%s/%s", from, names[i]);
+        snprintf(dst, sizeof dst, "%s/%s", to, names[i]);
+        if (!file_exists(src) || strcmp(src, dst) == 0) continue;
+        size_t len;
+        char* text = file_read_all(src, 256u << 20, &len, err);
+        if (!text || file_write_atomic(dst, text, len, err) != 0)
+            printf("warning: tokenizer file not copied: %s\n", err);
+        free(text);
+    }
+}
+
+int checkpoint_export_hf(const char* dir, const Model* m, const Store* s, ExportDtype dtype,
+                         uint64_t shard_bytes, const ModelSource* src, char* err) {
+    const StDtype dt = dtype == EXPORT_BF16 ? ST_BF16 : dtype == EXPORT_F16 ? ST_F16 : ST_F32;
+    if (mkdir_p(dir, err) != 0) return -1;
+    // Plan the shards greedily in table order, as transformers does: a new shard starts when the
+    // next tensor would push a non-empty shard past shard_bytes.
+    const TensorTable* tt = &m->tt;
+    int* shard_of = malloc_check((size_t)tt->n * sizeof(int));
+    int n_shards = 0;
+    uint64_t in_shard = 0, total = 0;
+    for (int i = 0; i < tt->n; i++) {
+        shard_of[i] = -1;
+        if (tt->t[i].tied_to >= 0) continue;
+        uint64_t bytes = (uint64_t)tt->t[i].numel * (uint64_t)st_dtype_size(dt);
+        if (n_shards == 0 || (in_shard > 0 && in_shard + bytes > shard_bytes)) {
+            n_shards++;
+            in_shard = 0;
+        }
+        in_shard += bytes;
+        total += bytes;
+        shard_of[i] = n_shards - 1;
+    }
+    remove_old_weights(dir);
+    char path[4096], file[64];
+    int rc = 0;
+    for (int sh = 0; sh < n_shards && rc == 0; sh++) {
+        if (n_shards == 1) snprintf(file, sizeof file, "model.safetensors");
+        else snprintf(file, sizeof file, "model-%05d-of-%05d.safetensors", sh + 1, n_shards);
+        snprintf(path, sizeof path, "%s/%s", dir, file);
+        StWriter w;
+        st_writer_init(&w);
+        st_writer_meta(&w, "format", "pt");
+        void** owned = calloc_check((size_t)tt->n, sizeof(void*));
+        for (int i = 0; i < tt->n && rc == 0; i++) {
+            if (shard_of[i] != sh) continue;
+            const TensorDesc* d = &tt->t[i];
+            char cerr[ERR_LEN];
+            const void* data = export_data(store_param(s, i), d->numel, dt, &owned[i], d->hf_name,
+                                           cerr);
+            if (!data) rc = errorf(err, "%s: %s", path, cerr);
+            else st_writer_add(&w, d->hf_name, dt, d->ndim, d->shape, data);
+        }
+        if (rc == 0) rc = st_writer_write(&w, path, err);
+        st_writer_free(&w);
+        for (int i = 0; i < tt->n; i++) free(owned[i]);
+        free(owned);
+    }
+    if (rc == 0 && n_shards > 1) {
+        char* buf = NULL;
+        size_t len = 0;
+        FILE* mf = open_memstream(&buf, &len);
+        if (!mf) fatal("open_memstream failed");
+        fprintf(mf, "{\n  \"metadata\": {\"total_size\": %llu},\n  \"weight_map\": {",
+                (unsigned long long)total);
+        int first = 1;
+        for (int i = 0; i < tt->n; i++) {
+            if (shard_of[i] < 0) continue;
+            fprintf(mf, "%s\n    ", first ? "" : ",");
+            json_write_string(mf, tt->t[i].hf_name);
+            fprintf(mf, ": \"model-%05d-of-%05d.safetensors\"", shard_of[i] + 1, n_shards);
+            first = 0;
+        }
+        fprintf(mf, "\n  }\n}\n");
+        if (ferror(mf) || fclose(mf) != 0) fatal("building the index failed");
+        snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+        rc = file_write_atomic(path, buf, len, err);
+        free(buf);
+    }
+    free(shard_of);
+    if (rc != 0) return -1;
+    char* json = config_to_hf_json(&m->cfg);
+    char* at = strstr(json, "\"dtype\": \"float32\"");
+    if (at && dt != ST_F32) {  // the weights' dtype, as save_pretrained records it
+        const char* name = dt == ST_BF16 ? "bfloat16" : "float16";
+        size_t head = (size_t)(at - json);
+        const char* tail = at + strlen("\"dtype\": \"float32\"");
+        size_t n = head + strlen(tail) + 32;
+        char* fixed = malloc_check(n);
+        snprintf(fixed, n, "%.*s\"dtype\": \"%s\"%s", (int)head, json, name, tail);
+        free(json);
+        json = fixed;
+    }
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    rc = file_write_atomic(path, json, strlen(json), err);
+    free(json);
+    if (rc == 0 && src && src->hf_dir[0]) copy_tokenizer_files(src->hf_dir, dir);
+    return rc;
+}
+
+// ----------------------------------------------------------------------------
+// GGUF export
+
+int checkpoint_export_gguf(const char* path, const Model* m, const Store* s, ExportDtype dtype,
+                           const ModelSource* src, char* err) {
+    const ModelConfig* c = &m->cfg;
+    if (c->family != FAMILY_LLAMA && c->family != FAMILY_QWEN3)
+        return errorf(err, "%s: GGUF export of family %s is not supported", path,
+                      family_names[c->family]);
+    const GgmlType wt = dtype == EXPORT_BF16 ? GGML_TYPE_BF16
+                        : dtype == EXPORT_F16 ? GGML_TYPE_F16
+                                              : GGML_TYPE_F32;
+    GgufWriter w;
+    gguf_writer_init(&w);
+    gguf_writer_add_config(&w, c);
+    // LlamaFileType: ALL_F32 0, MOSTLY_F16 1, MOSTLY_BF16 32
+    gguf_writer_add_u32(&w, "general.file_type", wt == GGML_TYPE_F32 ? 0 : wt == GGML_TYPE_F16 ? 1 : 32);
+    if (src && src->tokenizer.n_kv > 0)
+        gguf_writer_add_records(&w, src->tokenizer.records, src->tokenizer.len, src->tokenizer.n_kv);
+    else
+        gguf_writer_add_string(&w, "tokenizer.ggml.model", "no_vocab");
+    const TensorTable* tt = &m->tt;
+    char name[GGUF_MAX_NAME + 32];
+    for (int i = 0; i < tt->n; i++) {
+        const TensorDesc* d = &tt->t[i];
+        if (d->tied_to >= 0) continue;  // llama.cpp reuses token_embd when output is absent
+        gguf_tensor_name(c->family, d, name, sizeof name);
+        // norms stay F32, as llama.cpp's converter keeps every 1-D tensor
+        GgmlType type = d->ndim == 1 ? GGML_TYPE_F32 : wt;
+        const float* data = store_param(s, i);
+        if (c->family == FAMILY_LLAMA && (d->kind == TK_WQ || d->kind == TK_WK)) {
+            float* perm = malloc_check((size_t)d->numel * sizeof(float));
+            gguf_permute_rows(data, perm, d->kind == TK_WQ ? c->H : c->KVH, d->shape[0],
+                              d->shape[1], 0);
+            gguf_writer_add_tensor(&w, name, type, d->ndim, d->shape, perm, 1);
+        } else {
+            gguf_writer_add_tensor(&w, name, type, d->ndim, d->shape, data, 0);
+        }
+    }
+    if (c->family == FAMILY_LLAMA && c->rope_type == ROPE_LLAMA3) {
+        int64_t half = c->HD / 2;
+        float* r = malloc_check((size_t)half * sizeof(float));
+        gguf_llama3_rope_factors(c, r);
+        gguf_writer_add_tensor(&w, "rope_freqs.weight", GGML_TYPE_F32, 1, &half, r, 1);
+    }
+    int rc = gguf_writer_write(&w, path, err);
+    gguf_writer_free(&w);
     return rc;
 }

@@ -1,26 +1,56 @@
 /*
- * checkpoint.h — where a model comes from and where it goes: resolving --model (preset, HF
- * directory, config.json, .safetensors), saving a trained model in HF layout (model.safetensors +
- * config.json), and the --dump-state file (loss + every parameter gradient by HF name).
+ * checkpoint.h — where a model comes from and where it goes:
+ *  - resolving --model (preset, HF directory, config.json, .safetensors, .gguf) into a config and
+ *    an open weight source, and loading the weights into the store;
+ *  - the final model in HF layout (--out), the --dump-state file;
+ *  - training-state checkpoints (--save-every, --keep, --resume): DIR/step_<N>/ with the weights,
+ *    the optimizer state, the data-loader and RNG state, the config and the flags, written
+ *    atomically and marked complete by a DONE file written last;
+ *  - exports: --export-hf (safetensors, sharded with an index past the shard size, config.json,
+ *    the source's tokenizer files) and --export-gguf (F32/F16/BF16 with the architecture metadata
+ *    and the source GGUF's tokenizer).
  */
 #ifndef LLMC_CHECKPOINT_H
 #define LLMC_CHECKPOINT_H
 
+#include <stdint.h>
+
+#include "args.h"
 #include "config.h"
+#include "dataloader.h"
+#include "gguf.h"
 #include "model.h"
+#include "rng.h"
 #include "safetensors.h"
 #include "store.h"
 
+typedef enum {
+    SOURCE_CONFIG = 0,   // a preset or a config.json: no weights (random init)
+    SOURCE_SAFETENSORS,  // an HF directory or a .safetensors file
+    SOURCE_GGUF          // a .gguf file
+} SourceKind;
+
 typedef struct ModelSource {
     ModelConfig cfg;
-    int has_weights;     // ck is open and holds the weights
-    StCheckpoint ck;
-    char config_path[1024];  // "" for presets
+    SourceKind kind;
+    int has_weights;           // ck or gguf is open and holds the weights
+    StCheckpoint ck;           // SOURCE_SAFETENSORS
+    GgufFile gguf;             // SOURCE_GGUF
+    GgufTokenizer tokenizer;   // tokenizer.* records of a GGUF source (empty otherwise)
+    char config_path[1024];    // "" for presets and GGUF files
+    char hf_dir[1024];         // the directory of an HF source (tokenizer files), or ""
 } ModelSource;
 
-// spec: a preset name, an HF directory (config.json + safetensors), a config.json (random init)
-// or a .safetensors file (config.json from the same directory). -1 + one-line error.
+// spec: a preset name, an HF directory (config.json + safetensors), a config.json (random init),
+// a .safetensors file (config.json from the same directory) or a .gguf file (config from its
+// metadata). -1 + one-line error.
 int checkpoint_resolve_model(ModelSource* src, const char* spec, char* err);
+// Load the source's weights into the store (checks names and shapes; *n_unused counts tensors of
+// the file the model does not use).
+int checkpoint_load_weights(const ModelSource* src, Store* s, int* n_unused, char* err);
+// Unmap the weight files; the config, tokenizer and hf_dir stay for the exports.
+void checkpoint_release_weights(ModelSource* src);
+// Release everything.
 void checkpoint_close_source(ModelSource* src);
 
 // Write dir/model.safetensors (F32, HF names; tied head omitted) and dir/config.json.
@@ -28,5 +58,58 @@ int checkpoint_save_hf(const char* dir, const Model* m, const Store* s, char* er
 // Write the --dump-state file: "loss" F32 [1] and "grad.<HF name>" F32 for every owned tensor
 // (store gradients must already be folded: tied heads summed into the embedding).
 int checkpoint_dump_state(const char* path, const Model* m, const Store* s, float loss, char* err);
+
+// ----------------------------------------------------------------------------
+// training state
+
+// Everything besides the store (weights, m, v, step) that a run needs to continue bit-exactly.
+typedef struct TrainState {
+    int64_t step;                                  // optimizer steps completed
+    uint8_t train_loader[DATALOADER_STATE_BYTES];  // the training loader's position
+    Rng rng;  // the run's random stream (seeded from --seed; for stochastic training parts)
+    int resumed;  // loaded from a checkpoint (not saved)
+} TrainState;
+
+void train_state_init(TrainState* ts, uint32_t seed);
+
+// The start of a run: with --resume and a complete checkpoint in --out, the weights and state
+// come from it; otherwise the source's weights are loaded, or the store is randomly initialised.
+// ts is initialised either way; the source's weight files are released afterwards.
+int checkpoint_init_weights(const TrainArgs* a, ModelSource* src, const Model* m, Store* s,
+                            TrainState* ts, const char* args_json, char* err);
+
+// Write dir/step_<ts->step>/:
+//   model.safetensors, config.json   the fp32 master weights in HF layout (--model can load it)
+//   train_state.safetensors          m.<HF name>, v.<HF name> (F32), step (I64), dataloader (U8),
+//                                    rng.mt (U32 [624]), rng.index, rng.has_spare (I32), rng.spare
+//   args.json                        the flags of the run (args_json)
+//   DONE                             written last: only a directory holding it is complete
+// The files go to dir/step_<N>.tmp (each fsync'd), which is renamed to step_<N> before DONE is
+// written. Then only the newest `keep` complete checkpoints stay (keep 0: all).
+int checkpoint_save_state(const char* dir, int keep, const Model* m, const Store* s,
+                          const TrainState* ts, const char* args_json, char* err);
+// The newest complete checkpoint (step_<N> holding DONE) in dir: 1 and its path and step,
+// 0 if there is none (or dir does not exist), -1 on an error.
+int checkpoint_find_latest(const char* dir, char* path, size_t cap, int64_t* step, char* err);
+// Load a checkpoint written by checkpoint_save_state: the model config must match m's, the
+// weights, m, v and step go to the store, the rest to ts. Prints a warning for every training
+// flag that differs from args.json (args_json: this run's flags).
+int checkpoint_load_state(const char* step_dir, const Model* m, Store* s, TrainState* ts,
+                          const char* args_json, char* err);
+
+// ----------------------------------------------------------------------------
+// exports
+
+#define EXPORT_DEFAULT_SHARD_BYTES 5000000000ull  // transformers' max_shard_size "5GB"
+
+// dir/: model.safetensors, or model-0000i-of-0000n.safetensors + model.safetensors.index.json
+// when the tensors exceed shard_bytes; config.json; the tokenizer files of an HF source.
+int checkpoint_export_hf(const char* dir, const Model* m, const Store* s, ExportDtype dtype,
+                         uint64_t shard_bytes, const ModelSource* src, char* err);
+// One GGUF file (2-D weights in dtype, norms F32), LLaMA q/k rows permuted and rope_freqs.weight
+// written as llama.cpp expects, the source GGUF's tokenizer records (else tokenizer.ggml.model
+// "no_vocab", which llama.cpp loads as a model without a vocabulary).
+int checkpoint_export_gguf(const char* path, const Model* m, const Store* s, ExportDtype dtype,
+                           const ModelSource* src, char* err);
 
 #endif  // LLMC_CHECKPOINT_H

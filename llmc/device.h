@@ -33,6 +33,8 @@
 
 #include "ops.h"
 
+struct Trace;
+
 typedef enum {
     STREAM_COMPUTE = 0,
     STREAM_ACT_UP,
@@ -91,6 +93,11 @@ typedef struct DeviceImpl {
     int (*event_query)(DevEvent* e);  // 1 = capture complete (or never recorded)
     void (*synchronize)(Device* d);   // all streams idle
     void (*stats)(Device* d, DeviceStats* out);
+    // tracing: label(d, s, name) names the next call, copy or memset queued on stream s (name
+    // must stay valid until that work has run); once a trace is attached with set_trace, labelled
+    // work is recorded as a complete event of process `pid`, thread = the stream.
+    void (*label)(Device* d, StreamKind s, const char* name);
+    void (*set_trace)(Device* d, struct Trace* tr, int pid);
 } DeviceImpl;
 
 typedef struct DeviceOptions {

@@ -37,6 +37,7 @@
 #include "device.h"
 #include "ops.h"
 #include "rng.h"
+#include "trace.h"
 
 // ----------------------------------------------------------------------------
 // types
@@ -66,6 +67,7 @@ typedef struct WorkItem {
     size_t bytes;
     DevEvent* event;
     uint64_t seq;
+    const char* label;      // trace name (NULL: not traced)
     struct WorkItem* next;  // FIFO link
 } WorkItem;
 
@@ -81,6 +83,7 @@ typedef struct Stream {
     // statistics (under mu)
     uint64_t bytes;      // bytes of copies submitted to this stream
     double busy_s;       // time spent running calls, copies and memsets
+    const char* pending_label;  // label for the next call/copy/memset (under mu)
     // fault injection: touched only by the stream thread
     int max_delay_us;
     Rng delay_rng;
@@ -94,6 +97,8 @@ struct Device {
     size_t mem_limit;   // 0 = unlimited
     size_t mem_in_use;  // (under mem_mu)
     size_t mem_peak;    // (under mem_mu)
+    struct Trace* trace;  // set before work is queued (set_trace), read by the stream threads
+    int trace_pid;
 };
 
 // Device allocations carry this header just before the returned pointer. 64 bytes keep the
@@ -165,6 +170,10 @@ static void stream_push(Stream* st, WorkItem* it) {
     if (st->closing)
         fatal("device cpu:%d: work submitted to stream %s after the device was closed",
               st->dev->index, stream_names[st->kind]);
+    if (it->kind == ITEM_CALL || it->kind == ITEM_COPY || it->kind == ITEM_MEMSET) {
+        it->label = st->pending_label;
+        st->pending_label = NULL;
+    }
     if (st->tail) st->tail->next = it;
     else st->head = it;
     st->tail = it;
@@ -218,7 +227,9 @@ static void stream_run_item(Stream* st, WorkItem* it) {
     if (it->kind == ITEM_CALL) it->fn(it->arg);
     else if (it->kind == ITEM_COPY && it->bytes > 0) memcpy(it->dst, it->src, it->bytes);
     else if (it->kind == ITEM_MEMSET && it->bytes > 0) memset(it->dst, 0, it->bytes);
-    double dt = time_now_s() - t0;
+    double t1 = time_now_s(), dt = t1 - t0;
+    if (it->label && st->dev->trace)
+        trace_add(st->dev->trace, it->label, st->dev->trace_pid, (int)st->kind, t0, t1);
     pthread_check(pthread_mutex_lock(&st->mu));
     st->busy_s += dt;
     pthread_check(pthread_mutex_unlock(&st->mu));
@@ -428,6 +439,18 @@ static void cpu_synchronize(Device* d) {
     }
 }
 
+static void cpu_label(Device* d, StreamKind s, const char* name) {
+    Stream* st = device_stream(d, s);
+    pthread_check(pthread_mutex_lock(&st->mu));
+    st->pending_label = name;
+    pthread_check(pthread_mutex_unlock(&st->mu));
+}
+
+static void cpu_set_trace(Device* d, struct Trace* tr, int pid) {
+    d->trace = tr;
+    d->trace_pid = pid;
+}
+
 static void cpu_stats(Device* d, DeviceStats* out) {
     memset(out, 0, sizeof *out);
     for (int s = 0; s < STREAM_COUNT; s++) {
@@ -468,4 +491,6 @@ const DeviceImpl device_cpu_impl = {
     .event_query = cpu_event_query,
     .synchronize = cpu_synchronize,
     .stats = cpu_stats,
+    .label = cpu_label,
+    .set_trace = cpu_set_trace,
 };

@@ -30,11 +30,13 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "common.h"
+#include "trace.h"
 
 // ----------------------------------------------------------------------------
 // data structures
@@ -47,6 +49,7 @@ typedef struct Stage {
     int64_t head_off;       // fused stage with a tied head: offset of the embedding copy, else -1
     int64_t param_numel;    // slot elements (compute dtype)
     int64_t grad_numel;     // grad slot elements (fp32; 0 for forward stages)
+    char name[16];          // "F1", "FB", "B2" (traces)
 } Stage;
 
 typedef struct DevState {
@@ -94,6 +97,13 @@ typedef struct JobBlock {
     MbJob jobs[256];
 } JobBlock;
 
+// Trace labels of one iteration (freed with its closures).
+typedef struct LabelBlock {
+    struct LabelBlock* next;
+    int used;
+    char names[256][40];
+} LabelBlock;
+
 struct Engine {
     const Model* m;
     Store* s;
@@ -122,6 +132,8 @@ struct Engine {
     DevEvent** loss_ev;     // [micro-batch]
     DevEvent** grad_ev;     // [layer] last gradient download of the layer
     JobBlock* arena[2];
+    LabelBlock* labels[2];
+    Trace* trace;           // NULL unless opt.trace_path is set
     DevState* dev;
     // protocol flags (under mu)
     pthread_mutex_t mu;
@@ -172,6 +184,12 @@ static void stage_build(Engine* e, Stage* st, SlotKind kind, StageRange r) {
     }
     st->param_numel = p;
     st->grad_numel = kind == SLOT_FWD ? 0 : g;
+}
+
+static void stage_name(Stage* st, SlotKind kind, int stage_index) {
+    if (kind == SLOT_FWD) snprintf(st->name, sizeof st->name, "F%d", stage_index + 1);
+    else if (kind == SLOT_FUSED) snprintf(st->name, sizeof st->name, "FB");
+    else snprintf(st->name, sizeof st->name, "B%d", stage_index + 1);
 }
 
 // Pointer to the parameters of layer l inside a stage's slot.
@@ -298,6 +316,33 @@ static void arena_free(JobBlock* b) {
     }
 }
 
+static void labels_free(LabelBlock* b) {
+    while (b) {
+        LabelBlock* n = b->next;
+        free(b);
+        b = n;
+    }
+}
+
+// Name the next work item queued on stream s of a device (only when tracing).
+__attribute__((format(printf, 5, 6))) static void label(Engine* e, int ip, DevState* ds,
+                                                        StreamKind s, const char* fmt, ...) {
+    if (!e->trace) return;
+    LabelBlock* blk = e->labels[ip];
+    if (!blk || blk->used == (int)(sizeof blk->names / sizeof blk->names[0])) {
+        LabelBlock* nb = calloc_check(1, sizeof(LabelBlock));
+        nb->next = blk;
+        e->labels[ip] = nb;
+        blk = nb;
+    }
+    char* name = blk->names[blk->used++];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(name, sizeof blk->names[0], fmt, ap);
+    va_end(ap);
+    e->impl->label(ds->d, s, name);
+}
+
 // ----------------------------------------------------------------------------
 // fences (controller side of the consistency protocol)
 
@@ -380,8 +425,10 @@ static void upload_params(Engine* e, DevState* ds, const Stage* st, int k, int64
     for (int b = 0; b < n_bins; b++) {
         if (ds->n_marks > 0) im->stream_wait(ds->d, STREAM_PARAM_UP, ds->marks[b]);
         for (int i = 0; i < n; i++)
-            if (bin_of[i] == b)
+            if (bin_of[i] == b) {
+                label(e, ip, ds, STREAM_PARAM_UP, "params %s [%d]", st->name, b);
                 im->copy_h2d(ds->d, STREAM_PARAM_UP, pieces[i].dst, pieces[i].src, pieces[i].bytes);
+            }
     }
     free(load);
     free(bin_of);
@@ -390,16 +437,18 @@ static void upload_params(Engine* e, DevState* ds, const Stage* st, int k, int64
 
 // Prepare the gradient slot of a backward stage on the parameter stream: zero in the first round,
 // the host's partial fp32 sum in later rounds (waiting for the previous round's download).
-static void prepare_grads(Engine* e, DevState* ds, const Stage* st, int k, int round) {
+static void prepare_grads(Engine* e, DevState* ds, const Stage* st, int k, int round, int ip) {
     const DeviceImpl* im = e->impl;
     const TensorTable* tt = &e->m->tt;
     im->stream_wait(ds->d, STREAM_PARAM_UP, ds->gslot_free[k]);
     if (round == 0) {
+        label(e, ip, ds, STREAM_PARAM_UP, "zero grads %s", st->name);
         im->memset_zero(ds->d, STREAM_PARAM_UP, ds->gslot[k], (size_t)st->grad_numel * sizeof(float));
         return;
     }
     for (int l = st->b; l < st->e; l++) {
         im->stream_wait(ds->d, STREAM_PARAM_UP, e->grad_ev[l]);
+        label(e, ip, ds, STREAM_PARAM_UP, "partial grads %s", st->name);
         im->copy_h2d(ds->d, STREAM_PARAM_UP, ds->gslot[k] + st->g_off[l - st->b], e->s->grad[l],
                      (size_t)tt->grad_numel[l] * sizeof(float));
     }
@@ -428,7 +477,7 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
     if (st->kind != SLOT_FWD) {
         gk = ds->gnext;
         ds->gnext ^= 1;
-        prepare_grads(e, ds, st, gk, round);
+        prepare_grads(e, ds, st, gk, round, ip);
     }
     im->event_record(ds->param_done, d, STREAM_PARAM_UP);
 
@@ -440,6 +489,7 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
         // activation upload (high priority path)
         im->stream_wait(d, STREAM_ACT_UP, ds->comp_done[p]);
         im->stream_wait(d, STREAM_ACT_UP, ds->down_done[p]);
+        label(e, ip, ds, STREAM_ACT_UP, "up %s mb%d", st->name, i);
         if (st->b == 0) {
             im->copy_h2d(d, STREAM_ACT_UP, ds->ids[p], e->hids[ip][i], tok_bytes);
         } else {
@@ -468,6 +518,7 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
         if (r == 0) im->stream_wait(d, STREAM_COMPUTE, ds->param_done);
         MbJob* j = job_new(e, ip);
         *j = (MbJob){e, ds, st, i, p, ip, ds->pslot[pk], gk >= 0 ? ds->gslot[gk] : NULL};
+        label(e, ip, ds, STREAM_COMPUTE, "%s mb%d", st->name, i);
         im->submit(d, STREAM_COMPUTE, run_microbatch, j);
         im->event_record(ds->comp_done[p], d, STREAM_COMPUTE);
 
@@ -477,6 +528,7 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
             for (int k = 1; k <= n; k++) {
                 int bnd = st->b + k;
                 if (!e->need_x[bnd]) continue;
+                label(e, ip, ds, STREAM_ACT_DOWN, "down %s mb%d x%d", st->name, i, bnd);
                 im->copy_d2h(d, STREAM_ACT_DOWN, e->hx[ip][bnd][i], xs[k], x_bytes);
                 im->event_record(e->x_ev[bnd][i], d, STREAM_ACT_DOWN);
             }
@@ -487,6 +539,7 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
                 im->event_record(e->loss_ev[i], d, STREAM_ACT_DOWN);
             }
             if (st->b > 0) {
+                label(e, ip, ds, STREAM_ACT_DOWN, "down %s mb%d dx%d", st->name, i, st->b);
                 im->copy_d2h(d, STREAM_ACT_DOWN, e->hdx[ip][st->b][i], ds->dres[p], x_bytes);
                 im->event_record(e->dx_ev[st->b][i], d, STREAM_ACT_DOWN);
             }
@@ -502,6 +555,7 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
         im->stream_wait(d, STREAM_GRAD_DOWN, ds->comp_done[(e->M_R - 1) % 2]);
         const int final_round = round == e->R - 1;
         for (int l = st->b; l < st->e; l++) {
+            label(e, ip, ds, STREAM_GRAD_DOWN, "grads %s layer %d", st->name, l);
             im->copy_d2h(d, STREAM_GRAD_DOWN, e->s->grad[l], ds->gslot[gk] + st->g_off[l - st->b],
                          (size_t)tt->grad_numel[l] * sizeof(float));
             im->event_record(e->grad_ev[l], d, STREAM_GRAD_DOWN);
@@ -535,11 +589,18 @@ static void write_master(Engine* e, int buf, int l) {
 // go to the master buffer of iteration k + delay.
 static void optimizer_step(Engine* e, int64_t k) {
     const int NL = e->NL;
+    double t_wait = time_now_s();
     for (int l = 0; l < NL; l++) {
         pthread_check(pthread_mutex_lock(&e->mu));
         while (e->grad_recorded[l] < k - 1) pthread_check(pthread_cond_wait(&e->cv, &e->mu));
         pthread_check(pthread_mutex_unlock(&e->mu));
         e->impl->event_synchronize(e->grad_ev[l]);
+    }
+    double t_start = time_now_s();
+    if (e->trace) {
+        char name[48];
+        snprintf(name, sizeof name, "wait grads of iteration %lld", (long long)(k - 1));
+        trace_add(e->trace, name, e->N, STREAM_COUNT, t_wait, t_start);
     }
     store_fold_tied_grads(e->s);
     double norm = sqrt(adamw_grad_norm_sq(e->pool, e->opt_tensors, e->n_opt));
@@ -561,6 +622,11 @@ static void optimizer_step(Engine* e, int64_t k) {
         pthread_check(pthread_mutex_unlock(&e->mu));
     }
     e->s->step = k;
+    if (e->trace) {
+        char name[48];
+        snprintf(name, sizeof name, "AdamW step %lld", (long long)k);
+        trace_add(e->trace, name, e->N, STREAM_COUNT, t_start, time_now_s());
+    }
     pthread_check(pthread_mutex_lock(&e->mu));
     e->steps_done = k;
     e->last_norm = norm;
@@ -655,6 +721,7 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
         SlotInfo si;
         partition_slot(&e->plan, i, &si);
         stage_build(e, &e->stages[i], si.kind, si.range);
+        stage_name(&e->stages[i], si.kind, si.stage);
         Stage* st = &e->stages[i];
         max_len = imax(max_len, st->e - st->b);
         if (si.kind != SLOT_FWD) max_bwd_blocks = imax(max_bwd_blocks, st->e - st->b);
@@ -757,6 +824,20 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
         for (int r = 0; r < e->M_R; r++) ds->marks[r] = e->impl->event_create(ds->d);
     }
 
+    // tracing: one process per device plus the host (optimizer)
+    if (opt->trace_path && opt->trace_path[0]) {
+        e->trace = trace_create(e->N + 1, 2000000);
+        for (int g = 0; g < e->N; g++) {
+            char name[32];
+            snprintf(name, sizeof name, "%s:%d", e->impl->name, g);
+            trace_name_pid(e->trace, g, name);
+            e->impl->set_trace(e->dev[g].d, e->trace, g);
+        }
+        trace_name_pid(e->trace, e->N, "host");
+        for (int s2 = 0; s2 < STREAM_COUNT; s2++) trace_name_tid(e->trace, s2, stream_names[s2]);
+        trace_name_tid(e->trace, STREAM_COUNT, "optimizer");
+    }
+
     // protocol flags: iterations 0..delay read θ_0, which both master buffers hold
     e->param_ready = calloc_check((size_t)NL, sizeof(int64_t));
     e->grad_consumed = calloc_check((size_t)NL, sizeof(int64_t));
@@ -802,6 +883,8 @@ static void wait_iteration_done(Engine* e, int ip) {
             e->impl->event_synchronize(e->dev[g].iter_end[ip][s2]);
     arena_free(e->arena[ip]);
     e->arena[ip] = NULL;
+    labels_free(e->labels[ip]);
+    e->labels[ip] = NULL;
 }
 
 EngineStepResult engine_step(Engine* e, const int32_t* tokens) {
@@ -883,6 +966,12 @@ void engine_synchronize(Engine* e) {
 
 int64_t engine_steps_done(const Engine* e) { return e->steps_done; }
 
+int engine_write_trace(Engine* e, char* err) {
+    if (!e->trace) return 0;
+    engine_synchronize(e);
+    return trace_write(e->trace, e->opt.trace_path, err);
+}
+
 const PartitionPlan* engine_plan(const Engine* e) { return &e->plan; }
 
 void engine_print_plan(const Engine* e, FILE* f) {
@@ -915,6 +1004,10 @@ void engine_free(Engine* e) {
     pthread_check(pthread_join(e->opt_thread, NULL));
     const DeviceImpl* im = e->impl;
     const int NL = e->NL;
+    if (e->trace) {
+        for (int g = 0; g < e->N; g++) im->set_trace(e->dev[g].d, NULL, g);
+        trace_free(e->trace);
+    }
     for (int g = 0; g < e->N; g++) {
         DevState* ds = &e->dev[g];
         workspace_free(ds->ws);
@@ -965,6 +1058,7 @@ void engine_free(Engine* e) {
         free(e->htgt[b]);
         free(e->hloss[b]);
         arena_free(e->arena[b]);
+        labels_free(e->labels[b]);
     }
     for (int bnd = 0; bnd <= NL; bnd++) {
         if (e->x_ev[bnd]) {

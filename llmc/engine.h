@@ -88,5 +88,7 @@ EngineStepResult engine_step(Engine* e, const int32_t* tokens);
 void engine_synchronize(Engine* e);
 // Optimizer steps applied so far.
 int64_t engine_steps_done(const Engine* e);
+// Write the Chrome trace (opt.trace_path) of everything so far; no-op without a trace path.
+int engine_write_trace(Engine* e, char* err);
 
 #endif  // LLMC_ENGINE_H

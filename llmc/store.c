@@ -1,5 +1,6 @@
 /*
- * store.c — host layer store: allocation, init, loading from safetensors, tied-gradient folding.
+ * store.c — host layer store: allocation, init, loading from safetensors or GGUF, tied-gradient
+ * folding.
  */
 #include "store.h"
 
@@ -117,6 +118,30 @@ int store_load(Store* s, const StCheckpoint* ck, int* n_unused, char* err) {
             continue;
         }
         unused++;
+    }
+    if (n_unused) *n_unused = unused;
+    return 0;
+}
+
+int store_load_gguf(Store* s, const GgufFile* f, const ModelConfig* cfg, int* n_unused, char* err) {
+    const TensorTable* tt = s->tt;
+    for (int i = 0; i < tt->n; i++) {
+        const TensorDesc* d = &tt->t[i];
+        if (d->tied_to >= 0) continue;
+        if (gguf_read_hf_tensor(f, cfg, d, store_param(s, i), err) != 0) return -1;
+    }
+    int unused = 0;
+    char name[GGUF_MAX_NAME + 32];
+    for (int64_t k = 0; k < f->n_tensors; k++) {
+        const char* have = f->tensors[k].name;
+        if (strcmp(have, "rope_freqs.weight") == 0) continue;
+        int used = 0;
+        for (int i = 0; i < tt->n && !used; i++) {
+            if (tt->t[i].tied_to >= 0) continue;
+            gguf_tensor_name(cfg->family, &tt->t[i], name, sizeof name);
+            used = strcmp(name, have) == 0;
+        }
+        unused += !used;
     }
     if (n_unused) *n_unused = unused;
     return 0;

@@ -13,6 +13,7 @@
 
 #include "adamw.h"
 #include "config.h"
+#include "gguf.h"
 #include "safetensors.h"
 #include "tensor.h"
 #include "threads.h"
@@ -39,6 +40,10 @@ void store_init_random(Store* s, uint32_t seed, float std);
 // Load every owned tensor by HF name from a checkpoint, checking shapes; extra tensors in the
 // checkpoint are reported in *n_unused (a tied model's lm_head.weight is accepted if equal).
 int store_load(Store* s, const StCheckpoint* ck, int* n_unused, char* err);
+// The same from a GGUF file whose metadata gave cfg: every owned tensor by its GGUF name, shapes
+// checked (ne reversed), dequantised, LLaMA q/k rows un-permuted (gguf_read_hf_tensor).
+// rope_freqs.weight is consumed by the config; other extra tensors count in *n_unused.
+int store_load_gguf(Store* s, const GgufFile* f, const ModelConfig* cfg, int* n_unused, char* err);
 
 void store_zero_grads(Store* s);
 // Add the gradient of every tied tensor into its owner's gradient (and zero the tied slot).

@@ -269,6 +269,25 @@ static void test_train_engine_cli(TestCtx* t) {
     for (int i = 0; i < na && i < nb; i++)
         CHECK(t, strcmp(la[i], lb[i]) == 0, "step %d: plain loss %s, engine loss %s", i + 1, la[i],
               lb[i]);
+    // --trace: valid JSON with every device's streams and the optimizer
+    char trace[1024], errb[ERR_LEN];
+    test_path(t, trace, sizeof trace, "trace.json");
+    snprintf(args, sizeof args, "%s --device cpu:4 --device-mem 4M --trace '%s'", common, trace);
+    rc = run_cli(t, "tracerun", args);
+    CHECK(t, rc == 0, "trace run exit %d", rc);
+    char* tj = file_read_all(trace, 64u << 20, NULL, errb);
+    CHECK(t, tj != NULL, "%s", errb);
+    if (tj) {
+        JsonDoc doc;
+        CHECK(t, json_parse(tj, strlen(tj), &doc, errb) == 0, "trace is not JSON: %s", errb);
+        const char* needles[] = {"\"cpu:0\"", "\"cpu:3\"", "\"host\"", "\"F1 mb0\"", "\"FB mb3\"",
+                                 "\"AdamW step 6\"", "\"params", "\"up ", "\"down ", "\"grads ",
+                                 "\"act_up\"", NULL};
+        for (int i = 0; needles[i]; i++)
+            CHECK(t, strstr(tj, needles[i]) != NULL, "trace lacks %s", needles[i]);
+        json_free(&doc);
+        free(tj);
+    }
     // --plan prints the partition and exits
     rc = run_cli(t, "plan", "--device cpu:4 --micro-batches 4 --device-mem 4M --plan");
     out = read_output(t, "plan", "out");

@@ -1,0 +1,1067 @@
+/*
+ * test_gpu.c — the CUDA backend (kernels/, ops_cuda) against the fp32 CPU reference (ops_cpu).
+ *
+ * Every op runs on fresh random inputs that are bf16 values (rounded on the host first), so both
+ * backends see the same numbers; the GPU result must match the CPU one within bf16 tolerances
+ * (relative L2 ~1e-2 for bf16 outputs, tighter for fp32 ones). Outputs are pre-filled with NaN
+ * where ops.h says "overwritten" and with random values where it says "accumulate", so the
+ * accumulation semantics are checked too. Then: bit-identical results when an op is run twice,
+ * the whole model (plain trainer, both test presets) on the GPU against the CPU, and the HF parity
+ * fixtures through the GPU path.
+ *
+ * Without a GPU (or in a build without CUDA) every test passes as "skipped", so `make test` stays
+ * green on CPU-only machines.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../common.h"
+#include "testing.h"
+
+#ifdef HAVE_CUDA
+
+#include "../../kernels/kernels.h"
+#include "../checkpoint.h"
+#include "../model.h"
+#include "../ops.h"
+#include "../plain.h"
+#include "../rng.h"
+#include "../safetensors.h"
+#include "../store.h"
+
+// ----------------------------------------------------------------------------
+// fixture: one CUDA context and one CPU context per test
+
+typedef struct Gpu {
+    const Ops* g;  // ops_cuda
+    void* gctx;
+    const Ops* c;  // ops_cpu
+    void* cctx;
+    Rng rng;
+} Gpu;
+
+// 0 when there is no GPU: the test then passes as skipped.
+static int gpu_open(TestCtx* t, Gpu* G, uint32_t seed) {
+    if (cuda_device_count() == 0) {
+        printf("  %s: no GPU: skipped\n", t->name);
+        return 0;
+    }
+    G->g = &ops_cuda;
+    G->gctx = ops_cuda_create(0, NULL);
+    G->c = &ops_cpu;
+    G->cctx = ops_cpu_create(t->n_threads);
+    rng_seed(&G->rng, seed);
+    return 1;
+}
+
+static void gpu_close(Gpu* G) {
+    ops_cuda_destroy(G->gctx);
+    ops_cpu_destroy(G->cctx);
+}
+
+static float bf16_value(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+// n random bf16 values (as floats) of the given scale.
+static float* rand_bf16(Gpu* G, size_t n, float scale) {
+    float* x = malloc_check((n > 0 ? n : 1) * sizeof(float));
+    for (size_t i = 0; i < n; i++) x[i] = bf16_value(scale * rng_normal(&G->rng));
+    return x;
+}
+
+static float* rand_f32(Gpu* G, size_t n, float scale) {
+    float* x = malloc_check((n > 0 ? n : 1) * sizeof(float));
+    for (size_t i = 0; i < n; i++) x[i] = scale * rng_normal(&G->rng);
+    return x;
+}
+
+static float* fill_f32(size_t n, float v) {
+    float* x = malloc_check((n > 0 ? n : 1) * sizeof(float));
+    for (size_t i = 0; i < n; i++) x[i] = v;
+    return x;
+}
+
+// Device bf16 buffer holding host floats (rounded to bf16 on upload).
+static void* dev_bf16(Gpu* G, const float* host, size_t n) {
+    void* d = G->g->alloc(G->gctx, (n > 0 ? n : 1) * 2);
+    G->g->upload_f32(G->gctx, d, host, n);
+    return d;
+}
+
+// Device fp32 / int32 buffer holding a raw host copy.
+static void* dev_raw(Gpu* G, const void* host, size_t bytes) {
+    void* d = G->g->alloc(G->gctx, bytes > 0 ? bytes : 4);
+    G->g->upload(G->gctx, d, host, bytes);
+    return d;
+}
+
+static float* host_bf16(Gpu* G, const void* dev, size_t n) {
+    float* h = malloc_check((n > 0 ? n : 1) * sizeof(float));
+    G->g->download_f32(G->gctx, h, dev, n);
+    return h;
+}
+
+static float* host_f32(Gpu* G, const void* dev, size_t n) {
+    float* h = malloc_check((n > 0 ? n : 1) * sizeof(float));
+    G->g->download(G->gctx, h, dev, n * sizeof(float));
+    return h;
+}
+
+// got vs want: relative L2 error <= tol and every element finite.
+static double check_rel(TestCtx* t, const char* what, const float* got, const float* want,
+                        size_t n, double tol) {
+    size_t bad = n;
+    for (size_t i = 0; i < n && bad == n; i++)
+        if (!isfinite(got[i])) bad = i;
+    double e = rel_l2_error(got, want, n);
+    CHECK(t, bad == n && e <= tol, "%s: relative L2 error %.3g (tol %.3g)%s", what, e, tol,
+          bad < n ? ", non-finite element" : "");
+    return e;
+}
+
+static void gfree(Gpu* G, void* p) { G->g->free(G->gctx, p); }
+
+// ----------------------------------------------------------------------------
+// device, memory ops
+
+static void test_gpu_device_and_memory(TestCtx* t) {
+    Gpu G;
+    if (!gpu_open(t, &G, 1)) return;
+    size_t fr = 0, tot = 0;
+    CHECK(t, cuda_device_memory(0, &fr, &tot) == 0 && tot > 0 && fr <= tot, "memory query");
+    const char* name = cuda_device_name(0);
+    CHECK(t, name && name[0] != '\0', "device name");
+    printf("  device 0: %s, %.1f GiB free of %.1f GiB\n", name, fr / 1073741824.0,
+           tot / 1073741824.0);
+    CHECK(t, strcmp(G.g->name, "cuda") == 0 && G.g->act_bytes == 2, "table identity");
+
+    // alloc is zeroed
+    const size_t n = 1003;
+    void* d = G.g->alloc(G.gctx, n * 2);
+    float* h = host_bf16(&G, d, n);
+    int zero = 1;
+    for (size_t i = 0; i < n; i++) zero &= h[i] == 0.0f;
+    CHECK(t, zero, "alloc must return zeroed memory");
+    free(h);
+
+    // upload_f32 rounds to nearest even bf16; download_f32 is exact
+    float* x = rand_f32(&G, n, 3.0f);
+    G.g->upload_f32(G.gctx, d, x, n);
+    h = host_bf16(&G, d, n);
+    int exact = 1;
+    for (size_t i = 0; i < n; i++) exact &= h[i] == bf16_value(x[i]);
+    CHECK(t, exact, "upload_f32/download_f32 must round to nearest even bf16");
+    free(h);
+
+    // copy and zero
+    void* d2 = G.g->alloc(G.gctx, n * 2);
+    G.g->copy(G.gctx, d2, d, n * 2);
+    h = host_bf16(&G, d2, n);
+    exact = 1;
+    for (size_t i = 0; i < n; i++) exact &= h[i] == bf16_value(x[i]);
+    CHECK(t, exact, "copy");
+    free(h);
+    G.g->zero(G.gctx, d2, 10 * 2);
+    h = host_bf16(&G, d2, n);
+    CHECK(t, h[0] == 0.0f && h[9] == 0.0f && h[10] == bf16_value(x[10]), "zero of a prefix");
+    free(h);
+
+    // raw bytes
+    int32_t ids[257];
+    for (int i = 0; i < 257; i++) ids[i] = (int32_t)rng_u32(&G.rng);
+    void* di = dev_raw(&G, ids, sizeof ids);
+    int32_t back[257];
+    G.g->download(G.gctx, back, di, sizeof back);
+    CHECK(t, memcmp(ids, back, sizeof ids) == 0, "raw upload/download");
+    G.g->synchronize(G.gctx);
+
+    // conversions larger than the staging chunk (32 MiB of fp32)
+    const size_t big = ((size_t)9 << 20) + 5;
+    float* xb = rand_f32(&G, big, 1.0f);
+    void* db = dev_bf16(&G, xb, big);
+    float* hb = host_bf16(&G, db, big);
+    exact = 1;
+    for (size_t i = 0; i < big; i++) exact &= hb[i] == bf16_value(xb[i]);
+    CHECK(t, exact, "chunked upload_f32/download_f32 of %zu elements", big);
+    free(xb);
+    free(hb);
+    gfree(&G, db);
+
+    free(x);
+    gfree(&G, d);
+    gfree(&G, d2);
+    gfree(&G, di);
+    gpu_close(&G);
+}
+
+// ----------------------------------------------------------------------------
+// embedding
+
+static void embedding_case(TestCtx* t, Gpu* G, int N, int C, int V, int id_range) {
+    char what[96];
+    int32_t* ids = malloc_check((size_t)N * sizeof(int32_t));
+    for (int i = 0; i < N; i++) {  // many repeats; a few ids at the top of the vocabulary
+        ids[i] = (int32_t)rng_below(&G->rng, (uint64_t)id_range);
+        if (i % 17 == 3) ids[i] = V - 1 - (int32_t)rng_below(&G->rng, 3);
+    }
+    float* wte = rand_bf16(G, (size_t)V * C, 1.0f);
+    float* out_c = malloc_check((size_t)N * C * sizeof(float));
+    G->c->embedding_forward(G->cctx, out_c, ids, wte, N, C);
+    void* d_ids = dev_raw(G, ids, (size_t)N * sizeof(int32_t));
+    void* d_wte = dev_bf16(G, wte, (size_t)V * C);
+    void* d_out = G->g->alloc(G->gctx, (size_t)N * C * 2);
+    G->g->embedding_forward(G->gctx, d_out, d_ids, d_wte, N, C);
+    float* out_g = host_bf16(G, d_out, (size_t)N * C);
+    snprintf(what, sizeof what, "embedding_forward N=%d C=%d", N, C);
+    CHECK(t, memcmp(out_g, out_c, (size_t)N * C * sizeof(float)) == 0, "%s: not exact", what);
+
+    // backward: dwte += scatter(dout), pre-filled
+    float* dout = rand_bf16(G, (size_t)N * C, 1.0f);
+    float* dwte_c = rand_f32(G, (size_t)V * C, 0.5f);
+    void* d_dwte = dev_raw(G, dwte_c, (size_t)V * C * sizeof(float));
+    void* d_dout = dev_bf16(G, dout, (size_t)N * C);
+    G->c->embedding_backward(G->cctx, dwte_c, dout, ids, N, C, V);
+    void* d_dwte2 = G->g->alloc(G->gctx, (size_t)V * C * sizeof(float));
+    G->g->copy(G->gctx, d_dwte2, d_dwte, (size_t)V * C * sizeof(float));
+    G->g->embedding_backward(G->gctx, d_dwte, d_dout, d_ids, N, C, V);
+    G->g->embedding_backward(G->gctx, d_dwte2, d_dout, d_ids, N, C, V);
+    float* dwte_g = host_f32(G, d_dwte, (size_t)V * C);
+    float* dwte_g2 = host_f32(G, d_dwte2, (size_t)V * C);
+    snprintf(what, sizeof what, "embedding_backward N=%d C=%d V=%d", N, C, V);
+    check_rel(t, what, dwte_g, dwte_c, (size_t)V * C, 1e-5);
+    CHECK(t, memcmp(dwte_g, dwte_g2, (size_t)V * C * sizeof(float)) == 0,
+          "%s: two runs differ", what);
+
+    free(ids);
+    free(wte);
+    free(out_c);
+    free(out_g);
+    free(dout);
+    free(dwte_c);
+    free(dwte_g);
+    free(dwte_g2);
+    gfree(G, d_ids);
+    gfree(G, d_wte);
+    gfree(G, d_out);
+    gfree(G, d_dwte);
+    gfree(G, d_dwte2);
+    gfree(G, d_dout);
+}
+
+static void test_gpu_embedding(TestCtx* t) {
+    Gpu G;
+    if (!gpu_open(t, &G, 2)) return;
+    embedding_case(t, &G, 300, 64, 1000, 40);     // two radix passes (keys need 10 bits)
+    embedding_case(t, &G, 77, 20, 97, 97);        // scalar path, one pass
+    embedding_case(t, &G, 2000, 256, 70000, 500);  // three passes, segments of ~4 rows
+    embedding_case(t, &G, 1000, 32, 300, 1);      // one id everywhere: one long segment
+    gpu_close(&G);
+}
+
+// ----------------------------------------------------------------------------
+// RMSNorm
+
+static void rmsnorm_case(TestCtx* t, Gpu* G, int N, int C, int residual) {
+    char what[96];
+    const size_t n = (size_t)N * C;
+    const float eps = 1e-5f;
+    float* a = rand_bf16(G, n, 1.0f);
+    float* b = rand_bf16(G, n, 1.0f);
+    float* w = rand_bf16(G, (size_t)C, 1.0f);
+    for (int c = 0; c < C; c++) w[c] = bf16_value(1.0f + 0.3f * w[c]);
+    float* out_c = malloc_check(n * sizeof(float));
+    float* res_c = malloc_check(n * sizeof(float));
+    float* rstd_c = malloc_check((size_t)N * sizeof(float));
+    void* d_a = dev_bf16(G, a, n);
+    void* d_b = dev_bf16(G, b, n);
+    void* d_w = dev_bf16(G, w, (size_t)C);
+    float* nan_n = fill_f32(n, NAN);
+    void* d_out = dev_bf16(G, nan_n, n);
+    void* d_rstd = G->g->alloc(G->gctx, (size_t)N * sizeof(float));
+    if (residual) {
+        G->c->residual_rmsnorm_forward(G->cctx, res_c, out_c, rstd_c, a, b, w, N, C, eps);
+        // res aliases a on the GPU (allowed by ops.h)
+        G->g->residual_rmsnorm_forward(G->gctx, d_a, d_out, d_rstd, d_a, d_b, d_w, N, C, eps);
+        float* res_g = host_bf16(G, d_a, n);
+        snprintf(what, sizeof what, "residual N=%d C=%d", N, C);
+        check_rel(t, what, res_g, res_c, n, 1e-2);
+        int exact = 1;  // the residual sum is bf16(a + b)
+        for (size_t i = 0; i < n; i++) exact &= res_g[i] == bf16_value(a[i] + b[i]);
+        CHECK(t, exact, "%s: res != bf16(a + b)", what);
+        free(res_g);
+    } else {
+        G->c->rmsnorm_forward(G->cctx, out_c, rstd_c, a, w, N, C, eps);
+        G->g->rmsnorm_forward(G->gctx, d_out, d_rstd, d_a, d_w, N, C, eps);
+    }
+    float* out_g = host_bf16(G, d_out, n);
+    float* rstd_g = host_f32(G, d_rstd, (size_t)N);
+    snprintf(what, sizeof what, "rmsnorm%s forward N=%d C=%d", residual ? "(+res)" : "", N, C);
+    check_rel(t, what, out_g, out_c, n, 1e-2);
+    snprintf(what, sizeof what, "rmsnorm%s rstd N=%d C=%d", residual ? "(+res)" : "", N, C);
+    check_rel(t, what, rstd_g, rstd_c, (size_t)N, 1e-5);
+
+    if (!residual) {  // backward: dinp += , dw += ; both pre-filled
+        float* dout = rand_bf16(G, n, 1.0f);
+        float* dinp_c = rand_bf16(G, n, 1.0f);
+        float* dw_c = rand_f32(G, (size_t)C, 1.0f);
+        void* d_dout = dev_bf16(G, dout, n);
+        void* d_dinp = dev_bf16(G, dinp_c, n);
+        void* d_dw = dev_raw(G, dw_c, (size_t)C * sizeof(float));
+        void* d_rc = dev_raw(G, rstd_c, (size_t)N * sizeof(float));  // same rstd for both
+        G->c->rmsnorm_backward(G->cctx, dinp_c, dw_c, dout, a, w, rstd_c, N, C);
+        G->g->rmsnorm_backward(G->gctx, d_dinp, d_dw, d_dout, d_a, d_w, d_rc, N, C);
+        float* dinp_g = host_bf16(G, d_dinp, n);
+        float* dw_g = host_f32(G, d_dw, (size_t)C);
+        snprintf(what, sizeof what, "rmsnorm backward dinp N=%d C=%d", N, C);
+        check_rel(t, what, dinp_g, dinp_c, n, 1e-2);
+        snprintf(what, sizeof what, "rmsnorm backward dw N=%d C=%d", N, C);
+        check_rel(t, what, dw_g, dw_c, (size_t)C, 1e-4);
+        free(dout);
+        free(dinp_c);
+        free(dw_c);
+        free(dinp_g);
+        free(dw_g);
+        gfree(G, d_dout);
+        gfree(G, d_dinp);
+        gfree(G, d_dw);
+        gfree(G, d_rc);
+    }
+    free(a);
+    free(b);
+    free(w);
+    free(out_c);
+    free(res_c);
+    free(rstd_c);
+    free(nan_n);
+    free(out_g);
+    free(rstd_g);
+    gfree(G, d_a);
+    gfree(G, d_b);
+    gfree(G, d_w);
+    gfree(G, d_out);
+    gfree(G, d_rstd);
+}
+
+static void test_gpu_rmsnorm(TestCtx* t) {
+    Gpu G;
+    if (!gpu_open(t, &G, 3)) return;
+    rmsnorm_case(t, &G, 70, 256, 0);
+    rmsnorm_case(t, &G, 33, 36, 0);      // scalar path
+    rmsnorm_case(t, &G, 600, 2048, 0);   // several rows per block in the backward
+    rmsnorm_case(t, &G, 70, 256, 1);
+    rmsnorm_case(t, &G, 33, 36, 1);
+    gpu_close(&G);
+}
+
+// ----------------------------------------------------------------------------
+// matmul
+
+// w_offset shifts the weight by that many elements inside its buffer (misaligned pointers).
+static void matmul_case(TestCtx* t, Gpu* G, int N, int IC, int OC, int with_bias, int w_offset) {
+    char what[128];
+    snprintf(what, sizeof what, "matmul N=%d IC=%d OC=%d bias=%d woff=%d", N, IC, OC, with_bias,
+             w_offset);
+    float* x = rand_bf16(G, (size_t)N * IC, 1.0f);
+    float* w = rand_bf16(G, (size_t)OC * IC, 0.1f);
+    float* bias = with_bias ? rand_bf16(G, (size_t)OC, 1.0f) : NULL;
+    float* out_c = malloc_check((size_t)N * OC * sizeof(float));
+    G->c->matmul_forward(G->cctx, out_c, x, w, bias, N, IC, OC);
+
+    void* d_x = dev_bf16(G, x, (size_t)N * IC);
+    char* d_wbuf = G->g->alloc(G->gctx, ((size_t)OC * IC + w_offset) * 2);
+    void* d_w = d_wbuf + (size_t)w_offset * 2;
+    G->g->upload_f32(G->gctx, d_w, w, (size_t)OC * IC);
+    void* d_bias = bias ? dev_bf16(G, bias, (size_t)OC) : NULL;
+    float* nan_out = fill_f32((size_t)N * OC, NAN);
+    void* d_out = dev_bf16(G, nan_out, (size_t)N * OC);
+    G->g->matmul_forward(G->gctx, d_out, d_x, d_w, d_bias, N, IC, OC);
+    float* out_g = host_bf16(G, d_out, (size_t)N * OC);
+    check_rel(t, what, out_g, out_c, (size_t)N * OC, 1e-2);
+
+    // backward: dinp overwritten (NaN pre-fill), dw and dbias accumulate (random pre-fill)
+    float* dout = rand_bf16(G, (size_t)N * OC, 1.0f);
+    float* dinp_c = malloc_check((size_t)N * IC * sizeof(float));
+    float* dw_c = rand_f32(G, (size_t)OC * IC, 1.0f);
+    float* db_c = rand_f32(G, (size_t)OC, 1.0f);
+    void* d_dout = dev_bf16(G, dout, (size_t)N * OC);
+    float* nan_in = fill_f32((size_t)N * IC, NAN);
+    void* d_dinp = dev_bf16(G, nan_in, (size_t)N * IC);
+    void* d_dw = dev_raw(G, dw_c, (size_t)OC * IC * sizeof(float));
+    void* d_db = dev_raw(G, db_c, (size_t)OC * sizeof(float));
+    G->c->matmul_backward(G->cctx, dinp_c, dw_c, with_bias ? db_c : NULL, dout, x, w, N, IC, OC);
+    G->g->matmul_backward(G->gctx, d_dinp, d_dw, with_bias ? d_db : NULL, d_dout, d_x, d_w, N,
+                          IC, OC);
+    float* dinp_g = host_bf16(G, d_dinp, (size_t)N * IC);
+    float* dw_g = host_f32(G, d_dw, (size_t)OC * IC);
+    float* db_g = host_f32(G, d_db, (size_t)OC);
+    char w2[160];
+    snprintf(w2, sizeof w2, "%s dinp", what);
+    check_rel(t, w2, dinp_g, dinp_c, (size_t)N * IC, 1e-2);
+    snprintf(w2, sizeof w2, "%s dw", what);
+    check_rel(t, w2, dw_g, dw_c, (size_t)OC * IC, 1e-4);
+    snprintf(w2, sizeof w2, "%s dbias", what);
+    check_rel(t, w2, db_g, db_c, (size_t)OC, 1e-5);
+
+    free(x);
+    free(w);
+    free(bias);
+    free(out_c);
+    free(out_g);
+    free(nan_out);
+    free(nan_in);
+    free(dout);
+    free(dinp_c);
+    free(dw_c);
+    free(db_c);
+    free(dinp_g);
+    free(dw_g);
+    free(db_g);
+    gfree(G, d_x);
+    gfree(G, d_wbuf);
+    if (d_bias) gfree(G, d_bias);
+    gfree(G, d_out);
+    gfree(G, d_dout);
+    gfree(G, d_dinp);
+    gfree(G, d_dw);
+    gfree(G, d_db);
+}
+
+static void test_gpu_matmul(TestCtx* t) {
+    Gpu G;
+    if (!gpu_open(t, &G, 4)) return;
+    matmul_case(t, &G, 64, 128, 96, 1, 0);
+    matmul_case(t, &G, 64, 128, 96, 0, 0);
+    matmul_case(t, &G, 37, 24, 40, 1, 0);
+    matmul_case(t, &G, 37, 24, 40, 0, 1);   // 2-byte aligned weight
+    matmul_case(t, &G, 5, 36, 12, 0, 3);    // odd everything
+    matmul_case(t, &G, 1, 64, 300, 1, 0);   // one row (generation)
+    matmul_case(t, &G, 512, 768, 1024, 1, 0);
+    gpu_close(&G);
+}
+
+// ----------------------------------------------------------------------------
+// QK-norm + RoPE
+
+static void rope_case(TestCtx* t, Gpu* G, int B, int T, int H, int KVH, int HD, int normed) {
+    char what[128];
+    snprintf(what, sizeof what, "qknorm_rope B=%d T=%d H=%d KVH=%d HD=%d norm=%d", B, T, H, KVH,
+             HD, normed);
+    const int N = B * T, QKV = (H + 2 * KVH) * HD, half = HD / 2, heads = H + KVH;
+    const size_t n = (size_t)N * QKV;
+    const float eps = 1e-6f;
+    float* inp = rand_bf16(G, n, 1.0f);
+    float* qw = normed ? rand_bf16(G, (size_t)HD, 1.0f) : NULL;
+    float* kw = normed ? rand_bf16(G, (size_t)HD, 1.0f) : NULL;
+    for (int i = 0; normed && i < HD; i++) {
+        qw[i] = bf16_value(1.0f + 0.3f * qw[i]);
+        kw[i] = bf16_value(1.0f + 0.3f * kw[i]);
+    }
+    float* cs = malloc_check((size_t)T * half * sizeof(float));
+    float* sn = malloc_check((size_t)T * half * sizeof(float));
+    for (int p = 0; p < T; p++)
+        for (int i = 0; i < half; i++) {
+            float ang = (float)p * powf(10000.0f, -2.0f * i / HD);
+            cs[(size_t)p * half + i] = cosf(ang);
+            sn[(size_t)p * half + i] = sinf(ang);
+        }
+    float* out_c = malloc_check(n * sizeof(float));
+    float* rstd_c = fill_f32((size_t)N * heads, 0.0f);
+    G->c->qknorm_rope_forward(G->cctx, out_c, normed ? rstd_c : NULL, inp, qw, kw, cs, sn, B, T,
+                              H, KVH, HD, eps);
+    void* d_inp = dev_bf16(G, inp, n);
+    void* d_qw = normed ? dev_bf16(G, qw, (size_t)HD) : NULL;
+    void* d_kw = normed ? dev_bf16(G, kw, (size_t)HD) : NULL;
+    void* d_cs = dev_raw(G, cs, (size_t)T * half * sizeof(float));
+    void* d_sn = dev_raw(G, sn, (size_t)T * half * sizeof(float));
+    float* nan_n = fill_f32(n, NAN);
+    void* d_out = dev_bf16(G, nan_n, n);
+    void* d_rstd = G->g->alloc(G->gctx, (size_t)N * heads * sizeof(float));
+    G->g->qknorm_rope_forward(G->gctx, d_out, normed ? d_rstd : NULL, d_inp, d_qw, d_kw, d_cs,
+                              d_sn, B, T, H, KVH, HD, eps);
+    float* out_g = host_bf16(G, d_out, n);
+    check_rel(t, what, out_g, out_c, n, 1e-2);
+    int v_exact = 1;  // v is copied
+    for (int r = 0; r < N; r++)
+        for (int e = heads * HD; e < QKV; e++)
+            v_exact &= out_g[(size_t)r * QKV + e] == inp[(size_t)r * QKV + e];
+    CHECK(t, v_exact, "%s: v part not copied exactly", what);
+    if (normed) {
+        float* rstd_g = host_f32(G, d_rstd, (size_t)N * heads);
+        char w2[160];
+        snprintf(w2, sizeof w2, "%s rstd", what);
+        check_rel(t, w2, rstd_g, rstd_c, (size_t)N * heads, 1e-5);
+        free(rstd_g);
+    }
+
+    // backward: dinp overwritten, norm-weight gradients accumulate
+    float* dout = rand_bf16(G, n, 1.0f);
+    float* dinp_c = malloc_check(n * sizeof(float));
+    float* dqw_c = rand_f32(G, (size_t)HD, 1.0f);
+    float* dkw_c = rand_f32(G, (size_t)HD, 1.0f);
+    void* d_dout = dev_bf16(G, dout, n);
+    void* d_dinp = dev_bf16(G, nan_n, n);
+    void* d_dqw = dev_raw(G, dqw_c, (size_t)HD * sizeof(float));
+    void* d_dkw = dev_raw(G, dkw_c, (size_t)HD * sizeof(float));
+    void* d_rc = dev_raw(G, rstd_c, (size_t)N * heads * sizeof(float));
+    G->c->qknorm_rope_backward(G->cctx, dinp_c, normed ? dqw_c : NULL, normed ? dkw_c : NULL,
+                               dout, inp, qw, kw, rstd_c, cs, sn, B, T, H, KVH, HD);
+    G->g->qknorm_rope_backward(G->gctx, d_dinp, normed ? d_dqw : NULL, normed ? d_dkw : NULL,
+                               d_dout, d_inp, d_qw, d_kw, d_rc, d_cs, d_sn, B, T, H, KVH, HD);
+    float* dinp_g = host_bf16(G, d_dinp, n);
+    char w2[160];
+    snprintf(w2, sizeof w2, "%s dinp", what);
+    check_rel(t, w2, dinp_g, dinp_c, n, 1e-2);
+    if (normed) {
+        float* dqw_g = host_f32(G, d_dqw, (size_t)HD);
+        float* dkw_g = host_f32(G, d_dkw, (size_t)HD);
+        snprintf(w2, sizeof w2, "%s dq_norm_w", what);
+        check_rel(t, w2, dqw_g, dqw_c, (size_t)HD, 2e-2);
+        snprintf(w2, sizeof w2, "%s dk_norm_w", what);
+        check_rel(t, w2, dkw_g, dkw_c, (size_t)HD, 2e-2);
+        free(dqw_g);
+        free(dkw_g);
+    }
+    free(inp);
+    free(qw);
+    free(kw);
+    free(cs);
+    free(sn);
+    free(out_c);
+    free(rstd_c);
+    free(out_g);
+    free(nan_n);
+    free(dout);
+    free(dinp_c);
+    free(dqw_c);
+    free(dkw_c);
+    free(dinp_g);
+    void* bufs[] = {d_inp, d_qw, d_kw, d_cs, d_sn, d_out, d_rstd, d_dout, d_dinp, d_dqw, d_dkw,
+                    d_rc};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        if (bufs[i]) gfree(G, bufs[i]);
+}
+
+static void test_gpu_qknorm_rope(TestCtx* t) {
+    Gpu G;
+    if (!gpu_open(t, &G, 5)) return;
+    rope_case(t, &G, 2, 5, 4, 2, 16, 1);
+    rope_case(t, &G, 2, 5, 4, 2, 16, 0);
+    rope_case(t, &G, 1, 7, 4, 2, 12, 0);    // test-llama head dim, scalar path
+    rope_case(t, &G, 1, 7, 4, 2, 12, 1);
+    rope_case(t, &G, 2, 300, 16, 8, 128, 1);  // Qwen3-1.7B heads, many rows per block
+    gpu_close(&G);
+}
+
+// ----------------------------------------------------------------------------
+// attention
+
+static void attention_case(TestCtx* t, Gpu* G, int B, int T, int H, int KVH, int HD) {
+    char what[128];
+    snprintf(what, sizeof what, "attention B=%d T=%d H=%d KVH=%d HD=%d", B, T, H, KVH, HD);
+    const int N = B * T, QKV = (H + 2 * KVH) * HD, OD = H * HD;
+    float* qkv = rand_bf16(G, (size_t)N * QKV, 1.0f);
+    float* out_c = malloc_check((size_t)N * OD * sizeof(float));
+    float* lse_c = malloc_check((size_t)B * H * T * sizeof(float));
+    G->c->attention_forward(G->cctx, out_c, lse_c, qkv, B, T, H, KVH, HD);
+    void* d_qkv = dev_bf16(G, qkv, (size_t)N * QKV);
+    float* nan_o = fill_f32((size_t)N * QKV, NAN);
+    void* d_out = dev_bf16(G, nan_o, (size_t)N * OD);
+    void* d_lse = G->g->alloc(G->gctx, (size_t)B * H * T * sizeof(float));
+    G->g->attention_forward(G->gctx, d_out, d_lse, d_qkv, B, T, H, KVH, HD);
+    float* out_g = host_bf16(G, d_out, (size_t)N * OD);
+    float* lse_g = host_f32(G, d_lse, (size_t)B * H * T);
+    check_rel(t, what, out_g, out_c, (size_t)N * OD, 1e-2);
+    char w2[160];
+    snprintf(w2, sizeof w2, "%s lse", what);
+    check_rel(t, w2, lse_g, lse_c, (size_t)B * H * T, 1e-4);
+
+    // backward, both backends on the same (bf16-rounded) out and lse
+    for (size_t i = 0; i < (size_t)N * OD; i++) out_c[i] = bf16_value(out_c[i]);
+    float* dout = rand_bf16(G, (size_t)N * OD, 1.0f);
+    float* dqkv_c = malloc_check((size_t)N * QKV * sizeof(float));
+    G->c->attention_backward(G->cctx, dqkv_c, dout, qkv, out_c, lse_c, B, T, H, KVH, HD);
+    void* d_dout = dev_bf16(G, dout, (size_t)N * OD);
+    void* d_oc = dev_bf16(G, out_c, (size_t)N * OD);
+    void* d_lc = dev_raw(G, lse_c, (size_t)B * H * T * sizeof(float));
+    void* d_dqkv = dev_bf16(G, nan_o, (size_t)N * QKV);
+    G->g->attention_backward(G->gctx, d_dqkv, d_dout, d_qkv, d_oc, d_lc, B, T, H, KVH, HD);
+    float* dqkv_g = host_bf16(G, d_dqkv, (size_t)N * QKV);
+    snprintf(w2, sizeof w2, "%s dqkv", what);
+    check_rel(t, w2, dqkv_g, dqkv_c, (size_t)N * QKV, 2e-2);
+
+    free(qkv);
+    free(out_c);
+    free(lse_c);
+    free(nan_o);
+    free(out_g);
+    free(lse_g);
+    free(dout);
+    free(dqkv_c);
+    free(dqkv_g);
+    void* bufs[] = {d_qkv, d_out, d_lse, d_dout, d_oc, d_lc, d_dqkv};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) gfree(G, bufs[i]);
+}
+
+static void test_gpu_attention(TestCtx* t) {
+    Gpu G;
+    if (!gpu_open(t, &G, 6)) return;
+    attention_case(t, &G, 2, 33, 4, 2, 16);   // flash path
+    attention_case(t, &G, 1, 20, 4, 1, 12);   // simple path (head dim 12)
+    attention_case(t, &G, 1, 130, 2, 1, 128);  // flash path, several tiles
+    attention_case(t, &G, 2, 17, 4, 2, 32);
+    gpu_close(&G);
+}
+
+// ----------------------------------------------------------------------------
+// SwiGLU, add
+
+static void swiglu_case(TestCtx* t, Gpu* G, int N, int F) {
+    char what[96];
+    const size_t n = (size_t)N * F;
+    float* gu = rand_bf16(G, 2 * n, 2.0f);
+    float* out_c = malloc_check(n * sizeof(float));
+    G->c->swiglu_forward(G->cctx, out_c, gu, N, F);
+    void* d_gu = dev_bf16(G, gu, 2 * n);
+    float* nan2 = fill_f32(2 * n, NAN);
+    void* d_out = dev_bf16(G, nan2, n);
+    G->g->swiglu_forward(G->gctx, d_out, d_gu, N, F);
+    float* out_g = host_bf16(G, d_out, n);
+    snprintf(what, sizeof what, "swiglu forward N=%d F=%d", N, F);
+    check_rel(t, what, out_g, out_c, n, 1e-2);
+    float* dout = rand_bf16(G, n, 1.0f);
+    float* dgu_c = malloc_check(2 * n * sizeof(float));
+    G->c->swiglu_backward(G->cctx, dgu_c, dout, gu, N, F);
+    void* d_dout = dev_bf16(G, dout, n);
+    void* d_dgu = dev_bf16(G, nan2, 2 * n);
+    G->g->swiglu_backward(G->gctx, d_dgu, d_dout, d_gu, N, F);
+    float* dgu_g = host_bf16(G, d_dgu, 2 * n);
+    snprintf(what, sizeof what, "swiglu backward N=%d F=%d", N, F);
+    check_rel(t, what, dgu_g, dgu_c, 2 * n, 1e-2);
+    free(gu);
+    free(out_c);
+    free(nan2);
+    free(out_g);
+    free(dout);
+    free(dgu_c);
+    free(dgu_g);
+    gfree(G, d_gu);
+    gfree(G, d_out);
+    gfree(G, d_dout);
+    gfree(G, d_dgu);
+}
+
+static void test_gpu_swiglu_add(TestCtx* t) {
+    Gpu G;
+    if (!gpu_open(t, &G, 7)) return;
+    swiglu_case(t, &G, 17, 64);
+    swiglu_case(t, &G, 9, 20);  // scalar path
+    swiglu_case(t, &G, 300, 1536);
+    // add: out = bf16(a + b) exactly, with the 16-byte path and a scalar tail; out may alias a
+    const size_t sizes[2] = {1000, 1003};
+    for (int k = 0; k < 2; k++) {
+        size_t n = sizes[k];
+        float* a = rand_bf16(&G, n, 1.0f);
+        float* b = rand_bf16(&G, n, 1.0f);
+        void* d_a = dev_bf16(&G, a, n);
+        void* d_b = dev_bf16(&G, b, n);
+        void* d_o = G.g->alloc(G.gctx, n * 2);
+        G.g->add(G.gctx, d_o, d_a, d_b, n);
+        G.g->add(G.gctx, d_a, d_a, d_b, n);
+        float* o = host_bf16(&G, d_o, n);
+        float* o2 = host_bf16(&G, d_a, n);
+        int exact = 1;
+        for (size_t i = 0; i < n; i++) exact &= o[i] == bf16_value(a[i] + b[i]) && o2[i] == o[i];
+        CHECK(t, exact, "add n=%zu: out != bf16(a + b)", n);
+        free(a);
+        free(b);
+        free(o);
+        free(o2);
+        gfree(&G, d_a);
+        gfree(&G, d_b);
+        gfree(&G, d_o);
+    }
+    gpu_close(&G);
+}
+
+// ----------------------------------------------------------------------------
+// cross-entropy
+
+static void xent_case(TestCtx* t, Gpu* G, int n, int V, int compute_grad) {
+    char what[96];
+    snprintf(what, sizeof what, "crossentropy n=%d V=%d grad=%d", n, V, compute_grad);
+    const size_t nv = (size_t)n * V;
+    float* z = rand_bf16(G, nv, 3.0f);
+    int32_t* tg = malloc_check((size_t)n * sizeof(int32_t));
+    for (int i = 0; i < n; i++) tg[i] = (int32_t)rng_below(&G->rng, (uint64_t)V);
+    tg[n / 2] = -1;  // ignored
+    tg[0] = V - 1;
+    void* d_z = dev_bf16(G, z, nv);
+    void* d_tg = dev_raw(G, tg, (size_t)n * sizeof(int32_t));
+    float* nanl = fill_f32((size_t)n, NAN);
+    void* d_loss = dev_raw(G, nanl, (size_t)n * sizeof(float));
+    float* loss_c = malloc_check((size_t)n * sizeof(float));
+    const float scale = 0.25f;
+    G->c->crossentropy_forward_backward(G->cctx, z, loss_c, tg, n, V, scale, compute_grad);
+    G->g->crossentropy_forward_backward(G->gctx, d_z, d_loss, d_tg, n, V, scale, compute_grad);
+    float* loss_g = host_f32(G, d_loss, (size_t)n);
+    check_rel(t, what, loss_g, loss_c, (size_t)n, 1e-5);
+    CHECK(t, loss_g[n / 2] == 0.0f, "%s: ignored target has loss %g", what, loss_g[n / 2]);
+    float* zg = host_bf16(G, d_z, nv);
+    char w2[128];
+    snprintf(w2, sizeof w2, "%s dlogits", what);
+    check_rel(t, w2, zg, z, nv, compute_grad ? 1e-2 : 0.0);
+    if (compute_grad) {
+        int zero = 1;
+        for (int j = 0; j < V; j++) zero &= zg[(size_t)(n / 2) * V + j] == 0.0f;
+        CHECK(t, zero, "%s: ignored row must have a zero gradient", what);
+    }
+    free(z);
+    free(tg);
+    free(nanl);
+    free(loss_c);
+    free(loss_g);
+    free(zg);
+    gfree(G, d_z);
+    gfree(G, d_tg);
+    gfree(G, d_loss);
+}
+
+static void test_gpu_crossentropy(TestCtx* t) {
+    Gpu G;
+    if (!gpu_open(t, &G, 8)) return;
+    xent_case(t, &G, 7, 1000, 1);
+    xent_case(t, &G, 7, 1000, 0);
+    xent_case(t, &G, 5, 97, 1);  // scalar path
+    xent_case(t, &G, 3, 151936, 1);  // Qwen3 vocabulary
+    gpu_close(&G);
+}
+
+// ----------------------------------------------------------------------------
+// determinism: every op with a reduction, twice on the same inputs, bit for bit
+
+static int same_device_bytes(Gpu* G, const void* a, const void* b, size_t bytes) {
+    char* ha = malloc_check(bytes);
+    char* hb = malloc_check(bytes);
+    G->g->download(G->gctx, ha, a, bytes);
+    G->g->download(G->gctx, hb, b, bytes);
+    int same = memcmp(ha, hb, bytes) == 0;
+    free(ha);
+    free(hb);
+    return same;
+}
+
+static void test_gpu_determinism(TestCtx* t) {
+    Gpu G;
+    if (!gpu_open(t, &G, 9)) return;
+    const int N = 4096, C = 512, OC = 384, B = 2, T = 256, H = 8, KVH = 4, HD = 64;
+    const int QKV = (H + 2 * KVH) * HD;
+    float* x = rand_bf16(&G, (size_t)N * C, 1.0f);
+    float* dy = rand_bf16(&G, (size_t)N * QKV, 1.0f);
+    float* w = rand_bf16(&G, (size_t)QKV * C, 0.1f);
+    float* rs = fill_f32((size_t)N * (H + KVH), 1.3f);
+    void* d_x = dev_bf16(&G, x, (size_t)N * C);
+    void* d_dy = dev_bf16(&G, dy, (size_t)N * QKV);
+    void* d_w = dev_bf16(&G, w, (size_t)QKV * C);
+    void* d_rs = dev_raw(&G, rs, (size_t)N * (H + KVH) * sizeof(float));
+    void* o1 = G.g->alloc(G.gctx, (size_t)N * QKV * 4);
+    void* o2 = G.g->alloc(G.gctx, (size_t)N * QKV * 4);
+    void* f1 = G.g->alloc(G.gctx, (size_t)QKV * C * 4);
+    void* f2 = G.g->alloc(G.gctx, (size_t)QKV * C * 4);
+
+    // rmsnorm backward (dinp and dw)
+    for (int r = 0; r < 2; r++)
+        G.g->rmsnorm_backward(G.gctx, r ? o2 : o1, r ? f2 : f1, d_dy, d_x, d_w, d_rs, N, C);
+    CHECK(t, same_device_bytes(&G, o1, o2, (size_t)N * C * 2) &&
+                 same_device_bytes(&G, f1, f2, (size_t)C * 4), "rmsnorm_backward differs");
+    // matmul backward (dinp, dW, dbias)
+    G.g->zero(G.gctx, f1, (size_t)QKV * C * 4);
+    G.g->zero(G.gctx, f2, (size_t)QKV * C * 4);
+    for (int r = 0; r < 2; r++)
+        G.g->matmul_backward(G.gctx, r ? o2 : o1, r ? f2 : f1, NULL, d_dy, d_x, d_w, N, C, OC);
+    CHECK(t, same_device_bytes(&G, o1, o2, (size_t)N * C * 2) &&
+                 same_device_bytes(&G, f1, f2, (size_t)OC * C * 4), "matmul_backward differs");
+    // qknorm_rope backward (dinp, norm weights): the x buffer doubles as qkv input
+    float* cs = fill_f32((size_t)T * HD / 2, 0.6f);
+    float* sn = fill_f32((size_t)T * HD / 2, 0.8f);
+    void* d_cs = dev_raw(&G, cs, (size_t)T * HD / 2 * 4);
+    void* d_sn = dev_raw(&G, sn, (size_t)T * HD / 2 * 4);
+    void* d_qkv = dev_bf16(&G, dy, (size_t)B * T * QKV);
+    void* d_nw = dev_bf16(&G, w, (size_t)HD);
+    G.g->zero(G.gctx, f1, (size_t)2 * HD * 4);
+    G.g->zero(G.gctx, f2, (size_t)2 * HD * 4);
+    for (int r = 0; r < 2; r++) {
+        float* f = r ? f2 : f1;
+        G.g->qknorm_rope_backward(G.gctx, r ? o2 : o1, f, f + HD, d_dy, d_qkv, d_nw, d_nw, d_rs,
+                                  d_cs, d_sn, B, T, H, KVH, HD);
+    }
+    CHECK(t, same_device_bytes(&G, o1, o2, (size_t)B * T * QKV * 2) &&
+                 same_device_bytes(&G, f1, f2, (size_t)2 * HD * 4),
+          "qknorm_rope_backward differs");
+    // attention backward
+    void* d_att = G.g->alloc(G.gctx, (size_t)B * T * H * HD * 2);
+    void* d_lse = G.g->alloc(G.gctx, (size_t)B * H * T * 4);
+    G.g->attention_forward(G.gctx, d_att, d_lse, d_qkv, B, T, H, KVH, HD);
+    for (int r = 0; r < 2; r++)
+        G.g->attention_backward(G.gctx, r ? o2 : o1, d_x, d_qkv, d_att, d_lse, B, T, H, KVH, HD);
+    CHECK(t, same_device_bytes(&G, o1, o2, (size_t)B * T * QKV * 2),
+          "attention_backward differs");
+    // cross-entropy
+    const int n = 64, V = 5000;
+    int32_t tg[64];
+    for (int i = 0; i < n; i++) tg[i] = (int32_t)rng_below(&G.rng, V);
+    void* d_tg = dev_raw(&G, tg, sizeof tg);
+    G.g->copy(G.gctx, o2, d_dy, (size_t)n * V * 2);
+    G.g->copy(G.gctx, o1, d_dy, (size_t)n * V * 2);
+    for (int r = 0; r < 2; r++)
+        G.g->crossentropy_forward_backward(G.gctx, r ? o2 : o1, (float*)(r ? f2 : f1), d_tg, n, V,
+                                           0.5f, 1);
+    CHECK(t, same_device_bytes(&G, o1, o2, (size_t)n * V * 2) &&
+                 same_device_bytes(&G, f1, f2, (size_t)n * 4), "crossentropy differs");
+
+    free(x);
+    free(dy);
+    free(w);
+    free(rs);
+    free(cs);
+    free(sn);
+    void* bufs[] = {d_x, d_dy, d_w, d_rs, o1, o2, f1, f2, d_cs, d_sn, d_qkv, d_nw, d_att, d_lse,
+                    d_tg};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) gfree(&G, bufs[i]);
+    gpu_close(&G);
+}
+
+// ----------------------------------------------------------------------------
+// the whole model: plain trainer on the GPU vs the CPU
+
+static int64_t grads_total(const Model* m) {
+    int64_t n = 0;
+    for (int l = 0; l < m->tt.n_layers; l++) n += m->tt.grad_numel[l];
+    return n;
+}
+
+static float* grads_flat(const Model* m, const Store* s) {
+    float* out = malloc_check((size_t)grads_total(m) * sizeof(float));
+    int64_t o = 0;
+    for (int l = 0; l < m->tt.n_layers; l++) {
+        memcpy(out + o, s->grad[l], (size_t)m->tt.grad_numel[l] * sizeof(float));
+        o += m->tt.grad_numel[l];
+    }
+    return out;
+}
+
+// Round every parameter of the store to a bf16 value (so both backends see the same weights).
+static void store_round_bf16(const Model* m, Store* s) {
+    for (int l = 0; l < m->tt.n_layers; l++)
+        for (int64_t i = 0; i < m->tt.param_numel[l]; i++)
+            s->param[l][i] = bf16_value(s->param[l][i]);
+}
+
+// Mean loss and folded gradients (into s) of one batch on a backend.
+static double run_batch(const Model* m, Store* s, const Ops* ops, void* ctx, const int32_t* tokens,
+                        int B, int T, int recompute) {
+    Plain* p = plain_create(m, s, ops, ctx, B, T, recompute);
+    const double N = (double)B * T;
+    store_zero_grads(s);
+    double loss = plain_forward_backward(p, tokens, B, T, (float)(1.0 / N)) / N;
+    plain_sync_grads(p);
+    store_fold_tied_grads(s);
+    plain_free(p);
+    return loss;
+}
+
+// Per-tensor relative L2 errors of the GPU gradients against the reference; returns the worst.
+static double compare_tensor_grads(TestCtx* t, const char* label, const Model* m, const Store* got,
+                                   const Store* want, double tol) {
+    double worst = 0.0;
+    const char* worst_name = "";
+    for (int i = 0; i < m->tt.n; i++) {
+        const TensorDesc* d = &m->tt.t[i];
+        if (d->tied_to >= 0) continue;
+        double e = rel_l2_error(store_grad(got, i), store_grad(want, i), (size_t)d->numel);
+        CHECK(t, e <= tol, "%s %s: gradient relative L2 error %.3g (tol %.3g)", label, d->name, e,
+              tol);
+        if (!(e <= worst)) {
+            worst = e;
+            worst_name = d->name;
+        }
+    }
+    printf("  %s: worst tensor gradient error %.3g (%s)\n", label, worst, worst_name);
+    return worst;
+}
+
+static void model_case(TestCtx* t, Gpu* G, const char* preset) {
+    char err[ERR_LEN];
+    ModelConfig cfg;
+    CHECK(t, config_from_preset(&cfg, preset, err) == 0, "%s", err);
+    Model m;
+    if (model_init(&m, &cfg, 0, err) != 0) {
+        CHECK(t, 0, "model_init %s: %s", preset, err);
+        return;
+    }
+    Store sc, sg;
+    store_create(&sc, &m.tt);
+    store_create(&sg, &m.tt);
+    store_init_random(&sc, 17, 0.3f);
+    Rng r;
+    rng_seed(&r, 18);
+    for (int i = 0; i < m.tt.n; i++) {  // perturb the norms so their gradients matter
+        const TensorDesc* d = &m.tt.t[i];
+        if (d->tied_to >= 0 || d->ndim != 1) continue;
+        float* p = store_param(&sc, i);
+        for (int64_t j = 0; j < d->numel; j++) p[j] = 1.0f + 0.2f * rng_normal(&r);
+    }
+    store_round_bf16(&m, &sc);
+    for (int l = 0; l < m.tt.n_layers; l++)
+        memcpy(sg.param[l], sc.param[l], (size_t)m.tt.param_numel[l] * sizeof(float));
+    const int B = 2, T = 48;
+    int32_t* tokens = malloc_check((size_t)B * (T + 1) * sizeof(int32_t));
+    for (int i = 0; i < B * (T + 1); i++) tokens[i] = (int32_t)rng_below(&r, (uint64_t)cfg.V);
+
+    double lc = run_batch(&m, &sc, G->c, G->cctx, tokens, B, T, 0);
+    double lg = run_batch(&m, &sg, G->g, G->gctx, tokens, B, T, 0);
+    printf("  %s: loss cpu %.6f gpu %.6f\n", preset, lc, lg);
+    CHECK(t, fabs(lg - lc) <= 1e-2 * fabs(lc), "%s: loss %.6f on the GPU vs %.6f on the CPU",
+          preset, lg, lc);
+    float* gc = grads_flat(&m, &sc);
+    float* gg = grads_flat(&m, &sg);
+    const size_t ng = (size_t)grads_total(&m);
+    char label[96];
+    snprintf(label, sizeof label, "%s all gradients", preset);
+    check_rel(t, label, gg, gc, ng, 3e-2);
+    snprintf(label, sizeof label, "%s gpu vs cpu", preset);
+    compare_tensor_grads(t, label, &m, &sg, &sc, 6e-2);
+
+    // recompute and a second run: the same bits
+    double lg2 = run_batch(&m, &sg, G->g, G->gctx, tokens, B, T, 1);
+    float* gg2 = grads_flat(&m, &sg);
+    CHECK(t, lg2 == lg && memcmp(gg, gg2, ng * sizeof(float)) == 0,
+          "%s: GPU recompute run differs from the first run (loss %.9g vs %.9g)", preset, lg2,
+          lg);
+
+    free(gc);
+    free(gg);
+    free(gg2);
+    free(tokens);
+    store_free(&sc);
+    store_free(&sg);
+    model_free(&m);
+}
+
+static void test_gpu_model(TestCtx* t) {
+    Gpu G;
+    if (!gpu_open(t, &G, 10)) return;
+    model_case(t, &G, "test-llama");  // HD 12: the simple attention path
+    model_case(t, &G, "test-qwen3");  // HD 16: the flash attention path, QK-norm
+    gpu_close(&G);
+}
+
+// ----------------------------------------------------------------------------
+// HF parity fixtures through the GPU path (fp32 fixtures, bf16 compute)
+
+static void parity_case(TestCtx* t, Gpu* G, const char* name) {
+    char dir[4200], path[4300], err[ERR_LEN];
+    snprintf(dir, sizeof dir, "%s/dev/parity/fixtures/%s", t->exe_dir, name);
+    ModelSource src;
+    if (checkpoint_resolve_model(&src, dir, err) != 0) {
+        CHECK(t, 0, "%s", err);
+        return;
+    }
+    Model m;
+    if (model_init(&m, &src.cfg, 0, err) != 0) {
+        CHECK(t, 0, "%s", err);
+        checkpoint_close_source(&src);
+        return;
+    }
+    Store s;
+    store_create(&s, &m.tt);
+    int unused = -1;
+    CHECK(t, store_load(&s, &src.ck, &unused, err) == 0 && unused == 0, "load: %s", err);
+    checkpoint_close_source(&src);
+    StFile ex;
+    snprintf(path, sizeof path, "%s/expected.safetensors", dir);
+    if (st_open(&ex, path, err) != 0) {
+        CHECK(t, 0, "%s", err);
+        store_free(&s);
+        model_free(&m);
+        return;
+    }
+    const StTensor* tok = st_find(&ex, "tokens");
+    CHECK(t, tok && tok->dtype == ST_I32 && tok->ndim == 2, "tokens tensor");
+    const int B = (int)tok->shape[0], T = (int)tok->shape[1] - 1;
+    int32_t* tokens = malloc_check((size_t)B * (T + 1) * sizeof(int32_t));
+    memcpy(tokens, tok->data, (size_t)B * (T + 1) * sizeof(int32_t));
+    float ref_loss = NAN;
+    st_tensor_to_f32(st_find(&ex, "loss"), &ref_loss, 1, err);
+
+    double loss = run_batch(&m, &s, G->g, G->gctx, tokens, B, T, 0);
+    printf("  parity %s: GPU loss %.6f, HF %.6f\n", name, loss, ref_loss);
+    CHECK(t, fabs(loss - ref_loss) <= 1e-2 * fabs(ref_loss), "%s: GPU loss %.6f vs HF %.6f",
+          name, loss, ref_loss);
+    double worst = 0.0;
+    int n_grads = 0;
+    for (int i = 0; i < m.tt.n; i++) {
+        const TensorDesc* d = &m.tt.t[i];
+        if (d->tied_to >= 0) continue;
+        char gname[160];
+        snprintf(gname, sizeof gname, "grad.%s", d->hf_name);
+        const StTensor* g = st_find(&ex, gname);
+        CHECK(t, g != NULL && g->numel == d->numel, "%s: %s missing or misshapen", name, gname);
+        if (!g || g->numel != d->numel) continue;
+        float* ref = malloc_check((size_t)d->numel * sizeof(float));
+        st_tensor_to_f32(g, ref, d->numel, err);
+        double e = rel_l2_error(store_grad(&s, i), ref, (size_t)d->numel);
+        CHECK(t, e <= 5e-2, "%s %s: GPU gradient relative L2 error %.3g vs HF", name, d->hf_name,
+              e);
+        if (e > worst) worst = e;
+        free(ref);
+        n_grads++;
+    }
+    printf("  parity %s: %d gradients, worst relative L2 error %.3g\n", name, n_grads, worst);
+    CHECK(t, n_grads > 0, "%s: no gradients compared", name);
+    free(tokens);
+    st_close(&ex);
+    store_free(&s);
+    model_free(&m);
+}
+
+static void test_gpu_parity(TestCtx* t) {
+    Gpu G;
+    if (!gpu_open(t, &G, 11)) return;
+    parity_case(t, &G, "llama");
+    parity_case(t, &G, "qwen3");
+    gpu_close(&G);
+}
+
+#else  // no CUDA in this build
+
+static void gpu_skipped(TestCtx* t) { printf("  %s: built without CUDA: skipped\n", t->name); }
+static void test_gpu_device_and_memory(TestCtx* t) { gpu_skipped(t); }
+static void test_gpu_embedding(TestCtx* t) { gpu_skipped(t); }
+static void test_gpu_rmsnorm(TestCtx* t) { gpu_skipped(t); }
+static void test_gpu_matmul(TestCtx* t) { gpu_skipped(t); }
+static void test_gpu_qknorm_rope(TestCtx* t) { gpu_skipped(t); }
+static void test_gpu_attention(TestCtx* t) { gpu_skipped(t); }
+static void test_gpu_swiglu_add(TestCtx* t) { gpu_skipped(t); }
+static void test_gpu_crossentropy(TestCtx* t) { gpu_skipped(t); }
+static void test_gpu_determinism(TestCtx* t) { gpu_skipped(t); }
+static void test_gpu_model(TestCtx* t) { gpu_skipped(t); }
+static void test_gpu_parity(TestCtx* t) { gpu_skipped(t); }
+
+#endif  // HAVE_CUDA
+
+const TestCase tests_gpu[] = {
+    {"gpu_device_and_memory", test_gpu_device_and_memory},
+    {"gpu_embedding", test_gpu_embedding},
+    {"gpu_rmsnorm", test_gpu_rmsnorm},
+    {"gpu_matmul", test_gpu_matmul},
+    {"gpu_qknorm_rope", test_gpu_qknorm_rope},
+    {"gpu_attention", test_gpu_attention},
+    {"gpu_swiglu_add", test_gpu_swiglu_add},
+    {"gpu_crossentropy", test_gpu_crossentropy},
+    {"gpu_determinism", test_gpu_determinism},
+    {"gpu_model", test_gpu_model},
+    {"gpu_parity", test_gpu_parity},
+    {NULL, NULL},
+};
