@@ -172,6 +172,7 @@ int main(int argc, char** argv) {
                             .grain = a.recompute_layer ? RECOMPUTE_LAYER : RECOMPUTE_STAGE,
                             .sync = a.sync, .device_budget = a.device_mem,
                             .opt_threads = a.threads, .trace_path = a.trace,
+                            .replan_after = a.profile_steps,
                             .hyper = {a.lr, a.beta1, a.beta2, a.eps, a.weight_decay},
                             .sched = {a.schedule, a.lr, a.warmup, a.steps, a.min_lr_frac,
                                       a.decay_frac},
@@ -229,7 +230,12 @@ int main(int argc, char** argv) {
         if (eng) {
             // the norm and lr are those of the latest optimizer step that finished (with the
             // delayed update, the step applying the previous iteration's gradient)
+            int replans = engine_replans(eng);
             EngineStepResult r = engine_step(eng, tokens);
+            if (engine_replans(eng) != replans) {
+                printf("re-planned from the measured stage times:\n");
+                engine_print_plan(eng, stdout);
+            }
             st.loss = r.loss;
             st.norm = r.norm;
             st.lr = r.lr;

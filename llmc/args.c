@@ -53,6 +53,7 @@ void args_defaults(TrainArgs* a) {
     a->device_mem = 0;
     a->delay_us = 0;
     a->trace = "";
+    a->profile_steps = 3;
     a->save_every = 0;
     a->keep = 0;
     a->resume = 0;
@@ -138,6 +139,9 @@ void args_usage(FILE* f) {
         "      --plan             print the partition, predicted bubble and memory, then exit\n"
         "      --delay-us N       emulated devices: random 0..N us delay before every stream item\n"
         "                         (fault injection for ordering bugs; default 0)\n"
+        "      --profile-steps N  re-plan once from stage times measured over the first N steps\n"
+        "                         (the first is dropped as a cold start), then freeze the plan;\n"
+        "                         0 keeps the FLOP-based plan (default %d)\n"
         "      --trace FILE       write a Chrome/Perfetto trace (every stage job, transfer and\n"
         "                         optimizer step per device and stream; ui.perfetto.dev)\n"
         "  -h, --help             this text\n",
@@ -145,7 +149,7 @@ void args_usage(FILE* f) {
         d.steps, (double)d.lr, lr_schedule_name(d.schedule), d.warmup, (double)d.min_lr_frac,
         (double)d.decay_frac, (double)d.weight_decay, d.decay_embeddings, (double)d.beta1,
         (double)d.beta2, (double)d.eps, (double)d.grad_clip, d.eval_every, d.eval_batches,
-        d.sample_tokens, (double)d.temperature, d.threads);
+        d.sample_tokens, (double)d.temperature, d.threads, d.profile_steps);
 }
 
 // ----------------------------------------------------------------------------
@@ -202,7 +206,7 @@ enum {
     OPT_SHUFFLE = 1000, OPT_SEED, OPT_SCHEDULE, OPT_BETA1, OPT_BETA2, OPT_EPS, OPT_CLIP, OPT_LOG,
     OPT_DEVICE, OPT_THREADS, OPT_DUMP, OPT_EVAL_BATCHES, OPT_SAMPLE, OPT_PROMPT, OPT_DECAY_FRAC,
     OPT_DECAY_EMB, OPT_INIT_STD, OPT_TEMPERATURE, OPT_ROUND, OPT_RECOMPUTE, OPT_SYNC, OPT_PLAN,
-    OPT_DEVICE_MEM, OPT_DELAY, OPT_TRACE, OPT_SAVE_EVERY, OPT_KEEP, OPT_RESUME, OPT_EXPORT_HF,
+    OPT_DEVICE_MEM, OPT_DELAY, OPT_TRACE, OPT_PROFILE_STEPS, OPT_SAVE_EVERY, OPT_KEEP, OPT_RESUME, OPT_EXPORT_HF,
     OPT_EXPORT_GGUF, OPT_EXPORT_DTYPE, OPT_EXPORT_SHARD
 };
 
@@ -256,6 +260,7 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         {"device-mem", required_argument, 0, OPT_DEVICE_MEM},
         {"delay-us", required_argument, 0, OPT_DELAY},
         {"trace", required_argument, 0, OPT_TRACE},
+        {"profile-steps", required_argument, 0, OPT_PROFILE_STEPS},
         {"save-every", required_argument, 0, OPT_SAVE_EVERY},
         {"keep", required_argument, 0, OPT_KEEP},
         {"resume", no_argument, 0, OPT_RESUME},
@@ -326,6 +331,7 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
                 break;
             case OPT_DELAY: rc = int_in("--delay-us", v, 0, 1000000, &a->delay_us); break;
             case OPT_TRACE: a->trace = v; break;
+            case OPT_PROFILE_STEPS: rc = int_in("--profile-steps", v, 0, 1000, &a->profile_steps); break;
             case OPT_SAVE_EVERY: rc = int_in("--save-every", v, 0, 1 << 30, &a->save_every); break;
             case OPT_KEEP: rc = int_in("--keep", v, 0, 1 << 30, &a->keep); break;
             case OPT_RESUME: a->resume = 1; break;

@@ -54,6 +54,7 @@ typedef struct TrainArgs {
     double device_mem;       // device memory for parameter stages in bytes (0 = backend default)
     int delay_us;            // emulated devices: random delay injected before each stream item
     const char* trace;       // Chrome trace JSON of the engine's work ("" = none)
+    int profile_steps;       // re-plan once from stage times measured over this many steps
     const char* dump_state;  // safetensors path ("" = train normally)
     int sample_tokens;       // tokens generated at the end (0 = none)
     const char* prompt;      // generation prompt (byte-level vocabularies)

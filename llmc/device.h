@@ -91,6 +91,9 @@ typedef struct DeviceImpl {
     void (*stream_wait)(Device* d, StreamKind s, DevEvent* e);
     void (*event_synchronize)(DevEvent* e);
     int (*event_query)(DevEvent* e);  // 1 = capture complete (or never recorded)
+    // Seconds between the completions of the latest records of two completed events (as
+    // cudaEventElapsedTime); both must have been recorded and have completed.
+    double (*event_elapsed)(DevEvent* start, DevEvent* end);
     void (*synchronize)(Device* d);   // all streams idle
     void (*stats)(Device* d, DeviceStats* out);
     // tracing: label(d, s, name) names the next call, copy or memset queued on stream s (name

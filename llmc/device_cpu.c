@@ -47,6 +47,7 @@ struct DevEvent {
     pthread_cond_t cv;     // broadcast whenever `completed` grows
     uint64_t recorded;     // sequence of the latest record call (0 = never recorded)
     uint64_t completed;    // highest sequence whose record marker has executed
+    double t_completed;    // when `completed` last grew (time_now_s)
     int refs;              // the creator's reference + one per queued marker (under mu)
 };
 
@@ -212,6 +213,7 @@ static void stream_run_item(Stream* st, WorkItem* it) {
         pthread_check(pthread_mutex_lock(&it->event->mu));
         if (it->seq > it->event->completed) {
             it->event->completed = it->seq;
+            it->event->t_completed = time_now_s();
             pthread_check(pthread_cond_broadcast(&it->event->cv));
         }
         pthread_check(pthread_mutex_unlock(&it->event->mu));
@@ -439,6 +441,18 @@ static void cpu_synchronize(Device* d) {
     }
 }
 
+static double cpu_event_elapsed(DevEvent* a, DevEvent* b) {
+    cpu_event_synchronize(a);
+    cpu_event_synchronize(b);
+    pthread_check(pthread_mutex_lock(&a->mu));
+    double ta = a->t_completed;
+    pthread_check(pthread_mutex_unlock(&a->mu));
+    pthread_check(pthread_mutex_lock(&b->mu));
+    double tb = b->t_completed;
+    pthread_check(pthread_mutex_unlock(&b->mu));
+    return tb - ta;
+}
+
 static void cpu_label(Device* d, StreamKind s, const char* name) {
     Stream* st = device_stream(d, s);
     pthread_check(pthread_mutex_lock(&st->mu));
@@ -489,6 +503,7 @@ const DeviceImpl device_cpu_impl = {
     .stream_wait = cpu_stream_wait,
     .event_synchronize = cpu_event_synchronize,
     .event_query = cpu_event_query,
+    .event_elapsed = cpu_event_elapsed,
     .synchronize = cpu_synchronize,
     .stats = cpu_stats,
     .label = cpu_label,

@@ -134,6 +134,15 @@ struct Engine {
     JobBlock* arena[2];
     LabelBlock* labels[2];
     Trace* trace;           // NULL unless opt.trace_path is set
+    // profiling and re-planning (ROUNDPIPE.md §8.2): compute of slot job j, micro-batch r of an
+    // iteration of parity ip is bracketed by prof_ev[ip][2*(j*M_R + r)] and [... + 1]
+    DevEvent** prof_ev[2];
+    int64_t prof_iter[2];   // iteration that used parity ip and is not yet collected (-1: none)
+    double* cost_fwd;       // (NL) the costs the current plan was made with
+    double* cost_bwd;
+    CostProfile profile;
+    int replans;            // times the plan was rebuilt from profiled costs
+    int frozen;             // the plan no longer changes
     DevState* dev;
     // protocol flags (under mu)
     pthread_mutex_t mu;
@@ -457,7 +466,7 @@ static void prepare_grads(Engine* e, DevState* ds, const Stage* st, int k, int r
 // ----------------------------------------------------------------------------
 // one stage on one device
 
-static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int round) {
+static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int round, int job_idx) {
     DevState* ds = &e->dev[g];
     const DeviceImpl* im = e->impl;
     Device* d = ds->d;
@@ -518,8 +527,11 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
         if (r == 0) im->stream_wait(d, STREAM_COMPUTE, ds->param_done);
         MbJob* j = job_new(e, ip);
         *j = (MbJob){e, ds, st, i, p, ip, ds->pslot[pk], gk >= 0 ? ds->gslot[gk] : NULL};
+        DevEvent** prof = &e->prof_ev[ip][2 * (job_idx * e->M_R + r)];
+        im->event_record(prof[0], d, STREAM_COMPUTE);
         label(e, ip, ds, STREAM_COMPUTE, "%s mb%d", st->name, i);
         im->submit(d, STREAM_COMPUTE, run_microbatch, j);
+        im->event_record(prof[1], d, STREAM_COMPUTE);
         im->event_record(ds->comp_done[p], d, STREAM_COMPUTE);
 
         // activation download
@@ -654,32 +666,216 @@ static void* optimizer_main(void* arg) {
 // ----------------------------------------------------------------------------
 // creation
 
-static int plan_partition(Engine* e, char* err) {
-    const Model* m = e->m;
-    const TensorTable* tt = &m->tt;
-    const int NL = e->NL;
-    double* fc = calloc_check((size_t)NL, sizeof(double));
-    double* bc = calloc_check((size_t)NL, sizeof(double));
-    double* fb = calloc_check((size_t)NL, sizeof(double));
-    double* bb = calloc_check((size_t)NL, sizeof(double));
-    partition_estimate_costs(&m->cfg, e->T, e->Bm * e->T, fc, bc);
+// Bytes a forward / backward stage needs per layer on a device (the fused stage carries a copy of
+// a tied embedding as its head).
+static void layer_bytes(const Engine* e, double* fb, double* bb) {
+    const TensorTable* tt = &e->m->tt;
     int head = tensor_table_index(tt, TK_LM_HEAD, -1);
-    for (int l = 0; l < NL; l++) {
+    for (int l = 0; l < e->NL; l++) {
         fb[l] = (double)tt->param_numel[l] * (double)e->ab;
-        if (l == NL - 1 && tt->t[head].tied_to >= 0) fb[l] += (double)tt->t[head].numel * e->ab;
+        if (l == e->NL - 1 && tt->t[head].tied_to >= 0) fb[l] += (double)tt->t[head].numel * e->ab;
         bb[l] = fb[l] + (double)tt->grad_numel[l] * sizeof(float);
     }
+}
+
+// Plan with the costs in e->cost_fwd / cost_bwd.
+static int plan_partition(Engine* e, PartitionPlan* plan, char* err) {
+    const int NL = e->NL;
+    double* fb = calloc_check((size_t)NL, sizeof(double));
+    double* bb = calloc_check((size_t)NL, sizeof(double));
+    layer_bytes(e, fb, bb);
     double budget = e->opt.device_budget > 0 ? e->opt.device_budget / 2 : 1e300;
-    PartitionInput in = {NL, fc, bc, fb, bb, e->N, e->M, budget, !e->opt.sync};
-    int rc = partition_plan(&in, &e->plan, err);
-    free(fc);
-    free(bc);
+    PartitionInput in = {NL, e->cost_fwd, e->cost_bwd, fb, bb, e->N, e->M, budget, !e->opt.sync};
+    int rc = partition_plan(&in, plan, err);
     free(fb);
     free(bb);
     return rc;
 }
 
 static DevEvent* ev_new(Engine* e) { return e->impl->event_create(e->devs->dev[0]); }
+
+static int max_stage_len(const Engine* e) {
+    int n = 1;
+    for (int i = 0; i < e->S; i++) n = imax(n, e->stages[i].e - e->stages[i].b);
+    return n;
+}
+
+// Everything whose shape depends on the plan: stages, host activation buffers and their events,
+// and the device state (parameter/gradient slots, activation buffers, workspace).
+static void plan_resources_create(Engine* e) {
+    const Model* m = e->m;
+    const int NL = e->NL;
+    const RecomputeGrain grain = e->opt.grain;
+
+    // stages in slot order
+    e->S = e->plan.n_fwd + e->plan.n_bwd;
+    e->stages = calloc_check((size_t)e->S, sizeof(Stage));
+    int max_bwd = 1;
+    int64_t max_p = 0, max_g = 0;
+    for (int i = 0; i < e->S; i++) {
+        SlotInfo si;
+        partition_slot(&e->plan, i, &si);
+        stage_build(e, &e->stages[i], si.kind, si.range);
+        stage_name(&e->stages[i], si.kind, si.stage);
+        Stage* st = &e->stages[i];
+        if (si.kind != SLOT_FWD) max_bwd = imax(max_bwd, st->e - st->b);
+        if (st->param_numel > max_p) max_p = st->param_numel;
+        if (st->grad_numel > max_g) max_g = st->grad_numel;
+    }
+    const int max_len = max_stage_len(e);
+
+    // which layer boundaries need host copies
+    e->need_x = calloc_check((size_t)NL + 1, sizeof(int));
+    e->need_dx = calloc_check((size_t)NL + 1, sizeof(int));
+    const int efused = e->plan.bwd[0].begin;
+    for (int i = 0; i < e->plan.n_fwd; i++)
+        if (e->plan.fwd[i].begin > 0) e->need_x[e->plan.fwd[i].begin] = 1;
+    if (efused > 0) e->need_x[efused] = 1;
+    for (int i = 1; i < e->plan.n_bwd; i++) {
+        if (e->plan.bwd[i].begin > 0) e->need_x[e->plan.bwd[i].begin] = 1;
+        if (grain == RECOMPUTE_LAYER)
+            for (int l = imax(1, e->plan.bwd[i].begin); l < e->plan.bwd[i].end; l++) e->need_x[l] = 1;
+    }
+    for (int i = 0; i < e->plan.n_bwd; i++)
+        if (e->plan.bwd[i].begin > 0) e->need_dx[e->plan.bwd[i].begin] = 1;
+
+    // host activation buffers (two iteration parities) and their events
+    const size_t x_bytes = (size_t)e->Bm * e->T * e->C * e->ab;
+    const size_t tok = (size_t)e->Bm * e->T;
+    for (int b = 0; b < 2; b++) {
+        e->hx[b] = calloc_check((size_t)NL + 1, sizeof(void**));
+        e->hdx[b] = calloc_check((size_t)NL + 1, sizeof(void**));
+        for (int bnd = 0; bnd <= NL; bnd++) {
+            if (e->need_x[bnd]) {
+                e->hx[b][bnd] = calloc_check((size_t)e->M, sizeof(void*));
+                for (int i = 0; i < e->M; i++) e->hx[b][bnd][i] = e->impl->host_alloc(x_bytes);
+            }
+            if (e->need_dx[bnd]) {
+                e->hdx[b][bnd] = calloc_check((size_t)e->M, sizeof(void*));
+                for (int i = 0; i < e->M; i++) e->hdx[b][bnd][i] = e->impl->host_alloc(x_bytes);
+            }
+        }
+        const int n_prof = 2 * e->R * e->S * e->M_R;
+        e->prof_ev[b] = calloc_check((size_t)n_prof, sizeof(DevEvent*));
+        for (int i = 0; i < n_prof; i++) e->prof_ev[b][i] = ev_new(e);
+        e->prof_iter[b] = -1;
+    }
+    e->x_ev = calloc_check((size_t)NL + 1, sizeof(DevEvent**));
+    e->dx_ev = calloc_check((size_t)NL + 1, sizeof(DevEvent**));
+    for (int bnd = 0; bnd <= NL; bnd++) {
+        if (e->need_x[bnd]) {
+            e->x_ev[bnd] = calloc_check((size_t)e->M, sizeof(DevEvent*));
+            for (int i = 0; i < e->M; i++) e->x_ev[bnd][i] = ev_new(e);
+        }
+        if (e->need_dx[bnd]) {
+            e->dx_ev[bnd] = calloc_check((size_t)e->M, sizeof(DevEvent*));
+            for (int i = 0; i < e->M; i++) e->dx_ev[bnd][i] = ev_new(e);
+        }
+    }
+
+    // devices: the fused stage keeps every block's activations, stage-grain backward stages
+    // theirs, layer-grain backward stages one block's
+    const int acts = grain == RECOMPUTE_LAYER ? imax(1, e->plan.bwd[0].end - e->plan.bwd[0].begin)
+                                              : max_bwd;
+    for (int g = 0; g < e->N; g++) {
+        DevState* ds = &e->dev[g];
+        ds->d = e->devs->dev[g];
+        ds->ops = e->impl->ops(ds->d);
+        ds->ctx = e->impl->ops_ctx(ds->d);
+        ds->pnext = ds->gnext = 0;
+        ds->n_marks = 0;
+        ds->ws = workspace_create(m, ds->ops, ds->ctx, e->Bm, e->T, acts);
+        for (int k = 0; k < 2; k++) {
+            ds->pslot[k] = dev_alloc(e, ds, (size_t)max_p * e->ab);
+            ds->gslot[k] = dev_alloc(e, ds, (size_t)max_g * sizeof(float));
+            ds->pslot_free[k] = e->impl->event_create(ds->d);
+            ds->gslot_free[k] = e->impl->event_create(ds->d);
+            ds->xs[k] = calloc_check((size_t)max_len + 1, sizeof(void*));
+            for (int j = 0; j <= max_len; j++) ds->xs[k][j] = dev_alloc(e, ds, x_bytes);
+            ds->dres[k] = dev_alloc(e, ds, x_bytes);
+            ds->ids[k] = dev_alloc(e, ds, tok * sizeof(int32_t));
+            ds->targets[k] = dev_alloc(e, ds, tok * sizeof(int32_t));
+            ds->losses[k] = dev_alloc(e, ds, tok * sizeof(float));
+            ds->up_done[k] = e->impl->event_create(ds->d);
+            ds->comp_done[k] = e->impl->event_create(ds->d);
+            ds->down_done[k] = e->impl->event_create(ds->d);
+            for (int s2 = 0; s2 < STREAM_COUNT; s2++) ds->iter_end[k][s2] = e->impl->event_create(ds->d);
+        }
+        ds->param_done = e->impl->event_create(ds->d);
+        ds->marks = calloc_check((size_t)e->M_R, sizeof(DevEvent*));
+        for (int r = 0; r < e->M_R; r++) ds->marks[r] = e->impl->event_create(ds->d);
+    }
+}
+
+// Free what plan_resources_create made. Every device must be idle.
+static void plan_resources_free(Engine* e) {
+    const DeviceImpl* im = e->impl;
+    const int NL = e->NL;
+    const int max_len = max_stage_len(e);
+    for (int g = 0; g < e->N; g++) {
+        DevState* ds = &e->dev[g];
+        workspace_free(ds->ws);
+        for (int k = 0; k < 2; k++) {
+            im->free(ds->d, ds->pslot[k]);
+            im->free(ds->d, ds->gslot[k]);
+            im->event_destroy(ds->pslot_free[k]);
+            im->event_destroy(ds->gslot_free[k]);
+            for (int j = 0; j <= max_len; j++) im->free(ds->d, ds->xs[k][j]);
+            free(ds->xs[k]);
+            im->free(ds->d, ds->dres[k]);
+            im->free(ds->d, ds->ids[k]);
+            im->free(ds->d, ds->targets[k]);
+            im->free(ds->d, ds->losses[k]);
+            im->event_destroy(ds->up_done[k]);
+            im->event_destroy(ds->comp_done[k]);
+            im->event_destroy(ds->down_done[k]);
+            for (int s2 = 0; s2 < STREAM_COUNT; s2++) im->event_destroy(ds->iter_end[k][s2]);
+        }
+        im->event_destroy(ds->param_done);
+        for (int r = 0; r < e->M_R; r++) im->event_destroy(ds->marks[r]);
+        free(ds->marks);
+    }
+    for (int b = 0; b < 2; b++) {
+        for (int bnd = 0; bnd <= NL; bnd++) {
+            if (e->hx[b][bnd]) {
+                for (int i = 0; i < e->M; i++) im->host_free(e->hx[b][bnd][i]);
+                free(e->hx[b][bnd]);
+            }
+            if (e->hdx[b][bnd]) {
+                for (int i = 0; i < e->M; i++) im->host_free(e->hdx[b][bnd][i]);
+                free(e->hdx[b][bnd]);
+            }
+        }
+        free(e->hx[b]);
+        free(e->hdx[b]);
+        const int n_prof = 2 * e->R * e->S * e->M_R;
+        for (int i = 0; i < n_prof; i++) im->event_destroy(e->prof_ev[b][i]);
+        free(e->prof_ev[b]);
+        arena_free(e->arena[b]);
+        e->arena[b] = NULL;
+        labels_free(e->labels[b]);
+        e->labels[b] = NULL;
+    }
+    for (int bnd = 0; bnd <= NL; bnd++) {
+        if (e->x_ev[bnd]) {
+            for (int i = 0; i < e->M; i++) im->event_destroy(e->x_ev[bnd][i]);
+            free(e->x_ev[bnd]);
+        }
+        if (e->dx_ev[bnd]) {
+            for (int i = 0; i < e->M; i++) im->event_destroy(e->dx_ev[bnd][i]);
+            free(e->dx_ev[bnd]);
+        }
+    }
+    free(e->x_ev);
+    free(e->dx_ev);
+    for (int i = 0; i < e->S; i++) {
+        free(e->stages[i].p_off);
+        free(e->stages[i].g_off);
+    }
+    free(e->stages);
+    free(e->need_x);
+    free(e->need_dx);
+}
 
 Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOptions* opt,
                       char* err) {
@@ -705,65 +901,29 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
     e->R = e->M / e->M_R;
     e->Bm = opt->B / e->M;
     e->ab = (size_t)e->impl->ops(devs->dev[0])->act_bytes;
-    if (plan_partition(e, err) != 0) {
+    const int NL = e->NL;
+    const TensorTable* tt = &m->tt;
+    // size-based (FLOP) cost estimates until profiled times exist
+    e->cost_fwd = calloc_check((size_t)NL, sizeof(double));
+    e->cost_bwd = calloc_check((size_t)NL, sizeof(double));
+    partition_estimate_costs(&m->cfg, e->T, e->Bm * e->T, e->cost_fwd, e->cost_bwd);
+    if (plan_partition(e, &e->plan, err) != 0) {
+        free(e->cost_fwd);
+        free(e->cost_bwd);
         free(e);
         return NULL;
     }
-    const int NL = e->NL;
-    const TensorTable* tt = &m->tt;
+    cost_profile_init(&e->profile, NL);
+    e->dev = calloc_check((size_t)e->N, sizeof(DevState));
+    plan_resources_create(e);
 
-    // stages in slot order
-    e->S = e->plan.n_fwd + e->plan.n_bwd;
-    e->stages = calloc_check((size_t)e->S, sizeof(Stage));
-    int max_len = 1, max_bwd_blocks = 1;
-    int64_t max_p = 0, max_g = 0;
-    for (int i = 0; i < e->S; i++) {
-        SlotInfo si;
-        partition_slot(&e->plan, i, &si);
-        stage_build(e, &e->stages[i], si.kind, si.range);
-        stage_name(&e->stages[i], si.kind, si.stage);
-        Stage* st = &e->stages[i];
-        max_len = imax(max_len, st->e - st->b);
-        if (si.kind != SLOT_FWD) max_bwd_blocks = imax(max_bwd_blocks, st->e - st->b);
-        if (st->param_numel > max_p) max_p = st->param_numel;
-        if (st->grad_numel > max_g) max_g = st->grad_numel;
-    }
-
-    // which layer boundaries need host copies
-    e->need_x = calloc_check((size_t)NL + 1, sizeof(int));
-    e->need_dx = calloc_check((size_t)NL + 1, sizeof(int));
-    const int efused = e->plan.bwd[0].begin;
-    for (int i = 0; i < e->plan.n_fwd; i++)
-        if (e->plan.fwd[i].begin > 0) e->need_x[e->plan.fwd[i].begin] = 1;
-    if (efused > 0) e->need_x[efused] = 1;
-    for (int i = 1; i < e->plan.n_bwd; i++) {
-        if (e->plan.bwd[i].begin > 0) e->need_x[e->plan.bwd[i].begin] = 1;
-        if (opt->grain == RECOMPUTE_LAYER)
-            for (int l = imax(1, e->plan.bwd[i].begin); l < e->plan.bwd[i].end; l++) e->need_x[l] = 1;
-    }
-    for (int i = 0; i < e->plan.n_bwd; i++)
-        if (e->plan.bwd[i].begin > 0) e->need_dx[e->plan.bwd[i].begin] = 1;
-
-    // host buffers
-    const size_t x_bytes = (size_t)e->Bm * e->T * e->C * e->ab;
+    // host buffers that do not depend on the plan: the compute-dtype weights and the batch
     const size_t tok = (size_t)e->Bm * e->T;
     for (int b = 0; b < 2; b++) {
         e->master[b] = calloc_check((size_t)NL, sizeof(void*));
         for (int l = 0; l < NL; l++) {
             e->master[b][l] = e->impl->host_alloc((size_t)tt->param_numel[l] * e->ab + 64);
             write_master(e, b, l);
-        }
-        e->hx[b] = calloc_check((size_t)NL + 1, sizeof(void**));
-        e->hdx[b] = calloc_check((size_t)NL + 1, sizeof(void**));
-        for (int bnd = 0; bnd <= NL; bnd++) {
-            if (e->need_x[bnd]) {
-                e->hx[b][bnd] = calloc_check((size_t)e->M, sizeof(void*));
-                for (int i = 0; i < e->M; i++) e->hx[b][bnd][i] = e->impl->host_alloc(x_bytes);
-            }
-            if (e->need_dx[bnd]) {
-                e->hdx[b][bnd] = calloc_check((size_t)e->M, sizeof(void*));
-                for (int i = 0; i < e->M; i++) e->hdx[b][bnd][i] = e->impl->host_alloc(x_bytes);
-            }
         }
         e->hids[b] = calloc_check((size_t)e->M, sizeof(int32_t*));
         e->htgt[b] = calloc_check((size_t)e->M, sizeof(int32_t*));
@@ -774,55 +934,10 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
             e->hloss[b][i] = e->impl->host_alloc(tok * sizeof(float));
         }
     }
-    e->x_ev = calloc_check((size_t)NL + 1, sizeof(DevEvent**));
-    e->dx_ev = calloc_check((size_t)NL + 1, sizeof(DevEvent**));
-    for (int bnd = 0; bnd <= NL; bnd++) {
-        if (e->need_x[bnd]) {
-            e->x_ev[bnd] = calloc_check((size_t)e->M, sizeof(DevEvent*));
-            for (int i = 0; i < e->M; i++) e->x_ev[bnd][i] = ev_new(e);
-        }
-        if (e->need_dx[bnd]) {
-            e->dx_ev[bnd] = calloc_check((size_t)e->M, sizeof(DevEvent*));
-            for (int i = 0; i < e->M; i++) e->dx_ev[bnd][i] = ev_new(e);
-        }
-    }
     e->loss_ev = calloc_check((size_t)e->M, sizeof(DevEvent*));
     for (int i = 0; i < e->M; i++) e->loss_ev[i] = ev_new(e);
     e->grad_ev = calloc_check((size_t)NL, sizeof(DevEvent*));
     for (int l = 0; l < NL; l++) e->grad_ev[l] = ev_new(e);
-
-    // devices
-    e->dev = calloc_check((size_t)e->N, sizeof(DevState));
-    const int n_acts = opt->grain == RECOMPUTE_LAYER ? imax(1, max_bwd_blocks) : max_bwd_blocks;
-    for (int g = 0; g < e->N; g++) {
-        DevState* ds = &e->dev[g];
-        ds->d = devs->dev[g];
-        ds->ops = e->impl->ops(ds->d);
-        ds->ctx = e->impl->ops_ctx(ds->d);
-        // the fused stage keeps every block's activations; layer-grain backward stages one
-        int acts = opt->grain == RECOMPUTE_LAYER ? imax(1, e->plan.bwd[0].end - e->plan.bwd[0].begin)
-                                                 : n_acts;
-        ds->ws = workspace_create(m, ds->ops, ds->ctx, e->Bm, e->T, acts);
-        for (int k = 0; k < 2; k++) {
-            ds->pslot[k] = dev_alloc(e, ds, (size_t)max_p * e->ab);
-            ds->gslot[k] = dev_alloc(e, ds, (size_t)max_g * sizeof(float));
-            ds->pslot_free[k] = e->impl->event_create(ds->d);
-            ds->gslot_free[k] = e->impl->event_create(ds->d);
-            ds->xs[k] = calloc_check((size_t)max_len + 1, sizeof(void*));
-            for (int j = 0; j <= max_len; j++) ds->xs[k][j] = dev_alloc(e, ds, x_bytes);
-            ds->dres[k] = dev_alloc(e, ds, x_bytes);
-            ds->ids[k] = dev_alloc(e, ds, tok * sizeof(int32_t));
-            ds->targets[k] = dev_alloc(e, ds, tok * sizeof(int32_t));
-            ds->losses[k] = dev_alloc(e, ds, tok * sizeof(float));
-            ds->up_done[k] = e->impl->event_create(ds->d);
-            ds->comp_done[k] = e->impl->event_create(ds->d);
-            ds->down_done[k] = e->impl->event_create(ds->d);
-            for (int s2 = 0; s2 < STREAM_COUNT; s2++) ds->iter_end[k][s2] = e->impl->event_create(ds->d);
-        }
-        ds->param_done = e->impl->event_create(ds->d);
-        ds->marks = calloc_check((size_t)e->M_R, sizeof(DevEvent*));
-        for (int r = 0; r < e->M_R; r++) ds->marks[r] = e->impl->event_create(ds->d);
-    }
 
     // tracing: one process per device plus the host (optimizer)
     if (opt->trace_path && opt->trace_path[0]) {
@@ -875,12 +990,85 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
 }
 
 // ----------------------------------------------------------------------------
+// profiling and re-planning
+
+// Turn the measured compute time of every stage of an iteration (averaged over micro-batches and
+// rounds) into per-layer observations: a stage's time is shared among its layers in proportion to
+// the costs the plan was made with (ROUNDPIPE.md §8.2). Layers of the fused stage never run a
+// forward stage; their forward is a third of their (fused) backward, the 1:3 rule.
+static void profile_collect(Engine* e, int ip) {
+    if (e->prof_iter[ip] < 0) return;
+    e->prof_iter[ip] = -1;
+    const int NL = e->NL;
+    double* fwd = calloc_check((size_t)NL, sizeof(double));
+    double* bwd = calloc_check((size_t)NL, sizeof(double));
+    for (int round = 0; round < e->R; round++) {
+        for (int si = 0; si < e->S; si++) {
+            const Stage* st = &e->stages[si];
+            const int job = round * e->S + si;
+            double measured = 0;
+            for (int r = 0; r < e->M_R; r++) {
+                DevEvent** ev = &e->prof_ev[ip][2 * (job * e->M_R + r)];
+                measured += e->impl->event_elapsed(ev[0], ev[1]);
+            }
+            measured /= e->M_R * e->R;
+            const double* est = st->kind == SLOT_FWD ? e->cost_fwd : e->cost_bwd;
+            double* obs = st->kind == SLOT_FWD ? fwd : bwd;
+            double est_sum = 0;
+            for (int l = st->b; l < st->e; l++) est_sum += est[l];
+            for (int l = st->b; l < st->e; l++) obs[l] += est_sum > 0 ? measured * est[l] / est_sum : 0;
+        }
+    }
+    for (int l = e->plan.bwd[0].begin; l < NL; l++) fwd[l] = bwd[l] / 3.0;
+    cost_profile_update(&e->profile, fwd, bwd);
+    free(fwd);
+    free(bwd);
+}
+
+static int plans_equal(const PartitionPlan* a, const PartitionPlan* b) {
+    if (a->n_fwd != b->n_fwd || a->n_bwd != b->n_bwd) return 0;
+    for (int i = 0; i < a->n_fwd; i++)
+        if (a->fwd[i].begin != b->fwd[i].begin || a->fwd[i].end != b->fwd[i].end) return 0;
+    for (int i = 0; i < a->n_bwd; i++)
+        if (a->bwd[i].begin != b->bwd[i].begin || a->bwd[i].end != b->bwd[i].end) return 0;
+    return 1;
+}
+
+// After replan_after profiled iterations: plan again with the measured costs, rebuild the
+// plan-dependent buffers if the plan changed, and freeze it (ROUNDPIPE.md §18: profile, then
+// freeze). Everything in flight is drained first; numerics do not depend on the plan.
+static void maybe_replan(Engine* e) {
+    if (e->frozen || e->opt.replan_after <= 0 || e->profile.n_obs < e->opt.replan_after) return;
+    e->frozen = 1;
+    double* fwd = calloc_check((size_t)e->NL, sizeof(double));
+    double* bwd = calloc_check((size_t)e->NL, sizeof(double));
+    if (cost_profile_get(&e->profile, fwd, bwd) == 0) {
+        memcpy(e->cost_fwd, fwd, (size_t)e->NL * sizeof(double));
+        memcpy(e->cost_bwd, bwd, (size_t)e->NL * sizeof(double));
+        PartitionPlan plan;
+        char err[ERR_LEN];
+        if (plan_partition(e, &plan, err) == 0 && !plans_equal(&plan, &e->plan)) {
+            engine_synchronize(e);
+            plan_resources_free(e);
+            e->plan = plan;
+            plan_resources_create(e);
+            e->replans++;
+        }
+    }
+    free(fwd);
+    free(bwd);
+}
+
+int engine_replans(const Engine* e) { return e->replans; }
+
+// ----------------------------------------------------------------------------
 // stepping
 
 static void wait_iteration_done(Engine* e, int ip) {
     for (int g = 0; g < e->N; g++)
         for (int s2 = 0; s2 < STREAM_COUNT; s2++)
             e->impl->event_synchronize(e->dev[g].iter_end[ip][s2]);
+    profile_collect(e, ip);
     arena_free(e->arena[ip]);
     e->arena[ip] = NULL;
     labels_free(e->labels[ip]);
@@ -892,6 +1080,7 @@ EngineStepResult engine_step(Engine* e, const int32_t* tokens) {
     const int ip = (int)(t % 2);
     const int T = e->T;
     wait_iteration_done(e, ip);  // iteration t-2 used these host buffers and closures
+    maybe_replan(e);
 
     // split the batch into micro-batches of inputs and targets
     for (int i = 0; i < e->M; i++) {
@@ -905,9 +1094,10 @@ EngineStepResult engine_step(Engine* e, const int32_t* tokens) {
         for (int si = 0; si < e->S; si++) {
             int g = (int)(e->cursor % e->N);
             e->cursor++;
-            enqueue_stage(e, &e->stages[si], g, t, round);
+            enqueue_stage(e, &e->stages[si], g, t, round, round * e->S + si);
         }
     }
+    e->prof_iter[ip] = t;
     for (int g = 0; g < e->N; g++)
         for (int s2 = 0; s2 < STREAM_COUNT; s2++)
             e->impl->event_record(e->dev[g].iter_end[ip][s2], e->dev[g].d, (StreamKind)s2);
@@ -962,6 +1152,10 @@ void engine_synchronize(Engine* e) {
     while (e->steps_done < e->steps_queued) pthread_check(pthread_cond_wait(&e->cv, &e->mu));
     pthread_check(pthread_mutex_unlock(&e->mu));
     for (int g = 0; g < e->N; g++) e->impl->synchronize(e->dev[g].d);
+    // oldest first, so the profile sees iterations in order
+    int older = (int)((e->iter) % 2);
+    profile_collect(e, older);
+    profile_collect(e, 1 - older);
 }
 
 int64_t engine_steps_done(const Engine* e) { return e->steps_done; }
@@ -975,14 +1169,9 @@ int engine_write_trace(Engine* e, char* err) {
 const PartitionPlan* engine_plan(const Engine* e) { return &e->plan; }
 
 void engine_print_plan(const Engine* e, FILE* f) {
-    const TensorTable* tt = &e->m->tt;
-    const int NL = e->NL;
-    double* fb = calloc_check((size_t)NL, sizeof(double));
-    double* bb = calloc_check((size_t)NL, sizeof(double));
-    for (int l = 0; l < NL; l++) {
-        fb[l] = (double)tt->param_numel[l] * (double)e->ab;
-        bb[l] = fb[l] + (double)tt->grad_numel[l] * sizeof(float);
-    }
+    double* fb = calloc_check((size_t)e->NL, sizeof(double));
+    double* bb = calloc_check((size_t)e->NL, sizeof(double));
+    layer_bytes(e, fb, bb);
     partition_print(&e->plan, &e->m->cfg, fb, bb, e->N, e->M, f);
     fprintf(f, "rounds per step %d x %d micro-batches of %d sequences, %s recompute, %s optimizer\n",
             e->R, e->M_R, e->Bm, e->opt.grain == RECOMPUTE_LAYER ? "layer" : "stage",
@@ -1008,47 +1197,11 @@ void engine_free(Engine* e) {
         for (int g = 0; g < e->N; g++) im->set_trace(e->dev[g].d, NULL, g);
         trace_free(e->trace);
     }
-    for (int g = 0; g < e->N; g++) {
-        DevState* ds = &e->dev[g];
-        workspace_free(ds->ws);
-        for (int k = 0; k < 2; k++) {
-            im->free(ds->d, ds->pslot[k]);
-            im->free(ds->d, ds->gslot[k]);
-            im->event_destroy(ds->pslot_free[k]);
-            im->event_destroy(ds->gslot_free[k]);
-            int max_len = 1;
-            for (int i = 0; i < e->S; i++) max_len = imax(max_len, e->stages[i].e - e->stages[i].b);
-            for (int j = 0; j <= max_len; j++) im->free(ds->d, ds->xs[k][j]);
-            free(ds->xs[k]);
-            im->free(ds->d, ds->dres[k]);
-            im->free(ds->d, ds->ids[k]);
-            im->free(ds->d, ds->targets[k]);
-            im->free(ds->d, ds->losses[k]);
-            im->event_destroy(ds->up_done[k]);
-            im->event_destroy(ds->comp_done[k]);
-            im->event_destroy(ds->down_done[k]);
-            for (int s2 = 0; s2 < STREAM_COUNT; s2++) im->event_destroy(ds->iter_end[k][s2]);
-        }
-        im->event_destroy(ds->param_done);
-        for (int r = 0; r < e->M_R; r++) im->event_destroy(ds->marks[r]);
-        free(ds->marks);
-    }
+    plan_resources_free(e);
     free(e->dev);
     for (int b = 0; b < 2; b++) {
         for (int l = 0; l < NL; l++) im->host_free(e->master[b][l]);
         free(e->master[b]);
-        for (int bnd = 0; bnd <= NL; bnd++) {
-            if (e->hx[b][bnd]) {
-                for (int i = 0; i < e->M; i++) im->host_free(e->hx[b][bnd][i]);
-                free(e->hx[b][bnd]);
-            }
-            if (e->hdx[b][bnd]) {
-                for (int i = 0; i < e->M; i++) im->host_free(e->hdx[b][bnd][i]);
-                free(e->hdx[b][bnd]);
-            }
-        }
-        free(e->hx[b]);
-        free(e->hdx[b]);
         for (int i = 0; i < e->M; i++) {
             im->host_free(e->hids[b][i]);
             im->host_free(e->htgt[b][i]);
@@ -1057,37 +1210,19 @@ void engine_free(Engine* e) {
         free(e->hids[b]);
         free(e->htgt[b]);
         free(e->hloss[b]);
-        arena_free(e->arena[b]);
-        labels_free(e->labels[b]);
     }
-    for (int bnd = 0; bnd <= NL; bnd++) {
-        if (e->x_ev[bnd]) {
-            for (int i = 0; i < e->M; i++) im->event_destroy(e->x_ev[bnd][i]);
-            free(e->x_ev[bnd]);
-        }
-        if (e->dx_ev[bnd]) {
-            for (int i = 0; i < e->M; i++) im->event_destroy(e->dx_ev[bnd][i]);
-            free(e->dx_ev[bnd]);
-        }
-    }
-    free(e->x_ev);
-    free(e->dx_ev);
     for (int i = 0; i < e->M; i++) im->event_destroy(e->loss_ev[i]);
     free(e->loss_ev);
     for (int l = 0; l < NL; l++) im->event_destroy(e->grad_ev[l]);
     free(e->grad_ev);
-    for (int i = 0; i < e->S; i++) {
-        free(e->stages[i].p_off);
-        free(e->stages[i].g_off);
-    }
-    free(e->stages);
-    free(e->need_x);
-    free(e->need_dx);
     free(e->param_ready);
     free(e->grad_consumed);
     free(e->grad_recorded);
     free(e->opt_tensors);
     free(e->layer_first_opt);
+    free(e->cost_fwd);
+    free(e->cost_bwd);
+    cost_profile_free(&e->profile);
     threadpool_destroy(e->pool);
     pthread_check(pthread_mutex_destroy(&e->mu));
     pthread_check(pthread_cond_destroy(&e->cv));

@@ -52,6 +52,8 @@ typedef struct EngineOptions {
     double device_budget;    // bytes of device memory for parameter stages (0 = backend default)
     int opt_threads;         // optimizer threads (0 = all CPUs)
     const char* trace_path;  // Chrome trace JSON ("" = none)
+    int replan_after;        // re-plan once with profiled costs after this many iterations, then
+                             // freeze the plan (0 = keep the size-based plan)
     int fake_compute_us;     // tests only: a stage's micro-batch sleeps this long instead of
                              // computing (uniform stage times, to measure the schedule's bubble)
     // optimizer
@@ -88,6 +90,8 @@ EngineStepResult engine_step(Engine* e, const int32_t* tokens);
 void engine_synchronize(Engine* e);
 // Optimizer steps applied so far.
 int64_t engine_steps_done(const Engine* e);
+// Times the plan was rebuilt from profiled stage times (0 or 1).
+int engine_replans(const Engine* e);
 // Write the Chrome trace (opt.trace_path) of everything so far; no-op without a trace path.
 int engine_write_trace(Engine* e, char* err);
 

@@ -110,6 +110,7 @@ typedef struct EngineCase {
     int N, M, M_R, sync, delays;
     RecomputeGrain grain;
     double budget;  // device bytes (forces several stages when small)
+    int replan_after;
 } EngineCase;
 
 static int run_engine(TestCtx* t, Run* run, const ModelConfig* c, int B, int T,
@@ -124,6 +125,7 @@ static int run_engine(TestCtx* t, Run* run, const ModelConfig* c, int B, int T,
     device_set_open(&devs, &device_cpu_impl, ec->N, &dopt);
     EngineOptions eo = {.B = B, .T = T, .M = ec->M, .M_R = ec->M_R, .grain = ec->grain,
                         .sync = ec->sync, .device_budget = ec->budget, .opt_threads = 1,
+                        .replan_after = ec->replan_after,
                         .trace_path = "", .hyper = test_hyper(), .sched = test_sched(),
                         .grad_clip = 1.0f};
     Engine* e = engine_create(&m, &s, &devs, &eo, err);
@@ -136,6 +138,9 @@ static int run_engine(TestCtx* t, Run* run, const ModelConfig* c, int B, int T,
     engine_synchronize(e);
     CHECK(t, engine_steps_done(e) == STEPS, "steps done %lld", (long long)engine_steps_done(e));
     int S = engine_plan(e)->n_fwd + engine_plan(e)->n_bwd;
+    if (ec->replan_after > 0)
+        printf("       N=%d: re-planned %d time(s) from profiled times, now S=%d\n", ec->N,
+               engine_replans(e), S);
     collect_params(run, &s, &m);
     engine_free(e);
     device_set_close(&devs);
@@ -161,9 +166,12 @@ static void test_engine_sync_matches_plain(TestCtx* t) {
         // small budgets force many stages; rounds of 2 micro-batches exercise the cross-round
         // gradient accumulation
         const EngineCase cases[] = {
-            {1, 4, 4, 1, 0, RECOMPUTE_STAGE, 0},     {1, 4, 2, 1, 1, RECOMPUTE_STAGE, 1.6e5},
-            {2, 4, 4, 1, 1, RECOMPUTE_STAGE, 1.6e5},   {3, 4, 4, 1, 1, RECOMPUTE_LAYER, 1.6e5},
-            {4, 4, 2, 1, 1, RECOMPUTE_LAYER, 1.3e5},   {4, 4, 4, 1, 1, RECOMPUTE_STAGE, 1.3e5},
+            {1, 4, 4, 1, 0, RECOMPUTE_STAGE, 0, 0},     {1, 4, 2, 1, 1, RECOMPUTE_STAGE, 1.6e5, 0},
+            {2, 4, 4, 1, 1, RECOMPUTE_STAGE, 1.6e5, 0},   {3, 4, 4, 1, 1, RECOMPUTE_LAYER, 1.6e5, 0},
+            {4, 4, 2, 1, 1, RECOMPUTE_LAYER, 1.3e5, 0},   {4, 4, 4, 1, 1, RECOMPUTE_STAGE, 1.3e5, 0},
+            // re-planned from profiled times after 2 iterations: the plan may change mid-run,
+            // the numbers must not
+            {3, 4, 4, 1, 1, RECOMPUTE_STAGE, 1.6e5, 2}, {2, 4, 2, 1, 0, RECOMPUTE_LAYER, 3.2e5, 2},
         };
         for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
             Run r;
@@ -187,8 +195,8 @@ static void test_engine_microbatch_counts(TestCtx* t) {
     ModelConfig c = engine_config(0);
     int32_t* tokens = make_batches(B, T, 5, c.V);
     Run a, b;
-    EngineCase ca = {2, 2, 2, 1, 0, RECOMPUTE_STAGE, 1.6e5};
-    EngineCase cb = {2, 8, 4, 1, 0, RECOMPUTE_STAGE, 1.6e5};
+    EngineCase ca = {2, 2, 2, 1, 0, RECOMPUTE_STAGE, 1.6e5, 0};
+    EngineCase cb = {2, 8, 4, 1, 0, RECOMPUTE_STAGE, 1.6e5, 0};
     run_engine(t, &a, &c, B, T, &ca, tokens);
     run_engine(t, &b, &c, B, T, &cb, tokens);
     CHECK(t, fabs(a.loss[0] - b.loss[0]) <= 1e-5 * fabs(a.loss[0]), "first loss %.9g vs %.9g",
@@ -255,9 +263,9 @@ static void test_engine_async_delayed(TestCtx* t) {
         int32_t* tokens = make_batches(B, T, 11 + tied, c.V);
         Run ref;
         run_delayed_reference(&ref, &c, B, T, 4, tokens);
-        const EngineCase cases[] = {{1, 4, 4, 0, 1, RECOMPUTE_STAGE, 0},
-                                    {3, 4, 4, 0, 1, RECOMPUTE_STAGE, 1.6e5},
-                                    {2, 4, 2, 0, 1, RECOMPUTE_LAYER, 1.6e5}};
+        const EngineCase cases[] = {{1, 4, 4, 0, 1, RECOMPUTE_STAGE, 0, 0},
+                                    {3, 4, 4, 0, 1, RECOMPUTE_STAGE, 1.6e5, 0},
+                                    {2, 4, 2, 0, 1, RECOMPUTE_LAYER, 1.6e5, 0}};
         for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
             Run r;
             if (run_engine(t, &r, &c, B, T, &cases[k], tokens) < 0) continue;
