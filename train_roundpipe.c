@@ -26,6 +26,9 @@
 #include "llmc/rng.h"
 #include "llmc/store.h"
 #include "llmc/threads.h"
+#ifdef HAVE_CUDA
+#include "kernels/kernels.h"
+#endif
 
 // ----------------------------------------------------------------------------
 // one optimizer step's forward/backward: the batch split into micro-batches
@@ -124,11 +127,13 @@ int main(int argc, char** argv) {
     int rc = args_parse(&a, argc, argv);
     if (rc == 1) return 0;  // --help
     if (rc != 0) return rc;
+#ifndef HAVE_CUDA
     if (a.device == DEVICE_CUDA) {
-        fprintf(stderr, "train_roundpipe: error: --device cuda: this version has no CUDA backend "
-                        "yet; use --device cpu\n");
+        fprintf(stderr, "train_roundpipe: error: --device cuda: this binary was built without CUDA "
+                        "(nvcc was not found by make); use --device cpu or rebuild with nvcc\n");
         return 2;
     }
+#endif
     const int dump = a.dump_state[0] != '\0';
 
     // 1. model: configuration and weights
@@ -149,24 +154,45 @@ int main(int argc, char** argv) {
     if (checkpoint_init_weights(&a, &src, &model, &store, &ts, args_json, err) != 0)
         fatal("%s", err);
 
-    // 2. backend
-    void* ctx = ops_cpu_create(a.threads);
+    // 2. backend: plain training on the CPU, or the RoundPipe engine over N emulated devices
+    // (--device cpu:N) or GPUs (--device cuda, cuda:N). The plain path also serves evaluation,
+    // sampling and --dump-state (on GPU 0 when training on GPUs).
+    const int use_cuda = a.device == DEVICE_CUDA;
+    int N = a.n_devices;
+#ifdef HAVE_CUDA
+    if (use_cuda && N == 0) N = cuda_device_count();
+    if (use_cuda && N == 0) fatal("--device cuda: no CUDA device is visible (check the driver and "
+                                  "CUDA_VISIBLE_DEVICES)");
+    if (use_cuda && N > cuda_device_count())
+        fatal("--device cuda:%d: only %d CUDA device(s) visible", N, cuda_device_count());
+#endif
+    const int use_engine = use_cuda || N > 0 || a.plan_only;
+    if (N == 0) N = 1;
     const Ops* ops = &ops_cpu;
+    void* ctx = NULL;
+#ifdef HAVE_CUDA
+    if (use_cuda) {
+        ops = &ops_cuda;
+        ctx = ops_cuda_create(0, NULL);
+    }
+#endif
+    if (!ctx) ctx = ops_cpu_create(a.threads);
     ThreadPool* opt_pool = threadpool_create(a.threads);
     const int Bm = a.batch / a.micro_batches;
     // Keep every block's activations unless that would need more than 8 GiB: then recompute.
     int recompute = workspace_bytes(&model, ops->act_bytes, Bm, a.seq, model.cfg.L) > (8ull << 30);
     Plain* plain = plain_create(&model, &store, ops, ctx, Bm, a.seq, recompute);
-    // The RoundPipe engine over N emulated devices (--device cpu:N, or --plan): it trains; the
-    // plain CPU path above still serves evaluation and sampling from the synchronised weights.
     DeviceSet devs = {0};
     Engine* eng = NULL;
-    if (a.n_devices > 0 || a.plan_only) {
-        const int N = a.n_devices > 0 ? a.n_devices : 1;
+    if (use_engine) {
         int per_dev = a.threads > 0 ? a.threads : threads_online_cpus() / N;
         DeviceOptions dopt = {.threads = per_dev > 0 ? per_dev : 1, .delay_seed = a.seed,
                               .max_delay_us = a.delay_us, .mem_limit = 0};
-        device_set_open(&devs, &device_cpu_impl, N, &dopt);
+        const DeviceImpl* impl = &device_cpu_impl;
+#ifdef HAVE_CUDA
+        if (use_cuda) impl = &device_cuda_impl;
+#endif
+        device_set_open(&devs, impl, N, &dopt);
         EngineOptions eo = {.B = a.batch, .T = a.seq, .M = a.micro_batches,
                             .M_R = a.round_micro_batches,
                             .grain = a.recompute_layer ? RECOMPUTE_LAYER : RECOMPUTE_STAGE,
@@ -185,13 +211,19 @@ int main(int argc, char** argv) {
         if (M_R < N)
             printf("warning: %d micro-batches per round < %d devices: some devices idle every "
                    "round (RoundPipe needs M_R >= N)\n", M_R, N);
-        printf("device cpu:%d (emulated, %d threads each), batch %d x %d tokens in %d "
-               "micro-batch(es)\n", N, dopt.threads, a.batch, a.seq, a.micro_batches);
+        if (use_cuda)
+            printf("device cuda:%d, batch %d x %d tokens in %d micro-batch(es)\n", N, a.batch,
+                   a.seq, a.micro_batches);
+        else
+            printf("device cpu:%d (emulated, %d threads each), batch %d x %d tokens in %d "
+                   "micro-batch(es)\n", N, dopt.threads, a.batch, a.seq, a.micro_batches);
     } else {
         printf("device cpu (%d threads), batch %d x %d tokens in %d micro-batch(es)%s\n",
                opt_pool->n_threads, a.batch, a.seq, a.micro_batches,
                recompute ? ", recomputing activations" : "");
     }
+    // model FLOPs per token for the MFU column (GPU runs; PERFORMANCE_MODEL.md §1)
+    const double flops_per_token = config_flops_per_token(&model.cfg, a.seq);
 
     // 3. data
     DataLoader train, val;
@@ -258,6 +290,7 @@ int main(int argc, char** argv) {
         double dt = time_now_s() - t0;
         st.ms = dt * 1e3;
         st.tok_s = (double)a.batch * a.seq / dt;
+        if (use_cuda) st.mfu = flops_per_token * st.tok_s / (989e12 * N);
         st.host_mib = log_host_rss_mib();
         log_step(&lg, &st);
         if (a.save_every > 0 && (step % a.save_every == 0 || step == a.steps)) {
@@ -268,12 +301,16 @@ int main(int argc, char** argv) {
                 fatal("%s", err);
         }
         if (have_val && a.eval_every > 0 && step % a.eval_every == 0 && step != a.steps) {
-            if (eng) engine_synchronize(eng);
+            if (eng) {
+                engine_synchronize(eng);
+                plain_sync_params(plain);
+            }
             log_eval(&lg, step, evaluate(plain, &val, &a, tokens));
         }
     }
     if (eng) {
         engine_synchronize(eng);
+        plain_sync_params(plain);
         if (engine_write_trace(eng, err) != 0) fatal("%s", err);
         if (a.trace[0]) printf("trace written to %s\n", a.trace);
     }
@@ -312,7 +349,11 @@ int main(int argc, char** argv) {
     }
     plain_free(plain);
     threadpool_destroy(opt_pool);
-    ops_cpu_destroy(ctx);
+#ifdef HAVE_CUDA
+    if (use_cuda) ops_cuda_destroy(ctx);
+    else
+#endif
+        ops_cpu_destroy(ctx);
     store_free(&store);
     model_free(&model);
     return 0;

@@ -79,6 +79,9 @@ typedef struct DeviceImpl {
     void (*free)(Device* d, void* p);
     void* (*host_alloc)(size_t bytes);        // pinned (page-locked) host memory
     void (*host_free)(void* p);
+    // Pin existing host memory (the Store's slabs) for fast asynchronous copies; no-op on the CPU.
+    void (*host_register)(void* p, size_t bytes);
+    void (*host_unregister)(void* p);
     // work
     void (*submit)(Device* d, StreamKind s, DevWorkFn fn, void* arg);
     void (*copy_h2d)(Device* d, StreamKind s, void* dst, const void* src, size_t bytes);

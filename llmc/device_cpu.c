@@ -371,6 +371,14 @@ static void* cpu_host_alloc(size_t bytes) { return aligned_alloc_check(bytes); }
 
 static void cpu_host_free(void* p) { free(p); }
 
+// There is nothing to pin on the CPU.
+static void cpu_host_register(void* p, size_t bytes) {
+    (void)p;
+    (void)bytes;
+}
+
+static void cpu_host_unregister(void* p) { (void)p; }
+
 // ----------------------------------------------------------------------------
 // work
 
@@ -493,6 +501,8 @@ const DeviceImpl device_cpu_impl = {
     .free = cpu_free,
     .host_alloc = cpu_host_alloc,
     .host_free = cpu_host_free,
+    .host_register = cpu_host_register,
+    .host_unregister = cpu_host_unregister,
     .submit = cpu_submit,
     .copy_h2d = cpu_copy_h2d,
     .copy_d2h = cpu_copy_d2h,

@@ -934,6 +934,9 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
             e->hloss[b][i] = e->impl->host_alloc(tok * sizeof(float));
         }
     }
+    // the gradient accumulators are copy targets and sources: pin them
+    for (int l = 0; l < NL; l++)
+        e->impl->host_register(s->grad[l], (size_t)tt->grad_numel[l] * sizeof(float));
     e->loss_ev = calloc_check((size_t)e->M, sizeof(DevEvent*));
     for (int i = 0; i < e->M; i++) e->loss_ev[i] = ev_new(e);
     e->grad_ev = calloc_check((size_t)NL, sizeof(DevEvent*));
@@ -1199,6 +1202,7 @@ void engine_free(Engine* e) {
     }
     plan_resources_free(e);
     free(e->dev);
+    for (int l = 0; l < NL; l++) im->host_unregister(e->s->grad[l]);
     for (int b = 0; b < 2; b++) {
         for (int l = 0; l < NL; l++) im->host_free(e->master[b][l]);
         free(e->master[b]);
