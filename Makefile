@@ -26,7 +26,9 @@ OPTFLAGS ?= -O3 -g
 CFLAGS += $(CFLAGS_BASE) $(OPTFLAGS)
 LDLIBS := -lm -pthread
 
-BUILD := build
+# Objects of CUDA and CPU-only builds differ (-DHAVE_CUDA): keep them apart, so switching with
+# NO_CUDA=1 never links stale objects.
+BUILD_ROOT := build
 LIB_SRCS := $(sort $(wildcard llmc/*.c))
 TEST_SRCS := $(sort $(wildcard llmc/tests/*.c))
 CU_SRCS := $(sort $(wildcard kernels/*.cu))
@@ -39,6 +41,12 @@ ifneq ($(strip $(NVCC)),)
 ifneq ($(strip $(CU_SRCS)),)
 USE_CUDA := 1
 endif
+endif
+
+ifeq ($(USE_CUDA),1)
+BUILD := $(BUILD_ROOT)/cuda
+else
+BUILD := $(BUILD_ROOT)/cpu
 endif
 
 ifeq ($(USE_CUDA),1)
@@ -60,6 +68,12 @@ BUILD_NOTE := nvcc found but no kernels/*.cu sources: building the CPU-only trai
 endif
 endif
 
+# The binaries are shared by both configurations: a stamp that changes with the configuration
+# makes them relink when it switches.
+CONFIG_NAME := $(if $(filter 1,$(USE_CUDA)),cuda-$(GPU_ARCH),cpu)
+CONFIG_STAMP := $(BUILD_ROOT)/config.stamp
+$(shell mkdir -p $(BUILD_ROOT); test "`cat $(CONFIG_STAMP) 2>/dev/null`" = "$(CONFIG_NAME)" || echo "$(CONFIG_NAME)" > $(CONFIG_STAMP))
+
 LIB_OBJS := $(patsubst %.c,$(BUILD)/%.o,$(LIB_SRCS))
 TEST_OBJS := $(patsubst %.c,$(BUILD)/%.o,$(TEST_SRCS))
 
@@ -69,11 +83,11 @@ all: note train_roundpipe test_roundpipe
 note:
 	@echo "$(BUILD_NOTE)"
 
-train_roundpipe: $(BUILD)/train_roundpipe.o $(LIB_OBJS) $(CU_OBJS)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDLIBS)
+train_roundpipe: $(BUILD)/train_roundpipe.o $(LIB_OBJS) $(CU_OBJS) $(CONFIG_STAMP)
+	$(CC) $(CFLAGS) -o $@ $(filter %.o,$^) $(LDLIBS)
 
-test_roundpipe: $(BUILD)/test_roundpipe.o $(TEST_OBJS) $(LIB_OBJS) $(CU_OBJS)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDLIBS)
+test_roundpipe: $(BUILD)/test_roundpipe.o $(TEST_OBJS) $(LIB_OBJS) $(CU_OBJS) $(CONFIG_STAMP)
+	$(CC) $(CFLAGS) -o $@ $(filter %.o,$^) $(LDLIBS)
 
 $(BUILD)/%.o: %.c $(wildcard llmc/*.h) $(wildcard llmc/tests/*.h) $(wildcard kernels/*.h)
 	@mkdir -p $(dir $@)
@@ -109,7 +123,7 @@ endif
 	    -lcublasLt -lcublas -lm
 
 clean:
-	rm -rf $(BUILD) train_roundpipe test_roundpipe
+	rm -rf $(BUILD_ROOT) train_roundpipe test_roundpipe
 
 # ---- sanitizer builds ----
 # CPU-only test binaries with their own object directories, so they never mix with the normal

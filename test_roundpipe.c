@@ -35,6 +35,8 @@
     X(device)      \
     X(partition)   \
     X(engine)      \
+    X(gguf)        \
+    X(resume)      \
     X(train)
 
 #define DECLARE_SUITE(s) extern const TestCase tests_##s[] __attribute__((weak));

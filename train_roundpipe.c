@@ -33,23 +33,34 @@
 // ----------------------------------------------------------------------------
 // one optimizer step's forward/backward: the batch split into micro-batches
 
+// Micro-batch mb of M splits the batch as evenly as possible: the first B % M get one more
+// sequence (as the engine does, and the reference implementation).
+static int mb_rows(const TrainArgs* a, int mb) {
+    return a->batch / a->micro_batches + (mb < a->batch % a->micro_batches ? 1 : 0);
+}
+
+static const int32_t* mb_tokens(const TrainArgs* a, const int32_t* tokens, int mb) {
+    int first = mb * (a->batch / a->micro_batches) + imin(mb, a->batch % a->micro_batches);
+    return tokens + (size_t)first * (a->seq + 1);
+}
+
 // tokens (B, T+1). Returns the mean loss over the B*T targets; gradients land in the store.
 static double train_forward_backward(Plain* p, const TrainArgs* a, const int32_t* tokens) {
-    const int Bm = a->batch / a->micro_batches, T = a->seq;
+    const int T = a->seq;
     // Every micro-batch's gradient is scaled by 1/(tokens of the whole step), so the sum over
     // micro-batches is the gradient of the step's mean loss (FORMATS_AND_MODELS.md §7).
     const float grad_scale = 1.0f / ((float)a->batch * (float)T);
     double loss_sum = 0.0;
     store_zero_grads(p->s);
     for (int mb = 0; mb < a->micro_batches; mb++)
-        loss_sum += plain_forward_backward(p, tokens + (size_t)mb * Bm * (T + 1), Bm, T, grad_scale);
+        loss_sum += plain_forward_backward(p, mb_tokens(a, tokens, mb), mb_rows(a, mb), T, grad_scale);
     plain_sync_grads(p);
     store_fold_tied_grads(p->s);
     return loss_sum / ((double)a->batch * T);
 }
 
 static double evaluate(Plain* p, DataLoader* val, const TrainArgs* a, int32_t* tokens) {
-    const int Bm = a->batch / a->micro_batches, T = a->seq;
+    const int T = a->seq;
     int64_t n_batches = dataloader_batches_per_epoch(val);
     if (n_batches > a->eval_batches) n_batches = a->eval_batches;
     char err[ERR_LEN];
@@ -58,7 +69,7 @@ static double evaluate(Plain* p, DataLoader* val, const TrainArgs* a, int32_t* t
     for (int64_t i = 0; i < n_batches; i++) {
         if (dataloader_next_batch(val, tokens, err) != 0) fatal("%s", err);
         for (int mb = 0; mb < a->micro_batches; mb++)
-            sum += plain_forward_loss(p, tokens + (size_t)mb * Bm * (T + 1), Bm, T);
+            sum += plain_forward_loss(p, mb_tokens(a, tokens, mb), mb_rows(a, mb), T);
     }
     return sum / ((double)n_batches * a->batch * T);
 }
@@ -178,7 +189,7 @@ int main(int argc, char** argv) {
 #endif
     if (!ctx) ctx = ops_cpu_create(a.threads);
     ThreadPool* opt_pool = threadpool_create(a.threads);
-    const int Bm = a.batch / a.micro_batches;
+    const int Bm = mb_rows(&a, 0);  // the largest micro-batch
     // Keep every block's activations unless that would need more than 8 GiB: then recompute.
     int recompute = workspace_bytes(&model, ops->act_bytes, Bm, a.seq, model.cfg.L) > (8ull << 30);
     Plain* plain = plain_create(&model, &store, ops, ctx, Bm, a.seq, recompute);

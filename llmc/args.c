@@ -82,7 +82,8 @@ void args_usage(FILE* f) {
         "  -j, --val GLOB         validation token shards, \"\" for none (default %s)\n"
         "  -b, --batch B          sequences per optimizer step (default %d)\n"
         "  -t, --seq T            tokens per sequence (default %d)\n"
-        "  -m, --micro-batches M  split each batch into M micro-batches; B %% M == 0 (default %d)\n"
+        "  -m, --micro-batches M  split each batch into M micro-batches (sizes differ by at most\n"
+        "                         one sequence; M <= B) (default %d)\n"
         "      --shuffle 0|1      shuffle training windows each epoch (default %d)\n"
         "      --seed S           seed for init, shuffling and sampling (default %u)\n"
         "      --init-std X       std of the random init of matrices (default %g)\n"
@@ -370,12 +371,11 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         return 2;
     }
     // cross-flag checks
-    if (a->batch % a->micro_batches != 0) {
+    if (a->micro_batches > a->batch) {
         char v[64];
         snprintf(v, sizeof v, "%d", a->micro_batches);
         char what[128];
-        snprintf(what, sizeof what, "--batch %d must be divisible by the number of micro-batches",
-                 a->batch);
+        snprintf(what, sizeof what, "more micro-batches than the %d sequences of --batch", a->batch);
         return bad("--micro-batches", v, what);
     }
     if (a->round_micro_batches > 0 && a->micro_batches % a->round_micro_batches != 0) {

@@ -339,10 +339,13 @@ static int check_same_model(const char* step_dir, const ModelConfig* have, char*
     snprintf(path, sizeof path, "%s/config.json", step_dir);
     ModelConfig c;
     if (config_from_hf_json(&c, path, err) != 0) return -1;
+    if (c.family != have->family)
+        return errorf(err, "%s: the checkpoint is a %s model, this run's model is %s (resume with "
+                           "the same --model)", path, family_names[c.family], family_names[have->family]);
     struct {
         const char* name;
         long long saved, now;
-    } f[] = {{"family", c.family, have->family}, {"vocab_size", c.V, have->V},
+    } f[] = {{"vocab_size", c.V, have->V},
              {"hidden_size", c.C, have->C}, {"num_hidden_layers", c.L, have->L},
              {"num_attention_heads", c.H, have->H}, {"num_key_value_heads", c.KVH, have->KVH},
              {"head_dim", c.HD, have->HD}, {"intermediate_size", c.F, have->F},

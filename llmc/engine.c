@@ -87,6 +87,7 @@ typedef struct MbJob {
     int i;          // micro-batch index within the iteration
     int p;          // device buffer parity (i % 2)
     int ip;         // iteration parity
+    int B;          // sequences in this micro-batch (micro-batches may differ by one)
     const void* pslot;
     float* gslot;
 } MbJob;
@@ -167,6 +168,15 @@ static void* dev_alloc(Engine* e, DevState* ds, size_t bytes) {
     return e->impl->alloc(ds->d, bytes ? bytes : 64);
 }
 
+// Sequences in micro-batch i: the batch is split as evenly as possible (the first B % M
+// micro-batches get one more), like the reference implementation.
+static int mb_rows(const Engine* e, int i) { return e->opt.B / e->M + (i < e->opt.B % e->M ? 1 : 0); }
+
+// First sequence of micro-batch i within the batch.
+static int mb_first_row(const Engine* e, int i) {
+    return i * (e->opt.B / e->M) + imin(i, e->opt.B % e->M);
+}
+
 // ----------------------------------------------------------------------------
 // stages
 
@@ -228,11 +238,11 @@ static void forward_layers(Engine* e, MbJob* j, int from, int to, int keep) {
         int k = l - st->b;
         if (l == 0) {
             model_prefix_forward(m, ds->ws, xs[k + 1], ds->ids[j->p], slot_layer(e, st, j->pslot, 0),
-                                 e->Bm, e->T);
+                                 j->B, e->T);
         } else {
             BlockActs* a = &ds->ws->acts[keep ? k : 0];
             model_block_forward(m, ds->ws, a, slot_layer(e, st, j->pslot, l), xs[k], xs[k + 1],
-                                e->Bm, e->T);
+                                j->B, e->T);
         }
     }
 }
@@ -248,19 +258,19 @@ static void backward_layers(Engine* e, MbJob* j, int from, int to) {
         int k = l - st->b;
         if (l == 0) {
             model_prefix_backward(m, ds->ws, j->gslot + st->g_off[k], ds->dres[j->p],
-                                  ds->ids[j->p], e->Bm, e->T);
+                                  ds->ids[j->p], j->B, e->T);
             continue;
         }
         if (e->opt.grain == RECOMPUTE_LAYER && st->kind == SLOT_BWD) {
             // layer grain: recompute just this block from its uploaded checkpoint; its output is
             // written over the deeper boundary's buffer, which the deeper block no longer needs
             model_block_forward(m, ds->ws, &ds->ws->acts[0], slot_layer(e, st, j->pslot, l), xs[k],
-                                xs[k + 1], e->Bm, e->T);
+                                xs[k + 1], j->B, e->T);
             model_block_backward(m, ds->ws, &ds->ws->acts[0], slot_layer(e, st, j->pslot, l),
-                                 j->gslot + st->g_off[k], xs[k], ds->dres[j->p], e->Bm, e->T);
+                                 j->gslot + st->g_off[k], xs[k], ds->dres[j->p], j->B, e->T);
         } else {
             model_block_backward(m, ds->ws, &ds->ws->acts[k], slot_layer(e, st, j->pslot, l),
-                                 j->gslot + st->g_off[k], xs[k], ds->dres[j->p], e->Bm, e->T);
+                                 j->gslot + st->g_off[k], xs[k], ds->dres[j->p], j->B, e->T);
         }
     }
 }
@@ -293,7 +303,7 @@ static void run_microbatch(void* arg) {
         model_postfix_forward_backward(e->m, ds->ws, norm_w, postfix_head(e, j),
                                        g + tt->t[i_norm].grad_offset, g + tt->t[i_head].grad_offset,
                                        ds->xs[j->p][last - st->b], ds->dres[j->p],
-                                       ds->targets[j->p], ds->losses[j->p], grad_scale, 1, e->Bm,
+                                       ds->targets[j->p], ds->losses[j->p], grad_scale, 1, j->B,
                                        e->T);
         backward_layers(e, j, st->b, last);
         return;
@@ -471,8 +481,6 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
     const DeviceImpl* im = e->impl;
     Device* d = ds->d;
     const int ip = (int)(t % 2);
-    const size_t x_bytes = (size_t)e->Bm * e->T * e->C * e->ab;
-    const size_t tok_bytes = (size_t)e->Bm * e->T * sizeof(int32_t);
     const int n = st->e - st->b;
 
     fence_params(e, st, t);
@@ -494,6 +502,9 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
         const int i = round * e->M_R + r;  // micro-batch index within the iteration
         const int p = r % 2;
         void** xs = ds->xs[p];
+        const int Bi = mb_rows(e, i);
+        const size_t x_bytes = (size_t)Bi * e->T * e->C * e->ab;
+        const size_t tok_bytes = (size_t)Bi * e->T * sizeof(int32_t);
 
         // activation upload (high priority path)
         im->stream_wait(d, STREAM_ACT_UP, ds->comp_done[p]);
@@ -526,7 +537,7 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
         im->stream_wait(d, STREAM_COMPUTE, ds->down_done[p]);
         if (r == 0) im->stream_wait(d, STREAM_COMPUTE, ds->param_done);
         MbJob* j = job_new(e, ip);
-        *j = (MbJob){e, ds, st, i, p, ip, ds->pslot[pk], gk >= 0 ? ds->gslot[gk] : NULL};
+        *j = (MbJob){e, ds, st, i, p, ip, Bi, ds->pslot[pk], gk >= 0 ? ds->gslot[gk] : NULL};
         DevEvent** prof = &e->prof_ev[ip][2 * (job_idx * e->M_R + r)];
         im->event_record(prof[0], d, STREAM_COMPUTE);
         label(e, ip, ds, STREAM_COMPUTE, "%s mb%d", st->name, i);
@@ -547,7 +558,7 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
         } else {
             if (st->kind == SLOT_FUSED) {
                 im->copy_d2h(d, STREAM_ACT_DOWN, e->hloss[ip][i], ds->losses[p],
-                             (size_t)e->Bm * e->T * sizeof(float));
+                             (size_t)Bi * e->T * sizeof(float));
                 im->event_record(e->loss_ev[i], d, STREAM_ACT_DOWN);
             }
             if (st->b > 0) {
@@ -892,14 +903,14 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
     e->T = opt->T;
     e->C = m->cfg.C;
     e->delay = opt->sync ? 0 : 1;
-    if (e->M <= 0 || opt->B % e->M != 0 || e->M % e->M_R != 0) {
-        errorf(err, "micro-batches: batch %d, %d micro-batches, %d per round do not divide evenly",
-               opt->B, e->M, e->M_R);
+    if (e->M <= 0 || e->M > opt->B || e->M % e->M_R != 0) {
+        errorf(err, "micro-batches: %d micro-batches for a batch of %d sequences in rounds of %d "
+               "(need 1 <= M <= B and M a multiple of the round size)", e->M, opt->B, e->M_R);
         free(e);
         return NULL;
     }
     e->R = e->M / e->M_R;
-    e->Bm = opt->B / e->M;
+    e->Bm = (opt->B + e->M - 1) / e->M;  // the largest micro-batch (buffers are sized for it)
     e->ab = (size_t)e->impl->ops(devs->dev[0])->act_bytes;
     const int NL = e->NL;
     const TensorTable* tt = &m->tt;
@@ -1087,8 +1098,8 @@ EngineStepResult engine_step(Engine* e, const int32_t* tokens) {
 
     // split the batch into micro-batches of inputs and targets
     for (int i = 0; i < e->M; i++) {
-        for (int b = 0; b < e->Bm; b++) {
-            const int32_t* row = tokens + ((size_t)i * e->Bm + b) * (T + 1);
+        for (int b = 0; b < mb_rows(e, i); b++) {
+            const int32_t* row = tokens + ((size_t)mb_first_row(e, i) + b) * (T + 1);
             memcpy(e->hids[ip][i] + (size_t)b * T, row, (size_t)T * sizeof(int32_t));
             memcpy(e->htgt[ip][i] + (size_t)b * T, row + 1, (size_t)T * sizeof(int32_t));
         }
@@ -1114,9 +1125,9 @@ EngineStepResult engine_step(Engine* e, const int32_t* tokens) {
 
     // the losses of this iteration, summed in micro-batch order
     double sum = 0.0;
-    const size_t tok = (size_t)e->Bm * T;
     for (int i = 0; i < e->M; i++) {
         e->impl->event_synchronize(e->loss_ev[i]);
+        const size_t tok = (size_t)mb_rows(e, i) * T;
         for (size_t k = 0; k < tok; k++) sum += e->hloss[ip][i][k];
     }
     EngineStepResult res;
@@ -1176,8 +1187,8 @@ void engine_print_plan(const Engine* e, FILE* f) {
     double* bb = calloc_check((size_t)e->NL, sizeof(double));
     layer_bytes(e, fb, bb);
     partition_print(&e->plan, &e->m->cfg, fb, bb, e->N, e->M, f);
-    fprintf(f, "rounds per step %d x %d micro-batches of %d sequences, %s recompute, %s optimizer\n",
-            e->R, e->M_R, e->Bm, e->opt.grain == RECOMPUTE_LAYER ? "layer" : "stage",
+    fprintf(f, "rounds per step %d x %d micro-batches of %s%d sequences, %s recompute, %s optimizer\n",
+            e->R, e->M_R, e->opt.B % e->M ? "up to " : "", e->Bm, e->opt.grain == RECOMPUTE_LAYER ? "layer" : "stage",
             e->opt.sync ? "synchronous" : "one-step-delayed");
     free(fb);
     free(bb);

@@ -906,9 +906,9 @@ static int llama3_from_rope_freqs(const GgufFile* f, const GgufTensor* t, ModelC
     float factor = 1.0f;
     for (int i = 0; i < half; i++) {
         if (!(r[i] > 0.0f)) {
+            errorf(err, "%s: rope_freqs.weight[%d] = %g is not positive", f->path, i, (double)r[i]);
             free(r);
-            return errorf(err, "%s: rope_freqs.weight[%d] = %g is not positive", f->path, i,
-                          (double)r[i]);
+            return -1;
         }
         if (r[i] > factor) factor = r[i];
     }

@@ -281,14 +281,17 @@ static void rmsnorm_case(TestCtx* t, Gpu* G, int N, int C, int residual) {
     void* d_out = dev_bf16(G, nan_n, n);
     void* d_rstd = G->g->alloc(G->gctx, (size_t)N * sizeof(float));
     if (residual) {
-        G->c->residual_rmsnorm_forward(G->cctx, res_c, out_c, rstd_c, a, b, w, N, C, eps);
+        // The GPU rounds the residual sum to bf16 (as HF adds two bf16 tensors) and normalises
+        // the rounded sum: the CPU reference normalises bf16(a + b) too.
+        for (size_t i = 0; i < n; i++) res_c[i] = bf16_value(a[i] + b[i]);
+        G->c->rmsnorm_forward(G->cctx, out_c, rstd_c, res_c, w, N, C, eps);
         // res aliases a on the GPU (allowed by ops.h)
         G->g->residual_rmsnorm_forward(G->gctx, d_a, d_out, d_rstd, d_a, d_b, d_w, N, C, eps);
         float* res_g = host_bf16(G, d_a, n);
         snprintf(what, sizeof what, "residual N=%d C=%d", N, C);
         check_rel(t, what, res_g, res_c, n, 1e-2);
         int exact = 1;  // the residual sum is bf16(a + b)
-        for (size_t i = 0; i < n; i++) exact &= res_g[i] == bf16_value(a[i] + b[i]);
+        for (size_t i = 0; i < n; i++) exact &= res_g[i] == res_c[i];
         CHECK(t, exact, "%s: res != bf16(a + b)", what);
         free(res_g);
     } else {
@@ -590,6 +593,25 @@ static void attention_case(TestCtx* t, Gpu* G, int B, int T, int H, int KVH, int
     float* dqkv_g = host_bf16(G, d_dqkv, (size_t)N * QKV);
     snprintf(w2, sizeof w2, "%s dqkv", what);
     check_rel(t, w2, dqkv_g, dqkv_c, (size_t)N * QKV, 2e-2);
+    // q, k and v parts separately (dq/dk go through the softmax gradient, dv does not)
+    const int part_lo[3] = {0, H * HD, (H + KVH) * HD}, part_w[3] = {H * HD, KVH * HD, KVH * HD};
+    const char* part_name[3] = {"dq", "dk", "dv"};
+    for (int p = 0; p < 3; p++) {
+        size_t m = (size_t)N * part_w[p];
+        float* pg = malloc_check(m * sizeof(float));
+        float* pc = malloc_check(m * sizeof(float));
+        for (int r = 0; r < N; r++) {
+            memcpy(pg + (size_t)r * part_w[p], dqkv_g + (size_t)r * QKV + part_lo[p],
+                   (size_t)part_w[p] * sizeof(float));
+            memcpy(pc + (size_t)r * part_w[p], dqkv_c + (size_t)r * QKV + part_lo[p],
+                   (size_t)part_w[p] * sizeof(float));
+        }
+        snprintf(w2, sizeof w2, "%s %s", what, part_name[p]);
+        double e = check_rel(t, w2, pg, pc, m, 3e-2);
+        printf("  %s: %s relative L2 error %.3g\n", what, part_name[p], e);
+        free(pg);
+        free(pc);
+    }
 
     free(qkv);
     free(out_c);
@@ -903,7 +925,9 @@ static void model_case(TestCtx* t, Gpu* G, const char* preset) {
     Store sc, sg;
     store_create(&sc, &m.tt);
     store_create(&sg, &m.tt);
-    store_init_random(&sc, 17, 0.3f);
+    // std 0.1: with larger weights the tiny models' attention is nearly one-hot, and the
+    // gradients through the softmax drown in bf16 rounding (seen: 6% errors in wq/wk at 0.3)
+    store_init_random(&sc, 17, 0.1f);
     Rng r;
     rng_seed(&r, 18);
     for (int i = 0; i < m.tt.n; i++) {  // perturb the norms so their gradients matter

@@ -56,8 +56,8 @@ static void test_train_help(TestCtx* t) {
 
 static void test_train_bad_flags(TestCtx* t) {
     const char* cases[] = {"--batch 0", "--batch x", "--lr -1", "--lr nan", "--schedule foo",
-                           "--steps", "--frobnicate", "--batch 6 --micro-batches 4",
-                           "--device tpu", "--device cuda:0", "--shuffle 2", "--grad-clip -1",
+                           "--steps", "--frobnicate",
+                           "--device tpu", "--device cuda:0", "--batch 4 --micro-batches 5", "--shuffle 2", "--grad-clip -1",
                            "--seed -3", "--min-lr-frac 2", "stray-argument", NULL};
     for (int i = 0; cases[i]; i++) {
         int rc = run_cli(t, "badflag", cases[i]);

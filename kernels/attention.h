@@ -1,0 +1,40 @@
+/*
+ * attention.h — causal grouped-query flash attention on the GPU (bf16 in and out, fp32
+ * accumulation), forward and backward. Implemented in kernels/attention.cu; developed and
+ * benchmarked in dev/cuda/attention.cu.
+ *
+ * Layout: one packed projection row per token, [q heads | k heads | v heads], QKV = (H+2*KVH)*HD
+ * columns. Query head h reads kv head h / (H/KVH) (H must be a multiple of KVH). Scale 1/sqrt(HD);
+ * key j is visible to query i iff j <= i. All calls are asynchronous on `stream` (a cudaStream_t
+ * passed as void*); bad arguments and CUDA failures print a message and exit(1).
+ */
+#ifndef KERNELS_ATTENTION_H
+#define KERNELS_ATTENTION_H
+
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// qkv: bf16 (B*T, (H + 2*KVH)*HD) packed rows [q heads | k heads | v heads]; query head h uses
+// kv head h / (H/KVH). out: bf16 (B*T, H*HD). lse: fp32 (B, H, T) log-sum-exp of the scaled
+// logits (scale 1/sqrt(HD)), saved for the backward. Causal: key j visible to query i iff j <= i.
+void attention_forward_bf16(void* out, float* lse, const void* qkv, int B, int T, int H, int KVH,
+                            int HD, void* stream);
+size_t attention_backward_workspace_bytes(int B, int T, int H, int KVH, int HD);
+// dqkv: bf16 (B*T, QKV) gradient w.r.t. q, k, v (overwritten, every element written). dout:
+// bf16 (B*T, H*HD). workspace: device memory of the size above (e.g. D = rowsum(dO*O) in fp32).
+// Deterministic: no floating-point atomics (dK/dV of a kv head sum its query-head group inside
+// one block in a fixed order; dQ by a separate pass over kv blocks, or another fixed-order scheme).
+void attention_backward_bf16(void* dqkv, const void* dout, const void* qkv, const void* out,
+                             const float* lse, void* workspace, int B, int T, int H, int KVH,
+                             int HD, void* stream);
+// 1 if HD is supported (at least 16, 32, 64, 128), else 0.
+int attention_supports_head_dim(int HD);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif  // KERNELS_ATTENTION_H

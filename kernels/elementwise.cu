@@ -1,0 +1,223 @@
+/*
+ * elementwise.cu — the memory-bound ops without reductions across rows: fp32 <-> bf16 conversion
+ * (host staging), token embedding gather, SwiGLU forward/backward, add, and the ordered reduction
+ * of per-block partial sums that the column reductions (rmsnorm dw, dbias, qk-norm dw) share.
+ *
+ * Each kernel has a 16-byte path (8 bf16 per thread per step, grid-stride, several independent
+ * loads in flight per thread) and a scalar path for widths that are not multiples of 8 or for
+ * pointers that are not 16-byte aligned (a tensor at an odd offset inside a parameter slab).
+ *
+ * Rounding mirrors HF transformers in bf16: silu(gate) is rounded to bf16 before the product with
+ * up (act_fn(gate) * up is two bf16 tensor ops there).
+ */
+#include "common.cuh"
+
+// ----------------------------------------------------------------------------
+// fp32 <-> bf16
+
+__global__ void convert_f32_to_bf16_kernel(bf16* __restrict__ dst, const float* __restrict__ src,
+                                           size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        dst[i] = __float2bfloat16_rn(src[i]);
+}
+
+__global__ void convert_bf16_to_f32_kernel(float* __restrict__ dst, const bf16* __restrict__ src,
+                                           size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        dst[i] = __bfloat162float(src[i]);
+}
+
+// A grid-stride launch: enough blocks to fill the GPU several times, never more than needed.
+static unsigned stride_grid(CudaCtx* cx, size_t work_items, int block) {
+    size_t want = grid_size(work_items, block), cap = (size_t)cx->n_sms * 16;
+    if (want < 1) want = 1;
+    return (unsigned)(want < cap ? want : cap);
+}
+
+void cuda_convert_f32_to_bf16(CudaCtx* cx, bf16* dst, const float* src, size_t n) {
+    if (n == 0) return;
+    convert_f32_to_bf16_kernel<<<stride_grid(cx, n, 256), 256, 0, cx->stream>>>(dst, src, n);
+    cuda_check_launch();
+}
+
+void cuda_convert_bf16_to_f32(CudaCtx* cx, float* dst, const bf16* src, size_t n) {
+    if (n == 0) return;
+    convert_bf16_to_f32_kernel<<<stride_grid(cx, n, 256), 256, 0, cx->stream>>>(dst, src, n);
+    cuda_check_launch();
+}
+
+// ----------------------------------------------------------------------------
+// token embedding: out (N, C) = wte[ids] — one warp per row
+
+template <int VEC>
+__global__ void embedding_forward_kernel(bf16* __restrict__ out, const int32_t* __restrict__ ids,
+                                         const bf16* __restrict__ wte, int N, int C, int V,
+                                         int* err) {
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (row >= N) return;
+    int id = ids[row];
+    bf16* dst = out + (size_t)row * C;
+    if (id < 0 || id >= V) {  // reported at the next synchronize; the row is zeroed meanwhile
+        if (lane == 0) atomicOr(err, CUDA_ERR_TOKEN_ID);
+        for (int c = lane; c < C; c += 32) dst[c] = __float2bfloat16_rn(0.0f);
+        return;
+    }
+    const bf16* src = wte + (size_t)id * C;
+    if constexpr (VEC == 8) {
+        for (int c = lane * 8; c < C; c += 32 * 8)
+            *reinterpret_cast<uint4*>(dst + c) = *reinterpret_cast<const uint4*>(src + c);
+    } else {
+        for (int c = lane; c < C; c += 32) dst[c] = src[c];
+    }
+}
+
+void cuda_embedding_forward(CudaCtx* cx, bf16* out, const int32_t* ids, const bf16* wte, int N,
+                            int C, int V) {
+    if (N <= 0 || C <= 0) return;
+    const int warps = 8;
+    unsigned grid = grid_size((size_t)N, warps);
+    if (C % 8 == 0 && is_aligned16(out) && is_aligned16(wte))
+        embedding_forward_kernel<8><<<grid, warps * 32, 0, cx->stream>>>(out, ids, wte, N, C, V,
+                                                                          cx->d_error);
+    else
+        embedding_forward_kernel<1><<<grid, warps * 32, 0, cx->stream>>>(out, ids, wte, N, C, V,
+                                                                          cx->d_error);
+    cuda_check_launch();
+}
+
+// ----------------------------------------------------------------------------
+// SwiGLU over gu (N, 2F) = [gate | up]: element e of the (N, F) output is row e / F, column e % F
+
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + __expf(-x)); }
+
+template <int VEC>
+__global__ void swiglu_forward_kernel(bf16* __restrict__ out, const bf16* __restrict__ gu,
+                                      size_t n_vec, int F) {
+    const int FV = F / VEC;
+    for (size_t v = blockIdx.x * (size_t)blockDim.x + threadIdx.x; v < n_vec;
+         v += (size_t)gridDim.x * blockDim.x) {
+        size_t row = v / FV, col = (v % FV) * VEC;
+        const bf16* gate = gu + row * 2 * F + col;
+        float g[VEC], u[VEC], y[VEC];
+        load_bf16<VEC>(gate, g);
+        load_bf16<VEC>(gate + F, u);
+#pragma unroll
+        for (int k = 0; k < VEC; k++) y[k] = bf16_round(g[k] * sigmoid_f(g[k])) * u[k];
+        store_bf16<VEC>(out + row * F + col, y);
+    }
+}
+
+// du = dy silu(a); da = dy u σ(a) (1 + a (1 - σ(a))) (FORMATS_AND_MODELS.md §5.5).
+template <int VEC>
+__global__ void swiglu_backward_kernel(bf16* __restrict__ dgu, const bf16* __restrict__ dout,
+                                       const bf16* __restrict__ gu, size_t n_vec, int F) {
+    const int FV = F / VEC;
+    for (size_t v = blockIdx.x * (size_t)blockDim.x + threadIdx.x; v < n_vec;
+         v += (size_t)gridDim.x * blockDim.x) {
+        size_t row = v / FV, col = (v % FV) * VEC;
+        const bf16* gate = gu + row * 2 * F + col;
+        float g[VEC], u[VEC], dy[VEC], dg[VEC], du[VEC];
+        load_bf16<VEC>(gate, g);
+        load_bf16<VEC>(gate + F, u);
+        load_bf16<VEC>(dout + row * F + col, dy);
+#pragma unroll
+        for (int k = 0; k < VEC; k++) {
+            float s = sigmoid_f(g[k]);
+            du[k] = dy[k] * (g[k] * s);
+            dg[k] = dy[k] * u[k] * s * (1.0f + g[k] * (1.0f - s));
+        }
+        bf16* dgate = dgu + row * 2 * F + col;
+        store_bf16<VEC>(dgate, dg);
+        store_bf16<VEC>(dgate + F, du);
+    }
+}
+
+void cuda_swiglu_forward(CudaCtx* cx, bf16* out, const bf16* gu, int N, int F) {
+    if (N <= 0 || F <= 0) return;
+    size_t n = (size_t)N * F;
+    if (F % 8 == 0 && is_aligned16(out) && is_aligned16(gu))
+        swiglu_forward_kernel<8><<<stride_grid(cx, n / 8, 256), 256, 0, cx->stream>>>(out, gu,
+                                                                                     n / 8, F);
+    else
+        swiglu_forward_kernel<1><<<stride_grid(cx, n, 256), 256, 0, cx->stream>>>(out, gu, n, F);
+    cuda_check_launch();
+}
+
+void cuda_swiglu_backward(CudaCtx* cx, bf16* dgu, const bf16* dout, const bf16* gu, int N, int F) {
+    if (N <= 0 || F <= 0) return;
+    size_t n = (size_t)N * F;
+    if (F % 8 == 0 && is_aligned16(dgu) && is_aligned16(dout) && is_aligned16(gu))
+        swiglu_backward_kernel<8><<<stride_grid(cx, n / 8, 256), 256, 0, cx->stream>>>(
+            dgu, dout, gu, n / 8, F);
+    else
+        swiglu_backward_kernel<1><<<stride_grid(cx, n, 256), 256, 0, cx->stream>>>(dgu, dout, gu,
+                                                                                  n, F);
+    cuda_check_launch();
+}
+
+// ----------------------------------------------------------------------------
+// add: out = a + b; out may alias a or b (each element is read before it is written, by the same
+// thread), so no __restrict__ here.
+
+template <int VEC>
+__global__ void add_kernel(bf16* out, const bf16* a, const bf16* b, size_t n_vec) {
+    for (size_t v = blockIdx.x * (size_t)blockDim.x + threadIdx.x; v < n_vec;
+         v += (size_t)gridDim.x * blockDim.x) {
+        float x[VEC], y[VEC];
+        load_bf16<VEC>(a + v * VEC, x);
+        load_bf16<VEC>(b + v * VEC, y);
+#pragma unroll
+        for (int k = 0; k < VEC; k++) x[k] += y[k];
+        store_bf16<VEC>(out + v * VEC, x);
+    }
+}
+
+void cuda_add(CudaCtx* cx, bf16* out, const bf16* a, const bf16* b, size_t n) {
+    if (n == 0) return;
+    size_t head = 0;
+    if (is_aligned16(out) && is_aligned16(a) && is_aligned16(b)) {
+        head = n / 8 * 8;
+        if (head > 0)
+            add_kernel<8><<<stride_grid(cx, head / 8, 256), 256, 0, cx->stream>>>(out, a, b,
+                                                                                 head / 8);
+    }
+    if (n > head)
+        add_kernel<1><<<stride_grid(cx, n - head, 256), 256, 0, cx->stream>>>(
+            out + head, a + head, b + head, n - head);
+    cuda_check_launch();
+}
+
+// ----------------------------------------------------------------------------
+// ordered reduction of per-block partial sums
+
+// Block = 32 columns x REDUCE_SLICES slices of parts: slice y sums parts y, y + SLICES, ... in
+// order (independent loads in flight), then the slice sums are added in slice order. The order
+// depends on n_parts only.
+#define REDUCE_SLICES 8
+
+__global__ void reduce_partials_kernel(float* __restrict__ dst, const float* __restrict__ partial,
+                                       int n_parts, int C) {
+    __shared__ float red[REDUCE_SLICES][33];
+    const int c = blockIdx.x * 32 + threadIdx.x;
+    float s = 0.0f;
+    if (c < C) {
+#pragma unroll 4
+        for (int p = threadIdx.y; p < n_parts; p += REDUCE_SLICES) s += partial[(size_t)p * C + c];
+    }
+    red[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < C) {
+        float t = 0.0f;
+        for (int y = 0; y < REDUCE_SLICES; y++) t += red[y][threadIdx.x];
+        dst[c] += t;
+    }
+}
+
+void cuda_reduce_partials(CudaCtx* cx, float* dst, const float* partial, int n_parts, int C) {
+    if (C <= 0) return;
+    reduce_partials_kernel<<<grid_size((size_t)C, 32), dim3(32, REDUCE_SLICES), 0, cx->stream>>>(
+        dst, partial, n_parts, C);
+    cuda_check_launch();
+}

@@ -1,0 +1,168 @@
+/*
+ * norm.cu — RMSNorm forward (optionally fused with the residual add) and backward, bf16 rows with
+ * fp32 math.
+ *
+ * Forward: one warp per row. The sum of squares is a per-lane sum then an xor butterfly, so rstd
+ * is the same bits on every run. Rounding mirrors HF (FORMATS_AND_MODELS.md §5.2): the residual
+ * sum is rounded to bf16 (two bf16 tensors added), the norm reads the rounded sum, and
+ * out = w · bf16(x · rstd) is rounded after the weight multiply.
+ *
+ * Backward: one block per group of rows (about 512 blocks, a function of N only). For each row
+ * a block sum gives mean(g·x̂); dinp += rstd (g - x̂ mean) with g = dy·w. For dw every thread owns
+ * fixed columns and accumulates dy·x̂ over the block's rows in row order in shared memory; the
+ * block writes its partial row of dw, and cuda_reduce_partials adds the partials in block order.
+ * No atomics.
+ */
+#include "common.cuh"
+
+// ----------------------------------------------------------------------------
+// forward
+
+// res may alias a: each lane reads a[c] and b[c] before writing res[c], and later re-reads only
+// elements it wrote itself.
+template <int VEC>
+__global__ void rmsnorm_forward_kernel(bf16* res, bf16* __restrict__ out, float* __restrict__ rstd,
+                                       const bf16* a, const bf16* b, const bf16* __restrict__ w,
+                                       int N, int C, float eps) {
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (row >= N) return;
+    const size_t off = (size_t)row * C;
+    const bf16* x = a + off;
+    float ss = 0.0f;
+    if (b) {
+        for (int c = lane * VEC; c < C; c += 32 * VEC) {
+            float xa[VEC], xb[VEC];
+            load_bf16<VEC>(a + off + c, xa);
+            load_bf16<VEC>(b + off + c, xb);
+#pragma unroll
+            for (int k = 0; k < VEC; k++) {
+                xa[k] = bf16_round(xa[k] + xb[k]);
+                ss += xa[k] * xa[k];
+            }
+            store_bf16<VEC>(res + off + c, xa);
+        }
+        x = res + off;
+    } else {
+        for (int c = lane * VEC; c < C; c += 32 * VEC) {
+            float xa[VEC];
+            load_bf16<VEC>(x + c, xa);
+#pragma unroll
+            for (int k = 0; k < VEC; k++) ss += xa[k] * xa[k];
+        }
+    }
+    ss = warp_sum(ss);
+    const float rs = 1.0f / sqrtf(ss / (float)C + eps);
+    if (rstd && lane == 0) rstd[row] = rs;
+    for (int c = lane * VEC; c < C; c += 32 * VEC) {
+        float xa[VEC], wv[VEC];
+        load_bf16<VEC>(x + c, xa);
+        load_bf16<VEC>(w + c, wv);
+#pragma unroll
+        for (int k = 0; k < VEC; k++) xa[k] = wv[k] * bf16_round(xa[k] * rs);
+        store_bf16<VEC>(out + off + c, xa);
+    }
+}
+
+void cuda_rmsnorm_forward(CudaCtx* cx, bf16* res, bf16* out, float* rstd, const bf16* a,
+                          const bf16* b, const bf16* w, int N, int C, float eps) {
+    if (N <= 0 || C <= 0) return;
+    const int warps = 8;
+    unsigned grid = grid_size((size_t)N, warps);
+    int vec = C % 8 == 0 && is_aligned16(out) && is_aligned16(a) && is_aligned16(w) &&
+              (!b || (is_aligned16(b) && is_aligned16(res)));
+    if (vec)
+        rmsnorm_forward_kernel<8><<<grid, warps * 32, 0, cx->stream>>>(res, out, rstd, a, b, w, N,
+                                                                        C, eps);
+    else
+        rmsnorm_forward_kernel<1><<<grid, warps * 32, 0, cx->stream>>>(res, out, rstd, a, b, w, N,
+                                                                        C, eps);
+    cuda_check_launch();
+}
+
+// ----------------------------------------------------------------------------
+// backward
+
+#define NORM_BWD_THREADS 256
+#define NORM_BWD_BLOCKS 512  // about 4 blocks per SM; partials are 512 x C floats
+
+// acc (C floats of dynamic shared memory) is used only when dw_partial is non-NULL.
+template <int VEC>
+__global__ void rmsnorm_backward_kernel(bf16* __restrict__ dinp, float* __restrict__ dw_partial,
+                                        const bf16* __restrict__ dout,
+                                        const bf16* __restrict__ inp, const bf16* __restrict__ w,
+                                        const float* __restrict__ rstd, int N, int C, int rpb) {
+    extern __shared__ float acc[];
+    __shared__ float red[32];
+    const int stride = blockDim.x * VEC;
+    if (dw_partial)
+        for (int c = threadIdx.x * VEC; c < C; c += stride)
+#pragma unroll
+            for (int k = 0; k < VEC; k++) acc[c + k] = 0.0f;
+    const int row0 = blockIdx.x * rpb, row1 = min(N, row0 + rpb);
+    for (int row = row0; row < row1; row++) {
+        const size_t off = (size_t)row * C;
+        const float rs = rstd[row];
+        float dot = 0.0f;
+        for (int c = threadIdx.x * VEC; c < C; c += stride) {
+            float dy[VEC], x[VEC], wv[VEC];
+            load_bf16<VEC>(dout + off + c, dy);
+            load_bf16<VEC>(inp + off + c, x);
+            load_bf16<VEC>(w + c, wv);
+#pragma unroll
+            for (int k = 0; k < VEC; k++) dot += (dy[k] * wv[k]) * (x[k] * rs);
+        }
+        const float mean = block_sum(dot, red) / (float)C;
+        for (int c = threadIdx.x * VEC; c < C; c += stride) {
+            float dy[VEC], x[VEC], wv[VEC], dx[VEC];
+            load_bf16<VEC>(dout + off + c, dy);
+            load_bf16<VEC>(inp + off + c, x);
+            load_bf16<VEC>(w + c, wv);
+            if (dinp) load_bf16<VEC>(dinp + off + c, dx);
+#pragma unroll
+            for (int k = 0; k < VEC; k++) {
+                float xh = x[k] * rs;
+                if (dinp) dx[k] += rs * (dy[k] * wv[k] - xh * mean);
+                if (dw_partial) acc[c + k] += dy[k] * xh;
+            }
+            if (dinp) store_bf16<VEC>(dinp + off + c, dx);
+        }
+    }
+    if (dw_partial)
+        for (int c = threadIdx.x * VEC; c < C; c += stride)
+#pragma unroll
+            for (int k = 0; k < VEC; k++) dw_partial[(size_t)blockIdx.x * C + c + k] = acc[c + k];
+}
+
+void cuda_rmsnorm_backward(CudaCtx* cx, bf16* dinp, float* dw, const bf16* dout, const bf16* inp,
+                           const bf16* w, const float* rstd, int N, int C) {
+    if (N <= 0 || C <= 0 || (!dinp && !dw)) return;
+    const int rpb = rows_per_block(N, NORM_BWD_BLOCKS), blocks = (N + rpb - 1) / rpb;
+    float* partial = NULL;
+    size_t smem = 0;
+    if (dw) {
+        partial = (float*)cuda_scratch(cx, SCRATCH_PARTIAL, (size_t)blocks * C * sizeof(float));
+        smem = (size_t)C * sizeof(float);
+        if (smem > cx->max_smem_optin)
+            fatal("rmsnorm_backward: width C=%d needs %zu bytes of shared memory (device limit "
+                  "%zu)", C, smem, cx->max_smem_optin);
+    }
+    int vec = C % 8 == 0 && is_aligned16(dout) && is_aligned16(inp) && is_aligned16(w) &&
+              (!dinp || is_aligned16(dinp));
+    if (vec) {
+        if (smem > 48 * 1024)
+            cuda_check(cudaFuncSetAttribute(rmsnorm_backward_kernel<8>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            (int)smem));
+        rmsnorm_backward_kernel<8><<<blocks, NORM_BWD_THREADS, smem, cx->stream>>>(
+            dinp, partial, dout, inp, w, rstd, N, C, rpb);
+    } else {
+        if (smem > 48 * 1024)
+            cuda_check(cudaFuncSetAttribute(rmsnorm_backward_kernel<1>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            (int)smem));
+        rmsnorm_backward_kernel<1><<<blocks, NORM_BWD_THREADS, smem, cx->stream>>>(
+            dinp, partial, dout, inp, w, rstd, N, C, rpb);
+    }
+    cuda_check_launch();
+    if (dw) cuda_reduce_partials(cx, dw, partial, blocks, C);
+}

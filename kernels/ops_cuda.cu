@@ -1,0 +1,397 @@
+/*
+ * ops_cuda.cu — the CUDA backend of the op table (llmc/ops.h): bf16 storage, fp32 accumulation.
+ * Defines the context (CudaCtx, common.cuh), the memory ops, the device queries of kernels.h, and
+ * the table `ops_cuda` that wires the launchers of the other kernels/ sources together.
+ *
+ * Semantics that differ from "enqueue and return":
+ *  - alloc returns zeroed memory and waits for the zeroing (the buffer may be used on any stream).
+ *  - upload / upload_f32 return once the host buffer may be reused (they wait for the copy);
+ *    download / download_f32 / synchronize wait for everything queued before them, then check the
+ *    device error word (bad token ids or targets flagged by kernels) and are fatal if it is set.
+ *  - fp32 <-> bf16 conversions go through a pinned host staging buffer and a device fp32 chunk,
+ *    STAGE_BYTES at a time, converted on the GPU with round-to-nearest-even.
+ * Attention goes to the flash kernels of attention.cu when they take the shape (head dim 16, 32,
+ * 64 or 128, 16-byte aligned rows), otherwise to the simple kernels of attention_fallback.cu.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "attention.h"
+#include "common.cuh"
+#include "kernels.h"
+
+// ----------------------------------------------------------------------------
+// device memory and context helpers
+
+static void* device_alloc(CudaCtx* cx, size_t bytes, const char* what) {
+    void* p = NULL;
+    if (bytes == 0) return NULL;
+    cudaError_t e = cudaMalloc(&p, bytes);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();  // clear the sticky-free error so the query below works
+        size_t free_b = 0, total_b = 0;
+        cudaMemGetInfo(&free_b, &total_b);
+        fatal("cannot allocate %zu bytes (%.3f GiB) of GPU memory for %s on device %d: %s; "
+              "%.3f GiB free of %.3f GiB. HINT: lower the micro-batch size or the sequence "
+              "length, or use more GPUs", bytes, bytes / 1073741824.0, what, cx->device,
+              cudaGetErrorString(e), free_b / 1073741824.0, total_b / 1073741824.0);
+    }
+    return p;
+}
+
+void cuda_ctx_enter(CudaCtx* cx) { cuda_check(cudaSetDevice(cx->device)); }
+
+static CudaCtx* ctx_enter(void* ctx) {
+    CudaCtx* cx = (CudaCtx*)ctx;
+    cuda_ctx_enter(cx);
+    return cx;
+}
+
+void* cuda_scratch(CudaCtx* cx, int slot, size_t bytes) {
+    if (bytes <= cx->scratch_bytes[slot]) return cx->scratch[slot];
+    if (cx->scratch[slot]) {  // kernels queued earlier may still read the old buffer
+        cuda_check(cudaStreamSynchronize(cx->stream));
+        cuda_check(cudaFree(cx->scratch[slot]));
+    }
+    size_t cap = bytes + bytes / 4;  // some headroom: shapes vary a little (last LM-head chunk)
+    cx->scratch[slot] = device_alloc(cx, cap, "op scratch");
+    cx->scratch_bytes[slot] = cap;
+    return cx->scratch[slot];
+}
+
+// Fatal if a kernel flagged bad input since the last check. Waits for the stream.
+static void check_device_errors(CudaCtx* cx) {
+    cuda_check(cudaMemcpyAsync(cx->h_error, cx->d_error, sizeof(int), cudaMemcpyDeviceToHost,
+                               cx->stream));
+    cuda_check(cudaStreamSynchronize(cx->stream));
+    int e = *cx->h_error;
+    if (e & CUDA_ERR_TOKEN_ID)
+        fatal("embedding: a token id outside [0, vocab) reached the GPU. HINT: the data's "
+              "tokenizer must match the model's vocabulary");
+    if (e & CUDA_ERR_TARGET)
+        fatal("crossentropy: a target id >= vocab reached the GPU. HINT: the data's tokenizer "
+              "must match the model's vocabulary");
+}
+
+// ----------------------------------------------------------------------------
+// device queries (kernels.h)
+
+extern "C" int cuda_device_count(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return n;
+}
+
+extern "C" const char* cuda_device_name(int device) {
+    // Per-thread buffer: the name stays valid until this thread's next call.
+    static thread_local char name[256];
+    cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return "unknown";
+    }
+    str_copy(name, sizeof name, prop.name);
+    return name;
+}
+
+extern "C" int cuda_device_memory(int device, size_t* free_bytes, size_t* total_bytes) {
+    int cur = 0;
+    if (cudaGetDevice(&cur) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return -1;
+    }
+    cudaError_t e = cudaMemGetInfo(free_bytes, total_bytes);
+    cudaSetDevice(cur);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return -1;
+    }
+    return 0;
+}
+
+// ----------------------------------------------------------------------------
+// context lifecycle
+
+extern "C" void* ops_cuda_create(int device, void* stream) {
+    int n = cuda_device_count();
+    if (device < 0 || device >= n)
+        fatal("CUDA device %d is not available (%d device%s found). HINT: check nvidia-smi and "
+              "CUDA_VISIBLE_DEVICES", device, n, n == 1 ? "" : "s");
+    CudaCtx* cx = (CudaCtx*)calloc_check(1, sizeof(CudaCtx));
+    cx->device = device;
+    cuda_check(cudaSetDevice(device));
+    if (stream) {
+        cx->stream = (cudaStream_t)stream;
+    } else {
+        cuda_check(cudaStreamCreateWithFlags(&cx->stream, cudaStreamNonBlocking));
+        cx->own_stream = 1;
+    }
+    int sms = 0, smem = 0;
+    cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    cuda_check(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    cx->n_sms = sms;
+    cx->max_smem_optin = (size_t)smem;
+    cublas_check(cublasLtCreate(&cx->lt));
+    cx->lt_workspace = device_alloc(cx, LT_WORKSPACE_BYTES, "the cuBLASLt workspace");
+    cx->d_error = (int*)device_alloc(cx, sizeof(int), "the error word");
+    cuda_check(cudaMemsetAsync(cx->d_error, 0, sizeof(int), cx->stream));
+    cuda_check(cudaMallocHost((void**)&cx->h_error, sizeof(int)));
+    cuda_check(cudaStreamSynchronize(cx->stream));
+    return cx;
+}
+
+extern "C" void ops_cuda_destroy(void* ctx) {
+    if (!ctx) return;
+    CudaCtx* cx = ctx_enter(ctx);
+    cuda_check(cudaStreamSynchronize(cx->stream));
+    cuda_matmul_plans_free(cx);
+    for (int i = 0; i < SCRATCH_COUNT; i++)
+        if (cx->scratch[i]) cuda_check(cudaFree(cx->scratch[i]));
+    if (cx->host_stage) cuda_check(cudaFreeHost(cx->host_stage));
+    cuda_check(cudaFreeHost(cx->h_error));
+    cuda_check(cudaFree(cx->d_error));
+    cuda_check(cudaFree(cx->lt_workspace));
+    cublas_check(cublasLtDestroy(cx->lt));
+    if (cx->own_stream) cuda_check(cudaStreamDestroy(cx->stream));
+    free(cx);
+}
+
+extern "C" void* ops_cuda_stream(void* ctx) { return (void*)((CudaCtx*)ctx)->stream; }
+extern "C" int ops_cuda_device(void* ctx) { return ((CudaCtx*)ctx)->device; }
+
+// ----------------------------------------------------------------------------
+// memory ops
+
+static void* op_alloc(void* ctx, size_t bytes) {
+    CudaCtx* cx = ctx_enter(ctx);
+    void* p = device_alloc(cx, bytes, "a buffer");
+    if (p) {
+        cuda_check(cudaMemsetAsync(p, 0, bytes, cx->stream));
+        cuda_check(cudaStreamSynchronize(cx->stream));
+    }
+    return p;
+}
+
+static void op_free(void* ctx, void* p) {
+    ctx_enter(ctx);
+    if (p) cuda_check(cudaFree(p));
+}
+
+static void op_zero(void* ctx, void* p, size_t bytes) {
+    CudaCtx* cx = ctx_enter(ctx);
+    if (bytes > 0) cuda_check(cudaMemsetAsync(p, 0, bytes, cx->stream));
+}
+
+static void op_copy(void* ctx, void* dst, const void* src, size_t bytes) {
+    CudaCtx* cx = ctx_enter(ctx);
+    if (bytes > 0 && dst != src)
+        cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cx->stream));
+}
+
+static void* host_stage(CudaCtx* cx) {
+    if (!cx->host_stage) cuda_check(cudaMallocHost(&cx->host_stage, STAGE_BYTES));
+    return cx->host_stage;
+}
+
+static void op_upload_f32(void* ctx, void* dst, const float* src, size_t n) {
+    CudaCtx* cx = ctx_enter(ctx);
+    if (n == 0) return;
+    const size_t chunk = STAGE_BYTES / sizeof(float);
+    float* hs = (float*)host_stage(cx);
+    float* ds = (float*)cuda_scratch(cx, SCRATCH_STAGE, STAGE_BYTES);
+    for (size_t off = 0; off < n; off += chunk) {
+        size_t cnt = n - off < chunk ? n - off : chunk;
+        memcpy(hs, src + off, cnt * sizeof(float));
+        cuda_check(cudaMemcpyAsync(ds, hs, cnt * sizeof(float), cudaMemcpyHostToDevice,
+                                   cx->stream));
+        cuda_convert_f32_to_bf16(cx, (bf16*)dst + off, ds, cnt);
+        cuda_check(cudaStreamSynchronize(cx->stream));  // hs is refilled next
+    }
+}
+
+static void op_download_f32(void* ctx, float* dst, const void* src, size_t n) {
+    CudaCtx* cx = ctx_enter(ctx);
+    check_device_errors(cx);
+    const size_t chunk = STAGE_BYTES / sizeof(float);
+    float* hs = (float*)host_stage(cx);
+    float* ds = (float*)cuda_scratch(cx, SCRATCH_STAGE, STAGE_BYTES);
+    for (size_t off = 0; off < n; off += chunk) {
+        size_t cnt = n - off < chunk ? n - off : chunk;
+        cuda_convert_bf16_to_f32(cx, ds, (const bf16*)src + off, cnt);
+        cuda_check(cudaMemcpyAsync(hs, ds, cnt * sizeof(float), cudaMemcpyDeviceToHost,
+                                   cx->stream));
+        cuda_check(cudaStreamSynchronize(cx->stream));
+        memcpy(dst + off, hs, cnt * sizeof(float));
+    }
+}
+
+static void op_upload(void* ctx, void* dst, const void* src, size_t bytes) {
+    CudaCtx* cx = ctx_enter(ctx);
+    if (bytes == 0) return;
+    cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, cx->stream));
+    cuda_check(cudaStreamSynchronize(cx->stream));
+}
+
+static void op_download(void* ctx, void* dst, const void* src, size_t bytes) {
+    CudaCtx* cx = ctx_enter(ctx);
+    check_device_errors(cx);
+    if (bytes == 0) return;
+    cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, cx->stream));
+    cuda_check(cudaStreamSynchronize(cx->stream));
+}
+
+static void op_synchronize(void* ctx) { check_device_errors(ctx_enter(ctx)); }
+
+// ----------------------------------------------------------------------------
+// compute ops: thin casts onto the launchers
+
+static void op_embedding_forward(void* ctx, void* out, const int32_t* ids, const void* wte, int N,
+                                 int C) {
+    // The vocabulary size is not an argument of the forward: ids are range-checked by the
+    // backward (and the loss); here only negative ids can be caught.
+    cuda_embedding_forward(ctx_enter(ctx), (bf16*)out, ids, (const bf16*)wte, N, C, 0x7fffffff);
+}
+
+static void op_embedding_backward(void* ctx, float* dwte, const void* dout, const int32_t* ids,
+                                  int N, int C, int V) {
+    cuda_embedding_backward(ctx_enter(ctx), dwte, (const bf16*)dout, ids, N, C, V);
+}
+
+static void op_rmsnorm_forward(void* ctx, void* out, float* rstd, const void* inp, const void* w,
+                               int N, int C, float eps) {
+    cuda_rmsnorm_forward(ctx_enter(ctx), NULL, (bf16*)out, rstd, (const bf16*)inp, NULL,
+                         (const bf16*)w, N, C, eps);
+}
+
+static void op_residual_rmsnorm_forward(void* ctx, void* res, void* out, float* rstd,
+                                        const void* a, const void* b, const void* w, int N, int C,
+                                        float eps) {
+    cuda_rmsnorm_forward(ctx_enter(ctx), (bf16*)res, (bf16*)out, rstd, (const bf16*)a,
+                         (const bf16*)b, (const bf16*)w, N, C, eps);
+}
+
+static void op_rmsnorm_backward(void* ctx, void* dinp, float* dw, const void* dout,
+                                const void* inp, const void* w, const float* rstd, int N, int C) {
+    cuda_rmsnorm_backward(ctx_enter(ctx), (bf16*)dinp, dw, (const bf16*)dout, (const bf16*)inp,
+                          (const bf16*)w, rstd, N, C);
+}
+
+static void op_matmul_forward(void* ctx, void* out, const void* inp, const void* w,
+                              const void* bias, int N, int IC, int OC) {
+    cuda_matmul_forward(ctx_enter(ctx), (bf16*)out, (const bf16*)inp, (const bf16*)w,
+                        (const bf16*)bias, N, IC, OC);
+}
+
+static void op_matmul_backward(void* ctx, void* dinp, float* dw, float* dbias, const void* dout,
+                               const void* inp, const void* w, int N, int IC, int OC) {
+    cuda_matmul_backward(ctx_enter(ctx), (bf16*)dinp, dw, dbias, (const bf16*)dout,
+                         (const bf16*)inp, (const bf16*)w, N, IC, OC);
+}
+
+static void op_qknorm_rope_forward(void* ctx, void* out, float* rstd, const void* inp,
+                                   const void* q_norm_w, const void* k_norm_w, const float* cos,
+                                   const float* sin, int B, int T, int H, int KVH, int HD,
+                                   float eps) {
+    cuda_qknorm_rope_forward(ctx_enter(ctx), (bf16*)out, rstd, (const bf16*)inp,
+                             (const bf16*)q_norm_w, (const bf16*)k_norm_w, cos, sin, B, T, H, KVH,
+                             HD, eps);
+}
+
+static void op_qknorm_rope_backward(void* ctx, void* dinp, float* dq_norm_w, float* dk_norm_w,
+                                    const void* dout, const void* inp, const void* q_norm_w,
+                                    const void* k_norm_w, const float* rstd, const float* cos,
+                                    const float* sin, int B, int T, int H, int KVH, int HD) {
+    cuda_qknorm_rope_backward(ctx_enter(ctx), (bf16*)dinp, dq_norm_w, dk_norm_w,
+                              (const bf16*)dout, (const bf16*)inp, (const bf16*)q_norm_w,
+                              (const bf16*)k_norm_w, rstd, cos, sin, B, T, H, KVH, HD);
+}
+
+// The flash kernels take head dims 16/32/64/128 and 16-byte aligned rows.
+static int flash_attention_ok(int H, int KVH, int HD, const void* a, const void* b, const void* c,
+                              const void* d) {
+    return attention_supports_head_dim(HD) && ((H + 2 * KVH) * HD) % 8 == 0 &&
+           (H * HD) % 8 == 0 && is_aligned16(a) && is_aligned16(b) && is_aligned16(c) &&
+           is_aligned16(d);
+}
+
+static void op_attention_forward(void* ctx, void* out, float* lse, const void* qkv, int B, int T,
+                                 int H, int KVH, int HD) {
+    CudaCtx* cx = ctx_enter(ctx);
+    if (B <= 0 || T <= 0) return;
+    if (flash_attention_ok(H, KVH, HD, out, qkv, out, qkv))
+        attention_forward_bf16(out, lse, qkv, B, T, H, KVH, HD, cx->stream);
+    else
+        cuda_attention_forward_simple(cx, (bf16*)out, lse, (const bf16*)qkv, B, T, H, KVH, HD);
+}
+
+static void op_attention_backward(void* ctx, void* dqkv, const void* dout, const void* qkv,
+                                  const void* out, const float* lse, int B, int T, int H, int KVH,
+                                  int HD) {
+    CudaCtx* cx = ctx_enter(ctx);
+    if (B <= 0 || T <= 0) return;
+    if (flash_attention_ok(H, KVH, HD, dqkv, dout, qkv, out)) {
+        size_t ws_bytes = attention_backward_workspace_bytes(B, T, H, KVH, HD);
+        void* ws = cuda_scratch(cx, SCRATCH_ATTN, ws_bytes > 0 ? ws_bytes : 16);
+        attention_backward_bf16(dqkv, dout, qkv, out, lse, ws, B, T, H, KVH, HD, cx->stream);
+    } else {
+        float* ws = (float*)cuda_scratch(cx, SCRATCH_ATTN,
+                                         cuda_attention_simple_workspace_bytes(B, T, H));
+        cuda_attention_backward_simple(cx, (bf16*)dqkv, (const bf16*)dout, (const bf16*)qkv,
+                                       (const bf16*)out, lse, ws, B, T, H, KVH, HD);
+    }
+}
+
+static void op_swiglu_forward(void* ctx, void* out, const void* gu, int N, int F) {
+    cuda_swiglu_forward(ctx_enter(ctx), (bf16*)out, (const bf16*)gu, N, F);
+}
+
+static void op_swiglu_backward(void* ctx, void* dgu, const void* dout, const void* gu, int N,
+                               int F) {
+    cuda_swiglu_backward(ctx_enter(ctx), (bf16*)dgu, (const bf16*)dout, (const bf16*)gu, N, F);
+}
+
+static void op_add(void* ctx, void* out, const void* a, const void* b, size_t n) {
+    cuda_add(ctx_enter(ctx), (bf16*)out, (const bf16*)a, (const bf16*)b, n);
+}
+
+static void op_crossentropy_forward_backward(void* ctx, void* logits, float* losses,
+                                             const int32_t* targets, int n, int V,
+                                             float grad_scale, int compute_grad) {
+    cuda_crossentropy_forward_backward(ctx_enter(ctx), (bf16*)logits, losses, targets, n, V,
+                                       grad_scale, compute_grad);
+}
+
+// ----------------------------------------------------------------------------
+// the table
+
+extern "C" const Ops ops_cuda = {
+    .name = "cuda",
+    .act_bytes = 2,
+    .alloc = op_alloc,
+    .free = op_free,
+    .zero = op_zero,
+    .copy = op_copy,
+    .upload_f32 = op_upload_f32,
+    .download_f32 = op_download_f32,
+    .upload = op_upload,
+    .download = op_download,
+    .synchronize = op_synchronize,
+    .embedding_forward = op_embedding_forward,
+    .embedding_backward = op_embedding_backward,
+    .rmsnorm_forward = op_rmsnorm_forward,
+    .residual_rmsnorm_forward = op_residual_rmsnorm_forward,
+    .rmsnorm_backward = op_rmsnorm_backward,
+    .matmul_forward = op_matmul_forward,
+    .matmul_backward = op_matmul_backward,
+    .qknorm_rope_forward = op_qknorm_rope_forward,
+    .qknorm_rope_backward = op_qknorm_rope_backward,
+    .attention_forward = op_attention_forward,
+    .attention_backward = op_attention_backward,
+    .swiglu_forward = op_swiglu_forward,
+    .swiglu_backward = op_swiglu_backward,
+    .add = op_add,
+    .crossentropy_forward_backward = op_crossentropy_forward_backward,
+};

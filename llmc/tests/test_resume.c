@@ -1,0 +1,332 @@
+/*
+ * test_resume.c — suite `resume`: training-state checkpoints through the CLI.
+ *
+ *  - bit-exact resume: N steps straight versus k steps + save + resume + N-k steps give the same
+ *    log records (loss, lr, norm compared as the logged strings) and byte-identical weights,
+ *    AdamW state, data-loader and RNG state in the final checkpoint and the final --out model;
+ *    a checkpoint without DONE (a crash before completion) is ignored; shuffled data, several
+ *    micro-batches, a tied (tiny) and an untied GGUF-loaded model;
+ *  - layout and retention: the files of step_<N>/, --keep K, the step directory loads as --model,
+ *    args.json holds the flags, no temporary directory is left;
+ *  - checkpoint_find_latest picks the numerically newest complete directory;
+ *  - refusals: --resume / --save-every without --out (exit 2), a changed batch size or model, a
+ *    corrupted state file (exit 1, one line naming the file); a changed --lr only warns.
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "../checkpoint.h"
+#include "../common.h"
+#include "../dataloader.h"
+#include "../json.h"
+#include "testing.h"
+
+// ----------------------------------------------------------------------------
+// helpers
+
+static int run_cli(TestCtx* t, const char* tag, const char* args) {
+    char cmd[16384];
+    snprintf(cmd, sizeof cmd, "cd '%s' && ./train_roundpipe %s > '%s/%s.out' 2> '%s/%s.err'",
+             t->exe_dir, args, t->tmpdir, tag, t->tmpdir, tag);
+    int st = system(cmd);
+    if (st == -1 || !WIFEXITED(st)) return -1;
+    return WEXITSTATUS(st);
+}
+
+static char* read_text(const char* path, size_t* len) {
+    char err[ERR_LEN];
+    size_t n = 0;
+    char* s = file_read_all(path, 64u << 20, &n, err);
+    if (len) *len = s ? n : 0;
+    return s ? s : calloc_check(1, 1);
+}
+
+static char* read_output(TestCtx* t, const char* tag, const char* ext) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/%s.%s", t->tmpdir, tag, ext);
+    return read_text(path, NULL);
+}
+
+static int same_bytes(const char* a, const char* b) {
+    size_t na, nb;
+    char* x = read_text(a, &na);
+    char* y = read_text(b, &nb);
+    int same = na > 0 && na == nb && memcmp(x, y, na) == 0;
+    free(x);
+    free(y);
+    return same;
+}
+
+// The deterministic head of the log record of `step` ("{"step":N,"loss":..,"lr":..,"norm":..")
+// into out; 0 if the log has no such record.
+static int log_record(const char* log, int step, char* out, size_t cap) {
+    char key[48];
+    snprintf(key, sizeof key, "{\"step\":%d,\"loss\":", step);
+    const char* p = strstr(log, key);
+    if (!p) return 0;
+    const char* end = strstr(p, ",\"ms\":");
+    if (!end || (size_t)(end - p) >= cap) return 0;
+    memcpy(out, p, (size_t)(end - p));
+    out[end - p] = '\0';
+    return 1;
+}
+
+static void compare_logs(TestCtx* t, const char* log_a, const char* log_b, int from, int to,
+                         const char* what) {
+    for (int s = from; s <= to; s++) {
+        char a[512], b[512];
+        int ha = log_record(log_a, s, a, sizeof a), hb = log_record(log_b, s, b, sizeof b);
+        CHECK(t, ha && hb && strcmp(a, b) == 0, "%s step %d: '%s' vs '%s'", what, s, ha ? a : "-",
+              hb ? b : "-");
+    }
+}
+
+static int one_error_line(const char* err, const char* must) {
+    size_t n = strlen(err);
+    return n > 0 && strchr(err, '\n') == err + n - 1 && strstr(err, "error") && strstr(err, must);
+}
+
+// ----------------------------------------------------------------------------
+// bit-exact resume
+
+// Straight N steps vs k steps, then resume for the rest. `model_args` picks model and data.
+static void resume_case(TestCtx* t, const char* name, const char* model_args, int N, int k) {
+    char a_out[1024], b_out[1024], a_log[1024], b_log1[1024], b_log2[1024], args[8192];
+    snprintf(a_out, sizeof a_out, "%s/%s_straight", t->tmpdir, name);
+    snprintf(b_out, sizeof b_out, "%s/%s_resumed", t->tmpdir, name);
+    snprintf(a_log, sizeof a_log, "%s/%s_a.jsonl", t->tmpdir, name);
+    snprintf(b_log1, sizeof b_log1, "%s/%s_b1.jsonl", t->tmpdir, name);
+    snprintf(b_log2, sizeof b_log2, "%s/%s_b2.jsonl", t->tmpdir, name);
+    const char* common = "--val '' --sample-tokens 0 --threads 2";
+
+    snprintf(args, sizeof args, "%s %s --steps %d --save-every %d --out '%s' --log '%s'",
+             model_args, common, N, N, a_out, a_log);
+    CHECK(t, run_cli(t, "straight", args) == 0, "%s: straight run", name);
+    // the interrupted run: saves every k steps and at N; every save after step k then loses
+    // its DONE, as if the run had crashed before completing them
+    snprintf(args, sizeof args, "%s %s --steps %d --save-every %d --out '%s' --log '%s'",
+             model_args, common, N, k, b_out, b_log1);
+    CHECK(t, run_cli(t, "first", args) == 0, "%s: first part", name);
+    for (int s = k + 1; s <= N; s++) {
+        char done[1200];
+        snprintf(done, sizeof done, "%s/step_%d/DONE", b_out, s);
+        if (s % k == 0 || s == N) CHECK(t, unlink(done) == 0, "%s: remove %s", name, done);
+    }
+    snprintf(args, sizeof args, "%s %s --steps %d --save-every %d --out '%s' --log '%s' --resume",
+             model_args, common, N, k, b_out, b_log2);
+    CHECK(t, run_cli(t, "second", args) == 0, "%s: resumed part", name);
+    char* out = read_output(t, "second", "out");
+    char want[1200];
+    snprintf(want, sizeof want, "resumed from %s/step_%d (step %d)", b_out, k, k);
+    CHECK(t, strstr(out, want) != NULL, "%s: '%s' in %s", name, want, out);
+    free(out);
+
+    char* la = read_text(a_log, NULL);
+    char* lb1 = read_text(b_log1, NULL);
+    char* lb2 = read_text(b_log2, NULL);
+    compare_logs(t, la, lb1, 1, k, name);
+    compare_logs(t, la, lb2, k + 1, N, name);
+    char rec[512];
+    CHECK(t, !log_record(lb2, k, rec, sizeof rec), "%s: the resumed log starts after step %d", name, k);
+    free(la);
+    free(lb1);
+    free(lb2);
+
+    const char* files[] = {"model.safetensors", "train_state.safetensors", "config.json"};
+    for (int i = 0; i < 3; i++) {
+        char pa[1200], pb[1200];
+        snprintf(pa, sizeof pa, "%s/step_%d/%s", a_out, N, files[i]);
+        snprintf(pb, sizeof pb, "%s/step_%d/%s", b_out, N, files[i]);
+        CHECK(t, same_bytes(pa, pb), "%s: %s identical", name, files[i]);
+    }
+    char pa[1200], pb[1200];
+    snprintf(pa, sizeof pa, "%s/model.safetensors", a_out);
+    snprintf(pb, sizeof pb, "%s/model.safetensors", b_out);
+    CHECK(t, same_bytes(pa, pb), "%s: final --out model identical", name);
+}
+
+static void test_resume_bit_exact(TestCtx* t) {
+    // the tiny preset (tied head) on the shipped corpus, shuffled, two micro-batches
+    resume_case(t, "tiny", "--batch 4 --seq 32 --micro-batches 2 --warmup 2", 6, 3);
+    // an untied LLaMA from a quantized GGUF, cosine schedule ending inside the resumed part
+    char shard[1024], err[ERR_LEN], args[2048];
+    uint32_t toks[3000];
+    for (int i = 0; i < 3000; i++) toks[i] = (uint32_t)((i * 13 + i / 7) % 64);
+    test_path(t, shard, sizeof shard, "r_shard.bin");
+    CHECK(t, shard_write(shard, toks, 3000, 2, err) == 0, "%s", err);
+    snprintf(args, sizeof args,
+             "--model dev/gguf/fixtures/llama_q4_0.gguf --train '%s' --batch 4 --seq 16 "
+             "--warmup 1 --lr 1e-2 --schedule wsd --decay-frac 0.5",
+             shard);
+    resume_case(t, "llama", args, 5, 2);
+}
+
+// ----------------------------------------------------------------------------
+// layout and retention
+
+static void test_resume_layout_and_keep(TestCtx* t) {
+    char out[1024], args[4096], path[1300];
+    test_path(t, out, sizeof out, "keep");
+    snprintf(args, sizeof args,
+             "--batch 4 --seq 16 --val '' --sample-tokens 0 --threads 2 --steps 5 --save-every 1 "
+             "--keep 2 --lr 2e-3 --out '%s'",
+             out);
+    CHECK(t, run_cli(t, "keep", args) == 0, "keep run");
+    for (int s = 1; s <= 5; s++) {
+        snprintf(path, sizeof path, "%s/step_%d", out, s);
+        CHECK(t, dir_exists(path) == (s >= 4), "step_%d %s", s, s >= 4 ? "kept" : "removed");
+        snprintf(path, sizeof path, "%s/step_%d.tmp", out, s);
+        CHECK(t, !dir_exists(path), "no step_%d.tmp left", s);
+    }
+    const char* files[] = {"DONE", "model.safetensors", "config.json", "train_state.safetensors",
+                           "args.json"};
+    for (int i = 0; i < 5; i++) {
+        snprintf(path, sizeof path, "%s/step_5/%s", out, files[i]);
+        CHECK(t, file_exists(path), "%s", path);
+    }
+    snprintf(path, sizeof path, "%s/step_5/DONE", out);
+    char* done = read_text(path, NULL);
+    CHECK(t, strcmp(done, "step 5\n") == 0, "DONE: '%s'", done);
+    free(done);
+    snprintf(path, sizeof path, "%s/step_5/args.json", out);
+    char* text = read_text(path, NULL);
+    JsonDoc doc;
+    char err[ERR_LEN];
+    double lr = 0;
+    int64_t keep = 0;
+    int ok = json_parse(text, strlen(text), &doc, err) == 0;
+    CHECK(t, ok && json_get_double(&doc.root, "lr", &lr) == 1 && fabs(lr - 2e-3) < 1e-9 &&
+                 json_get_int(&doc.root, "keep", &keep) == 1 && keep == 2,
+          "args.json: %s", err);
+    if (ok) json_free(&doc);
+    free(text);
+    // a step directory is an HF model directory
+    snprintf(args, sizeof args, "--model '%s/step_5' --steps 0 --sample-tokens 0 --eval-batches 1",
+             out);
+    int rc = run_cli(t, "load_step", args);
+    char* o = read_output(t, "load_step", "out");
+    CHECK(t, rc == 0 && strstr(o, "loaded weights"), "step dir as --model: exit %d %s", rc, o);
+    free(o);
+    // the state file holds what it should
+    StFile f;
+    snprintf(path, sizeof path, "%s/step_5/train_state.safetensors", out);
+    CHECK(t, st_open(&f, path, err) == 0, "%s", err);
+    if (f.tensors) {
+        const StTensor* step = st_find(&f, "step");
+        int64_t v = 0;
+        if (step) memcpy(&v, step->data, 8);
+        CHECK(t, step && step->dtype == ST_I64 && v == 5, "step tensor");
+        CHECK(t, st_find(&f, "m.model.embed_tokens.weight") && st_find(&f, "v.model.norm.weight") &&
+                     st_find(&f, "dataloader") && st_find(&f, "rng.mt") &&
+                     !st_find(&f, "m.lm_head.weight"),
+              "m, v (tied head stored once), loader and RNG state");
+        st_close(&f);
+    }
+}
+
+static void test_resume_find_latest(TestCtx* t) {
+    char dir[1024], path[1300], found[1300], err[ERR_LEN];
+    test_path(t, dir, sizeof dir, "latest");
+    const char* dirs[] = {"step_2", "step_10", "step_11", "step_12.tmp", "stepx", "step_", "step_9"};
+    const int complete[] = {1, 1, 0, 1, 1, 1, 1};
+    for (int i = 0; i < 7; i++) {
+        snprintf(path, sizeof path, "%s/%s", dir, dirs[i]);
+        CHECK(t, mkdir_p(path, err) == 0, "%s", err);
+        if (complete[i]) {
+            snprintf(path, sizeof path, "%s/%s/DONE", dir, dirs[i]);
+            CHECK(t, file_write_atomic(path, "x", 1, err) == 0, "%s", err);
+        }
+    }
+    int64_t step = -1;
+    int rc = checkpoint_find_latest(dir, found, sizeof found, &step, err);
+    snprintf(path, sizeof path, "%s/step_10", dir);
+    CHECK(t, rc == 1 && step == 10 && strcmp(found, path) == 0,
+          "newest complete is step_10 (numeric order, no DONE / .tmp ignored): rc %d step %lld %s",
+          rc, (long long)step, found);
+    test_path(t, path, sizeof path, "no_such_dir");
+    CHECK(t, checkpoint_find_latest(path, found, sizeof found, &step, err) == 0, "missing dir: none");
+}
+
+// ----------------------------------------------------------------------------
+// refusals
+
+static void test_resume_refusals(TestCtx* t) {
+    char out[1024], args[4096], path[1300];
+    const char* common = "--batch 4 --seq 16 --val '' --sample-tokens 0 --threads 2 --lr 2e-3";
+    // flag errors: exit 2 with the usage
+    const char* bad_flags[] = {"--resume", "--save-every 2", "--resume --out x --device cpu:2",
+                               "--keep -1 --out x", "--export-dtype f8", NULL};
+    for (int i = 0; bad_flags[i]; i++) {
+        int rc = run_cli(t, "badflag", bad_flags[i]);
+        char* e = read_output(t, "badflag", "err");
+        CHECK(t, rc == 2 && strstr(e, "usage:") && strstr(e, "train_roundpipe: error:"),
+              "'%s' exit %d", bad_flags[i], rc);
+        free(e);
+    }
+    // --resume into an empty directory starts from step 0
+    test_path(t, out, sizeof out, "refuse");
+    snprintf(args, sizeof args, "%s --steps 2 --save-every 2 --out '%s' --resume", common, out);
+    int rc = run_cli(t, "fresh", args);
+    char* o = read_output(t, "fresh", "out");
+    CHECK(t, rc == 0 && strstr(o, "no complete checkpoint") && strstr(o, "step     2/2"),
+          "fresh start: exit %d %s", rc, o);
+    free(o);
+    // a stale temporary directory of a later step is ignored and replaced
+    snprintf(path, sizeof path, "%s/step_4.tmp", out);
+    char err[ERR_LEN];
+    CHECK(t, mkdir_p(path, err) == 0, "%s", err);
+    snprintf(path, sizeof path, "%s/step_4.tmp/junk", out);
+    CHECK(t, file_write_atomic(path, "x", 1, err) == 0, "%s", err);
+    // a changed --lr resumes with a warning
+    snprintf(args, sizeof args,
+             "--batch 4 --seq 16 --val '' --sample-tokens 0 --threads 2 --lr 1e-3 --steps 4 "
+             "--save-every 2 --out '%s' --resume",
+             out);
+    rc = run_cli(t, "lr_changed", args);
+    o = read_output(t, "lr_changed", "out");
+    CHECK(t, rc == 0 && strstr(o, "resumed from") && strstr(o, "warning: resuming with --lr 0.001"),
+          "changed lr: exit %d %s", rc, o);
+    free(o);
+    snprintf(path, sizeof path, "%s/step_4.tmp", out);
+    CHECK(t, !dir_exists(path), "stale step_4.tmp replaced");
+    // a different batch size: the loader state does not fit
+    snprintf(args, sizeof args,
+             "--batch 8 --seq 16 --val '' --sample-tokens 0 --threads 2 --lr 2e-3 --steps 6 "
+             "--out '%s' --resume",
+             out);
+    rc = run_cli(t, "batch_changed", args);
+    char* e = read_output(t, "batch_changed", "err");
+    CHECK(t, rc == 1 && one_error_line(e, "batch size"), "changed batch: exit %d %s", rc, e);
+    free(e);
+    // a different model
+    snprintf(args, sizeof args, "%s --model test-qwen3 --steps 6 --out '%s' --resume", common, out);
+    rc = run_cli(t, "model_changed", args);
+    e = read_output(t, "model_changed", "err");
+    CHECK(t, rc == 1 && one_error_line(e, "vocab_size is 256, this run's model has 96"),
+          "changed model: exit %d %s", rc, e);
+    free(e);
+    // a corrupted (truncated) state file
+    snprintf(path, sizeof path, "%s/step_4/train_state.safetensors", out);
+    size_t n;
+    char* bytes = read_text(path, &n);
+    FILE* f = fopen_check(path, "wb");
+    fwrite_check(bytes, 1, n / 3, f, path);
+    fclose_check(f, path);
+    free(bytes);
+    snprintf(args, sizeof args, "%s --steps 6 --out '%s' --resume", common, out);
+    rc = run_cli(t, "corrupt", args);
+    e = read_output(t, "corrupt", "err");
+    CHECK(t, rc == 1 && one_error_line(e, path), "corrupt state: exit %d %s", rc, e);
+    free(e);
+}
+
+const TestCase tests_resume[] = {
+    {"resume_bit_exact", test_resume_bit_exact},
+    {"resume_layout_and_keep", test_resume_layout_and_keep},
+    {"resume_find_latest", test_resume_find_latest},
+    {"resume_refusals", test_resume_refusals},
+    {NULL, NULL},
+};
