@@ -9,6 +9,7 @@
 #   make tsan       ThreadSanitizer build of the tests (build-tsan/), runs the suites in TSAN_SUITES
 #   make asan       AddressSanitizer+UBSan build of the tests (build-asan/), runs ASAN_SUITES
 #                   (empty = the whole suite); `make clean-san` removes both builds
+#   make fuzz       libFuzzer targets of dev/fuzz (clang), each run FUZZ_SECONDS from its seeds
 #
 # Host code: C11, gcc, -Wall -Wextra -Werror -O3. CUDA code only in kernels/*.cu, compiled by nvcc
 # for GPU_ARCH (default sm_90) when nvcc is on the PATH (or NVCC=...); NO_CUDA=1 forces a CPU-only
@@ -164,3 +165,28 @@ $(ASAN_BUILD)/%.o: %.c $(SAN_DEPS)
 
 clean-san:
 	rm -rf $(TSAN_BUILD) $(ASAN_BUILD) test_roundpipe_tsan test_roundpipe_asan
+
+# ---- libFuzzer targets (dev/fuzz) ----
+# One binary per parser (json, safetensors, gguf, shard: build-fuzz/fuzz_<t>), built by clang with
+# -fsanitize=fuzzer,address,undefined, then run for FUZZ_SECONDS each from the committed seeds in
+# dev/fuzz/corpus/<t> (never modified: new inputs go to build-fuzz/corpus-<t>). `make test` runs
+# the same entry points over the seeds and mutations without libFuzzer (suite gguf).
+FUZZ_CC ?= clang
+FUZZ_SECONDS ?= 30
+FUZZ_TARGETS := json safetensors gguf shard
+FUZZ_BUILD := build-fuzz
+FUZZ_FLAGS := $(CFLAGS_BASE) -g -O1 -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined
+FUZZ_LIB := llmc/common.c llmc/json.c llmc/safetensors.c llmc/gguf.c llmc/config.c llmc/tensor.c \
+            llmc/dataloader.c llmc/rng.c
+
+.PHONY: fuzz fuzz-build
+fuzz: fuzz-build
+	set -e; for t in $(FUZZ_TARGETS); do mkdir -p $(FUZZ_BUILD)/corpus-$$t; \
+	    $(FUZZ_BUILD)/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096 \
+	        $(FUZZ_BUILD)/corpus-$$t dev/fuzz/corpus/$$t; done
+
+fuzz-build: $(patsubst %,$(FUZZ_BUILD)/fuzz_%,$(FUZZ_TARGETS))
+
+$(FUZZ_BUILD)/fuzz_%: dev/fuzz/fuzz_%.c dev/fuzz/fuzz_entries.h $(FUZZ_LIB) $(wildcard llmc/*.h)
+	@mkdir -p $(FUZZ_BUILD)
+	$(FUZZ_CC) $(FUZZ_FLAGS) -o $@ $< $(FUZZ_LIB) -lm

@@ -192,7 +192,10 @@ int main(int argc, char** argv) {
     const int Bm = mb_rows(&a, 0);  // the largest micro-batch
     // Keep every block's activations unless that would need more than 8 GiB: then recompute.
     int recompute = workspace_bytes(&model, ops->act_bytes, Bm, a.seq, model.cfg.L) > (8ull << 30);
-    Plain* plain = plain_create(&model, &store, ops, ctx, Bm, a.seq, recompute);
+    // Engine runs only need the plain path for evaluation, sampling or --dump-state: on a GPU it
+    // holds a whole copy of the model, so it is made only when something will use it.
+    const int need_plain = !use_engine || a.val[0] || a.sample_tokens > 0 || dump;
+    Plain* plain = need_plain ? plain_create(&model, &store, ops, ctx, Bm, a.seq, recompute) : NULL;
     DeviceSet devs = {0};
     Engine* eng = NULL;
     if (use_engine) {
@@ -214,6 +217,14 @@ int main(int argc, char** argv) {
                             .sched = {a.schedule, a.lr, a.warmup, a.steps, a.min_lr_frac,
                                       a.decay_frac},
                             .grad_clip = a.grad_clip};
+#ifdef HAVE_CUDA
+        // GPUs: stages share 70% of the memory still free (the rest: hand-off buffers, the
+        // workspace's scratch and the LM-head chunk, which the per-stage budget does not count)
+        if (use_cuda && eo.device_budget <= 0) {
+            size_t free_b = 0, total_b = 0;
+            if (cuda_device_memory(0, &free_b, &total_b) == 0) eo.device_budget = 0.7 * (double)free_b;
+        }
+#endif
         eng = engine_create(&model, &store, &devs, &eo, err);
         if (!eng) fatal("%s", err);
         engine_print_plan(eng, stdout);
@@ -314,14 +325,14 @@ int main(int argc, char** argv) {
         if (have_val && a.eval_every > 0 && step % a.eval_every == 0 && step != a.steps) {
             if (eng) {
                 engine_synchronize(eng);
-                plain_sync_params(plain);
+                if (plain) plain_sync_params(plain);
             }
             log_eval(&lg, step, evaluate(plain, &val, &a, tokens));
         }
     }
     if (eng) {
         engine_synchronize(eng);
-        plain_sync_params(plain);
+        if (plain) plain_sync_params(plain);
         if (engine_write_trace(eng, err) != 0) fatal("%s", err);
         if (a.trace[0]) printf("trace written to %s\n", a.trace);
     }

@@ -29,8 +29,10 @@
 static void dir_of(const char* path, char* out, size_t cap) {
     str_copy(out, cap, path);
     char* slash = strrchr(out, '/');
-    if (slash) *slash = '\0';
-    else str_copy(out, cap, ".");
+    if (slash)
+        *slash = '\0';
+    else
+        str_copy(out, cap, ".");
 }
 
 static int resolve_gguf(ModelSource* src, const char* spec, char* err) {
@@ -102,8 +104,10 @@ int checkpoint_load_weights(const ModelSource* src, Store* s, int* n_unused, cha
 
 void checkpoint_release_weights(ModelSource* src) {
     if (src->has_weights) {
-        if (src->kind == SOURCE_GGUF) gguf_close(&src->gguf);
-        else st_checkpoint_close(&src->ck);
+        if (src->kind == SOURCE_GGUF)
+            gguf_close(&src->gguf);
+        else
+            st_checkpoint_close(&src->ck);
     }
     src->has_weights = 0;
 }
@@ -184,8 +188,8 @@ static int remove_flat_dir(const char* dir, char* err) {
         if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
         snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
         if (unlink(path) != 0)
-            rc = errorf(err, "%s: cannot remove (checkpoint directories hold only files): %s",
-                        path, strerror(errno));
+            rc = errorf(err, "%s: cannot remove (checkpoint directories hold only files): %s", path,
+                        strerror(errno));
     }
     closedir(d);
     if (rc == 0 && rmdir(dir) != 0) rc = errorf(err, "%s: cannot remove: %s", dir, strerror(errno));
@@ -243,8 +247,8 @@ void train_state_init(TrainState* ts, uint32_t seed) {
     rng_seed(&ts->rng, seed);
 }
 
-static int write_train_state(const char* path, const Model* m, const Store* s,
-                             const TrainState* ts, char* err) {
+static int write_train_state(const char* path, const Model* m, const Store* s, const TrainState* ts,
+                             char* err) {
     StWriter w;
     st_writer_init(&w);
     st_writer_meta(&w, "format", "train_roundpipe-state");
@@ -340,20 +344,27 @@ static int check_same_model(const char* step_dir, const ModelConfig* have, char*
     ModelConfig c;
     if (config_from_hf_json(&c, path, err) != 0) return -1;
     if (c.family != have->family)
-        return errorf(err, "%s: the checkpoint is a %s model, this run's model is %s (resume with "
-                           "the same --model)", path, family_names[c.family], family_names[have->family]);
+        return errorf(err,
+                      "%s: the checkpoint is a %s model, this run's model is %s (resume with "
+                      "the same --model)",
+                      path, family_names[c.family], family_names[have->family]);
     struct {
         const char* name;
         long long saved, now;
     } f[] = {{"vocab_size", c.V, have->V},
-             {"hidden_size", c.C, have->C}, {"num_hidden_layers", c.L, have->L},
-             {"num_attention_heads", c.H, have->H}, {"num_key_value_heads", c.KVH, have->KVH},
-             {"head_dim", c.HD, have->HD}, {"intermediate_size", c.F, have->F},
+             {"hidden_size", c.C, have->C},
+             {"num_hidden_layers", c.L, have->L},
+             {"num_attention_heads", c.H, have->H},
+             {"num_key_value_heads", c.KVH, have->KVH},
+             {"head_dim", c.HD, have->HD},
+             {"intermediate_size", c.F, have->F},
              {"tie_word_embeddings", c.tied_embeddings, have->tied_embeddings}};
     for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)
         if (f[i].saved != f[i].now)
-            return errorf(err, "%s: the checkpoint's %s is %lld, this run's model has %lld (resume "
-                               "with the same --model)", path, f[i].name, f[i].saved, f[i].now);
+            return errorf(err,
+                          "%s: the checkpoint's %s is %lld, this run's model has %lld (resume "
+                          "with the same --model)",
+                          path, f[i].name, f[i].saved, f[i].now);
     return 0;
 }
 
@@ -374,8 +385,7 @@ static const StTensor* state_tensor(const StFile* f, const char* name, StDtype d
     return t;
 }
 
-static int read_train_state(const char* path, const Model* m, Store* s, TrainState* ts,
-                            char* err) {
+static int read_train_state(const char* path, const Model* m, Store* s, TrainState* ts, char* err) {
     StFile f;
     if (st_open(&f, path, err) != 0) return -1;
     int rc = -1;
@@ -422,10 +432,26 @@ done:
 // Warn about training flags that differ from the checkpoint's args.json (a changed --lr or
 // --steps is legitimate, but the continuation is then not the run that was interrupted).
 static void warn_changed_flags(const char* step_dir, const char* args_json) {
-    static const char* const keys[] = {
-        "model", "train", "batch", "seq", "micro-batches", "steps", "lr", "schedule", "warmup",
-        "min-lr-frac", "decay-frac", "weight-decay", "decay-embeddings", "beta1", "beta2", "eps",
-        "grad-clip", "shuffle", "seed", NULL};
+    static const char* const keys[] = {"model",
+                                       "train",
+                                       "batch",
+                                       "seq",
+                                       "micro-batches",
+                                       "steps",
+                                       "lr",
+                                       "schedule",
+                                       "warmup",
+                                       "min-lr-frac",
+                                       "decay-frac",
+                                       "weight-decay",
+                                       "decay-embeddings",
+                                       "beta1",
+                                       "beta2",
+                                       "eps",
+                                       "grad-clip",
+                                       "shuffle",
+                                       "seed",
+                                       NULL};
     char path[4200], err[ERR_LEN];
     snprintf(path, sizeof path, "%s/args.json", step_dir);
     size_t len;
@@ -447,9 +473,8 @@ static void warn_changed_flags(const char* step_dir, const char* args_json) {
         const JsonValue* a = json_get(&saved.root, keys[i]);
         const JsonValue* b = json_get(&now.root, keys[i]);
         if (!a || !b) continue;
-        int same = a->type == b->type &&
-                   ((a->type == JSON_NUMBER && a->number == b->number) ||
-                    (a->type == JSON_STRING && strcmp(a->str, b->str) == 0));
+        int same = a->type == b->type && ((a->type == JSON_NUMBER && a->number == b->number) ||
+                                          (a->type == JSON_STRING && strcmp(a->str, b->str) == 0));
         if (same) continue;
         if (a->type == JSON_STRING && b->type == JSON_STRING)
             printf("warning: resuming with --%s %s; the checkpoint was trained with %s\n", keys[i],
@@ -490,7 +515,8 @@ int checkpoint_init_weights(const TrainArgs* a, ModelSource* src, const Model* m
     if (a->resume) {
         int found = checkpoint_find_latest(a->out, dir, sizeof dir, &step, err);
         if (found < 0) return -1;
-        if (!found) printf("--resume: no complete checkpoint in %s, starting from step 0\n", a->out);
+        if (!found)
+            printf("--resume: no complete checkpoint in %s, starting from step 0\n", a->out);
     }
     int rc = 0;
     if (dir[0]) {
@@ -516,8 +542,8 @@ int checkpoint_init_weights(const TrainArgs* a, ModelSource* src, const Model* m
 // HF export
 
 // Float tensor in the export dtype: the store's own memory for F32, a converted copy otherwise.
-static const void* export_data(const float* src, int64_t n, StDtype dt, void** owned, const char* name,
-                               char* err) {
+static const void* export_data(const float* src, int64_t n, StDtype dt, void** owned,
+                               const char* name, char* err) {
     *owned = NULL;
     if (dt == ST_F32) return src;
     uint16_t* out = malloc_check((size_t)(n > 0 ? n : 1) * 2);
@@ -525,8 +551,10 @@ static const void* export_data(const float* src, int64_t n, StDtype dt, void** o
         out[i] = dt == ST_BF16 ? f32_to_bf16(src[i]) : f32_to_f16(src[i]);
         if (dt == ST_F16 && (out[i] & 0x7c00u) == 0x7c00u && isfinite(src[i])) {
             free(out);
-            errorf(err, "tensor '%s' element %lld = %g overflows F16 (use --export-dtype bf16 or "
-                        "f32)", name, (long long)i, (double)src[i]);
+            errorf(err,
+                   "tensor '%s' element %lld = %g overflows F16 (use --export-dtype bf16 or "
+                   "f32)",
+                   name, (long long)i, (double)src[i]);
             return NULL;
         }
     }
@@ -555,9 +583,15 @@ static void remove_old_weights(const char* dir) {
 }
 
 static void copy_tokenizer_files(const char* from, const char* to) {
-    static const char* const names[] = {
-        "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-        "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja", NULL};
+    static const char* const names[] = {"tokenizer.json",
+                                        "tokenizer_config.json",
+                                        "special_tokens_map.json",
+                                        "vocab.json",
+                                        "merges.txt",
+                                        "tokenizer.model",
+                                        "generation_config.json",
+                                        "chat_template.jinja",
+                                        NULL};
     char src[4096], dst[4096], err[ERR_LEN];
     for (int i = 0; names[i]; i++) {
         snprintf(src, sizeof src, "%s/%s", from, names[i]);
@@ -597,8 +631,10 @@ int checkpoint_export_hf(const char* dir, const Model* m, const Store* s, Export
     char path[4096], file[64];
     int rc = 0;
     for (int sh = 0; sh < n_shards && rc == 0; sh++) {
-        if (n_shards == 1) snprintf(file, sizeof file, "model.safetensors");
-        else snprintf(file, sizeof file, "model-%05d-of-%05d.safetensors", sh + 1, n_shards);
+        if (n_shards == 1)
+            snprintf(file, sizeof file, "model.safetensors");
+        else
+            snprintf(file, sizeof file, "model-%05d-of-%05d.safetensors", sh + 1, n_shards);
         snprintf(path, sizeof path, "%s/%s", dir, file);
         StWriter w;
         st_writer_init(&w);
@@ -608,10 +644,12 @@ int checkpoint_export_hf(const char* dir, const Model* m, const Store* s, Export
             if (shard_of[i] != sh) continue;
             const TensorDesc* d = &tt->t[i];
             char cerr[ERR_LEN];
-            const void* data = export_data(store_param(s, i), d->numel, dt, &owned[i], d->hf_name,
-                                           cerr);
-            if (!data) rc = errorf(err, "%s: %s", path, cerr);
-            else st_writer_add(&w, d->hf_name, dt, d->ndim, d->shape, data);
+            const void* data =
+                export_data(store_param(s, i), d->numel, dt, &owned[i], d->hf_name, cerr);
+            if (!data)
+                rc = errorf(err, "%s: %s", path, cerr);
+            else
+                st_writer_add(&w, d->hf_name, dt, d->ndim, d->shape, data);
         }
         if (rc == 0) rc = st_writer_write(&w, path, err);
         st_writer_free(&w);
@@ -669,16 +707,20 @@ int checkpoint_export_gguf(const char* path, const Model* m, const Store* s, Exp
     if (c->family != FAMILY_LLAMA && c->family != FAMILY_QWEN3)
         return errorf(err, "%s: GGUF export of family %s is not supported", path,
                       family_names[c->family]);
-    const GgmlType wt = dtype == EXPORT_BF16 ? GGML_TYPE_BF16
+    const GgmlType wt = dtype == EXPORT_BF16  ? GGML_TYPE_BF16
                         : dtype == EXPORT_F16 ? GGML_TYPE_F16
                                               : GGML_TYPE_F32;
     GgufWriter w;
     gguf_writer_init(&w);
     gguf_writer_add_config(&w, c);
     // LlamaFileType: ALL_F32 0, MOSTLY_F16 1, MOSTLY_BF16 32
-    gguf_writer_add_u32(&w, "general.file_type", wt == GGML_TYPE_F32 ? 0 : wt == GGML_TYPE_F16 ? 1 : 32);
+    gguf_writer_add_u32(&w, "general.file_type",
+                        wt == GGML_TYPE_F32   ? 0
+                        : wt == GGML_TYPE_F16 ? 1
+                                              : 32);
     if (src && src->tokenizer.n_kv > 0)
-        gguf_writer_add_records(&w, src->tokenizer.records, src->tokenizer.len, src->tokenizer.n_kv);
+        gguf_writer_add_records(&w, src->tokenizer.records, src->tokenizer.len,
+                                src->tokenizer.n_kv);
     else
         gguf_writer_add_string(&w, "tokenizer.ggml.model", "no_vocab");
     const TensorTable* tt = &m->tt;

@@ -33,12 +33,12 @@ typedef enum {
 typedef struct ModelSource {
     ModelConfig cfg;
     SourceKind kind;
-    int has_weights;           // ck or gguf is open and holds the weights
-    StCheckpoint ck;           // SOURCE_SAFETENSORS
-    GgufFile gguf;             // SOURCE_GGUF
-    GgufTokenizer tokenizer;   // tokenizer.* records of a GGUF source (empty otherwise)
-    char config_path[1024];    // "" for presets and GGUF files
-    char hf_dir[1024];         // the directory of an HF source (tokenizer files), or ""
+    int has_weights;          // ck or gguf is open and holds the weights
+    StCheckpoint ck;          // SOURCE_SAFETENSORS
+    GgufFile gguf;            // SOURCE_GGUF
+    GgufTokenizer tokenizer;  // tokenizer.* records of a GGUF source (empty otherwise)
+    char config_path[1024];   // "" for presets and GGUF files
+    char hf_dir[1024];        // the directory of an HF source (tokenizer files), or ""
 } ModelSource;
 
 // spec: a preset name, an HF directory (config.json + safetensors), a config.json (random init),
@@ -66,7 +66,7 @@ int checkpoint_dump_state(const char* path, const Model* m, const Store* s, floa
 typedef struct TrainState {
     int64_t step;                                  // optimizer steps completed
     uint8_t train_loader[DATALOADER_STATE_BYTES];  // the training loader's position
-    Rng rng;  // the run's random stream (seeded from --seed; for stochastic training parts)
+    Rng rng;      // the run's random stream (seeded from --seed; for stochastic training parts)
     int resumed;  // loaded from a checkpoint (not saved)
 } TrainState;
 

@@ -677,15 +677,22 @@ static void* optimizer_main(void* arg) {
 // ----------------------------------------------------------------------------
 // creation
 
-// Bytes a forward / backward stage needs per layer on a device (the fused stage carries a copy of
-// a tied embedding as its head).
+// Bytes a forward / backward stage needs per layer on a device: parameters (the fused stage
+// carries a copy of a tied embedding as its head), plus for backward stages the fp32 gradients
+// and, with stage-grain recompute, the block's saved activations for one micro-batch (every block
+// of a backward stage keeps them until its backward). The activation and hand-off buffers every
+// stage needs regardless are outside the per-stage budget.
 static void layer_bytes(const Engine* e, double* fb, double* bb) {
     const TensorTable* tt = &e->m->tt;
     int head = tensor_table_index(tt, TK_LM_HEAD, -1);
+    const double acts = e->opt.grain == RECOMPUTE_STAGE
+                            ? (double)workspace_act_set_bytes(e->m, (int)e->ab, e->Bm, e->T)
+                            : 0.0;
     for (int l = 0; l < e->NL; l++) {
         fb[l] = (double)tt->param_numel[l] * (double)e->ab;
         if (l == e->NL - 1 && tt->t[head].tied_to >= 0) fb[l] += (double)tt->t[head].numel * e->ab;
         bb[l] = fb[l] + (double)tt->grad_numel[l] * sizeof(float);
+        if (l >= 1 && l < e->NL - 1) bb[l] += acts;
     }
 }
 

@@ -36,23 +36,23 @@ typedef struct GgmlTypeInfo {
 } GgmlTypeInfo;
 
 static const GgmlTypeInfo ggml_types[GGML_TYPE_COUNT] = {
-    [0] = {"F32", 1, 4, 1},         [1] = {"F16", 1, 2, 1},        [2] = {"Q4_0", 32, 18, 1},
-    [3] = {"Q4_1", 32, 20, 1},      [6] = {"Q5_0", 32, 22, 1},     [7] = {"Q5_1", 32, 24, 1},
-    [8] = {"Q8_0", 32, 34, 1},      [9] = {"Q8_1", 32, 36, 0},     [10] = {"Q2_K", 256, 84, 0},
-    [11] = {"Q3_K", 256, 110, 0},   [12] = {"Q4_K", 256, 144, 1},  [13] = {"Q5_K", 256, 176, 0},
-    [14] = {"Q6_K", 256, 210, 1},   [15] = {"Q8_K", 256, 292, 0},  [16] = {"IQ2_XXS", 256, 66, 0},
+    [0] = {"F32", 1, 4, 1},         [1] = {"F16", 1, 2, 1},         [2] = {"Q4_0", 32, 18, 1},
+    [3] = {"Q4_1", 32, 20, 1},      [6] = {"Q5_0", 32, 22, 1},      [7] = {"Q5_1", 32, 24, 1},
+    [8] = {"Q8_0", 32, 34, 1},      [9] = {"Q8_1", 32, 36, 0},      [10] = {"Q2_K", 256, 84, 0},
+    [11] = {"Q3_K", 256, 110, 0},   [12] = {"Q4_K", 256, 144, 1},   [13] = {"Q5_K", 256, 176, 0},
+    [14] = {"Q6_K", 256, 210, 1},   [15] = {"Q8_K", 256, 292, 0},   [16] = {"IQ2_XXS", 256, 66, 0},
     [17] = {"IQ2_XS", 256, 74, 0},  [18] = {"IQ3_XXS", 256, 98, 0}, [19] = {"IQ1_S", 256, 50, 0},
-    [20] = {"IQ4_NL", 32, 18, 0},   [21] = {"IQ3_S", 256, 110, 0}, [22] = {"IQ2_S", 256, 82, 0},
-    [23] = {"IQ4_XS", 256, 136, 0}, [24] = {"I8", 1, 1, 0},        [25] = {"I16", 1, 2, 0},
-    [26] = {"I32", 1, 4, 0},        [27] = {"I64", 1, 8, 0},       [28] = {"F64", 1, 8, 0},
-    [29] = {"IQ1_M", 256, 56, 0},   [30] = {"BF16", 1, 2, 1},      [34] = {"TQ1_0", 256, 54, 0},
-    [35] = {"TQ2_0", 256, 66, 0},   [39] = {"MXFP4", 32, 17, 1},   [40] = {"NVFP4", 64, 36, 0},
+    [20] = {"IQ4_NL", 32, 18, 0},   [21] = {"IQ3_S", 256, 110, 0},  [22] = {"IQ2_S", 256, 82, 0},
+    [23] = {"IQ4_XS", 256, 136, 0}, [24] = {"I8", 1, 1, 0},         [25] = {"I16", 1, 2, 0},
+    [26] = {"I32", 1, 4, 0},        [27] = {"I64", 1, 8, 0},        [28] = {"F64", 1, 8, 0},
+    [29] = {"IQ1_M", 256, 56, 0},   [30] = {"BF16", 1, 2, 1},       [34] = {"TQ1_0", 256, 54, 0},
+    [35] = {"TQ2_0", 256, 66, 0},   [39] = {"MXFP4", 32, 17, 1},    [40] = {"NVFP4", 64, 36, 0},
     [41] = {"Q1_0", 128, 18, 0},    [42] = {"Q2_0", 0, 0, 0},
 };
 
 static const char* const value_type_names[GGUF_TYPE_COUNT] = {
-    "UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "FLOAT32",
-    "BOOL",  "STRING", "ARRAY", "UINT64", "INT64", "FLOAT64"};
+    "UINT8", "INT8",   "UINT16", "INT16",  "UINT32", "INT32",  "FLOAT32",
+    "BOOL",  "STRING", "ARRAY",  "UINT64", "INT64",  "FLOAT64"};
 // Bytes of one scalar element (0 for STRING and ARRAY).
 static const int value_type_sizes[GGUF_TYPE_COUNT] = {1, 1, 2, 2, 4, 4, 4, 1, 0, 0, 8, 8, 8};
 
@@ -234,8 +234,7 @@ static int read_value(Cursor* c, GgufValueType type, GgufValue* v, int depth, co
         }
         case GGUF_TYPE_STRING: return cur_string(c, &v->str, what);
         case GGUF_TYPE_ARRAY: break;
-        default:
-            return errorf(c->err, "%s: %s: unknown value type %d", c->path, ctx, (int)type);
+        default: return errorf(c->err, "%s: %s: unknown value type %d", c->path, ctx, (int)type);
     }
 
     // ARRAY: element type, count, packed elements
@@ -248,8 +247,9 @@ static int read_value(Cursor* c, GgufValueType type, GgufValue* v, int depth, co
     v->elem_type = (GgufValueType)et;
     // Smallest encoding of one element: a scalar's size, a string's u64 length, an array's
     // u32 type + u64 count. A count the rest of the file cannot hold is refused before allocating.
-    uint64_t min_bytes = et == GGUF_TYPE_STRING ? 8 : et == GGUF_TYPE_ARRAY ? 12
-                                                                              : (uint64_t)value_type_sizes[et];
+    uint64_t min_bytes = et == GGUF_TYPE_STRING  ? 8
+                         : et == GGUF_TYPE_ARRAY ? 12
+                                                 : (uint64_t)value_type_sizes[et];
     if (n > cur_left(c) / min_bytes)
         return errorf(c->err,
                       "%s: %s: array of %llu %s elements at offset %zu cannot fit in the %zu bytes "
@@ -306,7 +306,8 @@ static int compare_tensor_ptr_offset(const void* a, const void* b) {
 
 static int parse_header(GgufFile* f, Cursor* c, uint64_t* n_tensors, uint64_t* n_kv) {
     if (f->size < 4)
-        return errorf(c->err, "%s: file is %zu bytes, too small for the GGUF magic", f->path, f->size);
+        return errorf(c->err, "%s: file is %zu bytes, too small for the GGUF magic", f->path,
+                      f->size);
     uint32_t magic = le32(f->map);
     if (magic != GGUF_MAGIC) {
         char m[16];
@@ -316,18 +317,21 @@ static int parse_header(GgufFile* f, Cursor* c, uint64_t* n_tensors, uint64_t* n
     c->pos = 4;
     if (cur_u32(c, &f->version, "the version")) return -1;
     if (f->version == 0x03000000u || f->version == 0x02000000u)
-        return errorf(c->err, "%s: version field reads 0x%08x: a big-endian GGUF, which is not "
-                              "supported", f->path, f->version);
+        return errorf(c->err,
+                      "%s: version field reads 0x%08x: a big-endian GGUF, which is not "
+                      "supported",
+                      f->path, f->version);
     if (f->version == 1)
         return errorf(c->err, "%s: GGUF version 1 is not supported (only 2 and 3)", f->path);
     if (f->version != 2 && f->version != 3)
-        return errorf(c->err, "%s: unsupported GGUF version %u (only 2 and 3)", f->path, f->version);
+        return errorf(c->err, "%s: unsupported GGUF version %u (only 2 and 3)", f->path,
+                      f->version);
     if (cur_u64(c, n_tensors, "tensor_count") || cur_u64(c, n_kv, "metadata_kv_count")) return -1;
     // Smallest KV: 8-byte key length + 1-byte key + 4-byte type + 1-byte value. Smallest tensor
     // info: 8 + 1 name byte + 4 n_dims + 8 (one ne) + 4 type + 8 offset.
     if (*n_kv > cur_left(c) / 14)
-        return errorf(c->err, "%s: metadata_kv_count %llu cannot fit in the %zu bytes left", f->path,
-                      (unsigned long long)*n_kv, cur_left(c));
+        return errorf(c->err, "%s: metadata_kv_count %llu cannot fit in the %zu bytes left",
+                      f->path, (unsigned long long)*n_kv, cur_left(c));
     if (*n_tensors > cur_left(c) / 33)
         return errorf(c->err, "%s: tensor_count %llu cannot fit in the %zu bytes left", f->path,
                       (unsigned long long)*n_tensors, cur_left(c));
@@ -346,9 +350,10 @@ static int parse_kvs(GgufFile* f, Cursor* c, uint64_t n_kv) {
         char kp[96];
         printable(key.s, key.n, kp, sizeof kp);
         if (key.n == 0 || key.n > GGUF_MAX_KEY || memchr(key.s, 0, (size_t)key.n))
-            return errorf(c->err, "%s: %s at offset %llu: key '%s' is empty, longer than %d bytes "
-                                  "or holds a NUL byte", f->path, what,
-                          (unsigned long long)kv->raw_begin, kp, GGUF_MAX_KEY);
+            return errorf(c->err,
+                          "%s: %s at offset %llu: key '%s' is empty, longer than %d bytes "
+                          "or holds a NUL byte",
+                          f->path, what, (unsigned long long)kv->raw_begin, kp, GGUF_MAX_KEY);
         kv->key = copy_cstr(key.s, key.n);
         f->n_kv = (int64_t)i + 1;  // from here on close() frees this entry
         char ctx[128];
@@ -383,8 +388,10 @@ static int parse_kvs(GgufFile* f, Cursor* c, uint64_t n_kv) {
                           f->path, gguf_value_type_name(al->value.type));
         uint64_t a = al->value.u;
         if (a == 0 || (a & (a - 1)) != 0 || a > (1u << 30))
-            return errorf(c->err, "%s: key 'general.alignment' = %llu is not a power of two "
-                                  "(at most 2^30)", f->path, (unsigned long long)a);
+            return errorf(c->err,
+                          "%s: key 'general.alignment' = %llu is not a power of two "
+                          "(at most 2^30)",
+                          f->path, (unsigned long long)a);
         f->alignment = (uint32_t)a;
     }
     return 0;
@@ -401,8 +408,10 @@ static int parse_tensor_infos(GgufFile* f, Cursor* c, uint64_t n_tensors) {
         char np[96];
         printable(name.s, name.n, np, sizeof np);
         if (name.n == 0 || name.n >= GGUF_MAX_NAME || memchr(name.s, 0, (size_t)name.n))
-            return errorf(c->err, "%s: %s: name '%s' is empty, has %d or more bytes, or holds a "
-                                  "NUL byte", f->path, what, np, GGUF_MAX_NAME);
+            return errorf(c->err,
+                          "%s: %s: name '%s' is empty, has %d or more bytes, or holds a "
+                          "NUL byte",
+                          f->path, what, np, GGUF_MAX_NAME);
         t->name = copy_cstr(name.s, name.n);
         f->n_tensors = (int64_t)i + 1;
         char ctx[128];
@@ -428,22 +437,26 @@ static int parse_tensor_infos(GgufFile* f, Cursor* c, uint64_t n_tensors) {
                 continue;
             }
             if (numel > (uint64_t)INT64_MAX / ne)
-                return errorf(c->err, "%s: tensor '%s': element count overflows int64", f->path, np);
+                return errorf(c->err, "%s: tensor '%s': element count overflows int64", f->path,
+                              np);
             numel *= ne;
         }
         t->numel = has_zero ? 0 : (int64_t)numel;
         if (cur_u32(c, &type, ctx)) return -1;
         const char* tn = ggml_type_name((int)type);
-        if (!tn)
-            return errorf(c->err, "%s: tensor '%s': unknown ggml type %u", f->path, np, type);
+        if (!tn) return errorf(c->err, "%s: tensor '%s': unknown ggml type %u", f->path, np, type);
         if (ggml_types[type].block == 0)
-            return errorf(c->err, "%s: tensor '%s': ggml type %s has a block size unknown to this "
-                                  "build (supported: %s)", f->path, np, tn, supported_types_list());
+            return errorf(c->err,
+                          "%s: tensor '%s': ggml type %s has a block size unknown to this "
+                          "build (supported: %s)",
+                          f->path, np, tn, supported_types_list());
         t->type = (GgmlType)type;
         const GgmlTypeInfo* ti = &ggml_types[type];
         if (t->ne[0] % ti->block != 0)
-            return errorf(c->err, "%s: tensor '%s': ne[0] = %lld is not a multiple of the %s block "
-                                  "size %d", f->path, np, (long long)t->ne[0], tn, ti->block);
+            return errorf(c->err,
+                          "%s: tensor '%s': ne[0] = %lld is not a multiple of the %s block "
+                          "size %d",
+                          f->path, np, (long long)t->ne[0], tn, ti->block);
         uint64_t blocks = (uint64_t)t->numel / (uint64_t)ti->block;
         if (blocks > UINT64_MAX / (uint64_t)ti->bytes)
             return errorf(c->err, "%s: tensor '%s': byte size overflows", f->path, np);
@@ -470,10 +483,11 @@ static int check_tensor_layout(GgufFile* f, char* err) {
             return errorf(err, "%s: tensor '%s': offset %llu is not a multiple of the alignment %u",
                           f->path, t->name, (unsigned long long)t->offset, f->alignment);
         if (t->offset > data_size || t->nbytes > data_size - t->offset)
-            return errorf(err, "%s: tensor '%s': bytes [%llu, +%llu) of the data section run past "
-                               "the end of the file (data section %llu bytes)", f->path, t->name,
-                          (unsigned long long)t->offset, (unsigned long long)t->nbytes,
-                          (unsigned long long)data_size);
+            return errorf(err,
+                          "%s: tensor '%s': bytes [%llu, +%llu) of the data section run past "
+                          "the end of the file (data section %llu bytes)",
+                          f->path, t->name, (unsigned long long)t->offset,
+                          (unsigned long long)t->nbytes, (unsigned long long)data_size);
     }
     GgufTensor** by_off = malloc_check((size_t)(n ? n : 1) * sizeof(GgufTensor*));
     for (int64_t i = 0; i < n; i++) by_off[i] = &f->tensors[i];
@@ -483,7 +497,8 @@ static int check_tensor_layout(GgufFile* f, char* err) {
         const GgufTensor* a = by_off[i - 1];
         const GgufTensor* b = by_off[i];
         if (b->offset < a->offset + a->nbytes)
-            rc = errorf(err, "%s: tensor '%s' (offset %llu) overlaps tensor '%s' (bytes [%llu, %llu))",
+            rc = errorf(err,
+                        "%s: tensor '%s' (offset %llu) overlaps tensor '%s' (bytes [%llu, %llu))",
                         f->path, b->name, (unsigned long long)b->offset, a->name,
                         (unsigned long long)a->offset, (unsigned long long)(a->offset + a->nbytes));
     }
@@ -496,7 +511,8 @@ static int check_tensor_layout(GgufFile* f, char* err) {
         if (t->offset != expect) f->nonsequential = 1;
         expect = t->offset + t->nbytes;
         expect += (f->alignment - expect % f->alignment) % f->alignment;
-        t->data = f->map + f->data_offset + t->offset;
+        // an empty tensor may sit past the end of a file with no data section: no pointer then
+        t->data = t->nbytes ? f->map + f->data_offset + t->offset : NULL;
     }
     return 0;
 }
@@ -507,8 +523,10 @@ static int gguf_parse(GgufFile* f, char* err) {
     if (parse_header(f, &c, &n_tensors, &n_kv)) return -1;
     if (parse_kvs(f, &c, n_kv)) return -1;
     if (n_tensors > cur_left(&c) / 33)
-        return errorf(err, "%s: tensor_count %llu cannot fit in the %zu bytes left after the "
-                           "metadata", f->path, (unsigned long long)n_tensors, cur_left(&c));
+        return errorf(err,
+                      "%s: tensor_count %llu cannot fit in the %zu bytes left after the "
+                      "metadata",
+                      f->path, (unsigned long long)n_tensors, cur_left(&c));
     if (parse_tensor_infos(f, &c, n_tensors)) return -1;
     uint64_t a = f->alignment;
     f->data_offset = c.pos + (a - c.pos % a) % a;
@@ -588,8 +606,10 @@ const GgufTensor* gguf_find_tensor(const GgufFile* f, const char* name) {
         int64_t mid = lo + (hi - lo) / 2;
         int c = strcmp(f->by_name[mid]->name, name);
         if (c == 0) return f->by_name[mid];
-        if (c < 0) lo = mid + 1;
-        else hi = mid - 1;
+        if (c < 0)
+            lo = mid + 1;
+        else
+            hi = mid - 1;
     }
     return NULL;
 }
@@ -789,15 +809,14 @@ int ggml_dequantize(int type, const uint8_t* src, float* dst, int64_t n) {
             return 0;
         default: break;
     }
-    void (*block_fn)(const uint8_t*, float*) =
-        type == GGML_TYPE_Q8_0   ? dq_q8_0
-        : type == GGML_TYPE_Q4_0 ? dq_q4_0
-        : type == GGML_TYPE_Q4_1 ? dq_q4_1
-        : type == GGML_TYPE_Q5_0 ? dq_q5_0
-        : type == GGML_TYPE_Q5_1 ? dq_q5_1
-        : type == GGML_TYPE_Q4_K ? dq_q4_k
-        : type == GGML_TYPE_Q6_K ? dq_q6_k
-                                 : dq_mxfp4;
+    void (*block_fn)(const uint8_t*, float*) = type == GGML_TYPE_Q8_0   ? dq_q8_0
+                                               : type == GGML_TYPE_Q4_0 ? dq_q4_0
+                                               : type == GGML_TYPE_Q4_1 ? dq_q4_1
+                                               : type == GGML_TYPE_Q5_0 ? dq_q5_0
+                                               : type == GGML_TYPE_Q5_1 ? dq_q5_1
+                                               : type == GGML_TYPE_Q4_K ? dq_q4_k
+                                               : type == GGML_TYPE_Q6_K ? dq_q6_k
+                                                                        : dq_mxfp4;
     for (int64_t i = 0; i < nb; i++) block_fn(src + (size_t)i * bs, dst + (size_t)i * be);
     return 0;
 }
@@ -807,8 +826,10 @@ int gguf_tensor_to_f32(const GgufFile* f, const GgufTensor* t, float* out, int64
         return errorf(err, "%s: tensor '%s': asked for %lld elements but it has %lld", f->path,
                       t->name, (long long)n, (long long)t->numel);
     if (!ggml_type_can_dequantize(t->type))
-        return errorf(err, "%s: tensor '%s' has type %s, which this build cannot load (supported: "
-                           "%s)", f->path, t->name, ggml_type_name(t->type), supported_types_list());
+        return errorf(err,
+                      "%s: tensor '%s' has type %s, which this build cannot load (supported: "
+                      "%s)",
+                      f->path, t->name, ggml_type_name(t->type), supported_types_list());
     ggml_dequantize(t->type, t->data, out, n);
     // A NaN or Inf in a checkpoint would silently poison training: refuse it, by index.
     for (int64_t i = 0; i < n; i++)
@@ -843,8 +864,10 @@ static int arch_int(const GgufFile* f, const char* arch, const char* suffix, int
         for (uint64_t i = 1; i < kv->value.n; i++) {
             int64_t w;
             if (gguf_array_int(&kv->value, i, &w) != 0 || w != v)
-                return errorf(err, "%s: key '%s': per-layer values differ (layer %llu), which is "
-                                   "not supported", f->path, key, (unsigned long long)i);
+                return errorf(err,
+                              "%s: key '%s': per-layer values differ (layer %llu), which is "
+                              "not supported",
+                              f->path, key, (unsigned long long)i);
         }
     } else if (value_int(&kv->value, &v) != 0) {
         return errorf(err, "%s: key '%s' has type %s, expected an integer", f->path, key,
@@ -895,8 +918,10 @@ static int llama3_from_rope_freqs(const GgufFile* f, const GgufTensor* t, ModelC
                                   char* err) {
     const int half = c->HD / 2;
     if (t->n_dims != 1 || t->ne[0] != half)
-        return errorf(err, "%s: tensor 'rope_freqs.weight' has %lld entries, head_dim/2 = %d "
-                           "expected", f->path, (long long)t->numel, half);
+        return errorf(err,
+                      "%s: tensor 'rope_freqs.weight' has %lld entries, head_dim/2 = %d "
+                      "expected",
+                      f->path, (long long)t->numel, half);
     float* r = malloc_check((size_t)half * sizeof(float));
     char terr[ERR_LEN];
     if (gguf_tensor_to_f32(f, t, r, half, terr) != 0) {
@@ -924,7 +949,8 @@ static int llama3_from_rope_freqs(const GgufFile* f, const GgufTensor* t, ModelC
         float base = 1.0f / powf((float)c->rope_theta, (float)(2 * i) / (float)c->HD);
         lam[i] = 2.0 * M_PI / (double)base;
         s[i] = (1.0 / r[i] - 1.0 / factor) / (1.0 - 1.0 / factor);
-        if (fabsf(r[i] - 1.0f) <= 1e-6f) last_u = i;
+        if (fabsf(r[i] - 1.0f) <= 1e-6f)
+            last_u = i;
         else if (fabsf(r[i] - factor) <= 1e-6f * factor) {
             if (first_lo < 0) first_lo = i;
         } else {
@@ -980,8 +1006,9 @@ static int llama3_from_rope_freqs(const GgufFile* f, const GgufTensor* t, ModelC
     int rc = 0;
     if (!found) {
         float base = 1.0f / powf((float)c->rope_theta, (float)(2 * bad) / (float)c->HD);
-        rc = errorf(err, "%s: rope_freqs.weight[%d] = %g does not match llama3 RoPE scaling "
-                         "(factor %g, base frequency %g): cannot reproduce these frequencies",
+        rc = errorf(err,
+                    "%s: rope_freqs.weight[%d] = %g does not match llama3 RoPE scaling "
+                    "(factor %g, base frequency %g): cannot reproduce these frequencies",
                     f->path, bad, (double)r[bad], (double)factor, (double)base);
     }
     free(lam);
@@ -1021,13 +1048,17 @@ int gguf_config(const GgufFile* f, ModelConfig* cfg, char* err) {
     for (int i = 0; i < FAMILY_COUNT; i++)
         if (as.n == strlen(arch_names[i]) && memcmp(as.s, arch_names[i], as.n) == 0) family = i;
     if (family < 0)
-        return errorf(err, "%s: unsupported architecture '%s' (supported: llama, qwen3, qwen3moe, "
-                           "gpt-oss)", f->path, arch);
+        return errorf(err,
+                      "%s: unsupported architecture '%s' (supported: llama, qwen3, qwen3moe, "
+                      "gpt-oss)",
+                      f->path, arch);
     c.family = (ModelFamily)family;
     int64_t splits = 1;
     if (gguf_get_int(f, "split.count", &splits) == 1 && splits > 1)
-        return errorf(err, "%s: a split GGUF (split.count %lld); merge it first with "
-                           "llama-gguf-split --merge", f->path, (long long)splits);
+        return errorf(err,
+                      "%s: a split GGUF (split.count %lld); merge it first with "
+                      "llama-gguf-split --merge",
+                      f->path, (long long)splits);
 
     const int64_t BIG = 1 << 30;
     if (arch_int(f, arch, "block_count", 1, 1, CONFIG_MAX_LAYERS, &c.L, err) ||
@@ -1045,14 +1076,20 @@ int gguf_config(const GgufFile* f, ModelConfig* cfg, char* err) {
         arch_int(f, arch, "attention.key_length", 0, 1, BIG, &key_len, err) ||
         arch_int(f, arch, "attention.value_length", 0, 1, BIG, &val_len, err))
         return -1;
-    if (key_len) c.HD = key_len;
-    else if (rope_dim) c.HD = rope_dim;
+    if (key_len)
+        c.HD = key_len;
+    else if (rope_dim)
+        c.HD = rope_dim;
     if (val_len && val_len != c.HD)
-        return errorf(err, "%s: %s.attention.value_length %d differs from the key length %d (not "
-                           "supported)", f->path, arch, val_len, c.HD);
+        return errorf(err,
+                      "%s: %s.attention.value_length %d differs from the key length %d (not "
+                      "supported)",
+                      f->path, arch, val_len, c.HD);
     if (rope_dim && rope_dim != c.HD)
-        return errorf(err, "%s: %s.rope.dimension_count %d differs from the head dim %d (partial "
-                           "rotary embeddings are not supported)", f->path, arch, rope_dim, c.HD);
+        return errorf(err,
+                      "%s: %s.rope.dimension_count %d differs from the head dim %d (partial "
+                      "rotary embeddings are not supported)",
+                      f->path, arch, rope_dim, c.HD);
     double eps = 0.0;
     if (arch_float(f, arch, "attention.layer_norm_rms_epsilon", 1, &eps, err)) return -1;
     if (!(eps > 0 && eps < 1))
@@ -1074,8 +1111,10 @@ int gguf_config(const GgufFile* f, ModelConfig* cfg, char* err) {
     if (c.V == 0 && embd && embd->n_dims == 2 && embd->ne[1] > 0 && embd->ne[1] <= BIG)
         c.V = (int)embd->ne[1];
     if (c.V == 0)
-        return errorf(err, "%s: cannot tell the vocabulary size (no %s.vocab_size, "
-                           "tokenizer.ggml.tokens or token_embd.weight)", f->path, arch);
+        return errorf(err,
+                      "%s: cannot tell the vocabulary size (no %s.vocab_size, "
+                      "tokenizer.ggml.tokens or token_embd.weight)",
+                      f->path, arch);
     c.tied_embeddings = gguf_find_tensor(f, "output.weight") == NULL;
     c.qk_norm = c.family == FAMILY_QWEN3 || c.family == FAMILY_QWEN3MOE;
     if (tokenizer_id(f, "tokenizer.ggml.bos_token_id", &c.bos_id, err) ||
@@ -1092,8 +1131,10 @@ int gguf_config(const GgufFile* f, ModelConfig* cfg, char* err) {
         char sp[32];
         printable(st.s, st.n, sp, sizeof sp);
         if (strcmp(sp, "yarn") != 0)
-            return errorf(err, "%s: %s = '%s' is not supported (supported: yarn, and llama3 "
-                               "through rope_freqs.weight)", f->path, key, sp);
+            return errorf(err,
+                          "%s: %s = '%s' is not supported (supported: yarn, and llama3 "
+                          "through rope_freqs.weight)",
+                          f->path, key, sp);
         c.rope_type = ROPE_YARN;
         if (arch_float(f, arch, "rope.scaling.factor", 1, &c.rope_factor, err) ||
             arch_int(f, arch, "rope.scaling.original_context_length", 1, 1, BIG,
@@ -1153,7 +1194,7 @@ typedef struct NameMap {
     const char* gguf;
 } NameMap;
 
-#define FAM(f) (1u << (f))
+#define FAM(f)  (1u << (f))
 #define FAM_ALL (FAM(FAMILY_LLAMA) | FAM(FAMILY_QWEN3) | FAM(FAMILY_QWEN3MOE) | FAM(FAMILY_GPTOSS))
 
 static const NameMap block_names[] = {
@@ -1251,8 +1292,10 @@ void gguf_llama3_rope_factors(const ModelConfig* c, float* r) {
     for (int i = 0; i < half; i++) {
         float base = 1.0f / powf((float)c->rope_theta, (float)(2 * i) / (float)c->HD);
         double lam = 2.0 * M_PI / (double)base;
-        if (lam < lam_hi) r[i] = 1.0f;
-        else if (lam > lam_lo) r[i] = (float)factor;
+        if (lam < lam_hi)
+            r[i] = 1.0f;
+        else if (lam > lam_lo)
+            r[i] = (float)factor;
         else {
             double smooth = (L0 / lam - lf) / (hf - lf);
             r[i] = (float)(1.0 / ((1.0 - smooth) / factor + smooth));
@@ -1267,13 +1310,12 @@ static void shape_text(const int64_t* dims, int n, char* buf, size_t cap) {
     snprintf(buf + o, cap - o, "]");
 }
 
-int gguf_read_hf_tensor(const GgufFile* f, const ModelConfig* cfg, const TensorDesc* d,
-                        float* out, char* err) {
+int gguf_read_hf_tensor(const GgufFile* f, const ModelConfig* cfg, const TensorDesc* d, float* out,
+                        char* err) {
     char name[GGUF_MAX_NAME + 32];
     gguf_tensor_name(cfg->family, d, name, sizeof name);
     const GgufTensor* t = gguf_find_tensor(f, name);
-    if (!t)
-        return errorf(err, "%s: tensor '%s' (HF %s) is missing", f->path, name, d->hf_name);
+    if (!t) return errorf(err, "%s: tensor '%s' (HF %s) is missing", f->path, name, d->hf_name);
     // ne is the HF shape reversed; trailing ne of 1 may be dropped by ggml's own writers
     int64_t want[GGUF_MAX_DIMS] = {1, 1, 1, 1};
     for (int k = 0; k < d->ndim && k < GGUF_MAX_DIMS; k++) want[k] = d->shape[d->ndim - 1 - k];
@@ -1453,7 +1495,8 @@ void gguf_writer_add_config(GgufWriter* w, const ModelConfig* c) {
         writer_add_arch_u32(w, arch, "expert_used_count", c->K);
         writer_add_arch_u32(w, arch, "expert_feed_forward_length", c->F_expert);
     }
-    if (c->sliding_window > 0) writer_add_arch_u32(w, arch, "attention.sliding_window", c->sliding_window);
+    if (c->sliding_window > 0)
+        writer_add_arch_u32(w, arch, "attention.sliding_window", c->sliding_window);
 }
 
 static int compare_writer_names(const void* a, const void* b) {
@@ -1483,9 +1526,10 @@ static int write_tensor_data(FILE* fp, const GgufWriterTensor* t, const char* pa
             for (int64_t i = 0; i < n; i++) {
                 uint16_t h = t->type == GGML_TYPE_F16 ? f32_to_f16(src[i]) : f32_to_bf16(src[i]);
                 if (t->type == GGML_TYPE_F16 && (h & 0x7c00u) == 0x7c00u)
-                    return errorf(err, "%s: tensor '%s' element %lld = %g overflows F16 (use "
-                                       "--export-dtype bf16 or f32)", path, t->name,
-                                  (long long)(base + i), (double)src[i]);
+                    return errorf(err,
+                                  "%s: tensor '%s' element %lld = %g overflows F16 (use "
+                                  "--export-dtype bf16 or f32)",
+                                  path, t->name, (long long)(base + i), (double)src[i]);
                 buf[2 * i] = (uint8_t)h;
                 buf[2 * i + 1] = (uint8_t)(h >> 8);
             }
@@ -1557,7 +1601,8 @@ int gguf_writer_write(GgufWriter* w, const char* path, char* err) {
         }
         if (rc == 0 && (fflush(fp) != 0 || fsync(fileno(fp)) != 0))
             rc = errorf(err, "%s: flush failed: %s", tmp, strerror(errno));
-        if (fclose(fp) != 0 && rc == 0) rc = errorf(err, "%s: close failed: %s", tmp, strerror(errno));
+        if (fclose(fp) != 0 && rc == 0)
+            rc = errorf(err, "%s: close failed: %s", tmp, strerror(errno));
         if (rc == 0 && rename(tmp, path) != 0)
             rc = errorf(err, "%s: rename from %s failed: %s", path, tmp, strerror(errno));
         if (rc != 0) unlink(tmp);

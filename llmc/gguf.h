@@ -24,13 +24,13 @@
 #include "config.h"
 #include "tensor.h"
 
-#define GGUF_MAGIC 0x46554747u  // "GGUF" little-endian
-#define GGUF_VERSION 3
+#define GGUF_MAGIC             0x46554747u  // "GGUF" little-endian
+#define GGUF_VERSION           3
 #define GGUF_DEFAULT_ALIGNMENT 32
-#define GGUF_MAX_DIMS 4
-#define GGUF_MAX_NAME 64         // ggml's GGML_MAX_NAME: names are shorter than this
-#define GGUF_MAX_KEY 65535
-#define GGUF_MAX_ARRAY_DEPTH 8   // nested arrays deeper than this are refused
+#define GGUF_MAX_DIMS          4
+#define GGUF_MAX_NAME          64  // ggml's GGML_MAX_NAME: names are shorter than this
+#define GGUF_MAX_KEY           65535
+#define GGUF_MAX_ARRAY_DEPTH   8  // nested arrays deeper than this are refused
 
 typedef enum {
     GGUF_TYPE_UINT8 = 0,
@@ -74,49 +74,49 @@ typedef struct GgufString {
 typedef struct GgufValue GgufValue;
 struct GgufValue {
     GgufValueType type;
-    uint64_t u;          // UINT8..UINT64 and BOOL (0/1)
-    int64_t i;           // INT8..INT64
-    double f;            // FLOAT32 / FLOAT64
-    GgufString str;      // STRING
+    uint64_t u;      // UINT8..UINT64 and BOOL (0/1)
+    int64_t i;       // INT8..INT64
+    double f;        // FLOAT32 / FLOAT64
+    GgufString str;  // STRING
     // ARRAY
     GgufValueType elem_type;
-    uint64_t n;               // number of elements
-    const uint8_t* elems;     // scalar element types: the packed little-endian elements
-    GgufString* strs;         // STRING elements (n, allocated)
-    GgufValue* arrays;        // ARRAY elements (n nested arrays, allocated)
+    uint64_t n;            // number of elements
+    const uint8_t* elems;  // scalar element types: the packed little-endian elements
+    GgufString* strs;      // STRING elements (n, allocated)
+    GgufValue* arrays;     // ARRAY elements (n nested arrays, allocated)
 };
 
 typedef struct GgufKV {
-    const char* key;          // NUL-terminated copy
+    const char* key;  // NUL-terminated copy
     GgufValue value;
     uint64_t raw_begin, raw_end;  // the whole record (key, type, value) in the file
 } GgufKV;
 
 typedef struct GgufTensor {
-    const char* name;         // NUL-terminated copy
+    const char* name;  // NUL-terminated copy
     int n_dims;
     int64_t ne[GGUF_MAX_DIMS];  // ggml order: ne[0] is the contiguous (innermost) dimension
     GgmlType type;
-    uint64_t offset;          // relative to the data section
+    uint64_t offset;  // relative to the data section
     uint64_t nbytes;
     int64_t numel;
-    const uint8_t* data;      // into the file (only 1-byte aligned is assumed)
+    const uint8_t* data;  // into the file (only 1-byte aligned is assumed)
 } GgufTensor;
 
 typedef struct GgufFile {
-    char* path;               // path, or the name given to gguf_open_memory
-    const uint8_t* map;       // the whole file
+    char* path;          // path, or the name given to gguf_open_memory
+    const uint8_t* map;  // the whole file
     size_t size;
-    int mapped;               // map is an mmap this struct owns
+    int mapped;  // map is an mmap this struct owns
     uint32_t version;
     uint32_t alignment;
-    uint64_t data_offset;     // file offset of the data section
-    int nonsequential;        // offsets are valid but not the writer's packed order (warn)
+    uint64_t data_offset;  // file offset of the data section
+    int nonsequential;     // offsets are valid but not the writer's packed order (warn)
     int64_t n_kv;
-    GgufKV* kv;               // file order
+    GgufKV* kv;  // file order
     int64_t n_tensors;
-    GgufTensor* tensors;      // file order
-    GgufTensor** by_name;     // sorted by name (lookups)
+    GgufTensor* tensors;   // file order
+    GgufTensor** by_name;  // sorted by name (lookups)
 } GgufFile;
 
 // ----------------------------------------------------------------------------
@@ -170,8 +170,8 @@ void gguf_tensor_name(ModelFamily family, const TensorDesc* d, char* out, size_t
 int gguf_name_from_hf(ModelFamily family, const char* hf_name, char* out, size_t cap);
 // Read descriptor d's tensor into out (HF row-major layout, fp32): the GGUF ne must be d's shape
 // reversed; LLaMA q/k rows are un-permuted (§2.9); non-finite values are refused.
-int gguf_read_hf_tensor(const GgufFile* f, const ModelConfig* cfg, const TensorDesc* d,
-                        float* out, char* err);
+int gguf_read_hf_tensor(const GgufFile* f, const ModelConfig* cfg, const TensorDesc* d, float* out,
+                        char* err);
 
 // llama.cpp's LLaMA Q/K row permutation on a (n_head*hd, cols) row-major matrix: forward
 // (HF -> GGUF: GGUF row 2i+j = HF row j*hd/2+i within each head) or inverse (GGUF -> HF).
@@ -206,7 +206,7 @@ typedef struct GgufWriterTensor {
 } GgufWriterTensor;
 
 typedef struct GgufWriter {
-    uint8_t* kv;        // serialized KV records
+    uint8_t* kv;  // serialized KV records
     size_t kv_len, kv_cap;
     int64_t n_kv;
     int n, cap;

@@ -7,10 +7,13 @@
  *    checked). Nesting is limited to JSON_MAX_DEPTH, so recursion depth is bounded.
  *  - The tree lives in one arena (a chain of bump-allocated blocks) owned by JsonDoc. Children of
  *    an array/object are collected on a temporary stack while parsing and copied into the arena
- *    as one contiguous items[] array when the container closes. Every value consumes at least one
- *    input byte and every decoded string is no longer than its literal, so the arena is bounded
- *    by a fixed multiple of the input size: at most about 48 bytes per input byte, reached by
- *    "[0,0,0,...]" (one 80-byte JsonValue per 2 input bytes) plus block slack.
+ *    as one contiguous items[] array when the container closes. Every decoded string is no
+ *    longer than its literal, and a document may hold at most one value per JSON_BYTES_PER_VALUE
+ *    input bytes (plus JSON_VALUE_SLACK), so memory is a fixed multiple of the input size: an
+ *    80-byte JsonValue in the arena and a 104-byte stack entry (capacity doubling) per value,
+ *    about 50 bytes per input byte at worst. Without the cap "[0,0,0,...]" (one value per 2
+ *    bytes) took about 93 bytes per input byte, 9 GB for a 100 MB safetensors header. Real
+ *    documents are far sparser (a safetensors header entry is >= 7 bytes per value).
  *  - Strict: no comments, no trailing commas, no leading zeros, no NaN/Infinity, no unescaped
  *    control characters, valid UTF-8 only, no lone surrogates, no duplicate keys in one object
  *    (checked at object end by sorting the keys: O(n log n), safetensors headers have thousands).
@@ -34,6 +37,10 @@ struct ArenaBlock {
     size_t used, cap;
     alignas(16) unsigned char data[];
 };
+
+// The value cap: at most len / JSON_BYTES_PER_VALUE + JSON_VALUE_SLACK values per document.
+#define JSON_BYTES_PER_VALUE 6
+#define JSON_VALUE_SLACK 4096
 
 #define ARENA_FIRST_BLOCK 4096
 #define ARENA_MAX_BLOCK (1u << 20)
@@ -86,6 +93,7 @@ typedef struct JsonParser {
     ArenaBlock* arena;
     JsonPending* stack;
     size_t stack_n, stack_cap;
+    size_t n_values, max_values;  // the value cap (bounds memory by the input size)
     char* err;
 } JsonParser;
 
@@ -493,6 +501,8 @@ static int json_parse_literal(JsonParser* p, const char* word) {
 static int json_parse_value(JsonParser* p, JsonValue* v, int depth) {
     memset(v, 0, sizeof *v);
     json_skip_ws(p);
+    if (++p->n_values > p->max_values)
+        return json_fail(p, p->pos, "too many values for the input size (a hostile document?)");
     if (p->pos >= p->len) return json_fail_unexpected(p, "a JSON value");
     char c = p->text[p->pos];
     switch (c) {
@@ -522,7 +532,8 @@ static int json_parse_value(JsonParser* p, JsonValue* v, int depth) {
 
 int json_parse(const char* text, size_t len, JsonDoc* doc, char* err) {
     memset(doc, 0, sizeof *doc);
-    JsonParser p = {.text = text, .len = len, .err = err};
+    JsonParser p = {.text = text, .len = len, .err = err,
+                    .max_values = len / JSON_BYTES_PER_VALUE + JSON_VALUE_SLACK};
     int rc = json_parse_value(&p, &doc->root, 0);
     if (rc == 0) {
         json_skip_ws(&p);

@@ -89,6 +89,13 @@ static void acts_sizes(const Model* m, int B, int T, size_t act_bytes, size_t* s
     sizes[11] = N * F * act_bytes;                                // act
 }
 
+size_t workspace_act_set_bytes(const Model* m, int act_bytes, int B, int T) {
+    size_t sizes[12], total = 0;
+    acts_sizes(m, B, T, (size_t)act_bytes, sizes);
+    for (int i = 0; i < 12; i++) total += sizes[i];
+    return total;
+}
+
 size_t workspace_bytes(const Model* m, int act_bytes, int B, int T, int n_acts) {
     const ModelConfig* c = &m->cfg;
     const size_t N = (size_t)B * T, C = c->C, F = c->F, ab = (size_t)act_bytes;

@@ -92,6 +92,8 @@ void model_free(Model* m);
 // n_acts activation sets (1: the backward must recompute each block; L: keep every block's).
 Workspace* workspace_create(const Model* m, const Ops* ops, void* ctx, int B, int T, int n_acts);
 void workspace_free(Workspace* ws);
+// Bytes of one block's saved activations (one BlockActs set) for B x T tokens.
+size_t workspace_act_set_bytes(const Model* m, int act_bytes, int B, int T);
 // Device bytes a workspace of this shape uses (for memory planning and the start-up report).
 size_t workspace_bytes(const Model* m, int act_bytes, int B, int T, int n_acts);
 

@@ -59,19 +59,64 @@ float* store_grad(const Store* s, int i) {
     return s->grad[d->layer] + d->grad_offset;
 }
 
-void store_init_random(Store* s, uint32_t seed, float std) {
+// Random init in chunks of INIT_CHUNK elements, each with its own generator seeded from (seed,
+// tensor, chunk): the result does not depend on the number of threads, and a 1.7 B-parameter
+// model initialises in seconds rather than a minute.
+#define INIT_CHUNK (1 << 20)
+
+typedef struct InitJob {
+    const Store* s;
+    uint32_t seed;
+    float std;
+    int* chunk_tensor;       // (n_chunks) tensor index of each chunk
+    int64_t* chunk_begin;    // (n_chunks) first element of each chunk within its tensor
+} InitJob;
+
+static uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
+static void init_chunk(void* arg, int64_t c) {
+    const InitJob* job = arg;
+    const int i = job->chunk_tensor[c];
+    const TensorDesc* d = &job->s->tt->t[i];
+    const int64_t b = job->chunk_begin[c];
+    const int64_t n = d->numel - b < INIT_CHUNK ? d->numel - b : INIT_CHUNK;
+    float* p = store_param(job->s, i) + b;
+    if (d->ndim == 1) {
+        for (int64_t j = 0; j < n; j++) p[j] = 1.0f;
+        return;
+    }
     Rng rng;
-    rng_seed(&rng, seed);
+    rng_seed(&rng, mix32(job->seed ^ mix32((uint32_t)i * 0x9e3779b9u ^ mix32((uint32_t)(b / INIT_CHUNK)))));
+    for (int64_t j = 0; j < n; j++) p[j] = job->std * rng_normal(&rng);
+}
+
+void store_init_random(Store* s, uint32_t seed, float std) {
+    int64_t n_chunks = 0;
+    for (int i = 0; i < s->tt->n; i++)
+        if (s->tt->t[i].tied_to < 0) n_chunks += (s->tt->t[i].numel + INIT_CHUNK - 1) / INIT_CHUNK;
+    InitJob job = {s, seed, std, malloc_check((size_t)n_chunks * sizeof(int)),
+                   malloc_check((size_t)n_chunks * sizeof(int64_t))};
+    int64_t c = 0;
     for (int i = 0; i < s->tt->n; i++) {
-        const TensorDesc* d = &s->tt->t[i];
-        if (d->tied_to >= 0) continue;
-        float* p = store_param(s, i);
-        if (d->ndim == 1) {
-            for (int64_t j = 0; j < d->numel; j++) p[j] = 1.0f;
-        } else {
-            for (int64_t j = 0; j < d->numel; j++) p[j] = std * rng_normal(&rng);
+        if (s->tt->t[i].tied_to >= 0) continue;
+        for (int64_t b = 0; b < s->tt->t[i].numel; b += INIT_CHUNK) {
+            job.chunk_tensor[c] = i;
+            job.chunk_begin[c] = b;
+            c++;
         }
     }
+    ThreadPool* pool = threadpool_create(0);
+    threadpool_run(pool, n_chunks, init_chunk, &job);
+    threadpool_destroy(pool);
+    free(job.chunk_tensor);
+    free(job.chunk_begin);
 }
 
 int store_load(Store* s, const StCheckpoint* ck, int* n_unused, char* err) {

@@ -9,7 +9,7 @@
  * both libFuzzer and the smoke test report). The safetensors and shard readers map paths, so their
  * entries hand the bytes over as a memfd (/proc/self/fd/N).
  *
- * Functions are static: this header is included once per program.
+ * Functions are static inline: this header is included once per program.
  */
 #ifndef DEV_FUZZ_FUZZ_ENTRIES_H
 #define DEV_FUZZ_FUZZ_ENTRIES_H
@@ -34,7 +34,7 @@
 // input size; this keeps each fuzz execution fast).
 #define FUZZ_MAX_CONVERT (1 << 20)
 
-static void fuzz_check_message(const char* err, const char* prefix) {
+static inline void fuzz_check_message(const char* err, const char* prefix) {
     if (strncmp(err, prefix, strlen(prefix)) != 0 || strchr(err, '\n') != NULL) {
         fprintf(stderr, "fuzz: bad error message (must be one line starting with '%s'): '%s'\n",
                 prefix, err);
@@ -43,7 +43,7 @@ static void fuzz_check_message(const char* err, const char* prefix) {
 }
 
 // The bytes as an anonymous file; path receives its /proc/self/fd name. -1 on failure.
-static int fuzz_memfd(const uint8_t* data, size_t size, char* path, size_t cap) {
+static inline int fuzz_memfd(const uint8_t* data, size_t size, char* path, size_t cap) {
     int fd = memfd_create("fuzz", MFD_CLOEXEC);
     if (fd < 0) return -1;
     size_t off = 0;
@@ -59,7 +59,7 @@ static int fuzz_memfd(const uint8_t* data, size_t size, char* path, size_t cap) 
     return fd;
 }
 
-static int fuzz_json(const uint8_t* data, size_t size) {
+static inline int fuzz_json(const uint8_t* data, size_t size) {
     JsonDoc doc;
     char err[ERR_LEN] = "";
     if (json_parse((const char*)data, size, &doc, err) != 0) {
@@ -77,7 +77,7 @@ static int fuzz_json(const uint8_t* data, size_t size) {
     return 1;
 }
 
-static int fuzz_safetensors(const uint8_t* data, size_t size) {
+static inline int fuzz_safetensors(const uint8_t* data, size_t size) {
     char path[64], err[ERR_LEN] = "";
     int fd = fuzz_memfd(data, size, path, sizeof path);
     if (fd < 0) return 0;
@@ -99,7 +99,7 @@ static int fuzz_safetensors(const uint8_t* data, size_t size) {
     return ok;
 }
 
-static int fuzz_gguf(const uint8_t* data, size_t size) {
+static inline int fuzz_gguf(const uint8_t* data, size_t size) {
     GgufFile f;
     char err[ERR_LEN] = "";
     if (gguf_open_memory(&f, data, size, "fuzz.gguf", err) != 0) {
@@ -110,7 +110,8 @@ static int fuzz_gguf(const uint8_t* data, size_t size) {
         const GgufTensor* t = &f.tensors[i];
         if (t->numel > FUZZ_MAX_CONVERT) continue;
         float* buf = malloc_check((size_t)(t->numel > 0 ? t->numel : 1) * sizeof(float));
-        if (gguf_tensor_to_f32(&f, t, buf, t->numel, err) != 0) fuzz_check_message(err, "fuzz.gguf: ");
+        if (gguf_tensor_to_f32(&f, t, buf, t->numel, err) != 0)
+            fuzz_check_message(err, "fuzz.gguf: ");
         free(buf);
     }
     // the model path: config from metadata, then every tensor of the descriptor table
@@ -121,7 +122,8 @@ static int fuzz_gguf(const uint8_t* data, size_t size) {
             const TensorDesc* d = &tt.t[i];
             if (d->tied_to >= 0 || d->numel > FUZZ_MAX_CONVERT) continue;
             float* buf = malloc_check((size_t)d->numel * sizeof(float));
-            if (gguf_read_hf_tensor(&f, &cfg, d, buf, err) != 0) fuzz_check_message(err, "fuzz.gguf: ");
+            if (gguf_read_hf_tensor(&f, &cfg, d, buf, err) != 0)
+                fuzz_check_message(err, "fuzz.gguf: ");
             free(buf);
         }
         tensor_table_free(&tt);
@@ -135,7 +137,7 @@ static int fuzz_gguf(const uint8_t* data, size_t size) {
     return 1;
 }
 
-static int fuzz_shard(const uint8_t* data, size_t size) {
+static inline int fuzz_shard(const uint8_t* data, size_t size) {
     char path[64], err[ERR_LEN] = "";
     int fd = fuzz_memfd(data, size, path, sizeof path);
     if (fd < 0) return 0;

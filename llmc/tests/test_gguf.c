@@ -116,11 +116,12 @@ static double compare_stores(TestCtx* t, const Loaded* a, const Loaded* b, int m
 
 static void check_same_config(TestCtx* t, const ModelConfig* a, const ModelConfig* b,
                               const char* what) {
-    CHECK(t, a->family == b->family && a->V == b->V && a->C == b->C && a->L == b->L &&
-                 a->H == b->H && a->KVH == b->KVH && a->HD == b->HD && a->F == b->F &&
-                 a->tied_embeddings == b->tied_embeddings && a->qk_norm == b->qk_norm &&
-                 a->norm_eps == b->norm_eps && a->rope_theta == b->rope_theta &&
-                 a->rope_type == b->rope_type && a->bos_id == b->bos_id && a->eos_id == b->eos_id,
+    CHECK(t,
+          a->family == b->family && a->V == b->V && a->C == b->C && a->L == b->L && a->H == b->H &&
+              a->KVH == b->KVH && a->HD == b->HD && a->F == b->F &&
+              a->tied_embeddings == b->tied_embeddings && a->qk_norm == b->qk_norm &&
+              a->norm_eps == b->norm_eps && a->rope_theta == b->rope_theta &&
+              a->rope_type == b->rope_type && a->bos_id == b->bos_id && a->eos_id == b->eos_id,
           "%s: configs differ", what);
     float fa[512], fb[512];
     config_rope_inv_freq(a, fa);
@@ -157,12 +158,14 @@ static void test_gguf_fixture_f32_exact(TestCtx* t) {
             float* raw = malloc_check((size_t)d->numel * 4);
             float* perm = malloc_check((size_t)d->numel * 4);
             CHECK(t, q && gguf_tensor_to_f32(&f, q, raw, d->numel, err) == 0, "%s", err);
-            gguf_permute_rows(store_param(&hf.s, qi), perm, hf.m.cfg.H, d->shape[0], d->shape[1], 0);
+            gguf_permute_rows(store_param(&hf.s, qi), perm, hf.m.cfg.H, d->shape[0], d->shape[1],
+                              0);
             CHECK(t, memcmp(raw, store_param(&hf.s, qi), (size_t)d->numel * 4) != 0,
                   "attn_q is stored permuted");
             CHECK(t, memcmp(raw, perm, (size_t)d->numel * 4) == 0, "permute(HF q) == GGUF attn_q");
-            CHECK(t, gg.m.cfg.rope_type == ROPE_LLAMA3 && gg.m.cfg.rope_factor == 8.0 &&
-                         gg.m.cfg.rope_original_max_pos == 256,
+            CHECK(t,
+                  gg.m.cfg.rope_type == ROPE_LLAMA3 && gg.m.cfg.rope_factor == 8.0 &&
+                      gg.m.cfg.rope_original_max_pos == 256,
                   "llama3 parameters from rope_freqs: factor %g L0 %d", gg.m.cfg.rope_factor,
                   gg.m.cfg.rope_original_max_pos);
             free(raw);
@@ -183,7 +186,7 @@ static void test_gguf_fixture_half_and_quantized(TestCtx* t) {
         int mode;
         double tol;
     } cases[] = {
-        {"llama", "llama_f16.gguf", CMP_F16, 0},    {"llama", "llama_bf16.gguf", CMP_BF16, 0},
+        {"llama", "llama_f16.gguf", CMP_F16, 0},     {"llama", "llama_bf16.gguf", CMP_BF16, 0},
         {"llama", "llama_q8_0.gguf", CMP_TOL, 0.01}, {"llama", "llama_q4_0.gguf", CMP_TOL, 0.15},
         {"qwen3", "qwen3_q8_0.gguf", CMP_TOL, 0.01}, {"qwen3", "qwen3_mxfp4.gguf", CMP_TOL, 0.25},
     };
@@ -194,7 +197,8 @@ static void test_gguf_fixture_half_and_quantized(TestCtx* t) {
         if (load_model(t, fixture(t, p2, sizeof p2, cases[k].file), &gg) == 0) {
             double worst = compare_stores(t, &hf, &gg, cases[k].mode, cases[k].tol, cases[k].file);
             // quantisation must actually change the weights (else the test proves nothing)
-            if (cases[k].mode == CMP_TOL) CHECK(t, worst > 1e-4, "%s: worst %.3g", cases[k].file, worst);
+            if (cases[k].mode == CMP_TOL)
+                CHECK(t, worst > 1e-4, "%s: worst %.3g", cases[k].file, worst);
             unload(&gg);
         }
         unload(&hf);
@@ -222,8 +226,9 @@ static void test_gguf_quant_zoo(TestCtx* t) {
         float* got = malloc_check((size_t)q->numel * 4);
         if (!e) {  // q2_k: readable, refused by name
             int rc = gguf_tensor_to_f32(&f, q, got, q->numel, err);
-            CHECK(t, rc == -1 && strstr(err, "Q2_K") && strstr(err, "q2_k.q") &&
-                         starts_with_path(err, path),
+            CHECK(t,
+                  rc == -1 && strstr(err, "Q2_K") && strstr(err, "q2_k.q") &&
+                      starts_with_path(err, path),
                   "Q2_K refusal: %s", err);
         } else {
             float* want = malloc_check((size_t)e->numel * 4);
@@ -249,8 +254,8 @@ static void test_gguf_quant_zoo(TestCtx* t) {
     struct {
         const char* key;
         int64_t want;
-    } ints[] = {{"zoo.u8", 200}, {"zoo.i8", -100}, {"zoo.u16", 60000}, {"zoo.i16", -30000},
-                {"zoo.u32", 4000000000ll}, {"zoo.i32", -2000000000ll},
+    } ints[] = {{"zoo.u8", 200},          {"zoo.i8", -100},          {"zoo.u16", 60000},
+                {"zoo.i16", -30000},      {"zoo.u32", 4000000000ll}, {"zoo.i32", -2000000000ll},
                 {"zoo.i64", -(1ll << 62)}};
     for (size_t k = 0; k < sizeof ints / sizeof ints[0]; k++)
         CHECK(t, gguf_get_int(&f, ints[k].key, &v) == 1 && v == ints[k].want, "%s", ints[k].key);
@@ -261,28 +266,35 @@ static void test_gguf_quant_zoo(TestCtx* t) {
     CHECK(t, gguf_get_float(&f, "zoo.f64", &d) == 1 && d == -1.5e300, "f64");
     const GgufKV* b = gguf_find_kv(&f, "zoo.bool");
     CHECK(t, b && b->value.type == GGUF_TYPE_BOOL && b->value.u == 1, "bool");
-    CHECK(t, gguf_get_string(&f, "zoo.str", &s) == 1 && s.n == 6 && memcmp(s.s, "h\xc3\xa9llo", 6) == 0,
-          "string");
-    CHECK(t, gguf_get_string(&f, "zoo.u8", &s) == -1 && gguf_get_int(&f, "zoo.str", &v) == -1 &&
-                 gguf_get_int(&f, "nope", &v) == 0,
+    CHECK(
+        t,
+        gguf_get_string(&f, "zoo.str", &s) == 1 && s.n == 6 && memcmp(s.s, "h\xc3\xa9llo", 6) == 0,
+        "string");
+    CHECK(t,
+          gguf_get_string(&f, "zoo.u8", &s) == -1 && gguf_get_int(&f, "zoo.str", &v) == -1 &&
+              gguf_get_int(&f, "nope", &v) == 0,
           "typed getters refuse other types");
     const GgufKV* a = gguf_find_kv(&f, "zoo.arr_i32");
-    CHECK(t, a && a->value.n == 3 && gguf_array_int(&a->value, 1, &v) == 0 && v == -2 &&
-                 gguf_array_int(&a->value, 3, &v) == -1,
+    CHECK(t,
+          a && a->value.n == 3 && gguf_array_int(&a->value, 1, &v) == 0 && v == -2 &&
+              gguf_array_int(&a->value, 3, &v) == -1,
           "int array");
     const GgufKV* as = gguf_find_kv(&f, "zoo.arr_str");
-    CHECK(t, as && as->value.elem_type == GGUF_TYPE_STRING && as->value.n == 3 &&
-                 as->value.strs[1].n == 0 && as->value.strs[2].n == 3 &&
-                 memcmp(as->value.strs[2].s, "ccc", 3) == 0,
+    CHECK(t,
+          as && as->value.elem_type == GGUF_TYPE_STRING && as->value.n == 3 &&
+              as->value.strs[1].n == 0 && as->value.strs[2].n == 3 &&
+              memcmp(as->value.strs[2].s, "ccc", 3) == 0,
           "string array");
     const GgufKV* n = gguf_find_kv(&f, "zoo.nested");
-    CHECK(t, n && n->value.elem_type == GGUF_TYPE_ARRAY && n->value.n == 2 &&
-                 n->value.arrays[0].n == 2 && n->value.arrays[1].n == 1 &&
-                 gguf_array_int(&n->value.arrays[1], 0, &v) == 0 && v == 3,
+    CHECK(t,
+          n && n->value.elem_type == GGUF_TYPE_ARRAY && n->value.n == 2 &&
+              n->value.arrays[0].n == 2 && n->value.arrays[1].n == 1 &&
+              gguf_array_int(&n->value.arrays[1], 0, &v) == 0 && v == 3,
           "nested int arrays");
     const GgufKV* ns = gguf_find_kv(&f, "zoo.nested_str");
-    CHECK(t, ns && ns->value.n == 2 && ns->value.arrays[1].elem_type == GGUF_TYPE_STRING &&
-                 ns->value.arrays[1].n == 2 && ns->value.arrays[1].strs[1].n == 2,
+    CHECK(t,
+          ns && ns->value.n == 2 && ns->value.arrays[1].elem_type == GGUF_TYPE_STRING &&
+              ns->value.arrays[1].n == 2 && ns->value.arrays[1].strs[1].n == 2,
           "nested string arrays");
     gguf_close(&f);
 
@@ -293,15 +305,17 @@ static void test_gguf_quant_zoo(TestCtx* t) {
     CHECK(t, ggml_dequantize(GGML_TYPE_Q8_0, q8, y, 32) == 0 && y[0] == -16.0f && y[31] == 15.0f,
           "Q8_0 by hand");
     uint8_t q4[18] = {0x00, 0x40};  // d = 2.0
-    q4[2] = 0x9F;                  // element 0: 15-8 = 7, element 16: 9-8 = 1
-    CHECK(t, ggml_dequantize(GGML_TYPE_Q4_0, q4, y, 32) == 0 && y[0] == 14.0f && y[16] == 2.0f &&
-                 y[1] == -16.0f,
+    q4[2] = 0x9F;                   // element 0: 15-8 = 7, element 16: 9-8 = 1
+    CHECK(t,
+          ggml_dequantize(GGML_TYPE_Q4_0, q4, y, 32) == 0 && y[0] == 14.0f && y[16] == 2.0f &&
+              y[1] == -16.0f,
           "Q4_0 by hand: %g %g %g", (double)y[0], (double)y[16], (double)y[1]);
     uint8_t mx[17] = {128};  // E8M0 128: E2M1 value * 2^(128-127)
     mx[1] = 0x7F;            // element 0: code 15 = -6 -> -12; element 16: code 7 = 6 -> 12
     CHECK(t, ggml_dequantize(GGML_TYPE_MXFP4, mx, y, 32) == 0 && y[0] == -12.0f && y[16] == 12.0f,
           "MXFP4 by hand: %g %g", (double)y[0], (double)y[16]);
-    CHECK(t, ggml_dequantize(GGML_TYPE_Q2_K, q8, y, 256) == -1 && ggml_dequantize(99, q8, y, 32) == -1,
+    CHECK(t,
+          ggml_dequantize(GGML_TYPE_Q2_K, q8, y, 256) == -1 && ggml_dequantize(99, q8, y, 32) == -1,
           "unsupported types refused");
 }
 
@@ -327,13 +341,16 @@ static void test_gguf_permutation_and_names(TestCtx* t) {
     for (int p = 0; p < 3; p++) {
         ModelConfig c;
         TensorTable tt;
-        CHECK(t, config_from_preset(&c, presets[p], err) == 0 && tensor_table_build(&tt, &c, 0, err) == 0,
+        CHECK(t,
+              config_from_preset(&c, presets[p], err) == 0 &&
+                  tensor_table_build(&tt, &c, 0, err) == 0,
               "%s", err);
         for (int i = 0; i < tt.n; i++) {
             if (tt.t[i].tied_to >= 0) continue;
             gguf_tensor_name(c.family, &tt.t[i], via_desc, sizeof via_desc);
-            CHECK(t, gguf_name_from_hf(c.family, tt.t[i].hf_name, name, sizeof name) == 0 &&
-                         strcmp(name, via_desc) == 0,
+            CHECK(t,
+                  gguf_name_from_hf(c.family, tt.t[i].hf_name, name, sizeof name) == 0 &&
+                      strcmp(name, via_desc) == 0,
                   "%s: %s -> %s vs %s", presets[p], tt.t[i].hf_name, name, via_desc);
         }
         tensor_table_free(&tt);
@@ -344,21 +361,27 @@ static void test_gguf_permutation_and_names(TestCtx* t) {
         const char* hf;
         const char* gguf;
     } moe[] = {
-        {FAMILY_QWEN3MOE, "model.layers.3.mlp.experts.17.down_proj.weight", "blk.3.ffn_down_exps.weight"},
+        {FAMILY_QWEN3MOE, "model.layers.3.mlp.experts.17.down_proj.weight",
+         "blk.3.ffn_down_exps.weight"},
         {FAMILY_QWEN3MOE, "model.layers.0.mlp.gate.weight", "blk.0.ffn_gate_inp.weight"},
         {FAMILY_QWEN3MOE, "model.layers.1.mlp.experts.gate_up_proj", "blk.1.ffn_gate_exps.weight"},
-        {FAMILY_GPTOSS, "model.layers.5.post_attention_layernorm.weight", "blk.5.post_attention_norm.weight"},
+        {FAMILY_GPTOSS, "model.layers.5.post_attention_layernorm.weight",
+         "blk.5.post_attention_norm.weight"},
         {FAMILY_GPTOSS, "model.layers.2.self_attn.sinks", "blk.2.attn_sinks.weight"},
         {FAMILY_GPTOSS, "model.layers.2.mlp.router.bias", "blk.2.ffn_gate_inp.bias"},
         {FAMILY_GPTOSS, "model.layers.2.mlp.experts.down_proj_bias", "blk.2.ffn_down_exps.bias"},
         {FAMILY_GPTOSS, "model.layers.2.self_attn.k_proj.bias", "blk.2.attn_k.bias"},
     };
     for (size_t i = 0; i < sizeof moe / sizeof moe[0]; i++)
-        CHECK(t, gguf_name_from_hf(moe[i].fam, moe[i].hf, name, sizeof name) == 0 &&
-                     strcmp(name, moe[i].gguf) == 0,
+        CHECK(t,
+              gguf_name_from_hf(moe[i].fam, moe[i].hf, name, sizeof name) == 0 &&
+                  strcmp(name, moe[i].gguf) == 0,
               "%s -> %s", moe[i].hf, name);
-    CHECK(t, gguf_name_from_hf(FAMILY_LLAMA, "model.layers.0.self_attn.sinks", name, sizeof name) == -1 &&
-                 gguf_name_from_hf(FAMILY_LLAMA, "model.layers.x.mlp.up_proj.weight", name, sizeof name) == -1,
+    CHECK(t,
+          gguf_name_from_hf(FAMILY_LLAMA, "model.layers.0.self_attn.sinks", name, sizeof name) ==
+                  -1 &&
+              gguf_name_from_hf(FAMILY_LLAMA, "model.layers.x.mlp.up_proj.weight", name,
+                                sizeof name) == -1,
           "unmapped names refused");
 }
 
@@ -412,8 +435,10 @@ static int rewrite_with_fault(const char* src, const char* dst, const Fault* fl,
             long off = (long)(f.data_offset + tn->offset + 3 * 4);
             float nan = NAN;
             FILE* fp = fopen_check(dst, "r+b");
-            if (fseek(fp, off, SEEK_SET) != 0) rc = errorf(err, "seek failed");
-            else fwrite_check(&nan, 4, 1, fp, dst);
+            if (fseek(fp, off, SEEK_SET) != 0)
+                rc = errorf(err, "seek failed");
+            else
+                fwrite_check(&nan, 4, 1, fp, dst);
             fclose_check(fp, dst);
         }
         if (rc == 0) gguf_close(&f);
@@ -450,11 +475,11 @@ static void test_gguf_llama3_rope_freqs(TestCtx* t) {
         double theta, factor, lf, hf;
         int L0;
     } cases[] = {
-        {128, 500000, 8, 1, 4, 8192},   // Llama 3.1 (6 blended frequencies)
-        {64, 500000, 32, 1, 4, 8192},   // Llama 3.2
-        {16, 500000, 8, 1, 4, 64},      // one blended frequency
-        {64, 10000, 16, 2, 8, 1000},    // unusual low/high factors: the general solve
-        {32, 500000, 4, 1, 4, 16},      // no blended frequency at all
+        {128, 500000, 8, 1, 4, 8192},  // Llama 3.1 (6 blended frequencies)
+        {64, 500000, 32, 1, 4, 8192},  // Llama 3.2
+        {16, 500000, 8, 1, 4, 64},     // one blended frequency
+        {64, 10000, 16, 2, 8, 1000},   // unusual low/high factors: the general solve
+        {32, 500000, 4, 1, 4, 16},     // no blended frequency at all
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         ModelConfig c;
@@ -483,8 +508,9 @@ static void test_gguf_llama3_rope_freqs(TestCtx* t) {
             CHECK(t, got.rope_type == ROPE_LLAMA3 && got.rope_factor == c.rope_factor,
                   "case %zu: type/factor", k);
             if (k < 3)
-                CHECK(t, got.rope_low_freq_factor == 1.0 && got.rope_high_freq_factor == 4.0 &&
-                             got.rope_original_max_pos == c.rope_original_max_pos,
+                CHECK(t,
+                      got.rope_low_freq_factor == 1.0 && got.rope_high_freq_factor == 4.0 &&
+                          got.rope_original_max_pos == c.rope_original_max_pos,
                       "case %zu: Meta's parameters recovered exactly (L0 %d)", k,
                       got.rope_original_max_pos);
         }
@@ -508,9 +534,12 @@ static void test_gguf_config_metadata(TestCtx* t) {
     GgufFile f;
     CHECK(t, config_from_preset(&c, "test-qwen3", err) == 0, "%s", err);
     // missing required keys name the key
-    const char* required[] = {"qwen3.block_count", "qwen3.embedding_length",
-                              "qwen3.attention.head_count", "qwen3.feed_forward_length",
-                              "qwen3.attention.layer_norm_rms_epsilon", "general.architecture"};
+    const char* required[] = {"qwen3.block_count",
+                              "qwen3.embedding_length",
+                              "qwen3.attention.head_count",
+                              "qwen3.feed_forward_length",
+                              "qwen3.attention.layer_norm_rms_epsilon",
+                              "general.architecture"};
     for (size_t k = 0; k < sizeof required / sizeof required[0]; k++) {
         write_meta_only(path, &c, NULL, required[k]);
         int rc = gguf_open(&f, path, err);
@@ -543,8 +572,9 @@ static void test_gguf_config_metadata(TestCtx* t) {
     write_meta_only(path, &oss, NULL, NULL);
     rc = gguf_open(&f, path, err);
     GgufString arch = {NULL, 0};
-    CHECK(t, rc == 0 && gguf_get_string(&f, "general.architecture", &arch) == 1 && arch.n == 7 &&
-                 memcmp(arch.s, "gpt-oss", 7) == 0,
+    CHECK(t,
+          rc == 0 && gguf_get_string(&f, "general.architecture", &arch) == 1 && arch.n == 7 &&
+              memcmp(arch.s, "gpt-oss", 7) == 0,
           "gpt-oss spelled with its hyphen: %s", err);
     if (rc == 0) rc = gguf_config(&f, &got, err);
     CHECK(t, rc == -1 && strstr(err, "gptoss") && strstr(err, "mixture-of-experts"),
@@ -570,24 +600,33 @@ static void test_gguf_export_roundtrip(TestCtx* t) {
             if (load_model(t, out, &b) != 0) continue;
             check_same_config(t, &a.m.cfg, &b.m.cfg, out);
             compare_stores(t, &a, &b, modes[d], 0, out);
-            CHECK(t, b.src.tokenizer.n_kv == a.src.tokenizer.n_kv &&
-                         b.src.tokenizer.len == a.src.tokenizer.len &&
-                         memcmp(b.src.tokenizer.records, a.src.tokenizer.records, a.src.tokenizer.len) == 0,
+            CHECK(t,
+                  b.src.tokenizer.n_kv == a.src.tokenizer.n_kv &&
+                      b.src.tokenizer.len == a.src.tokenizer.len &&
+                      memcmp(b.src.tokenizer.records, a.src.tokenizer.records,
+                             a.src.tokenizer.len) == 0,
                   "%s: tokenizer records carried verbatim", out);
             GgufFile f;
             CHECK(t, gguf_open(&f, out, err) == 0, "%s", err);
-            CHECK(t, !f.nonsequential && (gguf_find_tensor(&f, "output.weight") != NULL) == (k == 0) &&
-                         (gguf_find_tensor(&f, "rope_freqs.weight") != NULL) == (k == 0),
-                  "%s: layout (packed offsets, output.weight only when untied, rope_freqs for llama3)", out);
+            CHECK(t,
+                  !f.nonsequential && (gguf_find_tensor(&f, "output.weight") != NULL) == (k == 0) &&
+                      (gguf_find_tensor(&f, "rope_freqs.weight") != NULL) == (k == 0),
+                  "%s: layout (packed offsets, output.weight only when untied, rope_freqs for "
+                  "llama3)",
+                  out);
             int64_t ft = -1;
-            CHECK(t, gguf_get_int(&f, "general.file_type", &ft) == 1 && ft == (d == 0 ? 0 : d == 1 ? 1 : 32),
+            CHECK(t,
+                  gguf_get_int(&f, "general.file_type", &ft) == 1 && ft == (d == 0   ? 0
+                                                                            : d == 1 ? 1
+                                                                                     : 32),
                   "file_type %lld", (long long)ft);
             gguf_close(&f);
             unload(&b);
         }
         // HF export, forced into shards, reloads to the same weights
         snprintf(out, sizeof out, "%s/export_hf_%d", t->tmpdir, k);
-        CHECK(t, checkpoint_export_hf(out, &a.m, &a.s, EXPORT_F32, 20000, &a.src, err) == 0, "%s", err);
+        CHECK(t, checkpoint_export_hf(out, &a.m, &a.s, EXPORT_F32, 20000, &a.src, err) == 0, "%s",
+              err);
         char idx[1200];
         snprintf(idx, sizeof idx, "%s/model.safetensors.index.json", out);
         CHECK(t, file_exists(idx), "sharded export has an index");
@@ -601,8 +640,10 @@ static void test_gguf_export_roundtrip(TestCtx* t) {
             unload(&h);
         }
         // BF16, unsharded (a later export replaces the shards and the index)
-        CHECK(t, checkpoint_export_hf(out, &a.m, &a.s, EXPORT_BF16, EXPORT_DEFAULT_SHARD_BYTES,
-                                      &a.src, err) == 0, "%s", err);
+        CHECK(t,
+              checkpoint_export_hf(out, &a.m, &a.s, EXPORT_BF16, EXPORT_DEFAULT_SHARD_BYTES, &a.src,
+                                   err) == 0,
+              "%s", err);
         CHECK(t, !file_exists(idx), "stale index removed");
         if (load_model(t, out, &h) == 0) {
             compare_stores(t, &a, &h, CMP_BF16_ALL, 0, out);
@@ -616,8 +657,10 @@ static void test_gguf_export_roundtrip(TestCtx* t) {
     if (load_model(t, fixture(t, p, sizeof p, "qwen3_f32.gguf"), &a) == 0) {
         store_param(&a.s, 0)[5] = 1e6f;
         snprintf(out, sizeof out, "%s/overflow.gguf", t->tmpdir);
-        CHECK(t, checkpoint_export_gguf(out, &a.m, &a.s, EXPORT_F16, &a.src, err) == -1 &&
-                     strstr(err, "overflows F16") && strstr(err, "token_embd.weight") && !file_exists(out),
+        CHECK(t,
+              checkpoint_export_gguf(out, &a.m, &a.s, EXPORT_F16, &a.src, err) == -1 &&
+                  strstr(err, "overflows F16") && strstr(err, "token_embd.weight") &&
+                  !file_exists(out),
               "%s", err);
         unload(&a);
     }
@@ -660,8 +703,10 @@ static void test_gguf_cli_dump_and_export(TestCtx* t) {
     struct {
         const char* tag;
         const char* model;
-    } srcs[] = {{"d_hf", "dev/gguf/fixtures/llama"}, {"d_gguf", "dev/gguf/fixtures/llama_f32.gguf"},
-                {"d_qhf", "dev/gguf/fixtures/qwen3"}, {"d_qgguf", "dev/gguf/fixtures/qwen3_f32.gguf"}};
+    } srcs[] = {{"d_hf", "dev/gguf/fixtures/llama"},
+                {"d_gguf", "dev/gguf/fixtures/llama_f32.gguf"},
+                {"d_qhf", "dev/gguf/fixtures/qwen3"},
+                {"d_qgguf", "dev/gguf/fixtures/qwen3_f32.gguf"}};
     char* dumps[4];
     size_t lens[4];
     for (int i = 0; i < 4; i++) {
@@ -674,7 +719,8 @@ static void test_gguf_cli_dump_and_export(TestCtx* t) {
         dumps[i] = read_file_bytes(dump, &lens[i]);
     }
     for (int i = 0; i < 4; i += 2)
-        CHECK(t, lens[i] > 0 && lens[i] == lens[i + 1] && memcmp(dumps[i], dumps[i + 1], lens[i]) == 0,
+        CHECK(t,
+              lens[i] > 0 && lens[i] == lens[i + 1] && memcmp(dumps[i], dumps[i + 1], lens[i]) == 0,
               "%s == %s bit for bit", srcs[i].tag, srcs[i + 1].tag);
     for (int i = 0; i < 4; i++) free(dumps[i]);
 
@@ -721,7 +767,8 @@ static void test_gguf_cli_dump_and_export(TestCtx* t) {
     snprintf(args, sizeof args, "--model '%s' --train '%s' %s", bad, shard, common);
     rc = run_cli(t, "bad_gguf", args);
     char* e = read_output(t, "bad_gguf", "err");
-    CHECK(t, rc == 1 && strstr(e, bad) && strstr(e, "error") && strchr(e, '\n') == e + strlen(e) - 1,
+    CHECK(t,
+          rc == 1 && strstr(e, bad) && strstr(e, "error") && strchr(e, '\n') == e + strlen(e) - 1,
           "bad gguf exit %d: %s", rc, e);
     free(e);
 }
@@ -957,8 +1004,9 @@ static void test_gguf_hostile_headers(TestCtx* t) {
     make_gguf(&b, 3, 0, NULL, 2, ti, 2, 512);
     GgufFile f;
     char err[ERR_LEN];
-    CHECK(t, gguf_open_memory(&f, b.p, b.n, "ok.gguf", err) == 0 && f.nonsequential == 1 &&
-                 f.tensors[0].data == b.p + f.data_offset + 256,
+    CHECK(t,
+          gguf_open_memory(&f, b.p, b.n, "ok.gguf", err) == 0 && f.nonsequential == 1 &&
+              f.tensors[0].data == b.p + f.data_offset + 256,
           "non-sequential offsets accepted: %s", err);
     gguf_close(&f);
     free(b.p);
@@ -980,8 +1028,9 @@ static void test_gguf_truncations(TestCtx* t) {
         if (len > hdr_end && len % 7 != 0 && len != n - 1) continue;
         if (gguf_open_memory(&f, (const uint8_t*)bytes, len, "cut.gguf", err) == 0) {
             // legal only when every tensor still fits: the padding after the last one was cut
-            CHECK(t, len >= f.data_offset + f.tensors[f.n_tensors - 1].offset +
-                                f.tensors[f.n_tensors - 1].nbytes,
+            CHECK(t,
+                  len >= f.data_offset + f.tensors[f.n_tensors - 1].offset +
+                             f.tensors[f.n_tensors - 1].nbytes,
                   "prefix %zu accepted", len);
             gguf_close(&f);
         } else {
@@ -1003,13 +1052,17 @@ static void test_gguf_hostile_models(TestCtx* t) {
         Fault fault;
         const char* must;
     } cases[] = {
-        {{.drop_tensor = "blk.1.ffn_up.weight"}, "'blk.1.ffn_up.weight' (HF model.layers.1.mlp.up_proj.weight) is missing"},
-        {{.transpose_tensor = "blk.0.attn_k.weight"}, "blk.0.attn_k.weight' has ne [16, 32], the config needs ne [32, 16]"},
+        {{.drop_tensor = "blk.1.ffn_up.weight"},
+         "'blk.1.ffn_up.weight' (HF model.layers.1.mlp.up_proj.weight) is missing"},
+        {{.transpose_tensor = "blk.0.attn_k.weight"},
+         "blk.0.attn_k.weight' has ne [16, 32], the config needs ne [32, 16]"},
         {{.nan_tensor = "blk.0.ffn_down.weight"}, "'blk.0.ffn_down.weight': element 3 is NaN"},
         {{.drop_key = "llama.block_count"}, "'llama.block_count' is missing"},
-        {{.replace_key = "llama.embedding_length", .replace_value = 48}, "token_embd.weight' has ne [32, 64], the config needs ne [48, 64]"},
+        {{.replace_key = "llama.embedding_length", .replace_value = 48},
+         "token_embd.weight' has ne [32, 64], the config needs ne [48, 64]"},
         {{.replace_key = "llama.attention.head_count_kv", .replace_value = 3}, "not a multiple"},
-        {{.replace_key = "llama.vocab_size", .replace_value = 65}, "token_embd.weight' has ne [32, 64]"},
+        {{.replace_key = "llama.vocab_size", .replace_value = 65},
+         "token_embd.weight' has ne [32, 64]"},
         {{.replace_key = "general.architecture"}, "general.architecture' must be a STRING"},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
@@ -1041,7 +1094,9 @@ static void test_gguf_hostile_models(TestCtx* t) {
     CHECK(t, gguf_writer_write(&w, dst, err) == 0, "%s", err);
     gguf_writer_free(&w);
     ModelSource s;
-    CHECK(t, checkpoint_resolve_model(&s, dst, err) == -1 && strstr(err, "unsupported architecture 'mamba'"),
+    CHECK(t,
+          checkpoint_resolve_model(&s, dst, err) == -1 &&
+              strstr(err, "unsupported architecture 'mamba'"),
           "%s", err);
 }
 
@@ -1051,8 +1106,9 @@ static void test_gguf_hostile_models(TestCtx* t) {
 typedef int (*FuzzEntry)(const uint8_t*, size_t);
 
 static void mutate(Rng* rng, uint8_t* buf, size_t* len, size_t cap) {
-    static const uint8_t specials[] = {0x00, 0x01, 0x02, 0x07, 0x08, 0x09, 0x0c, 0x1f, 0x20, 0x27,
-                                       0x7f, 0x80, 0xfe, 0xff, '{', '}', '[', ']', '"', ':', ','};
+    static const uint8_t specials[] = {0x00, 0x01, 0x02, 0x07, 0x08, 0x09, 0x0c,
+                                       0x1f, 0x20, 0x27, 0x7f, 0x80, 0xfe, 0xff,
+                                       '{',  '}',  '[',  ']',  '"',  ':',  ','};
     int n_mut = 1 + (int)rng_below(rng, 4);
     for (int m = 0; m < n_mut; m++) {
         size_t pos = *len ? (size_t)rng_below(rng, *len) : 0;
@@ -1064,7 +1120,8 @@ static void mutate(Rng* rng, uint8_t* buf, size_t* len, size_t cap) {
                 break;
             case 1:  // overwrite a little-endian u32/u64 field with an extreme value
                 if (*len >= pos + 8) {
-                    uint64_t v = rng_below(rng, 2) ? ~0ull >> rng_below(rng, 64) : rng_below(rng, 70);
+                    uint64_t v =
+                        rng_below(rng, 2) ? ~0ull >> rng_below(rng, 64) : rng_below(rng, 70);
                     memcpy(buf + pos, &v, rng_below(rng, 2) ? 4 : 8);
                 }
                 break;
@@ -1103,8 +1160,10 @@ static void test_gguf_fuzz_smoke(TestCtx* t) {
         const char* dir;
         FuzzEntry fn;
         int mutations;  // per seed
-    } targets[] = {{"json", fuzz_json, 2000}, {"safetensors", fuzz_safetensors, 1000},
-                   {"gguf", fuzz_gguf, 1500}, {"shard", fuzz_shard, 500}};
+    } targets[] = {{"json", fuzz_json, 2000},
+                   {"safetensors", fuzz_safetensors, 1000},
+                   {"gguf", fuzz_gguf, 1500},
+                   {"shard", fuzz_shard, 500}};
     Rng rng;
     rng_seed(&rng, 20240601);
     for (size_t k = 0; k < sizeof targets / sizeof targets[0]; k++) {
@@ -1142,8 +1201,8 @@ static void test_gguf_fuzz_smoke(TestCtx* t) {
             free(seed);
         }
         closedir(d);
-        CHECK(t, seeds >= 2 && runs > 0 && accepted < runs, "%s: %d seeds, %d of %d mutants accepted",
-              targets[k].dir, seeds, accepted, runs);
+        CHECK(t, seeds >= 2 && runs > 0 && accepted < runs,
+              "%s: %d seeds, %d of %d mutants accepted", targets[k].dir, seeds, accepted, runs);
     }
 }
 

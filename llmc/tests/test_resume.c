@@ -130,7 +130,8 @@ static void resume_case(TestCtx* t, const char* name, const char* model_args, in
     compare_logs(t, la, lb1, 1, k, name);
     compare_logs(t, la, lb2, k + 1, N, name);
     char rec[512];
-    CHECK(t, !log_record(lb2, k, rec, sizeof rec), "%s: the resumed log starts after step %d", name, k);
+    CHECK(t, !log_record(lb2, k, rec, sizeof rec), "%s: the resumed log starts after step %d", name,
+          k);
     free(la);
     free(lb1);
     free(lb2);
@@ -198,8 +199,9 @@ static void test_resume_layout_and_keep(TestCtx* t) {
     double lr = 0;
     int64_t keep = 0;
     int ok = json_parse(text, strlen(text), &doc, err) == 0;
-    CHECK(t, ok && json_get_double(&doc.root, "lr", &lr) == 1 && fabs(lr - 2e-3) < 1e-9 &&
-                 json_get_int(&doc.root, "keep", &keep) == 1 && keep == 2,
+    CHECK(t,
+          ok && json_get_double(&doc.root, "lr", &lr) == 1 && fabs(lr - 2e-3) < 1e-9 &&
+              json_get_int(&doc.root, "keep", &keep) == 1 && keep == 2,
           "args.json: %s", err);
     if (ok) json_free(&doc);
     free(text);
@@ -219,9 +221,10 @@ static void test_resume_layout_and_keep(TestCtx* t) {
         int64_t v = 0;
         if (step) memcpy(&v, step->data, 8);
         CHECK(t, step && step->dtype == ST_I64 && v == 5, "step tensor");
-        CHECK(t, st_find(&f, "m.model.embed_tokens.weight") && st_find(&f, "v.model.norm.weight") &&
-                     st_find(&f, "dataloader") && st_find(&f, "rng.mt") &&
-                     !st_find(&f, "m.lm_head.weight"),
+        CHECK(t,
+              st_find(&f, "m.model.embed_tokens.weight") && st_find(&f, "v.model.norm.weight") &&
+                  st_find(&f, "dataloader") && st_find(&f, "rng.mt") &&
+                  !st_find(&f, "m.lm_head.weight"),
               "m, v (tied head stored once), loader and RNG state");
         st_close(&f);
     }
@@ -230,7 +233,8 @@ static void test_resume_layout_and_keep(TestCtx* t) {
 static void test_resume_find_latest(TestCtx* t) {
     char dir[1024], path[1300], found[1300], err[ERR_LEN];
     test_path(t, dir, sizeof dir, "latest");
-    const char* dirs[] = {"step_2", "step_10", "step_11", "step_12.tmp", "stepx", "step_", "step_9"};
+    const char* dirs[] = {"step_2", "step_10", "step_11", "step_12.tmp",
+                          "stepx",  "step_",   "step_9"};
     const int complete[] = {1, 1, 0, 1, 1, 1, 1};
     for (int i = 0; i < 7; i++) {
         snprintf(path, sizeof path, "%s/%s", dir, dirs[i]);
@@ -247,7 +251,8 @@ static void test_resume_find_latest(TestCtx* t) {
           "newest complete is step_10 (numeric order, no DONE / .tmp ignored): rc %d step %lld %s",
           rc, (long long)step, found);
     test_path(t, path, sizeof path, "no_such_dir");
-    CHECK(t, checkpoint_find_latest(path, found, sizeof found, &step, err) == 0, "missing dir: none");
+    CHECK(t, checkpoint_find_latest(path, found, sizeof found, &step, err) == 0,
+          "missing dir: none");
 }
 
 // ----------------------------------------------------------------------------
@@ -257,8 +262,9 @@ static void test_resume_refusals(TestCtx* t) {
     char out[1024], args[4096], path[1300];
     const char* common = "--batch 4 --seq 16 --val '' --sample-tokens 0 --threads 2 --lr 2e-3";
     // flag errors: exit 2 with the usage
-    const char* bad_flags[] = {"--resume", "--save-every 2", "--resume --out x --device cpu:2",
-                               "--keep -1 --out x", "--export-dtype f8", NULL};
+    const char* bad_flags[] = {
+        "--resume",          "--save-every 2",    "--resume --out x --device cpu:2",
+        "--keep -1 --out x", "--export-dtype f8", NULL};
     for (int i = 0; bad_flags[i]; i++) {
         int rc = run_cli(t, "badflag", bad_flags[i]);
         char* e = read_output(t, "badflag", "err");

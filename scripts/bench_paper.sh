@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# scripts/bench_paper.sh — the shapes of the paper's throughput tables on the machine at hand.
+#
+# Random weights (presets) and random tokens, batch 128 x 2048 tokens, 10 micro-batches, 3
+# warm-up and 3 timed iterations; tokens/s = tokens of the timed iterations / their wall time
+# (from the trainer's JSON-lines log). Prints one table and appends it, with the machine and the
+# date, to docs/PERF.md.
+#
+#   scripts/bench_paper.sh                         Qwen3-1.7B and LLaMA-3.1-8B on 1 and 2 GPUs
+#   MODELS=qwen3-1.7b GPUS=1 scripts/bench_paper.sh
+#   SWEEP=1 scripts/bench_paper.sh                 + the Qwen3-1.7B sequence sweep 512 .. 64K
+#   EXTRA="--recompute layer" scripts/bench_paper.sh   extra trainer flags for every run
+#
+# Variables: MODELS, GPUS, BATCH (128), SEQ (2048), MICRO (10), WARMUP (3), TIMED (3), SWEEP (0),
+# EXTRA, OUTDIR (out/bench), NO_PERF_MD=1 to leave docs/PERF.md alone, SKIP_BUILD=1 to use the
+# binary as it is. The plan is the size-based one (--profile-steps 0), so no re-planning lands in
+# the timed iterations.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+MODELS=${MODELS:-"qwen3-1.7b llama3.1-8b"}
+GPUS=${GPUS:-"1 2"}
+BATCH=${BATCH:-128}
+SEQ=${SEQ:-2048}
+MICRO=${MICRO:-10}
+WARMUP=${WARMUP:-3}
+TIMED=${TIMED:-3}
+SWEEP=${SWEEP:-0}
+EXTRA=${EXTRA:-}
+OUTDIR=${OUTDIR:-out/bench}
+mkdir -p "$OUTDIR"
+
+[ "${SKIP_BUILD:-0}" = 1 ] || make -j"$(nproc)" train_roundpipe >/dev/null
+visible=$(nvidia-smi -L 2>/dev/null | wc -l || echo 0)
+[ "$visible" -gt 0 ] || { echo "bench_paper.sh: no GPU visible" >&2; exit 1; }
+
+vocab_of() { case "$1" in qwen3*) echo 151936;; llama*) echo 128256;; *) echo 256;; esac; }
+
+# tokens/s of the timed steps of a --log file: sum(batch*seq) / sum(ms)
+tok_s() {
+    python3 - "$1" "$2" "$3" "$4" <<'PY'
+import json, sys
+path, warm, batch, seq = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+steps = [json.loads(l) for l in open(path) if '"loss"' in l]
+timed = steps[warm:]
+if not timed:
+    print("n/a n/a n/a"); sys.exit()
+ms = sum(s["ms"] for s in timed)
+mfu = sum(s.get("mfu", 0) for s in timed) / len(timed)
+bub = sum(s.get("bubble", 0) for s in timed) / len(timed)
+print(f"{batch*seq*len(timed)/(ms/1e3):.0f} {100*mfu:.1f} {100*bub:.1f}")
+PY
+}
+
+# run MODEL GPUS BATCH SEQ MICRO -> prints "tok/s mfu% bubble%"
+run() {
+    local model=$1 gpus=$2 batch=$3 seq=$4 micro=$5
+    local vocab; vocab=$(vocab_of "$model")
+    local shard="$OUTDIR/random_${vocab}_${batch}x${seq}.bin"
+    local steps=$((WARMUP + TIMED))
+    [ -f "$shard" ] || python3 scripts/make_random_shard.py "$shard" --vocab "$vocab" \
+        --tokens $(((steps + 1) * batch * (seq + 1)))
+    local tag="${model}_g${gpus}_${batch}x${seq}"
+    if ./train_roundpipe --model "$model" --device "cuda:$gpus" --train "$shard" --val '' \
+        --batch "$batch" --seq "$seq" --micro-batches "$micro" --steps "$steps" --warmup 1 \
+        --sample-tokens 0 --lr 1e-5 --profile-steps 0 --log "$OUTDIR/$tag.jsonl" $EXTRA \
+        > "$OUTDIR/$tag.out" 2>&1; then
+        tok_s "$OUTDIR/$tag.jsonl" "$WARMUP" "$batch" "$seq"
+    else
+        echo "failed (see $OUTDIR/$tag.out) - -"
+    fi
+}
+
+table="| model | GPUs | batch x seq | micro-batches | tokens/s | MFU | bubble |\n|---|---|---|---|---|---|---|\n"
+for model in $MODELS; do
+    for g in $GPUS; do
+        [ "$g" -le "$visible" ] || { echo "skip $model on $g GPUs: only $visible visible"; continue; }
+        read -r tps mfu bub <<<"$(run "$model" "$g" "$BATCH" "$SEQ" "$MICRO")"
+        echo "$model  $g GPU(s)  ${BATCH}x${SEQ}: $tps tokens/s, MFU $mfu%, bubble $bub%"
+        table+="| $model | $g | ${BATCH} x ${SEQ} | $MICRO | $tps | $mfu% | $bub% |\n"
+    done
+done
+if [ "$SWEEP" = 1 ]; then
+    for seq in 512 1024 2048 4096 8192 16384 32768 65536; do
+        batch=$(( 262144 / seq )); [ "$batch" -ge 10 ] || batch=10
+        read -r tps mfu bub <<<"$(run qwen3-1.7b 1 "$batch" "$seq" 10)"
+        echo "qwen3-1.7b sweep ${batch}x${seq}: $tps tokens/s"
+        table+="| qwen3-1.7b (sweep) | 1 | $batch x $seq | 10 | $tps | $mfu% | $bub% |\n"
+    done
+fi
+machine="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$visible, $(nproc) CPU cores"
+printf "\nmachine: %s, %s\n%b" "$machine" "$(date -u +%Y-%m-%d)" "$table"
+if [ "${NO_PERF_MD:-0}" != 1 ]; then
+    {
+        printf "\n### bench_paper.sh, %s, %s\n\n" "$(date -u +%Y-%m-%d)" "$machine"
+        printf "Command: \`MODELS=\"%s\" GPUS=\"%s\" EXTRA=\"%s\" scripts/bench_paper.sh\`\n\n" "$MODELS" "$GPUS" "$EXTRA"
+        printf "%b" "$table"
+    } >> docs/PERF.md
+fi
