@@ -90,7 +90,8 @@ train_roundpipe: $(BUILD)/train_roundpipe.o $(LIB_OBJS) $(CU_OBJS) $(CONFIG_STAM
 test_roundpipe: $(BUILD)/test_roundpipe.o $(TEST_OBJS) $(LIB_OBJS) $(CU_OBJS) $(CONFIG_STAMP)
 	$(CC) $(CFLAGS) -o $@ $(filter %.o,$^) $(LDLIBS)
 
-$(BUILD)/%.o: %.c $(wildcard llmc/*.h) $(wildcard llmc/tests/*.h) $(wildcard kernels/*.h)
+$(BUILD)/%.o: %.c $(wildcard llmc/*.h) $(wildcard llmc/tests/*.h) $(wildcard kernels/*.h) \
+              $(wildcard dev/fuzz/*.h)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c -o $@ $<
 
@@ -140,7 +141,7 @@ ASAN_BUILD := build-asan
 TSAN_FLAGS := $(CFLAGS_BASE) $(SAN_OPTFLAGS) -fsanitize=thread
 ASAN_FLAGS := $(CFLAGS_BASE) $(SAN_OPTFLAGS) -fsanitize=address,undefined -fno-sanitize-recover=undefined
 SAN_SRCS := test_roundpipe.c $(TEST_SRCS) $(LIB_SRCS)
-SAN_DEPS := $(wildcard llmc/*.h) $(wildcard llmc/tests/*.h)
+SAN_DEPS := $(wildcard llmc/*.h) $(wildcard llmc/tests/*.h) $(wildcard dev/fuzz/*.h)
 
 .PHONY: tsan asan clean-san
 tsan: test_roundpipe_tsan

@@ -196,17 +196,23 @@ static int remove_flat_dir(const char* dir, char* err) {
     return rc;
 }
 
-// "step_<digits>" -> the step; -1 for anything else (including "step_<N>.tmp").
+// "step_<digits>" -> the step; -1 for anything else (including "step_<N>.tmp" and leading
+// zeros, so that the name we build from the number is the directory found).
 static int64_t parse_step_name(const char* name) {
     if (strncmp(name, "step_", 5) != 0) return -1;
     const char* p = name + 5;
-    if (!*p) return -1;
+    if (!*p || (p[0] == '0' && p[1] != '\0')) return -1;
     int64_t v = 0;
     for (; *p; p++) {
         if (*p < '0' || *p > '9' || v > (INT64_MAX - 9) / 10) return -1;
         v = v * 10 + (*p - '0');
     }
     return v;
+}
+
+static int compare_steps(const void* a, const void* b) {
+    int64_t x = *(const int64_t*)a, y = *(const int64_t*)b;
+    return (x > y) - (x < y);
 }
 
 // Steps of the complete checkpoints in dir, ascending (malloc'd; *n entries).
@@ -230,12 +236,7 @@ static int64_t* list_complete_steps(const char* dir, int* n) {
         steps[(*n)++] = step;
     }
     closedir(d);
-    for (int i = 1; i < *n; i++)  // insertion sort: a handful of entries
-        for (int j = i; j > 0 && steps[j - 1] > steps[j]; j--) {
-            int64_t t = steps[j];
-            steps[j] = steps[j - 1];
-            steps[j - 1] = t;
-        }
+    if (*n > 1) qsort(steps, (size_t)*n, sizeof(int64_t), compare_steps);
     return steps;
 }
 

@@ -160,6 +160,7 @@ struct Engine {
     AdamWTensor* opt_tensors;
     int n_opt;
     int* layer_first_opt;   // (NL+1) AdamW tensors of layer l are [first[l], first[l+1])
+    int64_t* opt_offset;    // (n_opt) element offset of each AdamW tensor in its layer's slab
     double t_last_step;
 };
 
@@ -484,7 +485,6 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
     const int n = st->e - st->b;
 
     fence_params(e, st, t);
-    if (st->kind != SLOT_FWD) fence_grads(e, st, t);
 
     // parameters (and gradient slot) for this stage
     int pk = ds->pnext;
@@ -572,8 +572,11 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
     ds->n_marks = e->M_R;
     im->event_record(ds->pslot_free[pk], d, STREAM_COMPUTE);
 
-    // gradient download after the last micro-batch
+    // gradient download after the last micro-batch. Rule 4: the host gradient buffers still hold
+    // the previous iteration's gradients until the optimizer step has consumed them; only the
+    // download waits for that, the stage's compute is already enqueued and runs meanwhile.
     if (st->kind != SLOT_FWD) {
+        fence_grads(e, st, t);
         const TensorTable* tt = &e->m->tt;
         im->stream_wait(d, STREAM_GRAD_DOWN, ds->comp_done[(e->M_R - 1) % 2]);
         const int final_round = round == e->R - 1;
@@ -636,8 +639,13 @@ static void optimizer_step(Engine* e, int64_t k) {
     for (int idx = 0; idx < NL; idx++) {
         int l = e->delay ? NL - 1 - idx : idx;
         int first = e->layer_first_opt[l], count = e->layer_first_opt[l + 1] - first;
+        if (e->ab == 2) {
+            // bf16 devices: the step writes the bf16 master copy in the same pass
+            for (int i = first; i < first + count; i++)
+                e->opt_tensors[i].out_bf16 = (uint16_t*)e->master[buf][l] + e->opt_offset[i];
+        }
         if (count > 0) adamw_step(e->pool, e->opt_tensors + first, count, &h, k, scale);
-        write_master(e, buf, l);
+        if (e->ab != 2) write_master(e, buf, l);
         pthread_check(pthread_mutex_lock(&e->mu));
         e->param_ready[l] = k + e->delay;
         e->grad_consumed[l] = k - 1;
@@ -990,12 +998,14 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
     e->opt_tensors = malloc_check((size_t)tt->n * sizeof(AdamWTensor));
     e->n_opt = store_adamw_tensors(s, e->opt_tensors);
     e->layer_first_opt = calloc_check((size_t)NL + 1, sizeof(int));
+    e->opt_offset = calloc_check((size_t)(e->n_opt > 0 ? e->n_opt : 1), sizeof(int64_t));
     {
+        // store_adamw_tensors lists the owned tensors in table order, which is layer order
         int idx = 0, t_i = 0;
         for (int l = 0; l < NL; l++) {
             e->layer_first_opt[l] = idx;
             for (; t_i < tt->n && tt->t[t_i].layer == l; t_i++)
-                if (tt->t[t_i].tied_to < 0) idx++;
+                if (tt->t[t_i].tied_to < 0) e->opt_offset[idx++] = tt->t[t_i].param_offset;
         }
         e->layer_first_opt[NL] = idx;
     }
@@ -1242,6 +1252,7 @@ void engine_free(Engine* e) {
     free(e->grad_recorded);
     free(e->opt_tensors);
     free(e->layer_first_opt);
+    free(e->opt_offset);
     free(e->cost_fwd);
     free(e->cost_bwd);
     cost_profile_free(&e->profile);

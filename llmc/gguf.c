@@ -4,10 +4,11 @@
  * (metadata -> ModelConfig, descriptor -> GGUF name, ne order, LLaMA Q/K rows, rope_freqs),
  * tokenizer records, and the writer.
  *
- * Bounding rule: before any allocation sized by the file (key/tensor counts, array lengths), the
- * count is checked against the bytes left divided by the smallest possible encoding of one item,
- * so no hostile count can ask for more than a small multiple of the file size. Nested arrays are
- * limited to GGUF_MAX_ARRAY_DEPTH levels, so the recursion is bounded too.
+ * Bounding rule: every count (keys, tensors, array elements) is first checked against the bytes
+ * left divided by the smallest possible encoding of one item, and the arrays holding the parsed
+ * items grow (doubling) as items are actually read, never to the claimed count up front: memory
+ * is a small multiple of the bytes parsed as metadata, even for a hostile count in a file of many
+ * GB. Nested arrays are limited to GGUF_MAX_ARRAY_DEPTH levels, so the recursion is bounded too.
  * Block layouts follow ggml (FORMATS_AND_MODELS.md §2.5) operation for operation, so results are
  * bit-identical to gguf-py's dequantize (our oracle in tests).
  */
@@ -102,6 +103,14 @@ static const char* printable(const char* s, uint64_t n, char* buf, size_t cap) {
     return buf;
 }
 
+// Keys and tensor names end up in one-line messages: NUL, newlines and other control bytes
+// have no business in them (real files use ASCII identifiers).
+static int has_control(GgufString s) {
+    for (uint64_t i = 0; i < s.n; i++)
+        if ((unsigned char)s.s[i] < 0x20 || (unsigned char)s.s[i] == 0x7f) return 1;
+    return 0;
+}
+
 static char* copy_cstr(const char* s, uint64_t n) {
     char* d = malloc_check((size_t)n + 1);
     if (n) memcpy(d, s, (size_t)n);
@@ -152,6 +161,12 @@ static int cur_string(Cursor* c, GgufString* s, const char* what) {
     s->n = n;
     c->pos += (size_t)n;
     return 0;
+}
+
+// Capacity for a growing array of at most `limit` entries: 16, then doubling.
+static uint64_t grow_capacity(uint64_t cap, uint64_t limit) {
+    uint64_t next = cap ? 2 * cap : 16;
+    return next < limit ? next : limit;
 }
 
 // ----------------------------------------------------------------------------
@@ -270,18 +285,26 @@ static int read_value(Cursor* c, GgufValueType type, GgufValue* v, int depth, co
         c->pos += (size_t)(n * min_bytes);
         return 0;
     }
-    if (et == GGUF_TYPE_STRING) {
-        v->strs = malloc_check((size_t)(n ? n : 1) * sizeof(GgufString));
-        v->n = n;
-        for (uint64_t k = 0; k < n; k++)
+    // The element arrays grow with what was actually parsed, not with the claimed count (a count
+    // that fits a multi-GB file must not allocate before the elements are seen). v->n counts the
+    // entries value_free must release.
+    uint64_t cap = 0;
+    for (uint64_t k = 0; k < n; k++) {
+        if (k == cap) {
+            cap = grow_capacity(cap, n);
+            if (et == GGUF_TYPE_STRING)
+                v->strs = realloc_check(v->strs, (size_t)cap * sizeof(GgufString));
+            else
+                v->arrays = realloc_check(v->arrays, (size_t)cap * sizeof(GgufValue));
+        }
+        v->n = k + 1;
+        if (et == GGUF_TYPE_STRING) {
             if (cur_string(c, &v->strs[k], what)) return -1;
-        return 0;
+        } else {
+            // an element of an array of arrays is encoded like an array value: type, count, data
+            if (read_value(c, GGUF_TYPE_ARRAY, &v->arrays[k], depth + 1, ctx)) return -1;
+        }
     }
-    v->arrays = calloc_check((size_t)(n ? n : 1), sizeof(GgufValue));
-    v->n = n;  // unfilled entries stay zeroed, so value_free works after a failure
-    // an element of an array of arrays is encoded like an array value: type, count, elements
-    for (uint64_t k = 0; k < n; k++)
-        if (read_value(c, GGUF_TYPE_ARRAY, &v->arrays[k], depth + 1, ctx)) return -1;
     return 0;
 }
 
@@ -339,9 +362,14 @@ static int parse_header(GgufFile* f, Cursor* c, uint64_t* n_tensors, uint64_t* n
 }
 
 static int parse_kvs(GgufFile* f, Cursor* c, uint64_t n_kv) {
-    f->kv = calloc_check((size_t)(n_kv ? n_kv : 1), sizeof(GgufKV));
+    uint64_t cap = 0;
     for (uint64_t i = 0; i < n_kv; i++) {
+        if (i == cap) {
+            cap = grow_capacity(cap, n_kv);
+            f->kv = realloc_check(f->kv, (size_t)cap * sizeof(GgufKV));
+        }
         GgufKV* kv = &f->kv[i];
+        memset(kv, 0, sizeof *kv);
         kv->raw_begin = c->pos;
         char what[64];
         snprintf(what, sizeof what, "metadata key #%llu", (unsigned long long)i);
@@ -349,10 +377,10 @@ static int parse_kvs(GgufFile* f, Cursor* c, uint64_t n_kv) {
         if (cur_string(c, &key, what)) return -1;
         char kp[96];
         printable(key.s, key.n, kp, sizeof kp);
-        if (key.n == 0 || key.n > GGUF_MAX_KEY || memchr(key.s, 0, (size_t)key.n))
+        if (key.n == 0 || key.n > GGUF_MAX_KEY || has_control(key))
             return errorf(c->err,
                           "%s: %s at offset %llu: key '%s' is empty, longer than %d bytes "
-                          "or holds a NUL byte",
+                          "or holds a control character",
                           f->path, what, (unsigned long long)kv->raw_begin, kp, GGUF_MAX_KEY);
         kv->key = copy_cstr(key.s, key.n);
         f->n_kv = (int64_t)i + 1;  // from here on close() frees this entry
@@ -398,19 +426,24 @@ static int parse_kvs(GgufFile* f, Cursor* c, uint64_t n_kv) {
 }
 
 static int parse_tensor_infos(GgufFile* f, Cursor* c, uint64_t n_tensors) {
-    f->tensors = calloc_check((size_t)(n_tensors ? n_tensors : 1), sizeof(GgufTensor));
+    uint64_t cap = 0;
     for (uint64_t i = 0; i < n_tensors; i++) {
+        if (i == cap) {
+            cap = grow_capacity(cap, n_tensors);
+            f->tensors = realloc_check(f->tensors, (size_t)cap * sizeof(GgufTensor));
+        }
         GgufTensor* t = &f->tensors[i];
+        memset(t, 0, sizeof *t);
         char what[64];
         snprintf(what, sizeof what, "tensor info #%llu", (unsigned long long)i);
         GgufString name = {NULL, 0};
         if (cur_string(c, &name, what)) return -1;
         char np[96];
         printable(name.s, name.n, np, sizeof np);
-        if (name.n == 0 || name.n >= GGUF_MAX_NAME || memchr(name.s, 0, (size_t)name.n))
+        if (name.n == 0 || name.n >= GGUF_MAX_NAME || has_control(name))
             return errorf(c->err,
                           "%s: %s: name '%s' is empty, has %d or more bytes, or holds a "
-                          "NUL byte",
+                          "control character",
                           f->path, what, np, GGUF_MAX_NAME);
         t->name = copy_cstr(name.s, name.n);
         f->n_tensors = (int64_t)i + 1;
@@ -1027,6 +1060,144 @@ static int tokenizer_id(const GgufFile* f, const char* key, int* out, char* err)
     return 0;
 }
 
+#define GGUF_BIG (1 << 30)  // upper bound of every size read from metadata
+
+// general.architecture -> family (arch receives the printable name). Split files are refused.
+static int config_family(const GgufFile* f, ModelConfig* c, char* arch, size_t cap, char* err) {
+    GgufString as;
+    int r = gguf_get_string(f, "general.architecture", &as);
+    if (r == 0) return errorf(err, "%s: metadata key 'general.architecture' is missing", f->path);
+    if (r < 0) return errorf(err, "%s: key 'general.architecture' must be a STRING", f->path);
+    printable(as.s, as.n, arch, cap);
+    int family = -1;
+    for (int i = 0; i < FAMILY_COUNT; i++)
+        if (as.n == strlen(arch_names[i]) && memcmp(as.s, arch_names[i], as.n) == 0) family = i;
+    if (family < 0)
+        return errorf(err,
+                      "%s: unsupported architecture '%s' (supported: llama, qwen3, qwen3moe, "
+                      "gpt-oss)",
+                      f->path, arch);
+    c->family = (ModelFamily)family;
+    int64_t splits = 1;
+    if (gguf_get_int(f, "split.count", &splits) == 1 && splits > 1)
+        return errorf(err,
+                      "%s: a split GGUF (split.count %lld); merge it first with "
+                      "llama-gguf-split --merge",
+                      f->path, (long long)splits);
+    return 0;
+}
+
+// L, C, H, KVH, F, HD, eps, rope theta, context length.
+static int config_sizes(const GgufFile* f, const char* arch, ModelConfig* c, char* err) {
+    if (arch_int(f, arch, "block_count", 1, 1, CONFIG_MAX_LAYERS, &c->L, err) ||
+        arch_int(f, arch, "embedding_length", 1, 1, GGUF_BIG, &c->C, err) ||
+        arch_int(f, arch, "attention.head_count", 1, 1, GGUF_BIG, &c->H, err))
+        return -1;
+    c->KVH = c->H;
+    if (arch_int(f, arch, "attention.head_count_kv", 0, 1, GGUF_BIG, &c->KVH, err)) return -1;
+    int moe = c->family == FAMILY_QWEN3MOE || c->family == FAMILY_GPTOSS;
+    if (arch_int(f, arch, "feed_forward_length", !moe, 1, GGUF_BIG, &c->F, err)) return -1;
+    // head dim: key_length, else rope.dimension_count, else C/H
+    c->HD = c->C / c->H;
+    int rope_dim = 0, key_len = 0, val_len = 0;
+    if (arch_int(f, arch, "rope.dimension_count", 0, 1, GGUF_BIG, &rope_dim, err) ||
+        arch_int(f, arch, "attention.key_length", 0, 1, GGUF_BIG, &key_len, err) ||
+        arch_int(f, arch, "attention.value_length", 0, 1, GGUF_BIG, &val_len, err))
+        return -1;
+    if (key_len)
+        c->HD = key_len;
+    else if (rope_dim)
+        c->HD = rope_dim;
+    if (val_len && val_len != c->HD)
+        return errorf(err,
+                      "%s: %s.attention.value_length %d differs from the key length %d (not "
+                      "supported)",
+                      f->path, arch, val_len, c->HD);
+    if (rope_dim && rope_dim != c->HD)
+        return errorf(err,
+                      "%s: %s.rope.dimension_count %d differs from the head dim %d (partial "
+                      "rotary embeddings are not supported)",
+                      f->path, arch, rope_dim, c->HD);
+    if (c->HD <= 0 || c->HD % 2 != 0)
+        return errorf(err, "%s: head dim %d must be positive and even (RoPE)", f->path, c->HD);
+    double eps = 0.0;
+    if (arch_float(f, arch, "attention.layer_norm_rms_epsilon", 1, &eps, err)) return -1;
+    if (!(eps > 0 && eps < 1))
+        return errorf(err, "%s: %s.attention.layer_norm_rms_epsilon = %g must be in (0, 1)",
+                      f->path, arch, eps);
+    c->norm_eps = (float)eps;
+    c->rope_theta = 10000.0;  // llama.cpp's default when the key is absent
+    if (arch_float(f, arch, "rope.freq_base", 0, &c->rope_theta, err)) return -1;
+    c->max_pos = 2048;
+    return arch_int(f, arch, "context_length", 0, 1, GGUF_BIG, &c->max_pos, err);
+}
+
+// Vocabulary (vocab_size, else the token list, else the embedding's rows), tying (no
+// output.weight), special token ids.
+static int config_vocab(const GgufFile* f, const char* arch, ModelConfig* c, char* err) {
+    const GgufTensor* embd = gguf_find_tensor(f, "token_embd.weight");
+    const GgufKV* tokens = gguf_find_kv(f, "tokenizer.ggml.tokens");
+    if (arch_int(f, arch, "vocab_size", 0, 1, GGUF_BIG, &c->V, err)) return -1;
+    if (c->V == 0 && tokens && tokens->value.type == GGUF_TYPE_ARRAY && tokens->value.n > 0 &&
+        tokens->value.n <= (uint64_t)GGUF_BIG)
+        c->V = (int)tokens->value.n;
+    if (c->V == 0 && embd && embd->n_dims == 2 && embd->ne[1] > 0 && embd->ne[1] <= GGUF_BIG)
+        c->V = (int)embd->ne[1];
+    if (c->V == 0)
+        return errorf(err,
+                      "%s: cannot tell the vocabulary size (no %s.vocab_size, "
+                      "tokenizer.ggml.tokens or token_embd.weight)",
+                      f->path, arch);
+    c->tied_embeddings = gguf_find_tensor(f, "output.weight") == NULL;
+    if (tokenizer_id(f, "tokenizer.ggml.bos_token_id", &c->bos_id, err) ||
+        tokenizer_id(f, "tokenizer.ggml.eos_token_id", &c->eos_id, err))
+        return -1;
+    return 0;
+}
+
+// RoPE scaling (llama3 from rope_freqs.weight, YaRN from keys) and the MoE fields.
+static int config_scaling_and_experts(const GgufFile* f, const char* arch, ModelConfig* c,
+                                      char* err) {
+    char key[128];
+    GgufString st;
+    snprintf(key, sizeof key, "%s.rope.scaling.type", arch);
+    int r = gguf_get_string(f, key, &st);
+    if (r < 0) return errorf(err, "%s: key '%s' must be a STRING", f->path, key);
+    if (r == 1 && !(st.n == 4 && memcmp(st.s, "none", 4) == 0)) {
+        char sp[32];
+        printable(st.s, st.n, sp, sizeof sp);
+        if (strcmp(sp, "yarn") != 0)
+            return errorf(err,
+                          "%s: %s = '%s' is not supported (supported: yarn, and llama3 "
+                          "through rope_freqs.weight)",
+                          f->path, key, sp);
+        c->rope_type = ROPE_YARN;
+        if (arch_float(f, arch, "rope.scaling.factor", 1, &c->rope_factor, err) ||
+            arch_int(f, arch, "rope.scaling.original_context_length", 1, 1, GGUF_BIG,
+                     &c->rope_original_max_pos, err) ||
+            arch_float(f, arch, "rope.scaling.yarn_beta_fast", 0, &c->yarn_beta_fast, err) ||
+            arch_float(f, arch, "rope.scaling.yarn_beta_slow", 0, &c->yarn_beta_slow, err))
+            return -1;
+    }
+    const GgufTensor* rf = gguf_find_tensor(f, "rope_freqs.weight");
+    if (rf && c->family == FAMILY_LLAMA && llama3_from_rope_freqs(f, rf, c, err) != 0) return -1;
+    if (c->family != FAMILY_QWEN3MOE && c->family != FAMILY_GPTOSS) return 0;
+    if (arch_int(f, arch, "expert_count", 1, 1, GGUF_BIG, &c->E, err) ||
+        arch_int(f, arch, "expert_used_count", 1, 1, GGUF_BIG, &c->K, err) ||
+        arch_int(f, arch, "expert_feed_forward_length", 1, 1, GGUF_BIG, &c->F_expert, err))
+        return -1;
+    c->decoder_sparse_step = 1;
+    c->norm_topk_prob = c->family == FAMILY_QWEN3MOE;  // hard-coded by llama.cpp (§2.6)
+    if (c->family == FAMILY_GPTOSS) {
+        c->attention_bias = 1;
+        c->swiglu_limit = 7.0f;
+        if (arch_int(f, arch, "attention.sliding_window", 0, 0, GGUF_BIG, &c->sliding_window, err))
+            return -1;
+        if (c->F == 0) c->F = c->F_expert;
+    }
+    return 0;
+}
+
 int gguf_config(const GgufFile* f, ModelConfig* cfg, char* err) {
     ModelConfig c;
     memset(&c, 0, sizeof c);
@@ -1037,140 +1208,19 @@ int gguf_config(const GgufFile* f, ModelConfig* cfg, char* err) {
     c.yarn_beta_slow = 1.0;
     c.bos_id = -1;
     c.eos_id = -1;
-
-    GgufString as;
-    int r = gguf_get_string(f, "general.architecture", &as);
-    if (r == 0) return errorf(err, "%s: metadata key 'general.architecture' is missing", f->path);
-    if (r < 0) return errorf(err, "%s: key 'general.architecture' must be a STRING", f->path);
     char arch[64];
-    printable(as.s, as.n, arch, sizeof arch);
-    int family = -1;
-    for (int i = 0; i < FAMILY_COUNT; i++)
-        if (as.n == strlen(arch_names[i]) && memcmp(as.s, arch_names[i], as.n) == 0) family = i;
-    if (family < 0)
-        return errorf(err,
-                      "%s: unsupported architecture '%s' (supported: llama, qwen3, qwen3moe, "
-                      "gpt-oss)",
-                      f->path, arch);
-    c.family = (ModelFamily)family;
-    int64_t splits = 1;
-    if (gguf_get_int(f, "split.count", &splits) == 1 && splits > 1)
-        return errorf(err,
-                      "%s: a split GGUF (split.count %lld); merge it first with "
-                      "llama-gguf-split --merge",
-                      f->path, (long long)splits);
-
-    const int64_t BIG = 1 << 30;
-    if (arch_int(f, arch, "block_count", 1, 1, CONFIG_MAX_LAYERS, &c.L, err) ||
-        arch_int(f, arch, "embedding_length", 1, 1, BIG, &c.C, err) ||
-        arch_int(f, arch, "attention.head_count", 1, 1, BIG, &c.H, err))
+    if (config_family(f, &c, arch, sizeof arch, err) || config_sizes(f, arch, &c, err) ||
+        config_vocab(f, arch, &c, err) || config_scaling_and_experts(f, arch, &c, err))
         return -1;
-    c.KVH = c.H;
-    if (arch_int(f, arch, "attention.head_count_kv", 0, 1, BIG, &c.KVH, err)) return -1;
-    int moe = c.family == FAMILY_QWEN3MOE || c.family == FAMILY_GPTOSS;
-    if (arch_int(f, arch, "feed_forward_length", !moe, 1, BIG, &c.F, err)) return -1;
-    // head dim: key_length, else rope.dimension_count, else C/H
-    c.HD = c.C / c.H;
-    int rope_dim = 0, key_len = 0, val_len = 0;
-    if (arch_int(f, arch, "rope.dimension_count", 0, 1, BIG, &rope_dim, err) ||
-        arch_int(f, arch, "attention.key_length", 0, 1, BIG, &key_len, err) ||
-        arch_int(f, arch, "attention.value_length", 0, 1, BIG, &val_len, err))
-        return -1;
-    if (key_len)
-        c.HD = key_len;
-    else if (rope_dim)
-        c.HD = rope_dim;
-    if (val_len && val_len != c.HD)
-        return errorf(err,
-                      "%s: %s.attention.value_length %d differs from the key length %d (not "
-                      "supported)",
-                      f->path, arch, val_len, c.HD);
-    if (rope_dim && rope_dim != c.HD)
-        return errorf(err,
-                      "%s: %s.rope.dimension_count %d differs from the head dim %d (partial "
-                      "rotary embeddings are not supported)",
-                      f->path, arch, rope_dim, c.HD);
-    double eps = 0.0;
-    if (arch_float(f, arch, "attention.layer_norm_rms_epsilon", 1, &eps, err)) return -1;
-    if (!(eps > 0 && eps < 1))
-        return errorf(err, "%s: %s.attention.layer_norm_rms_epsilon = %g must be in (0, 1)",
-                      f->path, arch, eps);
-    c.norm_eps = (float)eps;
-    c.rope_theta = 10000.0;  // llama.cpp's default when the key is absent
-    if (arch_float(f, arch, "rope.freq_base", 0, &c.rope_theta, err)) return -1;
-    c.max_pos = 2048;
-    if (arch_int(f, arch, "context_length", 0, 1, BIG, &c.max_pos, err)) return -1;
-
-    // vocabulary: vocab_size, else the token list, else the embedding's rows
-    const GgufTensor* embd = gguf_find_tensor(f, "token_embd.weight");
-    const GgufKV* tokens = gguf_find_kv(f, "tokenizer.ggml.tokens");
-    if (arch_int(f, arch, "vocab_size", 0, 1, BIG, &c.V, err)) return -1;
-    if (c.V == 0 && tokens && tokens->value.type == GGUF_TYPE_ARRAY && tokens->value.n > 0 &&
-        tokens->value.n <= (uint64_t)BIG)
-        c.V = (int)tokens->value.n;
-    if (c.V == 0 && embd && embd->n_dims == 2 && embd->ne[1] > 0 && embd->ne[1] <= BIG)
-        c.V = (int)embd->ne[1];
-    if (c.V == 0)
-        return errorf(err,
-                      "%s: cannot tell the vocabulary size (no %s.vocab_size, "
-                      "tokenizer.ggml.tokens or token_embd.weight)",
-                      f->path, arch);
-    c.tied_embeddings = gguf_find_tensor(f, "output.weight") == NULL;
     c.qk_norm = c.family == FAMILY_QWEN3 || c.family == FAMILY_QWEN3MOE;
-    if (tokenizer_id(f, "tokenizer.ggml.bos_token_id", &c.bos_id, err) ||
-        tokenizer_id(f, "tokenizer.ggml.eos_token_id", &c.eos_id, err))
-        return -1;
-
-    // RoPE scaling: llama3 lives in rope_freqs.weight; YaRN (gpt-oss) in keys
-    char key[128];
-    GgufString st;
-    snprintf(key, sizeof key, "%s.rope.scaling.type", arch);
-    r = gguf_get_string(f, key, &st);
-    if (r < 0) return errorf(err, "%s: key '%s' must be a STRING", f->path, key);
-    if (r == 1 && !(st.n == 4 && memcmp(st.s, "none", 4) == 0)) {
-        char sp[32];
-        printable(st.s, st.n, sp, sizeof sp);
-        if (strcmp(sp, "yarn") != 0)
-            return errorf(err,
-                          "%s: %s = '%s' is not supported (supported: yarn, and llama3 "
-                          "through rope_freqs.weight)",
-                          f->path, key, sp);
-        c.rope_type = ROPE_YARN;
-        if (arch_float(f, arch, "rope.scaling.factor", 1, &c.rope_factor, err) ||
-            arch_int(f, arch, "rope.scaling.original_context_length", 1, 1, BIG,
-                     &c.rope_original_max_pos, err) ||
-            arch_float(f, arch, "rope.scaling.yarn_beta_fast", 0, &c.yarn_beta_fast, err) ||
-            arch_float(f, arch, "rope.scaling.yarn_beta_slow", 0, &c.yarn_beta_slow, err))
-            return -1;
-    }
-    if (c.family == FAMILY_QWEN3MOE || c.family == FAMILY_GPTOSS) {
-        if (arch_int(f, arch, "expert_count", 1, 1, BIG, &c.E, err) ||
-            arch_int(f, arch, "expert_used_count", 1, 1, BIG, &c.K, err) ||
-            arch_int(f, arch, "expert_feed_forward_length", 1, 1, BIG, &c.F_expert, err))
-            return -1;
-        c.decoder_sparse_step = 1;
-        c.norm_topk_prob = c.family == FAMILY_QWEN3MOE;  // hard-coded by llama.cpp (§2.6)
-        if (c.family == FAMILY_GPTOSS) {
-            c.attention_bias = 1;
-            c.swiglu_limit = 7.0f;
-            if (arch_int(f, arch, "attention.sliding_window", 0, 0, BIG, &c.sliding_window, err))
-                return -1;
-            if (c.F == 0) c.F = c.F_expert;
-        }
-    }
-    // checked before rope_freqs, whose length depends on the head dim
-    char verr[ERR_LEN];
-    if (c.HD <= 0 || c.HD % 2 != 0)
-        return errorf(err, "%s: head dim %d must be positive and even", f->path, c.HD);
-    const GgufTensor* rf = gguf_find_tensor(f, "rope_freqs.weight");
-    if (rf && c.family == FAMILY_LLAMA && llama3_from_rope_freqs(f, rf, &c, err) != 0) return -1;
-
-    if (gguf_get_string(f, "general.name", &st) == 1 && st.n > 0) {
-        printable(st.s, st.n, c.name, sizeof c.name);
+    GgufString name;
+    if (gguf_get_string(f, "general.name", &name) == 1 && name.n > 0) {
+        printable(name.s, name.n, c.name, sizeof c.name);
     } else {
         const char* base = strrchr(f->path, '/');
         str_copy(c.name, sizeof c.name, base ? base + 1 : f->path);
     }
+    char verr[ERR_LEN];
     if (config_validate(&c, verr) != 0) return errorf(err, "%s: %s", f->path, verr);
     *cfg = c;
     return 0;

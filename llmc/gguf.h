@@ -8,7 +8,8 @@
  * Reader invariants after a successful gguf_open:
  *  - every count and length was bounded by the bytes left in the file before anything was
  *    allocated, so allocations are a small multiple of the file size;
- *  - keys and tensor names are unique, non-empty, NUL-free (copies are NUL-terminated);
+ *  - keys and tensor names are unique, non-empty and free of control bytes (copies are
+ *    NUL-terminated), so they print in one-line messages;
  *  - every tensor has a known ggml type with a known block size, 1..4 dims, ne[0] a multiple of
  *    the block size, and an aligned, in-bounds, non-overlapping byte range: data points into the
  *    file and t->nbytes bytes are readable;

@@ -991,6 +991,14 @@ static void test_gguf_hostile_headers(TestCtx* t) {
     make_gguf(&b, 3, 0, NULL, 1, ti, 1, 256);
     expect_refused(t, &b, "long name", "name");
     ti[0] = one;
+    ti[0].name = "blk.0\nattn_q.weight";  // found by the fuzzer: would split the message
+    make_gguf(&b, 3, 0, NULL, 1, ti, 1, 256);
+    expect_refused(t, &b, "newline in a name", "control character");
+    kv.n = 0;
+    kv_u32(&kv, "a\rb", 1);
+    make_gguf(&b, 3, 1, &kv, 0, NULL, 0, 0);
+    expect_refused(t, &b, "control byte in a key", "control character");
+    ti[0] = one;
     make_gguf(&b, 3, 0, NULL, 1, ti, 1, 256);
     b.n = 24 + 8 + 1 + 4 + 16 + 4 + 4;  // cut inside the offset
     expect_refused(t, &b, "truncated tensor info", "truncated");

@@ -233,10 +233,11 @@ static void test_resume_layout_and_keep(TestCtx* t) {
 static void test_resume_find_latest(TestCtx* t) {
     char dir[1024], path[1300], found[1300], err[ERR_LEN];
     test_path(t, dir, sizeof dir, "latest");
+    // step_011: leading zeros are not ours (the name built from 11 would not exist)
     const char* dirs[] = {"step_2", "step_10", "step_11", "step_12.tmp",
-                          "stepx",  "step_",   "step_9"};
-    const int complete[] = {1, 1, 0, 1, 1, 1, 1};
-    for (int i = 0; i < 7; i++) {
+                          "stepx",  "step_",   "step_9",  "step_011"};
+    const int complete[] = {1, 1, 0, 1, 1, 1, 1, 1};
+    for (int i = 0; i < 8; i++) {
         snprintf(path, sizeof path, "%s/%s", dir, dirs[i]);
         CHECK(t, mkdir_p(path, err) == 0, "%s", err);
         if (complete[i]) {
@@ -248,7 +249,8 @@ static void test_resume_find_latest(TestCtx* t) {
     int rc = checkpoint_find_latest(dir, found, sizeof found, &step, err);
     snprintf(path, sizeof path, "%s/step_10", dir);
     CHECK(t, rc == 1 && step == 10 && strcmp(found, path) == 0,
-          "newest complete is step_10 (numeric order, no DONE / .tmp ignored): rc %d step %lld %s",
+          "newest complete is step_10 (numeric order; no DONE, .tmp, zero-padded ignored): rc %d "
+          "step %lld %s",
           rc, (long long)step, found);
     test_path(t, path, sizeof path, "no_such_dir");
     CHECK(t, checkpoint_find_latest(path, found, sizeof found, &step, err) == 0,
