@@ -133,6 +133,8 @@ static void generate_sample(Plain* p, const TrainArgs* a) {
 
 int main(int argc, char** argv) {
     char err[ERR_LEN];
+    // line-buffered even into a file, so a killed run's log shows how far it got
+    setvbuf(stdout, NULL, _IOLBF, 0);
     TrainArgs a;
     args_defaults(&a);
     int rc = args_parse(&a, argc, argv);
