@@ -688,8 +688,11 @@ static void* optimizer_main(void* arg) {
 // Bytes a forward / backward stage needs per layer on a device: parameters (the fused stage
 // carries a copy of a tied embedding as its head), plus for backward stages the fp32 gradients
 // and, with stage-grain recompute, the block's saved activations for one micro-batch (every block
-// of a backward stage keeps them until its backward). The activation and hand-off buffers every
-// stage needs regardless are outside the per-stage budget.
+// of a backward stage keeps them until its backward). The planner gives each stage half the
+// device budget because a device holds two stages' parameter and gradient slots (the running one
+// and the prefetched one); the activations are not double-buffered (one stage computes at a
+// time), so they count half here: 2 x (params + grads) + activations <= budget. The hand-off
+// buffers every stage needs regardless are outside the budget.
 static void layer_bytes(const Engine* e, double* fb, double* bb) {
     const TensorTable* tt = &e->m->tt;
     int head = tensor_table_index(tt, TK_LM_HEAD, -1);
@@ -700,7 +703,7 @@ static void layer_bytes(const Engine* e, double* fb, double* bb) {
         fb[l] = (double)tt->param_numel[l] * (double)e->ab;
         if (l == e->NL - 1 && tt->t[head].tied_to >= 0) fb[l] += (double)tt->t[head].numel * e->ab;
         bb[l] = fb[l] + (double)tt->grad_numel[l] * sizeof(float);
-        if (l >= 1 && l < e->NL - 1) bb[l] += acts;
+        if (l >= 1 && l < e->NL - 1) bb[l] += acts / 2;
     }
 }
 
