@@ -52,6 +52,22 @@ typedef struct Stage {
     char name[16];          // "F1", "FB", "B2" (traces)
 } Stage;
 
+// A backward stage's gradient download, deferred into the activation windows of the next stage
+// on the same device (ROUNDPIPE.md §7.5): LPT bins of <= 256 MiB pieces, bin j enqueued once the
+// next stage's micro-batch j has had its activations downloaded.
+typedef struct PendingGrads {
+    int active;
+    const struct Stage* st;
+    int gk;               // gradient slot being downloaded
+    int64_t t;            // iteration
+    int final_round;
+    int n_pieces;
+    struct Piece* pieces;
+    int* bin_of;          // (n_pieces)
+    int n_bins, next_bin; // bins enqueued so far
+    int fenced;           // rule-4 fence passed
+} PendingGrads;
+
 typedef struct DevState {
     Device* d;
     const Ops* ops;
@@ -74,6 +90,8 @@ typedef struct DevState {
     DevEvent* param_done;   // parameter (and partial gradient) upload of the current stage done
     DevEvent** marks;       // (M_R) activation-upload marks of the last stage run on this device
     int n_marks;
+    DevEvent* grads_ready;  // the last micro-batch of the stage whose gradients are pending
+    PendingGrads pend;
     DevEvent* iter_end[2][STREAM_COUNT];
     double busy_last;       // compute busy seconds at the previous step (bubble accounting)
 } DevState;
@@ -398,6 +416,31 @@ static int piece_cmp_desc(const void* a, const void* b) {
 
 #define PIECE_MAX_BYTES (256u << 20)
 
+// Append a copy of `bytes` from src to dst as pieces of at most 256 MiB (big tensors such as the
+// LM head are split so no single copy hogs a window).
+static void pieces_add(Piece** pieces, int* n, int* cap, void* dst, const void* src, size_t bytes) {
+    for (size_t off = 0; off < bytes; off += PIECE_MAX_BYTES) {
+        if (*n == *cap) *pieces = realloc_check(*pieces, (size_t)(*cap *= 2) * sizeof(Piece));
+        size_t len = bytes - off < PIECE_MAX_BYTES ? bytes - off : PIECE_MAX_BYTES;
+        (*pieces)[(*n)++] = (Piece){(char*)dst + off, (const char*)src + off, len};
+    }
+}
+
+// Longest processing time first: pieces sorted by size, each to the least-loaded of n_bins bins.
+static void lpt_assign(Piece* pieces, int n, int n_bins, int* bin_of) {
+    qsort(pieces, (size_t)n, sizeof(Piece), piece_cmp_desc);
+    size_t* load = calloc_check((size_t)n_bins, sizeof(size_t));
+    for (int i = 0; i < n; i++) {
+        int best = 0;
+        for (int b = 1; b < n_bins; b++)
+            if (load[b] < load[best]) best = b;
+        bin_of[i] = best;
+        load[best] += pieces[i].bytes;
+    }
+    free(load);
+}
+
+
 // Upload a stage's parameters into slot `k` on the parameter stream, split into pieces of at most
 // 256 MiB assigned longest-first to the bin with the least load (LPT, ROUNDPIPE.md §7.3); bin j
 // waits the j-th activation-upload mark of the stage currently running on this device, so the
@@ -423,23 +466,11 @@ static void upload_params(Engine* e, DevState* ds, const Stage* st, int k, int64
         } else {
             break;
         }
-        for (size_t off = 0; off < bytes; off += PIECE_MAX_BYTES) {
-            if (n == cap) pieces = realloc_check(pieces, (size_t)(cap *= 2) * sizeof(Piece));
-            size_t len = bytes - off < PIECE_MAX_BYTES ? bytes - off : PIECE_MAX_BYTES;
-            pieces[n++] = (Piece){dst + off, (const char*)src + off, len};
-        }
+        pieces_add(&pieces, &n, &cap, dst, src, bytes);
     }
-    qsort(pieces, (size_t)n, sizeof(Piece), piece_cmp_desc);
     int n_bins = ds->n_marks > 0 ? ds->n_marks : 1;
-    size_t* load = calloc_check((size_t)n_bins, sizeof(size_t));
     int* bin_of = malloc_check((size_t)(n ? n : 1) * sizeof(int));
-    for (int i = 0; i < n; i++) {
-        int best = 0;
-        for (int b = 1; b < n_bins; b++)
-            if (load[b] < load[best]) best = b;
-        bin_of[i] = best;
-        load[best] += pieces[i].bytes;
-    }
+    lpt_assign(pieces, n, n_bins, bin_of);
     const DeviceImpl* im = e->impl;
     im->stream_wait(ds->d, STREAM_PARAM_UP, ds->pslot_free[k]);
     for (int b = 0; b < n_bins; b++) {
@@ -450,7 +481,6 @@ static void upload_params(Engine* e, DevState* ds, const Stage* st, int k, int64
                 im->copy_h2d(ds->d, STREAM_PARAM_UP, pieces[i].dst, pieces[i].src, pieces[i].bytes);
             }
     }
-    free(load);
     free(bin_of);
     free(pieces);
 }
@@ -472,6 +502,79 @@ static void prepare_grads(Engine* e, DevState* ds, const Stage* st, int k, int r
         im->copy_h2d(ds->d, STREAM_PARAM_UP, ds->gslot[k] + st->g_off[l - st->b], e->s->grad[l],
                      (size_t)tt->grad_numel[l] * sizeof(float));
     }
+}
+
+// ----------------------------------------------------------------------------
+// gradient downloads (ROUNDPIPE.md §7.5): a backward stage's gradients are complete after its
+// last micro-batch; they are downloaded in LPT chunks during the activation windows of the next
+// stage on the same device (bin j after that stage's micro-batch j has been downloaded), on the
+// gradient stream, so bulk gradient traffic never sits in front of an activation transfer.
+
+static void grads_defer(Engine* e, DevState* ds, const Stage* st, int gk, int64_t t, int round) {
+    const TensorTable* tt = &e->m->tt;
+    PendingGrads* pg = &ds->pend;
+    int cap = 16, n = 0;
+    Piece* pieces = malloc_check((size_t)cap * sizeof(Piece));
+    for (int l = st->b; l < st->e; l++)
+        pieces_add(&pieces, &n, &cap, e->s->grad[l], ds->gslot[gk] + st->g_off[l - st->b],
+                   (size_t)tt->grad_numel[l] * sizeof(float));
+    pg->active = 1;
+    pg->st = st;
+    pg->gk = gk;
+    pg->t = t;
+    pg->final_round = round == e->R - 1;
+    pg->pieces = pieces;
+    pg->n_pieces = n;
+    pg->n_bins = e->M_R;
+    pg->bin_of = malloc_check((size_t)(n ? n : 1) * sizeof(int));
+    lpt_assign(pieces, n, pg->n_bins, pg->bin_of);
+    pg->next_bin = 0;
+    pg->fenced = 0;
+    e->impl->event_record(ds->grads_ready, ds->d, STREAM_COMPUTE);
+}
+
+// Enqueue the next bin of the pending download (the caller has made the gradient stream wait for
+// the window it belongs to), or every remaining bin when all != 0; finish when the last is out.
+static void grads_issue(Engine* e, DevState* ds, int all) {
+    PendingGrads* pg = &ds->pend;
+    if (!pg->active) return;
+    const DeviceImpl* im = e->impl;
+    const int ip = (int)(pg->t % 2);
+    if (!pg->fenced) {
+        // rule 4: the host buffers still hold the previous iteration's gradients until the
+        // optimizer has consumed them
+        fence_grads(e, pg->st, pg->t);
+        im->stream_wait(ds->d, STREAM_GRAD_DOWN, ds->grads_ready);
+        pg->fenced = 1;
+    }
+    do {
+        int b = pg->next_bin++;
+        for (int i = 0; i < pg->n_pieces; i++)
+            if (pg->bin_of[i] == b) {
+                label(e, ip, ds, STREAM_GRAD_DOWN, "grads %s [%d]", pg->st->name, b);
+                im->copy_d2h(ds->d, STREAM_GRAD_DOWN, pg->pieces[i].dst, pg->pieces[i].src,
+                             pg->pieces[i].bytes);
+            }
+    } while (all && pg->next_bin < pg->n_bins);
+    if (pg->next_bin < pg->n_bins) return;
+    const Stage* st = pg->st;
+    for (int l = st->b; l < st->e; l++) im->event_record(e->grad_ev[l], ds->d, STREAM_GRAD_DOWN);
+    im->event_record(ds->gslot_free[pg->gk], ds->d, STREAM_GRAD_DOWN);
+    if (pg->final_round) {
+        pthread_check(pthread_mutex_lock(&e->mu));
+        for (int l = st->b; l < st->e; l++) e->grad_recorded[l] = pg->t;
+        pthread_check(pthread_cond_broadcast(&e->cv));
+        pthread_check(pthread_mutex_unlock(&e->mu));
+    }
+    free(pg->pieces);
+    free(pg->bin_of);
+    memset(pg, 0, sizeof *pg);
+}
+
+// Round boundaries: the next round's gradient preparation and the optimizer read these buffers,
+// so nothing may stay deferred past a round.
+static void grads_flush_all(Engine* e) {
+    for (int g = 0; g < e->N; g++) grads_issue(e, &e->dev[g], 1);
 }
 
 // ----------------------------------------------------------------------------
@@ -568,32 +671,18 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
             }
         }
         im->event_record(ds->down_done[p], d, STREAM_ACT_DOWN);
+        // this window's share of the previous stage's gradient download
+        if (ds->pend.active) {
+            im->stream_wait(d, STREAM_GRAD_DOWN, ds->down_done[p]);
+            grads_issue(e, ds, 0);
+        }
     }
+    grads_issue(e, ds, 1);  // a pending download with more bins than windows
     ds->n_marks = e->M_R;
     im->event_record(ds->pslot_free[pk], d, STREAM_COMPUTE);
 
-    // gradient download after the last micro-batch. Rule 4: the host gradient buffers still hold
-    // the previous iteration's gradients until the optimizer step has consumed them; only the
-    // download waits for that, the stage's compute is already enqueued and runs meanwhile.
-    if (st->kind != SLOT_FWD) {
-        fence_grads(e, st, t);
-        const TensorTable* tt = &e->m->tt;
-        im->stream_wait(d, STREAM_GRAD_DOWN, ds->comp_done[(e->M_R - 1) % 2]);
-        const int final_round = round == e->R - 1;
-        for (int l = st->b; l < st->e; l++) {
-            label(e, ip, ds, STREAM_GRAD_DOWN, "grads %s layer %d", st->name, l);
-            im->copy_d2h(d, STREAM_GRAD_DOWN, e->s->grad[l], ds->gslot[gk] + st->g_off[l - st->b],
-                         (size_t)tt->grad_numel[l] * sizeof(float));
-            im->event_record(e->grad_ev[l], d, STREAM_GRAD_DOWN);
-        }
-        im->event_record(ds->gslot_free[gk], d, STREAM_GRAD_DOWN);
-        if (final_round) {
-            pthread_check(pthread_mutex_lock(&e->mu));
-            for (int l = st->b; l < st->e; l++) e->grad_recorded[l] = t;
-            pthread_check(pthread_cond_broadcast(&e->cv));
-            pthread_check(pthread_mutex_unlock(&e->mu));
-        }
-    }
+    // the gradients go down during the next stage on this device (or at the round's end)
+    if (st->kind != SLOT_FWD) grads_defer(e, ds, st, gk, t, round);
 }
 
 // ----------------------------------------------------------------------------
@@ -831,6 +920,8 @@ static void plan_resources_create(Engine* e) {
             for (int s2 = 0; s2 < STREAM_COUNT; s2++) ds->iter_end[k][s2] = e->impl->event_create(ds->d);
         }
         ds->param_done = e->impl->event_create(ds->d);
+        ds->grads_ready = e->impl->event_create(ds->d);
+        memset(&ds->pend, 0, sizeof ds->pend);
         ds->marks = calloc_check((size_t)e->M_R, sizeof(DevEvent*));
         for (int r = 0; r < e->M_R; r++) ds->marks[r] = e->impl->event_create(ds->d);
     }
@@ -861,6 +952,7 @@ static void plan_resources_free(Engine* e) {
             for (int s2 = 0; s2 < STREAM_COUNT; s2++) im->event_destroy(ds->iter_end[k][s2]);
         }
         im->event_destroy(ds->param_done);
+        im->event_destroy(ds->grads_ready);
         for (int r = 0; r < e->M_R; r++) im->event_destroy(ds->marks[r]);
         free(ds->marks);
     }
@@ -1130,6 +1222,7 @@ EngineStepResult engine_step(Engine* e, const int32_t* tokens) {
             e->cursor++;
             enqueue_stage(e, &e->stages[si], g, t, round, round * e->S + si);
         }
+        grads_flush_all(e);
     }
     e->prof_iter[ip] = t;
     for (int g = 0; g < e->N; g++)
