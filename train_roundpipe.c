@@ -214,7 +214,7 @@ int main(int argc, char** argv) {
                             .grain = a.recompute_layer ? RECOMPUTE_LAYER : RECOMPUTE_STAGE,
                             .sync = a.sync, .device_budget = a.device_mem,
                             .opt_threads = a.threads, .trace_path = a.trace,
-                            .replan_after = a.profile_steps,
+                            .replan_after = a.profile_steps, .start_step = ts.step,
                             .hyper = {a.lr, a.beta1, a.beta2, a.eps, a.weight_decay},
                             .sched = {a.schedule, a.lr, a.warmup, a.steps, a.min_lr_frac,
                                       a.decay_frac},
@@ -229,6 +229,10 @@ int main(int argc, char** argv) {
 #endif
         eng = engine_create(&model, &store, &devs, &eo, err);
         if (!eng) fatal("%s", err);
+        if (ts.resumed && !a.sync)
+            printf("note: resuming with the one-step-delayed optimizer: the first resumed "
+                   "iteration computes with the checkpoint's weights (one step fresher than an "
+                   "uninterrupted run); --sync 1 resumes bit-exactly\n");
         engine_print_plan(eng, stdout);
         if (a.plan_only) return 0;
         const int M_R = a.round_micro_batches > 0 ? a.round_micro_batches : a.micro_batches;
@@ -273,7 +277,7 @@ int main(int argc, char** argv) {
 
     // 5. training
     StepLog lg;
-    if (log_open(&lg, a.log, err) != 0) fatal("%s", err);
+    if (log_open(&lg, a.log, ts.resumed, err) != 0) fatal("%s", err);
     LrSchedule sched = {a.schedule, a.lr, a.warmup, a.steps, a.min_lr_frac, a.decay_frac};
     AdamWHyper hyper = {a.lr, a.beta1, a.beta2, a.eps, a.weight_decay};
     AdamWTensor* opt = malloc_check((size_t)model.tt.n * sizeof(AdamWTensor));

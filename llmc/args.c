@@ -383,8 +383,9 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         snprintf(v, sizeof v, "%d", a->round_micro_batches);
         return bad("--round", v, "must divide --micro-batches");
     }
-    if (a->trace[0] && a->n_devices == 0)
-        return bad("--trace", a->trace, "traces the RoundPipe engine: use it with --device cpu:N");
+    if (a->trace[0] && a->n_devices == 0 && a->device != DEVICE_CUDA)
+        return bad("--trace", a->trace,
+                   "traces the RoundPipe engine: use it with --device cpu:N, cuda or cuda:N");
     if (!*a->model) return bad("--model", a->model, "must not be empty");
     if (a->save_every > 0 && !*a->out) {
         char v[32];
@@ -392,9 +393,6 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         return bad("--save-every", v, "needs --out DIR for the checkpoints");
     }
     if (a->resume && !*a->out) return bad("--resume", "", "needs --out DIR holding the checkpoints");
-    if (a->resume && a->n_devices > 0)
-        return bad("--resume", "", "resuming the RoundPipe engine (--device cpu:N) is not supported "
-                                   "yet; resume with --device cpu");
     if (!*a->train) return bad("--train", a->train, "must not be empty");
     return 0;
 }

@@ -721,7 +721,8 @@ static void optimizer_step(Engine* e, int64_t k) {
     double norm = sqrt(adamw_grad_norm_sq(e->pool, e->opt_tensors, e->n_opt));
     float scale = adamw_clip_scale(norm, e->opt.grad_clip);
     AdamWHyper h = e->opt.hyper;
-    h.lr = lr_schedule_at(&e->opt.sched, k);
+    const int64_t step = e->opt.start_step + k;  // the run's step number
+    h.lr = lr_schedule_at(&e->opt.sched, step);
     const int buf = (int)((k + e->delay) % 2);
     // async: free the deep layers' gradients first (the next iteration's backward needs them
     // first); sync: publish the shallow layers' weights first (the next forward needs them first)
@@ -733,7 +734,7 @@ static void optimizer_step(Engine* e, int64_t k) {
             for (int i = first; i < first + count; i++)
                 e->opt_tensors[i].out_bf16 = (uint16_t*)e->master[buf][l] + e->opt_offset[i];
         }
-        if (count > 0) adamw_step(e->pool, e->opt_tensors + first, count, &h, k, scale);
+        if (count > 0) adamw_step(e->pool, e->opt_tensors + first, count, &h, step, scale);
         if (e->ab != 2) write_master(e, buf, l);
         pthread_check(pthread_mutex_lock(&e->mu));
         e->param_ready[l] = k + e->delay;
@@ -741,10 +742,10 @@ static void optimizer_step(Engine* e, int64_t k) {
         pthread_check(pthread_cond_broadcast(&e->cv));
         pthread_check(pthread_mutex_unlock(&e->mu));
     }
-    e->s->step = k;
+    e->s->step = step;
     if (e->trace) {
         char name[48];
-        snprintf(name, sizeof name, "AdamW step %lld", (long long)k);
+        snprintf(name, sizeof name, "AdamW step %lld", (long long)step);
         trace_add(e->trace, name, e->N, STREAM_COUNT, t_start, time_now_s());
     }
     pthread_check(pthread_mutex_lock(&e->mu));

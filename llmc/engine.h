@@ -52,6 +52,8 @@ typedef struct EngineOptions {
     double device_budget;    // bytes of device memory for parameter stages (0 = backend default)
     int opt_threads;         // optimizer threads (0 = all CPUs)
     const char* trace_path;  // Chrome trace JSON ("" = none)
+    int64_t start_step;      // optimizer steps already applied (resume): step k of this engine is
+                             // step start_step + k of the run (LR schedule, bias correction)
     int replan_after;        // re-plan once with profiled costs after this many iterations, then
                              // freeze the plan (0 = keep the size-based plan)
     int fake_compute_us;     // tests only: a stage's micro-batch sleeps this long instead of

@@ -10,11 +10,11 @@
 
 #include "common.h"
 
-int log_open(StepLog* lg, const char* path, char* err) {
+int log_open(StepLog* lg, const char* path, int append, char* err) {
     lg->f = NULL;
     lg->path = path;
     if (!path || !*path) return 0;
-    lg->f = fopen(path, "w");
+    lg->f = fopen(path, append ? "a" : "w");
     if (!lg->f) return errorf(err, "--log %s: cannot open for writing: %s", path, strerror(errno));
     return 0;
 }

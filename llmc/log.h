@@ -27,8 +27,9 @@ typedef struct StepStats {
 // Resident host memory of this process in MiB (from /proc/self/status; -1 if unavailable).
 double log_host_rss_mib(void);
 
-// Open (truncate) the log file; "" means no file. -1 + err on failure.
-int log_open(StepLog* lg, const char* path, char* err);
+// Open the log file, truncated, or appended to when `append` (a resumed run continues its log);
+// "" means no file. -1 + err on failure.
+int log_open(StepLog* lg, const char* path, int append, char* err);
 void log_close(StepLog* lg);
 void log_step(StepLog* lg, const StepStats* s);
 void log_eval(StepLog* lg, int step, double val_loss);

@@ -152,6 +152,9 @@ static void resume_case(TestCtx* t, const char* name, const char* model_args, in
 static void test_resume_bit_exact(TestCtx* t) {
     // the tiny preset (tied head) on the shipped corpus, shuffled, two micro-batches
     resume_case(t, "tiny", "--batch 4 --seq 32 --micro-batches 2 --warmup 2", 6, 3);
+    // the RoundPipe engine over two emulated devices, synchronous optimizer
+    resume_case(t, "engine", "--batch 4 --seq 32 --micro-batches 2 --warmup 2 --device cpu:2 --sync 1",
+                6, 3);
     // an untied LLaMA from a quantized GGUF, cosine schedule ending inside the resumed part
     char shard[1024], err[ERR_LEN], args[2048];
     uint32_t toks[3000];
@@ -265,7 +268,7 @@ static void test_resume_refusals(TestCtx* t) {
     const char* common = "--batch 4 --seq 16 --val '' --sample-tokens 0 --threads 2 --lr 2e-3";
     // flag errors: exit 2 with the usage
     const char* bad_flags[] = {
-        "--resume",          "--save-every 2",    "--resume --out x --device cpu:2",
+        "--resume",          "--save-every 2",    "--resume --device cpu:2",
         "--keep -1 --out x", "--export-dtype f8", NULL};
     for (int i = 0; bad_flags[i]; i++) {
         int rc = run_cli(t, "badflag", bad_flags[i]);
