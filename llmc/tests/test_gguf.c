@@ -17,7 +17,6 @@
 #include <dirent.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
 
 #include "../../dev/fuzz/fuzz_entries.h"
 #include "../checkpoint.h"
@@ -669,22 +668,6 @@ static void test_gguf_export_roundtrip(TestCtx* t) {
 // ----------------------------------------------------------------------------
 // CLI: --model x.gguf trains and exports; dumps agree bit for bit
 
-static int run_cli(TestCtx* t, const char* tag, const char* args) {
-    char cmd[16384];
-    snprintf(cmd, sizeof cmd, "cd '%s' && ./train_roundpipe %s > '%s/%s.out' 2> '%s/%s.err'",
-             t->exe_dir, args, t->tmpdir, tag, t->tmpdir, tag);
-    int st = system(cmd);
-    if (st == -1 || !WIFEXITED(st)) return -1;
-    return WEXITSTATUS(st);
-}
-
-static char* read_output(TestCtx* t, const char* tag, const char* ext) {
-    char path[4200], err[ERR_LEN];
-    snprintf(path, sizeof path, "%s/%s.%s", t->tmpdir, tag, ext);
-    char* s = file_read_all(path, 64u << 20, NULL, err);
-    return s ? s : calloc_check(1, 1);
-}
-
 static char* read_file_bytes(const char* path, size_t* len) {
     char err[ERR_LEN];
     char* s = file_read_all(path, 64u << 20, len, err);
@@ -714,7 +697,7 @@ static void test_gguf_cli_dump_and_export(TestCtx* t) {
         snprintf(dump, sizeof dump, "%s/%s.safetensors", t->tmpdir, srcs[i].tag);
         snprintf(args, sizeof args, "--model %s --train '%s' %s --dump-state '%s'", srcs[i].model,
                  shard, common, dump);
-        int rc = run_cli(t, srcs[i].tag, args);
+        int rc = test_run_cli(t, srcs[i].tag, args);
         CHECK(t, rc == 0, "%s exit %d", srcs[i].tag, rc);
         dumps[i] = read_file_bytes(dump, &lens[i]);
     }
@@ -734,8 +717,8 @@ static void test_gguf_cli_dump_and_export(TestCtx* t) {
              "--model dev/gguf/fixtures/llama_q8_0.gguf --train '%s' %s --steps 3 --lr 1e-2 "
              "--export-gguf '%s' --export-hf '%s' --export-shard-size 30000 --out '%s'",
              shard, common, eg, eh, out);
-    int rc = run_cli(t, "train_export", args);
-    char* o = read_output(t, "train_export", "out");
+    int rc = test_run_cli(t, "train_export", args);
+    char* o = test_read_output(t, "train_export", "out");
     CHECK(t, rc == 0 && strstr(o, "exported the model to") && strstr(o, "step     3/3"),
           "train+export exit %d: %s", rc, o);
     free(o);
@@ -746,7 +729,7 @@ static void test_gguf_cli_dump_and_export(TestCtx* t) {
         snprintf(dump, sizeof dump, "%s/%s.safetensors", t->tmpdir, tag);
         snprintf(args, sizeof args, "--model '%s' --train '%s' %s --dump-state '%s'", models[i],
                  shard, common, dump);
-        CHECK(t, run_cli(t, tag, args) == 0, "dump of %s", models[i]);
+        CHECK(t, test_run_cli(t, tag, args) == 0, "dump of %s", models[i]);
         dumps[i] = read_file_bytes(dump, &lens[i]);
     }
     CHECK(t, lens[0] > 0 && lens[0] == lens[1] && memcmp(dumps[0], dumps[1], lens[0]) == 0,
@@ -765,8 +748,8 @@ static void test_gguf_cli_dump_and_export(TestCtx* t) {
     fclose_check(f, bad);
     free(bytes);
     snprintf(args, sizeof args, "--model '%s' --train '%s' %s", bad, shard, common);
-    rc = run_cli(t, "bad_gguf", args);
-    char* e = read_output(t, "bad_gguf", "err");
+    rc = test_run_cli(t, "bad_gguf", args);
+    char* e = test_read_output(t, "bad_gguf", "err");
     CHECK(t,
           rc == 1 && strstr(e, bad) && strstr(e, "error") && strchr(e, '\n') == e + strlen(e) - 1,
           "bad gguf exit %d: %s", rc, e);

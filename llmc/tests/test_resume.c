@@ -15,7 +15,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "../checkpoint.h"
@@ -27,33 +26,10 @@
 // ----------------------------------------------------------------------------
 // helpers
 
-static int run_cli(TestCtx* t, const char* tag, const char* args) {
-    char cmd[16384];
-    snprintf(cmd, sizeof cmd, "cd '%s' && ./train_roundpipe %s > '%s/%s.out' 2> '%s/%s.err'",
-             t->exe_dir, args, t->tmpdir, tag, t->tmpdir, tag);
-    int st = system(cmd);
-    if (st == -1 || !WIFEXITED(st)) return -1;
-    return WEXITSTATUS(st);
-}
-
-static char* read_text(const char* path, size_t* len) {
-    char err[ERR_LEN];
-    size_t n = 0;
-    char* s = file_read_all(path, 64u << 20, &n, err);
-    if (len) *len = s ? n : 0;
-    return s ? s : calloc_check(1, 1);
-}
-
-static char* read_output(TestCtx* t, const char* tag, const char* ext) {
-    char path[4200];
-    snprintf(path, sizeof path, "%s/%s.%s", t->tmpdir, tag, ext);
-    return read_text(path, NULL);
-}
-
 static int same_bytes(const char* a, const char* b) {
     size_t na, nb;
-    char* x = read_text(a, &na);
-    char* y = read_text(b, &nb);
+    char* x = test_read_file(a, &na);
+    char* y = test_read_file(b, &nb);
     int same = na > 0 && na == nb && memcmp(x, y, na) == 0;
     free(x);
     free(y);
@@ -104,12 +80,12 @@ static void resume_case(TestCtx* t, const char* name, const char* model_args, in
 
     snprintf(args, sizeof args, "%s %s --steps %d --save-every %d --out '%s' --log '%s'",
              model_args, common, N, N, a_out, a_log);
-    CHECK(t, run_cli(t, "straight", args) == 0, "%s: straight run", name);
+    CHECK(t, test_run_cli(t, "straight", args) == 0, "%s: straight run", name);
     // the interrupted run: saves every k steps and at N; every save after step k then loses
     // its DONE, as if the run had crashed before completing them
     snprintf(args, sizeof args, "%s %s --steps %d --save-every %d --out '%s' --log '%s'",
              model_args, common, N, k, b_out, b_log1);
-    CHECK(t, run_cli(t, "first", args) == 0, "%s: first part", name);
+    CHECK(t, test_run_cli(t, "first", args) == 0, "%s: first part", name);
     for (int s = k + 1; s <= N; s++) {
         char done[1200];
         snprintf(done, sizeof done, "%s/step_%d/DONE", b_out, s);
@@ -117,16 +93,16 @@ static void resume_case(TestCtx* t, const char* name, const char* model_args, in
     }
     snprintf(args, sizeof args, "%s %s --steps %d --save-every %d --out '%s' --log '%s' --resume",
              model_args, common, N, k, b_out, b_log2);
-    CHECK(t, run_cli(t, "second", args) == 0, "%s: resumed part", name);
-    char* out = read_output(t, "second", "out");
+    CHECK(t, test_run_cli(t, "second", args) == 0, "%s: resumed part", name);
+    char* out = test_read_output(t, "second", "out");
     char want[1200];
     snprintf(want, sizeof want, "resumed from %s/step_%d (step %d)", b_out, k, k);
     CHECK(t, strstr(out, want) != NULL, "%s: '%s' in %s", name, want, out);
     free(out);
 
-    char* la = read_text(a_log, NULL);
-    char* lb1 = read_text(b_log1, NULL);
-    char* lb2 = read_text(b_log2, NULL);
+    char* la = test_read_file(a_log, NULL);
+    char* lb1 = test_read_file(b_log1, NULL);
+    char* lb2 = test_read_file(b_log2, NULL);
     compare_logs(t, la, lb1, 1, k, name);
     compare_logs(t, la, lb2, k + 1, N, name);
     char rec[512];
@@ -178,7 +154,7 @@ static void test_resume_layout_and_keep(TestCtx* t) {
              "--batch 4 --seq 16 --val '' --sample-tokens 0 --threads 2 --steps 5 --save-every 1 "
              "--keep 2 --lr 2e-3 --out '%s'",
              out);
-    CHECK(t, run_cli(t, "keep", args) == 0, "keep run");
+    CHECK(t, test_run_cli(t, "keep", args) == 0, "keep run");
     for (int s = 1; s <= 5; s++) {
         snprintf(path, sizeof path, "%s/step_%d", out, s);
         CHECK(t, dir_exists(path) == (s >= 4), "step_%d %s", s, s >= 4 ? "kept" : "removed");
@@ -192,11 +168,11 @@ static void test_resume_layout_and_keep(TestCtx* t) {
         CHECK(t, file_exists(path), "%s", path);
     }
     snprintf(path, sizeof path, "%s/step_5/DONE", out);
-    char* done = read_text(path, NULL);
+    char* done = test_read_file(path, NULL);
     CHECK(t, strcmp(done, "step 5\n") == 0, "DONE: '%s'", done);
     free(done);
     snprintf(path, sizeof path, "%s/step_5/args.json", out);
-    char* text = read_text(path, NULL);
+    char* text = test_read_file(path, NULL);
     JsonDoc doc;
     char err[ERR_LEN];
     double lr = 0;
@@ -211,8 +187,8 @@ static void test_resume_layout_and_keep(TestCtx* t) {
     // a step directory is an HF model directory
     snprintf(args, sizeof args, "--model '%s/step_5' --steps 0 --sample-tokens 0 --eval-batches 1",
              out);
-    int rc = run_cli(t, "load_step", args);
-    char* o = read_output(t, "load_step", "out");
+    int rc = test_run_cli(t, "load_step", args);
+    char* o = test_read_output(t, "load_step", "out");
     CHECK(t, rc == 0 && strstr(o, "loaded weights"), "step dir as --model: exit %d %s", rc, o);
     free(o);
     // the state file holds what it should
@@ -271,8 +247,8 @@ static void test_resume_refusals(TestCtx* t) {
         "--resume",          "--save-every 2",    "--resume --device cpu:2",
         "--keep -1 --out x", "--export-dtype f8", NULL};
     for (int i = 0; bad_flags[i]; i++) {
-        int rc = run_cli(t, "badflag", bad_flags[i]);
-        char* e = read_output(t, "badflag", "err");
+        int rc = test_run_cli(t, "badflag", bad_flags[i]);
+        char* e = test_read_output(t, "badflag", "err");
         CHECK(t, rc == 2 && strstr(e, "usage:") && strstr(e, "train_roundpipe: error:"),
               "'%s' exit %d", bad_flags[i], rc);
         free(e);
@@ -280,8 +256,8 @@ static void test_resume_refusals(TestCtx* t) {
     // --resume into an empty directory starts from step 0
     test_path(t, out, sizeof out, "refuse");
     snprintf(args, sizeof args, "%s --steps 2 --save-every 2 --out '%s' --resume", common, out);
-    int rc = run_cli(t, "fresh", args);
-    char* o = read_output(t, "fresh", "out");
+    int rc = test_run_cli(t, "fresh", args);
+    char* o = test_read_output(t, "fresh", "out");
     CHECK(t, rc == 0 && strstr(o, "no complete checkpoint") && strstr(o, "step     2/2"),
           "fresh start: exit %d %s", rc, o);
     free(o);
@@ -296,8 +272,8 @@ static void test_resume_refusals(TestCtx* t) {
              "--batch 4 --seq 16 --val '' --sample-tokens 0 --threads 2 --lr 1e-3 --steps 4 "
              "--save-every 2 --out '%s' --resume",
              out);
-    rc = run_cli(t, "lr_changed", args);
-    o = read_output(t, "lr_changed", "out");
+    rc = test_run_cli(t, "lr_changed", args);
+    o = test_read_output(t, "lr_changed", "out");
     CHECK(t, rc == 0 && strstr(o, "resumed from") && strstr(o, "warning: resuming with --lr 0.001"),
           "changed lr: exit %d %s", rc, o);
     free(o);
@@ -308,28 +284,28 @@ static void test_resume_refusals(TestCtx* t) {
              "--batch 8 --seq 16 --val '' --sample-tokens 0 --threads 2 --lr 2e-3 --steps 6 "
              "--out '%s' --resume",
              out);
-    rc = run_cli(t, "batch_changed", args);
-    char* e = read_output(t, "batch_changed", "err");
+    rc = test_run_cli(t, "batch_changed", args);
+    char* e = test_read_output(t, "batch_changed", "err");
     CHECK(t, rc == 1 && one_error_line(e, "batch size"), "changed batch: exit %d %s", rc, e);
     free(e);
     // a different model
     snprintf(args, sizeof args, "%s --model test-qwen3 --steps 6 --out '%s' --resume", common, out);
-    rc = run_cli(t, "model_changed", args);
-    e = read_output(t, "model_changed", "err");
+    rc = test_run_cli(t, "model_changed", args);
+    e = test_read_output(t, "model_changed", "err");
     CHECK(t, rc == 1 && one_error_line(e, "vocab_size is 256, this run's model has 96"),
           "changed model: exit %d %s", rc, e);
     free(e);
     // a corrupted (truncated) state file
     snprintf(path, sizeof path, "%s/step_4/train_state.safetensors", out);
     size_t n;
-    char* bytes = read_text(path, &n);
+    char* bytes = test_read_file(path, &n);
     FILE* f = fopen_check(path, "wb");
     fwrite_check(bytes, 1, n / 3, f, path);
     fclose_check(f, path);
     free(bytes);
     snprintf(args, sizeof args, "%s --steps 6 --out '%s' --resume", common, out);
-    rc = run_cli(t, "corrupt", args);
-    e = read_output(t, "corrupt", "err");
+    rc = test_run_cli(t, "corrupt", args);
+    e = test_read_output(t, "corrupt", "err");
     CHECK(t, rc == 1 && one_error_line(e, path), "corrupt state: exit %d %s", rc, e);
     free(e);
 }

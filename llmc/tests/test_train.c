@@ -5,31 +5,12 @@
  */
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
 
 #include "../common.h"
 #include "../dataloader.h"
 #include "../json.h"
 #include "../safetensors.h"
 #include "testing.h"
-
-// Run ./train_roundpipe with `args` from the repository root; stdout/stderr go to
-// tmpdir/<tag>.out and .err. Returns the exit status (-1 if it did not exit normally).
-static int run_cli(TestCtx* t, const char* tag, const char* args) {
-    char cmd[16384];
-    snprintf(cmd, sizeof cmd, "cd '%s' && ./train_roundpipe %s > '%s/%s.out' 2> '%s/%s.err'",
-             t->exe_dir, args, t->tmpdir, tag, t->tmpdir, tag);
-    int st = system(cmd);
-    if (st == -1 || !WIFEXITED(st)) return -1;
-    return WEXITSTATUS(st);
-}
-
-static char* read_output(TestCtx* t, const char* tag, const char* ext) {
-    char path[4200], err[ERR_LEN];
-    snprintf(path, sizeof path, "%s/%s.%s", t->tmpdir, tag, ext);
-    char* s = file_read_all(path, 64u << 20, NULL, err);
-    return s ? s : calloc_check(1, 1);
-}
 
 static int count_lines(const char* s) {
     int n = 0;
@@ -38,8 +19,8 @@ static int count_lines(const char* s) {
 }
 
 static void test_train_help(TestCtx* t) {
-    int rc = run_cli(t, "help", "--help");
-    char* out = read_output(t, "help", "out");
+    int rc = test_run_cli(t, "help", "--help");
+    char* out = test_read_output(t, "help", "out");
     CHECK(t, rc == 0, "--help exit %d", rc);
     const char* flags[] = {"--model", "--train", "--val", "--batch", "--seq", "--micro-batches",
                            "--steps", "--lr", "--schedule", "--warmup", "--min-lr-frac",
@@ -60,8 +41,8 @@ static void test_train_bad_flags(TestCtx* t) {
                            "--device tpu", "--device cuda:0", "--batch 4 --micro-batches 5", "--shuffle 2", "--grad-clip -1",
                            "--seed -3", "--min-lr-frac 2", "stray-argument", NULL};
     for (int i = 0; cases[i]; i++) {
-        int rc = run_cli(t, "badflag", cases[i]);
-        char* err = read_output(t, "badflag", "err");
+        int rc = test_run_cli(t, "badflag", cases[i]);
+        char* err = test_read_output(t, "badflag", "err");
         const char* last = err;
         for (const char* s = err; *s; s++)
             if (*s == '\n' && s[1]) last = s + 1;
@@ -100,8 +81,8 @@ static void test_train_bad_inputs(TestCtx* t) {
                                       strcmp(cases[i].args + len - 5, "--val") == 0);
         snprintf(args, sizeof args, "%s%s%s%s", cases[i].args, wants_shard ? " '" : "",
                  wants_shard ? shard : "", wants_shard ? "'" : "");
-        int rc = run_cli(t, "badinput", args);
-        char* err = read_output(t, "badinput", "err");
+        int rc = test_run_cli(t, "badinput", args);
+        char* err = test_read_output(t, "badinput", "err");
         CHECK(t, rc == 1, "'%s' exit %d (want 1)", cases[i].args, rc);
         CHECK(t, count_lines(err) == 1 && strstr(err, "error") && strstr(err, cases[i].must_mention),
               "'%s': want one error line mentioning '%s', got: %s", cases[i].args,
@@ -118,8 +99,8 @@ static void test_train_short_run(TestCtx* t) {
              "--steps 40 --batch 8 --seq 32 --warmup 5 --eval-every 20 --eval-batches 2 "
              "--threads 2 --sample-tokens 16 --log '%s' --out '%s'",
              log, outdir);
-    int rc = run_cli(t, "run", args);
-    char* out = read_output(t, "run", "out");
+    int rc = test_run_cli(t, "run", args);
+    char* out = test_read_output(t, "run", "out");
     CHECK(t, rc == 0, "exit %d; stderr in %s/run.err", rc, t->tmpdir);
     CHECK(t, strstr(out, "step    40/40") && strstr(out, "sample (16 tokens"), "step lines and sample");
 
@@ -158,8 +139,8 @@ static void test_train_short_run(TestCtx* t) {
 
     // the saved model loads back and evaluates to about the final training loss
     snprintf(args, sizeof args, "--model '%s' --steps 0 --sample-tokens 0 --eval-batches 2", outdir);
-    rc = run_cli(t, "reload", args);
-    char* out2 = read_output(t, "reload", "out");
+    rc = test_run_cli(t, "reload", args);
+    char* out2 = test_read_output(t, "reload", "out");
     CHECK(t, rc == 0 && strstr(out2, "loaded weights") && strstr(out2, "val loss"),
           "reload exit %d: %s", rc, out2);
     free(out2);
@@ -192,7 +173,7 @@ static void test_train_dump_state_parity(TestCtx* t) {
                  "--model dev/parity/fixtures/llama --train '%s' --val '' --batch 2 --seq 16 "
                  "--micro-batches %d --dump-state '%s'",
                  shard, mb, dump);
-        int rc = run_cli(t, "dump", args);
+        int rc = test_run_cli(t, "dump", args);
         CHECK(t, rc == 0, "dump-state exit %d", rc);
         StFile d;
         if (st_open(&d, dump, err) != 0) {
@@ -253,13 +234,13 @@ static void test_train_engine_cli(TestCtx* t) {
     const char* common = "--steps 6 --batch 8 --seq 32 --micro-batches 4 --warmup 2 --val '' "
                          "--sample-tokens 0 --threads 1";
     snprintf(args, sizeof args, "%s --log '%s'", common, log_a);
-    CHECK(t, run_cli(t, "plainrun", args) == 0, "plain run failed");
+    CHECK(t, test_run_cli(t, "plainrun", args) == 0, "plain run failed");
     snprintf(args, sizeof args,
              "%s --device cpu:3 --sync 1 --recompute layer --device-mem 6M --delay-us 20 "
              "--log '%s'",
              common, log_b);
-    int rc = run_cli(t, "enginerun", args);
-    char* out = read_output(t, "enginerun", "out");
+    int rc = test_run_cli(t, "enginerun", args);
+    char* out = test_read_output(t, "enginerun", "out");
     CHECK(t, rc == 0 && strstr(out, "bubble") && strstr(out, "plan for tiny"),
           "engine run exit %d: %s", rc, out);
     free(out);
@@ -273,7 +254,7 @@ static void test_train_engine_cli(TestCtx* t) {
     char trace[1024], errb[ERR_LEN];
     test_path(t, trace, sizeof trace, "trace.json");
     snprintf(args, sizeof args, "%s --device cpu:4 --device-mem 6M --trace '%s'", common, trace);
-    rc = run_cli(t, "tracerun", args);
+    rc = test_run_cli(t, "tracerun", args);
     CHECK(t, rc == 0, "trace run exit %d", rc);
     char* tj = file_read_all(trace, 64u << 20, NULL, errb);
     CHECK(t, tj != NULL, "%s", errb);
@@ -289,14 +270,14 @@ static void test_train_engine_cli(TestCtx* t) {
         free(tj);
     }
     // --plan prints the partition and exits
-    rc = run_cli(t, "plan", "--device cpu:4 --micro-batches 4 --device-mem 10M --plan");
-    out = read_output(t, "plan", "out");
+    rc = test_run_cli(t, "plan", "--device cpu:4 --micro-batches 4 --device-mem 10M --plan");
+    out = test_read_output(t, "plan", "out");
     CHECK(t, rc == 0 && strstr(out, "FB") && strstr(out, "bubble") && !strstr(out, "step     1"),
           "--plan exit %d: %s", rc, out);
     free(out);
     // a layer that cannot fit the device budget is a clear error
-    rc = run_cli(t, "noplan", "--device cpu:2 --device-mem 64K --steps 1");
-    char* err = read_output(t, "noplan", "err");
+    rc = test_run_cli(t, "noplan", "--device cpu:2 --device-mem 64K --steps 1");
+    char* err = test_read_output(t, "noplan", "err");
     CHECK(t, rc == 1 && strstr(err, "budget"), "tiny budget: exit %d: %s", rc, err);
     free(err);
 }

@@ -63,4 +63,13 @@ static inline const char* test_path(const TestCtx* t, char* buf, size_t cap, con
     return buf;
 }
 
+// ---- CLI helpers (testing.c) ----
+// Run ./train_roundpipe with `args` from the repository root; stdout/stderr go to
+// tmpdir/<tag>.out and .err. Returns the exit status (-1 if it did not exit normally).
+int test_run_cli(TestCtx* t, const char* tag, const char* args);
+// A whole file (NUL-terminated, malloc'd; "" when unreadable), its length in *len if non-NULL.
+char* test_read_file(const char* path, size_t* len);
+// tmpdir/<tag>.<ext> of a test_run_cli run.
+char* test_read_output(TestCtx* t, const char* tag, const char* ext);
+
 #endif  // LLMC_TESTS_TESTING_H
