@@ -18,7 +18,7 @@ Tolerance: 1e-4 relative (llama.cpp's F32 kernels accumulate in their own order)
 Needs `pip install llama-cpp-python` (builds llama.cpp from source) and numpy. Run from the
 repository root after `make` (TRAINER=path overrides ./train_roundpipe):
     python3 dev/export/check_llamacpp.py
-Recorded result (2026-11-30, 2-core CPU container, llama-cpp-python 0.3.x built from source):
+Recorded result (2026-11-30, 2-core CPU container, llama-cpp-python 0.3.36 built from source):
     llama: loss ours 4.89146996 llama.cpp 4.89146931 (rel 1.3e-07) ok
     qwen3: loss ours 6.12969351 llama.cpp 6.12972707 (rel 5.5e-06) ok
     all checks passed
