@@ -149,7 +149,12 @@ struct Engine {
     DevEvent*** x_ev;       // [boundary][micro-batch]
     DevEvent*** dx_ev;
     DevEvent** loss_ev;     // [micro-batch]
-    DevEvent** grad_ev;     // [layer] last gradient download of the layer
+    // Host fp32 gradient accumulators: iteration t downloads into hgrad[t % n_hgrad]. With the
+    // delayed optimizer two sets (the Store's and one more), so iteration t+1 never waits for the
+    // step still reading iteration t's gradients (ROUNDPIPE.md §9.5); one set in sync mode.
+    float** hgrad[2];
+    int n_hgrad;
+    DevEvent** grad_ev[2];  // [gradient set][layer] the latest download of the layer into that set
     JobBlock* arena[2];
     LabelBlock* labels[2];
     Trace* trace;           // NULL unless opt.trace_path is set
@@ -179,6 +184,7 @@ struct Engine {
     int n_opt;
     int* layer_first_opt;   // (NL+1) AdamW tensors of layer l are [first[l], first[l+1])
     int64_t* opt_offset;    // (n_opt) element offset of each AdamW tensor in its layer's slab
+    int* opt_layer;         // (n_opt) its layer
     double t_last_step;
 };
 
@@ -393,10 +399,12 @@ static void fence_params(Engine* e, const Stage* st, int64_t t) {
     pthread_check(pthread_mutex_unlock(&e->mu));
 }
 
+// Rule 4: iteration t's gradients go into hgrad[t % n_hgrad], which the optimizer step of
+// iteration t - n_hgrad's gradients may still be reading.
 static void fence_grads(Engine* e, const Stage* st, int64_t t) {
     pthread_check(pthread_mutex_lock(&e->mu));
     for (int l = st->b; l < st->e; l++)
-        while (e->grad_consumed[l] < t - 1) pthread_check(pthread_cond_wait(&e->cv, &e->mu));
+        while (e->grad_consumed[l] < t - e->n_hgrad) pthread_check(pthread_cond_wait(&e->cv, &e->mu));
     pthread_check(pthread_mutex_unlock(&e->mu));
 }
 
@@ -487,7 +495,8 @@ static void upload_params(Engine* e, DevState* ds, const Stage* st, int k, int64
 
 // Prepare the gradient slot of a backward stage on the parameter stream: zero in the first round,
 // the host's partial fp32 sum in later rounds (waiting for the previous round's download).
-static void prepare_grads(Engine* e, DevState* ds, const Stage* st, int k, int round, int ip) {
+static void prepare_grads(Engine* e, DevState* ds, const Stage* st, int k, int round, int64_t t) {
+    const int ip = (int)(t % 2);
     const DeviceImpl* im = e->impl;
     const TensorTable* tt = &e->m->tt;
     im->stream_wait(ds->d, STREAM_PARAM_UP, ds->gslot_free[k]);
@@ -497,9 +506,10 @@ static void prepare_grads(Engine* e, DevState* ds, const Stage* st, int k, int r
         return;
     }
     for (int l = st->b; l < st->e; l++) {
-        im->stream_wait(ds->d, STREAM_PARAM_UP, e->grad_ev[l]);
+        im->stream_wait(ds->d, STREAM_PARAM_UP, e->grad_ev[t % e->n_hgrad][l]);
         label(e, ip, ds, STREAM_PARAM_UP, "partial grads %s", st->name);
-        im->copy_h2d(ds->d, STREAM_PARAM_UP, ds->gslot[k] + st->g_off[l - st->b], e->s->grad[l],
+        im->copy_h2d(ds->d, STREAM_PARAM_UP, ds->gslot[k] + st->g_off[l - st->b],
+                     e->hgrad[t % e->n_hgrad][l],
                      (size_t)tt->grad_numel[l] * sizeof(float));
     }
 }
@@ -516,7 +526,8 @@ static void grads_defer(Engine* e, DevState* ds, const Stage* st, int gk, int64_
     int cap = 16, n = 0;
     Piece* pieces = malloc_check((size_t)cap * sizeof(Piece));
     for (int l = st->b; l < st->e; l++)
-        pieces_add(&pieces, &n, &cap, e->s->grad[l], ds->gslot[gk] + st->g_off[l - st->b],
+        pieces_add(&pieces, &n, &cap, e->hgrad[t % e->n_hgrad][l],
+                   ds->gslot[gk] + st->g_off[l - st->b],
                    (size_t)tt->grad_numel[l] * sizeof(float));
     pg->active = 1;
     pg->st = st;
@@ -558,7 +569,8 @@ static void grads_issue(Engine* e, DevState* ds, int all) {
     } while (all && pg->next_bin < pg->n_bins);
     if (pg->next_bin < pg->n_bins) return;
     const Stage* st = pg->st;
-    for (int l = st->b; l < st->e; l++) im->event_record(e->grad_ev[l], ds->d, STREAM_GRAD_DOWN);
+    for (int l = st->b; l < st->e; l++)
+        im->event_record(e->grad_ev[pg->t % e->n_hgrad][l], ds->d, STREAM_GRAD_DOWN);
     im->event_record(ds->gslot_free[pg->gk], ds->d, STREAM_GRAD_DOWN);
     if (pg->final_round) {
         pthread_check(pthread_mutex_lock(&e->mu));
@@ -597,7 +609,7 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
     if (st->kind != SLOT_FWD) {
         gk = ds->gnext;
         ds->gnext ^= 1;
-        prepare_grads(e, ds, st, gk, round, ip);
+        prepare_grads(e, ds, st, gk, round, t);
     }
     im->event_record(ds->param_done, d, STREAM_PARAM_UP);
 
@@ -709,7 +721,9 @@ static void optimizer_step(Engine* e, int64_t k) {
         pthread_check(pthread_mutex_lock(&e->mu));
         while (e->grad_recorded[l] < k - 1) pthread_check(pthread_cond_wait(&e->cv, &e->mu));
         pthread_check(pthread_mutex_unlock(&e->mu));
-        e->impl->event_synchronize(e->grad_ev[l]);
+        // each gradient set has its own events: iteration k may already be re-recording the
+        // other set's, and a wait captures the latest record
+        e->impl->event_synchronize(e->grad_ev[(k - 1) % e->n_hgrad][l]);
     }
     double t_start = time_now_s();
     if (e->trace) {
@@ -717,17 +731,29 @@ static void optimizer_step(Engine* e, int64_t k) {
         snprintf(name, sizeof name, "wait grads of iteration %lld", (long long)(k - 1));
         trace_add(e->trace, name, e->N, STREAM_COUNT, t_wait, t_start);
     }
-    store_fold_tied_grads(e->s);
+    // the gradient set iteration k-1 downloaded into; a tied head's gradient is folded into its
+    // owner's there (the Store's own folding works on the Store's set only)
+    float** g = e->hgrad[(k - 1) % e->n_hgrad];
+    const TensorTable* tt = &e->m->tt;
+    for (int i = 0; i < tt->n; i++) {
+        const TensorDesc* d = &tt->t[i];
+        if (d->tied_to < 0) continue;
+        const TensorDesc* o = &tt->t[d->tied_to];
+        float* src = g[d->layer] + d->grad_offset;
+        float* dst = g[o->layer] + o->grad_offset;
+        for (int64_t j = 0; j < d->numel; j++) dst[j] += src[j];
+    }
+    for (int i = 0; i < e->n_opt; i++) e->opt_tensors[i].grad = g[e->opt_layer[i]] + e->opt_offset[i];
     double norm = sqrt(adamw_grad_norm_sq(e->pool, e->opt_tensors, e->n_opt));
     float scale = adamw_clip_scale(norm, e->opt.grad_clip);
     AdamWHyper h = e->opt.hyper;
     const int64_t step = e->opt.start_step + k;  // the run's step number
     h.lr = lr_schedule_at(&e->opt.sched, step);
     const int buf = (int)((k + e->delay) % 2);
-    // async: free the deep layers' gradients first (the next iteration's backward needs them
-    // first); sync: publish the shallow layers' weights first (the next forward needs them first)
-    for (int idx = 0; idx < NL; idx++) {
-        int l = e->delay ? NL - 1 - idx : idx;
+    // Shallow layers first: the next iteration's first forward stages need their weights first.
+    // (Gradients never gate this order: with the delayed optimizer they are double-buffered, in
+    // sync mode the next iteration starts after the step anyway.)
+    for (int l = 0; l < NL; l++) {
         int first = e->layer_first_opt[l], count = e->layer_first_opt[l + 1] - first;
         if (e->ab == 2) {
             // bf16 devices: the step writes the bf16 master copy in the same pass
@@ -1057,12 +1083,24 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
         }
     }
     // the gradient accumulators are copy targets and sources: pin them
+    e->n_hgrad = e->delay ? 2 : 1;
+    e->hgrad[0] = s->grad;
+    e->hgrad[1] = NULL;
     for (int l = 0; l < NL; l++)
         e->impl->host_register(s->grad[l], (size_t)tt->grad_numel[l] * sizeof(float));
+    if (e->n_hgrad == 2) {
+        e->hgrad[1] = calloc_check((size_t)NL, sizeof(float*));
+        for (int l = 0; l < NL; l++)
+            e->hgrad[1][l] = tt->grad_numel[l] > 0
+                                 ? e->impl->host_alloc((size_t)tt->grad_numel[l] * sizeof(float))
+                                 : NULL;
+    }
     e->loss_ev = calloc_check((size_t)e->M, sizeof(DevEvent*));
     for (int i = 0; i < e->M; i++) e->loss_ev[i] = ev_new(e);
-    e->grad_ev = calloc_check((size_t)NL, sizeof(DevEvent*));
-    for (int l = 0; l < NL; l++) e->grad_ev[l] = ev_new(e);
+    for (int b = 0; b < 2; b++) {
+        e->grad_ev[b] = calloc_check((size_t)NL, sizeof(DevEvent*));
+        for (int l = 0; l < NL; l++) e->grad_ev[b][l] = ev_new(e);
+    }
 
     // tracing: one process per device plus the host (optimizer)
     if (opt->trace_path && opt->trace_path[0]) {
@@ -1095,13 +1133,21 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
     e->n_opt = store_adamw_tensors(s, e->opt_tensors);
     e->layer_first_opt = calloc_check((size_t)NL + 1, sizeof(int));
     e->opt_offset = calloc_check((size_t)(e->n_opt > 0 ? e->n_opt : 1), sizeof(int64_t));
+    e->opt_layer = calloc_check((size_t)(e->n_opt > 0 ? e->n_opt : 1), sizeof(int));
     {
-        // store_adamw_tensors lists the owned tensors in table order, which is layer order
+        // store_adamw_tensors lists the owned tensors in table order, which is layer order; an
+        // owned tensor sits at the same offset in its layer's parameter and gradient slabs
         int idx = 0, t_i = 0;
         for (int l = 0; l < NL; l++) {
             e->layer_first_opt[l] = idx;
-            for (; t_i < tt->n && tt->t[t_i].layer == l; t_i++)
-                if (tt->t[t_i].tied_to < 0) e->opt_offset[idx++] = tt->t[t_i].param_offset;
+            for (; t_i < tt->n && tt->t[t_i].layer == l; t_i++) {
+                if (tt->t[t_i].tied_to >= 0) continue;
+                if (tt->t[t_i].grad_offset != tt->t[t_i].param_offset)
+                    fatal("internal: tensor %s has different parameter and gradient offsets",
+                          tt->t[t_i].name);
+                e->opt_layer[idx] = l;
+                e->opt_offset[idx++] = tt->t[t_i].param_offset;
+            }
         }
         e->layer_first_opt[NL] = idx;
     }
@@ -1328,6 +1374,10 @@ void engine_free(Engine* e) {
     plan_resources_free(e);
     free(e->dev);
     for (int l = 0; l < NL; l++) im->host_unregister(e->s->grad[l]);
+    if (e->hgrad[1]) {
+        for (int l = 0; l < NL; l++) im->host_free(e->hgrad[1][l]);
+        free(e->hgrad[1]);
+    }
     for (int b = 0; b < 2; b++) {
         for (int l = 0; l < NL; l++) im->host_free(e->master[b][l]);
         free(e->master[b]);
@@ -1342,14 +1392,17 @@ void engine_free(Engine* e) {
     }
     for (int i = 0; i < e->M; i++) im->event_destroy(e->loss_ev[i]);
     free(e->loss_ev);
-    for (int l = 0; l < NL; l++) im->event_destroy(e->grad_ev[l]);
-    free(e->grad_ev);
+    for (int b = 0; b < 2; b++) {
+        for (int l = 0; l < NL; l++) im->event_destroy(e->grad_ev[b][l]);
+        free(e->grad_ev[b]);
+    }
     free(e->param_ready);
     free(e->grad_consumed);
     free(e->grad_recorded);
     free(e->opt_tensors);
     free(e->layer_first_opt);
     free(e->opt_offset);
+    free(e->opt_layer);
     free(e->cost_fwd);
     free(e->cost_bwd);
     cost_profile_free(&e->profile);

@@ -19,7 +19,11 @@
  * fp32 master weights, m, v and fp32 gradient accumulators (the Store) plus two compute-dtype
  * copies of the weights ("master" buffers, ROUNDPIPE.md §9.5): the optimizer step for iteration
  * t's gradient writes the updated weights straight into the buffer the next iteration to use them
- * uploads from, so no separate P-copy or G-copy pass exists.
+ * uploads from, so no separate P-copy or G-copy pass exists. With the delayed update the fp32
+ * gradient accumulators are double-buffered too (one more set, pinned), so an iteration's
+ * gradient downloads never wait for the step still reading the previous iteration's: the CPU
+ * step hides behind a whole iteration. Host memory: 16 B/param (Store) + 2 x compute dtype
+ * (masters) + 4 B/param (second gradient set, delayed mode only), plus activation checkpoints.
  *
  * Delayed update (default, ROUNDPIPE.md §9.4): iteration t computes with θ_{max(t-1,0)}; with
  * `sync`, iteration t computes with θ_t (the step waits for the previous iteration).
