@@ -731,6 +731,11 @@ static void optimizer_step(Engine* e, int64_t k) {
         snprintf(name, sizeof name, "wait grads of iteration %lld", (long long)(k - 1));
         trace_add(e->trace, name, e->N, STREAM_COUNT, t_wait, t_start);
     }
+    if (e->opt.fake_optimizer_us > 0) {
+        struct timespec ts = {e->opt.fake_optimizer_us / 1000000,
+                              (long)(e->opt.fake_optimizer_us % 1000000) * 1000};
+        nanosleep(&ts, NULL);
+    }
     // the gradient set iteration k-1 downloaded into; a tied head's gradient is folded into its
     // owner's there (the Store's own folding works on the Store's set only)
     float** g = e->hgrad[(k - 1) % e->n_hgrad];

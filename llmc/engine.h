@@ -62,6 +62,7 @@ typedef struct EngineOptions {
                              // freeze the plan (0 = keep the size-based plan)
     int fake_compute_us;     // tests only: a stage's micro-batch sleeps this long instead of
                              // computing (uniform stage times, to measure the schedule's bubble)
+    int fake_optimizer_us;   // tests only: every optimizer step takes this much longer
     // optimizer
     AdamWHyper hyper;
     LrSchedule sched;
