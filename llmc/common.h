@@ -100,6 +100,7 @@ uint16_t f32_to_f16(float f);
 
 static inline int imin(int a, int b) { return a < b ? a : b; }
 static inline int imax(int a, int b) { return a > b ? a : b; }
+static inline int64_t imin64(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
 
 #endif  // LLMC_COMMON_H
