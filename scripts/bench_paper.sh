@@ -9,9 +9,12 @@
 #   scripts/bench_paper.sh                         Qwen3-1.7B and LLaMA-3.1-8B on 1 and 2 GPUs
 #   MODELS=qwen3-1.7b GPUS=1 scripts/bench_paper.sh
 #   SWEEP=1 scripts/bench_paper.sh                 + the Qwen3-1.7B sequence sweep 512 .. 64K
+#   MAXSEQ=1 scripts/bench_paper.sh                + the longest trainable sequence per model
+#                                                  (micro-batch of one sequence, layer recompute)
 #   EXTRA="--recompute layer" scripts/bench_paper.sh   extra trainer flags for every run
 #
 # Variables: MODELS, GPUS, BATCH (128), SEQ (2048), MICRO (10), WARMUP (3), TIMED (3), SWEEP (0),
+# MAXSEQ (0),
 # EXTRA, OUTDIR (out/bench), NO_PERF_MD=1 to leave docs/PERF.md alone, SKIP_BUILD=1 to use the
 # binary as it is. The plan is the size-based one (--profile-steps 0), so no re-planning lands in
 # the timed iterations.
@@ -26,6 +29,7 @@ MICRO=${MICRO:-10}
 WARMUP=${WARMUP:-3}
 TIMED=${TIMED:-3}
 SWEEP=${SWEEP:-0}
+MAXSEQ=${MAXSEQ:-0}
 EXTRA=${EXTRA:-}
 OUTDIR=${OUTDIR:-out/bench}
 mkdir -p "$OUTDIR"
@@ -86,6 +90,24 @@ if [ "$SWEEP" = 1 ]; then
         read -r tps mfu bub <<<"$(run qwen3-1.7b 1 "$batch" "$seq" 10)"
         echo "qwen3-1.7b sweep ${batch}x${seq}: $tps tokens/s"
         table+="| qwen3-1.7b (sweep) | 1 | $batch x $seq | 10 | $tps | $mfu% | $bub% |\n"
+    done
+fi
+if [ "$MAXSEQ" = 1 ]; then
+    # doubling from 32K until a run fails (out of device or host memory: a clear error, exit 1),
+    # then bisection to 16K granularity; one sequence per step, 2 steps each
+    for model in $MODELS; do
+        lo=0 hi=0 seq=32768
+        while [ "$hi" = 0 ] && [ "$seq" -le 4194304 ]; do
+            read -r tps _ _ <<<"$(WARMUP=1 TIMED=1 EXTRA="$EXTRA --recompute layer" run "$model" 1 1 "$seq" 1)"
+            if [ "$tps" = failed ]; then hi=$seq; else lo=$seq; seq=$((seq * 2)); fi
+        done
+        while [ "$hi" -gt 0 ] && [ $((hi - lo)) -gt 16384 ]; do
+            mid=$(( (lo + hi) / 2 / 16384 * 16384 ))
+            read -r tps _ _ <<<"$(WARMUP=1 TIMED=1 EXTRA="$EXTRA --recompute layer" run "$model" 1 1 "$mid" 1)"
+            if [ "$tps" = failed ]; then hi=$mid; else lo=$mid; fi
+        done
+        echo "$model: longest trainable sequence $lo tokens (1 GPU, micro-batch of one sequence)"
+        table+="| $model (longest sequence) | 1 | 1 x $lo | 1 | - | - | - |\n"
     done
 fi
 machine="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$visible, $(nproc) CPU cores"
