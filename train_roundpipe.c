@@ -154,6 +154,7 @@ int main(int argc, char** argv) {
     if (checkpoint_resolve_model(&src, a.model, err) != 0) fatal("%s", err);
     Model model;
     if (model_init(&model, &src.cfg, a.decay_embeddings, err) != 0) fatal("%s: %s", a.model, err);
+    model.mlp_chunk = a.mlp_chunk;
     config_print(&model.cfg);
     if (a.seq > model.cfg.max_pos && model.cfg.max_pos > 0)
         printf("warning: --seq %d exceeds max_position_embeddings %d\n", a.seq, model.cfg.max_pos);

@@ -54,6 +54,7 @@ void args_defaults(TrainArgs* a) {
     a->delay_us = 0;
     a->trace = "";
     a->profile_steps = 3;
+    a->mlp_chunk = 0;
     a->save_every = 0;
     a->keep = 0;
     a->resume = 0;
@@ -130,6 +131,9 @@ void args_usage(FILE* f) {
         "      --device D         cpu (plain training), cpu:N (RoundPipe engine over N emulated\n"
         "                         devices), cuda, cuda:N (default cpu)\n"
         "      --threads N        CPU threads, 0 = all (default %d)\n"
+        "      --mlp-chunk ROWS   long sequences: run the MLP in chunks of ROWS tokens and keep\n"
+        "                         none of its activations (recomputed in the backward); 0 = off\n"
+        "                         (default 0)\n"
         "\n"
         "RoundPipe engine (--device cpu:N)\n"
         "      --round M_R        micro-batches per round, M %% M_R == 0, 0 = all (default 0)\n"
@@ -207,7 +211,7 @@ enum {
     OPT_SHUFFLE = 1000, OPT_SEED, OPT_SCHEDULE, OPT_BETA1, OPT_BETA2, OPT_EPS, OPT_CLIP, OPT_LOG,
     OPT_DEVICE, OPT_THREADS, OPT_DUMP, OPT_EVAL_BATCHES, OPT_SAMPLE, OPT_PROMPT, OPT_DECAY_FRAC,
     OPT_DECAY_EMB, OPT_INIT_STD, OPT_TEMPERATURE, OPT_ROUND, OPT_RECOMPUTE, OPT_SYNC, OPT_PLAN,
-    OPT_DEVICE_MEM, OPT_DELAY, OPT_TRACE, OPT_PROFILE_STEPS, OPT_SAVE_EVERY, OPT_KEEP, OPT_RESUME, OPT_EXPORT_HF,
+    OPT_DEVICE_MEM, OPT_DELAY, OPT_TRACE, OPT_PROFILE_STEPS, OPT_MLP_CHUNK, OPT_SAVE_EVERY, OPT_KEEP, OPT_RESUME, OPT_EXPORT_HF,
     OPT_EXPORT_GGUF, OPT_EXPORT_DTYPE, OPT_EXPORT_SHARD
 };
 
@@ -262,6 +266,7 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         {"delay-us", required_argument, 0, OPT_DELAY},
         {"trace", required_argument, 0, OPT_TRACE},
         {"profile-steps", required_argument, 0, OPT_PROFILE_STEPS},
+        {"mlp-chunk", required_argument, 0, OPT_MLP_CHUNK},
         {"save-every", required_argument, 0, OPT_SAVE_EVERY},
         {"keep", required_argument, 0, OPT_KEEP},
         {"resume", no_argument, 0, OPT_RESUME},
@@ -332,6 +337,7 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
                 break;
             case OPT_DELAY: rc = int_in("--delay-us", v, 0, 1000000, &a->delay_us); break;
             case OPT_TRACE: a->trace = v; break;
+            case OPT_MLP_CHUNK: rc = int_in("--mlp-chunk", v, 0, 1 << 30, &a->mlp_chunk); break;
             case OPT_PROFILE_STEPS: rc = int_in("--profile-steps", v, 0, 1000, &a->profile_steps); break;
             case OPT_SAVE_EVERY: rc = int_in("--save-every", v, 0, 1 << 30, &a->save_every); break;
             case OPT_KEEP: rc = int_in("--keep", v, 0, 1 << 30, &a->keep); break;

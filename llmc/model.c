@@ -72,9 +72,16 @@ static int lm_chunk_rows(const Model* m, int act_bytes, int B, int T) {
     return (int)rows;
 }
 
+// Rows per MLP chunk for a workspace of B x T tokens (0: not chunked).
+static int mlp_chunk_rows(const Model* m, int B, int T) {
+    int64_t N = (int64_t)B * T;
+    return m->mlp_chunk > 0 && N > m->mlp_chunk ? m->mlp_chunk : 0;
+}
+
 static void acts_sizes(const Model* m, int B, int T, size_t act_bytes, size_t* sizes) {
     const ModelConfig* c = &m->cfg;
     const size_t N = (size_t)B * T, C = c->C, F = c->F;
+    const int chunked = mlp_chunk_rows(m, B, T) > 0;
     sizes[0] = N * C * act_bytes;                                 // ln1
     sizes[1] = N * sizeof(float);                                 // rstd1
     sizes[2] = N * m->QKV * act_bytes;                            // qkv_raw
@@ -83,10 +90,10 @@ static void acts_sizes(const Model* m, int B, int T, size_t act_bytes, size_t* s
     sizes[5] = N * c->H * c->HD * act_bytes;                      // att
     sizes[6] = (size_t)B * c->H * T * sizeof(float);              // lse
     sizes[7] = N * C * act_bytes;                                 // h
-    sizes[8] = N * C * act_bytes;                                 // ln2
-    sizes[9] = N * sizeof(float);                                 // rstd2
-    sizes[10] = N * 2 * F * act_bytes;                            // gu
-    sizes[11] = N * F * act_bytes;                                // act
+    sizes[8] = chunked ? 0 : N * C * act_bytes;                   // ln2
+    sizes[9] = chunked ? 0 : N * sizeof(float);                   // rstd2
+    sizes[10] = chunked ? 0 : N * 2 * F * act_bytes;              // gu
+    sizes[11] = chunked ? 0 : N * F * act_bytes;                  // act
 }
 
 size_t workspace_act_set_bytes(const Model* m, int act_bytes, int B, int T) {
@@ -99,12 +106,15 @@ size_t workspace_act_set_bytes(const Model* m, int act_bytes, int B, int T) {
 size_t workspace_bytes(const Model* m, int act_bytes, int B, int T, int n_acts) {
     const ModelConfig* c = &m->cfg;
     const size_t N = (size_t)B * T, C = c->C, F = c->F, ab = (size_t)act_bytes;
+    const int chunk = mlp_chunk_rows(m, B, T);
+    const size_t mlp_rows = chunk > 0 ? (size_t)chunk : N;  // rows of the MLP gradient scratch
     size_t sizes[12], per_set = 0;
     acts_sizes(m, B, T, ab, sizes);
     for (int i = 0; i < 12; i++) per_set += sizes[i];
     size_t scratch = N * C * ab * 4 + N * c->H * c->HD * ab + 2 * N * m->QKV * ab +
-                     3 * N * F * ab + N * sizeof(float) +
+                     3 * mlp_rows * F * ab + N * sizeof(float) +
                      (size_t)lm_chunk_rows(m, act_bytes, B, T) * c->V * ab;
+    if (chunk > 0) scratch += (size_t)chunk * (C + 3 * F) * ab + (size_t)chunk * sizeof(float);
     size_t rope = 2 * (size_t)T * (c->HD / 2) * sizeof(float);
     return per_set * (size_t)n_acts + scratch + rope;
 }
@@ -153,8 +163,16 @@ Workspace* workspace_create(const Model* m, const Ops* ops, void* ctx, int B, in
     ws->d_att = ops->alloc(ctx, N * c->H * c->HD * ab);
     ws->d_qkv = ops->alloc(ctx, N * m->QKV * ab);
     ws->d_qkv_raw = ops->alloc(ctx, N * m->QKV * ab);
-    ws->d_act = ops->alloc(ctx, N * F * ab);
-    ws->d_gu = ops->alloc(ctx, N * 2 * F * ab);
+    ws->mlp_chunk = mlp_chunk_rows(m, B, T);
+    const size_t mlp_rows = ws->mlp_chunk > 0 ? (size_t)ws->mlp_chunk : N;
+    ws->d_act = ops->alloc(ctx, mlp_rows * F * ab);
+    ws->d_gu = ops->alloc(ctx, mlp_rows * 2 * F * ab);
+    if (ws->mlp_chunk > 0) {
+        ws->ln2_c = ops->alloc(ctx, mlp_rows * C * ab);
+        ws->rstd2_c = ops->alloc(ctx, mlp_rows * sizeof(float));
+        ws->gu_c = ops->alloc(ctx, mlp_rows * 2 * F * ab);
+        ws->act_c = ops->alloc(ctx, mlp_rows * F * ab);
+    }
     ws->xf = ops->alloc(ctx, N * C * ab);
     ws->rstdf = ops->alloc(ctx, N * sizeof(float));
     ws->d_xf = ops->alloc(ctx, N * C * ab);
@@ -178,6 +196,9 @@ void workspace_free(Workspace* ws) {
     void* bufs[] = {ws->rope_cos, ws->rope_sin, ws->proj, ws->d_ln, ws->d_att, ws->d_qkv,
                     ws->d_qkv_raw, ws->d_act, ws->d_gu, ws->xf, ws->rstdf, ws->d_xf, ws->logits};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) ops->free(ctx, bufs[i]);
+    void* chunk_bufs[] = {ws->ln2_c, ws->rstd2_c, ws->gu_c, ws->act_c};
+    for (size_t i = 0; i < 4; i++)
+        if (chunk_bufs[i]) ops->free(ctx, chunk_bufs[i]);
     free(ws);
 }
 
@@ -197,6 +218,20 @@ void model_prefix_backward(const Model* m, Workspace* ws, float* dwte, const voi
 // ----------------------------------------------------------------------------
 // decoder block
 
+// Rows [r0, r0+n) of the MLP's activations into the chunk scratch: ln2_c = RMSNorm(h), gu_c =
+// ln2_c · Wguᵀ, act_c = silu(gate) * up. The same ops on the same rows as the unchunked MLP.
+static void mlp_chunk_forward(const Model* m, Workspace* ws, const void* slab, const void* h,
+                              int r0, int n) {
+    const Ops* ops = ws->ops;
+    const ModelConfig* c = &m->cfg;
+    const BlockLayout* bl = &m->block;
+    ops->rmsnorm_forward(ws->ctx, ws->ln2_c, ws->rstd2_c, at(ws, h, (int64_t)r0 * c->C),
+                         at(ws, slab, bl->mlp_norm), n, c->C, c->norm_eps);
+    ops->matmul_forward(ws->ctx, ws->gu_c, ws->ln2_c, at(ws, slab, bl->wgu), NULL, n, c->C,
+                        2 * c->F);
+    ops->swiglu_forward(ws->ctx, ws->act_c, ws->gu_c, n, c->F);
+}
+
 void model_block_forward(const Model* m, Workspace* ws, BlockActs* a, const void* slab,
                          const void* x_in, void* x_out, int B, int T) {
     const Ops* ops = ws->ops;
@@ -215,6 +250,18 @@ void model_block_forward(const Model* m, Workspace* ws, BlockActs* a, const void
                              ws->rope_sin, B, T, c->H, c->KVH, HD, c->norm_eps);
     ops->attention_forward(ctx, a->att, a->lse, a->qkv, B, T, c->H, c->KVH, HD);
     ops->matmul_forward(ctx, ws->proj, a->att, at(ws, slab, bl->wo), NULL, N, QD, C);
+    if (ws->mlp_chunk > 0) {
+        // long sequences: h = x + attn, then the MLP chunk by chunk, keeping only h
+        ops->add(ctx, a->h, x_in, ws->proj, (size_t)N * C);
+        for (int r0 = 0; r0 < N; r0 += ws->mlp_chunk) {
+            const int n = imin(ws->mlp_chunk, N - r0);
+            mlp_chunk_forward(m, ws, slab, a->h, r0, n);
+            ops->matmul_forward(ctx, at(ws, ws->proj, (int64_t)r0 * C), ws->act_c,
+                                at(ws, slab, bl->wdown), NULL, n, F, C);
+        }
+        ops->add(ctx, x_out, a->h, ws->proj, (size_t)N * C);
+        return;
+    }
     ops->residual_rmsnorm_forward(ctx, a->h, a->ln2, a->rstd2, x_in, ws->proj,
                                   at(ws, slab, bl->mlp_norm), N, C, c->norm_eps);
     // MLP: x' = h + down(silu(gate(ln2)) * up(ln2))
@@ -237,14 +284,31 @@ void model_block_backward(const Model* m, Workspace* ws, const BlockActs* a, con
     float* dk_norm = bl->k_norm >= 0 ? gslab + bl->k_norm : NULL;
 
     // MLP. dres is the gradient of x' and, through the residual, of h.
-    ops->matmul_backward(ctx, ws->d_act, gslab + bl->wdown, NULL, dres, a->act,
-                         at(ws, slab, bl->wdown), N, F, C);
-    ops->swiglu_backward(ctx, ws->d_gu, ws->d_act, a->gu, N, F);
-    ops->matmul_backward(ctx, ws->d_ln, gslab + bl->wgu, NULL, ws->d_gu, a->ln2,
-                         at(ws, slab, bl->wgu), N, C, 2 * F);
-    // rmsnorm_backward accumulates: dres becomes the full gradient of h
-    ops->rmsnorm_backward(ctx, dres, gslab + bl->mlp_norm, ws->d_ln, a->h,
-                          at(ws, slab, bl->mlp_norm), a->rstd2, N, C);
+    if (ws->mlp_chunk > 0) {
+        // recompute each chunk's activations from h, then its backward
+        for (int r0 = 0; r0 < N; r0 += ws->mlp_chunk) {
+            const int n = imin(ws->mlp_chunk, N - r0);
+            void* dres_c = at(ws, dres, (int64_t)r0 * C);
+            mlp_chunk_forward(m, ws, slab, a->h, r0, n);
+            ops->matmul_backward(ctx, ws->d_act, gslab + bl->wdown, NULL, dres_c, ws->act_c,
+                                 at(ws, slab, bl->wdown), n, F, C);
+            ops->swiglu_backward(ctx, ws->d_gu, ws->d_act, ws->gu_c, n, F);
+            ops->matmul_backward(ctx, ws->d_ln, gslab + bl->wgu, NULL, ws->d_gu, ws->ln2_c,
+                                 at(ws, slab, bl->wgu), n, C, 2 * F);
+            ops->rmsnorm_backward(ctx, dres_c, gslab + bl->mlp_norm, ws->d_ln,
+                                  at(ws, a->h, (int64_t)r0 * C), at(ws, slab, bl->mlp_norm),
+                                  ws->rstd2_c, n, C);
+        }
+    } else {
+        ops->matmul_backward(ctx, ws->d_act, gslab + bl->wdown, NULL, dres, a->act,
+                             at(ws, slab, bl->wdown), N, F, C);
+        ops->swiglu_backward(ctx, ws->d_gu, ws->d_act, a->gu, N, F);
+        ops->matmul_backward(ctx, ws->d_ln, gslab + bl->wgu, NULL, ws->d_gu, a->ln2,
+                             at(ws, slab, bl->wgu), N, C, 2 * F);
+        // rmsnorm_backward accumulates: dres becomes the full gradient of h
+        ops->rmsnorm_backward(ctx, dres, gslab + bl->mlp_norm, ws->d_ln, a->h,
+                              at(ws, slab, bl->mlp_norm), a->rstd2, N, C);
+    }
     // attention. dres is the gradient of h and, through the residual, of x.
     ops->matmul_backward(ctx, ws->d_att, gslab + bl->wo, NULL, dres, a->att, at(ws, slab, bl->wo),
                          N, QD, C);

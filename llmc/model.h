@@ -38,6 +38,11 @@ typedef struct Model {
     int QKV;               // (H + 2*KVH) * HD
     float* inv_freq;       // (HD/2) RoPE inverse frequencies (host)
     float rope_scale;      // attention scaling folded into cos/sin (1 except yarn)
+    // Long sequences: when > 0 and a workspace holds more than this many rows, the MLP runs in
+    // row chunks of this size and its activations (ln2, gate/up, silu product) are not kept: the
+    // backward recomputes them chunk by chunk from h. Costs one more MLP forward in the backward,
+    // saves (C + 3F) x rows of activations and shrinks the MLP gradient scratch to a chunk.
+    int mlp_chunk;
 } Model;
 
 // Activations of one block for one micro-batch, saved by the forward for the backward.
@@ -51,8 +56,8 @@ typedef struct BlockActs {
     void* att;       // (N, H*HD) attention output before Wo
     float* lse;      // (B, H, T)
     void* h;         // (N, C) residual after attention
-    void* ln2;       // (N, C)
-    float* rstd2;    // (N)
+    void* ln2;       // (N, C)          } NULL with a chunked MLP (Workspace.mlp_chunk):
+    float* rstd2;    // (N)             } the backward recomputes them per chunk
     void* gu;        // (N, 2F) [gate | up]
     void* act;       // (N, F) silu(gate) * up
 } BlockActs;
@@ -78,6 +83,11 @@ typedef struct Workspace {
     float* rstdf;      // (N)
     void* d_xf;        // (N, C)
     void* logits;      // (lm_chunk, V)
+    int mlp_chunk;     // rows per MLP chunk (0: whole micro-batch, activations kept)
+    void* ln2_c;       // (mlp_chunk, C) chunk scratch of the chunked MLP
+    float* rstd2_c;    // (mlp_chunk)
+    void* gu_c;        // (mlp_chunk, 2F)
+    void* act_c;       // (mlp_chunk, F)
 } Workspace;
 
 // ----------------------------------------------------------------------------
