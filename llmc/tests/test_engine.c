@@ -78,16 +78,25 @@ static void collect_params(Run* run, const Store* s, const Model* m) {
 static AdamWHyper test_hyper(void) { return (AdamWHyper){3e-3f, 0.9f, 0.95f, 1e-8f, 0.1f}; }
 static LrSchedule test_sched(void) { return (LrSchedule){LR_COSINE, 3e-3f, 2, STEPS, 0.1f, 0.2f}; }
 
-// The plain trainer: M micro-batches, synchronous AdamW.
-static void run_plain(Run* run, const ModelConfig* c, int B, int T, int M, const int32_t* tokens) {
+// The reference trainer: the plain (non-pipelined) path, M micro-batches, AdamW. delayed = 0:
+// synchronous. delayed = 1: the one-step-delayed update written out by hand — iteration t computes
+// gradients with θ_{max(t-1,0)} (a second store `w` holds the weights being computed with) and
+// the step applies them to θ_t.
+static void run_reference(Run* run, const ModelConfig* c, int B, int T, int M,
+                          const int32_t* tokens, int delayed) {
     char err[ERR_LEN];
     Model m;
     model_init(&m, c, 0, err);
-    Store s;
+    Store s, w_own;
     init_store(&s, &m);
+    Store* w = &s;
+    if (delayed) {
+        init_store(&w_own, &m);
+        w = &w_own;
+    }
     void* ctx = ops_cpu_create(1);
     const int Bm = B / M;
-    Plain* p = plain_create(&m, &s, &ops_cpu, ctx, Bm, T, 0);
+    Plain* p = plain_create(&m, w, &ops_cpu, ctx, Bm, T, 0);
     AdamWTensor opt[128];
     int n = store_adamw_tensors(&s, opt);
     AdamWHyper h = test_hyper();
@@ -95,13 +104,20 @@ static void run_plain(Run* run, const ModelConfig* c, int B, int T, int M, const
     ThreadPool* pool = threadpool_create(1);
     for (int step = 0; step < STEPS; step++) {
         const int32_t* batch = tokens + (size_t)step * B * (T + 1);
-        store_zero_grads(&s);
+        store_zero_grads(w);
         double sum = 0;
         for (int mb = 0; mb < M; mb++)
             sum += plain_forward_backward(p, batch + (size_t)mb * Bm * (T + 1), Bm, T,
                                           1.0f / ((float)B * (float)T));
-        store_fold_tied_grads(&s);
+        store_fold_tied_grads(w);
         run->loss[step] = sum / ((double)B * T);
+        if (delayed) {
+            for (int l = 0; l < m.tt.n_layers; l++) {
+                memcpy(s.grad[l], w->grad[l], (size_t)m.tt.grad_numel[l] * sizeof(float));
+                // the next iteration computes with θ_step (the weights before this step)
+                memcpy(w->param[l], s.param[l], (size_t)m.tt.param_numel[l] * sizeof(float));
+            }
+        }
         double norm = sqrt(adamw_grad_norm_sq(pool, opt, n));
         h.lr = lr_schedule_at(&sched, step + 1);
         adamw_step(pool, opt, n, &h, step + 1, adamw_clip_scale(norm, 1.0f));
@@ -111,6 +127,7 @@ static void run_plain(Run* run, const ModelConfig* c, int B, int T, int M, const
     plain_free(p);
     ops_cpu_destroy(ctx);
     store_free(&s);
+    if (delayed) store_free(&w_own);
     model_free(&m);
 }
 
@@ -170,7 +187,7 @@ static void test_engine_sync_matches_plain(TestCtx* t) {
         ModelConfig c = engine_config(tied);
         int32_t* tokens = make_batches(B, T, 3 + tied, c.V);
         Run ref;
-        run_plain(&ref, &c, B, T, 4, tokens);
+        run_reference(&ref, &c, B, T, 4, tokens, 0);
         // small budgets force many stages; rounds of 2 micro-batches exercise the cross-round
         // gradient accumulation
         const EngineCase cases[] = {
@@ -217,60 +234,13 @@ static void test_engine_microbatch_counts(TestCtx* t) {
     free(tokens);
 }
 
-// Reference for the one-step-delayed optimizer: iteration t computes gradients with θ_{max(t-1,0)}
-// (a second store holds the weights being computed with), the step applies them to θ_t.
-static void run_delayed_reference(Run* run, const ModelConfig* c, int B, int T, int M,
-                                  const int32_t* tokens) {
-    char err[ERR_LEN];
-    Model m;
-    model_init(&m, c, 0, err);
-    Store s, w;  // s: optimizer state θ_k; w: the weights an iteration computes with
-    init_store(&s, &m);
-    init_store(&w, &m);
-    void* ctx = ops_cpu_create(1);
-    const int Bm = B / M;
-    Plain* p = plain_create(&m, &w, &ops_cpu, ctx, Bm, T, 0);
-    AdamWTensor opt[128];
-    int n = store_adamw_tensors(&s, opt);
-    AdamWHyper h = test_hyper();
-    LrSchedule sched = test_sched();
-    ThreadPool* pool = threadpool_create(1);
-    const int NL = m.tt.n_layers;
-    for (int step = 0; step < STEPS; step++) {
-        // w holds θ_{max(step-1, 0)}: θ_0 initially, then the θ saved before the previous step
-        const int32_t* batch = tokens + (size_t)step * B * (T + 1);
-        store_zero_grads(&w);
-        double sum = 0;
-        for (int mb = 0; mb < M; mb++)
-            sum += plain_forward_backward(p, batch + (size_t)mb * Bm * (T + 1), Bm, T,
-                                          1.0f / ((float)B * (float)T));
-        store_fold_tied_grads(&w);
-        run->loss[step] = sum / ((double)B * T);
-        for (int l = 0; l < NL; l++) {
-            memcpy(s.grad[l], w.grad[l], (size_t)m.tt.grad_numel[l] * sizeof(float));
-            // the next iteration computes with θ_step (the weights before this step)
-            memcpy(w.param[l], s.param[l], (size_t)m.tt.param_numel[l] * sizeof(float));
-        }
-        double norm = sqrt(adamw_grad_norm_sq(pool, opt, n));
-        h.lr = lr_schedule_at(&sched, step + 1);
-        adamw_step(pool, opt, n, &h, step + 1, adamw_clip_scale(norm, 1.0f));
-    }
-    collect_params(run, &s, &m);
-    threadpool_destroy(pool);
-    plain_free(p);
-    ops_cpu_destroy(ctx);
-    store_free(&s);
-    store_free(&w);
-    model_free(&m);
-}
-
 static void test_engine_async_delayed(TestCtx* t) {
     const int B = 8, T = 12;
     for (int tied = 0; tied <= 1; tied++) {
         ModelConfig c = engine_config(tied);
         int32_t* tokens = make_batches(B, T, 11 + tied, c.V);
         Run ref;
-        run_delayed_reference(&ref, &c, B, T, 4, tokens);
+        run_reference(&ref, &c, B, T, 4, tokens, 1);
         const EngineCase cases[] = {{1, 4, 4, 0, 1, RECOMPUTE_STAGE, 0, 0},
                                     {3, 4, 4, 0, 1, RECOMPUTE_STAGE, 2.4e5, 0},
                                     {2, 4, 2, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0}};
