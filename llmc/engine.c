@@ -976,12 +976,22 @@ static void plan_resources_create(Engine* e) {
             ds->gslot[k] = dev_alloc(e, ds, (size_t)max_g * sizeof(float));
             ds->pslot_free[k] = e->impl->event_create(ds->d);
             ds->gslot_free[k] = e->impl->event_create(ds->d);
-            ds->xs[k] = calloc_check((size_t)max_len + 1, sizeof(void*));
-            for (int j = 0; j <= max_len; j++) ds->xs[k][j] = dev_alloc(e, ds, x_bytes);
-            ds->dres[k] = dev_alloc(e, ds, x_bytes);
-            ds->ids[k] = dev_alloc(e, ds, tok * sizeof(int32_t));
-            ds->targets[k] = dev_alloc(e, ds, tok * sizeof(int32_t));
-            ds->losses[k] = dev_alloc(e, ds, tok * sizeof(float));
+            // activation buffers in two micro-batch parities; with one micro-batch per round
+            // (long sequences) parity 1 is never used, so it shares parity 0's buffers
+            if (k == 1 && e->M_R == 1) {
+                ds->xs[1] = ds->xs[0];
+                ds->dres[1] = ds->dres[0];
+                ds->ids[1] = ds->ids[0];
+                ds->targets[1] = ds->targets[0];
+                ds->losses[1] = ds->losses[0];
+            } else {
+                ds->xs[k] = calloc_check((size_t)max_len + 1, sizeof(void*));
+                for (int j = 0; j <= max_len; j++) ds->xs[k][j] = dev_alloc(e, ds, x_bytes);
+                ds->dres[k] = dev_alloc(e, ds, x_bytes);
+                ds->ids[k] = dev_alloc(e, ds, tok * sizeof(int32_t));
+                ds->targets[k] = dev_alloc(e, ds, tok * sizeof(int32_t));
+                ds->losses[k] = dev_alloc(e, ds, tok * sizeof(float));
+            }
             ds->up_done[k] = e->impl->event_create(ds->d);
             ds->comp_done[k] = e->impl->event_create(ds->d);
             ds->down_done[k] = e->impl->event_create(ds->d);
@@ -1008,12 +1018,14 @@ static void plan_resources_free(Engine* e) {
             im->free(ds->d, ds->gslot[k]);
             im->event_destroy(ds->pslot_free[k]);
             im->event_destroy(ds->gslot_free[k]);
-            for (int j = 0; j <= max_len; j++) im->free(ds->d, ds->xs[k][j]);
-            free(ds->xs[k]);
-            im->free(ds->d, ds->dres[k]);
-            im->free(ds->d, ds->ids[k]);
-            im->free(ds->d, ds->targets[k]);
-            im->free(ds->d, ds->losses[k]);
+            if (!(k == 1 && e->M_R == 1)) {  // parity 1 shares parity 0's buffers then
+                for (int j = 0; j <= max_len; j++) im->free(ds->d, ds->xs[k][j]);
+                free(ds->xs[k]);
+                im->free(ds->d, ds->dres[k]);
+                im->free(ds->d, ds->ids[k]);
+                im->free(ds->d, ds->targets[k]);
+                im->free(ds->d, ds->losses[k]);
+            }
             im->event_destroy(ds->up_done[k]);
             im->event_destroy(ds->comp_done[k]);
             im->event_destroy(ds->down_done[k]);

@@ -197,6 +197,8 @@ static void test_engine_sync_matches_plain(TestCtx* t) {
             // re-planned from profiled times after 2 iterations: the plan may change mid-run,
             // the numbers must not
             {3, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 2}, {2, 4, 2, 1, 0, RECOMPUTE_LAYER, 4.4e5, 2},
+            // one micro-batch per round (the long-sequence shape): single-parity buffers
+            {2, 4, 1, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0}, {3, 4, 1, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0},
         };
         for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
             Run r;
