@@ -856,8 +856,13 @@ static void layer_bytes(const Engine* e, double* fb, double* bb) {
     const double acts = e->opt.grain == RECOMPUTE_STAGE
                             ? (double)workspace_act_set_bytes(e->m, (int)e->ab, e->Bm, e->T)
                             : 0.0;
+    // every layer of the running stage also has a residual-stream buffer on the device (its
+    // input / recomputed output / uploaded checkpoint), in one or two micro-batch parities; like
+    // the activations they are not double-buffered per slot
+    const double parities = e->M_R > 1 ? 2.0 : 1.0;
+    const double xbuf = parities * (double)e->Bm * e->T * e->C * (double)e->ab;
     for (int l = 0; l < e->NL; l++) {
-        fb[l] = (double)tt->param_numel[l] * (double)e->ab;
+        fb[l] = (double)tt->param_numel[l] * (double)e->ab + xbuf / 2;
         if (l == e->NL - 1 && tt->t[head].tied_to >= 0) fb[l] += (double)tt->t[head].numel * e->ab;
         bb[l] = fb[l] + (double)tt->grad_numel[l] * sizeof(float);
         if (l >= 1 && l < e->NL - 1) bb[l] += acts / 2;
