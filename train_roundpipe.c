@@ -216,6 +216,7 @@ int main(int argc, char** argv) {
                             .sync = a.sync, .device_budget = a.device_mem,
                             .opt_threads = a.threads, .trace_path = a.trace,
                             .replan_after = a.profile_steps, .start_step = ts.step,
+                            .host_single = a.host_single,
                             .hyper = {a.lr, a.beta1, a.beta2, a.eps, a.weight_decay},
                             .sched = {a.schedule, a.lr, a.warmup, a.steps, a.min_lr_frac,
                                       a.decay_frac},

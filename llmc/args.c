@@ -55,6 +55,7 @@ void args_defaults(TrainArgs* a) {
     a->trace = "";
     a->profile_steps = 3;
     a->mlp_chunk = 0;
+    a->host_single = 0;
     a->save_every = 0;
     a->keep = 0;
     a->resume = 0;
@@ -144,6 +145,9 @@ void args_usage(FILE* f) {
         "      --plan             print the partition, predicted bubble and memory, then exit\n"
         "      --delay-us N       emulated devices: random 0..N us delay before every stream item\n"
         "                         (fault injection for ordering bugs; default 0)\n"
+        "      --host-checkpoints single|double  host activation checkpoints: one set (half the\n"
+        "                         host memory; the next iteration's producers wait for this\n"
+        "                         one's readers) or one per iteration parity (default double)\n"
         "      --profile-steps N  re-plan once from stage times measured over the first N steps\n"
         "                         (the first is dropped as a cold start), then freeze the plan;\n"
         "                         0 keeps the FLOP-based plan (default %d)\n"
@@ -211,7 +215,7 @@ enum {
     OPT_SHUFFLE = 1000, OPT_SEED, OPT_SCHEDULE, OPT_BETA1, OPT_BETA2, OPT_EPS, OPT_CLIP, OPT_LOG,
     OPT_DEVICE, OPT_THREADS, OPT_DUMP, OPT_EVAL_BATCHES, OPT_SAMPLE, OPT_PROMPT, OPT_DECAY_FRAC,
     OPT_DECAY_EMB, OPT_INIT_STD, OPT_TEMPERATURE, OPT_ROUND, OPT_RECOMPUTE, OPT_SYNC, OPT_PLAN,
-    OPT_DEVICE_MEM, OPT_DELAY, OPT_TRACE, OPT_PROFILE_STEPS, OPT_MLP_CHUNK, OPT_SAVE_EVERY, OPT_KEEP, OPT_RESUME, OPT_EXPORT_HF,
+    OPT_DEVICE_MEM, OPT_DELAY, OPT_TRACE, OPT_PROFILE_STEPS, OPT_MLP_CHUNK, OPT_HOST_CKPT, OPT_SAVE_EVERY, OPT_KEEP, OPT_RESUME, OPT_EXPORT_HF,
     OPT_EXPORT_GGUF, OPT_EXPORT_DTYPE, OPT_EXPORT_SHARD
 };
 
@@ -267,6 +271,7 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         {"trace", required_argument, 0, OPT_TRACE},
         {"profile-steps", required_argument, 0, OPT_PROFILE_STEPS},
         {"mlp-chunk", required_argument, 0, OPT_MLP_CHUNK},
+        {"host-checkpoints", required_argument, 0, OPT_HOST_CKPT},
         {"save-every", required_argument, 0, OPT_SAVE_EVERY},
         {"keep", required_argument, 0, OPT_KEEP},
         {"resume", no_argument, 0, OPT_RESUME},
@@ -337,6 +342,11 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
                 break;
             case OPT_DELAY: rc = int_in("--delay-us", v, 0, 1000000, &a->delay_us); break;
             case OPT_TRACE: a->trace = v; break;
+            case OPT_HOST_CKPT:
+                if (strcmp(v, "single") == 0) a->host_single = 1;
+                else if (strcmp(v, "double") == 0) a->host_single = 0;
+                else rc = bad("--host-checkpoints", v, "expected single or double");
+                break;
             case OPT_MLP_CHUNK: rc = int_in("--mlp-chunk", v, 0, 1 << 30, &a->mlp_chunk); break;
             case OPT_PROFILE_STEPS: rc = int_in("--profile-steps", v, 0, 1000, &a->profile_steps); break;
             case OPT_SAVE_EVERY: rc = int_in("--save-every", v, 0, 1 << 30, &a->save_every); break;

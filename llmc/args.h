@@ -56,6 +56,7 @@ typedef struct TrainArgs {
     const char* trace;       // Chrome trace JSON of the engine's work ("" = none)
     int profile_steps;       // re-plan once from stage times measured over this many steps
     int mlp_chunk;           // long sequences: MLP in row chunks of this size (0 = off)
+    int host_single;         // engine: one set of host activation checkpoints (half the memory)
     const char* dump_state;  // safetensors path ("" = train normally)
     int sample_tokens;       // tokens generated at the end (0 = none)
     const char* prompt;      // generation prompt (byte-level vocabularies)

@@ -111,6 +111,8 @@ typedef struct DeviceOptions {
     uint32_t delay_seed;    // CPU emulation: seed of the injected delays
     int max_delay_us;       // CPU emulation: each stream sleeps a random 0..max before each item
                             // (0 = no fault injection)
+    unsigned delay_streams; // CPU emulation: bit s set = stream s gets the delays (0 = all), so
+                            // a test can make one kind of traffic lag far behind the others
     size_t mem_limit;       // device memory limit in bytes (0 = the backend's default)
 } DeviceOptions;
 

@@ -283,7 +283,8 @@ static Device* cpu_open(int index, const DeviceOptions* opt) {
         Stream* st = &d->streams[s];
         st->dev = d;
         st->kind = (StreamKind)s;
-        st->max_delay_us = opt->max_delay_us;
+        st->max_delay_us =
+            opt->delay_streams == 0 || (opt->delay_streams >> s) & 1u ? opt->max_delay_us : 0;
         uint32_t stream_id = (uint32_t)index * STREAM_COUNT + (uint32_t)s;
         rng_seed(&st->delay_rng, hash_u32(opt->delay_seed ^ hash_u32(stream_id + 1u)));
         pthread_check(pthread_mutex_init(&st->mu, NULL));

@@ -148,6 +148,9 @@ struct Engine {
     float** hloss[2];
     DevEvent*** x_ev;       // [boundary][micro-batch]
     DevEvent*** dx_ev;
+    int host_parities;      // 2, or 1 with opt.host_single (hx[1] / hdx[1] alias set 0)
+    DevEvent*** x_free;     // [boundary][micro-batch] last consumer's upload done (single set)
+    DevEvent*** dx_free;
     DevEvent** loss_ev;     // [micro-batch]
     // Host fp32 gradient accumulators: iteration t downloads into hgrad[t % n_hgrad]. With the
     // delayed optimizer two sets (the Store's and one more), so iteration t+1 never waits for the
@@ -630,6 +633,7 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
         } else {
             im->stream_wait(d, STREAM_ACT_UP, e->x_ev[st->b][i]);
             im->copy_h2d(d, STREAM_ACT_UP, xs[0], e->hx[ip][st->b][i], x_bytes);
+            if (e->x_free) im->event_record(e->x_free[st->b][i], d, STREAM_ACT_UP);
         }
         if (st->kind == SLOT_FUSED)
             im->copy_h2d(d, STREAM_ACT_UP, ds->targets[p], e->htgt[ip][i], tok_bytes);
@@ -639,10 +643,12 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
                     if (l == st->b) continue;  // already uploaded as the stage input
                     im->stream_wait(d, STREAM_ACT_UP, e->x_ev[l][i]);
                     im->copy_h2d(d, STREAM_ACT_UP, xs[l - st->b], e->hx[ip][l][i], x_bytes);
+                    if (e->x_free) im->event_record(e->x_free[l][i], d, STREAM_ACT_UP);
                 }
             }
             im->stream_wait(d, STREAM_ACT_UP, e->dx_ev[st->e][i]);
             im->copy_h2d(d, STREAM_ACT_UP, ds->dres[p], e->hdx[ip][st->e][i], x_bytes);
+            if (e->dx_free) im->event_record(e->dx_free[st->e][i], d, STREAM_ACT_UP);
         }
         im->event_record(ds->up_done[p], d, STREAM_ACT_UP);
         im->event_record(ds->marks[r], d, STREAM_ACT_UP);
@@ -667,6 +673,9 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
                 int bnd = st->b + k;
                 if (!e->need_x[bnd]) continue;
                 label(e, ip, ds, STREAM_ACT_DOWN, "down %s mb%d x%d", st->name, i, bnd);
+                // one host set: the previous iteration's last reader of this buffer (the latest
+                // consumer enqueued, causally the last) must be done with it
+                if (e->x_free) im->stream_wait(d, STREAM_ACT_DOWN, e->x_free[bnd][i]);
                 im->copy_d2h(d, STREAM_ACT_DOWN, e->hx[ip][bnd][i], xs[k], x_bytes);
                 im->event_record(e->x_ev[bnd][i], d, STREAM_ACT_DOWN);
             }
@@ -678,6 +687,7 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
             }
             if (st->b > 0) {
                 label(e, ip, ds, STREAM_ACT_DOWN, "down %s mb%d dx%d", st->name, i, st->b);
+                if (e->dx_free) im->stream_wait(d, STREAM_ACT_DOWN, e->dx_free[st->b][i]);
                 im->copy_d2h(d, STREAM_ACT_DOWN, e->hdx[ip][st->b][i], ds->dres[p], x_bytes);
                 im->event_record(e->dx_ev[st->b][i], d, STREAM_ACT_DOWN);
             }
@@ -933,7 +943,17 @@ static void plan_resources_create(Engine* e) {
     // host activation buffers (two iteration parities) and their events
     const size_t x_bytes = (size_t)e->Bm * e->T * e->C * e->ab;
     const size_t tok = (size_t)e->Bm * e->T;
+    e->host_parities = e->opt.host_single ? 1 : 2;
     for (int b = 0; b < 2; b++) {
+        if (b >= e->host_parities) {  // one set: parity 1 is parity 0
+            e->hx[b] = e->hx[0];
+            e->hdx[b] = e->hdx[0];
+        }
+        const int n_prof = 2 * e->R * e->S * e->M_R;
+        e->prof_ev[b] = calloc_check((size_t)n_prof, sizeof(DevEvent*));
+        for (int i = 0; i < n_prof; i++) e->prof_ev[b][i] = ev_new(e);
+        e->prof_iter[b] = -1;
+        if (b >= e->host_parities) continue;
         e->hx[b] = calloc_check((size_t)NL + 1, sizeof(void**));
         e->hdx[b] = calloc_check((size_t)NL + 1, sizeof(void**));
         for (int bnd = 0; bnd <= NL; bnd++) {
@@ -946,21 +966,29 @@ static void plan_resources_create(Engine* e) {
                 for (int i = 0; i < e->M; i++) e->hdx[b][bnd][i] = e->impl->host_alloc(x_bytes);
             }
         }
-        const int n_prof = 2 * e->R * e->S * e->M_R;
-        e->prof_ev[b] = calloc_check((size_t)n_prof, sizeof(DevEvent*));
-        for (int i = 0; i < n_prof; i++) e->prof_ev[b][i] = ev_new(e);
-        e->prof_iter[b] = -1;
     }
     e->x_ev = calloc_check((size_t)NL + 1, sizeof(DevEvent**));
     e->dx_ev = calloc_check((size_t)NL + 1, sizeof(DevEvent**));
+    if (e->host_parities == 1) {
+        e->x_free = calloc_check((size_t)NL + 1, sizeof(DevEvent**));
+        e->dx_free = calloc_check((size_t)NL + 1, sizeof(DevEvent**));
+    }
     for (int bnd = 0; bnd <= NL; bnd++) {
         if (e->need_x[bnd]) {
             e->x_ev[bnd] = calloc_check((size_t)e->M, sizeof(DevEvent*));
             for (int i = 0; i < e->M; i++) e->x_ev[bnd][i] = ev_new(e);
+            if (e->x_free) {
+                e->x_free[bnd] = calloc_check((size_t)e->M, sizeof(DevEvent*));
+                for (int i = 0; i < e->M; i++) e->x_free[bnd][i] = ev_new(e);
+            }
         }
         if (e->need_dx[bnd]) {
             e->dx_ev[bnd] = calloc_check((size_t)e->M, sizeof(DevEvent*));
             for (int i = 0; i < e->M; i++) e->dx_ev[bnd][i] = ev_new(e);
+            if (e->dx_free) {
+                e->dx_free[bnd] = calloc_check((size_t)e->M, sizeof(DevEvent*));
+                for (int i = 0; i < e->M; i++) e->dx_free[bnd][i] = ev_new(e);
+            }
         }
     }
 
@@ -1042,7 +1070,7 @@ static void plan_resources_free(Engine* e) {
         free(ds->marks);
     }
     for (int b = 0; b < 2; b++) {
-        for (int bnd = 0; bnd <= NL; bnd++) {
+        for (int bnd = 0; bnd <= NL && b < e->host_parities; bnd++) {
             if (e->hx[b][bnd]) {
                 for (int i = 0; i < e->M; i++) im->host_free(e->hx[b][bnd][i]);
                 free(e->hx[b][bnd]);
@@ -1052,8 +1080,10 @@ static void plan_resources_free(Engine* e) {
                 free(e->hdx[b][bnd]);
             }
         }
-        free(e->hx[b]);
-        free(e->hdx[b]);
+        if (b < e->host_parities) {
+            free(e->hx[b]);
+            free(e->hdx[b]);
+        }
         const int n_prof = 2 * e->R * e->S * e->M_R;
         for (int i = 0; i < n_prof; i++) im->event_destroy(e->prof_ev[b][i]);
         free(e->prof_ev[b]);
@@ -1074,6 +1104,19 @@ static void plan_resources_free(Engine* e) {
     }
     free(e->x_ev);
     free(e->dx_ev);
+    for (int bnd = 0; e->x_free && bnd <= NL; bnd++) {
+        if (e->x_free[bnd]) {
+            for (int i = 0; i < e->M; i++) im->event_destroy(e->x_free[bnd][i]);
+            free(e->x_free[bnd]);
+        }
+        if (e->dx_free[bnd]) {
+            for (int i = 0; i < e->M; i++) im->event_destroy(e->dx_free[bnd][i]);
+            free(e->dx_free[bnd]);
+        }
+    }
+    free(e->x_free);
+    free(e->dx_free);
+    e->x_free = e->dx_free = NULL;
     for (int i = 0; i < e->S; i++) {
         free(e->stages[i].p_off);
         free(e->stages[i].g_off);

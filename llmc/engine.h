@@ -56,6 +56,9 @@ typedef struct EngineOptions {
     double device_budget;    // bytes of device memory for parameter stages (0 = backend default)
     int opt_threads;         // optimizer threads (0 = all CPUs)
     const char* trace_path;  // Chrome trace JSON ("" = none)
+    int host_single;         // 1: one set of host activation checkpoints instead of one per
+                             // iteration parity (half the host memory; a producer then waits
+                             // until the previous iteration's last consumer has read a buffer)
     int64_t start_step;      // optimizer steps already applied (resume): step k of this engine is
                              // step start_step + k of the run (LR schedule, bias correction)
     int replan_after;        // re-plan once with profiled costs after this many iterations, then

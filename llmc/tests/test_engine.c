@@ -132,10 +132,11 @@ static void run_reference(Run* run, const ModelConfig* c, int B, int T, int M,
 }
 
 typedef struct EngineCase {
-    int N, M, M_R, sync, delays;
+    int N, M, M_R, sync, delays;  // delays: see run_engine
     RecomputeGrain grain;
     double budget;  // device bytes (forces several stages when small)
     int replan_after;
+    int host_single;  // one set of host checkpoints
 } EngineCase;
 
 static int run_engine(TestCtx* t, Run* run, const ModelConfig* c, int B, int T,
@@ -145,12 +146,16 @@ static int run_engine(TestCtx* t, Run* run, const ModelConfig* c, int B, int T,
     model_init(&m, c, 0, err);
     Store s;
     init_store(&s, &m);
-    DeviceOptions dopt = {.threads = 1, .delay_seed = 99, .max_delay_us = ec->delays ? 50 : 0};
+    // delays: 0 none, 1 up to 50 us before every stream item, larger values: up to that many us
+    // before every activation upload only (readers of host checkpoints lag far behind)
+    DeviceOptions dopt = {.threads = 1, .delay_seed = 99,
+                          .max_delay_us = ec->delays == 1 ? 50 : ec->delays,
+                          .delay_streams = ec->delays > 1 ? 1u << STREAM_ACT_UP : 0};
     DeviceSet devs;
     device_set_open(&devs, &device_cpu_impl, ec->N, &dopt);
     EngineOptions eo = {.B = B, .T = T, .M = ec->M, .M_R = ec->M_R, .grain = ec->grain,
                         .sync = ec->sync, .device_budget = ec->budget, .opt_threads = 1,
-                        .replan_after = ec->replan_after,
+                        .replan_after = ec->replan_after, .host_single = ec->host_single,
                         .trace_path = "", .hyper = test_hyper(), .sched = test_sched(),
                         .grad_clip = 1.0f};
     Engine* e = engine_create(&m, &s, &devs, &eo, err);
@@ -191,14 +196,16 @@ static void test_engine_sync_matches_plain(TestCtx* t) {
         // small budgets force many stages; rounds of 2 micro-batches exercise the cross-round
         // gradient accumulation
         const EngineCase cases[] = {
-            {1, 4, 4, 1, 0, RECOMPUTE_STAGE, 0, 0},     {1, 4, 2, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0},
-            {2, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0},   {3, 4, 4, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0},
-            {4, 4, 2, 1, 1, RECOMPUTE_LAYER, 2.2e5, 0},   {4, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.2e5, 0},
+            {1, 4, 4, 1, 0, RECOMPUTE_STAGE, 0, 0, 0},     {1, 4, 2, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0},
+            {2, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0},   {3, 4, 4, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0},
+            {4, 4, 2, 1, 1, RECOMPUTE_LAYER, 2.2e5, 0, 0},   {4, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.2e5, 0, 0},
             // re-planned from profiled times after 2 iterations: the plan may change mid-run,
             // the numbers must not
-            {3, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 2}, {2, 4, 2, 1, 0, RECOMPUTE_LAYER, 4.4e5, 2},
+            {3, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 2, 0}, {2, 4, 2, 1, 0, RECOMPUTE_LAYER, 4.4e5, 2, 0},
             // one micro-batch per round (the long-sequence shape): single-parity buffers
-            {2, 4, 1, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0}, {3, 4, 1, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0},
+            {2, 4, 1, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0}, {3, 4, 1, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0},
+            // one set of host checkpoints (producers wait for the previous iteration's readers)
+            {3, 4, 2, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0, 1}, {2, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 1},
         };
         for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
             Run r;
@@ -222,8 +229,8 @@ static void test_engine_microbatch_counts(TestCtx* t) {
     ModelConfig c = engine_config(0);
     int32_t* tokens = make_batches(B, T, 5, c.V);
     Run a, b;
-    EngineCase ca = {2, 2, 2, 1, 0, RECOMPUTE_STAGE, 3.2e5, 0};
-    EngineCase cb = {2, 8, 4, 1, 0, RECOMPUTE_STAGE, 3.2e5, 0};
+    EngineCase ca = {2, 2, 2, 1, 0, RECOMPUTE_STAGE, 3.2e5, 0, 0};
+    EngineCase cb = {2, 8, 4, 1, 0, RECOMPUTE_STAGE, 3.2e5, 0, 0};
     run_engine(t, &a, &c, B, T, &ca, tokens);
     run_engine(t, &b, &c, B, T, &cb, tokens);
     CHECK(t, fabs(a.loss[0] - b.loss[0]) <= 1e-5 * fabs(a.loss[0]), "first loss %.9g vs %.9g",
@@ -243,9 +250,13 @@ static void test_engine_async_delayed(TestCtx* t) {
         int32_t* tokens = make_batches(B, T, 11 + tied, c.V);
         Run ref;
         run_reference(&ref, &c, B, T, 4, tokens, 1);
-        const EngineCase cases[] = {{1, 4, 4, 0, 1, RECOMPUTE_STAGE, 0, 0},
-                                    {3, 4, 4, 0, 1, RECOMPUTE_STAGE, 2.4e5, 0},
-                                    {2, 4, 2, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0}};
+        const EngineCase cases[] = {{1, 4, 4, 0, 1, RECOMPUTE_STAGE, 0, 0, 0},
+                                    {3, 4, 2, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 1},
+                                    // long random delays on the activation uploads only (the
+                                    // readers of the one host set of checkpoints)
+                                    {3, 4, 2, 0, 3000, RECOMPUTE_LAYER, 2.4e5, 0, 1},
+                                    {3, 4, 4, 0, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0},
+                                    {2, 4, 2, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0}};
         for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
             Run r;
             if (run_engine(t, &r, &c, B, T, &cases[k], tokens) < 0) continue;

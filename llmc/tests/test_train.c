@@ -29,7 +29,7 @@ static void test_train_help(TestCtx* t) {
                            "--threads", "--dump-state", "--decay-frac", "--decay-embeddings",
                            "--eval-batches", "--sample-tokens", "--prompt", "--init-std", "--temperature",
                            "--round", "--recompute", "--sync", "--device-mem", "--plan",
-                           "--delay-us", "--trace", "--profile-steps", "--mlp-chunk", NULL};
+                           "--delay-us", "--trace", "--profile-steps", "--mlp-chunk", "--host-checkpoints", NULL};
     for (int i = 0; flags[i]; i++) CHECK(t, strstr(out, flags[i]) != NULL, "--help lacks %s", flags[i]);
     CHECK(t, strstr(out, "default") != NULL, "--help shows defaults");
     free(out);
