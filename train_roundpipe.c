@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "llmc/adamw.h"
 #include "llmc/args.h"
@@ -158,10 +159,30 @@ int main(int argc, char** argv) {
     config_print(&model.cfg);
     if (a.seq > model.cfg.max_pos && model.cfg.max_pos > 0)
         printf("warning: --seq %d exceeds max_position_embeddings %d\n", a.seq, model.cfg.max_pos);
+    {
+        // What the host needs, before anything big is allocated (PERFORMANCE_MODEL.md §5): the
+        // Store's 16 B/param; with the engine two compute-dtype weight copies, with the delayed
+        // optimizer a second fp32 gradient set, and activation checkpoints (at most one per
+        // layer boundary and micro-batch, in one or two sets).
+        const int engine_run = a.n_devices > 0 || a.device == DEVICE_CUDA;
+        const double P = (double)model.tt.total_params;
+        const double ab = a.device == DEVICE_CUDA ? 2.0 : 4.0;
+        double fixed = 16.0 * P;
+        if (engine_run) fixed += 2.0 * ab * P + (a.sync ? 0.0 : 4.0 * P);
+        double ckpt = engine_run ? (a.host_single ? 1.0 : 2.0) * (double)a.batch * a.seq *
+                                       model.cfg.C * ab * (model.cfg.L + 1)
+                                 : 0.0;
+        printf("host memory: %.2f GiB for weights, optimizer state and gradients", fixed / (1 << 30));
+        if (engine_run) printf(" + up to %.2f GiB of activation checkpoints", ckpt / (1 << 30));
+        long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+        double total = pages > 0 && page > 0 ? (double)pages * page : 0.0;
+        printf(" (machine: %.1f GiB)\n", total / (1 << 30));
+        if (total > 0 && fixed > 0.9 * total)
+            printf("warning: the weights, optimizer state and gradients alone need more than 90%% "
+                   "of this machine's memory\n");
+    }
     Store store;
     store_create(&store, &model.tt);
-    printf("host memory: %.1f MiB (fp32 weights, gradients, AdamW m and v)\n",
-           (double)model.tt.total_params * 16.0 / (1 << 20));
     // weights: a training-state checkpoint (--resume), the source's, or a random init
     char* args_json = args_to_json(&a);
     TrainState ts;
