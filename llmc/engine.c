@@ -181,7 +181,7 @@ struct Engine {
     pthread_t opt_thread;
     int64_t steps_queued, steps_done;
     int shutdown;
-    double last_norm, last_lr;
+    double norm_hist[4], lr_hist[4];  // [step % 4]: the norm and lr of recent steps
     ThreadPool* pool;
     AdamWTensor* opt_tensors;
     int n_opt;
@@ -827,8 +827,8 @@ static void optimizer_step(Engine* e, int64_t k) {
     }
     pthread_check(pthread_mutex_lock(&e->mu));
     e->steps_done = k;
-    e->last_norm = norm;
-    e->last_lr = h.lr;
+    e->norm_hist[k % 4] = norm;
+    e->lr_hist[k % 4] = h.lr;
     pthread_check(pthread_cond_broadcast(&e->cv));
     pthread_check(pthread_mutex_unlock(&e->mu));
 }
@@ -1394,17 +1394,18 @@ EngineStepResult engine_step(Engine* e, const int32_t* tokens) {
     EngineStepResult res;
     memset(&res, 0, sizeof res);
     res.loss = sum / ((double)e->opt.B * T);
-    if (e->opt.sync) {
-        // the caller sees the step of this iteration's gradient (the next iteration waits for
-        // it anyway)
-        pthread_check(pthread_mutex_lock(&e->mu));
-        while (e->steps_done < t + 1) pthread_check(pthread_cond_wait(&e->cv, &e->mu));
-        pthread_check(pthread_mutex_unlock(&e->mu));
-    }
+    // The step reported with this iteration, the same one whatever the timing (so logs are
+    // reproducible): sync, the step of this iteration's gradient (the next iteration waits for it
+    // anyway); delayed, step t, the one applying the previous iteration's gradient, which ran
+    // during this iteration (and which the next iteration's first stages need anyway).
+    const int64_t k = e->opt.sync ? t + 1 : t;
     pthread_check(pthread_mutex_lock(&e->mu));
-    res.norm = e->last_norm;
-    res.lr = e->last_lr;
-    res.norm_step = e->steps_done;
+    while (e->steps_done < k) pthread_check(pthread_cond_wait(&e->cv, &e->mu));
+    if (k > 0) {
+        res.norm = e->norm_hist[k % 4];
+        res.lr = e->lr_hist[k % 4];
+    }
+    res.norm_step = k > 0 ? e->opt.start_step + k : 0;
     pthread_check(pthread_mutex_unlock(&e->mu));
 
     // bubble: device compute idle time over the wall time since the previous step returned

@@ -74,9 +74,11 @@ typedef struct EngineOptions {
 
 typedef struct EngineStepResult {
     double loss;        // mean loss of this iteration's tokens
-    double norm;        // global gradient norm of the most recent optimizer step that finished
+    double norm;        // global gradient norm of the step reported with this iteration: with
+                        // --sync the step of this iteration's gradient, with the delayed update
+                        // the step of the previous iteration's (none for the first: 0)
     double lr;          // its learning rate
-    int64_t norm_step;  // which optimizer step the norm belongs to (1-based; 0 = none yet)
+    int64_t norm_step;  // the run's number of that step (0 = none)
     double bubble;      // fraction of device compute time idle during this iteration (0..1)
 } EngineStepResult;
 
