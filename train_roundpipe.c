@@ -222,6 +222,7 @@ int main(int argc, char** argv) {
     Plain* plain = need_plain ? plain_create(&model, &store, ops, ctx, Bm, a.seq, recompute) : NULL;
     DeviceSet devs = {0};
     Engine* eng = NULL;
+    const int ops_weight_bytes = use_cuda ? 2 : 4;  // the engine devices' compute dtype
     if (use_engine) {
         int per_dev = a.threads > 0 ? a.threads : threads_online_cpus() / N;
         DeviceOptions dopt = {.threads = per_dev > 0 ? per_dev : 1, .delay_seed = a.seed,
@@ -250,12 +251,23 @@ int main(int argc, char** argv) {
             if (cuda_device_memory(0, &free_b, &total_b) == 0) eo.device_budget = 0.7 * (double)free_b;
         }
 #endif
+        if (ts.resumed && !a.sync && ts.pending_bytes) {
+            // the delayed update's next weights, saved with the checkpoint
+            if (ts.pending_bytes != ops_weight_bytes)
+                fatal("--resume: the checkpoint's pending weights have %d-byte elements but "
+                      "this device computes with %d-byte elements (resume on the same kind of "
+                      "device, or with --sync 1)", ts.pending_bytes, ops_weight_bytes);
+            eo.first_weights = (const void* const*)ts.pending;
+            eo.first_norm = ts.pending_norm;
+            eo.first_lr = ts.pending_lr;
+        }
         eng = engine_create(&model, &store, &devs, &eo, err);
         if (!eng) fatal("%s", err);
-        if (ts.resumed && !a.sync)
-            printf("note: resuming with the one-step-delayed optimizer: the first resumed "
-                   "iteration computes with the checkpoint's weights (one step fresher than an "
-                   "uninterrupted run); --sync 1 resumes bit-exactly\n");
+        if (ts.resumed && !a.sync && !eo.first_weights)
+            printf("note: the checkpoint has no pending weights of the delayed update: the "
+                   "first resumed iteration computes with the checkpoint's weights (one step "
+                   "fresher than an uninterrupted run)\n");
+        train_state_free(&ts);
         engine_print_plan(eng, stdout);
         if (a.plan_only) return 0;
         const int M_R = a.round_micro_batches > 0 ? a.round_micro_batches : a.micro_batches;
@@ -273,6 +285,7 @@ int main(int argc, char** argv) {
                opt_pool->n_threads, a.batch, a.seq, a.micro_batches,
                recompute ? ", recomputing activations" : "");
     }
+    train_state_free(&ts);  // the pending weights: copied into the engine, unused by a plain run
     // model FLOPs per token for the MFU column (GPU runs; PERFORMANCE_MODEL.md §1)
     const double flops_per_token = config_flops_per_token(&model.cfg, a.seq);
 
@@ -348,8 +361,21 @@ int main(int argc, char** argv) {
             if (eng) engine_synchronize(eng);
             ts.step = step;
             dataloader_state_save(&train, ts.train_loader);
+            void** next = NULL;
+            if (eng && !a.sync) {
+                // the delayed update: the next iteration computes with weights one step behind
+                next = malloc_check((size_t)model.tt.n_layers * sizeof(void*));
+                for (int l = 0; l < model.tt.n_layers; l++) next[l] = (void*)engine_next_weights(eng, l);
+                ts.pending = next;
+                ts.pending_bytes = engine_weight_bytes(eng);
+                ts.pending_owned = 0;
+                engine_last_update(eng, &ts.pending_norm, &ts.pending_lr);
+            }
             if (checkpoint_save_state(a.out, a.keep, &model, &store, &ts, args_json, err) != 0)
                 fatal("%s", err);
+            free(next);
+            ts.pending = NULL;
+            ts.pending_bytes = 0;
         }
         if (have_val && a.eval_every > 0 && step % a.eval_every == 0 && step != a.steps) {
             if (eng) {

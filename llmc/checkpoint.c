@@ -248,6 +248,91 @@ void train_state_init(TrainState* ts, uint32_t seed) {
     rng_seed(&ts->rng, seed);
 }
 
+void train_state_free(TrainState* ts) {
+    if (ts->pending && ts->pending_owned) {
+        // layers share one allocation (see read_pending)
+        free(ts->pending[0]);
+    }
+    if (ts->pending_owned) free(ts->pending);
+    ts->pending = NULL;
+    ts->pending_bytes = 0;
+    ts->pending_owned = 0;
+}
+
+static int write_pending(const char* path, const Model* m, const TrainState* ts, char* err) {
+    StWriter w;
+    st_writer_init(&w);
+    st_writer_meta(&w, "format", "train_roundpipe-pending-weights");
+    char** names = calloc_check((size_t)m->tt.n_layers, sizeof(char*));
+    for (int l = 0; l < m->tt.n_layers; l++) {
+        int64_t n = m->tt.param_numel[l];
+        names[l] = malloc_check(32);
+        snprintf(names[l], 32, "layer.%d", l);
+        st_writer_add(&w, names[l], ts->pending_bytes == 2 ? ST_BF16 : ST_F32, 1, &n,
+                      ts->pending[l]);
+    }
+    const double update[2] = {ts->pending_norm, ts->pending_lr};
+    const int64_t two = 2;
+    st_writer_add(&w, "update", ST_F64, 1, &two, update);
+    int rc = st_writer_write(&w, path, err);
+    st_writer_free(&w);
+    for (int l = 0; l < m->tt.n_layers; l++) free(names[l]);
+    free(names);
+    return rc;
+}
+
+// Load pending_weights.safetensors if the checkpoint has one (0 without: ts->pending_bytes 0).
+static int read_pending(const char* step_dir, const Model* m, TrainState* ts, char* err) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/pending_weights.safetensors", step_dir);
+    if (!file_exists(path)) return 0;
+    StFile f;
+    if (st_open(&f, path, err) != 0) return -1;
+    const int NL = m->tt.n_layers;
+    int bytes = 0;
+    size_t total = 0;
+    char name[32];
+    for (int l = 0; l < NL; l++) {
+        snprintf(name, sizeof name, "layer.%d", l);
+        const StTensor* t = st_find(&f, name);
+        int b = t ? (t->dtype == ST_BF16 ? 2 : t->dtype == ST_F32 ? 4 : 0) : 0;
+        if (!t || b == 0 || t->ndim != 1 || t->numel != m->tt.param_numel[l] || (bytes && b != bytes)) {
+            st_close(&f);
+            return errorf(err, "%s: tensor '%s' missing or not a [%lld] BF16/F32 vector", path,
+                          name, (long long)m->tt.param_numel[l]);
+        }
+        bytes = b;
+        total += (size_t)t->nbytes;
+    }
+    const StTensor* u = st_find(&f, "update");
+    if (!u || u->dtype != ST_F64 || u->ndim != 1 || u->numel != 2) {
+        st_close(&f);
+        return errorf(err, "%s: tensor 'update' missing or not a [2] F64 vector", path);
+    }
+    double update[2];
+    memcpy(update, u->data, sizeof update);
+    if (!isfinite(update[0]) || !isfinite(update[1]) || update[0] < 0) {
+        st_close(&f);
+        return errorf(err, "%s: tensor 'update' holds a bad norm/lr", path);
+    }
+    ts->pending_norm = update[0];
+    ts->pending_lr = update[1];
+    ts->pending = calloc_check((size_t)NL, sizeof(void*));
+    char* buf = malloc_check(total ? total : 1);
+    size_t off = 0;
+    for (int l = 0; l < NL; l++) {
+        snprintf(name, sizeof name, "layer.%d", l);
+        const StTensor* t = st_find(&f, name);
+        ts->pending[l] = buf + off;
+        if (t->nbytes) memcpy(buf + off, t->data, (size_t)t->nbytes);
+        off += (size_t)t->nbytes;
+    }
+    st_close(&f);
+    ts->pending_bytes = bytes;
+    ts->pending_owned = 1;
+    return 0;
+}
+
 static int write_train_state(const char* path, const Model* m, const Store* s, const TrainState* ts,
                              char* err) {
     StWriter w;
@@ -307,6 +392,10 @@ int checkpoint_save_state(const char* dir, int keep, const Model* m, const Store
     if (write_train_state(path, m, s, ts, err) != 0) return -1;
     snprintf(path, sizeof path, "%s/args.json", tmp);
     if (file_write_atomic(path, args_json, strlen(args_json), err) != 0) return -1;
+    if (ts->pending_bytes) {
+        snprintf(path, sizeof path, "%s/pending_weights.safetensors", tmp);
+        if (write_pending(path, m, ts, err) != 0) return -1;
+    }
     if (fsync_dir(tmp, err) != 0) return -1;
     // an older checkpoint of the same step (a re-run into the same --out) is replaced
     if (remove_flat_dir(final, err) != 0) return -1;
@@ -500,6 +589,7 @@ int checkpoint_load_state(const char* step_dir, const Model* m, Store* s, TrainS
     char path[4200];
     snprintf(path, sizeof path, "%s/train_state.safetensors", step_dir);
     if (read_train_state(path, m, s, ts, err) != 0) return -1;
+    if (read_pending(step_dir, m, ts, err) != 0) return -1;
     int64_t named = parse_step_name(strrchr(step_dir, '/') ? strrchr(step_dir, '/') + 1 : step_dir);
     if (named >= 0 && named != ts->step)
         return errorf(err, "%s: holds step %lld but the directory is named for step %lld", path,

@@ -68,9 +68,20 @@ typedef struct TrainState {
     uint8_t train_loader[DATALOADER_STATE_BYTES];  // the training loader's position
     Rng rng;      // the run's random stream (seeded from --seed; for stochastic training parts)
     int resumed;  // loaded from a checkpoint (not saved)
+    // The RoundPipe engine's delayed update: the weights the next iteration computes with are one
+    // step behind the master weights. A checkpoint keeps them (pending_weights.safetensors, in
+    // the engine's compute dtype) so a resumed run continues bit-exactly. pending_bytes: bytes per
+    // element (2 bf16, 4 fp32), 0 = none; pending[l]: layer l's slab (owned after loading).
+    // pending_norm/pending_lr: the gradient norm and lr of the last update (already in the master
+    // weights), which the straight run would have reported with the next step.
+    int pending_bytes;
+    void** pending;
+    int pending_owned;
+    double pending_norm, pending_lr;
 } TrainState;
 
 void train_state_init(TrainState* ts, uint32_t seed);
+void train_state_free(TrainState* ts);  // the loaded pending weights
 
 // The start of a run: with --resume and a complete checkpoint in --out, the weights and state
 // come from it; otherwise the source's weights are loaded, or the store is randomly initialised.
@@ -83,6 +94,8 @@ int checkpoint_init_weights(const TrainArgs* a, ModelSource* src, const Model* m
 //   train_state.safetensors          m.<HF name>, v.<HF name> (F32), step (I64), dataloader (U8),
 //                                    rng.mt (U32 [624]), rng.index, rng.has_spare (I32), rng.spare
 //   args.json                        the flags of the run (args_json)
+//   pending_weights.safetensors      only with ts->pending_bytes: layer.<l> = the weights the
+//                                    next iteration of the delayed update computes with
 //   DONE                             written last: only a directory holding it is complete
 // The files go to dir/step_<N>.tmp (each fsync'd), which is renamed to step_<N> before DONE is
 // written. Then only the newest `keep` complete checkpoints stay (keep 0: all).

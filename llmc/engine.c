@@ -1184,6 +1184,11 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
         }
     }
     masters_init(e);
+    if (opt->first_weights) {
+        // a resumed delayed run: iteration 0 computes with the weights one step behind the Store
+        for (int l = 0; l < NL; l++)
+            memcpy(e->master[0][l], opt->first_weights[l], (size_t)tt->param_numel[l] * e->ab);
+    }
     // the gradient accumulators are copy targets and sources: pin them
     e->n_hgrad = e->delay ? 2 : 1;
     e->hgrad[0] = s->grad;
@@ -1335,6 +1340,20 @@ static void maybe_replan(Engine* e) {
 
 int engine_replans(const Engine* e) { return e->replans; }
 
+const void* engine_next_weights(const Engine* e, int layer) {
+    return e->master[e->iter % 2][layer];
+}
+
+int engine_weight_bytes(const Engine* e) { return (int)e->ab; }
+
+void engine_last_update(Engine* e, double* norm, double* lr) {
+    pthread_check(pthread_mutex_lock(&e->mu));
+    const int64_t k = e->steps_done;
+    *norm = k > 0 ? e->norm_hist[k % 4] : (e->opt.first_weights ? e->opt.first_norm : 0.0);
+    *lr = k > 0 ? e->lr_hist[k % 4] : (e->opt.first_weights ? e->opt.first_lr : 0.0);
+    pthread_check(pthread_mutex_unlock(&e->mu));
+}
+
 // ----------------------------------------------------------------------------
 // stepping
 
@@ -1404,8 +1423,13 @@ EngineStepResult engine_step(Engine* e, const int32_t* tokens) {
     if (k > 0) {
         res.norm = e->norm_hist[k % 4];
         res.lr = e->lr_hist[k % 4];
+        res.norm_step = e->opt.start_step + k;
+    } else if (e->opt.first_weights) {
+        // resumed with the delayed update: the update the checkpoint already holds
+        res.norm = e->opt.first_norm;
+        res.lr = e->opt.first_lr;
+        res.norm_step = e->opt.start_step;
     }
-    res.norm_step = k > 0 ? e->opt.start_step + k : 0;
     pthread_check(pthread_mutex_unlock(&e->mu));
 
     // bubble: device compute idle time over the wall time since the previous step returned

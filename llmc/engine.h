@@ -61,6 +61,12 @@ typedef struct EngineOptions {
                              // until the previous iteration's last consumer has read a buffer)
     int64_t start_step;      // optimizer steps already applied (resume): step k of this engine is
                              // step start_step + k of the run (LR schedule, bias correction)
+    const void* const* first_weights;  // resume with the delayed update: per layer, in the
+                             // compute dtype, the weights the first iteration computes with (one
+                             // step behind the Store's); NULL = the Store's weights
+    double first_norm, first_lr;  // with first_weights: the norm and lr of the update the Store
+                             // already holds, reported with the first iteration (as the straight
+                             // run reports that update with the iteration it ran during)
     int replan_after;        // re-plan once with profiled costs after this many iterations, then
                              // freeze the plan (0 = keep the size-based plan)
     int fake_compute_us;     // tests only: a stage's micro-batch sleeps this long instead of
@@ -102,6 +108,15 @@ EngineStepResult engine_step(Engine* e, const int32_t* tokens);
 void engine_synchronize(Engine* e);
 // Optimizer steps applied so far.
 int64_t engine_steps_done(const Engine* e);
+// The weights (compute dtype, layer l's slab) the next iteration will compute with: with the
+// delayed update one step behind the Store's. Valid after engine_synchronize; a checkpoint keeps
+// them so a resumed run (EngineOptions.first_weights) continues bit-exactly.
+const void* engine_next_weights(const Engine* e, int layer);
+// Bytes per element of those weights (the compute dtype).
+int engine_weight_bytes(const Engine* e);
+// The gradient norm and lr of the last optimizer step applied (0, 0 before any). Valid after
+// engine_synchronize.
+void engine_last_update(Engine* e, double* norm, double* lr);
 // Times the plan was rebuilt from profiled stage times (0 or 1).
 int engine_replans(const Engine* e);
 // Write the Chrome trace (opt.trace_path) of everything so far; no-op without a trace path.

@@ -131,6 +131,9 @@ static void test_resume_bit_exact(TestCtx* t) {
     // the RoundPipe engine over two emulated devices, synchronous optimizer
     resume_case(t, "engine", "--batch 4 --seq 32 --micro-batches 2 --warmup 2 --device cpu:2 --sync 1",
                 6, 3);
+    // ... and with the one-step-delayed update (the checkpoint keeps the pending weights)
+    resume_case(t, "engine_async", "--batch 4 --seq 32 --micro-batches 2 --warmup 2 --device cpu:3",
+                6, 3);
     // an untied LLaMA from a quantized GGUF, cosine schedule ending inside the resumed part
     char shard[1024], err[ERR_LEN], args[2048];
     uint32_t toks[3000];
@@ -307,6 +310,29 @@ static void test_resume_refusals(TestCtx* t) {
     rc = test_run_cli(t, "corrupt", args);
     e = test_read_output(t, "corrupt", "err");
     CHECK(t, rc == 1 && one_error_line(e, path), "corrupt state: exit %d %s", rc, e);
+    free(e);
+
+    // the delayed engine's pending weights: a truncated file is refused
+    test_path(t, out, sizeof out, "refuse_pending");
+    snprintf(args, sizeof args, "%s --device cpu:2 --micro-batches 2 --steps 2 --save-every 2 "
+             "--out '%s'", common, out);
+    rc = test_run_cli(t, "pending_save", args);
+    CHECK(t, rc == 0, "delayed engine run: exit %d", rc);
+    snprintf(path, sizeof path, "%s/step_2/pending_weights.safetensors", out);
+    bytes = test_read_file(path, &n);
+    CHECK(t, bytes != NULL && n > 0, "%s written", path);
+    if (bytes) {
+        f = fopen_check(path, "wb");
+        fwrite_check(bytes, 1, n - 5, f, path);
+        fclose_check(f, path);
+        free(bytes);
+    }
+    snprintf(args, sizeof args, "%s --device cpu:2 --micro-batches 2 --steps 3 --out '%s' --resume",
+             common, out);
+    rc = test_run_cli(t, "pending_corrupt", args);
+    e = test_read_output(t, "pending_corrupt", "err");
+    CHECK(t, rc == 1 && one_error_line(e, "pending_weights.safetensors"),
+          "corrupt pending weights: exit %d %s", rc, e);
     free(e);
 }
 
