@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/sysinfo.h>
 #include <unistd.h>
 
 #include "llmc/adamw.h"
@@ -130,6 +131,32 @@ static void generate_sample(Plain* p, const TrainArgs* a) {
     free(logits);
 }
 
+// The engine's options from the flags. On GPUs without --device-mem the stages share 70% of the
+// memory still free on GPU 0 (the rest: hand-off buffers, the workspace's scratch and the LM-head
+// chunk, which the per-stage budget does not count).
+static EngineOptions engine_options(const TrainArgs* a, int use_cuda, int64_t start_step) {
+    EngineOptions eo = {.B = a->batch, .T = a->seq, .M = a->micro_batches,
+                        .M_R = a->round_micro_batches,
+                        .grain = a->recompute_layer ? RECOMPUTE_LAYER : RECOMPUTE_STAGE,
+                        .sync = a->sync, .device_budget = a->device_mem,
+                        .opt_threads = a->threads, .trace_path = a->trace,
+                        .replan_after = a->profile_steps, .start_step = start_step,
+                        .host_single = a->host_single,
+                        .hyper = {a->lr, a->beta1, a->beta2, a->eps, a->weight_decay},
+                        .sched = {a->schedule, a->lr, a->warmup, a->steps, a->min_lr_frac,
+                                  a->decay_frac},
+                        .grad_clip = a->grad_clip};
+#ifdef HAVE_CUDA
+    if (use_cuda && eo.device_budget <= 0) {
+        size_t free_b = 0, total_b = 0;
+        if (cuda_device_memory(0, &free_b, &total_b) == 0) eo.device_budget = 0.7 * (double)free_b;
+    }
+#else
+    (void)use_cuda;
+#endif
+    return eo;
+}
+
 // ----------------------------------------------------------------------------
 
 int main(int argc, char** argv) {
@@ -159,6 +186,17 @@ int main(int argc, char** argv) {
     config_print(&model.cfg);
     if (a.seq > model.cfg.max_pos && model.cfg.max_pos > 0)
         printf("warning: --seq %d exceeds max_position_embeddings %d\n", a.seq, model.cfg.max_pos);
+    // the devices: N emulated (--device cpu:N), the GPUs (--device cuda, cuda:N), or none
+    const int use_cuda = a.device == DEVICE_CUDA;
+    int N = a.n_devices;
+#ifdef HAVE_CUDA
+    // --plan with --device cuda:N plans for N GPUs that need not be here
+    if (use_cuda && N == 0) N = cuda_device_count();
+    if (use_cuda && N == 0) fatal("--device cuda: no CUDA device is visible (check the driver and "
+                                  "CUDA_VISIBLE_DEVICES)");
+    if (use_cuda && !a.plan_only && N > cuda_device_count())
+        fatal("--device cuda:%d: only %d CUDA device(s) visible", N, cuda_device_count());
+#endif
     {
         // What the host needs, before anything big is allocated (PERFORMANCE_MODEL.md §5): the
         // Store's 16 B/param; with the engine two compute-dtype weight copies, with the delayed
@@ -177,9 +215,27 @@ int main(int argc, char** argv) {
         long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
         double total = pages > 0 && page > 0 ? (double)pages * page : 0.0;
         printf(" (machine: %.1f GiB)\n", total / (1 << 30));
+        struct sysinfo si;
+        double swap = sysinfo(&si) == 0 ? (double)si.totalswap * si.mem_unit : 0.0;
+        if (!a.plan_only && total > 0 && fixed > total + swap)
+            fatal("host memory: the weights, optimizer state and gradients need %.2f GiB but this "
+                  "machine has %.1f GiB of memory and %.1f GiB of swap", fixed / (1 << 30),
+                  total / (1 << 30), swap / (1 << 30));
         if (total > 0 && fixed > 0.9 * total)
             printf("warning: the weights, optimizer state and gradients alone need more than 90%% "
                    "of this machine's memory\n");
+    }
+    if (a.plan_only) {
+        // the plan needs only the model's shape: no store, devices or buffers
+        EngineOptions eo = engine_options(&a, use_cuda, 0);
+        if (use_cuda && eo.device_budget <= 0)
+            printf("note: no GPU memory to read here and no --device-mem: planning without a "
+                   "device memory budget\n");
+        if (engine_plan_print(&model, use_cuda ? 2 : 4, N > 0 ? N : 1, &eo, stdout, err) != 0)
+            fatal("%s", err);
+        model_free(&model);
+        checkpoint_close_source(&src);
+        return 0;
     }
     Store store;
     store_create(&store, &model.tt);
@@ -189,19 +245,9 @@ int main(int argc, char** argv) {
     if (checkpoint_init_weights(&a, &src, &model, &store, &ts, args_json, err) != 0)
         fatal("%s", err);
 
-    // 2. backend: plain training on the CPU, or the RoundPipe engine over N emulated devices
-    // (--device cpu:N) or GPUs (--device cuda, cuda:N). The plain path also serves evaluation,
-    // sampling and --dump-state (on GPU 0 when training on GPUs).
-    const int use_cuda = a.device == DEVICE_CUDA;
-    int N = a.n_devices;
-#ifdef HAVE_CUDA
-    if (use_cuda && N == 0) N = cuda_device_count();
-    if (use_cuda && N == 0) fatal("--device cuda: no CUDA device is visible (check the driver and "
-                                  "CUDA_VISIBLE_DEVICES)");
-    if (use_cuda && N > cuda_device_count())
-        fatal("--device cuda:%d: only %d CUDA device(s) visible", N, cuda_device_count());
-#endif
-    const int use_engine = use_cuda || N > 0 || a.plan_only;
+    // 2. backend: plain training on the CPU, or the RoundPipe engine over the devices. The plain
+    // path also serves evaluation, sampling and --dump-state (on GPU 0 when training on GPUs).
+    const int use_engine = use_cuda || N > 0;
     if (N == 0) N = 1;
     const Ops* ops = &ops_cpu;
     void* ctx = NULL;
@@ -232,25 +278,7 @@ int main(int argc, char** argv) {
         if (use_cuda) impl = &device_cuda_impl;
 #endif
         device_set_open(&devs, impl, N, &dopt);
-        EngineOptions eo = {.B = a.batch, .T = a.seq, .M = a.micro_batches,
-                            .M_R = a.round_micro_batches,
-                            .grain = a.recompute_layer ? RECOMPUTE_LAYER : RECOMPUTE_STAGE,
-                            .sync = a.sync, .device_budget = a.device_mem,
-                            .opt_threads = a.threads, .trace_path = a.trace,
-                            .replan_after = a.profile_steps, .start_step = ts.step,
-                            .host_single = a.host_single,
-                            .hyper = {a.lr, a.beta1, a.beta2, a.eps, a.weight_decay},
-                            .sched = {a.schedule, a.lr, a.warmup, a.steps, a.min_lr_frac,
-                                      a.decay_frac},
-                            .grad_clip = a.grad_clip};
-#ifdef HAVE_CUDA
-        // GPUs: stages share 70% of the memory still free (the rest: hand-off buffers, the
-        // workspace's scratch and the LM-head chunk, which the per-stage budget does not count)
-        if (use_cuda && eo.device_budget <= 0) {
-            size_t free_b = 0, total_b = 0;
-            if (cuda_device_memory(0, &free_b, &total_b) == 0) eo.device_budget = 0.7 * (double)free_b;
-        }
-#endif
+        EngineOptions eo = engine_options(&a, use_cuda, ts.step);
         if (ts.resumed && !a.sync && ts.pending_bytes) {
             // the delayed update's next weights, saved with the checkpoint
             if (ts.pending_bytes != ops_weight_bytes)

@@ -1126,42 +1126,63 @@ static void plan_resources_free(Engine* e) {
     free(e->need_dx);
 }
 
-Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOptions* opt,
-                      char* err) {
-    Engine* e = calloc_check(1, sizeof(Engine));
+// The shape of a run and its size-based plan: everything engine_create and engine_plan_print
+// share (no host or device memory beyond the cost tables). -1 with err on a bad shape.
+static int engine_plan_init(Engine* e, const Model* m, int act_bytes, int n_devices,
+                            const EngineOptions* opt, char* err) {
     e->m = m;
-    e->s = s;
-    e->devs = devs;
-    e->impl = devs->impl;
     e->opt = *opt;
     e->NL = m->tt.n_layers;
-    e->N = devs->n;
+    e->N = n_devices;
     e->M = opt->M;
     e->M_R = opt->M_R > 0 ? opt->M_R : opt->M;
     e->T = opt->T;
     e->C = m->cfg.C;
     e->delay = opt->sync ? 0 : 1;
-    if (e->M <= 0 || e->M > opt->B || e->M % e->M_R != 0) {
-        errorf(err, "micro-batches: %d micro-batches for a batch of %d sequences in rounds of %d "
-               "(need 1 <= M <= B and M a multiple of the round size)", e->M, opt->B, e->M_R);
-        free(e);
-        return NULL;
-    }
+    if (e->M <= 0 || e->M > opt->B || e->M % e->M_R != 0)
+        return errorf(err, "micro-batches: %d micro-batches for a batch of %d sequences in rounds "
+                      "of %d (need 1 <= M <= B and M a multiple of the round size)", e->M, opt->B,
+                      e->M_R);
     e->R = e->M / e->M_R;
     e->Bm = (opt->B + e->M - 1) / e->M;  // the largest micro-batch (buffers are sized for it)
-    e->ab = (size_t)e->impl->ops(devs->dev[0])->act_bytes;
-    const int NL = e->NL;
-    const TensorTable* tt = &m->tt;
+    e->ab = (size_t)act_bytes;
     // size-based (FLOP) cost estimates until profiled times exist
-    e->cost_fwd = calloc_check((size_t)NL, sizeof(double));
-    e->cost_bwd = calloc_check((size_t)NL, sizeof(double));
+    e->cost_fwd = calloc_check((size_t)e->NL, sizeof(double));
+    e->cost_bwd = calloc_check((size_t)e->NL, sizeof(double));
     partition_estimate_costs(&m->cfg, e->T, e->Bm * e->T, e->cost_fwd, e->cost_bwd);
     if (plan_partition(e, &e->plan, err) != 0) {
         free(e->cost_fwd);
         free(e->cost_bwd);
+        return -1;
+    }
+    return 0;
+}
+
+int engine_plan_print(const Model* m, int act_bytes, int n_devices, const EngineOptions* opt,
+                      FILE* f, char* err) {
+    Engine* e = calloc_check(1, sizeof(Engine));
+    int rc = engine_plan_init(e, m, act_bytes, n_devices, opt, err);
+    if (rc == 0) {
+        engine_print_plan(e, f);
+        free(e->cost_fwd);
+        free(e->cost_bwd);
+    }
+    free(e);
+    return rc;
+}
+
+Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOptions* opt,
+                      char* err) {
+    Engine* e = calloc_check(1, sizeof(Engine));
+    e->s = s;
+    e->devs = devs;
+    e->impl = devs->impl;
+    if (engine_plan_init(e, m, e->impl->ops(devs->dev[0])->act_bytes, devs->n, opt, err) != 0) {
         free(e);
         return NULL;
     }
+    const int NL = e->NL;
+    const TensorTable* tt = &m->tt;
     cost_profile_init(&e->profile, NL);
     e->dev = calloc_check((size_t)e->N, sizeof(DevState));
     plan_resources_create(e);

@@ -5,6 +5,7 @@
  */
 #include <stdlib.h>
 #include <string.h>
+#include <sys/sysinfo.h>
 
 #include "../common.h"
 #include "../dataloader.h"
@@ -275,6 +276,31 @@ static void test_train_engine_cli(TestCtx* t) {
     CHECK(t, rc == 0 && strstr(out, "FB") && strstr(out, "bubble") && !strstr(out, "step     1"),
           "--plan exit %d: %s", rc, out);
     free(out);
+    // --plan needs only the model's shape: Qwen3-32B (512 GB of host state) plans in a moment
+    // on any machine, for GPUs that need not be here
+#ifdef HAVE_CUDA
+    const char* big_plan = "--model qwen3-32b --device cuda:2 --batch 8 --seq 2048 "
+                           "--micro-batches 4 --device-mem 100G --plan";
+#else
+    const char* big_plan = "--model qwen3-32b --device cpu:2 --batch 8 --seq 2048 "
+                           "--micro-batches 4 --device-mem 100G --plan";
+#endif
+    rc = test_run_cli(t, "bigplan", big_plan);
+    out = test_read_output(t, "bigplan", "out");
+    CHECK(t, rc == 0 && strstr(out, "plan for qwen3-32b") && strstr(out, "N 2 devices") &&
+                 strstr(out, "host memory:"),
+          "qwen3-32b --plan exit %d: %s", rc, out);
+    free(out);
+    // ... but training it where its host state cannot fit is refused before allocating
+    struct sysinfo si;
+    if (sysinfo(&si) == 0 && ((double)si.totalram + (double)si.totalswap) * si.mem_unit < 400e9) {
+        rc = test_run_cli(t, "bigrun", "--model qwen3-32b --device cpu:2 --batch 2 --seq 16 "
+                                       "--micro-batches 2 --steps 1");
+        char* e = test_read_output(t, "bigrun", "err");
+        CHECK(t, rc == 1 && strstr(e, "host memory:") && strstr(e, "GiB of swap"),
+              "qwen3-32b run on a small host: exit %d: %s", rc, e);
+        free(e);
+    }
     // a layer that cannot fit the device budget is a clear error
     rc = test_run_cli(t, "noplan", "--device cpu:2 --device-mem 64K --steps 1");
     char* err = test_read_output(t, "noplan", "err");
