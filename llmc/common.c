@@ -315,3 +315,10 @@ uint16_t f32_to_f16(float f) {
     if (rest > 0x1000u || (rest == 0x1000u && (r & 1u))) r++;  // may carry into exponent: fine
     return (uint16_t)(sign | r);
 }
+
+void format_bytes(double b, char* buf, size_t cap) {
+    if (b >= 1073741824.0) snprintf(buf, cap, "%.2f GiB", b / 1073741824.0);
+    else if (b >= 1048576.0) snprintf(buf, cap, "%.2f MiB", b / 1048576.0);
+    else if (b >= 1024.0) snprintf(buf, cap, "%.2f KiB", b / 1024.0);
+    else snprintf(buf, cap, "%.0f B", b);
+}

@@ -67,6 +67,8 @@ void fclose_check_at(FILE* f, const char* path, const char* file, int line);
 // Read a whole (small) file into a NUL-terminated malloc'd buffer. Returns NULL and fills err when
 // the file cannot be opened/read or is larger than max_bytes.
 char* file_read_all(const char* path, size_t max_bytes, size_t* out_len, char* err);
+// "1.50 GiB", "12.00 MiB", "3.00 KiB" or "17 B" into buf.
+void format_bytes(double bytes, char* buf, size_t cap);
 // Write a buffer to path atomically: path.tmp, fsync, rename. Returns -1 with err on failure.
 int file_write_atomic(const char* path, const void* data, size_t len, char* err);
 int file_exists(const char* path);

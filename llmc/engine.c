@@ -15,7 +15,10 @@
  *  - host activations: x at a layer boundary (forward outputs, checkpoints) and dx (gradients
  *    between backward stages) per micro-batch, in two iteration parities; x_ev / dx_ev mark a
  *    download done and gate the consumer's upload (cross-device waits). Before iteration t reuses
- *    parity t % 2 the controller waits for iteration t-2 to be entirely done.
+ *    parity t % 2 the controller waits for iteration t-2 to be entirely done. The dx buffers of a
+ *    micro-batch form a ring of two: boundaries alternate going down, and the producer of a
+ *    boundary's dx runs only after the consumer of the boundary above it (same slot, two
+ *    boundaries up) has uploaded it, through the backward chain's own events.
  *
  * The consistency protocol (ROUNDPIPE.md §9), per layer l, with two compute-dtype master buffers:
  *  - iteration t uploads layer l from master[t % 2] once param_ready[l] >= t (rule 2);
@@ -142,7 +145,11 @@ struct Engine {
     int* need_x;            // (NL+1) boundary b needs host x buffers
     int* need_dx;
     void*** hx[2];          // [iteration parity][boundary][micro-batch]
-    void*** hdx[2];
+    void*** hdx[2];         // aliases of dx_ring: boundary b uses ring slot dx_slot[b]
+    void** dx_ring[2][2];   // [iteration parity][ring slot][micro-batch]
+    int* dx_slot;           // (NL+1) ring slot of each need_dx boundary, alternating downward
+    int* dx_last;           // (NL+1) the lowest boundary sharing b's ring slot (its last reader
+                            // ends the slot's use in an iteration)
     int32_t** hids[2];      // [iteration parity][micro-batch]
     int32_t** htgt[2];
     float** hloss[2];
@@ -255,8 +262,12 @@ static const void* postfix_head(const Engine* e, const MbJob* j) {
            (size_t)tt->t[head].param_offset * e->ab;
 }
 
+// The activation set of block entry l in its stage: the stage's blocks in order (the prefix and
+// postfix have none).
+static int block_set(const Stage* st, int l) { return l - imax(st->b, 1); }
+
 // Forward of layers [from, to) of the job's stage, keeping each block's activations in its own
-// set when keep != 0 (set k for the k-th layer of the stage), else in set 0.
+// set when keep != 0 (block_set), else in set 0.
 static void forward_layers(Engine* e, MbJob* j, int from, int to, int keep) {
     const Model* m = e->m;
     DevState* ds = j->ds;
@@ -268,14 +279,14 @@ static void forward_layers(Engine* e, MbJob* j, int from, int to, int keep) {
             model_prefix_forward(m, ds->ws, xs[k + 1], ds->ids[j->p], slot_layer(e, st, j->pslot, 0),
                                  j->B, e->T);
         } else {
-            BlockActs* a = &ds->ws->acts[keep ? k : 0];
+            BlockActs* a = &ds->ws->acts[keep ? block_set(st, l) : 0];
             model_block_forward(m, ds->ws, a, slot_layer(e, st, j->pslot, l), xs[k], xs[k + 1],
                                 j->B, e->T);
         }
     }
 }
 
-// Backward of the blocks [from, to) deepest first (stage grain: activations in set k), then the
+// Backward of the blocks [from, to) deepest first (stage grain: activations in block_set), then the
 // prefix when from == 0. dres holds the gradient of layer to's input on entry.
 static void backward_layers(Engine* e, MbJob* j, int from, int to) {
     const Model* m = e->m;
@@ -297,7 +308,8 @@ static void backward_layers(Engine* e, MbJob* j, int from, int to) {
             model_block_backward(m, ds->ws, &ds->ws->acts[0], slot_layer(e, st, j->pslot, l),
                                  j->gslot + st->g_off[k], xs[k], ds->dres[j->p], j->B, e->T);
         } else {
-            model_block_backward(m, ds->ws, &ds->ws->acts[k], slot_layer(e, st, j->pslot, l),
+            model_block_backward(m, ds->ws, &ds->ws->acts[block_set(st, l)],
+                                 slot_layer(e, st, j->pslot, l),
                                  j->gslot + st->g_off[k], xs[k], ds->dres[j->p], j->B, e->T);
         }
     }
@@ -687,7 +699,8 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
             }
             if (st->b > 0) {
                 label(e, ip, ds, STREAM_ACT_DOWN, "down %s mb%d dx%d", st->name, i, st->b);
-                if (e->dx_free) im->stream_wait(d, STREAM_ACT_DOWN, e->dx_free[st->b][i]);
+                // one host set: the previous iteration's last reader of this ring slot
+                if (e->dx_free) im->stream_wait(d, STREAM_ACT_DOWN, e->dx_free[e->dx_last[st->b]][i]);
                 im->copy_d2h(d, STREAM_ACT_DOWN, e->hdx[ip][st->b][i], ds->dres[p], x_bytes);
                 im->event_record(e->dx_ev[st->b][i], d, STREAM_ACT_DOWN);
             }
@@ -852,44 +865,114 @@ static void* optimizer_main(void* arg) {
 // ----------------------------------------------------------------------------
 // creation
 
+// Device bytes every plan needs whatever its stages: the workspace's scratch (without activation
+// sets), the kernels' own temporaries (attention-backward row sums, embedding-backward sort
+// buffers, reduction partials, the cuBLASLt workspace: about N (16 + 4H) bytes + 64 MiB on GPUs,
+// whose compute dtype is bf16; the emulated devices' ops use host memory), and of
+// the hand-off buffers those not proportional to a stage's length (the incoming gradient, one
+// spare residual-stream buffer, tokens, targets and losses) in one or two micro-batch parities.
+static size_t parity_count(const Engine* e) { return e->M_R == 1 ? 1 : 2; }
+
+static size_t x_buffer_bytes(const Engine* e) { return (size_t)e->Bm * e->T * e->C * e->ab; }
+
+static size_t scratch_bytes(const Engine* e) {
+    const size_t tok = (size_t)e->Bm * e->T;
+    const size_t kernels = e->ab == 2 ? tok * (16 + 4 * (size_t)e->m->cfg.H) + ((size_t)64 << 20) : 0;
+    return workspace_bytes(e->m, (int)e->ab, e->Bm, e->T, 0) + kernels;
+}
+
+static size_t fixed_device_bytes(const Engine* e) {
+    const size_t tok = (size_t)e->Bm * e->T;
+    return scratch_bytes(e) +
+           parity_count(e) * (2 * x_buffer_bytes(e) + tok * (2 * sizeof(int32_t) + sizeof(float)));
+}
+
 // Bytes a forward / backward stage needs per layer on a device: parameters (the fused stage
 // carries a copy of a tied embedding as its head), plus for backward stages the fp32 gradients
 // and, with stage-grain recompute, the block's saved activations for one micro-batch (every block
 // of a backward stage keeps them until its backward). The planner gives each stage half the
 // device budget because a device holds two stages' parameter and gradient slots (the running one
 // and the prefetched one); the activations are not double-buffered (one stage computes at a
-// time), so they count half here: 2 x (params + grads) + activations <= budget. The hand-off
-// buffers every stage needs regardless are outside the budget.
-static void layer_bytes(const Engine* e, double* fb, double* bb) {
+// time), so they count half here: 2 x (params + grads) + activations <= budget. ub: the same in
+// the fused stage, which keeps its blocks' activations with layer-grain recompute too. The
+// hand-off buffers every stage needs regardless are outside the budget.
+static void layer_bytes(const Engine* e, double* fb, double* bb, double* ub) {
     const TensorTable* tt = &e->m->tt;
     int head = tensor_table_index(tt, TK_LM_HEAD, -1);
-    const double acts = e->opt.grain == RECOMPUTE_STAGE
-                            ? (double)workspace_act_set_bytes(e->m, (int)e->ab, e->Bm, e->T)
-                            : 0.0;
+    const double set = (double)workspace_act_set_bytes(e->m, (int)e->ab, e->Bm, e->T);
+    const double acts = e->opt.grain == RECOMPUTE_STAGE ? set : 0.0;
     // every layer of the running stage also has a residual-stream buffer on the device (its
     // input / recomputed output / uploaded checkpoint), in one or two micro-batch parities; like
     // the activations they are not double-buffered per slot
-    const double parities = e->M_R > 1 ? 2.0 : 1.0;
-    const double xbuf = parities * (double)e->Bm * e->T * e->C * (double)e->ab;
+    const double xbuf = (double)parity_count(e) * (double)x_buffer_bytes(e);
     for (int l = 0; l < e->NL; l++) {
+        const int block = l >= 1 && l < e->NL - 1;
         fb[l] = (double)tt->param_numel[l] * (double)e->ab + xbuf / 2;
         if (l == e->NL - 1 && tt->t[head].tied_to >= 0) fb[l] += (double)tt->t[head].numel * e->ab;
         bb[l] = fb[l] + (double)tt->grad_numel[l] * sizeof(float);
-        if (l >= 1 && l < e->NL - 1) bb[l] += acts / 2;
+        if (block) bb[l] += acts / 2;
+        // the fused stage keeps every block's activations whatever the grain (its forward is
+        // the recompute)
+        ub[l] = bb[l] + (block && e->opt.grain == RECOMPUTE_LAYER ? set / 2 : 0.0);
     }
 }
+
+static EngineDeviceBytes plan_device_bytes(const Engine* e, const PartitionPlan* plan,
+                                           int64_t* max_p_out, int64_t* max_g_out, int* acts_out,
+                                           int* max_len_out);
 
 // Plan with the costs in e->cost_fwd / cost_bwd.
 static int plan_partition(Engine* e, PartitionPlan* plan, char* err) {
     const int NL = e->NL;
     double* fb = calloc_check((size_t)NL, sizeof(double));
     double* bb = calloc_check((size_t)NL, sizeof(double));
-    layer_bytes(e, fb, bb);
-    double budget = e->opt.device_budget > 0 ? e->opt.device_budget / 2 : 1e300;
-    PartitionInput in = {NL, e->cost_fwd, e->cost_bwd, fb, bb, e->N, e->M, budget, !e->opt.sync};
+    double* ub = calloc_check((size_t)NL, sizeof(double));
+    layer_bytes(e, fb, bb, ub);
+    // --device-mem is everything the engine allocates on a device: what every plan needs comes
+    // off the top, and each stage gets half the rest (it shares the device with the prefetched one)
+    double budget = 1e300;
+    if (e->opt.device_budget > 0) {
+        const double fixed = (double)fixed_device_bytes(e);
+        if (e->opt.device_budget <= fixed) {
+            free(fb);
+            free(bb);
+            free(ub);
+            char have[32], need[32];
+            format_bytes(e->opt.device_budget, have, sizeof have);
+            format_bytes(fixed, need, sizeof need);
+            return errorf(err, "device memory budget: %s is not more than the %s of scratch and "
+                          "hand-off buffers that micro-batches of %d x %d tokens need (raise "
+                          "--device-mem or use more micro-batches)", have, need, e->Bm, e->T);
+        }
+        budget = (e->opt.device_budget - fixed) / 2;
+    }
+    PartitionInput in = {NL, e->cost_fwd, e->cost_bwd, fb, bb, e->N, e->M, budget, !e->opt.sync,
+                         ub};
     int rc = partition_plan(&in, plan, err);
+    // The per-stage check cannot see that a device's buffers are sized for the largest stage of
+    // each kind (parameters of one, activations of another): lower the per-stage budget in 3%
+    // steps until the whole fits (a smaller budget only ever makes layers fit less).
+    if (rc == 0 && e->opt.device_budget > 0) {
+        double total = (double)plan_device_bytes(e, plan, NULL, NULL, NULL, NULL).total;
+        const double first = total;
+        const double b0 = in.budget;
+        for (int k = 1; total > e->opt.device_budget; k++) {
+            in.budget = b0 * pow(0.97, k);
+            if (k > 150 || partition_plan(&in, plan, err) != 0) {
+                char have[32], need[32];
+                format_bytes(e->opt.device_budget, have, sizeof have);
+                format_bytes(first, need, sizeof need);
+                rc = errorf(err, "partition: no plan fits the device memory budget of %s (the "
+                            "fastest needs %s; raise --device-mem or use more micro-batches)",
+                            have, need);
+                break;
+            }
+            total = (double)plan_device_bytes(e, plan, NULL, NULL, NULL, NULL).total;
+        }
+    }
     free(fb);
     free(bb);
+    free(ub);
     return rc;
 }
 
@@ -901,44 +984,124 @@ static int max_stage_len(const Engine* e) {
     return n;
 }
 
+// What each device allocates for the plan (the same numbers plan_resources_create allocates
+// with): two parameter and two gradient slots of the largest stage, the workspace with its
+// activation sets (the fused stage keeps all of its blocks'; stage-grain backward stages too;
+// layer-grain ones one), and the hand-off buffers (one residual-stream buffer per layer boundary
+// of the longest stage, the incoming gradient, tokens, targets and losses, in one or two
+// micro-batch parities).
+static EngineDeviceBytes plan_device_bytes(const Engine* e, const PartitionPlan* plan,
+                                           int64_t* max_p_out, int64_t* max_g_out, int* acts_out,
+                                           int* max_len_out) {
+    const TensorTable* tt = &e->m->tt;
+    const int head = tensor_table_index(tt, TK_LM_HEAD, -1);
+    const int S = plan->n_fwd + plan->n_bwd;
+    int64_t max_p = 0, max_g = 0;
+    int max_len = 1, max_bwd = 1, fused_sets = 1;
+    for (int i = 0; i < S; i++) {
+        SlotInfo si;
+        partition_slot(plan, i, &si);
+        int64_t p = 0, g = 0;
+        for (int l = si.range.begin; l < si.range.end; l++) {
+            p += tt->param_numel[l];
+            g += tt->grad_numel[l];
+        }
+        if (si.range.end == e->NL && tt->t[head].tied_to >= 0) p += tt->t[head].numel;
+        const int blocks = imin(si.range.end, e->NL - 1) - imax(si.range.begin, 1);
+        if (si.kind == SLOT_FWD) g = 0;
+        else if (si.kind == SLOT_BWD) max_bwd = imax(max_bwd, blocks);
+        else fused_sets = imax(1, blocks);
+        if (p > max_p) max_p = p;
+        if (g > max_g) max_g = g;
+        max_len = imax(max_len, si.range.end - si.range.begin);
+    }
+    const int acts = e->opt.grain == RECOMPUTE_LAYER ? fused_sets : imax(fused_sets, max_bwd);
+    const size_t tok = (size_t)e->Bm * e->T;
+    EngineDeviceBytes b;
+    b.slots = 2 * ((size_t)max_p * e->ab + (size_t)max_g * sizeof(float));
+    b.acts = (size_t)acts * workspace_act_set_bytes(e->m, (int)e->ab, e->Bm, e->T);
+    b.scratch = scratch_bytes(e);
+    b.handoff = parity_count(e) * ((size_t)(max_len + 2) * x_buffer_bytes(e) +
+                                   tok * (2 * sizeof(int32_t) + sizeof(float)));
+    b.total = b.slots + b.acts + b.scratch + b.handoff;
+    if (max_p_out) *max_p_out = max_p;
+    if (max_g_out) *max_g_out = max_g;
+    if (acts_out) *acts_out = acts;
+    if (max_len_out) *max_len_out = max_len;
+    return b;
+}
+
+// Which layer boundaries a plan passes through host memory: need_x[b] (the residual stream
+// entering entry b: a stage's input, and with layer-grain recompute every block input a backward
+// stage recomputes from) and need_dx[b] (its gradient, the input of the next backward stage).
+static void plan_boundaries(const Engine* e, const PartitionPlan* plan, int* need_x, int* need_dx) {
+    const int efused = plan->bwd[0].begin;
+    for (int i = 0; i < plan->n_fwd; i++)
+        if (plan->fwd[i].begin > 0) need_x[plan->fwd[i].begin] = 1;
+    if (efused > 0) need_x[efused] = 1;
+    for (int i = 1; i < plan->n_bwd; i++) {
+        if (plan->bwd[i].begin > 0) need_x[plan->bwd[i].begin] = 1;
+        if (e->opt.grain == RECOMPUTE_LAYER)
+            for (int l = imax(1, plan->bwd[i].begin); l < plan->bwd[i].end; l++) need_x[l] = 1;
+    }
+    for (int i = 0; i < plan->n_bwd; i++)
+        if (plan->bwd[i].begin > 0) need_dx[plan->bwd[i].begin] = 1;
+}
+
+// Host bytes of the plan's activation checkpoints and boundary gradients: every x boundary in
+// plan_boundaries and the two-slot dx ring, per micro-batch, in one or two iteration sets
+// (--host-checkpoints).
+static size_t plan_host_act_bytes(const Engine* e, const PartitionPlan* plan) {
+    int* nx = calloc_check((size_t)e->NL + 1, sizeof(int));
+    int* ndx = calloc_check((size_t)e->NL + 1, sizeof(int));
+    plan_boundaries(e, plan, nx, ndx);
+    size_t n = 0, n_dx = 0;
+    for (int b = 0; b <= e->NL; b++) {
+        n += (size_t)nx[b];
+        n_dx += (size_t)ndx[b];
+    }
+    n += n_dx < 2 ? n_dx : 2;  // the dx ring
+    free(nx);
+    free(ndx);
+    return n * (size_t)e->M * x_buffer_bytes(e) * (e->opt.host_single ? 1 : 2);
+}
+
 // Everything whose shape depends on the plan: stages, host activation buffers and their events,
 // and the device state (parameter/gradient slots, activation buffers, workspace).
 static void plan_resources_create(Engine* e) {
     const Model* m = e->m;
     const int NL = e->NL;
-    const RecomputeGrain grain = e->opt.grain;
 
     // stages in slot order
     e->S = e->plan.n_fwd + e->plan.n_bwd;
     e->stages = calloc_check((size_t)e->S, sizeof(Stage));
-    int max_bwd = 1;
-    int64_t max_p = 0, max_g = 0;
     for (int i = 0; i < e->S; i++) {
         SlotInfo si;
         partition_slot(&e->plan, i, &si);
         stage_build(e, &e->stages[i], si.kind, si.range);
         stage_name(&e->stages[i], si.kind, si.stage);
-        Stage* st = &e->stages[i];
-        if (si.kind != SLOT_FWD) max_bwd = imax(max_bwd, st->e - st->b);
-        if (st->param_numel > max_p) max_p = st->param_numel;
-        if (st->grad_numel > max_g) max_g = st->grad_numel;
     }
-    const int max_len = max_stage_len(e);
+    int64_t max_p = 0, max_g = 0;
+    int acts = 1, max_len = 1;
+    plan_device_bytes(e, &e->plan, &max_p, &max_g, &acts, &max_len);
 
     // which layer boundaries need host copies
     e->need_x = calloc_check((size_t)NL + 1, sizeof(int));
     e->need_dx = calloc_check((size_t)NL + 1, sizeof(int));
-    const int efused = e->plan.bwd[0].begin;
-    for (int i = 0; i < e->plan.n_fwd; i++)
-        if (e->plan.fwd[i].begin > 0) e->need_x[e->plan.fwd[i].begin] = 1;
-    if (efused > 0) e->need_x[efused] = 1;
-    for (int i = 1; i < e->plan.n_bwd; i++) {
-        if (e->plan.bwd[i].begin > 0) e->need_x[e->plan.bwd[i].begin] = 1;
-        if (grain == RECOMPUTE_LAYER)
-            for (int l = imax(1, e->plan.bwd[i].begin); l < e->plan.bwd[i].end; l++) e->need_x[l] = 1;
+    plan_boundaries(e, &e->plan, e->need_x, e->need_dx);
+
+    // the dx ring: going down, boundaries alternate between two slots
+    e->dx_slot = calloc_check((size_t)NL + 1, sizeof(int));
+    e->dx_last = calloc_check((size_t)NL + 1, sizeof(int));
+    int n_dx = 0, last[2] = {-1, -1};
+    for (int bnd = NL; bnd >= 0; bnd--) {
+        if (!e->need_dx[bnd]) continue;
+        e->dx_slot[bnd] = n_dx % 2;
+        last[n_dx % 2] = bnd;
+        n_dx++;
     }
-    for (int i = 0; i < e->plan.n_bwd; i++)
-        if (e->plan.bwd[i].begin > 0) e->need_dx[e->plan.bwd[i].begin] = 1;
+    for (int bnd = 0; bnd <= NL; bnd++)
+        if (e->need_dx[bnd]) e->dx_last[bnd] = last[e->dx_slot[bnd]];
 
     // host activation buffers (two iteration parities) and their events
     const size_t x_bytes = (size_t)e->Bm * e->T * e->C * e->ab;
@@ -956,15 +1119,18 @@ static void plan_resources_create(Engine* e) {
         if (b >= e->host_parities) continue;
         e->hx[b] = calloc_check((size_t)NL + 1, sizeof(void**));
         e->hdx[b] = calloc_check((size_t)NL + 1, sizeof(void**));
+        for (int r = 0; r < 2; r++) {
+            e->dx_ring[b][r] = NULL;
+            if (n_dx <= r) continue;
+            e->dx_ring[b][r] = calloc_check((size_t)e->M, sizeof(void*));
+            for (int i = 0; i < e->M; i++) e->dx_ring[b][r][i] = e->impl->host_alloc(x_bytes);
+        }
         for (int bnd = 0; bnd <= NL; bnd++) {
             if (e->need_x[bnd]) {
                 e->hx[b][bnd] = calloc_check((size_t)e->M, sizeof(void*));
                 for (int i = 0; i < e->M; i++) e->hx[b][bnd][i] = e->impl->host_alloc(x_bytes);
             }
-            if (e->need_dx[bnd]) {
-                e->hdx[b][bnd] = calloc_check((size_t)e->M, sizeof(void*));
-                for (int i = 0; i < e->M; i++) e->hdx[b][bnd][i] = e->impl->host_alloc(x_bytes);
-            }
+            if (e->need_dx[bnd]) e->hdx[b][bnd] = e->dx_ring[b][e->dx_slot[bnd]];
         }
     }
     e->x_ev = calloc_check((size_t)NL + 1, sizeof(DevEvent**));
@@ -992,10 +1158,7 @@ static void plan_resources_create(Engine* e) {
         }
     }
 
-    // devices: the fused stage keeps every block's activations, stage-grain backward stages
-    // theirs, layer-grain backward stages one block's
-    const int acts = grain == RECOMPUTE_LAYER ? imax(1, e->plan.bwd[0].end - e->plan.bwd[0].begin)
-                                              : max_bwd;
+    // devices (plan_device_bytes says what and why)
     for (int g = 0; g < e->N; g++) {
         DevState* ds = &e->dev[g];
         ds->d = e->devs->dev[g];
@@ -1075,14 +1238,16 @@ static void plan_resources_free(Engine* e) {
                 for (int i = 0; i < e->M; i++) im->host_free(e->hx[b][bnd][i]);
                 free(e->hx[b][bnd]);
             }
-            if (e->hdx[b][bnd]) {
-                for (int i = 0; i < e->M; i++) im->host_free(e->hdx[b][bnd][i]);
-                free(e->hdx[b][bnd]);
-            }
         }
         if (b < e->host_parities) {
             free(e->hx[b]);
             free(e->hdx[b]);
+            for (int r = 0; r < 2; r++) {
+                if (!e->dx_ring[b][r]) continue;
+                for (int i = 0; i < e->M; i++) im->host_free(e->dx_ring[b][r][i]);
+                free(e->dx_ring[b][r]);
+                e->dx_ring[b][r] = NULL;
+            }
         }
         const int n_prof = 2 * e->R * e->S * e->M_R;
         for (int i = 0; i < n_prof; i++) im->event_destroy(e->prof_ev[b][i]);
@@ -1124,6 +1289,8 @@ static void plan_resources_free(Engine* e) {
     free(e->stages);
     free(e->need_x);
     free(e->need_dx);
+    free(e->dx_slot);
+    free(e->dx_last);
 }
 
 // The shape of a run and its size-based plan: everything engine_create and engine_plan_print
@@ -1489,16 +1656,48 @@ int engine_write_trace(Engine* e, char* err) {
 
 const PartitionPlan* engine_plan(const Engine* e) { return &e->plan; }
 
+size_t engine_fixed_device_bytes(const Model* m, int act_bytes, const EngineOptions* opt) {
+    Engine e;
+    memset(&e, 0, sizeof e);
+    e.m = m;
+    e.T = opt->T;
+    e.C = m->cfg.C;
+    e.ab = (size_t)act_bytes;
+    e.M_R = opt->M_R > 0 ? opt->M_R : opt->M;
+    e.Bm = opt->M > 0 ? (opt->B + opt->M - 1) / opt->M : opt->B;
+    return fixed_device_bytes(&e);
+}
+
+EngineDeviceBytes engine_device_bytes(const Engine* e) {
+    return plan_device_bytes(e, &e->plan, NULL, NULL, NULL, NULL);
+}
+
+static void print_bytes(FILE* f, const char* what, size_t bytes) {
+    char b[32];
+    format_bytes((double)bytes, b, sizeof b);
+    fprintf(f, "%s%s", what, b);
+}
+
 void engine_print_plan(const Engine* e, FILE* f) {
     double* fb = calloc_check((size_t)e->NL, sizeof(double));
     double* bb = calloc_check((size_t)e->NL, sizeof(double));
-    layer_bytes(e, fb, bb);
-    partition_print(&e->plan, &e->m->cfg, fb, bb, e->N, e->M, f);
+    double* ub = calloc_check((size_t)e->NL, sizeof(double));
+    layer_bytes(e, fb, bb, ub);
+    partition_print(&e->plan, &e->m->cfg, fb, bb, ub, e->N, e->M, f);
     fprintf(f, "rounds per step %d x %d micro-batches of %s%d sequences, %s recompute, %s optimizer\n",
             e->R, e->M_R, e->opt.B % e->M ? "up to " : "", e->Bm, e->opt.grain == RECOMPUTE_LAYER ? "layer" : "stage",
             e->opt.sync ? "synchronous" : "one-step-delayed");
+    const EngineDeviceBytes db = engine_device_bytes(e);
+    print_bytes(f, "device memory per device: ", db.total);
+    print_bytes(f, " = stage slots ", db.slots);
+    print_bytes(f, " + saved activations ", db.acts);
+    print_bytes(f, " + scratch ", db.scratch);
+    print_bytes(f, " + hand-off buffers ", db.handoff);
+    print_bytes(f, "\nhost activation checkpoints: ", plan_host_act_bytes(e, &e->plan));
+    fprintf(f, " (%s)\n", e->opt.host_single ? "one set" : "two sets: --host-checkpoints double");
     free(fb);
     free(bb);
+    free(ub);
 }
 
 // ----------------------------------------------------------------------------

@@ -53,7 +53,8 @@ typedef struct EngineOptions {
     int M_R;                 // micro-batches per round (M % M_R == 0; 0 = M: one round)
     RecomputeGrain grain;
     int sync;                // 1: synchronous optimizer (no staleness)
-    double device_budget;    // bytes of device memory for parameter stages (0 = backend default)
+    double device_budget;    // bytes of device memory the engine may allocate per device: stage
+                             // slots, activations, scratch and hand-off buffers (0 = unlimited)
     int opt_threads;         // optimizer threads (0 = all CPUs)
     const char* trace_path;  // Chrome trace JSON ("" = none)
     int host_single;         // 1: one set of host activation checkpoints instead of one per
@@ -95,6 +96,20 @@ typedef struct Engine Engine;
 Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOptions* opt,
                       char* err);
 void engine_free(Engine* e);
+// What one device holds for the plan, in bytes (every device allocates the same; all of it is
+// allocated when the engine is created). total = slots + acts + scratch + handoff.
+typedef struct EngineDeviceBytes {
+    size_t slots;    // two parameter (compute dtype) and two fp32 gradient slots of the largest stage
+    size_t acts;     // saved block activations (the fused stage's blocks, stage-grain backward)
+    size_t scratch;  // the workspace's temporaries (attention, MLP, LM-head chunk, RoPE tables)
+    size_t handoff;  // residual-stream, incoming-gradient, token, target and loss buffers
+    size_t total;
+} EngineDeviceBytes;
+EngineDeviceBytes engine_device_bytes(const Engine* e);
+// The part of that every plan of this shape needs (scratch and the hand-off buffers not
+// proportional to a stage's length): --device-mem must exceed it; the stages share the rest.
+size_t engine_fixed_device_bytes(const Model* m, int act_bytes, const EngineOptions* opt);
+
 // The chosen partition (for --plan and tests).
 const PartitionPlan* engine_plan(const Engine* e);
 // Print the plan, predicted bubble and per-device memory.

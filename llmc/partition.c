@@ -62,6 +62,11 @@ static int validate_array(const double* a, int n, const char* what, char* err) {
     return 0;
 }
 
+// the bytes of a layer in the fused stage
+static const double* fused_bytes_of(const PartitionInput* in) {
+    return in->fused_bytes ? in->fused_bytes : in->bwd_bytes;
+}
+
 static int validate_input(const PartitionInput* in, char* err) {
     if (in->n_layers < 1 || in->n_layers > PARTITION_MAX_LAYERS)
         return errorf(err, "partition: n_layers %d outside [1, %d]", in->n_layers,
@@ -74,7 +79,8 @@ static int validate_input(const PartitionInput* in, char* err) {
     if (validate_array(in->fwd_cost, in->n_layers, "fwd_cost", err) ||
         validate_array(in->bwd_cost, in->n_layers, "bwd_cost", err) ||
         validate_array(in->fwd_bytes, in->n_layers, "fwd_bytes", err) ||
-        validate_array(in->bwd_bytes, in->n_layers, "bwd_bytes", err))
+        validate_array(in->bwd_bytes, in->n_layers, "bwd_bytes", err) ||
+        (in->fused_bytes && validate_array(in->fused_bytes, in->n_layers, "fused_bytes", err)))
         return -1;
     return 0;
 }
@@ -84,8 +90,16 @@ static int validate_input(const PartitionInput* in, char* err) {
 // stage that fits cannot absorb.
 static int explain_infeasible(const PartitionInput* in, char* err) {
     const int n = in->n_layers;
+    const double* fused = fused_bytes_of(in);
     char name[32];
-    for (int l = 0; l < n; l++) {
+    if (fused[n - 1] > in->budget) {
+        layer_name(n - 1, n, name, sizeof name);
+        return errorf(err,
+                      "partition: layer %d (%s) needs %.0f bytes in the fused stage, over the "
+                      "per-stage budget of %.0f bytes",
+                      n - 1, name, fused[n - 1], in->budget);
+    }
+    for (int l = 0; l < n - 1; l++) {
         if (in->bwd_bytes[l] > in->budget) {
             layer_name(l, n, name, sizeof name);
             return errorf(err,
@@ -96,7 +110,7 @@ static int explain_infeasible(const PartitionInput* in, char* err) {
     }
     int e = n;
     double mm = 0.0;
-    while (e > 0 && mm + in->bwd_bytes[e - 1] <= in->budget) mm += in->bwd_bytes[--e];
+    while (e > 0 && mm + fused[e - 1] <= in->budget) mm += fused[--e];
     for (int l = 0; l < e; l++) {
         if (in->fwd_bytes[l] > in->budget) {
             layer_name(l, n, name, sizeof name);
@@ -183,16 +197,17 @@ static int plan_for_t(const PartitionInput* in, double t, double best_cost, Part
     const double* bc = in->bwd_cost;
     const double* fb = in->fwd_bytes;
     const double* bb = in->bwd_bytes;
+    const double* ub = fused_bytes_of(in);
     const double prune = best_cost + PARTITION_PRUNE_SLACK * best_cost;
 
     // 1. the fused stage, grown from the deepest layer as far as it goes: the fewer layers
     //    [0, e) leaves, the fewer stages the two other partitions need.
     int e = n;
     double tt = 0.0, mm = 0.0;
-    while (e > 0 && time_fits(tt + bc[e - 1], t) && mm + bb[e - 1] <= in->budget) {
+    while (e > 0 && time_fits(tt + bc[e - 1], t) && mm + ub[e - 1] <= in->budget) {
         e--;
         tt += bc[e];
-        mm += bb[e];
+        mm += ub[e];
     }
     if (e == n) return 0;
     double tau = tt;
@@ -369,7 +384,7 @@ int partition_brute_force(const PartitionInput* in, PartitionPlan* out, char* er
     SplitStats fs[MAX_MASKS], bs[MAX_MASKS];
     for (int e = 0; e < n; e++) {
         StageRange fused = {e, n};
-        if (range_sum(in->bwd_bytes, fused) > in->budget) continue;
+        if (range_sum(fused_bytes_of(in), fused) > in->budget) continue;
         double t_fused = range_sum(in->bwd_cost, fused);
         unsigned n_masks = e > 0 ? 1u << (e - 1) : 1u;
         for (unsigned m = 0; m < n_masks; m++) {
@@ -517,15 +532,10 @@ static void range_name(StageRange r, int n_layers, char* buf, size_t cap) {
     if (r.end == n_layers && len < cap) snprintf(buf + len, cap - len, "%shead", len ? " + " : "");
 }
 
-static void format_bytes(double b, char* buf, size_t cap) {
-    if (b >= 1073741824.0) snprintf(buf, cap, "%.2f GiB", b / 1073741824.0);
-    else if (b >= 1048576.0) snprintf(buf, cap, "%.2f MiB", b / 1048576.0);
-    else if (b >= 1024.0) snprintf(buf, cap, "%.2f KiB", b / 1024.0);
-    else snprintf(buf, cap, "%.0f B", b);
-}
 
 void partition_print(const PartitionPlan* p, const ModelConfig* cfg, const double* fwd_bytes,
-                     const double* bwd_bytes, int N, int M, FILE* f) {
+                     const double* bwd_bytes, const double* fused_bytes, int N, int M, FILE* f) {
+    if (!fused_bytes) fused_bytes = bwd_bytes;
     const int S = p->n_fwd + p->n_bwd;
     const int have_bytes = fwd_bytes != NULL && bwd_bytes != NULL;
     fprintf(f, "plan%s%s: %d layer entries, N %d devices, M %d micro-batches\n",
@@ -543,7 +553,10 @@ void partition_print(const PartitionPlan* p, const ModelConfig* cfg, const doubl
         double t = s.kind == SLOT_FWD ? p->fwd_time[s.stage] : p->bwd_time[s.stage];
         busy += t;
         if (have_bytes) {
-            slot_bytes[i] = range_sum(s.kind == SLOT_FWD ? fwd_bytes : bwd_bytes, s.range);
+            slot_bytes[i] = range_sum(s.kind == SLOT_FWD     ? fwd_bytes
+                                      : s.kind == SLOT_FUSED ? fused_bytes
+                                                             : bwd_bytes,
+                                      s.range);
             format_bytes(slot_bytes[i], bytes, sizeof bytes);
         }
         fprintf(f, "  %-4s %-28s time %.4g (%5.1f%% of t_max)%s%s\n", label, names, t,

@@ -75,6 +75,9 @@ typedef struct PartitionInput {
     int M;                     // micro-batches per iteration
     double budget;             // device bytes available to ONE stage (caller passes limit/2)
     int async;                 // 1: max(S, N)*t_max, 0: paper (M*S + N(N-1))*t_max
+    const double* fused_bytes; // (n_layers) bytes a layer needs in the fused stage, when that
+                               // differs from bwd_bytes (layer-grain recompute: the fused stage
+                               // keeps every block's activations); NULL = bwd_bytes
 } PartitionInput;
 
 typedef struct PartitionPlan {
@@ -154,8 +157,9 @@ int schedule_slot_device(int64_t global_slot, int g0, int N);
 
 // One line per stage (F1.., FB, B2..) with layer names (embed, blocks i-j, head), time, share of
 // t_max and bytes; then S_f, S_b, S, bubble %, t_max, balance, and the per-device peak parameter
-// memory (a device holds its stage and the one N slots later). cfg and the byte arrays may be NULL.
+// memory (a device holds its stage and the one N slots later). cfg and the byte arrays may be NULL
+// (fused_bytes NULL = bwd_bytes).
 void partition_print(const PartitionPlan* plan, const ModelConfig* cfg, const double* fwd_bytes,
-                     const double* bwd_bytes, int N, int M, FILE* f);
+                     const double* bwd_bytes, const double* fused_bytes, int N, int M, FILE* f);
 
 #endif  // LLMC_PARTITION_H

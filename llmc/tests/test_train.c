@@ -237,7 +237,7 @@ static void test_train_engine_cli(TestCtx* t) {
     snprintf(args, sizeof args, "%s --log '%s'", common, log_a);
     CHECK(t, test_run_cli(t, "plainrun", args) == 0, "plain run failed");
     snprintf(args, sizeof args,
-             "%s --device cpu:3 --sync 1 --recompute layer --device-mem 6M --delay-us 20 "
+             "%s --device cpu:3 --sync 1 --recompute layer --device-mem 14M --delay-us 20 "
              "--log '%s'",
              common, log_b);
     int rc = test_run_cli(t, "enginerun", args);
@@ -254,7 +254,7 @@ static void test_train_engine_cli(TestCtx* t) {
     // --trace: valid JSON with every device's streams and the optimizer
     char trace[1024], errb[ERR_LEN];
     test_path(t, trace, sizeof trace, "trace.json");
-    snprintf(args, sizeof args, "%s --device cpu:4 --device-mem 6M --trace '%s'", common, trace);
+    snprintf(args, sizeof args, "%s --device cpu:4 --device-mem 14M --trace '%s'", common, trace);
     rc = test_run_cli(t, "tracerun", args);
     CHECK(t, rc == 0, "trace run exit %d", rc);
     char* tj = file_read_all(trace, 64u << 20, NULL, errb);
@@ -271,7 +271,7 @@ static void test_train_engine_cli(TestCtx* t) {
         free(tj);
     }
     // --plan prints the partition and exits
-    rc = test_run_cli(t, "plan", "--device cpu:4 --micro-batches 4 --device-mem 10M --plan");
+    rc = test_run_cli(t, "plan", "--device cpu:4 --micro-batches 4 --device-mem 14M --plan");
     out = test_read_output(t, "plan", "out");
     CHECK(t, rc == 0 && strstr(out, "FB") && strstr(out, "bubble") && !strstr(out, "step     1"),
           "--plan exit %d: %s", rc, out);
