@@ -24,13 +24,17 @@
 #ifdef HAVE_CUDA
 
 #include "../../kernels/kernels.h"
+#include "../adamw.h"
 #include "../checkpoint.h"
+#include "../device.h"
+#include "../engine.h"
 #include "../model.h"
 #include "../ops.h"
 #include "../plain.h"
 #include "../rng.h"
 #include "../safetensors.h"
 #include "../store.h"
+#include "../threads.h"
 
 // ----------------------------------------------------------------------------
 // fixture: one CUDA context and one CPU context per test
@@ -1058,6 +1062,186 @@ static void test_gpu_parity(TestCtx* t) {
     gpu_close(&G);
 }
 
+
+// ----------------------------------------------------------------------------
+// the RoundPipe engine on GPUs: the loss trajectory against plain training on the GPU (the same
+// kernels; synchronous or with the one-step-delayed update written out by hand), and the device
+// memory it takes against its prediction
+
+#define ENGINE_STEPS 3
+
+static const AdamWHyper gpu_engine_hyper = {1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f};
+static const LrSchedule gpu_engine_sched = {LR_COSINE, 1e-3f, 1, ENGINE_STEPS, 0.1f, 0.2f};
+
+// Plain training on GPU 0 with M micro-batches; delayed: iteration t computes with the weights
+// before step t-1's update (a second store holds them), as the engine's delayed optimizer does.
+static void gpu_engine_reference(const ModelConfig* c, int B, int T, int M, int delayed,
+                                 const int32_t* tokens, double* loss) {
+    char err[ERR_LEN];
+    Model m;
+    model_init(&m, c, 0, err);
+    Store s, w_own;
+    store_create(&s, &m.tt);
+    store_init_random(&s, 11, 0.05f);
+    Store* w = &s;
+    if (delayed) {
+        store_create(&w_own, &m.tt);
+        store_init_random(&w_own, 11, 0.05f);
+        w = &w_own;
+    }
+    void* ctx = ops_cuda_create(0, NULL);
+    const int Bm = B / M;
+    Plain* p = plain_create(&m, w, &ops_cuda, ctx, Bm, T, 0);
+    AdamWTensor opt[128];
+    int n = store_adamw_tensors(&s, opt);
+    AdamWHyper h = gpu_engine_hyper;
+    LrSchedule sched = gpu_engine_sched;
+    ThreadPool* pool = threadpool_create(2);
+    for (int step = 0; step < ENGINE_STEPS; step++) {
+        const int32_t* batch = tokens + (size_t)step * B * (T + 1);
+        plain_sync_params(p);
+        store_zero_grads(w);
+        double sum = 0;
+        for (int mb = 0; mb < M; mb++)
+            sum += plain_forward_backward(p, batch + (size_t)mb * Bm * (T + 1), Bm, T,
+                                          1.0f / ((float)B * (float)T));
+        plain_sync_grads(p);
+        store_fold_tied_grads(w);
+        loss[step] = sum / ((double)B * T);
+        if (delayed) {
+            for (int l = 0; l < m.tt.n_layers; l++) {
+                memcpy(s.grad[l], w->grad[l], (size_t)m.tt.grad_numel[l] * sizeof(float));
+                memcpy(w->param[l], s.param[l], (size_t)m.tt.param_numel[l] * sizeof(float));
+            }
+        }
+        double norm = sqrt(adamw_grad_norm_sq(pool, opt, n));
+        h.lr = lr_schedule_at(&sched, step + 1);
+        adamw_step(pool, opt, n, &h, step + 1, adamw_clip_scale(norm, 1.0f));
+    }
+    threadpool_destroy(pool);
+    plain_free(p);
+    ops_cuda_destroy(ctx);
+    store_free(&s);
+    if (delayed) store_free(&w_own);
+    model_free(&m);
+}
+
+typedef struct GpuEngineCase {
+    int N, M, sync;
+    RecomputeGrain grain;
+    double stage_bytes;  // device budget beyond the fixed part (0 = unlimited)
+} GpuEngineCase;
+
+// Returns the plan's stage count, or -1. On GPUs also fills *used (bytes taken on each device
+// over the first step, the largest) and *db (the prediction).
+static int gpu_engine_run(TestCtx* t, const DeviceImpl* impl, const ModelConfig* c, int B, int T,
+                          const GpuEngineCase* ec, const int32_t* tokens, double* loss,
+                          size_t* used, EngineDeviceBytes* db) {
+    // (impl: device_cuda_impl; the emulated devices would do for a fp32 comparison)
+    char err[ERR_LEN];
+    Model m;
+    if (model_init(&m, c, 0, err) != 0) {
+        CHECK(t, 0, "model: %s", err);
+        return -1;
+    }
+    Store s;
+    store_create(&s, &m.tt);
+    store_init_random(&s, 11, 0.05f);
+    DeviceOptions dopt = {.threads = t->n_threads > 0 ? t->n_threads : 1};
+    DeviceSet devs;
+    device_set_open(&devs, impl, ec->N, &dopt);
+    const int cuda = impl == &device_cuda_impl;
+    size_t free0[8] = {0}, tot = 0;
+    for (int g = 0; cuda && g < ec->N && g < 8; g++) cuda_device_memory(g, &free0[g], &tot);
+    EngineOptions eo = {.B = B, .T = T, .M = ec->M, .M_R = ec->M, .grain = ec->grain,
+                        .sync = ec->sync, .opt_threads = 2, .trace_path = "",
+                        .hyper = gpu_engine_hyper, .sched = gpu_engine_sched,
+                        .grad_clip = 1.0f};
+    if (ec->stage_bytes > 0)
+        eo.device_budget = (double)engine_fixed_device_bytes(&m, cuda ? 2 : 4, &eo) + ec->stage_bytes;
+    Engine* e = engine_create(&m, &s, &devs, &eo, err);
+    CHECK(t, e != NULL, "engine_create: %s", err);
+    int S = -1;
+    if (e) {
+        S = engine_plan(e)->n_fwd + engine_plan(e)->n_bwd;
+        for (int step = 0; step < ENGINE_STEPS; step++) {
+            loss[step] = engine_step(e, tokens + (size_t)step * B * (T + 1)).loss;
+            if (step == 0 && cuda) {
+                engine_synchronize(e);
+                *used = 0;
+                for (int g = 0; g < ec->N && g < 8; g++) {
+                    size_t fr = 0;
+                    cuda_device_memory(g, &fr, &tot);
+                    if (free0[g] > fr && free0[g] - fr > *used) *used = free0[g] - fr;
+                }
+                *db = engine_device_bytes(e);
+            }
+        }
+        engine_synchronize(e);
+        engine_free(e);
+    }
+    device_set_close(&devs);
+    store_free(&s);
+    model_free(&m);
+    return S;
+}
+
+static void test_gpu_engine(TestCtx* t) {
+    if (cuda_device_count() == 0) {
+        printf("  %s: no GPU: skipped\n", t->name);
+        return;
+    }
+    char err[ERR_LEN];
+    ModelConfig c;
+    config_from_preset(&c, "test-qwen3", err);
+    // big enough that the allocator's rounding is small next to the prediction
+    c.V = 32000;
+    c.C = 1024;
+    c.L = 4;
+    c.H = 8;
+    c.KVH = 4;
+    c.HD = 128;
+    c.F = 3072;
+    const int B = 8, T = 1024;
+    Rng r;
+    rng_seed(&r, 5);
+    int32_t* tokens = malloc_check((size_t)ENGINE_STEPS * B * (T + 1) * sizeof(int32_t));
+    for (int i = 0; i < ENGINE_STEPS * B * (T + 1); i++)
+        tokens[i] = (int32_t)rng_below(&r, (uint64_t)c.V);
+    const int N2 = cuda_device_count() >= 2 ? 2 : 1;
+    const GpuEngineCase cases[] = {
+        {1, 4, 1, RECOMPUTE_STAGE, 0},           {1, 4, 1, RECOMPUTE_STAGE, 400.0 * (1 << 20)},
+        {1, 4, 0, RECOMPUTE_LAYER, 400.0 * (1 << 20)}, {N2, 4, 1, RECOMPUTE_STAGE, 400.0 * (1 << 20)},
+        {N2, 4, 0, RECOMPUTE_STAGE, 0},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        const GpuEngineCase* ec = &cases[k];
+        double lg[ENGINE_STEPS], lc[ENGINE_STEPS];
+        size_t used = 0;
+        EngineDeviceBytes db;
+        memset(&db, 0, sizeof db);
+        int S = gpu_engine_run(t, &device_cuda_impl, &c, B, T, ec, tokens, lg, &used, &db);
+        if (S < 0) continue;
+        gpu_engine_reference(&c, B, T, ec->M, !ec->sync, tokens, lc);
+        printf("  N %d M %d %s %s budget %s: S %d; losses engine %.5f %.5f %.5f, plain %.5f "
+               "%.5f %.5f; device memory %.1f MiB used, %.1f MiB predicted\n",
+               ec->N, ec->M, ec->sync ? "sync" : "delayed",
+               ec->grain == RECOMPUTE_LAYER ? "layer" : "stage", ec->stage_bytes > 0 ? "small" : "none",
+               S, lg[0], lg[1], lg[2], lc[0], lc[1], lc[2], used / 1048576.0, db.total / 1048576.0);
+        for (int i = 0; i < ENGINE_STEPS; i++)
+            CHECK(t, isfinite(lg[i]) && fabs(lg[i] - lc[i]) <= 2e-3 * fabs(lc[i]),
+                  "case %zu step %d: engine loss %.6f vs plain %.6f", k, i, lg[i], lc[i]);
+        if (ec->stage_bytes > 0) CHECK(t, S >= 3, "case %zu: the budget should force stages", k);
+        // the prediction bounds what the engine took (allocator rounding aside) and is not
+        // far above it (the kernels' 64 MiB allowance aside)
+        CHECK(t, used <= db.total + db.total / 20 + ((size_t)64 << 20),
+              "case %zu: %zu bytes used, %zu predicted", k, used, db.total);
+        CHECK(t, used + ((size_t)96 << 20) >= db.total - db.total / 10,
+              "case %zu: %zu bytes used, far below the %zu predicted", k, used, db.total);
+    }
+    free(tokens);
+}
+
 #else  // no CUDA in this build
 
 static void gpu_skipped(TestCtx* t) { printf("  %s: built without CUDA: skipped\n", t->name); }
@@ -1072,6 +1256,7 @@ static void test_gpu_crossentropy(TestCtx* t) { gpu_skipped(t); }
 static void test_gpu_determinism(TestCtx* t) { gpu_skipped(t); }
 static void test_gpu_model(TestCtx* t) { gpu_skipped(t); }
 static void test_gpu_parity(TestCtx* t) { gpu_skipped(t); }
+static void test_gpu_engine(TestCtx* t) { gpu_skipped(t); }
 
 #endif  // HAVE_CUDA
 
@@ -1087,5 +1272,6 @@ const TestCase tests_gpu[] = {
     {"gpu_determinism", test_gpu_determinism},
     {"gpu_model", test_gpu_model},
     {"gpu_parity", test_gpu_parity},
+    {"gpu_engine", test_gpu_engine},
     {NULL, NULL},
 };
