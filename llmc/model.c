@@ -111,8 +111,8 @@ size_t workspace_bytes(const Model* m, int act_bytes, int B, int T, int n_acts) 
     size_t sizes[12], per_set = 0;
     acts_sizes(m, B, T, ab, sizes);
     for (int i = 0; i < 12; i++) per_set += sizes[i];
-    size_t scratch = N * C * ab * 4 + N * c->H * c->HD * ab + 2 * N * m->QKV * ab +
-                     3 * mlp_rows * F * ab + N * sizeof(float) +
+    const size_t row = C > (size_t)m->QKV ? C : (size_t)m->QKV;
+    size_t scratch = 2 * N * row * ab + 3 * mlp_rows * F * ab + N * sizeof(float) +
                      (size_t)lm_chunk_rows(m, act_bytes, B, T) * c->V * ab;
     if (chunk > 0) scratch += (size_t)chunk * (C + 3 * F) * ab + (size_t)chunk * sizeof(float);
     size_t rope = 2 * (size_t)T * (c->HD / 2) * sizeof(float);
@@ -158,11 +158,17 @@ Workspace* workspace_create(const Model* m, const Ops* ops, void* ctx, int B, in
                             &a->ln2, (void**)&a->rstd2, &a->gu, &a->act};
         for (int j = 0; j < 12; j++) *slots[j] = sizes[j] ? ops->alloc(ctx, sizes[j]) : NULL;
     }
-    ws->proj = ops->alloc(ctx, N * C * ab);
-    ws->d_ln = ops->alloc(ctx, N * C * ab);
-    ws->d_att = ops->alloc(ctx, N * c->H * c->HD * ab);
-    ws->d_qkv = ops->alloc(ctx, N * m->QKV * ab);
-    ws->d_qkv_raw = ops->alloc(ctx, N * m->QKV * ab);
+    // Two row buffers serve every (N, <= max(C, QKV)) temporary, by lifetime: the block backward
+    // passes d_att (A) -> d_qkv (B) -> d_qkv_raw (A) -> d_ln (B), the forward uses proj (A),
+    // the postfix xf (A) and d_xf (B); no op reads or writes two roles of one buffer.
+    const size_t row = (size_t)(C > (size_t)m->QKV ? C : (size_t)m->QKV);
+    ws->row_a = ops->alloc(ctx, N * row * ab);
+    ws->row_b = ops->alloc(ctx, N * row * ab);
+    ws->proj = ws->row_a;
+    ws->d_att = ws->row_a;
+    ws->d_qkv_raw = ws->row_a;
+    ws->d_ln = ws->row_b;
+    ws->d_qkv = ws->row_b;
     ws->mlp_chunk = mlp_chunk_rows(m, B, T);
     const size_t mlp_rows = ws->mlp_chunk > 0 ? (size_t)ws->mlp_chunk : N;
     ws->d_act = ops->alloc(ctx, mlp_rows * F * ab);
@@ -173,9 +179,9 @@ Workspace* workspace_create(const Model* m, const Ops* ops, void* ctx, int B, in
         ws->gu_c = ops->alloc(ctx, mlp_rows * 2 * F * ab);
         ws->act_c = ops->alloc(ctx, mlp_rows * F * ab);
     }
-    ws->xf = ops->alloc(ctx, N * C * ab);
+    ws->xf = ws->row_a;
     ws->rstdf = ops->alloc(ctx, N * sizeof(float));
-    ws->d_xf = ops->alloc(ctx, N * C * ab);
+    ws->d_xf = ws->row_b;
     ws->lm_chunk = lm_chunk_rows(m, ops->act_bytes, B, T);
     ws->logits = ops->alloc(ctx, (size_t)ws->lm_chunk * c->V * ab);
     return ws;
@@ -193,8 +199,8 @@ void workspace_free(Workspace* ws) {
             if (ptrs[j]) ops->free(ctx, ptrs[j]);
     }
     free(ws->acts);
-    void* bufs[] = {ws->rope_cos, ws->rope_sin, ws->proj, ws->d_ln, ws->d_att, ws->d_qkv,
-                    ws->d_qkv_raw, ws->d_act, ws->d_gu, ws->xf, ws->rstdf, ws->d_xf, ws->logits};
+    void* bufs[] = {ws->rope_cos, ws->rope_sin, ws->row_a, ws->row_b, ws->d_act, ws->d_gu,
+                    ws->rstdf, ws->logits};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) ops->free(ctx, bufs[i]);
     void* chunk_bufs[] = {ws->ln2_c, ws->rstd2_c, ws->gu_c, ws->act_c};
     for (size_t i = 0; i < 4; i++)

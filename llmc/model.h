@@ -71,7 +71,10 @@ typedef struct Workspace {
     float* rope_sin;   // (T, HD/2) device
     int n_acts;
     BlockActs* acts;   // n_acts activation sets
-    // scratch (device)
+    // scratch (device); proj, d_att, d_qkv_raw and xf share row_a, d_ln, d_qkv and d_xf row_b
+    // (see workspace_create)
+    void* row_a;       // (N, max(C, QKV))
+    void* row_b;       // (N, max(C, QKV))
     void* proj;        // (N, C) attention / MLP output projection
     void* d_ln;        // (N, C)
     void* d_att;       // (N, H*HD)
