@@ -196,44 +196,53 @@ int main(int argc, char** argv) {
     if (use_cuda && !a.plan_only && N > cuda_device_count())
         fatal("--device cuda:%d: only %d CUDA device(s) visible", N, cuda_device_count());
 #endif
-    {
-        // What the host needs, before anything big is allocated (PERFORMANCE_MODEL.md §5): the
-        // Store's 16 B/param; with the engine two compute-dtype weight copies, with the delayed
-        // optimizer a second fp32 gradient set, and activation checkpoints (at most one per
-        // layer boundary and micro-batch, in one or two sets).
-        const int engine_run = a.n_devices > 0 || a.device == DEVICE_CUDA;
-        const double P = (double)model.tt.total_params;
-        const double ab = a.device == DEVICE_CUDA ? 2.0 : 4.0;
-        double fixed = 16.0 * P;
-        if (engine_run) fixed += 2.0 * ab * P + (a.sync ? 0.0 : 4.0 * P);
-        double ckpt = engine_run ? (a.host_single ? 1.0 : 2.0) * (double)a.batch * a.seq *
-                                       model.cfg.C * ab * (model.cfg.L + 1)
-                                 : 0.0;
-        printf("host memory: %.2f GiB for weights, optimizer state and gradients", fixed / (1 << 30));
-        if (engine_run) printf(" + up to %.2f GiB of activation checkpoints", ckpt / (1 << 30));
-        long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-        double total = pages > 0 && page > 0 ? (double)pages * page : 0.0;
-        printf(" (machine: %.1f GiB)\n", total / (1 << 30));
-        struct sysinfo si;
-        double swap = sysinfo(&si) == 0 ? (double)si.totalswap * si.mem_unit : 0.0;
-        if (!a.plan_only && total > 0 && fixed > total + swap)
-            fatal("host memory: the weights, optimizer state and gradients need %.2f GiB but this "
-                  "machine has %.1f GiB of memory and %.1f GiB of swap", fixed / (1 << 30),
-                  total / (1 << 30), swap / (1 << 30));
-        if (total > 0 && fixed > 0.9 * total)
-            printf("warning: the weights, optimizer state and gradients alone need more than 90%% "
-                   "of this machine's memory\n");
-    }
+    // What the host needs, before anything big is allocated (PERFORMANCE_MODEL.md §5): the
+    // Store's 16 B/param; with the engine two compute-dtype weight copies, with the delayed
+    // optimizer a second fp32 gradient set, and activation checkpoints (at most one per layer
+    // boundary plus the two-slot gradient ring, per micro-batch, in one or two sets).
+    const int engine_run = a.n_devices > 0 || a.device == DEVICE_CUDA;
+    const double P = (double)model.tt.total_params;
+    const double wbytes = a.device == DEVICE_CUDA ? 2.0 : 4.0;
+    double host_fixed = 16.0 * P;
+    if (engine_run) host_fixed += 2.0 * wbytes * P + (a.sync ? 0.0 : 4.0 * P);
+    const double ckpt = engine_run ? (a.host_single ? 1.0 : 2.0) * (double)a.batch * a.seq *
+                                         model.cfg.C * wbytes * (model.cfg.L + 3)
+                                   : 0.0;
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    const double host_total = pages > 0 && page > 0 ? (double)pages * page : 0.0;
+    struct sysinfo si;
+    const double host_swap = sysinfo(&si) == 0 ? (double)si.totalswap * si.mem_unit : 0.0;
+    printf("host memory: %.2f GiB for weights, optimizer state and gradients",
+           host_fixed / (1 << 30));
+    if (engine_run) printf(" + up to %.2f GiB of activation checkpoints", ckpt / (1 << 30));
+    printf(" (machine: %.1f GiB)\n", host_total / (1 << 30));
+    if (!a.plan_only && host_total > 0 && host_fixed > host_total + host_swap)
+        fatal("host memory: the weights, optimizer state and gradients need %.2f GiB but this "
+              "machine has %.1f GiB of memory and %.1f GiB of swap", host_fixed / (1 << 30),
+              host_total / (1 << 30), host_swap / (1 << 30));
+    if (host_total > 0 && host_fixed > 0.9 * host_total)
+        printf("warning: the weights, optimizer state and gradients alone need more than 90%% "
+               "of this machine's memory\n");
     if (a.plan_only) {
         // the plan needs only the model's shape: no store, devices or buffers
         EngineOptions eo = engine_options(&a, use_cuda, 0);
         if (use_cuda && eo.device_budget <= 0)
             printf("note: no GPU memory to read here and no --device-mem: planning without a "
                    "device memory budget\n");
-        if (engine_plan_print(&model, use_cuda ? 2 : 4, N > 0 ? N : 1, &eo, stdout, err) != 0)
+        size_t host_acts = 0;
+        if (engine_plan_print(&model, use_cuda ? 2 : 4, N > 0 ? N : 1, &eo, stdout, &host_acts,
+                              err) != 0)
             fatal("%s", err);
+        const double need = host_fixed + (engine_run ? (double)host_acts : 0.0);
+        printf("host memory for this plan: %.2f GiB (machine: %.1f GiB + %.1f GiB swap)\n",
+               need / (1 << 30), host_total / (1 << 30), host_swap / (1 << 30));
         model_free(&model);
         checkpoint_close_source(&src);
+        if (host_total > 0 && need > host_total + host_swap)
+            fatal("--plan: this plan needs %.2f GiB of host memory, more than this machine's "
+                  "%.1f GiB + %.1f GiB swap (try --host-checkpoints single, --sync 1 or more "
+                  "micro-batches)", need / (1 << 30), host_total / (1 << 30),
+                  host_swap / (1 << 30));
         return 0;
     }
     Store store;

@@ -115,9 +115,10 @@ const PartitionPlan* engine_plan(const Engine* e);
 // Print the plan, predicted bubble and per-device memory.
 void engine_print_plan(const Engine* e, FILE* f);
 // The same plan without an engine (no store, devices or buffers): for --plan on any machine.
-// act_bytes: the devices' compute dtype (2 bf16 GPUs, 4 fp32 emulated). -1 with err on a bad shape.
+// act_bytes: the devices' compute dtype (2 bf16 GPUs, 4 fp32 emulated); *host_act_bytes (may be
+// NULL): the host memory its activation checkpoints take. -1 with err on a bad shape.
 int engine_plan_print(const Model* m, int act_bytes, int n_devices, const EngineOptions* opt,
-                      FILE* f, char* err);
+                      FILE* f, size_t* host_act_bytes, char* err);
 
 // One iteration on tokens (B, T+1): enqueue every round, hand the optimizer step for this
 // iteration's gradient to the optimizer thread, wait only for this iteration's losses.

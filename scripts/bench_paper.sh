@@ -10,7 +10,9 @@
 #   MODELS=qwen3-1.7b GPUS=1 scripts/bench_paper.sh
 #   SWEEP=1 scripts/bench_paper.sh                 + the Qwen3-1.7B sequence sweep 512 .. 64K
 #   MAXSEQ=1 scripts/bench_paper.sh                + the longest trainable sequence per model
-#                                                  (micro-batch of one sequence, layer recompute)
+#                                                  (one sequence per micro-batch, found with
+#                                                  --plan, confirmed by one step) and the
+#                                                  throughput at 262,144 tokens
 #   EXTRA="--recompute layer" scripts/bench_paper.sh   extra trainer flags for every run
 #
 # Variables: MODELS, GPUS, BATCH (128), SEQ (2048), MICRO (10), WARMUP (3), TIMED (3), SWEEP (0),
@@ -93,21 +95,37 @@ if [ "$SWEEP" = 1 ]; then
     done
 fi
 if [ "$MAXSEQ" = 1 ]; then
-    # doubling from 32K until a run fails (out of device or host memory: a clear error, exit 1),
-    # then bisection to 16K granularity; one sequence per step, 2 steps each
+    # The longest sequence (one per micro-batch, 1 GPU) whose plan fits this GPU (90% of its free
+    # memory) and this host: bisection on --plan, which allocates nothing, for stage- and
+    # layer-grain recompute with the MLP chunked; then one real step at that length to confirm,
+    # and the throughput at 262,144 tokens (the paper's long-sequence point).
+    LONG="--mlp-chunk 16384 --host-checkpoints single"
+    fits() {  # fits MODEL SEQ GRAIN
+        ./train_roundpipe --model "$1" --device cuda:1 --batch 1 --seq "$2" --micro-batches 1 \
+            --recompute "$3" $LONG $EXTRA --val '' --plan > /dev/null 2>&1
+    }
     for model in $MODELS; do
-        lo=0 hi=0 seq=32768
-        while [ "$hi" = 0 ] && [ "$seq" -le 4194304 ]; do
-            read -r tps _ _ <<<"$(WARMUP=1 TIMED=1 EXTRA="$EXTRA --recompute layer" run "$model" 1 1 "$seq" 1)"
-            if [ "$tps" = failed ]; then hi=$seq; else lo=$seq; seq=$((seq * 2)); fi
+        best=0 best_grain=stage
+        for grain in stage layer; do
+            lo=0 hi=0 seq=32768
+            while [ "$hi" = 0 ] && [ "$seq" -le 8388608 ]; do
+                if fits "$model" "$seq" "$grain"; then lo=$seq; seq=$((seq * 2)); else hi=$seq; fi
+            done
+            while [ "$hi" -gt 0 ] && [ $((hi - lo)) -gt 16384 ]; do
+                mid=$(( (lo + hi) / 2 / 16384 * 16384 ))
+                if fits "$model" "$mid" "$grain"; then lo=$mid; else hi=$mid; fi
+            done
+            echo "$model: --recompute $grain plans up to $lo tokens"
+            [ "$lo" -le "$best" ] || { best=$lo; best_grain=$grain; }
         done
-        while [ "$hi" -gt 0 ] && [ $((hi - lo)) -gt 16384 ]; do
-            mid=$(( (lo + hi) / 2 / 16384 * 16384 ))
-            read -r tps _ _ <<<"$(WARMUP=1 TIMED=1 EXTRA="$EXTRA --recompute layer" run "$model" 1 1 "$mid" 1)"
-            if [ "$tps" = failed ]; then hi=$mid; else lo=$mid; fi
-        done
-        echo "$model: longest trainable sequence $lo tokens (1 GPU, micro-batch of one sequence)"
-        table+="| $model (longest sequence) | 1 | 1 x $lo | 1 | - | - | - |\n"
+        read -r tps _ _ <<<"$(WARMUP=0 TIMED=1 EXTRA="$EXTRA $LONG --recompute $best_grain" run "$model" 1 1 "$best" 1)"
+        echo "$model: longest planned sequence $best tokens ($best_grain recompute): one step ran at $tps tokens/s"
+        table+="| $model (longest sequence, $best_grain recompute, \`$LONG\`) | 1 | 1 x $best | 1 | $tps | - | - |\n"
+        if [ "$best" -ge 262144 ]; then
+            read -r tps mfu _ <<<"$(WARMUP=1 TIMED=1 EXTRA="$EXTRA $LONG --recompute $best_grain" run "$model" 1 1 262144 1)"
+            echo "$model at 262144 tokens: $tps tokens/s"
+            table+="| $model (long sequence, $best_grain recompute) | 1 | 1 x 262144 | 1 | $tps | $mfu% | - |\n"
+        fi
     done
 fi
 machine="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$visible, $(nproc) CPU cores"

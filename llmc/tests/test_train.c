@@ -287,13 +287,22 @@ static void test_train_engine_cli(TestCtx* t) {
 #endif
     rc = test_run_cli(t, "bigplan", big_plan);
     out = test_read_output(t, "bigplan", "out");
-    CHECK(t, rc == 0 && strstr(out, "plan for qwen3-32b") && strstr(out, "N 2 devices") &&
-                 strstr(out, "host memory:"),
-          "qwen3-32b --plan exit %d: %s", rc, out);
-    free(out);
-    // ... but training it where its host state cannot fit is refused before allocating
+    char* perr = test_read_output(t, "bigplan", "err");
     struct sysinfo si;
-    if (sysinfo(&si) == 0 && ((double)si.totalram + (double)si.totalswap) * si.mem_unit < 400e9) {
+    const int small_host =
+        sysinfo(&si) == 0 && ((double)si.totalram + (double)si.totalswap) * si.mem_unit < 400e9;
+    CHECK(t, strstr(out, "plan for qwen3-32b") && strstr(out, "N 2 devices") &&
+                 strstr(out, "host memory for this plan:") && strstr(out, "device memory per device:"),
+          "qwen3-32b --plan: %s", out);
+    // ... and says when this machine's host memory cannot hold it
+    if (small_host)
+        CHECK(t, rc == 1 && strstr(perr, "train_roundpipe: error: --plan: this plan needs") &&
+                     strchr(perr, '\n') == perr + strlen(perr) - 1,
+              "qwen3-32b --plan on a small host: exit %d: %s", rc, perr);
+    free(out);
+    free(perr);
+    // ... but training it where its host state cannot fit is refused before allocating
+    if (small_host) {
         rc = test_run_cli(t, "bigrun", "--model qwen3-32b --device cpu:2 --batch 2 --seq 16 "
                                        "--micro-batches 2 --steps 1");
         char* e = test_read_output(t, "bigrun", "err");
