@@ -355,15 +355,29 @@ int main(int argc, char** argv) {
     AdamWTensor* opt = malloc_check((size_t)model.tt.n * sizeof(AdamWTensor));
     int n_opt = store_adamw_tensors(&store, opt);
     if (have_val) log_eval(&lg, (int)ts.step, evaluate(plain, &val, &a, tokens));
+    // With the engine the next iteration is submitted before this one is collected (two in
+    // flight), except where the run must stop and look: checkpoints, evaluations, the end. A
+    // step's time is then the time between two collections: the iteration period.
+    double t_step = time_now_s();
     for (int step = (int)ts.step + 1; step <= a.steps; step++) {
-        double t0 = time_now_s();
-        if (dataloader_next_batch(&train, tokens, err) != 0) fatal("%s", err);
+        double t0 = t_step;
         StepStats st = {.step = step, .steps = a.steps, .mfu = -1, .bubble = -1, .dev_mib = -1};
+        const int stop_after = step == a.steps ||
+                               (a.save_every > 0 && step % a.save_every == 0) ||
+                               (have_val && a.eval_every > 0 && step % a.eval_every == 0);
         if (eng) {
-            // the norm and lr are those of the latest optimizer step that finished (with the
-            // delayed update, the step applying the previous iteration's gradient)
+            // the norm and lr are those of a fixed optimizer step (with the delayed update, the
+            // step applying the previous iteration's gradient)
             int replans = engine_replans(eng);
-            EngineStepResult r = engine_step(eng, tokens);
+            if (engine_in_flight(eng) == 0) {
+                if (dataloader_next_batch(&train, tokens, err) != 0) fatal("%s", err);
+                engine_submit(eng, tokens);
+            }
+            if (!stop_after) {
+                if (dataloader_next_batch(&train, tokens, err) != 0) fatal("%s", err);
+                engine_submit(eng, tokens);
+            }
+            EngineStepResult r = engine_collect(eng);
             if (engine_replans(eng) != replans) {
                 printf("re-planned from the measured stage times:\n");
                 engine_print_plan(eng, stdout);
@@ -379,6 +393,7 @@ int main(int argc, char** argv) {
                 st.dev_mib += (double)ds.mem_in_use / (1 << 20);
             }
         } else {
+            if (dataloader_next_batch(&train, tokens, err) != 0) fatal("%s", err);
             st.loss = train_forward_backward(plain, &a, tokens);
             st.norm = sqrt(adamw_grad_norm_sq(opt_pool, opt, n_opt));
             st.lr = hyper.lr = lr_schedule_at(&sched, step);
@@ -387,7 +402,8 @@ int main(int argc, char** argv) {
             plain_sync_params(plain);
         }
         if (!isfinite(st.loss)) fatal("loss is not finite at step %d (try a lower --lr)", step);
-        double dt = time_now_s() - t0;
+        t_step = time_now_s();
+        double dt = t_step - t0;
         st.ms = dt * 1e3;
         st.tok_s = (double)a.batch * a.seq / dt;
         if (use_cuda) st.mfu = flops_per_token * st.tok_s / (989e12 * N);
@@ -420,6 +436,7 @@ int main(int argc, char** argv) {
             }
             log_eval(&lg, step, evaluate(plain, &val, &a, tokens));
         }
+        if (stop_after) t_step = time_now_s();  // checkpoints and evaluations are not step time
     }
     if (eng) {
         engine_synchronize(eng);

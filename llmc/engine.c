@@ -140,6 +140,7 @@ struct Engine {
     int delay;              // 1 async, 0 sync
     int64_t cursor;         // global slot counter, never reset
     int64_t iter;           // iterations enqueued
+    int64_t collected;      // iterations whose results engine_collect returned (<= iter, >= iter-2)
     // host buffers
     void** master[2];       // [buffer][layer] compute-dtype weights
     int* need_x;            // (NL+1) boundary b needs host x buffers
@@ -158,7 +159,7 @@ struct Engine {
     int host_parities;      // 2, or 1 with opt.host_single (hx[1] / hdx[1] alias set 0)
     DevEvent*** x_free;     // [boundary][micro-batch] last consumer's upload done (single set)
     DevEvent*** dx_free;
-    DevEvent** loss_ev;     // [micro-batch]
+    DevEvent** loss_ev[2];  // [iteration parity][micro-batch]
     // Host fp32 gradient accumulators: iteration t downloads into hgrad[t % n_hgrad]. With the
     // delayed optimizer two sets (the Store's and one more), so iteration t+1 never waits for the
     // step still reading iteration t's gradients (ROUNDPIPE.md §9.5); one set in sync mode.
@@ -695,7 +696,7 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
             if (st->kind == SLOT_FUSED) {
                 im->copy_d2h(d, STREAM_ACT_DOWN, e->hloss[ip][i], ds->losses[p],
                              (size_t)Bi * e->T * sizeof(float));
-                im->event_record(e->loss_ev[i], d, STREAM_ACT_DOWN);
+                im->event_record(e->loss_ev[ip][i], d, STREAM_ACT_DOWN);
             }
             if (st->b > 0) {
                 label(e, ip, ds, STREAM_ACT_DOWN, "down %s mb%d dx%d", st->name, i, st->b);
@@ -1391,8 +1392,10 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
                                  ? e->impl->host_alloc((size_t)tt->grad_numel[l] * sizeof(float))
                                  : NULL;
     }
-    e->loss_ev = calloc_check((size_t)e->M, sizeof(DevEvent*));
-    for (int i = 0; i < e->M; i++) e->loss_ev[i] = ev_new(e);
+    for (int b = 0; b < 2; b++) {
+        e->loss_ev[b] = calloc_check((size_t)e->M, sizeof(DevEvent*));
+        for (int i = 0; i < e->M; i++) e->loss_ev[b][i] = ev_new(e);
+    }
     for (int b = 0; b < 2; b++) {
         e->grad_ev[b] = calloc_check((size_t)NL, sizeof(DevEvent*));
         for (int l = 0; l < NL; l++) e->grad_ev[b][l] = ev_new(e);
@@ -1557,10 +1560,12 @@ static void wait_iteration_done(Engine* e, int ip) {
     e->labels[ip] = NULL;
 }
 
-EngineStepResult engine_step(Engine* e, const int32_t* tokens) {
+void engine_submit(Engine* e, const int32_t* tokens) {
     const int64_t t = e->iter;
     const int ip = (int)(t % 2);
     const int T = e->T;
+    if (t - e->collected >= 2)
+        fatal("engine_submit: two iterations are already in flight (collect one first)");
     wait_iteration_done(e, ip);  // iteration t-2 used these host buffers and closures
     maybe_replan(e);
 
@@ -1591,11 +1596,20 @@ EngineStepResult engine_step(Engine* e, const int32_t* tokens) {
     e->steps_queued = t + 1;
     pthread_check(pthread_cond_broadcast(&e->cv));
     pthread_check(pthread_mutex_unlock(&e->mu));
+}
+
+int64_t engine_in_flight(const Engine* e) { return e->iter - e->collected; }
+
+EngineStepResult engine_collect(Engine* e) {
+    if (e->collected >= e->iter) fatal("engine_collect: no iteration in flight");
+    const int64_t t = e->collected;
+    const int ip = (int)(t % 2);
+    const int T = e->T;
 
     // the losses of this iteration, summed in micro-batch order
     double sum = 0.0;
     for (int i = 0; i < e->M; i++) {
-        e->impl->event_synchronize(e->loss_ev[i]);
+        e->impl->event_synchronize(e->loss_ev[ip][i]);
         const size_t tok = (size_t)mb_rows(e, i) * T;
         for (size_t k = 0; k < tok; k++) sum += e->hloss[ip][i][k];
     }
@@ -1633,7 +1647,16 @@ EngineStepResult engine_step(Engine* e, const int32_t* tokens) {
     e->t_last_step = now;
     res.bubble = wall > 0 ? 1.0 - busy / (wall * e->N) : 0.0;
     if (res.bubble < 0) res.bubble = 0;
+    e->collected = t + 1;
     return res;
+}
+
+EngineStepResult engine_step(Engine* e, const int32_t* tokens) {
+    while (engine_in_flight(e) >= 2) (void)engine_collect(e);
+    engine_submit(e, tokens);
+    EngineStepResult r = engine_collect(e);
+    while (engine_in_flight(e) > 0) r = engine_collect(e);
+    return r;
 }
 
 void engine_synchronize(Engine* e) {
@@ -1737,8 +1760,10 @@ void engine_free(Engine* e) {
         free(e->htgt[b]);
         free(e->hloss[b]);
     }
-    for (int i = 0; i < e->M; i++) im->event_destroy(e->loss_ev[i]);
-    free(e->loss_ev);
+    for (int b = 0; b < 2; b++) {
+        for (int i = 0; i < e->M; i++) im->event_destroy(e->loss_ev[b][i]);
+        free(e->loss_ev[b]);
+    }
     for (int b = 0; b < 2; b++) {
         for (int l = 0; l < NL; l++) im->event_destroy(e->grad_ev[b][l]);
         free(e->grad_ev[b]);

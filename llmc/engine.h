@@ -120,8 +120,20 @@ void engine_print_plan(const Engine* e, FILE* f);
 int engine_plan_print(const Model* m, int act_bytes, int n_devices, const EngineOptions* opt,
                       FILE* f, size_t* host_act_bytes, char* err);
 
-// One iteration on tokens (B, T+1): enqueue every round, hand the optimizer step for this
-// iteration's gradient to the optimizer thread, wait only for this iteration's losses.
+// Iterations are submitted and collected in order, at most two in flight: with the delayed
+// update iteration t+1 needs nothing of iteration t (its weights are those after step t-1), so a
+// GPU can start it while another still runs iteration t, and a plan of fewer stages than devices
+// (the whole model in the fused stage) still keeps two devices busy.
+// engine_submit: enqueue every round of one iteration on tokens (B, T+1) (copied; the caller may
+// reuse the buffer) and hand the optimizer step for its gradient to the optimizer thread. It
+// returns once everything is enqueued (the per-layer fences may make it wait for an earlier
+// optimizer step). Fatal with two iterations already in flight.
+void engine_submit(Engine* e, const int32_t* tokens);
+// Wait for the oldest uncollected iteration's losses and its reported step; fatal with none.
+EngineStepResult engine_collect(Engine* e);
+// Iterations submitted and not yet collected (0, 1 or 2).
+int64_t engine_in_flight(const Engine* e);
+// engine_submit + engine_collect of that iteration (collecting any earlier ones first).
 EngineStepResult engine_step(Engine* e, const int32_t* tokens);
 // Wait until all enqueued work and all queued optimizer steps are done; afterwards the Store's
 // fp32 weights hold every applied update (for evaluation, sampling and checkpoints).

@@ -33,7 +33,13 @@ static double range_sum(const double* a, StageRange r) {
 static int time_fits(double x, double t) { return x <= t + PARTITION_TIME_SLACK * t; }
 
 static double partition_objective(const PartitionInput* in, int S, double t) {
-    if (in->async) return (double)imax(S, in->N) * t;
+    if (in->async) {
+        // N x the iteration period: the devices' work S t spread over N, or, when that would
+        // need more than the two iterations the delayed update lets overlap, half the span of
+        // one iteration (its min(S, N) pipelined stages over M micro-batches)
+        const double span = 1.0 + (double)(imin(S, in->N) - 1) / in->M;
+        return fmax((double)S, 0.5 * in->N * span) * t;
+    }
     return ((double)in->M * S + (double)in->N * (in->N - 1)) * t;
 }
 
@@ -148,7 +154,10 @@ void partition_evaluate(const PartitionInput* in, PartitionPlan* p) {
     double fill = (double)in->N * (in->N - 1);
     p->t_max = t;
     p->cost = partition_objective(in, S, t);
-    p->bubble = fill / ((double)in->M * S + fill);
+    // sync: the paper's structural bubble; async: the devices' idle share of N periods
+    // (cost = N x period) with every stage taking t_max (imbalance shows in the balance figure)
+    p->bubble = in->async ? (p->cost > 0 ? 1.0 - (double)S * t / p->cost : 0.0)
+                          : fill / ((double)in->M * S + fill);
 }
 
 int partition_check(const PartitionPlan* p, int n_layers, char* err) {
@@ -312,14 +321,14 @@ int partition_plan(const PartitionInput* in, PartitionPlan* out, char* err) {
         double best_cost = have_best ? best->cost : INFINITY;
         double prune = best_cost + PARTITION_PRUNE_SLACK * best_cost;
         // Any plan with t_max >= t costs at least this, and t only grows: stop.
-        double lb_mono = in->async ? fmax(b_total, in->N * t)
+        double lb_mono = in->async ? fmax(b_total, 0.5 * in->N * t)
                                    : fmax(in->M * b_total + fill * t, (in->M + fill) * t);
         if (lb_mono > prune) break;
         // A plan with t_max == t needs n_bwd >= b_total / t stages; if even that is too dear,
         // this candidate cannot be the optimum's t_max (smaller-t plans were found earlier).
         double nb_lb = t > 0.0 ? ceil(b_total / t * (1.0 - PARTITION_PRUNE_SLACK)) : 1.0;
         if (nb_lb < 1.0) nb_lb = 1.0;
-        double lb_t = in->async ? fmax(nb_lb, in->N) * t : (in->M * nb_lb + fill) * t;
+        double lb_t = partition_objective(in, (int)fmin(nb_lb, 1e9), t);  // monotone in S
         if (lb_t > prune) continue;
         if (!plan_for_t(in, t, best_cost, trial)) continue;
         partition_evaluate(in, trial);

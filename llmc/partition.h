@@ -27,8 +27,15 @@
  *
  * Objective over S = n_fwd + n_bwd slots per round:
  *   sync  (paper):       (M*S + N*(N-1)) * t_max
- *   async (our default): max(S, N) * t_max      (fill and drain overlap neighbouring iterations)
- * bubble = N(N-1) / (M*S + N(N-1)) is the paper's structural bubble of the chosen plan.
+ *   async (our default): max(S, N/2 * (1 + (min(S, N) - 1) / M)) * t_max
+ *       N times the iteration period: fill and drain overlap neighbouring iterations, and with
+ *       the one-step-delayed update two iterations may run at once (the engine submits t+1
+ *       before collecting t), so a plan of S < N stages still keeps min(N, 2S) devices busy:
+ *       the period is the larger of S t / N (all devices busy) and half an iteration's span
+ *       (1 + (min(S, N) - 1) / M) t. The paper's max(S, N) t (ROUNDPIPE.md §8.3) assumed one
+ *       iteration at a time; for S >= N the two agree unless M is small.
+ * bubble: sync, N(N-1) / (M*S + N(N-1)), the paper's structural bubble of the chosen plan;
+ * async, 1 - S t_max / cost, the devices' idle share of the period.
  *
  * partition_plan is the paper's search (§8.3): for each candidate t (every contiguous sum of the
  * costs, ascending; forward sums stop before the postfix, which never runs as a forward stage) a
@@ -74,7 +81,7 @@ typedef struct PartitionInput {
     int N;                     // devices
     int M;                     // micro-batches per iteration
     double budget;             // device bytes available to ONE stage (caller passes limit/2)
-    int async;                 // 1: max(S, N)*t_max, 0: paper (M*S + N(N-1))*t_max
+    int async;                 // 1: the async objective above, 0: paper (M*S + N(N-1))*t_max
     const double* fused_bytes; // (n_layers) bytes a layer needs in the fused stage, when that
                                // differs from bwd_bytes (layer-grain recompute: the fused stage
                                // keeps every block's activations); NULL = bwd_bytes
@@ -90,7 +97,7 @@ typedef struct PartitionPlan {
     double bwd_time[PARTITION_MAX_STAGES];     // sum of bwd_cost over each backward stage
     double t_max;   // the largest stage time of this plan
     double cost;    // the objective at t_max
-    double bubble;  // N(N-1) / (M*S + N(N-1))
+    double bubble;  // sync N(N-1) / (M*S + N(N-1)); async 1 - S t_max / cost
 } PartitionPlan;
 
 // The paper's planner. 0 on success; -1 with one line in err (ERR_LEN) when the input is invalid

@@ -177,10 +177,20 @@ static int run_engine(TestCtx* t, Run* run, const ModelConfig* c, int B, int T,
               "device %d holds %zu bytes, predicted %zu (slots %zu + hand-off %zu)", g,
               st.mem_in_use, db.slots + db.handoff, db.slots, db.handoff);
     }
+    // half the cases keep two iterations in flight (submit t+1 before collecting t), as the
+    // trainer does; the results must not change
+    const int pipelined = (ec->N + ec->M + ec->sync) % 2 == 0;
     for (int step = 0; step < STEPS; step++) {
-        EngineStepResult r = engine_step(e, tokens + (size_t)step * B * (T + 1));
-        run->loss[step] = r.loss;
+        if (pipelined) {
+            engine_submit(e, tokens + (size_t)step * B * (T + 1));
+            if (step > 0) run->loss[step - 1] = engine_collect(e).loss;
+            CHECK(t, engine_in_flight(e) == 1, "in flight after step %d", step);
+        } else {
+            run->loss[step] = engine_step(e, tokens + (size_t)step * B * (T + 1)).loss;
+        }
     }
+    if (pipelined) run->loss[STEPS - 1] = engine_collect(e).loss;
+    CHECK(t, engine_in_flight(e) == 0, "nothing in flight at the end");
     engine_synchronize(e);
     CHECK(t, engine_steps_done(e) == STEPS, "steps done %lld", (long long)engine_steps_done(e));
     int S = engine_plan(e)->n_fwd + engine_plan(e)->n_bwd;
@@ -399,11 +409,67 @@ static void test_engine_slow_optimizer_hidden(TestCtx* t) {
     free(tokens);
 }
 
+// Two iterations in flight: with the whole model in the fused stage (S = 1) on two devices,
+// iteration t+1 runs on the second device while t runs on the first (the delayed update makes
+// them independent), so the period halves; one at a time it would not.
+static void test_engine_two_iterations_overlap(TestCtx* t) {
+    const int B = 8, T = 8, M = 4, FAKE = 15000;
+    ModelConfig c = engine_config(1);
+    int32_t* tokens = make_batches(B, T, 2, c.V);
+    char err[ERR_LEN];
+    Model m;
+    model_init(&m, &c, 0, err);
+    Store s;
+    init_store(&s, &m);
+    DeviceOptions dopt = {.threads = 1};
+    DeviceSet devs;
+    device_set_open(&devs, &device_cpu_impl, 2, &dopt);
+    EngineOptions eo = {.B = B, .T = T, .M = M, .M_R = M, .sync = 0, .opt_threads = 1,
+                        .trace_path = "", .fake_compute_us = FAKE, .hyper = test_hyper(),
+                        .sched = test_sched(), .grad_clip = 1.0f};
+    Engine* e = engine_create(&m, &s, &devs, &eo, err);
+    CHECK(t, e != NULL, "%s", err);
+    if (e) {
+        const int S = engine_plan(e)->n_fwd + engine_plan(e)->n_bwd;
+        CHECK(t, S == 1, "two devices, no budget: everything fused expected, S = %d", S);
+        const double iter_s = (double)S * M * FAKE / 1e6;  // one iteration on one device
+        double period[2];
+        for (int pipelined = 0; pipelined <= 1; pipelined++) {
+            const int steps = 8, warm = 2;
+            double t0 = 0.0;
+            for (int k = 0; k < steps; k++) {
+                if (k == warm) t0 = time_now_s();
+                if (pipelined) {
+                    if (engine_in_flight(e) == 0) engine_submit(e, tokens);
+                    if (k + 1 < steps) engine_submit(e, tokens);
+                    (void)engine_collect(e);
+                } else {
+                    (void)engine_step(e, tokens);
+                }
+            }
+            period[pipelined] = (time_now_s() - t0) / (steps - warm);
+        }
+        printf("       S=%d, one iteration %.0f ms on one device: period %.0f ms one at a time, "
+               "%.0f ms two in flight\n", S, iter_s * 1e3, period[0] * 1e3, period[1] * 1e3);
+        CHECK(t, period[0] >= 0.95 * iter_s, "one at a time: period %.1f ms below one iteration",
+              period[0] * 1e3);
+        CHECK(t, period[1] <= 0.7 * iter_s * TIMING_SLACK,
+              "two in flight: period %.1f ms, expected about half of %.1f ms", period[1] * 1e3,
+              iter_s * 1e3);
+        engine_free(e);
+    }
+    device_set_close(&devs);
+    store_free(&s);
+    model_free(&m);
+    free(tokens);
+}
+
 const TestCase tests_engine[] = {
     {"engine_sync_matches_plain", test_engine_sync_matches_plain},
     {"engine_microbatch_counts", test_engine_microbatch_counts},
     {"engine_async_delayed", test_engine_async_delayed},
     {"engine_bubble_formula", test_engine_bubble_formula},
     {"engine_slow_optimizer_hidden", test_engine_slow_optimizer_hidden},
+    {"engine_two_iterations_overlap", test_engine_two_iterations_overlap},
     {NULL, NULL},
 };
