@@ -284,10 +284,16 @@ static void test_engine_async_delayed(TestCtx* t) {
                                     // readers of the one host set of checkpoints)
                                     {3, 4, 2, 0, 3000, RECOMPUTE_LAYER, 2.4e5, 0, 1},
                                     {3, 4, 4, 0, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0},
-                                    {2, 4, 2, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0}};
+                                    {2, 4, 2, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0},
+                                    // no budget: everything fused, two devices taking every
+                                    // other iteration, two in flight
+                                    {2, 4, 4, 0, 1, RECOMPUTE_STAGE, 0, 0, 0}};
         for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
             Run r;
-            if (run_engine(t, &r, &c, B, T, &cases[k], tokens) < 0) continue;
+            int S = run_engine(t, &r, &c, B, T, &cases[k], tokens);
+            if (S < 0) continue;
+            if (cases[k].N == 2 && cases[k].budget == 0)
+                CHECK(t, S == 1, "two devices, no budget: S = %d, expected 1", S);
             CHECK(t, runs_identical(&r, &ref),
                   "async tied %d N=%d M_R=%d: loss %.9g %.9g %.9g %.9g vs reference %.9g %.9g "
                   "%.9g %.9g",
