@@ -16,7 +16,7 @@
 #   EXTRA="--recompute layer" scripts/bench_paper.sh   extra trainer flags for every run
 #
 # Variables: MODELS, GPUS, BATCH (128), SEQ (2048), MICRO (10), WARMUP (3), TIMED (3), SWEEP (0),
-# MAXSEQ (0),
+# MAXSEQ (0), HOST_GIB (120: host memory a MAXSEQ plan may use),
 # EXTRA, OUTDIR (out/bench), NO_PERF_MD=1 to leave docs/PERF.md alone, SKIP_BUILD=1 to use the
 # binary as it is. The plan is the size-based one (--profile-steps 0), so no re-planning lands in
 # the timed iterations.
@@ -99,10 +99,16 @@ if [ "$MAXSEQ" = 1 ]; then
     # memory) and this host: bisection on --plan, which allocates nothing, for stage- and
     # layer-grain recompute with the MLP chunked; then one real step at that length to confirm,
     # and the throughput at 262,144 tokens (the paper's long-sequence point).
+    # HOST_GIB: the host memory a plan may use (default 120, for the 128 GiB of the 1-GPU
+    # machine; its MemTotal starts far lower and grows on demand, so it cannot be read).
     LONG="--mlp-chunk 16384 --host-checkpoints single"
-    fits() {  # fits MODEL SEQ GRAIN
-        ./train_roundpipe --model "$1" --device cuda:1 --batch 1 --seq "$2" --micro-batches 1 \
-            --recompute "$3" $LONG $EXTRA --val '' --plan > /dev/null 2>&1
+    HOST_GIB=${HOST_GIB:-120}
+    fits() {  # fits MODEL SEQ GRAIN: the plan fits the GPU and HOST_GIB
+        local out need
+        out=$(./train_roundpipe --model "$1" --device cuda:1 --batch 1 --seq "$2" \
+            --micro-batches 1 --recompute "$3" $LONG $EXTRA --val '' --plan 2>&1) || return 1
+        need=$(sed -n 's/^host memory for this plan: \([0-9.]*\) GiB.*/\1/p' <<<"$out")
+        [ -n "$need" ] && python3 -c "import sys; sys.exit(0 if $need <= $HOST_GIB else 1)"
     }
     for model in $MODELS; do
         best=0 best_grain=stage

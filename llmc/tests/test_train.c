@@ -287,29 +287,16 @@ static void test_train_engine_cli(TestCtx* t) {
 #endif
     rc = test_run_cli(t, "bigplan", big_plan);
     out = test_read_output(t, "bigplan", "out");
-    char* perr = test_read_output(t, "bigplan", "err");
-    struct sysinfo si;
-    const int small_host =
-        sysinfo(&si) == 0 && ((double)si.totalram + (double)si.totalswap) * si.mem_unit < 400e9;
-    CHECK(t, strstr(out, "plan for qwen3-32b") && strstr(out, "N 2 devices") &&
+    CHECK(t, rc == 0 && strstr(out, "plan for qwen3-32b") && strstr(out, "N 2 devices") &&
                  strstr(out, "host memory for this plan:") && strstr(out, "device memory per device:"),
-          "qwen3-32b --plan: %s", out);
-    // ... and says when this machine's host memory cannot hold it
-    if (small_host)
-        CHECK(t, rc == 1 && strstr(perr, "train_roundpipe: error: --plan: this plan needs") &&
-                     strchr(perr, '\n') == perr + strlen(perr) - 1,
-              "qwen3-32b --plan on a small host: exit %d: %s", rc, perr);
+          "qwen3-32b --plan exit %d: %s", rc, out);
+    // ... and warns when this machine reports less host memory than the plan needs (a warning:
+    // virtual machines whose memory grows on demand report less than they hold)
+    struct sysinfo si;
+    if (sysinfo(&si) == 0 && ((double)si.totalram + (double)si.totalswap) * si.mem_unit < 400e9)
+        CHECK(t, strstr(out, "warning: more than this machine reports") != NULL,
+              "qwen3-32b --plan on a small host: %s", out);
     free(out);
-    free(perr);
-    // ... but training it where its host state cannot fit is refused before allocating
-    if (small_host) {
-        rc = test_run_cli(t, "bigrun", "--model qwen3-32b --device cpu:2 --batch 2 --seq 16 "
-                                       "--micro-batches 2 --steps 1");
-        char* e = test_read_output(t, "bigrun", "err");
-        CHECK(t, rc == 1 && strstr(e, "host memory:") && strstr(e, "GiB of swap"),
-              "qwen3-32b run on a small host: exit %d: %s", rc, e);
-        free(e);
-    }
     // a layer that cannot fit the device budget is a clear error
     rc = test_run_cli(t, "noplan", "--device cpu:2 --device-mem 64K --steps 1");
     char* err = test_read_output(t, "noplan", "err");
