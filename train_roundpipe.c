@@ -156,6 +156,24 @@ static EngineOptions engine_options(const TrainArgs* a, int use_cuda, int64_t st
     return eo;
 }
 
+// --mlp-chunk auto: chunk the MLP in 16384 rows when micro-batches hold more than 65,536 tokens
+// (long sequences: the MLP's activations would dominate device and host memory, and its
+// recompute is small next to the attention) or when no engine plan fits without.
+static void resolve_mlp_chunk(Model* m, const TrainArgs* a, int act_bytes, int n_devices,
+                              const EngineOptions* eo) {
+    if (a->mlp_chunk >= 0) return;
+    char err[ERR_LEN];
+    const int rows = 16384;
+    const int Bm = (a->batch + a->micro_batches - 1) / a->micro_batches;
+    const int64_t tokens = (int64_t)Bm * a->seq;
+    m->mlp_chunk = 0;
+    if (tokens <= rows) return;  // micro-batches too small for chunks to matter
+    if (tokens <= 65536 && engine_plan_fits(m, act_bytes, n_devices, eo, err) == 0) return;
+    m->mlp_chunk = rows;
+    printf("note: --mlp-chunk auto: the MLP runs in chunks of %d rows (%s)\n", rows,
+           tokens > 65536 ? "long micro-batches" : "no plan fits without");
+}
+
 // ----------------------------------------------------------------------------
 
 int main(int argc, char** argv) {
@@ -181,7 +199,7 @@ int main(int argc, char** argv) {
     if (checkpoint_resolve_model(&src, a.model, err) != 0) fatal("%s", err);
     Model model;
     if (model_init(&model, &src.cfg, a.decay_embeddings, err) != 0) fatal("%s: %s", a.model, err);
-    model.mlp_chunk = a.mlp_chunk;
+    model.mlp_chunk = a.mlp_chunk > 0 ? a.mlp_chunk : 0;  // auto is resolved with the plan
     config_print(&model.cfg);
     if (a.seq > model.cfg.max_pos && model.cfg.max_pos > 0)
         printf("warning: --seq %d exceeds max_position_embeddings %d\n", a.seq, model.cfg.max_pos);
@@ -225,6 +243,7 @@ int main(int argc, char** argv) {
     if (a.plan_only) {
         // the plan needs only the model's shape: no store, devices or buffers
         EngineOptions eo = engine_options(&a, use_cuda, 0);
+        resolve_mlp_chunk(&model, &a, use_cuda ? 2 : 4, N > 0 ? N : 1, &eo);
         if (use_cuda && eo.device_budget <= 0)
             printf("note: no GPU memory to read here and no --device-mem: planning without a "
                    "device memory budget\n");
@@ -254,6 +273,10 @@ int main(int argc, char** argv) {
     // path also serves evaluation, sampling and --dump-state (on GPU 0 when training on GPUs).
     const int use_engine = use_cuda || N > 0;
     if (N == 0) N = 1;
+    if (use_engine) {
+        const EngineOptions eo = engine_options(&a, use_cuda, 0);
+        resolve_mlp_chunk(&model, &a, use_cuda ? 2 : 4, N, &eo);
+    }
     const Ops* ops = &ops_cpu;
     void* ctx = NULL;
 #ifdef HAVE_CUDA

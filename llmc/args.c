@@ -54,7 +54,7 @@ void args_defaults(TrainArgs* a) {
     a->delay_us = 0;
     a->trace = "";
     a->profile_steps = 3;
-    a->mlp_chunk = 0;
+    a->mlp_chunk = -1;  // auto
     a->host_single = 0;
     a->save_every = 0;
     a->keep = 0;
@@ -133,8 +133,9 @@ void args_usage(FILE* f) {
         "                         devices), cuda, cuda:N (default cpu)\n"
         "      --threads N        CPU threads, 0 = all (default %d)\n"
         "      --mlp-chunk ROWS   long sequences: run the MLP in chunks of ROWS tokens and keep\n"
-        "                         none of its activations (recomputed in the backward); 0 = off\n"
-        "                         (default 0)\n"
+        "                         none of its activations (recomputed in the backward); 0 = off;\n"
+        "                         auto = 16384 with the engine when micro-batches hold more\n"
+        "                         than 65536 tokens or no plan fits without (default auto)\n"
         "\n"
         "RoundPipe engine (--device cpu:N)\n"
         "      --round M_R        micro-batches per round, M %% M_R == 0, 0 = all (default 0)\n"
@@ -347,7 +348,10 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
                 else if (strcmp(v, "double") == 0) a->host_single = 0;
                 else rc = bad("--host-checkpoints", v, "expected single or double");
                 break;
-            case OPT_MLP_CHUNK: rc = int_in("--mlp-chunk", v, 0, 1 << 30, &a->mlp_chunk); break;
+            case OPT_MLP_CHUNK:
+                if (strcmp(v, "auto") == 0) a->mlp_chunk = -1;
+                else rc = int_in("--mlp-chunk", v, 0, 1 << 30, &a->mlp_chunk);
+                break;
             case OPT_PROFILE_STEPS: rc = int_in("--profile-steps", v, 0, 1000, &a->profile_steps); break;
             case OPT_SAVE_EVERY: rc = int_in("--save-every", v, 0, 1 << 30, &a->save_every); break;
             case OPT_KEEP: rc = int_in("--keep", v, 0, 1 << 30, &a->keep); break;

@@ -55,7 +55,9 @@ typedef struct TrainArgs {
     int delay_us;            // emulated devices: random delay injected before each stream item
     const char* trace;       // Chrome trace JSON of the engine's work ("" = none)
     int profile_steps;       // re-plan once from stage times measured over this many steps
-    int mlp_chunk;           // long sequences: MLP in row chunks of this size (0 = off)
+    int mlp_chunk;           // long sequences: MLP in row chunks of this size (0 = off, -1 = auto:
+                             // 16384 with the engine for micro-batches over 65536 tokens or when
+                             // no plan fits without)
     int host_single;         // engine: one set of host activation checkpoints (half the memory)
     const char* dump_state;  // safetensors path ("" = train normally)
     int sample_tokens;       // tokens generated at the end (0 = none)

@@ -1326,6 +1326,18 @@ static int engine_plan_init(Engine* e, const Model* m, int act_bytes, int n_devi
     return 0;
 }
 
+int engine_plan_fits(const Model* m, int act_bytes, int n_devices, const EngineOptions* opt,
+                     char* err) {
+    Engine* e = calloc_check(1, sizeof(Engine));
+    int rc = engine_plan_init(e, m, act_bytes, n_devices, opt, err);
+    if (rc == 0) {
+        free(e->cost_fwd);
+        free(e->cost_bwd);
+    }
+    free(e);
+    return rc;
+}
+
 int engine_plan_print(const Model* m, int act_bytes, int n_devices, const EngineOptions* opt,
                       FILE* f, size_t* host_act_bytes, char* err) {
     Engine* e = calloc_check(1, sizeof(Engine));

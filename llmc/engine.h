@@ -119,6 +119,9 @@ void engine_print_plan(const Engine* e, FILE* f);
 // NULL): the host memory its activation checkpoints take. -1 with err on a bad shape.
 int engine_plan_print(const Model* m, int act_bytes, int n_devices, const EngineOptions* opt,
                       FILE* f, size_t* host_act_bytes, char* err);
+// 0 when a plan fits (the same search, nothing printed); -1 with err otherwise.
+int engine_plan_fits(const Model* m, int act_bytes, int n_devices, const EngineOptions* opt,
+                     char* err);
 
 // Iterations are submitted and collected in order, at most two in flight: with the delayed
 // update iteration t+1 needs nothing of iteration t (its weights are those after step t-1), so a

@@ -297,6 +297,17 @@ static void test_train_engine_cli(TestCtx* t) {
         CHECK(t, strstr(out, "warning: more than this machine reports") != NULL,
               "qwen3-32b --plan on a small host: %s", out);
     free(out);
+    // --mlp-chunk auto chunks long micro-batches; 0 keeps the MLP whole
+    rc = test_run_cli(t, "autochunk", "--device cpu:1 --batch 2 --seq 40000 --micro-batches 1 --plan");
+    out = test_read_output(t, "autochunk", "out");
+    CHECK(t, rc == 0 && strstr(out, "note: --mlp-chunk auto: the MLP runs in chunks of 16384 rows"),
+          "auto chunk: exit %d: %s", rc, out);
+    free(out);
+    rc = test_run_cli(t, "nochunk",
+                      "--device cpu:1 --batch 2 --seq 40000 --micro-batches 1 --mlp-chunk 0 --plan");
+    out = test_read_output(t, "nochunk", "out");
+    CHECK(t, rc == 0 && !strstr(out, "--mlp-chunk auto"), "no chunk: exit %d: %s", rc, out);
+    free(out);
     // a layer that cannot fit the device budget is a clear error
     rc = test_run_cli(t, "noplan", "--device cpu:2 --device-mem 64K --steps 1");
     char* err = test_read_output(t, "noplan", "err");
