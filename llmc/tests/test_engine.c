@@ -78,57 +78,15 @@ static void collect_params(Run* run, const Store* s, const Model* m) {
 static AdamWHyper test_hyper(void) { return (AdamWHyper){3e-3f, 0.9f, 0.95f, 1e-8f, 0.1f}; }
 static LrSchedule test_sched(void) { return (LrSchedule){LR_COSINE, 3e-3f, 2, STEPS, 0.1f, 0.2f}; }
 
-// The reference trainer: the plain (non-pipelined) path, M micro-batches, AdamW. delayed = 0:
-// synchronous. delayed = 1: the one-step-delayed update written out by hand — iteration t computes
-// gradients with θ_{max(t-1,0)} (a second store `w` holds the weights being computed with) and
-// the step applies them to θ_t.
+// The reference trainer (testing.c) on the CPU backend with this suite's init and optimizer.
 static void run_reference(Run* run, const ModelConfig* c, int B, int T, int M,
                           const int32_t* tokens, int delayed) {
-    char err[ERR_LEN];
-    Model m;
-    model_init(&m, c, 0, err);
-    Store s, w_own;
-    init_store(&s, &m);
-    Store* w = &s;
-    if (delayed) {
-        init_store(&w_own, &m);
-        w = &w_own;
-    }
     void* ctx = ops_cpu_create(1);
-    const int Bm = B / M;
-    Plain* p = plain_create(&m, w, &ops_cpu, ctx, Bm, T, 0);
-    AdamWTensor opt[128];
-    int n = store_adamw_tensors(&s, opt);
-    AdamWHyper h = test_hyper();
-    LrSchedule sched = test_sched();
-    ThreadPool* pool = threadpool_create(1);
-    for (int step = 0; step < STEPS; step++) {
-        const int32_t* batch = tokens + (size_t)step * B * (T + 1);
-        store_zero_grads(w);
-        double sum = 0;
-        for (int mb = 0; mb < M; mb++)
-            sum += plain_forward_backward(p, batch + (size_t)mb * Bm * (T + 1), Bm, T,
-                                          1.0f / ((float)B * (float)T));
-        store_fold_tied_grads(w);
-        run->loss[step] = sum / ((double)B * T);
-        if (delayed) {
-            for (int l = 0; l < m.tt.n_layers; l++) {
-                memcpy(s.grad[l], w->grad[l], (size_t)m.tt.grad_numel[l] * sizeof(float));
-                // the next iteration computes with θ_step (the weights before this step)
-                memcpy(w->param[l], s.param[l], (size_t)m.tt.param_numel[l] * sizeof(float));
-            }
-        }
-        double norm = sqrt(adamw_grad_norm_sq(pool, opt, n));
-        h.lr = lr_schedule_at(&sched, step + 1);
-        adamw_step(pool, opt, n, &h, step + 1, adamw_clip_scale(norm, 1.0f));
-    }
-    collect_params(run, &s, &m);
-    threadpool_destroy(pool);
-    plain_free(p);
+    RefTrain r = {.c = c, .ops = &ops_cpu, .ctx = ctx, .B = B, .T = T, .M = M, .steps = STEPS,
+                  .delayed = delayed, .hyper = test_hyper(), .sched = test_sched(),
+                  .init_seed = 7, .init_scale = 0.2f};
+    test_reference_train(&r, tokens, run->loss, &run->params, &run->n_params);
     ops_cpu_destroy(ctx);
-    store_free(&s);
-    if (delayed) store_free(&w_own);
-    model_free(&m);
 }
 
 typedef struct EngineCase {

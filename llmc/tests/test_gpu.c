@@ -24,7 +24,6 @@
 #ifdef HAVE_CUDA
 
 #include "../../kernels/kernels.h"
-#include "../adamw.h"
 #include "../checkpoint.h"
 #include "../device.h"
 #include "../engine.h"
@@ -34,7 +33,6 @@
 #include "../rng.h"
 #include "../safetensors.h"
 #include "../store.h"
-#include "../threads.h"
 
 // ----------------------------------------------------------------------------
 // fixture: one CUDA context and one CPU context per test
@@ -1073,57 +1071,16 @@ static void test_gpu_parity(TestCtx* t) {
 static const AdamWHyper gpu_engine_hyper = {1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f};
 static const LrSchedule gpu_engine_sched = {LR_COSINE, 1e-3f, 1, ENGINE_STEPS, 0.1f, 0.2f};
 
-// Plain training on GPU 0 with M micro-batches; delayed: iteration t computes with the weights
-// before step t-1's update (a second store holds them), as the engine's delayed optimizer does.
+// Plain training on GPU 0 (testing.c's reference trainer) with the engine runs' init and
+// optimizer; delayed: the one-step-delayed update written out by hand.
 static void gpu_engine_reference(const ModelConfig* c, int B, int T, int M, int delayed,
                                  const int32_t* tokens, double* loss) {
-    char err[ERR_LEN];
-    Model m;
-    model_init(&m, c, 0, err);
-    Store s, w_own;
-    store_create(&s, &m.tt);
-    store_init_random(&s, 11, 0.05f);
-    Store* w = &s;
-    if (delayed) {
-        store_create(&w_own, &m.tt);
-        store_init_random(&w_own, 11, 0.05f);
-        w = &w_own;
-    }
     void* ctx = ops_cuda_create(0, NULL);
-    const int Bm = B / M;
-    Plain* p = plain_create(&m, w, &ops_cuda, ctx, Bm, T, 0);
-    AdamWTensor opt[128];
-    int n = store_adamw_tensors(&s, opt);
-    AdamWHyper h = gpu_engine_hyper;
-    LrSchedule sched = gpu_engine_sched;
-    ThreadPool* pool = threadpool_create(2);
-    for (int step = 0; step < ENGINE_STEPS; step++) {
-        const int32_t* batch = tokens + (size_t)step * B * (T + 1);
-        plain_sync_params(p);
-        store_zero_grads(w);
-        double sum = 0;
-        for (int mb = 0; mb < M; mb++)
-            sum += plain_forward_backward(p, batch + (size_t)mb * Bm * (T + 1), Bm, T,
-                                          1.0f / ((float)B * (float)T));
-        plain_sync_grads(p);
-        store_fold_tied_grads(w);
-        loss[step] = sum / ((double)B * T);
-        if (delayed) {
-            for (int l = 0; l < m.tt.n_layers; l++) {
-                memcpy(s.grad[l], w->grad[l], (size_t)m.tt.grad_numel[l] * sizeof(float));
-                memcpy(w->param[l], s.param[l], (size_t)m.tt.param_numel[l] * sizeof(float));
-            }
-        }
-        double norm = sqrt(adamw_grad_norm_sq(pool, opt, n));
-        h.lr = lr_schedule_at(&sched, step + 1);
-        adamw_step(pool, opt, n, &h, step + 1, adamw_clip_scale(norm, 1.0f));
-    }
-    threadpool_destroy(pool);
-    plain_free(p);
+    RefTrain r = {.c = c, .ops = &ops_cuda, .ctx = ctx, .B = B, .T = T, .M = M,
+                  .steps = ENGINE_STEPS, .delayed = delayed, .hyper = gpu_engine_hyper,
+                  .sched = gpu_engine_sched, .init_seed = 11, .init_scale = 0.05f};
+    test_reference_train(&r, tokens, loss, NULL, NULL);
     ops_cuda_destroy(ctx);
-    store_free(&s);
-    if (delayed) store_free(&w_own);
-    model_free(&m);
 }
 
 typedef struct GpuEngineCase {

@@ -1,11 +1,17 @@
 /*
- * testing.c — helpers shared by the test suites that drive ./train_roundpipe end to end.
- * (No suite here: the runner lists suites explicitly.)
+ * testing.c — helpers shared by the test suites: driving ./train_roundpipe end to end, and the
+ * plain reference trainer the engine suites compare with. (No suite here: the runner lists
+ * suites explicitly.)
  */
 #include <stdlib.h>
+#include <string.h>
 #include <sys/wait.h>
 
 #include "../common.h"
+#include "../model.h"
+#include "../plain.h"
+#include "../store.h"
+#include "../threads.h"
 #include "testing.h"
 
 int test_run_cli(TestCtx* t, const char* tag, const char* args) {
@@ -29,4 +35,65 @@ char* test_read_output(TestCtx* t, const char* tag, const char* ext) {
     char path[4200];
     snprintf(path, sizeof path, "%s/%s.%s", t->tmpdir, tag, ext);
     return test_read_file(path, NULL);
+}
+
+void test_reference_train(const RefTrain* r, const int32_t* tokens, double* loss, float** params,
+                          int64_t* n_params) {
+    char err[ERR_LEN];
+    Model m;
+    if (model_init(&m, r->c, 0, err) != 0) fatal("test_reference_train: %s", err);
+    Store s, w_own;
+    store_create(&s, &m.tt);
+    store_init_random(&s, r->init_seed, r->init_scale);
+    Store* w = &s;
+    if (r->delayed) {
+        store_create(&w_own, &m.tt);
+        store_init_random(&w_own, r->init_seed, r->init_scale);
+        w = &w_own;
+    }
+    const int Bm = r->B / r->M;
+    Plain* p = plain_create(&m, w, r->ops, r->ctx, Bm, r->T, 0);
+    AdamWTensor* opt = malloc_check((size_t)m.tt.n * sizeof(AdamWTensor));
+    const int n = store_adamw_tensors(&s, opt);
+    AdamWHyper h = r->hyper;
+    ThreadPool* pool = threadpool_create(2);
+    for (int step = 0; step < r->steps; step++) {
+        const int32_t* batch = tokens + (size_t)step * r->B * (r->T + 1);
+        plain_sync_params(p);  // no-op when the backend works on the store itself
+        store_zero_grads(w);
+        double sum = 0;
+        for (int mb = 0; mb < r->M; mb++)
+            sum += plain_forward_backward(p, batch + (size_t)mb * Bm * (r->T + 1), Bm, r->T,
+                                          1.0f / ((float)r->B * (float)r->T));
+        plain_sync_grads(p);
+        store_fold_tied_grads(w);
+        loss[step] = sum / ((double)r->B * r->T);
+        if (r->delayed) {
+            for (int l = 0; l < m.tt.n_layers; l++) {
+                memcpy(s.grad[l], w->grad[l], (size_t)m.tt.grad_numel[l] * sizeof(float));
+                // the next iteration computes with θ_step (the weights before this step)
+                memcpy(w->param[l], s.param[l], (size_t)m.tt.param_numel[l] * sizeof(float));
+            }
+        }
+        double norm = sqrt(adamw_grad_norm_sq(pool, opt, n));
+        h.lr = lr_schedule_at(&r->sched, step + 1);
+        adamw_step(pool, opt, n, &h, step + 1, adamw_clip_scale(norm, 1.0f));
+    }
+    if (params) {
+        int64_t total = 0;
+        for (int l = 0; l < m.tt.n_layers; l++) total += m.tt.param_numel[l];
+        *params = malloc_check((size_t)total * sizeof(float));
+        *n_params = total;
+        int64_t o = 0;
+        for (int l = 0; l < m.tt.n_layers; l++) {
+            memcpy(*params + o, s.param[l], (size_t)m.tt.param_numel[l] * sizeof(float));
+            o += m.tt.param_numel[l];
+        }
+    }
+    free(opt);
+    threadpool_destroy(pool);
+    plain_free(p);
+    store_free(&s);
+    if (r->delayed) store_free(&w_own);
+    model_free(&m);
 }

@@ -9,7 +9,12 @@
 #define LLMC_TESTS_TESTING_H
 
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
+
+#include "../adamw.h"
+#include "../config.h"
+#include "../ops.h"
 
 typedef struct TestCtx {
     const char* name;   // current test
@@ -71,5 +76,27 @@ int test_run_cli(TestCtx* t, const char* tag, const char* args);
 char* test_read_file(const char* path, size_t* len);
 // tmpdir/<tag>.<ext> of a test_run_cli run.
 char* test_read_output(TestCtx* t, const char* tag, const char* ext);
+
+// ---- the reference trainer (testing.c) ----
+// Plain (non-pipelined) training of c's model on ops/ctx: each step runs M micro-batches of
+// tokens (steps x B x (T+1)), then AdamW on the host (gradient clip 1.0, the learning rate of
+// step k+1 from sched, as the engine numbers steps). Weights from store_init_random(init_seed,
+// init_scale). delayed = 0: synchronous; 1: the one-step-delayed update written out by hand —
+// iteration t computes gradients with θ_{max(t-1,0)} (a second store holds the weights being
+// computed with) and the step applies them to θ_t.
+typedef struct RefTrain {
+    const ModelConfig* c;
+    const Ops* ops;
+    void* ctx;
+    int B, T, M, steps, delayed;
+    AdamWHyper hyper;
+    LrSchedule sched;
+    uint32_t init_seed;
+    float init_scale;
+} RefTrain;
+// loss[steps]; with params non-NULL also every parameter slab after the last step, concatenated
+// (malloc'd), and their count.
+void test_reference_train(const RefTrain* r, const int32_t* tokens, double* loss, float** params,
+                          int64_t* n_params);
 
 #endif  // LLMC_TESTS_TESTING_H
