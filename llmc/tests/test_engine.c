@@ -63,6 +63,26 @@ static void init_store(Store* s, const Model* m) {
     store_init_random(s, 7, 0.2f);
 }
 
+// A model of config c with randomly initialised weights and n emulated devices.
+typedef struct Fixture {
+    Model m;
+    Store s;
+    DeviceSet devs;
+} Fixture;
+
+static void fixture_open(Fixture* f, const ModelConfig* c, int n_devices, const DeviceOptions* dopt) {
+    char err[ERR_LEN];
+    if (model_init(&f->m, c, 0, err) != 0) fatal("fixture: %s", err);
+    init_store(&f->s, &f->m);
+    device_set_open(&f->devs, &device_cpu_impl, n_devices, dopt);
+}
+
+static void fixture_close(Fixture* f) {
+    device_set_close(&f->devs);
+    store_free(&f->s);
+    model_free(&f->m);
+}
+
 static void collect_params(Run* run, const Store* s, const Model* m) {
     int64_t n = 0;
     for (int l = 0; l < m->tt.n_layers; l++) n += m->tt.param_numel[l];
@@ -100,27 +120,26 @@ typedef struct EngineCase {
 static int run_engine(TestCtx* t, Run* run, const ModelConfig* c, int B, int T,
                       const EngineCase* ec, const int32_t* tokens) {
     char err[ERR_LEN];
-    Model m;
-    model_init(&m, c, 0, err);
-    Store s;
-    init_store(&s, &m);
     // delays: 0 none, 1 up to 50 us before every stream item, larger values: up to that many us
     // before every activation upload only (readers of host checkpoints lag far behind)
     DeviceOptions dopt = {.threads = 1, .delay_seed = 99,
                           .max_delay_us = ec->delays == 1 ? 50 : ec->delays,
                           .delay_streams = ec->delays > 1 ? 1u << STREAM_ACT_UP : 0};
-    DeviceSet devs;
-    device_set_open(&devs, &device_cpu_impl, ec->N, &dopt);
+    Fixture fx;
+    fixture_open(&fx, c, ec->N, &dopt);
     EngineOptions eo = {.B = B, .T = T, .M = ec->M, .M_R = ec->M_R, .grain = ec->grain,
                         .sync = ec->sync, .device_budget = ec->budget, .opt_threads = 1,
                         .replan_after = ec->replan_after, .host_single = ec->host_single,
                         .trace_path = "", .hyper = test_hyper(), .sched = test_sched(),
                         .grad_clip = 1.0f};
     // the case's budget is for the stages: the scratch and fixed hand-off buffers come on top
-    if (ec->budget > 0) eo.device_budget += (double)engine_fixed_device_bytes(&m, 4, &eo);
-    Engine* e = engine_create(&m, &s, &devs, &eo, err);
+    if (ec->budget > 0) eo.device_budget += (double)engine_fixed_device_bytes(&fx.m, 4, &eo);
+    Engine* e = engine_create(&fx.m, &fx.s, &fx.devs, &eo, err);
     CHECK(t, e != NULL, "engine_create: %s", err);
-    if (!e) return -1;
+    if (!e) {
+        fixture_close(&fx);
+        return -1;
+    }
     // the memory model: the emulated devices hold exactly the predicted slots and hand-off
     // buffers (their workspace lives in host memory), and the whole prediction keeps the budget
     const EngineDeviceBytes db = engine_device_bytes(e);
@@ -130,7 +149,7 @@ static int run_engine(TestCtx* t, Run* run, const ModelConfig* c, int B, int T,
               db.total, eo.device_budget);
     for (int g = 0; g < ec->N; g++) {
         DeviceStats st;
-        device_cpu_impl.stats(devs.dev[g], &st);
+        device_cpu_impl.stats(fx.devs.dev[g], &st);
         CHECK(t, st.mem_in_use == db.slots + db.handoff,
               "device %d holds %zu bytes, predicted %zu (slots %zu + hand-off %zu)", g,
               st.mem_in_use, db.slots + db.handoff, db.slots, db.handoff);
@@ -155,11 +174,9 @@ static int run_engine(TestCtx* t, Run* run, const ModelConfig* c, int B, int T,
     if (ec->replan_after > 0)
         printf("       N=%d: re-planned %d time(s) from profiled times, now S=%d\n", ec->N,
                engine_replans(e), S);
-    collect_params(run, &s, &m);
+    collect_params(run, &fx.s, &fx.m);
     engine_free(e);
-    device_set_close(&devs);
-    store_free(&s);
-    model_free(&m);
+    fixture_close(&fx);
     return S;
 }
 
@@ -295,18 +312,14 @@ static void test_engine_bubble_formula(TestCtx* t) {
     const int Ns[3] = {2, 3, 4};
     for (int k = 0; k < 3; k++) {
         const int N = Ns[k];
-        Model m;
-        model_init(&m, &c, 0, err);
-        Store s;
-        init_store(&s, &m);
         DeviceOptions dopt = {.threads = 1};
-        DeviceSet devs;
-        device_set_open(&devs, &device_cpu_impl, N, &dopt);
+        Fixture fx;
+        fixture_open(&fx, &c, N, &dopt);
         EngineOptions eo = {.B = B, .T = T, .M = M, .M_R = M, .sync = 1, .device_budget = 2.4e5,
                             .opt_threads = 1, .trace_path = "", .fake_compute_us = 25000,
                             .hyper = test_hyper(), .sched = test_sched(), .grad_clip = 1.0f};
-        eo.device_budget += (double)engine_fixed_device_bytes(&m, 4, &eo);
-        Engine* e = engine_create(&m, &s, &devs, &eo, err);
+        eo.device_budget += (double)engine_fixed_device_bytes(&fx.m, 4, &eo);
+        Engine* e = engine_create(&fx.m, &fx.s, &fx.devs, &eo, err);
         CHECK(t, e != NULL, "%s", err);
         if (e) {
             const int S = engine_plan(e)->n_fwd + engine_plan(e)->n_bwd;
@@ -323,9 +336,7 @@ static void test_engine_bubble_formula(TestCtx* t) {
                    N, M, S, 100 * got, 100 * want, 100.0 * N * (N - 1) / (M * S + N * (N - 1)));
             engine_free(e);
         }
-        device_set_close(&devs);
-        store_free(&s);
-        model_free(&m);
+        fixture_close(&fx);
     }
     free(tokens);
 }
@@ -338,18 +349,14 @@ static void test_engine_slow_optimizer_hidden(TestCtx* t) {
     ModelConfig c = engine_config(0);
     int32_t* tokens = make_batches(B, T, 1, c.V);
     char err[ERR_LEN];
-    Model m;
-    model_init(&m, &c, 0, err);
-    Store s;
-    init_store(&s, &m);
     DeviceOptions dopt = {.threads = 1};
-    DeviceSet devs;
-    device_set_open(&devs, &device_cpu_impl, 2, &dopt);
+    Fixture fx;
+    fixture_open(&fx, &c, 2, &dopt);
     EngineOptions eo = {.B = B, .T = T, .M = M, .M_R = M, .sync = 0, .device_budget = 2.4e5,
                         .opt_threads = 1, .trace_path = "", .fake_compute_us = 8000,
                         .hyper = test_hyper(), .sched = test_sched(), .grad_clip = 1.0f};
-    eo.device_budget += (double)engine_fixed_device_bytes(&m, 4, &eo);
-    Engine* e = engine_create(&m, &s, &devs, &eo, err);
+    eo.device_budget += (double)engine_fixed_device_bytes(&fx.m, 4, &eo);
+    Engine* e = engine_create(&fx.m, &fx.s, &fx.devs, &eo, err);
     CHECK(t, e != NULL, "%s", err);
     if (e) {
         const int S = engine_plan(e)->n_fwd + engine_plan(e)->n_bwd;
@@ -357,7 +364,7 @@ static void test_engine_slow_optimizer_hidden(TestCtx* t) {
         const double iter_us = (double)S * M * eo.fake_compute_us / 2;
         engine_free(e);
         eo.fake_optimizer_us = (int)(0.8 * iter_us);
-        e = engine_create(&m, &s, &devs, &eo, err);
+        e = engine_create(&fx.m, &fx.s, &fx.devs, &eo, err);
         for (int i = 0; i < 2; i++) engine_step(e, tokens);  // fill the pipeline
         double sum = 0;
         for (int i = 0; i < 3; i++) sum += engine_step(e, tokens).bubble;
@@ -367,9 +374,7 @@ static void test_engine_slow_optimizer_hidden(TestCtx* t) {
                0.8 * iter_us / 1e3, iter_us / 1e3, 100 * sum / 3);
         engine_free(e);
     }
-    device_set_close(&devs);
-    store_free(&s);
-    model_free(&m);
+    fixture_close(&fx);
     free(tokens);
 }
 
@@ -381,17 +386,13 @@ static void test_engine_two_iterations_overlap(TestCtx* t) {
     ModelConfig c = engine_config(1);
     int32_t* tokens = make_batches(B, T, 2, c.V);
     char err[ERR_LEN];
-    Model m;
-    model_init(&m, &c, 0, err);
-    Store s;
-    init_store(&s, &m);
     DeviceOptions dopt = {.threads = 1};
-    DeviceSet devs;
-    device_set_open(&devs, &device_cpu_impl, 2, &dopt);
+    Fixture fx;
+    fixture_open(&fx, &c, 2, &dopt);
     EngineOptions eo = {.B = B, .T = T, .M = M, .M_R = M, .sync = 0, .opt_threads = 1,
                         .trace_path = "", .fake_compute_us = FAKE, .hyper = test_hyper(),
                         .sched = test_sched(), .grad_clip = 1.0f};
-    Engine* e = engine_create(&m, &s, &devs, &eo, err);
+    Engine* e = engine_create(&fx.m, &fx.s, &fx.devs, &eo, err);
     CHECK(t, e != NULL, "%s", err);
     if (e) {
         const int S = engine_plan(e)->n_fwd + engine_plan(e)->n_bwd;
@@ -422,9 +423,7 @@ static void test_engine_two_iterations_overlap(TestCtx* t) {
               iter_s * 1e3);
         engine_free(e);
     }
-    device_set_close(&devs);
-    store_free(&s);
-    model_free(&m);
+    fixture_close(&fx);
     free(tokens);
 }
 
