@@ -1025,25 +1025,10 @@ static void parity_case(TestCtx* t, Gpu* G, const char* name) {
     printf("  parity %s: GPU loss %.6f, HF %.6f\n", name, loss, ref_loss);
     CHECK(t, fabs(loss - ref_loss) <= 1e-2 * fabs(ref_loss), "%s: GPU loss %.6f vs HF %.6f",
           name, loss, ref_loss);
-    double worst = 0.0;
+    char what[96];
+    snprintf(what, sizeof what, "%s (GPU)", name);
     int n_grads = 0;
-    for (int i = 0; i < m.tt.n; i++) {
-        const TensorDesc* d = &m.tt.t[i];
-        if (d->tied_to >= 0) continue;
-        char gname[160];
-        snprintf(gname, sizeof gname, "grad.%s", d->hf_name);
-        const StTensor* g = st_find(&ex, gname);
-        CHECK(t, g != NULL && g->numel == d->numel, "%s: %s missing or misshapen", name, gname);
-        if (!g || g->numel != d->numel) continue;
-        float* ref = malloc_check((size_t)d->numel * sizeof(float));
-        st_tensor_to_f32(g, ref, d->numel, err);
-        double e = rel_l2_error(store_grad(&s, i), ref, (size_t)d->numel);
-        CHECK(t, e <= 5e-2, "%s %s: GPU gradient relative L2 error %.3g vs HF", name, d->hf_name,
-              e);
-        if (e > worst) worst = e;
-        free(ref);
-        n_grads++;
-    }
+    double worst = test_check_fixture_grads(t, what, &m, &s, &ex, 5e-2, &n_grads);
     printf("  parity %s: %d gradients, worst relative L2 error %.3g\n", name, n_grads, worst);
     CHECK(t, n_grads > 0, "%s: no gradients compared", name);
     free(tokens);

@@ -65,21 +65,7 @@ static void parity_check(TestCtx* t, const char* name) {
     CHECK(t, fabs(loss - ref_loss) <= 1e-5 * fabs(ref_loss), "%s loss %.9g vs HF %.9g", name, loss,
           ref_loss);
     int n_grads = 0;
-    for (int i = 0; i < m.tt.n; i++) {
-        const TensorDesc* d = &m.tt.t[i];
-        if (d->tied_to >= 0) continue;
-        char gname[160];
-        snprintf(gname, sizeof gname, "grad.%s", d->hf_name);
-        const StTensor* g = st_find(&ex, gname);
-        CHECK(t, g != NULL && g->numel == d->numel, "%s: %s missing or misshapen", name, gname);
-        if (!g || g->numel != d->numel) continue;
-        float* ref = malloc_check((size_t)d->numel * sizeof(float));
-        st_tensor_to_f32(g, ref, d->numel, err);
-        double e = rel_l2_error(store_grad(&s, i), ref, (size_t)d->numel);
-        CHECK(t, e <= 1e-4, "%s %s: gradient relative L2 error %.3g", name, d->hf_name, e);
-        free(ref);
-        n_grads++;
-    }
+    test_check_fixture_grads(t, name, &m, &s, &ex, 1e-4, &n_grads);
     int n_expected = 0;
     for (int k = 0; k < ex.n_tensors; k++) n_expected += strncmp(ex.tensors[k].name, "grad.", 5) == 0;
     CHECK(t, n_grads == n_expected, "%s: compared %d of %d fixture gradients", name, n_grads,

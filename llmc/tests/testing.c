@@ -97,3 +97,28 @@ void test_reference_train(const RefTrain* r, const int32_t* tokens, double* loss
     if (r->delayed) store_free(&w_own);
     model_free(&m);
 }
+
+double test_check_fixture_grads(TestCtx* t, const char* what, const Model* m, const Store* s,
+                                const StFile* ex, double tol, int* n_grads) {
+    char err[ERR_LEN];
+    double worst = 0.0;
+    *n_grads = 0;
+    for (int i = 0; i < m->tt.n; i++) {
+        const TensorDesc* d = &m->tt.t[i];
+        if (d->tied_to >= 0) continue;
+        char gname[160];
+        snprintf(gname, sizeof gname, "grad.%s", d->hf_name);
+        const StTensor* g = st_find(ex, gname);
+        CHECK(t, g != NULL && g->numel == d->numel, "%s: %s missing or misshapen", what, gname);
+        if (!g || g->numel != d->numel) continue;
+        float* ref = malloc_check((size_t)d->numel * sizeof(float));
+        st_tensor_to_f32(g, ref, d->numel, err);
+        double e = rel_l2_error(store_grad(s, i), ref, (size_t)d->numel);
+        CHECK(t, e <= tol, "%s %s: gradient relative L2 error %.3g vs HF (tol %.3g)", what,
+              d->hf_name, e, tol);
+        if (e > worst) worst = e;
+        free(ref);
+        (*n_grads)++;
+    }
+    return worst;
+}

@@ -14,7 +14,10 @@
 
 #include "../adamw.h"
 #include "../config.h"
+#include "../model.h"
 #include "../ops.h"
+#include "../safetensors.h"
+#include "../store.h"
 
 typedef struct TestCtx {
     const char* name;   // current test
@@ -98,5 +101,12 @@ typedef struct RefTrain {
 // (malloc'd), and their count.
 void test_reference_train(const RefTrain* r, const int32_t* tokens, double* loss, float** params,
                           int64_t* n_params);
+
+// The store's gradients against an HF parity fixture's "grad.<HF name>" tensors (every owned
+// tensor; the tied head's gradient is folded into the embedding): one CHECK per tensor that the
+// relative L2 error is <= tol (what: the message's prefix). Returns the worst error; *n_grads =
+// tensors compared.
+double test_check_fixture_grads(TestCtx* t, const char* what, const Model* m, const Store* s,
+                                const StFile* ex, double tol, int* n_grads);
 
 #endif  // LLMC_TESTS_TESTING_H
