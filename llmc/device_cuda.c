@@ -6,11 +6,21 @@
  * Host C code: only the runtime's C API is used here (cuda_runtime_api.h); kernels live in
  * the kernels/ .cu files behind kernels/kernels.h. Compiled to an empty unit without HAVE_CUDA.
  *
- * Cross-device events: a DevEvent holds one cudaEvent_t per GPU (created on first use) and the
- * index of the GPU that recorded it last. A record on GPU g records the event's GPU-g CUDA event;
- * a wait or a synchronisation uses the CUDA event of the last recorder, captured at call time —
- * the semantics device.h promises. A mutex guards the "last recorder" (the controller records
- * while the optimizer thread synchronises).
+ * Issue threads: enqueueing work never blocks the caller. Each GPU has a host thread that issues
+ * its commands (submitted work, copies, memsets, event records and waits, labels) in the order
+ * they were enqueued. Without it the caller blocks whenever a GPU's launch queue is full (a
+ * micro-batch of a large fused stage is thousands of kernels), so one controller thread feeding
+ * several GPUs would serialise them: GPU 1 would get its first kernel only once GPU 0 had nearly
+ * finished its stage.
+ *
+ * Events: device.h promises CUDA semantics with respect to the enqueue order: a wait or a
+ * synchronisation refers to the latest record enqueued before it, whichever thread issues them.
+ * So every record makes a new instance (a CUDA event created by the recording GPU's issue thread)
+ * which becomes the DevEvent's current one; a wait captures the current instance at enqueue time
+ * and, when issued, first waits (on the host) until that instance's record has been issued.
+ * That never deadlocks: an issue thread only waits for a record enqueued earlier than the command
+ * it is issuing, and every issue thread works through its commands in enqueue order. Instances
+ * are reference-counted (the DevEvent, a pending record, each pending wait or synchronisation).
  *
  * Busy time and traces: compute work and labelled work are bracketed by timing events; the pairs
  * are resolved lazily (stats, set_trace flush) once complete, relative to an origin event recorded
@@ -22,6 +32,7 @@
 
 #include <cuda_runtime_api.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -41,10 +52,17 @@
 // ----------------------------------------------------------------------------
 // types
 
+// One record of a DevEvent.
+typedef struct EvInst {
+    cudaEvent_t ev;          // created by the recording GPU's issue thread
+    struct Device* dev;      // the recording GPU
+    int recorded;            // the record has been issued (guarded by dev->q_mu)
+    _Atomic int refs;
+} EvInst;
+
 struct DevEvent {
     pthread_mutex_t mu;
-    cudaEvent_t ev[CUDA_MAX_DEVICES];  // created lazily per GPU
-    int last;                          // GPU of the latest record, -1 = never recorded
+    EvInst* cur;  // the latest record enqueued, NULL = never recorded
 };
 
 typedef struct TimedItem {
@@ -54,6 +72,22 @@ typedef struct TimedItem {
     struct TimedItem* next;
 } TimedItem;
 
+typedef enum { CMD_SUBMIT, CMD_COPY, CMD_MEMSET, CMD_RECORD, CMD_WAIT, CMD_LABEL, CMD_STOP } CmdKind;
+
+typedef struct Cmd {
+    CmdKind kind;
+    StreamKind stream;
+    DevWorkFn fn;                 // CMD_SUBMIT
+    void* arg;
+    void* dst;                    // CMD_COPY, CMD_MEMSET
+    const void* src;
+    size_t bytes;
+    enum cudaMemcpyKind dir;
+    EvInst* inst;                 // CMD_RECORD, CMD_WAIT
+    const char* label;            // CMD_LABEL
+    struct Cmd* next;
+} Cmd;
+
 struct Device {
     int index;
     cudaStream_t streams[STREAM_COUNT];
@@ -62,18 +96,153 @@ struct Device {
     size_t mem_limit, mem_in_use, mem_peak;
     uint64_t bytes[STREAM_COUNT];
     double busy_s[STREAM_COUNT];
-    const char* pending_label[STREAM_COUNT];
+    const char* pending_label[STREAM_COUNT];  // issue thread only
     TimedItem* pending_head;  // timed items not yet resolved, in submission order
     TimedItem* pending_tail;
     cudaEvent_t origin;       // recorded at open together with host_origin
     double host_origin;
-    struct Trace* trace;
+    struct Trace* trace;      // changed only while the command queue is drained
     int trace_pid;
+    // the issue thread and its command queue
+    pthread_t thread;
+    pthread_mutex_t q_mu;     // the queue, the counters, and EvInst.recorded of this GPU's records
+    pthread_cond_t q_cv;
+    Cmd* q_head;
+    Cmd* q_tail;
+    uint64_t enqueued, issued;
 };
 
 // Device allocations carry a header with their size, for accounting.
 #define MEM_HEADER 256
 
+// ----------------------------------------------------------------------------
+// event instances
+
+static EvInst* inst_ref(EvInst* in) {
+    if (in) atomic_fetch_add(&in->refs, 1);
+    return in;
+}
+
+static void inst_unref(EvInst* in) {
+    if (!in || atomic_fetch_sub(&in->refs, 1) != 1) return;
+    // the last reference: a record is always issued before then (the record command holds one)
+    int cur = 0;
+    cuda_check(cudaGetDevice(&cur));
+    cuda_check(cudaSetDevice(in->dev->index));
+    cuda_check(cudaEventDestroy(in->ev));  // released once complete if still pending
+    cuda_check(cudaSetDevice(cur));
+    free(in);
+}
+
+// Block until the record of `in` has been issued on its GPU.
+static void inst_wait_recorded(EvInst* in) {
+    Device* d = in->dev;
+    pthread_check(pthread_mutex_lock(&d->q_mu));
+    while (!in->recorded) pthread_check(pthread_cond_wait(&d->q_cv, &d->q_mu));
+    pthread_check(pthread_mutex_unlock(&d->q_mu));
+}
+
+// The current instance of an event, with a reference (NULL: never recorded).
+static EvInst* event_current(DevEvent* e) {
+    pthread_check(pthread_mutex_lock(&e->mu));
+    EvInst* in = inst_ref(e->cur);
+    pthread_check(pthread_mutex_unlock(&e->mu));
+    return in;
+}
+
+// ----------------------------------------------------------------------------
+// command queue
+
+static void enqueue(Device* d, Cmd c) {
+    Cmd* p = malloc_check(sizeof(Cmd));
+    *p = c;
+    p->next = NULL;
+    pthread_check(pthread_mutex_lock(&d->q_mu));
+    if (d->q_tail) d->q_tail->next = p;
+    else d->q_head = p;
+    d->q_tail = p;
+    d->enqueued++;
+    pthread_check(pthread_cond_broadcast(&d->q_cv));
+    pthread_check(pthread_mutex_unlock(&d->q_mu));
+}
+
+// Block until every command enqueued so far has been issued.
+static void drain(Device* d) {
+    pthread_check(pthread_mutex_lock(&d->q_mu));
+    const uint64_t target = d->enqueued;
+    while (d->issued < target) pthread_check(pthread_cond_wait(&d->q_cv, &d->q_mu));
+    pthread_check(pthread_mutex_unlock(&d->q_mu));
+}
+
+static TimedItem* timed_begin(Device* d, StreamKind s);
+static void timed_end(Device* d, TimedItem* it);
+
+static void issue(Device* d, Cmd* c) {
+    cudaStream_t st = d->streams[c->stream];
+    switch (c->kind) {
+    case CMD_SUBMIT: {
+        TimedItem* it = timed_begin(d, c->stream);
+        c->fn(c->arg);  // enqueues kernels on the ops context's stream (the compute stream)
+        timed_end(d, it);
+        break;
+    }
+    case CMD_COPY: {
+        TimedItem* it = timed_begin(d, c->stream);
+        cuda_check(cudaMemcpyAsync(c->dst, c->src, c->bytes, c->dir, st));
+        timed_end(d, it);
+        pthread_check(pthread_mutex_lock(&d->mu));
+        d->bytes[c->stream] += c->bytes;
+        pthread_check(pthread_mutex_unlock(&d->mu));
+        break;
+    }
+    case CMD_MEMSET: {
+        TimedItem* it = timed_begin(d, c->stream);
+        cuda_check(cudaMemsetAsync(c->dst, 0, c->bytes, st));
+        timed_end(d, it);
+        break;
+    }
+    case CMD_RECORD:
+        cuda_check(cudaEventCreate(&c->inst->ev));
+        cuda_check(cudaEventRecord(c->inst->ev, st));
+        pthread_check(pthread_mutex_lock(&d->q_mu));
+        c->inst->recorded = 1;
+        pthread_check(pthread_cond_broadcast(&d->q_cv));
+        pthread_check(pthread_mutex_unlock(&d->q_mu));
+        inst_unref(c->inst);
+        break;
+    case CMD_WAIT:
+        inst_wait_recorded(c->inst);
+        cuda_check(cudaStreamWaitEvent(st, c->inst->ev, 0));
+        inst_unref(c->inst);
+        break;
+    case CMD_LABEL:
+        d->pending_label[c->stream] = c->label;
+        break;
+    case CMD_STOP:
+        break;
+    }
+}
+
+static void* issue_main(void* arg) {
+    Device* d = arg;
+    cuda_check(cudaSetDevice(d->index));
+    for (;;) {
+        pthread_check(pthread_mutex_lock(&d->q_mu));
+        while (!d->q_head) pthread_check(pthread_cond_wait(&d->q_cv, &d->q_mu));
+        Cmd* c = d->q_head;
+        d->q_head = c->next;
+        if (!d->q_head) d->q_tail = NULL;
+        pthread_check(pthread_mutex_unlock(&d->q_mu));
+        const int stop = c->kind == CMD_STOP;
+        issue(d, c);
+        free(c);
+        pthread_check(pthread_mutex_lock(&d->q_mu));
+        d->issued++;
+        pthread_check(pthread_cond_broadcast(&d->q_cv));
+        pthread_check(pthread_mutex_unlock(&d->q_mu));
+        if (stop) return NULL;
+    }
+}
 // ----------------------------------------------------------------------------
 // lifecycle
 
@@ -102,6 +271,9 @@ static Device* cuda_open(int index, const DeviceOptions* opt) {
     cuda_check(cudaEventRecord(d->origin, d->streams[STREAM_COMPUTE]));
     cuda_check(cudaEventSynchronize(d->origin));
     d->host_origin = time_now_s();
+    pthread_check(pthread_mutex_init(&d->q_mu, NULL));
+    pthread_check(pthread_cond_init(&d->q_cv, NULL));
+    pthread_check(pthread_create(&d->thread, NULL, issue_main, d));
     return d;
 }
 
@@ -109,6 +281,10 @@ static void resolve_timed(Device* d, int wait);
 
 static void cuda_close(Device* d) {
     if (!d) return;
+    enqueue(d, (Cmd){.kind = CMD_STOP});
+    pthread_check(pthread_join(d->thread, NULL));
+    pthread_check(pthread_cond_destroy(&d->q_cv));
+    pthread_check(pthread_mutex_destroy(&d->q_mu));
     cuda_check(cudaSetDevice(d->index));
     cuda_check(cudaDeviceSynchronize());
     resolve_timed(d, 1);
@@ -258,41 +434,27 @@ static void resolve_timed(Device* d, int wait) {
 }
 
 // ----------------------------------------------------------------------------
-// work
+// work (enqueued; the GPU's issue thread issues it)
 
 static void cuda_submit(Device* d, StreamKind s, DevWorkFn fn, void* arg) {
-    cuda_check(cudaSetDevice(d->index));
-    TimedItem* it = timed_begin(d, s);
-    fn(arg);  // enqueues kernels on the ops context's stream (the compute stream)
-    timed_end(d, it);
-}
-
-static void cuda_copy(Device* d, StreamKind s, void* dst, const void* src, size_t bytes,
-                      enum cudaMemcpyKind kind) {
-    if (bytes == 0) return;
-    cuda_check(cudaSetDevice(d->index));
-    TimedItem* it = timed_begin(d, s);
-    cuda_check(cudaMemcpyAsync(dst, src, bytes, kind, d->streams[s]));
-    timed_end(d, it);
-    pthread_check(pthread_mutex_lock(&d->mu));
-    d->bytes[s] += bytes;
-    pthread_check(pthread_mutex_unlock(&d->mu));
+    enqueue(d, (Cmd){.kind = CMD_SUBMIT, .stream = s, .fn = fn, .arg = arg});
 }
 
 static void cuda_copy_h2d(Device* d, StreamKind s, void* dst, const void* src, size_t bytes) {
-    cuda_copy(d, s, dst, src, bytes, cudaMemcpyHostToDevice);
+    if (bytes == 0) return;
+    enqueue(d, (Cmd){.kind = CMD_COPY, .stream = s, .dst = dst, .src = src, .bytes = bytes,
+                     .dir = cudaMemcpyHostToDevice});
 }
 
 static void cuda_copy_d2h(Device* d, StreamKind s, void* dst, const void* src, size_t bytes) {
-    cuda_copy(d, s, dst, src, bytes, cudaMemcpyDeviceToHost);
+    if (bytes == 0) return;
+    enqueue(d, (Cmd){.kind = CMD_COPY, .stream = s, .dst = dst, .src = src, .bytes = bytes,
+                     .dir = cudaMemcpyDeviceToHost});
 }
 
 static void cuda_memset_zero(Device* d, StreamKind s, void* dst, size_t bytes) {
     if (bytes == 0) return;
-    cuda_check(cudaSetDevice(d->index));
-    TimedItem* it = timed_begin(d, s);
-    cuda_check(cudaMemsetAsync(dst, 0, bytes, d->streams[s]));
-    timed_end(d, it);
+    enqueue(d, (Cmd){.kind = CMD_MEMSET, .stream = s, .dst = dst, .bytes = bytes});
 }
 
 // ----------------------------------------------------------------------------
@@ -302,71 +464,81 @@ static DevEvent* cuda_event_create(Device* d) {
     (void)d;
     DevEvent* e = calloc_check(1, sizeof(DevEvent));
     pthread_check(pthread_mutex_init(&e->mu, NULL));
-    e->last = -1;
     return e;
 }
 
 static void cuda_event_destroy(DevEvent* e) {
     if (!e) return;
-    for (int g = 0; g < CUDA_MAX_DEVICES; g++)
-        if (e->ev[g]) {
-            cuda_check(cudaSetDevice(g));
-            cuda_check(cudaEventDestroy(e->ev[g]));
-        }
+    inst_unref(e->cur);  // pending waits hold their own references
     pthread_check(pthread_mutex_destroy(&e->mu));
     free(e);
 }
 
 static void cuda_event_record(DevEvent* e, Device* d, StreamKind s) {
-    cuda_check(cudaSetDevice(d->index));
+    EvInst* in = calloc_check(1, sizeof(EvInst));
+    in->dev = d;
+    atomic_init(&in->refs, 2);  // the event's and the record command's
     pthread_check(pthread_mutex_lock(&e->mu));
-    if (!e->ev[d->index]) cuda_check(cudaEventCreate(&e->ev[d->index]));
-    cuda_check(cudaEventRecord(e->ev[d->index], d->streams[s]));
-    e->last = d->index;
+    EvInst* old = e->cur;
+    e->cur = in;
+    // enqueued under the event's lock: a wait enqueued after this record sees it as current
+    enqueue(d, (Cmd){.kind = CMD_RECORD, .stream = s, .inst = in});
     pthread_check(pthread_mutex_unlock(&e->mu));
+    inst_unref(old);
 }
 
 static void cuda_stream_wait(Device* d, StreamKind s, DevEvent* e) {
-    pthread_check(pthread_mutex_lock(&e->mu));
-    if (e->last >= 0) {
-        cuda_check(cudaSetDevice(d->index));
-        cuda_check(cudaStreamWaitEvent(d->streams[s], e->ev[e->last], 0));
-    }
-    pthread_check(pthread_mutex_unlock(&e->mu));
+    EvInst* in = event_current(e);
+    if (in) enqueue(d, (Cmd){.kind = CMD_WAIT, .stream = s, .inst = in});
 }
 
 static void cuda_event_synchronize(DevEvent* e) {
-    pthread_check(pthread_mutex_lock(&e->mu));
-    int last = e->last;
-    cudaEvent_t ev = last >= 0 ? e->ev[last] : NULL;
-    pthread_check(pthread_mutex_unlock(&e->mu));
-    // synchronising on the captured CUDA event: a later re-record does not extend this wait
-    if (ev) cuda_check(cudaEventSynchronize(ev));
+    // the instance captured now: a later re-record does not extend this wait
+    EvInst* in = event_current(e);
+    if (!in) return;
+    inst_wait_recorded(in);
+    cuda_check(cudaEventSynchronize(in->ev));
+    inst_unref(in);
 }
 
 static int cuda_event_query(DevEvent* e) {
-    pthread_check(pthread_mutex_lock(&e->mu));
-    int done = 1;
-    if (e->last >= 0) {
-        cudaError_t rc = cudaEventQuery(e->ev[e->last]);
+    EvInst* in = event_current(e);
+    if (!in) return 1;
+    pthread_check(pthread_mutex_lock(&in->dev->q_mu));
+    int recorded = in->recorded;
+    pthread_check(pthread_mutex_unlock(&in->dev->q_mu));
+    int done = 0;
+    if (recorded) {
+        cudaError_t rc = cudaEventQuery(in->ev);
         if (rc != cudaSuccess && rc != cudaErrorNotReady) cuda_check(rc);
         done = rc == cudaSuccess;
     }
-    pthread_check(pthread_mutex_unlock(&e->mu));
+    inst_unref(in);
     return done;
 }
 
 static double cuda_event_elapsed(DevEvent* a, DevEvent* b) {
-    cuda_event_synchronize(a);
-    cuda_event_synchronize(b);
-    if (a->last < 0 || b->last < 0) return 0.0;
-    if (a->last != b->last) fatal("internal: event_elapsed across GPUs %d and %d", a->last, b->last);
-    float ms = 0;
-    cuda_check(cudaEventElapsedTime(&ms, a->ev[a->last], b->ev[b->last]));
-    return ms * 1e-3;
+    EvInst* x = event_current(a);
+    EvInst* y = event_current(b);
+    double s = 0.0;
+    if (x && y) {
+        if (x->dev != y->dev)
+            fatal("internal: event_elapsed across GPUs %d and %d", x->dev->index, y->dev->index);
+        inst_wait_recorded(x);
+        inst_wait_recorded(y);
+        cuda_check(cudaEventSynchronize(x->ev));
+        cuda_check(cudaEventSynchronize(y->ev));
+        float ms = 0;
+        cuda_check(cudaEventElapsedTime(&ms, x->ev, y->ev));
+        s = ms * 1e-3;
+    }
+    inst_unref(x);
+    inst_unref(y);
+    return s;
 }
 
 static void cuda_synchronize(Device* d) {
+    drain(d);
     cuda_check(cudaSetDevice(d->index));
     for (int s = 0; s < STREAM_COUNT; s++) cuda_check(cudaStreamSynchronize(d->streams[s]));
     resolve_timed(d, 1);
@@ -385,10 +557,17 @@ static void cuda_stats(Device* d, DeviceStats* out) {
     pthread_check(pthread_mutex_unlock(&d->mu));
 }
 
-static void cuda_label(Device* d, StreamKind s, const char* name) { d->pending_label[s] = name; }
+static void cuda_label(Device* d, StreamKind s, const char* name) {
+    enqueue(d, (Cmd){.kind = CMD_LABEL, .stream = s, .label = name});
+}
 
 static void cuda_set_trace(Device* d, struct Trace* tr, int pid) {
-    if (!tr) resolve_timed(d, 1);  // flush before detaching
+    drain(d);  // the issue thread reads d->trace; it is idle once drained
+    if (!tr) {  // flush before detaching
+        cuda_check(cudaSetDevice(d->index));
+        for (int s = 0; s < STREAM_COUNT; s++) cuda_check(cudaStreamSynchronize(d->streams[s]));
+        resolve_timed(d, 1);
+    }
     d->trace = tr;
     d->trace_pid = pid;
 }

@@ -955,20 +955,21 @@ static int plan_partition(Engine* e, PartitionPlan* plan, char* err) {
     // steps until the whole fits (a smaller budget only ever makes layers fit less).
     if (rc == 0 && e->opt.device_budget > 0) {
         double total = (double)plan_device_bytes(e, plan, NULL, NULL, NULL, NULL).total;
-        const double first = total;
+        double smallest = total;
         const double b0 = in.budget;
         for (int k = 1; total > e->opt.device_budget; k++) {
             in.budget = b0 * pow(0.97, k);
             if (k > 150 || partition_plan(&in, plan, err) != 0) {
                 char have[32], need[32];
                 format_bytes(e->opt.device_budget, have, sizeof have);
-                format_bytes(first, need, sizeof need);
+                format_bytes(smallest, need, sizeof need);
                 rc = errorf(err, "partition: no plan fits the device memory budget of %s (the "
-                            "fastest needs %s; raise --device-mem or use more micro-batches)",
-                            have, need);
+                            "smallest plan found needs %s; raise --device-mem or use more "
+                            "micro-batches)", have, need);
                 break;
             }
             total = (double)plan_device_bytes(e, plan, NULL, NULL, NULL, NULL).total;
+            smallest = fmin(smallest, total);
         }
     }
     free(fb);

@@ -43,6 +43,24 @@ static double partition_objective(const PartitionInput* in, int S, double t) {
     return ((double)in->M * S + (double)in->N * (in->N - 1)) * t;
 }
 
+// One device runs its stages back to back: no slot is idle whatever the balance, so the cost is
+// the work itself, which depends only on where the fused stage begins (every layer's backward and
+// the forward of the layers before it), not on the stage split; the S x t_max slot model above
+// would trade recompute for balance that buys nothing there.
+static int work_objective(const PartitionInput* in) { return in->N == 1; }
+
+static double plan_work(const PartitionInput* in, int e) {
+    double w = range_sum(in->fwd_cost, (StageRange){0, e}) +
+               range_sum(in->bwd_cost, (StageRange){0, in->n_layers});
+    return in->async ? w : in->M * w;
+}
+
+// A lower bound on the cost of any plan that extends a partial one with S stages so far, the
+// largest taking tau (0 under the work objective, which partial plans do not bound).
+static double partial_bound(const PartitionInput* in, int S, double tau) {
+    return work_objective(in) ? 0.0 : partition_objective(in, S, tau);
+}
+
 // Ties on cost go to fewer stages, then to the smaller t_max.
 static int plan_better(double cost, int S, double t, const PartitionPlan* best, int have_best) {
     if (!have_best) return 1;
@@ -153,6 +171,11 @@ void partition_evaluate(const PartitionInput* in, PartitionPlan* p) {
     int S = p->n_fwd + p->n_bwd;
     double fill = (double)in->N * (in->N - 1);
     p->t_max = t;
+    if (work_objective(in)) {
+        p->cost = plan_work(in, p->bwd[0].begin);
+        p->bubble = 0.0;
+        return;
+    }
     p->cost = partition_objective(in, S, t);
     // sync: the paper's structural bubble; async: the devices' idle share of N periods
     // (cost = N x period) with every stage taking t_max (imbalance shows in the balance figure)
@@ -237,7 +260,7 @@ static int plan_for_t(const PartitionInput* in, double t, double best_cost, Part
         p->fwd[nf++] = (StageRange){j, end};
         S++;
         if (tt > tau) tau = tt;
-        if (partition_objective(in, S, tau) > prune) return 0;
+        if (partial_bound(in, S, tau) > prune) return 0;
     }
     reverse_ranges(p->fwd, nf);
 
@@ -257,7 +280,7 @@ static int plan_for_t(const PartitionInput* in, double t, double best_cost, Part
         p->bwd[nb++] = (StageRange){begin, j};
         S++;
         if (tt > tau) tau = tt;
-        if (partition_objective(in, S, tau) > prune) return 0;
+        if (partial_bound(in, S, tau) > prune) return 0;
     }
     reverse_ranges(p->bwd + 1, nb - 1);
     p->n_layers = n;
@@ -321,14 +344,15 @@ int partition_plan(const PartitionInput* in, PartitionPlan* out, char* err) {
         double best_cost = have_best ? best->cost : INFINITY;
         double prune = best_cost + PARTITION_PRUNE_SLACK * best_cost;
         // Any plan with t_max >= t costs at least this, and t only grows: stop.
-        double lb_mono = in->async ? fmax(b_total, 0.5 * in->N * t)
-                                   : fmax(in->M * b_total + fill * t, (in->M + fill) * t);
+        double lb_mono = work_objective(in) ? (in->async ? b_total : in->M * b_total)
+                         : in->async ? fmax(b_total, 0.5 * in->N * t)
+                                     : fmax(in->M * b_total + fill * t, (in->M + fill) * t);
         if (lb_mono > prune) break;
         // A plan with t_max == t needs n_bwd >= b_total / t stages; if even that is too dear,
         // this candidate cannot be the optimum's t_max (smaller-t plans were found earlier).
         double nb_lb = t > 0.0 ? ceil(b_total / t * (1.0 - PARTITION_PRUNE_SLACK)) : 1.0;
         if (nb_lb < 1.0) nb_lb = 1.0;
-        double lb_t = partition_objective(in, (int)fmin(nb_lb, 1e9), t);  // monotone in S
+        double lb_t = partial_bound(in, (int)fmin(nb_lb, 1e9), t);  // monotone in S
         if (lb_t > prune) continue;
         if (!plan_for_t(in, t, best_cost, trial)) continue;
         partition_evaluate(in, trial);
@@ -410,7 +434,7 @@ int partition_brute_force(const PartitionInput* in, PartitionPlan* out, char* er
                 if (!bs[bm].feasible) continue;
                 int S = fs[fm].count + 1 + bs[bm].count;
                 double t = fmax(t_fused, fmax(fs[fm].t_max, bs[bm].t_max));
-                double cost = partition_objective(in, S, t);
+                double cost = work_objective(in) ? plan_work(in, e) : partition_objective(in, S, t);
                 if (!plan_better(cost, S, t, best, have_best)) continue;
                 best->n_layers = n;
                 best->n_fwd = e > 0 ? split_ranges(e, fm, best->fwd) : 0;

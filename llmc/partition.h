@@ -34,8 +34,12 @@
  *       the period is the larger of S t / N (all devices busy) and half an iteration's span
  *       (1 + (min(S, N) - 1) / M) t. The paper's max(S, N) t (ROUNDPIPE.md §8.3) assumed one
  *       iteration at a time; for S >= N the two agree unless M is small.
+ *   one device (N = 1), either mode: the work, sum of fwd_cost over the layers before the fused
+ *       stage + sum of bwd_cost over all layers (x M in sync mode): the device runs its stages
+ *       back to back, so balance buys nothing and the largest fused stage that fits (the least
+ *       recompute) wins; ties go to fewer stages as above.
  * bubble: sync, N(N-1) / (M*S + N(N-1)), the paper's structural bubble of the chosen plan;
- * async, 1 - S t_max / cost, the devices' idle share of the period.
+ * async, 1 - S t_max / cost, the devices' idle share of the period; 0 on one device.
  *
  * partition_plan is the paper's search (§8.3): for each candidate t (every contiguous sum of the
  * costs, ascending; forward sums stop before the postfix, which never runs as a forward stage) a

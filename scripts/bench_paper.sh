@@ -2,8 +2,10 @@
 # scripts/bench_paper.sh — the shapes of the paper's throughput tables on the machine at hand.
 #
 # Random weights (presets) and random tokens, batch 128 x 2048 tokens, 10 micro-batches, 3
-# warm-up and 3 timed iterations; tokens/s = tokens of the timed iterations / their wall time
-# (from the trainer's JSON-lines log). Prints one table and appends it, with the machine and the
+# warm-up and 4 timed iterations (rounded up to a multiple of the GPU count: two iterations are in
+# flight, so on two GPUs the step times alternate between a long and a short one); tokens/s =
+# tokens of the timed iterations / their wall time (the sum of their step times in the trainer's
+# JSON-lines log: a step's time is the time between two completed iterations). Prints one table and appends it, with the machine and the
 # date, to docs/PERF.md.
 #
 #   scripts/bench_paper.sh                         Qwen3-1.7B and LLaMA-3.1-8B on 1 and 2 GPUs
@@ -15,7 +17,7 @@
 #                                                  throughput at 262,144 tokens
 #   EXTRA="--recompute layer" scripts/bench_paper.sh   extra trainer flags for every run
 #
-# Variables: MODELS, GPUS, BATCH (128), SEQ (2048), MICRO (10), WARMUP (3), TIMED (3), SWEEP (0),
+# Variables: MODELS, GPUS, BATCH (128), SEQ (2048), MICRO (10), WARMUP (3), TIMED (4), SWEEP (0),
 # MAXSEQ (0), HOST_GIB (120: host memory a MAXSEQ plan may use),
 # EXTRA, OUTDIR (out/bench), NO_PERF_MD=1 to leave docs/PERF.md alone, SKIP_BUILD=1 to use the
 # binary as it is. The plan is the size-based one (--profile-steps 0), so no re-planning lands in
@@ -29,7 +31,7 @@ BATCH=${BATCH:-128}
 SEQ=${SEQ:-2048}
 MICRO=${MICRO:-10}
 WARMUP=${WARMUP:-3}
-TIMED=${TIMED:-3}
+TIMED=${TIMED:-4}
 SWEEP=${SWEEP:-0}
 MAXSEQ=${MAXSEQ:-0}
 EXTRA=${EXTRA:-}
@@ -52,8 +54,9 @@ timed = steps[warm:]
 if not timed:
     print("n/a n/a n/a"); sys.exit()
 ms = sum(s["ms"] for s in timed)
-mfu = sum(s.get("mfu", 0) for s in timed) / len(timed)
-bub = sum(s.get("bubble", 0) for s in timed) / len(timed)
+# per-step MFU and bubble are shares of each step's time: weight them by it
+mfu = sum(s.get("mfu", 0) * s["ms"] for s in timed) / ms
+bub = sum(s.get("bubble", 0) * s["ms"] for s in timed) / ms
 print(f"{batch*seq*len(timed)/(ms/1e3):.0f} {100*mfu:.1f} {100*bub:.1f}")
 PY
 }
@@ -63,7 +66,8 @@ run() {
     local model=$1 gpus=$2 batch=$3 seq=$4 micro=$5
     local vocab; vocab=$(vocab_of "$model")
     local shard="$OUTDIR/random_${vocab}_${batch}x${seq}.bin"
-    local steps=$((WARMUP + TIMED))
+    local timed=$(( (TIMED + gpus - 1) / gpus * gpus ))
+    local steps=$((WARMUP + timed))
     [ -f "$shard" ] || python3 scripts/make_random_shard.py "$shard" --vocab "$vocab" \
         --tokens $(((steps + 1) * batch * (seq + 1)))
     local tag="${model}_g${gpus}_${batch}x${seq}"

@@ -1152,8 +1152,8 @@ static void test_gpu_engine(TestCtx* t) {
         tokens[i] = (int32_t)rng_below(&r, (uint64_t)c.V);
     const int N2 = cuda_device_count() >= 2 ? 2 : 1;
     const GpuEngineCase cases[] = {
-        {1, 4, 1, RECOMPUTE_STAGE, 0},           {1, 4, 1, RECOMPUTE_STAGE, 400.0 * (1 << 20)},
-        {1, 4, 0, RECOMPUTE_LAYER, 400.0 * (1 << 20)}, {N2, 4, 1, RECOMPUTE_STAGE, 400.0 * (1 << 20)},
+        {1, 4, 1, RECOMPUTE_STAGE, 0},           {1, 4, 1, RECOMPUTE_STAGE, 750.0 * (1 << 20)},
+        {1, 4, 0, RECOMPUTE_LAYER, 750.0 * (1 << 20)}, {N2, 4, 1, RECOMPUTE_STAGE, 750.0 * (1 << 20)},
         {N2, 4, 0, RECOMPUTE_STAGE, 0},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {

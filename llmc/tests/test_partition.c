@@ -102,6 +102,15 @@ static void check_plan_fits(TestCtx* t, const PartitionInput* in, const Partitio
     int S = p->n_fwd + p->n_bwd;
     double fill = (double)in->N * (in->N - 1);
     const double span = 1.0 + (double)((S < in->N ? S : in->N) - 1) / in->M;
+    if (in->N == 1) {  // the work: forward before the fused stage, every layer's backward
+        double w = 0.0;
+        for (int l = 0; l < p->bwd[0].begin; l++) w += in->fwd_cost[l];
+        for (int l = 0; l < in->n_layers; l++) w += in->bwd_cost[l];
+        if (!in->async) w *= in->M;
+        CHECK_NEAR(t, p->cost, w, 1e-12 * w, "one device: cost = work");
+        CHECK(t, p->bubble == 0.0, "one device: no bubble");
+        return;
+    }
     double want = in->async ? fmax(S, 0.5 * in->N * span) * tmax : (in->M * S + fill) * tmax;
     CHECK_NEAR(t, p->cost, want, 1e-12 * want, "cost from S and t_max");
     CHECK_NEAR(t, p->bubble, in->async ? 1.0 - S * tmax / want : fill / (in->M * S + fill), 1e-12,
