@@ -133,7 +133,8 @@ static void generate_sample(Plain* p, const TrainArgs* a) {
 
 // The engine's options from the flags. On GPUs without --device-mem the engine may allocate 90%
 // of the memory still free on GPU 0 (the rest: allocator rounding, cuBLAS and CUDA internals).
-static EngineOptions engine_options(const TrainArgs* a, int use_cuda, int64_t start_step) {
+static EngineOptions engine_options(const TrainArgs* a, int use_cuda, int n_devices,
+                                    int64_t start_step) {
     EngineOptions eo = {.B = a->batch, .T = a->seq, .M = a->micro_batches,
                         .M_R = a->round_micro_batches,
                         .grain = a->recompute_layer ? RECOMPUTE_LAYER : RECOMPUTE_STAGE,
@@ -145,6 +146,10 @@ static EngineOptions engine_options(const TrainArgs* a, int use_cuda, int64_t st
                         .sched = {a->schedule, a->lr, a->warmup, a->steps, a->min_lr_frac,
                                   a->decay_frac},
                         .grad_clip = a->grad_clip};
+    // On GPUs the optimizer's pool leaves a core to each GPU's issue thread and one to the
+    // controller (they feed the launch queues; a pool thread sharing their core stalls a step)
+    if (use_cuda && a->threads == 0)
+        eo.opt_threads = imax(1, threads_online_cpus() - n_devices - 1);
 #ifdef HAVE_CUDA
     if (use_cuda && eo.device_budget <= 0) {
         size_t free_b = 0, total_b = 0;
@@ -242,7 +247,7 @@ int main(int argc, char** argv) {
                host_total / (1 << 30), host_swap / (1 << 30));
     if (a.plan_only) {
         // the plan needs only the model's shape: no store, devices or buffers
-        EngineOptions eo = engine_options(&a, use_cuda, 0);
+        EngineOptions eo = engine_options(&a, use_cuda, N, 0);
         resolve_mlp_chunk(&model, &a, use_cuda ? 2 : 4, N > 0 ? N : 1, &eo);
         if (use_cuda && eo.device_budget <= 0)
             printf("note: no GPU memory to read here and no --device-mem: planning without a "
@@ -274,7 +279,7 @@ int main(int argc, char** argv) {
     const int use_engine = use_cuda || N > 0;
     if (N == 0) N = 1;
     if (use_engine) {
-        const EngineOptions eo = engine_options(&a, use_cuda, 0);
+        const EngineOptions eo = engine_options(&a, use_cuda, N, 0);
         resolve_mlp_chunk(&model, &a, use_cuda ? 2 : 4, N, &eo);
     }
     const Ops* ops = &ops_cpu;
@@ -306,7 +311,7 @@ int main(int argc, char** argv) {
         if (use_cuda) impl = &device_cuda_impl;
 #endif
         device_set_open(&devs, impl, N, &dopt);
-        EngineOptions eo = engine_options(&a, use_cuda, ts.step);
+        EngineOptions eo = engine_options(&a, use_cuda, N, ts.step);
         if (ts.resumed && !a.sync && ts.pending_bytes) {
             // the delayed update's next weights, saved with the checkpoint
             if (ts.pending_bytes != ops_weight_bytes)

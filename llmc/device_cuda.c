@@ -202,7 +202,9 @@ static void issue(Device* d, Cmd* c) {
         break;
     }
     case CMD_RECORD:
-        cuda_check(cudaEventCreate(&c->inst->ev));
+        // blocking sync: the controller and optimizer threads wait on these; spinning would
+        // take cores from the optimizer's thread pool
+        cuda_check(cudaEventCreateWithFlags(&c->inst->ev, cudaEventBlockingSync));
         cuda_check(cudaEventRecord(c->inst->ev, st));
         pthread_check(pthread_mutex_lock(&d->q_mu));
         c->inst->recorded = 1;

@@ -772,6 +772,20 @@ static void write_master(Engine* e, int buf, int l) {
     }
 }
 
+typedef struct FoldArgs {
+    float* dst;
+    const float* src;
+    int64_t n;
+} FoldArgs;
+
+#define FOLD_CHUNK (1 << 20)
+
+static void fold_chunk(void* arg, int64_t c) {
+    const FoldArgs* fa = arg;
+    const int64_t b = c * FOLD_CHUNK, n = imin64(fa->n - b, FOLD_CHUNK);
+    for (int64_t j = 0; j < n; j++) fa->dst[b + j] += fa->src[b + j];
+}
+
 // Optimizer step k: the gradient of iteration k-1, learning rate lr(k), then the updated weights
 // go to the master buffer of iteration k + delay.
 static void optimizer_step(Engine* e, int64_t k) {
@@ -804,9 +818,10 @@ static void optimizer_step(Engine* e, int64_t k) {
         const TensorDesc* d = &tt->t[i];
         if (d->tied_to < 0) continue;
         const TensorDesc* o = &tt->t[d->tied_to];
-        float* src = g[d->layer] + d->grad_offset;
-        float* dst = g[o->layer] + o->grad_offset;
-        for (int64_t j = 0; j < d->numel; j++) dst[j] += src[j];
+        // in parallel: a tied head is the largest tensor (300 M elements for Qwen3-1.7B), and
+        // with two GPUs the next iteration waits for this step
+        FoldArgs fa = {g[o->layer] + o->grad_offset, g[d->layer] + d->grad_offset, d->numel};
+        threadpool_run(e->pool, (d->numel + FOLD_CHUNK - 1) / FOLD_CHUNK, fold_chunk, &fa);
     }
     for (int i = 0; i < e->n_opt; i++) e->opt_tensors[i].grad = g[e->opt_layer[i]] + e->opt_offset[i];
     double norm = sqrt(adamw_grad_norm_sq(e->pool, e->opt_tensors, e->n_opt));
