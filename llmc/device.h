@@ -82,8 +82,13 @@ typedef struct DeviceImpl {
     // Pin existing host memory (the Store's slabs) for fast asynchronous copies; no-op on the CPU.
     void (*host_register)(void* p, size_t bytes);
     void (*host_unregister)(void* p);
-    // work
+    // work: submit(fn) runs fn in stream order as the device's way to enqueue device work
+    // (CUDA: on the GPU's issue thread, fn launches kernels on the compute stream; the CPU
+    // emulation: on the stream's thread, fn is the work). host_fn(fn) is a host callback in
+    // stream order: later work on the stream waits for it; it may block (e.g. on a condition
+    // variable) but must not call this interface. It never holds up other streams.
     void (*submit)(Device* d, StreamKind s, DevWorkFn fn, void* arg);
+    void (*host_fn)(Device* d, StreamKind s, DevWorkFn fn, void* arg);
     void (*copy_h2d)(Device* d, StreamKind s, void* dst, const void* src, size_t bytes);
     void (*copy_d2h)(Device* d, StreamKind s, void* dst, const void* src, size_t bytes);
     void (*memset_zero)(Device* d, StreamKind s, void* dst, size_t bytes);

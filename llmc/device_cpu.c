@@ -505,6 +505,7 @@ const DeviceImpl device_cpu_impl = {
     .host_register = cpu_host_register,
     .host_unregister = cpu_host_unregister,
     .submit = cpu_submit,
+    .host_fn = cpu_submit,  // a stream item is a host function here
     .copy_h2d = cpu_copy_h2d,
     .copy_d2h = cpu_copy_d2h,
     .memset_zero = cpu_memset_zero,

@@ -72,12 +72,21 @@ typedef struct TimedItem {
     struct TimedItem* next;
 } TimedItem;
 
-typedef enum { CMD_SUBMIT, CMD_COPY, CMD_MEMSET, CMD_RECORD, CMD_WAIT, CMD_LABEL, CMD_STOP } CmdKind;
+typedef enum {
+    CMD_SUBMIT,
+    CMD_HOST_FN,
+    CMD_COPY,
+    CMD_MEMSET,
+    CMD_RECORD,
+    CMD_WAIT,
+    CMD_LABEL,
+    CMD_STOP
+} CmdKind;
 
 typedef struct Cmd {
     CmdKind kind;
     StreamKind stream;
-    DevWorkFn fn;                 // CMD_SUBMIT
+    DevWorkFn fn;                 // CMD_SUBMIT, CMD_HOST_FN
     void* arg;
     void* dst;                    // CMD_COPY, CMD_MEMSET
     const void* src;
@@ -186,6 +195,11 @@ static void issue(Device* d, Cmd* c) {
         timed_end(d, it);
         break;
     }
+    case CMD_HOST_FN:
+        // runs on a CUDA callback thread when the stream reaches it (it may block there; the
+        // issue thread goes on issuing)
+        cuda_check(cudaLaunchHostFunc(st, c->fn, c->arg));
+        break;
     case CMD_COPY: {
         TimedItem* it = timed_begin(d, c->stream);
         cuda_check(cudaMemcpyAsync(c->dst, c->src, c->bytes, c->dir, st));
@@ -442,6 +456,10 @@ static void cuda_submit(Device* d, StreamKind s, DevWorkFn fn, void* arg) {
     enqueue(d, (Cmd){.kind = CMD_SUBMIT, .stream = s, .fn = fn, .arg = arg});
 }
 
+static void cuda_host_fn(Device* d, StreamKind s, DevWorkFn fn, void* arg) {
+    enqueue(d, (Cmd){.kind = CMD_HOST_FN, .stream = s, .fn = fn, .arg = arg});
+}
+
 static void cuda_copy_h2d(Device* d, StreamKind s, void* dst, const void* src, size_t bytes) {
     if (bytes == 0) return;
     enqueue(d, (Cmd){.kind = CMD_COPY, .stream = s, .dst = dst, .src = src, .bytes = bytes,
@@ -587,6 +605,7 @@ const DeviceImpl device_cuda_impl = {
     .host_register = cuda_host_register,
     .host_unregister = cuda_host_unregister,
     .submit = cuda_submit,
+    .host_fn = cuda_host_fn,
     .copy_h2d = cuda_copy_h2d,
     .copy_d2h = cuda_copy_d2h,
     .memset_zero = cuda_memset_zero,

@@ -91,9 +91,13 @@ typedef struct DevState {
     DevEvent* comp_done[2];
     DevEvent* down_done[2];
     DevEvent* param_done;   // parameter (and partial gradient) upload of the current stage done
+    DevEvent** lev[2];      // [slot][k]: layer k of the stage in that slot uploaded (gated
+                            // uploads; k = the stage's length: the tied head's copy)
     DevEvent** marks;       // (M_R) activation-upload marks of the last stage run on this device
     int n_marks;
     DevEvent* grads_ready;  // the last micro-batch of the stage whose gradients are pending
+    DevEvent** gev;         // [k]: layer k of the running stage has its final gradient (per-layer
+                            // downloads)
     PendingGrads pend;
     DevEvent* iter_end[2][STREAM_COUNT];
     double busy_last;       // compute busy seconds at the previous step (bubble accounting)
@@ -111,6 +115,12 @@ typedef struct MbJob {
     int B;          // sequences in this micro-batch (micro-batches may differ by one)
     const void* pslot;
     float* gslot;
+    int phase;      // 0: the whole micro-batch; 1: forward of layers [from, to) only; 2: the
+                    // rest after phase-1 jobs (fused: loss and backward; backward: backward);
+                    // 3: the fused stage's loss (postfix forward + backward) only; 4: backward
+                    // of layers [from, to) only
+    int from, to;
+    int64_t t;      // param_fence_fn: wait until param_ready[from] >= t
 } MbJob;
 
 typedef struct JobBlock {
@@ -177,6 +187,7 @@ struct Engine {
     double* cost_bwd;
     CostProfile profile;
     int replans;            // times the plan was rebuilt from profiled costs
+    int64_t gated_stages;   // see engine_gated_stages
     int frozen;             // the plan no longer changes
     DevState* dev;
     // protocol flags (under mu)
@@ -322,9 +333,24 @@ static void run_microbatch(void* arg) {
     const Stage* st = j->st;
     DevState* ds = j->ds;
     if (e->opt.fake_compute_us > 0) {
-        struct timespec ts = {e->opt.fake_compute_us / 1000000,
-                              (long)(e->opt.fake_compute_us % 1000000) * 1000};
+        // split jobs: forward layers share the half of the time that is not the rest (all of it
+        // in a forward stage)
+        int64_t us = e->opt.fake_compute_us;
+        const int n = st->e - st->b;
+        if (j->phase == 1 || j->phase == 4)
+            us = us * (j->to - j->from) / (st->kind == SLOT_FWD ? n : 2 * n);
+        if (j->phase == 2) us /= 2;
+        if (j->phase == 3) us = 0;
+        struct timespec ts = {(time_t)(us / 1000000), (long)(us % 1000000) * 1000};
         nanosleep(&ts, NULL);
+        return;
+    }
+    if (j->phase == 1) {
+        forward_layers(e, j, j->from, j->to, st->kind != SLOT_FWD);
+        return;
+    }
+    if (j->phase == 4) {
+        backward_layers(e, j, j->from, j->to);
         return;
     }
     if (st->kind == SLOT_FWD) {
@@ -333,7 +359,7 @@ static void run_microbatch(void* arg) {
     }
     if (st->kind == SLOT_FUSED) {
         const int last = e->NL - 1;  // the postfix
-        forward_layers(e, j, st->b, last, 1);
+        if (j->phase == 0) forward_layers(e, j, st->b, last, 1);
         const TensorTable* tt = &e->m->tt;
         int i_norm = tensor_table_index(tt, TK_FINAL_NORM, -1);
         int i_head = tensor_table_index(tt, TK_LM_HEAD, -1);
@@ -346,11 +372,11 @@ static void run_microbatch(void* arg) {
                                        ds->xs[j->p][last - st->b], ds->dres[j->p],
                                        ds->targets[j->p], ds->losses[j->p], grad_scale, 1, j->B,
                                        e->T);
-        backward_layers(e, j, st->b, last);
+        if (j->phase != 3) backward_layers(e, j, st->b, last);
         return;
     }
     // backward stage: recompute (stage grain) then backward
-    if (e->opt.grain == RECOMPUTE_STAGE) forward_layers(e, j, st->b, st->e, 1);
+    if (e->opt.grain == RECOMPUTE_STAGE && j->phase == 0) forward_layers(e, j, st->b, st->e, 1);
     backward_layers(e, j, st->b, st->e);
 }
 
@@ -406,12 +432,37 @@ __attribute__((format(printf, 5, 6))) static void label(Engine* e, int ip, DevSt
 // ----------------------------------------------------------------------------
 // fences (controller side of the consistency protocol)
 
+// Whether every layer of a stage (and the tied head's source) holds iteration t's weights now.
+static int params_ready(Engine* e, const Stage* st, int64_t t) {
+    pthread_check(pthread_mutex_lock(&e->mu));
+    int ready = st->head_off < 0 || e->param_ready[0] >= t;
+    for (int l = st->b; l < st->e && ready; l++) ready = e->param_ready[l] >= t;
+    pthread_check(pthread_mutex_unlock(&e->mu));
+    return ready;
+}
+
+// Rule 2 for a whole stage, on the controller thread (sync mode).
 static void fence_params(Engine* e, const Stage* st, int64_t t) {
     pthread_check(pthread_mutex_lock(&e->mu));
     for (int l = st->b; l < st->e; l++)
         while (e->param_ready[l] < t) pthread_check(pthread_cond_wait(&e->cv, &e->mu));
     if (st->head_off >= 0)
         while (e->param_ready[0] < t) pthread_check(pthread_cond_wait(&e->cv, &e->mu));
+    pthread_check(pthread_mutex_unlock(&e->mu));
+}
+
+// Rule 2 for one layer, as a host function on a parameter stream (gated uploads, delayed update
+// only): the stream waits until the optimizer has written layer j->from's weights for iteration
+// j->t. That step applies iteration t-2's gradients, and iteration t-2 is complete before any of
+// iteration t's work is enqueued (engine_submit), so the wait depends on no device work at all:
+// it cannot deadlock even where host functions share one thread (CUDA may serialise them). In
+// sync mode iteration t would wait for iteration t-1's gradients, whose own stages might sit
+// behind such a host function: sync mode fences whole stages on the controller instead.
+static void param_fence_fn(void* arg) {
+    const MbJob* j = arg;
+    Engine* e = j->e;
+    pthread_check(pthread_mutex_lock(&e->mu));
+    while (e->param_ready[j->from] < j->t) pthread_check(pthread_cond_wait(&e->cv, &e->mu));
     pthread_check(pthread_mutex_unlock(&e->mu));
 }
 
@@ -509,6 +560,52 @@ static void upload_params(Engine* e, DevState* ds, const Stage* st, int k, int64
     free(pieces);
 }
 
+// Gated upload (the optimizer has not finished iteration t's weights of this stage yet): layer by
+// layer, shallowest first as the optimizer writes them, each behind a host fence on the parameter
+// stream (param_fence_fn) and followed by its event lev[k][layer], so the first micro-batch's
+// forward of layer l waits for layer l alone and the device starts while the CPU step still
+// updates deeper layers. All of it after the running stage's last activation upload (no LPT
+// bins: the parameter traffic is behind the optimizer anyway).
+static void upload_params_gated(Engine* e, DevState* ds, const Stage* st, int k, int64_t t) {
+    const int ip = (int)(t % 2);
+    const TensorTable* tt = &e->m->tt;
+    const DeviceImpl* im = e->impl;
+    im->stream_wait(ds->d, STREAM_PARAM_UP, ds->pslot_free[k]);
+    if (ds->n_marks > 0) im->stream_wait(ds->d, STREAM_PARAM_UP, ds->marks[ds->n_marks - 1]);
+    for (int l = st->b; l <= st->e; l++) {
+        const int owner = l < st->e ? l : 0;  // the tied head is a copy of layer 0's embedding
+        const void* src;
+        size_t bytes;
+        char* dst;
+        if (l < st->e) {
+            src = e->master[ip][l];
+            bytes = (size_t)tt->param_numel[l] * e->ab;
+            dst = (char*)ds->pslot[k] + (size_t)st->p_off[l - st->b] * e->ab;
+        } else if (st->head_off >= 0) {
+            int head = tensor_table_index(tt, TK_LM_HEAD, -1);
+            src = e->master[ip][0];
+            bytes = (size_t)tt->t[head].numel * e->ab;
+            dst = (char*)ds->pslot[k] + (size_t)st->head_off * e->ab;
+        } else {
+            break;
+        }
+        pthread_check(pthread_mutex_lock(&e->mu));
+        const int ready = e->param_ready[owner] >= t;
+        pthread_check(pthread_mutex_unlock(&e->mu));
+        if (!ready) {
+            MbJob* j = job_new(e, ip);
+            *j = (MbJob){.e = e, .ds = ds, .st = st, .from = owner, .t = t};
+            im->host_fn(ds->d, STREAM_PARAM_UP, param_fence_fn, j);
+        }
+        for (size_t off = 0; off < bytes; off += PIECE_MAX_BYTES) {
+            const size_t len = bytes - off < PIECE_MAX_BYTES ? bytes - off : PIECE_MAX_BYTES;
+            label(e, ip, ds, STREAM_PARAM_UP, "params %s layer %d", st->name, l);
+            im->copy_h2d(ds->d, STREAM_PARAM_UP, dst + off, (const char*)src + off, len);
+        }
+        im->event_record(ds->lev[k][l - st->b], ds->d, STREAM_PARAM_UP);
+    }
+}
+
 // Prepare the gradient slot of a backward stage on the parameter stream: zero in the first round,
 // the host's partial fp32 sum in later rounds (waiting for the previous round's download).
 static void prepare_grads(Engine* e, DevState* ds, const Stage* st, int k, int round, int64_t t) {
@@ -599,6 +696,26 @@ static void grads_issue(Engine* e, DevState* ds, int all) {
     memset(pg, 0, sizeof *pg);
 }
 
+// Per-layer downloads (a stage whose gradients would otherwise go down only at the round's end,
+// after its last micro-batch): layer l's final gradients go down as soon as the last micro-batch's
+// backward has passed it (gev[l - b], recorded by the caller on the compute stream), so the
+// optimizer's wait for the last layer ends right after the backward.
+static void grads_layer_down(Engine* e, DevState* ds, const Stage* st, int gk, int l, int64_t t) {
+    const TensorTable* tt = &e->m->tt;
+    const DeviceImpl* im = e->impl;
+    const int ip = (int)(t % 2);
+    const size_t bytes = (size_t)tt->grad_numel[l] * sizeof(float);
+    char* dst = (char*)e->hgrad[t % e->n_hgrad][l];
+    const char* src = (const char*)(ds->gslot[gk] + st->g_off[l - st->b]);
+    im->stream_wait(ds->d, STREAM_GRAD_DOWN, ds->gev[l - st->b]);
+    for (size_t off = 0; off < bytes; off += PIECE_MAX_BYTES) {
+        const size_t len = bytes - off < PIECE_MAX_BYTES ? bytes - off : PIECE_MAX_BYTES;
+        label(e, ip, ds, STREAM_GRAD_DOWN, "grads %s layer %d", st->name, l);
+        im->copy_d2h(ds->d, STREAM_GRAD_DOWN, dst + off, src + off, len);
+    }
+    im->event_record(e->grad_ev[t % e->n_hgrad][l], ds->d, STREAM_GRAD_DOWN);
+}
+
 // Round boundaries: the next round's gradient preparation and the optimizer read these buffers,
 // so nothing may stay deferred past a round.
 static void grads_flush_all(Engine* e) {
@@ -615,12 +732,25 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
     const int ip = (int)(t % 2);
     const int n = st->e - st->b;
 
-    fence_params(e, st, t);
-
-    // parameters (and gradient slot) for this stage
+    // parameters (and gradient slot) for this stage: when the optimizer is still writing them,
+    // layer by layer behind per-layer fences (rule 2) with the first micro-batch's forward gated
+    // per layer too, where the stage's forward runs shallow to deep (not for layer-grain
+    // backward stages, whose recompute runs deepest first)
     int pk = ds->pnext;
     ds->pnext ^= 1;
-    upload_params(e, ds, st, pk, t);
+    if (!e->delay) fence_params(e, st, t);
+    const int gated = e->delay && !params_ready(e, st, t);
+    const int split = gated && (st->kind != SLOT_BWD || e->opt.grain == RECOMPUTE_STAGE);
+    // The last stage of the final round on its device has no later stage on that device whose
+    // activation windows could carry its gradient download: the download then goes layer by
+    // layer during its last micro-batch's backward instead of after it.
+    const int si = job_idx % e->S;
+    const int layer_grads = st->kind != SLOT_FWD && round == e->R - 1 && si >= e->S - e->N;
+    if (gated) {
+        upload_params_gated(e, ds, st, pk, t);
+        e->gated_stages++;
+    }
+    else upload_params(e, ds, st, pk, t);
     int gk = -1;
     if (st->kind != SLOT_FWD) {
         gk = ds->gnext;
@@ -669,13 +799,77 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
         // compute
         im->stream_wait(d, STREAM_COMPUTE, ds->up_done[p]);
         im->stream_wait(d, STREAM_COMPUTE, ds->down_done[p]);
-        if (r == 0) im->stream_wait(d, STREAM_COMPUTE, ds->param_done);
-        MbJob* j = job_new(e, ip);
-        *j = (MbJob){e, ds, st, i, p, ip, Bi, ds->pslot[pk], gk >= 0 ? ds->gslot[gk] : NULL};
+        const MbJob base = {e, ds, st, i, p, ip, Bi, ds->pslot[pk], gk >= 0 ? ds->gslot[gk] : NULL,
+                            0, 0, 0, t};
         DevEvent** prof = &e->prof_ev[ip][2 * (job_idx * e->M_R + r)];
         im->event_record(prof[0], d, STREAM_COMPUTE);
-        label(e, ip, ds, STREAM_COMPUTE, "%s mb%d", st->name, i);
-        im->submit(d, STREAM_COMPUTE, run_microbatch, j);
+        const int last_mb = r == e->M_R - 1 && layer_grads;
+        if ((r == 0 && split) || last_mb) {
+            // split into jobs: the forward, layer by layer behind each layer's upload in the
+            // first micro-batch of a gated stage; the backward, layer by layer with each layer's
+            // download behind it in the last micro-batch of a per-layer-download stage
+            const int fwd_end = st->kind == SLOT_FUSED         ? e->NL - 1
+                                : st->kind == SLOT_FWD         ? st->e
+                                : e->opt.grain == RECOMPUTE_STAGE ? st->e
+                                                               : st->b;  // layer grain: none
+            const int per_layer_fwd = r == 0 && split;
+            for (int l = st->b; l < fwd_end;) {
+                const int to = per_layer_fwd ? l + 1 : fwd_end;
+                if (per_layer_fwd) im->stream_wait(d, STREAM_COMPUTE, ds->lev[pk][l - st->b]);
+                else if (r == 0) im->stream_wait(d, STREAM_COMPUTE, ds->param_done);
+                MbJob* j = job_new(e, ip);
+                *j = base;
+                j->phase = 1;
+                j->from = l;
+                j->to = to;
+                label(e, ip, ds, STREAM_COMPUTE, "%s mb%d fwd %d-%d", st->name, i, l, to - 1);
+                im->submit(d, STREAM_COMPUTE, run_microbatch, j);
+                l = to;
+            }
+            if (st->kind != SLOT_FWD) {
+                if (r == 0) im->stream_wait(d, STREAM_COMPUTE, ds->param_done);
+                if (!last_mb) {
+                    MbJob* j = job_new(e, ip);
+                    *j = base;
+                    j->phase = 2;
+                    label(e, ip, ds, STREAM_COMPUTE, "%s mb%d rest", st->name, i);
+                    im->submit(d, STREAM_COMPUTE, run_microbatch, j);
+                } else {
+                    // rule 4 (host buffers of iteration t - n_hgrad consumed), and the previous
+                    // stage's deferred download first on the gradient stream
+                    grads_issue(e, ds, 1);
+                    fence_grads(e, st, t);
+                    int l = st->e - 1;
+                    if (st->kind == SLOT_FUSED) {
+                        MbJob* j = job_new(e, ip);
+                        *j = base;
+                        j->phase = 3;
+                        label(e, ip, ds, STREAM_COMPUTE, "%s mb%d loss", st->name, i);
+                        im->submit(d, STREAM_COMPUTE, run_microbatch, j);
+                        im->event_record(ds->gev[l - st->b], d, STREAM_COMPUTE);
+                        grads_layer_down(e, ds, st, gk, l, t);
+                        l--;
+                    }
+                    for (; l >= st->b; l--) {
+                        MbJob* j = job_new(e, ip);
+                        *j = base;
+                        j->phase = 4;
+                        j->from = l;
+                        j->to = l + 1;
+                        label(e, ip, ds, STREAM_COMPUTE, "%s mb%d bwd %d", st->name, i, l);
+                        im->submit(d, STREAM_COMPUTE, run_microbatch, j);
+                        im->event_record(ds->gev[l - st->b], d, STREAM_COMPUTE);
+                        grads_layer_down(e, ds, st, gk, l, t);
+                    }
+                }
+            }
+        } else {
+            if (r == 0) im->stream_wait(d, STREAM_COMPUTE, ds->param_done);
+            MbJob* j = job_new(e, ip);
+            *j = base;
+            label(e, ip, ds, STREAM_COMPUTE, "%s mb%d", st->name, i);
+            im->submit(d, STREAM_COMPUTE, run_microbatch, j);
+        }
         im->event_record(prof[1], d, STREAM_COMPUTE);
         im->event_record(ds->comp_done[p], d, STREAM_COMPUTE);
 
@@ -717,8 +911,17 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
     ds->n_marks = e->M_R;
     im->event_record(ds->pslot_free[pk], d, STREAM_COMPUTE);
 
-    // the gradients go down during the next stage on this device (or at the round's end)
-    if (st->kind != SLOT_FWD) grads_defer(e, ds, st, gk, t, round);
+    // the gradients go down during the next stage on this device (or at the round's end), or
+    // went down layer by layer above
+    if (layer_grads) {
+        im->event_record(ds->gslot_free[gk], d, STREAM_GRAD_DOWN);
+        pthread_check(pthread_mutex_lock(&e->mu));
+        for (int l = st->b; l < st->e; l++) e->grad_recorded[l] = t;
+        pthread_check(pthread_cond_broadcast(&e->cv));
+        pthread_check(pthread_mutex_unlock(&e->mu));
+    } else if (st->kind != SLOT_FWD) {
+        grads_defer(e, ds, st, gk, t, round);
+    }
 }
 
 // ----------------------------------------------------------------------------
@@ -805,11 +1008,6 @@ static void optimizer_step(Engine* e, int64_t k) {
         snprintf(name, sizeof name, "wait grads of iteration %lld", (long long)(k - 1));
         trace_add(e->trace, name, e->N, STREAM_COUNT, t_wait, t_start);
     }
-    if (e->opt.fake_optimizer_us > 0) {
-        struct timespec ts = {e->opt.fake_optimizer_us / 1000000,
-                              (long)(e->opt.fake_optimizer_us % 1000000) * 1000};
-        nanosleep(&ts, NULL);
-    }
     // the gradient set iteration k-1 downloaded into; a tied head's gradient is folded into its
     // owner's there (the Store's own folding works on the Store's set only)
     float** g = e->hgrad[(k - 1) % e->n_hgrad];
@@ -841,6 +1039,11 @@ static void optimizer_step(Engine* e, int64_t k) {
                 e->opt_tensors[i].out_bf16 = (uint16_t*)e->master[buf][l] + e->opt_offset[i];
         }
         if (count > 0) adamw_step(e->pool, e->opt_tensors + first, count, &h, step, scale);
+        if (e->opt.fake_optimizer_us > 0) {  // tests: a slow step, spread over the layers by size
+            const int64_t us = e->opt.fake_optimizer_us * tt->param_numel[l] / e->m->tt.total_params;
+            struct timespec ts = {(time_t)(us / 1000000), (long)(us % 1000000) * 1000};
+            nanosleep(&ts, NULL);
+        }
         if (e->ab != 2) write_master(e, buf, l);
         pthread_check(pthread_mutex_lock(&e->mu));
         e->param_ready[l] = k + e->delay;
@@ -1211,7 +1414,13 @@ static void plan_resources_create(Engine* e) {
             for (int s2 = 0; s2 < STREAM_COUNT; s2++) ds->iter_end[k][s2] = e->impl->event_create(ds->d);
         }
         ds->param_done = e->impl->event_create(ds->d);
+        for (int k = 0; k < 2; k++) {
+            ds->lev[k] = calloc_check((size_t)max_len + 1, sizeof(DevEvent*));
+            for (int j = 0; j <= max_len; j++) ds->lev[k][j] = e->impl->event_create(ds->d);
+        }
         ds->grads_ready = e->impl->event_create(ds->d);
+        ds->gev = calloc_check((size_t)max_len + 1, sizeof(DevEvent*));
+        for (int j = 0; j <= max_len; j++) ds->gev[j] = e->impl->event_create(ds->d);
         memset(&ds->pend, 0, sizeof ds->pend);
         ds->marks = calloc_check((size_t)e->M_R, sizeof(DevEvent*));
         for (int r = 0; r < e->M_R; r++) ds->marks[r] = e->impl->event_create(ds->d);
@@ -1245,7 +1454,13 @@ static void plan_resources_free(Engine* e) {
             for (int s2 = 0; s2 < STREAM_COUNT; s2++) im->event_destroy(ds->iter_end[k][s2]);
         }
         im->event_destroy(ds->param_done);
+        for (int k = 0; k < 2; k++) {
+            for (int j = 0; j <= max_len; j++) im->event_destroy(ds->lev[k][j]);
+            free(ds->lev[k]);
+        }
         im->event_destroy(ds->grads_ready);
+        for (int j = 0; j <= max_len; j++) im->event_destroy(ds->gev[j]);
+        free(ds->gev);
         for (int r = 0; r < e->M_R; r++) im->event_destroy(ds->marks[r]);
         free(ds->marks);
     }
@@ -1559,6 +1774,8 @@ static void maybe_replan(Engine* e) {
 }
 
 int engine_replans(const Engine* e) { return e->replans; }
+
+int64_t engine_gated_stages(const Engine* e) { return e->gated_stages; }
 
 const void* engine_next_weights(const Engine* e, int layer) {
     return e->master[e->iter % 2][layer];

@@ -154,6 +154,9 @@ int engine_weight_bytes(const Engine* e);
 void engine_last_update(Engine* e, double* norm, double* lr);
 // Times the plan was rebuilt from profiled stage times (0 or 1).
 int engine_replans(const Engine* e);
+// Stages enqueued before the optimizer had finished their weights, so uploaded layer by layer
+// behind per-layer fences (their first micro-batch's forward gated per layer too).
+int64_t engine_gated_stages(const Engine* e);
 // Write the Chrome trace (opt.trace_path) of everything so far; no-op without a trace path.
 int engine_write_trace(Engine* e, char* err);
 

@@ -34,6 +34,7 @@ typedef struct Run {
     double loss[STEPS];
     float* params;  // all parameter slabs concatenated after the last step
     int64_t n_params;
+    int64_t gated;  // stages uploaded behind per-layer fences
 } Run;
 
 static ModelConfig engine_config(int tied) {
@@ -115,6 +116,7 @@ typedef struct EngineCase {
     double budget;  // device bytes (forces several stages when small)
     int replan_after;
     int host_single;  // one set of host checkpoints
+    int slow_opt_us;  // the optimizer step takes this much longer (forces gated uploads)
 } EngineCase;
 
 static int run_engine(TestCtx* t, Run* run, const ModelConfig* c, int B, int T,
@@ -130,8 +132,8 @@ static int run_engine(TestCtx* t, Run* run, const ModelConfig* c, int B, int T,
     EngineOptions eo = {.B = B, .T = T, .M = ec->M, .M_R = ec->M_R, .grain = ec->grain,
                         .sync = ec->sync, .device_budget = ec->budget, .opt_threads = 1,
                         .replan_after = ec->replan_after, .host_single = ec->host_single,
-                        .trace_path = "", .hyper = test_hyper(), .sched = test_sched(),
-                        .grad_clip = 1.0f};
+                        .fake_optimizer_us = ec->slow_opt_us, .trace_path = "",
+                        .hyper = test_hyper(), .sched = test_sched(), .grad_clip = 1.0f};
     // the case's budget is for the stages: the scratch and fixed hand-off buffers come on top
     if (ec->budget > 0) eo.device_budget += (double)engine_fixed_device_bytes(&fx.m, 4, &eo);
     Engine* e = engine_create(&fx.m, &fx.s, &fx.devs, &eo, err);
@@ -175,6 +177,7 @@ static int run_engine(TestCtx* t, Run* run, const ModelConfig* c, int B, int T,
         printf("       N=%d: re-planned %d time(s) from profiled times, now S=%d\n", ec->N,
                engine_replans(e), S);
     collect_params(run, &fx.s, &fx.m);
+    run->gated = engine_gated_stages(e);
     engine_free(e);
     fixture_close(&fx);
     return S;
@@ -197,16 +200,26 @@ static void test_engine_sync_matches_plain(TestCtx* t) {
         // small budgets force many stages; rounds of 2 micro-batches exercise the cross-round
         // gradient accumulation
         const EngineCase cases[] = {
-            {1, 4, 4, 1, 0, RECOMPUTE_STAGE, 0, 0, 0},     {1, 4, 2, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0},
-            {2, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0},   {3, 4, 4, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0},
-            {4, 4, 2, 1, 1, RECOMPUTE_LAYER, 3.2e5, 0, 0},   {4, 4, 4, 1, 1, RECOMPUTE_STAGE, 3.2e5, 0, 0},
+            {1, 4, 4, 1, 0, RECOMPUTE_STAGE, 0, 0, 0, 0},
+            {1, 4, 2, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 0},
+            {2, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 0},
+            {3, 4, 4, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0, 0},
+            {4, 4, 2, 1, 1, RECOMPUTE_LAYER, 3.2e5, 0, 0, 0},
+            {4, 4, 4, 1, 1, RECOMPUTE_STAGE, 3.2e5, 0, 0, 0},
             // re-planned from profiled times after 2 iterations: the plan may change mid-run,
             // the numbers must not
-            {3, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 2, 0}, {2, 4, 2, 1, 0, RECOMPUTE_LAYER, 4.4e5, 2, 0},
+            {3, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 2, 0, 0},
+            {2, 4, 2, 1, 0, RECOMPUTE_LAYER, 4.4e5, 2, 0, 0},
             // one micro-batch per round (the long-sequence shape): single-parity buffers
-            {2, 4, 1, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0}, {3, 4, 1, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0},
+            {2, 4, 1, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0, 0},
+            {3, 4, 1, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 0},
             // one set of host checkpoints (producers wait for the previous iteration's readers)
-            {3, 4, 2, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0, 1}, {2, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 1},
+            {3, 4, 2, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0, 1, 0},
+            {2, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 1, 0},
+            // a slow optimizer, two iterations in flight (sync mode fences whole stages on the
+            // controller: no gated uploads)
+            {3, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 20000},
+            {1, 4, 2, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 20000},
         };
         for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
             Run r;
@@ -217,6 +230,8 @@ static void test_engine_sync_matches_plain(TestCtx* t) {
                   "plain %.9g/%.9g",
                   tied, cases[k].N, cases[k].M_R, cases[k].grain, S, r.loss[0], r.loss[STEPS - 1],
                   ref.loss[0], ref.loss[STEPS - 1]);
+            CHECK(t, r.gated == 0, "case %zu: %lld gated uploads in sync mode", k,
+                  (long long)r.gated);
             // (a re-planned run's stage count depends on measured times: not asserted)
             if (cases[k].budget > 0 && cases[k].replan_after == 0)
                 CHECK(t, S >= 4, "budget should force several stages (S=%d)", S);
@@ -232,8 +247,8 @@ static void test_engine_microbatch_counts(TestCtx* t) {
     ModelConfig c = engine_config(0);
     int32_t* tokens = make_batches(B, T, 5, c.V);
     Run a, b;
-    EngineCase ca = {2, 2, 2, 1, 0, RECOMPUTE_STAGE, 3.2e5, 0, 0};
-    EngineCase cb = {2, 8, 4, 1, 0, RECOMPUTE_STAGE, 3.2e5, 0, 0};
+    EngineCase ca = {2, 2, 2, 1, 0, RECOMPUTE_STAGE, 3.2e5, 0, 0, 0};
+    EngineCase cb = {2, 8, 4, 1, 0, RECOMPUTE_STAGE, 3.2e5, 0, 0, 0};
     run_engine(t, &a, &c, B, T, &ca, tokens);
     run_engine(t, &b, &c, B, T, &cb, tokens);
     CHECK(t, fabs(a.loss[0] - b.loss[0]) <= 1e-5 * fabs(a.loss[0]), "first loss %.9g vs %.9g",
@@ -253,22 +268,30 @@ static void test_engine_async_delayed(TestCtx* t) {
         int32_t* tokens = make_batches(B, T, 11 + tied, c.V);
         Run ref;
         run_reference(&ref, &c, B, T, 4, tokens, 1);
-        const EngineCase cases[] = {{1, 4, 4, 0, 1, RECOMPUTE_STAGE, 0, 0, 0},
-                                    {3, 4, 2, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 1},
+        const EngineCase cases[] = {{1, 4, 4, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 0},
+                                    {3, 4, 2, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 1, 0},
                                     // long random delays on the activation uploads only (the
                                     // readers of the one host set of checkpoints)
-                                    {3, 4, 2, 0, 3000, RECOMPUTE_LAYER, 2.4e5, 0, 1},
-                                    {3, 4, 4, 0, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0},
-                                    {2, 4, 2, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0},
+                                    {3, 4, 2, 0, 3000, RECOMPUTE_LAYER, 2.4e5, 0, 1, 0},
+                                    {3, 4, 4, 0, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 0},
+                                    {2, 4, 2, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0, 0},
                                     // no budget: everything fused, two devices taking every
                                     // other iteration, two in flight
-                                    {2, 4, 4, 0, 1, RECOMPUTE_STAGE, 0, 0, 0}};
+                                    {2, 4, 4, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 0},
+                                    // a slow optimizer: stages enqueued before their weights
+                                    // are written upload and start layer by layer (pipelined
+                                    // cases: engine_step waits for that step anyway)
+                                    {2, 4, 4, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 20000},
+                                    {2, 4, 2, 0, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 20000},
+                                    {2, 4, 4, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 1, 20000}};
         for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
             Run r;
             int S = run_engine(t, &r, &c, B, T, &cases[k], tokens);
             if (S < 0) continue;
             if (cases[k].N == 2 && cases[k].budget == 0)
                 CHECK(t, S == 1, "two devices, no budget: S = %d, expected 1", S);
+            if (cases[k].slow_opt_us > 0)
+                CHECK(t, r.gated > 0, "case %zu: a slow optimizer but no gated upload", k);
             CHECK(t, runs_identical(&r, &ref),
                   "async tied %d N=%d M_R=%d: loss %.9g %.9g %.9g %.9g vs reference %.9g %.9g "
                   "%.9g %.9g",
@@ -427,6 +450,50 @@ static void test_engine_two_iterations_overlap(TestCtx* t) {
     free(tokens);
 }
 
+// Gated uploads hide the optimizer step behind the first micro-batch's forward: S = 1 on two
+// devices, one micro-batch (its forward half the iteration), a step of half an iteration. Each
+// device needs the step applying its own previous gradient; uploading a stage only once the whole
+// step is done, a device would idle for all of it: period >= (iteration + step) / 2. Layer by layer
+// the forward follows the step and only the loss and backward wait for its end.
+static void test_engine_gated_uploads_hide_step(TestCtx* t) {
+    const int B = 8, T = 8, M = 1, FAKE = 60000, STEP_US = 30000;
+    ModelConfig c = engine_config(1);
+    int32_t* tokens = make_batches(B, T, 2, c.V);
+    char err[ERR_LEN];
+    DeviceOptions dopt = {.threads = 1};
+    Fixture fx;
+    fixture_open(&fx, &c, 2, &dopt);
+    EngineOptions eo = {.B = B, .T = T, .M = M, .M_R = M, .sync = 0, .opt_threads = 1,
+                        .trace_path = "", .fake_compute_us = FAKE, .fake_optimizer_us = STEP_US,
+                        .hyper = test_hyper(), .sched = test_sched(), .grad_clip = 1.0f};
+    Engine* e = engine_create(&fx.m, &fx.s, &fx.devs, &eo, err);
+    CHECK(t, e != NULL, "%s", err);
+    if (e) {
+        const int S = engine_plan(e)->n_fwd + engine_plan(e)->n_bwd;
+        CHECK(t, S == 1, "two devices, no budget: everything fused expected, S = %d", S);
+        const int steps = 10, warm = 3;
+        double t0 = 0.0;
+        for (int k = 0; k < steps; k++) {
+            if (k == warm) t0 = time_now_s();
+            if (engine_in_flight(e) == 0) engine_submit(e, tokens);
+            if (k + 1 < steps) engine_submit(e, tokens);
+            (void)engine_collect(e);
+        }
+        const double period = (time_now_s() - t0) / (steps - warm);
+        const double whole = (FAKE + STEP_US) / 2e6;  // what fencing whole stages would give
+        printf("       S=1, M=1: iteration %d ms, step %d ms: period %.1f ms (whole-stage "
+               "fences: >= %.0f ms), %lld gated stages\n", FAKE / 1000, STEP_US / 1000,
+               period * 1e3, whole * 1e3, (long long)engine_gated_stages(e));
+        CHECK(t, engine_gated_stages(e) >= steps - 3, "gated stages %lld",
+              (long long)engine_gated_stages(e));
+        CHECK(t, period <= 0.9 * whole * TIMING_SLACK, "period %.1f ms, expected well under %.1f",
+              period * 1e3, whole * 1e3);
+        engine_free(e);
+    }
+    fixture_close(&fx);
+    free(tokens);
+}
+
 const TestCase tests_engine[] = {
     {"engine_sync_matches_plain", test_engine_sync_matches_plain},
     {"engine_microbatch_counts", test_engine_microbatch_counts},
@@ -434,5 +501,6 @@ const TestCase tests_engine[] = {
     {"engine_bubble_formula", test_engine_bubble_formula},
     {"engine_slow_optimizer_hidden", test_engine_slow_optimizer_hidden},
     {"engine_two_iterations_overlap", test_engine_two_iterations_overlap},
+    {"engine_gated_uploads_hide_step", test_engine_gated_uploads_hide_step},
     {NULL, NULL},
 };

@@ -262,7 +262,7 @@ static void test_train_engine_cli(TestCtx* t) {
     if (tj) {
         JsonDoc doc;
         CHECK(t, json_parse(tj, strlen(tj), &doc, errb) == 0, "trace is not JSON: %s", errb);
-        const char* needles[] = {"\"cpu:0\"", "\"cpu:3\"", "\"host\"", "\"F1 mb0\"", "\"FB mb3\"",
+        const char* needles[] = {"\"cpu:0\"", "\"cpu:3\"", "\"host\"", "\"F1 mb0\"", "\"FB mb3",
                                  "\"AdamW step 6\"", "\"params", "\"up ", "\"down ", "\"grads ",
                                  "\"act_up\"", NULL};
         for (int i = 0; needles[i]; i++)
