@@ -516,32 +516,47 @@ static void lpt_assign(Piece* pieces, int n, int n_bins, int* bin_of) {
 }
 
 
+// Where layer l of a stage goes in parameter slot k, from iteration parity ip's master copy
+// (l == st->e: the copy of the embedding that a stage carrying a tied head holds as its head).
+// Returns the bytes, 0 when the stage carries no such head.
+static size_t slot_layer_copy(const Engine* e, const DevState* ds, const Stage* st, int k, int ip,
+                              int l, const void** src, char** dst) {
+    const TensorTable* tt = &e->m->tt;
+    if (l < st->e) {
+        *src = e->master[ip][l];
+        *dst = (char*)ds->pslot[k] + (size_t)st->p_off[l - st->b] * e->ab;
+        return (size_t)tt->param_numel[l] * e->ab;
+    }
+    if (st->head_off < 0) return 0;
+    *src = e->master[ip][0];
+    *dst = (char*)ds->pslot[k] + (size_t)st->head_off * e->ab;
+    return (size_t)tt->t[tensor_table_index(tt, TK_LM_HEAD, -1)].numel * e->ab;
+}
+
+// One copy on stream s in pieces of at most PIECE_MAX_BYTES, each labelled `name` in traces.
+static void copy_pieces(Engine* e, int ip, DevState* ds, StreamKind s, void* dst, const void* src,
+                        size_t bytes, int h2d, const char* name) {
+    for (size_t off = 0; off < bytes; off += PIECE_MAX_BYTES) {
+        const size_t len = bytes - off < PIECE_MAX_BYTES ? bytes - off : PIECE_MAX_BYTES;
+        label(e, ip, ds, s, "%s", name);
+        if (h2d) e->impl->copy_h2d(ds->d, s, (char*)dst + off, (const char*)src + off, len);
+        else e->impl->copy_d2h(ds->d, s, (char*)dst + off, (const char*)src + off, len);
+    }
+}
+
 // Upload a stage's parameters into slot `k` on the parameter stream, split into pieces of at most
 // 256 MiB assigned longest-first to the bin with the least load (LPT, ROUNDPIPE.md §7.3); bin j
 // waits the j-th activation-upload mark of the stage currently running on this device, so the
 // parameter traffic fills the gaps between activation uploads instead of delaying them.
 static void upload_params(Engine* e, DevState* ds, const Stage* st, int k, int64_t t) {
     const int ip = (int)(t % 2);
-    const TensorTable* tt = &e->m->tt;
     int cap = 16, n = 0;
     Piece* pieces = malloc_check((size_t)cap * sizeof(Piece));
     for (int l = st->b; l <= st->e; l++) {
         const void* src;
-        size_t bytes;
         char* dst;
-        if (l < st->e) {
-            src = e->master[ip][l];
-            bytes = (size_t)tt->param_numel[l] * e->ab;
-            dst = (char*)ds->pslot[k] + (size_t)st->p_off[l - st->b] * e->ab;
-        } else if (st->head_off >= 0) {
-            int head = tensor_table_index(tt, TK_LM_HEAD, -1);
-            src = e->master[ip][0];
-            bytes = (size_t)tt->t[head].numel * e->ab;
-            dst = (char*)ds->pslot[k] + (size_t)st->head_off * e->ab;
-        } else {
-            break;
-        }
-        pieces_add(&pieces, &n, &cap, dst, src, bytes);
+        const size_t bytes = slot_layer_copy(e, ds, st, k, ip, l, &src, &dst);
+        if (bytes) pieces_add(&pieces, &n, &cap, dst, src, bytes);
     }
     int n_bins = ds->n_marks > 0 ? ds->n_marks : 1;
     int* bin_of = malloc_check((size_t)(n ? n : 1) * sizeof(int));
@@ -568,27 +583,15 @@ static void upload_params(Engine* e, DevState* ds, const Stage* st, int k, int64
 // bins: the parameter traffic is behind the optimizer anyway).
 static void upload_params_gated(Engine* e, DevState* ds, const Stage* st, int k, int64_t t) {
     const int ip = (int)(t % 2);
-    const TensorTable* tt = &e->m->tt;
     const DeviceImpl* im = e->impl;
     im->stream_wait(ds->d, STREAM_PARAM_UP, ds->pslot_free[k]);
     if (ds->n_marks > 0) im->stream_wait(ds->d, STREAM_PARAM_UP, ds->marks[ds->n_marks - 1]);
     for (int l = st->b; l <= st->e; l++) {
         const int owner = l < st->e ? l : 0;  // the tied head is a copy of layer 0's embedding
         const void* src;
-        size_t bytes;
         char* dst;
-        if (l < st->e) {
-            src = e->master[ip][l];
-            bytes = (size_t)tt->param_numel[l] * e->ab;
-            dst = (char*)ds->pslot[k] + (size_t)st->p_off[l - st->b] * e->ab;
-        } else if (st->head_off >= 0) {
-            int head = tensor_table_index(tt, TK_LM_HEAD, -1);
-            src = e->master[ip][0];
-            bytes = (size_t)tt->t[head].numel * e->ab;
-            dst = (char*)ds->pslot[k] + (size_t)st->head_off * e->ab;
-        } else {
-            break;
-        }
+        const size_t bytes = slot_layer_copy(e, ds, st, k, ip, l, &src, &dst);
+        if (!bytes) break;
         pthread_check(pthread_mutex_lock(&e->mu));
         const int ready = e->param_ready[owner] >= t;
         pthread_check(pthread_mutex_unlock(&e->mu));
@@ -597,11 +600,9 @@ static void upload_params_gated(Engine* e, DevState* ds, const Stage* st, int k,
             *j = (MbJob){.e = e, .ds = ds, .st = st, .from = owner, .t = t};
             im->host_fn(ds->d, STREAM_PARAM_UP, param_fence_fn, j);
         }
-        for (size_t off = 0; off < bytes; off += PIECE_MAX_BYTES) {
-            const size_t len = bytes - off < PIECE_MAX_BYTES ? bytes - off : PIECE_MAX_BYTES;
-            label(e, ip, ds, STREAM_PARAM_UP, "params %s layer %d", st->name, l);
-            im->copy_h2d(ds->d, STREAM_PARAM_UP, dst + off, (const char*)src + off, len);
-        }
+        char name[40];
+        snprintf(name, sizeof name, "params %s layer %d", st->name, l);
+        copy_pieces(e, ip, ds, STREAM_PARAM_UP, dst, src, bytes, 1, name);
         im->event_record(ds->lev[k][l - st->b], ds->d, STREAM_PARAM_UP);
     }
 }
@@ -704,15 +705,12 @@ static void grads_layer_down(Engine* e, DevState* ds, const Stage* st, int gk, i
     const TensorTable* tt = &e->m->tt;
     const DeviceImpl* im = e->impl;
     const int ip = (int)(t % 2);
-    const size_t bytes = (size_t)tt->grad_numel[l] * sizeof(float);
-    char* dst = (char*)e->hgrad[t % e->n_hgrad][l];
-    const char* src = (const char*)(ds->gslot[gk] + st->g_off[l - st->b]);
+    char name[40];
+    snprintf(name, sizeof name, "grads %s layer %d", st->name, l);
     im->stream_wait(ds->d, STREAM_GRAD_DOWN, ds->gev[l - st->b]);
-    for (size_t off = 0; off < bytes; off += PIECE_MAX_BYTES) {
-        const size_t len = bytes - off < PIECE_MAX_BYTES ? bytes - off : PIECE_MAX_BYTES;
-        label(e, ip, ds, STREAM_GRAD_DOWN, "grads %s layer %d", st->name, l);
-        im->copy_d2h(ds->d, STREAM_GRAD_DOWN, dst + off, src + off, len);
-    }
+    copy_pieces(e, ip, ds, STREAM_GRAD_DOWN, e->hgrad[t % e->n_hgrad][l],
+                ds->gslot[gk] + st->g_off[l - st->b], (size_t)tt->grad_numel[l] * sizeof(float), 0,
+                name);
     im->event_record(e->grad_ev[t % e->n_hgrad][l], ds->d, STREAM_GRAD_DOWN);
 }
 
@@ -724,6 +722,26 @@ static void grads_flush_all(Engine* e) {
 
 // ----------------------------------------------------------------------------
 // one stage on one device
+
+// Submit one part of a micro-batch (MbJob.phase) on the compute stream, labelled for traces.
+__attribute__((format(printf, 6, 7))) static void submit_part(Engine* e, const MbJob* base,
+                                                              int phase, int from, int to,
+                                                              const char* fmt, ...) {
+    MbJob* j = job_new(e, base->ip);
+    *j = *base;
+    j->phase = phase;
+    j->from = from;
+    j->to = to;
+    if (e->trace) {
+        char name[40];
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(name, sizeof name, fmt, ap);
+        va_end(ap);
+        label(e, base->ip, base->ds, STREAM_COMPUTE, "%s", name);
+    }
+    e->impl->submit(base->ds->d, STREAM_COMPUTE, run_microbatch, j);
+}
 
 static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int round, int job_idx) {
     DevState* ds = &e->dev[g];
@@ -808,56 +826,32 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
             // split into jobs: the forward, layer by layer behind each layer's upload in the
             // first micro-batch of a gated stage; the backward, layer by layer with each layer's
             // download behind it in the last micro-batch of a per-layer-download stage
-            const int fwd_end = st->kind == SLOT_FUSED         ? e->NL - 1
-                                : st->kind == SLOT_FWD         ? st->e
+            const int fwd_end = st->kind == SLOT_FUSED            ? e->NL - 1
+                                : st->kind == SLOT_FWD            ? st->e
                                 : e->opt.grain == RECOMPUTE_STAGE ? st->e
-                                                               : st->b;  // layer grain: none
+                                                                  : st->b;  // layer grain: none
             const int per_layer_fwd = r == 0 && split;
             for (int l = st->b; l < fwd_end;) {
                 const int to = per_layer_fwd ? l + 1 : fwd_end;
-                if (per_layer_fwd) im->stream_wait(d, STREAM_COMPUTE, ds->lev[pk][l - st->b]);
-                else if (r == 0) im->stream_wait(d, STREAM_COMPUTE, ds->param_done);
-                MbJob* j = job_new(e, ip);
-                *j = base;
-                j->phase = 1;
-                j->from = l;
-                j->to = to;
-                label(e, ip, ds, STREAM_COMPUTE, "%s mb%d fwd %d-%d", st->name, i, l, to - 1);
-                im->submit(d, STREAM_COMPUTE, run_microbatch, j);
+                im->stream_wait(d, STREAM_COMPUTE,
+                                per_layer_fwd ? ds->lev[pk][l - st->b] : ds->param_done);
+                submit_part(e, &base, 1, l, to, "%s mb%d fwd %d-%d", st->name, i, l, to - 1);
                 l = to;
             }
             if (st->kind != SLOT_FWD) {
-                if (r == 0) im->stream_wait(d, STREAM_COMPUTE, ds->param_done);
+                im->stream_wait(d, STREAM_COMPUTE, ds->param_done);
                 if (!last_mb) {
-                    MbJob* j = job_new(e, ip);
-                    *j = base;
-                    j->phase = 2;
-                    label(e, ip, ds, STREAM_COMPUTE, "%s mb%d rest", st->name, i);
-                    im->submit(d, STREAM_COMPUTE, run_microbatch, j);
+                    submit_part(e, &base, 2, 0, 0, "%s mb%d rest", st->name, i);
                 } else {
                     // rule 4 (host buffers of iteration t - n_hgrad consumed), and the previous
                     // stage's deferred download first on the gradient stream
                     grads_issue(e, ds, 1);
                     fence_grads(e, st, t);
-                    int l = st->e - 1;
-                    if (st->kind == SLOT_FUSED) {
-                        MbJob* j = job_new(e, ip);
-                        *j = base;
-                        j->phase = 3;
-                        label(e, ip, ds, STREAM_COMPUTE, "%s mb%d loss", st->name, i);
-                        im->submit(d, STREAM_COMPUTE, run_microbatch, j);
-                        im->event_record(ds->gev[l - st->b], d, STREAM_COMPUTE);
-                        grads_layer_down(e, ds, st, gk, l, t);
-                        l--;
-                    }
-                    for (; l >= st->b; l--) {
-                        MbJob* j = job_new(e, ip);
-                        *j = base;
-                        j->phase = 4;
-                        j->from = l;
-                        j->to = l + 1;
-                        label(e, ip, ds, STREAM_COMPUTE, "%s mb%d bwd %d", st->name, i, l);
-                        im->submit(d, STREAM_COMPUTE, run_microbatch, j);
+                    for (int l = st->e - 1; l >= st->b; l--) {
+                        if (st->kind == SLOT_FUSED && l == e->NL - 1)
+                            submit_part(e, &base, 3, 0, 0, "%s mb%d loss", st->name, i);
+                        else
+                            submit_part(e, &base, 4, l, l + 1, "%s mb%d bwd %d", st->name, i, l);
                         im->event_record(ds->gev[l - st->b], d, STREAM_COMPUTE);
                         grads_layer_down(e, ds, st, gk, l, t);
                     }
@@ -865,10 +859,7 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
             }
         } else {
             if (r == 0) im->stream_wait(d, STREAM_COMPUTE, ds->param_done);
-            MbJob* j = job_new(e, ip);
-            *j = base;
-            label(e, ip, ds, STREAM_COMPUTE, "%s mb%d", st->name, i);
-            im->submit(d, STREAM_COMPUTE, run_microbatch, j);
+            submit_part(e, &base, 0, 0, 0, "%s mb%d", st->name, i);
         }
         im->event_record(prof[1], d, STREAM_COMPUTE);
         im->event_record(ds->comp_done[p], d, STREAM_COMPUTE);
