@@ -21,7 +21,10 @@
  *    boundaries up) has uploaded it, through the backward chain's own events.
  *
  * The consistency protocol (ROUNDPIPE.md §9), per layer l, with two compute-dtype master buffers:
- *  - iteration t uploads layer l from master[t % 2] once param_ready[l] >= t (rule 2);
+ *  - iteration t uploads layer l from master[t % 2] once param_ready[l] >= t (rule 2): in sync
+ *    mode the controller waits for a whole stage before enqueueing it; with the delayed update a
+ *    stage not ready at enqueue time gets a host-function wait per layer on its parameter stream
+ *    instead (gated upload), so the device starts while the step still writes deeper layers;
  *  - optimizer step k (gradient of iteration k-1) writes master[(k + delay) % 2]; the previous
  *    reader of that buffer is iteration k+delay-2 <= k-1, whose last upload of l precedes its last
  *    gradient download of l, which the step waited for (rule 1);
@@ -658,6 +661,18 @@ static void grads_defer(Engine* e, DevState* ds, const Stage* st, int gk, int64_
     e->impl->event_record(ds->grads_ready, ds->d, STREAM_COMPUTE);
 }
 
+// A stage's gradient download is enqueued: its slot is free once it is done, and after the final
+// round the optimizer's step may wait for the layers' download events.
+static void grads_done(Engine* e, DevState* ds, const Stage* st, int gk, int64_t t,
+                       int final_round) {
+    e->impl->event_record(ds->gslot_free[gk], ds->d, STREAM_GRAD_DOWN);
+    if (!final_round) return;
+    pthread_check(pthread_mutex_lock(&e->mu));
+    for (int l = st->b; l < st->e; l++) e->grad_recorded[l] = t;
+    pthread_check(pthread_cond_broadcast(&e->cv));
+    pthread_check(pthread_mutex_unlock(&e->mu));
+}
+
 // Enqueue the next bin of the pending download (the caller has made the gradient stream wait for
 // the window it belongs to), or every remaining bin when all != 0; finish when the last is out.
 static void grads_issue(Engine* e, DevState* ds, int all) {
@@ -685,13 +700,7 @@ static void grads_issue(Engine* e, DevState* ds, int all) {
     const Stage* st = pg->st;
     for (int l = st->b; l < st->e; l++)
         im->event_record(e->grad_ev[pg->t % e->n_hgrad][l], ds->d, STREAM_GRAD_DOWN);
-    im->event_record(ds->gslot_free[pg->gk], ds->d, STREAM_GRAD_DOWN);
-    if (pg->final_round) {
-        pthread_check(pthread_mutex_lock(&e->mu));
-        for (int l = st->b; l < st->e; l++) e->grad_recorded[l] = pg->t;
-        pthread_check(pthread_cond_broadcast(&e->cv));
-        pthread_check(pthread_mutex_unlock(&e->mu));
-    }
+    grads_done(e, ds, st, pg->gk, pg->t, pg->final_round);
     free(pg->pieces);
     free(pg->bin_of);
     memset(pg, 0, sizeof *pg);
@@ -767,8 +776,9 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
     if (gated) {
         upload_params_gated(e, ds, st, pk, t);
         e->gated_stages++;
+    } else {
+        upload_params(e, ds, st, pk, t);
     }
-    else upload_params(e, ds, st, pk, t);
     int gk = -1;
     if (st->kind != SLOT_FWD) {
         gk = ds->gnext;
@@ -905,11 +915,7 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
     // the gradients go down during the next stage on this device (or at the round's end), or
     // went down layer by layer above
     if (layer_grads) {
-        im->event_record(ds->gslot_free[gk], d, STREAM_GRAD_DOWN);
-        pthread_check(pthread_mutex_lock(&e->mu));
-        for (int l = st->b; l < st->e; l++) e->grad_recorded[l] = t;
-        pthread_check(pthread_cond_broadcast(&e->cv));
-        pthread_check(pthread_mutex_unlock(&e->mu));
+        grads_done(e, ds, st, gk, t, 1);
     } else if (st->kind != SLOT_FWD) {
         grads_defer(e, ds, st, gk, t, round);
     }
