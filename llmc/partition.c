@@ -593,7 +593,7 @@ void partition_print(const PartitionPlan* p, const ModelConfig* cfg, const doubl
             format_bytes(slot_bytes[i], bytes, sizeof bytes);
         }
         fprintf(f, "  %-4s %-28s time %.4g (%5.1f%% of t_max)%s%s\n", label, names, t,
-                p->t_max > 0 ? 100.0 * t / p->t_max : 100.0, have_bytes ? "  params " : "",
+                p->t_max > 0 ? 100.0 * t / p->t_max : 100.0, have_bytes ? "  bytes " : "",
                 bytes);
     }
     // balance: the share of the S*t_max slot time that stages actually compute
@@ -610,7 +610,7 @@ void partition_print(const PartitionPlan* p, const ModelConfig* cfg, const doubl
         char a[32], b[32];
         format_bytes(peak, a, sizeof a);
         format_bytes(2.0 * largest, b, sizeof b);
-        fprintf(f, "  peak parameter memory per device: %s (2 stage slots of the largest: %s)\n",
+        fprintf(f, "  planner's peak stage bytes per device: %s (2 stage slots of the largest: %s)\n",
                 a, b);
     }
     free(slot_bytes);

@@ -167,8 +167,9 @@ int schedule_slot_device(int64_t global_slot, int g0, int N);
 // printing (--plan)
 
 // One line per stage (F1.., FB, B2..) with layer names (embed, blocks i-j, head), time, share of
-// t_max and bytes; then S_f, S_b, S, bubble %, t_max, balance, and the per-device peak parameter
-// memory (a device holds its stage and the one N slots later). cfg and the byte arrays may be NULL
+// t_max and bytes (the planner's per-stage accounting: what the caller's byte arrays count); then
+// S_f, S_b, S, bubble %, t_max, balance, and the per-device peak of those bytes (a device holds
+// its stage and the one N slots later). cfg and the byte arrays may be NULL
 // (fused_bytes NULL = bwd_bytes).
 void partition_print(const PartitionPlan* plan, const ModelConfig* cfg, const double* fwd_bytes,
                      const double* bwd_bytes, const double* fused_bytes, int N, int M, FILE* f);

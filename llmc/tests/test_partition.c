@@ -245,7 +245,7 @@ static void test_fig1c(TestCtx* t) {
               "totals:\n%s", text);
         // a device holds a stage and the one N = 4 slots later: the heaviest pair is B13 (embed
         // + block 0, 40 B) with F4 (30 B) of the next round; two slots of the largest: 80 B
-        CHECK(t, strstr(text, "peak parameter memory per device: 70 B (2 stage slots of the "
+        CHECK(t, strstr(text, "planner's peak stage bytes per device: 70 B (2 stage slots of the "
                               "largest: 80 B)") != NULL,
               "peak:\n%s", text);
         free(text);
