@@ -136,7 +136,7 @@ static void generate_sample(Plain* p, const TrainArgs* a) {
 static EngineOptions engine_options(const TrainArgs* a, int use_cuda, int n_devices,
                                     int64_t start_step) {
     EngineOptions eo = {.B = a->batch, .T = a->seq, .M = a->micro_batches,
-                        .M_R = a->round_micro_batches,
+                        .M_R = a->round_micro_batches, .row_chunks = a->row_chunks,
                         .grain = a->recompute_layer ? RECOMPUTE_LAYER : RECOMPUTE_STAGE,
                         .sync = a->sync, .device_budget = a->device_mem,
                         .opt_threads = a->threads, .trace_path = a->trace,

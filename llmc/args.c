@@ -140,6 +140,10 @@ void args_usage(FILE* f) {
         "\n"
         "RoundPipe engine (--device cpu:N)\n"
         "      --round M_R        micro-batches per round, M %% M_R == 0, 0 = all (default 0)\n"
+        "      --row-chunks K     compute each micro-batch in K row chunks, one after the other\n"
+        "                         (activations for a chunk only: more layers fit the fused\n"
+        "                         stage); auto = the fewest (<= 8) within 3%% of the cheapest\n"
+        "                         plan (default auto)\n"
         "      --recompute G      stage | layer: what the backward recomputes from (default stage)\n"
         "      --sync 0|1         1: synchronous optimizer; 0: one-step-delayed update (default 0)\n"
         "      --device-mem BYTES device memory for parameter stages, e.g. 512M or 80G\n"
@@ -216,7 +220,7 @@ static int parse_device(TrainArgs* a, const char* v) {
 enum {
     OPT_SHUFFLE = 1000, OPT_SEED, OPT_SCHEDULE, OPT_BETA1, OPT_BETA2, OPT_EPS, OPT_CLIP, OPT_LOG,
     OPT_DEVICE, OPT_THREADS, OPT_DUMP, OPT_EVAL_BATCHES, OPT_SAMPLE, OPT_PROMPT, OPT_DECAY_FRAC,
-    OPT_DECAY_EMB, OPT_INIT_STD, OPT_TEMPERATURE, OPT_ROUND, OPT_RECOMPUTE, OPT_SYNC, OPT_PLAN,
+    OPT_DECAY_EMB, OPT_INIT_STD, OPT_TEMPERATURE, OPT_ROUND, OPT_ROW_CHUNKS, OPT_RECOMPUTE, OPT_SYNC, OPT_PLAN,
     OPT_DEVICE_MEM, OPT_DELAY, OPT_TRACE, OPT_PROFILE_STEPS, OPT_MLP_CHUNK, OPT_HOST_CKPT, OPT_SAVE_EVERY, OPT_KEEP, OPT_RESUME, OPT_EXPORT_HF,
     OPT_EXPORT_GGUF, OPT_EXPORT_DTYPE, OPT_EXPORT_SHARD
 };
@@ -265,6 +269,7 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         {"prompt", required_argument, 0, OPT_PROMPT},
         {"temperature", required_argument, 0, OPT_TEMPERATURE},
         {"round", required_argument, 0, OPT_ROUND},
+        {"row-chunks", required_argument, 0, OPT_ROW_CHUNKS},
         {"recompute", required_argument, 0, OPT_RECOMPUTE},
         {"sync", required_argument, 0, OPT_SYNC},
         {"plan", no_argument, 0, OPT_PLAN},
@@ -331,6 +336,10 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
             case OPT_SAMPLE: rc = int_in("--sample-tokens", v, 0, 1 << 20, &a->sample_tokens); break;
             case OPT_PROMPT: a->prompt = v; break;
             case OPT_ROUND: rc = int_in("--round", v, 0, 1 << 20, &a->round_micro_batches); break;
+            case OPT_ROW_CHUNKS:
+                if (strcmp(v, "auto") == 0) a->row_chunks = 0;
+                else rc = int_in("--row-chunks", v, 1, 1 << 20, &a->row_chunks);
+                break;
             case OPT_RECOMPUTE:
                 if (strcmp(v, "stage") == 0) a->recompute_layer = 0;
                 else if (strcmp(v, "layer") == 0) a->recompute_layer = 1;

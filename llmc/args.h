@@ -48,6 +48,7 @@ typedef struct TrainArgs {
     int threads;             // 0 = all CPUs
     // RoundPipe engine (--device cpu:N / cuda:N)
     int round_micro_batches; // M_R: micro-batches per round (0 = all M in one round)
+    int row_chunks;          // engine: compute micro-batches in this many row chunks (0 = auto)
     int recompute_layer;     // 1: layer-grain recompute, 0: stage grain
     int sync;                // 1: synchronous optimizer, 0: one-step-delayed (default)
     int plan_only;           // --plan: print the partition and exit

@@ -115,7 +115,8 @@ typedef struct MbJob {
     int i;          // micro-batch index within the iteration
     int p;          // device buffer parity (i % 2)
     int ip;         // iteration parity
-    int B;          // sequences in this micro-batch (micro-batches may differ by one)
+    int B;          // sequences in this job's row chunk (micro-batches and chunks may differ by one)
+    int row0;       // the chunk's first row within the micro-batch
     const void* pslot;
     float* gslot;
     int phase;      // 0: the whole micro-batch; 1: forward of layers [from, to) only; 2: the
@@ -146,6 +147,8 @@ struct Engine {
     const DeviceImpl* impl;
     EngineOptions opt;
     int NL, N, M, M_R, R, Bm, T, C;
+    int K, Bc;              // row chunks per micro-batch, and the rows of the largest chunk
+                            // (the workspace and its activation sets are sized for Bc rows)
     size_t ab;              // compute-dtype bytes
     PartitionPlan plan;
     int S;
@@ -277,6 +280,15 @@ static const void* postfix_head(const Engine* e, const MbJob* j) {
            (size_t)tt->t[head].param_offset * e->ab;
 }
 
+// A job's rows of a micro-batch buffer: residual-stream-shaped (x) or per-token (ids, targets,
+// losses).
+static void* xrows(const Engine* e, const MbJob* j, void* p) {
+    return (char*)p + (size_t)j->row0 * e->T * e->C * e->ab;
+}
+static void* trows(const Engine* e, const MbJob* j, void* p, size_t elem) {
+    return (char*)p + (size_t)j->row0 * e->T * elem;
+}
+
 // The activation set of block entry l in its stage: the stage's blocks in order (the prefix and
 // postfix have none).
 static int block_set(const Stage* st, int l) { return l - imax(st->b, 1); }
@@ -291,12 +303,13 @@ static void forward_layers(Engine* e, MbJob* j, int from, int to, int keep) {
     for (int l = from; l < to; l++) {
         int k = l - st->b;
         if (l == 0) {
-            model_prefix_forward(m, ds->ws, xs[k + 1], ds->ids[j->p], slot_layer(e, st, j->pslot, 0),
-                                 j->B, e->T);
+            model_prefix_forward(m, ds->ws, xrows(e, j, xs[k + 1]),
+                                 trows(e, j, ds->ids[j->p], sizeof(int32_t)),
+                                 slot_layer(e, st, j->pslot, 0), j->B, e->T);
         } else {
             BlockActs* a = &ds->ws->acts[keep ? block_set(st, l) : 0];
-            model_block_forward(m, ds->ws, a, slot_layer(e, st, j->pslot, l), xs[k], xs[k + 1],
-                                j->B, e->T);
+            model_block_forward(m, ds->ws, a, slot_layer(e, st, j->pslot, l), xrows(e, j, xs[k]),
+                                xrows(e, j, xs[k + 1]), j->B, e->T);
         }
     }
 }
@@ -310,22 +323,23 @@ static void backward_layers(Engine* e, MbJob* j, int from, int to) {
     void** xs = ds->xs[j->p];
     for (int l = to - 1; l >= from; l--) {
         int k = l - st->b;
+        void* dres = xrows(e, j, ds->dres[j->p]);
         if (l == 0) {
-            model_prefix_backward(m, ds->ws, j->gslot + st->g_off[k], ds->dres[j->p],
-                                  ds->ids[j->p], j->B, e->T);
+            model_prefix_backward(m, ds->ws, j->gslot + st->g_off[k], dres,
+                                  trows(e, j, ds->ids[j->p], sizeof(int32_t)), j->B, e->T);
             continue;
         }
         if (e->opt.grain == RECOMPUTE_LAYER && st->kind == SLOT_BWD) {
             // layer grain: recompute just this block from its uploaded checkpoint; its output is
             // written over the deeper boundary's buffer, which the deeper block no longer needs
-            model_block_forward(m, ds->ws, &ds->ws->acts[0], slot_layer(e, st, j->pslot, l), xs[k],
-                                xs[k + 1], j->B, e->T);
+            model_block_forward(m, ds->ws, &ds->ws->acts[0], slot_layer(e, st, j->pslot, l),
+                                xrows(e, j, xs[k]), xrows(e, j, xs[k + 1]), j->B, e->T);
             model_block_backward(m, ds->ws, &ds->ws->acts[0], slot_layer(e, st, j->pslot, l),
-                                 j->gslot + st->g_off[k], xs[k], ds->dres[j->p], j->B, e->T);
+                                 j->gslot + st->g_off[k], xrows(e, j, xs[k]), dres, j->B, e->T);
         } else {
             model_block_backward(m, ds->ws, &ds->ws->acts[block_set(st, l)],
-                                 slot_layer(e, st, j->pslot, l),
-                                 j->gslot + st->g_off[k], xs[k], ds->dres[j->p], j->B, e->T);
+                                 slot_layer(e, st, j->pslot, l), j->gslot + st->g_off[k],
+                                 xrows(e, j, xs[k]), dres, j->B, e->T);
         }
     }
 }
@@ -372,9 +386,11 @@ static void run_microbatch(void* arg) {
         const float grad_scale = 1.0f / ((float)e->opt.B * (float)e->T);
         model_postfix_forward_backward(e->m, ds->ws, norm_w, postfix_head(e, j),
                                        g + tt->t[i_norm].grad_offset, g + tt->t[i_head].grad_offset,
-                                       ds->xs[j->p][last - st->b], ds->dres[j->p],
-                                       ds->targets[j->p], ds->losses[j->p], grad_scale, 1, j->B,
-                                       e->T);
+                                       xrows(e, j, ds->xs[j->p][last - st->b]),
+                                       xrows(e, j, ds->dres[j->p]),
+                                       trows(e, j, ds->targets[j->p], sizeof(int32_t)),
+                                       trows(e, j, ds->losses[j->p], sizeof(float)), grad_scale,
+                                       1, j->B, e->T);
         if (j->phase != 3) backward_layers(e, j, st->b, last);
         return;
     }
@@ -752,6 +768,53 @@ __attribute__((format(printf, 6, 7))) static void submit_part(Engine* e, const M
     e->impl->submit(base->ds->d, STREAM_COMPUTE, run_microbatch, j);
 }
 
+// The compute of one row chunk of a micro-batch, as one job, or split into parts: the forward
+// layer by layer behind each layer's upload (first: the first chunk of a gated stage's first
+// micro-batch), the backward layer by layer with each layer's gradient download behind it (last:
+// the last chunk of the last micro-batch of a per-layer-download stage).
+static void enqueue_chunk(Engine* e, const MbJob* base, int pk, int gk, int first, int last) {
+    DevState* ds = base->ds;
+    const Stage* st = base->st;
+    const DeviceImpl* im = e->impl;
+    Device* d = ds->d;
+    char who[32];  // trace name: stage, micro-batch and, with row chunks, the first row
+    if (e->K > 1) snprintf(who, sizeof who, "%s mb%d.%d", st->name, base->i, base->row0);
+    else snprintf(who, sizeof who, "%s mb%d", st->name, base->i);
+    if (!first && !last) {
+        if (base->i % e->M_R == 0) im->stream_wait(d, STREAM_COMPUTE, ds->param_done);
+        submit_part(e, base, 0, 0, 0, "%s", who);
+        return;
+    }
+    const int fwd_end = st->kind == SLOT_FUSED            ? e->NL - 1
+                        : st->kind == SLOT_FWD            ? st->e
+                        : e->opt.grain == RECOMPUTE_STAGE ? st->e
+                                                          : st->b;  // layer grain: none
+    for (int l = st->b; l < fwd_end;) {
+        const int to = first ? l + 1 : fwd_end;
+        im->stream_wait(d, STREAM_COMPUTE, first ? ds->lev[pk][l - st->b] : ds->param_done);
+        submit_part(e, base, 1, l, to, "%s fwd %d-%d", who, l, to - 1);
+        l = to;
+    }
+    if (st->kind == SLOT_FWD) return;
+    im->stream_wait(d, STREAM_COMPUTE, ds->param_done);
+    if (!last) {
+        submit_part(e, base, 2, 0, 0, "%s rest", who);
+        return;
+    }
+    // rule 4 (host buffers of iteration t - n_hgrad consumed), and the previous stage's deferred
+    // download first on the gradient stream
+    grads_issue(e, ds, 1);
+    fence_grads(e, st, base->t);
+    for (int l = st->e - 1; l >= st->b; l--) {
+        if (st->kind == SLOT_FUSED && l == e->NL - 1)
+            submit_part(e, base, 3, 0, 0, "%s loss", who);
+        else
+            submit_part(e, base, 4, l, l + 1, "%s bwd %d", who, l);
+        im->event_record(ds->gev[l - st->b], d, STREAM_COMPUTE);
+        grads_layer_down(e, ds, st, gk, l, base->t);
+    }
+}
+
 static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int round, int job_idx) {
     DevState* ds = &e->dev[g];
     const DeviceImpl* im = e->impl;
@@ -827,49 +890,17 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
         // compute
         im->stream_wait(d, STREAM_COMPUTE, ds->up_done[p]);
         im->stream_wait(d, STREAM_COMPUTE, ds->down_done[p]);
-        const MbJob base = {e, ds, st, i, p, ip, Bi, ds->pslot[pk], gk >= 0 ? ds->gslot[gk] : NULL,
-                            0, 0, 0, t};
         DevEvent** prof = &e->prof_ev[ip][2 * (job_idx * e->M_R + r)];
         im->event_record(prof[0], d, STREAM_COMPUTE);
-        const int last_mb = r == e->M_R - 1 && layer_grads;
-        if ((r == 0 && split) || last_mb) {
-            // split into jobs: the forward, layer by layer behind each layer's upload in the
-            // first micro-batch of a gated stage; the backward, layer by layer with each layer's
-            // download behind it in the last micro-batch of a per-layer-download stage
-            const int fwd_end = st->kind == SLOT_FUSED            ? e->NL - 1
-                                : st->kind == SLOT_FWD            ? st->e
-                                : e->opt.grain == RECOMPUTE_STAGE ? st->e
-                                                                  : st->b;  // layer grain: none
-            const int per_layer_fwd = r == 0 && split;
-            for (int l = st->b; l < fwd_end;) {
-                const int to = per_layer_fwd ? l + 1 : fwd_end;
-                im->stream_wait(d, STREAM_COMPUTE,
-                                per_layer_fwd ? ds->lev[pk][l - st->b] : ds->param_done);
-                submit_part(e, &base, 1, l, to, "%s mb%d fwd %d-%d", st->name, i, l, to - 1);
-                l = to;
-            }
-            if (st->kind != SLOT_FWD) {
-                im->stream_wait(d, STREAM_COMPUTE, ds->param_done);
-                if (!last_mb) {
-                    submit_part(e, &base, 2, 0, 0, "%s mb%d rest", st->name, i);
-                } else {
-                    // rule 4 (host buffers of iteration t - n_hgrad consumed), and the previous
-                    // stage's deferred download first on the gradient stream
-                    grads_issue(e, ds, 1);
-                    fence_grads(e, st, t);
-                    for (int l = st->e - 1; l >= st->b; l--) {
-                        if (st->kind == SLOT_FUSED && l == e->NL - 1)
-                            submit_part(e, &base, 3, 0, 0, "%s mb%d loss", st->name, i);
-                        else
-                            submit_part(e, &base, 4, l, l + 1, "%s mb%d bwd %d", st->name, i, l);
-                        im->event_record(ds->gev[l - st->b], d, STREAM_COMPUTE);
-                        grads_layer_down(e, ds, st, gk, l, t);
-                    }
-                }
-            }
-        } else {
-            if (r == 0) im->stream_wait(d, STREAM_COMPUTE, ds->param_done);
-            submit_part(e, &base, 0, 0, 0, "%s mb%d", st->name, i);
+        // the micro-batch in row chunks, one after the other (each at least one row: K is at
+        // most the smallest micro-batch)
+        for (int c = 0; c < e->K; c++) {
+            const int r0 = c * Bi / e->K, r1 = (c + 1) * Bi / e->K;
+            const MbJob base = {.e = e, .ds = ds, .st = st, .i = i, .p = p, .ip = ip,
+                                .B = r1 - r0, .row0 = r0, .pslot = ds->pslot[pk],
+                                .gslot = gk >= 0 ? ds->gslot[gk] : NULL, .t = t};
+            enqueue_chunk(e, &base, pk, gk, r == 0 && c == 0 && split,
+                          r == e->M_R - 1 && c == e->K - 1 && layer_grads);
         }
         im->event_record(prof[1], d, STREAM_COMPUTE);
         im->event_record(ds->comp_done[p], d, STREAM_COMPUTE);
@@ -1092,9 +1123,9 @@ static size_t parity_count(const Engine* e) { return e->M_R == 1 ? 1 : 2; }
 static size_t x_buffer_bytes(const Engine* e) { return (size_t)e->Bm * e->T * e->C * e->ab; }
 
 static size_t scratch_bytes(const Engine* e) {
-    const size_t tok = (size_t)e->Bm * e->T;
+    const size_t tok = (size_t)e->Bc * e->T;  // the compute works on one row chunk at a time
     const size_t kernels = e->ab == 2 ? tok * (16 + 4 * (size_t)e->m->cfg.H) + ((size_t)64 << 20) : 0;
-    return workspace_bytes(e->m, (int)e->ab, e->Bm, e->T, 0) + kernels;
+    return workspace_bytes(e->m, (int)e->ab, e->Bc, e->T, 0) + kernels;
 }
 
 static size_t fixed_device_bytes(const Engine* e) {
@@ -1115,7 +1146,7 @@ static size_t fixed_device_bytes(const Engine* e) {
 static void layer_bytes(const Engine* e, double* fb, double* bb, double* ub) {
     const TensorTable* tt = &e->m->tt;
     int head = tensor_table_index(tt, TK_LM_HEAD, -1);
-    const double set = (double)workspace_act_set_bytes(e->m, (int)e->ab, e->Bm, e->T);
+    const double set = (double)workspace_act_set_bytes(e->m, (int)e->ab, e->Bc, e->T);
     const double acts = e->opt.grain == RECOMPUTE_STAGE ? set : 0.0;
     // every layer of the running stage also has a residual-stream buffer on the device (its
     // input / recomputed output / uploaded checkpoint), in one or two micro-batch parities; like
@@ -1236,7 +1267,7 @@ static EngineDeviceBytes plan_device_bytes(const Engine* e, const PartitionPlan*
     const size_t tok = (size_t)e->Bm * e->T;
     EngineDeviceBytes b;
     b.slots = 2 * ((size_t)max_p * e->ab + (size_t)max_g * sizeof(float));
-    b.acts = (size_t)acts * workspace_act_set_bytes(e->m, (int)e->ab, e->Bm, e->T);
+    b.acts = (size_t)acts * workspace_act_set_bytes(e->m, (int)e->ab, e->Bc, e->T);
     b.scratch = scratch_bytes(e);
     b.handoff = parity_count(e) * ((size_t)(max_len + 2) * x_buffer_bytes(e) +
                                    tok * (2 * sizeof(int32_t) + sizeof(float)));
@@ -1383,7 +1414,7 @@ static void plan_resources_create(Engine* e) {
         ds->ctx = e->impl->ops_ctx(ds->d);
         ds->pnext = ds->gnext = 0;
         ds->n_marks = 0;
-        ds->ws = workspace_create(m, ds->ops, ds->ctx, e->Bm, e->T, acts);
+        ds->ws = workspace_create(m, ds->ops, ds->ctx, e->Bc, e->T, acts);
         for (int k = 0; k < 2; k++) {
             ds->pslot[k] = dev_alloc(e, ds, (size_t)max_p * e->ab);
             ds->gslot[k] = dev_alloc(e, ds, (size_t)max_g * sizeof(float));
@@ -1541,15 +1572,45 @@ static int engine_plan_init(Engine* e, const Model* m, int act_bytes, int n_devi
                       e->M_R);
     e->R = e->M / e->M_R;
     e->Bm = (opt->B + e->M - 1) / e->M;  // the largest micro-batch (buffers are sized for it)
+    const int min_rows = opt->B / e->M;  // the smallest micro-batch
+    if (opt->row_chunks < 0 || opt->row_chunks > min_rows)
+        return errorf(err, "row chunks: %d for micro-batches of %d sequences (need 0 = choose, or "
+                      "1 .. %d)", opt->row_chunks, min_rows, min_rows);
     e->ab = (size_t)act_bytes;
     // size-based (FLOP) cost estimates until profiled times exist
     e->cost_fwd = calloc_check((size_t)e->NL, sizeof(double));
     e->cost_bwd = calloc_check((size_t)e->NL, sizeof(double));
     partition_estimate_costs(&m->cfg, e->T, e->Bm * e->T, e->cost_fwd, e->cost_bwd);
-    if (plan_partition(e, &e->plan, err) != 0) {
+    // Row chunks: given, or the fewest (up to 8) whose plan is within 3% of the cheapest. More
+    // chunks shrink the activations and scratch, so a tight budget fits more layers into the
+    // fused stage (less recompute), at the price of smaller matrix products.
+    const int k_max = opt->row_chunks > 0 ? opt->row_chunks : imin(min_rows, 8);
+    PartitionPlan* plans = malloc_check((size_t)k_max * sizeof(PartitionPlan));
+    int* ok = calloc_check((size_t)k_max, sizeof(int));
+    char first_err[ERR_LEN] = "";
+    double cheapest = INFINITY;
+    for (int K = opt->row_chunks > 0 ? opt->row_chunks : 1; K <= k_max; K++) {
+        e->K = K;
+        e->Bc = (e->Bm + K - 1) / K;
+        char kerr[ERR_LEN];
+        ok[K - 1] = plan_partition(e, &plans[K - 1], kerr) == 0;
+        if (ok[K - 1]) cheapest = fmin(cheapest, plans[K - 1].cost);
+        else if (!first_err[0]) snprintf(first_err, sizeof first_err, "%s", kerr);
+    }
+    int chosen = 0;
+    for (int K = 1; K <= k_max && !chosen; K++)
+        if (ok[K - 1] && plans[K - 1].cost <= 1.03 * cheapest) chosen = K;
+    if (chosen) {
+        e->K = chosen;
+        e->Bc = (e->Bm + chosen - 1) / chosen;
+        e->plan = plans[chosen - 1];
+    }
+    free(plans);
+    free(ok);
+    if (!chosen) {
         free(e->cost_fwd);
         free(e->cost_bwd);
-        return -1;
+        return errorf(err, "%s", first_err);
     }
     return 0;
 }
@@ -1774,6 +1835,8 @@ int engine_replans(const Engine* e) { return e->replans; }
 
 int64_t engine_gated_stages(const Engine* e) { return e->gated_stages; }
 
+int engine_row_chunks(const Engine* e) { return e->K; }
+
 const void* engine_next_weights(const Engine* e, int layer) {
     return e->master[e->iter % 2][layer];
 }
@@ -1931,6 +1994,8 @@ size_t engine_fixed_device_bytes(const Model* m, int act_bytes, const EngineOpti
     e.ab = (size_t)act_bytes;
     e.M_R = opt->M_R > 0 ? opt->M_R : opt->M;
     e.Bm = opt->M > 0 ? (opt->B + opt->M - 1) / opt->M : opt->B;
+    const int K = opt->row_chunks > 0 ? opt->row_chunks : 1;
+    e.Bc = (e.Bm + K - 1) / K;
     return fixed_device_bytes(&e);
 }
 
@@ -1950,8 +2015,11 @@ void engine_print_plan(const Engine* e, FILE* f) {
     double* ub = calloc_check((size_t)e->NL, sizeof(double));
     layer_bytes(e, fb, bb, ub);
     partition_print(&e->plan, &e->m->cfg, fb, bb, ub, e->N, e->M, f);
-    fprintf(f, "rounds per step %d x %d micro-batches of %s%d sequences, %s recompute, %s optimizer\n",
-            e->R, e->M_R, e->opt.B % e->M ? "up to " : "", e->Bm, e->opt.grain == RECOMPUTE_LAYER ? "layer" : "stage",
+    fprintf(f, "rounds per step %d x %d micro-batches of %s%d sequences", e->R, e->M_R,
+            e->opt.B % e->M ? "up to " : "", e->Bm);
+    if (e->K > 1) fprintf(f, " (computed in %d row chunks of up to %d)", e->K, e->Bc);
+    fprintf(f, ", %s recompute, %s optimizer\n",
+            e->opt.grain == RECOMPUTE_LAYER ? "layer" : "stage",
             e->opt.sync ? "synchronous" : "one-step-delayed");
     const EngineDeviceBytes db = engine_device_bytes(e);
     print_bytes(f, "device memory per device: ", db.total);

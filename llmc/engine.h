@@ -68,6 +68,11 @@ typedef struct EngineOptions {
     double first_norm, first_lr;  // with first_weights: the norm and lr of the update the Store
                              // already holds, reported with the first iteration (as the straight
                              // run reports that update with the iteration it ran during)
+    int row_chunks;          // compute each micro-batch in this many row chunks, one after the
+                             // other (activations and scratch sized for a chunk, so more layers
+                             // fit the fused stage; gradients are the same sums); 0 = choose:
+                             // the fewest chunks (<= 8, each >= 1 sequence) within 3% of the
+                             // cheapest plan
     int replan_after;        // re-plan once with profiled costs after this many iterations, then
                              // freeze the plan (0 = keep the size-based plan)
     int fake_compute_us;     // tests only: a stage's micro-batch sleeps this long instead of
@@ -157,6 +162,8 @@ int engine_replans(const Engine* e);
 // Stages enqueued before the optimizer had finished their weights, so uploaded layer by layer
 // behind per-layer fences (their first micro-batch's forward gated per layer too).
 int64_t engine_gated_stages(const Engine* e);
+// Row chunks per micro-batch (EngineOptions.row_chunks, or the one chosen).
+int engine_row_chunks(const Engine* e);
 // Write the Chrome trace (opt.trace_path) of everything so far; no-op without a trace path.
 int engine_write_trace(Engine* e, char* err);
 

@@ -117,6 +117,7 @@ typedef struct EngineCase {
     int replan_after;
     int host_single;  // one set of host checkpoints
     int slow_opt_us;  // the optimizer step takes this much longer (forces gated uploads)
+    int row_chunks;   // 0: one (the sums match plain training with M micro-batches); K: K chunks
 } EngineCase;
 
 static int run_engine(TestCtx* t, Run* run, const ModelConfig* c, int B, int T,
@@ -132,7 +133,8 @@ static int run_engine(TestCtx* t, Run* run, const ModelConfig* c, int B, int T,
     EngineOptions eo = {.B = B, .T = T, .M = ec->M, .M_R = ec->M_R, .grain = ec->grain,
                         .sync = ec->sync, .device_budget = ec->budget, .opt_threads = 1,
                         .replan_after = ec->replan_after, .host_single = ec->host_single,
-                        .fake_optimizer_us = ec->slow_opt_us, .trace_path = "",
+                        .fake_optimizer_us = ec->slow_opt_us,
+                        .row_chunks = ec->row_chunks > 0 ? ec->row_chunks : 1, .trace_path = "",
                         .hyper = test_hyper(), .sched = test_sched(), .grad_clip = 1.0f};
     // the case's budget is for the stages: the scratch and fixed hand-off buffers come on top
     if (ec->budget > 0) eo.device_budget += (double)engine_fixed_device_bytes(&fx.m, 4, &eo);
@@ -200,26 +202,30 @@ static void test_engine_sync_matches_plain(TestCtx* t) {
         // small budgets force many stages; rounds of 2 micro-batches exercise the cross-round
         // gradient accumulation
         const EngineCase cases[] = {
-            {1, 4, 4, 1, 0, RECOMPUTE_STAGE, 0, 0, 0, 0},
-            {1, 4, 2, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 0},
-            {2, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 0},
-            {3, 4, 4, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0, 0},
-            {4, 4, 2, 1, 1, RECOMPUTE_LAYER, 3.2e5, 0, 0, 0},
-            {4, 4, 4, 1, 1, RECOMPUTE_STAGE, 3.2e5, 0, 0, 0},
+            {1, 4, 4, 1, 0, RECOMPUTE_STAGE, 0, 0, 0, 0, 0},
+            {1, 4, 2, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 0, 0},
+            {2, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 0, 0},
+            {3, 4, 4, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0, 0, 0},
+            {4, 4, 2, 1, 1, RECOMPUTE_LAYER, 3.2e5, 0, 0, 0, 0},
+            {4, 4, 4, 1, 1, RECOMPUTE_STAGE, 3.2e5, 0, 0, 0, 0},
             // re-planned from profiled times after 2 iterations: the plan may change mid-run,
             // the numbers must not
-            {3, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 2, 0, 0},
-            {2, 4, 2, 1, 0, RECOMPUTE_LAYER, 4.4e5, 2, 0, 0},
+            {3, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 2, 0, 0, 0},
+            {2, 4, 2, 1, 0, RECOMPUTE_LAYER, 4.4e5, 2, 0, 0, 0},
             // one micro-batch per round (the long-sequence shape): single-parity buffers
-            {2, 4, 1, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0, 0},
-            {3, 4, 1, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 0},
+            {2, 4, 1, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0, 0, 0},
+            {3, 4, 1, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 0, 0},
             // one set of host checkpoints (producers wait for the previous iteration's readers)
-            {3, 4, 2, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0, 1, 0},
-            {2, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 1, 0},
+            {3, 4, 2, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0, 1, 0, 0},
+            {2, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 1, 0, 0},
             // a slow optimizer, two iterations in flight (sync mode fences whole stages on the
             // controller: no gated uploads)
-            {3, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 20000},
-            {1, 4, 2, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 20000},
+            {3, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 20000, 0},
+            {1, 4, 2, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 20000, 0},
+            // two micro-batches in two row chunks each: the same sums as four micro-batches
+            {1, 2, 2, 1, 0, RECOMPUTE_STAGE, 0, 0, 0, 0, 2},
+            {2, 2, 2, 1, 1, RECOMPUTE_STAGE, 3.2e5, 0, 0, 0, 2},
+            {3, 2, 1, 1, 1, RECOMPUTE_LAYER, 3.2e5, 0, 0, 0, 2},
         };
         for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
             Run r;
@@ -247,8 +253,8 @@ static void test_engine_microbatch_counts(TestCtx* t) {
     ModelConfig c = engine_config(0);
     int32_t* tokens = make_batches(B, T, 5, c.V);
     Run a, b;
-    EngineCase ca = {2, 2, 2, 1, 0, RECOMPUTE_STAGE, 3.2e5, 0, 0, 0};
-    EngineCase cb = {2, 8, 4, 1, 0, RECOMPUTE_STAGE, 3.2e5, 0, 0, 0};
+    EngineCase ca = {2, 2, 2, 1, 0, RECOMPUTE_STAGE, 3.2e5, 0, 0, 0, 0};
+    EngineCase cb = {2, 8, 4, 1, 0, RECOMPUTE_STAGE, 3.2e5, 0, 0, 0, 0};
     run_engine(t, &a, &c, B, T, &ca, tokens);
     run_engine(t, &b, &c, B, T, &cb, tokens);
     CHECK(t, fabs(a.loss[0] - b.loss[0]) <= 1e-5 * fabs(a.loss[0]), "first loss %.9g vs %.9g",
@@ -268,22 +274,26 @@ static void test_engine_async_delayed(TestCtx* t) {
         int32_t* tokens = make_batches(B, T, 11 + tied, c.V);
         Run ref;
         run_reference(&ref, &c, B, T, 4, tokens, 1);
-        const EngineCase cases[] = {{1, 4, 4, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 0},
-                                    {3, 4, 2, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 1, 0},
+        const EngineCase cases[] = {{1, 4, 4, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 0, 0},
+                                    {3, 4, 2, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 1, 0, 0},
                                     // long random delays on the activation uploads only (the
                                     // readers of the one host set of checkpoints)
-                                    {3, 4, 2, 0, 3000, RECOMPUTE_LAYER, 2.4e5, 0, 1, 0},
-                                    {3, 4, 4, 0, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 0},
-                                    {2, 4, 2, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0, 0},
+                                    {3, 4, 2, 0, 3000, RECOMPUTE_LAYER, 2.4e5, 0, 1, 0, 0},
+                                    {3, 4, 4, 0, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 0, 0},
+                                    {2, 4, 2, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0, 0, 0},
                                     // no budget: everything fused, two devices taking every
                                     // other iteration, two in flight
-                                    {2, 4, 4, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 0},
+                                    {2, 4, 4, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 0, 0},
                                     // a slow optimizer: stages enqueued before their weights
                                     // are written upload and start layer by layer (pipelined
                                     // cases: engine_step waits for that step anyway)
-                                    {2, 4, 4, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 20000},
-                                    {2, 4, 2, 0, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 20000},
-                                    {2, 4, 4, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 1, 20000}};
+                                    {2, 4, 4, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 20000, 0},
+                                    {2, 4, 2, 0, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 20000, 0},
+                                    {2, 4, 4, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 1, 20000, 0},
+                                    // row chunks (2 x 2 = the reference's 4 micro-batches),
+                                    // also with gated uploads and per-layer downloads
+                                    {2, 2, 2, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 20000, 2},
+                                    {2, 2, 1, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 1, 0, 2}};
         for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
             Run r;
             int S = run_engine(t, &r, &c, B, T, &cases[k], tokens);
@@ -494,6 +504,54 @@ static void test_engine_gated_uploads_hide_step(TestCtx* t) {
     free(tokens);
 }
 
+// Row chunks chosen by the planner: under a tight device budget, computing each micro-batch in
+// row chunks shrinks the activations and scratch so more layers fit the fused stage (less
+// recompute); the choice is never worse than one chunk, takes one chunk when that is within 3%,
+// and does take several somewhere in a range of budgets.
+static void test_engine_row_chunks_chosen(TestCtx* t) {
+    const int B = 16, T = 16, M = 2;
+    ModelConfig c = engine_config(0);
+    char err[ERR_LEN];
+    DeviceOptions dopt = {.threads = 1};
+    Fixture fx;
+    fixture_open(&fx, &c, 1, &dopt);
+    int several = 0, one = 0, compared = 0;
+    for (double stage = 1.0e5; stage <= 2.0e7; stage *= 1.5) {
+        double cost[2] = {0, 0};
+        int chunks[2] = {0, 0}, ok = 1;
+        for (int aut = 0; aut <= 1; aut++) {
+            EngineOptions eo = {.B = B, .T = T, .M = M, .M_R = M, .sync = 1, .opt_threads = 1,
+                                .row_chunks = aut ? 0 : 1, .trace_path = "",
+                                .hyper = test_hyper(), .sched = test_sched(), .grad_clip = 1.0f};
+            eo.device_budget = stage + (double)engine_fixed_device_bytes(&fx.m, 4, &eo);
+            Engine* e = engine_create(&fx.m, &fx.s, &fx.devs, &eo, err);
+            if (!e) {
+                ok = 0;
+                continue;
+            }
+            cost[aut] = engine_plan(e)->cost;
+            chunks[aut] = engine_row_chunks(e);
+            CHECK(t, (double)engine_device_bytes(e).total <= eo.device_budget,
+                  "chunks %d: the plan exceeds the budget", chunks[aut]);
+            engine_free(e);
+        }
+        if (!ok) continue;
+        compared++;
+        CHECK(t, chunks[0] == 1 && cost[1] <= cost[0], "budget %.0f: auto cost %g (K %d) above "
+              "one chunk's %g", stage, cost[1], chunks[1], cost[0]);
+        if (cost[0] <= 1.03 * cost[1])
+            CHECK(t, chunks[1] == 1, "budget %.0f: one chunk is within 3%% but K = %d", stage,
+                  chunks[1]);
+        several += chunks[1] > 1;
+        one += chunks[1] == 1;
+    }
+    printf("       %d budgets compared: %d chose several row chunks, %d one\n", compared, several,
+           one);
+    CHECK(t, several >= 1 && one >= 1, "%d budgets compared: %d with several chunks, %d with one",
+          compared, several, one);
+    fixture_close(&fx);
+}
+
 const TestCase tests_engine[] = {
     {"engine_sync_matches_plain", test_engine_sync_matches_plain},
     {"engine_microbatch_counts", test_engine_microbatch_counts},
@@ -502,5 +560,6 @@ const TestCase tests_engine[] = {
     {"engine_slow_optimizer_hidden", test_engine_slow_optimizer_hidden},
     {"engine_two_iterations_overlap", test_engine_two_iterations_overlap},
     {"engine_gated_uploads_hide_step", test_engine_gated_uploads_hide_step},
+    {"engine_row_chunks_chosen", test_engine_row_chunks_chosen},
     {NULL, NULL},
 };
