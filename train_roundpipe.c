@@ -384,6 +384,13 @@ int main(int argc, char** argv) {
     // flight), except where the run must stop and look: checkpoints, evaluations, the end. A
     // step's time is then the time between two collections: the iteration period.
     double t_step = time_now_s();
+    // tok/s, MFU and bubble over the last W steps (W = the engine's devices): with the whole
+    // model in one stage each GPU takes every other iteration and the step times alternate long
+    // and short; over W steps they are the steady rate. ms stays the step's own time.
+    enum { RATE_WINDOW_MAX = 64 };
+    const int rate_window = eng ? imax(1, imin(devs.n, RATE_WINDOW_MAX)) : 1;
+    double win_dt[RATE_WINDOW_MAX] = {0}, win_idle[RATE_WINDOW_MAX] = {0};
+    int win_n = 0;
     for (int step = (int)ts.step + 1; step <= a.steps; step++) {
         double t0 = t_step;
         StepStats st = {.step = step, .steps = a.steps, .mfu = -1, .bubble = -1, .dev_mib = -1};
@@ -430,7 +437,17 @@ int main(int argc, char** argv) {
         t_step = time_now_s();
         double dt = t_step - t0;
         st.ms = dt * 1e3;
-        st.tok_s = (double)a.batch * a.seq / dt;
+        win_dt[win_n % rate_window] = dt;
+        win_idle[win_n % rate_window] = st.bubble >= 0 ? st.bubble * dt : 0.0;
+        win_n++;
+        double sum_dt = 0.0, sum_idle = 0.0;
+        const int in_window = imin(win_n, rate_window);
+        for (int w = 0; w < in_window; w++) {
+            sum_dt += win_dt[w];
+            sum_idle += win_idle[w];
+        }
+        st.tok_s = (double)a.batch * a.seq * in_window / sum_dt;
+        if (st.bubble >= 0) st.bubble = sum_idle / sum_dt;
         if (use_cuda) st.mfu = flops_per_token * st.tok_s / (989e12 * N);
         st.host_mib = log_host_rss_mib();
         log_step(&lg, &st);
