@@ -147,6 +147,7 @@ struct Engine {
     const DeviceImpl* impl;
     EngineOptions opt;
     int NL, N, M, M_R, R, Bm, T, C;
+    int slot_sets;          // parameter/gradient slots per device: 2, or 1 (see plan_device_bytes)
     int K, Bc;              // row chunks per micro-batch, and the rows of the largest chunk
                             // (the workspace and its activation sets are sized for Bc rows)
     size_t ab;              // compute-dtype bytes
@@ -827,9 +828,12 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
     // per layer too, where the stage's forward runs shallow to deep (not for layer-grain
     // backward stages, whose recompute runs deepest first)
     int pk = ds->pnext;
-    ds->pnext ^= 1;
+    ds->pnext = (ds->pnext + 1) % e->slot_sets;
     if (!e->delay) fence_params(e, st, t);
-    const int gated = e->delay && !params_ready(e, st, t);
+    // (one slot set: always layer by layer, so the upload into the slot the previous iteration
+    // just freed runs only just ahead of the forward)
+    const int late = e->delay && !params_ready(e, st, t);
+    const int gated = late || (e->delay && e->slot_sets == 1);
     const int split = gated && (st->kind != SLOT_BWD || e->opt.grain == RECOMPUTE_STAGE);
     // The last stage of the final round on its device has no later stage on that device whose
     // activation windows could carry its gradient download: the download then goes layer by
@@ -838,14 +842,14 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
     const int layer_grads = st->kind != SLOT_FWD && round == e->R - 1 && si >= e->S - e->N;
     if (gated) {
         upload_params_gated(e, ds, st, pk, t);
-        e->gated_stages++;
+        e->gated_stages += late;
     } else {
         upload_params(e, ds, st, pk, t);
     }
     int gk = -1;
     if (st->kind != SLOT_FWD) {
         gk = ds->gnext;
-        ds->gnext ^= 1;
+        ds->gnext = (ds->gnext + 1) % e->slot_sets;
         prepare_grads(e, ds, st, gk, round, t);
     }
     im->event_record(ds->param_done, d, STREAM_PARAM_UP);
@@ -1196,6 +1200,22 @@ static int plan_partition(Engine* e, PartitionPlan* plan, char* err) {
     PartitionInput in = {NL, e->cost_fwd, e->cost_bwd, fb, bb, e->N, e->M, budget, !e->opt.sync,
                          ub};
     int rc = partition_plan(&in, plan, err);
+    // The search gives every stage half the budget (two slot sets). The whole model as one stage
+    // with one slot set (plan_device_bytes) is the other candidate when the budget binds.
+    if (e->opt.device_budget > 0) {
+        PartitionPlan one;
+        memset(&one, 0, sizeof one);
+        one.n_layers = NL;
+        one.n_bwd = 1;
+        one.bwd[0] = (StageRange){0, NL};
+        partition_evaluate(&in, &one);
+        if ((double)plan_device_bytes(e, &one, NULL, NULL, NULL, NULL).total <=
+                e->opt.device_budget &&
+            (rc != 0 || one.cost < plan->cost)) {
+            *plan = one;
+            rc = 0;
+        }
+    }
     // The per-stage check cannot see that a device's buffers are sized for the largest stage of
     // each kind (parameters of one, activations of another): lower the per-stage budget in 3%
     // steps until the whole fits (a smaller budget only ever makes layers fit less).
@@ -1266,12 +1286,22 @@ static EngineDeviceBytes plan_device_bytes(const Engine* e, const PartitionPlan*
     const int acts = e->opt.grain == RECOMPUTE_LAYER ? fused_sets : imax(fused_sets, max_bwd);
     const size_t tok = (size_t)e->Bm * e->T;
     EngineDeviceBytes b;
-    b.slots = 2 * ((size_t)max_p * e->ab + (size_t)max_g * sizeof(float));
+    const size_t slot = (size_t)max_p * e->ab + (size_t)max_g * sizeof(float);
+    b.slot_sets = 2;
+    b.slots = 2 * slot;
     b.acts = (size_t)acts * workspace_act_set_bytes(e->m, (int)e->ab, e->Bc, e->T);
     b.scratch = scratch_bytes(e);
     b.handoff = parity_count(e) * ((size_t)(max_len + 2) * x_buffer_bytes(e) +
                                    tok * (2 * sizeof(int32_t) + sizeof(float)));
     b.total = b.slots + b.acts + b.scratch + b.handoff;
+    // The whole model in one stage: the second slot set only prefetches that same stage for a
+    // later iteration (on several devices its weights wait for the optimizer anyway; on one the
+    // layer-by-layer upload runs just ahead of the first forward). One set when two do not fit.
+    if (S == 1 && e->opt.device_budget > 0 && (double)b.total > e->opt.device_budget) {
+        b.slot_sets = 1;
+        b.slots = slot;
+        b.total -= slot;
+    }
     if (max_p_out) *max_p_out = max_p;
     if (max_g_out) *max_g_out = max_g;
     if (acts_out) *acts_out = acts;
@@ -1331,7 +1361,7 @@ static void plan_resources_create(Engine* e) {
     }
     int64_t max_p = 0, max_g = 0;
     int acts = 1, max_len = 1;
-    plan_device_bytes(e, &e->plan, &max_p, &max_g, &acts, &max_len);
+    e->slot_sets = plan_device_bytes(e, &e->plan, &max_p, &max_g, &acts, &max_len).slot_sets;
 
     // which layer boundaries need host copies
     e->need_x = calloc_check((size_t)NL + 1, sizeof(int));
@@ -1416,8 +1446,13 @@ static void plan_resources_create(Engine* e) {
         ds->n_marks = 0;
         ds->ws = workspace_create(m, ds->ops, ds->ctx, e->Bc, e->T, acts);
         for (int k = 0; k < 2; k++) {
-            ds->pslot[k] = dev_alloc(e, ds, (size_t)max_p * e->ab);
-            ds->gslot[k] = dev_alloc(e, ds, (size_t)max_g * sizeof(float));
+            if (k < e->slot_sets) {
+                ds->pslot[k] = dev_alloc(e, ds, (size_t)max_p * e->ab);
+                ds->gslot[k] = dev_alloc(e, ds, (size_t)max_g * sizeof(float));
+            } else {  // one slot set: the index never reaches 1 (pnext, gnext)
+                ds->pslot[k] = ds->pslot[0];
+                ds->gslot[k] = ds->gslot[0];
+            }
             ds->pslot_free[k] = e->impl->event_create(ds->d);
             ds->gslot_free[k] = e->impl->event_create(ds->d);
             // activation buffers in two micro-batch parities; with one micro-batch per round
@@ -1464,8 +1499,10 @@ static void plan_resources_free(Engine* e) {
         DevState* ds = &e->dev[g];
         workspace_free(ds->ws);
         for (int k = 0; k < 2; k++) {
-            im->free(ds->d, ds->pslot[k]);
-            im->free(ds->d, ds->gslot[k]);
+            if (k < e->slot_sets) {
+                im->free(ds->d, ds->pslot[k]);
+                im->free(ds->d, ds->gslot[k]);
+            }
             im->event_destroy(ds->pslot_free[k]);
             im->event_destroy(ds->gslot_free[k]);
             if (!(k == 1 && e->M_R == 1)) {  // parity 1 shares parity 0's buffers then
@@ -2023,7 +2060,7 @@ void engine_print_plan(const Engine* e, FILE* f) {
             e->opt.sync ? "synchronous" : "one-step-delayed");
     const EngineDeviceBytes db = engine_device_bytes(e);
     print_bytes(f, "device memory per device: ", db.total);
-    print_bytes(f, " = stage slots ", db.slots);
+    print_bytes(f, db.slot_sets == 1 ? " = stage slots (one set) " : " = stage slots ", db.slots);
     print_bytes(f, " + saved activations ", db.acts);
     print_bytes(f, " + scratch ", db.scratch);
     print_bytes(f, " + hand-off buffers ", db.handoff);

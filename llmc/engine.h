@@ -104,7 +104,10 @@ void engine_free(Engine* e);
 // What one device holds for the plan, in bytes (every device allocates the same; all of it is
 // allocated when the engine is created). total = slots + acts + scratch + handoff.
 typedef struct EngineDeviceBytes {
-    size_t slots;    // two parameter (compute dtype) and two fp32 gradient slots of the largest stage
+    size_t slots;    // parameter (compute dtype) and fp32 gradient slots of the largest stage:
+                     // two of each (the running stage and the prefetched one), or one of each
+                     // when the whole model is one stage and two would not fit the budget
+    int slot_sets;   // 1 or 2
     size_t acts;     // saved block activations (the fused stage's blocks, stage-grain backward)
     size_t scratch;  // the workspace's temporaries (attention, MLP, LM-head chunk, RoPE tables)
     size_t handoff;  // residual-stream, incoming-gradient, token, target and loss buffers

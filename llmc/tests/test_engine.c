@@ -35,6 +35,7 @@ typedef struct Run {
     float* params;  // all parameter slabs concatenated after the last step
     int64_t n_params;
     int64_t gated;  // stages uploaded behind per-layer fences
+    int slot_sets;  // parameter/gradient slot sets per device
 } Run;
 
 static ModelConfig engine_config(int tied) {
@@ -180,6 +181,7 @@ static int run_engine(TestCtx* t, Run* run, const ModelConfig* c, int B, int T,
                engine_replans(e), S);
     collect_params(run, &fx.s, &fx.m);
     run->gated = engine_gated_stages(e);
+    run->slot_sets = db.slot_sets;
     engine_free(e);
     fixture_close(&fx);
     return S;
@@ -552,6 +554,52 @@ static void test_engine_row_chunks_chosen(TestCtx* t) {
     fixture_close(&fx);
 }
 
+// The whole model in one stage with one parameter/gradient slot set, when two sets do not fit
+// the budget but one does: planned (S = 1 rather than a recomputing multi-stage plan), allocated
+// as predicted (run_engine checks the emulated devices' bytes) and numerically the delayed
+// reference, on one device and on two taking every other iteration.
+static void test_engine_one_slot_set(TestCtx* t) {
+    const int B = 8, T = 12, M = 4;
+    ModelConfig c = engine_config(1);
+    int32_t* tokens = make_batches(B, T, 21, c.V);
+    Run ref;
+    run_reference(&ref, &c, B, T, M, tokens, 1);
+    for (int N = 1; N <= 2; N++) {
+        char err[ERR_LEN];
+        DeviceOptions dopt = {.threads = 1};
+        Fixture fx;
+        fixture_open(&fx, &c, N, &dopt);
+        EngineOptions eo = {.B = B, .T = T, .M = M, .M_R = M, .opt_threads = 1, .row_chunks = 1,
+                            .trace_path = "", .hyper = test_hyper(), .sched = test_sched(),
+                            .grad_clip = 1.0f};
+        Engine* e = engine_create(&fx.m, &fx.s, &fx.devs, &eo, err);
+        CHECK(t, e != NULL, "%s", err);
+        if (!e) {
+            fixture_close(&fx);
+            continue;
+        }
+        const EngineDeviceBytes two = engine_device_bytes(e);
+        CHECK(t, engine_plan(e)->n_fwd + engine_plan(e)->n_bwd == 1 && two.slot_sets == 2,
+              "no budget: one stage, two slot sets expected");
+        const double fixed = (double)engine_fixed_device_bytes(&fx.m, 4, &eo);
+        engine_free(e);
+        fixture_close(&fx);
+        // a total between one set's and two sets' needs
+        const EngineCase ec = {N, M, M, 0, 1, RECOMPUTE_STAGE,
+                               (double)two.total - (double)two.slots / 4 - fixed, 0, 0, 0, 0};
+        Run r;
+        int S = run_engine(t, &r, &c, B, T, &ec, tokens);
+        if (S < 0) continue;
+        CHECK(t, S == 1 && r.slot_sets == 1, "N=%d: S = %d with %d slot sets, expected 1 and 1", N,
+              S, r.slot_sets);
+        CHECK(t, runs_identical(&r, &ref), "N=%d: one slot set: loss %.9g ... vs reference %.9g",
+              N, r.loss[STEPS - 1], ref.loss[STEPS - 1]);
+        free(r.params);
+    }
+    free(ref.params);
+    free(tokens);
+}
+
 const TestCase tests_engine[] = {
     {"engine_sync_matches_plain", test_engine_sync_matches_plain},
     {"engine_microbatch_counts", test_engine_microbatch_counts},
@@ -561,5 +609,6 @@ const TestCase tests_engine[] = {
     {"engine_two_iterations_overlap", test_engine_two_iterations_overlap},
     {"engine_gated_uploads_hide_step", test_engine_gated_uploads_hide_step},
     {"engine_row_chunks_chosen", test_engine_row_chunks_chosen},
+    {"engine_one_slot_set", test_engine_one_slot_set},
     {NULL, NULL},
 };
