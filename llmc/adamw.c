@@ -162,18 +162,31 @@ static void norm_task(void* arg, int64_t task) {
     job->sums[task] = s;
 }
 
-double adamw_grad_norm_sq(ThreadPool* pool, const AdamWTensor* t, int n_tensors) {
-    if (n_tensors <= 0) return 0.0;
+int64_t adamw_chunk_count(const AdamWTensor* t, int n_tensors) {
+    int64_t count = 0;
+    for (int i = 0; i < n_tensors; i++) count += (int64_t)ceil_div(t[i].n, ADAMW_CHUNK);
+    return count;
+}
+
+void adamw_grad_norm_sq_parts(ThreadPool* pool, const AdamWTensor* t, int n_tensors, double* sums) {
+    if (n_tensors <= 0) return;
     int64_t n_chunks;
     AdamWChunk* chunks = adamw_build_chunks(t, n_tensors, &n_chunks);
-    if (n_chunks == 0) return 0.0;
-    NormJob job = {t, chunks, adamw_simd_select(), malloc_check((size_t)n_chunks * sizeof(double))};
+    if (n_chunks == 0) return;
+    NormJob job = {t, chunks, adamw_simd_select(), sums};
     threadpool_run(pool, n_chunks, norm_task, &job);
+    free(chunks);
+}
+
+double adamw_grad_norm_sq(ThreadPool* pool, const AdamWTensor* t, int n_tensors) {
+    const int64_t n_chunks = adamw_chunk_count(t, n_tensors);
+    if (n_chunks == 0) return 0.0;
+    double* sums = malloc_check((size_t)n_chunks * sizeof(double));
+    adamw_grad_norm_sq_parts(pool, t, n_tensors, sums);
     // Chunk sums in chunk order: the same total whatever thread ran which chunk.
     double total = 0.0;
-    for (int64_t k = 0; k < n_chunks; k++) total += job.sums[k];
-    free(job.sums);
-    free(chunks);
+    for (int64_t k = 0; k < n_chunks; k++) total += sums[k];
+    free(sums);
     return total;
 }
 

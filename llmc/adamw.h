@@ -54,6 +54,12 @@ typedef struct AdamWTensor {
 
 // Sum of squares of all gradients (deterministic for a fixed tensor list).
 double adamw_grad_norm_sq(ThreadPool* pool, const AdamWTensor* t, int n_tensors);
+// The same in parts: the sum of squares of each ADAMW_CHUNK-element chunk (chunks never span
+// tensors), in chunk order, into sums[adamw_chunk_count(t, n_tensors)]. adamw_grad_norm_sq is
+// these summed in order, so parts computed a group of tensors at a time (as their gradients
+// arrive) and summed in order give the same bits.
+int64_t adamw_chunk_count(const AdamWTensor* t, int n_tensors);
+void adamw_grad_norm_sq_parts(ThreadPool* pool, const AdamWTensor* t, int n_tensors, double* sums);
 // One step for all tensors. step is 1-based (bias correction uses it; step < 1 is a fatal error).
 void adamw_step(ThreadPool* pool, const AdamWTensor* t, int n_tensors, const AdamWHyper* h,
                 int64_t step, float grad_scale);

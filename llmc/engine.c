@@ -214,6 +214,9 @@ struct Engine {
     int* layer_first_opt;   // (NL+1) AdamW tensors of layer l are [first[l], first[l+1])
     int64_t* opt_offset;    // (n_opt) element offset of each AdamW tensor in its layer's slab
     int* opt_layer;         // (n_opt) its layer
+    int64_t* norm_first;    // (NL+1) the norm's chunk sums of layer l are [first[l], first[l+1])
+    double* norm_parts;     // the chunk sums (adamw_grad_norm_sq_parts), filled as layers arrive
+    int* fold_owner;        // (NL) layer l receives a tied tensor's gradient before its norm
     double t_last_step;
 };
 
@@ -1023,16 +1026,28 @@ static void fold_chunk(void* arg, int64_t c) {
 
 // Optimizer step k: the gradient of iteration k-1, learning rate lr(k), then the updated weights
 // go to the master buffer of iteration k + delay.
+static void layer_norm_parts(Engine* e, int l) {
+    const int first = e->layer_first_opt[l];
+    adamw_grad_norm_sq_parts(e->pool, e->opt_tensors + first, e->layer_first_opt[l + 1] - first,
+                             e->norm_parts + e->norm_first[l]);
+}
+
 static void optimizer_step(Engine* e, int64_t k) {
     const int NL = e->NL;
     double t_wait = time_now_s();
-    for (int l = 0; l < NL; l++) {
+    // the gradient set iteration k-1 downloaded into
+    float** g = e->hgrad[(k - 1) % e->n_hgrad];
+    for (int i = 0; i < e->n_opt; i++) e->opt_tensors[i].grad = g[e->opt_layer[i]] + e->opt_offset[i];
+    // Deepest first, as backward produces them; each layer's part of the norm while the rest are
+    // still on their way (a layer that receives a tied gradient waits for the fold below).
+    for (int l = NL - 1; l >= 0; l--) {
         pthread_check(pthread_mutex_lock(&e->mu));
         while (e->grad_recorded[l] < k - 1) pthread_check(pthread_cond_wait(&e->cv, &e->mu));
         pthread_check(pthread_mutex_unlock(&e->mu));
         // each gradient set has its own events: iteration k may already be re-recording the
         // other set's, and a wait captures the latest record
         e->impl->event_synchronize(e->grad_ev[(k - 1) % e->n_hgrad][l]);
+        if (!e->fold_owner[l]) layer_norm_parts(e, l);
     }
     double t_start = time_now_s();
     if (e->trace) {
@@ -1040,9 +1055,8 @@ static void optimizer_step(Engine* e, int64_t k) {
         snprintf(name, sizeof name, "wait grads of iteration %lld", (long long)(k - 1));
         trace_add(e->trace, name, e->N, STREAM_COUNT, t_wait, t_start);
     }
-    // the gradient set iteration k-1 downloaded into; a tied head's gradient is folded into its
-    // owner's there (the Store's own folding works on the Store's set only)
-    float** g = e->hgrad[(k - 1) % e->n_hgrad];
+    // a tied head's gradient is folded into its owner's (the Store's own folding works on the
+    // Store's set only)
     const TensorTable* tt = &e->m->tt;
     for (int i = 0; i < tt->n; i++) {
         const TensorDesc* d = &tt->t[i];
@@ -1053,8 +1067,11 @@ static void optimizer_step(Engine* e, int64_t k) {
         FoldArgs fa = {g[o->layer] + o->grad_offset, g[d->layer] + d->grad_offset, d->numel};
         threadpool_run(e->pool, (d->numel + FOLD_CHUNK - 1) / FOLD_CHUNK, fold_chunk, &fa);
     }
-    for (int i = 0; i < e->n_opt; i++) e->opt_tensors[i].grad = g[e->opt_layer[i]] + e->opt_offset[i];
-    double norm = sqrt(adamw_grad_norm_sq(e->pool, e->opt_tensors, e->n_opt));
+    double norm_sq = 0.0;
+    for (int l = 0; l < NL; l++)
+        if (e->fold_owner[l]) layer_norm_parts(e, l);
+    for (int64_t c = 0; c < e->norm_first[NL]; c++) norm_sq += e->norm_parts[c];  // in order
+    double norm = sqrt(norm_sq);
     float scale = adamw_clip_scale(norm, e->opt.grad_clip);
     AdamWHyper h = e->opt.hyper;
     const int64_t step = e->opt.start_step + k;  // the run's step number
@@ -1787,6 +1804,16 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
             }
         }
         e->layer_first_opt[NL] = idx;
+        e->norm_first = calloc_check((size_t)NL + 1, sizeof(int64_t));
+        e->fold_owner = calloc_check((size_t)NL, sizeof(int));
+        for (int l = 0; l < NL; l++)
+            e->norm_first[l + 1] = e->norm_first[l] +
+                                   adamw_chunk_count(e->opt_tensors + e->layer_first_opt[l],
+                                                     e->layer_first_opt[l + 1] - e->layer_first_opt[l]);
+        e->norm_parts = calloc_check((size_t)(e->norm_first[NL] > 0 ? e->norm_first[NL] : 1),
+                                     sizeof(double));
+        for (int i = 0; i < tt->n; i++)
+            if (tt->t[i].tied_to >= 0) e->fold_owner[tt->t[tt->t[i].tied_to].layer] = 1;
     }
     pthread_check(pthread_create(&e->opt_thread, NULL, optimizer_main, e));
     for (int g = 0; g < e->N; g++) {
@@ -2120,6 +2147,9 @@ void engine_free(Engine* e) {
     free(e->grad_recorded);
     free(e->opt_tensors);
     free(e->layer_first_opt);
+    free(e->norm_first);
+    free(e->norm_parts);
+    free(e->fold_owner);
     free(e->opt_offset);
     free(e->opt_layer);
     free(e->cost_fwd);

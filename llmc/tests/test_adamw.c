@@ -519,6 +519,22 @@ static void test_grad_norm(TestCtx* t) {
         fixture_free(&f);
         fixture_init(&f, fix_sizes, FIX_N_SIZES, 0, 4242);
     }
+    // in parts, a group of tensors at a time, last group first (as gradients arrive): the ordered
+    // sum of the chunk sums is the same bits
+    {
+        const int64_t n_chunks = adamw_chunk_count(f.t, f.n);
+        double* parts = calloc(n_chunks, sizeof(double));
+        const int split = f.n / 2;
+        const int64_t off = adamw_chunk_count(f.t, split);
+        adamw_grad_norm_sq_parts(pools[2], f.t + split, f.n - split, parts + off);
+        adamw_grad_norm_sq_parts(pools[0], f.t, split, parts);
+        double sum = 0.0;
+        for (int64_t c = 0; c < n_chunks; c++) sum += parts[c];
+        const double whole = adamw_grad_norm_sq(pools[1], f.t, f.n);
+        CHECK(t, n_chunks > f.n && sum == whole, "%lld chunks: parts %.17g vs whole %.17g",
+              (long long)n_chunks, sum, whole);
+        free(parts);
+    }
     const size_t empty_sizes[] = {0, 0};
     Fixture e;
     fixture_init(&e, empty_sizes, 2, 0, 1);
