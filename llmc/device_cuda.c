@@ -259,6 +259,7 @@ static void* issue_main(void* arg) {
         if (stop) return NULL;
     }
 }
+
 // ----------------------------------------------------------------------------
 // lifecycle
 
