@@ -1671,14 +1671,7 @@ static int engine_plan_init(Engine* e, const Model* m, int act_bytes, int n_devi
 
 int engine_plan_fits(const Model* m, int act_bytes, int n_devices, const EngineOptions* opt,
                      char* err) {
-    Engine* e = calloc_check(1, sizeof(Engine));
-    int rc = engine_plan_init(e, m, act_bytes, n_devices, opt, err);
-    if (rc == 0) {
-        free(e->cost_fwd);
-        free(e->cost_bwd);
-    }
-    free(e);
-    return rc;
+    return engine_plan_print(m, act_bytes, n_devices, opt, NULL, NULL, err);
 }
 
 int engine_plan_print(const Model* m, int act_bytes, int n_devices, const EngineOptions* opt,
@@ -1686,7 +1679,7 @@ int engine_plan_print(const Model* m, int act_bytes, int n_devices, const Engine
     Engine* e = calloc_check(1, sizeof(Engine));
     int rc = engine_plan_init(e, m, act_bytes, n_devices, opt, err);
     if (rc == 0) {
-        engine_print_plan(e, f);
+        if (f) engine_print_plan(e, f);
         if (host_act_bytes) *host_act_bytes = plan_host_act_bytes(e, &e->plan);
         free(e->cost_fwd);
         free(e->cost_bwd);

@@ -124,7 +124,8 @@ const PartitionPlan* engine_plan(const Engine* e);
 void engine_print_plan(const Engine* e, FILE* f);
 // The same plan without an engine (no store, devices or buffers): for --plan on any machine.
 // act_bytes: the devices' compute dtype (2 bf16 GPUs, 4 fp32 emulated); *host_act_bytes (may be
-// NULL): the host memory its activation checkpoints take. -1 with err on a bad shape.
+// NULL): the host memory its activation checkpoints take; f may be NULL (nothing printed). -1
+// with err on a bad shape.
 int engine_plan_print(const Model* m, int act_bytes, int n_devices, const EngineOptions* opt,
                       FILE* f, size_t* host_act_bytes, char* err);
 // 0 when a plan fits (the same search, nothing printed); -1 with err otherwise.
