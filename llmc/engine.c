@@ -356,7 +356,7 @@ static void run_microbatch(void* arg) {
     if (e->opt.fake_compute_us > 0) {
         // split jobs: forward layers share the half of the time that is not the rest (all of it
         // in a forward stage)
-        int64_t us = e->opt.fake_compute_us;
+        int64_t us = (int64_t)e->opt.fake_compute_us * j->B / mb_rows(e, j->i);  // this chunk's share
         const int n = st->e - st->b;
         if (j->phase == 1 || j->phase == 4)
             us = us * (j->to - j->from) / (st->kind == SLOT_FWD ? n : 2 * n);
