@@ -413,6 +413,24 @@ static void test_engine_slow_optimizer_hidden(TestCtx* t) {
     free(tokens);
 }
 
+// The mean wall time per iteration over steps - warm iterations after warm ones, one at a time
+// (engine_step) or with two in flight (the trainer's submit t+1, collect t).
+static double measure_period(Engine* e, const int32_t* tokens, int steps, int warm,
+                             int pipelined) {
+    double t0 = 0.0;
+    for (int k = 0; k < steps; k++) {
+        if (k == warm) t0 = time_now_s();
+        if (pipelined) {
+            if (engine_in_flight(e) == 0) engine_submit(e, tokens);
+            if (k + 1 < steps) engine_submit(e, tokens);
+            (void)engine_collect(e);
+        } else {
+            (void)engine_step(e, tokens);
+        }
+    }
+    return (time_now_s() - t0) / (steps - warm);
+}
+
 // Two iterations in flight: with the whole model in the fused stage (S = 1) on two devices,
 // iteration t+1 runs on the second device while t runs on the first (the delayed update makes
 // them independent), so the period halves; one at a time it would not.
@@ -434,21 +452,8 @@ static void test_engine_two_iterations_overlap(TestCtx* t) {
         CHECK(t, S == 1, "two devices, no budget: everything fused expected, S = %d", S);
         const double iter_s = (double)S * M * FAKE / 1e6;  // one iteration on one device
         double period[2];
-        for (int pipelined = 0; pipelined <= 1; pipelined++) {
-            const int steps = 8, warm = 2;
-            double t0 = 0.0;
-            for (int k = 0; k < steps; k++) {
-                if (k == warm) t0 = time_now_s();
-                if (pipelined) {
-                    if (engine_in_flight(e) == 0) engine_submit(e, tokens);
-                    if (k + 1 < steps) engine_submit(e, tokens);
-                    (void)engine_collect(e);
-                } else {
-                    (void)engine_step(e, tokens);
-                }
-            }
-            period[pipelined] = (time_now_s() - t0) / (steps - warm);
-        }
+        for (int pipelined = 0; pipelined <= 1; pipelined++)
+            period[pipelined] = measure_period(e, tokens, 8, 2, pipelined);
         printf("       S=%d, one iteration %.0f ms on one device: period %.0f ms one at a time, "
                "%.0f ms two in flight\n", S, iter_s * 1e3, period[0] * 1e3, period[1] * 1e3);
         CHECK(t, period[0] >= 0.95 * iter_s, "one at a time: period %.1f ms below one iteration",
@@ -483,15 +488,8 @@ static void test_engine_gated_uploads_hide_step(TestCtx* t) {
     if (e) {
         const int S = engine_plan(e)->n_fwd + engine_plan(e)->n_bwd;
         CHECK(t, S == 1, "two devices, no budget: everything fused expected, S = %d", S);
-        const int steps = 10, warm = 3;
-        double t0 = 0.0;
-        for (int k = 0; k < steps; k++) {
-            if (k == warm) t0 = time_now_s();
-            if (engine_in_flight(e) == 0) engine_submit(e, tokens);
-            if (k + 1 < steps) engine_submit(e, tokens);
-            (void)engine_collect(e);
-        }
-        const double period = (time_now_s() - t0) / (steps - warm);
+        const int steps = 10;
+        const double period = measure_period(e, tokens, steps, 3, 1);
         const double whole = (FAKE + STEP_US) / 2e6;  // what fencing whole stages would give
         printf("       S=1, M=1: iteration %d ms, step %d ms: period %.1f ms (whole-stage "
                "fences: >= %.0f ms), %lld gated stages\n", FAKE / 1000, STEP_US / 1000,
