@@ -48,9 +48,9 @@ void device_set_open(DeviceSet* set, const DeviceImpl* impl, int n, const Device
 
 void device_set_close(DeviceSet* set) {
     if (set == NULL || set->dev == NULL) return;
-    // Close in reverse order of opening; each close drains that device's streams first. Work on
-    // a later device waiting on an earlier device's events can still complete, because the
-    // earlier device stays open (and keeps running its streams) until its own close.
+    // Every device idle first (work on one device may wait on another's events), then close in
+    // reverse order of opening.
+    for (int i = 0; i < set->n; i++) set->impl->synchronize(set->dev[i]);
     for (int i = set->n - 1; i >= 0; i--) set->impl->close(set->dev[i]);
     free(set->dev);
     memset(set, 0, sizeof *set);

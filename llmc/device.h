@@ -12,15 +12,16 @@
  *  - device_stream_wait(stream, ev) makes work submitted to `stream` AFTER this call wait until the
  *    capture of ev's most recent record (at the time of the wait call) has completed. Events are
  *    not tied to a device: any device's stream may record or wait on any event of the set (the
- *    CUDA implementation keeps one CUDA event per device inside and waits on the one of the
- *    device that recorded last). Waiting on an event never recorded is a no-op (as in CUDA):
+ *    CUDA implementation makes a CUDA event per record, on the recording GPU, and a wait uses
+ *    the one current when the wait was made). Waiting on an event never recorded is a no-op (as in CUDA):
  *    the engine therefore guarantees "record before wait" itself (ROUNDPIPE.md §5).
  *  - device_event_synchronize blocks the calling host thread the same way.
  *  - device_submit(stream, fn, arg): on the CPU emulation fn(arg) runs later, on the stream's
- *    thread, in order; on CUDA fn(arg) runs immediately on the calling thread and is expected to
- *    ENQUEUE kernels on the stream (the op context passed to the model is bound to that stream).
- *    Either way everything fn enqueues/does is ordered after earlier work on the stream. `arg`
- *    must stay valid until the work has run (use an event to know when).
+ *    thread, in order; on CUDA fn(arg) runs later on the GPU's issue thread (every call of this
+ *    interface is a command issued in order there) and is expected to ENQUEUE kernels on the
+ *    stream (the op context passed to the model is bound to that stream). Either way everything
+ *    fn enqueues/does is ordered after earlier work on the stream. `arg` must stay valid until
+ *    the work has run (use an event to know when).
  *
  * Stream roles (ROUNDPIPE.md §7.1, one of each per device): compute, activation upload and
  * download (the critical path), parameter upload, gradient download.

@@ -55,7 +55,8 @@
 // One record of a DevEvent.
 typedef struct EvInst {
     cudaEvent_t ev;          // created by the recording GPU's issue thread
-    struct Device* dev;      // the recording GPU
+    struct Device* dev;      // the recording GPU (its queue's lock guards `recorded`)
+    int gpu;                 // its index (the instance may outlive the Device when destroyed late)
     int recorded;            // the record has been issued (guarded by dev->q_mu)
     _Atomic int refs;
 } EvInst;
@@ -68,7 +69,8 @@ struct DevEvent {
 typedef struct TimedItem {
     cudaEvent_t start, end;
     int stream;
-    const char* label;  // NULL: busy-time accounting only
+    char label[48];     // "": busy-time accounting only (a copy: items resolve lazily, long
+                        // after the caller's label storage may be gone)
     struct TimedItem* next;
 } TimedItem;
 
@@ -137,7 +139,7 @@ static void inst_unref(EvInst* in) {
     // the last reference: a record is always issued before then (the record command holds one)
     int cur = 0;
     cuda_check(cudaGetDevice(&cur));
-    cuda_check(cudaSetDevice(in->dev->index));
+    cuda_check(cudaSetDevice(in->gpu));
     cuda_check(cudaEventDestroy(in->ev));  // released once complete if still pending
     cuda_check(cudaSetDevice(cur));
     free(in);
@@ -391,7 +393,8 @@ static TimedItem* timed_begin(Device* d, StreamKind s) {
     if (!timing_wanted(d, s)) return NULL;
     TimedItem* it = calloc_check(1, sizeof(TimedItem));
     it->stream = (int)s;
-    it->label = d->trace ? d->pending_label[s] : NULL;
+    if (d->trace && d->pending_label[s])
+        snprintf(it->label, sizeof it->label, "%s", d->pending_label[s]);
     d->pending_label[s] = NULL;
     cuda_check(cudaEventCreate(&it->start));
     cuda_check(cudaEventCreate(&it->end));
@@ -431,7 +434,7 @@ static void resolve_timed(Device* d, int wait) {
             cuda_check(cudaEventElapsedTime(&ms, it->start, it->end));
             cuda_check(cudaEventElapsedTime(&t0, d->origin, it->start));
             d->busy_s[it->stream] += it->stream == STREAM_COMPUTE ? ms * 1e-3 : 0;
-            if (it->label && d->trace) {
+            if (it->label[0] && d->trace) {
                 double a = d->host_origin + t0 * 1e-3;
                 trace_add(d->trace, it->label, d->trace_pid, it->stream, a, a + ms * 1e-3);
             }
@@ -498,6 +501,7 @@ static void cuda_event_destroy(DevEvent* e) {
 static void cuda_event_record(DevEvent* e, Device* d, StreamKind s) {
     EvInst* in = calloc_check(1, sizeof(EvInst));
     in->dev = d;
+    in->gpu = d->index;
     atomic_init(&in->refs, 2);  // the event's and the record command's
     pthread_check(pthread_mutex_lock(&e->mu));
     EvInst* old = e->cur;

@@ -189,6 +189,8 @@ struct Engine {
     // profiling and re-planning (ROUNDPIPE.md §8.2): compute of slot job j, micro-batch r of an
     // iteration of parity ip is bracketed by prof_ev[ip][2*(j*M_R + r)] and [... + 1]
     DevEvent** prof_ev[2];
+    uint8_t* prof_ok[2];    // [ip][j*M_R + r]: that bracket times compute alone (not the first
+                            // micro-batch of a gated stage, which also waits for its uploads)
     int64_t prof_iter[2];   // iteration that used parity ip and is not yet collected (-1: none)
     double* cost_fwd;       // (NL) the costs the current plan was made with
     double* cost_bwd;
@@ -897,7 +899,12 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
         // compute
         im->stream_wait(d, STREAM_COMPUTE, ds->up_done[p]);
         im->stream_wait(d, STREAM_COMPUTE, ds->down_done[p]);
+        // the profile times compute alone: the first micro-batch waits for the stage's parameters
+        // before its bracket opens, except a gated stage's (its forward follows the uploads layer
+        // by layer), whose bracket is then left out of the profile
+        if (r == 0 && !split) im->stream_wait(d, STREAM_COMPUTE, ds->param_done);
         DevEvent** prof = &e->prof_ev[ip][2 * (job_idx * e->M_R + r)];
+        e->prof_ok[ip][job_idx * e->M_R + r] = !(r == 0 && split);
         im->event_record(prof[0], d, STREAM_COMPUTE);
         // the micro-batch in row chunks, one after the other (each at least one row: K is at
         // most the smallest micro-batch)
@@ -1218,21 +1225,17 @@ static int plan_partition(Engine* e, PartitionPlan* plan, char* err) {
                          ub};
     int rc = partition_plan(&in, plan, err);
     // The search gives every stage half the budget (two slot sets). The whole model as one stage
-    // with one slot set (plan_device_bytes) is the other candidate when the budget binds.
-    if (e->opt.device_budget > 0) {
-        PartitionPlan one;
-        memset(&one, 0, sizeof one);
-        one.n_layers = NL;
-        one.n_bwd = 1;
-        one.bwd[0] = (StageRange){0, NL};
-        partition_evaluate(&in, &one);
-        if ((double)plan_device_bytes(e, &one, NULL, NULL, NULL, NULL).total <=
-                e->opt.device_budget &&
-            (rc != 0 || one.cost < plan->cost)) {
-            *plan = one;
-            rc = 0;
-        }
-    }
+    // with one slot set (plan_device_bytes) is the other candidate when the budget binds; it is
+    // weighed against whatever the search ends with below.
+    PartitionPlan one;
+    memset(&one, 0, sizeof one);
+    one.n_layers = NL;
+    one.n_bwd = 1;
+    one.bwd[0] = (StageRange){0, NL};
+    partition_evaluate(&in, &one);
+    const int one_fits = e->opt.device_budget > 0 &&
+                         (double)plan_device_bytes(e, &one, NULL, NULL, NULL, NULL).total <=
+                             e->opt.device_budget;
     // The per-stage check cannot see that a device's buffers are sized for the largest stage of
     // each kind (parameters of one, activations of another): lower the per-stage budget in 3%
     // steps until the whole fits (a smaller budget only ever makes layers fit less).
@@ -1254,6 +1257,10 @@ static int plan_partition(Engine* e, PartitionPlan* plan, char* err) {
             total = (double)plan_device_bytes(e, plan, NULL, NULL, NULL, NULL).total;
             smallest = fmin(smallest, total);
         }
+    }
+    if (one_fits && (rc != 0 || one.cost < plan->cost)) {
+        *plan = one;
+        rc = 0;
     }
     free(fb);
     free(bb);
@@ -1409,6 +1416,7 @@ static void plan_resources_create(Engine* e) {
         }
         const int n_prof = 2 * e->R * e->S * e->M_R;
         e->prof_ev[b] = calloc_check((size_t)n_prof, sizeof(DevEvent*));
+        e->prof_ok[b] = calloc_check((size_t)n_prof / 2, sizeof(uint8_t));
         for (int i = 0; i < n_prof; i++) e->prof_ev[b][i] = ev_new(e);
         e->prof_iter[b] = -1;
         if (b >= e->host_parities) continue;
@@ -1566,6 +1574,7 @@ static void plan_resources_free(Engine* e) {
         const int n_prof = 2 * e->R * e->S * e->M_R;
         for (int i = 0; i < n_prof; i++) im->event_destroy(e->prof_ev[b][i]);
         free(e->prof_ev[b]);
+        free(e->prof_ok[b]);
         arena_free(e->arena[b]);
         e->arena[b] = NULL;
         labels_free(e->labels[b]);
@@ -1831,22 +1840,25 @@ static void profile_collect(Engine* e, int ip) {
     const int NL = e->NL;
     double* fwd = calloc_check((size_t)NL, sizeof(double));
     double* bwd = calloc_check((size_t)NL, sizeof(double));
-    for (int round = 0; round < e->R; round++) {
-        for (int si = 0; si < e->S; si++) {
-            const Stage* st = &e->stages[si];
-            const int job = round * e->S + si;
-            double measured = 0;
+    for (int si = 0; si < e->S; si++) {
+        // the stage's mean micro-batch time over its compute-only brackets (all of them if none is)
+        const Stage* st = &e->stages[si];
+        double sum[2] = {0, 0};
+        int count[2] = {0, 0};
+        for (int round = 0; round < e->R; round++) {
             for (int r = 0; r < e->M_R; r++) {
-                DevEvent** ev = &e->prof_ev[ip][2 * (job * e->M_R + r)];
-                measured += e->impl->event_elapsed(ev[0], ev[1]);
+                const int k = (round * e->S + si) * e->M_R + r;
+                const int ok = e->prof_ok[ip][k];
+                sum[ok] += e->impl->event_elapsed(e->prof_ev[ip][2 * k], e->prof_ev[ip][2 * k + 1]);
+                count[ok]++;
             }
-            measured /= e->M_R * e->R;
-            const double* est = st->kind == SLOT_FWD ? e->cost_fwd : e->cost_bwd;
-            double* obs = st->kind == SLOT_FWD ? fwd : bwd;
-            double est_sum = 0;
-            for (int l = st->b; l < st->e; l++) est_sum += est[l];
-            for (int l = st->b; l < st->e; l++) obs[l] += est_sum > 0 ? measured * est[l] / est_sum : 0;
         }
+        const double measured = count[1] > 0 ? sum[1] / count[1] : sum[0] / count[0];
+        const double* est = st->kind == SLOT_FWD ? e->cost_fwd : e->cost_bwd;
+        double* obs = st->kind == SLOT_FWD ? fwd : bwd;
+        double est_sum = 0;
+        for (int l = st->b; l < st->e; l++) est_sum += est[l];
+        for (int l = st->b; l < st->e; l++) obs[l] += est_sum > 0 ? measured * est[l] / est_sum : 0;
     }
     for (int l = e->plan.bwd[0].begin; l < NL; l++) fwd[l] = bwd[l] / 3.0;
     cost_profile_update(&e->profile, fwd, bwd);
