@@ -295,7 +295,11 @@ static void test_engine_async_delayed(TestCtx* t) {
                                     // row chunks (2 x 2 = the reference's 4 micro-batches),
                                     // also with gated uploads and per-layer downloads
                                     {2, 2, 2, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 20000, 2},
-                                    {2, 2, 1, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 1, 0, 2}};
+                                    {2, 2, 1, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 1, 0, 2},
+                                    // re-planned from a profile of gated stages (their first
+                                    // micro-batches left out; with one per round, kept)
+                                    {2, 4, 4, 0, 1, RECOMPUTE_STAGE, 2.4e5, 2, 0, 20000, 0},
+                                    {2, 4, 1, 0, 1, RECOMPUTE_STAGE, 2.4e5, 2, 0, 20000, 0}};
         for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
             Run r;
             int S = run_engine(t, &r, &c, B, T, &cases[k], tokens);
