@@ -1072,19 +1072,30 @@ typedef struct GpuEngineCase {
     int N, M, sync;
     RecomputeGrain grain;
     double stage_bytes;  // device budget beyond the fixed part (0 = unlimited)
+    double total_bytes;  // > 0: the whole device budget instead
+    int slow_opt_us;     // the optimizer step takes this much longer (gated uploads)
 } GpuEngineCase;
 
-// Returns the plan's stage count, or -1. On GPUs also fills *used (bytes taken on each device
-// over the first step, the largest) and *db (the prediction).
-static int gpu_engine_run(TestCtx* t, const DeviceImpl* impl, const ModelConfig* c, int B, int T,
-                          const GpuEngineCase* ec, const int32_t* tokens, double* loss,
-                          size_t* used, EngineDeviceBytes* db) {
+// What one case did besides its losses.
+typedef struct GpuEngineRun {
+    int S;               // stages (-1: the engine could not be made)
+    size_t used;         // bytes taken on the busiest device over the first step
+    EngineDeviceBytes db;  // the prediction
+    int64_t gated;       // stages uploaded behind per-layer fences
+} GpuEngineRun;
+
+// With the delayed update the iterations go as the trainer sends them: t+1 submitted before t
+// is collected (two in flight).
+static GpuEngineRun gpu_engine_run(TestCtx* t, const DeviceImpl* impl, const ModelConfig* c, int B,
+                                   int T, const GpuEngineCase* ec, const int32_t* tokens,
+                                   double* loss) {
+    GpuEngineRun run = {.S = -1};
     // (impl: device_cuda_impl; the emulated devices would do for a fp32 comparison)
     char err[ERR_LEN];
     Model m;
     if (model_init(&m, c, 0, err) != 0) {
         CHECK(t, 0, "model: %s", err);
-        return -1;
+        return run;
     }
     Store s;
     store_create(&s, &m.tt);
@@ -1097,35 +1108,42 @@ static int gpu_engine_run(TestCtx* t, const DeviceImpl* impl, const ModelConfig*
     for (int g = 0; cuda && g < ec->N && g < 8; g++) cuda_device_memory(g, &free0[g], &tot);
     EngineOptions eo = {.B = B, .T = T, .M = ec->M, .M_R = ec->M, .grain = ec->grain,
                         .sync = ec->sync, .opt_threads = 2, .trace_path = "",
-                        .hyper = gpu_engine_hyper, .sched = gpu_engine_sched,
-                        .grad_clip = 1.0f};
+                        .fake_optimizer_us = ec->slow_opt_us, .hyper = gpu_engine_hyper,
+                        .sched = gpu_engine_sched, .grad_clip = 1.0f};
     if (ec->stage_bytes > 0)
         eo.device_budget = (double)engine_fixed_device_bytes(&m, cuda ? 2 : 4, &eo) + ec->stage_bytes;
+    if (ec->total_bytes > 0) eo.device_budget = ec->total_bytes;
     Engine* e = engine_create(&m, &s, &devs, &eo, err);
     CHECK(t, e != NULL, "engine_create: %s", err);
-    int S = -1;
     if (e) {
-        S = engine_plan(e)->n_fwd + engine_plan(e)->n_bwd;
+        run.S = engine_plan(e)->n_fwd + engine_plan(e)->n_bwd;
+        run.db = engine_device_bytes(e);
         for (int step = 0; step < ENGINE_STEPS; step++) {
-            loss[step] = engine_step(e, tokens + (size_t)step * B * (T + 1)).loss;
+            const int32_t* batch = tokens + (size_t)step * B * (T + 1);
+            if (ec->sync) {
+                loss[step] = engine_step(e, batch).loss;
+            } else {
+                if (step == 0) engine_submit(e, batch);
+                if (step + 1 < ENGINE_STEPS) engine_submit(e, batch + (size_t)B * (T + 1));
+                loss[step] = engine_collect(e).loss;
+            }
             if (step == 0 && cuda) {
-                engine_synchronize(e);
-                *used = 0;
+                engine_synchronize(e);  // (with one more in flight: its memory is all there)
                 for (int g = 0; g < ec->N && g < 8; g++) {
                     size_t fr = 0;
                     cuda_device_memory(g, &fr, &tot);
-                    if (free0[g] > fr && free0[g] - fr > *used) *used = free0[g] - fr;
+                    if (free0[g] > fr && free0[g] - fr > run.used) run.used = free0[g] - fr;
                 }
-                *db = engine_device_bytes(e);
             }
         }
         engine_synchronize(e);
+        run.gated = engine_gated_stages(e);
         engine_free(e);
     }
     device_set_close(&devs);
     store_free(&s);
     model_free(&m);
-    return S;
+    return run;
 }
 
 static void test_gpu_engine(TestCtx* t) {
@@ -1151,35 +1169,48 @@ static void test_gpu_engine(TestCtx* t) {
     for (int i = 0; i < ENGINE_STEPS * B * (T + 1); i++)
         tokens[i] = (int32_t)rng_below(&r, (uint64_t)c.V);
     const int N2 = cuda_device_count() >= 2 ? 2 : 1;
-    const GpuEngineCase cases[] = {
-        {1, 4, 1, RECOMPUTE_STAGE, 0},           {1, 4, 1, RECOMPUTE_STAGE, 750.0 * (1 << 20)},
-        {1, 4, 0, RECOMPUTE_LAYER, 750.0 * (1 << 20)}, {N2, 4, 1, RECOMPUTE_STAGE, 750.0 * (1 << 20)},
-        {N2, 4, 0, RECOMPUTE_STAGE, 0},
+    const double small = 750.0 * (1 << 20);
+    // the last two: a slow optimizer (uploads gated by host functions on the parameter stream),
+    // and a budget between one and two slot sets of the whole model (filled in from case 0)
+    GpuEngineCase cases[] = {
+        {1, 4, 1, RECOMPUTE_STAGE, 0, 0, 0},      {1, 4, 1, RECOMPUTE_STAGE, small, 0, 0},
+        {1, 4, 0, RECOMPUTE_LAYER, small, 0, 0},  {N2, 4, 1, RECOMPUTE_STAGE, small, 0, 0},
+        {N2, 4, 0, RECOMPUTE_STAGE, 0, 0, 0},     {N2, 4, 0, RECOMPUTE_STAGE, 0, 0, 20000},
+        {N2, 4, 0, RECOMPUTE_STAGE, 0, -1, 0},
     };
-    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
-        const GpuEngineCase* ec = &cases[k];
+    const size_t n_cases = sizeof cases / sizeof cases[0];
+    for (size_t k = 0; k < n_cases; k++) {
+        GpuEngineCase* ec = &cases[k];
         double lg[ENGINE_STEPS], lc[ENGINE_STEPS];
-        size_t used = 0;
-        EngineDeviceBytes db;
-        memset(&db, 0, sizeof db);
-        int S = gpu_engine_run(t, &device_cuda_impl, &c, B, T, ec, tokens, lg, &used, &db);
-        if (S < 0) continue;
+        const GpuEngineRun run = gpu_engine_run(t, &device_cuda_impl, &c, B, T, ec, tokens, lg);
+        if (run.S < 0) continue;
+        if (k == 0)  // one stage, two slot sets: budget the last case between one and two sets
+            cases[n_cases - 1].total_bytes = (double)run.db.total - (double)run.db.slots / 4;
         gpu_engine_reference(&c, B, T, ec->M, !ec->sync, tokens, lc);
-        printf("  N %d M %d %s %s budget %s: S %d; losses engine %.5f %.5f %.5f, plain %.5f "
-               "%.5f %.5f; device memory %.1f MiB used, %.1f MiB predicted\n",
+        printf("  N %d M %d %s %s budget %s: S %d, %d slot set(s), %lld gated stages; losses "
+               "engine %.5f %.5f %.5f, plain %.5f %.5f %.5f; device memory %.1f MiB used, %.1f "
+               "MiB predicted\n",
                ec->N, ec->M, ec->sync ? "sync" : "delayed",
-               ec->grain == RECOMPUTE_LAYER ? "layer" : "stage", ec->stage_bytes > 0 ? "small" : "none",
-               S, lg[0], lg[1], lg[2], lc[0], lc[1], lc[2], used / 1048576.0, db.total / 1048576.0);
+               ec->grain == RECOMPUTE_LAYER ? "layer" : "stage",
+               ec->stage_bytes > 0 ? "small" : ec->total_bytes > 0 ? "one slot set" : "none",
+               run.S, run.db.slot_sets, (long long)run.gated, lg[0], lg[1], lg[2], lc[0], lc[1],
+               lc[2], run.used / 1048576.0, run.db.total / 1048576.0);
         for (int i = 0; i < ENGINE_STEPS; i++)
             CHECK(t, isfinite(lg[i]) && fabs(lg[i] - lc[i]) <= 2e-3 * fabs(lc[i]),
                   "case %zu step %d: engine loss %.6f vs plain %.6f", k, i, lg[i], lc[i]);
-        if (ec->stage_bytes > 0) CHECK(t, S >= 3, "case %zu: the budget should force stages", k);
+        if (ec->stage_bytes > 0)
+            CHECK(t, run.S >= 3, "case %zu: the budget should force stages", k);
+        if (ec->slow_opt_us > 0) CHECK(t, run.gated > 0, "case %zu: no gated upload", k);
+        if (ec->total_bytes > 0)
+            CHECK(t, run.S == 1 && run.db.slot_sets == 1, "case %zu: S %d, %d slot sets", k,
+                  run.S, run.db.slot_sets);
         // the prediction bounds what the engine took (allocator rounding aside) and is not
         // far above it (the kernels' 64 MiB allowance aside)
-        CHECK(t, used <= db.total + db.total / 20 + ((size_t)64 << 20),
-              "case %zu: %zu bytes used, %zu predicted", k, used, db.total);
-        CHECK(t, used + ((size_t)96 << 20) >= db.total - db.total / 10,
-              "case %zu: %zu bytes used, far below the %zu predicted", k, used, db.total);
+        const size_t used = run.used, total = run.db.total;
+        CHECK(t, used <= total + total / 20 + ((size_t)64 << 20),
+              "case %zu: %zu bytes used, %zu predicted", k, used, total);
+        CHECK(t, used + ((size_t)96 << 20) >= total - total / 10,
+              "case %zu: %zu bytes used, far below the %zu predicted", k, used, total);
     }
     free(tokens);
 }
