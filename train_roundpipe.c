@@ -302,6 +302,20 @@ int main(int argc, char** argv) {
     DeviceSet devs = {0};
     Engine* eng = NULL;
     const int ops_weight_bytes = use_cuda ? 2 : 4;  // the engine devices' compute dtype
+    // GPUs, --threads 0: the controller and the GPUs' issue threads (created by device_set_open,
+    // inheriting this thread's CPUs) keep the last N + 1 CPUs; the optimizer and its pool get the
+    // rest, so a pool thread never shares a core with a thread that feeds a launch queue.
+    enum { MAX_CPUS = 4096 };
+    int cpus[MAX_CPUS];  // lives as long as main: the engine keeps a pointer to its part
+    int n_cpus = 0, n_opt_cpus = 0;
+    if (use_cuda && a.threads == 0) {
+        n_cpus = threads_allowed_cpus(cpus, MAX_CPUS);
+        if (n_cpus >= N + 3 && threads_pin_self(cpus + n_cpus - (N + 1), N + 1) == 0) {
+            n_opt_cpus = n_cpus - (N + 1);
+            printf("CPUs: the optimizer on %d, the controller and %d GPU issue thread(s) on %d\n",
+                   n_opt_cpus, N, N + 1);
+        }
+    }
     if (use_engine) {
         int per_dev = a.threads > 0 ? a.threads : threads_online_cpus() / N;
         DeviceOptions dopt = {.threads = per_dev > 0 ? per_dev : 1, .delay_seed = a.seed,
@@ -312,6 +326,11 @@ int main(int argc, char** argv) {
 #endif
         device_set_open(&devs, impl, N, &dopt);
         EngineOptions eo = engine_options(&a, use_cuda, N, ts.step);
+        if (n_opt_cpus > 0) {
+            eo.opt_cpus = cpus;
+            eo.n_opt_cpus = n_opt_cpus;
+            eo.opt_threads = n_opt_cpus;
+        }
         if (ts.resumed && !a.sync && ts.pending_bytes) {
             // the delayed update's next weights, saved with the checkpoint
             if (ts.pending_bytes != ops_weight_bytes)

@@ -1123,6 +1123,7 @@ static void optimizer_step(Engine* e, int64_t k) {
 
 static void* optimizer_main(void* arg) {
     Engine* e = arg;
+    (void)threads_pin_self(e->opt.opt_cpus, e->opt.n_opt_cpus);  // refused: runs anywhere
     for (;;) {
         pthread_check(pthread_mutex_lock(&e->mu));
         while (!e->shutdown && e->steps_done == e->steps_queued)
@@ -1712,7 +1713,7 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
     cost_profile_init(&e->profile, NL);
     e->dev = calloc_check((size_t)e->N, sizeof(DevState));
     plan_resources_create(e);
-    e->pool = threadpool_create(opt->opt_threads);
+    e->pool = threadpool_create_on(opt->opt_threads, opt->opt_cpus, opt->n_opt_cpus);
 
     // host buffers that do not depend on the plan: the compute-dtype weights and the batch
     const size_t tok = (size_t)e->Bm * e->T;

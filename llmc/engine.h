@@ -56,6 +56,8 @@ typedef struct EngineOptions {
     double device_budget;    // bytes of device memory the engine may allocate per device: stage
                              // slots, activations, scratch and hand-off buffers (0 = unlimited)
     int opt_threads;         // optimizer threads (0 = all CPUs)
+    const int* opt_cpus;     // the optimizer thread and its pool run on these CPUs (NULL: anywhere)
+    int n_opt_cpus;
     const char* trace_path;  // Chrome trace JSON ("" = none)
     int host_single;         // 1: one set of host activation checkpoints instead of one per
                              // iteration parity (half the host memory; a producer then waits

@@ -4,8 +4,10 @@
  */
 #include "threads.h"
 
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 #include "common.h"
@@ -13,6 +15,25 @@
 int threads_online_cpus(void) {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     return n > 0 ? (int)n : 1;
+}
+
+int threads_allowed_cpus(int* cpus, int cap) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof set, &set) != 0) return 0;
+    int n = 0;
+    for (int c = 0; c < CPU_SETSIZE && n < cap; c++)
+        if (CPU_ISSET(c, &set)) cpus[n++] = c;
+    return n;
+}
+
+int threads_pin_self(const int* cpus, int n) {
+    if (n <= 0) return 0;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int i = 0; i < n; i++)
+        if (cpus[i] >= 0 && cpus[i] < CPU_SETSIZE) CPU_SET(cpus[i], &set);
+    return sched_setaffinity(0, sizeof set, &set) == 0 ? 0 : -1;  // 0: the calling thread
 }
 
 // Claim and run tasks of the current generation until none are left; returns how many ran.
@@ -29,6 +50,7 @@ static int64_t run_tasks(ThreadPool* pool, TaskFn fn, void* arg, int64_t n_tasks
 
 static void* worker_main(void* p) {
     ThreadPool* pool = p;
+    (void)threads_pin_self(pool->cpus, pool->n_cpus);  // a refusal leaves the worker unpinned
     uint64_t seen = 0;
     for (;;) {
         pthread_check(pthread_mutex_lock(&pool->mu));
@@ -57,10 +79,17 @@ static void* worker_main(void* p) {
     }
 }
 
-ThreadPool* threadpool_create(int n_threads) {
+ThreadPool* threadpool_create(int n_threads) { return threadpool_create_on(n_threads, NULL, 0); }
+
+ThreadPool* threadpool_create_on(int n_threads, const int* cpus, int n_cpus) {
     if (n_threads <= 0) n_threads = threads_online_cpus();
     ThreadPool* pool = calloc_check(1, sizeof(ThreadPool));
     pool->n_threads = n_threads;
+    if (cpus && n_cpus > 0) {
+        pool->cpus = malloc_check((size_t)n_cpus * sizeof(int));
+        memcpy(pool->cpus, cpus, (size_t)n_cpus * sizeof(int));
+        pool->n_cpus = n_cpus;
+    }
     pthread_check(pthread_mutex_init(&pool->mu, NULL));
     pthread_check(pthread_cond_init(&pool->cv_work, NULL));
     pthread_check(pthread_cond_init(&pool->cv_done, NULL));
@@ -80,6 +109,7 @@ void threadpool_destroy(ThreadPool* pool) {
     pthread_check(pthread_mutex_destroy(&pool->mu));
     pthread_check(pthread_cond_destroy(&pool->cv_work));
     pthread_check(pthread_cond_destroy(&pool->cv_done));
+    free(pool->cpus);
     free(pool->threads);
     free(pool);
 }

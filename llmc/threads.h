@@ -28,13 +28,24 @@ typedef struct ThreadPool {
     int active;                 // workers inside the current generation (under mu)
     uint64_t generation;
     int shutdown;
+    int* cpus;  // workers run on these CPUs only (NULL: anywhere)
+    int n_cpus;
 } ThreadPool;
 
 // n_threads <= 0 means "number of online CPUs".
 ThreadPool* threadpool_create(int n_threads);
+// The same with the workers restricted to CPUs cpus[0..n_cpus) (n_cpus <= 0: anywhere; the
+// calling thread, which takes part in every run, is not touched: see threads_pin_self).
+ThreadPool* threadpool_create_on(int n_threads, const int* cpus, int n_cpus);
 void threadpool_destroy(ThreadPool* pool);
 // Run fn(arg, i) for i in [0, n_tasks). Not re-entrant: one run at a time per pool.
 void threadpool_run(ThreadPool* pool, int64_t n_tasks, TaskFn fn, void* arg);
 int threads_online_cpus(void);
+// The CPUs this process may run on (its affinity mask), ascending, at most cap of them; returns
+// how many (0 when the system does not say).
+int threads_allowed_cpus(int* cpus, int cap);
+// Restrict the calling thread to CPUs cpus[0..n) (n <= 0: no change). 0, or -1 when the system
+// refuses (the thread then keeps running where it did).
+int threads_pin_self(const int* cpus, int n);
 
 #endif  // LLMC_THREADS_H

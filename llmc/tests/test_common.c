@@ -84,6 +84,44 @@ static void test_common_threadpool(TestCtx* t) {
     }
 }
 
+static void affinity_task(void* arg, int64_t i) {
+    int* seen = arg;  // (n_tasks) how many CPUs task i's thread may run on, and its first
+    int cpus[8];
+    seen[2 * i] = threads_allowed_cpus(cpus, 8);
+    seen[2 * i + 1] = seen[2 * i] > 0 ? cpus[0] : -1;
+}
+
+// Pinning: a pool created on one CPU runs its workers there; threads_pin_self narrows the
+// calling thread and can widen it again.
+static void test_common_affinity(TestCtx* t) {
+    int all[256];
+    const int n = threads_allowed_cpus(all, 256);
+    CHECK(t, n >= 1, "allowed CPUs: %d", n);
+    if (n < 1) return;
+    CHECK(t, threads_pin_self(all + n - 1, 1) == 0, "pin to CPU %d", all[n - 1]);
+    int now[256];
+    CHECK(t, threads_allowed_cpus(now, 256) == 1 && now[0] == all[n - 1], "pinned to one CPU");
+    CHECK(t, threads_pin_self(all, n) == 0 && threads_allowed_cpus(now, 256) == n,
+          "widened again");
+    ThreadPool* pool = threadpool_create_on(3, all, 1);
+    enum { TASKS = 64 };
+    int seen[2 * TASKS];
+    // the caller (unpinned) takes part too and may take every task of a run: repeat until a
+    // worker ran some; every task ran either on the caller (all CPUs) or pinned
+    int on_one = 0;
+    for (int rep = 0; rep < 200 && on_one == 0; rep++) {
+        threadpool_run(pool, TASKS, affinity_task, seen);
+        for (int i = 0; i < TASKS; i++) {
+            on_one += n > 1 && seen[2 * i] == 1 && seen[2 * i + 1] == all[0];
+            CHECK(t, seen[2 * i] == n || (seen[2 * i] == 1 && seen[2 * i + 1] == all[0]),
+                  "task %d: %d CPUs", i, seen[2 * i]);
+        }
+        if (n == 1) break;
+    }
+    CHECK(t, on_one >= 1 || n == 1, "no task ran on a pinned worker in 200 runs");
+    threadpool_destroy(pool);
+}
+
 static void test_common_rng(TestCtx* t) {
     Rng a, b;
     rng_seed(&a, 5489u);
@@ -138,6 +176,7 @@ const TestCase tests_common[] = {
     {"common_parse_numbers", test_common_parse_numbers},
     {"common_float_conversions", test_common_float_conversions},
     {"common_threadpool", test_common_threadpool},
+    {"common_affinity", test_common_affinity},
     {"common_rng", test_common_rng},
     {"common_files", test_common_files},
     {NULL, NULL},
