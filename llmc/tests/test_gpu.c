@@ -987,54 +987,19 @@ static void test_gpu_model(TestCtx* t) {
 // HF parity fixtures through the GPU path (fp32 fixtures, bf16 compute)
 
 static void parity_case(TestCtx* t, Gpu* G, const char* name) {
-    char dir[4200], path[4300], err[ERR_LEN];
-    snprintf(dir, sizeof dir, "%s/dev/parity/fixtures/%s", t->exe_dir, name);
-    ModelSource src;
-    if (checkpoint_resolve_model(&src, dir, err) != 0) {
-        CHECK(t, 0, "%s", err);
-        return;
-    }
-    Model m;
-    if (model_init(&m, &src.cfg, 0, err) != 0) {
-        CHECK(t, 0, "%s", err);
-        checkpoint_close_source(&src);
-        return;
-    }
-    Store s;
-    store_create(&s, &m.tt);
-    int unused = -1;
-    CHECK(t, store_load(&s, &src.ck, &unused, err) == 0 && unused == 0, "load: %s", err);
-    checkpoint_close_source(&src);
-    StFile ex;
-    snprintf(path, sizeof path, "%s/expected.safetensors", dir);
-    if (st_open(&ex, path, err) != 0) {
-        CHECK(t, 0, "%s", err);
-        store_free(&s);
-        model_free(&m);
-        return;
-    }
-    const StTensor* tok = st_find(&ex, "tokens");
-    CHECK(t, tok && tok->dtype == ST_I32 && tok->ndim == 2, "tokens tensor");
-    const int B = (int)tok->shape[0], T = (int)tok->shape[1] - 1;
-    int32_t* tokens = malloc_check((size_t)B * (T + 1) * sizeof(int32_t));
-    memcpy(tokens, tok->data, (size_t)B * (T + 1) * sizeof(int32_t));
-    float ref_loss = NAN;
-    st_tensor_to_f32(st_find(&ex, "loss"), &ref_loss, 1, err);
-
-    double loss = run_batch(&m, &s, G->g, G->gctx, tokens, B, T, 0);
-    printf("  parity %s: GPU loss %.6f, HF %.6f\n", name, loss, ref_loss);
-    CHECK(t, fabs(loss - ref_loss) <= 1e-2 * fabs(ref_loss), "%s: GPU loss %.6f vs HF %.6f",
-          name, loss, ref_loss);
+    ParityFixture f;
+    if (test_parity_open(t, name, &f) != 0) return;
+    double loss = run_batch(&f.m, &f.s, G->g, G->gctx, f.tokens, f.B, f.T, 0);
+    printf("  parity %s: GPU loss %.6f, HF %.6f\n", name, loss, f.ref_loss);
+    CHECK(t, fabs(loss - f.ref_loss) <= 1e-2 * fabs(f.ref_loss), "%s: GPU loss %.6f vs HF %.6f",
+          name, loss, f.ref_loss);
     char what[96];
     snprintf(what, sizeof what, "%s (GPU)", name);
     int n_grads = 0;
-    double worst = test_check_fixture_grads(t, what, &m, &s, &ex, 5e-2, &n_grads);
+    double worst = test_check_fixture_grads(t, what, &f.m, &f.s, &f.ex, 5e-2, &n_grads);
     printf("  parity %s: %d gradients, worst relative L2 error %.3g\n", name, n_grads, worst);
     CHECK(t, n_grads > 0, "%s: no gradients compared", name);
-    free(tokens);
-    st_close(&ex);
-    store_free(&s);
-    model_free(&m);
+    test_parity_close(&f);
 }
 
 static void test_gpu_parity(TestCtx* t) {

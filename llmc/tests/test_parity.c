@@ -8,7 +8,6 @@
 #include <string.h>
 
 #include "../adamw.h"
-#include "../checkpoint.h"
 #include "../common.h"
 #include "../model.h"
 #include "../ops.h"
@@ -25,69 +24,45 @@ static float meta_float(const StFile* f, const char* key) {
 }
 
 static void parity_check(TestCtx* t, const char* name) {
-    char dir[4200], path[4300], err[ERR_LEN];
-    snprintf(dir, sizeof dir, "%s/dev/parity/fixtures/%s", t->exe_dir, name);
-    ModelSource src;
-    if (checkpoint_resolve_model(&src, dir, err) != 0) {
-        CHECK(t, 0, "%s", err);
-        return;
-    }
-    Model m;
-    CHECK(t, model_init(&m, &src.cfg, 0, err) == 0, "%s", err);
-    Store s;
-    store_create(&s, &m.tt);
-    int unused = -1;
-    CHECK(t, store_load(&s, &src.ck, &unused, err) == 0 && unused == 0, "load: %s", err);
-    checkpoint_close_source(&src);
-
-    StFile ex;
-    snprintf(path, sizeof path, "%s/expected.safetensors", dir);
-    if (st_open(&ex, path, err) != 0) {
-        CHECK(t, 0, "%s", err);
-        return;
-    }
-    const StTensor* tok = st_find(&ex, "tokens");
-    CHECK(t, tok && tok->dtype == ST_I32 && tok->ndim == 2, "tokens tensor");
-    const int B = (int)tok->shape[0], T = (int)tok->shape[1] - 1;
-    int32_t* tokens = malloc_check((size_t)B * (T + 1) * sizeof(int32_t));
-    memcpy(tokens, tok->data, (size_t)B * (T + 1) * sizeof(int32_t));
-    float ref_loss;
-    st_tensor_to_f32(st_find(&ex, "loss"), &ref_loss, 1, err);
+    char err[ERR_LEN];
+    ParityFixture f;
+    if (test_parity_open(t, name, &f) != 0) return;
+    const int B = f.B, T = f.T;
 
     void* ctx = ops_cpu_create(t->n_threads);
-    Plain* p = plain_create(&m, &s, &ops_cpu, ctx, B, T, 0);
+    Plain* p = plain_create(&f.m, &f.s, &ops_cpu, ctx, B, T, 0);
     const double N = (double)B * T;
 
     // loss and gradients
-    store_zero_grads(&s);
-    double loss = plain_forward_backward(p, tokens, B, T, (float)(1.0 / N)) / N;
-    store_fold_tied_grads(&s);
-    CHECK(t, fabs(loss - ref_loss) <= 1e-5 * fabs(ref_loss), "%s loss %.9g vs HF %.9g", name, loss,
-          ref_loss);
+    store_zero_grads(&f.s);
+    double loss = plain_forward_backward(p, f.tokens, B, T, (float)(1.0 / N)) / N;
+    store_fold_tied_grads(&f.s);
+    CHECK(t, fabs(loss - f.ref_loss) <= 1e-5 * fabs(f.ref_loss), "%s loss %.9g vs HF %.9g", name,
+          loss, f.ref_loss);
     int n_grads = 0;
-    test_check_fixture_grads(t, name, &m, &s, &ex, 1e-4, &n_grads);
+    test_check_fixture_grads(t, name, &f.m, &f.s, &f.ex, 1e-4, &n_grads);
     int n_expected = 0;
-    for (int k = 0; k < ex.n_tensors; k++) n_expected += strncmp(ex.tensors[k].name, "grad.", 5) == 0;
+    for (int k = 0; k < f.ex.n_tensors; k++) n_expected += strncmp(f.ex.tensors[k].name, "grad.", 5) == 0;
     CHECK(t, n_grads == n_expected, "%s: compared %d of %d fixture gradients", name, n_grads,
           n_expected);
 
     // AdamW trajectory: loss before each of 8 updates on the same batch
-    const StTensor* traj = st_find(&ex, "traj_loss");
+    const StTensor* traj = st_find(&f.ex, "traj_loss");
     float ref_traj[8];
     CHECK(t, traj && traj->numel == 8 && st_tensor_to_f32(traj, ref_traj, 8, err) == 0,
           "traj_loss");
     AdamWTensor opt[64];
-    int n_opt = store_adamw_tensors(&s, opt);
-    AdamWHyper h = {meta_float(&ex, "lr"), meta_float(&ex, "beta1"), meta_float(&ex, "beta2"),
-                    meta_float(&ex, "eps"), meta_float(&ex, "weight_decay")};
-    float clip = meta_float(&ex, "grad_clip");
+    int n_opt = store_adamw_tensors(&f.s, opt);
+    AdamWHyper h = {meta_float(&f.ex, "lr"), meta_float(&f.ex, "beta1"), meta_float(&f.ex, "beta2"),
+                    meta_float(&f.ex, "eps"), meta_float(&f.ex, "weight_decay")};
+    float clip = meta_float(&f.ex, "grad_clip");
     CHECK(t, isfinite(h.lr) && isfinite(h.weight_decay) && isfinite(clip), "fixture metadata");
     ThreadPool* pool = threadpool_create(t->n_threads);
     double worst = 0;
     for (int step = 1; step <= 8; step++) {
-        store_zero_grads(&s);
-        double l = plain_forward_backward(p, tokens, B, T, (float)(1.0 / N)) / N;
-        store_fold_tied_grads(&s);
+        store_zero_grads(&f.s);
+        double l = plain_forward_backward(p, f.tokens, B, T, (float)(1.0 / N)) / N;
+        store_fold_tied_grads(&f.s);
         double diff = fabs(l - ref_traj[step - 1]);
         if (diff > worst) worst = diff;
         double norm = sqrt(adamw_grad_norm_sq(pool, opt, n_opt));
@@ -98,10 +73,7 @@ static void parity_check(TestCtx* t, const char* name) {
     threadpool_destroy(pool);
     plain_free(p);
     ops_cpu_destroy(ctx);
-    free(tokens);
-    st_close(&ex);
-    store_free(&s);
-    model_free(&m);
+    test_parity_close(&f);
 }
 
 static void test_parity_llama(TestCtx* t) { parity_check(t, "llama"); }

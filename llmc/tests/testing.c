@@ -7,6 +7,7 @@
 #include <string.h>
 #include <sys/wait.h>
 
+#include "../checkpoint.h"
 #include "../common.h"
 #include "../model.h"
 #include "../plain.h"
@@ -121,4 +122,53 @@ double test_check_fixture_grads(TestCtx* t, const char* what, const Model* m, co
         (*n_grads)++;
     }
     return worst;
+}
+
+int test_parity_open(TestCtx* t, const char* name, ParityFixture* f) {
+    char dir[4200], path[4300], err[ERR_LEN];
+    memset(f, 0, sizeof *f);
+    snprintf(dir, sizeof dir, "%s/dev/parity/fixtures/%s", t->exe_dir, name);
+    ModelSource src;
+    if (checkpoint_resolve_model(&src, dir, err) != 0) {
+        CHECK(t, 0, "%s", err);
+        return -1;
+    }
+    if (model_init(&f->m, &src.cfg, 0, err) != 0) {
+        CHECK(t, 0, "%s", err);
+        checkpoint_close_source(&src);
+        return -1;
+    }
+    store_create(&f->s, &f->m.tt);
+    int unused = -1;
+    CHECK(t, store_load(&f->s, &src.ck, &unused, err) == 0 && unused == 0, "load: %s", err);
+    checkpoint_close_source(&src);
+    snprintf(path, sizeof path, "%s/expected.safetensors", dir);
+    if (st_open(&f->ex, path, err) != 0) {
+        CHECK(t, 0, "%s", err);
+        store_free(&f->s);
+        model_free(&f->m);
+        return -1;
+    }
+    const StTensor* tok = st_find(&f->ex, "tokens");
+    if (!(tok && tok->dtype == ST_I32 && tok->ndim == 2 && tok->shape[1] >= 2)) {
+        CHECK(t, 0, "%s: no (B, T + 1) int32 tokens tensor", path);
+        test_parity_close(f);
+        return -1;
+    }
+    f->B = (int)tok->shape[0];
+    f->T = (int)tok->shape[1] - 1;
+    f->tokens = malloc_check((size_t)f->B * (f->T + 1) * sizeof(int32_t));
+    memcpy(f->tokens, tok->data, (size_t)f->B * (f->T + 1) * sizeof(int32_t));
+    f->ref_loss = NAN;
+    const StTensor* loss = st_find(&f->ex, "loss");
+    if (loss) st_tensor_to_f32(loss, &f->ref_loss, 1, err);
+    return 0;
+}
+
+void test_parity_close(ParityFixture* f) {
+    free(f->tokens);
+    st_close(&f->ex);
+    store_free(&f->s);
+    model_free(&f->m);
+    memset(f, 0, sizeof *f);
 }

@@ -106,6 +106,20 @@ void test_reference_train(const RefTrain* r, const int32_t* tokens, double* loss
 // tensor; the tied head's gradient is folded into the embedding): one CHECK per tensor that the
 // relative L2 error is <= tol (what: the message's prefix). Returns the worst error; *n_grads =
 // tensors compared.
+// An HF parity fixture (dev/parity/fixtures/<name>): the model with the fixture's weights, its
+// expected.safetensors, and the batch and loss recorded there.
+typedef struct ParityFixture {
+    Model m;
+    Store s;
+    StFile ex;
+    int32_t* tokens;  // (B, T + 1)
+    int B, T;
+    float ref_loss;   // NAN when the fixture has none
+} ParityFixture;
+// 0, or -1 after a failed CHECK saying why (nothing left to close).
+int test_parity_open(TestCtx* t, const char* name, ParityFixture* f);
+void test_parity_close(ParityFixture* f);
+
 double test_check_fixture_grads(TestCtx* t, const char* what, const Model* m, const Store* s,
                                 const StFile* ex, double tol, int* n_grads);
 
