@@ -6,14 +6,16 @@
  *   gcc -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -O3 -pthread -o bench_adamw \
  *       dev/bench_adamw.c llmc/adamw.c llmc/threads.c llmc/common.c -lm
  *   ./bench_adamw [-log2n 28 | -n PARAMS] [-tensors 64] [-steps 7] [-warmup 2] [-threads MAX]
- *                 [-bf16] [-simd scalar|avx2|avx512]
+ *                 [-bf16] [-nohuge] [-simd scalar|avx2|avx512]
  *
  * It allocates n fp32 params, grads, m and v (16 B/param: 4 GiB at the default 2^28), split into
  * `tensors` separately aligned tensors like a model's layers. For thread counts 1, 2, 4, ... up to
  * MAX (default: all online CPUs, which is always included) it runs warm-up steps, then timed steps,
  * and prints the median step time, Gparam/s and the effective bandwidth at 28 B/param (read p, g,
  * m, v; write p, m, v; 30 B with -bf16, which also writes the bf16 copy), plus the same for the
- * gradient norm (4 B/param). -simd sets ROUNDPIPE_SIMD to force a lower inner loop.
+ * gradient norm (4 B/param). The state arrays are advised to use transparent huge pages as the
+ * trainer's store is (huge_alloc_check); -nohuge leaves them on normal pages. -simd sets
+ * ROUNDPIPE_SIMD to force a lower inner loop.
  *
  * Target (PERFORMANCE_MODEL.md §4): >= 4.0 Gparam/s on the 16-core H200 host, the speed of
  * PyTorch's fused CPU AdamW.
@@ -38,6 +40,7 @@ typedef struct BenchOpts {
     int warmup;     // untimed steps per thread count
     int max_threads;
     int bf16;  // also write the bf16 copy
+    int huge;  // state arrays advised to use transparent huge pages (as the trainer's store)
 } BenchOpts;
 
 static void bench_usage(void) {
@@ -59,7 +62,7 @@ static int64_t bench_arg_int(int argc, char** argv, int i, int64_t lo, int64_t h
 
 static BenchOpts bench_parse_args(int argc, char** argv) {
     BenchOpts o = {.n = (size_t)1 << 28, .n_tensors = 64, .steps = 7, .warmup = 2,
-                   .max_threads = threads_online_cpus(), .bf16 = 0};
+                   .max_threads = threads_online_cpus(), .bf16 = 0, .huge = 1};
     for (int i = 1; i < argc; i++) {
         const char* a = argv[i];
         if (strcmp(a, "-log2n") == 0) {
@@ -76,6 +79,8 @@ static BenchOpts bench_parse_args(int argc, char** argv) {
             o.max_threads = (int)bench_arg_int(argc, argv, i++, 1, 4096);
         } else if (strcmp(a, "-bf16") == 0) {
             o.bf16 = 1;
+        } else if (strcmp(a, "-nohuge") == 0) {
+            o.huge = 0;
         } else if (strcmp(a, "-simd") == 0 && i + 1 < argc) {
             setenv("ROUNDPIPE_SIMD", argv[++i], 1);  // read by adamw_simd_name / adamw_step
         } else {
@@ -115,6 +120,10 @@ static void bench_fill_task(void* arg, int64_t i) {
     }
 }
 
+static float* bench_floats(const BenchOpts* o, size_t n) {
+    return o->huge ? huge_alloc_check(n * sizeof(float)) : aligned_alloc_check(n * sizeof(float));
+}
+
 static BenchState bench_alloc(const BenchOpts* o, ThreadPool* pool) {
     BenchState s = {.n_tensors = o->n_tensors, .n = o->n};
     s.t = calloc_check((size_t)o->n_tensors, sizeof(AdamWTensor));
@@ -122,10 +131,10 @@ static BenchState bench_alloc(const BenchOpts* o, ThreadPool* pool) {
     for (int i = 0; i < o->n_tensors; i++) {
         AdamWTensor* t = &s.t[i];
         t->n = per + ((size_t)i < extra ? 1 : 0);
-        t->param = aligned_alloc_check(t->n * sizeof(float));
-        t->grad = aligned_alloc_check(t->n * sizeof(float));
-        t->m = aligned_alloc_check(t->n * sizeof(float));
-        t->v = aligned_alloc_check(t->n * sizeof(float));
+        t->param = bench_floats(o, t->n);
+        t->grad = bench_floats(o, t->n);
+        t->m = bench_floats(o, t->n);
+        t->v = bench_floats(o, t->n);
         t->decay = (i % 4 != 3);  // most weights decay; norms and biases do not
         t->out_bf16 = o->bf16 ? aligned_alloc_check(t->n * sizeof(uint16_t)) : NULL;
     }

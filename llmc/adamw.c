@@ -301,6 +301,15 @@ __attribute__((target("avx512f"), optimize("fp-contract=off"))) static void step
     const __m512i round_base = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
     const __m512i qnan_bit = _mm512_set1_epi32(0x40);
     size_t i = 0;
+    // The bf16 copy is only read later (by the upload's DMA): streaming stores skip the read
+    // for ownership of its lines (2 of the ~32 bytes of memory traffic per element). They need
+    // 32-byte alignment, so the first few elements go through the (bit-identical) scalar loop.
+    if (out) {
+        size_t head = (size_t)((32 - ((uintptr_t)out & 31)) & 31) / sizeof(uint16_t);
+        if ((uintptr_t)out % sizeof(uint16_t) != 0 || head > n) head = n;
+        step_chunk_scalar(k, decay, p, g, m, v, out, head);
+        i = head;
+    }
     for (; i + 16 <= n; i += 16) {
         step_prefetch(p, g, m, v, i);
         __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g + i), scale);
@@ -323,9 +332,10 @@ __attribute__((target("avx512f"), optimize("fp-contract=off"))) static void step
             r = _mm512_srli_epi32(r, 16);
             __mmask16 nan_mask = _mm512_cmp_ps_mask(pi, pi, _CMP_UNORD_Q);
             r = _mm512_mask_or_epi32(r, nan_mask, hi, qnan_bit);
-            _mm256_storeu_si256((__m256i*)(out + i), _mm512_cvtepi32_epi16(r));
+            _mm256_stream_si256((__m256i*)(out + i), _mm512_cvtepi32_epi16(r));
         }
     }
+    if (out) _mm_sfence();  // the streamed stores are visible before the task reports done
     step_chunk_scalar(k, decay, p + i, g + i, m + i, v + i, out ? out + i : NULL, n - i);
 }
 

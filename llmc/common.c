@@ -9,6 +9,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -67,6 +68,17 @@ void* realloc_check_at(void* p, size_t size, const char* file, int line) {
     void* q = realloc(p, size ? size : 1);
     if (!q) fatal_at(file, line, "out of host memory reallocating to %zu bytes", size);
     return q;
+}
+
+void* huge_alloc_check_at(size_t size, const char* file, int line) {
+    const size_t huge = (size_t)2 << 20;
+    if (size < huge) return aligned_alloc_check_at(size, file, line);
+    void* p = NULL;
+    if (posix_memalign(&p, huge, size) != 0 || !p)
+        fatal_at(file, line, "out of host memory allocating %zu aligned bytes", size);
+    // advice only: where transparent huge pages are off (or "never") this changes nothing
+    (void)madvise(p, (size + huge - 1) / huge * huge, MADV_HUGEPAGE);
+    return p;
 }
 
 void* aligned_alloc_check_at(size_t size, const char* file, int line) {

@@ -39,6 +39,9 @@ void* calloc_check_at(size_t n, size_t size, const char* file, int line);
 void* realloc_check_at(void* p, size_t size, const char* file, int line);
 // 64-byte aligned allocation (SIMD, cache lines); free with free().
 void* aligned_alloc_check_at(size_t size, const char* file, int line);
+// The same for large arrays streamed by many threads (the optimizer's state): from 2 MiB up,
+// 2 MiB aligned and advised to use transparent huge pages (fewer TLB misses); free with free().
+void* huge_alloc_check_at(size_t size, const char* file, int line);
 FILE* fopen_check_at(const char* path, const char* mode, const char* file, int line);
 void fread_check_at(void* p, size_t size, size_t n, FILE* f, const char* path, const char* file,
                     int line);
@@ -50,6 +53,7 @@ void fclose_check_at(FILE* f, const char* path, const char* file, int line);
 #define calloc_check(n, size) calloc_check_at((n), (size), __FILE__, __LINE__)
 #define realloc_check(p, size) realloc_check_at((p), (size), __FILE__, __LINE__)
 #define aligned_alloc_check(size) aligned_alloc_check_at((size), __FILE__, __LINE__)
+#define huge_alloc_check(size) huge_alloc_check_at((size), __FILE__, __LINE__)
 #define fopen_check(path, mode) fopen_check_at((path), (mode), __FILE__, __LINE__)
 #define fread_check(p, size, n, f, path) fread_check_at((p), (size), (n), (f), (path), __FILE__, __LINE__)
 #define fwrite_check(p, size, n, f, path) fwrite_check_at((p), (size), (n), (f), (path), __FILE__, __LINE__)

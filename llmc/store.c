@@ -13,7 +13,7 @@
 #include "rng.h"
 
 static float* slab_alloc(int64_t n) {
-    return n > 0 ? aligned_alloc_check((size_t)n * sizeof(float)) : NULL;
+    return n > 0 ? huge_alloc_check((size_t)n * sizeof(float)) : NULL;
 }
 
 // Zeroing the slabs is most of store_create's time for big models (128 GB for LLaMA-3.1-8B):

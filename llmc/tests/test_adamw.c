@@ -28,6 +28,7 @@ typedef struct Fixture {
     int n;
     AdamWTensor t[FIX_MAX];
     float* grad[FIX_MAX];  // writable views of t[i].grad
+    uint16_t* bf16_base[FIX_MAX];  // allocations of t[i].out_bf16 (which starts a few elements in)
 } Fixture;
 
 static const size_t fix_sizes[] = {
@@ -50,7 +51,10 @@ static void fixture_init(Fixture* f, const size_t* sizes, int n, int with_bf16, 
         t->m = aligned_alloc_check(sz * sizeof(float));
         t->v = aligned_alloc_check(sz * sizeof(float));
         t->decay = (i % 2 == 0);
-        t->out_bf16 = with_bf16 ? aligned_alloc_check(sz * sizeof(uint16_t)) : NULL;
+        // the bf16 copies start at assorted 2-byte offsets from a 64-byte boundary (the vector
+        // loops' streaming stores need 32-byte alignment and peel the head)
+        f->bf16_base[i] = with_bf16 ? aligned_alloc_check((sz + 16) * sizeof(uint16_t)) : NULL;
+        t->out_bf16 = with_bf16 ? f->bf16_base[i] + (5 * i) % 17 : NULL;
         for (size_t j = 0; j < sz; j++) {
             t->param[j] = 0.5f * rng_normal(&r);
             f->grad[i][j] = 2.0f * rng_uniform(&r) - 1.0f;
@@ -67,7 +71,7 @@ static void fixture_free(Fixture* f) {
         free(f->grad[i]);
         free(f->t[i].m);
         free(f->t[i].v);
-        free(f->t[i].out_bf16);
+        free(f->bf16_base[i]);
     }
 }
 

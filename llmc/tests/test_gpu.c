@@ -1044,7 +1044,7 @@ typedef struct GpuEngineCase {
 // What one case did besides its losses.
 typedef struct GpuEngineRun {
     int S;               // stages (-1: the engine could not be made)
-    size_t used;         // bytes taken on the busiest device over the first step
+    size_t used;         // bytes taken on the busiest device over the first two steps
     EngineDeviceBytes db;  // the prediction
     int64_t gated;       // stages uploaded behind per-layer fences
 } GpuEngineRun;
@@ -1092,8 +1092,11 @@ static GpuEngineRun gpu_engine_run(TestCtx* t, const DeviceImpl* impl, const Mod
                 if (step + 1 < ENGINE_STEPS) engine_submit(e, batch + (size_t)B * (T + 1));
                 loss[step] = engine_collect(e).loss;
             }
-            if (step == 0 && cuda) {
-                engine_synchronize(e);  // (with one more in flight: its memory is all there)
+            // (after the second step: with the delayed update the third is in flight and its
+            // memory all there, and its uploads were gated or not before this waits for the
+            // optimizer)
+            if (step == 1 && cuda) {
+                engine_synchronize(e);
                 for (int g = 0; g < ec->N && g < 8; g++) {
                     size_t fr = 0;
                     cuda_device_memory(g, &fr, &tot);
