@@ -1924,10 +1924,15 @@ void engine_last_update(Engine* e, double* norm, double* lr) {
 // ----------------------------------------------------------------------------
 // stepping
 
-static void wait_iteration_done(Engine* e, int ip) {
+// Iteration slot ip's device work is complete on every stream of every device.
+static void wait_iteration_end(Engine* e, int ip) {
     for (int g = 0; g < e->N; g++)
         for (int s2 = 0; s2 < STREAM_COUNT; s2++)
             e->impl->event_synchronize(e->dev[g].iter_end[ip][s2]);
+}
+
+static void wait_iteration_done(Engine* e, int ip) {
+    wait_iteration_end(e, ip);
     profile_collect(e, ip);
     arena_free(e->arena[ip]);
     e->arena[ip] = NULL;
@@ -1988,6 +1993,10 @@ EngineStepResult engine_collect(Engine* e) {
         const size_t tok = (size_t)mb_rows(e, i) * T;
         for (size_t k = 0; k < tok; k++) sum += e->hloss[ip][i][k];
     }
+    // The iteration is over when all its work is, not when its loss is known: a stage plan's
+    // backward stages run after the loss (for a single step they are most of it). Waiting here
+    // costs no overlap: the next submission into this slot waits for the same events.
+    wait_iteration_end(e, ip);
     EngineStepResult res;
     memset(&res, 0, sizeof res);
     res.loss = sum / ((double)e->opt.B * T);
