@@ -453,6 +453,9 @@ int main(int argc, char** argv) {
             plain_sync_params(plain);
         }
         if (!isfinite(st.loss)) fatal("loss is not finite at step %d (try a lower --lr)", step);
+        // nothing submitted after this step: its work after the loss (a stage plan's backward
+        // stages; for a single step most of it) is step time too
+        if (eng && stop_after) engine_wait_devices(eng);
         t_step = time_now_s();
         double dt = t_step - t0;
         st.ms = dt * 1e3;

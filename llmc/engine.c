@@ -1993,10 +1993,6 @@ EngineStepResult engine_collect(Engine* e) {
         const size_t tok = (size_t)mb_rows(e, i) * T;
         for (size_t k = 0; k < tok; k++) sum += e->hloss[ip][i][k];
     }
-    // The iteration is over when all its work is, not when its loss is known: a stage plan's
-    // backward stages run after the loss (for a single step they are most of it). Waiting here
-    // costs no overlap: the next submission into this slot waits for the same events.
-    wait_iteration_end(e, ip);
     EngineStepResult res;
     memset(&res, 0, sizeof res);
     res.loss = sum / ((double)e->opt.B * T);
@@ -2041,6 +2037,10 @@ EngineStepResult engine_step(Engine* e, const int32_t* tokens) {
     EngineStepResult r = engine_collect(e);
     while (engine_in_flight(e) > 0) r = engine_collect(e);
     return r;
+}
+
+void engine_wait_devices(Engine* e) {
+    for (int64_t k = e->iter >= 2 ? e->iter - 2 : 0; k < e->iter; k++) wait_iteration_end(e, (int)(k % 2));
 }
 
 void engine_synchronize(Engine* e) {

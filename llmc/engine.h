@@ -144,7 +144,13 @@ int engine_plan_fits(const Model* m, int act_bytes, int n_devices, const EngineO
 // optimizer step). Fatal with two iterations already in flight.
 void engine_submit(Engine* e, const int32_t* tokens);
 // Wait for the oldest uncollected iteration's losses and its reported step; fatal with none.
+// The losses are known before the iteration's work is over (a stage plan's backward stages run
+// after the fused stage): the time between two collections is the iteration period only while
+// the next iteration is already in flight.
 EngineStepResult engine_collect(Engine* e);
+// Wait until the devices have done all work submitted so far (not the optimizer's CPU steps):
+// with nothing submitted after it, the last collected iteration's time ends here.
+void engine_wait_devices(Engine* e);
 // Iterations submitted and not yet collected (0, 1 or 2).
 int64_t engine_in_flight(const Engine* e);
 // engine_submit + engine_collect of that iteration (collecting any earlier ones first).

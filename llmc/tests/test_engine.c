@@ -380,6 +380,46 @@ static void test_engine_bubble_formula(TestCtx* t) {
     free(tokens);
 }
 
+// A stage plan's loss is known before its backward stages have run: engine_collect returns then,
+// and engine_wait_devices (which the trainer calls when nothing follows a step) waits for the rest.
+static void test_engine_wait_devices(TestCtx* t) {
+    const int B = 8, T = 8, M = 4;
+    ModelConfig c = engine_config(0);
+    int32_t* tokens = make_batches(B, T, 1, c.V);
+    char err[ERR_LEN];
+    DeviceOptions dopt = {.threads = 1};
+    Fixture fx;
+    fixture_open(&fx, &c, 1, &dopt);
+    EngineOptions eo = {.B = B, .T = T, .M = M, .M_R = M, .sync = 0, .device_budget = 2.4e5,
+                        .opt_threads = 1, .trace_path = "", .fake_compute_us = 5000,
+                        .hyper = test_hyper(), .sched = test_sched(), .grad_clip = 1.0f};
+    eo.device_budget += (double)engine_fixed_device_bytes(&fx.m, 4, &eo);
+    Engine* e = engine_create(&fx.m, &fx.s, &fx.devs, &eo, err);
+    CHECK(t, e != NULL, "%s", err);
+    if (e) {
+        const PartitionPlan* p = engine_plan(e);
+        const int S = p->n_fwd + p->n_bwd;
+        CHECK(t, S >= 3, "the budget should force backward stages after the fused one (S %d)", S);
+        DeviceStats st;
+        engine_submit(e, tokens);
+        (void)engine_collect(e);
+        fx.devs.impl->stats(fx.devs.dev[0], &st);
+        const double at_loss = st.busy_s[STREAM_COMPUTE];
+        engine_wait_devices(e);
+        fx.devs.impl->stats(fx.devs.dev[0], &st);
+        const double at_end = st.busy_s[STREAM_COMPUTE];
+        const double all = (double)S * M * eo.fake_compute_us * 1e-6;
+        CHECK(t, at_loss < all - 0.5 * eo.fake_compute_us * 1e-6,
+              "the loss came after all %d stages (%.3f s of %.3f s)", S, at_loss, all);
+        CHECK(t, at_end >= all - 1e-3, "after engine_wait_devices %.3f s of %.3f s done", at_end, all);
+        printf("       S=%d: compute done %.0f ms at the loss, %.0f ms after the wait (of %.0f)\n", S,
+               at_loss * 1e3, at_end * 1e3, all * 1e3);
+        engine_free(e);
+    }
+    fixture_close(&fx);
+    free(tokens);
+}
+
 // The delayed optimizer must hide a slow CPU step: with uniform stages and a step that takes 80% of
 // an iteration, the devices stay busy. (With one host gradient set, iteration t+1's gradient
 // downloads waited for the step reading iteration t's: 23% bubble here, 31% at 95%.)
@@ -607,6 +647,7 @@ const TestCase tests_engine[] = {
     {"engine_microbatch_counts", test_engine_microbatch_counts},
     {"engine_async_delayed", test_engine_async_delayed},
     {"engine_bubble_formula", test_engine_bubble_formula},
+    {"engine_wait_devices", test_engine_wait_devices},
     {"engine_slow_optimizer_hidden", test_engine_slow_optimizer_hidden},
     {"engine_two_iterations_overlap", test_engine_two_iterations_overlap},
     {"engine_gated_uploads_hide_step", test_engine_gated_uploads_hide_step},
