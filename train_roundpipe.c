@@ -319,7 +319,8 @@ int main(int argc, char** argv) {
     if (use_engine) {
         int per_dev = a.threads > 0 ? a.threads : threads_online_cpus() / N;
         DeviceOptions dopt = {.threads = per_dev > 0 ? per_dev : 1, .delay_seed = a.seed,
-                              .max_delay_us = a.delay_us, .mem_limit = 0};
+                              .max_delay_us = a.delay_us, .mem_limit = 0,
+                              .profile_ops = a.profile_ops};
         const DeviceImpl* impl = &device_cpu_impl;
 #ifdef HAVE_CUDA
         if (use_cuda) impl = &device_cuda_impl;

@@ -64,6 +64,7 @@ enum {
 };
 
 typedef struct MatmulPlan MatmulPlan;  // matmul.cu: one cached cuBLASLt problem
+typedef struct OpProfile OpProfile;    // profile.cu: device time per op (--profile-ops)
 
 typedef struct CudaCtx {
     int device;
@@ -80,6 +81,7 @@ typedef struct CudaCtx {
     void* host_stage;           // pinned host staging buffer (STAGE_BYTES)
     int* d_error;               // device error word (CUDA_ERR_* bits)
     int* h_error;               // pinned host copy of it
+    OpProfile* prof;            // NULL unless ops_cuda_profile_enable
 } CudaCtx;
 
 #define LT_WORKSPACE_BYTES ((size_t)32 << 20)  // cuBLAS's recommendation for Hopper
@@ -89,6 +91,13 @@ typedef struct CudaCtx {
 void* cuda_scratch(CudaCtx* cx, int slot, size_t bytes);
 // Make cx->device current on the calling thread (ops may be called from any thread).
 void cuda_ctx_enter(CudaCtx* cx);
+// Op profile (profile.cu): around each op's kernels when cx->prof is set, else nothing. The key
+// (printf-style) names the op and its shape; flop and bytes per call (0: not counted) give the
+// report's rates.
+void prof_begin(CudaCtx* cx, double flop, double bytes, const char* fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+void prof_end(CudaCtx* cx);
+void prof_destroy(CudaCtx* cx);
 
 // ----------------------------------------------------------------------------
 // small host helpers

@@ -15,6 +15,7 @@
 #define KERNELS_KERNELS_H
 
 #include <stddef.h>
+#include <stdio.h>
 
 #include "../llmc/ops.h"
 
@@ -32,6 +33,13 @@ void ops_cuda_destroy(void* ctx);
 // The context's stream (a cudaStream_t) and device index.
 void* ops_cuda_stream(void* ctx);
 int ops_cuda_device(void* ctx);
+
+// Op profile (--profile-ops): from now on time every compute op of the context with CUDA events,
+// per op and shape; the report prints the device time per key, sorted, with TFLOP/s and GB/s
+// where the op's work is counted. Enabling makes the issuing thread wait for the GPU every 1024
+// ops: the run gets slower, the per-op times do not.
+void ops_cuda_profile_enable(void* ctx);
+void ops_cuda_profile_report(void* ctx, FILE* f);
 
 // Number of CUDA devices; 0 when there is no GPU or no driver (never fatal).
 int cuda_device_count(void);

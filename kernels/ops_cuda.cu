@@ -147,6 +147,7 @@ extern "C" void ops_cuda_destroy(void* ctx) {
     if (!ctx) return;
     CudaCtx* cx = ctx_enter(ctx);
     cuda_check(cudaStreamSynchronize(cx->stream));
+    prof_destroy(cx);
     cuda_matmul_plans_free(cx);
     for (int i = 0; i < SCRATCH_COUNT; i++)
         if (cx->scratch[i]) cuda_check(cudaFree(cx->scratch[i]));
@@ -252,61 +253,88 @@ static void op_embedding_forward(void* ctx, void* out, const int32_t* ids, const
                                  int C) {
     // The vocabulary size is not an argument of the forward: ids are range-checked by the
     // backward (and the loss); here only negative ids can be caught.
-    cuda_embedding_forward(ctx_enter(ctx), (bf16*)out, ids, (const bf16*)wte, N, C, 0x7fffffff);
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 4.0 * N * C, "embedding fwd N=%d C=%d", N, C);
+    cuda_embedding_forward(cx, (bf16*)out, ids, (const bf16*)wte, N, C, 0x7fffffff);
+    prof_end(cx);
 }
 
 static void op_embedding_backward(void* ctx, float* dwte, const void* dout, const int32_t* ids,
                                   int N, int C, int V) {
-    cuda_embedding_backward(ctx_enter(ctx), dwte, (const bf16*)dout, ids, N, C, V);
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 10.0 * N * C, "embedding bwd N=%d C=%d V=%d", N, C, V);
+    cuda_embedding_backward(cx, dwte, (const bf16*)dout, ids, N, C, V);
+    prof_end(cx);
 }
 
 static void op_rmsnorm_forward(void* ctx, void* out, float* rstd, const void* inp, const void* w,
                                int N, int C, float eps) {
-    cuda_rmsnorm_forward(ctx_enter(ctx), NULL, (bf16*)out, rstd, (const bf16*)inp, NULL,
-                         (const bf16*)w, N, C, eps);
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 4.0 * N * C, "rmsnorm fwd N=%d C=%d", N, C);
+    cuda_rmsnorm_forward(cx, NULL, (bf16*)out, rstd, (const bf16*)inp, NULL, (const bf16*)w, N, C,
+                         eps);
+    prof_end(cx);
 }
 
 static void op_residual_rmsnorm_forward(void* ctx, void* res, void* out, float* rstd,
                                         const void* a, const void* b, const void* w, int N, int C,
                                         float eps) {
-    cuda_rmsnorm_forward(ctx_enter(ctx), (bf16*)res, (bf16*)out, rstd, (const bf16*)a,
-                         (const bf16*)b, (const bf16*)w, N, C, eps);
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 8.0 * N * C, "residual+rmsnorm fwd N=%d C=%d", N, C);
+    cuda_rmsnorm_forward(cx, (bf16*)res, (bf16*)out, rstd, (const bf16*)a, (const bf16*)b,
+                         (const bf16*)w, N, C, eps);
+    prof_end(cx);
 }
 
 static void op_rmsnorm_backward(void* ctx, void* dinp, float* dw, const void* dout,
                                 const void* inp, const void* w, const float* rstd, int N, int C) {
-    cuda_rmsnorm_backward(ctx_enter(ctx), (bf16*)dinp, dw, (const bf16*)dout, (const bf16*)inp,
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 6.0 * N * C, "rmsnorm bwd N=%d C=%d", N, C);
+    cuda_rmsnorm_backward(cx, (bf16*)dinp, dw, (const bf16*)dout, (const bf16*)inp,
                           (const bf16*)w, rstd, N, C);
+    prof_end(cx);
 }
 
 static void op_matmul_forward(void* ctx, void* out, const void* inp, const void* w,
                               const void* bias, int N, int IC, int OC) {
-    cuda_matmul_forward(ctx_enter(ctx), (bf16*)out, (const bf16*)inp, (const bf16*)w,
-                        (const bf16*)bias, N, IC, OC);
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 2.0 * N * IC * OC, 0, "matmul fwd N=%d IC=%d OC=%d", N, IC, OC);
+    cuda_matmul_forward(cx, (bf16*)out, (const bf16*)inp, (const bf16*)w, (const bf16*)bias, N,
+                        IC, OC);
+    prof_end(cx);
 }
 
 static void op_matmul_backward(void* ctx, void* dinp, float* dw, float* dbias, const void* dout,
                                const void* inp, const void* w, int N, int IC, int OC) {
-    cuda_matmul_backward(ctx_enter(ctx), (bf16*)dinp, dw, dbias, (const bf16*)dout,
-                         (const bf16*)inp, (const bf16*)w, N, IC, OC);
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, (dinp ? 4.0 : 2.0) * N * IC * OC, 0, "matmul bwd%s N=%d IC=%d OC=%d",
+               dinp ? "" : " (dw only)", N, IC, OC);
+    cuda_matmul_backward(cx, (bf16*)dinp, dw, dbias, (const bf16*)dout, (const bf16*)inp,
+                         (const bf16*)w, N, IC, OC);
+    prof_end(cx);
 }
 
 static void op_qknorm_rope_forward(void* ctx, void* out, float* rstd, const void* inp,
                                    const void* q_norm_w, const void* k_norm_w, const float* cos,
                                    const float* sin, int B, int T, int H, int KVH, int HD,
                                    float eps) {
-    cuda_qknorm_rope_forward(ctx_enter(ctx), (bf16*)out, rstd, (const bf16*)inp,
-                             (const bf16*)q_norm_w, (const bf16*)k_norm_w, cos, sin, B, T, H, KVH,
-                             HD, eps);
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 4.0 * B * T * (H + 2 * KVH) * HD, "qk-norm+rope fwd B=%d T=%d", B, T);
+    cuda_qknorm_rope_forward(cx, (bf16*)out, rstd, (const bf16*)inp, (const bf16*)q_norm_w,
+                             (const bf16*)k_norm_w, cos, sin, B, T, H, KVH, HD, eps);
+    prof_end(cx);
 }
 
 static void op_qknorm_rope_backward(void* ctx, void* dinp, float* dq_norm_w, float* dk_norm_w,
                                     const void* dout, const void* inp, const void* q_norm_w,
                                     const void* k_norm_w, const float* rstd, const float* cos,
                                     const float* sin, int B, int T, int H, int KVH, int HD) {
-    cuda_qknorm_rope_backward(ctx_enter(ctx), (bf16*)dinp, dq_norm_w, dk_norm_w,
-                              (const bf16*)dout, (const bf16*)inp, (const bf16*)q_norm_w,
-                              (const bf16*)k_norm_w, rstd, cos, sin, B, T, H, KVH, HD);
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 6.0 * B * T * (H + 2 * KVH) * HD, "qk-norm+rope bwd B=%d T=%d", B, T);
+    cuda_qknorm_rope_backward(cx, (bf16*)dinp, dq_norm_w, dk_norm_w, (const bf16*)dout,
+                              (const bf16*)inp, (const bf16*)q_norm_w, (const bf16*)k_norm_w,
+                              rstd, cos, sin, B, T, H, KVH, HD);
+    prof_end(cx);
 }
 
 // The flash kernels take head dims 16/32/64/128 and 16-byte aligned rows.
@@ -321,10 +349,15 @@ static void op_attention_forward(void* ctx, void* out, float* lse, const void* q
                                  int H, int KVH, int HD) {
     CudaCtx* cx = ctx_enter(ctx);
     if (B <= 0 || T <= 0) return;
-    if (flash_attention_ok(H, KVH, HD, out, qkv, out, qkv))
+    const int flash = flash_attention_ok(H, KVH, HD, out, qkv, out, qkv);
+    // causal: half of the 4 T^2 HD of QK^T and PV per head
+    prof_begin(cx, 2.0 * B * H * (double)T * T * HD, 0, "attention fwd%s B=%d T=%d H=%d HD=%d",
+               flash ? "" : " (fallback)", B, T, H, HD);
+    if (flash)
         attention_forward_bf16(out, lse, qkv, B, T, H, KVH, HD, cx->stream);
     else
         cuda_attention_forward_simple(cx, (bf16*)out, lse, (const bf16*)qkv, B, T, H, KVH, HD);
+    prof_end(cx);
 }
 
 static void op_attention_backward(void* ctx, void* dqkv, const void* dout, const void* qkv,
@@ -332,7 +365,11 @@ static void op_attention_backward(void* ctx, void* dqkv, const void* dout, const
                                   int HD) {
     CudaCtx* cx = ctx_enter(ctx);
     if (B <= 0 || T <= 0) return;
-    if (flash_attention_ok(H, KVH, HD, dqkv, dout, qkv, out)) {
+    const int flash = flash_attention_ok(H, KVH, HD, dqkv, dout, qkv, out);
+    // the recomputed scores, dV, dP, dQ and dK: 2.5x the forward
+    prof_begin(cx, 5.0 * B * H * (double)T * T * HD, 0, "attention bwd%s B=%d T=%d H=%d HD=%d",
+               flash ? "" : " (fallback)", B, T, H, HD);
+    if (flash) {
         size_t ws_bytes = attention_backward_workspace_bytes(B, T, H, KVH, HD);
         void* ws = cuda_scratch(cx, SCRATCH_ATTN, ws_bytes > 0 ? ws_bytes : 16);
         attention_backward_bf16(dqkv, dout, qkv, out, lse, ws, B, T, H, KVH, HD, cx->stream);
@@ -342,26 +379,40 @@ static void op_attention_backward(void* ctx, void* dqkv, const void* dout, const
         cuda_attention_backward_simple(cx, (bf16*)dqkv, (const bf16*)dout, (const bf16*)qkv,
                                        (const bf16*)out, lse, ws, B, T, H, KVH, HD);
     }
+    prof_end(cx);
 }
 
 static void op_swiglu_forward(void* ctx, void* out, const void* gu, int N, int F) {
-    cuda_swiglu_forward(ctx_enter(ctx), (bf16*)out, (const bf16*)gu, N, F);
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 6.0 * N * F, "swiglu fwd N=%d F=%d", N, F);
+    cuda_swiglu_forward(cx, (bf16*)out, (const bf16*)gu, N, F);
+    prof_end(cx);
 }
 
 static void op_swiglu_backward(void* ctx, void* dgu, const void* dout, const void* gu, int N,
                                int F) {
-    cuda_swiglu_backward(ctx_enter(ctx), (bf16*)dgu, (const bf16*)dout, (const bf16*)gu, N, F);
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 10.0 * N * F, "swiglu bwd N=%d F=%d", N, F);
+    cuda_swiglu_backward(cx, (bf16*)dgu, (const bf16*)dout, (const bf16*)gu, N, F);
+    prof_end(cx);
 }
 
 static void op_add(void* ctx, void* out, const void* a, const void* b, size_t n) {
-    cuda_add(ctx_enter(ctx), (bf16*)out, (const bf16*)a, (const bf16*)b, n);
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 6.0 * (double)n, "add n=%zu", n);
+    cuda_add(cx, (bf16*)out, (const bf16*)a, (const bf16*)b, n);
+    prof_end(cx);
 }
 
 static void op_crossentropy_forward_backward(void* ctx, void* logits, float* losses,
                                              const int32_t* targets, int n, int V,
                                              float grad_scale, int compute_grad) {
-    cuda_crossentropy_forward_backward(ctx_enter(ctx), (bf16*)logits, losses, targets, n, V,
-                                       grad_scale, compute_grad);
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, (compute_grad ? 4.0 : 2.0) * n * V, "cross-entropy%s n=%d V=%d",
+               compute_grad ? " fwd+bwd" : " fwd", n, V);
+    cuda_crossentropy_forward_backward(cx, (bf16*)logits, losses, targets, n, V, grad_scale,
+                                       compute_grad);
+    prof_end(cx);
 }
 
 // ----------------------------------------------------------------------------

@@ -159,6 +159,8 @@ void args_usage(FILE* f) {
         "                         0 keeps the FLOP-based plan (default %d)\n"
         "      --trace FILE       write a Chrome/Perfetto trace (every stage job, transfer and\n"
         "                         optimizer step per device and stream; ui.perfetto.dev)\n"
+        "      --profile-ops      GPUs: print each GPU's device time per op and shape (CUDA\n"
+        "                         events around every op; slows the run, not the ops)\n"
         "  -h, --help             this text\n",
         d.train, d.val, d.batch, d.seq, d.micro_batches, d.shuffle, d.seed, (double)d.init_std,
         d.steps, (double)d.lr, lr_schedule_name(d.schedule), d.warmup, (double)d.min_lr_frac,
@@ -221,7 +223,7 @@ enum {
     OPT_SHUFFLE = 1000, OPT_SEED, OPT_SCHEDULE, OPT_BETA1, OPT_BETA2, OPT_EPS, OPT_CLIP, OPT_LOG,
     OPT_DEVICE, OPT_THREADS, OPT_DUMP, OPT_EVAL_BATCHES, OPT_SAMPLE, OPT_PROMPT, OPT_DECAY_FRAC,
     OPT_DECAY_EMB, OPT_INIT_STD, OPT_TEMPERATURE, OPT_ROUND, OPT_ROW_CHUNKS, OPT_RECOMPUTE, OPT_SYNC, OPT_PLAN,
-    OPT_DEVICE_MEM, OPT_DELAY, OPT_TRACE, OPT_PROFILE_STEPS, OPT_MLP_CHUNK, OPT_HOST_CKPT, OPT_SAVE_EVERY, OPT_KEEP, OPT_RESUME, OPT_EXPORT_HF,
+    OPT_DEVICE_MEM, OPT_DELAY, OPT_TRACE, OPT_PROFILE_OPS, OPT_PROFILE_STEPS, OPT_MLP_CHUNK, OPT_HOST_CKPT, OPT_SAVE_EVERY, OPT_KEEP, OPT_RESUME, OPT_EXPORT_HF,
     OPT_EXPORT_GGUF, OPT_EXPORT_DTYPE, OPT_EXPORT_SHARD
 };
 
@@ -276,6 +278,7 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         {"device-mem", required_argument, 0, OPT_DEVICE_MEM},
         {"delay-us", required_argument, 0, OPT_DELAY},
         {"trace", required_argument, 0, OPT_TRACE},
+        {"profile-ops", no_argument, 0, OPT_PROFILE_OPS},
         {"profile-steps", required_argument, 0, OPT_PROFILE_STEPS},
         {"mlp-chunk", required_argument, 0, OPT_MLP_CHUNK},
         {"host-checkpoints", required_argument, 0, OPT_HOST_CKPT},
@@ -353,6 +356,7 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
                 break;
             case OPT_DELAY: rc = int_in("--delay-us", v, 0, 1000000, &a->delay_us); break;
             case OPT_TRACE: a->trace = v; break;
+            case OPT_PROFILE_OPS: a->profile_ops = 1; break;
             case OPT_HOST_CKPT:
                 if (strcmp(v, "single") == 0) a->host_single = 1;
                 else if (strcmp(v, "double") == 0) a->host_single = 0;
@@ -416,6 +420,8 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
     if (a->trace[0] && a->n_devices == 0 && a->device != DEVICE_CUDA)
         return bad("--trace", a->trace,
                    "traces the RoundPipe engine: use it with --device cpu:N, cuda or cuda:N");
+    if (a->profile_ops && a->device != DEVICE_CUDA)
+        return bad("--profile-ops", "", "times CUDA ops: use it with --device cuda or cuda:N");
     if (!*a->model) return bad("--model", a->model, "must not be empty");
     if (a->save_every > 0 && !*a->out) {
         char v[32];

@@ -120,6 +120,7 @@ typedef struct DeviceOptions {
     unsigned delay_streams; // CPU emulation: bit s set = stream s gets the delays (0 = all), so
                             // a test can make one kind of traffic lag far behind the others
     size_t mem_limit;       // device memory limit in bytes (0 = the backend's default)
+    int profile_ops;        // CUDA: time every op; the report is printed when the device closes
 } DeviceOptions;
 
 extern const DeviceImpl device_cpu_impl;

@@ -282,6 +282,7 @@ static Device* cuda_open(int index, const DeviceOptions* opt) {
         cuda_check(cudaStreamCreateWithPriority(&d->streams[s], cudaStreamNonBlocking, prio));
     }
     d->ops_ctx = ops_cuda_create(index, d->streams[STREAM_COMPUTE]);
+    if (opt && opt->profile_ops) ops_cuda_profile_enable(d->ops_ctx);
     pthread_check(pthread_mutex_init(&d->mu, NULL));
     size_t free_b = 0, total_b = 0;
     cuda_check(cudaMemGetInfo(&free_b, &total_b));
@@ -307,6 +308,7 @@ static void cuda_close(Device* d) {
     cuda_check(cudaSetDevice(d->index));
     cuda_check(cudaDeviceSynchronize());
     resolve_timed(d, 1);
+    ops_cuda_profile_report(d->ops_ctx, stdout);  // (nothing unless profiling)
     ops_cuda_destroy(d->ops_ctx);
     for (int s = 0; s < STREAM_COUNT; s++) cuda_check(cudaStreamDestroy(d->streams[s]));
     cuda_check(cudaEventDestroy(d->origin));

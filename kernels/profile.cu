@@ -1,0 +1,137 @@
+/*
+ * profile.cu — the op profile of a CUDA context (--profile-ops): device time per op and shape,
+ * measured with a pair of CUDA events around every compute op on the context's stream.
+ *
+ * Each op wrapper of ops_cuda.cu calls prof_begin / prof_end. Event pairs come from a pool of
+ * PROF_POOL; when it is full the oldest results are harvested (the calling thread waits for the
+ * last recorded event, so the GPU may run dry for a moment: the per-op times stay exact, the
+ * run's total time does not). Ops of one context are issued by one thread at a time (the device's
+ * issue thread), so there is no locking. Off (cx->prof == NULL) it costs one branch per op.
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.cuh"
+#include "kernels.h"
+
+#define PROF_POOL 1024     // event pairs in flight before a harvest
+#define PROF_MAX_KEYS 256  // distinct op/shape keys (further shapes fold into "other")
+#define PROF_KEY_LEN 96
+
+typedef struct ProfEntry {
+    char key[PROF_KEY_LEN];
+    long long calls;
+    double ms;
+    double flop, bytes;  // per call, as passed (0: not counted)
+} ProfEntry;
+
+struct OpProfile {
+    ProfEntry entries[PROF_MAX_KEYS];
+    int n_entries;
+    cudaEvent_t ev[PROF_POOL][2];
+    int entry_of[PROF_POOL];
+    int n_pending;
+    int open;  // prof_begin without its prof_end yet
+};
+
+extern "C" void ops_cuda_profile_enable(void* ctx) {
+    CudaCtx* cx = (CudaCtx*)ctx;
+    if (cx->prof) return;
+    cuda_ctx_enter(cx);
+    OpProfile* p = (OpProfile*)calloc_check(1, sizeof(OpProfile));
+    for (int i = 0; i < PROF_POOL; i++)
+        for (int k = 0; k < 2; k++) cuda_check(cudaEventCreate(&p->ev[i][k]));
+    cx->prof = p;
+}
+
+static void prof_harvest(OpProfile* p) {
+    if (p->n_pending == 0) return;
+    cuda_check(cudaEventSynchronize(p->ev[p->n_pending - 1][1]));
+    for (int i = 0; i < p->n_pending; i++) {
+        float ms = 0.0f;
+        cuda_check(cudaEventElapsedTime(&ms, p->ev[i][0], p->ev[i][1]));
+        p->entries[p->entry_of[i]].ms += ms;
+    }
+    p->n_pending = 0;
+}
+
+static int prof_entry(OpProfile* p, const char* key, double flop, double bytes) {
+    for (int i = 0; i < p->n_entries; i++)
+        if (strcmp(p->entries[i].key, key) == 0) return i;
+    if (p->n_entries == PROF_MAX_KEYS) key = "other shapes";
+    for (int i = 0; i < p->n_entries; i++)
+        if (strcmp(p->entries[i].key, key) == 0) return i;
+    int i = p->n_entries < PROF_MAX_KEYS ? p->n_entries++ : PROF_MAX_KEYS - 1;
+    snprintf(p->entries[i].key, PROF_KEY_LEN, "%s", key);
+    p->entries[i].flop = flop;
+    p->entries[i].bytes = bytes;
+    return i;
+}
+
+void prof_begin(CudaCtx* cx, double flop, double bytes, const char* fmt, ...) {
+    OpProfile* p = cx->prof;
+    if (!p) return;
+    if (p->open) fatal("op profile: %s begins inside another op", fmt);
+    if (p->n_pending == PROF_POOL) prof_harvest(p);
+    char key[PROF_KEY_LEN];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(key, sizeof key, fmt, ap);
+    va_end(ap);
+    const int e = prof_entry(p, key, flop, bytes);
+    p->entries[e].calls++;
+    p->entry_of[p->n_pending] = e;
+    cuda_check(cudaEventRecord(p->ev[p->n_pending][0], cx->stream));
+    p->open = 1;
+}
+
+void prof_end(CudaCtx* cx) {
+    OpProfile* p = cx->prof;
+    if (!p) return;
+    cuda_check(cudaEventRecord(p->ev[p->n_pending][1], cx->stream));
+    p->n_pending++;
+    p->open = 0;
+}
+
+static int prof_by_time(const void* a, const void* b) {
+    const double x = ((const ProfEntry*)a)->ms, y = ((const ProfEntry*)b)->ms;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+extern "C" void ops_cuda_profile_report(void* ctx, FILE* f) {
+    CudaCtx* cx = (CudaCtx*)ctx;
+    OpProfile* p = cx->prof;
+    if (!p) return;
+    cuda_ctx_enter(cx);
+    prof_harvest(p);
+    ProfEntry* sorted = (ProfEntry*)malloc_check((size_t)(p->n_entries ? p->n_entries : 1) *
+                                                 sizeof(ProfEntry));
+    memcpy(sorted, p->entries, (size_t)p->n_entries * sizeof(ProfEntry));
+    qsort(sorted, (size_t)p->n_entries, sizeof(ProfEntry), prof_by_time);
+    double total = 0.0;
+    for (int i = 0; i < p->n_entries; i++) total += sorted[i].ms;
+    fprintf(f, "op profile of cuda:%d: %.1f ms of device time in ops\n", cx->device + 1, total);
+    fprintf(f, "  share      total ms     calls   us/call  TFLOP/s     GB/s  op\n");
+    for (int i = 0; i < p->n_entries; i++) {
+        const ProfEntry* e = &sorted[i];
+        const double s = e->ms * 1e-3;
+        char tf[16] = "-", gb[16] = "-";
+        if (e->flop > 0 && s > 0) snprintf(tf, sizeof tf, "%.1f", e->flop * e->calls / s / 1e12);
+        if (e->bytes > 0 && s > 0) snprintf(gb, sizeof gb, "%.0f", e->bytes * e->calls / s / 1e9);
+        fprintf(f, "  %5.1f%%  %12.1f  %8lld  %8.1f  %7s  %7s  %s\n",
+                total > 0 ? 100.0 * e->ms / total : 0.0, e->ms, e->calls,
+                e->calls ? 1e3 * e->ms / (double)e->calls : 0.0, tf, gb, e->key);
+    }
+    free(sorted);
+}
+
+void prof_destroy(CudaCtx* cx) {
+    OpProfile* p = cx->prof;
+    if (!p) return;
+    for (int i = 0; i < PROF_POOL; i++)
+        for (int k = 0; k < 2; k++) cuda_check(cudaEventDestroy(p->ev[i][k]));
+    free(p);
+    cx->prof = NULL;
+}
