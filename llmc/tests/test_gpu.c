@@ -443,6 +443,23 @@ static void test_gpu_matmul(TestCtx* t) {
     matmul_case(t, &G, 5, 36, 12, 0, 3);    // odd everything
     matmul_case(t, &G, 1, 64, 300, 1, 0);   // one row (generation)
     matmul_case(t, &G, 512, 768, 1024, 1, 0);
+    // --profile-ops: the report names each op with its shape and counts its calls
+    ops_cuda_profile_enable(G.gctx);
+    for (int k = 0; k < 2; k++) matmul_case(t, &G, 64, 128, 96, 1, 0);
+    FILE* f = tmpfile();
+    CHECK(t, f != NULL, "tmpfile");
+    if (f) {
+        ops_cuda_profile_report(G.gctx, f);
+        char buf[4096] = {0};
+        rewind(f);
+        size_t got = fread(buf, 1, sizeof buf - 1, f);
+        buf[got] = 0;
+        fclose(f);
+        CHECK(t, strstr(buf, "op profile of cuda:1") && strstr(buf, "matmul fwd N=") &&
+                     strstr(buf, "matmul bwd"),
+              "profile report lacks the matmuls:\n%s", buf);
+        printf("%s", buf);
+    }
     gpu_close(&G);
 }
 
