@@ -189,6 +189,41 @@ void cuda_add(CudaCtx* cx, bf16* out, const bf16* a, const bf16* b, size_t n) {
     cuda_check_launch();
 }
 
+// fp32 dst += src (gradient folds): one rounding per element, as on the CPU.
+template <int VEC>
+__global__ void add_f32_kernel(float* __restrict__ dst, const float* __restrict__ src,
+                               size_t n_vec) {
+    for (size_t v = blockIdx.x * (size_t)blockDim.x + threadIdx.x; v < n_vec;
+         v += (size_t)gridDim.x * blockDim.x) {
+        if (VEC == 4) {
+            float4 x = reinterpret_cast<float4*>(dst)[v];
+            const float4 y = reinterpret_cast<const float4*>(src)[v];
+            x.x += y.x;
+            x.y += y.y;
+            x.z += y.z;
+            x.w += y.w;
+            reinterpret_cast<float4*>(dst)[v] = x;
+        } else {
+            dst[v] += src[v];
+        }
+    }
+}
+
+void cuda_add_f32(CudaCtx* cx, float* dst, const float* src, size_t n) {
+    if (n == 0) return;
+    size_t head = 0;
+    if (is_aligned16(dst) && is_aligned16(src)) {
+        head = n / 4 * 4;
+        if (head > 0)
+            add_f32_kernel<4><<<stride_grid(cx, head / 4, 256), 256, 0, cx->stream>>>(dst, src,
+                                                                                     head / 4);
+    }
+    if (n > head)
+        add_f32_kernel<1><<<stride_grid(cx, n - head, 256), 256, 0, cx->stream>>>(
+            dst + head, src + head, n - head);
+    cuda_check_launch();
+}
+
 // ----------------------------------------------------------------------------
 // ordered reduction of per-block partial sums
 

@@ -404,6 +404,13 @@ static void op_add(void* ctx, void* out, const void* a, const void* b, size_t n)
     prof_end(cx);
 }
 
+static void op_add_f32(void* ctx, float* dst, const float* src, size_t n) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 12.0 * (double)n, "add f32 n=%zu", n);
+    cuda_add_f32(cx, dst, src, n);
+    prof_end(cx);
+}
+
 static void op_crossentropy_forward_backward(void* ctx, void* logits, float* losses,
                                              const int32_t* targets, int n, int V,
                                              float grad_scale, int compute_grad) {
@@ -444,5 +451,6 @@ extern "C" const Ops ops_cuda = {
     .swiglu_forward = op_swiglu_forward,
     .swiglu_backward = op_swiglu_backward,
     .add = op_add,
+    .add_f32 = op_add_f32,
     .crossentropy_forward_backward = op_crossentropy_forward_backward,
 };

@@ -103,6 +103,8 @@ typedef struct Ops {
     // ---- elementwise ----
     // out = a + b (n elements; out may alias a or b).
     void (*add)(void* ctx, void* out, const void* a, const void* b, size_t n);
+    // dst += src in fp32 on both backends (gradient buffers: a tied head's into its owner's).
+    void (*add_f32)(void* ctx, float* dst, const float* src, size_t n);
 
     // ---- softmax cross-entropy over a chunk of logits ----
     // logits (n, V). losses[i] = logsumexp(logits[i]) - logits[i][targets[i]] (fp32 math).

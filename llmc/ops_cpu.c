@@ -1163,6 +1163,10 @@ static void cpu_add(void* ctx, void* out, const void* a, const void* b, size_t n
     cpu_run(ctx, task_count((int64_t)n, ADD_CHUNK), add_task, &d);
 }
 
+static void cpu_add_f32(void* ctx, float* dst, const float* src, size_t n) {
+    cpu_add(ctx, dst, dst, src, n);  // fp32 activations: the same single rounding per element
+}
+
 // ----------------------------------------------------------------------------
 // softmax cross-entropy
 
@@ -1264,5 +1268,6 @@ const Ops ops_cpu = {
     .swiglu_forward = cpu_swiglu_forward,
     .swiglu_backward = cpu_swiglu_backward,
     .add = cpu_add,
+    .add_f32 = cpu_add_f32,
     .crossentropy_forward_backward = cpu_crossentropy_forward_backward,
 };

@@ -723,6 +723,29 @@ static void test_gpu_swiglu_add(TestCtx* t) {
         gfree(&G, d_b);
         gfree(&G, d_o);
     }
+    // add_f32: dst += src in fp32, bit for bit the CPU's (the float4 path, a scalar tail, and a
+    // misaligned start that takes the scalar path throughout)
+    const size_t fsizes[3] = {4096, 4099, 1001};
+    for (int k = 0; k < 3; k++) {
+        const size_t n = fsizes[k], off = k == 2 ? 1 : 0;
+        float* a = rand_f32(&G, n + off, 3.0f);
+        float* b = rand_f32(&G, n + off, 1e-3f);
+        float* d_a = G.g->alloc(G.gctx, (n + off) * sizeof(float));
+        float* d_b = G.g->alloc(G.gctx, (n + off) * sizeof(float));
+        G.g->upload(G.gctx, d_a, a, (n + off) * sizeof(float));
+        G.g->upload(G.gctx, d_b, b, (n + off) * sizeof(float));
+        G.g->add_f32(G.gctx, d_a + off, d_b + off, n);
+        float* got = malloc_check((n + off) * sizeof(float));
+        G.g->download(G.gctx, got, d_a, (n + off) * sizeof(float));
+        G.c->add_f32(G.cctx, a + off, b + off, n);
+        CHECK(t, memcmp(got, a, (n + off) * sizeof(float)) == 0, "add_f32 n=%zu off=%zu: GPU != CPU",
+              n, off);
+        free(a);
+        free(b);
+        free(got);
+        G.g->free(G.gctx, d_a);
+        G.g->free(G.gctx, d_b);
+    }
     gpu_close(&G);
 }
 

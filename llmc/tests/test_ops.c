@@ -968,6 +968,10 @@ static void test_ops_add(TestCtx* t) {
     ops_cpu.add(ctx, b2, a, b2, n);
     CHECK(t, all_equal_bits(b2, want, n * sizeof(float)), "add with out aliasing b");
     ops_cpu.add(ctx, out, a, b, 0);  // n = 0 is a no-op
+    float* a3 = copy_floats(a, n);
+    ops_cpu.add_f32(ctx, a3, b, n);
+    CHECK(t, all_equal_bits(a3, want, n * sizeof(float)), "add_f32 dst += src");
+    free(a3);
     free(a), free(b), free(want), free(out), free(a2), free(b2);
     ops_cpu_destroy(ctx);
 }
