@@ -122,7 +122,8 @@ typedef struct MbJob {
     int phase;      // 0: the whole micro-batch; 1: forward of layers [from, to) only; 2: the
                     // rest after phase-1 jobs (fused: loss and backward; backward: backward);
                     // 3: the fused stage's loss (postfix forward + backward) only; 4: backward
-                    // of layers [from, to) only
+                    // of layers [from, to) only; 5: fold the tied head's gradient into its owner's
+                    // (stage holding both, after the last backward)
     int from, to;
     int64_t t;      // param_fence_fn: wait until param_ready[from] >= t
 } MbJob;
@@ -219,6 +220,9 @@ struct Engine {
     int64_t* norm_first;    // (NL+1) the norm's chunk sums of layer l are [first[l], first[l+1])
     double* norm_parts;     // the chunk sums (adamw_grad_norm_sq_parts), filled as layers arrive
     int* fold_owner;        // (NL) layer l receives a tied tensor's gradient before its norm
+    int64_t device_folds;   // iterations whose tied gradient was folded on a device
+    int64_t folded_iter[4]; // per host gradient set: the last iteration whose tied gradient was
+                            // folded on the device (the optimizer then skips its own fold)
     double t_last_step;
 };
 
@@ -350,11 +354,43 @@ static void backward_layers(Engine* e, MbJob* j, int from, int to) {
     }
 }
 
+// Whether a stage holds both a tied tensor's layer and its owner's, so its gradient can be folded
+// on the device (the whole model in one stage).
+static int stage_folds(const Engine* e, const Stage* st) {
+    const TensorTable* tt = &e->m->tt;
+    for (int i = 0; i < tt->n; i++) {
+        const TensorDesc* d = &tt->t[i];
+        if (d->tied_to < 0) continue;
+        const int lo = tt->t[d->tied_to].layer;
+        if (lo >= st->b && lo < st->e && d->layer >= st->b && d->layer < st->e) return 1;
+    }
+    return 0;
+}
+
+// The owner's gradient += the tied tensor's, the same single fp32 addition per element as the
+// optimizer's fold on the host (fold_chunk), so the numbers do not change.
+static void fold_on_device(Engine* e, const MbJob* j) {
+    const TensorTable* tt = &e->m->tt;
+    const Stage* st = j->st;
+    for (int i = 0; i < tt->n; i++) {
+        const TensorDesc* d = &tt->t[i];
+        if (d->tied_to < 0) continue;
+        const TensorDesc* o = &tt->t[d->tied_to];
+        j->ds->ops->add_f32(j->ds->ctx, j->gslot + st->g_off[o->layer - st->b] + o->grad_offset,
+                            j->gslot + st->g_off[d->layer - st->b] + d->grad_offset,
+                            (size_t)d->numel);
+    }
+}
+
 static void run_microbatch(void* arg) {
     MbJob* j = arg;
     Engine* e = j->e;
     const Stage* st = j->st;
     DevState* ds = j->ds;
+    if (j->phase == 5) {
+        if (e->opt.fake_compute_us == 0) fold_on_device(e, j);
+        return;
+    }
     if (e->opt.fake_compute_us > 0) {
         // split jobs: forward layers share the half of the time that is not the rest (all of it
         // in a forward stage)
@@ -811,11 +847,21 @@ static void enqueue_chunk(Engine* e, const MbJob* base, int pk, int gk, int firs
     // download first on the gradient stream
     grads_issue(e, ds, 1);
     fence_grads(e, st, base->t);
+    // a tied head's gradient is folded into its owner's here when both are in this stage: the
+    // host's fold (after the last gradient, before the step) is then skipped
+    const int fold = stage_folds(e, st);
+    if (fold) {
+        pthread_check(pthread_mutex_lock(&e->mu));
+        e->folded_iter[base->t % e->n_hgrad] = base->t;
+        pthread_check(pthread_mutex_unlock(&e->mu));
+        e->device_folds++;
+    }
     for (int l = st->e - 1; l >= st->b; l--) {
         if (st->kind == SLOT_FUSED && l == e->NL - 1)
             submit_part(e, base, 3, 0, 0, "%s loss", who);
         else
             submit_part(e, base, 4, l, l + 1, "%s bwd %d", who, l);
+        if (fold && e->fold_owner[l]) submit_part(e, base, 5, 0, 0, "%s fold tied grads", who);
         im->event_record(ds->gev[l - st->b], d, STREAM_COMPUTE);
         grads_layer_down(e, ds, st, gk, l, base->t);
     }
@@ -1047,6 +1093,11 @@ static void optimizer_step(Engine* e, int64_t k) {
     for (int i = 0; i < e->n_opt; i++) e->opt_tensors[i].grad = g[e->opt_layer[i]] + e->opt_offset[i];
     // Deepest first, as backward produces them; each layer's part of the norm while the rest are
     // still on their way (a layer that receives a tied gradient waits for the fold below).
+    pthread_check(pthread_mutex_lock(&e->mu));
+    while (e->grad_recorded[NL - 1] < k - 1) pthread_check(pthread_cond_wait(&e->cv, &e->mu));
+    // (set when the iteration's last stage was enqueued, before any of its gradients is recorded)
+    const int dev_folded = e->folded_iter[(k - 1) % e->n_hgrad] == k - 1;
+    pthread_check(pthread_mutex_unlock(&e->mu));
     for (int l = NL - 1; l >= 0; l--) {
         pthread_check(pthread_mutex_lock(&e->mu));
         while (e->grad_recorded[l] < k - 1) pthread_check(pthread_cond_wait(&e->cv, &e->mu));
@@ -1054,7 +1105,7 @@ static void optimizer_step(Engine* e, int64_t k) {
         // each gradient set has its own events: iteration k may already be re-recording the
         // other set's, and a wait captures the latest record
         e->impl->event_synchronize(e->grad_ev[(k - 1) % e->n_hgrad][l]);
-        if (!e->fold_owner[l]) layer_norm_parts(e, l);
+        if (!e->fold_owner[l] || dev_folded) layer_norm_parts(e, l);
     }
     double t_start = time_now_s();
     if (e->trace) {
@@ -1063,9 +1114,9 @@ static void optimizer_step(Engine* e, int64_t k) {
         trace_add(e->trace, name, e->N, STREAM_COUNT, t_wait, t_start);
     }
     // a tied head's gradient is folded into its owner's (the Store's own folding works on the
-    // Store's set only)
+    // Store's set only), unless the device did it (the whole model in one stage)
     const TensorTable* tt = &e->m->tt;
-    for (int i = 0; i < tt->n; i++) {
+    for (int i = 0; i < tt->n && !dev_folded; i++) {
         const TensorDesc* d = &tt->t[i];
         if (d->tied_to < 0) continue;
         const TensorDesc* o = &tt->t[d->tied_to];
@@ -1075,7 +1126,7 @@ static void optimizer_step(Engine* e, int64_t k) {
         threadpool_run(e->pool, (d->numel + FOLD_CHUNK - 1) / FOLD_CHUNK, fold_chunk, &fa);
     }
     double norm_sq = 0.0;
-    for (int l = 0; l < NL; l++)
+    for (int l = 0; l < NL && !dev_folded; l++)
         if (e->fold_owner[l]) layer_norm_parts(e, l);
     for (int64_t c = 0; c < e->norm_first[NL]; c++) norm_sq += e->norm_parts[c];  // in order
     double norm = sqrt(norm_sq);
@@ -1782,6 +1833,7 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
         e->grad_consumed[l] = -1;
         e->grad_recorded[l] = -1;
     }
+    for (int k = 0; k < 4; k++) e->folded_iter[k] = -1;
     pthread_check(pthread_mutex_init(&e->mu, NULL));
     pthread_check(pthread_cond_init(&e->cv, NULL));
 
@@ -1904,6 +1956,8 @@ static void maybe_replan(Engine* e) {
 int engine_replans(const Engine* e) { return e->replans; }
 
 int64_t engine_gated_stages(const Engine* e) { return e->gated_stages; }
+
+int64_t engine_device_folds(const Engine* e) { return e->device_folds; }
 
 int engine_row_chunks(const Engine* e) { return e->K; }
 

@@ -174,6 +174,9 @@ int engine_replans(const Engine* e);
 // Stages enqueued before the optimizer had finished their weights, so uploaded layer by layer
 // behind per-layer fences (their first micro-batch's forward gated per layer too).
 int64_t engine_gated_stages(const Engine* e);
+// Iterations whose tied head gradient was folded into the embedding's on the device (the whole
+// model in one stage) rather than by the optimizer on the host.
+int64_t engine_device_folds(const Engine* e);
 // Row chunks per micro-batch (EngineOptions.row_chunks, or the one chosen).
 int engine_row_chunks(const Engine* e);
 // Write the Chrome trace (opt.trace_path) of everything so far; no-op without a trace path.

@@ -36,6 +36,7 @@ typedef struct Run {
     int64_t n_params;
     int64_t gated;  // stages uploaded behind per-layer fences
     int slot_sets;  // parameter/gradient slot sets per device
+    int64_t device_folds;  // iterations whose tied gradient was folded on a device
 } Run;
 
 static ModelConfig engine_config(int tied) {
@@ -181,6 +182,7 @@ static int run_engine(TestCtx* t, Run* run, const ModelConfig* c, int B, int T,
                engine_replans(e), S);
     collect_params(run, &fx.s, &fx.m);
     run->gated = engine_gated_stages(e);
+    run->device_folds = engine_device_folds(e);
     run->slot_sets = db.slot_sets;
     engine_free(e);
     fixture_close(&fx);
@@ -240,6 +242,11 @@ static void test_engine_sync_matches_plain(TestCtx* t) {
                   ref.loss[0], ref.loss[STEPS - 1]);
             CHECK(t, r.gated == 0, "case %zu: %lld gated uploads in sync mode", k,
                   (long long)r.gated);
+            // the whole model in one stage folds a tied head's gradient on the device
+            if (cases[k].replan_after == 0)
+                CHECK(t, r.device_folds == (tied && S == 1 ? STEPS : 0),
+                      "case %zu (tied %d, S %d): %lld device folds", k, tied, S,
+                      (long long)r.device_folds);
             // (a re-planned run's stage count depends on measured times: not asserted)
             if (cases[k].budget > 0 && cases[k].replan_after == 0)
                 CHECK(t, S >= 4, "budget should force several stages (S=%d)", S);
@@ -308,6 +315,10 @@ static void test_engine_async_delayed(TestCtx* t) {
                 CHECK(t, S == 1, "two devices, no budget: S = %d, expected 1", S);
             if (cases[k].slow_opt_us > 0)
                 CHECK(t, r.gated > 0, "case %zu: a slow optimizer but no gated upload", k);
+            if (cases[k].replan_after == 0)
+                CHECK(t, r.device_folds == (tied && S == 1 ? STEPS : 0),
+                      "case %zu (tied %d, S %d): %lld device folds", k, tied, S,
+                      (long long)r.device_folds);
             CHECK(t, runs_identical(&r, &ref),
                   "async tied %d N=%d M_R=%d: loss %.9g %.9g %.9g %.9g vs reference %.9g %.9g "
                   "%.9g %.9g",
