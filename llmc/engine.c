@@ -768,16 +768,36 @@ static void grads_issue(Engine* e, DevState* ds, int all) {
 // after its last micro-batch): layer l's final gradients go down as soon as the last micro-batch's
 // backward has passed it (gev[l - b], recorded by the caller on the compute stream), so the
 // optimizer's wait for the last layer ends right after the backward.
-static void grads_layer_down(Engine* e, DevState* ds, const Stage* st, int gk, int l, int64_t t) {
+// folded: the tied tensors' gradients were folded into their owners' on the device, so the host
+// needs none of them (a tied head is the largest tensor: 1.2 GB for Qwen3-1.7B) and they stay.
+static void grads_layer_down(Engine* e, DevState* ds, const Stage* st, int gk, int l, int64_t t,
+                             int folded) {
     const TensorTable* tt = &e->m->tt;
     const DeviceImpl* im = e->impl;
     const int ip = (int)(t % 2);
     char name[40];
     snprintf(name, sizeof name, "grads %s layer %d", st->name, l);
     im->stream_wait(ds->d, STREAM_GRAD_DOWN, ds->gev[l - st->b]);
-    copy_pieces(e, ip, ds, STREAM_GRAD_DOWN, e->hgrad[t % e->n_hgrad][l],
-                ds->gslot[gk] + st->g_off[l - st->b], (size_t)tt->grad_numel[l] * sizeof(float), 0,
-                name);
+    float* dst = e->hgrad[t % e->n_hgrad][l];
+    const float* src = ds->gslot[gk] + st->g_off[l - st->b];
+    // the layer's gradient in runs between its tied tensors (all of it when nothing is skipped)
+    int64_t from = 0;
+    for (;;) {
+        int64_t to = tt->grad_numel[l], next = to;
+        for (int i = 0; folded && i < tt->n; i++) {
+            const TensorDesc* d = &tt->t[i];
+            if (d->layer == l && d->tied_to >= 0 && d->numel > 0 && d->grad_offset >= from &&
+                d->grad_offset < to) {
+                to = d->grad_offset;
+                next = d->grad_offset + d->numel;
+            }
+        }
+        if (to > from)
+            copy_pieces(e, ip, ds, STREAM_GRAD_DOWN, dst + from, src + from,
+                        (size_t)(to - from) * sizeof(float), 0, name);
+        if (next >= tt->grad_numel[l]) break;
+        from = next;
+    }
     im->event_record(e->grad_ev[t % e->n_hgrad][l], ds->d, STREAM_GRAD_DOWN);
 }
 
@@ -863,7 +883,7 @@ static void enqueue_chunk(Engine* e, const MbJob* base, int pk, int gk, int firs
             submit_part(e, base, 4, l, l + 1, "%s bwd %d", who, l);
         if (fold && e->fold_owner[l]) submit_part(e, base, 5, 0, 0, "%s fold tied grads", who);
         im->event_record(ds->gev[l - st->b], d, STREAM_COMPUTE);
-        grads_layer_down(e, ds, st, gk, l, base->t);
+        grads_layer_down(e, ds, st, gk, l, base->t, fold);
     }
 }
 
