@@ -57,13 +57,23 @@ static void prof_harvest(OpProfile* p) {
     p->n_pending = 0;
 }
 
+static int prof_find(const OpProfile* p, const char* key) {
+    for (int i = 0; i < p->n_entries; i++)
+        if (strcmp(p->entries[i].key, key) == 0) return i;
+    return -1;
+}
+
+// The entry of a key; once all but one are taken, new keys share the last ("other shapes", whose
+// calls differ in work, so it gets no rates).
 static int prof_entry(OpProfile* p, const char* key, double flop, double bytes) {
-    for (int i = 0; i < p->n_entries; i++)
-        if (strcmp(p->entries[i].key, key) == 0) return i;
-    if (p->n_entries == PROF_MAX_KEYS) key = "other shapes";
-    for (int i = 0; i < p->n_entries; i++)
-        if (strcmp(p->entries[i].key, key) == 0) return i;
-    int i = p->n_entries < PROF_MAX_KEYS ? p->n_entries++ : PROF_MAX_KEYS - 1;
+    int i = prof_find(p, key);
+    if (i >= 0) return i;
+    if (p->n_entries >= PROF_MAX_KEYS - 1) {
+        key = "other shapes";
+        flop = bytes = 0;
+        if ((i = prof_find(p, key)) >= 0) return i;
+    }
+    i = p->n_entries++;
     snprintf(p->entries[i].key, PROF_KEY_LEN, "%s", key);
     p->entries[i].flop = flop;
     p->entries[i].bytes = bytes;
