@@ -14,7 +14,46 @@
  *     ~600 TFLOP/s PyTorch SDPA forward measured on this machine.
  *
  * Build and run: dev/cuda/run_attention.sh [--quick] [--tiny] [--no-big] [--no-bench] [--fwd I]
- * [--bwd I]; exit status 0 passed, 3 a check failed, 1 a CUDA error, 2 bad usage.
+ * [--bwd I]; exit status 0 passed, 3 a check failed, 1 a CUDA error, 2 bad usage. The script
+ * builds for sm_90a (-gencode arch=compute_90a,code=sm_90a): the mma.sync kernels are the same
+ * code, the wgmma variants below need it. Variants a build or a head dim does not support are
+ * skipped (counted as "skipped" in the validation summary).
+ *
+ * wgmma forward, variants 7 "wgmma bc128 wg2" and 8 "wgmma bc64 wg2" (dev/cuda/attention_wgmma.cuh,
+ * where every layout, descriptor field and fragment mapping is derived): NOT YET RUN ON A GPU.
+ *   Hopper warpgroup MMAs, FA3-style within a warpgroup: one CTA of 2 warpgroups (256 threads)
+ *   per (128 query rows, head, batch), each warpgroup 64 rows; Q in shared memory once; K and V
+ *   tiles of BC = 128 (or 64) keys through a 2-stage cp.async ring; S = Q K^T by
+ *   wgmma.m64n{BC}k16 with Q and K from shared memory (K-major), P = bf16(softmax) kept in
+ *   registers as the A operand of O += P V (wgmma.m64n{HD}k16, V from shared memory, N-major via
+ *   imm-trans-b); the P V product of tile j-1 runs while the softmax of tile j does. HD 64 and
+ *   128 (16 and 32 are skipped). Same contract as the C interface (GQA without copies, lse in
+ *   natural log for the backward, rows past T zero-filled and never stored, 64-bit offsets);
+ *   both variants are also run on the big case (B=3, T=131072).
+ *   Shared memory: every tile in 128-byte-swizzle panels of 64 columns (16-byte chunk c of row r
+ *   at chunk c ^ (r % 8)), base aligned to 1024 bytes; descriptors: swizzle mode 1 (128B), base
+ *   offset 0, SBO = 1024 (8 rows of 128 bytes) for Q, K and V; LBO = 16 (unused) for K-major Q/K,
+ *   LBO = BC*128 (the second 64-column panel) for V; k-steps of Q/K advance the start address by
+ *   32 bytes inside a panel, then by one panel; k-steps of V by 16 rows = 2048 bytes.
+ *   bc128: 164,864 bytes of shared memory, 218 registers, no spills; bc64: 99,328 bytes, 166
+ *   registers (HD=128; HD=64: 175 and 128). ptxas reports no serialised wgmma.
+ *   Checklist for the first GPU session (in this order):
+ *    1. dev/cuda/run_attention.sh --tiny --no-big --no-bench --fwd 7 --bwd -2   (variant 7 alone,
+ *       plus "kernels", which always runs; HD 64/128 x T 64/129). Then --fwd 8.
+ *    2. compute-sanitizer --tool memcheck .devbuild/attention --tiny --no-big --no-bench --fwd 7
+ *       --bwd -2, and --tool racecheck, --tool synccheck the same way.
+ *    3. Reading a failure: HD=64 right but HD=128 wrong points at what only HD=128 uses: V's LBO
+ *       (the second hd panel) and the Q/K panel step at k-step 4; both wrong at T=64 (a single
+ *       tile) points at the swizzle/descriptor encoding or the fragment mapping; wrong only for
+ *       T > BC points at the ring (stages, waits) or the rescale order; wrong only past the
+ *       diagonal tile at the causal mask; "not deterministic" or intermittent errors at a missing
+ *       fence (fence.proxy.async between cp.async and wgmma) or wgmma wait.
+ *    4. The full lab for the variant: dev/cuda/run_attention.sh --fwd 7 --bwd -2 (validation,
+ *       big case, benchmark); then --fwd 8.
+ *    5. Tuning (target >= 500 TFLOP/s at T >= 4096): the two warpgroups are kept in lockstep by
+ *       the per-tile __syncthreads of the ring; next steps are ping-pong scheduling of the two
+ *       warpgroups' softmax and GEMMs with named barriers (bar.sync id, 256), a producer warp
+ *       with TMA and mbarriers (3+ stages, setmaxnreg), a staged, coalesced output store.
  *
  * Results (one H200, nvcc 13.0 -arch=sm_90, mma.sync; medians of 10; H=16 KVH=8 HD=128):
  *   validation: 163 cases (HD 16/32/64/128 x T 1/7/64/129/1000 x H/KVH 1/2/4/8 x B 1/3, plus
@@ -41,10 +80,12 @@
  *   run 2: O rescaled only when a row maximum moves (warp vote): mt2 w4 bc32 306 -> 308..314 at
  *     T=4096 (noise-level), 280 -> 297 at T=2048, 309 -> 331 at T=16384. mt2 w8 bc32 (BR=256,
  *     1 block/SM) 277; mt2 w4 bc16 243. Backward: the six shapes within 2%.
- * Next: wgmma (sm_90a; the Makefile builds plain sm_90, so it needs an arch-guarded path) with a
- * producer warp and TMA, FA3-style; that is where cuDNN's 490-630 comes from.
+ * Next: validate and time the wgmma forward (variants 7, 8, above; sm_90a, arch-guarded, the
+ * Makefile still builds plain sm_90 and the trainer does not use it yet), then a producer warp and
+ * TMA, FA3-style; that is where cuDNN's 490-630 comes from.
  */
 #include "../../kernels/attention.cu"
+#include "attention_wgmma.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -233,25 +274,47 @@ static void ref_attention(const Shape& s, const std::vector<uint16_t>& qkv,
 typedef void (*ForwardFn)(void*, float*, const void*, int, int, int, int, int, void*);
 typedef void (*BackwardFn)(void*, const void*, const void*, const void*, const float*, void*, int,
                            int, int, int, int, void*);
+// supports: which head dims (and builds) the variant runs, nullptr = every head dim of the C
+// interface; the lab skips the others. big: also checked on the T=131072 case (validate_big).
 struct ForwardVariant {
     const char* name;
     ForwardFn fn;
+    int (*supports)(int HD);
+    bool big;
 };
 struct BackwardVariant {
     const char* name;
     BackwardFn fn;
 };
 
-// forward: <row blocks of 16 per warp, warps, keys per tile, blocks per SM for the allocator>
+// The wgmma variants run HD 64 and 128, and only from a binary with sm_90a device code (said once).
+static int lab_wgmma_supports(int HD) {
+    if (!attention_wgmma_supports_head_dim(HD)) return 0;
+    if (!attention_wgmma_available()) {
+        static bool told = false;
+        if (!told) printf("  (wgmma variants skipped: no sm_90a device code in this binary)\n");
+        told = true;
+        return 0;
+    }
+    return 1;
+}
+
+// forward: <row blocks of 16 per warp, warps, keys per tile, blocks per SM for the allocator>;
+// wgmma: <keys per tile, warpgroups of 64 query rows> (dev/cuda/attention_wgmma.cuh)
 static const ForwardVariant forward_variants[] = {
-    {"kernels", attention_forward_bf16},
-    {"fwd mt1 w4 bc64", attention_forward_tiled<1, 4, 64, 1>},
-    {"fwd mt1 w8 bc32 minb2", attention_forward_tiled<1, 8, 32, 2>},
-    {"fwd mt2 w4 bc16", attention_forward_tiled<2, 4, 16, 1>},
-    {"fwd mt2 w4 bc32", attention_forward_tiled<2, 4, 32, 1>},
-    {"fwd mt2 w4 bc64", attention_forward_tiled<2, 4, 64, 1>},
-    {"fwd mt2 w8 bc32", attention_forward_tiled<2, 8, 32, 1>},
+    {"kernels", attention_forward_bf16, nullptr, false},
+    {"fwd mt1 w4 bc64", attention_forward_tiled<1, 4, 64, 1>, nullptr, false},
+    {"fwd mt1 w8 bc32 minb2", attention_forward_tiled<1, 8, 32, 2>, nullptr, false},
+    {"fwd mt2 w4 bc16", attention_forward_tiled<2, 4, 16, 1>, nullptr, false},
+    {"fwd mt2 w4 bc32", attention_forward_tiled<2, 4, 32, 1>, nullptr, false},
+    {"fwd mt2 w4 bc64", attention_forward_tiled<2, 4, 64, 1>, nullptr, false},
+    {"fwd mt2 w8 bc32", attention_forward_tiled<2, 8, 32, 1>, nullptr, false},
+    {"wgmma bc128 wg2", attention_forward_wgmma<128, 2>, lab_wgmma_supports, true},
+    {"wgmma bc64 wg2", attention_forward_wgmma<64, 2>, lab_wgmma_supports, true},
 };
+static bool forward_runs(int v, int HD) {
+    return !forward_variants[v].supports || forward_variants[v].supports(HD);
+}
 // backward: <dK/dV warps (16 keys each), query rows per tile, dQ warps (16 rows each), keys per tile>
 static const BackwardVariant backward_variants[] = {
     {"kernels", attention_backward_bf16},
@@ -377,7 +440,7 @@ struct LabOptions {
 
 struct VariantStats {
     double worst = 0.0;
-    int failures = 0, nondeterministic = 0;
+    int failures = 0, nondeterministic = 0, skipped = 0;
 };
 
 // One case: reference once; every forward and backward variant twice (bit-identical check).
@@ -401,6 +464,10 @@ static int validate_case(const Shape& s, uint64_t seed, const LabOptions& opt,
     // forward variants; the "kernels" forward output stays in c.out/c.lse for the backward
     for (int v = N_FWD - 1; v >= 0; v--) {
         if (!opt.run_fwd(v) && v != 0) continue;
+        if (!forward_runs(v, s.HD)) {  // head dim (or build) the variant does not implement
+            fstats[v].skipped++;
+            continue;
+        }
         std::vector<uint16_t> out[2];
         std::vector<float> lse[2];
         for (int run = 0; run < 2; run++) {
@@ -495,10 +562,14 @@ static int validate_all(const LabOptions& opt, FILE* log) {
     printf("validation: %d cases, tolerance %.0e (relative L2 vs fp64 CPU reference)\n", cases,
            TOLERANCE);
     for (int v = 0; v < N_FWD; v++)
-        if (opt.run_fwd(v))
-            printf("  %-28s worst %.2e  failures %d  nondeterministic %d\n",
-                   forward_variants[v].name, fstats[v].worst, fstats[v].failures,
-                   fstats[v].nondeterministic);
+        if (opt.run_fwd(v)) {
+            printf("  %-28s worst %.2e  failures %d  nondeterministic %d", forward_variants[v].name,
+                   fstats[v].worst, fstats[v].failures, fstats[v].nondeterministic);
+            if (fstats[v].skipped)
+                printf("  skipped %d cases (head dim not implemented, or no sm_90a)",
+                       fstats[v].skipped);
+            printf("\n");
+        }
     for (int v = 0; v < N_BWD; v++)
         if (opt.run_bwd(v)) printf("  %-28s worst %.2e  failures %d  nondeterministic %d\n", backward_variants[v].name,
                bstats[v].worst, bstats[v].failures, bstats[v].nondeterministic);
@@ -529,7 +600,7 @@ static long long count_nonfinite(const void* x, size_t n) {
 // ----------------------------------------------------------------------------
 // big: T = 131072, offsets past 2^31 elements, sampled rows of the last sequence
 
-static int validate_big(FILE* log) {
+static int validate_big(const LabOptions& opt, FILE* log) {
     const Shape s = {3, 131072, 32, 8, 128};
     printf("big: B=%d T=%d H=%d KVH=%d HD=%d, qkv has %.2e elements\n", s.B, s.T, s.H, s.KVH,
            s.HD, (double)s.B * s.T * s.qkv_cols());
@@ -632,8 +703,47 @@ static int validate_big(FILE* log) {
            e.out, e.lse, e.dq, e.dk, e.dv, ok ? "ok" : "FAIL");
     fprintf(log, "big B=%d T=%d H=%d KVH=%d HD=%d: out %.2e lse %.2e dq %.2e dk %.2e dv %.2e %s\n",
             s.B, s.T, s.H, s.KVH, s.HD, e.out, e.lse, e.dq, e.dk, e.dv, ok ? "ok" : "FAIL");
+    int failures = ok ? 0 : 1;
+
+    // forward variants marked `big` (64-bit offsets of their own): same rows, same reference
+    bf16* out2;
+    float* lse2;
+    lab_check(cudaMalloc(&out2, c.n_out * 2));
+    lab_check(cudaMalloc(&lse2, c.n_lse * 4));
+    for (int v = 1; v < N_FWD; v++) {
+        if (!forward_variants[v].big || !opt.run_fwd(v) || !forward_runs(v, s.HD)) continue;
+        lab_check(cudaMemset(out2, 0xff, c.n_out * 2));
+        lab_check(cudaMemset(lse2, 0xff, c.n_lse * 4));
+        lab_check(cudaEventRecord(e0));
+        forward_variants[v].fn(out2, lse2, c.qkv, s.B, s.T, s.H, s.KVH, s.HD, nullptr);
+        lab_check(cudaEventRecord(e1));
+        lab_check(cudaDeviceSynchronize());
+        lab_check(cudaEventElapsedTime(&ms_f, e0, e1));
+        const long long nan_out2 = count_nonfinite(out2, c.n_out);
+        std::vector<float> lse2_all = to_host<float>(lse2, c.n_lse);
+        long long nan_lse2 = 0;
+        for (float x : lse2_all) nan_lse2 += !std::isfinite(x);
+        std::vector<uint16_t> o2 = to_host<uint16_t>(out2 + (size_t)b * no, no);
+        ErrAcc eo2, el2;
+        for (int idx = 0; idx < n_rows * row_heads; idx++) {
+            const int i = rows[idx / row_heads], h = (idx % row_heads) * 7;
+            const float* r = &ref_q[(size_t)idx * 2 * s.HD];
+            for (int d = 0; d < s.HD; d++)
+                eo2.add(bf16_to_float(o2[(size_t)i * s.out_cols() + (size_t)h * s.HD + d]), r[d]);
+            el2.add(lse2_all[((size_t)b * s.H + h) * s.T + i], ref_lse[idx]);
+        }
+        const bool ok2 = std::max(eo2.rel(), el2.rel()) <= TOLERANCE && nan_out2 + nan_lse2 == 0;
+        printf("  %-28s forward %.1f ms (%.0f TFLOP/s), non-finite out %lld lse %lld, sampled rows: "
+               "out %.2e lse %.2e  %s\n", forward_variants[v].name, ms_f, flops / ms_f * 1e-9,
+               nan_out2, nan_lse2, eo2.rel(), el2.rel(), ok2 ? "ok" : "FAIL");
+        fprintf(log, "big %s: out %.2e lse %.2e non-finite %lld %lld %s\n", forward_variants[v].name,
+                eo2.rel(), el2.rel(), nan_out2, nan_lse2, ok2 ? "ok" : "FAIL");
+        failures += ok2 ? 0 : 1;
+    }
+    lab_check(cudaFree(out2));
+    lab_check(cudaFree(lse2));
     case_free(c);
-    return ok ? 0 : 1;
+    return failures;
 }
 
 // ----------------------------------------------------------------------------
@@ -662,7 +772,7 @@ static void bench(const LabOptions& opt, FILE* log) {
         lab_check(cudaGetLastError());
         const double flops = 2.0 * s.B * s.H * (double)s.T * s.T * s.HD;
         for (int v = 0; v < N_FWD; v++) {
-            if (!opt.run_fwd(v)) continue;
+            if (!opt.run_fwd(v) || !forward_runs(v, s.HD)) continue;
             std::vector<float> t;
             for (int r = 0; r < reps + 2; r++) {
                 lab_check(cudaEventRecord(a));
@@ -810,7 +920,7 @@ int main(int argc, char** argv) {
            attention_supports_head_dim(128), attention_supports_head_dim(256));
     int failures = validate_all(opt, log);
     fflush(stdout);
-    if (opt.big) failures += validate_big(log);
+    if (opt.big) failures += validate_big(opt, log);
     fflush(stdout);
     if (opt.bench) bench(opt, log);
     if (opt.bench) bench_backward_passes(log);

@@ -4,6 +4,7 @@
 #   dev/cuda/run_attention.sh [lab flags]   build .devbuild/attention if missing (or ATTN_REBUILD=1,
 #                                           or it does not load here), then validate and benchmark
 #   dev/cuda/run_attention.sh --build-only  build only (no GPU needed); ptxas report in .devbuild/
+#                                           (device code for sm_90a: H100/H200 only)
 #   ATTN_SDPA=1 dev/cuda/run_attention.sh   also time PyTorch SDPA (flash, cuDNN) at the benchmark shapes
 #
 # Lab flags: --quick --tiny --no-big --no-bench --fwd I --bwd I (see the lab's usage). Logs go to
@@ -19,7 +20,9 @@ mkdir -p .devbuild "$LOGDIR"
 
 build() {
     echo "building $BIN with $NVCC"
-    "$NVCC" -O3 -std=c++17 -arch=sm_90 -lineinfo --expt-relaxed-constexpr -Xptxas -v \
+    # sm_90a (architecture-specific Hopper target): the wgmma variants need it; the mma.sync
+    # kernels are the same code either way. The binary then runs on compute capability 9.0 only.
+    "$NVCC" -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -lineinfo --expt-relaxed-constexpr -Xptxas -v \
         -Xcompiler -Wall,-Wextra,-Werror,-static-libstdc++,-static-libgcc \
         -o "$BIN" dev/cuda/attention.cu 2> .devbuild/attention_ptxas.txt ||
         { cat .devbuild/attention_ptxas.txt; exit 1; }
