@@ -141,7 +141,7 @@ static EngineOptions engine_options(const TrainArgs* a, int use_cuda, int n_devi
                         .sync = a->sync, .device_budget = a->device_mem,
                         .opt_threads = a->threads, .trace_path = a->trace,
                         .replan_after = a->profile_steps, .start_step = start_step,
-                        .host_single = a->host_single,
+                        .host_single = a->host_single, .split_rounds = a->split_rounds,
                         .hyper = {a->lr, a->beta1, a->beta2, a->eps, a->weight_decay},
                         .sched = {a->schedule, a->lr, a->warmup, a->steps, a->min_lr_frac,
                                   a->decay_frac},
@@ -228,6 +228,8 @@ int main(int argc, char** argv) {
     const double wbytes = a.device == DEVICE_CUDA ? 2.0 : 4.0;
     double host_fixed = 16.0 * P;
     if (engine_run) host_fixed += 2.0 * wbytes * P + (a.sync ? 0.0 : 4.0 * P);
+    // split rounds: one more fp32 gradient set per extra round and gradient set
+    if (engine_run && a.split_rounds && N > 1) host_fixed += (N - 1) * (a.sync ? 1.0 : 2.0) * 4.0 * P;
     const double ckpt = engine_run ? (a.host_single ? 1.0 : 2.0) * (double)a.batch * a.seq *
                                          model.cfg.C * wbytes * (model.cfg.L + 3)
                                    : 0.0;
@@ -352,7 +354,7 @@ int main(int argc, char** argv) {
         engine_print_plan(eng, stdout);
         if (a.plan_only) return 0;
         const int M_R = a.round_micro_batches > 0 ? a.round_micro_batches : a.micro_batches;
-        if (M_R < N)
+        if (M_R < N && !a.split_rounds)
             printf("warning: %d micro-batches per round < %d devices: some devices idle every "
                    "round (RoundPipe needs M_R >= N)\n", M_R, N);
         if (use_cuda)

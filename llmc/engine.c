@@ -184,6 +184,11 @@ struct Engine {
     float** hgrad[2];
     int n_hgrad;
     DevEvent** grad_ev[2];  // [gradient set][layer] the latest download of the layer into that set
+    // split rounds (opt.split_rounds): rounds 1..R-1 download into sets of their own,
+    // hsplit[set][round - 1][layer], which the optimizer adds into hgrad[set] in round order
+    int split;
+    float*** hsplit[2];
+    DevEvent*** split_ev[2];
     JobBlock* arena[2];
     LabelBlock* labels[2];
     Trace* trace;           // NULL unless opt.trace_path is set
@@ -494,6 +499,16 @@ __attribute__((format(printf, 5, 6))) static void label(Engine* e, int ip, DevSt
 // fences (controller side of the consistency protocol)
 
 // Whether every layer of a stage (and the tied head's source) holds iteration t's weights now.
+// Where round `round` of iteration t downloads layer l's gradient, and the event of that download.
+static float* grad_host(const Engine* e, int64_t t, int round, int l) {
+    const int set = (int)(t % e->n_hgrad);
+    return e->split && round > 0 ? e->hsplit[set][round - 1][l] : e->hgrad[set][l];
+}
+static DevEvent* grad_event(const Engine* e, int64_t t, int round, int l) {
+    const int set = (int)(t % e->n_hgrad);
+    return e->split && round > 0 ? e->split_ev[set][round - 1][l] : e->grad_ev[set][l];
+}
+
 static int params_ready(Engine* e, const Stage* st, int64_t t) {
     pthread_check(pthread_mutex_lock(&e->mu));
     int ready = st->head_off < 0 || e->param_ready[0] >= t;
@@ -675,7 +690,7 @@ static void prepare_grads(Engine* e, DevState* ds, const Stage* st, int k, int r
     const DeviceImpl* im = e->impl;
     const TensorTable* tt = &e->m->tt;
     im->stream_wait(ds->d, STREAM_PARAM_UP, ds->gslot_free[k]);
-    if (round == 0) {
+    if (round == 0 || e->split) {  // (split rounds each start from zero)
         label(e, ip, ds, STREAM_PARAM_UP, "zero grads %s", st->name);
         im->memset_zero(ds->d, STREAM_PARAM_UP, ds->gslot[k], (size_t)st->grad_numel * sizeof(float));
         return;
@@ -771,14 +786,14 @@ static void grads_issue(Engine* e, DevState* ds, int all) {
 // folded: the tied tensors' gradients were folded into their owners' on the device, so the host
 // needs none of them (a tied head is the largest tensor: 1.2 GB for Qwen3-1.7B) and they stay.
 static void grads_layer_down(Engine* e, DevState* ds, const Stage* st, int gk, int l, int64_t t,
-                             int folded) {
+                             int round, int folded) {
     const TensorTable* tt = &e->m->tt;
     const DeviceImpl* im = e->impl;
     const int ip = (int)(t % 2);
     char name[40];
     snprintf(name, sizeof name, "grads %s layer %d", st->name, l);
     im->stream_wait(ds->d, STREAM_GRAD_DOWN, ds->gev[l - st->b]);
-    float* dst = e->hgrad[t % e->n_hgrad][l];
+    float* dst = grad_host(e, t, round, l);
     const float* src = ds->gslot[gk] + st->g_off[l - st->b];
     // the layer's gradient in runs between its tied tensors (all of it when nothing is skipped)
     int64_t from = 0;
@@ -798,7 +813,7 @@ static void grads_layer_down(Engine* e, DevState* ds, const Stage* st, int gk, i
         if (next >= tt->grad_numel[l]) break;
         from = next;
     }
-    im->event_record(e->grad_ev[t % e->n_hgrad][l], ds->d, STREAM_GRAD_DOWN);
+    im->event_record(grad_event(e, t, round, l), ds->d, STREAM_GRAD_DOWN);
 }
 
 // Round boundaries: the next round's gradient preparation and the optimizer read these buffers,
@@ -883,7 +898,7 @@ static void enqueue_chunk(Engine* e, const MbJob* base, int pk, int gk, int firs
             submit_part(e, base, 4, l, l + 1, "%s bwd %d", who, l);
         if (fold && e->fold_owner[l]) submit_part(e, base, 5, 0, 0, "%s fold tied grads", who);
         im->event_record(ds->gev[l - st->b], d, STREAM_COMPUTE);
-        grads_layer_down(e, ds, st, gk, l, base->t, fold);
+        grads_layer_down(e, ds, st, gk, l, base->t, base->i / e->M_R, fold);
     }
 }
 
@@ -910,7 +925,9 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
     // activation windows could carry its gradient download: the download then goes layer by
     // layer during its last micro-batch's backward instead of after it.
     const int si = job_idx % e->S;
-    const int layer_grads = st->kind != SLOT_FWD && round == e->R - 1 && si >= e->S - e->N;
+    // (split rounds: every round is its device's last stage of the iteration)
+    const int layer_grads =
+        st->kind != SLOT_FWD && (round == e->R - 1 || e->split) && si >= e->S - e->N;
     if (gated) {
         upload_params_gated(e, ds, st, pk, t);
         e->gated_stages += late;
@@ -1026,7 +1043,7 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
     // the gradients go down during the next stage on this device (or at the round's end), or
     // went down layer by layer above
     if (layer_grads) {
-        grads_done(e, ds, st, gk, t, 1);
+        grads_done(e, ds, st, gk, t, round == e->R - 1);
     } else if (st->kind != SLOT_FWD) {
         grads_defer(e, ds, st, gk, t, round);
     }
@@ -1125,6 +1142,12 @@ static void optimizer_step(Engine* e, int64_t k) {
         // each gradient set has its own events: iteration k may already be re-recording the
         // other set's, and a wait captures the latest record
         e->impl->event_synchronize(e->grad_ev[(k - 1) % e->n_hgrad][l]);
+        // split rounds: the other rounds' gradients of this layer, added in round order
+        for (int r = 1; e->split && r < e->R; r++) {
+            e->impl->event_synchronize(grad_event(e, k - 1, r, l));
+            FoldArgs fa = {g[l], grad_host(e, k - 1, r, l), e->m->tt.grad_numel[l]};
+            threadpool_run(e->pool, (fa.n + FOLD_CHUNK - 1) / FOLD_CHUNK, fold_chunk, &fa);
+        }
         if (!e->fold_owner[l] || dev_folded) layer_norm_parts(e, l);
     }
     double t_start = time_now_s();
@@ -1293,8 +1316,9 @@ static int plan_partition(Engine* e, PartitionPlan* plan, char* err) {
         }
         budget = (e->opt.device_budget - fixed) / 2;
     }
-    PartitionInput in = {NL, e->cost_fwd, e->cost_bwd, fb, bb, e->N, e->M, budget, !e->opt.sync,
-                         ub};
+    // (split rounds: each device runs its own rounds of the whole model, as one device would)
+    PartitionInput in = {NL, e->cost_fwd, e->cost_bwd, fb, bb, e->split ? 1 : e->N, e->M, budget,
+                         !e->opt.sync, ub};
     int rc = partition_plan(&in, plan, err);
     // The search gives every stage half the budget (two slot sets). The whole model as one stage
     // with one slot set (plan_device_bytes) is the other candidate when the budget binds; it is
@@ -1701,6 +1725,14 @@ static int engine_plan_init(Engine* e, const Model* m, int act_bytes, int n_devi
     e->T = opt->T;
     e->C = m->cfg.C;
     e->delay = opt->sync ? 0 : 1;
+    e->split = opt->split_rounds != 0;
+    if (e->split) {
+        if (n_devices < 2 || e->M % n_devices != 0 || (opt->M_R > 0 && opt->M_R * n_devices != e->M))
+            return errorf(err, "--split-rounds: %d micro-batches on %d device(s) (need at least 2 "
+                          "devices, micro-batches a multiple of their number, and no other round "
+                          "size)", e->M, n_devices);
+        e->M_R = e->M / n_devices;
+    }
     if (e->M <= 0 || e->M > opt->B || e->M % e->M_R != 0)
         return errorf(err, "micro-batches: %d micro-batches for a batch of %d sequences in rounds "
                       "of %d (need 1 <= M <= B and M a multiple of the round size)", e->M, opt->B,
@@ -1729,6 +1761,13 @@ static int engine_plan_init(Engine* e, const Model* m, int act_bytes, int n_devi
         e->Bc = (e->Bm + K - 1) / K;
         char kerr[ERR_LEN];
         ok[K - 1] = plan_partition(e, &plans[K - 1], kerr) == 0;
+        // split rounds run the whole model as one stage on every device
+        if (ok[K - 1] && e->split && plans[K - 1].n_fwd + plans[K - 1].n_bwd != 1) {
+            ok[K - 1] = 0;
+            snprintf(kerr, sizeof kerr, "split rounds need the whole model in one stage, and with "
+                     "%d row chunk(s) the plan has %d stages (more device memory, or more row "
+                     "chunks, may fit it)", K, plans[K - 1].n_fwd + plans[K - 1].n_bwd);
+        }
         if (ok[K - 1]) cheapest = fmin(cheapest, plans[K - 1].cost);
         else if (!first_err[0]) snprintf(first_err, sizeof first_err, "%s", kerr);
     }
@@ -1828,6 +1867,21 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
     for (int b = 0; b < 2; b++) {
         e->grad_ev[b] = calloc_check((size_t)NL, sizeof(DevEvent*));
         for (int l = 0; l < NL; l++) e->grad_ev[b][l] = ev_new(e);
+    }
+    for (int b = 0; e->split && b < e->n_hgrad; b++) {
+        e->hsplit[b] = calloc_check((size_t)e->R - 1, sizeof(float**));
+        e->split_ev[b] = calloc_check((size_t)e->R - 1, sizeof(DevEvent**));
+        for (int r = 0; r < e->R - 1; r++) {
+            e->hsplit[b][r] = calloc_check((size_t)NL, sizeof(float*));
+            e->split_ev[b][r] = calloc_check((size_t)NL, sizeof(DevEvent*));
+            for (int l = 0; l < NL; l++) {
+                e->hsplit[b][r][l] =
+                    tt->grad_numel[l] > 0
+                        ? e->impl->host_alloc((size_t)tt->grad_numel[l] * sizeof(float))
+                        : NULL;
+                e->split_ev[b][r][l] = ev_new(e);
+            }
+        }
     }
 
     // tracing: one process per device plus the host (optimizer)
@@ -1952,7 +2006,9 @@ static int plans_equal(const PartitionPlan* a, const PartitionPlan* b) {
 // plan-dependent buffers if the plan changed, and freeze it (ROUNDPIPE.md §18: profile, then
 // freeze). Everything in flight is drained first; numerics do not depend on the plan.
 static void maybe_replan(Engine* e) {
-    if (e->frozen || e->opt.replan_after <= 0 || e->profile.n_obs < e->opt.replan_after) return;
+    // (split rounds keep their one-stage plan)
+    if (e->frozen || e->split || e->opt.replan_after <= 0 || e->profile.n_obs < e->opt.replan_after)
+        return;
     e->frozen = 1;
     double* fwd = calloc_check((size_t)e->NL, sizeof(double));
     double* bwd = calloc_check((size_t)e->NL, sizeof(double));
@@ -2145,7 +2201,7 @@ size_t engine_fixed_device_bytes(const Model* m, int act_bytes, const EngineOpti
     e.T = opt->T;
     e.C = m->cfg.C;
     e.ab = (size_t)act_bytes;
-    e.M_R = opt->M_R > 0 ? opt->M_R : opt->M;
+    e.M_R = opt->M_R > 0 ? opt->M_R : opt->M;  // (split rounds: M/N, one parity either way)
     e.Bm = opt->M > 0 ? (opt->B + opt->M - 1) / opt->M : opt->B;
     const int K = opt->row_chunks > 0 ? opt->row_chunks : 1;
     e.Bc = (e.Bm + K - 1) / K;
@@ -2171,6 +2227,7 @@ void engine_print_plan(const Engine* e, FILE* f) {
     fprintf(f, "rounds per step %d x %d micro-batches of %s%d sequences", e->R, e->M_R,
             e->opt.B % e->M ? "up to " : "", e->Bm);
     if (e->K > 1) fprintf(f, " (computed in %d row chunks of up to %d)", e->K, e->Bc);
+    if (e->split) fprintf(f, ", split: the rounds at once, one per device, gradients added");
     fprintf(f, ", %s recompute, %s optimizer\n",
             e->opt.grain == RECOMPUTE_LAYER ? "layer" : "stage",
             e->opt.sync ? "synchronous" : "one-step-delayed");
@@ -2207,6 +2264,18 @@ void engine_free(Engine* e) {
     plan_resources_free(e);
     free(e->dev);
     for (int l = 0; l < NL; l++) im->host_unregister(e->s->grad[l]);
+    for (int b = 0; b < 2; b++) {
+        for (int r = 0; e->hsplit[b] && r < e->R - 1; r++) {
+            for (int l = 0; l < NL; l++) {
+                im->host_free(e->hsplit[b][r][l]);
+                im->event_destroy(e->split_ev[b][r][l]);
+            }
+            free(e->hsplit[b][r]);
+            free(e->split_ev[b][r]);
+        }
+        free(e->hsplit[b]);
+        free(e->split_ev[b]);
+    }
     if (e->hgrad[1]) {
         for (int l = 0; l < NL; l++) im->host_free(e->hgrad[1][l]);
         free(e->hgrad[1]);

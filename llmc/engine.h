@@ -75,6 +75,14 @@ typedef struct EngineOptions {
                              // fit the fused stage; gradients are the same sums); 0 = choose:
                              // the fewest chunks (<= 8, each >= 1 sequence) within 3% of the
                              // cheapest plan
+    int split_rounds;        // 1: on N >= 2 devices with the whole model in one stage, each
+                             // iteration is N rounds of M/N micro-batches that run at the same
+                             // time, one per device, each accumulating its own gradient from zero;
+                             // the optimizer adds the rounds' gradients in round order (data
+                             // parallel within an iteration, so its step overlaps the next
+                             // iteration instead of sitting between t and t+2 on one device). Not
+                             // bit-identical to one sequential accumulation (the same sums in
+                             // another order). M_R is then M/N.
     int replan_after;        // re-plan once with profiled costs after this many iterations, then
                              // freeze the plan (0 = keep the size-based plan)
     int fake_compute_us;     // tests only: a stage's micro-batch sleeps this long instead of

@@ -102,6 +102,17 @@ static AdamWHyper test_hyper(void) { return (AdamWHyper){3e-3f, 0.9f, 0.95f, 1e-
 static LrSchedule test_sched(void) { return (LrSchedule){LR_COSINE, 3e-3f, 2, STEPS, 0.1f, 0.2f}; }
 
 // The reference trainer (testing.c) on the CPU backend with this suite's init and optimizer.
+// rounds > 1: the gradient of each round accumulated on its own, then added (split rounds)
+static void run_reference_rounds(Run* run, const ModelConfig* c, int B, int T, int M,
+                                 const int32_t* tokens, int delayed, int rounds) {
+    void* ctx = ops_cpu_create(1);
+    RefTrain r = {.c = c, .ops = &ops_cpu, .ctx = ctx, .B = B, .T = T, .M = M, .steps = STEPS,
+                  .delayed = delayed, .rounds = rounds, .hyper = test_hyper(),
+                  .sched = test_sched(), .init_seed = 7, .init_scale = 0.2f};
+    test_reference_train(&r, tokens, run->loss, &run->params, &run->n_params);
+    ops_cpu_destroy(ctx);
+}
+
 static void run_reference(Run* run, const ModelConfig* c, int B, int T, int M,
                           const int32_t* tokens, int delayed) {
     void* ctx = ops_cpu_create(1);
@@ -120,6 +131,7 @@ typedef struct EngineCase {
     int host_single;  // one set of host checkpoints
     int slow_opt_us;  // the optimizer step takes this much longer (forces gated uploads)
     int row_chunks;   // 0: one (the sums match plain training with M micro-batches); K: K chunks
+    int split;        // split rounds (one round per device at once)
 } EngineCase;
 
 static int run_engine(TestCtx* t, Run* run, const ModelConfig* c, int B, int T,
@@ -137,6 +149,7 @@ static int run_engine(TestCtx* t, Run* run, const ModelConfig* c, int B, int T,
                         .replan_after = ec->replan_after, .host_single = ec->host_single,
                         .fake_optimizer_us = ec->slow_opt_us,
                         .row_chunks = ec->row_chunks > 0 ? ec->row_chunks : 1, .trace_path = "",
+                        .split_rounds = ec->split,
                         .hyper = test_hyper(), .sched = test_sched(), .grad_clip = 1.0f};
     // the case's budget is for the stages: the scratch and fixed hand-off buffers come on top
     if (ec->budget > 0) eo.device_budget += (double)engine_fixed_device_bytes(&fx.m, 4, &eo);
@@ -206,30 +219,30 @@ static void test_engine_sync_matches_plain(TestCtx* t) {
         // small budgets force many stages; rounds of 2 micro-batches exercise the cross-round
         // gradient accumulation
         const EngineCase cases[] = {
-            {1, 4, 4, 1, 0, RECOMPUTE_STAGE, 0, 0, 0, 0, 0},
-            {1, 4, 2, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 0, 0},
-            {2, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 0, 0},
-            {3, 4, 4, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0, 0, 0},
-            {4, 4, 2, 1, 1, RECOMPUTE_LAYER, 3.2e5, 0, 0, 0, 0},
-            {4, 4, 4, 1, 1, RECOMPUTE_STAGE, 3.2e5, 0, 0, 0, 0},
+            {1, 4, 4, 1, 0, RECOMPUTE_STAGE, 0, 0, 0, 0, 0, 0},
+            {1, 4, 2, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 0, 0, 0},
+            {2, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 0, 0, 0},
+            {3, 4, 4, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0, 0, 0, 0},
+            {4, 4, 2, 1, 1, RECOMPUTE_LAYER, 3.2e5, 0, 0, 0, 0, 0},
+            {4, 4, 4, 1, 1, RECOMPUTE_STAGE, 3.2e5, 0, 0, 0, 0, 0},
             // re-planned from profiled times after 2 iterations: the plan may change mid-run,
             // the numbers must not
-            {3, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 2, 0, 0, 0},
-            {2, 4, 2, 1, 0, RECOMPUTE_LAYER, 4.4e5, 2, 0, 0, 0},
+            {3, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 2, 0, 0, 0, 0},
+            {2, 4, 2, 1, 0, RECOMPUTE_LAYER, 4.4e5, 2, 0, 0, 0, 0},
             // one micro-batch per round (the long-sequence shape): single-parity buffers
-            {2, 4, 1, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0, 0, 0},
-            {3, 4, 1, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 0, 0},
+            {2, 4, 1, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0, 0, 0, 0},
+            {3, 4, 1, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 0, 0, 0},
             // one set of host checkpoints (producers wait for the previous iteration's readers)
-            {3, 4, 2, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0, 1, 0, 0},
-            {2, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 1, 0, 0},
+            {3, 4, 2, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0, 1, 0, 0, 0},
+            {2, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 1, 0, 0, 0},
             // a slow optimizer, two iterations in flight (sync mode fences whole stages on the
             // controller: no gated uploads)
-            {3, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 20000, 0},
-            {1, 4, 2, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 20000, 0},
+            {3, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 20000, 0, 0},
+            {1, 4, 2, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 20000, 0, 0},
             // two micro-batches in two row chunks each: the same sums as four micro-batches
-            {1, 2, 2, 1, 0, RECOMPUTE_STAGE, 0, 0, 0, 0, 2},
-            {2, 2, 2, 1, 1, RECOMPUTE_STAGE, 3.2e5, 0, 0, 0, 2},
-            {3, 2, 1, 1, 1, RECOMPUTE_LAYER, 3.2e5, 0, 0, 0, 2},
+            {1, 2, 2, 1, 0, RECOMPUTE_STAGE, 0, 0, 0, 0, 2, 0},
+            {2, 2, 2, 1, 1, RECOMPUTE_STAGE, 3.2e5, 0, 0, 0, 2, 0},
+            {3, 2, 1, 1, 1, RECOMPUTE_LAYER, 3.2e5, 0, 0, 0, 2, 0},
         };
         for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
             Run r;
@@ -262,8 +275,8 @@ static void test_engine_microbatch_counts(TestCtx* t) {
     ModelConfig c = engine_config(0);
     int32_t* tokens = make_batches(B, T, 5, c.V);
     Run a, b;
-    EngineCase ca = {2, 2, 2, 1, 0, RECOMPUTE_STAGE, 3.2e5, 0, 0, 0, 0};
-    EngineCase cb = {2, 8, 4, 1, 0, RECOMPUTE_STAGE, 3.2e5, 0, 0, 0, 0};
+    EngineCase ca = {2, 2, 2, 1, 0, RECOMPUTE_STAGE, 3.2e5, 0, 0, 0, 0, 0};
+    EngineCase cb = {2, 8, 4, 1, 0, RECOMPUTE_STAGE, 3.2e5, 0, 0, 0, 0, 0};
     run_engine(t, &a, &c, B, T, &ca, tokens);
     run_engine(t, &b, &c, B, T, &cb, tokens);
     CHECK(t, fabs(a.loss[0] - b.loss[0]) <= 1e-5 * fabs(a.loss[0]), "first loss %.9g vs %.9g",
@@ -283,30 +296,30 @@ static void test_engine_async_delayed(TestCtx* t) {
         int32_t* tokens = make_batches(B, T, 11 + tied, c.V);
         Run ref;
         run_reference(&ref, &c, B, T, 4, tokens, 1);
-        const EngineCase cases[] = {{1, 4, 4, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 0, 0},
-                                    {3, 4, 2, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 1, 0, 0},
+        const EngineCase cases[] = {{1, 4, 4, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 0, 0, 0},
+                                    {3, 4, 2, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 1, 0, 0, 0},
                                     // long random delays on the activation uploads only (the
                                     // readers of the one host set of checkpoints)
-                                    {3, 4, 2, 0, 3000, RECOMPUTE_LAYER, 2.4e5, 0, 1, 0, 0},
-                                    {3, 4, 4, 0, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 0, 0},
-                                    {2, 4, 2, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0, 0, 0},
+                                    {3, 4, 2, 0, 3000, RECOMPUTE_LAYER, 2.4e5, 0, 1, 0, 0, 0},
+                                    {3, 4, 4, 0, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 0, 0, 0},
+                                    {2, 4, 2, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0, 0, 0, 0},
                                     // no budget: everything fused, two devices taking every
                                     // other iteration, two in flight
-                                    {2, 4, 4, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 0, 0},
+                                    {2, 4, 4, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 0, 0, 0},
                                     // a slow optimizer: stages enqueued before their weights
                                     // are written upload and start layer by layer (pipelined
                                     // cases: engine_step waits for that step anyway)
-                                    {2, 4, 4, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 20000, 0},
-                                    {2, 4, 2, 0, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 20000, 0},
-                                    {2, 4, 4, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 1, 20000, 0},
+                                    {2, 4, 4, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 20000, 0, 0},
+                                    {2, 4, 2, 0, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 20000, 0, 0},
+                                    {2, 4, 4, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 1, 20000, 0, 0},
                                     // row chunks (2 x 2 = the reference's 4 micro-batches),
                                     // also with gated uploads and per-layer downloads
-                                    {2, 2, 2, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 20000, 2},
-                                    {2, 2, 1, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 1, 0, 2},
+                                    {2, 2, 2, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 20000, 2, 0},
+                                    {2, 2, 1, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 1, 0, 2, 0},
                                     // re-planned from a profile of gated stages (their first
                                     // micro-batches left out; with one per round, kept)
-                                    {2, 4, 4, 0, 1, RECOMPUTE_STAGE, 2.4e5, 2, 0, 20000, 0},
-                                    {2, 4, 1, 0, 1, RECOMPUTE_STAGE, 2.4e5, 2, 0, 20000, 0}};
+                                    {2, 4, 4, 0, 1, RECOMPUTE_STAGE, 2.4e5, 2, 0, 20000, 0, 0},
+                                    {2, 4, 1, 0, 1, RECOMPUTE_STAGE, 2.4e5, 2, 0, 20000, 0, 0}};
         for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
             Run r;
             int S = run_engine(t, &r, &c, B, T, &cases[k], tokens);
@@ -389,6 +402,65 @@ static void test_engine_bubble_formula(TestCtx* t) {
         fixture_close(&fx);
     }
     free(tokens);
+}
+
+// Split rounds: N rounds at once, one per device, each from zero, added in round order: bit for
+// bit the reference that accumulates the rounds the same way, sync and delayed, with injected
+// delays, a slow optimizer (gated uploads) and row chunks; refused where it cannot apply.
+static void test_engine_split_rounds(TestCtx* t) {
+    const int B = 8, T = 12;
+    for (int tied = 0; tied <= 1; tied++) {
+        ModelConfig c = engine_config(tied);
+        int32_t* tokens = make_batches(B, T, 21 + tied, c.V);
+        const EngineCase cases[] = {
+            {2, 4, 0, 1, 1, RECOMPUTE_STAGE, 0, 0, 0, 0, 0, 1},
+            {2, 4, 0, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 0, 0, 1},
+            {4, 4, 0, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 0, 0, 1},
+            {2, 4, 0, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 20000, 0, 1},
+            {2, 2, 0, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 0, 2, 1},  // 1 micro-batch x 2 chunks each
+        };
+        for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+            const EngineCase* ec = &cases[k];
+            Run ref, r;
+            const int M_ref = ec->M * (ec->row_chunks > 0 ? ec->row_chunks : 1);
+            run_reference_rounds(&ref, &c, B, T, M_ref, tokens, !ec->sync, ec->N);
+            const int S = run_engine(t, &r, &c, B, T, ec, tokens);
+            if (S >= 0) {
+                CHECK(t, S == 1, "case %zu: split rounds with S = %d", k, S);
+                CHECK(t, runs_identical(&r, &ref),
+                      "split tied %d case %zu (N=%d sync %d): loss %.9g %.9g %.9g %.9g vs "
+                      "reference %.9g %.9g %.9g %.9g", tied, k, ec->N, ec->sync, r.loss[0],
+                      r.loss[1], r.loss[2], r.loss[3], ref.loss[0], ref.loss[1], ref.loss[2],
+                      ref.loss[3]);
+                // (every round folds its own part)
+                CHECK(t, r.device_folds == (tied ? STEPS * ec->N : 0),
+                      "case %zu: %lld device folds", k, (long long)r.device_folds);
+                if (ec->slow_opt_us > 0)
+                    CHECK(t, r.gated > 0, "case %zu: a slow optimizer but no gated upload", k);
+                free(r.params);
+            }
+            free(ref.params);
+        }
+        free(tokens);
+    }
+    // refused: one device; a budget that forces several stages
+    ModelConfig c = engine_config(0);
+    char err[ERR_LEN];
+    DeviceOptions dopt = {.threads = 1};
+    for (int k = 0; k < 2; k++) {
+        Fixture fx;
+        fixture_open(&fx, &c, k == 0 ? 1 : 2, &dopt);
+        EngineOptions eo = {.B = 8, .T = 12, .M = 4, .split_rounds = 1, .opt_threads = 1,
+                            .trace_path = "", .hyper = test_hyper(), .sched = test_sched(),
+                            .grad_clip = 1.0f, .row_chunks = 1};
+        if (k == 1) eo.device_budget = 2.4e5 + (double)engine_fixed_device_bytes(&fx.m, 4, &eo);
+        err[0] = 0;
+        Engine* e = engine_create(&fx.m, &fx.s, &fx.devs, &eo, err);
+        CHECK(t, e == NULL && strstr(err, k == 0 ? "at least 2" : "one stage"),
+              "split rounds case %d should be refused (err: %s)", k, err);
+        if (e) engine_free(e);
+        fixture_close(&fx);
+    }
 }
 
 // A stage plan's loss is known before its backward stages have run: engine_collect returns then,
@@ -559,6 +631,44 @@ static void test_engine_gated_uploads_hide_step(TestCtx* t) {
     free(tokens);
 }
 
+// Split rounds hide the optimizer step behind the next iteration: two devices, the whole model in
+// one stage, a step of 40% of an iteration's device work. Alternating whole iterations, a device
+// waits for the step of its own previous iteration; split, both devices run every iteration and
+// the step of t overlaps iteration t+1.
+static void test_engine_split_rounds_hide_step(TestCtx* t) {
+    const int B = 8, T = 8, M = 4, FAKE = 10000, STEP_US = 16000;
+    ModelConfig c = engine_config(1);
+    int32_t* tokens = make_batches(B, T, 2, c.V);
+    char err[ERR_LEN];
+    DeviceOptions dopt = {.threads = 1};
+    double period[2] = {0, 0};
+    for (int split = 0; split <= 1; split++) {
+        Fixture fx;
+        fixture_open(&fx, &c, 2, &dopt);
+        EngineOptions eo = {.B = B, .T = T, .M = M, .sync = 0, .opt_threads = 1,
+                            .split_rounds = split, .trace_path = "", .fake_compute_us = FAKE,
+                            .fake_optimizer_us = STEP_US, .hyper = test_hyper(),
+                            .sched = test_sched(), .grad_clip = 1.0f, .row_chunks = 1};
+        Engine* e = engine_create(&fx.m, &fx.s, &fx.devs, &eo, err);
+        CHECK(t, e != NULL, "%s", err);
+        if (e) {
+            period[split] = measure_period(e, tokens, 10, 3, 1);
+            engine_free(e);
+        }
+        fixture_close(&fx);
+    }
+    // ideal: M * FAKE of device work per iteration over two devices
+    const double ideal = M * FAKE / 2e6;
+    printf("       iteration %d ms of device work, step %d ms: period %.1f ms alternating, %.1f "
+           "ms split (ideal %.1f)\n", M * FAKE / 1000, STEP_US / 1000, period[0] * 1e3,
+           period[1] * 1e3, ideal * 1e3);
+    CHECK(t, period[1] <= 1.15 * ideal * TIMING_SLACK, "split period %.1f ms, ideal %.1f ms",
+          period[1] * 1e3, ideal * 1e3);
+    CHECK(t, period[1] < 0.9 * period[0] || TIMING_SLACK > 1.0,
+          "split %.1f ms not shorter than alternating %.1f ms", period[1] * 1e3, period[0] * 1e3);
+    free(tokens);
+}
+
 // Row chunks chosen by the planner: under a tight device budget, computing each micro-batch in
 // row chunks shrinks the activations and scratch so more layers fit the fused stage (less
 // recompute); the choice is never worse than one chunk, takes one chunk when that is within 3%,
@@ -639,7 +749,7 @@ static void test_engine_one_slot_set(TestCtx* t) {
         fixture_close(&fx);
         // a total between one set's and two sets' needs
         const EngineCase ec = {N, M, M, 0, 1, RECOMPUTE_STAGE,
-                               (double)two.total - (double)two.slots / 4 - fixed, 0, 0, 0, 0};
+                               (double)two.total - (double)two.slots / 4 - fixed, 0, 0, 0, 0, 0};
         Run r;
         int S = run_engine(t, &r, &c, B, T, &ec, tokens);
         if (S < 0) continue;
@@ -659,6 +769,8 @@ const TestCase tests_engine[] = {
     {"engine_async_delayed", test_engine_async_delayed},
     {"engine_bubble_formula", test_engine_bubble_formula},
     {"engine_wait_devices", test_engine_wait_devices},
+    {"engine_split_rounds", test_engine_split_rounds},
+    {"engine_split_rounds_hide_step", test_engine_split_rounds_hide_step},
     {"engine_slow_optimizer_hidden", test_engine_slow_optimizer_hidden},
     {"engine_two_iterations_overlap", test_engine_two_iterations_overlap},
     {"engine_gated_uploads_hide_step", test_engine_gated_uploads_hide_step},

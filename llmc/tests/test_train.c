@@ -31,7 +31,7 @@ static void test_train_help(TestCtx* t) {
                            "--eval-batches", "--sample-tokens", "--prompt", "--init-std", "--temperature",
                            "--round", "--recompute", "--sync", "--device-mem", "--plan",
                            "--delay-us", "--trace", "--profile-steps", "--mlp-chunk", "--host-checkpoints",
-                           "--profile-ops", "--row-chunks", NULL};
+                           "--profile-ops", "--row-chunks", "--split-rounds", NULL};
     for (int i = 0; flags[i]; i++) CHECK(t, strstr(out, flags[i]) != NULL, "--help lacks %s", flags[i]);
     CHECK(t, strstr(out, "default") != NULL, "--help shows defaults");
     free(out);
@@ -41,7 +41,8 @@ static void test_train_bad_flags(TestCtx* t) {
     const char* cases[] = {"--batch 0", "--batch x", "--lr -1", "--lr nan", "--schedule foo",
                            "--steps", "--frobnicate",
                            "--device tpu", "--device cuda:0", "--batch 4 --micro-batches 5", "--shuffle 2", "--grad-clip -1",
-                           "--seed -3", "--min-lr-frac 2", "stray-argument", "--profile-ops --device cpu:2", NULL};
+                           "--seed -3", "--min-lr-frac 2", "stray-argument", "--profile-ops --device cpu:2",
+                           "--split-rounds", "--split-rounds --device cpu:2 --round 2", NULL};
     for (int i = 0; cases[i]; i++) {
         int rc = test_run_cli(t, "badflag", cases[i]);
         char* err = test_read_output(t, "badflag", "err");

@@ -58,16 +58,32 @@ void test_reference_train(const RefTrain* r, const int32_t* tokens, double* loss
     const int n = store_adamw_tensors(&s, opt);
     AdamWHyper h = r->hyper;
     ThreadPool* pool = threadpool_create(2);
+    float** total = calloc_check((size_t)m.tt.n_layers, sizeof(float*));  // split rounds' sum
+    for (int l = 0; r->rounds > 1 && l < m.tt.n_layers; l++)
+        total[l] = malloc_check((size_t)(m.tt.grad_numel[l] > 0 ? m.tt.grad_numel[l] : 1) *
+                                sizeof(float));
     for (int step = 0; step < r->steps; step++) {
         const int32_t* batch = tokens + (size_t)step * r->B * (r->T + 1);
         plain_sync_params(p);  // no-op when the backend works on the store itself
-        store_zero_grads(w);
+        const int R = r->rounds > 1 ? r->rounds : 1, M_R = r->M / R;
         double sum = 0;
-        for (int mb = 0; mb < r->M; mb++)
-            sum += plain_forward_backward(p, batch + (size_t)mb * Bm * (r->T + 1), Bm, r->T,
-                                          1.0f / ((float)r->B * (float)r->T));
-        plain_sync_grads(p);
-        store_fold_tied_grads(w);
+        for (int round = 0; round < R; round++) {
+            store_zero_grads(w);
+            for (int mb = round * M_R; mb < (round + 1) * M_R; mb++)
+                sum += plain_forward_backward(p, batch + (size_t)mb * Bm * (r->T + 1), Bm, r->T,
+                                              1.0f / ((float)r->B * (float)r->T));
+            plain_sync_grads(p);
+            store_fold_tied_grads(w);
+            for (int l = 0; R > 1 && l < m.tt.n_layers; l++) {
+                if (round == 0) {
+                    memcpy(total[l], w->grad[l], (size_t)m.tt.grad_numel[l] * sizeof(float));
+                } else {
+                    for (int64_t i = 0; i < m.tt.grad_numel[l]; i++) total[l][i] += w->grad[l][i];
+                }
+            }
+        }
+        for (int l = 0; R > 1 && l < m.tt.n_layers; l++)
+            memcpy(w->grad[l], total[l], (size_t)m.tt.grad_numel[l] * sizeof(float));
         loss[step] = sum / ((double)r->B * r->T);
         if (r->delayed) {
             for (int l = 0; l < m.tt.n_layers; l++) {
@@ -91,6 +107,8 @@ void test_reference_train(const RefTrain* r, const int32_t* tokens, double* loss
             o += m.tt.param_numel[l];
         }
     }
+    for (int l = 0; l < m.tt.n_layers; l++) free(total[l]);
+    free(total);
     free(opt);
     threadpool_destroy(pool);
     plain_free(p);

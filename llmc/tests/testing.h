@@ -92,6 +92,8 @@ typedef struct RefTrain {
     const Ops* ops;
     void* ctx;
     int B, T, M, steps, delayed;
+    int rounds;  // > 1: the micro-batches in this many rounds, each accumulated from zero with its
+                 // tied gradient folded, the rounds then added in order (the engine's split rounds)
     AdamWHyper hyper;
     LrSchedule sched;
     uint32_t init_seed;
