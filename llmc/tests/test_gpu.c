@@ -1079,6 +1079,7 @@ typedef struct GpuEngineCase {
     double stage_bytes;  // device budget beyond the fixed part (0 = unlimited)
     double total_bytes;  // > 0: the whole device budget instead
     int slow_opt_us;     // the optimizer step takes this much longer (gated uploads)
+    int split;           // split rounds (needs two GPUs)
 } GpuEngineCase;
 
 // What one case did besides its losses.
@@ -1113,7 +1114,8 @@ static GpuEngineRun gpu_engine_run(TestCtx* t, const DeviceImpl* impl, const Mod
     for (int g = 0; cuda && g < ec->N && g < 8; g++) cuda_device_memory(g, &free0[g], &tot);
     EngineOptions eo = {.B = B, .T = T, .M = ec->M, .M_R = ec->M, .grain = ec->grain,
                         .sync = ec->sync, .opt_threads = 2, .trace_path = "",
-                        .fake_optimizer_us = ec->slow_opt_us, .hyper = gpu_engine_hyper,
+                        .fake_optimizer_us = ec->slow_opt_us, .split_rounds = ec->split,
+                        .hyper = gpu_engine_hyper,
                         .sched = gpu_engine_sched, .grad_clip = 1.0f};
     if (ec->stage_bytes > 0)
         eo.device_budget = (double)engine_fixed_device_bytes(&m, cuda ? 2 : 4, &eo) + ec->stage_bytes;
@@ -1178,17 +1180,22 @@ static void test_gpu_engine(TestCtx* t) {
         tokens[i] = (int32_t)rng_below(&r, (uint64_t)c.V);
     const int N2 = cuda_device_count() >= 2 ? 2 : 1;
     const double small = 750.0 * (1 << 20);
-    // the last two: a slow optimizer (uploads gated by host functions on the parameter stream),
-    // and a budget between one and two slot sets of the whole model (filled in from case 0)
+    // the last three: a slow optimizer (uploads gated by host functions on the parameter stream),
+    // split rounds, and a budget between one and two slot sets of the whole model (filled in from
+    // case 0; it must stay last)
     GpuEngineCase cases[] = {
-        {1, 4, 1, RECOMPUTE_STAGE, 0, 0, 0},      {1, 4, 1, RECOMPUTE_STAGE, small, 0, 0},
-        {1, 4, 0, RECOMPUTE_LAYER, small, 0, 0},  {N2, 4, 1, RECOMPUTE_STAGE, small, 0, 0},
-        {N2, 4, 0, RECOMPUTE_STAGE, 0, 0, 0},     {N2, 4, 0, RECOMPUTE_STAGE, 0, 0, 20000},
-        {N2, 4, 0, RECOMPUTE_STAGE, 0, -1, 0},
+        {1, 4, 1, RECOMPUTE_STAGE, 0, 0, 0, 0},     {1, 4, 1, RECOMPUTE_STAGE, small, 0, 0, 0},
+        {1, 4, 0, RECOMPUTE_LAYER, small, 0, 0, 0}, {N2, 4, 1, RECOMPUTE_STAGE, small, 0, 0, 0},
+        {N2, 4, 0, RECOMPUTE_STAGE, 0, 0, 0, 0},    {N2, 4, 0, RECOMPUTE_STAGE, 0, 0, 20000, 0},
+        // split rounds (two GPUs): the same sums in another order, so the losses agree to
+        // rounding rather than bit for bit
+        {2, 4, 0, RECOMPUTE_STAGE, 0, 0, 0, 1},
+        {N2, 4, 0, RECOMPUTE_STAGE, 0, -1, 0, 0},
     };
     const size_t n_cases = sizeof cases / sizeof cases[0];
     for (size_t k = 0; k < n_cases; k++) {
         GpuEngineCase* ec = &cases[k];
+        if (ec->split && N2 < 2) continue;
         double lg[ENGINE_STEPS], lc[ENGINE_STEPS];
         const GpuEngineRun run = gpu_engine_run(t, &device_cuda_impl, &c, B, T, ec, tokens, lg);
         if (run.S < 0) continue;
