@@ -5,8 +5,9 @@
 # warm-up and 4 timed iterations (rounded up to a multiple of the GPU count: two iterations are in
 # flight, so on two GPUs the step times alternate between a long and a short one); tokens/s =
 # tokens of the timed iterations / their wall time (the sum of their step times in the trainer's
-# JSON-lines log: a step's time is the time between two completed iterations). Prints one table and appends it, with the machine and the
-# date, to docs/PERF.md.
+# JSON-lines log: a step's time is the time between two completed iterations; a step nothing
+# follows ends when the devices are done). Prints one table and appends it, with the machine and
+# the date, to docs/PERF.md.
 #
 #   scripts/bench_paper.sh                         Qwen3-1.7B and LLaMA-3.1-8B on 1 and 2 GPUs
 #   MODELS=qwen3-1.7b GPUS=1 scripts/bench_paper.sh
@@ -16,9 +17,12 @@
 #                                                  --plan, confirmed by one step) and the
 #                                                  throughput at 262,144 tokens
 #   EXTRA="--recompute layer" scripts/bench_paper.sh   extra trainer flags for every run
+#   EXTRA="--split-rounds" GPUS=2 scripts/bench_paper.sh   two GPUs running each iteration's
+#                                                  rounds at once (see the README)
 #
 # Variables: MODELS, GPUS, BATCH (128), SEQ (2048), MICRO (10), WARMUP (3), TIMED (4), SWEEP (0),
-# MAXSEQ (0), HOST_GIB (120: host memory a MAXSEQ plan may use),
+# MAXSEQ (0), HOST_GIB (120: host memory a MAXSEQ plan may use), MAXSEQ_STEP (1; 0 reports
+# the longest plan without running its step: at 786K tokens one step takes ~20 minutes),
 # EXTRA, OUTDIR (out/bench), NO_PERF_MD=1 to leave docs/PERF.md alone, SKIP_BUILD=1 to use the
 # binary as it is. The plan is the size-based one (--profile-steps 0), so no re-planning lands in
 # the timed iterations.
@@ -130,8 +134,13 @@ if [ "$MAXSEQ" = 1 ]; then
             echo "$model: --recompute $grain plans up to $lo tokens"
             [ "$lo" -le "$best" ] || { best=$lo; best_grain=$grain; }
         done
-        read -r tps _ _ <<<"$(WARMUP=0 TIMED=1 EXTRA="$EXTRA $LONG --recompute $best_grain" run "$model" 1 1 "$best" 1)"
-        echo "$model: longest planned sequence $best tokens ($best_grain recompute): one step ran at $tps tokens/s"
+        if [ "${MAXSEQ_STEP:-1}" = 1 ]; then
+            read -r tps _ _ <<<"$(WARMUP=0 TIMED=1 EXTRA="$EXTRA $LONG --recompute $best_grain" run "$model" 1 1 "$best" 1)"
+            echo "$model: longest planned sequence $best tokens ($best_grain recompute): one step ran at $tps tokens/s"
+        else
+            tps="step not run"
+            echo "$model: longest planned sequence $best tokens ($best_grain recompute); its step not run (MAXSEQ_STEP=0)"
+        fi
         table+="| $model (longest sequence, $best_grain recompute, \`$LONG\`) | 1 | 1 x $best | 1 | $tps | - | - |\n"
         if [ "$best" -ge 262144 ]; then
             read -r tps mfu _ <<<"$(WARMUP=1 TIMED=1 EXTRA="$EXTRA $LONG --recompute $best_grain" run "$model" 1 1 262144 1)"
