@@ -228,8 +228,8 @@ int main(int argc, char** argv) {
     const double wbytes = a.device == DEVICE_CUDA ? 2.0 : 4.0;
     double host_fixed = 16.0 * P;
     if (engine_run) host_fixed += 2.0 * wbytes * P + (a.sync ? 0.0 : 4.0 * P);
-    // split rounds: one more fp32 gradient set per extra round and gradient set
-    if (engine_run && a.split_rounds && N > 1) host_fixed += (N - 1) * (a.sync ? 1.0 : 2.0) * 4.0 * P;
+    // split rounds: one more fp32 gradient set per extra round
+    if (engine_run && a.split_rounds && N > 1) host_fixed += (N - 1) * 4.0 * P;
     const double ckpt = engine_run ? (a.host_single ? 1.0 : 2.0) * (double)a.batch * a.seq *
                                          model.cfg.C * wbytes * (model.cfg.L + 3)
                                    : 0.0;

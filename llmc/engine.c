@@ -185,10 +185,13 @@ struct Engine {
     int n_hgrad;
     DevEvent** grad_ev[2];  // [gradient set][layer] the latest download of the layer into that set
     // split rounds (opt.split_rounds): rounds 1..R-1 download into sets of their own,
-    // hsplit[set][round - 1][layer], which the optimizer adds into hgrad[set] in round order
+    // hsplit[round - 1][layer], which the optimizer adds into hgrad[t % n_hgrad] in round order
+    // as they arrive; one set per round whatever n_hgrad: iteration t+1 downloads a layer into it
+    // only after the optimizer has added iteration t's (split_summed, fenced on the controller)
     int split;
-    float*** hsplit[2];
-    DevEvent*** split_ev[2];
+    float*** hsplit;
+    DevEvent*** split_ev;
+    int64_t* split_summed;  // (NL) the last iteration whose split rounds of layer l were added
     JobBlock* arena[2];
     LabelBlock* labels[2];
     Trace* trace;           // NULL unless opt.trace_path is set
@@ -501,12 +504,19 @@ __attribute__((format(printf, 5, 6))) static void label(Engine* e, int ip, DevSt
 // Whether every layer of a stage (and the tied head's source) holds iteration t's weights now.
 // Where round `round` of iteration t downloads layer l's gradient, and the event of that download.
 static float* grad_host(const Engine* e, int64_t t, int round, int l) {
-    const int set = (int)(t % e->n_hgrad);
-    return e->split && round > 0 ? e->hsplit[set][round - 1][l] : e->hgrad[set][l];
+    return e->split && round > 0 ? e->hsplit[round - 1][l] : e->hgrad[t % e->n_hgrad][l];
 }
 static DevEvent* grad_event(const Engine* e, int64_t t, int round, int l) {
-    const int set = (int)(t % e->n_hgrad);
-    return e->split && round > 0 ? e->split_ev[set][round - 1][l] : e->grad_ev[set][l];
+    return e->split && round > 0 ? e->split_ev[round - 1][l] : e->grad_ev[t % e->n_hgrad][l];
+}
+
+// Split rounds: round r >= 1 of iteration t downloads layer l into the one set of its round,
+// which must hold no gradient of iteration t-1 that the optimizer has yet to add (controller side;
+// it waits only for the optimizer's progress on iterations already enqueued).
+static void fence_split(Engine* e, int l, int64_t t) {
+    pthread_check(pthread_mutex_lock(&e->mu));
+    while (e->split_summed[l] < t - 1) pthread_check(pthread_cond_wait(&e->cv, &e->mu));
+    pthread_check(pthread_mutex_unlock(&e->mu));
 }
 
 static int params_ready(Engine* e, const Stage* st, int64_t t) {
@@ -898,6 +908,7 @@ static void enqueue_chunk(Engine* e, const MbJob* base, int pk, int gk, int firs
             submit_part(e, base, 4, l, l + 1, "%s bwd %d", who, l);
         if (fold && e->fold_owner[l]) submit_part(e, base, 5, 0, 0, "%s fold tied grads", who);
         im->event_record(ds->gev[l - st->b], d, STREAM_COMPUTE);
+        if (e->split && base->i / e->M_R > 0) fence_split(e, l, base->t);
         grads_layer_down(e, ds, st, gk, l, base->t, base->i / e->M_R, fold);
     }
 }
@@ -1142,11 +1153,18 @@ static void optimizer_step(Engine* e, int64_t k) {
         // each gradient set has its own events: iteration k may already be re-recording the
         // other set's, and a wait captures the latest record
         e->impl->event_synchronize(e->grad_ev[(k - 1) % e->n_hgrad][l]);
-        // split rounds: the other rounds' gradients of this layer, added in round order
+        // split rounds: the other rounds' gradients of this layer, added in round order; then
+        // their sets may take iteration k's
         for (int r = 1; e->split && r < e->R; r++) {
             e->impl->event_synchronize(grad_event(e, k - 1, r, l));
             FoldArgs fa = {g[l], grad_host(e, k - 1, r, l), e->m->tt.grad_numel[l]};
             threadpool_run(e->pool, (fa.n + FOLD_CHUNK - 1) / FOLD_CHUNK, fold_chunk, &fa);
+        }
+        if (e->split) {
+            pthread_check(pthread_mutex_lock(&e->mu));
+            e->split_summed[l] = k - 1;
+            pthread_check(pthread_cond_broadcast(&e->cv));
+            pthread_check(pthread_mutex_unlock(&e->mu));
         }
         if (!e->fold_owner[l] || dev_folded) layer_norm_parts(e, l);
     }
@@ -1868,18 +1886,19 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
         e->grad_ev[b] = calloc_check((size_t)NL, sizeof(DevEvent*));
         for (int l = 0; l < NL; l++) e->grad_ev[b][l] = ev_new(e);
     }
-    for (int b = 0; e->split && b < e->n_hgrad; b++) {
-        e->hsplit[b] = calloc_check((size_t)e->R - 1, sizeof(float**));
-        e->split_ev[b] = calloc_check((size_t)e->R - 1, sizeof(DevEvent**));
+    if (e->split) {
+        e->hsplit = calloc_check((size_t)e->R - 1, sizeof(float**));
+        e->split_ev = calloc_check((size_t)e->R - 1, sizeof(DevEvent**));
+        e->split_summed = calloc_check((size_t)NL, sizeof(int64_t));
+        for (int l = 0; l < NL; l++) e->split_summed[l] = -1;
         for (int r = 0; r < e->R - 1; r++) {
-            e->hsplit[b][r] = calloc_check((size_t)NL, sizeof(float*));
-            e->split_ev[b][r] = calloc_check((size_t)NL, sizeof(DevEvent*));
+            e->hsplit[r] = calloc_check((size_t)NL, sizeof(float*));
+            e->split_ev[r] = calloc_check((size_t)NL, sizeof(DevEvent*));
             for (int l = 0; l < NL; l++) {
-                e->hsplit[b][r][l] =
-                    tt->grad_numel[l] > 0
-                        ? e->impl->host_alloc((size_t)tt->grad_numel[l] * sizeof(float))
-                        : NULL;
-                e->split_ev[b][r][l] = ev_new(e);
+                e->hsplit[r][l] = tt->grad_numel[l] > 0
+                                      ? e->impl->host_alloc((size_t)tt->grad_numel[l] * sizeof(float))
+                                      : NULL;
+                e->split_ev[r][l] = ev_new(e);
             }
         }
     }
@@ -2264,18 +2283,17 @@ void engine_free(Engine* e) {
     plan_resources_free(e);
     free(e->dev);
     for (int l = 0; l < NL; l++) im->host_unregister(e->s->grad[l]);
-    for (int b = 0; b < 2; b++) {
-        for (int r = 0; e->hsplit[b] && r < e->R - 1; r++) {
-            for (int l = 0; l < NL; l++) {
-                im->host_free(e->hsplit[b][r][l]);
-                im->event_destroy(e->split_ev[b][r][l]);
-            }
-            free(e->hsplit[b][r]);
-            free(e->split_ev[b][r]);
+    for (int r = 0; e->hsplit && r < e->R - 1; r++) {
+        for (int l = 0; l < NL; l++) {
+            im->host_free(e->hsplit[r][l]);
+            im->event_destroy(e->split_ev[r][l]);
         }
-        free(e->hsplit[b]);
-        free(e->split_ev[b]);
+        free(e->hsplit[r]);
+        free(e->split_ev[r]);
     }
+    free(e->hsplit);
+    free(e->split_ev);
+    free(e->split_summed);
     if (e->hgrad[1]) {
         for (int l = 0; l < NL; l++) im->host_free(e->hgrad[1][l]);
         free(e->hgrad[1]);
