@@ -2,7 +2,9 @@
  * dev/cuda/attention.cu — kernel lab for causal grouped-query flash attention (bf16, fp32
  * accumulation). It includes kernels/attention.cu, so the kernels checked and timed here are the
  * ones the trainer links; the variants are other tile shapes of the same templates, and the one
- * named "kernels" is the C interface itself (the shape chosen from this lab's timings).
+ * named "kernels" is the C interface itself (the shape chosen from this lab's timings). Lab-only
+ * kernels: the wgmma forward (attention_wgmma.cuh) and the ordered backward
+ * (attention_bwd_ordered.cuh), both NOT YET RUN ON A GPU (sections below).
  *
  *   validation: fresh random bf16 inputs per case, a CPU reference with fp64 accumulation, relative
  *     L2 error of out, lse, dq, dk, dv (tolerance 2e-2); outputs poisoned with NaN before every
@@ -55,6 +57,58 @@
  *       warpgroups' softmax and GEMMs with named barriers (bar.sync id, 256), a producer warp
  *       with TMA and mbarriers (3+ stages, setmaxnreg), a staged, coalesced output store.
  *
+ * Ordered backward, variants 6 "bwd ordered w8 q64" and 7 "bwd ordered w8 q32"
+ * (dev/cuda/attention_bwd_ordered.cuh, where the scheme, the progress argument and the memory-
+ * ordering argument are written out). STATUS: NOT YET RUN ON A GPU (written and compiled only).
+ *   dQ is computed inside the dK/dV pass: 5 matmuls per tile pair instead of 7, no float atomics.
+ *   One block per (kv tile of 128 keys, kv head, batch), work assigned by a ticket taken at block
+ *   start (atomicAdd on an integer), kv tile 0 first; pairs walked query tile outer (last tile
+ *   down to the diagonal), head inner. Per pair, after dS^T: dS^T -> shared (bf16), dQ_tile = dS K
+ *   split over the 8 warps, then thread 0 waits (ld.acquire.gpu spin, __nanosleep backoff) until
+ *   the (query tile, head, batch) counter equals the block's kv tile j, every thread adds its part
+ *   into the fp32 accumulator (ld/st.global.cg; kv tile 0 stores), and the turn is handed on
+ *   (__threadfence by every thread, __syncthreads, st.release.gpu counter = j+1) one pair later,
+ *   before the next wait. Pass 3 converts the accumulator to bf16 (times 1/sqrt(HD)).
+ *   Workspace (attention_backward_ordered_workspace_bytes<BRQ>): D (B*H*T*4) + fp32 dQ
+ *   (B*T*H*HD*4) + counters (B*H*ceil(T/BRQ)*4) + 1 ticket, each region 256-byte aligned; the lab
+ *   allocates the largest workspace of the variants for every case. Head dims 32 (q64 only), 64,
+ *   128; 16 is skipped ("skipped" in the validation summary). Also run on the big case.
+ *   ptxas (sm_90a, 256 threads, 1 block/SM): q64 HD=128 255 registers, 24 bytes spilled (four loop-
+ *   invariant scalars, ~4 LDL per pair), 158,724 bytes of shared memory; q64 HD=64 244, HD=32
+ *   133; q32 HD=128 254 (115,204 bytes), HD=64 206, no spills; the 40-byte stack frame of each is
+ *   the watchdog's printf arguments, cold path only. Convert kernel 28 registers.
+ *   Checked on the CPU only (numpy emulation of ldmatrix/mma fragments: dS^T store ->
+ *   ldsm_a_transposed -> dS K -> accumulator rows/columns, all five shapes; a discrete-event model
+ *   of tickets, turns and deferred releases: no deadlock down to 1 resident block, every counter
+ *   sees kv tiles 0..J in order).
+ *   Checklist for the first GPU session (in this order; the lab's exit status 1 = CUDA error):
+ *    1. dev/cuda/run_attention.sh --tiny --no-big --no-bench --fwd -2 --bwd 6   (variant 6 plus
+ *       the "kernels" forward that feeds it; HD 32/64/128 run, 16 skipped). Then --bwd 7.
+ *    2. compute-sanitizer --tool memcheck .devbuild/attention --tiny --no-big --no-bench --fwd -2
+ *       --bwd 6; then --tool racecheck (the dS^T tile in shared memory) and --tool synccheck. The
+ *       ordering of the global accumulator is not something racecheck sees: steps 3-4 test it.
+ *    3. dev/cuda/run_attention.sh --no-big --no-bench --fwd -2 --bwd 6: every case twice, bit for
+ *       bit; T=4096 B=1 H=2 KVH=1 puts all 32 kv tiles of one column on the GPU at once (longest
+ *       chains, all contending); T=2500 and T=3001 have tails that are not tile multiples.
+ *    4. dev/cuda/run_attention.sh --fwd -2 --bwd 6 --no-bench (adds the big case: 24,576 blocks,
+ *       far more than are resident, so later blocks start while earlier ones hold turns: the
+ *       ticket/progress argument at scale; dQ accumulator 6.4 GB).
+ *    5. dev/cuda/run_attention.sh --fwd -2 --bwd 6 (benchmark, then the pass breakdown printed
+ *       after "backward passes"); same with --bwd 7. Compare with "kernels" (202 TFLOP/s at
+ *       T=4096).
+ *    Reading a failure: a hang is impossible by design but if it happens the watchdog prints the
+ *    block, the turn and the counter value after 10 s and traps (a deadlock, or a release lost);
+ *    dk/dv wrong points at the new pair order (stage() and the loop must map `it` the same way);
+ *    dq wrong with dk/dv right at T <= 128 (one kv tile, no ordering involved) points at the dS^T
+ *    tile, ldsm_a_transposed (register order a0 a2 a1 a3 of the loaded blocks), the warp ->
+ *    (rows, columns) split or the convert kernel; dq wrong only past T = 128, or "NOT
+ *    DETERMINISTIC", points at the ordering (a turn taken early, a missing fence/acquire); NaN in
+ *    dq = an accumulator row kv tile 0 did not store (the workspace is poisoned with NaN).
+ *    Tuning, if it works: the critical section (acquire, then one L2 round trip of loads) stalls
+ *    the only block of its SM. Next: issue the accumulator loads as cp.async into shared memory
+ *    right after the acquire and add them one pair later (hides the round trip), and have the
+ *    last kv tile (j = J(qt)) write bf16 dQ directly (drops pass 3 and one fp32 write).
+ *
  * Results (one H200, nvcc 13.0 -arch=sm_90, mma.sync; medians of 10; H=16 KVH=8 HD=128):
  *   validation: 163 cases (HD 16/32/64/128 x T 1/7/64/129/1000 x H/KVH 1/2/4/8 x B 1/3, plus
  *     T=4096, 2500, 3001), every variant: worst relative L2 2.1e-3 (out, lse), 4.3e-3 (dq, dk,
@@ -86,6 +140,7 @@
  */
 #include "../../kernels/attention.cu"
 #include "attention_wgmma.cuh"
+#include "attention_bwd_ordered.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -282,9 +337,13 @@ struct ForwardVariant {
     int (*supports)(int HD);
     bool big;
 };
+// ws_bytes: the workspace the variant needs, nullptr = attention_backward_workspace_bytes.
 struct BackwardVariant {
     const char* name;
     BackwardFn fn;
+    int (*supports)(int HD);
+    size_t (*ws_bytes)(int B, int T, int H, int KVH, int HD);
+    bool big;
 };
 
 // The wgmma variants run HD 64 and 128, and only from a binary with sm_90a device code (said once).
@@ -315,17 +374,36 @@ static const ForwardVariant forward_variants[] = {
 static bool forward_runs(int v, int HD) {
     return !forward_variants[v].supports || forward_variants[v].supports(HD);
 }
-// backward: <dK/dV warps (16 keys each), query rows per tile, dQ warps (16 rows each), keys per tile>
+// backward: <dK/dV warps (16 keys each), query rows per tile, dQ warps (16 rows each), keys per
+// tile>; ordered: <warps (16 keys each), query rows per tile>, dQ in the dK/dV pass with
+// per-query-tile turn counters (attention_bwd_ordered.cuh; NOT YET RUN ON A GPU, see the header)
 static const BackwardVariant backward_variants[] = {
-    {"kernels", attention_backward_bf16},
-    {"bwd kv w4 q64 | dq w4 k64", attention_backward_tiled<4, 64, 4, 64>},
-    {"bwd kv w8 q64 | dq w8 k64", attention_backward_tiled<8, 64, 8, 64>},
-    {"bwd kv w8 q64 | dq w4 k64", attention_backward_tiled<8, 64, 4, 64>},
-    {"bwd kv w4 q64 | dq w8 k64", attention_backward_tiled<4, 64, 8, 64>},
-    {"bwd kv w8 q64 | dq w8 k32", attention_backward_tiled<8, 64, 8, 32>},
+    {"kernels", attention_backward_bf16, nullptr, nullptr, false},
+    {"bwd kv w4 q64 | dq w4 k64", attention_backward_tiled<4, 64, 4, 64>, nullptr, nullptr, false},
+    {"bwd kv w8 q64 | dq w8 k64", attention_backward_tiled<8, 64, 8, 64>, nullptr, nullptr, false},
+    {"bwd kv w8 q64 | dq w4 k64", attention_backward_tiled<8, 64, 4, 64>, nullptr, nullptr, false},
+    {"bwd kv w4 q64 | dq w8 k64", attention_backward_tiled<4, 64, 8, 64>, nullptr, nullptr, false},
+    {"bwd kv w8 q64 | dq w8 k32", attention_backward_tiled<8, 64, 8, 32>, nullptr, nullptr, false},
+    {"bwd ordered w8 q64", attention_backward_ordered<8, 64>,
+     attention_backward_ordered_supports<8, 64>, attention_backward_ordered_workspace_bytes<64>,
+     true},
+    {"bwd ordered w8 q32", attention_backward_ordered<8, 32>,
+     attention_backward_ordered_supports<8, 32>, attention_backward_ordered_workspace_bytes<32>,
+     true},
 };
 #define N_FWD ((int)(sizeof(forward_variants) / sizeof(forward_variants[0])))
 #define N_BWD ((int)(sizeof(backward_variants) / sizeof(backward_variants[0])))
+static bool backward_runs(int v, int HD) {
+    return !backward_variants[v].supports || backward_variants[v].supports(HD);
+}
+// One workspace per case serves every backward variant: the largest any of them needs.
+static size_t lab_workspace_bytes(int B, int T, int H, int KVH, int HD) {
+    size_t bytes = attention_backward_workspace_bytes(B, T, H, KVH, HD);
+    for (int v = 0; v < N_BWD; v++)
+        if (backward_variants[v].ws_bytes && backward_runs(v, HD))
+            bytes = std::max(bytes, backward_variants[v].ws_bytes(B, T, H, KVH, HD));
+    return bytes;
+}
 
 // ----------------------------------------------------------------------------
 // device buffers of one case
@@ -343,7 +421,7 @@ static DeviceCase case_alloc(const Shape& s) {
     c.n_qkv = (size_t)s.B * s.T * s.qkv_cols();
     c.n_out = (size_t)s.B * s.T * s.out_cols();
     c.n_lse = (size_t)s.B * s.H * s.T;
-    c.ws_bytes = attention_backward_workspace_bytes(s.B, s.T, s.H, s.KVH, s.HD);
+    c.ws_bytes = lab_workspace_bytes(s.B, s.T, s.H, s.KVH, s.HD);
     lab_check(cudaMalloc(&c.qkv, c.n_qkv * 2));
     lab_check(cudaMalloc(&c.dqkv, c.n_qkv * 2));
     lab_check(cudaMalloc(&c.out, c.n_out * 2));
@@ -497,6 +575,10 @@ static int validate_case(const Shape& s, uint64_t seed, const LabOptions& opt,
     }
     for (int v = 0; v < N_BWD; v++) {
         if (!opt.run_bwd(v)) continue;
+        if (!backward_runs(v, s.HD)) {  // head dim the variant does not implement
+            bstats[v].skipped++;
+            continue;
+        }
         std::vector<uint16_t> dqkv[2];
         for (int run = 0; run < 2; run++) {
             poison_backward(c);
@@ -571,8 +653,14 @@ static int validate_all(const LabOptions& opt, FILE* log) {
             printf("\n");
         }
     for (int v = 0; v < N_BWD; v++)
-        if (opt.run_bwd(v)) printf("  %-28s worst %.2e  failures %d  nondeterministic %d\n", backward_variants[v].name,
-               bstats[v].worst, bstats[v].failures, bstats[v].nondeterministic);
+        if (opt.run_bwd(v)) {
+            printf("  %-28s worst %.2e  failures %d  nondeterministic %d",
+                   backward_variants[v].name, bstats[v].worst, bstats[v].failures,
+                   bstats[v].nondeterministic);
+            if (bstats[v].skipped)
+                printf("  skipped %d cases (head dim not implemented)", bstats[v].skipped);
+            printf("\n");
+        }
     return failures;
 }
 
@@ -742,6 +830,48 @@ static int validate_big(const LabOptions& opt, FILE* log) {
     }
     lab_check(cudaFree(out2));
     lab_check(cudaFree(lse2));
+
+    // backward variants marked `big` (workspaces and offsets of their own), on the same forward
+    // output: same sampled rows and keys, same reference; dqkv and the workspace re-poisoned
+    for (int v = 1; v < N_BWD; v++) {
+        if (!backward_variants[v].big || !opt.run_bwd(v) || !backward_runs(v, s.HD)) continue;
+        poison_backward(c);
+        lab_check(cudaEventRecord(e0));
+        backward_variants[v].fn(c.dqkv, c.dout, c.qkv, c.out, c.lse, c.ws, s.B, s.T, s.H, s.KVH,
+                                s.HD, nullptr);
+        lab_check(cudaEventRecord(e1));
+        lab_check(cudaDeviceSynchronize());
+        lab_check(cudaEventElapsedTime(&ms_b, e0, e1));
+        const long long nan_dqkv2 = count_nonfinite(c.dqkv, c.n_qkv);
+        std::vector<uint16_t> d2 = to_host<uint16_t>(c.dqkv + (size_t)b * nq, nq);
+        ErrAcc eq2, ek2, ev2;
+        for (int idx = 0; idx < n_rows * row_heads; idx++) {
+            const int i = rows[idx / row_heads], h = (idx % row_heads) * 7;
+            const float* r = &ref_q[(size_t)idx * 2 * s.HD];
+            for (int d = 0; d < s.HD; d++)
+                eq2.add(bf16_to_float(d2[(size_t)i * s.qkv_cols() + (size_t)h * s.HD + d]),
+                        r[s.HD + d]);
+        }
+        for (int idx = 0; idx < n_keys * key_groups; idx++) {
+            const int j = keys[idx / key_groups], g = (idx % key_groups) * 3;
+            const float* r = &ref_k[(size_t)idx * 2 * s.HD];
+            const size_t row = (size_t)j * s.qkv_cols();
+            for (int d = 0; d < s.HD; d++) {
+                ek2.add(bf16_to_float(d2[row + (size_t)(s.H + g) * s.HD + d]), r[d]);
+                ev2.add(bf16_to_float(d2[row + (size_t)(s.H + s.KVH + g) * s.HD + d]),
+                        r[s.HD + d]);
+            }
+        }
+        const double worst2 = std::max({eq2.rel(), ek2.rel(), ev2.rel()});
+        const bool ok2 = worst2 <= TOLERANCE && nan_dqkv2 == 0;
+        printf("  %-28s backward %.1f ms (%.0f TFLOP/s), non-finite dqkv %lld, sampled: dq %.2e "
+               "dk %.2e dv %.2e  %s\n", backward_variants[v].name, ms_b, 2.5 * flops / ms_b * 1e-9,
+               nan_dqkv2, eq2.rel(), ek2.rel(), ev2.rel(), ok2 ? "ok" : "FAIL");
+        fprintf(log, "big %s: dq %.2e dk %.2e dv %.2e non-finite %lld %s\n",
+                backward_variants[v].name, eq2.rel(), ek2.rel(), ev2.rel(), nan_dqkv2,
+                ok2 ? "ok" : "FAIL");
+        failures += ok2 ? 0 : 1;
+    }
     case_free(c);
     return failures;
 }
@@ -792,7 +922,7 @@ static void bench(const LabOptions& opt, FILE* log) {
         }
         attention_forward_bf16(c.out, c.lse, c.qkv, s.B, s.T, s.H, s.KVH, s.HD, nullptr);
         for (int v = 0; v < N_BWD; v++) {
-            if (!opt.run_bwd(v)) continue;
+            if (!opt.run_bwd(v) || !backward_runs(v, s.HD)) continue;
             std::vector<float> t;
             for (int r = 0; r < reps + 2; r++) {
                 lab_check(cudaEventRecord(a));
@@ -816,8 +946,8 @@ static void bench(const LabOptions& opt, FILE* log) {
 }
 
 // Time the three backward passes of the C interface's shapes apart (HD=128), to see which one to
-// work on next.
-static void bench_backward_passes(FILE* log) {
+// work on next; then those of the ordered variants.
+static void bench_backward_passes(const LabOptions& opt, FILE* log) {
     const Shape s = {4, 4096, 16, 8, 128};
     constexpr int HD = 128, LD = HD + ATTN_PAD;
     constexpr int KV_BC = 16 * ATTN_KV_WARPS, Q_BR = 16 * ATTN_Q_WARPS;
@@ -867,6 +997,40 @@ static void bench_backward_passes(FILE* log) {
            s.T, s.B, d, kv, 2.0 * flops / kv * 1e-9, q, 1.5 * flops / q * 1e-9);
     fprintf(log, "backward passes T=%d B=%d: D %.3f ms, dKdV %.3f ms, dQ %.3f ms\n", s.T, s.B, d,
             kv, q);
+
+    // The ordered variants (dev/cuda/attention_bwd_ordered.cuh), same shape: D and the counter
+    // reset | dK, dV and the ordered dQ accumulation (5 matmuls) | dQ fp32 -> bf16.
+    typedef void (*TimedFn)(void*, const void*, const void*, const void*, const float*, void*,
+                            int, int, int, int, int, void*, cudaEvent_t*);
+    const struct {
+        const char* name;
+        TimedFn fn;
+    } ordered[] = {{"bwd ordered w8 q64", attention_backward_ordered_timed<8, 64>},
+                   {"bwd ordered w8 q32", attention_backward_ordered_timed<8, 32>}};
+    for (const auto& o : ordered) {
+        if (opt.bwd == -2 || (opt.bwd >= 0 && strcmp(backward_variants[opt.bwd].name, o.name)))
+            continue;
+        std::vector<float> to[3];
+        for (int r = 0; r < 12; r++) {
+            lab_check(cudaEventRecord(ev[0]));
+            o.fn(c.dqkv, c.dout, c.qkv, c.out, c.lse, c.ws, s.B, s.T, s.H, s.KVH, s.HD, nullptr,
+                 &ev[1]);
+            lab_check(cudaEventRecord(ev[3]));
+            lab_check(cudaEventSynchronize(ev[3]));
+            lab_check(cudaGetLastError());
+            for (int k = 0; k < 3; k++) {
+                float ms;
+                lab_check(cudaEventElapsedTime(&ms, ev[k], ev[k + 1]));
+                if (r >= 2) to[k].push_back(ms);
+            }
+        }
+        const float od = median_ms(to[0]), okv = median_ms(to[1]), oc = median_ms(to[2]);
+        printf("%s passes, T=%d B=%d: D + reset %.3f ms | dK,dV,dQ %.3f ms (%.0f TFLOP/s of 5 "
+               "matmuls) | dQ to bf16 %.3f ms\n",
+               o.name, s.T, s.B, od, okv, 2.5 * flops / okv * 1e-9, oc);
+        fprintf(log, "%s passes T=%d B=%d: D %.3f ms, dKdVdQ %.3f ms, convert %.3f ms\n", o.name,
+                s.T, s.B, od, okv, oc);
+    }
     case_free(c);
 }
 
@@ -923,7 +1087,7 @@ int main(int argc, char** argv) {
     if (opt.big) failures += validate_big(opt, log);
     fflush(stdout);
     if (opt.bench) bench(opt, log);
-    if (opt.bench) bench_backward_passes(log);
+    if (opt.bench) bench_backward_passes(opt, log);
     fclose(log);
     printf("%s: %d failures\n", failures ? "FAILED" : "PASSED", failures);
     return failures ? 3 : 0;  // 1 is a CUDA error (attention_check exits 1)
