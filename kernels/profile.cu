@@ -134,6 +134,39 @@ extern "C" void ops_cuda_profile_report(void* ctx, FILE* f) {
                 total > 0 ? 100.0 * e->ms / total : 0.0, e->ms, e->calls,
                 e->calls ? 1e3 * e->ms / (double)e->calls : 0.0, tf, gb, e->key);
     }
+    // the same per op (the key up to its first shape field)
+    ProfEntry* ops = (ProfEntry*)calloc_check((size_t)(p->n_entries ? p->n_entries : 1),
+                                              sizeof(ProfEntry));
+    int n_ops = 0;
+    for (int i = 0; i < p->n_entries; i++) {
+        char name[PROF_KEY_LEN];
+        snprintf(name, sizeof name, "%s", sorted[i].key);
+        char* eq = strchr(name, '=');
+        if (eq) {
+            *eq = 0;
+            char* sp = strrchr(name, ' ');
+            if (sp) *sp = 0;
+        }
+        int k = 0;
+        while (k < n_ops && strcmp(ops[k].key, name) != 0) k++;
+        if (k == n_ops) snprintf(ops[n_ops++].key, PROF_KEY_LEN, "%s", name);
+        ops[k].ms += sorted[i].ms;
+        ops[k].calls += sorted[i].calls;
+        ops[k].flop += sorted[i].flop * (double)sorted[i].calls;  // totals here
+        ops[k].bytes += sorted[i].bytes * (double)sorted[i].calls;
+    }
+    qsort(ops, (size_t)n_ops, sizeof(ProfEntry), prof_by_time);
+    fprintf(f, "  per op:\n");
+    for (int k = 0; k < n_ops; k++) {
+        const double s = ops[k].ms * 1e-3;
+        char tf[16] = "-", gb[16] = "-";
+        if (ops[k].flop > 0 && s > 0) snprintf(tf, sizeof tf, "%.1f", ops[k].flop / s / 1e12);
+        if (ops[k].bytes > 0 && s > 0) snprintf(gb, sizeof gb, "%.0f", ops[k].bytes / s / 1e9);
+        fprintf(f, "  %5.1f%%  %12.1f  %8lld  %8.1f  %7s  %7s  %s\n",
+                total > 0 ? 100.0 * ops[k].ms / total : 0.0, ops[k].ms, ops[k].calls,
+                ops[k].calls ? 1e3 * ops[k].ms / (double)ops[k].calls : 0.0, tf, gb, ops[k].key);
+    }
+    free(ops);
     free(sorted);
 }
 

@@ -456,7 +456,7 @@ static void test_gpu_matmul(TestCtx* t) {
         buf[got] = 0;
         fclose(f);
         CHECK(t, strstr(buf, "op profile of cuda:1") && strstr(buf, "matmul fwd N=") &&
-                     strstr(buf, "matmul bwd"),
+                     strstr(buf, "matmul bwd") && strstr(buf, "per op:"),
               "profile report lacks the matmuls:\n%s", buf);
         printf("%s", buf);
     }
