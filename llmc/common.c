@@ -76,8 +76,9 @@ void* huge_alloc_check_at(size_t size, const char* file, int line) {
     void* p = NULL;
     if (posix_memalign(&p, huge, size) != 0 || !p)
         fatal_at(file, line, "out of host memory allocating %zu aligned bytes", size);
-    // advice only: where transparent huge pages are off (or "never") this changes nothing
-    (void)madvise(p, (size + huge - 1) / huge * huge, MADV_HUGEPAGE);
+    // advice only (where transparent huge pages are off it changes nothing), for the whole 2 MiB
+    // pages inside the allocation
+    (void)madvise(p, size / huge * huge, MADV_HUGEPAGE);
     return p;
 }
 

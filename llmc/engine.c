@@ -501,7 +501,6 @@ __attribute__((format(printf, 5, 6))) static void label(Engine* e, int ip, DevSt
 // ----------------------------------------------------------------------------
 // fences (controller side of the consistency protocol)
 
-// Whether every layer of a stage (and the tied head's source) holds iteration t's weights now.
 // Where round `round` of iteration t downloads layer l's gradient, and the event of that download.
 static float* grad_host(const Engine* e, int64_t t, int round, int l) {
     return e->split && round > 0 ? e->hsplit[round - 1][l] : e->hgrad[t % e->n_hgrad][l];
@@ -519,6 +518,7 @@ static void fence_split(Engine* e, int l, int64_t t) {
     pthread_check(pthread_mutex_unlock(&e->mu));
 }
 
+// Whether every layer of a stage (and the tied head's source) holds iteration t's weights now.
 static int params_ready(Engine* e, const Stage* st, int64_t t) {
     pthread_check(pthread_mutex_lock(&e->mu));
     int ready = st->head_off < 0 || e->param_ready[0] >= t;
@@ -2220,7 +2220,7 @@ size_t engine_fixed_device_bytes(const Model* m, int act_bytes, const EngineOpti
     e.T = opt->T;
     e.C = m->cfg.C;
     e.ab = (size_t)act_bytes;
-    e.M_R = opt->M_R > 0 ? opt->M_R : opt->M;  // (split rounds: M/N, one parity either way)
+    e.M_R = opt->M_R > 0 ? opt->M_R : opt->M;
     e.Bm = opt->M > 0 ? (opt->B + opt->M - 1) / opt->M : opt->B;
     const int K = opt->row_chunks > 0 ? opt->row_chunks : 1;
     e.Bc = (e.Bm + K - 1) / K;
