@@ -173,10 +173,22 @@ static void resolve_mlp_chunk(Model* m, const TrainArgs* a, int act_bytes, int n
     const int64_t tokens = (int64_t)Bm * a->seq;
     m->mlp_chunk = 0;
     if (tokens <= rows) return;  // micro-batches too small for chunks to matter
-    if (tokens <= 65536 && engine_plan_fits(m, act_bytes, n_devices, eo, err) == 0) return;
+    // Up to 64K tokens per micro-batch chunks only where they make the plan cheaper (less
+    // recompute: the activations they save let more layers into the fused stage) or where no plan
+    // fits without them; beyond, always.
+    double plain_cost = 0.0, chunked_cost = 0.0;
+    const int plain_fits =
+        tokens <= 65536 && engine_plan_cost(m, act_bytes, n_devices, eo, &plain_cost, err) == 0;
     m->mlp_chunk = rows;
+    if (plain_fits && (engine_plan_cost(m, act_bytes, n_devices, eo, &chunked_cost, err) != 0 ||
+                       chunked_cost >= 0.99 * plain_cost)) {
+        m->mlp_chunk = 0;
+        return;
+    }
     printf("note: --mlp-chunk auto: the MLP runs in chunks of %d rows (%s)\n", rows,
-           tokens > 65536 ? "long micro-batches" : "no plan fits without");
+           tokens > 65536 ? "long micro-batches"
+           : plain_fits   ? "a cheaper plan: less recompute"
+                          : "no plan fits without");
 }
 
 // ----------------------------------------------------------------------------

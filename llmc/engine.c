@@ -1730,6 +1730,14 @@ static void plan_resources_free(Engine* e) {
     free(e->dx_last);
 }
 
+// Size-based (FLOP) cost estimates of one micro-batch for the current row chunks (e->Bc): the
+// model chunks its MLP where a chunk's tokens exceed Model.mlp_chunk (model.c), and then every
+// block's backward recomputes the MLP forward.
+static void estimate_costs(Engine* e) {
+    const int chunked = e->m->mlp_chunk > 0 && (int64_t)e->Bc * e->T > e->m->mlp_chunk;
+    partition_estimate_costs(&e->m->cfg, e->T, e->Bm * e->T, chunked, e->cost_fwd, e->cost_bwd);
+}
+
 // The shape of a run and its size-based plan: everything engine_create and engine_plan_print
 // share (no host or device memory beyond the cost tables). -1 with err on a bad shape.
 static int engine_plan_init(Engine* e, const Model* m, int act_bytes, int n_devices,
@@ -1763,9 +1771,9 @@ static int engine_plan_init(Engine* e, const Model* m, int act_bytes, int n_devi
                       "1 .. %d)", opt->row_chunks, min_rows, min_rows);
     e->ab = (size_t)act_bytes;
     // size-based (FLOP) cost estimates until profiled times exist
+    // (per row-chunk count below: whether the MLP is chunked depends on the chunk's tokens)
     e->cost_fwd = calloc_check((size_t)e->NL, sizeof(double));
     e->cost_bwd = calloc_check((size_t)e->NL, sizeof(double));
-    partition_estimate_costs(&m->cfg, e->T, e->Bm * e->T, e->cost_fwd, e->cost_bwd);
     // Row chunks: given, or the fewest (up to 8) whose plan is within 3% of the cheapest. More
     // chunks shrink the activations and scratch, so a tight budget fits more layers into the
     // fused stage (less recompute), at the price of smaller matrix products.
@@ -1777,6 +1785,7 @@ static int engine_plan_init(Engine* e, const Model* m, int act_bytes, int n_devi
     for (int K = opt->row_chunks > 0 ? opt->row_chunks : 1; K <= k_max; K++) {
         e->K = K;
         e->Bc = (e->Bm + K - 1) / K;
+        estimate_costs(e);
         char kerr[ERR_LEN];
         ok[K - 1] = plan_partition(e, &plans[K - 1], kerr) == 0;
         // split rounds run the whole model as one stage on every device
@@ -1795,6 +1804,7 @@ static int engine_plan_init(Engine* e, const Model* m, int act_bytes, int n_devi
     if (chosen) {
         e->K = chosen;
         e->Bc = (e->Bm + chosen - 1) / chosen;
+        estimate_costs(e);
         e->plan = plans[chosen - 1];
     }
     free(plans);
@@ -1810,6 +1820,19 @@ static int engine_plan_init(Engine* e, const Model* m, int act_bytes, int n_devi
 int engine_plan_fits(const Model* m, int act_bytes, int n_devices, const EngineOptions* opt,
                      char* err) {
     return engine_plan_print(m, act_bytes, n_devices, opt, NULL, NULL, err);
+}
+
+int engine_plan_cost(const Model* m, int act_bytes, int n_devices, const EngineOptions* opt,
+                     double* cost, char* err) {
+    Engine* e = calloc_check(1, sizeof(Engine));
+    int rc = engine_plan_init(e, m, act_bytes, n_devices, opt, err);
+    if (rc == 0) {
+        *cost = e->plan.cost;
+        free(e->cost_fwd);
+        free(e->cost_bwd);
+    }
+    free(e);
+    return rc;
 }
 
 int engine_plan_print(const Model* m, int act_bytes, int n_devices, const EngineOptions* opt,

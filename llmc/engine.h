@@ -141,6 +141,10 @@ int engine_plan_print(const Model* m, int act_bytes, int n_devices, const Engine
 // 0 when a plan fits (the same search, nothing printed); -1 with err otherwise.
 int engine_plan_fits(const Model* m, int act_bytes, int n_devices, const EngineOptions* opt,
                      char* err);
+// The same, with the chosen plan's cost (PartitionPlan.cost: the work on one device, S x t_max
+// on several) in *cost: plans of one shape under different settings compare by it.
+int engine_plan_cost(const Model* m, int act_bytes, int n_devices, const EngineOptions* opt,
+                     double* cost, char* err);
 
 // Iterations are submitted and collected in order, at most two in flight: with the delayed
 // update iteration t+1 needs nothing of iteration t (its weights are those after step t-1), so a

@@ -264,7 +264,7 @@ static void test_timing_94_layers(TestCtx* t) {
     const int n = cfg.L + 2;
     Instance* x = calloc_check(1, sizeof *x);
     PartitionPlan* p = malloc_check(sizeof *p);
-    partition_estimate_costs(&cfg, 2048, 8192, x->fc, x->bc);
+    partition_estimate_costs(&cfg, 2048, 8192, 0, x->fc, x->bc);
     Rng r;
     rng_seed(&r, 7);
     for (int l = 0; l < n; l++) {
@@ -500,7 +500,7 @@ static void test_estimate_costs(TestCtx* t) {
     const int T = 2048, tokens = 4 * 2048, n = c.L + 2;
     double* fc = malloc_check((size_t)n * sizeof(double));
     double* bc = malloc_check((size_t)n * sizeof(double));
-    partition_estimate_costs(&c, T, tokens, fc, bc);
+    partition_estimate_costs(&c, T, tokens, 0, fc, bc);
     // a block: 2 * 50,331,648 matmul params + 2*T*H*HD attention FLOPs per token
     double block = (2.0 * 50331648 + 2.0 * T * 16 * 128) * tokens;
     double sum = 0.0;
@@ -517,6 +517,16 @@ static void test_estimate_costs(TestCtx* t) {
     sum += fc[n - 1];
     double model = config_flops_per_token(&c, T) * tokens / 3.0;
     CHECK_NEAR(t, sum, model, 1e-12 * model, "sum of forward costs = F_model / 3");
+    // a chunked MLP: each block's backward also recomputes the MLP forward (3 C F matmul params)
+    double* bk = malloc_check((size_t)n * sizeof(double));
+    partition_estimate_costs(&c, T, tokens, 1, fc, bk);
+    const double mlp_fwd = 2.0 * 3.0 * c.C * c.F * tokens;
+    for (int l = 1; l <= c.L; l++)
+        CHECK(t, fabs(bk[l] - (bc[l] + mlp_fwd)) <= 1e-12 * bk[l],
+              "chunked block %d: %g, expected %g + the MLP forward %g", l - 1, bk[l], bc[l],
+              mlp_fwd);
+    CHECK(t, bk[0] == bc[0] && bk[n - 1] == bc[n - 1], "chunking changes blocks only");
+    free(bk);
     free(fc);
     free(bc);
 
@@ -529,7 +539,7 @@ static void test_estimate_costs(TestCtx* t) {
     g.F_expert = 512;
     g.sliding_window = 128;
     double gf[6], gb[6];
-    partition_estimate_costs(&g, 4096, 4096, gf, gb);
+    partition_estimate_costs(&g, 4096, 4096, 0, gf, gb);
     double proj = (double)g.C * (g.H + 2 * g.KVH) * g.HD + (double)g.H * g.HD * g.C;
     double mlp = 3.0 * g.C * 512 * 4 + (double)g.C * 32;
     double hhd = (double)g.H * g.HD;

@@ -305,6 +305,20 @@ static void test_train_engine_cli(TestCtx* t) {
     CHECK(t, rc == 0 && strstr(out, "note: --mlp-chunk auto: the MLP runs in chunks of 16384 rows"),
           "auto chunk: exit %d: %s", rc, out);
     free(out);
+    // up to 64K tokens per micro-batch: chunks where they make the plan cheaper (here the
+    // unchunked plan needs 5 stages, the chunked 3), none where both fuse everything
+    rc = test_run_cli(t, "cheaperchunk",
+                      "--device cpu:1 --batch 1 --seq 32768 --micro-batches 1 --device-mem 800M --plan");
+    out = test_read_output(t, "cheaperchunk", "out");
+    CHECK(t, rc == 0 && strstr(out, "chunks of 16384 rows (a cheaper plan"),
+          "cheaper chunked plan: exit %d: %s", rc, out);
+    free(out);
+    rc = test_run_cli(t, "samechunk",
+                      "--device cpu:1 --batch 1 --seq 32768 --micro-batches 1 --device-mem 4G --plan");
+    out = test_read_output(t, "samechunk", "out");
+    CHECK(t, rc == 0 && !strstr(out, "--mlp-chunk auto") && strstr(out, "S 1;"),
+          "everything fuses either way: exit %d: %s", rc, out);
+    free(out);
     rc = test_run_cli(t, "nochunk",
                       "--device cpu:1 --batch 2 --seq 40000 --micro-batches 1 --mlp-chunk 0 --plan");
     out = test_read_output(t, "nochunk", "out");
