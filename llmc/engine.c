@@ -1817,6 +1817,22 @@ static int engine_plan_init(Engine* e, const Model* m, int act_bytes, int n_devi
     return 0;
 }
 
+// An engine that holds only a plan (engine_plan_init's cost tables, nothing else), or NULL with
+// err; plan_only_free releases it.
+static Engine* plan_only(const Model* m, int act_bytes, int n_devices, const EngineOptions* opt,
+                         char* err) {
+    Engine* e = calloc_check(1, sizeof(Engine));
+    if (engine_plan_init(e, m, act_bytes, n_devices, opt, err) == 0) return e;
+    free(e);
+    return NULL;
+}
+
+static void plan_only_free(Engine* e) {
+    free(e->cost_fwd);
+    free(e->cost_bwd);
+    free(e);
+}
+
 int engine_plan_fits(const Model* m, int act_bytes, int n_devices, const EngineOptions* opt,
                      char* err) {
     return engine_plan_print(m, act_bytes, n_devices, opt, NULL, NULL, err);
@@ -1824,29 +1840,21 @@ int engine_plan_fits(const Model* m, int act_bytes, int n_devices, const EngineO
 
 int engine_plan_cost(const Model* m, int act_bytes, int n_devices, const EngineOptions* opt,
                      double* cost, char* err) {
-    Engine* e = calloc_check(1, sizeof(Engine));
-    int rc = engine_plan_init(e, m, act_bytes, n_devices, opt, err);
-    if (rc == 0) {
-        *cost = e->plan.cost;
-        free(e->cost_fwd);
-        free(e->cost_bwd);
-    }
-    free(e);
-    return rc;
+    Engine* e = plan_only(m, act_bytes, n_devices, opt, err);
+    if (!e) return -1;
+    *cost = e->plan.cost;
+    plan_only_free(e);
+    return 0;
 }
 
 int engine_plan_print(const Model* m, int act_bytes, int n_devices, const EngineOptions* opt,
                       FILE* f, size_t* host_act_bytes, char* err) {
-    Engine* e = calloc_check(1, sizeof(Engine));
-    int rc = engine_plan_init(e, m, act_bytes, n_devices, opt, err);
-    if (rc == 0) {
-        if (f) engine_print_plan(e, f);
-        if (host_act_bytes) *host_act_bytes = plan_host_act_bytes(e, &e->plan);
-        free(e->cost_fwd);
-        free(e->cost_bwd);
-    }
-    free(e);
-    return rc;
+    Engine* e = plan_only(m, act_bytes, n_devices, opt, err);
+    if (!e) return -1;
+    if (f) engine_print_plan(e, f);
+    if (host_act_bytes) *host_act_bytes = plan_host_act_bytes(e, &e->plan);
+    plan_only_free(e);
+    return 0;
 }
 
 Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOptions* opt,
