@@ -141,7 +141,7 @@ static EngineOptions engine_options(const TrainArgs* a, int use_cuda, int n_devi
                         .sync = a->sync, .device_budget = a->device_mem,
                         .opt_threads = a->threads, .trace_path = a->trace,
                         .replan_after = a->profile_steps, .start_step = start_step,
-                        .host_single = a->host_single, .split_rounds = a->split_rounds,
+                        .host_single = a->host_single, .split_rounds = a->split_rounds > 0,
                         .hyper = {a->lr, a->beta1, a->beta2, a->eps, a->weight_decay},
                         .sched = {a->schedule, a->lr, a->warmup, a->steps, a->min_lr_frac,
                                   a->decay_frac},
@@ -189,6 +189,35 @@ static void resolve_mlp_chunk(Model* m, const TrainArgs* a, int act_bytes, int n
            tokens > 65536 ? "long micro-batches"
            : plain_fits   ? "a cheaper plan: less recompute"
                           : "no plan fits without");
+}
+
+// --split-rounds auto (the default): split each iteration into one round per GPU when that is
+// possible and the host has room for the extra gradient sets. On two H200s it measured 24,338
+// vs 23,383 tok/s (LLaMA-3.1-8B) and 90,006 vs 88,519 (Qwen3-1.7B): the optimizer step of an
+// iteration overlaps the next one instead of stalling the GPU whose turn comes next.
+// host_need: the host bytes of the weights, optimizer state and gradients without the split;
+// extra: what the split adds.
+static void resolve_split_rounds(TrainArgs* a, const Model* m, int act_bytes, int n_devices,
+                                 double host_need, double extra, double host_total) {
+    if (a->split_rounds >= 0) return;
+    a->split_rounds = 0;
+    if (a->device != DEVICE_CUDA || n_devices < 2 || a->micro_batches % n_devices != 0 ||
+        a->round_micro_batches > 0)
+        return;
+    EngineOptions eo = engine_options(a, 1, n_devices, 0);
+    eo.split_rounds = 1;
+    char err[ERR_LEN];
+    size_t host_acts = 0;  // the split plan's host activation checkpoints
+    if (engine_plan_print(m, act_bytes, n_devices, &eo, NULL, &host_acts, err) != 0)
+        return;  // no one-stage plan
+    if (host_total > 0 && host_need + (double)host_acts + extra > 0.9 * host_total) {
+        printf("note: --split-rounds auto: not splitting rounds (the extra %.1f GiB of gradients "
+               "would not fit in host memory)\n", extra / (1 << 30));
+        return;
+    }
+    a->split_rounds = 1;
+    printf("note: --split-rounds auto: each iteration runs as %d rounds at once, one per GPU "
+           "(--no-split-rounds for the paper's schedule)\n", n_devices);
 }
 
 // ----------------------------------------------------------------------------
@@ -240,13 +269,20 @@ int main(int argc, char** argv) {
     const double wbytes = a.device == DEVICE_CUDA ? 2.0 : 4.0;
     double host_fixed = 16.0 * P;
     if (engine_run) host_fixed += 2.0 * wbytes * P + (a.sync ? 0.0 : 4.0 * P);
-    // split rounds: one more fp32 gradient set per extra round
-    if (engine_run && a.split_rounds && N > 1) host_fixed += (N - 1) * 4.0 * P;
     const double ckpt = engine_run ? (a.host_single ? 1.0 : 2.0) * (double)a.batch * a.seq *
                                          model.cfg.C * wbytes * (model.cfg.L + 3)
                                    : 0.0;
     const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
     const double host_total = pages > 0 && page > 0 ? (double)pages * page : 0.0;
+    // the plan's choices that depend on its shape: MLP chunks, then split rounds
+    if (engine_run || a.plan_only) {
+        const EngineOptions eo = engine_options(&a, use_cuda, N > 0 ? N : 1, 0);
+        resolve_mlp_chunk(&model, &a, use_cuda ? 2 : 4, N > 0 ? N : 1, &eo);
+        resolve_split_rounds(&a, &model, use_cuda ? 2 : 4, N, host_fixed,
+                             (N - 1) * 4.0 * P, host_total);
+    }
+    // split rounds: one more fp32 gradient set per extra round
+    if (engine_run && a.split_rounds > 0 && N > 1) host_fixed += (N - 1) * 4.0 * P;
     struct sysinfo si;
     const double host_swap = sysinfo(&si) == 0 ? (double)si.totalswap * si.mem_unit : 0.0;
     printf("host memory: %.2f GiB for weights, optimizer state and gradients",
@@ -262,7 +298,6 @@ int main(int argc, char** argv) {
     if (a.plan_only) {
         // the plan needs only the model's shape: no store, devices or buffers
         EngineOptions eo = engine_options(&a, use_cuda, N, 0);
-        resolve_mlp_chunk(&model, &a, use_cuda ? 2 : 4, N > 0 ? N : 1, &eo);
         if (use_cuda && eo.device_budget <= 0)
             printf("note: no GPU memory to read here and no --device-mem: planning without a "
                    "device memory budget\n");
@@ -292,10 +327,6 @@ int main(int argc, char** argv) {
     // path also serves evaluation, sampling and --dump-state (on GPU 0 when training on GPUs).
     const int use_engine = use_cuda || N > 0;
     if (N == 0) N = 1;
-    if (use_engine) {
-        const EngineOptions eo = engine_options(&a, use_cuda, N, 0);
-        resolve_mlp_chunk(&model, &a, use_cuda ? 2 : 4, N, &eo);
-    }
     const Ops* ops = &ops_cpu;
     void* ctx = NULL;
 #ifdef HAVE_CUDA
@@ -366,7 +397,7 @@ int main(int argc, char** argv) {
         engine_print_plan(eng, stdout);
         if (a.plan_only) return 0;
         const int M_R = a.round_micro_batches > 0 ? a.round_micro_batches : a.micro_batches;
-        if (M_R < N && !a.split_rounds)
+        if (M_R < N && a.split_rounds <= 0)
             printf("warning: %d micro-batches per round < %d devices: some devices idle every "
                    "round (RoundPipe needs M_R >= N)\n", M_R, N);
         if (use_cuda)

@@ -49,6 +49,7 @@ void args_defaults(TrainArgs* a) {
     a->round_micro_batches = 0;
     a->recompute_layer = 0;
     a->sync = 0;
+    a->split_rounds = -1;  // auto: the trainer decides once the plan is known
     a->plan_only = 0;
     a->device_mem = 0;
     a->delay_us = 0;
@@ -165,7 +166,11 @@ void args_usage(FILE* f) {
         "      --split-rounds     several devices, whole model in one stage: each iteration's\n"
         "                         micro-batches are split into one round per device, run at once,\n"
         "                         their gradients added in round order (the optimizer step then\n"
-        "                         overlaps the next iteration; same sums, another order)\n"
+        "                         overlaps the next iteration; same sums, another order; one more\n"
+        "                         fp32 gradient set in host memory per extra device). Default on\n"
+        "                         2+ GPUs when the plan is one stage, the micro-batches divide\n"
+        "                         evenly, no --round is given and host memory has room\n"
+        "      --no-split-rounds  never split rounds (the paper's schedule)\n"
         "  -h, --help             this text\n",
         d.train, d.val, d.batch, d.seq, d.micro_batches, d.shuffle, d.seed, (double)d.init_std,
         d.steps, (double)d.lr, lr_schedule_name(d.schedule), d.warmup, (double)d.min_lr_frac,
@@ -228,7 +233,7 @@ enum {
     OPT_SHUFFLE = 1000, OPT_SEED, OPT_SCHEDULE, OPT_BETA1, OPT_BETA2, OPT_EPS, OPT_CLIP, OPT_LOG,
     OPT_DEVICE, OPT_THREADS, OPT_DUMP, OPT_EVAL_BATCHES, OPT_SAMPLE, OPT_PROMPT, OPT_DECAY_FRAC,
     OPT_DECAY_EMB, OPT_INIT_STD, OPT_TEMPERATURE, OPT_ROUND, OPT_ROW_CHUNKS, OPT_RECOMPUTE, OPT_SYNC, OPT_PLAN,
-    OPT_DEVICE_MEM, OPT_DELAY, OPT_TRACE, OPT_PROFILE_OPS, OPT_SPLIT_ROUNDS, OPT_PROFILE_STEPS, OPT_MLP_CHUNK, OPT_HOST_CKPT, OPT_SAVE_EVERY, OPT_KEEP, OPT_RESUME, OPT_EXPORT_HF,
+    OPT_DEVICE_MEM, OPT_DELAY, OPT_TRACE, OPT_PROFILE_OPS, OPT_SPLIT_ROUNDS, OPT_NO_SPLIT_ROUNDS, OPT_PROFILE_STEPS, OPT_MLP_CHUNK, OPT_HOST_CKPT, OPT_SAVE_EVERY, OPT_KEEP, OPT_RESUME, OPT_EXPORT_HF,
     OPT_EXPORT_GGUF, OPT_EXPORT_DTYPE, OPT_EXPORT_SHARD
 };
 
@@ -285,6 +290,7 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         {"trace", required_argument, 0, OPT_TRACE},
         {"profile-ops", no_argument, 0, OPT_PROFILE_OPS},
         {"split-rounds", no_argument, 0, OPT_SPLIT_ROUNDS},
+        {"no-split-rounds", no_argument, 0, OPT_NO_SPLIT_ROUNDS},
         {"profile-steps", required_argument, 0, OPT_PROFILE_STEPS},
         {"mlp-chunk", required_argument, 0, OPT_MLP_CHUNK},
         {"host-checkpoints", required_argument, 0, OPT_HOST_CKPT},
@@ -364,6 +370,7 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
             case OPT_TRACE: a->trace = v; break;
             case OPT_PROFILE_OPS: a->profile_ops = 1; break;
             case OPT_SPLIT_ROUNDS: a->split_rounds = 1; break;
+            case OPT_NO_SPLIT_ROUNDS: a->split_rounds = 0; break;
             case OPT_HOST_CKPT:
                 if (strcmp(v, "single") == 0) a->host_single = 1;
                 else if (strcmp(v, "double") == 0) a->host_single = 0;
@@ -427,10 +434,10 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
     if (a->trace[0] && a->n_devices == 0 && a->device != DEVICE_CUDA)
         return bad("--trace", a->trace,
                    "traces the RoundPipe engine: use it with --device cpu:N, cuda or cuda:N");
-    if (a->split_rounds && a->n_devices == 0 && a->device != DEVICE_CUDA)
+    if (a->split_rounds == 1 && a->n_devices == 0 && a->device != DEVICE_CUDA)
         return bad("--split-rounds", "", "splits rounds over several devices: use it with --device "
                    "cpu:N or cuda[:N]");
-    if (a->split_rounds && a->round_micro_batches > 0) {
+    if (a->split_rounds == 1 && a->round_micro_batches > 0) {
         char v[32];
         snprintf(v, sizeof v, "%d", a->round_micro_batches);
         return bad("--round", v, "cannot be combined with --split-rounds (rounds of M/N)");

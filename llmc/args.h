@@ -56,7 +56,8 @@ typedef struct TrainArgs {
     int delay_us;            // emulated devices: random delay injected before each stream item
     const char* trace;       // Chrome trace JSON of the engine's work ("" = none)
     int profile_ops;         // --profile-ops: each GPU's device time per op and shape at the end
-    int split_rounds;        // --split-rounds: rounds of an iteration run at once on the devices
+    int split_rounds;        // --split-rounds 1, --no-split-rounds 0, default -1 (auto): rounds of
+                             // an iteration run at once on the devices
     int profile_steps;       // re-plan once from stage times measured over this many steps
     int mlp_chunk;           // long sequences: MLP in row chunks of this size (0 = off, -1 = auto:
                              // 16384 with the engine for micro-batches over 65536 tokens or when

@@ -1753,7 +1753,9 @@ static int engine_plan_init(Engine* e, const Model* m, int act_bytes, int n_devi
     e->delay = opt->sync ? 0 : 1;
     e->split = opt->split_rounds != 0;
     if (e->split) {
-        if (n_devices < 2 || e->M % n_devices != 0 || (opt->M_R > 0 && opt->M_R * n_devices != e->M))
+        // (a round size of the whole batch is the default's spelling: the split makes it M/N)
+        if (n_devices < 2 || e->M % n_devices != 0 ||
+            (opt->M_R > 0 && opt->M_R != e->M && opt->M_R * n_devices != e->M))
             return errorf(err, "--split-rounds: %d micro-batches on %d device(s) (need at least 2 "
                           "devices, micro-batches a multiple of their number, and no other round "
                           "size)", e->M, n_devices);

@@ -31,7 +31,7 @@ static void test_train_help(TestCtx* t) {
                            "--eval-batches", "--sample-tokens", "--prompt", "--init-std", "--temperature",
                            "--round", "--recompute", "--sync", "--device-mem", "--plan",
                            "--delay-us", "--trace", "--profile-steps", "--mlp-chunk", "--host-checkpoints",
-                           "--profile-ops", "--row-chunks", "--split-rounds", NULL};
+                           "--profile-ops", "--row-chunks", "--split-rounds", "--no-split-rounds", NULL};
     for (int i = 0; flags[i]; i++) CHECK(t, strstr(out, flags[i]) != NULL, "--help lacks %s", flags[i]);
     CHECK(t, strstr(out, "default") != NULL, "--help shows defaults");
     free(out);
@@ -298,6 +298,37 @@ static void test_train_engine_cli(TestCtx* t) {
     if (sysinfo(&si) == 0 && ((double)si.totalram + (double)si.totalswap) * si.mem_unit < 400e9)
         CHECK(t, strstr(out, "warning: more than this machine reports") != NULL,
               "qwen3-32b --plan on a small host: %s", out);
+    free(out);
+    // split rounds are the default on 2+ GPUs when the plan is one stage and the micro-batches
+    // divide evenly; never on emulated devices (there they would change the sums' order)
+#ifdef HAVE_CUDA
+    rc = test_run_cli(t, "autosplit", "--device cuda:2 --batch 8 --micro-batches 4 --plan");
+    out = test_read_output(t, "autosplit", "out");
+    CHECK(t, rc == 0 && strstr(out, "note: --split-rounds auto: each iteration runs as 2 rounds") &&
+                 strstr(out, "2 x 2 micro-batches") && strstr(out, "split: the rounds at once"),
+          "auto split: exit %d: %s", rc, out);
+    free(out);
+    const char* nosplit[] = {"--device cuda:2 --batch 8 --micro-batches 3 --plan",
+                             "--device cuda:2 --batch 8 --micro-batches 4 --round 2 --plan",
+                             "--device cuda:2 --batch 8 --micro-batches 4 --no-split-rounds --plan",
+                             "--device cuda:1 --batch 8 --micro-batches 4 --plan", NULL};
+    for (int i = 0; nosplit[i]; i++) {
+        rc = test_run_cli(t, "nosplit", nosplit[i]);
+        out = test_read_output(t, "nosplit", "out");
+        CHECK(t, rc == 0 && !strstr(out, "split-rounds auto") && !strstr(out, "split:"),
+              "%s: exit %d: %s", nosplit[i], rc, out);
+        free(out);
+    }
+#endif
+    rc = test_run_cli(t, "cpusplit", "--device cpu:2 --batch 8 --micro-batches 4 --plan");
+    out = test_read_output(t, "cpusplit", "out");
+    CHECK(t, rc == 0 && !strstr(out, "split:") && strstr(out, "1 x 4 micro-batches"),
+          "emulated devices do not split by default: exit %d: %s", rc, out);
+    free(out);
+    rc = test_run_cli(t, "cpusplit", "--device cpu:2 --batch 8 --micro-batches 4 --split-rounds --plan");
+    out = test_read_output(t, "cpusplit", "out");
+    CHECK(t, rc == 0 && strstr(out, "2 x 2 micro-batches") && strstr(out, "split:"),
+          "--split-rounds on emulated devices: exit %d: %s", rc, out);
     free(out);
     // --mlp-chunk auto chunks long micro-batches; 0 keeps the MLP whole
     rc = test_run_cli(t, "autochunk", "--device cpu:1 --batch 2 --seq 40000 --micro-batches 1 --plan");
