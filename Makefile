@@ -12,14 +12,17 @@
 #   make fuzz       libFuzzer targets of dev/fuzz (clang), each run FUZZ_SECONDS from its seeds
 #
 # Host code: C11, gcc, -Wall -Wextra -Werror -O3. CUDA code only in kernels/*.cu, compiled by nvcc
-# for GPU_ARCH (default sm_90) when nvcc is on the PATH (or NVCC=...); NO_CUDA=1 forces a CPU-only
-# build. Building never needs a GPU to be present.
+# for GPU_ARCH when nvcc is on the PATH (or NVCC=...); NO_CUDA=1 forces a CPU-only build. Building
+# never needs a GPU to be present. GPU_ARCH defaults to sm_90a, the architecture-specific Hopper
+# target (H100/H200): the wgmma attention forward needs it (its machine code runs on compute
+# capability 9.0 only). For other GPUs set GPU_ARCH=sm_80, sm_89, sm_100, ...: the attention
+# forward then runs its mma.sync kernel.
 
 CC ?= gcc
 ifeq ($(CC),cc)
 CC := gcc
 endif
-GPU_ARCH ?= sm_90
+GPU_ARCH ?= sm_90a
 NVCC ?= $(shell command -v nvcc 2>/dev/null || (test -x /usr/local/cuda/bin/nvcc && echo /usr/local/cuda/bin/nvcc))
 
 CFLAGS_BASE := -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -pthread -fno-strict-aliasing
@@ -58,6 +61,10 @@ LDLIBS += -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/targets/x86_64-linux/lib -Wl,-rpat
           -lcublasLt -lcublas -lcudart -lstdc++
 CU_OBJS := $(patsubst kernels/%.cu,$(BUILD)/kernels/%.o,$(CU_SRCS))
 BUILD_NOTE := building with CUDA ($(NVCC), $(GPU_ARCH))
+# The CUDA objects depend on GPU_ARCH, which no source file shows: a stamp that changes with it
+# recompiles them when it switches (else objects of two targets would be linked together).
+ARCH_STAMP := $(BUILD)/arch.stamp
+$(shell mkdir -p $(BUILD); test "`cat $(ARCH_STAMP) 2>/dev/null`" = "$(GPU_ARCH)" || echo "$(GPU_ARCH)" > $(ARCH_STAMP))
 else
 CU_OBJS :=
 ifeq ($(NO_CUDA),1)
@@ -95,7 +102,8 @@ $(BUILD)/%.o: %.c $(wildcard llmc/*.h) $(wildcard llmc/tests/*.h) $(wildcard ker
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c -o $@ $<
 
-$(BUILD)/kernels/%.o: kernels/%.cu $(wildcard kernels/*.h) $(wildcard kernels/*.cuh) $(wildcard llmc/*.h)
+$(BUILD)/kernels/%.o: kernels/%.cu $(wildcard kernels/*.h) $(wildcard kernels/*.cuh) $(wildcard llmc/*.h) \
+                      $(ARCH_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c -o $@ $<
 
@@ -116,7 +124,8 @@ endif
 DEV_CUDA_LABS := matmul memory_bound
 DEV_CUDA_BINS := $(patsubst %,$(BUILD)/dev/cuda/%,$(DEV_CUDA_LABS))
 dev-cuda: note $(DEV_CUDA_BINS)
-$(BUILD)/dev/cuda/%: dev/cuda/%.cu $(CU_OBJS) $(LIB_OBJS) $(wildcard kernels/*.h) $(wildcard kernels/*.cuh)
+$(BUILD)/dev/cuda/%: dev/cuda/%.cu $(CU_OBJS) $(LIB_OBJS) $(wildcard kernels/*.h) $(wildcard kernels/*.cuh) \
+                    $(ARCH_STAMP)
 ifneq ($(USE_CUDA),1)
 	@echo "dev-cuda: this build has no CUDA ($(BUILD_NOTE))"; exit 1
 endif

@@ -1,14 +1,19 @@
 /*
  * attention.cu — causal grouped-query flash attention, forward and backward, bf16 in/out with fp32
- * accumulation, on tensor cores through mma.sync m16n8k16 (sm_80+; tuned on H200, built sm_90).
- * The C interface is kernels/attention.h; the development versions, the CPU reference, the
- * validation and the benchmark live in dev/cuda/attention.cu (which includes this file).
+ * accumulation, on tensor cores through mma.sync m16n8k16 (sm_80+; tuned on H200), and for the
+ * forward at HD 64 and 128 through Hopper warpgroup MMAs (wgmma, sm_90a: attention_wgmma.cuh,
+ * included below; 1.3-1.6x the mma.sync forward on H200). The C interface is
+ * kernels/attention.h; the development versions, the CPU reference, the validation and the
+ * benchmark live in dev/cuda/attention.cu (which includes this file).
  *
  * Scheme (FlashAttention-2):
  *  - forward: one block per (query tile, head, batch); K/V tiles stream through shared memory with
  *    cp.async double buffering; online softmax in fp32 in base 2 (log2(e)/sqrt(HD) folded into one
  *    scale), O rescaled only when a row's maximum moved; tiles right of the diagonal are never
- *    loaded. Saves lse (natural log) per query row.
+ *    loaded. Saves lse (natural log) per query row. The wgmma forward keeps this scheme and this
+ *    output (same out, same lse for the backward) with 128-key tiles and the P V product of one
+ *    tile overlapping the softmax of the next; attention_forward_bf16 takes it when the head dim
+ *    and the device code allow, else the mma.sync kernel.
  *  - backward: (1) D = rowsum(dO * O) per (b, h, t) into the workspace; (2) one block per
  *    (kv tile, kv head, batch) owns dK and dV of its keys in registers and walks every query head of
  *    its group and every query tile at or below the diagonal in a fixed order; (3) a separate pass,
@@ -21,8 +26,9 @@
  *  - Rows past T are zero-filled in shared memory (cp.async with src-size 0): never uninitialised
  *    data, so a masked probability (exactly 0) never meets a NaN. Rows past T are never stored.
  *  - Offsets into the packed arrays are 64-bit (B*T*QKV can pass 2^31).
- *  - Shared-memory rows are padded by 16 bytes, which makes every ldmatrix phase conflict-free for
- *    HD in {16, 32, 64, 128}.
+ *  - Shared-memory rows of the mma.sync kernels are padded by 16 bytes, which makes every
+ *    ldmatrix phase conflict-free for HD in {16, 32, 64, 128}; the wgmma kernel uses the
+ *    hardware's 128-byte swizzle instead (attention_wgmma.cuh).
  */
 #include "attention.h"
 
@@ -66,6 +72,27 @@ static void attention_check_aligned(const char* fn, const char* name, const void
                 (int)bytes);
         exit(1);
     }
+}
+
+// Every kernel's grid has one block per (head or kv head, batch) in x: at most 2^31 - 1.
+static void attention_check_grid_x(const char* fn, int B, int H) {
+    if ((int64_t)H * B > 0x7fffffff) {
+        fprintf(stderr, "attention: %s: B*H = %lld too large\n", fn, (long long)H * B);
+        exit(1);
+    }
+}
+
+// The checks every forward launcher shares (the C interface, whichever kernel it picks, and the
+// lab's variants). Returns 0 when there is nothing to compute (B or T is 0).
+static int attention_forward_check(const char* fn, const void* out, const float* lse,
+                                   const void* qkv, int B, int T, int H, int KVH, int HD) {
+    attention_check_args(fn, B, T, H, KVH, HD);
+    attention_check_aligned(fn, "out", out, 16);
+    attention_check_aligned(fn, "lse", lse, 4);
+    attention_check_aligned(fn, "qkv", qkv, 16);
+    if (B == 0 || T == 0) return 0;
+    attention_check_grid_x(fn, B, H);
+    return 1;
 }
 
 // ----------------------------------------------------------------------------
@@ -173,6 +200,26 @@ __device__ __forceinline__ void tile_load_async(bf16* tile, const bf16* base, in
         }
     }
 }
+
+// ----------------------------------------------------------------------------
+// launch helpers
+
+// grid: x = h + H*b (H heads, or kv heads for the dK/dV pass), y = tile of `rows` rows of T.
+static dim3 attention_grid(int B, int T, int H, int rows) {
+    return dim3((unsigned)(H * B), (unsigned)((T + rows - 1) / rows));
+}
+
+// Opt the kernel into `smem` bytes of dynamic shared memory (every shape here passes the 48 KB
+// a launch gets without asking).
+template <typename Kernel>
+static void attention_set_max_smem(Kernel kernel, size_t smem) {
+    attention_check(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+}
+
+// log2(e)/sqrt(HD): the logits' scale in base 2, the same in every forward kernel (the lse they
+// save, and so the backward, must not depend on which one ran).
+static float attention_scale_log2(int HD) { return ATTN_LOG2E / sqrtf((float)HD); }
 
 // ----------------------------------------------------------------------------
 // forward
@@ -371,31 +418,16 @@ static void attention_forward_run(bf16* out, float* lse, const bf16* qkv, int B,
     constexpr int LD = HD + ATTN_PAD;
     const size_t smem = (size_t)(BR + 4 * BC) * LD * sizeof(bf16);
     auto kernel = attention_forward_kernel<HD, MT, NWARPS, BC, MINB>;
-    attention_check(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    dim3 grid((unsigned)(H * B), (unsigned)((T + BR - 1) / BR));
-    float scale_log2 = ATTN_LOG2E / sqrtf((float)HD);
-    kernel<<<grid, NWARPS * 32, smem, stream>>>(out, lse, qkv, T, H, KVH, scale_log2);
+    attention_set_max_smem(kernel, smem);
+    kernel<<<attention_grid(B, T, H, BR), NWARPS * 32, smem, stream>>>(out, lse, qkv, T, H, KVH,
+                                                                      attention_scale_log2(HD));
     attention_check(cudaGetLastError());
 }
 
-// Forward with a chosen tile shape, dispatched on HD (the lab times several shapes).
+// Dispatch on HD once the arguments are checked (attention_forward_check).
 template <int MT, int NWARPS, int BC, int MINB>
-static void attention_forward_tiled(void* out, float* lse, const void* qkv, int B, int T, int H,
-                                    int KVH, int HD, void* stream) {
-    attention_check_args("attention_forward_bf16", B, T, H, KVH, HD);
-    attention_check_aligned("attention_forward_bf16", "out", out, 16);
-    attention_check_aligned("attention_forward_bf16", "lse", lse, 4);
-    attention_check_aligned("attention_forward_bf16", "qkv", qkv, 16);
-    if (B == 0 || T == 0) return;
-    if ((int64_t)H * B > 0x7fffffff) {
-        fprintf(stderr, "attention: attention_forward_bf16: B*H = %lld too large\n",
-                (long long)H * B);
-        exit(1);
-    }
-    bf16* o = static_cast<bf16*>(out);
-    const bf16* x = static_cast<const bf16*>(qkv);
-    cudaStream_t s = static_cast<cudaStream_t>(stream);
+static void attention_forward_mma_hd(bf16* o, float* lse, const bf16* x, int B, int T, int H,
+                                     int KVH, int HD, cudaStream_t s) {
     switch (HD) {
         case 16: attention_forward_run<16, MT, NWARPS, BC, MINB>(o, lse, x, B, T, H, KVH, s); break;
         case 32: attention_forward_run<32, MT, NWARPS, BC, MINB>(o, lse, x, B, T, H, KVH, s); break;
@@ -403,6 +435,22 @@ static void attention_forward_tiled(void* out, float* lse, const void* qkv, int 
         default: attention_forward_run<128, MT, NWARPS, BC, MINB>(o, lse, x, B, T, H, KVH, s); break;
     }
 }
+
+// Forward through mma.sync with a chosen tile shape (the lab times several shapes).
+template <int MT, int NWARPS, int BC, int MINB>
+static void attention_forward_tiled(void* out, float* lse, const void* qkv, int B, int T, int H,
+                                    int KVH, int HD, void* stream) {
+    if (!attention_forward_check("attention_forward_bf16", out, lse, qkv, B, T, H, KVH, HD))
+        return;
+    attention_forward_mma_hd<MT, NWARPS, BC, MINB>(
+        static_cast<bf16*>(out), lse, static_cast<const bf16*>(qkv), B, T, H, KVH, HD,
+        static_cast<cudaStream_t>(stream));
+}
+
+// ----------------------------------------------------------------------------
+// forward on Hopper warpgroup MMAs (sm_90a), HD 64 and 128
+
+#include "attention_wgmma.cuh"
 
 // ----------------------------------------------------------------------------
 // backward, pass 1: D = rowsum(dO * O)
@@ -780,22 +828,18 @@ static void attention_backward_run(bf16* dqkv, const bf16* dout, const bf16* qkv
         const size_t smem =
             (size_t)(2 * BC + 4 * KV_BRQ) * LD * sizeof(bf16) + 4 * KV_BRQ * sizeof(float);
         auto kernel = attention_backward_dkdv_kernel<HD, KV_WARPS, KV_BRQ>;
-        attention_check(
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        dim3 grid((unsigned)(KVH * B), (unsigned)((T + BC - 1) / BC));
-        kernel<<<grid, KV_WARPS * 32, smem, stream>>>(dqkv, dout, qkv, lse, D, T, H, KVH,
-                                                     scale_log2, scale);
+        attention_set_max_smem(kernel, smem);
+        kernel<<<attention_grid(B, T, KVH, BC), KV_WARPS * 32, smem, stream>>>(
+            dqkv, dout, qkv, lse, D, T, H, KVH, scale_log2, scale);
         attention_check(cudaGetLastError());
     }
     {
         constexpr int BR = 16 * Q_WARPS;
         const size_t smem = (size_t)(2 * BR + 4 * Q_BC) * LD * sizeof(bf16);
         auto kernel = attention_backward_dq_kernel<HD, Q_WARPS, Q_BC>;
-        attention_check(
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        dim3 grid((unsigned)(H * B), (unsigned)((T + BR - 1) / BR));
-        kernel<<<grid, Q_WARPS * 32, smem, stream>>>(dqkv, dout, qkv, lse, D, T, H, KVH,
-                                                    scale_log2, scale);
+        attention_set_max_smem(kernel, smem);
+        kernel<<<attention_grid(B, T, H, BR), Q_WARPS * 32, smem, stream>>>(
+            dqkv, dout, qkv, lse, D, T, H, KVH, scale_log2, scale);
         attention_check(cudaGetLastError());
     }
 }
@@ -814,10 +858,7 @@ static void attention_backward_tiled(void* dqkv, const void* dout, const void* q
     attention_check_aligned(fn, "lse", lse, 4);
     attention_check_aligned(fn, "workspace", workspace, 4);
     if (B == 0 || T == 0) return;
-    if ((int64_t)H * B > 0x7fffffff) {
-        fprintf(stderr, "attention: %s: B*H = %lld too large\n", fn, (long long)H * B);
-        exit(1);
-    }
+    attention_check_grid_x(fn, B, H);
     bf16* dx = static_cast<bf16*>(dqkv);
     const bf16* dy = static_cast<const bf16*>(dout);
     const bf16* x = static_cast<const bf16*>(qkv);
@@ -850,6 +891,13 @@ static void attention_backward_tiled(void* dqkv, const void* dout, const void* q
 // Timed on H200 at HD=128 (dev/cuda/attention.cu, "Results"): 32 rows per warp halve the shared-
 // memory reads per mma against 16, and 32-key tiles keep S in registers without spills (255 regs,
 // 2 blocks of 4 warps per SM). The backward shapes were all within 2% of each other.
+// The wgmma forward (lab variant 7 against 8): 128-key tiles beat 64 at T = 2048..16384 (377, 449,
+// 495 TFLOP/s against the mma.sync kernel's 295, 311, 338); 64 came close only at T=262144 (477).
+// Its 164,864 bytes of shared memory at HD=128 (82,944 at HD=64) fit every sm_90a part (227 KB).
+// Wired in here, the lab's "kernels" forward measured 398, 459, 538 TFLOP/s (T = 2048, 4096,
+// 16384; --quick --no-big --fwd 0, one run, binary built with -gencode compute_90a/sm_90a).
+#define ATTN_WG_FWD_BC 128 // keys per K/V tile of the wgmma forward
+#define ATTN_WG_FWD_NWG 2  // its warpgroups of 64 query rows: 128-row query tiles
 #define ATTN_FWD_MT 2      // 16-row blocks per warp
 #define ATTN_FWD_WARPS 4   // query tile = 16 * MT * WARPS = 128 rows
 #define ATTN_FWD_BC 32     // keys per K/V tile
@@ -859,10 +907,20 @@ static void attention_backward_tiled(void* dqkv, const void* dout, const void* q
 #define ATTN_Q_WARPS 8     // dQ: 16 query rows per warp, 128 per block
 #define ATTN_Q_BC 64       // keys per tile in the dQ pass
 
+// The wgmma kernel where it can run (HD 64/128, device code for sm_90a on this device), else the
+// mma.sync one; both take every T >= 1 and write the same out and lse.
 extern "C" void attention_forward_bf16(void* out, float* lse, const void* qkv, int B, int T,
                                        int H, int KVH, int HD, void* stream) {
-    attention_forward_tiled<ATTN_FWD_MT, ATTN_FWD_WARPS, ATTN_FWD_BC, ATTN_FWD_MINB>(
-        out, lse, qkv, B, T, H, KVH, HD, stream);
+    if (!attention_forward_check("attention_forward_bf16", out, lse, qkv, B, T, H, KVH, HD))
+        return;
+    bf16* o = static_cast<bf16*>(out);
+    const bf16* x = static_cast<const bf16*>(qkv);
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (attention_wgmma_supports_head_dim(HD) && attention_wgmma_available())
+        attention_forward_wgmma_hd<ATTN_WG_FWD_BC, ATTN_WG_FWD_NWG>(o, lse, x, B, T, H, KVH, HD, s);
+    else
+        attention_forward_mma_hd<ATTN_FWD_MT, ATTN_FWD_WARPS, ATTN_FWD_BC, ATTN_FWD_MINB>(
+            o, lse, x, B, T, H, KVH, HD, s);
 }
 
 extern "C" size_t attention_backward_workspace_bytes(int B, int T, int H, int KVH, int HD) {

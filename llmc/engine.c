@@ -864,7 +864,7 @@ static void enqueue_chunk(Engine* e, const MbJob* base, int pk, int gk, int firs
     const Stage* st = base->st;
     const DeviceImpl* im = e->impl;
     Device* d = ds->d;
-    char who[32];  // trace name: stage, micro-batch and, with row chunks, the first row
+    char who[64];  // trace name: stage, micro-batch and, with row chunks, the first row
     if (e->K > 1) snprintf(who, sizeof who, "%s mb%d.%d", st->name, base->i, base->row0);
     else snprintf(who, sizeof who, "%s mb%d", st->name, base->i);
     if (!first && !last) {

@@ -648,10 +648,18 @@ static void attention_case(TestCtx* t, Gpu* G, int B, int T, int H, int KVH, int
 static void test_gpu_attention(TestCtx* t) {
     Gpu G;
     if (!gpu_open(t, &G, 6)) return;
-    attention_case(t, &G, 2, 33, 4, 2, 16);   // flash path
+    attention_case(t, &G, 2, 33, 4, 2, 16);   // flash path (mma.sync)
     attention_case(t, &G, 1, 20, 4, 1, 12);   // simple path (head dim 12)
     attention_case(t, &G, 1, 130, 2, 1, 128);  // flash path, several tiles
     attention_case(t, &G, 2, 17, 4, 2, 32);
+    // HD 64 and 128 run the wgmma forward on sm_90a builds (128-row query tiles of two 64-row
+    // warpgroups, 128-key K/V tiles): T below one tile, a last tile whose second warpgroup has
+    // no row below T (T = 300: rows 256..299), a few rows only (T = 1 is left out: its exact dq
+    // and dk are 0, which a relative error cannot measure), several K/V tiles through the ring.
+    attention_case(t, &G, 2, 77, 4, 2, 64);
+    attention_case(t, &G, 1, 300, 8, 2, 64);
+    attention_case(t, &G, 3, 5, 2, 2, 128);
+    attention_case(t, &G, 1, 600, 4, 2, 128);
     gpu_close(&G);
 }
 
@@ -863,10 +871,14 @@ static void test_gpu_determinism(TestCtx* t) {
     CHECK(t, same_device_bytes(&G, o1, o2, (size_t)B * T * QKV * 2) &&
                  same_device_bytes(&G, f1, f2, (size_t)2 * HD * 4),
           "qknorm_rope_backward differs");
-    // attention backward
+    // attention forward (out and lse; HD 64: the wgmma kernel on sm_90a builds), then backward
     void* d_att = G.g->alloc(G.gctx, (size_t)B * T * H * HD * 2);
     void* d_lse = G.g->alloc(G.gctx, (size_t)B * H * T * 4);
     G.g->attention_forward(G.gctx, d_att, d_lse, d_qkv, B, T, H, KVH, HD);
+    G.g->attention_forward(G.gctx, o1, f1, d_qkv, B, T, H, KVH, HD);
+    CHECK(t, same_device_bytes(&G, d_att, o1, (size_t)B * T * H * HD * 2) &&
+                 same_device_bytes(&G, d_lse, f1, (size_t)B * H * T * 4),
+          "attention_forward differs");
     for (int r = 0; r < 2; r++)
         G.g->attention_backward(G.gctx, r ? o2 : o1, d_x, d_qkv, d_att, d_lse, B, T, H, KVH, HD);
     CHECK(t, same_device_bytes(&G, o1, o2, (size_t)B * T * QKV * 2),

@@ -1,0 +1,693 @@
+/*
+ * attention_wgmma.cuh — causal grouped-query flash-attention FORWARD on Hopper warpgroup MMAs
+ * (wgmma.mma_async, sm_90a only): what attention_forward_bf16 runs for HD 64 and 128 when the
+ * device code was built for sm_90a (the Makefile's default GPU_ARCH). Part of
+ * kernels/attention.cu, which includes it after its own helpers (smem_u32, cp_async_16,
+ * fast_exp2, pack_bf16, acc_to_frag_a, attention_check*, attention_forward_check); not a
+ * stand-alone header. dev/cuda/attention_wgmma.cuh forwards here, so the lab times this code.
+ * Same contract as the mma.sync forward: packed qkv rows [q heads | k heads | v heads], query
+ * head h reads kv head h / (H/KVH) with no K/V copies, causal (key j visible to query i iff
+ * j <= i), bf16 out, lse = natural-log log-sum-exp of the scaled logits per (b, h, t) for the
+ * backward, rows past T zero-filled and never stored, 64-bit offsets. HD 64 and 128 only.
+ *
+ * Validated on an H200 in dev/cuda/attention.cu (variants 7 "wgmma bc128 wg2" and 8 "wgmma bc64
+ * wg2"): every case, causal, GQA, odd T, HD 64 and 128, relative L2 error ~2e-3, bit-identical
+ * repeats. Forward TFLOP/s at HD=128, H=16, KVH=8 against the mma.sync kernel: T=2048 B=16 377 vs
+ * 295, T=4096 449 vs 311, T=16384 495 vs 338 (bc128); bc64 477 at T=262144. The C interface
+ * uses bc128, 2 warpgroups (kernels/attention.cu, "the C interface").
+ *
+ * ---------------------------------------------------------------------------------------------
+ * Work decomposition
+ *   One CTA per (query tile of BR = 64*NWG rows, query head, batch); grid x = h + H*b, y = query
+ *   tile counted from the last (longest rows first), as in kernels/attention.cu. NWG warpgroups of
+ *   128 threads; warpgroup w owns query rows [q0 + 64w, q0 + 64w + 64) of every product: the
+ *   wgmma M dimension is 64, and inside a warpgroup warp v (= warp % 4) holds rows 16v..16v+15 of
+ *   each accumulator, so (as in the mma.sync kernel) no reduction ever crosses warps.
+ *   Every thread also issues cp.async loads: there is no producer warp (no TMA, no mbarrier).
+ *
+ * Per kv tile j (BC keys), per warpgroup, the P V product lags one tile behind so that the tensor
+ * cores have work while the softmax runs (FA3's intra-warpgroup overlap). Steady-state step
+ * j = 1 .. n_tiles-1 (S_j = Q K_j^T: SS wgmma, Q and K from shared memory; P V: RS wgmma, P from
+ * registers, V from shared memory):
+ *     wgmma.wait_group 0   retire P_{j-2} V_{j-2}: O final for tiles <= j-2, p free
+ *     ring_advance(j)      (below)
+ *     p = bf16(P_{j-1}); O *= alpha_{j-1}     (s still holds P_{j-1} in fp32)
+ *     issue S_j; issue O += P_{j-1} V_{j-1}
+ *     wgmma.wait_group 1   S_j done
+ *     mask (diagonal tiles only); online softmax in base 2 -> s = P_j (fp32), alpha_j
+ *   Tile 0 issues S_0 alone; after the last tile one more P V. Invariant: at the top of step j,
+ *   O holds tiles <= j-2 at the scale of the running maximum m_{j-2}; alpha_{j-1} =
+ *   2^(m_{j-2} - m_{j-1}) brings it to m_{j-1} just before P_{j-1} V_{j-1} (at m_{j-1}) is added.
+ *   Why the retiring wait sits at the top of the next step and not after the softmax: ptxas
+ *   schedules a WARPGROUP.DEPBAR as early as its basic block allows, whatever the PTX order (seen
+ *   in the SASS), which put the wait before the softmax and serialised the two; the loop's back
+ *   edge keeps it after. The SASS of the steady state (cuobjdump -sass) reads: DEPBAR.LE gsb0 0x0,
+ *   cp.async wait, BAR.SYNC, LDGSTS, conversion and rescale, 8+8 HGMMA, DEPBAR.LE gsb0 0x1, mask,
+ *   64 MUFU.EX2, branch back.
+ *   All wgmma issues and waits are on straight-line, CTA-uniform code: ptxas serialises wgmmas
+ *   whose groups it cannot follow through branches or divergent paths (C7514/C7518/C7520 in the
+ *   build log). So both warpgroups walk all n_tiles tiles of the CTA (tiles holding keys <= its
+ *   last row): with BC < BR warpgroup 0 multiplies one tile that is fully right of its diagonal
+ *   (probabilities 0, alpha 1, harmless), and a warpgroup whose rows are all past T computes rows
+ *   nobody stores (their Q rows are zeros: finite throughout).
+ *
+ * Shared memory ring (2 stages each for K and V), at step j = 0 .. n_tiles (ring_advance):
+ *     cp.async.wait_group 0; fence.proxy.async; __syncthreads()
+ *     load K_{j+1} -> K stage (j+1)&1   (if j+1 < n_tiles)
+ *     load V_j     -> V stage  j&1      (if j < n_tiles)
+ *   then S_j reads K stage j&1 and P_{j-1} V_{j-1} reads V stage (j-1)&1.
+ *   K_{j+1} overwrites K_{j-1}, read by S_{j-1} (issued in step j-1, retired by its wait_group 1);
+ *   V_j overwrites V_{j-2}, read by P_{j-2} V_{j-2} (issued in step j-1, retired by the
+ *   wait_group 0 at the top of step j, before this barrier, in every warpgroup); the barrier
+ *   orders both reads before the new writes. Each load is waited for at the next step, where it
+ *   is needed. The prologue loads Q and K_0.
+ *   The fence: cp.async writes shared memory through the generic proxy, wgmma reads it through
+ *   the async proxy; fence.proxy.async (each writer, after its cp.async completed, before the
+ *   barrier) makes the writes visible to the async proxy. The same fence, placed after the
+ *   previous step's wgmma.wait_group in program order, also covers the reverse order
+ *   (async-proxy reads, then generic writes to the same stage).
+ *
+ * ---------------------------------------------------------------------------------------------
+ * Shared-memory layout: 128-byte swizzle ("SW128"), the same for Q, K and V
+ *   A tile of R rows x HD bf16 columns is cut into HD/64 column panels of 64 columns = 128 bytes:
+ *     byte offset of (row r, 16-byte chunk c of the row, c = column/8 in 0..HD/8-1) =
+ *         (c / 8) * R * 128            panel (R rows of 128 bytes each)
+ *       + r * 128                      row inside the panel
+ *       + ((c % 8) ^ (r % 8)) * 16     chunk, XOR-swizzled with the row's position in its 8-row
+ *                                      group
+ *   Every panel starts on a 1024-byte boundary (R is a multiple of 8 and the base is 1024-aligned),
+ *   so r % 8 equals address bits [7:9] and (c % 8) the unswizzled address bits [4:6]: this is the
+ *   hardware's 128B swizzle, physical bits [4:6] = logical bits [4:6] XOR bits [7:9], applied to
+ *   the address. An 8-row x 128-byte block (1024 bytes) is one swizzle atom.
+ *
+ * wgmma shared-memory matrix descriptor (64 bits; see wg_desc):
+ *   bits  0-13  start address >> 4        bits 16-29  leading-dimension byte offset (LBO) >> 4
+ *   bits 32-45  stride-dimension byte offset (SBO) >> 4
+ *   bits 49-51  base offset = 0: every start address below has address bits [7:9] = 0, i.e. starts
+ *               at row 0 of a swizzle atom (start offsets inside an atom are 0/32/64/96 bytes)
+ *   bits 62-63  swizzle mode: 1 = 128B swizzle
+ *
+ * Operands (K-major = the reduction dimension is contiguous, MN-major = M or N contiguous):
+ *   S = Q K^T, m64nBCk16, HD/16 k-steps kk (hd columns 16kk .. 16kk+15):
+ *     A = Q, K-major (imm-trans-a 0), 64 rows of this warpgroup:
+ *       start = sQ + (kk/4) * BR*128 [panel] + w * 64*128 [warpgroup's rows] + (kk%4) * 32
+ *       The k-step's 16 columns = 32 bytes inside each 128-byte row; 8-row groups every
+ *       SBO = 8 * 128 = 1024 bytes; LBO is not used by swizzled K-major layouts (set to 16 bytes,
+ *       encoded 1). Advancing the start address by 32 bytes inside the atom (what CUTLASS-style
+ *       descriptor iterators do) relies on the swizzle being a function of the final address
+ *       bits: bits [7:9] stay those of the row, and the ISA's base offset is 0 because the
+ *       pattern (the atom) starts on a 1024-byte boundary.
+ *     B = K tile [key][hd], K-major (imm-trans-b 0), N = BC keys:
+ *       start = sK[stage] + (kk/4) * BC*128 + (kk%4) * 32; SBO = 1024 (next 8 keys); LBO unused.
+ *   O += P V, m64nHDk16, BC/16 k-steps kk (keys 16kk .. 16kk+15):
+ *     A = P from registers (below).
+ *     B = V tile [key][hd]: B is (K = keys) x (N = hd) with N contiguous, i.e. MN-major
+ *       (imm-trans-b 1). PTX ISA canonical MN-major 128B-swizzle layout (T = 8 bf16 = 16 bytes):
+ *       Swizzle<3,4,3> o ((T,8,m),(8,k)) : ((1,T,LBO),(8T,SBO))
+ *       i.e. an atom is 8 keys x 64 hd columns (8 rows of 128 bytes, swizzled as above); the next
+ *       8 keys are SBO further, the next 64 hd columns (next atom along N) LBO further. (The
+ *       ISA's 64B-swizzle bf16 example, ((8,4,2),(8,2)):((1,8,256),(32,512)), LBO = 256
+ *       elements, SBO = 512 elements, shows the same roles.) Here:
+ *       start = sV[stage] + kk * 16*128   (16 keys of 128 bytes: 1024-aligned)
+ *       SBO = 1024 (keys 8..15 of the k-step follow keys 0..7 inside the panel)
+ *       LBO = BC*128 (hd columns 64..127 are in the second panel, BC rows further); only read
+ *             when HD = 128 (HD = 64 has one panel, N = 64 = one atom).
+ *   All fields fit their 14 bits: addresses < 228 KB -> < 14592; LBO = BC*128 >> 4 = 8*BC <= 1024.
+ *
+ * Register fragments (PTX ISA "Matrix fragments for wgmma .m64nNk16"; per warp 16 rows, warp v
+ * of the warpgroup rows 16v..16v+15; g = lane/4, t = lane%4):
+ *   accumulator (f32, N/2 registers): d[4i + e], i = 0..N/8-1 (8-column block), e = 0..3:
+ *       row 16v + g + 8*(e/2), column 8i + 2t + (e%2)
+ *     = the mma.sync m16n8 C layout repeated over the N/8 blocks; stored here as acc[i][e].
+ *   A in registers (bf16, 4 x .b32 holding a0..a7), one 64x16 k-step:
+ *       reg 0 = (row g,   cols 2t, 2t+1)     reg 1 = (row g+8, cols 2t, 2t+1)
+ *       reg 2 = (row g,   cols 2t+8, 2t+9)   reg 3 = (row g+8, cols 2t+8, 2t+9)
+ *     = the mma.sync m16n8k16 A layout. So k-step kk of P V (keys 16kk..16kk+15) takes S blocks
+ *     2kk (keys 16kk + 2t, +1 -> cols 2t, 2t+1) and 2kk+1 (keys 16kk + 8 + 2t, +1):
+ *       reg 0 = pack(s[2kk][0], s[2kk][1])      reg 1 = pack(s[2kk][2], s[2kk][3])
+ *       reg 2 = pack(s[2kk+1][0], s[2kk+1][1])  reg 3 = pack(s[2kk+1][2], s[2kk+1][3])
+ *     exactly acc_to_frag_a of kernels/attention.cu: no data moves between threads.
+ *
+ * Async-register discipline: between a wgmma.mma_async and the wgmma.wait_group that retires it,
+ * its accumulator and A registers must not be touched. wg_fence_acc/wg_fence_frag (empty asm with
+ * "+f"/"+r" operands) pin those registers at the issue and wait points so that the compiler
+ * cannot move their reads or writes across; wgmma.fence orders earlier register writes (softmax,
+ * rescale, conversion) before the next batch of wgmma reads them. ptxas reports any wgmma it had
+ * to serialise; the build log of this file has none (nvcc -Xptxas -v, sm_90a).
+ * ---------------------------------------------------------------------------------------------
+ */
+#ifndef KERNELS_ATTENTION_WGMMA_CUH
+#define KERNELS_ATTENTION_WGMMA_CUH
+
+// wgmma exists only in the architecture-specific target sm_90a (-gencode
+// arch=compute_90a,code=sm_90a), where nvcc defines __CUDA_ARCH_FEAT_SM90_ALL. Every wgmma and
+// proxy-fence asm below is compiled only there, and the kernel body elsewhere is a trap, so the
+// file also builds for any other target (-arch=sm_90, sm_80, ...). attention_wgmma_available()
+// then finds that the device code is missing: attention_forward_bf16 runs the mma.sync kernel
+// instead, the lab's variants are skipped.
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define ATTN_WG_ENABLED 1
+#else
+#define ATTN_WG_ENABLED 0
+#endif
+
+#define ATTN_WG_THREADS 128        // one warpgroup: 4 consecutive warps
+#define ATTN_WG_ROWS 64            // wgmma M: query rows per warpgroup
+#define ATTN_WG_K 16               // wgmma K for bf16
+#define ATTN_SW128_ROW_BYTES 128   // one swizzled row: 64 bf16
+#define ATTN_SW128_PANEL_COLS 64   // bf16 columns per 128-byte row = per panel
+#define ATTN_SW128_ATOM_BYTES 1024 // 8 rows x 128 bytes: swizzle period, alignment of every atom
+#define ATTN_SW128_MODE 1ull       // descriptor bits 62-63: 1 = 128-byte swizzle
+
+// ----------------------------------------------------------------------------
+// device helpers (sm_90a)
+
+// Byte offset of 16-byte chunk c (columns 8c..8c+7) of row r in a SW128 tile of `rows` rows.
+__device__ __forceinline__ uint32_t sw128_offset(int r, int c, int rows) {
+    return (uint32_t)((c >> 3) * rows * ATTN_SW128_ROW_BYTES + r * ATTN_SW128_ROW_BYTES +
+                      (((c & 7) ^ (r & 7)) << 4));
+}
+
+// Offset of k-step kk (16 columns = 32 bytes) inside a K-major SW128 tile of `rows` rows.
+__device__ __forceinline__ uint32_t sw128_kstep_offset(int kk, int rows) {
+    constexpr int KSTEPS_PER_PANEL = ATTN_SW128_PANEL_COLS / ATTN_WG_K;  // 4
+    return (uint32_t)((kk / KSTEPS_PER_PANEL) * rows * ATTN_SW128_ROW_BYTES +
+                      (kk % KSTEPS_PER_PANEL) * ATTN_WG_K * (int)sizeof(bf16));
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle, base offset 0 (fields in the header).
+__device__ __forceinline__ uint64_t wg_desc(uint32_t addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+    return (uint64_t)((addr >> 4) & 0x3FFF) | ((uint64_t)((lbo_bytes >> 4) & 0x3FFF) << 16) |
+           ((uint64_t)((sbo_bytes >> 4) & 0x3FFF) << 32) | (ATTN_SW128_MODE << 62);
+}
+// The start address is the low field: moving a descriptor by `bytes` (a multiple of 16) adds
+// bytes >> 4 there. No carry into bit 14 is possible: every address is below 228 KB (< 2^18).
+__device__ __forceinline__ uint64_t wg_desc_add(uint64_t desc, uint32_t bytes) {
+    return desc + (uint64_t)(bytes >> 4);
+}
+
+// Copy rows [row0, row0+ROWS) x HD columns of one head into a SW128 tile at shared address
+// `tile`, asynchronously; rows >= T are zero-filled (nothing read). Thread tid always copies
+// 16-byte chunk c = tid % CHUNKS of rows r0 + k*RSTEP (r0 = tid / CHUNKS, RSTEP = NTHREADS /
+// CHUNKS): consecutive threads read consecutive chunks of a row (coalesced), and since RSTEP is a
+// multiple of 8 the swizzle phase r % 8 is the same for all of a thread's rows, so one source
+// pointer and one shared address, stepped by constants, serve every chunk (few live registers).
+template <int ROWS, int HD, int NTHREADS>
+__device__ __forceinline__ void sw128_tile_load_async(uint32_t tile, const bf16* base,
+                                                      int64_t stride, int row0, int T, int tid) {
+    constexpr int CHUNKS = HD / 8;  // 16-byte chunks per row
+    constexpr int RSTEP = NTHREADS / CHUNKS;
+    static_assert(NTHREADS % CHUNKS == 0 && RSTEP % 8 == 0 && ROWS % RSTEP == 0,
+                  "each thread copies one chunk column, rows RSTEP apart, same swizzle phase");
+    const int c = tid % CHUNKS, r0 = tid / CHUNKS;
+    const bf16* src = base + (int64_t)(row0 + r0) * stride + c * 8;
+    const uint32_t dst = tile + sw128_offset(r0, c, ROWS);
+#pragma unroll
+    for (int k = 0; k < ROWS / RSTEP; k++) {
+        const bool valid = row0 + r0 + k * RSTEP < T;
+        cp_async_16(dst + k * RSTEP * ATTN_SW128_ROW_BYTES, valid ? src : base, valid);
+        src += RSTEP * stride;
+    }
+}
+
+__device__ __forceinline__ void fence_proxy_async_shared() {
+#if ATTN_WG_ENABLED
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_fence() {
+#if ATTN_WG_ENABLED
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#if ATTN_WG_ENABLED
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+// Wait until at most N of this warpgroup's committed wgmma groups are still pending.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#if ATTN_WG_ENABLED
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// Pin accumulator / A-fragment registers at this point of the program (see the header).
+template <int NB>
+__device__ __forceinline__ void wg_fence_acc(float (&d)[NB][4]) {
+#pragma unroll
+    for (int i = 0; i < NB; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) asm volatile("" : "+f"(d[i][e])::"memory");
+}
+template <int KS>
+__device__ __forceinline__ void wg_fence_frag(uint32_t (&a)[KS][4]) {
+#pragma unroll
+    for (int i = 0; i < KS; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) asm volatile("" : "+r"(a[i][e])::"memory");
+}
+
+// Operand lists of the accumulator: block i of 8 columns = registers d[i][0..3], in the PTX
+// order d0, d1, ... (d[i][e] is fragment register 4i + e).
+#define ATTN_WG_ACC4(d, i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+#define ATTN_WG_ACC32(d)                                                                       \
+    ATTN_WG_ACC4(d, 0), ATTN_WG_ACC4(d, 1), ATTN_WG_ACC4(d, 2), ATTN_WG_ACC4(d, 3),           \
+        ATTN_WG_ACC4(d, 4), ATTN_WG_ACC4(d, 5), ATTN_WG_ACC4(d, 6), ATTN_WG_ACC4(d, 7)
+#define ATTN_WG_ACC64(d)                                                                       \
+    ATTN_WG_ACC32(d), ATTN_WG_ACC4(d, 8), ATTN_WG_ACC4(d, 9), ATTN_WG_ACC4(d, 10),            \
+        ATTN_WG_ACC4(d, 11), ATTN_WG_ACC4(d, 12), ATTN_WG_ACC4(d, 13), ATTN_WG_ACC4(d, 14),   \
+        ATTN_WG_ACC4(d, 15)
+#define ATTN_WG_REGS32                                                                   \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, " \
+    "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define ATTN_WG_REGS64                                                                   \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, " \
+    "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, "  \
+    "%34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, "  \
+    "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
+// d (64 x N, f32) = A (64 x 16, bf16) * B (16 x N, bf16) + (scale_d ? d : 0), one warpgroup.
+//   ss: A and B from shared memory through descriptors, both K-major (imm-trans-a = imm-trans-b
+//       = 0). Operands after the accumulators: A descriptor, B descriptor, scale-d (a predicate,
+//       set from the int), imm-scale-a = 1, imm-scale-b = 1 (no negation), imm-trans-a,
+//       imm-trans-b.
+//   rs: A from four registers (layout in the header), B MN-major from shared memory
+//       (imm-trans-b = 1); the register form has no imm-trans-a.
+template <int N>
+struct WgmmaBf16;
+
+template <>
+struct WgmmaBf16<64> {
+    static __device__ __forceinline__ void ss(float (&d)[8][4], uint64_t da, uint64_t db,
+                                              int scale_d) {
+#if ATTN_WG_ENABLED
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " ATTN_WG_REGS32
+            ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+            : ATTN_WG_ACC32(d)
+            : "l"(da), "l"(db), "r"(scale_d)
+            : "memory");
+#endif
+    }
+    static __device__ __forceinline__ void rs_trans_b(float (&d)[8][4], const uint32_t (&a)[4],
+                                                      uint64_t db, int scale_d) {
+#if ATTN_WG_ENABLED
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " ATTN_WG_REGS32
+            ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+            : ATTN_WG_ACC32(d)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d)
+            : "memory");
+#endif
+    }
+};
+
+template <>
+struct WgmmaBf16<128> {
+    static __device__ __forceinline__ void ss(float (&d)[16][4], uint64_t da, uint64_t db,
+                                              int scale_d) {
+#if ATTN_WG_ENABLED
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " ATTN_WG_REGS64
+            ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+            : ATTN_WG_ACC64(d)
+            : "l"(da), "l"(db), "r"(scale_d)
+            : "memory");
+#endif
+    }
+    static __device__ __forceinline__ void rs_trans_b(float (&d)[16][4], const uint32_t (&a)[4],
+                                                      uint64_t db, int scale_d) {
+#if ATTN_WG_ENABLED
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " ATTN_WG_REGS64
+            ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+            : ATTN_WG_ACC64(d)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d)
+            : "memory");
+#endif
+    }
+};
+
+// ----------------------------------------------------------------------------
+// forward kernel
+
+// Bytes of dynamic shared memory: Q (BR x HD) + 2 stages of K + 2 of V (BC x HD each), bf16, plus
+// 1024 bytes of slack to align the base to a swizzle atom (the runtime does not promise more than
+// 16-byte alignment of dynamic shared memory).
+template <int HD, int BC, int NWG>
+constexpr size_t attention_wgmma_smem_bytes() {
+    return (size_t)(ATTN_WG_ROWS * NWG + 4 * BC) * HD * sizeof(bf16) + ATTN_SW128_ATOM_BYTES;
+}
+
+template <int HD, int BC, int NWG>
+__global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
+    attention_forward_wgmma_kernel(bf16* out, float* lse, const bf16* qkv, int T, int H, int KVH,
+                                   float scale_log2) {
+    static_assert(HD == 64 || HD == 128, "head dim: one or two 64-column swizzle panels");
+    static_assert(BC == 64 || BC == 128, "keys per tile: wgmma N of S (64 or 128 implemented)");
+    static_assert(NWG >= 1 && NWG <= 2, "warpgroups per CTA");
+#if ATTN_WG_ENABLED
+    constexpr int BR = ATTN_WG_ROWS * NWG;  // query rows per CTA
+    constexpr int NT = ATTN_WG_THREADS * NWG;
+    constexpr int NB_S = BC / 8;            // 8-column blocks of the S accumulator
+    constexpr int NB_O = HD / 8;            // of the O accumulator
+    constexpr int KS_S = HD / ATTN_WG_K;    // k-steps of S = Q K^T
+    constexpr int KS_O = BC / ATTN_WG_K;    // k-steps of O += P V
+    constexpr uint32_t Q_BYTES = BR * HD * sizeof(bf16);
+    constexpr uint32_t KV_BYTES = BC * HD * sizeof(bf16);     // one stage of K or of V
+    constexpr uint32_t KV_PANEL = BC * ATTN_SW128_ROW_BYTES;  // 64 hd columns of a K/V stage
+    constexpr uint32_t ATOM = ATTN_SW128_ATOM_BYTES;          // SBO of every operand: 8 rows
+    constexpr uint32_t KMAJOR_LBO = 16;  // unused by swizzled K-major layouts; encodes as 1
+    static_assert(Q_BYTES % ATOM == 0 && KV_BYTES % ATOM == 0, "regions stay atom-aligned");
+
+    extern __shared__ __align__(1024) unsigned char attention_wgmma_smem[];
+    const uint32_t sbase = (smem_u32(attention_wgmma_smem) + (ATOM - 1)) & ~(ATOM - 1);
+    const uint32_t sQ = sbase;                // (BR, HD) SW128
+    const uint32_t sK = sQ + Q_BYTES;         // 2 stages of (BC, HD) SW128
+    const uint32_t sV = sK + 2 * KV_BYTES;    // 2 stages of (BC, HD) SW128
+
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int wg = tid / ATTN_WG_THREADS;     // this thread's warpgroup
+    const int wv = (tid >> 5) & 3;            // its warp inside the warpgroup: rows 16wv..16wv+15
+    const int h = blockIdx.x % H, b = blockIdx.x / H;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * BR;
+    const int kvh = h / (H / KVH);
+    const int64_t QKV = (int64_t)(H + 2 * KVH) * HD;
+    const bf16* seq = qkv + (int64_t)b * T * QKV;
+    const bf16* gQ = seq + (int64_t)h * HD;
+    const bf16* gK = seq + (int64_t)(H + kvh) * HD;
+    const bf16* gV = seq + (int64_t)(H + KVH + kvh) * HD;
+    // Tiles holding keys <= the CTA's last query (< T). Every warpgroup multiplies all of them:
+    // the wgmma control flow must depend only on CTA-uniform values, else ptxas serialises the
+    // wgmmas (C7520, "WG.AR in divergent path"). The price: with BC < BR, warpgroup 0 also
+    // multiplies the last tile, fully right of its diagonal (masked to probabilities 0, O
+    // unchanged), and a warpgroup whose rows are all past T computes rows nobody stores (their
+    // Q rows are zeros: finite throughout).
+    const int n_tiles = (min(q0 + BR, T) - 1) / BC + 1;
+    const int wq0 = q0 + wg * ATTN_WG_ROWS;  // this warpgroup's first query row
+    // first query row held by this thread (row of accumulator registers e = 0, 1; e = 2, 3 hold
+    // row + 8)
+    const int my_row = wq0 + wv * 16 + (lane >> 2);
+
+    // Descriptors at k-step 0 / stage 0 (derivations in the header). Q: this warpgroup's 64 rows.
+    const uint64_t desc_q = wg_desc(sQ + wg * ATTN_WG_ROWS * ATTN_SW128_ROW_BYTES, KMAJOR_LBO, ATOM);
+    const uint64_t desc_k = wg_desc(sK, KMAJOR_LBO, ATOM);
+    const uint64_t desc_v = wg_desc(sV, KV_PANEL, ATOM);
+
+    sw128_tile_load_async<BR, HD, NT>(sQ, gQ, QKV, q0, T, tid);
+    sw128_tile_load_async<BC, HD, NT>(sK, gK, QKV, 0, T, tid);
+    cp_async_commit();
+
+    float o[NB_O][4], s[NB_S][4];
+    uint32_t p[KS_O][4];  // P of the previous tile as bf16 A fragments, one [4] per k-step
+#pragma unroll
+    for (int i = 0; i < NB_O; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) o[i][e] = 0.0f;
+    // s and p are written before they are read (the first S k-step has scale-d = 0, the first
+    // P V product follows the first conversion); zeroed once so no path reads garbage.
+#pragma unroll
+    for (int i = 0; i < NB_S; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) s[i][e] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < KS_O; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) p[i][e] = 0u;
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};  // rows my_row, +8
+
+    // The steps of the pipeline (header). Lambdas only to name them: all inlined, and the arrays
+    // they touch stay in registers.
+
+    // Step j of the ring: K_j and V_{j-1} have landed (this thread's copies, then everyone's
+    // through the barrier), and every warpgroup has retired its reads of K_{j-1} (S_{j-1}, by
+    // the wait_group 1 of step j-1) and of V_{j-2} (P_{j-2} V_{j-2}, by the wait_group 0 just
+    // before this call), whose stages are refilled now with K_{j+1} and V_j.
+    auto ring_advance = [&](int j) {
+        cp_async_wait_all();
+        fence_proxy_async_shared();
+        __syncthreads();
+        if (j + 1 < n_tiles)
+            sw128_tile_load_async<BC, HD, NT>(sK + ((j + 1) & 1) * KV_BYTES, gK, QKV, (j + 1) * BC,
+                                              T, tid);
+        if (j < n_tiles)
+            sw128_tile_load_async<BC, HD, NT>(sV + (j & 1) * KV_BYTES, gV, QKV, j * BC, T, tid);
+        cp_async_commit();
+    };
+    // S_j = Q K_j^T, one commit group (the first k-step overwrites s: scale-d = 0)
+    auto issue_s = [&](int j) {
+        const uint64_t dk = wg_desc_add(desc_k, (j & 1) * KV_BYTES);
+#pragma unroll
+        for (int kk = 0; kk < KS_S; kk++)
+            WgmmaBf16<BC>::ss(s, wg_desc_add(desc_q, sw128_kstep_offset(kk, BR)),
+                              wg_desc_add(dk, sw128_kstep_offset(kk, BC)), kk > 0);
+        wgmma_commit();
+    };
+    // O += P V_j with P = the probabilities of tile j in p, one commit group
+    auto issue_pv = [&](int j) {
+        const uint64_t dv = wg_desc_add(desc_v, (j & 1) * KV_BYTES);
+#pragma unroll
+        for (int kk = 0; kk < KS_O; kk++)  // keys 16kk..16kk+15: 16 rows of 128 bytes further
+            WgmmaBf16<HD>::rs_trans_b(o, p[kk],
+                                      wg_desc_add(dv, kk * ATTN_WG_K * ATTN_SW128_ROW_BYTES), 1);
+        wgmma_commit();
+    };
+    // Mask and online softmax of S_j in place (s becomes the probabilities); alpha = rescale
+    // factors of rows my_row, my_row + 8; returns whether a row maximum of this thread moved.
+    auto softmax = [&](int j, float (&alpha)[2]) -> bool {
+        // causal mask, only on tiles that reach right of the CTA's first row (a CTA-uniform
+        // test, see n_tiles); keys >= T are right of the diagonal of every valid query
+        const int k0 = j * BC;
+        if (k0 + BC - 1 > q0) {
+#pragma unroll
+            for (int i = 0; i < NB_S; i++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int row = my_row + (e >> 1) * 8;
+                    const int key = k0 + i * 8 + (lane & 3) * 2 + (e & 1);
+                    if (key > row) s[i][e] = -INFINITY;
+                }
+        }
+        // base 2, as kernels/attention.cu: p = 2^(s*scale_log2 - max). Every row sees key 0 in
+        // tile 0, so its max is finite from the first tile on.
+        bool max_moved = false;
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int i = 0; i < NB_S; i++) mx = fmaxf(mx, fmaxf(s[i][2 * hf], s[i][2 * hf + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the quad shares the row
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_old = row_max[hf];
+            const float m_new = fmaxf(m_old, mx * scale_log2);
+            max_moved |= m_new != m_old;
+            alpha[hf] = m_new == m_old ? 1.0f : fast_exp2(m_old - m_new);
+            row_max[hf] = m_new;
+            float sum = 0.0f;
+#pragma unroll
+            for (int i = 0; i < NB_S; i++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const float pr = fast_exp2(fmaf(s[i][2 * hf + e], scale_log2, -m_new));
+                    s[i][2 * hf + e] = pr;
+                    sum += pr;
+                }
+            row_sum[hf] = row_sum[hf] * alpha[hf] + sum;  // quad partial sums, combined at the end
+        }
+        return max_moved;
+    };
+    // probabilities (fp32 accumulator layout) -> bf16 A fragments of P V (header: no shuffles)
+    auto convert_p = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < KS_O; kk++) acc_to_frag_a(p[kk], s[2 * kk], s[2 * kk + 1]);
+    };
+
+    // O *= alpha, only when some row of this warp moved its maximum (alpha is exactly 1 for the
+    // others). O must not be in flight.
+    auto rescale_o = [&](const float (&alpha)[2], bool moved) {
+        if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+            for (int i = 0; i < NB_O; i++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) o[i][e] *= alpha[e >> 1];
+        }
+    };
+
+    // Schedule. ptxas places a WARPGROUP.DEPBAR (wgmma.wait_group) as early as its basic block
+    // allows, whatever the PTX order; so the wait that retires the P V product is put at the top
+    // of the NEXT step (a new block after the loop's back edge), not after the softmax: the
+    // softmax of S_j then ends the loop body and runs while P_{j-1} V_{j-1} is on the tensor
+    // cores. Per step j = 1 .. n_tiles-1:
+    //   wait_group 0        P_{j-2} V_{j-2} done: O final for tile j-2, p free, V_{j-2} released
+    //   ring_advance(j)     (its barrier needs every warpgroup's V_{j-2} reads done: they are)
+    //   p = bf16(P_{j-1}); O *= alpha_{j-1}      (s holds P_{j-1} in fp32 until S_j overwrites it)
+    //   issue S_j; issue O += P_{j-1} V_{j-1}
+    //   wait_group 1        S_j done
+    //   softmax(S_j)        -> s = P_j (fp32), alpha_j
+    // alpha_{j-1} = 2^(m_{j-2} - m_{j-1}) brings O (tiles <= j-2, at scale m_{j-2}) to m_{j-1}
+    // just before P_{j-1} V_{j-1} (at scale m_{j-1}) is added.
+    float alpha[2];
+    bool moved;
+    // tile 0: S only
+    ring_advance(0);
+    wg_fence_acc(s);
+    wgmma_fence();
+    issue_s(0);
+    wgmma_wait<0>();
+    wg_fence_acc(s);
+    moved = softmax(0, alpha);
+    for (int j = 1; j < n_tiles; j++) {
+        wgmma_wait<0>();  // nothing in flight at j = 1
+        wg_fence_acc(o);
+        wg_fence_frag(p);
+        ring_advance(j);
+        convert_p();
+        rescale_o(alpha, moved);
+        wg_fence_acc(s);
+        wg_fence_acc(o);
+        wg_fence_frag(p);
+        wgmma_fence();  // conversion and rescale wrote p and o: order before the wgmmas
+        issue_s(j);
+        issue_pv(j - 1);
+        wgmma_wait<1>();  // S_j done; the P V group may still run
+        wg_fence_acc(s);
+        moved = softmax(j, alpha);
+    }
+    // the last tile's P V (V_{n_tiles-1} is waited for by the ring)
+    wgmma_wait<0>();
+    wg_fence_acc(o);
+    wg_fence_frag(p);
+    ring_advance(n_tiles);
+    convert_p();
+    rescale_o(alpha, moved);
+    wg_fence_acc(o);
+    wg_fence_frag(p);
+    wgmma_fence();
+    issue_pv(n_tiles - 1);
+    wgmma_wait<0>();
+    wg_fence_acc(o);
+
+    // O / l -> bf16; lse = ln(sum_j e^(s_j*scale)) = (max + log2(l)) * ln 2
+    const int64_t out_stride = (int64_t)H * HD;
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        float l = row_sum[hf];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = 1.0f / l;
+        const int row = my_row + hf * 8;
+        if (row < T) {
+            bf16* dst = out + ((int64_t)b * T + row) * out_stride + (int64_t)h * HD + (lane & 3) * 2;
+#pragma unroll
+            for (int i = 0; i < NB_O; i++)
+                *reinterpret_cast<uint32_t*>(dst + i * 8) =
+                    pack_bf16(o[i][2 * hf] * inv, o[i][2 * hf + 1] * inv);
+            if ((lane & 3) == 0)
+                lse[((int64_t)b * H + h) * T + row] = (row_max[hf] + log2f(l)) * ATTN_LN2;
+        }
+    }
+#else
+    // Built without sm_90a device code: never launched (the host checks first); trap if it is.
+    __trap();
+#endif
+}
+
+// ----------------------------------------------------------------------------
+// host side
+
+// Whether the device code that runs on the current device was compiled for sm_90a: a probe
+// kernel reads ATTN_WG_ENABLED as the device compiled it (a build for sm_90a and, say, sm_80 runs
+// the sm_80 code on an A100). Asked once per device: the probe launches on the legacy default
+// stream and waits for it (the backend's streams are non-blocking, so this waits for nothing
+// else), the first time only. Cached per device, because several GPUs' issue threads call the
+// forward at once, each on its own device: the flags are atomics, and two threads that probe the
+// same device together store the same answer.
+__device__ int attention_wgmma_probe_flag;
+__global__ void attention_wgmma_probe_kernel() { attention_wgmma_probe_flag = ATTN_WG_ENABLED; }
+
+#define ATTN_WG_MAX_DEVICES 64  // devices past this are probed on every call (none in practice)
+enum { ATTN_WG_UNKNOWN = 0, ATTN_WG_ABSENT, ATTN_WG_PRESENT };
+static int attention_wgmma_state[ATTN_WG_MAX_DEVICES];
+
+static int attention_wgmma_available() {
+    int dev = 0;
+    attention_check(cudaGetDevice(&dev));
+    int* slot = dev >= 0 && dev < ATTN_WG_MAX_DEVICES ? &attention_wgmma_state[dev] : NULL;
+    int state = slot ? __atomic_load_n(slot, __ATOMIC_ACQUIRE) : ATTN_WG_UNKNOWN;
+    if (state == ATTN_WG_UNKNOWN) {
+        attention_wgmma_probe_kernel<<<1, 1>>>();
+        attention_check(cudaGetLastError());
+        int flag = 0;
+        attention_check(cudaMemcpyFromSymbol(&flag, attention_wgmma_probe_flag, sizeof(flag)));
+        state = flag ? ATTN_WG_PRESENT : ATTN_WG_ABSENT;
+        if (slot && __atomic_exchange_n(slot, state, __ATOMIC_ACQ_REL) == ATTN_WG_UNKNOWN &&
+            state == ATTN_WG_ABSENT) {
+            // No silent slow path on the GPUs it was written for: say once per device why the
+            // forward is the mma.sync one (elsewhere, e.g. an A100, that is simply expected).
+            int major = 0, minor = 0;
+            attention_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+            attention_check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+            if (major == 9 && minor == 0)
+                fprintf(stderr, "attention: device %d is a Hopper GPU but this build has no sm_90a "
+                        "device code: the forward runs the slower mma.sync kernel. HINT: build with "
+                        "GPU_ARCH=sm_90a (the default)\n", dev);
+        }
+    }
+    return state == ATTN_WG_PRESENT;
+}
+
+// Head dims the wgmma forward implements (one or two 64-column swizzle panels).
+static int attention_wgmma_supports_head_dim(int HD) { return HD == 64 || HD == 128; }
+
+template <int HD, int BC, int NWG>
+static void attention_forward_wgmma_run(bf16* out, float* lse, const bf16* qkv, int B, int T,
+                                        int H, int KVH, cudaStream_t stream) {
+    constexpr int BR = ATTN_WG_ROWS * NWG;
+    const size_t smem = attention_wgmma_smem_bytes<HD, BC, NWG>();
+    auto kernel = attention_forward_wgmma_kernel<HD, BC, NWG>;
+    attention_set_max_smem(kernel, smem);
+    kernel<<<attention_grid(B, T, H, BR), NWG * ATTN_WG_THREADS, smem, stream>>>(
+        out, lse, qkv, T, H, KVH, attention_scale_log2(HD));
+    attention_check(cudaGetLastError());
+}
+
+// Dispatch on HD (64 or 128) once the arguments are checked (attention_forward_check) and the
+// device code is known to be there (attention_wgmma_available).
+template <int BC, int NWG>
+static void attention_forward_wgmma_hd(bf16* out, float* lse, const bf16* qkv, int B, int T,
+                                       int H, int KVH, int HD, cudaStream_t stream) {
+    if (HD == 64)
+        attention_forward_wgmma_run<64, BC, NWG>(out, lse, qkv, B, T, H, KVH, stream);
+    else
+        attention_forward_wgmma_run<128, BC, NWG>(out, lse, qkv, B, T, H, KVH, stream);
+}
+
+// Forward through wgmma alone, same signature and contract as attention_forward_bf16, HD 64 and
+// 128; exits with a message where it cannot run (the lab times it against the other shapes).
+template <int BC, int NWG>
+static void attention_forward_wgmma(void* out, float* lse, const void* qkv, int B, int T, int H,
+                                    int KVH, int HD, void* stream) {
+    const char* fn = "attention_forward_wgmma";
+    const int work = attention_forward_check(fn, out, lse, qkv, B, T, H, KVH, HD);
+    if (!attention_wgmma_supports_head_dim(HD)) {
+        fprintf(stderr, "attention: %s: head dim %d not supported (supported: 64, 128)\n", fn, HD);
+        exit(1);
+    }
+    if (!attention_wgmma_available()) {
+        fprintf(stderr, "attention: %s needs sm_90a: this binary's device code was not built "
+                "with -gencode arch=compute_90a,code=sm_90a\n", fn);
+        exit(1);
+    }
+    if (!work) return;
+    attention_forward_wgmma_hd<BC, NWG>(static_cast<bf16*>(out), lse,
+                                        static_cast<const bf16*>(qkv), B, T, H, KVH, HD,
+                                        static_cast<cudaStream_t>(stream));
+}
+
+#endif  // KERNELS_ATTENTION_WGMMA_CUH
