@@ -1,8 +1,9 @@
 /*
  * attention.cu — causal grouped-query flash attention, forward and backward, bf16 in/out with fp32
  * accumulation, on tensor cores through mma.sync m16n8k16 (sm_80+; tuned on H200), and for the
- * forward at HD 64 and 128 through Hopper warpgroup MMAs (wgmma, sm_90a: attention_wgmma.cuh,
- * included below; 1.3-1.6x the mma.sync forward on H200). The C interface is
+ * forward and backward at HD 64 and 128 through Hopper warpgroup MMAs (wgmma, sm_90a:
+ * attention_wgmma.cuh and attention_bwd_wgmma.cuh, included below; on H200 1.3-1.6x the mma.sync
+ * forward and 1.8-1.9x its backward). The C interface is
  * kernels/attention.h; the development versions, the CPU reference, the validation and the
  * benchmark live in dev/cuda/attention.cu (which includes this file).
  *
@@ -90,6 +91,22 @@ static int attention_forward_check(const char* fn, const void* out, const float*
     attention_check_aligned(fn, "out", out, 16);
     attention_check_aligned(fn, "lse", lse, 4);
     attention_check_aligned(fn, "qkv", qkv, 16);
+    if (B == 0 || T == 0) return 0;
+    attention_check_grid_x(fn, B, H);
+    return 1;
+}
+
+// The checks every backward launcher shares. Returns 0 when there is nothing to compute.
+static int attention_backward_check(const char* fn, const void* dqkv, const void* dout,
+                                    const void* qkv, const void* out, const float* lse,
+                                    const void* workspace, int B, int T, int H, int KVH, int HD) {
+    attention_check_args(fn, B, T, H, KVH, HD);
+    attention_check_aligned(fn, "dqkv", dqkv, 16);
+    attention_check_aligned(fn, "dout", dout, 16);
+    attention_check_aligned(fn, "qkv", qkv, 16);
+    attention_check_aligned(fn, "out", out, 16);
+    attention_check_aligned(fn, "lse", lse, 4);
+    attention_check_aligned(fn, "workspace", workspace, 4);
     if (B == 0 || T == 0) return 0;
     attention_check_grid_x(fn, B, H);
     return 1;
@@ -849,16 +866,9 @@ template <int KV_WARPS, int KV_BRQ, int Q_WARPS, int Q_BC>
 static void attention_backward_tiled(void* dqkv, const void* dout, const void* qkv,
                                      const void* out, const float* lse, void* workspace, int B,
                                      int T, int H, int KVH, int HD, void* stream) {
-    const char* fn = "attention_backward_bf16";
-    attention_check_args(fn, B, T, H, KVH, HD);
-    attention_check_aligned(fn, "dqkv", dqkv, 16);
-    attention_check_aligned(fn, "dout", dout, 16);
-    attention_check_aligned(fn, "qkv", qkv, 16);
-    attention_check_aligned(fn, "out", out, 16);
-    attention_check_aligned(fn, "lse", lse, 4);
-    attention_check_aligned(fn, "workspace", workspace, 4);
-    if (B == 0 || T == 0) return;
-    attention_check_grid_x(fn, B, H);
+    if (!attention_backward_check("attention_backward_bf16", dqkv, dout, qkv, out, lse, workspace,
+                                  B, T, H, KVH, HD))
+        return;
     bf16* dx = static_cast<bf16*>(dqkv);
     const bf16* dy = static_cast<const bf16*>(dout);
     const bf16* x = static_cast<const bf16*>(qkv);
@@ -886,6 +896,11 @@ static void attention_backward_tiled(void* dqkv, const void* dout, const void* q
 }
 
 // ----------------------------------------------------------------------------
+// backward on Hopper warpgroup MMAs (sm_90a), HD 64 and 128
+
+#include "attention_bwd_wgmma.cuh"
+
+// ----------------------------------------------------------------------------
 // the C interface (tile shapes chosen in dev/cuda/attention.cu)
 
 // Timed on H200 at HD=128 (dev/cuda/attention.cu, "Results"): 32 rows per warp halve the shared-
@@ -898,6 +913,13 @@ static void attention_backward_tiled(void* dqkv, const void* dout, const void* q
 // 16384; --quick --no-big --fwd 0, one run, binary built with -gencode compute_90a/sm_90a).
 #define ATTN_WG_FWD_BC 128 // keys per K/V tile of the wgmma forward
 #define ATTN_WG_FWD_NWG 2  // its warpgroups of 64 query rows: 128-row query tiles
+// The wgmma backward (lab, session 5): two warpgroups and 3 ring slots in both passes ("wg2 s3")
+// against one warpgroup and 2 slots: 345 / 381 / 409 against 331 / 387 / 374 TFLOP/s at T =
+// 2048 / 4096 / 16384 (the mma.sync backward: 188 / 202 / 217).
+#define ATTN_WG_BWD_KV_NWG 2    // dK/dV pass: warpgroups of 64 keys per block
+#define ATTN_WG_BWD_KV_STAGES 3 // its ring slots of streamed Q/dO tiles
+#define ATTN_WG_BWD_Q_NWG 2     // dQ pass: warpgroups of 64 query rows per block
+#define ATTN_WG_BWD_Q_STAGES 3  // its ring slots of streamed K/V tiles
 #define ATTN_FWD_MT 2      // 16-row blocks per warp
 #define ATTN_FWD_WARPS 4   // query tile = 16 * MT * WARPS = 128 rows
 #define ATTN_FWD_BC 32     // keys per K/V tile
@@ -930,11 +952,18 @@ extern "C" size_t attention_backward_workspace_bytes(int B, int T, int H, int KV
     return (size_t)B * (size_t)T * (size_t)H * sizeof(float);  // D: (B, H, T) fp32
 }
 
+// The wgmma backward where it can run (as the forward), else the mma.sync one; the same
+// workspace, both deterministic.
 extern "C" void attention_backward_bf16(void* dqkv, const void* dout, const void* qkv,
                                         const void* out, const float* lse, void* workspace,
                                         int B, int T, int H, int KVH, int HD, void* stream) {
-    attention_backward_tiled<ATTN_KV_WARPS, ATTN_KV_BRQ, ATTN_Q_WARPS, ATTN_Q_BC>(
-        dqkv, dout, qkv, out, lse, workspace, B, T, H, KVH, HD, stream);
+    if (attention_wgmma_supports_head_dim(HD) && attention_wgmma_available())
+        attention_backward_wgmma<ATTN_WG_BWD_KV_NWG, ATTN_WG_BWD_KV_STAGES, ATTN_WG_BWD_Q_NWG,
+                                 ATTN_WG_BWD_Q_STAGES>(dqkv, dout, qkv, out, lse, workspace, B, T,
+                                                       H, KVH, HD, stream);
+    else
+        attention_backward_tiled<ATTN_KV_WARPS, ATTN_KV_BRQ, ATTN_Q_WARPS, ATTN_Q_BC>(
+            dqkv, dout, qkv, out, lse, workspace, B, T, H, KVH, HD, stream);
 }
 
 extern "C" int attention_supports_head_dim(int HD) {

@@ -2,9 +2,11 @@
  * dev/cuda/attention.cu — kernel lab for causal grouped-query flash attention (bf16, fp32
  * accumulation). It includes kernels/attention.cu, so the kernels checked and timed here are the
  * ones the trainer links; the variants are other tile shapes of the same templates, and the one
- * named "kernels" is the C interface itself (the shape chosen from this lab's timings). Lab-only
- * kernels: the wgmma forward (attention_wgmma.cuh) and the ordered backward
- * (attention_bwd_ordered.cuh), both NOT YET RUN ON A GPU (sections below).
+ * named "kernels" is the C interface itself (the shape chosen from this lab's timings). The wgmma
+ * forward and backward (kernels/attention_wgmma.cuh, kernels/attention_bwd_wgmma.cuh; variants
+ * 7/8 forward, 8/9 backward) are what the C interface runs at HD 64 and 128 on sm_90a since
+ * session 5, so there "kernels" is variant 7 forward and variant 8 backward. Lab-only: the
+ * ordered backward (attention_bwd_ordered.cuh; validated, slower).
  *
  *   validation: fresh random bf16 inputs per case, a CPU reference with fp64 accumulation, relative
  *     L2 error of out, lse, dq, dk, dv (tolerance 2e-2); outputs poisoned with NaN before every
@@ -21,8 +23,9 @@
  * code, the wgmma variants below need it. Variants a build or a head dim does not support are
  * skipped (counted as "skipped" in the validation summary).
  *
- * wgmma forward, variants 7 "wgmma bc128 wg2" and 8 "wgmma bc64 wg2" (dev/cuda/attention_wgmma.cuh,
- * where every layout, descriptor field and fragment mapping is derived): NOT YET RUN ON A GPU.
+ * wgmma forward, variants 7 "wgmma bc128 wg2" and 8 "wgmma bc64 wg2" (kernels/attention_wgmma.cuh,
+ * where every layout, descriptor field and fragment mapping is derived): validated in session 5
+ * (all cases, big case, memcheck), 377 / 449 / 495 TFLOP/s (bc128) at T = 2048 / 4096 / 16384.
  *   Hopper warpgroup MMAs, FA3-style within a warpgroup: one CTA of 2 warpgroups (256 threads)
  *   per (128 query rows, head, batch), each warpgroup 64 rows; Q in shared memory once; K and V
  *   tiles of BC = 128 (or 64) keys through a 2-stage cp.async ring; S = Q K^T by
@@ -39,7 +42,7 @@
  *   32 bytes inside a panel, then by one panel; k-steps of V by 16 rows = 2048 bytes.
  *   bc128: 164,864 bytes of shared memory, 218 registers, no spills; bc64: 99,328 bytes, 166
  *   registers (HD=128; HD=64: 175 and 128). ptxas reports no serialised wgmma.
- *   Checklist for the first GPU session (in this order):
+ *   Checks after a change (in this order):
  *    1. dev/cuda/run_attention.sh --tiny --no-big --no-bench --fwd 7 --bwd -2   (variant 7 alone,
  *       plus "kernels", which always runs; HD 64/128 x T 64/129). Then --fwd 8.
  *    2. compute-sanitizer --tool memcheck .devbuild/attention --tiny --no-big --no-bench --fwd 7
@@ -59,7 +62,9 @@
  *
  * Ordered backward, variants 6 "bwd ordered w8 q64" and 7 "bwd ordered w8 q32"
  * (dev/cuda/attention_bwd_ordered.cuh, where the scheme, the progress argument and the memory-
- * ordering argument are written out). STATUS: NOT YET RUN ON A GPU (written and compiled only).
+ * ordering argument are written out). STATUS: validated in session 5 (all cases, deterministic)
+ * but slower than the two-pass backward: 158 / 173 / 186 TFLOP/s (q64) at T = 2048 / 4096 / 16384
+ * against 188 / 202 / 217 (the ordered critical section stalls; see "Tuning" below).
  *   dQ is computed inside the dK/dV pass: 5 matmuls per tile pair instead of 7, no float atomics.
  *   One block per (kv tile of 128 keys, kv head, batch), work assigned by a ticket taken at block
  *   start (atomicAdd on an integer), kv tile 0 first; pairs walked query tile outer (last tile
@@ -109,6 +114,24 @@
  *    right after the acquire and add them one pair later (hides the round trip), and have the
  *    last kv tile (j = J(qt)) write bf16 dQ directly (drops pass 3 and one fp32 write).
  *
+ * wgmma backward, variants 8 "wgmma bwd wg2 s3" and 9 "wgmma bwd wg1 s2"
+ * (kernels/attention_bwd_wgmma.cuh: scheme, operand layouts, pipelines, checks after a change,
+ * results). STATUS: validated in session 5 (all 163 cases, big case, memcheck and racecheck
+ * clean, bit-identical repeats): wg2 s3 345 / 381 / 409 TFLOP/s at T = 2048 / 4096 / 16384
+ * (393 on the big case), wg1 s2 331 / 387 / 374; the two passes at ~560 TFLOP/s of their own
+ * matmuls. Wired in (wg2 s3).
+ *   The production backward's passes (D, then dK/dV per kv tile walking query heads and tiles in
+ *   a fixed order, then dQ per query tile; 7 matmuls, no atomics, deterministic) with every
+ *   matmul on wgmma.m64nNk16 from SW128 shared memory (the forward's layouts and descriptors).
+ *   dK/dV: warpgroup = 64 keys, S^T = K Q^T and dP^T = V dO^T (SS), dV += P^T dO and
+ *   dK += dS^T Q with P^T, dS^T as register A operands and dO, Q MN-major (trans-b); query tiles
+ *   of 64 rows stream through a cp.async ring. dQ: warpgroup = 64 query rows, S, dP (SS),
+ *   dQ += dS K (RS, K MN-major); kv tiles of 64 keys stream. wg2 s3: 2 warpgroups per CTA (128
+ *   keys / 128 query rows), 3 ring slots (the last products of a tile overlap the next ring
+ *   barrier); wg1 s2: 1 warpgroup per CTA, 2 slots, 2 CTAs per SM. HD 64/128 (16, 32 skipped);
+ *   also run on the big case. ptxas (HD=128): dK/dV 254 registers, dQ 176 (wg2) / 161 (wg1); HD=64
+ *   192 and 144/128; no spills, no serialised wgmma.
+ *
  * Results (one H200, nvcc 13.0 -arch=sm_90, mma.sync; medians of 10; H=16 KVH=8 HD=128):
  *   validation: 163 cases (HD 16/32/64/128 x T 1/7/64/129/1000 x H/KVH 1/2/4/8 x B 1/3, plus
  *     T=4096, 2500, 3001), every variant: worst relative L2 2.1e-3 (out, lse), 4.3e-3 (dq, dk,
@@ -134,9 +157,11 @@
  *   run 2: O rescaled only when a row maximum moves (warp vote): mt2 w4 bc32 306 -> 308..314 at
  *     T=4096 (noise-level), 280 -> 297 at T=2048, 309 -> 331 at T=16384. mt2 w8 bc32 (BR=256,
  *     1 block/SM) 277; mt2 w4 bc16 243. Backward: the six shapes within 2%.
- * Next: validate and time the wgmma forward (variants 7, 8, above; sm_90a, arch-guarded, the
- * Makefile still builds plain sm_90 and the trainer does not use it yet), then a producer warp and
- * TMA, FA3-style; that is where cuDNN's 490-630 comes from.
+ *   session 5: the wgmma forward (variant 7: 377 / 449 / 495) and backward (variant 8: 345 / 381 /
+ *     409) validated and wired into kernels/ (sm_90a by default); the ordered mma.sync backward
+ *     validated but slower (186 at T=16384).
+ * Next: a producer warp with TMA and mbarriers, ping-pong scheduling of the two warpgroups
+ * (FA3-style), Q/dO as register operands in the dQ pass: cuDNN reaches 631 / 527 at T=16384.
  */
 #include "../../kernels/attention.cu"
 #include "attention_wgmma.cuh"
@@ -376,7 +401,9 @@ static bool forward_runs(int v, int HD) {
 }
 // backward: <dK/dV warps (16 keys each), query rows per tile, dQ warps (16 rows each), keys per
 // tile>; ordered: <warps (16 keys each), query rows per tile>, dQ in the dK/dV pass with
-// per-query-tile turn counters (attention_bwd_ordered.cuh; NOT YET RUN ON A GPU, see the header)
+// per-query-tile turn counters (attention_bwd_ordered.cuh; NOT YET RUN ON A GPU, see the header);
+// wgmma: <dK/dV warpgroups (64 keys each), ring slots, dQ warpgroups (64 rows each), ring slots>
+// (attention_bwd_wgmma.cuh; NOT YET RUN ON A GPU, checklist at the top of that file)
 static const BackwardVariant backward_variants[] = {
     {"kernels", attention_backward_bf16, nullptr, nullptr, false},
     {"bwd kv w4 q64 | dq w4 k64", attention_backward_tiled<4, 64, 4, 64>, nullptr, nullptr, false},
@@ -390,6 +417,8 @@ static const BackwardVariant backward_variants[] = {
     {"bwd ordered w8 q32", attention_backward_ordered<8, 32>,
      attention_backward_ordered_supports<8, 32>, attention_backward_ordered_workspace_bytes<32>,
      true},
+    {"wgmma bwd wg2 s3", attention_backward_wgmma<2, 3, 2, 3>, lab_wgmma_supports, nullptr, true},
+    {"wgmma bwd wg1 s2", attention_backward_wgmma<1, 2, 1, 2>, lab_wgmma_supports, nullptr, true},
 };
 #define N_FWD ((int)(sizeof(forward_variants) / sizeof(forward_variants[0])))
 #define N_BWD ((int)(sizeof(backward_variants) / sizeof(backward_variants[0])))
@@ -946,7 +975,7 @@ static void bench(const LabOptions& opt, FILE* log) {
 }
 
 // Time the three backward passes of the C interface's shapes apart (HD=128), to see which one to
-// work on next; then those of the ordered variants.
+// work on next; then those of the ordered and the wgmma backward variants.
 static void bench_backward_passes(const LabOptions& opt, FILE* log) {
     const Shape s = {4, 4096, 16, 8, 128};
     constexpr int HD = 128, LD = HD + ATTN_PAD;
@@ -1030,6 +1059,39 @@ static void bench_backward_passes(const LabOptions& opt, FILE* log) {
                o.name, s.T, s.B, od, okv, 2.5 * flops / okv * 1e-9, oc);
         fprintf(log, "%s passes T=%d B=%d: D %.3f ms, dKdVdQ %.3f ms, convert %.3f ms\n", o.name,
                 s.T, s.B, od, okv, oc);
+    }
+
+    // The wgmma backward variants (dev/cuda/attention_bwd_wgmma.cuh), same shape and passes as
+    // the C interface's: D | dK, dV (4 matmuls) | dQ (3 matmuls).
+    const struct {
+        const char* name;
+        TimedFn fn;
+    } wgmma_bwd[] = {{"wgmma bwd wg2 s3", attention_backward_wgmma_timed<2, 3, 2, 3>},
+                     {"wgmma bwd wg1 s2", attention_backward_wgmma_timed<1, 2, 1, 2>}};
+    for (const auto& o : wgmma_bwd) {
+        if (opt.bwd == -2 || (opt.bwd >= 0 && strcmp(backward_variants[opt.bwd].name, o.name)))
+            continue;
+        if (!lab_wgmma_supports(HD)) break;
+        std::vector<float> tw[3];
+        for (int r = 0; r < 12; r++) {
+            lab_check(cudaEventRecord(ev[0]));
+            o.fn(c.dqkv, c.dout, c.qkv, c.out, c.lse, c.ws, s.B, s.T, s.H, s.KVH, s.HD, nullptr,
+                 &ev[1]);
+            lab_check(cudaEventRecord(ev[3]));
+            lab_check(cudaEventSynchronize(ev[3]));
+            lab_check(cudaGetLastError());
+            for (int k = 0; k < 3; k++) {
+                float ms;
+                lab_check(cudaEventElapsedTime(&ms, ev[k], ev[k + 1]));
+                if (r >= 2) tw[k].push_back(ms);
+            }
+        }
+        const float wd = median_ms(tw[0]), wkv = median_ms(tw[1]), wq = median_ms(tw[2]);
+        printf("%s passes, T=%d B=%d: D %.3f ms | dK,dV %.3f ms (%.0f TFLOP/s of 4 matmuls) | "
+               "dQ %.3f ms (%.0f TFLOP/s of 3 matmuls)\n",
+               o.name, s.T, s.B, wd, wkv, 2.0 * flops / wkv * 1e-9, wq, 1.5 * flops / wq * 1e-9);
+        fprintf(log, "%s passes T=%d B=%d: D %.3f ms, dKdV %.3f ms, dQ %.3f ms\n", o.name, s.T,
+                s.B, wd, wkv, wq);
     }
     case_free(c);
 }
