@@ -81,15 +81,17 @@ static int mlp_chunk_rows(const Model* m, int B, int T) {
 static void acts_sizes(const Model* m, int B, int T, size_t act_bytes, size_t* sizes) {
     const ModelConfig* c = &m->cfg;
     const size_t N = (size_t)B * T, C = c->C, F = c->F;
+    // long sequences (a chunked MLP) keep only what the backward cannot cheaply recompute: ln1,
+    // qkv_raw and h are recomputed by the block backward (model_block_backward)
     const int chunked = mlp_chunk_rows(m, B, T) > 0;
-    sizes[0] = N * C * act_bytes;                                 // ln1
+    sizes[0] = chunked ? 0 : N * C * act_bytes;                   // ln1
     sizes[1] = N * sizeof(float);                                 // rstd1
-    sizes[2] = N * m->QKV * act_bytes;                            // qkv_raw
+    sizes[2] = chunked ? 0 : N * m->QKV * act_bytes;              // qkv_raw
     sizes[3] = N * m->QKV * act_bytes;                            // qkv
     sizes[4] = c->qk_norm ? N * (c->H + c->KVH) * sizeof(float) : 0;  // rstd_qk
     sizes[5] = N * c->H * c->HD * act_bytes;                      // att
     sizes[6] = (size_t)B * c->H * T * sizeof(float);              // lse
-    sizes[7] = N * C * act_bytes;                                 // h
+    sizes[7] = chunked ? 0 : N * C * act_bytes;                   // h
     sizes[8] = chunked ? 0 : N * C * act_bytes;                   // ln2
     sizes[9] = chunked ? 0 : N * sizeof(float);                   // rstd2
     sizes[10] = chunked ? 0 : N * 2 * F * act_bytes;              // gu
@@ -114,7 +116,9 @@ size_t workspace_bytes(const Model* m, int act_bytes, int B, int T, int n_acts) 
     const size_t row = C > (size_t)m->QKV ? C : (size_t)m->QKV;
     size_t scratch = 2 * N * row * ab + 3 * mlp_rows * F * ab + N * sizeof(float) +
                      (size_t)lm_chunk_rows(m, act_bytes, B, T) * c->V * ab;
-    if (chunk > 0) scratch += (size_t)chunk * (C + 3 * F) * ab + (size_t)chunk * sizeof(float);
+    if (chunk > 0)  // the MLP chunk's scratch, and the recomputed ln1 / h and qkv_raw
+        scratch += (size_t)chunk * (C + 3 * F) * ab + (size_t)chunk * sizeof(float) +
+                   N * (C + (size_t)m->QKV) * ab + N * sizeof(float);
     size_t rope = 2 * (size_t)T * (c->HD / 2) * sizeof(float);
     return per_set * (size_t)n_acts + scratch + rope;
 }
@@ -178,6 +182,11 @@ Workspace* workspace_create(const Model* m, const Ops* ops, void* ctx, int B, in
         ws->rstd2_c = ops->alloc(ctx, mlp_rows * sizeof(float));
         ws->gu_c = ops->alloc(ctx, mlp_rows * 2 * F * ab);
         ws->act_c = ops->alloc(ctx, mlp_rows * F * ab);
+        // not saved per block (acts_sizes): recomputed into one buffer each. ln1 and h never
+        // live at once (ln1: the attention's input projection; h: the MLP), so they share.
+        ws->ln1_h = ops->alloc(ctx, N * C * ab);
+        ws->qkv_raw_s = ops->alloc(ctx, N * (size_t)m->QKV * ab);
+        ws->rstd1_s = ops->alloc(ctx, N * sizeof(float));
     }
     ws->xf = ws->row_a;
     ws->rstdf = ops->alloc(ctx, N * sizeof(float));
@@ -202,8 +211,9 @@ void workspace_free(Workspace* ws) {
     void* bufs[] = {ws->rope_cos, ws->rope_sin, ws->row_a, ws->row_b, ws->d_act, ws->d_gu,
                     ws->rstdf, ws->logits};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) ops->free(ctx, bufs[i]);
-    void* chunk_bufs[] = {ws->ln2_c, ws->rstd2_c, ws->gu_c, ws->act_c};
-    for (size_t i = 0; i < 4; i++)
+    void* chunk_bufs[] = {ws->ln2_c, ws->rstd2_c, ws->gu_c, ws->act_c, ws->ln1_h, ws->qkv_raw_s,
+                          ws->rstd1_s};
+    for (size_t i = 0; i < sizeof chunk_bufs / sizeof chunk_bufs[0]; i++)
         if (chunk_bufs[i]) ops->free(ctx, chunk_bufs[i]);
     free(ws);
 }
@@ -238,6 +248,29 @@ static void mlp_chunk_forward(const Model* m, Workspace* ws, const void* slab, c
     ops->swiglu_forward(ws->ctx, ws->act_c, ws->gu_c, n, c->F);
 }
 
+// ln1 = RMSNorm(x) (rstd into rstd1), qkv_raw = ln1 · Wqkvᵀ: the forward's ops, also run by the
+// backward of a chunked block, which keeps neither (the same ops on the same inputs: the same bits).
+static void attention_input_forward(const Model* m, Workspace* ws, const void* slab,
+                                    const void* x_in, void* ln1, float* rstd1, void* qkv_raw,
+                                    int N) {
+    const Ops* ops = ws->ops;
+    const BlockLayout* bl = &m->block;
+    ops->rmsnorm_forward(ws->ctx, ln1, rstd1, x_in, at(ws, slab, bl->attn_norm), N, m->cfg.C,
+                         m->cfg.norm_eps);
+    ops->matmul_forward(ws->ctx, qkv_raw, ln1, at(ws, slab, bl->wqkv), NULL, N, m->cfg.C, m->QKV);
+}
+
+// h = x + att · Woᵀ (through ws->proj), for a chunked block: its forward, and its backward's
+// recompute of h.
+static void attention_residual_forward(const Model* m, Workspace* ws, const void* slab,
+                                       const void* att, const void* x_in, void* h, int N) {
+    const Ops* ops = ws->ops;
+    const ModelConfig* c = &m->cfg;
+    ops->matmul_forward(ws->ctx, ws->proj, att, at(ws, slab, m->block.wo), NULL, N, c->H * c->HD,
+                        c->C);
+    ops->add(ws->ctx, h, x_in, ws->proj, (size_t)N * c->C);
+}
+
 void model_block_forward(const Model* m, Workspace* ws, BlockActs* a, const void* slab,
                          const void* x_in, void* x_out, int B, int T) {
     const Ops* ops = ws->ops;
@@ -249,25 +282,28 @@ void model_block_forward(const Model* m, Workspace* ws, BlockActs* a, const void
     const void* k_norm = bl->k_norm >= 0 ? at(ws, slab, bl->k_norm) : NULL;
 
     // attention: h = x + o_proj(attn(rope(qk_norm(qkv_proj(rmsnorm(x))))))
-    ops->rmsnorm_forward(ctx, a->ln1, a->rstd1, x_in, at(ws, slab, bl->attn_norm), N, C,
-                         c->norm_eps);
-    ops->matmul_forward(ctx, a->qkv_raw, a->ln1, at(ws, slab, bl->wqkv), NULL, N, C, m->QKV);
-    ops->qknorm_rope_forward(ctx, a->qkv, a->rstd_qk, a->qkv_raw, q_norm, k_norm, ws->rope_cos,
+    // (long sequences: ln1, qkv_raw and h go to workspace scratch, not the saved set)
+    const int lean = ws->mlp_chunk > 0;
+    void* ln1 = lean ? ws->ln1_h : a->ln1;
+    void* qkv_raw = lean ? ws->qkv_raw_s : a->qkv_raw;
+    attention_input_forward(m, ws, slab, x_in, ln1, a->rstd1, qkv_raw, N);
+    ops->qknorm_rope_forward(ctx, a->qkv, a->rstd_qk, qkv_raw, q_norm, k_norm, ws->rope_cos,
                              ws->rope_sin, B, T, c->H, c->KVH, HD, c->norm_eps);
     ops->attention_forward(ctx, a->att, a->lse, a->qkv, B, T, c->H, c->KVH, HD);
-    ops->matmul_forward(ctx, ws->proj, a->att, at(ws, slab, bl->wo), NULL, N, QD, C);
-    if (ws->mlp_chunk > 0) {
-        // long sequences: h = x + attn, then the MLP chunk by chunk, keeping only h
-        ops->add(ctx, a->h, x_in, ws->proj, (size_t)N * C);
+    if (lean) {
+        // long sequences: h = x + attn, then the MLP chunk by chunk
+        void* h = ws->ln1_h;  // ln1 is dead once qkv_raw exists
+        attention_residual_forward(m, ws, slab, a->att, x_in, h, N);
         for (int r0 = 0; r0 < N; r0 += ws->mlp_chunk) {
             const int n = imin(ws->mlp_chunk, N - r0);
-            mlp_chunk_forward(m, ws, slab, a->h, r0, n);
+            mlp_chunk_forward(m, ws, slab, h, r0, n);
             ops->matmul_forward(ctx, at(ws, ws->proj, (int64_t)r0 * C), ws->act_c,
                                 at(ws, slab, bl->wdown), NULL, n, F, C);
         }
-        ops->add(ctx, x_out, a->h, ws->proj, (size_t)N * C);
+        ops->add(ctx, x_out, h, ws->proj, (size_t)N * C);
         return;
     }
+    ops->matmul_forward(ctx, ws->proj, a->att, at(ws, slab, bl->wo), NULL, N, QD, C);
     ops->residual_rmsnorm_forward(ctx, a->h, a->ln2, a->rstd2, x_in, ws->proj,
                                   at(ws, slab, bl->mlp_norm), N, C, c->norm_eps);
     // MLP: x' = h + down(silu(gate(ln2)) * up(ln2))
@@ -290,19 +326,22 @@ void model_block_backward(const Model* m, Workspace* ws, const BlockActs* a, con
     float* dk_norm = bl->k_norm >= 0 ? gslab + bl->k_norm : NULL;
 
     // MLP. dres is the gradient of x' and, through the residual, of h.
-    if (ws->mlp_chunk > 0) {
-        // recompute each chunk's activations from h, then its backward
+    const int lean = ws->mlp_chunk > 0;
+    const void* h = lean ? ws->ln1_h : a->h;
+    if (lean) {
+        // recompute h, then each chunk's activations from h, then its backward
+        attention_residual_forward(m, ws, slab, a->att, x_in, ws->ln1_h, N);
         for (int r0 = 0; r0 < N; r0 += ws->mlp_chunk) {
             const int n = imin(ws->mlp_chunk, N - r0);
             void* dres_c = at(ws, dres, (int64_t)r0 * C);
-            mlp_chunk_forward(m, ws, slab, a->h, r0, n);
+            mlp_chunk_forward(m, ws, slab, h, r0, n);
             ops->matmul_backward(ctx, ws->d_act, gslab + bl->wdown, NULL, dres_c, ws->act_c,
                                  at(ws, slab, bl->wdown), n, F, C);
             ops->swiglu_backward(ctx, ws->d_gu, ws->d_act, ws->gu_c, n, F);
             ops->matmul_backward(ctx, ws->d_ln, gslab + bl->wgu, NULL, ws->d_gu, ws->ln2_c,
                                  at(ws, slab, bl->wgu), n, C, 2 * F);
             ops->rmsnorm_backward(ctx, dres_c, gslab + bl->mlp_norm, ws->d_ln,
-                                  at(ws, a->h, (int64_t)r0 * C), at(ws, slab, bl->mlp_norm),
+                                  at(ws, h, (int64_t)r0 * C), at(ws, slab, bl->mlp_norm),
                                   ws->rstd2_c, n, C);
         }
     } else {
@@ -316,14 +355,18 @@ void model_block_backward(const Model* m, Workspace* ws, const BlockActs* a, con
                               at(ws, slab, bl->mlp_norm), a->rstd2, N, C);
     }
     // attention. dres is the gradient of h and, through the residual, of x.
+    // (chunked: ln1 and qkv_raw recomputed, into scratch no op below writes; rstd1 is saved)
+    const void* ln1 = lean ? ws->ln1_h : a->ln1;
+    const void* qkv_raw = lean ? ws->qkv_raw_s : a->qkv_raw;
+    if (lean) attention_input_forward(m, ws, slab, x_in, ws->ln1_h, ws->rstd1_s, ws->qkv_raw_s, N);
     ops->matmul_backward(ctx, ws->d_att, gslab + bl->wo, NULL, dres, a->att, at(ws, slab, bl->wo),
                          N, QD, C);
     ops->attention_backward(ctx, ws->d_qkv, ws->d_att, a->qkv, a->att, a->lse, B, T, c->H, c->KVH,
                             HD);
-    ops->qknorm_rope_backward(ctx, ws->d_qkv_raw, dq_norm, dk_norm, ws->d_qkv, a->qkv_raw, q_norm,
+    ops->qknorm_rope_backward(ctx, ws->d_qkv_raw, dq_norm, dk_norm, ws->d_qkv, qkv_raw, q_norm,
                               k_norm, a->rstd_qk, ws->rope_cos, ws->rope_sin, B, T, c->H, c->KVH,
                               HD);
-    ops->matmul_backward(ctx, ws->d_ln, gslab + bl->wqkv, NULL, ws->d_qkv_raw, a->ln1,
+    ops->matmul_backward(ctx, ws->d_ln, gslab + bl->wqkv, NULL, ws->d_qkv_raw, ln1,
                          at(ws, slab, bl->wqkv), N, C, m->QKV);
     ops->rmsnorm_backward(ctx, dres, gslab + bl->attn_norm, ws->d_ln, x_in,
                           at(ws, slab, bl->attn_norm), a->rstd1, N, C);

@@ -40,22 +40,25 @@ typedef struct Model {
     float rope_scale;      // attention scaling folded into cos/sin (1 except yarn)
     // Long sequences: when > 0 and a workspace holds more than this many rows, the MLP runs in
     // row chunks of this size and its activations (ln2, gate/up, silu product) are not kept: the
-    // backward recomputes them chunk by chunk from h. Costs one more MLP forward in the backward,
-    // saves (C + 3F) x rows of activations and shrinks the MLP gradient scratch to a chunk.
+    // backward recomputes them chunk by chunk from h. Such a block keeps neither ln1, qkv_raw nor
+    // h either: its backward recomputes them (the attention's input and output projections).
+    // Costs one more MLP forward and both projections' forward in the backward, saves
+    // (3C + QKV + 3F) x rows of each block's activations (Qwen3-1.7B: 7 -> 3 GiB per block at
+    // 262,144 tokens) and shrinks the MLP gradient scratch to a chunk.
     int mlp_chunk;
 } Model;
 
 // Activations of one block for one micro-batch, saved by the forward for the backward.
 // N = B*T rows.
 typedef struct BlockActs {
-    void* ln1;       // (N, C)
-    float* rstd1;    // (N)
-    void* qkv_raw;   // (N, QKV) before qk-norm/RoPE
+    void* ln1;       // (N, C)                         NULL with a chunked MLP: the backward
+    float* rstd1;    // (N)                            recomputes ln1, qkv_raw and h (cheap
+    void* qkv_raw;   // (N, QKV) before qk-norm/RoPE   next to the attention they feed)
     void* qkv;       // (N, QKV) after qk-norm/RoPE
     float* rstd_qk;  // (N, H + KVH) qk-norm rstd (NULL without qk-norm)
     void* att;       // (N, H*HD) attention output before Wo
     float* lse;      // (B, H, T)
-    void* h;         // (N, C) residual after attention
+    void* h;         // (N, C) residual after attention (NULL with a chunked MLP)
     void* ln2;       // (N, C)          } NULL with a chunked MLP (Workspace.mlp_chunk):
     float* rstd2;    // (N)             } the backward recomputes them per chunk
     void* gu;        // (N, 2F) [gate | up]
@@ -91,6 +94,9 @@ typedef struct Workspace {
     float* rstd2_c;    // (mlp_chunk)
     void* gu_c;        // (mlp_chunk, 2F)
     void* act_c;       // (mlp_chunk, F)
+    void* ln1_h;       // (N, C) chunked: the block's ln1, then its h (recomputed, not saved)
+    void* qkv_raw_s;   // (N, QKV) chunked: the block's qkv_raw
+    float* rstd1_s;    // (N) chunked: rstd1 of the backward's recompute (equal to the saved one)
 } Workspace;
 
 // ----------------------------------------------------------------------------

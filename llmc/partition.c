@@ -482,7 +482,7 @@ void partition_estimate_costs(const ModelConfig* cfg, int T, int tokens_per_micr
             keys = fmin(keys, (double)cfg->sliding_window);
         fwd_cost[1 + b] = 2.0 * (attn_proj + mlp) * tok + 4.0 * keys * HHD * tok;
         bwd_cost[1 + b] = 3.0 * fwd_cost[1 + b];  // recompute (1x) + backward (2x)
-        if (mlp_chunked) bwd_cost[1 + b] += 2.0 * mlp * tok;
+        if (mlp_chunked) bwd_cost[1 + b] += 2.0 * (mlp + attn_proj) * tok;
     }
     // postfix: LM head; in the fused stage its forward is not repeated, backward is 2x
     fwd_cost[n - 1] = 2.0 * (double)cfg->V * C * tok;

@@ -124,8 +124,9 @@ void partition_evaluate(const PartitionInput* in, PartitionPlan* plan);
 // layers 4*min(W, T/2)*H*HD), its recompute + backward 3x that; the postfix forward is
 // 2*V*C*tokens and its fused forward + backward 3x that (never recomputed); the prefix (an
 // embedding gather, memory bound) a token-proportional trifle of C FLOPs per token, 3x backward.
-// mlp_chunked: the MLP runs in chunks (Model.mlp_chunk) and keeps no activations, so every
-// block's backward also recomputes the MLP forward: 2*(MLP params)*tokens more.
+// mlp_chunked: the MLP runs in chunks (Model.mlp_chunk) and keeps no activations, and the block
+// keeps neither ln1, qkv_raw nor h, so every block's backward also recomputes the MLP forward and
+// both attention projections: 2*(MLP + projection params)*tokens more.
 void partition_estimate_costs(const ModelConfig* cfg, int T, int tokens_per_microbatch,
                               int mlp_chunked, double* fwd_cost, double* bwd_cost);
 

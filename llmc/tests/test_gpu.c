@@ -967,7 +967,9 @@ static double compare_tensor_grads(TestCtx* t, const char* label, const Model* m
     return worst;
 }
 
-static void model_case(TestCtx* t, Gpu* G, const char* preset) {
+// mlp_chunk > 0: long-sequence mode (the MLP in row chunks; ln1, qkv_raw, h and the MLP's
+// activations recomputed by the backward) on both backends.
+static void model_case(TestCtx* t, Gpu* G, const char* preset, int mlp_chunk) {
     char err[ERR_LEN];
     ModelConfig cfg;
     CHECK(t, config_from_preset(&cfg, preset, err) == 0, "%s", err);
@@ -976,6 +978,7 @@ static void model_case(TestCtx* t, Gpu* G, const char* preset) {
         CHECK(t, 0, "model_init %s: %s", preset, err);
         return;
     }
+    m.mlp_chunk = mlp_chunk;
     Store sc, sg;
     store_create(&sc, &m.tt);
     store_create(&sg, &m.tt);
@@ -999,7 +1002,7 @@ static void model_case(TestCtx* t, Gpu* G, const char* preset) {
 
     double lc = run_batch(&m, &sc, G->c, G->cctx, tokens, B, T, 0);
     double lg = run_batch(&m, &sg, G->g, G->gctx, tokens, B, T, 0);
-    printf("  %s: loss cpu %.6f gpu %.6f\n", preset, lc, lg);
+    printf("  %s%s: loss cpu %.6f gpu %.6f\n", preset, mlp_chunk ? " (chunked MLP)" : "", lc, lg);
     CHECK(t, fabs(lg - lc) <= 1e-2 * fabs(lc), "%s: loss %.6f on the GPU vs %.6f on the CPU",
           preset, lg, lc);
     float* gc = grads_flat(&m, &sc);
@@ -1030,8 +1033,9 @@ static void model_case(TestCtx* t, Gpu* G, const char* preset) {
 static void test_gpu_model(TestCtx* t) {
     Gpu G;
     if (!gpu_open(t, &G, 10)) return;
-    model_case(t, &G, "test-llama");  // HD 12: the simple attention path
-    model_case(t, &G, "test-qwen3");  // HD 16: the flash attention path, QK-norm
+    model_case(t, &G, "test-llama", 0);  // HD 12: the simple attention path
+    model_case(t, &G, "test-qwen3", 0);  // HD 16: the flash attention path, QK-norm
+    model_case(t, &G, "test-qwen3", 40); // 96 rows in MLP chunks of 40, 40, 16
     gpu_close(&G);
 }
 

@@ -224,16 +224,29 @@ static void test_model_overfit_batch(TestCtx* t) {
     fixture_free(&f);
 }
 
-// Long-sequence mode: the MLP in row chunks, its activations recomputed in the backward. Same
-// loss to the bit (the forward runs the same ops on the same rows), gradients equal up to the
-// order of the weight-gradient sums, for uneven chunks, with and without recompute.
+// Long-sequence mode: the MLP in row chunks, its activations recomputed in the backward, and
+// ln1, qkv_raw and h recomputed too (not saved). Same loss to the bit (the forward runs the same
+// ops on the same rows), gradients equal up to the order of the weight-gradient sums, for uneven
+// chunks, with and without recompute.
 static void test_model_chunked_mlp(TestCtx* t) {
     for (int fam = 0; fam < 2; fam++) {
         ModelConfig c = small_config(fam ? FAMILY_QWEN3 : FAMILY_LLAMA, fam);
         Fixture a, b;
         fixture_init(&a, &c, 3, 9, t->n_threads, 0, 13);
         fixture_init_chunked(&b, &c, 3, 9, t->n_threads, fam, 13, 5);  // 27 rows: 5 x 5 + 2
-        CHECK(t, b.p->ws->mlp_chunk == 5 && b.p->ws->acts[0].gu == NULL, "chunked workspace");
+        const BlockActs* ba = &b.p->ws->acts[0];
+        CHECK(t, b.p->ws->mlp_chunk == 5 && ba->gu == NULL && ba->ln1 == NULL &&
+                     ba->qkv_raw == NULL && ba->h == NULL && ba->qkv != NULL,
+              "chunked workspace keeps only qkv, att, lse and the rstds");
+        // per block: qkv + att (+ fp32 rstds and lse) of the unchunked ln1, qkv_raw, qkv, att, h,
+        // ln2, gu, act (+ fp32)
+        const size_t set_a = workspace_act_set_bytes(&a.m, 4, 3, 9);
+        const size_t set_b = workspace_act_set_bytes(&b.m, 4, 3, 9);
+        const size_t rows = 27, qkv = (size_t)b.m.QKV, att = (size_t)c.H * c.HD;
+        CHECK(t, set_b == rows * (qkv + att) * 4 + rows * 4 + (c.qk_norm ? rows * (c.H + c.KVH) * 4 : 0) +
+                              (size_t)3 * c.H * 9 * 4 &&
+                     set_b < set_a,
+              "chunked act set %zu bytes (unchunked %zu)", set_b, set_a);
         double la = fixture_grads(&a), lb = fixture_grads(&b);
         CHECK(t, la == lb, "loss %.9g vs chunked %.9g", la, lb);
         int64_t n;

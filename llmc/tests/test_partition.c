@@ -518,13 +518,16 @@ static void test_estimate_costs(TestCtx* t) {
     double model = config_flops_per_token(&c, T) * tokens / 3.0;
     CHECK_NEAR(t, sum, model, 1e-12 * model, "sum of forward costs = F_model / 3");
     // a chunked MLP: each block's backward also recomputes the MLP forward (3 C F matmul params)
+    // and both attention projections (qkv: C x (H + 2 KVH) HD, o: H HD x C)
     double* bk = malloc_check((size_t)n * sizeof(double));
     partition_estimate_costs(&c, T, tokens, 1, fc, bk);
     const double mlp_fwd = 2.0 * 3.0 * c.C * c.F * tokens;
+    const double proj_fwd =
+        2.0 * ((double)c.C * (c.H + 2.0 * c.KVH) * c.HD + (double)c.H * c.HD * c.C) * tokens;
     for (int l = 1; l <= c.L; l++)
-        CHECK(t, fabs(bk[l] - (bc[l] + mlp_fwd)) <= 1e-12 * bk[l],
-              "chunked block %d: %g, expected %g + the MLP forward %g", l - 1, bk[l], bc[l],
-              mlp_fwd);
+        CHECK(t, fabs(bk[l] - (bc[l] + mlp_fwd + proj_fwd)) <= 1e-12 * bk[l],
+              "chunked block %d: %g, expected %g + the MLP forward %g + the projections %g",
+              l - 1, bk[l], bc[l], mlp_fwd, proj_fwd);
     CHECK(t, bk[0] == bc[0] && bk[n - 1] == bc[n - 1], "chunking changes blocks only");
     free(bk);
     free(fc);
