@@ -17,8 +17,8 @@
 #                                                  --plan, confirmed by one step) and the
 #                                                  throughput at 262,144 tokens
 #   EXTRA="--recompute layer" scripts/bench_paper.sh   extra trainer flags for every run
-#   EXTRA="--split-rounds" GPUS=2 scripts/bench_paper.sh   two GPUs running each iteration's
-#                                                  rounds at once (see the README)
+#   EXTRA="--no-split-rounds" GPUS=2 scripts/bench_paper.sh   the paper's schedule on two GPUs
+#                                                  (split rounds are the default; see the README)
 #
 # Variables: MODELS, GPUS, BATCH (128), SEQ (2048), MICRO (10), WARMUP (3), TIMED (4), SWEEP (0),
 # MAXSEQ (0), HOST_GIB (120: host memory a MAXSEQ plan may use), MAXSEQ_STEP (1; 0 reports
