@@ -134,6 +134,10 @@ static void test_resume_bit_exact(TestCtx* t) {
     // ... and with the one-step-delayed update (the checkpoint keeps the pending weights)
     resume_case(t, "engine_async", "--batch 4 --seq 32 --micro-batches 2 --warmup 2 --device cpu:3",
                 6, 3);
+    // ... and with split rounds (the default on 2+ GPUs): the per-round gradient sets are summed
+    // before every step, so a checkpoint holds nothing of them
+    resume_case(t, "engine_split", "--batch 4 --seq 32 --micro-batches 4 --warmup 2 --device cpu:2 "
+                "--split-rounds", 6, 3);
     // an untied LLaMA from a quantized GGUF, cosine schedule ending inside the resumed part
     char shard[1024], err[ERR_LEN], args[2048];
     uint32_t toks[3000];
