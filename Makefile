@@ -55,7 +55,9 @@ endif
 
 ifeq ($(USE_CUDA),1)
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
-NVCCFLAGS ?= -O3 -std=c++17 -arch=$(GPU_ARCH) -lineinfo -Xcompiler -Wall,-Werror,-fPIC --expt-relaxed-constexpr
+# (the wgmma attention kernels exist only in sm_90a device code; the host side asks ATTN_WGMMA_BUILD)
+NVCCFLAGS ?= -O3 -std=c++17 -arch=$(GPU_ARCH) -lineinfo -Xcompiler -Wall,-Werror,-fPIC --expt-relaxed-constexpr \
+             -DCUDA_BUILD_ARCH='"$(GPU_ARCH)"' $(if $(filter sm_90a,$(GPU_ARCH)),-DATTN_WGMMA_BUILD=1)
 CFLAGS += -DHAVE_CUDA -I$(CUDA_HOME)/include
 LDLIBS += -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/targets/x86_64-linux/lib -Wl,-rpath,$(CUDA_HOME)/lib64 \
           -lcublasLt -lcublas -lcudart -lstdc++

@@ -966,6 +966,10 @@ extern "C" void attention_backward_bf16(void* dqkv, const void* dout, const void
             dqkv, dout, qkv, out, lse, workspace, B, T, H, KVH, HD, stream);
 }
 
+extern "C" int attention_uses_wgmma(int HD) {
+    return attention_wgmma_supports_head_dim(HD) && attention_wgmma_available();
+}
+
 extern "C" int attention_supports_head_dim(int HD) {
     return HD == 16 || HD == 32 || HD == 64 || HD == 128;
 }

@@ -32,6 +32,10 @@ void attention_backward_bf16(void* dqkv, const void* dout, const void* qkv, cons
                              int HD, void* stream);
 // 1 if HD is supported (at least 16, 32, 64, 128), else 0.
 int attention_supports_head_dim(int HD);
+// 1 when the forward and backward at this head dim run the Hopper wgmma kernels on the current
+// device (HD 64 or 128, a build with sm_90a device code, a compute capability 9.0 device), 0 when
+// they run the mma.sync ones.
+int attention_uses_wgmma(int HD);
 
 #ifdef __cplusplus
 }

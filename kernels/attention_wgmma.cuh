@@ -143,8 +143,8 @@
 // arch=compute_90a,code=sm_90a), where nvcc defines __CUDA_ARCH_FEAT_SM90_ALL. Every wgmma and
 // proxy-fence asm below is compiled only there, and the kernel body elsewhere is a trap, so the
 // file also builds for any other target (-arch=sm_90, sm_80, ...). attention_wgmma_available()
-// then finds that the device code is missing: attention_forward_bf16 runs the mma.sync kernel
-// instead, the lab's variants are skipped.
+// (below) then says no: attention_forward_bf16 / attention_backward_bf16 run the mma.sync
+// kernels instead, the lab's variants are skipped.
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define ATTN_WG_ENABLED 1
 #else
@@ -601,45 +601,21 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
 // ----------------------------------------------------------------------------
 // host side
 
-// Whether the device code that runs on the current device was compiled for sm_90a: a probe
-// kernel reads ATTN_WG_ENABLED as the device compiled it (a build for sm_90a and, say, sm_80 runs
-// the sm_80 code on an A100). Asked once per device: the probe launches on the legacy default
-// stream and waits for it (the backend's streams are non-blocking, so this waits for nothing
-// else), the first time only. Cached per device, because several GPUs' issue threads call the
-// forward at once, each on its own device: the flags are atomics, and two threads that probe the
-// same device together store the same answer.
-__device__ int attention_wgmma_probe_flag;
-__global__ void attention_wgmma_probe_kernel() { attention_wgmma_probe_flag = ATTN_WG_ENABLED; }
-
-#define ATTN_WG_MAX_DEVICES 64  // devices past this are probed on every call (none in practice)
-enum { ATTN_WG_UNKNOWN = 0, ATTN_WG_ABSENT, ATTN_WG_PRESENT };
-static int attention_wgmma_state[ATTN_WG_MAX_DEVICES];
-
+// Whether the wgmma kernels can run on the current device: the build carries their sm_90a device
+// code (the Makefile defines ATTN_WGMMA_BUILD=1 when GPU_ARCH is sm_90a, the default, and so does
+// the lab's build script) and the device is a compute capability 9.0 part (a build for sm_90a
+// and, say, sm_80 runs the sm_80 code on an A100, where these kernels are a trap). Two attribute
+// queries per call: no synchronisation, no state.
+#ifndef ATTN_WGMMA_BUILD
+#define ATTN_WGMMA_BUILD 0
+#endif
 static int attention_wgmma_available() {
-    int dev = 0;
+    if (!ATTN_WGMMA_BUILD) return 0;
+    int dev = 0, major = 0, minor = 0;
     attention_check(cudaGetDevice(&dev));
-    int* slot = dev >= 0 && dev < ATTN_WG_MAX_DEVICES ? &attention_wgmma_state[dev] : NULL;
-    int state = slot ? __atomic_load_n(slot, __ATOMIC_ACQUIRE) : ATTN_WG_UNKNOWN;
-    if (state == ATTN_WG_UNKNOWN) {
-        attention_wgmma_probe_kernel<<<1, 1>>>();
-        attention_check(cudaGetLastError());
-        int flag = 0;
-        attention_check(cudaMemcpyFromSymbol(&flag, attention_wgmma_probe_flag, sizeof(flag)));
-        state = flag ? ATTN_WG_PRESENT : ATTN_WG_ABSENT;
-        if (slot && __atomic_exchange_n(slot, state, __ATOMIC_ACQ_REL) == ATTN_WG_UNKNOWN &&
-            state == ATTN_WG_ABSENT) {
-            // No silent slow path on the GPUs it was written for: say once per device why the
-            // forward is the mma.sync one (elsewhere, e.g. an A100, that is simply expected).
-            int major = 0, minor = 0;
-            attention_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-            attention_check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-            if (major == 9 && minor == 0)
-                fprintf(stderr, "attention: device %d is a Hopper GPU but this build has no sm_90a "
-                        "device code: the forward runs the slower mma.sync kernel. HINT: build with "
-                        "GPU_ARCH=sm_90a (the default)\n", dev);
-        }
-    }
-    return state == ATTN_WG_PRESENT;
+    attention_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    attention_check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    return major == 9 && minor == 0;
 }
 
 // Head dims the wgmma forward implements (one or two 64-column swizzle panels).

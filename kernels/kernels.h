@@ -43,6 +43,10 @@ void ops_cuda_profile_report(void* ctx, FILE* f);
 
 // Number of CUDA devices; 0 when there is no GPU or no driver (never fatal).
 int cuda_device_count(void);
+// The GPU_ARCH the kernels were compiled for ("sm_90a", ...).
+const char* cuda_build_arch(void);
+// Compute capability as 10 * major + minor (90 for H100/H200); -1 when it cannot be queried.
+int cuda_device_capability(int device);
 // "NVIDIA H200" and the like; "unknown" when the device cannot be queried.
 const char* cuda_device_name(int device);
 // Free and total device memory in bytes. Returns 0, or -1 when the device cannot be queried.

@@ -85,6 +85,21 @@ extern "C" int cuda_device_count(void) {
     return n;
 }
 
+#ifndef CUDA_BUILD_ARCH
+#define CUDA_BUILD_ARCH "unknown"  // the Makefile passes GPU_ARCH
+#endif
+extern "C" const char* cuda_build_arch(void) { return CUDA_BUILD_ARCH; }
+
+extern "C" int cuda_device_capability(int device) {
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return -1;
+    }
+    return 10 * major + minor;
+}
+
 extern "C" const char* cuda_device_name(int device) {
     // Per-thread buffer: the name stays valid until this thread's next call.
     static thread_local char name[256];

@@ -22,7 +22,8 @@ build() {
     echo "building $BIN with $NVCC"
     # sm_90a (architecture-specific Hopper target): the wgmma variants need it; the mma.sync
     # kernels are the same code either way. The binary then runs on compute capability 9.0 only.
-    "$NVCC" -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -lineinfo --expt-relaxed-constexpr -Xptxas -v \
+    "$NVCC" -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -DATTN_WGMMA_BUILD=1 -lineinfo \
+        --expt-relaxed-constexpr -Xptxas -v \
         -Xcompiler -Wall,-Wextra,-Werror,-static-libstdc++,-static-libgcc \
         -o "$BIN" dev/cuda/attention.cu 2> .devbuild/attention_ptxas.txt ||
         { cat .devbuild/attention_ptxas.txt; exit 1; }

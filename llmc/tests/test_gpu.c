@@ -23,6 +23,7 @@
 
 #ifdef HAVE_CUDA
 
+#include "../../kernels/attention.h"
 #include "../../kernels/kernels.h"
 #include "../checkpoint.h"
 #include "../device.h"
@@ -660,6 +661,14 @@ static void test_gpu_attention(TestCtx* t) {
     attention_case(t, &G, 1, 300, 8, 2, 64);
     attention_case(t, &G, 3, 5, 2, 2, 128);
     attention_case(t, &G, 1, 600, 4, 2, 128);
+    // the default build (GPU_ARCH=sm_90a) on a Hopper GPU takes the wgmma path at HD 64 and 128
+    // (a build flag lost on the way would fall back to mma.sync silently: correct, but slow)
+    if (cuda_device_capability(0) == 90 && strcmp(cuda_build_arch(), "sm_90a") == 0)
+        CHECK(t, attention_uses_wgmma(64) && attention_uses_wgmma(128) && !attention_uses_wgmma(32),
+              "an sm_90a build on compute capability 9.0 must run the wgmma attention");
+    printf("  attention: wgmma kernels %s at HD 128 (build %s, compute capability %d)\n",
+           attention_uses_wgmma(128) ? "used" : "NOT used", cuda_build_arch(),
+           cuda_device_capability(0));
     gpu_close(&G);
 }
 
