@@ -18,10 +18,10 @@
  *     ~600 TFLOP/s PyTorch SDPA forward measured on this machine.
  *
  * Build and run: dev/cuda/run_attention.sh [--quick] [--tiny] [--no-big] [--no-bench] [--fwd I]
- * [--bwd I]; exit status 0 passed, 3 a check failed, 1 a CUDA error, 2 bad usage. The script
- * builds for sm_90a (-gencode arch=compute_90a,code=sm_90a): the mma.sync kernels are the same
- * code, the wgmma variants below need it. Variants a build or a head dim does not support are
- * skipped (counted as "skipped" in the validation summary).
+ * [--bwd I, or a list I,J,...]; exit status 0 passed, 3 a check failed, 1 a CUDA error, 2 bad
+ * usage. The script builds for sm_90a (-gencode arch=compute_90a,code=sm_90a): the mma.sync
+ * kernels are the same code, the wgmma variants below need it. Variants a build or a head dim
+ * does not support are skipped (counted as "skipped" in the validation summary).
  *
  * wgmma forward, variants 7 "wgmma bc128 wg2" and 8 "wgmma bc64 wg2" (kernels/attention_wgmma.cuh,
  * where every layout, descriptor field and fragment mapping is derived): validated in session 5
@@ -132,6 +132,17 @@
  *   also run on the big case. ptxas (HD=128): dK/dV 254 registers, dQ 176 (wg2) / 161 (wg1); HD=64
  *   192 and 144/128; no spills, no serialised wgmma.
  *
+ * wgmma backward, take 2: variants 10 "wgmma2 bwd rs" and 11 "wgmma2 bwd rs pp"
+ * (dev/cuda/attention_bwd_wgmma2.cuh: design, shared-memory model, ptxas/SASS, risks, checklist).
+ * STATUS: written in session 6 without a GPU, compiled only (no spills, no serialised wgmma):
+ * NOT YET RUN. Variant 8's passes with (1) the dQ pass's S and dP as RS wgmma (Q and dO loaded
+ * once into register A fragments by ldmatrix: half the shared-memory traffic of those products),
+ * (2) the dK/dV pass issuing S^T behind dK of the previous tile instead of draining the tensor
+ * pipe each iteration; 11 adds (3) ping-pong ordering of the two warpgroups' S/dP issue with
+ * named barriers in both passes. First run: dev/cuda/run_attention.sh --tiny --no-big --no-bench
+ * --fwd -2 --bwd 10,11, then the full checklist of that header; compare with variant 8 through
+ * --bwd 8,10,11 (benchmark and pass breakdown).
+ *
  * Results (one H200, nvcc 13.0 -arch=sm_90, mma.sync; medians of 10; H=16 KVH=8 HD=128):
  *   validation: 163 cases (HD 16/32/64/128 x T 1/7/64/129/1000 x H/KVH 1/2/4/8 x B 1/3, plus
  *     T=4096, 2500, 3001), every variant: worst relative L2 2.1e-3 (out, lse), 4.3e-3 (dq, dk,
@@ -166,6 +177,7 @@
 #include "../../kernels/attention.cu"
 #include "attention_wgmma.cuh"
 #include "attention_bwd_ordered.cuh"
+#include "attention_bwd_wgmma2.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -419,6 +431,12 @@ static const BackwardVariant backward_variants[] = {
      true},
     {"wgmma bwd wg2 s3", attention_backward_wgmma<2, 3, 2, 3>, lab_wgmma_supports, nullptr, true},
     {"wgmma bwd wg1 s2", attention_backward_wgmma<1, 2, 1, 2>, lab_wgmma_supports, nullptr, true},
+    // dev/cuda/attention_bwd_wgmma2.cuh (NOT YET RUN ON A GPU: checklist in its header):
+    // <dK/dV ring slots, ping-pong, dQ ring slots, ping-pong>; dQ pass with Q, dO as register A
+    {"wgmma2 bwd rs", attention_backward_wgmma2<3, false, 3, false>, lab_wgmma_supports, nullptr,
+     true},
+    {"wgmma2 bwd rs pp", attention_backward_wgmma2<3, true, 3, true>, lab_wgmma_supports, nullptr,
+     true},
 };
 #define N_FWD ((int)(sizeof(forward_variants) / sizeof(forward_variants[0])))
 #define N_BWD ((int)(sizeof(backward_variants) / sizeof(backward_variants[0])))
@@ -537,12 +555,16 @@ static void errors_backward(const Shape& s, const std::vector<uint16_t>& dqkv, c
 
 static const double TOLERANCE = 2e-2;
 
-// Which variants run (-1: all, -2: none); --fwd/--bwd pick one, e.g. to find one that crashes.
+// Which variants run (-1: all, -2: none); --fwd/--bwd pick one, e.g. to find one that crashes;
+// --bwd also takes a list (bwd = -3, the indices in bwd_set).
 struct LabOptions {
     bool quick = false, tiny = false, big = true, bench = true;
     int fwd = -1, bwd = -1;
+    uint64_t bwd_set = 0;
     bool run_fwd(int v) const { return fwd == -1 || fwd == v; }
-    bool run_bwd(int v) const { return bwd == -1 || bwd == v; }
+    bool run_bwd(int v) const {
+        return bwd == -1 || bwd == v || (bwd == -3 && v < 64 && ((bwd_set >> v) & 1));
+    }
 };
 
 struct VariantStats {
@@ -974,6 +996,13 @@ static void bench(const LabOptions& opt, FILE* log) {
     }
 }
 
+// Whether the options select the backward variant called `name` (--bwd I, I,J,..., or all).
+static bool lab_bwd_named(const LabOptions& opt, const char* name) {
+    for (int v = 0; v < N_BWD; v++)
+        if (!strcmp(backward_variants[v].name, name)) return opt.run_bwd(v);
+    return false;
+}
+
 // Time the three backward passes of the C interface's shapes apart (HD=128), to see which one to
 // work on next; then those of the ordered and the wgmma backward variants.
 static void bench_backward_passes(const LabOptions& opt, FILE* log) {
@@ -1037,8 +1066,7 @@ static void bench_backward_passes(const LabOptions& opt, FILE* log) {
     } ordered[] = {{"bwd ordered w8 q64", attention_backward_ordered_timed<8, 64>},
                    {"bwd ordered w8 q32", attention_backward_ordered_timed<8, 32>}};
     for (const auto& o : ordered) {
-        if (opt.bwd == -2 || (opt.bwd >= 0 && strcmp(backward_variants[opt.bwd].name, o.name)))
-            continue;
+        if (!lab_bwd_named(opt, o.name)) continue;
         std::vector<float> to[3];
         for (int r = 0; r < 12; r++) {
             lab_check(cudaEventRecord(ev[0]));
@@ -1067,10 +1095,11 @@ static void bench_backward_passes(const LabOptions& opt, FILE* log) {
         const char* name;
         TimedFn fn;
     } wgmma_bwd[] = {{"wgmma bwd wg2 s3", attention_backward_wgmma_timed<2, 3, 2, 3>},
-                     {"wgmma bwd wg1 s2", attention_backward_wgmma_timed<1, 2, 1, 2>}};
+                     {"wgmma bwd wg1 s2", attention_backward_wgmma_timed<1, 2, 1, 2>},
+                     {"wgmma2 bwd rs", attention_backward_wgmma2_timed<3, false, 3, false>},
+                     {"wgmma2 bwd rs pp", attention_backward_wgmma2_timed<3, true, 3, true>}};
     for (const auto& o : wgmma_bwd) {
-        if (opt.bwd == -2 || (opt.bwd >= 0 && strcmp(backward_variants[opt.bwd].name, o.name)))
-            continue;
+        if (!lab_bwd_named(opt, o.name)) continue;
         if (!lab_wgmma_supports(HD)) break;
         std::vector<float> tw[3];
         for (int r = 0; r < 12; r++) {
@@ -1113,12 +1142,29 @@ int main(int argc, char** argv) {
         else if (!strcmp(argv[i], "--no-big")) opt.big = false;
         else if (!strcmp(argv[i], "--no-bench")) opt.bench = false;
         else if (!strcmp(argv[i], "--fwd") && i + 1 < argc) opt.fwd = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--bwd") && i + 1 < argc) opt.bwd = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--bwd") && i + 1 < argc) {
+            const char* a = argv[++i];
+            if (!strchr(a, ',')) {
+                opt.bwd = atoi(a);
+            } else {  // a list: every index must name a variant
+                opt.bwd = -3;
+                for (const char* p = a; *p;) {
+                    const int v = *p >= '0' && *p <= '9' ? atoi(p) : -1;
+                    if (v < 0 || v >= N_BWD || v >= 64) {
+                        fprintf(stderr, "attention lab: bad backward variant list %s\n", a);
+                        return 2;
+                    }
+                    opt.bwd_set |= 1ull << v;
+                    const char* comma = strchr(p, ',');
+                    p = comma ? comma + 1 : p + strlen(p);
+                }
+            }
+        }
         else if (!strcmp(argv[i], "--log") && i + 1 < argc) log_path = argv[++i];
         else {
             fprintf(stderr,
-                    "usage: %s [--quick] [--tiny] [--no-big] [--no-bench] [--fwd I] [--bwd I] "
-                    "[--log FILE] [--probe] [--count]\n  forward variants:",
+                    "usage: %s [--quick] [--tiny] [--no-big] [--no-bench] [--fwd I] "
+                    "[--bwd I[,J...]] [--log FILE] [--probe] [--count]\n  forward variants:",
                     argv[0]);
             for (int v = 0; v < N_FWD; v++) fprintf(stderr, " %d=%s", v, forward_variants[v].name);
             fprintf(stderr, "\n  backward variants:");
@@ -1127,7 +1173,7 @@ int main(int argc, char** argv) {
             return 2;
         }
     }
-    if (opt.fwd >= N_FWD || opt.bwd >= N_BWD || opt.fwd < -2 || opt.bwd < -2) {
+    if (opt.fwd >= N_FWD || opt.bwd >= N_BWD || opt.fwd < -2 || opt.bwd < -3) {
         fprintf(stderr, "attention lab: no such variant\n");
         return 2;
     }
