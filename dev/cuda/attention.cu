@@ -17,9 +17,13 @@
  *     PERFORMANCE_MODEL.md (causal forward 2*B*H*T*T*HD, backward 2.5x that), against the
  *     ~600 TFLOP/s PyTorch SDPA forward measured on this machine.
  *
- * Build and run: dev/cuda/run_attention.sh [--quick] [--tiny] [--no-big] [--no-bench] [--fwd I]
- * [--bwd I, or a list I,J,...]; exit status 0 passed, 3 a check failed, 1 a CUDA error, 2 bad
- * usage. The script builds for sm_90a (-gencode arch=compute_90a,code=sm_90a): the mma.sync
+ * Build and run: dev/cuda/run_attention.sh [--quick] [--tiny] [--no-big] [--no-bench] [--long]
+ * [--shape B,T,H,KVH,HD] [--fwd I or a list I,J,...] [--bwd I or a list]; exit status 0 passed,
+ * 3 a check failed, 1 a CUDA error, 2 bad usage. --shape validates that one case only (e.g.
+ * under compute-sanitizer); --long adds a forward-only benchmark shape T=65536 B=1. A forward
+ * variant may name another whose bits it must reproduce (same_bits_as): the lab compares them
+ * on every case ("bit-identical to ... in N/N cases") and, on the big case, whole tensors.
+ * The script builds for sm_90a (-gencode arch=compute_90a,code=sm_90a): the mma.sync
  * kernels are the same code, the wgmma variants below need it. Variants a build or a head dim
  * does not support are skipped (counted as "skipped" in the validation summary).
  *
@@ -143,6 +147,17 @@
  * --fwd -2 --bwd 10,11, then the full checklist of that header; compare with variant 8 through
  * --bwd 8,10,11 (benchmark and pass breakdown).
  *
+ * wgmma forward, take 2: variants 9 "wgmma2 ws pp k3v3", 10 "wgmma2 ws k3v3", 11 "wgmma2 ws pp
+ * k2v2", 12 "wgmma2 ws pp k3v3 wf" (dev/cuda/attention_fwd_wgmma2.cuh: design, registers,
+ * protocol, ptxas/SASS, risks, checklist; protocol model dev/cuda/attention_fwd_wgmma2_model.py).
+ * STATUS: written in session 7 without a GPU, compiled only (no spills, no serialised wgmma):
+ * NOT YET RUN. Variant 7's arithmetic (so its bits: checked) with a producer warpgroup loading
+ * K/V by cp.async into mbarrier rings (3+3 or 2+2 stages of 128 keys), setmaxnreg 24/240, and no
+ * CTA-wide barrier in the loop; 9, 11, 12 ping-pong the two consumer warpgroups' issue with named
+ * barriers (FA3); 12 publishes each tile with production's writer-side proxy fence. First run,
+ * one device call: bash dev/cuda/check_fwd_wgmma2.sh (per-variant tiny runs under timeout, then
+ * dev/cuda/run_attention.sh --fwd 7,9,10,11,12 --bwd -2 --long, then compute-sanitizer).
+ *
  * Results (one H200, nvcc 13.0 -arch=sm_90, mma.sync; medians of 10; H=16 KVH=8 HD=128):
  *   validation: 163 cases (HD 16/32/64/128 x T 1/7/64/129/1000 x H/KVH 1/2/4/8 x B 1/3, plus
  *     T=4096, 2500, 3001), every variant: worst relative L2 2.1e-3 (out, lse), 4.3e-3 (dq, dk,
@@ -178,6 +193,7 @@
 #include "attention_wgmma.cuh"
 #include "attention_bwd_ordered.cuh"
 #include "attention_bwd_wgmma2.cuh"
+#include "attention_fwd_wgmma2.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -368,11 +384,15 @@ typedef void (*BackwardFn)(void*, const void*, const void*, const void*, const f
                            int, int, int, int, void*);
 // supports: which head dims (and builds) the variant runs, nullptr = every head dim of the C
 // interface; the lab skips the others. big: also checked on the T=131072 case (validate_big).
+// same_bits_as: the name of a variant whose out and lse this one must reproduce bit for bit
+// (the same arithmetic in the same order, only the schedule differs), nullptr = none; checked
+// on every validation case and, against the C interface's output, on the big case.
 struct ForwardVariant {
     const char* name;
     ForwardFn fn;
     int (*supports)(int HD);
     bool big;
+    const char* same_bits_as;
 };
 // ws_bytes: the workspace the variant needs, nullptr = attention_backward_workspace_bytes.
 struct BackwardVariant {
@@ -397,16 +417,27 @@ static int lab_wgmma_supports(int HD) {
 
 // forward: <row blocks of 16 per warp, warps, keys per tile, blocks per SM for the allocator>;
 // wgmma: <keys per tile, warpgroups of 64 query rows> (dev/cuda/attention_wgmma.cuh)
+// wgmma2 (dev/cuda/attention_fwd_wgmma2.cuh; NOT YET RUN ON A GPU, checklist in its header):
+// <K ring stages, V ring stages, ping-pong, writer-side fence>, a producer warpgroup feeding two
+// consumer warpgroups through mbarriers; the arithmetic of "wgmma bc128 wg2", so its bits.
 static const ForwardVariant forward_variants[] = {
-    {"kernels", attention_forward_bf16, nullptr, false},
-    {"fwd mt1 w4 bc64", attention_forward_tiled<1, 4, 64, 1>, nullptr, false},
-    {"fwd mt1 w8 bc32 minb2", attention_forward_tiled<1, 8, 32, 2>, nullptr, false},
-    {"fwd mt2 w4 bc16", attention_forward_tiled<2, 4, 16, 1>, nullptr, false},
-    {"fwd mt2 w4 bc32", attention_forward_tiled<2, 4, 32, 1>, nullptr, false},
-    {"fwd mt2 w4 bc64", attention_forward_tiled<2, 4, 64, 1>, nullptr, false},
-    {"fwd mt2 w8 bc32", attention_forward_tiled<2, 8, 32, 1>, nullptr, false},
-    {"wgmma bc128 wg2", attention_forward_wgmma<128, 2>, lab_wgmma_supports, true},
-    {"wgmma bc64 wg2", attention_forward_wgmma<64, 2>, lab_wgmma_supports, true},
+    {"kernels", attention_forward_bf16, nullptr, false, nullptr},
+    {"fwd mt1 w4 bc64", attention_forward_tiled<1, 4, 64, 1>, nullptr, false, nullptr},
+    {"fwd mt1 w8 bc32 minb2", attention_forward_tiled<1, 8, 32, 2>, nullptr, false, nullptr},
+    {"fwd mt2 w4 bc16", attention_forward_tiled<2, 4, 16, 1>, nullptr, false, nullptr},
+    {"fwd mt2 w4 bc32", attention_forward_tiled<2, 4, 32, 1>, nullptr, false, nullptr},
+    {"fwd mt2 w4 bc64", attention_forward_tiled<2, 4, 64, 1>, nullptr, false, nullptr},
+    {"fwd mt2 w8 bc32", attention_forward_tiled<2, 8, 32, 1>, nullptr, false, nullptr},
+    {"wgmma bc128 wg2", attention_forward_wgmma<128, 2>, lab_wgmma_supports, true, nullptr},
+    {"wgmma bc64 wg2", attention_forward_wgmma<64, 2>, lab_wgmma_supports, true, nullptr},
+    {"wgmma2 ws pp k3v3", attention_forward_wgmma2<3, 3, true, false>, lab_wgmma_supports, true,
+     "wgmma bc128 wg2"},
+    {"wgmma2 ws k3v3", attention_forward_wgmma2<3, 3, false, false>, lab_wgmma_supports, true,
+     "wgmma bc128 wg2"},
+    {"wgmma2 ws pp k2v2", attention_forward_wgmma2<2, 2, true, false>, lab_wgmma_supports, true,
+     "wgmma bc128 wg2"},
+    {"wgmma2 ws pp k3v3 wf", attention_forward_wgmma2<3, 3, true, true>, lab_wgmma_supports,
+     true, "wgmma bc128 wg2"},
 };
 static bool forward_runs(int v, int HD) {
     return !forward_variants[v].supports || forward_variants[v].supports(HD);
@@ -440,6 +471,11 @@ static const BackwardVariant backward_variants[] = {
 };
 #define N_FWD ((int)(sizeof(forward_variants) / sizeof(forward_variants[0])))
 #define N_BWD ((int)(sizeof(backward_variants) / sizeof(backward_variants[0])))
+static int forward_index(const char* name) {
+    for (int v = 0; v < N_FWD; v++)
+        if (!strcmp(forward_variants[v].name, name)) return v;
+    return -1;
+}
 static bool backward_runs(int v, int HD) {
     return !backward_variants[v].supports || backward_variants[v].supports(HD);
 }
@@ -556,12 +592,16 @@ static void errors_backward(const Shape& s, const std::vector<uint16_t>& dqkv, c
 static const double TOLERANCE = 2e-2;
 
 // Which variants run (-1: all, -2: none); --fwd/--bwd pick one, e.g. to find one that crashes;
-// --bwd also takes a list (bwd = -3, the indices in bwd_set).
+// both also take a list (fwd/bwd = -3, the indices in fwd_set/bwd_set). --long adds a
+// forward-only benchmark shape T=65536 B=1 (the trainer's long-sequence regime).
 struct LabOptions {
-    bool quick = false, tiny = false, big = true, bench = true;
+    bool quick = false, tiny = false, big = true, bench = true, long_bench = false;
+    int shape[5] = {0, 0, 0, 0, 0};  // --shape B,T,H,KVH,HD: validate this one case only
     int fwd = -1, bwd = -1;
-    uint64_t bwd_set = 0;
-    bool run_fwd(int v) const { return fwd == -1 || fwd == v; }
+    uint64_t fwd_set = 0, bwd_set = 0;
+    bool run_fwd(int v) const {
+        return fwd == -1 || fwd == v || (fwd == -3 && v < 64 && ((fwd_set >> v) & 1));
+    }
     bool run_bwd(int v) const {
         return bwd == -1 || bwd == v || (bwd == -3 && v < 64 && ((bwd_set >> v) & 1));
     }
@@ -570,6 +610,7 @@ struct LabOptions {
 struct VariantStats {
     double worst = 0.0;
     int failures = 0, nondeterministic = 0, skipped = 0;
+    int bit_cases = 0, bit_diff = 0;  // compared with same_bits_as, of which differing
 };
 
 // One case: reference once; every forward and backward variant twice (bit-identical check).
@@ -590,22 +631,33 @@ static int validate_case(const Shape& s, uint64_t seed, const LabOptions& opt,
     Errors shown = {0, 0, 0, 0, 0};
     bool shown_det = true;
 
-    // forward variants; the "kernels" forward output stays in c.out/c.lse for the backward
+    // forward variants; the "kernels" forward output stays in c.out/c.lse for the backward.
+    // A variant that is only the same_bits_as target of a selected one runs once, unreported.
+    std::vector<std::vector<uint16_t>> outs(N_FWD);
+    std::vector<std::vector<float>> lses(N_FWD);
     for (int v = N_FWD - 1; v >= 0; v--) {
-        if (!opt.run_fwd(v) && v != 0) continue;
+        bool target = false;
+        for (int w = 0; w < N_FWD; w++)
+            target = target || (opt.run_fwd(w) && forward_variants[w].same_bits_as &&
+                                forward_index(forward_variants[w].same_bits_as) == v);
+        if (!opt.run_fwd(v) && v != 0 && !target) continue;
         if (!forward_runs(v, s.HD)) {  // head dim (or build) the variant does not implement
             fstats[v].skipped++;
             continue;
         }
+        const bool report = opt.run_fwd(v) || v == 0;
         std::vector<uint16_t> out[2];
         std::vector<float> lse[2];
-        for (int run = 0; run < 2; run++) {
+        for (int run = 0; run < (report ? 2 : 1); run++) {
             poison_forward(c);
             forward_variants[v].fn(c.out, c.lse, c.qkv, s.B, s.T, s.H, s.KVH, s.HD, nullptr);
             lab_check(cudaDeviceSynchronize());
             out[run] = to_host<uint16_t>(c.out, c.n_out);
             lse[run] = to_host<float>(c.lse, c.n_lse);
         }
+        outs[v] = out[0];
+        lses[v] = lse[0];
+        if (!report) continue;
         Errors e = {0, 0, 0, 0, 0};
         errors_forward(s, out[0], lse[0], ref, e);
         const bool det = out[0] == out[1] && memcmp(lse[0].data(), lse[1].data(), c.n_lse * 4) == 0;
@@ -623,6 +675,27 @@ static int validate_case(const Shape& s, uint64_t seed, const LabOptions& opt,
                             det ? "" : " NOT DETERMINISTIC");
         }
         if (v == 0) shown.out = e.out, shown.lse = e.lse, shown_det = shown_det && det;
+    }
+    // bit-for-bit against the same_bits_as variant (run above)
+    for (int v = 0; v < N_FWD; v++) {
+        if (!opt.run_fwd(v) || !forward_variants[v].same_bits_as || outs[v].empty()) continue;
+        const int r = forward_index(forward_variants[v].same_bits_as);
+        if (r < 0 || outs[r].empty()) continue;
+        long long d_out = 0, d_lse = 0;
+        for (size_t i = 0; i < outs[v].size(); i++) d_out += outs[v][i] != outs[r][i];
+        for (size_t i = 0; i < lses[v].size(); i++)
+            d_lse += memcmp(&lses[v][i], &lses[r][i], 4) != 0;
+        fstats[v].bit_cases++;
+        if (d_out || d_lse) {
+            fstats[v].bit_diff++;
+            fstats[v].failures++;
+            failures++;
+            for (FILE* f : {log, stdout})
+                if (f == log || fstats[v].bit_diff <= 3)
+                    fprintf(f, "  FAIL %-28s B=%d T=%d H=%d KVH=%d HD=%d: NOT BIT-IDENTICAL to %s "
+                            "(%lld out, %lld lse elements differ)\n", forward_variants[v].name,
+                            s.B, s.T, s.H, s.KVH, s.HD, forward_variants[r].name, d_out, d_lse);
+        }
     }
     for (int v = 0; v < N_BWD; v++) {
         if (!opt.run_bwd(v)) continue;
@@ -668,6 +741,12 @@ static int validate_all(const LabOptions& opt, FILE* log) {
     VariantStats fstats[N_FWD], bstats[N_BWD];
     int failures = 0, cases = 0;
     uint64_t seed = 1000;
+    const bool one = opt.shape[0] > 0;  // --shape: this case only (e.g. under a sanitizer)
+    if (one) {
+        const Shape s = {opt.shape[0], opt.shape[1], opt.shape[2], opt.shape[3], opt.shape[4]};
+        failures += validate_case(s, seed, opt, fstats, bstats, log);
+        cases++;
+    }
     const int hds[] = {16, 32, 64, 128};
     const int ts[] = {1, 7, 64, 129, 1000};
     const int ratios[] = {1, 2, 4, 8};
@@ -676,6 +755,7 @@ static int validate_all(const LabOptions& opt, FILE* log) {
         for (int t : ts)
             for (int ratio : ratios)
                 for (int b : bs) {
+                    if (one) continue;
                     if (quick && (t == 1000 || b == 3)) continue;
                     if (opt.tiny && (ratio == 4 || t == 7 || t == 1)) continue;
                     // two kv heads for single sequences, one for batches: H from 1 to 16
@@ -685,7 +765,7 @@ static int validate_all(const LabOptions& opt, FILE* log) {
                     cases++;
                 }
     // longer sequences: several tiles in every pass, tails that are not a tile multiple
-    if (!quick) {
+    if (!quick && !one) {
         const Shape longer[] = {{1, 4096, 2, 1, 128}, {2, 2500, 4, 1, 64}, {1, 3001, 8, 2, 32}};
         for (const Shape& s : longer) {
             failures += validate_case(s, seed++, opt, fstats, bstats, log);
@@ -698,6 +778,9 @@ static int validate_all(const LabOptions& opt, FILE* log) {
         if (opt.run_fwd(v)) {
             printf("  %-28s worst %.2e  failures %d  nondeterministic %d", forward_variants[v].name,
                    fstats[v].worst, fstats[v].failures, fstats[v].nondeterministic);
+            if (forward_variants[v].same_bits_as)
+                printf("  bit-identical to %s in %d/%d cases", forward_variants[v].same_bits_as,
+                       fstats[v].bit_cases - fstats[v].bit_diff, fstats[v].bit_cases);
             if (fstats[v].skipped)
                 printf("  skipped %d cases (head dim not implemented, or no sm_90a)",
                        fstats[v].skipped);
@@ -723,6 +806,27 @@ __global__ void lab_count_nonfinite_kernel(const uint16_t* x, int64_t n,
          i += (int64_t)gridDim.x * blockDim.x)
         c += (x[i] & 0x7f80) == 0x7f80;
     if (c) atomicAdd(count, c);
+}
+// Count of 16-bit elements that differ between a and b, on the device.
+__global__ void lab_count_diff_kernel(const uint16_t* a, const uint16_t* b, int64_t n,
+                                      unsigned long long* count) {
+    unsigned long long c = 0;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        c += a[i] != b[i];
+    if (c) atomicAdd(count, c);
+}
+static long long count_diff16(const void* a, const void* b, size_t n) {
+    unsigned long long* d;
+    lab_check(cudaMalloc(&d, sizeof(*d)));
+    lab_check(cudaMemset(d, 0, sizeof(*d)));
+    lab_count_diff_kernel<<<4096, 256>>>(static_cast<const uint16_t*>(a),
+                                         static_cast<const uint16_t*>(b), (int64_t)n, d);
+    lab_check(cudaGetLastError());
+    unsigned long long h;
+    lab_check(cudaMemcpy(&h, d, sizeof(h), cudaMemcpyDeviceToHost));
+    lab_check(cudaFree(d));
+    return (long long)h;
 }
 static long long count_nonfinite(const void* x, size_t n) {
     unsigned long long* d;
@@ -871,10 +975,25 @@ static int validate_big(const LabOptions& opt, FILE* log) {
                 eo2.add(bf16_to_float(o2[(size_t)i * s.out_cols() + (size_t)h * s.HD + d]), r[d]);
             el2.add(lse2_all[((size_t)b * s.H + h) * s.T + i], ref_lse[idx]);
         }
-        const bool ok2 = std::max(eo2.rel(), el2.rel()) <= TOLERANCE && nan_out2 + nan_lse2 == 0;
+        bool ok2 = std::max(eo2.rel(), el2.rel()) <= TOLERANCE && nan_out2 + nan_lse2 == 0;
         printf("  %-28s forward %.1f ms (%.0f TFLOP/s), non-finite out %lld lse %lld, sampled rows: "
                "out %.2e lse %.2e  %s\n", forward_variants[v].name, ms_f, flops / ms_f * 1e-9,
                nan_out2, nan_lse2, eo2.rel(), el2.rel(), ok2 ? "ok" : "FAIL");
+        // Bit for bit, whole tensors, against the C interface's output (c.out, c.lse), when the
+        // C interface runs the same_bits_as kernel ("wgmma bc128 wg2" at HD 64/128 on sm_90a).
+        const char* sb = forward_variants[v].same_bits_as;
+        if (sb && !strcmp(sb, "wgmma bc128 wg2") && attention_uses_wgmma(s.HD) &&
+            ATTN_WG_FWD_BC == 128 && ATTN_WG_FWD_NWG == 2) {
+            const long long d_out = count_diff16(out2, c.out, c.n_out);
+            long long d_lse = 0;
+            for (size_t i = 0; i < c.n_lse; i++) d_lse += memcmp(&lse2_all[i], &lse_all[i], 4) != 0;
+            printf("  %-28s whole tensors vs the C interface (%s): %lld out, %lld lse elements "
+                   "differ  %s\n", forward_variants[v].name, sb, d_out, d_lse,
+                   d_out + d_lse ? "FAIL (not bit-identical)" : "bit-identical");
+            fprintf(log, "big %s bitwise vs kernels: %lld out %lld lse differ\n",
+                    forward_variants[v].name, d_out, d_lse);
+            ok2 = ok2 && d_out + d_lse == 0;
+        }
         fprintf(log, "big %s: out %.2e lse %.2e non-finite %lld %lld %s\n", forward_variants[v].name,
                 eo2.rel(), el2.rel(), nan_out2, nan_lse2, ok2 ? "ok" : "FAIL");
         failures += ok2 ? 0 : 1;
@@ -937,14 +1056,17 @@ static float median_ms(std::vector<float> v) {
 
 static void bench(const LabOptions& opt, FILE* log) {
     const int H = 16, KVH = 8, HD = 128, reps = 10;
-    const int tb[][2] = {{2048, 16}, {4096, 4}, {16384, 2}};
+    // --long adds T=65536 B=1 (forward only): 512 query tiles per head of very different cost
+    const int n_shapes = opt.long_bench ? 4 : 3;
+    const int tb[][2] = {{2048, 16}, {4096, 4}, {16384, 2}, {65536, 1}};
     cudaEvent_t a, z;
     lab_check(cudaEventCreate(&a));
     lab_check(cudaEventCreate(&z));
     printf("benchmark: H=%d KVH=%d HD=%d, median of %d; TFLOP/s with causal forward = "
            "2*B*H*T*T*HD, backward = 2.5x; %% of the ~600 TFLOP/s SDPA forward\n",
            H, KVH, HD, reps);
-    for (auto& p : tb) {
+    for (int shape = 0; shape < n_shapes; shape++) {
+        const int* p = tb[shape];
         const Shape s = {p[1], p[0], H, KVH, HD};
         DeviceCase c = case_alloc(s);
         lab_fill_random_kernel<<<2048, 256>>>(c.qkv, (int64_t)c.n_qkv, 5);
@@ -973,6 +1095,7 @@ static void bench(const LabOptions& opt, FILE* log) {
         }
         attention_forward_bf16(c.out, c.lse, c.qkv, s.B, s.T, s.H, s.KVH, s.HD, nullptr);
         for (int v = 0; v < N_BWD; v++) {
+            if (shape >= 3) break;  // the long shape is forward-only
             if (!opt.run_bwd(v) || !backward_runs(v, s.HD)) continue;
             std::vector<float> t;
             for (int r = 0; r < reps + 2; r++) {
@@ -1141,20 +1264,33 @@ int main(int argc, char** argv) {
         else if (!strcmp(argv[i], "--tiny")) opt.tiny = true;
         else if (!strcmp(argv[i], "--no-big")) opt.big = false;
         else if (!strcmp(argv[i], "--no-bench")) opt.bench = false;
-        else if (!strcmp(argv[i], "--fwd") && i + 1 < argc) opt.fwd = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--bwd") && i + 1 < argc) {
+        else if (!strcmp(argv[i], "--long")) opt.long_bench = true;
+        else if (!strcmp(argv[i], "--shape") && i + 1 < argc) {
+            int* d = opt.shape;
+            if (sscanf(argv[++i], "%d,%d,%d,%d,%d", &d[0], &d[1], &d[2], &d[3], &d[4]) != 5 ||
+                d[0] < 1 || d[1] < 1 || d[2] < 1 || d[3] < 1 || d[2] % d[3] != 0 || d[4] < 1) {
+                fprintf(stderr, "attention lab: --shape wants B,T,H,KVH,HD (KVH divides H)\n");
+                return 2;
+            }
+        }
+        else if ((!strcmp(argv[i], "--fwd") || !strcmp(argv[i], "--bwd")) && i + 1 < argc) {
+            const bool fwd = !strcmp(argv[i], "--fwd");
+            const int n = fwd ? N_FWD : N_BWD;
+            int& sel = fwd ? opt.fwd : opt.bwd;
+            uint64_t& set = fwd ? opt.fwd_set : opt.bwd_set;
             const char* a = argv[++i];
             if (!strchr(a, ',')) {
-                opt.bwd = atoi(a);
+                sel = atoi(a);
             } else {  // a list: every index must name a variant
-                opt.bwd = -3;
+                sel = -3;
                 for (const char* p = a; *p;) {
                     const int v = *p >= '0' && *p <= '9' ? atoi(p) : -1;
-                    if (v < 0 || v >= N_BWD || v >= 64) {
-                        fprintf(stderr, "attention lab: bad backward variant list %s\n", a);
+                    if (v < 0 || v >= n || v >= 64) {
+                        fprintf(stderr, "attention lab: bad %s variant list %s\n",
+                                fwd ? "forward" : "backward", a);
                         return 2;
                     }
-                    opt.bwd_set |= 1ull << v;
+                    set |= 1ull << v;
                     const char* comma = strchr(p, ',');
                     p = comma ? comma + 1 : p + strlen(p);
                 }
@@ -1163,8 +1299,10 @@ int main(int argc, char** argv) {
         else if (!strcmp(argv[i], "--log") && i + 1 < argc) log_path = argv[++i];
         else {
             fprintf(stderr,
-                    "usage: %s [--quick] [--tiny] [--no-big] [--no-bench] [--fwd I] "
-                    "[--bwd I[,J...]] [--log FILE] [--probe] [--count]\n  forward variants:",
+                    "usage: %s [--quick] [--tiny] [--no-big] [--no-bench] [--long] "
+                    "[--shape B,T,H,KVH,HD] "
+                    "[--fwd I[,J...]] [--bwd I[,J...]] [--log FILE] [--probe] [--count]\n"
+                    "  forward variants:",
                     argv[0]);
             for (int v = 0; v < N_FWD; v++) fprintf(stderr, " %d=%s", v, forward_variants[v].name);
             fprintf(stderr, "\n  backward variants:");
@@ -1173,7 +1311,7 @@ int main(int argc, char** argv) {
             return 2;
         }
     }
-    if (opt.fwd >= N_FWD || opt.bwd >= N_BWD || opt.fwd < -2 || opt.bwd < -3) {
+    if (opt.fwd >= N_FWD || opt.bwd >= N_BWD || opt.fwd < -3 || opt.bwd < -3) {
         fprintf(stderr, "attention lab: no such variant\n");
         return 2;
     }

@@ -7,7 +7,8 @@
 #                                           (device code for sm_90a: H100/H200 only)
 #   ATTN_SDPA=1 dev/cuda/run_attention.sh   also time PyTorch SDPA (flash, cuDNN) at the benchmark shapes
 #
-# Lab flags: --quick --tiny --no-big --no-bench --fwd I --bwd I (see the lab's usage). Logs go to
+# Lab flags: --quick --tiny --no-big --no-bench --long --shape B,T,H,KVH,HD --fwd I[,J..]
+# --bwd I[,J..] (see the lab's usage). Logs go to
 # $OUT when it is set (the device machine), else to .devbuild/. When the lab dies of a CUDA error,
 # the script re-runs small cases variant by variant, and under compute-sanitizer, to name the culprit.
 set -uo pipefail
