@@ -134,8 +134,9 @@ typedef struct EngineCase {
     int split;        // split rounds (one round per device at once)
 } EngineCase;
 
-static int run_engine(TestCtx* t, Run* run, const ModelConfig* c, int B, int T,
-                      const EngineCase* ec, const int32_t* tokens) {
+// mlp_chunk: Model.mlp_chunk (long-sequence mode: chunked MLP, lean block activations)
+static int run_engine_chunked(TestCtx* t, Run* run, const ModelConfig* c, int B, int T,
+                              const EngineCase* ec, const int32_t* tokens, int mlp_chunk) {
     char err[ERR_LEN];
     // delays: 0 none, 1 up to 50 us before every stream item, larger values: up to that many us
     // before every activation upload only (readers of host checkpoints lag far behind)
@@ -144,6 +145,7 @@ static int run_engine(TestCtx* t, Run* run, const ModelConfig* c, int B, int T,
                           .delay_streams = ec->delays > 1 ? 1u << STREAM_ACT_UP : 0};
     Fixture fx;
     fixture_open(&fx, c, ec->N, &dopt);
+    fx.m.mlp_chunk = mlp_chunk;
     EngineOptions eo = {.B = B, .T = T, .M = ec->M, .M_R = ec->M_R, .grain = ec->grain,
                         .sync = ec->sync, .device_budget = ec->budget, .opt_threads = 1,
                         .replan_after = ec->replan_after, .host_single = ec->host_single,
@@ -200,6 +202,11 @@ static int run_engine(TestCtx* t, Run* run, const ModelConfig* c, int B, int T,
     engine_free(e);
     fixture_close(&fx);
     return S;
+}
+
+static int run_engine(TestCtx* t, Run* run, const ModelConfig* c, int B, int T,
+                      const EngineCase* ec, const int32_t* tokens) {
+    return run_engine_chunked(t, run, c, B, T, ec, tokens, 0);
 }
 
 static int runs_identical(const Run* a, const Run* b) {
@@ -268,6 +275,59 @@ static void test_engine_sync_matches_plain(TestCtx* t) {
         free(ref.params);
         free(tokens);
     }
+}
+
+// Long-sequence mode (a chunked MLP; blocks keep only qkv, att and lse, their backward
+// recomputes the rest): the engine is bit-identical to plain training in the same mode, in
+// stage and layer grain, with several stages, one micro-batch per round and split rounds.
+static void test_engine_long_sequence_mode(TestCtx* t) {
+    const int B = 4, T = 12;
+    ModelConfig c = engine_config(1);
+    int32_t* tokens = make_batches(B, T, 9, c.V);
+    const int chunk = 5;  // 12 or 24 rows per micro-batch: uneven chunks
+    for (int M = 1; M <= 2; M++) {
+        Run ref;
+        void* ctx = ops_cpu_create(1);
+        RefTrain r = {.c = &c, .ops = &ops_cpu, .ctx = ctx, .B = B, .T = T, .M = M,
+                      .steps = STEPS, .delayed = 0, .mlp_chunk = chunk, .hyper = test_hyper(),
+                      .sched = test_sched(), .init_seed = 7, .init_scale = 0.2f};
+        test_reference_train(&r, tokens, ref.loss, &ref.params, &ref.n_params);
+        ops_cpu_destroy(ctx);
+        const double budget = M == 1 ? 3.0e5 : 2.4e5;  // a few stages
+        EngineCase cases[] = {
+            {1, M, M, 1, 0, RECOMPUTE_STAGE, 0, 0, 0, 0, 0, 0},
+            {2, M, M, 1, 1, RECOMPUTE_STAGE, budget, 0, 0, 0, 0, 0},
+            {3, M, M, 1, 1, RECOMPUTE_LAYER, budget, 0, 1, 0, 0, 0},
+        };
+        for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+            Run run;
+            const int S = run_engine_chunked(t, &run, &c, B, T, &cases[k], tokens, chunk);
+            if (S < 0) continue;
+            CHECK(t, runs_identical(&run, &ref),
+                  "M %d case %zu (N %d, S %d): loss %.9g/%.9g vs plain %.9g/%.9g", M, k,
+                  cases[k].N, S, run.loss[0], run.loss[STEPS - 1], ref.loss[0],
+                  ref.loss[STEPS - 1]);
+            if (cases[k].budget > 0) CHECK(t, S >= 3, "M %d case %zu: S %d", M, k, S);
+            free(run.params);
+        }
+        free(ref.params);
+    }
+    // split rounds in this mode: bit-identical to a reference that splits the same way
+    Run ref, run;
+    void* ctx = ops_cpu_create(1);
+    RefTrain r = {.c = &c, .ops = &ops_cpu, .ctx = ctx, .B = B, .T = T, .M = 2, .steps = STEPS,
+                  .delayed = 1, .rounds = 2, .mlp_chunk = chunk, .hyper = test_hyper(),
+                  .sched = test_sched(), .init_seed = 7, .init_scale = 0.2f};
+    test_reference_train(&r, tokens, ref.loss, &ref.params, &ref.n_params);
+    ops_cpu_destroy(ctx);
+    const EngineCase split = {2, 2, 2, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 0, 0, 1};
+    if (run_engine_chunked(t, &run, &c, B, T, &split, tokens, chunk) >= 0) {
+        CHECK(t, runs_identical(&run, &ref), "split rounds: loss %.9g vs %.9g", run.loss[0],
+              ref.loss[0]);
+        free(run.params);
+    }
+    free(ref.params);
+    free(tokens);
 }
 
 static void test_engine_microbatch_counts(TestCtx* t) {
@@ -770,6 +830,7 @@ const TestCase tests_engine[] = {
     {"engine_bubble_formula", test_engine_bubble_formula},
     {"engine_wait_devices", test_engine_wait_devices},
     {"engine_split_rounds", test_engine_split_rounds},
+    {"engine_long_sequence_mode", test_engine_long_sequence_mode},
     {"engine_split_rounds_hide_step", test_engine_split_rounds_hide_step},
     {"engine_slow_optimizer_hidden", test_engine_slow_optimizer_hidden},
     {"engine_two_iterations_overlap", test_engine_two_iterations_overlap},

@@ -43,6 +43,7 @@ void test_reference_train(const RefTrain* r, const int32_t* tokens, double* loss
     char err[ERR_LEN];
     Model m;
     if (model_init(&m, r->c, 0, err) != 0) fatal("test_reference_train: %s", err);
+    m.mlp_chunk = r->mlp_chunk;
     Store s, w_own;
     store_create(&s, &m.tt);
     store_init_random(&s, r->init_seed, r->init_scale);

@@ -94,6 +94,7 @@ typedef struct RefTrain {
     int B, T, M, steps, delayed;
     int rounds;  // > 1: the micro-batches in this many rounds, each accumulated from zero with its
                  // tied gradient folded, the rounds then added in order (the engine's split rounds)
+    int mlp_chunk;  // Model.mlp_chunk (long-sequence mode when the micro-batch has more rows)
     AdamWHyper hyper;
     LrSchedule sched;
     uint32_t init_seed;
