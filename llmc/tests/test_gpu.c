@@ -1089,10 +1089,11 @@ static const LrSchedule gpu_engine_sched = {LR_COSINE, 1e-3f, 1, ENGINE_STEPS, 0
 // Plain training on GPU 0 (testing.c's reference trainer) with the engine runs' init and
 // optimizer; delayed: the one-step-delayed update written out by hand.
 static void gpu_engine_reference(const ModelConfig* c, int B, int T, int M, int delayed,
-                                 const int32_t* tokens, double* loss) {
+                                 int mlp_chunk, const int32_t* tokens, double* loss) {
     void* ctx = ops_cuda_create(0, NULL);
     RefTrain r = {.c = c, .ops = &ops_cuda, .ctx = ctx, .B = B, .T = T, .M = M,
-                  .steps = ENGINE_STEPS, .delayed = delayed, .hyper = gpu_engine_hyper,
+                  .steps = ENGINE_STEPS, .delayed = delayed, .mlp_chunk = mlp_chunk,
+                  .hyper = gpu_engine_hyper,
                   .sched = gpu_engine_sched, .init_seed = 11, .init_scale = 0.05f};
     test_reference_train(&r, tokens, loss, NULL, NULL);
     ops_cuda_destroy(ctx);
@@ -1105,6 +1106,7 @@ typedef struct GpuEngineCase {
     double total_bytes;  // > 0: the whole device budget instead
     int slow_opt_us;     // the optimizer step takes this much longer (gated uploads)
     int split;           // split rounds (needs two GPUs)
+    int mlp_chunk;       // Model.mlp_chunk: long-sequence mode (chunked MLP, lean activations)
 } GpuEngineCase;
 
 // What one case did besides its losses.
@@ -1128,6 +1130,7 @@ static GpuEngineRun gpu_engine_run(TestCtx* t, const DeviceImpl* impl, const Mod
         CHECK(t, 0, "model: %s", err);
         return run;
     }
+    m.mlp_chunk = ec->mlp_chunk;
     Store s;
     store_create(&s, &m.tt);
     store_init_random(&s, 11, 0.05f);
@@ -1209,13 +1212,17 @@ static void test_gpu_engine(TestCtx* t) {
     // split rounds, and a budget between one and two slot sets of the whole model (filled in from
     // case 0; it must stay last)
     GpuEngineCase cases[] = {
-        {1, 4, 1, RECOMPUTE_STAGE, 0, 0, 0, 0},     {1, 4, 1, RECOMPUTE_STAGE, small, 0, 0, 0},
-        {1, 4, 0, RECOMPUTE_LAYER, small, 0, 0, 0}, {N2, 4, 1, RECOMPUTE_STAGE, small, 0, 0, 0},
-        {N2, 4, 0, RECOMPUTE_STAGE, 0, 0, 0, 0},    {N2, 4, 0, RECOMPUTE_STAGE, 0, 0, 20000, 0},
+        {1, 4, 1, RECOMPUTE_STAGE, 0, 0, 0, 0, 0},     {1, 4, 1, RECOMPUTE_STAGE, small, 0, 0, 0, 0},
+        {1, 4, 0, RECOMPUTE_LAYER, small, 0, 0, 0, 0}, {N2, 4, 1, RECOMPUTE_STAGE, small, 0, 0, 0, 0},
+        {N2, 4, 0, RECOMPUTE_STAGE, 0, 0, 0, 0, 0},    {N2, 4, 0, RECOMPUTE_STAGE, 0, 0, 20000, 0, 0},
         // split rounds (two GPUs): the same sums in another order, so the losses agree to
         // rounding rather than bit for bit
-        {2, 4, 0, RECOMPUTE_STAGE, 0, 0, 0, 1},
-        {N2, 4, 0, RECOMPUTE_STAGE, 0, -1, 0, 0},
+        {2, 4, 0, RECOMPUTE_STAGE, 0, 0, 0, 1, 0},
+        // long-sequence mode: micro-batches computed in row chunks of 1024 tokens, the MLP in
+        // chunks of 384 (uneven), lean activations, under a budget that forces 3 stages (checked
+        // with --plan's search): the memory prediction of the recompute scratch
+        {1, 4, 1, RECOMPUTE_STAGE, 650.0 * (1 << 20), 0, 0, 0, 384},
+        {N2, 4, 0, RECOMPUTE_STAGE, 0, -1, 0, 0, 0},
     };
     const size_t n_cases = sizeof cases / sizeof cases[0];
     for (size_t k = 0; k < n_cases; k++) {
@@ -1226,13 +1233,13 @@ static void test_gpu_engine(TestCtx* t) {
         if (run.S < 0) continue;
         if (k == 0)  // one stage, two slot sets: budget the last case between one and two sets
             cases[n_cases - 1].total_bytes = (double)run.db.total - (double)run.db.slots / 4;
-        gpu_engine_reference(&c, B, T, ec->M, !ec->sync, tokens, lc);
-        printf("  N %d M %d %s %s budget %s: S %d, %d slot set(s), %lld gated stages; losses "
+        gpu_engine_reference(&c, B, T, ec->M, !ec->sync, ec->mlp_chunk, tokens, lc);
+        printf("  N %d M %d %s %s%s budget %s: S %d, %d slot set(s), %lld gated stages; losses "
                "engine %.5f %.5f %.5f, plain %.5f %.5f %.5f; device memory %.1f MiB used, %.1f "
                "MiB predicted\n",
                ec->N, ec->M, ec->sync ? "sync" : "delayed",
                ec->grain == RECOMPUTE_LAYER ? "layer" : "stage",
-               ec->stage_bytes > 0 ? "small" : ec->total_bytes > 0 ? "one slot set" : "none",
+               ec->mlp_chunk > 0 ? " chunked-MLP" : "", ec->stage_bytes > 0 ? "small" : ec->total_bytes > 0 ? "one slot set" : "none",
                run.S, run.db.slot_sets, (long long)run.gated, lg[0], lg[1], lg[2], lc[0], lc[1],
                lc[2], run.used / 1048576.0, run.db.total / 1048576.0);
         for (int i = 0; i < ENGINE_STEPS; i++)
