@@ -102,25 +102,27 @@ static AdamWHyper test_hyper(void) { return (AdamWHyper){3e-3f, 0.9f, 0.95f, 1e-
 static LrSchedule test_sched(void) { return (LrSchedule){LR_COSINE, 3e-3f, 2, STEPS, 0.1f, 0.2f}; }
 
 // The reference trainer (testing.c) on the CPU backend with this suite's init and optimizer.
-// rounds > 1: the gradient of each round accumulated on its own, then added (split rounds)
-static void run_reference_rounds(Run* run, const ModelConfig* c, int B, int T, int M,
-                                 const int32_t* tokens, int delayed, int rounds) {
+// rounds > 1: the gradient of each round accumulated on its own, then added (split rounds);
+// mlp_chunk > 0: long-sequence mode (Model.mlp_chunk).
+static void run_reference_mode(Run* run, const ModelConfig* c, int B, int T, int M,
+                               const int32_t* tokens, int delayed, int rounds, int mlp_chunk) {
     void* ctx = ops_cpu_create(1);
     RefTrain r = {.c = c, .ops = &ops_cpu, .ctx = ctx, .B = B, .T = T, .M = M, .steps = STEPS,
-                  .delayed = delayed, .rounds = rounds, .hyper = test_hyper(),
-                  .sched = test_sched(), .init_seed = 7, .init_scale = 0.2f};
+                  .delayed = delayed, .rounds = rounds, .mlp_chunk = mlp_chunk,
+                  .hyper = test_hyper(), .sched = test_sched(), .init_seed = 7,
+                  .init_scale = 0.2f};
     test_reference_train(&r, tokens, run->loss, &run->params, &run->n_params);
     ops_cpu_destroy(ctx);
 }
 
+static void run_reference_rounds(Run* run, const ModelConfig* c, int B, int T, int M,
+                                 const int32_t* tokens, int delayed, int rounds) {
+    run_reference_mode(run, c, B, T, M, tokens, delayed, rounds, 0);
+}
+
 static void run_reference(Run* run, const ModelConfig* c, int B, int T, int M,
                           const int32_t* tokens, int delayed) {
-    void* ctx = ops_cpu_create(1);
-    RefTrain r = {.c = c, .ops = &ops_cpu, .ctx = ctx, .B = B, .T = T, .M = M, .steps = STEPS,
-                  .delayed = delayed, .hyper = test_hyper(), .sched = test_sched(),
-                  .init_seed = 7, .init_scale = 0.2f};
-    test_reference_train(&r, tokens, run->loss, &run->params, &run->n_params);
-    ops_cpu_destroy(ctx);
+    run_reference_mode(run, c, B, T, M, tokens, delayed, 0, 0);
 }
 
 typedef struct EngineCase {
@@ -287,12 +289,7 @@ static void test_engine_long_sequence_mode(TestCtx* t) {
     const int chunk = 5;  // 12 or 24 rows per micro-batch: uneven chunks
     for (int M = 1; M <= 2; M++) {
         Run ref;
-        void* ctx = ops_cpu_create(1);
-        RefTrain r = {.c = &c, .ops = &ops_cpu, .ctx = ctx, .B = B, .T = T, .M = M,
-                      .steps = STEPS, .delayed = 0, .mlp_chunk = chunk, .hyper = test_hyper(),
-                      .sched = test_sched(), .init_seed = 7, .init_scale = 0.2f};
-        test_reference_train(&r, tokens, ref.loss, &ref.params, &ref.n_params);
-        ops_cpu_destroy(ctx);
+        run_reference_mode(&ref, &c, B, T, M, tokens, 0, 0, chunk);
         const double budget = M == 1 ? 3.0e5 : 2.4e5;  // a few stages
         EngineCase cases[] = {
             {1, M, M, 1, 0, RECOMPUTE_STAGE, 0, 0, 0, 0, 0, 0},
@@ -314,12 +311,7 @@ static void test_engine_long_sequence_mode(TestCtx* t) {
     }
     // split rounds in this mode: bit-identical to a reference that splits the same way
     Run ref, run;
-    void* ctx = ops_cpu_create(1);
-    RefTrain r = {.c = &c, .ops = &ops_cpu, .ctx = ctx, .B = B, .T = T, .M = 2, .steps = STEPS,
-                  .delayed = 1, .rounds = 2, .mlp_chunk = chunk, .hyper = test_hyper(),
-                  .sched = test_sched(), .init_seed = 7, .init_scale = 0.2f};
-    test_reference_train(&r, tokens, ref.loss, &ref.params, &ref.n_params);
-    ops_cpu_destroy(ctx);
+    run_reference_mode(&ref, &c, B, T, 2, tokens, 1, 2, chunk);
     const EngineCase split = {2, 2, 2, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 0, 0, 1};
     if (run_engine_chunked(t, &run, &c, B, T, &split, tokens, chunk) >= 0) {
         CHECK(t, runs_identical(&run, &ref), "split rounds: loss %.9g vs %.9g", run.loss[0],
