@@ -20,9 +20,11 @@
  * Build and run: dev/cuda/run_attention.sh [--quick] [--tiny] [--no-big] [--no-bench] [--long]
  * [--shape B,T,H,KVH,HD] [--fwd I or a list I,J,...] [--bwd I or a list]; exit status 0 passed,
  * 3 a check failed, 1 a CUDA error, 2 bad usage. --shape validates that one case only (e.g.
- * under compute-sanitizer); --long adds a forward-only benchmark shape T=65536 B=1. A forward
- * variant may name another whose bits it must reproduce (same_bits_as): the lab compares them
- * on every case ("bit-identical to ... in N/N cases") and, on the big case, whole tensors.
+ * under compute-sanitizer); --long adds a benchmark shape T=65536 B=1 (forward and backward).
+ * A forward or backward variant may name another whose bits it must reproduce (same_bits_as):
+ * the lab compares them on every case ("bit-identical to ... in N/N cases") and, on the big
+ * case, whole tensors against the C interface. A variant may also restrict the shapes it runs
+ * (supports_shape, e.g. an even H/KVH): the other cases count as skipped.
  * The script builds for sm_90a (-gencode arch=compute_90a,code=sm_90a): the mma.sync
  * kernels are the same code, the wgmma variants below need it. Variants a build or a head dim
  * does not support are skipped (counted as "skipped" in the validation summary).
@@ -158,6 +160,16 @@
  * one device call: bash dev/cuda/check_fwd_wgmma2.sh (per-variant tiny runs under timeout, then
  * dev/cuda/run_attention.sh --fwd 7,9,10,11,12 --bwd -2 --long, then compute-sanitizer).
  *
+ * GQA packing and kv-head sections: forward variants 13 "wgmma gqa pack bc128", 14 "wgmma gqa
+ * pack bc64", 15 "wgmma l2 sections bc128", 16 "wgmma gqa pack l2 bc128", 17 "wgmma gqa ctl
+ * bc128" (control), backward 12 "wgmma bwd gqa pack dq", 13 "wgmma bwd l2 dq", 14 "wgmma bwd gqa
+ * pack l2 dq" (dev/cuda/attention_gqa_pack.cuh: hypothesis, design, ptxas, risks, checklist).
+ * STATUS: written without a GPU, compiled only (no spills, no serialised wgmma): NOT YET RUN.
+ * Production's arithmetic (bits checked against 7/8 forward, 8 backward through same_bits_as);
+ * pack = a CTA takes the same 64 rows of a head pair of one GQA group (even H/KVH; other shapes
+ * skipped); l2 = CTAs launched kv head by kv head so the resident CTAs' K/V fits in L2. Test of
+ * "long sequences are DRAM-bound on K/V": --long (T=65536 B=1, forward, backward and passes).
+ *
  * Results (one H200, nvcc 13.0 -arch=sm_90, mma.sync; medians of 10; H=16 KVH=8 HD=128):
  *   validation: 163 cases (HD 16/32/64/128 x T 1/7/64/129/1000 x H/KVH 1/2/4/8 x B 1/3, plus
  *     T=4096, 2500, 3001), every variant: worst relative L2 2.1e-3 (out, lse), 4.3e-3 (dq, dk,
@@ -194,6 +206,7 @@
 #include "attention_bwd_ordered.cuh"
 #include "attention_bwd_wgmma2.cuh"
 #include "attention_fwd_wgmma2.cuh"
+#include "attention_gqa_pack.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -387,20 +400,27 @@ typedef void (*BackwardFn)(void*, const void*, const void*, const void*, const f
 // same_bits_as: the name of a variant whose out and lse this one must reproduce bit for bit
 // (the same arithmetic in the same order, only the schedule differs), nullptr = none; checked
 // on every validation case and, against the C interface's output, on the big case.
+// supports_shape: a further test on (H, KVH, HD), nullptr = none (the GQA-packed variants need an
+// even H/KVH); the lab counts the cases it fails as skipped.
 struct ForwardVariant {
     const char* name;
     ForwardFn fn;
     int (*supports)(int HD);
     bool big;
     const char* same_bits_as;
+    int (*supports_shape)(int H, int KVH, int HD);
 };
 // ws_bytes: the workspace the variant needs, nullptr = attention_backward_workspace_bytes.
+// same_bits_as, supports_shape: as for the forward (same_bits_as: the whole dqkv, bit for bit,
+// on every validation case and, against the C interface's backward, on the big case).
 struct BackwardVariant {
     const char* name;
     BackwardFn fn;
     int (*supports)(int HD);
     size_t (*ws_bytes)(int B, int T, int H, int KVH, int HD);
     bool big;
+    const char* same_bits_as;
+    int (*supports_shape)(int H, int KVH, int HD);
 };
 
 // The wgmma variants run HD 64 and 128, and only from a binary with sm_90a device code (said once).
@@ -421,26 +441,44 @@ static int lab_wgmma_supports(int HD) {
 // <K ring stages, V ring stages, ping-pong, writer-side fence>, a producer warpgroup feeding two
 // consumer warpgroups through mbarriers; the arithmetic of "wgmma bc128 wg2", so its bits.
 static const ForwardVariant forward_variants[] = {
-    {"kernels", attention_forward_bf16, nullptr, false, nullptr},
-    {"fwd mt1 w4 bc64", attention_forward_tiled<1, 4, 64, 1>, nullptr, false, nullptr},
-    {"fwd mt1 w8 bc32 minb2", attention_forward_tiled<1, 8, 32, 2>, nullptr, false, nullptr},
-    {"fwd mt2 w4 bc16", attention_forward_tiled<2, 4, 16, 1>, nullptr, false, nullptr},
-    {"fwd mt2 w4 bc32", attention_forward_tiled<2, 4, 32, 1>, nullptr, false, nullptr},
-    {"fwd mt2 w4 bc64", attention_forward_tiled<2, 4, 64, 1>, nullptr, false, nullptr},
-    {"fwd mt2 w8 bc32", attention_forward_tiled<2, 8, 32, 1>, nullptr, false, nullptr},
-    {"wgmma bc128 wg2", attention_forward_wgmma<128, 2>, lab_wgmma_supports, true, nullptr},
-    {"wgmma bc64 wg2", attention_forward_wgmma<64, 2>, lab_wgmma_supports, true, nullptr},
+    {"kernels", attention_forward_bf16, nullptr, false, nullptr, nullptr},
+    {"fwd mt1 w4 bc64", attention_forward_tiled<1, 4, 64, 1>, nullptr, false, nullptr, nullptr},
+    {"fwd mt1 w8 bc32 minb2", attention_forward_tiled<1, 8, 32, 2>, nullptr, false, nullptr,
+     nullptr},
+    {"fwd mt2 w4 bc16", attention_forward_tiled<2, 4, 16, 1>, nullptr, false, nullptr, nullptr},
+    {"fwd mt2 w4 bc32", attention_forward_tiled<2, 4, 32, 1>, nullptr, false, nullptr, nullptr},
+    {"fwd mt2 w4 bc64", attention_forward_tiled<2, 4, 64, 1>, nullptr, false, nullptr, nullptr},
+    {"fwd mt2 w8 bc32", attention_forward_tiled<2, 8, 32, 1>, nullptr, false, nullptr, nullptr},
+    {"wgmma bc128 wg2", attention_forward_wgmma<128, 2>, lab_wgmma_supports, true, nullptr,
+     nullptr},
+    {"wgmma bc64 wg2", attention_forward_wgmma<64, 2>, lab_wgmma_supports, true, nullptr, nullptr},
     {"wgmma2 ws pp k3v3", attention_forward_wgmma2<3, 3, true, false>, lab_wgmma_supports, true,
-     "wgmma bc128 wg2"},
+     "wgmma bc128 wg2", nullptr},
     {"wgmma2 ws k3v3", attention_forward_wgmma2<3, 3, false, false>, lab_wgmma_supports, true,
-     "wgmma bc128 wg2"},
+     "wgmma bc128 wg2", nullptr},
     {"wgmma2 ws pp k2v2", attention_forward_wgmma2<2, 2, true, false>, lab_wgmma_supports, true,
-     "wgmma bc128 wg2"},
+     "wgmma bc128 wg2", nullptr},
     {"wgmma2 ws pp k3v3 wf", attention_forward_wgmma2<3, 3, true, true>, lab_wgmma_supports,
-     true, "wgmma bc128 wg2"},
+     true, "wgmma bc128 wg2", nullptr},
+    // dev/cuda/attention_gqa_pack.cuh (NOT YET RUN ON A GPU: checklist in its header):
+    // <keys per tile, pack, l2>. pack: the two warpgroups take the same 64 query rows of a head
+    // pair of one GQA group (even H/KVH only); l2: CTAs launched in kv-head sections (K/V of
+    // the resident CTAs fits in L2); "ctl": neither (production's work and order, this file's
+    // code: isolates a failure of pack or l2 from one of the shared code)
+    {"wgmma gqa pack bc128", attention_forward_gqa_pack<128, true, false>, lab_wgmma_supports,
+     true, "wgmma bc128 wg2", attn_gqp_supports_shape},
+    {"wgmma gqa pack bc64", attention_forward_gqa_pack<64, true, false>, lab_wgmma_supports, true,
+     "wgmma bc64 wg2", attn_gqp_supports_shape},
+    {"wgmma l2 sections bc128", attention_forward_gqa_pack<128, false, true>, lab_wgmma_supports,
+     true, "wgmma bc128 wg2", nullptr},
+    {"wgmma gqa pack l2 bc128", attention_forward_gqa_pack<128, true, true>, lab_wgmma_supports,
+     true, "wgmma bc128 wg2", attn_gqp_supports_shape},
+    {"wgmma gqa ctl bc128", attention_forward_gqa_pack<128, false, false>, lab_wgmma_supports,
+     true, "wgmma bc128 wg2", nullptr},
 };
-static bool forward_runs(int v, int HD) {
-    return !forward_variants[v].supports || forward_variants[v].supports(HD);
+static bool forward_runs(int v, int H, int KVH, int HD) {
+    const ForwardVariant& f = forward_variants[v];
+    return (!f.supports || f.supports(HD)) && (!f.supports_shape || f.supports_shape(H, KVH, HD));
 }
 // backward: <dK/dV warps (16 keys each), query rows per tile, dQ warps (16 rows each), keys per
 // tile>; ordered: <warps (16 keys each), query rows per tile>, dQ in the dK/dV pass with
@@ -448,26 +486,42 @@ static bool forward_runs(int v, int HD) {
 // wgmma: <dK/dV warpgroups (64 keys each), ring slots, dQ warpgroups (64 rows each), ring slots>
 // (attention_bwd_wgmma.cuh; NOT YET RUN ON A GPU, checklist at the top of that file)
 static const BackwardVariant backward_variants[] = {
-    {"kernels", attention_backward_bf16, nullptr, nullptr, false},
-    {"bwd kv w4 q64 | dq w4 k64", attention_backward_tiled<4, 64, 4, 64>, nullptr, nullptr, false},
-    {"bwd kv w8 q64 | dq w8 k64", attention_backward_tiled<8, 64, 8, 64>, nullptr, nullptr, false},
-    {"bwd kv w8 q64 | dq w4 k64", attention_backward_tiled<8, 64, 4, 64>, nullptr, nullptr, false},
-    {"bwd kv w4 q64 | dq w8 k64", attention_backward_tiled<4, 64, 8, 64>, nullptr, nullptr, false},
-    {"bwd kv w8 q64 | dq w8 k32", attention_backward_tiled<8, 64, 8, 32>, nullptr, nullptr, false},
+    {"kernels", attention_backward_bf16, nullptr, nullptr, false, nullptr, nullptr},
+    {"bwd kv w4 q64 | dq w4 k64", attention_backward_tiled<4, 64, 4, 64>, nullptr, nullptr, false,
+     nullptr, nullptr},
+    {"bwd kv w8 q64 | dq w8 k64", attention_backward_tiled<8, 64, 8, 64>, nullptr, nullptr, false,
+     nullptr, nullptr},
+    {"bwd kv w8 q64 | dq w4 k64", attention_backward_tiled<8, 64, 4, 64>, nullptr, nullptr, false,
+     nullptr, nullptr},
+    {"bwd kv w4 q64 | dq w8 k64", attention_backward_tiled<4, 64, 8, 64>, nullptr, nullptr, false,
+     nullptr, nullptr},
+    {"bwd kv w8 q64 | dq w8 k32", attention_backward_tiled<8, 64, 8, 32>, nullptr, nullptr, false,
+     nullptr, nullptr},
     {"bwd ordered w8 q64", attention_backward_ordered<8, 64>,
      attention_backward_ordered_supports<8, 64>, attention_backward_ordered_workspace_bytes<64>,
-     true},
+     true, nullptr, nullptr},
     {"bwd ordered w8 q32", attention_backward_ordered<8, 32>,
      attention_backward_ordered_supports<8, 32>, attention_backward_ordered_workspace_bytes<32>,
-     true},
-    {"wgmma bwd wg2 s3", attention_backward_wgmma<2, 3, 2, 3>, lab_wgmma_supports, nullptr, true},
-    {"wgmma bwd wg1 s2", attention_backward_wgmma<1, 2, 1, 2>, lab_wgmma_supports, nullptr, true},
+     true, nullptr, nullptr},
+    {"wgmma bwd wg2 s3", attention_backward_wgmma<2, 3, 2, 3>, lab_wgmma_supports, nullptr, true,
+     nullptr, nullptr},
+    {"wgmma bwd wg1 s2", attention_backward_wgmma<1, 2, 1, 2>, lab_wgmma_supports, nullptr, true,
+     nullptr, nullptr},
     // dev/cuda/attention_bwd_wgmma2.cuh (NOT YET RUN ON A GPU: checklist in its header):
     // <dK/dV ring slots, ping-pong, dQ ring slots, ping-pong>; dQ pass with Q, dO as register A
     {"wgmma2 bwd rs", attention_backward_wgmma2<3, false, 3, false>, lab_wgmma_supports, nullptr,
-     true},
+     true, nullptr, nullptr},
     {"wgmma2 bwd rs pp", attention_backward_wgmma2<3, true, 3, true>, lab_wgmma_supports, nullptr,
-     true},
+     true, nullptr, nullptr},
+    // dev/cuda/attention_gqa_pack.cuh (NOT YET RUN ON A GPU): variant 8's D and dK/dV passes,
+    // then the dQ pass <ring slots, pack, l2> as the forward variants (pack: a head pair per CTA,
+    // even H/KVH only; l2: kv-head sections)
+    {"wgmma bwd gqa pack dq", attention_backward_gqa_pack<3, true, false>, lab_wgmma_supports,
+     nullptr, true, "wgmma bwd wg2 s3", attn_gqp_supports_shape},
+    {"wgmma bwd l2 dq", attention_backward_gqa_pack<3, false, true>, lab_wgmma_supports, nullptr,
+     true, "wgmma bwd wg2 s3", nullptr},
+    {"wgmma bwd gqa pack l2 dq", attention_backward_gqa_pack<3, true, true>, lab_wgmma_supports,
+     nullptr, true, "wgmma bwd wg2 s3", attn_gqp_supports_shape},
 };
 #define N_FWD ((int)(sizeof(forward_variants) / sizeof(forward_variants[0])))
 #define N_BWD ((int)(sizeof(backward_variants) / sizeof(backward_variants[0])))
@@ -476,14 +530,20 @@ static int forward_index(const char* name) {
         if (!strcmp(forward_variants[v].name, name)) return v;
     return -1;
 }
-static bool backward_runs(int v, int HD) {
-    return !backward_variants[v].supports || backward_variants[v].supports(HD);
+static int backward_index(const char* name) {
+    for (int v = 0; v < N_BWD; v++)
+        if (!strcmp(backward_variants[v].name, name)) return v;
+    return -1;
+}
+static bool backward_runs(int v, int H, int KVH, int HD) {
+    const BackwardVariant& f = backward_variants[v];
+    return (!f.supports || f.supports(HD)) && (!f.supports_shape || f.supports_shape(H, KVH, HD));
 }
 // One workspace per case serves every backward variant: the largest any of them needs.
 static size_t lab_workspace_bytes(int B, int T, int H, int KVH, int HD) {
     size_t bytes = attention_backward_workspace_bytes(B, T, H, KVH, HD);
     for (int v = 0; v < N_BWD; v++)
-        if (backward_variants[v].ws_bytes && backward_runs(v, HD))
+        if (backward_variants[v].ws_bytes && backward_runs(v, H, KVH, HD))
             bytes = std::max(bytes, backward_variants[v].ws_bytes(B, T, H, KVH, HD));
     return bytes;
 }
@@ -593,7 +653,7 @@ static const double TOLERANCE = 2e-2;
 
 // Which variants run (-1: all, -2: none); --fwd/--bwd pick one, e.g. to find one that crashes;
 // both also take a list (fwd/bwd = -3, the indices in fwd_set/bwd_set). --long adds a
-// forward-only benchmark shape T=65536 B=1 (the trainer's long-sequence regime).
+// benchmark shape T=65536 B=1, forward and backward (the trainer's long-sequence regime).
 struct LabOptions {
     bool quick = false, tiny = false, big = true, bench = true, long_bench = false;
     int shape[5] = {0, 0, 0, 0, 0};  // --shape B,T,H,KVH,HD: validate this one case only
@@ -641,7 +701,7 @@ static int validate_case(const Shape& s, uint64_t seed, const LabOptions& opt,
             target = target || (opt.run_fwd(w) && forward_variants[w].same_bits_as &&
                                 forward_index(forward_variants[w].same_bits_as) == v);
         if (!opt.run_fwd(v) && v != 0 && !target) continue;
-        if (!forward_runs(v, s.HD)) {  // head dim (or build) the variant does not implement
+        if (!forward_runs(v, s.H, s.KVH, s.HD)) {  // head dim, shape or build not implemented
             fstats[v].skipped++;
             continue;
         }
@@ -697,20 +757,30 @@ static int validate_case(const Shape& s, uint64_t seed, const LabOptions& opt,
                             s.B, s.T, s.H, s.KVH, s.HD, forward_variants[r].name, d_out, d_lse);
         }
     }
+    // backward variants; as for the forward, a variant that is only the same_bits_as target of a
+    // selected one runs once, unreported
+    std::vector<std::vector<uint16_t>> dqkvs(N_BWD);
     for (int v = 0; v < N_BWD; v++) {
-        if (!opt.run_bwd(v)) continue;
-        if (!backward_runs(v, s.HD)) {  // head dim the variant does not implement
+        bool target = false;
+        for (int w = 0; w < N_BWD; w++)
+            target = target || (opt.run_bwd(w) && backward_variants[w].same_bits_as &&
+                                backward_index(backward_variants[w].same_bits_as) == v);
+        if (!opt.run_bwd(v) && !target) continue;
+        if (!backward_runs(v, s.H, s.KVH, s.HD)) {  // head dim (or shape) not implemented
             bstats[v].skipped++;
             continue;
         }
+        const bool report = opt.run_bwd(v);
         std::vector<uint16_t> dqkv[2];
-        for (int run = 0; run < 2; run++) {
+        for (int run = 0; run < (report ? 2 : 1); run++) {
             poison_backward(c);
             backward_variants[v].fn(c.dqkv, c.dout, c.qkv, c.out, c.lse, c.ws, s.B, s.T, s.H,
                                     s.KVH, s.HD, nullptr);
             lab_check(cudaDeviceSynchronize());
             dqkv[run] = to_host<uint16_t>(c.dqkv, c.n_qkv);
         }
+        dqkvs[v] = dqkv[0];
+        if (!report) continue;
         Errors e = {0, 0, 0, 0, 0};
         errors_backward(s, dqkv[0], ref, e);
         const bool det = dqkv[0] == dqkv[1];
@@ -728,6 +798,31 @@ static int validate_case(const Shape& s, uint64_t seed, const LabOptions& opt,
                             e.dv, det ? "" : " NOT DETERMINISTIC");
         }
         if (v == 0) shown.dq = e.dq, shown.dk = e.dk, shown.dv = e.dv, shown_det = shown_det && det;
+    }
+    // bit-for-bit against the same_bits_as backward (run above): dq, dk, dv counted apart
+    for (int v = 0; v < N_BWD; v++) {
+        if (!opt.run_bwd(v) || !backward_variants[v].same_bits_as || dqkvs[v].empty()) continue;
+        const int r = backward_index(backward_variants[v].same_bits_as);
+        if (r < 0 || dqkvs[r].empty()) continue;
+        const int64_t QKV = s.qkv_cols(), kcol = (int64_t)s.H * s.HD,
+                      vcol = (int64_t)(s.H + s.KVH) * s.HD;
+        long long d[3] = {0, 0, 0};  // dq, dk, dv elements that differ
+        for (size_t i = 0; i < dqkvs[v].size(); i++) {
+            const int64_t col = (int64_t)(i % (size_t)QKV);
+            d[col < kcol ? 0 : col < vcol ? 1 : 2] += dqkvs[v][i] != dqkvs[r][i];
+        }
+        bstats[v].bit_cases++;
+        if (d[0] || d[1] || d[2]) {
+            bstats[v].bit_diff++;
+            bstats[v].failures++;
+            failures++;
+            for (FILE* f : {log, stdout})
+                if (f == log || bstats[v].bit_diff <= 3)
+                    fprintf(f, "  FAIL %-28s B=%d T=%d H=%d KVH=%d HD=%d: NOT BIT-IDENTICAL to %s "
+                            "(%lld dq, %lld dk, %lld dv elements differ)\n",
+                            backward_variants[v].name, s.B, s.T, s.H, s.KVH, s.HD,
+                            backward_variants[r].name, d[0], d[1], d[2]);
+        }
     }
     fprintf(log, "B=%d T=%-5d H=%-2d KVH=%d HD=%-3d  out %.2e lse %.2e dq %.2e dk %.2e dv %.2e  %s\n",
             s.B, s.T, s.H, s.KVH, s.HD, shown.out, shown.lse, shown.dq, shown.dk, shown.dv,
@@ -782,7 +877,7 @@ static int validate_all(const LabOptions& opt, FILE* log) {
                 printf("  bit-identical to %s in %d/%d cases", forward_variants[v].same_bits_as,
                        fstats[v].bit_cases - fstats[v].bit_diff, fstats[v].bit_cases);
             if (fstats[v].skipped)
-                printf("  skipped %d cases (head dim not implemented, or no sm_90a)",
+                printf("  skipped %d cases (head dim or shape not implemented, or no sm_90a)",
                        fstats[v].skipped);
             printf("\n");
         }
@@ -791,8 +886,12 @@ static int validate_all(const LabOptions& opt, FILE* log) {
             printf("  %-28s worst %.2e  failures %d  nondeterministic %d",
                    backward_variants[v].name, bstats[v].worst, bstats[v].failures,
                    bstats[v].nondeterministic);
+            if (backward_variants[v].same_bits_as)
+                printf("  bit-identical to %s in %d/%d cases", backward_variants[v].same_bits_as,
+                       bstats[v].bit_cases - bstats[v].bit_diff, bstats[v].bit_cases);
             if (bstats[v].skipped)
-                printf("  skipped %d cases (head dim not implemented)", bstats[v].skipped);
+                printf("  skipped %d cases (head dim or shape not implemented)",
+                       bstats[v].skipped);
             printf("\n");
         }
     return failures;
@@ -954,7 +1053,8 @@ static int validate_big(const LabOptions& opt, FILE* log) {
     lab_check(cudaMalloc(&out2, c.n_out * 2));
     lab_check(cudaMalloc(&lse2, c.n_lse * 4));
     for (int v = 1; v < N_FWD; v++) {
-        if (!forward_variants[v].big || !opt.run_fwd(v) || !forward_runs(v, s.HD)) continue;
+        if (!forward_variants[v].big || !opt.run_fwd(v) || !forward_runs(v, s.H, s.KVH, s.HD))
+            continue;
         lab_check(cudaMemset(out2, 0xff, c.n_out * 2));
         lab_check(cudaMemset(lse2, 0xff, c.n_lse * 4));
         lab_check(cudaEventRecord(e0));
@@ -1002,9 +1102,24 @@ static int validate_big(const LabOptions& opt, FILE* log) {
     lab_check(cudaFree(lse2));
 
     // backward variants marked `big` (workspaces and offsets of their own), on the same forward
-    // output: same sampled rows and keys, same reference; dqkv and the workspace re-poisoned
+    // output: same sampled rows and keys, same reference; dqkv and the workspace re-poisoned.
+    // A variant whose same_bits_as is the C interface's backward ("wgmma bwd wg2 s3" at HD
+    // 64/128 on sm_90a) is also compared with its dqkv, whole tensor, bit for bit: kept here.
+    const bool bwd_wg2s3 = attention_uses_wgmma(s.HD) && ATTN_WG_BWD_KV_NWG == 2 &&
+                           ATTN_WG_BWD_KV_STAGES == 3 && ATTN_WG_BWD_Q_NWG == 2 &&
+                           ATTN_WG_BWD_Q_STAGES == 3;
+    bf16* dqkv_kernels = nullptr;
     for (int v = 1; v < N_BWD; v++) {
-        if (!backward_variants[v].big || !opt.run_bwd(v) || !backward_runs(v, s.HD)) continue;
+        const char* sb = backward_variants[v].same_bits_as;
+        if (bwd_wg2s3 && !dqkv_kernels && sb && !strcmp(sb, "wgmma bwd wg2 s3") &&
+            backward_variants[v].big && opt.run_bwd(v) && backward_runs(v, s.H, s.KVH, s.HD)) {
+            lab_check(cudaMalloc(&dqkv_kernels, c.n_qkv * 2));
+            lab_check(cudaMemcpy(dqkv_kernels, c.dqkv, c.n_qkv * 2, cudaMemcpyDeviceToDevice));
+        }
+    }
+    for (int v = 1; v < N_BWD; v++) {
+        if (!backward_variants[v].big || !opt.run_bwd(v) || !backward_runs(v, s.H, s.KVH, s.HD))
+            continue;
         poison_backward(c);
         lab_check(cudaEventRecord(e0));
         backward_variants[v].fn(c.dqkv, c.dout, c.qkv, c.out, c.lse, c.ws, s.B, s.T, s.H, s.KVH,
@@ -1033,15 +1148,26 @@ static int validate_big(const LabOptions& opt, FILE* log) {
             }
         }
         const double worst2 = std::max({eq2.rel(), ek2.rel(), ev2.rel()});
-        const bool ok2 = worst2 <= TOLERANCE && nan_dqkv2 == 0;
+        bool ok2 = worst2 <= TOLERANCE && nan_dqkv2 == 0;
         printf("  %-28s backward %.1f ms (%.0f TFLOP/s), non-finite dqkv %lld, sampled: dq %.2e "
                "dk %.2e dv %.2e  %s\n", backward_variants[v].name, ms_b, 2.5 * flops / ms_b * 1e-9,
                nan_dqkv2, eq2.rel(), ek2.rel(), ev2.rel(), ok2 ? "ok" : "FAIL");
+        const char* sb = backward_variants[v].same_bits_as;
+        if (dqkv_kernels && sb && !strcmp(sb, "wgmma bwd wg2 s3")) {
+            const long long d_dqkv = count_diff16(c.dqkv, dqkv_kernels, c.n_qkv);
+            printf("  %-28s whole dqkv vs the C interface (%s): %lld elements differ  %s\n",
+                   backward_variants[v].name, sb, d_dqkv,
+                   d_dqkv ? "FAIL (not bit-identical)" : "bit-identical");
+            fprintf(log, "big %s bitwise vs kernels: %lld dqkv differ\n",
+                    backward_variants[v].name, d_dqkv);
+            ok2 = ok2 && d_dqkv == 0;
+        }
         fprintf(log, "big %s: dq %.2e dk %.2e dv %.2e non-finite %lld %s\n",
                 backward_variants[v].name, eq2.rel(), ek2.rel(), ev2.rel(), nan_dqkv2,
                 ok2 ? "ok" : "FAIL");
         failures += ok2 ? 0 : 1;
     }
+    if (dqkv_kernels) lab_check(cudaFree(dqkv_kernels));
     case_free(c);
     return failures;
 }
@@ -1056,7 +1182,9 @@ static float median_ms(std::vector<float> v) {
 
 static void bench(const LabOptions& opt, FILE* log) {
     const int H = 16, KVH = 8, HD = 128, reps = 10;
-    // --long adds T=65536 B=1 (forward only): 512 query tiles per head of very different cost
+    // --long adds T=65536 B=1 (forward and backward): 512 query tiles per head of very different
+    // cost, and K/V of 32 MiB per kv head (256 MiB in all, far past the 50 MB L2): the regime
+    // where K/V traffic from HBM matters (the GQA-packed variants' hypothesis)
     const int n_shapes = opt.long_bench ? 4 : 3;
     const int tb[][2] = {{2048, 16}, {4096, 4}, {16384, 2}, {65536, 1}};
     cudaEvent_t a, z;
@@ -1075,7 +1203,7 @@ static void bench(const LabOptions& opt, FILE* log) {
         lab_check(cudaGetLastError());
         const double flops = 2.0 * s.B * s.H * (double)s.T * s.T * s.HD;
         for (int v = 0; v < N_FWD; v++) {
-            if (!opt.run_fwd(v) || !forward_runs(v, s.HD)) continue;
+            if (!opt.run_fwd(v) || !forward_runs(v, s.H, s.KVH, s.HD)) continue;
             std::vector<float> t;
             for (int r = 0; r < reps + 2; r++) {
                 lab_check(cudaEventRecord(a));
@@ -1095,8 +1223,7 @@ static void bench(const LabOptions& opt, FILE* log) {
         }
         attention_forward_bf16(c.out, c.lse, c.qkv, s.B, s.T, s.H, s.KVH, s.HD, nullptr);
         for (int v = 0; v < N_BWD; v++) {
-            if (shape >= 3) break;  // the long shape is forward-only
-            if (!opt.run_bwd(v) || !backward_runs(v, s.HD)) continue;
+            if (!opt.run_bwd(v) || !backward_runs(v, s.H, s.KVH, s.HD)) continue;
             std::vector<float> t;
             for (int r = 0; r < reps + 2; r++) {
                 lab_check(cudaEventRecord(a));
@@ -1128,8 +1255,7 @@ static bool lab_bwd_named(const LabOptions& opt, const char* name) {
 
 // Time the three backward passes of the C interface's shapes apart (HD=128), to see which one to
 // work on next; then those of the ordered and the wgmma backward variants.
-static void bench_backward_passes(const LabOptions& opt, FILE* log) {
-    const Shape s = {4, 4096, 16, 8, 128};
+static void bench_backward_passes(const LabOptions& opt, FILE* log, const Shape& s) {
     constexpr int HD = 128, LD = HD + ATTN_PAD;
     constexpr int KV_BC = 16 * ATTN_KV_WARPS, Q_BR = 16 * ATTN_Q_WARPS;
     DeviceCase c = case_alloc(s);
@@ -1220,7 +1346,10 @@ static void bench_backward_passes(const LabOptions& opt, FILE* log) {
     } wgmma_bwd[] = {{"wgmma bwd wg2 s3", attention_backward_wgmma_timed<2, 3, 2, 3>},
                      {"wgmma bwd wg1 s2", attention_backward_wgmma_timed<1, 2, 1, 2>},
                      {"wgmma2 bwd rs", attention_backward_wgmma2_timed<3, false, 3, false>},
-                     {"wgmma2 bwd rs pp", attention_backward_wgmma2_timed<3, true, 3, true>}};
+                     {"wgmma2 bwd rs pp", attention_backward_wgmma2_timed<3, true, 3, true>},
+                     {"wgmma bwd gqa pack dq", attention_backward_gqa_pack_timed<3, true, false>},
+                     {"wgmma bwd l2 dq", attention_backward_gqa_pack_timed<3, false, true>},
+                     {"wgmma bwd gqa pack l2 dq", attention_backward_gqa_pack_timed<3, true, true>}};
     for (const auto& o : wgmma_bwd) {
         if (!lab_bwd_named(opt, o.name)) continue;
         if (!lab_wgmma_supports(HD)) break;
@@ -1333,7 +1462,9 @@ int main(int argc, char** argv) {
     if (opt.big) failures += validate_big(opt, log);
     fflush(stdout);
     if (opt.bench) bench(opt, log);
-    if (opt.bench) bench_backward_passes(opt, log);
+    if (opt.bench) bench_backward_passes(opt, log, Shape{4, 4096, 16, 8, 128});
+    // --long: the passes at T=65536 too (the GQA-packed dQ pass against production's)
+    if (opt.bench && opt.long_bench) bench_backward_passes(opt, log, Shape{1, 65536, 16, 8, 128});
     fclose(log);
     printf("%s: %d failures\n", failures ? "FAILED" : "PASSED", failures);
     return failures ? 3 : 0;  // 1 is a CUDA error (attention_check exits 1)
