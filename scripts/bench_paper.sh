@@ -23,7 +23,8 @@
 # Variables: MODELS, GPUS, BATCH (128), SEQ (2048), MICRO (10), WARMUP (3), TIMED (4), SWEEP (0),
 # MAXSEQ (0), HOST_GIB (120: host memory a MAXSEQ plan may use), MAXSEQ_STEP (1; 0 reports
 # the longest plan without running its step: at 786K tokens one step takes ~20 minutes),
-# EXTRA, OUTDIR (out/bench), NO_PERF_MD=1 to leave docs/PERF.md alone, SKIP_BUILD=1 to use the
+# EXTRA, OUTDIR (out/bench), COMMIT (named in the output; default git's), NO_PERF_MD=1 to leave
+# docs/PERF.md alone, SKIP_BUILD=1 to use the
 # binary as it is. The plan is the size-based one (--profile-steps 0), so no re-planning lands in
 # the timed iterations.
 set -euo pipefail
@@ -150,10 +151,15 @@ if [ "$MAXSEQ" = 1 ]; then
     done
 fi
 machine="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$visible, $(nproc) CPU cores"
-printf "\nmachine: %s, %s\n%b" "$machine" "$(date -u +%Y-%m-%d)" "$table"
+# the commit measured: COMMIT=..., else git's (a copy without .git says "unknown commit")
+commit="${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "unknown commit")}"
+if [ "$commit" != "unknown commit" ] && [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+    commit="$commit + uncommitted changes"
+fi
+printf "\nmachine: %s, %s, %s\n%b" "$machine" "$(date -u +%Y-%m-%d)" "$commit" "$table"
 if [ "${NO_PERF_MD:-0}" != 1 ]; then
     {
-        printf "\n### bench_paper.sh, %s, %s\n\n" "$(date -u +%Y-%m-%d)" "$machine"
+        printf "\n### bench_paper.sh, %s, %s, %s\n\n" "$(date -u +%Y-%m-%d)" "$machine" "$commit"
         printf "Command: \`MODELS=\"%s\" GPUS=\"%s\" EXTRA=\"%s\" scripts/bench_paper.sh\`\n\n" "$MODELS" "$GPUS" "$EXTRA"
         printf "%b" "$table"
     } >> docs/PERF.md
