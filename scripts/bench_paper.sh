@@ -22,10 +22,9 @@
 #
 # Variables: MODELS, GPUS, BATCH (128), SEQ (2048), MICRO (10), WARMUP (3), TIMED (4), SWEEP (0),
 # MAXSEQ (0), HOST_GIB (120: host memory a MAXSEQ plan may use), MAXSEQ_STEP (1; 0 reports
-# the longest plan without running its step: at 786K tokens one step takes ~20 minutes),
+# the longest plan without running its step: at 786K tokens one step takes ~12-20 minutes),
 # EXTRA, OUTDIR (out/bench), COMMIT (named in the output; default git's), NO_PERF_MD=1 to leave
-# docs/PERF.md alone, SKIP_BUILD=1 to use the
-# binary as it is. The plan is the size-based one (--profile-steps 0), so no re-planning lands in
+# docs/PERF.md alone, SKIP_BUILD=1 to use the binary as it is. The plan is the size-based one (--profile-steps 0), so no re-planning lands in
 # the timed iterations.
 set -euo pipefail
 cd "$(dirname "$0")/.."
