@@ -929,8 +929,13 @@ static void attention_backward_tiled(void* dqkv, const void* dout, const void* q
 #define ATTN_Q_WARPS 8     // dQ: 16 query rows per warp, 128 per block
 #define ATTN_Q_BC 64       // keys per tile in the dQ pass
 
-// The wgmma kernel where it can run (HD 64/128, device code for sm_90a on this device), else the
-// mma.sync one; both take every T >= 1 and write the same out and lse.
+// The wgmma kernels where they can run: HD 64/128 and sm_90a device code for this device.
+static int attention_takes_wgmma(int HD) {
+    return attention_wgmma_supports_head_dim(HD) && attention_wgmma_available();
+}
+
+// The wgmma kernel where it can run, else the mma.sync one; both take every T >= 1 and write the
+// same out and lse.
 extern "C" void attention_forward_bf16(void* out, float* lse, const void* qkv, int B, int T,
                                        int H, int KVH, int HD, void* stream) {
     if (!attention_forward_check("attention_forward_bf16", out, lse, qkv, B, T, H, KVH, HD))
@@ -938,7 +943,7 @@ extern "C" void attention_forward_bf16(void* out, float* lse, const void* qkv, i
     bf16* o = static_cast<bf16*>(out);
     const bf16* x = static_cast<const bf16*>(qkv);
     cudaStream_t s = static_cast<cudaStream_t>(stream);
-    if (attention_wgmma_supports_head_dim(HD) && attention_wgmma_available())
+    if (attention_takes_wgmma(HD))
         attention_forward_wgmma_hd<ATTN_WG_FWD_BC, ATTN_WG_FWD_NWG>(o, lse, x, B, T, H, KVH, HD, s);
     else
         attention_forward_mma_hd<ATTN_FWD_MT, ATTN_FWD_WARPS, ATTN_FWD_BC, ATTN_FWD_MINB>(
@@ -957,7 +962,7 @@ extern "C" size_t attention_backward_workspace_bytes(int B, int T, int H, int KV
 extern "C" void attention_backward_bf16(void* dqkv, const void* dout, const void* qkv,
                                         const void* out, const float* lse, void* workspace,
                                         int B, int T, int H, int KVH, int HD, void* stream) {
-    if (attention_wgmma_supports_head_dim(HD) && attention_wgmma_available())
+    if (attention_takes_wgmma(HD))
         attention_backward_wgmma<ATTN_WG_BWD_KV_NWG, ATTN_WG_BWD_KV_STAGES, ATTN_WG_BWD_Q_NWG,
                                  ATTN_WG_BWD_Q_STAGES>(dqkv, dout, qkv, out, lse, workspace, B, T,
                                                        H, KVH, HD, stream);
@@ -966,9 +971,7 @@ extern "C" void attention_backward_bf16(void* dqkv, const void* dout, const void
             dqkv, dout, qkv, out, lse, workspace, B, T, H, KVH, HD, stream);
 }
 
-extern "C" int attention_uses_wgmma(int HD) {
-    return attention_wgmma_supports_head_dim(HD) && attention_wgmma_available();
-}
+extern "C" int attention_uses_wgmma(int HD) { return attention_takes_wgmma(HD); }
 
 extern "C" int attention_supports_head_dim(int HD) {
     return HD == 16 || HD == 32 || HD == 64 || HD == 128;
