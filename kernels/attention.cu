@@ -497,6 +497,20 @@ __global__ void attention_backward_dot_kernel(float* D, const bf16* dout, const 
     }
 }
 
+// Pass 1 of every backward launcher (these and the lab's): D into the workspace on `stream`.
+template <int HD>
+static void attention_backward_dot(float* D, const bf16* dout, const bf16* out, int B, int T,
+                                   int H, const char* fn, cudaStream_t stream) {
+    const int64_t rows = (int64_t)B * T * H;
+    const int64_t blocks = (rows + 7) / 8;  // 8 warps of 256 threads, one row each
+    if (blocks > 0x7fffffff) {
+        fprintf(stderr, "attention: %s: B*T*H = %lld too large\n", fn, (long long)rows);
+        exit(1);
+    }
+    attention_backward_dot_kernel<HD><<<(unsigned)blocks, 256, 0, stream>>>(D, dout, out, B, T, H);
+    attention_check(cudaGetLastError());
+}
+
 // ----------------------------------------------------------------------------
 // backward, pass 2: dK, dV
 
@@ -829,16 +843,7 @@ static void attention_backward_run(bf16* dqkv, const bf16* dout, const bf16* qkv
     const float scale = 1.0f / sqrtf((float)HD);
     const float scale_log2 = scale * ATTN_LOG2E;
 
-    const int64_t rows = (int64_t)B * T * H;
-    const int64_t dot_blocks = (rows + 7) / 8;
-    if (dot_blocks > 0x7fffffff) {
-        fprintf(stderr, "attention: attention_backward_bf16: B*T*H = %lld too large\n",
-                (long long)rows);
-        exit(1);
-    }
-    attention_backward_dot_kernel<HD><<<(unsigned)dot_blocks, 256, 0, stream>>>(D, dout, out, B, T,
-                                                                               H);
-    attention_check(cudaGetLastError());
+    attention_backward_dot<HD>(D, dout, out, B, T, H, "attention_backward_bf16", stream);
 
     {
         constexpr int BC = 16 * KV_WARPS;

@@ -1270,18 +1270,15 @@ static void bench_backward_passes(const LabOptions& opt, FILE* log, const Shape&
     const size_t q_smem = (size_t)(2 * Q_BR + 4 * ATTN_Q_BC) * LD * sizeof(bf16);
     auto kv_kernel = attention_backward_dkdv_kernel<HD, ATTN_KV_WARPS, ATTN_KV_BRQ>;
     auto q_kernel = attention_backward_dq_kernel<HD, ATTN_Q_WARPS, ATTN_Q_BC>;
-    lab_check(cudaFuncSetAttribute(kv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   (int)kv_smem));
-    lab_check(
-        cudaFuncSetAttribute(q_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)q_smem));
+    attention_set_max_smem(kv_kernel, kv_smem);
+    attention_set_max_smem(q_kernel, q_smem);
     cudaEvent_t ev[4];
     for (auto& e : ev) lab_check(cudaEventCreate(&e));
     std::vector<float> t[3];
     for (int r = 0; r < 12; r++) {
         lab_check(cudaEventRecord(ev[0]));
-        const int64_t rows = (int64_t)s.B * s.T * s.H;
-        attention_backward_dot_kernel<HD><<<(unsigned)((rows + 7) / 8), 256>>>(c.ws, c.dout, c.out,
-                                                                               s.B, s.T, s.H);
+        attention_backward_dot<HD>(c.ws, c.dout, c.out, s.B, s.T, s.H,
+                                   "bench_backward_passes", nullptr);
         lab_check(cudaEventRecord(ev[1]));
         kv_kernel<<<dim3(s.KVH * s.B, (s.T + KV_BC - 1) / KV_BC), ATTN_KV_WARPS * 32, kv_smem>>>(
             c.dqkv, c.dout, c.qkv, c.lse, c.ws, s.T, s.H, s.KVH, scale_log2, scale);

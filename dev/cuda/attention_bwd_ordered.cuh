@@ -561,24 +561,20 @@ static void attention_backward_ordered_run(bf16* dqkv, const bf16* dout, const b
     unsigned* counters = reinterpret_cast<unsigned*>(ws + w.cnt_off);
 
     const int64_t rows = (int64_t)B * T * H;
-    const int64_t dot_blocks = (rows + 7) / 8;
     const int64_t n_kv_tiles = (T + BC - 1) / BC;
     const int64_t blocks = n_kv_tiles * KVH * B;
-    if (dot_blocks > 0x7fffffff || blocks > 0x7fffffff) {
+    if (blocks > 0x7fffffff) {
         fprintf(stderr, "attention: %s: B*T*H = %lld too large\n", fn, (long long)rows);
         exit(1);
     }
-    attention_backward_dot_kernel<HD><<<(unsigned)dot_blocks, 256, 0, stream>>>(D, dout, out, B, T,
-                                                                               H);
-    attention_check(cudaGetLastError());
+    attention_backward_dot<HD>(D, dout, out, B, T, H, fn, stream);
     attention_check(
         cudaMemsetAsync(counters, 0, (size_t)(w.n_counters + 1) * sizeof(unsigned), stream));
     if (marks) attention_check(cudaEventRecord(marks[0], stream));
 
     const size_t smem = ordered_smem_bytes<HD, NWARPS, BRQ>();
     auto kernel = attention_backward_ordered_kernel<HD, NWARPS, BRQ>;
-    attention_check(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    attention_set_max_smem(kernel, smem);
     kernel<<<(unsigned)blocks, NWARPS * 32, smem, stream>>>(dqkv, acc, counters, dout, qkv, lse, D,
                                                             B, T, H, KVH, scale_log2, scale);
     attention_check(cudaGetLastError());

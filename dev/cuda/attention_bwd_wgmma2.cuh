@@ -720,25 +720,18 @@ static void attn_bw2_run(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf
     const float scale = 1.0f / sqrtf((float)HD);
     const float scale_log2 = scale * ATTN_LOG2E;
 
-    const int64_t rows = (int64_t)B * T * H;
-    const int64_t dot_blocks = (rows + 7) / 8;
     const int64_t kv_tiles = (T + KV_BN - 1) / KV_BN, q_tiles = (T + Q_BR - 1) / Q_BR;
-    if (dot_blocks > 0x7fffffff || kv_tiles > 65535 || q_tiles > 65535) {
-        fprintf(stderr, "attention: %s: B*T*H = %lld or T = %d too large\n", fn, (long long)rows,
-                T);
+    if (kv_tiles > 65535 || q_tiles > 65535) {
+        fprintf(stderr, "attention: %s: T = %d too large\n", fn, T);
         exit(1);
     }
-    attention_backward_dot_kernel<HD><<<(unsigned)dot_blocks, 256, 0, stream>>>(D, dout, out, B, T,
-                                                                               H);
-    attention_check(cudaGetLastError());
+    attention_backward_dot<HD>(D, dout, out, B, T, H, fn, stream);
     if (marks) attention_check(cudaEventRecord(marks[0], stream));
     {
         const size_t smem = attn_bw2_dkdv_smem_bytes<HD, KV_STAGES>();
         auto kernel = attn_bw2_dkdv_kernel<HD, KV_STAGES, KV_PP>;
-        attention_check(
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        dim3 grid((unsigned)(KVH * B), (unsigned)kv_tiles);
-        kernel<<<grid, ATTN_BW2_NWG * ATTN_WG_THREADS, smem, stream>>>(dqkv, dout, qkv, lse, D, T,
+        attention_set_max_smem(kernel, smem);
+        kernel<<<attention_grid(B, T, KVH, KV_BN), ATTN_BW2_NWG * ATTN_WG_THREADS, smem, stream>>>(dqkv, dout, qkv, lse, D, T,
                                                                        H, KVH, scale_log2, scale);
         attention_check(cudaGetLastError());
     }
@@ -746,10 +739,8 @@ static void attn_bw2_run(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf
     {
         const size_t smem = attn_bw2_dq_smem_bytes<HD, Q_STAGES>();
         auto kernel = attn_bw2_dq_kernel<HD, Q_STAGES, Q_PP>;
-        attention_check(
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        dim3 grid((unsigned)(H * B), (unsigned)q_tiles);
-        kernel<<<grid, ATTN_BW2_NWG * ATTN_WG_THREADS, smem, stream>>>(dqkv, dout, qkv, lse, D, T,
+        attention_set_max_smem(kernel, smem);
+        kernel<<<attention_grid(B, T, H, Q_BR), ATTN_BW2_NWG * ATTN_WG_THREADS, smem, stream>>>(dqkv, dout, qkv, lse, D, T,
                                                                        H, KVH, scale_log2, scale);
         attention_check(cudaGetLastError());
     }

@@ -734,28 +734,23 @@ static void attn_gqp_bwd_run(bf16* dqkv, const bf16* dout, const bf16* qkv, cons
     const float scale = 1.0f / sqrtf((float)HD);
     const float scale_log2 = scale * ATTN_LOG2E;
 
-    const int64_t rows = (int64_t)B * T * H;
-    const int64_t dot_blocks = (rows + 7) / 8;
     const int64_t kv_tiles = (T + KV_BN - 1) / KV_BN;
     constexpr int CTA_ROWS = PACK ? ATTN_GQP_ROWS : ATTN_GQP_PROD_BR;
     constexpr int HPC = PACK ? ATTN_GQP_HEADS : 1;
     const int64_t q_tiles = (T + CTA_ROWS - 1) / CTA_ROWS;
-    if (dot_blocks > 0x7fffffff || kv_tiles > 65535 ||
-        (units_per_section == 0 && q_tiles > 65535) || q_tiles * B * H > 0x7fffffff) {
-        fprintf(stderr, "attention: %s: B*T*H = %lld or T = %d too large\n", fn, (long long)rows,
-                T);
+    if (kv_tiles > 65535 || (units_per_section == 0 && q_tiles > 65535) ||
+        q_tiles * B * H > 0x7fffffff) {
+        fprintf(stderr, "attention: %s: B*T*H = %lld or T = %d too large\n", fn,
+                (long long)B * T * H, T);
         exit(1);
     }
-    attention_backward_dot_kernel<HD><<<(unsigned)dot_blocks, 256, 0, stream>>>(D, dout, out, B, T,
-                                                                               H);
-    attention_check(cudaGetLastError());
+    attention_backward_dot<HD>(D, dout, out, B, T, H, fn, stream);
     if (marks) attention_check(cudaEventRecord(marks[0], stream));
     {
         const size_t smem = attn_bwg_dkdv_smem_bytes<HD, KV_NWG, BQ, KV_STAGES>();
         auto kernel = attn_bwg_dkdv_kernel<HD, KV_NWG, BQ, KV_STAGES>;
         attention_set_max_smem(kernel, smem);
-        const dim3 grid((unsigned)(KVH * B), (unsigned)kv_tiles);
-        kernel<<<grid, KV_NWG * ATTN_WG_THREADS, smem, stream>>>(dqkv, dout, qkv, lse, D, T, H,
+        kernel<<<attention_grid(B, T, KVH, KV_BN), KV_NWG * ATTN_WG_THREADS, smem, stream>>>(dqkv, dout, qkv, lse, D, T, H,
                                                                  KVH, scale_log2, scale);
         attention_check(cudaGetLastError());
     }
