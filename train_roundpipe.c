@@ -195,20 +195,21 @@ static void resolve_mlp_chunk(Model* m, const TrainArgs* a, int act_bytes, int n
 // possible and the host has room for the extra gradient sets. On two H200s it measured 24,338
 // vs 23,383 tok/s (LLaMA-3.1-8B) and 90,006 vs 88,519 (Qwen3-1.7B): the optimizer step of an
 // iteration overlaps the next one instead of stalling the GPU whose turn comes next.
-// host_need: the host bytes of the weights, optimizer state and gradients without the split;
-// extra: what the split adds.
+// eo: the run's engine options; host_need: the host bytes of the weights, optimizer state and
+// gradients without the split; extra: what the split adds.
 static void resolve_split_rounds(TrainArgs* a, const Model* m, int act_bytes, int n_devices,
-                                 double host_need, double extra, double host_total) {
+                                 const EngineOptions* eo, double host_need, double extra,
+                                 double host_total) {
     if (a->split_rounds >= 0) return;
     a->split_rounds = 0;
     if (a->device != DEVICE_CUDA || n_devices < 2 || a->micro_batches % n_devices != 0 ||
         a->round_micro_batches > 0)
         return;
-    EngineOptions eo = engine_options(a, 1, n_devices, 0);
-    eo.split_rounds = 1;
+    EngineOptions split = *eo;
+    split.split_rounds = 1;
     char err[ERR_LEN];
     size_t host_acts = 0;  // the split plan's host activation checkpoints
-    if (engine_plan_print(m, act_bytes, n_devices, &eo, NULL, &host_acts, err) != 0)
+    if (engine_plan_print(m, act_bytes, n_devices, &split, NULL, &host_acts, err) != 0)
         return;  // no one-stage plan
     if (host_total > 0 && host_need + (double)host_acts + extra > 0.9 * host_total) {
         printf("note: --split-rounds auto: not splitting rounds (the extra %.1f GiB of gradients "
@@ -278,8 +279,8 @@ int main(int argc, char** argv) {
     if (engine_run || a.plan_only) {
         const EngineOptions eo = engine_options(&a, use_cuda, N > 0 ? N : 1, 0);
         resolve_mlp_chunk(&model, &a, use_cuda ? 2 : 4, N > 0 ? N : 1, &eo);
-        resolve_split_rounds(&a, &model, use_cuda ? 2 : 4, N, host_fixed,
-                             (N - 1) * 4.0 * P, host_total);
+        resolve_split_rounds(&a, &model, use_cuda ? 2 : 4, N, &eo, host_fixed, (N - 1) * 4.0 * P,
+                             host_total);
     }
     // split rounds: one more fp32 gradient set per extra round
     if (engine_run && a.split_rounds > 0 && N > 1) host_fixed += (N - 1) * 4.0 * P;
