@@ -2,7 +2,7 @@
  * attention.cu — causal grouped-query flash attention, forward and backward, bf16 in/out with fp32
  * accumulation, on tensor cores through mma.sync m16n8k16 (sm_80+; tuned on H200), and for the
  * forward and backward at HD 64 and 128 through Hopper warpgroup MMAs (wgmma, sm_90a:
- * attention_wgmma.cuh and attention_bwd_wgmma.cuh, included below; on H200 1.3-1.6x the mma.sync
+ * attention_wgmma.cuh and attention_bwd_wgmma.cuh, included below; on H200 1.6-1.8x the mma.sync
  * forward and 1.8-1.9x its backward). The C interface is
  * kernels/attention.h; the development versions, the CPU reference, the validation and the
  * benchmark live in dev/cuda/attention.cu (which includes this file).
@@ -12,9 +12,11 @@
  *    cp.async double buffering; online softmax in fp32 in base 2 (log2(e)/sqrt(HD) folded into one
  *    scale), O rescaled only when a row's maximum moved; tiles right of the diagonal are never
  *    loaded. Saves lse (natural log) per query row. The wgmma forward keeps this scheme and this
- *    output (same out, same lse for the backward) with 128-key tiles and the P V product of one
- *    tile overlapping the softmax of the next; attention_forward_bf16 takes it when the head dim
- *    and the device code allow, else the mma.sync kernel.
+ *    output (same out, same lse for the backward) with 128-key tiles, the P V product of one
+ *    tile overlapping the softmax of the next, a producer warpgroup feeding K/V through
+ *    mbarrier rings and two consumer warpgroups taking turns on the tensor cores;
+ *    attention_forward_bf16 takes it when the head dim and the device code allow, else the
+ *    mma.sync kernel.
  *  - backward: (1) D = rowsum(dO * O) per (b, h, t) into the workspace; (2) one block per
  *    (kv tile, kv head, batch) owns dK and dV of its keys in registers and walks every query head of
  *    its group and every query tile at or below the diagonal in a fixed order; (3) a separate pass,
@@ -911,13 +913,12 @@ static void attention_backward_tiled(void* dqkv, const void* dout, const void* q
 // Timed on H200 at HD=128 (dev/cuda/attention.cu, "Results"): 32 rows per warp halve the shared-
 // memory reads per mma against 16, and 32-key tiles keep S in registers without spills (255 regs,
 // 2 blocks of 4 warps per SM). The backward shapes were all within 2% of each other.
-// The wgmma forward (lab variant 7 against 8): 128-key tiles beat 64 at T = 2048..16384 (377, 449,
-// 495 TFLOP/s against the mma.sync kernel's 295, 311, 338); 64 came close only at T=262144 (477).
-// Its 164,864 bytes of shared memory at HD=128 (82,944 at HD=64) fit every sm_90a part (227 KB).
-// Wired in here, the lab's "kernels" forward measured 398, 459, 538 TFLOP/s (T = 2048, 4096,
-// 16384; --quick --no-big --fwd 0, one run, binary built with -gencode compute_90a/sm_90a).
-#define ATTN_WG_FWD_BC 128 // keys per K/V tile of the wgmma forward
-#define ATTN_WG_FWD_NWG 2  // its warpgroups of 64 query rows: 128-row query tiles
+// The wgmma forward (lab, session 6): warp-specialised, 3-stage K/V rings below 32768 tokens and
+// 2-stage rings from there on: T = 2048 / 4096 / 16384 k3v3 460 / 492 / 607 TFLOP/s (k2v2 455 /
+// 496 / 556), T = 65536 and B=3 T=131072 H=32 k2v2 589 / 579 (k3v3 562 / 562); the previous
+// two-warpgroup kernel measured 396 / 403 / 486 / 506 / 474 (the mma.sync kernel: 295, 311, 338
+// at the first three). Both rings compute the same bits.
+#define ATTN_WG_FWD_LONG_T 32768 // from here on the 2-stage rings
 // The wgmma backward (lab, session 5): two warpgroups and 3 ring slots in both passes ("wg2 s3")
 // against one warpgroup and 2 slots: 345 / 381 / 409 against 331 / 387 / 374 TFLOP/s at T =
 // 2048 / 4096 / 16384 (the mma.sync backward: 188 / 202 / 217).
@@ -948,8 +949,10 @@ extern "C" void attention_forward_bf16(void* out, float* lse, const void* qkv, i
     bf16* o = static_cast<bf16*>(out);
     const bf16* x = static_cast<const bf16*>(qkv);
     cudaStream_t s = static_cast<cudaStream_t>(stream);
-    if (attention_takes_wgmma(HD))
-        attention_forward_wgmma_hd<ATTN_WG_FWD_BC, ATTN_WG_FWD_NWG>(o, lse, x, B, T, H, KVH, HD, s);
+    if (attention_takes_wgmma(HD) && T < ATTN_WG_FWD_LONG_T)
+        attention_forward_wgmma_hd<3, 3>(o, lse, x, B, T, H, KVH, HD, s);
+    else if (attention_takes_wgmma(HD))
+        attention_forward_wgmma_hd<2, 2>(o, lse, x, B, T, H, KVH, HD, s);
     else
         attention_forward_mma_hd<ATTN_FWD_MT, ATTN_FWD_WARPS, ATTN_FWD_BC, ATTN_FWD_MINB>(
             o, lse, x, B, T, H, KVH, HD, s);

@@ -1,71 +1,105 @@
 /*
  * attention_wgmma.cuh — causal grouped-query flash-attention FORWARD on Hopper warpgroup MMAs
- * (wgmma.mma_async, sm_90a only): what attention_forward_bf16 runs for HD 64 and 128 when the
- * device code was built for sm_90a (the Makefile's default GPU_ARCH). Part of
+ * (wgmma.mma_async, sm_90a only), warp-specialised: what attention_forward_bf16 runs for HD 64
+ * and 128 when the device code was built for sm_90a (the Makefile's default GPU_ARCH). Part of
  * kernels/attention.cu, which includes it after its own helpers (smem_u32, cp_async_16,
  * fast_exp2, pack_bf16, acc_to_frag_a, attention_check*, attention_forward_check); not a
- * stand-alone header. dev/cuda/attention_wgmma.cuh forwards here, so the lab times this code.
+ * stand-alone header. The wgmma backward (attention_bwd_wgmma.cuh) shares its helpers below.
+ * dev/cuda/attention_wgmma.cuh forwards here, so the lab times this code.
  * Same contract as the mma.sync forward: packed qkv rows [q heads | k heads | v heads], query
  * head h reads kv head h / (H/KVH) with no K/V copies, causal (key j visible to query i iff
  * j <= i), bf16 out, lse = natural-log log-sum-exp of the scaled logits per (b, h, t) for the
  * backward, rows past T zero-filled and never stored, 64-bit offsets. HD 64 and 128 only.
  *
- * Validated on an H200 in dev/cuda/attention.cu (variants 7 "wgmma bc128 wg2" and 8 "wgmma bc64
- * wg2"): every case, causal, GQA, odd T, HD 64 and 128, relative L2 error ~2e-3, bit-identical
- * repeats. Forward TFLOP/s at HD=128, H=16, KVH=8 against the mma.sync kernel: T=2048 B=16 377 vs
- * 295, T=4096 449 vs 311, T=16384 495 vs 338 (bc128); bc64 477 at T=262144. The C interface
- * uses bc128, 2 warpgroups (kernels/attention.cu, "the C interface").
+ * Validated on an H200 (session 6) in dev/cuda/attention.cu: 163 cases (causal, GQA, odd T, HD
+ * 64 and 128) twice each, bit-identical repeats, relative L2 error ~2e-3, the big case (B=3
+ * T=131072 H=32 KVH=8) compared whole with the C interface; compute-sanitizer memcheck,
+ * synccheck and racecheck clean on a case that wraps the 3-stage rings. Its outputs are bit for
+ * bit those of the previous production kernel (one CTA of two warpgroups that all loaded K/V
+ * with cp.async and met at a __syncthreads per kv tile; same tiles, same arithmetic). Forward
+ * TFLOP/s at HD=128 H=16 KVH=8 (median of 10), previous kernel -> this one with 3-stage rings
+ * (k3v3) / 2-stage rings (k2v2): T=2048 B=16 396 -> 460 / 455; T=4096 B=4 403 -> 492 / 496;
+ * T=16384 B=2 486 -> 607 / 556; T=65536 B=1 506 -> 562 / 589; B=3 T=131072 H=32 474 -> 562 /
+ * 579. The C interface takes k3v3 below 32768 tokens and k2v2 from there on (kernels/attention.cu).
+ * Measured and dropped: no ping-pong (462 / 496 / 558 / 574: worse from T=16384), a writer-side
+ * proxy fence instead of cp.async.mbarrier.arrive (419 / 495 / 549 / 572).
  *
  * ---------------------------------------------------------------------------------------------
  * Work decomposition
- *   One CTA per (query tile of BR = 64*NWG rows, query head, batch); grid x = h + H*b, y = query
- *   tile counted from the last (longest rows first), as in kernels/attention.cu. NWG warpgroups of
- *   128 threads; warpgroup w owns query rows [q0 + 64w, q0 + 64w + 64) of every product: the
- *   wgmma M dimension is 64, and inside a warpgroup warp v (= warp % 4) holds rows 16v..16v+15 of
- *   each accumulator, so (as in the mma.sync kernel) no reduction ever crosses warps.
- *   Every thread also issues cp.async loads: there is no producer warp (no TMA, no mbarrier).
+ *   One CTA of 384 threads = 3 warpgroups per (query tile of BR = 128 rows, query head, batch);
+ *   grid x = h + H*b, y = query tile counted from the last (longest rows first), as in
+ *   kernels/attention.cu. Warpgroups 0 and 1 are CONSUMERS: warpgroup w owns query rows
+ *   [q0 + 64w, q0 + 64w + 64) of every product (the wgmma M dimension is 64; inside a warpgroup
+ *   warp v = warp % 4 holds rows 16v..16v+15 of each accumulator, so no reduction ever crosses
+ *   warps). Warpgroup 2 is the PRODUCER: it copies Q and the K/V tiles (BC = 128 keys) into
+ *   shared-memory rings with cp.async and publishes each through an mbarrier; the consumers
+ *   never meet at a CTA-wide barrier in the loop, only wait for their data and their turn.
+ *   Registers: the register file is split across the SM's 4 sub-partitions and warp w runs on
+ *   sub-partition w % 4; the launch gets 65536 / 384 = 168 registers per thread, then the
+ *   producer hands registers back (setmaxnreg.dec 24) and the consumers take them
+ *   (setmaxnreg.inc 240): per sub-partition 2 x 240 + 24 = 504 <= 512 per lane, the CTA's pool
+ *   (12 warps x 168 = 8 x 240 + 4 x 24). ptxas compiles each branch for its budget (consumers
+ *   ~184 registers at HD=128, producer < 24; no spills).
  *
- * Per kv tile j (BC keys), per warpgroup, the P V product lags one tile behind so that the tensor
- * cores have work while the softmax runs (FA3's intra-warpgroup overlap). Steady-state step
- * j = 1 .. n_tiles-1 (S_j = Q K_j^T: SS wgmma, Q and K from shared memory; P V: RS wgmma, P from
- * registers, V from shared memory):
- *     wgmma.wait_group 0   retire P_{j-2} V_{j-2}: O final for tiles <= j-2, p free
- *     ring_advance(j)      (below)
- *     p = bf16(P_{j-1}); O *= alpha_{j-1}     (s still holds P_{j-1} in fp32)
- *     issue S_j; issue O += P_{j-1} V_{j-1}
- *     wgmma.wait_group 1   S_j done
- *     mask (diagonal tiles only); online softmax in base 2 -> s = P_j (fp32), alpha_j
- *   Tile 0 issues S_0 alone; after the last tile one more P V. Invariant: at the top of step j,
- *   O holds tiles <= j-2 at the scale of the running maximum m_{j-2}; alpha_{j-1} =
- *   2^(m_{j-2} - m_{j-1}) brings it to m_{j-1} just before P_{j-1} V_{j-1} (at m_{j-1}) is added.
- *   Why the retiring wait sits at the top of the next step and not after the softmax: ptxas
- *   schedules a WARPGROUP.DEPBAR as early as its basic block allows, whatever the PTX order (seen
- *   in the SASS), which put the wait before the softmax and serialised the two; the loop's back
- *   edge keeps it after. The SASS of the steady state (cuobjdump -sass) reads: DEPBAR.LE gsb0 0x0,
- *   cp.async wait, BAR.SYNC, LDGSTS, conversion and rescale, 8+8 HGMMA, DEPBAR.LE gsb0 0x1, mask,
- *   64 MUFU.EX2, branch back.
- *   All wgmma issues and waits are on straight-line, CTA-uniform code: ptxas serialises wgmmas
- *   whose groups it cannot follow through branches or divergent paths (C7514/C7518/C7520 in the
- *   build log). So both warpgroups walk all n_tiles tiles of the CTA (tiles holding keys <= its
- *   last row): with BC < BR warpgroup 0 multiplies one tile that is fully right of its diagonal
- *   (probabilities 0, alpha 1, harmless), and a warpgroup whose rows are all past T computes rows
- *   nobody stores (their Q rows are zeros: finite throughout).
+ * Producer: Q, K_0, then for t = 0 .. n_tiles-1: K_{t+1} (if any), V_t. Tile u goes to stage
+ *   s = u % S of its ring (S = SK or SV stages); for u >= S it first waits for completion
+ *   u/S - 1 of empty[s] (try_wait.parity, parity ((u/S) & 1) ^ 1): both consumer warpgroups
+ *   have retired every wgmma that read tile u - S. Publication: each producer thread's
+ *   cp.async.mbarrier.arrive.noinc on full[s] (128 expected arrivals) after its copies of the
+ *   tile: the hardware arrives once every cp.async the thread issued so far has landed. The
+ *   producer exits after commit + wait_group 0 (no copy left in flight behind it).
  *
- * Shared memory ring (2 stages each for K and V), at step j = 0 .. n_tiles (ring_advance):
- *     cp.async.wait_group 0; fence.proxy.async; __syncthreads()
- *     load K_{j+1} -> K stage (j+1)&1   (if j+1 < n_tiles)
- *     load V_j     -> V stage  j&1      (if j < n_tiles)
- *   then S_j reads K stage j&1 and P_{j-1} V_{j-1} reads V stage (j-1)&1.
- *   K_{j+1} overwrites K_{j-1}, read by S_{j-1} (issued in step j-1, retired by its wait_group 1);
- *   V_j overwrites V_{j-2}, read by P_{j-2} V_{j-2} (issued in step j-1, retired by the
- *   wait_group 0 at the top of step j, before this barrier, in every warpgroup); the barrier
- *   orders both reads before the new writes. Each load is waited for at the next step, where it
- *   is needed. The prologue loads Q and K_0.
- *   The fence: cp.async writes shared memory through the generic proxy, wgmma reads it through
- *   the async proxy; fence.proxy.async (each writer, after its cp.async completed, before the
- *   barrier) makes the writes visible to the async proxy. The same fence, placed after the
- *   previous step's wgmma.wait_group in program order, also covers the reverse order
- *   (async-proxy reads, then generic writes to the same stage).
+ * Consumer warpgroup w, per kv tile; the P V product lags one tile behind so that the tensor
+ * cores have work while the softmax runs (S_j = Q K_j^T: SS wgmma, Q and K from shared memory;
+ * P V: RS wgmma, P from registers, V from shared memory):
+ *   tile 0:  wait full_q, full_k[0]; fence; [turn]; issue S_0; [pass the turn]; wait_group 0;
+ *            release K_0; softmax(S_0)
+ *   step j = 1 .. n_tiles-1:
+ *            wait_group 0            P_{j-2} V_{j-2} retired -> release V_{j-2} (j >= 2)
+ *            p = bf16(P_{j-1}); O *= alpha_{j-1}     (s still holds P_{j-1} in fp32)
+ *            wait full_k[j % SK], full_v[(j-1) % SV] (parities (j/SK)&1, ((j-1)/SV)&1)
+ *            fence.proxy.async; [turn]
+ *            issue S_j; issue O += P_{j-1} V_{j-1}; [pass the turn]
+ *            wait_group 1            S_j retired -> release K_j
+ *            mask (diagonal tiles only); online softmax in base 2 -> s = P_j (fp32), alpha_j
+ *   tail:    wait_group 0 -> release V_{n-2}; convert, rescale; wait full_v[(n-1) % SV]; fence;
+ *            [turn]; issue P_{n-1} V_{n-1}; [pass]; wait_group 0; warpgroup 0 consumes
+ *            warpgroup 1's last turn arrival; epilogue (O / l, lse)
+ *   Invariant: at the top of step j, O holds tiles <= j-2 at the scale of the running maximum
+ *   m_{j-2}; alpha_{j-1} = 2^(m_{j-2} - m_{j-1}) brings it to m_{j-1} just before P_{j-1} V_{j-1}
+ *   (at m_{j-1}) is added. A release is one mbarrier.arrive (release) per warp by lane 0 after
+ *   the warp's wait_group: empty barriers expect 8 arrivals (every warp's slice of a wgmma reads
+ *   all of B, K or V). Why the retiring wait_group 0 sits at the top of the next step and not
+ *   after the softmax: ptxas schedules a WARPGROUP.DEPBAR as early as its basic block allows,
+ *   whatever the PTX order, which would serialise it with the softmax; the back edge keeps it
+ *   after. All wgmma issues and waits are on straight-line, CTA-uniform code (ptxas serialises
+ *   wgmmas it cannot follow through branches: C7514/C7518/C7520 in the build log): both
+ *   warpgroups walk all n_tiles tiles of the CTA (tiles holding keys <= its last row); a
+ *   warpgroup whose rows are all past T computes rows nobody stores (Q rows zero: finite).
+ *
+ * Ping-pong (FA3's scheme): named barriers 1 and 2 over the 256 consumer threads ("turns").
+ *   Warpgroup w syncs on 1 + w before each issue phase and arrives on 2 - w after it; warpgroup
+ *   1 arrives on 1 once up front, so warpgroup 0 issues first; both run n_tiles + 1 issue phases
+ *   and warpgroup 0 syncs once more after the loop: nothing is left half-complete. Steady state:
+ *   while one warpgroup's products run on the tensor cores, the other does its softmax (alone
+ *   on the MUFU) and queues its next products behind them.
+ *
+ * Deadlock freedom (checked at random by dev/cuda/attention_fwd_ws_model.py: producer and
+ * consumers as program order, landings and completions at random moments, exact mbarrier
+ * parity semantics): the producer's loads are in the fixed order K_0, K_1, V_0, K_2, V_1, ...;
+ * the release a load waits for (K_u: S_{u-SK} retired; V_u: P_{u-SV} V_{u-SV} retired) needs
+ * only tiles loaded EARLIER in that order (for SK, SV >= 2), in both warpgroups; the turns only
+ * order issue phases whose data both warpgroups wait for identically. Phases cannot alias: a
+ * full barrier's next phase needs the producer past the empty barrier that the consumers of
+ * the current phase release, and conversely.
+ *
+ * Cross-proxy visibility: cp.async writes shared memory through the generic proxy, wgmma reads
+ * it through the async proxy. As CUTLASS's cp.async GMMA mainloops, the consumer acquires the
+ * full barrier (completed by cp.async.mbarrier.arrive) and then, as a margin, executes
+ * fence.proxy.async before the wgmma. The reverse order (async-proxy reads, then a stage
+ * refilled by generic writes): a wgmma's completion observed by wait_group "is followed by an
+ * implicit generic-async proxy fence" (PTX ISA), and the release/acquire chain of the empty
+ * barrier orders it before the new copies.
  *
  * ---------------------------------------------------------------------------------------------
  * Shared-memory layout: 128-byte swizzle ("SW128"), the same for Q, K and V
@@ -335,83 +369,220 @@ struct WgmmaBf16<128> {
 };
 
 // ----------------------------------------------------------------------------
-// forward kernel
+// forward kernel: shape of a CTA
 
-// Bytes of dynamic shared memory: Q (BR x HD) + 2 stages of K + 2 of V (BC x HD each), bf16, plus
-// 1024 bytes of slack to align the base to a swizzle atom (the runtime does not promise more than
-// 16-byte alignment of dynamic shared memory).
-template <int HD, int BC, int NWG>
-constexpr size_t attention_wgmma_smem_bytes() {
-    return (size_t)(ATTN_WG_ROWS * NWG + 4 * BC) * HD * sizeof(bf16) + ATTN_SW128_ATOM_BYTES;
+#define ATTN_WGF_NWG 2                                      // consumer warpgroups per CTA
+#define ATTN_WGF_BC 128                                     // keys per K/V tile
+#define ATTN_WGF_CONSUMERS (ATTN_WGF_NWG * ATTN_WG_THREADS) // 256 consumer threads
+#define ATTN_WGF_PRODUCERS ATTN_WG_THREADS                  // warpgroup 2: the producer
+#define ATTN_WGF_THREADS (ATTN_WGF_CONSUMERS + ATTN_WGF_PRODUCERS)  // 384 threads per CTA
+#define ATTN_WGF_MBAR_BYTES 128                             // room for the mbarriers (<= 16)
+// Registers per thread after setmaxnreg: per SM sub-partition (16384 registers, one warp of each
+// warpgroup) 2 * 240 + 24 = 504 <= 512 registers per lane. The launch itself gets
+// 65536 / 384 = 168 (what ptxas reports as "Used 168 registers").
+#define ATTN_WGF_CONSUMER_REGS 240
+#define ATTN_WGF_PRODUCER_REGS 24
+
+// ----------------------------------------------------------------------------
+// device helpers (sm_90a): mbarriers, named barriers
+
+// mbarrier at shared address `bar` expecting `count` arrivals per phase.
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+#if ATTN_WG_ENABLED
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+#endif
+}
+// Make the initialised mbarriers visible (to the async arrivals of cp.async as well).
+__device__ __forceinline__ void mbar_init_fence() {
+#if ATTN_WG_ENABLED
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+// Block until the phase of parity `parity` of the mbarrier has completed (acquire, CTA scope).
+// The loop lives inside one asm statement (PTX scopes the labels to the braces), so the
+// compiler sees straight-line code.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+#if ATTN_WG_ENABLED
+    asm volatile(
+        "{\n.reg .pred P1;\n"
+        "MBAR_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+        "@P1 bra MBAR_DONE;\n"
+        "bra MBAR_WAIT;\n"
+        "MBAR_DONE:\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+#endif
+}
+// Arrive (release, CTA scope) on the mbarrier when pred holds; predicated, no branch.
+__device__ __forceinline__ void mbar_arrive_if(uint32_t bar, bool pred) {
+#if ATTN_WG_ENABLED
+    asm volatile(
+        "{\n.reg .pred p;\n.reg .b64 st;\n"
+        "setp.ne.b32 p, %1, 0;\n"
+        "@p mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar),
+        "r"((int)pred)
+        : "memory");
+#endif
+}
+// One arrival on the mbarrier once every cp.async this thread issued so far has completed
+// (.noinc: the arrival is one of the `count` the barrier was initialised with).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+#if ATTN_WG_ENABLED
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+#endif
+}
+// Hand registers back to / take them from the SM's pool (whole warpgroup, sm_90a).
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+#if ATTN_WG_ENABLED
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+#if ATTN_WG_ENABLED
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+// Named barriers of the two consumer warpgroups (256 threads; id 0 is __syncthreads).
+__device__ __forceinline__ void named_bar_sync(uint32_t id) {
+#if ATTN_WG_ENABLED
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(ATTN_WGF_CONSUMERS) : "memory");
+#endif
+}
+__device__ __forceinline__ void named_bar_arrive(uint32_t id) {
+#if ATTN_WG_ENABLED
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(ATTN_WGF_CONSUMERS) : "memory");
+#endif
 }
 
-template <int HD, int BC, int NWG>
-__global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
+// ----------------------------------------------------------------------------
+// forward kernel
+
+template <int HD, int SK, int SV>
+constexpr size_t attention_wgmma_smem_bytes() {
+    return (size_t)(ATTN_WG_ROWS * ATTN_WGF_NWG + (SK + SV) * ATTN_WGF_BC) * HD * sizeof(bf16) +
+           ATTN_SW128_ATOM_BYTES + ATTN_WGF_MBAR_BYTES;
+}
+
+template <int HD, int SK, int SV>
+__global__ void __launch_bounds__(ATTN_WGF_THREADS, 1)
     attention_forward_wgmma_kernel(bf16* out, float* lse, const bf16* qkv, int T, int H, int KVH,
                                    float scale_log2) {
     static_assert(HD == 64 || HD == 128, "head dim: one or two 64-column swizzle panels");
-    static_assert(BC == 64 || BC == 128, "keys per tile: wgmma N of S (64 or 128 implemented)");
-    static_assert(NWG >= 1 && NWG <= 2, "warpgroups per CTA");
+    static_assert(SK >= 2 && SV >= 2, "ring stages (see the deadlock argument in the header)");
+    static_assert(1 + 2 * SK + 2 * SV <= ATTN_WGF_MBAR_BYTES / 8, "mbarrier room");
 #if ATTN_WG_ENABLED
-    constexpr int BR = ATTN_WG_ROWS * NWG;  // query rows per CTA
-    constexpr int NT = ATTN_WG_THREADS * NWG;
-    constexpr int NB_S = BC / 8;            // 8-column blocks of the S accumulator
-    constexpr int NB_O = HD / 8;            // of the O accumulator
-    constexpr int KS_S = HD / ATTN_WG_K;    // k-steps of S = Q K^T
-    constexpr int KS_O = BC / ATTN_WG_K;    // k-steps of O += P V
+    constexpr int BC = ATTN_WGF_BC;
+    constexpr int BR = ATTN_WG_ROWS * ATTN_WGF_NWG;  // 128 query rows per CTA
+    constexpr int NB_S = BC / 8;                     // 8-column blocks of the S accumulator
+    constexpr int NB_O = HD / 8;                     // of the O accumulator
+    constexpr int KS_S = HD / ATTN_WG_K;             // k-steps of S = Q K^T
+    constexpr int KS_O = BC / ATTN_WG_K;             // k-steps of O += P V
     constexpr uint32_t Q_BYTES = BR * HD * sizeof(bf16);
     constexpr uint32_t KV_BYTES = BC * HD * sizeof(bf16);     // one stage of K or of V
     constexpr uint32_t KV_PANEL = BC * ATTN_SW128_ROW_BYTES;  // 64 hd columns of a K/V stage
-    constexpr uint32_t ATOM = ATTN_SW128_ATOM_BYTES;          // SBO of every operand: 8 rows
+    constexpr uint32_t ATOM = ATTN_SW128_ATOM_BYTES;
     constexpr uint32_t KMAJOR_LBO = 16;  // unused by swizzled K-major layouts; encodes as 1
     static_assert(Q_BYTES % ATOM == 0 && KV_BYTES % ATOM == 0, "regions stay atom-aligned");
 
-    extern __shared__ __align__(1024) unsigned char attention_wgmma_smem[];
-    const uint32_t sbase = (smem_u32(attention_wgmma_smem) + (ATOM - 1)) & ~(ATOM - 1);
-    const uint32_t sQ = sbase;                // (BR, HD) SW128
-    const uint32_t sK = sQ + Q_BYTES;         // 2 stages of (BC, HD) SW128
-    const uint32_t sV = sK + 2 * KV_BYTES;    // 2 stages of (BC, HD) SW128
+    extern __shared__ __align__(1024) unsigned char attn_fwd_smem[];
+    const uint32_t sbase = (smem_u32(attn_fwd_smem) + (ATOM - 1)) & ~(ATOM - 1);
+    const uint32_t sQ = sbase;                          // (BR, HD) SW128
+    const uint32_t sK = sQ + Q_BYTES;                   // SK stages of (BC, HD) SW128
+    const uint32_t sV = sK + SK * KV_BYTES;             // SV stages of (BC, HD) SW128
+    const uint32_t bar_q = sV + SV * KV_BYTES;          // mbarriers, 8 bytes each
+    const uint32_t bar_full_k = bar_q + 8;              // [SK]  K stage landed (128 arrivals)
+    const uint32_t bar_empty_k = bar_full_k + 8 * SK;   // [SK]  K stage released (8 warps)
+    const uint32_t bar_full_v = bar_empty_k + 8 * SK;   // [SV]
+    const uint32_t bar_empty_v = bar_full_v + 8 * SV;   // [SV]
 
     const int tid = threadIdx.x, lane = tid & 31;
-    const int wg = tid / ATTN_WG_THREADS;     // this thread's warpgroup
-    const int wv = (tid >> 5) & 3;            // its warp inside the warpgroup: rows 16wv..16wv+15
+    // the warp index through a shuffle from lane 0: a warp-uniform value the compiler can see
+    // as such (the producer/consumer branch below must not look divergent around the wgmmas)
+    const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
+    const int wg = warp >> 2;  // 0, 1: consumers; 2: producer
     const int h = blockIdx.x % H, b = blockIdx.x / H;
-    const int q0 = (gridDim.y - 1 - blockIdx.y) * BR;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * BR;  // longest rows first
     const int kvh = h / (H / KVH);
     const int64_t QKV = (int64_t)(H + 2 * KVH) * HD;
     const bf16* seq = qkv + (int64_t)b * T * QKV;
     const bf16* gQ = seq + (int64_t)h * HD;
     const bf16* gK = seq + (int64_t)(H + kvh) * HD;
     const bf16* gV = seq + (int64_t)(H + KVH + kvh) * HD;
-    // Tiles holding keys <= the CTA's last query (< T). Every warpgroup multiplies all of them:
-    // the wgmma control flow must depend only on CTA-uniform values, else ptxas serialises the
-    // wgmmas (C7520, "WG.AR in divergent path"). The price: with BC < BR, warpgroup 0 also
-    // multiplies the last tile, fully right of its diagonal (masked to probabilities 0, O
-    // unchanged), and a warpgroup whose rows are all past T computes rows nobody stores (their
-    // Q rows are zeros: finite throughout).
+    // kv tiles holding keys <= the CTA's last query (< T); both warpgroups walk all of them
+    // (the wgmma control flow stays CTA-uniform: header)
     const int n_tiles = (min(q0 + BR, T) - 1) / BC + 1;
-    const int wq0 = q0 + wg * ATTN_WG_ROWS;  // this warpgroup's first query row
-    // first query row held by this thread (row of accumulator registers e = 0, 1; e = 2, 3 hold
-    // row + 8)
-    const int my_row = wq0 + wv * 16 + (lane >> 2);
 
-    // Descriptors at k-step 0 / stage 0 (derivations in the header). Q: this warpgroup's 64 rows.
-    const uint64_t desc_q = wg_desc(sQ + wg * ATTN_WG_ROWS * ATTN_SW128_ROW_BYTES, KMAJOR_LBO, ATOM);
+    if (tid == 0) {
+        // full barriers: one arrival per producer thread (its cp.async.mbarrier.arrive.noinc)
+        mbar_init(bar_q, ATTN_WGF_PRODUCERS);
+        for (int s = 0; s < SK; s++) {
+            mbar_init(bar_full_k + 8 * s, ATTN_WGF_PRODUCERS);        // producer threads
+            mbar_init(bar_empty_k + 8 * s, ATTN_WGF_CONSUMERS / 32);  // consumer warps
+        }
+        for (int s = 0; s < SV; s++) {
+            mbar_init(bar_full_v + 8 * s, ATTN_WGF_PRODUCERS);
+            mbar_init(bar_empty_v + 8 * s, ATTN_WGF_CONSUMERS / 32);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();  // the only CTA-wide barrier
+
+    if (wg == ATTN_WGF_NWG) {
+        // ---------------- producer warpgroup: Q, K_0, then K_{t+1}, V_t, t = 0 .. n_tiles-1 ----
+        // Loading tile u into stage u % S waits until both warpgroups released tile u - S of
+        // that stage (completion u/S - 1 of its empty barrier: parity ((u/S) & 1) ^ 1); the
+        // first S tiles of a ring need no wait. Each lane's cp.async.mbarrier.arrive.noinc
+        // arrives on the stage's full barrier once all its copies so far have landed. The
+        // copies are sw128_tile_load_async over the 128 producer threads.
+        setmaxnreg_dec<ATTN_WGF_PRODUCER_REGS>();
+        const int ptid = tid - ATTN_WGF_CONSUMERS;
+        sw128_tile_load_async<BR, HD, ATTN_WGF_PRODUCERS>(sQ, gQ, QKV, q0, T, ptid);
+        cp_async_mbar_arrive(bar_q);
+        auto load_k = [&](int u) {
+            const int s = u % SK;
+            if (u >= SK) mbar_wait(bar_empty_k + 8 * s, ((u / SK) & 1) ^ 1);
+            sw128_tile_load_async<BC, HD, ATTN_WGF_PRODUCERS>(sK + s * KV_BYTES, gK, QKV, u * BC,
+                                                              T, ptid);
+            cp_async_mbar_arrive(bar_full_k + 8 * s);
+        };
+        auto load_v = [&](int u) {
+            const int s = u % SV;
+            if (u >= SV) mbar_wait(bar_empty_v + 8 * s, ((u / SV) & 1) ^ 1);
+            sw128_tile_load_async<BC, HD, ATTN_WGF_PRODUCERS>(sV + s * KV_BYTES, gV, QKV, u * BC,
+                                                              T, ptid);
+            cp_async_mbar_arrive(bar_full_v + 8 * s);
+        };
+        load_k(0);
+        for (int t = 0; t < n_tiles; t++) {
+            if (t + 1 < n_tiles) load_k(t + 1);
+            load_v(t);
+        }
+        cp_async_commit();    // (the copies are in no group yet: wait_group sees groups)
+        cp_async_wait_all();  // every copy landed: leave none in flight behind an exited warp
+        return;
+    }
+
+    // ---------------- consumer warpgroups ----------------------------------------------------
+    setmaxnreg_inc<ATTN_WGF_CONSUMER_REGS>();
+    const int wv = warp & 3;  // warp inside the warpgroup: rows 16wv..16wv+15
+    const int wq0 = q0 + wg * ATTN_WG_ROWS;
+    const int my_row = wq0 + wv * 16 + (lane >> 2);  // rows my_row (e = 0, 1) and my_row + 8
+    const bool releaser = lane == 0;                 // one arrival per warp on empty barriers
+
+    const uint64_t desc_q =
+        wg_desc(sQ + wg * ATTN_WG_ROWS * ATTN_SW128_ROW_BYTES, KMAJOR_LBO, ATOM);
     const uint64_t desc_k = wg_desc(sK, KMAJOR_LBO, ATOM);
     const uint64_t desc_v = wg_desc(sV, KV_PANEL, ATOM);
 
-    sw128_tile_load_async<BR, HD, NT>(sQ, gQ, QKV, q0, T, tid);
-    sw128_tile_load_async<BC, HD, NT>(sK, gK, QKV, 0, T, tid);
-    cp_async_commit();
-
     float o[NB_O][4], s[NB_S][4];
-    uint32_t p[KS_O][4];  // P of the previous tile as bf16 A fragments, one [4] per k-step
+    uint32_t p[KS_O][4];
 #pragma unroll
     for (int i = 0; i < NB_O; i++)
 #pragma unroll
         for (int e = 0; e < 4; e++) o[i][e] = 0.0f;
-    // s and p are written before they are read (the first S k-step has scale-d = 0, the first
-    // P V product follows the first conversion); zeroed once so no path reads garbage.
 #pragma unroll
     for (int i = 0; i < NB_S; i++)
 #pragma unroll
@@ -420,49 +591,33 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
     for (int i = 0; i < KS_O; i++)
 #pragma unroll
         for (int e = 0; e < 4; e++) p[i][e] = 0u;
-    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};  // rows my_row, +8
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
 
-    // The steps of the pipeline (header). Lambdas only to name them: all inlined, and the arrays
-    // they touch stay in registers.
+    // Ping-pong: named barrier 1 + w = "warpgroup w may issue". Warpgroup w syncs on it
+    // before each issue phase and arrives on 2 - w after; warpgroup 1 arrives on barrier 1 once
+    // up front, so warpgroup 0 issues first; after the last phase warpgroup 0 consumes warpgroup
+    // 1's last arrival (no barrier is left half-complete).
+    const uint32_t my_turn = 1 + wg, other_turn = 2 - wg;
+    if (wg == 1) named_bar_arrive(1);
 
-    // Step j of the ring: K_j and V_{j-1} have landed (this thread's copies, then everyone's
-    // through the barrier), and every warpgroup has retired its reads of K_{j-1} (S_{j-1}, by
-    // the wait_group 1 of step j-1) and of V_{j-2} (P_{j-2} V_{j-2}, by the wait_group 0 just
-    // before this call), whose stages are refilled now with K_{j+1} and V_j.
-    auto ring_advance = [&](int j) {
-        cp_async_wait_all();
-        fence_proxy_async_shared();
-        __syncthreads();
-        if (j + 1 < n_tiles)
-            sw128_tile_load_async<BC, HD, NT>(sK + ((j + 1) & 1) * KV_BYTES, gK, QKV, (j + 1) * BC,
-                                              T, tid);
-        if (j < n_tiles)
-            sw128_tile_load_async<BC, HD, NT>(sV + (j & 1) * KV_BYTES, gV, QKV, j * BC, T, tid);
-        cp_async_commit();
-    };
-    // S_j = Q K_j^T, one commit group (the first k-step overwrites s: scale-d = 0)
+    // the steps (header), with the rings' stage indices
     auto issue_s = [&](int j) {
-        const uint64_t dk = wg_desc_add(desc_k, (j & 1) * KV_BYTES);
+        const uint64_t dk = wg_desc_add(desc_k, (j % SK) * KV_BYTES);
 #pragma unroll
         for (int kk = 0; kk < KS_S; kk++)
             WgmmaBf16<BC>::ss(s, wg_desc_add(desc_q, sw128_kstep_offset(kk, BR)),
                               wg_desc_add(dk, sw128_kstep_offset(kk, BC)), kk > 0);
         wgmma_commit();
     };
-    // O += P V_j with P = the probabilities of tile j in p, one commit group
     auto issue_pv = [&](int j) {
-        const uint64_t dv = wg_desc_add(desc_v, (j & 1) * KV_BYTES);
+        const uint64_t dv = wg_desc_add(desc_v, (j % SV) * KV_BYTES);
 #pragma unroll
-        for (int kk = 0; kk < KS_O; kk++)  // keys 16kk..16kk+15: 16 rows of 128 bytes further
+        for (int kk = 0; kk < KS_O; kk++)
             WgmmaBf16<HD>::rs_trans_b(o, p[kk],
                                       wg_desc_add(dv, kk * ATTN_WG_K * ATTN_SW128_ROW_BYTES), 1);
         wgmma_commit();
     };
-    // Mask and online softmax of S_j in place (s becomes the probabilities); alpha = rescale
-    // factors of rows my_row, my_row + 8; returns whether a row maximum of this thread moved.
     auto softmax = [&](int j, float (&alpha)[2]) -> bool {
-        // causal mask, only on tiles that reach right of the CTA's first row (a CTA-uniform
-        // test, see n_tiles); keys >= T are right of the diagonal of every valid query
         const int k0 = j * BC;
         if (k0 + BC - 1 > q0) {
 #pragma unroll
@@ -474,15 +629,13 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
                     if (key > row) s[i][e] = -INFINITY;
                 }
         }
-        // base 2, as kernels/attention.cu: p = 2^(s*scale_log2 - max). Every row sees key 0 in
-        // tile 0, so its max is finite from the first tile on.
         bool max_moved = false;
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
             float mx = -INFINITY;
 #pragma unroll
             for (int i = 0; i < NB_S; i++) mx = fmaxf(mx, fmaxf(s[i][2 * hf], s[i][2 * hf + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the quad shares the row
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float m_old = row_max[hf];
             const float m_new = fmaxf(m_old, mx * scale_log2);
@@ -498,18 +651,14 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
                     s[i][2 * hf + e] = pr;
                     sum += pr;
                 }
-            row_sum[hf] = row_sum[hf] * alpha[hf] + sum;  // quad partial sums, combined at the end
+            row_sum[hf] = row_sum[hf] * alpha[hf] + sum;
         }
         return max_moved;
     };
-    // probabilities (fp32 accumulator layout) -> bf16 A fragments of P V (header: no shuffles)
     auto convert_p = [&]() {
 #pragma unroll
         for (int kk = 0; kk < KS_O; kk++) acc_to_frag_a(p[kk], s[2 * kk], s[2 * kk + 1]);
     };
-
-    // O *= alpha, only when some row of this warp moved its maximum (alpha is exactly 1 for the
-    // others). O must not be in flight.
     auto rescale_o = [&](const float (&alpha)[2], bool moved) {
         if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
@@ -518,62 +667,73 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
                 for (int e = 0; e < 4; e++) o[i][e] *= alpha[e >> 1];
         }
     };
+    // Tile u of a ring has landed: its full barrier completed for the (u / S)-th time.
+    auto wait_k = [&](int u) { mbar_wait(bar_full_k + 8 * (u % SK), (u / SK) & 1); };
+    auto wait_v = [&](int u) { mbar_wait(bar_full_v + 8 * (u % SV), (u / SV) & 1); };
 
-    // Schedule. ptxas places a WARPGROUP.DEPBAR (wgmma.wait_group) as early as its basic block
-    // allows, whatever the PTX order; so the wait that retires the P V product is put at the top
-    // of the NEXT step (a new block after the loop's back edge), not after the softmax: the
-    // softmax of S_j then ends the loop body and runs while P_{j-1} V_{j-1} is on the tensor
-    // cores. Per step j = 1 .. n_tiles-1:
-    //   wait_group 0        P_{j-2} V_{j-2} done: O final for tile j-2, p free, V_{j-2} released
-    //   ring_advance(j)     (its barrier needs every warpgroup's V_{j-2} reads done: they are)
-    //   p = bf16(P_{j-1}); O *= alpha_{j-1}      (s holds P_{j-1} in fp32 until S_j overwrites it)
-    //   issue S_j; issue O += P_{j-1} V_{j-1}
-    //   wait_group 1        S_j done
-    //   softmax(S_j)        -> s = P_j (fp32), alpha_j
-    // alpha_{j-1} = 2^(m_{j-2} - m_{j-1}) brings O (tiles <= j-2, at scale m_{j-2}) to m_{j-1}
-    // just before P_{j-1} V_{j-1} (at scale m_{j-1}) is added.
+    // Schedule per warpgroup (header): step j = 1 .. n_tiles-1
+    //   wait_group 0 (P_{j-2} V_{j-2} retired) -> release V_{j-2}; p = bf16(P_{j-1}); O *= alpha
+    //   wait full K_j, full V_{j-1}; fence.proxy.async; [my turn]
+    //   issue S_j; issue O += P_{j-1} V_{j-1}  [other's turn]
+    //   wait_group 1 (S_j done) -> release K_j; softmax(S_j)
     float alpha[2];
     bool moved;
     // tile 0: S only
-    ring_advance(0);
+    mbar_wait(bar_q, 0);
+    wait_k(0);
+    fence_proxy_async_shared();
     wg_fence_acc(s);
+    named_bar_sync(my_turn);
     wgmma_fence();
     issue_s(0);
+    named_bar_arrive(other_turn);
     wgmma_wait<0>();
     wg_fence_acc(s);
+    mbar_arrive_if(bar_empty_k + 8 * (0 % SK), releaser);
     moved = softmax(0, alpha);
     for (int j = 1; j < n_tiles; j++) {
-        wgmma_wait<0>();  // nothing in flight at j = 1
+        wgmma_wait<0>();  // P_{j-2} V_{j-2} retired (nothing in flight at j = 1)
         wg_fence_acc(o);
         wg_fence_frag(p);
-        ring_advance(j);
+        mbar_arrive_if(bar_empty_v + 8 * ((j + SV - 2) % SV), releaser && j >= 2);
         convert_p();
         rescale_o(alpha, moved);
+        wait_k(j);
+        wait_v(j - 1);
+        fence_proxy_async_shared();
         wg_fence_acc(s);
         wg_fence_acc(o);
         wg_fence_frag(p);
-        wgmma_fence();  // conversion and rescale wrote p and o: order before the wgmmas
+        named_bar_sync(my_turn);
+        wgmma_fence();
         issue_s(j);
         issue_pv(j - 1);
+        named_bar_arrive(other_turn);
         wgmma_wait<1>();  // S_j done; the P V group may still run
         wg_fence_acc(s);
+        mbar_arrive_if(bar_empty_k + 8 * (j % SK), releaser);
         moved = softmax(j, alpha);
     }
-    // the last tile's P V (V_{n_tiles-1} is waited for by the ring)
+    // the last tile's P V
     wgmma_wait<0>();
     wg_fence_acc(o);
     wg_fence_frag(p);
-    ring_advance(n_tiles);
+    mbar_arrive_if(bar_empty_v + 8 * ((n_tiles + SV - 2) % SV), releaser && n_tiles >= 2);
     convert_p();
     rescale_o(alpha, moved);
+    wait_v(n_tiles - 1);
+    fence_proxy_async_shared();
     wg_fence_acc(o);
     wg_fence_frag(p);
+    named_bar_sync(my_turn);
     wgmma_fence();
     issue_pv(n_tiles - 1);
+    named_bar_arrive(other_turn);
     wgmma_wait<0>();
     wg_fence_acc(o);
+    if (wg == 0) named_bar_sync(1);  // warpgroup 1's last arrival
 
-    // O / l -> bf16; lse = ln(sum_j e^(s_j*scale)) = (max + log2(l)) * ln 2
+    // O / l -> bf16; lse = (max + log2(l)) * ln 2
     const int64_t out_stride = (int64_t)H * HD;
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
@@ -583,7 +743,8 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
         const float inv = 1.0f / l;
         const int row = my_row + hf * 8;
         if (row < T) {
-            bf16* dst = out + ((int64_t)b * T + row) * out_stride + (int64_t)h * HD + (lane & 3) * 2;
+            bf16* dst =
+                out + ((int64_t)b * T + row) * out_stride + (int64_t)h * HD + (lane & 3) * 2;
 #pragma unroll
             for (int i = 0; i < NB_O; i++)
                 *reinterpret_cast<uint32_t*>(dst + i * 8) =
@@ -593,8 +754,7 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
         }
     }
 #else
-    // Built without sm_90a device code: never launched (the host checks first); trap if it is.
-    __trap();
+    __trap();  // built without sm_90a device code: never launched (the host checks first)
 #endif
 }
 
@@ -621,32 +781,32 @@ static int attention_wgmma_available() {
 // Head dims the wgmma forward implements (one or two 64-column swizzle panels).
 static int attention_wgmma_supports_head_dim(int HD) { return HD == 64 || HD == 128; }
 
-template <int HD, int BC, int NWG>
+template <int HD, int SK, int SV>
 static void attention_forward_wgmma_run(bf16* out, float* lse, const bf16* qkv, int B, int T,
                                         int H, int KVH, cudaStream_t stream) {
-    constexpr int BR = ATTN_WG_ROWS * NWG;
-    const size_t smem = attention_wgmma_smem_bytes<HD, BC, NWG>();
-    auto kernel = attention_forward_wgmma_kernel<HD, BC, NWG>;
+    constexpr int BR = ATTN_WG_ROWS * ATTN_WGF_NWG;
+    const size_t smem = attention_wgmma_smem_bytes<HD, SK, SV>();
+    auto kernel = attention_forward_wgmma_kernel<HD, SK, SV>;
     attention_set_max_smem(kernel, smem);
-    kernel<<<attention_grid(B, T, H, BR), NWG * ATTN_WG_THREADS, smem, stream>>>(
+    kernel<<<attention_grid(B, T, H, BR), ATTN_WGF_THREADS, smem, stream>>>(
         out, lse, qkv, T, H, KVH, attention_scale_log2(HD));
     attention_check(cudaGetLastError());
 }
 
 // Dispatch on HD (64 or 128) once the arguments are checked (attention_forward_check) and the
-// device code is known to be there (attention_wgmma_available).
-template <int BC, int NWG>
+// device code is known to be there (attention_wgmma_available). <K ring stages, V ring stages>.
+template <int SK, int SV>
 static void attention_forward_wgmma_hd(bf16* out, float* lse, const bf16* qkv, int B, int T,
                                        int H, int KVH, int HD, cudaStream_t stream) {
     if (HD == 64)
-        attention_forward_wgmma_run<64, BC, NWG>(out, lse, qkv, B, T, H, KVH, stream);
+        attention_forward_wgmma_run<64, SK, SV>(out, lse, qkv, B, T, H, KVH, stream);
     else
-        attention_forward_wgmma_run<128, BC, NWG>(out, lse, qkv, B, T, H, KVH, stream);
+        attention_forward_wgmma_run<128, SK, SV>(out, lse, qkv, B, T, H, KVH, stream);
 }
 
 // Forward through wgmma alone, same signature and contract as attention_forward_bf16, HD 64 and
 // 128; exits with a message where it cannot run (the lab times it against the other shapes).
-template <int BC, int NWG>
+template <int SK, int SV>
 static void attention_forward_wgmma(void* out, float* lse, const void* qkv, int B, int T, int H,
                                     int KVH, int HD, void* stream) {
     const char* fn = "attention_forward_wgmma";
@@ -661,9 +821,8 @@ static void attention_forward_wgmma(void* out, float* lse, const void* qkv, int 
         exit(1);
     }
     if (!work) return;
-    attention_forward_wgmma_hd<BC, NWG>(static_cast<bf16*>(out), lse,
-                                        static_cast<const bf16*>(qkv), B, T, H, KVH, HD,
-                                        static_cast<cudaStream_t>(stream));
+    attention_forward_wgmma_hd<SK, SV>(static_cast<bf16*>(out), lse, static_cast<const bf16*>(qkv),
+                                       B, T, H, KVH, HD, static_cast<cudaStream_t>(stream));
 }
 
 #endif  // KERNELS_ATTENTION_WGMMA_CUH

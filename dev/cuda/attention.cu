@@ -4,9 +4,8 @@
  * ones the trainer links; the variants are other tile shapes of the same templates, and the one
  * named "kernels" is the C interface itself (the shape chosen from this lab's timings). The wgmma
  * forward and backward (kernels/attention_wgmma.cuh, kernels/attention_bwd_wgmma.cuh; variants
- * 7/8 forward, 8/9 backward) are what the C interface runs at HD 64 and 128 on sm_90a since
- * session 5, so there "kernels" is variant 7 forward and variant 8 backward. Lab-only: the
- * ordered backward (attention_bwd_ordered.cuh; validated, slower).
+ * 7/8 forward, 6/7 backward) are what the C interface runs at HD 64 and 128 on sm_90a, so there
+ * "kernels" is variant 7 (T < 32768) or 8 forward and variant 6 backward.
  *
  *   validation: fresh random bf16 inputs per case, a CPU reference with fp64 accumulation, relative
  *     L2 error of out, lse, dq, dk, dv (tolerance 2e-2); outputs poisoned with NaN before every
@@ -22,105 +21,35 @@
  * 3 a check failed, 1 a CUDA error, 2 bad usage. --shape validates that one case only (e.g.
  * under compute-sanitizer); --long adds a benchmark shape T=65536 B=1 (forward and backward).
  * A forward or backward variant may name another whose bits it must reproduce (same_bits_as):
- * the lab compares them on every case ("bit-identical to ... in N/N cases") and, on the big
- * case, whole tensors against the C interface. A variant may also restrict the shapes it runs
- * (supports_shape, e.g. an even H/KVH): the other cases count as skipped.
+ * the lab compares them on every case ("bit-identical to ... in N/N cases"); on the big case
+ * the wgmma forward variants are compared whole with the C interface's output.
  * The script builds for sm_90a (-gencode arch=compute_90a,code=sm_90a): the mma.sync
  * kernels are the same code, the wgmma variants below need it. Variants a build or a head dim
  * does not support are skipped (counted as "skipped" in the validation summary).
  *
- * wgmma forward, variants 7 "wgmma bc128 wg2" and 8 "wgmma bc64 wg2" (kernels/attention_wgmma.cuh,
- * where every layout, descriptor field and fragment mapping is derived): validated in session 5
- * (all cases, big case, memcheck), 377 / 449 / 495 TFLOP/s (bc128) at T = 2048 / 4096 / 16384.
- *   Hopper warpgroup MMAs, FA3-style within a warpgroup: one CTA of 2 warpgroups (256 threads)
- *   per (128 query rows, head, batch), each warpgroup 64 rows; Q in shared memory once; K and V
- *   tiles of BC = 128 (or 64) keys through a 2-stage cp.async ring; S = Q K^T by
- *   wgmma.m64n{BC}k16 with Q and K from shared memory (K-major), P = bf16(softmax) kept in
- *   registers as the A operand of O += P V (wgmma.m64n{HD}k16, V from shared memory, N-major via
- *   imm-trans-b); the P V product of tile j-1 runs while the softmax of tile j does. HD 64 and
- *   128 (16 and 32 are skipped). Same contract as the C interface (GQA without copies, lse in
- *   natural log for the backward, rows past T zero-filled and never stored, 64-bit offsets);
- *   both variants are also run on the big case (B=3, T=131072).
- *   Shared memory: every tile in 128-byte-swizzle panels of 64 columns (16-byte chunk c of row r
- *   at chunk c ^ (r % 8)), base aligned to 1024 bytes; descriptors: swizzle mode 1 (128B), base
- *   offset 0, SBO = 1024 (8 rows of 128 bytes) for Q, K and V; LBO = 16 (unused) for K-major Q/K,
- *   LBO = BC*128 (the second 64-column panel) for V; k-steps of Q/K advance the start address by
- *   32 bytes inside a panel, then by one panel; k-steps of V by 16 rows = 2048 bytes.
- *   bc128: 164,864 bytes of shared memory, 218 registers, no spills; bc64: 99,328 bytes, 166
- *   registers (HD=128; HD=64: 175 and 128). ptxas reports no serialised wgmma.
- *   Checks after a change (in this order):
- *    1. dev/cuda/run_attention.sh --tiny --no-big --no-bench --fwd 7 --bwd -2   (variant 7 alone,
- *       plus "kernels", which always runs; HD 64/128 x T 64/129). Then --fwd 8.
- *    2. compute-sanitizer --tool memcheck .devbuild/attention --tiny --no-big --no-bench --fwd 7
- *       --bwd -2, and --tool racecheck, --tool synccheck the same way.
- *    3. Reading a failure: HD=64 right but HD=128 wrong points at what only HD=128 uses: V's LBO
- *       (the second hd panel) and the Q/K panel step at k-step 4; both wrong at T=64 (a single
- *       tile) points at the swizzle/descriptor encoding or the fragment mapping; wrong only for
- *       T > BC points at the ring (stages, waits) or the rescale order; wrong only past the
- *       diagonal tile at the causal mask; "not deterministic" or intermittent errors at a missing
- *       fence (fence.proxy.async between cp.async and wgmma) or wgmma wait.
- *    4. The full lab for the variant: dev/cuda/run_attention.sh --fwd 7 --bwd -2 (validation,
- *       big case, benchmark); then --fwd 8.
- *    5. Tuning (target >= 500 TFLOP/s at T >= 4096): the two warpgroups are kept in lockstep by
- *       the per-tile __syncthreads of the ring; next steps are ping-pong scheduling of the two
- *       warpgroups' softmax and GEMMs with named barriers (bar.sync id, 256), a producer warp
- *       with TMA and mbarriers (3+ stages, setmaxnreg), a staged, coalesced output store.
+ * wgmma forward, variants 7 "wgmma ws k3v3" and 8 "wgmma ws k2v2" (kernels/attention_wgmma.cuh:
+ * scheme, warp specialisation, mbarrier rings, ping-pong, deadlock and proxy arguments, every
+ * layout, descriptor field and fragment mapping; protocol model dev/cuda/attention_fwd_ws_model.py).
+ *   One CTA of 3 warpgroups per (128 query rows, head, batch): a producer warpgroup copies Q and
+ *   the K/V tiles of 128 keys by cp.async into mbarrier rings (3+3 or 2+2 stages), two consumer
+ *   warpgroups of 64 rows run S = Q K^T (wgmma, SS) and O += P V (RS, P in registers) with the
+ *   P V of tile j-1 overlapping the softmax of tile j, and take turns on the tensor cores (named
+ *   barriers, FA3's ping-pong). 8 must reproduce 7's bits (same_bits_as).
+ *   Session 6 (first GPU run): 163 cases twice, bit-identical to the previous production kernel
+ *   (lab variant 7 then, "wgmma bc128 wg2": the same arithmetic with all threads loading and a
+ *   __syncthreads per tile), memcheck / synccheck / racecheck clean (T=1000, rings wrapped);
+ *   TFLOP/s k3v3 / k2v2 / previous: T=2048 460 / 455 / 396, 4096 492 / 496 / 403, 16384 607 /
+ *   556 / 486, 65536 562 / 589 / 506. Dropped after that run: no ping-pong (worse from 16K), a
+ *   writer-side proxy fence (slower), 64-key tiles (bc64: 455 at 16K).
+ *   Checks after a change: 1. dev/cuda/run_attention.sh --tiny --no-big --no-bench --fwd 7,8
+ *   --bwd -2 under `timeout 60` (a hang is a protocol error); 2. compute-sanitizer --tool
+ *   memcheck | synccheck | racecheck .devbuild/attention --shape 1,1000,2,1,128 --no-big
+ *   --no-bench --fwd 7,8 --bwd -2 --log /dev/null; 3. dev/cuda/run_attention.sh --fwd 7,8 --bwd
+ *   -2 --long. Reading a failure: HD=64 right but HD=128 wrong -> V's LBO or the Q/K panel step;
+ *   wrong at T=64 (one tile) -> descriptors, fragments or the Q barrier; only for T > 128 (k3v3:
+ *   T > 384) -> ring stage / parity indices; only past the diagonal -> the mask.
  *
- * Ordered backward, variants 6 "bwd ordered w8 q64" and 7 "bwd ordered w8 q32"
- * (dev/cuda/attention_bwd_ordered.cuh, where the scheme, the progress argument and the memory-
- * ordering argument are written out). STATUS: validated in session 5 (all cases, deterministic)
- * but slower than the two-pass backward: 158 / 173 / 186 TFLOP/s (q64) at T = 2048 / 4096 / 16384
- * against 188 / 202 / 217 (the ordered critical section stalls; see "Tuning" below).
- *   dQ is computed inside the dK/dV pass: 5 matmuls per tile pair instead of 7, no float atomics.
- *   One block per (kv tile of 128 keys, kv head, batch), work assigned by a ticket taken at block
- *   start (atomicAdd on an integer), kv tile 0 first; pairs walked query tile outer (last tile
- *   down to the diagonal), head inner. Per pair, after dS^T: dS^T -> shared (bf16), dQ_tile = dS K
- *   split over the 8 warps, then thread 0 waits (ld.acquire.gpu spin, __nanosleep backoff) until
- *   the (query tile, head, batch) counter equals the block's kv tile j, every thread adds its part
- *   into the fp32 accumulator (ld/st.global.cg; kv tile 0 stores), and the turn is handed on
- *   (__threadfence by every thread, __syncthreads, st.release.gpu counter = j+1) one pair later,
- *   before the next wait. Pass 3 converts the accumulator to bf16 (times 1/sqrt(HD)).
- *   Workspace (attention_backward_ordered_workspace_bytes<BRQ>): D (B*H*T*4) + fp32 dQ
- *   (B*T*H*HD*4) + counters (B*H*ceil(T/BRQ)*4) + 1 ticket, each region 256-byte aligned; the lab
- *   allocates the largest workspace of the variants for every case. Head dims 32 (q64 only), 64,
- *   128; 16 is skipped ("skipped" in the validation summary). Also run on the big case.
- *   ptxas (sm_90a, 256 threads, 1 block/SM): q64 HD=128 255 registers, 24 bytes spilled (four loop-
- *   invariant scalars, ~4 LDL per pair), 158,724 bytes of shared memory; q64 HD=64 244, HD=32
- *   133; q32 HD=128 254 (115,204 bytes), HD=64 206, no spills; the 40-byte stack frame of each is
- *   the watchdog's printf arguments, cold path only. Convert kernel 28 registers.
- *   Checked on the CPU only (numpy emulation of ldmatrix/mma fragments: dS^T store ->
- *   ldsm_a_transposed -> dS K -> accumulator rows/columns, all five shapes; a discrete-event model
- *   of tickets, turns and deferred releases: no deadlock down to 1 resident block, every counter
- *   sees kv tiles 0..J in order).
- *   Checklist for the first GPU session (in this order; the lab's exit status 1 = CUDA error):
- *    1. dev/cuda/run_attention.sh --tiny --no-big --no-bench --fwd -2 --bwd 6   (variant 6 plus
- *       the "kernels" forward that feeds it; HD 32/64/128 run, 16 skipped). Then --bwd 7.
- *    2. compute-sanitizer --tool memcheck .devbuild/attention --tiny --no-big --no-bench --fwd -2
- *       --bwd 6; then --tool racecheck (the dS^T tile in shared memory) and --tool synccheck. The
- *       ordering of the global accumulator is not something racecheck sees: steps 3-4 test it.
- *    3. dev/cuda/run_attention.sh --no-big --no-bench --fwd -2 --bwd 6: every case twice, bit for
- *       bit; T=4096 B=1 H=2 KVH=1 puts all 32 kv tiles of one column on the GPU at once (longest
- *       chains, all contending); T=2500 and T=3001 have tails that are not tile multiples.
- *    4. dev/cuda/run_attention.sh --fwd -2 --bwd 6 --no-bench (adds the big case: 24,576 blocks,
- *       far more than are resident, so later blocks start while earlier ones hold turns: the
- *       ticket/progress argument at scale; dQ accumulator 6.4 GB).
- *    5. dev/cuda/run_attention.sh --fwd -2 --bwd 6 (benchmark, then the pass breakdown printed
- *       after "backward passes"); same with --bwd 7. Compare with "kernels" (202 TFLOP/s at
- *       T=4096).
- *    Reading a failure: a hang is impossible by design but if it happens the watchdog prints the
- *    block, the turn and the counter value after 10 s and traps (a deadlock, or a release lost);
- *    dk/dv wrong points at the new pair order (stage() and the loop must map `it` the same way);
- *    dq wrong with dk/dv right at T <= 128 (one kv tile, no ordering involved) points at the dS^T
- *    tile, ldsm_a_transposed (register order a0 a2 a1 a3 of the loaded blocks), the warp ->
- *    (rows, columns) split or the convert kernel; dq wrong only past T = 128, or "NOT
- *    DETERMINISTIC", points at the ordering (a turn taken early, a missing fence/acquire); NaN in
- *    dq = an accumulator row kv tile 0 did not store (the workspace is poisoned with NaN).
- *    Tuning, if it works: the critical section (acquire, then one L2 round trip of loads) stalls
- *    the only block of its SM. Next: issue the accumulator loads as cp.async into shared memory
- *    right after the acquire and add them one pair later (hides the round trip), and have the
- *    last kv tile (j = J(qt)) write bf16 dQ directly (drops pass 3 and one fp32 write).
- *
- * wgmma backward, variants 8 "wgmma bwd wg2 s3" and 9 "wgmma bwd wg1 s2"
+ * wgmma backward, variants 6 "wgmma bwd wg2 s3" and 7 "wgmma bwd wg1 s2"
  * (kernels/attention_bwd_wgmma.cuh: scheme, operand layouts, pipelines, checks after a change,
  * results). STATUS: validated in session 5 (all 163 cases, big case, memcheck and racecheck
  * clean, bit-identical repeats): wg2 s3 345 / 381 / 409 TFLOP/s at T = 2048 / 4096 / 16384
@@ -138,37 +67,12 @@
  *   also run on the big case. ptxas (HD=128): dK/dV 254 registers, dQ 176 (wg2) / 161 (wg1); HD=64
  *   192 and 144/128; no spills, no serialised wgmma.
  *
- * wgmma backward, take 2: variants 10 "wgmma2 bwd rs" and 11 "wgmma2 bwd rs pp"
- * (dev/cuda/attention_bwd_wgmma2.cuh: design, shared-memory model, ptxas/SASS, risks, checklist).
- * STATUS: written in session 6 without a GPU, compiled only (no spills, no serialised wgmma):
- * NOT YET RUN. Variant 8's passes with (1) the dQ pass's S and dP as RS wgmma (Q and dO loaded
- * once into register A fragments by ldmatrix: half the shared-memory traffic of those products),
- * (2) the dK/dV pass issuing S^T behind dK of the previous tile instead of draining the tensor
- * pipe each iteration; 11 adds (3) ping-pong ordering of the two warpgroups' S/dP issue with
- * named barriers in both passes. First run: dev/cuda/run_attention.sh --tiny --no-big --no-bench
- * --fwd -2 --bwd 10,11, then the full checklist of that header; compare with variant 8 through
- * --bwd 8,10,11 (benchmark and pass breakdown).
- *
- * wgmma forward, take 2: variants 9 "wgmma2 ws pp k3v3", 10 "wgmma2 ws k3v3", 11 "wgmma2 ws pp
- * k2v2", 12 "wgmma2 ws pp k3v3 wf" (dev/cuda/attention_fwd_wgmma2.cuh: design, registers,
- * protocol, ptxas/SASS, risks, checklist; protocol model dev/cuda/attention_fwd_wgmma2_model.py).
- * STATUS: written in session 7 without a GPU, compiled only (no spills, no serialised wgmma):
- * NOT YET RUN. Variant 7's arithmetic (so its bits: checked) with a producer warpgroup loading
- * K/V by cp.async into mbarrier rings (3+3 or 2+2 stages of 128 keys), setmaxnreg 24/240, and no
- * CTA-wide barrier in the loop; 9, 11, 12 ping-pong the two consumer warpgroups' issue with named
- * barriers (FA3); 12 publishes each tile with production's writer-side proxy fence. First run,
- * one device call: bash dev/cuda/check_fwd_wgmma2.sh (per-variant tiny runs under timeout, then
- * dev/cuda/run_attention.sh --fwd 7,9,10,11,12 --bwd -2 --long, then compute-sanitizer).
- *
- * GQA packing and kv-head sections: forward variants 13 "wgmma gqa pack bc128", 14 "wgmma gqa
- * pack bc64", 15 "wgmma l2 sections bc128", 16 "wgmma gqa pack l2 bc128", 17 "wgmma gqa ctl
- * bc128" (control), backward 12 "wgmma bwd gqa pack dq", 13 "wgmma bwd l2 dq", 14 "wgmma bwd gqa
- * pack l2 dq" (dev/cuda/attention_gqa_pack.cuh: hypothesis, design, ptxas, risks, checklist).
- * STATUS: written without a GPU, compiled only (no spills, no serialised wgmma): NOT YET RUN.
- * Production's arithmetic (bits checked against 7/8 forward, 8 backward through same_bits_as);
- * pack = a CTA takes the same 64 rows of a head pair of one GQA group (even H/KVH; other shapes
- * skipped); l2 = CTAs launched kv head by kv head so the resident CTAs' K/V fits in L2. Test of
- * "long sequences are DRAM-bound on K/V": --long (T=65536 B=1, forward, backward and passes).
+ * Tried and dropped in session 6 (first GPU run of code written blind; numbers in docs/PERF.md):
+ * a backward with the dQ pass's S and dP as RS wgmma and FA3 ping-pong (wrong dq at HD=64, and
+ * only 1-3% faster at HD=128), GQA head-pair packing and kv-head "L2 sections" launch order for
+ * forward and dQ (bit-identical but 0-5% slower: long-T attention is not DRAM-bound on K/V);
+ * session 5 dropped the ordered mma.sync backward (dQ inside the dK/dV pass with per-tile turn
+ * counters: validated, 186 TFLOP/s at T=16384 against 217).
  *
  * Results (one H200, nvcc 13.0 -arch=sm_90, mma.sync; medians of 10; H=16 KVH=8 HD=128):
  *   validation: 163 cases (HD 16/32/64/128 x T 1/7/64/129/1000 x H/KVH 1/2/4/8 x B 1/3, plus
@@ -195,18 +99,16 @@
  *   run 2: O rescaled only when a row maximum moves (warp vote): mt2 w4 bc32 306 -> 308..314 at
  *     T=4096 (noise-level), 280 -> 297 at T=2048, 309 -> 331 at T=16384. mt2 w8 bc32 (BR=256,
  *     1 block/SM) 277; mt2 w4 bc16 243. Backward: the six shapes within 2%.
- *   session 5: the wgmma forward (variant 7: 377 / 449 / 495) and backward (variant 8: 345 / 381 /
- *     409) validated and wired into kernels/ (sm_90a by default); the ordered mma.sync backward
+ *   session 5: the wgmma forward (377 / 449 / 495) and backward (wg2 s3: 345 / 381 / 409)
+ *     validated and wired into kernels/ (sm_90a by default); the ordered mma.sync backward
  *     validated but slower (186 at T=16384).
+ *   session 6: the warp-specialised wgmma forward (k3v3 460 / 492 / 607) replaces the
+ *     two-warpgroup one; k2v2 from T=32768 on (589 at T=65536).
  * Next: a producer warp with TMA and mbarriers, ping-pong scheduling of the two warpgroups
  * (FA3-style), Q/dO as register operands in the dQ pass: cuDNN reaches 631 / 527 at T=16384.
  */
 #include "../../kernels/attention.cu"
 #include "attention_wgmma.cuh"
-#include "attention_bwd_ordered.cuh"
-#include "attention_bwd_wgmma2.cuh"
-#include "attention_fwd_wgmma2.cuh"
-#include "attention_gqa_pack.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -399,20 +301,17 @@ typedef void (*BackwardFn)(void*, const void*, const void*, const void*, const f
 // interface; the lab skips the others. big: also checked on the T=131072 case (validate_big).
 // same_bits_as: the name of a variant whose out and lse this one must reproduce bit for bit
 // (the same arithmetic in the same order, only the schedule differs), nullptr = none; checked
-// on every validation case and, against the C interface's output, on the big case.
-// supports_shape: a further test on (H, KVH, HD), nullptr = none (the GQA-packed variants need an
-// even H/KVH); the lab counts the cases it fails as skipped.
+// on every validation case.
 struct ForwardVariant {
     const char* name;
     ForwardFn fn;
     int (*supports)(int HD);
     bool big;
     const char* same_bits_as;
-    int (*supports_shape)(int H, int KVH, int HD);
 };
 // ws_bytes: the workspace the variant needs, nullptr = attention_backward_workspace_bytes.
-// same_bits_as, supports_shape: as for the forward (same_bits_as: the whole dqkv, bit for bit,
-// on every validation case and, against the C interface's backward, on the big case).
+// same_bits_as: as for the forward (the whole dqkv, bit for bit, on every validation case and,
+// against the C interface's backward, on the big case).
 struct BackwardVariant {
     const char* name;
     BackwardFn fn;
@@ -420,7 +319,6 @@ struct BackwardVariant {
     size_t (*ws_bytes)(int B, int T, int H, int KVH, int HD);
     bool big;
     const char* same_bits_as;
-    int (*supports_shape)(int H, int KVH, int HD);
 };
 
 // The wgmma variants run HD 64 and 128, and only from a binary with sm_90a device code (said once).
@@ -436,92 +334,41 @@ static int lab_wgmma_supports(int HD) {
 }
 
 // forward: <row blocks of 16 per warp, warps, keys per tile, blocks per SM for the allocator>;
-// wgmma: <keys per tile, warpgroups of 64 query rows> (dev/cuda/attention_wgmma.cuh)
-// wgmma2 (dev/cuda/attention_fwd_wgmma2.cuh; NOT YET RUN ON A GPU, checklist in its header):
-// <K ring stages, V ring stages, ping-pong, writer-side fence>, a producer warpgroup feeding two
-// consumer warpgroups through mbarriers; the arithmetic of "wgmma bc128 wg2", so its bits.
+// wgmma: <K ring stages, V ring stages> (kernels/attention_wgmma.cuh)
 static const ForwardVariant forward_variants[] = {
-    {"kernels", attention_forward_bf16, nullptr, false, nullptr, nullptr},
-    {"fwd mt1 w4 bc64", attention_forward_tiled<1, 4, 64, 1>, nullptr, false, nullptr, nullptr},
-    {"fwd mt1 w8 bc32 minb2", attention_forward_tiled<1, 8, 32, 2>, nullptr, false, nullptr,
-     nullptr},
-    {"fwd mt2 w4 bc16", attention_forward_tiled<2, 4, 16, 1>, nullptr, false, nullptr, nullptr},
-    {"fwd mt2 w4 bc32", attention_forward_tiled<2, 4, 32, 1>, nullptr, false, nullptr, nullptr},
-    {"fwd mt2 w4 bc64", attention_forward_tiled<2, 4, 64, 1>, nullptr, false, nullptr, nullptr},
-    {"fwd mt2 w8 bc32", attention_forward_tiled<2, 8, 32, 1>, nullptr, false, nullptr, nullptr},
-    {"wgmma bc128 wg2", attention_forward_wgmma<128, 2>, lab_wgmma_supports, true, nullptr,
-     nullptr},
-    {"wgmma bc64 wg2", attention_forward_wgmma<64, 2>, lab_wgmma_supports, true, nullptr, nullptr},
-    {"wgmma2 ws pp k3v3", attention_forward_wgmma2<3, 3, true, false>, lab_wgmma_supports, true,
-     "wgmma bc128 wg2", nullptr},
-    {"wgmma2 ws k3v3", attention_forward_wgmma2<3, 3, false, false>, lab_wgmma_supports, true,
-     "wgmma bc128 wg2", nullptr},
-    {"wgmma2 ws pp k2v2", attention_forward_wgmma2<2, 2, true, false>, lab_wgmma_supports, true,
-     "wgmma bc128 wg2", nullptr},
-    {"wgmma2 ws pp k3v3 wf", attention_forward_wgmma2<3, 3, true, true>, lab_wgmma_supports,
-     true, "wgmma bc128 wg2", nullptr},
-    // dev/cuda/attention_gqa_pack.cuh (NOT YET RUN ON A GPU: checklist in its header):
-    // <keys per tile, pack, l2>. pack: the two warpgroups take the same 64 query rows of a head
-    // pair of one GQA group (even H/KVH only); l2: CTAs launched in kv-head sections (K/V of
-    // the resident CTAs fits in L2); "ctl": neither (production's work and order, this file's
-    // code: isolates a failure of pack or l2 from one of the shared code)
-    {"wgmma gqa pack bc128", attention_forward_gqa_pack<128, true, false>, lab_wgmma_supports,
-     true, "wgmma bc128 wg2", attn_gqp_supports_shape},
-    {"wgmma gqa pack bc64", attention_forward_gqa_pack<64, true, false>, lab_wgmma_supports, true,
-     "wgmma bc64 wg2", attn_gqp_supports_shape},
-    {"wgmma l2 sections bc128", attention_forward_gqa_pack<128, false, true>, lab_wgmma_supports,
-     true, "wgmma bc128 wg2", nullptr},
-    {"wgmma gqa pack l2 bc128", attention_forward_gqa_pack<128, true, true>, lab_wgmma_supports,
-     true, "wgmma bc128 wg2", attn_gqp_supports_shape},
-    {"wgmma gqa ctl bc128", attention_forward_gqa_pack<128, false, false>, lab_wgmma_supports,
-     true, "wgmma bc128 wg2", nullptr},
+    {"kernels", attention_forward_bf16, nullptr, false, nullptr},
+    {"fwd mt1 w4 bc64", attention_forward_tiled<1, 4, 64, 1>, nullptr, false, nullptr},
+    {"fwd mt1 w8 bc32 minb2", attention_forward_tiled<1, 8, 32, 2>, nullptr, false, nullptr},
+    {"fwd mt2 w4 bc16", attention_forward_tiled<2, 4, 16, 1>, nullptr, false, nullptr},
+    {"fwd mt2 w4 bc32", attention_forward_tiled<2, 4, 32, 1>, nullptr, false, nullptr},
+    {"fwd mt2 w4 bc64", attention_forward_tiled<2, 4, 64, 1>, nullptr, false, nullptr},
+    {"fwd mt2 w8 bc32", attention_forward_tiled<2, 8, 32, 1>, nullptr, false, nullptr},
+    {"wgmma ws k3v3", attention_forward_wgmma<3, 3>, lab_wgmma_supports, true, nullptr},
+    {"wgmma ws k2v2", attention_forward_wgmma<2, 2>, lab_wgmma_supports, true, "wgmma ws k3v3"},
 };
-static bool forward_runs(int v, int H, int KVH, int HD) {
+static bool forward_runs(int v, int HD) {
     const ForwardVariant& f = forward_variants[v];
-    return (!f.supports || f.supports(HD)) && (!f.supports_shape || f.supports_shape(H, KVH, HD));
+    return !f.supports || f.supports(HD);
 }
 // backward: <dK/dV warps (16 keys each), query rows per tile, dQ warps (16 rows each), keys per
-// tile>; ordered: <warps (16 keys each), query rows per tile>, dQ in the dK/dV pass with
-// per-query-tile turn counters (attention_bwd_ordered.cuh; NOT YET RUN ON A GPU, see the header);
-// wgmma: <dK/dV warpgroups (64 keys each), ring slots, dQ warpgroups (64 rows each), ring slots>
-// (attention_bwd_wgmma.cuh; NOT YET RUN ON A GPU, checklist at the top of that file)
+// tile>; wgmma: <dK/dV warpgroups (64 keys each), ring slots, dQ warpgroups (64 rows each), ring
+// slots> (kernels/attention_bwd_wgmma.cuh)
 static const BackwardVariant backward_variants[] = {
-    {"kernels", attention_backward_bf16, nullptr, nullptr, false, nullptr, nullptr},
+    {"kernels", attention_backward_bf16, nullptr, nullptr, false, nullptr},
     {"bwd kv w4 q64 | dq w4 k64", attention_backward_tiled<4, 64, 4, 64>, nullptr, nullptr, false,
-     nullptr, nullptr},
+     nullptr},
     {"bwd kv w8 q64 | dq w8 k64", attention_backward_tiled<8, 64, 8, 64>, nullptr, nullptr, false,
-     nullptr, nullptr},
+     nullptr},
     {"bwd kv w8 q64 | dq w4 k64", attention_backward_tiled<8, 64, 4, 64>, nullptr, nullptr, false,
-     nullptr, nullptr},
+     nullptr},
     {"bwd kv w4 q64 | dq w8 k64", attention_backward_tiled<4, 64, 8, 64>, nullptr, nullptr, false,
-     nullptr, nullptr},
+     nullptr},
     {"bwd kv w8 q64 | dq w8 k32", attention_backward_tiled<8, 64, 8, 32>, nullptr, nullptr, false,
-     nullptr, nullptr},
-    {"bwd ordered w8 q64", attention_backward_ordered<8, 64>,
-     attention_backward_ordered_supports<8, 64>, attention_backward_ordered_workspace_bytes<64>,
-     true, nullptr, nullptr},
-    {"bwd ordered w8 q32", attention_backward_ordered<8, 32>,
-     attention_backward_ordered_supports<8, 32>, attention_backward_ordered_workspace_bytes<32>,
-     true, nullptr, nullptr},
+     nullptr},
     {"wgmma bwd wg2 s3", attention_backward_wgmma<2, 3, 2, 3>, lab_wgmma_supports, nullptr, true,
-     nullptr, nullptr},
+     nullptr},
     {"wgmma bwd wg1 s2", attention_backward_wgmma<1, 2, 1, 2>, lab_wgmma_supports, nullptr, true,
-     nullptr, nullptr},
-    // dev/cuda/attention_bwd_wgmma2.cuh (NOT YET RUN ON A GPU: checklist in its header):
-    // <dK/dV ring slots, ping-pong, dQ ring slots, ping-pong>; dQ pass with Q, dO as register A
-    {"wgmma2 bwd rs", attention_backward_wgmma2<3, false, 3, false>, lab_wgmma_supports, nullptr,
-     true, nullptr, nullptr},
-    {"wgmma2 bwd rs pp", attention_backward_wgmma2<3, true, 3, true>, lab_wgmma_supports, nullptr,
-     true, nullptr, nullptr},
-    // dev/cuda/attention_gqa_pack.cuh (NOT YET RUN ON A GPU): variant 8's D and dK/dV passes,
-    // then the dQ pass <ring slots, pack, l2> as the forward variants (pack: a head pair per CTA,
-    // even H/KVH only; l2: kv-head sections)
-    {"wgmma bwd gqa pack dq", attention_backward_gqa_pack<3, true, false>, lab_wgmma_supports,
-     nullptr, true, "wgmma bwd wg2 s3", attn_gqp_supports_shape},
-    {"wgmma bwd l2 dq", attention_backward_gqa_pack<3, false, true>, lab_wgmma_supports, nullptr,
-     true, "wgmma bwd wg2 s3", nullptr},
-    {"wgmma bwd gqa pack l2 dq", attention_backward_gqa_pack<3, true, true>, lab_wgmma_supports,
-     nullptr, true, "wgmma bwd wg2 s3", attn_gqp_supports_shape},
+     nullptr},
 };
 #define N_FWD ((int)(sizeof(forward_variants) / sizeof(forward_variants[0])))
 #define N_BWD ((int)(sizeof(backward_variants) / sizeof(backward_variants[0])))
@@ -535,15 +382,15 @@ static int backward_index(const char* name) {
         if (!strcmp(backward_variants[v].name, name)) return v;
     return -1;
 }
-static bool backward_runs(int v, int H, int KVH, int HD) {
+static bool backward_runs(int v, int HD) {
     const BackwardVariant& f = backward_variants[v];
-    return (!f.supports || f.supports(HD)) && (!f.supports_shape || f.supports_shape(H, KVH, HD));
+    return !f.supports || f.supports(HD);
 }
 // One workspace per case serves every backward variant: the largest any of them needs.
 static size_t lab_workspace_bytes(int B, int T, int H, int KVH, int HD) {
     size_t bytes = attention_backward_workspace_bytes(B, T, H, KVH, HD);
     for (int v = 0; v < N_BWD; v++)
-        if (backward_variants[v].ws_bytes && backward_runs(v, H, KVH, HD))
+        if (backward_variants[v].ws_bytes && backward_runs(v, HD))
             bytes = std::max(bytes, backward_variants[v].ws_bytes(B, T, H, KVH, HD));
     return bytes;
 }
@@ -701,7 +548,7 @@ static int validate_case(const Shape& s, uint64_t seed, const LabOptions& opt,
             target = target || (opt.run_fwd(w) && forward_variants[w].same_bits_as &&
                                 forward_index(forward_variants[w].same_bits_as) == v);
         if (!opt.run_fwd(v) && v != 0 && !target) continue;
-        if (!forward_runs(v, s.H, s.KVH, s.HD)) {  // head dim, shape or build not implemented
+        if (!forward_runs(v, s.HD)) {  // head dim, shape or build not implemented
             fstats[v].skipped++;
             continue;
         }
@@ -766,7 +613,7 @@ static int validate_case(const Shape& s, uint64_t seed, const LabOptions& opt,
             target = target || (opt.run_bwd(w) && backward_variants[w].same_bits_as &&
                                 backward_index(backward_variants[w].same_bits_as) == v);
         if (!opt.run_bwd(v) && !target) continue;
-        if (!backward_runs(v, s.H, s.KVH, s.HD)) {  // head dim (or shape) not implemented
+        if (!backward_runs(v, s.HD)) {  // head dim (or shape) not implemented
             bstats[v].skipped++;
             continue;
         }
@@ -1053,7 +900,7 @@ static int validate_big(const LabOptions& opt, FILE* log) {
     lab_check(cudaMalloc(&out2, c.n_out * 2));
     lab_check(cudaMalloc(&lse2, c.n_lse * 4));
     for (int v = 1; v < N_FWD; v++) {
-        if (!forward_variants[v].big || !opt.run_fwd(v) || !forward_runs(v, s.H, s.KVH, s.HD))
+        if (!forward_variants[v].big || !opt.run_fwd(v) || !forward_runs(v, s.HD))
             continue;
         lab_check(cudaMemset(out2, 0xff, c.n_out * 2));
         lab_check(cudaMemset(lse2, 0xff, c.n_lse * 4));
@@ -1080,10 +927,9 @@ static int validate_big(const LabOptions& opt, FILE* log) {
                "out %.2e lse %.2e  %s\n", forward_variants[v].name, ms_f, flops / ms_f * 1e-9,
                nan_out2, nan_lse2, eo2.rel(), el2.rel(), ok2 ? "ok" : "FAIL");
         // Bit for bit, whole tensors, against the C interface's output (c.out, c.lse), when the
-        // C interface runs the same_bits_as kernel ("wgmma bc128 wg2" at HD 64/128 on sm_90a).
-        const char* sb = forward_variants[v].same_bits_as;
-        if (sb && !strcmp(sb, "wgmma bc128 wg2") && attention_uses_wgmma(s.HD) &&
-            ATTN_WG_FWD_BC == 128 && ATTN_WG_FWD_NWG == 2) {
+        // C interface runs the wgmma forward (HD 64/128 on sm_90a; both ring depths, same bits).
+        const char* sb = "kernels";
+        if (!strncmp(forward_variants[v].name, "wgmma ws", 8) && attention_uses_wgmma(s.HD)) {
             const long long d_out = count_diff16(out2, c.out, c.n_out);
             long long d_lse = 0;
             for (size_t i = 0; i < c.n_lse; i++) d_lse += memcmp(&lse2_all[i], &lse_all[i], 4) != 0;
@@ -1112,13 +958,13 @@ static int validate_big(const LabOptions& opt, FILE* log) {
     for (int v = 1; v < N_BWD; v++) {
         const char* sb = backward_variants[v].same_bits_as;
         if (bwd_wg2s3 && !dqkv_kernels && sb && !strcmp(sb, "wgmma bwd wg2 s3") &&
-            backward_variants[v].big && opt.run_bwd(v) && backward_runs(v, s.H, s.KVH, s.HD)) {
+            backward_variants[v].big && opt.run_bwd(v) && backward_runs(v, s.HD)) {
             lab_check(cudaMalloc(&dqkv_kernels, c.n_qkv * 2));
             lab_check(cudaMemcpy(dqkv_kernels, c.dqkv, c.n_qkv * 2, cudaMemcpyDeviceToDevice));
         }
     }
     for (int v = 1; v < N_BWD; v++) {
-        if (!backward_variants[v].big || !opt.run_bwd(v) || !backward_runs(v, s.H, s.KVH, s.HD))
+        if (!backward_variants[v].big || !opt.run_bwd(v) || !backward_runs(v, s.HD))
             continue;
         poison_backward(c);
         lab_check(cudaEventRecord(e0));
@@ -1203,7 +1049,7 @@ static void bench(const LabOptions& opt, FILE* log) {
         lab_check(cudaGetLastError());
         const double flops = 2.0 * s.B * s.H * (double)s.T * s.T * s.HD;
         for (int v = 0; v < N_FWD; v++) {
-            if (!opt.run_fwd(v) || !forward_runs(v, s.H, s.KVH, s.HD)) continue;
+            if (!opt.run_fwd(v) || !forward_runs(v, s.HD)) continue;
             std::vector<float> t;
             for (int r = 0; r < reps + 2; r++) {
                 lab_check(cudaEventRecord(a));
@@ -1223,7 +1069,7 @@ static void bench(const LabOptions& opt, FILE* log) {
         }
         attention_forward_bf16(c.out, c.lse, c.qkv, s.B, s.T, s.H, s.KVH, s.HD, nullptr);
         for (int v = 0; v < N_BWD; v++) {
-            if (!opt.run_bwd(v) || !backward_runs(v, s.H, s.KVH, s.HD)) continue;
+            if (!opt.run_bwd(v) || !backward_runs(v, s.HD)) continue;
             std::vector<float> t;
             for (int r = 0; r < reps + 2; r++) {
                 lab_check(cudaEventRecord(a));
@@ -1254,7 +1100,7 @@ static bool lab_bwd_named(const LabOptions& opt, const char* name) {
 }
 
 // Time the three backward passes of the C interface's shapes apart (HD=128), to see which one to
-// work on next; then those of the ordered and the wgmma backward variants.
+// work on next; then those of the wgmma backward variants.
 static void bench_backward_passes(const LabOptions& opt, FILE* log, const Shape& s) {
     constexpr int HD = 128, LD = HD + ATTN_PAD;
     constexpr int KV_BC = 16 * ATTN_KV_WARPS, Q_BR = 16 * ATTN_Q_WARPS;
@@ -1302,51 +1148,15 @@ static void bench_backward_passes(const LabOptions& opt, FILE* log, const Shape&
     fprintf(log, "backward passes T=%d B=%d: D %.3f ms, dKdV %.3f ms, dQ %.3f ms\n", s.T, s.B, d,
             kv, q);
 
-    // The ordered variants (dev/cuda/attention_bwd_ordered.cuh), same shape: D and the counter
-    // reset | dK, dV and the ordered dQ accumulation (5 matmuls) | dQ fp32 -> bf16.
     typedef void (*TimedFn)(void*, const void*, const void*, const void*, const float*, void*,
                             int, int, int, int, int, void*, cudaEvent_t*);
-    const struct {
-        const char* name;
-        TimedFn fn;
-    } ordered[] = {{"bwd ordered w8 q64", attention_backward_ordered_timed<8, 64>},
-                   {"bwd ordered w8 q32", attention_backward_ordered_timed<8, 32>}};
-    for (const auto& o : ordered) {
-        if (!lab_bwd_named(opt, o.name)) continue;
-        std::vector<float> to[3];
-        for (int r = 0; r < 12; r++) {
-            lab_check(cudaEventRecord(ev[0]));
-            o.fn(c.dqkv, c.dout, c.qkv, c.out, c.lse, c.ws, s.B, s.T, s.H, s.KVH, s.HD, nullptr,
-                 &ev[1]);
-            lab_check(cudaEventRecord(ev[3]));
-            lab_check(cudaEventSynchronize(ev[3]));
-            lab_check(cudaGetLastError());
-            for (int k = 0; k < 3; k++) {
-                float ms;
-                lab_check(cudaEventElapsedTime(&ms, ev[k], ev[k + 1]));
-                if (r >= 2) to[k].push_back(ms);
-            }
-        }
-        const float od = median_ms(to[0]), okv = median_ms(to[1]), oc = median_ms(to[2]);
-        printf("%s passes, T=%d B=%d: D + reset %.3f ms | dK,dV,dQ %.3f ms (%.0f TFLOP/s of 5 "
-               "matmuls) | dQ to bf16 %.3f ms\n",
-               o.name, s.T, s.B, od, okv, 2.5 * flops / okv * 1e-9, oc);
-        fprintf(log, "%s passes T=%d B=%d: D %.3f ms, dKdVdQ %.3f ms, convert %.3f ms\n", o.name,
-                s.T, s.B, od, okv, oc);
-    }
-
     // The wgmma backward variants (dev/cuda/attention_bwd_wgmma.cuh), same shape and passes as
     // the C interface's: D | dK, dV (4 matmuls) | dQ (3 matmuls).
     const struct {
         const char* name;
         TimedFn fn;
     } wgmma_bwd[] = {{"wgmma bwd wg2 s3", attention_backward_wgmma_timed<2, 3, 2, 3>},
-                     {"wgmma bwd wg1 s2", attention_backward_wgmma_timed<1, 2, 1, 2>},
-                     {"wgmma2 bwd rs", attention_backward_wgmma2_timed<3, false, 3, false>},
-                     {"wgmma2 bwd rs pp", attention_backward_wgmma2_timed<3, true, 3, true>},
-                     {"wgmma bwd gqa pack dq", attention_backward_gqa_pack_timed<3, true, false>},
-                     {"wgmma bwd l2 dq", attention_backward_gqa_pack_timed<3, false, true>},
-                     {"wgmma bwd gqa pack l2 dq", attention_backward_gqa_pack_timed<3, true, true>}};
+                     {"wgmma bwd wg1 s2", attention_backward_wgmma_timed<1, 2, 1, 2>}};
     for (const auto& o : wgmma_bwd) {
         if (!lab_bwd_named(opt, o.name)) continue;
         if (!lab_wgmma_supports(HD)) break;

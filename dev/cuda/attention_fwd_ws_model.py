@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """
-dev/cuda/attention_fwd_wgmma2_model.py -- a random-interleaving model of the synchronisation
-protocol of dev/cuda/attention_fwd_wgmma2.cuh (producer warpgroup + two consumer warpgroups,
-mbarrier rings for K and V, optional ping-pong named barriers). Each role is the kernel's program
+dev/cuda/attention_fwd_ws_model.py -- a random-interleaving model of the synchronisation
+protocol of the wgmma forward in kernels/attention_wgmma.cuh (producer warpgroup + two consumer
+warpgroups, mbarrier rings for K and V, ping-pong named barriers). The kernel ships with PP on
+and WF off; the model keeps both switches (the variants measured in session 6). Each role is the kernel's program
 order as a generator of actions; a scheduler runs one runnable action at a time, chosen at
 random, and lands cp.async copies and completes wgmma groups at random moments.
 
@@ -23,7 +24,7 @@ Checked on every run:
     barrier half-complete, a wrong empty-wait parity lets a copy overwrite a live stage, and
     releasing V one step early lets a copy hit a running P V product, and (WF) publishing a copy
     without waiting for it lets a wgmma read a stage that has not landed (all detected).
-Run: python3 dev/cuda/attention_fwd_wgmma2_model.py  (prints a summary, exit 0 when all pass)
+Run: python3 dev/cuda/attention_fwd_ws_model.py  (prints a summary, exit 0 when all pass)
 """
 import random
 import sys
