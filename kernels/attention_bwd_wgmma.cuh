@@ -116,7 +116,8 @@
  *
  * ---------------------------------------------------------------------------------------------
  * Pipelines (both passes; STAGES = 2 or 3 ring slots for the streamed tiles, loads one tile
- * ahead by cp.async, every thread a loader as in the forward; no TMA, no mbarrier)
+ * ahead by cp.async, every thread a loader (the forward has a producer warpgroup and mbarriers
+ * instead; the backward keeps this scheme); no TMA, no mbarrier)
  *   ring(it): cp.async.wait_group 0 (tile it landed); fence.proxy.async (cp.async writes are
  *             generic-proxy, wgmma reads async-proxy); __syncthreads(); issue the cp.async loads
  *             of tile it+1 into slot (it+1) % STAGES; commit.
