@@ -9,7 +9,8 @@
  *
  *   validation: fresh random bf16 inputs per case, a CPU reference with fp64 accumulation, relative
  *     L2 error of out, lse, dq, dk, dv (tolerance 2e-2); outputs poisoned with NaN before every
- *     launch so an unwritten element fails; every case run twice and compared bit for bit.
+ *     launch so an unwritten element fails; every case run twice and compared bit for bit
+ *     (a backward variant marked not deterministic: within the tolerance).
  *   big: B=3, T=131072 (B*T*QKV > 2^31 elements, so 32-bit offsets would fail), checked on
  *     sampled rows and keys of the last sequence against the same reference.
  *   bench: HD=128, H=16, KVH=8 at T = 2048, 4096, 16384; TFLOP/s counted as in
@@ -67,6 +68,19 @@
  *   also run on the big case. ptxas (HD=128): dK/dV 254 registers, dQ 176 (wg2) / 161 (wg1); HD=64
  *   192 and 144/128; no spills, no serialised wgmma.
  *
+ * wgmma backward with atomic dQ, variants 8 "wgmma bwd atomic dq s3", 9 "... s2" and 10
+ * "wgmma bwd bulk dq s3" (dev/cuda/attention_bwd_atomic.cuh: scheme, layouts, register budget,
+ * memory-model argument, risks, first-run checklist; dev/cuda/check_bwd_atomic.sh runs that
+ * checklist in one device call). STATUS: written blind, NOT YET RUN. Production's dK/dV pass
+ * (2 warpgroups, 128 keys, 3 or 2 ring slots) also computes dQ = dS K per visited (query tile,
+ * head) from a dS tile stored by stmatrix .trans (SS wgmma, each warpgroup half of the hd
+ * columns) and adds it to an fp32 accumulator in the workspace with red.global.add.v4.f32 (10:
+ * staged in shared memory and added by one cp.reduce.async.bulk per tile); a last pass converts
+ * it to bf16. 5 matmuls per tile pair instead of 7. NOT deterministic (float atomics: the lab
+ * compares its repeats within the tolerance, BackwardVariant::deterministic = false); bigger
+ * workspace (attention_backward_atomic_ws_bytes: + B*H*ceil(T/64)*64*HD fp32). ptxas: 254
+ * registers at HD=128, 202 at HD=64, no spills, no serialised wgmma.
+ *
  * Tried and dropped in session 6 (first GPU run of code written blind; numbers in docs/PERF.md):
  * a backward with the dQ pass's S and dP as RS wgmma and FA3 ping-pong (wrong dq at HD=64, and
  * only 1-3% faster at HD=128), GQA head-pair packing and kv-head "L2 sections" launch order for
@@ -115,6 +129,8 @@
 #include <cstring>
 #include <thread>
 #include <vector>
+
+#include "attention_bwd_atomic.cuh"
 
 // ----------------------------------------------------------------------------
 // host helpers: checks, bf16, random numbers, threads
@@ -311,7 +327,10 @@ struct ForwardVariant {
 };
 // ws_bytes: the workspace the variant needs, nullptr = attention_backward_workspace_bytes.
 // same_bits_as: as for the forward (the whole dqkv, bit for bit, on every validation case and,
-// against the C interface's backward, on the big case).
+// against the C interface's backward, on the big case). deterministic: false for a variant that
+// sums with float atomics; its two runs of a case must then agree within the tolerance (relative
+// L2 of the second against the first) instead of bit for bit, and differing bits are counted
+// ("nondeterministic") without failing the case.
 struct BackwardVariant {
     const char* name;
     BackwardFn fn;
@@ -319,6 +338,7 @@ struct BackwardVariant {
     size_t (*ws_bytes)(int B, int T, int H, int KVH, int HD);
     bool big;
     const char* same_bits_as;
+    bool deterministic;
 };
 
 // The wgmma variants run HD 64 and 128, and only from a binary with sm_90a device code (said once).
@@ -353,22 +373,30 @@ static bool forward_runs(int v, int HD) {
 // backward: <dK/dV warps (16 keys each), query rows per tile, dQ warps (16 rows each), keys per
 // tile>; wgmma: <dK/dV warpgroups (64 keys each), ring slots, dQ warpgroups (64 rows each), ring
 // slots> (kernels/attention_bwd_wgmma.cuh)
+// wgmma atomic / bulk dq: <ring slots, bulk reductions> (dev/cuda/attention_bwd_atomic.cuh; NOT
+// deterministic)
 static const BackwardVariant backward_variants[] = {
-    {"kernels", attention_backward_bf16, nullptr, nullptr, false, nullptr},
+    {"kernels", attention_backward_bf16, nullptr, nullptr, false, nullptr, true},
     {"bwd kv w4 q64 | dq w4 k64", attention_backward_tiled<4, 64, 4, 64>, nullptr, nullptr, false,
-     nullptr},
+     nullptr, true},
     {"bwd kv w8 q64 | dq w8 k64", attention_backward_tiled<8, 64, 8, 64>, nullptr, nullptr, false,
-     nullptr},
+     nullptr, true},
     {"bwd kv w8 q64 | dq w4 k64", attention_backward_tiled<8, 64, 4, 64>, nullptr, nullptr, false,
-     nullptr},
+     nullptr, true},
     {"bwd kv w4 q64 | dq w8 k64", attention_backward_tiled<4, 64, 8, 64>, nullptr, nullptr, false,
-     nullptr},
+     nullptr, true},
     {"bwd kv w8 q64 | dq w8 k32", attention_backward_tiled<8, 64, 8, 32>, nullptr, nullptr, false,
-     nullptr},
+     nullptr, true},
     {"wgmma bwd wg2 s3", attention_backward_wgmma<2, 3, 2, 3>, lab_wgmma_supports, nullptr, true,
-     nullptr},
+     nullptr, true},
     {"wgmma bwd wg1 s2", attention_backward_wgmma<1, 2, 1, 2>, lab_wgmma_supports, nullptr, true,
-     nullptr},
+     nullptr, true},
+    {"wgmma bwd atomic dq s3", attention_backward_atomic<3, false>, lab_wgmma_supports,
+     attention_backward_atomic_ws_bytes, true, nullptr, false},
+    {"wgmma bwd atomic dq s2", attention_backward_atomic<2, false>, lab_wgmma_supports,
+     attention_backward_atomic_ws_bytes, true, nullptr, false},
+    {"wgmma bwd bulk dq s3", attention_backward_atomic<3, true>, lab_wgmma_supports,
+     attention_backward_atomic_ws_bytes, true, nullptr, false},
 };
 #define N_FWD ((int)(sizeof(forward_variants) / sizeof(forward_variants[0])))
 #define N_BWD ((int)(sizeof(backward_variants) / sizeof(backward_variants[0])))
@@ -480,8 +508,9 @@ static void errors_forward(const Shape& s, const std::vector<uint16_t>& out,
     e.out = eo.rel();
     e.lse = el.rel();
 }
-static void errors_backward(const Shape& s, const std::vector<uint16_t>& dqkv, const Reference& r,
-                            Errors& e) {
+// dqkv against a reference dqkv (the fp64 one, or a first run for the repeat check).
+static void errors_backward(const Shape& s, const std::vector<uint16_t>& dqkv,
+                            const std::vector<float>& ref, Errors& e) {
     ErrAcc eq, ek, ev;
     const int64_t QKV = s.qkv_cols();
     const int64_t kcol = (int64_t)s.H * s.HD, vcol = (int64_t)(s.H + s.KVH) * s.HD;
@@ -489,7 +518,7 @@ static void errors_backward(const Shape& s, const std::vector<uint16_t>& dqkv, c
         for (int64_t c = 0; c < QKV; c++) {
             const int64_t i = row * QKV + c;
             ErrAcc& a = c < kcol ? eq : c < vcol ? ek : ev;
-            a.add(bf16_to_float(dqkv[i]), r.dqkv[i]);
+            a.add(bf16_to_float(dqkv[i]), ref[i]);
         }
     e.dq = eq.rel();
     e.dk = ek.rel();
@@ -629,20 +658,32 @@ static int validate_case(const Shape& s, uint64_t seed, const LabOptions& opt,
         dqkvs[v] = dqkv[0];
         if (!report) continue;
         Errors e = {0, 0, 0, 0, 0};
-        errors_backward(s, dqkv[0], ref, e);
+        errors_backward(s, dqkv[0], ref.dqkv, e);
         const bool det = dqkv[0] == dqkv[1];
         const double worst = std::max({e.dq, e.dk, e.dv});
         bstats[v].worst = std::max(bstats[v].worst, worst);
         if (!det) bstats[v].nondeterministic++;
-        if (!(worst <= TOLERANCE) || !det) {
+        // float atomics: the repeat only has to agree within the tolerance
+        bool repeat_ok = det;
+        if (!det && !backward_variants[v].deterministic) {
+            std::vector<float> first(dqkv[0].size());
+            for (size_t i = 0; i < first.size(); i++) first[i] = bf16_to_float(dqkv[0][i]);
+            Errors r = {0, 0, 0, 0, 0};
+            errors_backward(s, dqkv[1], first, r);
+            repeat_ok = std::max({r.dq, r.dk, r.dv}) <= TOLERANCE;
+        }
+        if (!(worst <= TOLERANCE) || !repeat_ok) {
             bstats[v].failures++;
             failures++;
+            const char* why = repeat_ok                            ? ""
+                              : backward_variants[v].deterministic ? " NOT DETERMINISTIC"
+                                                                   : " REPEAT OUTSIDE TOLERANCE";
             for (FILE* f : {log, stdout})
                 if (f == log || bstats[v].failures <= 3)
                     fprintf(f,
                             "  FAIL %-28s B=%d T=%d H=%d KVH=%d HD=%d: dq %.2e dk %.2e dv %.2e%s\n",
                             backward_variants[v].name, s.B, s.T, s.H, s.KVH, s.HD, e.dq, e.dk,
-                            e.dv, det ? "" : " NOT DETERMINISTIC");
+                            e.dv, why);
         }
         if (v == 0) shown.dq = e.dq, shown.dk = e.dk, shown.dv = e.dv, shown_det = shown_det && det;
     }
@@ -733,6 +774,8 @@ static int validate_all(const LabOptions& opt, FILE* log) {
             printf("  %-28s worst %.2e  failures %d  nondeterministic %d",
                    backward_variants[v].name, bstats[v].worst, bstats[v].failures,
                    bstats[v].nondeterministic);
+            if (!backward_variants[v].deterministic)
+                printf(" (float atomics: repeats compared within the tolerance)");
             if (backward_variants[v].same_bits_as)
                 printf("  bit-identical to %s in %d/%d cases", backward_variants[v].same_bits_as,
                        bstats[v].bit_cases - bstats[v].bit_diff, bstats[v].bit_cases);
@@ -1150,13 +1193,24 @@ static void bench_backward_passes(const LabOptions& opt, FILE* log, const Shape&
 
     typedef void (*TimedFn)(void*, const void*, const void*, const void*, const float*, void*,
                             int, int, int, int, int, void*, cudaEvent_t*);
-    // The wgmma backward variants (dev/cuda/attention_bwd_wgmma.cuh), same shape and passes as
-    // the C interface's: D | dK, dV (4 matmuls) | dQ (3 matmuls).
+    // The wgmma backward variants (kernels/attention_bwd_wgmma.cuh), same shape and passes as
+    // the C interface's: D | dK, dV (4 matmuls) | dQ (3 matmuls); the atomic-dQ ones
+    // (dev/cuda/attention_bwd_atomic.cuh): zeroing and D | dK, dV, dQ (5 matmuls) | dQ
+    // conversion (none).
     const struct {
         const char* name;
         TimedFn fn;
-    } wgmma_bwd[] = {{"wgmma bwd wg2 s3", attention_backward_wgmma_timed<2, 3, 2, 3>},
-                     {"wgmma bwd wg1 s2", attention_backward_wgmma_timed<1, 2, 1, 2>}};
+        const char *kv_pass, *q_pass;
+        int kv_matmuls, q_matmuls;
+    } wgmma_bwd[] = {
+        {"wgmma bwd wg2 s3", attention_backward_wgmma_timed<2, 3, 2, 3>, "dK,dV", "dQ", 4, 3},
+        {"wgmma bwd wg1 s2", attention_backward_wgmma_timed<1, 2, 1, 2>, "dK,dV", "dQ", 4, 3},
+        {"wgmma bwd atomic dq s3", attention_backward_atomic_timed<3, false>, "dK,dV,dQ",
+         "dQ convert", 5, 0},
+        {"wgmma bwd atomic dq s2", attention_backward_atomic_timed<2, false>, "dK,dV,dQ",
+         "dQ convert", 5, 0},
+        {"wgmma bwd bulk dq s3", attention_backward_atomic_timed<3, true>, "dK,dV,dQ",
+         "dQ convert", 5, 0}};
     for (const auto& o : wgmma_bwd) {
         if (!lab_bwd_named(opt, o.name)) continue;
         if (!lab_wgmma_supports(HD)) break;
@@ -1175,9 +1229,14 @@ static void bench_backward_passes(const LabOptions& opt, FILE* log, const Shape&
             }
         }
         const float wd = median_ms(tw[0]), wkv = median_ms(tw[1]), wq = median_ms(tw[2]);
-        printf("%s passes, T=%d B=%d: D %.3f ms | dK,dV %.3f ms (%.0f TFLOP/s of 4 matmuls) | "
-               "dQ %.3f ms (%.0f TFLOP/s of 3 matmuls)\n",
-               o.name, s.T, s.B, wd, wkv, 2.0 * flops / wkv * 1e-9, wq, 1.5 * flops / wq * 1e-9);
+        // one causal matmul = flops / 2
+        printf("%s passes, T=%d B=%d: D %.3f ms | %s %.3f ms (%.0f TFLOP/s of %d matmuls) | "
+               "%s %.3f ms", o.name, s.T, s.B, wd, o.kv_pass, wkv,
+               0.5 * o.kv_matmuls * flops / wkv * 1e-9, o.kv_matmuls, o.q_pass, wq);
+        if (o.q_matmuls)
+            printf(" (%.0f TFLOP/s of %d matmuls)", 0.5 * o.q_matmuls * flops / wq * 1e-9,
+                   o.q_matmuls);
+        printf("\n");
         fprintf(log, "%s passes T=%d B=%d: D %.3f ms, dKdV %.3f ms, dQ %.3f ms\n", o.name, s.T,
                 s.B, wd, wkv, wq);
     }
