@@ -452,9 +452,9 @@ static int st_checkpoint_index_tensors(StCheckpoint* ck, char* err) {
         if (strcmp(ck->tensors[i - 1]->name, ck->tensors[i]->name) == 0) {
             char nm[96];
             const char* name = ck->tensors[i]->name;
-            return errorf(err, "tensor '%s' appears in two shards: %s and %s",
-                          st_printable(name, strlen(name), nm, sizeof nm),
-                          ck->tensors[i - 1]->file, ck->tensors[i]->file);
+            return errorf(err, "%s: tensor '%s' appears in two shards (also in %s)",
+                          ck->tensors[i]->file, st_printable(name, strlen(name), nm, sizeof nm),
+                          ck->tensors[i - 1]->file);
         }
     }
     return 0;
