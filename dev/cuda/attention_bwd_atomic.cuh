@@ -18,7 +18,12 @@
  * WgmmaBf16, wgmma fences / waits / register pins; from kernels/attention_bwd_wgmma.cuh
  * attn_bwg_cp_async_4). HD 64 and 128.
  *
- * STATUS: written blind, NOT YET RUN (no GPU in the session that wrote it). It compiles for
+ * STATUS: written blind, NOT YET RUN (no GPU in the session that wrote it). The CPU model
+ * dev/cuda/attention_bwd_atomic_model.py (python3 + numpy, ~10 s) emulates its new data paths
+ * from the PTX ISA's definitions (stmatrix .trans into SW128, the dQ wgmma's descriptors, the
+ * fragment-order reds and the conversion) and passes at HD 64 and 128; it cannot settle the one
+ * hardware assumption new here (HD=64: an MN-major B start 64 bytes into a swizzle row; the
+ * fallback, split by keys, is described below). It compiles for
  * sm_90a without spills or serialised wgmmas (numbers below), and the SASS of the loop reads as
  * designed (cuobjdump -sass): DEPBAR, BAR.SYNC, 16 HGMMA 64x64 (S^T, dP^T), DEPBAR 0x1, exp2,
  * 4 HGMMA 64xHD tnspB (dV), DEPBAR 0x1, dS^T, 4 STSM.16.MT88.4, FENCE.VIEW.ASYNC.S, BAR.SYNC,
