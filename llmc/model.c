@@ -81,14 +81,15 @@ static int mlp_chunk_rows(const Model* m, int B, int T) {
 static void acts_sizes(const Model* m, int B, int T, size_t act_bytes, size_t* sizes) {
     const ModelConfig* c = &m->cfg;
     const size_t N = (size_t)B * T, C = c->C, F = c->F;
-    // long sequences (a chunked MLP) keep only what the backward cannot cheaply recompute: ln1,
-    // qkv_raw and h are recomputed by the block backward (model_block_backward)
+    // long sequences (a chunked MLP) keep only what the backward cannot cheaply recompute (the
+    // attention's output and lse, rstd1): ln1, qkv_raw, qkv, rstd_qk and h are recomputed by the
+    // block backward (model_block_backward)
     const int chunked = mlp_chunk_rows(m, B, T) > 0;
     sizes[0] = chunked ? 0 : N * C * act_bytes;                   // ln1
     sizes[1] = N * sizeof(float);                                 // rstd1
     sizes[2] = chunked ? 0 : N * m->QKV * act_bytes;              // qkv_raw
-    sizes[3] = N * m->QKV * act_bytes;                            // qkv
-    sizes[4] = c->qk_norm ? N * (c->H + c->KVH) * sizeof(float) : 0;  // rstd_qk
+    sizes[3] = chunked ? 0 : N * m->QKV * act_bytes;              // qkv
+    sizes[4] = c->qk_norm && !chunked ? N * (c->H + c->KVH) * sizeof(float) : 0;  // rstd_qk
     sizes[5] = N * c->H * c->HD * act_bytes;                      // att
     sizes[6] = (size_t)B * c->H * T * sizeof(float);              // lse
     sizes[7] = chunked ? 0 : N * C * act_bytes;                   // h
@@ -116,9 +117,10 @@ size_t workspace_bytes(const Model* m, int act_bytes, int B, int T, int n_acts) 
     const size_t row = C > (size_t)m->QKV ? C : (size_t)m->QKV;
     size_t scratch = 2 * N * row * ab + 3 * mlp_rows * F * ab + N * sizeof(float) +
                      (size_t)lm_chunk_rows(m, act_bytes, B, T) * c->V * ab;
-    if (chunk > 0)  // the MLP chunk's scratch, and the recomputed ln1 / h and qkv_raw
+    if (chunk > 0)  // the MLP chunk's scratch, and the recomputed ln1 / h, qkv_raw, qkv, rstds
         scratch += (size_t)chunk * (C + 3 * F) * ab + (size_t)chunk * sizeof(float) +
-                   N * (C + (size_t)m->QKV) * ab + N * sizeof(float);
+                   N * (C + 2 * (size_t)m->QKV) * ab + N * sizeof(float) +
+                   (c->qk_norm ? N * (size_t)(c->H + c->KVH) * sizeof(float) : 0);
     size_t rope = 2 * (size_t)T * (c->HD / 2) * sizeof(float);
     return per_set * (size_t)n_acts + scratch + rope;
 }
@@ -187,6 +189,8 @@ Workspace* workspace_create(const Model* m, const Ops* ops, void* ctx, int B, in
         ws->ln1_h = ops->alloc(ctx, N * C * ab);
         ws->qkv_raw_s = ops->alloc(ctx, N * (size_t)m->QKV * ab);
         ws->rstd1_s = ops->alloc(ctx, N * sizeof(float));
+        ws->qkv_s = ops->alloc(ctx, N * (size_t)m->QKV * ab);
+        if (c->qk_norm) ws->rstd_qk_s = ops->alloc(ctx, N * (size_t)(c->H + c->KVH) * sizeof(float));
     }
     ws->xf = ws->row_a;
     ws->rstdf = ops->alloc(ctx, N * sizeof(float));
@@ -211,8 +215,8 @@ void workspace_free(Workspace* ws) {
     void* bufs[] = {ws->rope_cos, ws->rope_sin, ws->row_a, ws->row_b, ws->d_act, ws->d_gu,
                     ws->rstdf, ws->logits};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) ops->free(ctx, bufs[i]);
-    void* chunk_bufs[] = {ws->ln2_c, ws->rstd2_c, ws->gu_c, ws->act_c, ws->ln1_h, ws->qkv_raw_s,
-                          ws->rstd1_s};
+    void* chunk_bufs[] = {ws->ln2_c, ws->rstd2_c, ws->gu_c,      ws->act_c, ws->ln1_h,
+                          ws->qkv_raw_s, ws->rstd1_s, ws->qkv_s, ws->rstd_qk_s};
     for (size_t i = 0; i < sizeof chunk_bufs / sizeof chunk_bufs[0]; i++)
         if (chunk_bufs[i]) ops->free(ctx, chunk_bufs[i]);
     free(ws);
@@ -282,14 +286,16 @@ void model_block_forward(const Model* m, Workspace* ws, BlockActs* a, const void
     const void* k_norm = bl->k_norm >= 0 ? at(ws, slab, bl->k_norm) : NULL;
 
     // attention: h = x + o_proj(attn(rope(qk_norm(qkv_proj(rmsnorm(x))))))
-    // (long sequences: ln1, qkv_raw and h go to workspace scratch, not the saved set)
+    // (long sequences: ln1, qkv_raw, qkv, rstd_qk and h go to workspace scratch, not the saved set)
     const int lean = ws->mlp_chunk > 0;
     void* ln1 = lean ? ws->ln1_h : a->ln1;
     void* qkv_raw = lean ? ws->qkv_raw_s : a->qkv_raw;
+    void* qkv = lean ? ws->qkv_s : a->qkv;
+    float* rstd_qk = lean ? ws->rstd_qk_s : a->rstd_qk;
     attention_input_forward(m, ws, slab, x_in, ln1, a->rstd1, qkv_raw, N);
-    ops->qknorm_rope_forward(ctx, a->qkv, a->rstd_qk, qkv_raw, q_norm, k_norm, ws->rope_cos,
+    ops->qknorm_rope_forward(ctx, qkv, rstd_qk, qkv_raw, q_norm, k_norm, ws->rope_cos,
                              ws->rope_sin, B, T, c->H, c->KVH, HD, c->norm_eps);
-    ops->attention_forward(ctx, a->att, a->lse, a->qkv, B, T, c->H, c->KVH, HD);
+    ops->attention_forward(ctx, a->att, a->lse, qkv, B, T, c->H, c->KVH, HD);
     if (lean) {
         // long sequences: h = x + attn, then the MLP chunk by chunk
         void* h = ws->ln1_h;  // ln1 is dead once qkv_raw exists
@@ -355,16 +361,23 @@ void model_block_backward(const Model* m, Workspace* ws, const BlockActs* a, con
                               at(ws, slab, bl->mlp_norm), a->rstd2, N, C);
     }
     // attention. dres is the gradient of h and, through the residual, of x.
-    // (chunked: ln1 and qkv_raw recomputed, into scratch no op below writes; rstd1 is saved)
+    // (chunked: ln1, qkv_raw, qkv and rstd_qk recomputed by the forward's ops, into scratch no
+    // op below writes; rstd1 is saved)
     const void* ln1 = lean ? ws->ln1_h : a->ln1;
     const void* qkv_raw = lean ? ws->qkv_raw_s : a->qkv_raw;
-    if (lean) attention_input_forward(m, ws, slab, x_in, ws->ln1_h, ws->rstd1_s, ws->qkv_raw_s, N);
+    const void* qkv = lean ? ws->qkv_s : a->qkv;
+    const float* rstd_qk = lean ? ws->rstd_qk_s : a->rstd_qk;
+    if (lean) {
+        attention_input_forward(m, ws, slab, x_in, ws->ln1_h, ws->rstd1_s, ws->qkv_raw_s, N);
+        ops->qknorm_rope_forward(ctx, ws->qkv_s, ws->rstd_qk_s, ws->qkv_raw_s, q_norm, k_norm,
+                                 ws->rope_cos, ws->rope_sin, B, T, c->H, c->KVH, HD, c->norm_eps);
+    }
     ops->matmul_backward(ctx, ws->d_att, gslab + bl->wo, NULL, dres, a->att, at(ws, slab, bl->wo),
                          N, QD, C);
-    ops->attention_backward(ctx, ws->d_qkv, ws->d_att, a->qkv, a->att, a->lse, B, T, c->H, c->KVH,
+    ops->attention_backward(ctx, ws->d_qkv, ws->d_att, qkv, a->att, a->lse, B, T, c->H, c->KVH,
                             HD);
     ops->qknorm_rope_backward(ctx, ws->d_qkv_raw, dq_norm, dk_norm, ws->d_qkv, qkv_raw, q_norm,
-                              k_norm, a->rstd_qk, ws->rope_cos, ws->rope_sin, B, T, c->H, c->KVH,
+                              k_norm, rstd_qk, ws->rope_cos, ws->rope_sin, B, T, c->H, c->KVH,
                               HD);
     ops->matmul_backward(ctx, ws->d_ln, gslab + bl->wqkv, NULL, ws->d_qkv_raw, ln1,
                          at(ws, slab, bl->wqkv), N, C, m->QKV);

@@ -40,11 +40,12 @@ typedef struct Model {
     float rope_scale;      // attention scaling folded into cos/sin (1 except yarn)
     // Long sequences: when > 0 and a workspace holds more than this many rows, the MLP runs in
     // row chunks of this size and its activations (ln2, gate/up, silu product) are not kept: the
-    // backward recomputes them chunk by chunk from h. Such a block keeps neither ln1, qkv_raw nor
-    // h either: its backward recomputes them (the attention's input and output projections).
-    // Costs one more MLP forward and both projections' forward in the backward, saves
-    // (3C + QKV + 3F) x rows of each block's activations (Qwen3-1.7B: 7 -> 3 GiB per block at
-    // 262,144 tokens) and shrinks the MLP gradient scratch to a chunk.
+    // backward recomputes them chunk by chunk from h. Such a block keeps only the attention's
+    // output, its lse and rstd1: the backward recomputes ln1, qkv_raw, qkv (qk-norm and RoPE) and
+    // h (the attention's input and output projections). Costs one more MLP forward and both
+    // projections' forward in the backward, saves (3C + 2 QKV + 3F) x rows of each block's
+    // activations (Qwen3-1.7B: 17 -> 1 GiB per block at 262,144 tokens) and shrinks the MLP
+    // gradient scratch to a chunk.
     int mlp_chunk;
 } Model;
 
@@ -52,10 +53,10 @@ typedef struct Model {
 // N = B*T rows.
 typedef struct BlockActs {
     void* ln1;       // (N, C)                         NULL with a chunked MLP: the backward
-    float* rstd1;    // (N)                            recomputes ln1, qkv_raw and h (cheap
+    float* rstd1;    // (N)                            recomputes ln1, qkv_raw, qkv and h (cheap
     void* qkv_raw;   // (N, QKV) before qk-norm/RoPE   next to the attention they feed)
-    void* qkv;       // (N, QKV) after qk-norm/RoPE
-    float* rstd_qk;  // (N, H + KVH) qk-norm rstd (NULL without qk-norm)
+    void* qkv;       // (N, QKV) after qk-norm/RoPE (NULL with a chunked MLP: recomputed)
+    float* rstd_qk;  // (N, H + KVH) qk-norm rstd (NULL without qk-norm or with a chunked MLP)
     void* att;       // (N, H*HD) attention output before Wo
     float* lse;      // (B, H, T)
     void* h;         // (N, C) residual after attention (NULL with a chunked MLP)
@@ -97,6 +98,8 @@ typedef struct Workspace {
     void* ln1_h;       // (N, C) chunked: the block's ln1, then its h (recomputed, not saved)
     void* qkv_raw_s;   // (N, QKV) chunked: the block's qkv_raw
     float* rstd1_s;    // (N) chunked: rstd1 of the backward's recompute (equal to the saved one)
+    void* qkv_s;       // (N, QKV) chunked: the block's qkv (forward and recompute)
+    float* rstd_qk_s;  // (N, H + KVH) chunked: its qk-norm rstd (NULL without qk-norm)
 } Workspace;
 
 // ----------------------------------------------------------------------------

@@ -125,8 +125,9 @@ void partition_evaluate(const PartitionInput* in, PartitionPlan* plan);
 // 2*V*C*tokens and its fused forward + backward 3x that (never recomputed); the prefix (an
 // embedding gather, memory bound) a token-proportional trifle of C FLOPs per token, 3x backward.
 // mlp_chunked: the MLP runs in chunks (Model.mlp_chunk) and keeps no activations, and the block
-// keeps neither ln1, qkv_raw nor h, so every block's backward also recomputes the MLP forward and
-// both attention projections: 2*(MLP + projection params)*tokens more.
+// keeps neither ln1, qkv_raw, qkv nor h, so every block's backward also recomputes the MLP forward
+// and both attention projections: 2*(MLP + projection params)*tokens more (qk-norm and RoPE are
+// elementwise: not counted).
 void partition_estimate_costs(const ModelConfig* cfg, int T, int tokens_per_microbatch,
                               int mlp_chunked, double* fwd_cost, double* bwd_cost);
 

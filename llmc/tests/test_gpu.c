@@ -976,7 +976,7 @@ static double compare_tensor_grads(TestCtx* t, const char* label, const Model* m
     return worst;
 }
 
-// mlp_chunk > 0: long-sequence mode (the MLP in row chunks; ln1, qkv_raw, h and the MLP's
+// mlp_chunk > 0: long-sequence mode (the MLP in row chunks; ln1, qkv_raw, qkv, h and the MLP's
 // activations recomputed by the backward) on both backends.
 static void model_case(TestCtx* t, Gpu* G, const char* preset, int mlp_chunk) {
     char err[ERR_LEN];
@@ -1219,9 +1219,10 @@ static void test_gpu_engine(TestCtx* t) {
         // rounding rather than bit for bit
         {2, 4, 0, RECOMPUTE_STAGE, 0, 0, 0, 1, 0},
         // long-sequence mode: micro-batches computed in row chunks of 1024 tokens, the MLP in
-        // chunks of 384 (uneven), lean activations, under a budget that forces 3 stages (checked
-        // with --plan's search): the memory prediction of the recompute scratch
-        {1, 4, 1, RECOMPUTE_STAGE, 650.0 * (1 << 20), 0, 0, 0, 384},
+        // chunks of 384 (uneven), lean activations, under a budget that forces 4 stages (checked
+        // with --plan's search on this config: 540-620 MiB give 3-5 stages, 640 one): the memory
+        // prediction of the recompute scratch
+        {1, 4, 1, RECOMPUTE_STAGE, 580.0 * (1 << 20), 0, 0, 0, 384},
         {N2, 4, 0, RECOMPUTE_STAGE, 0, -1, 0, 0, 0},
     };
     const size_t n_cases = sizeof cases / sizeof cases[0];

@@ -225,7 +225,7 @@ static void test_model_overfit_batch(TestCtx* t) {
 }
 
 // Long-sequence mode: the MLP in row chunks, its activations recomputed in the backward, and
-// ln1, qkv_raw and h recomputed too (not saved). Same loss to the bit (the forward runs the same
+// ln1, qkv_raw, qkv and h recomputed too (not saved). Same loss to the bit (the forward runs the same
 // ops on the same rows), gradients equal up to the order of the weight-gradient sums, for uneven
 // chunks, with and without recompute.
 static void test_model_chunked_mlp(TestCtx* t) {
@@ -236,16 +236,15 @@ static void test_model_chunked_mlp(TestCtx* t) {
         fixture_init_chunked(&b, &c, 3, 9, t->n_threads, fam, 13, 5);  // 27 rows: 5 x 5 + 2
         const BlockActs* ba = &b.p->ws->acts[0];
         CHECK(t, b.p->ws->mlp_chunk == 5 && ba->gu == NULL && ba->ln1 == NULL &&
-                     ba->qkv_raw == NULL && ba->h == NULL && ba->qkv != NULL,
-              "chunked workspace keeps only qkv, att, lse and the rstds");
-        // per block: qkv + att (+ fp32 rstds and lse) of the unchunked ln1, qkv_raw, qkv, att, h,
-        // ln2, gu, act (+ fp32)
+                     ba->qkv_raw == NULL && ba->h == NULL && ba->qkv == NULL &&
+                     ba->rstd_qk == NULL && ba->att != NULL && ba->lse != NULL && ba->rstd1 != NULL,
+              "chunked workspace keeps only att, lse and rstd1");
+        // per block: att (+ fp32 rstd1 and lse) of the unchunked ln1, qkv_raw, qkv, att, h, ln2,
+        // gu, act (+ fp32)
         const size_t set_a = workspace_act_set_bytes(&a.m, 4, 3, 9);
         const size_t set_b = workspace_act_set_bytes(&b.m, 4, 3, 9);
-        const size_t rows = 27, qkv = (size_t)b.m.QKV, att = (size_t)c.H * c.HD;
-        CHECK(t, set_b == rows * (qkv + att) * 4 + rows * 4 + (c.qk_norm ? rows * (c.H + c.KVH) * 4 : 0) +
-                              (size_t)3 * c.H * 9 * 4 &&
-                     set_b < set_a,
+        const size_t rows = 27, att = (size_t)c.H * c.HD;
+        CHECK(t, set_b == rows * att * 4 + rows * 4 + (size_t)3 * c.H * 9 * 4 && set_b < set_a,
               "chunked act set %zu bytes (unchunked %zu)", set_b, set_a);
         double la = fixture_grads(&a), lb = fixture_grads(&b);
         CHECK(t, la == lb, "loss %.9g vs chunked %.9g", la, lb);
