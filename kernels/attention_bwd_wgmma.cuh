@@ -44,7 +44,7 @@
  *     the dQ kernel (its K MN-major descriptor LBO = BN*128, or the lse/D row values).
  *   - Everything wrong at T=64 (one tile) -> an operand of the SS products (K-major descriptors
  *     of a WG's 64-row slice: start + wg*64*128) or the accumulator -> A fragment mapping.
- *   - Right for NWG=1 (variant 9) and wrong for NWG=2 (variant 8) -> the warpgroup row offsets
+ *   - Right for NWG=1 (variant 7) and wrong for NWG=2 (variant 6) -> the warpgroup row offsets
  *     (wg*64*128 inside the K/V or Q/dO tiles) or the STAGES=3 ring; the reverse -> the 2-stage
  *     ring (wait<0> placement before the barrier).
  *   - Wrong only when T > one tile, or with GQA (H/KVH > 1) -> ring stages / stage() mapping of
@@ -171,9 +171,9 @@
  *   pass 2: K (BN x HD) | V (BN x HD) | STAGES x Q (BQ x HD) | STAGES x dO | STAGES x {lse[BQ],
  *           D[BQ]} fp32 (cp.async 4-byte copies, zero-filled past T)
  *   pass 3: Q (BR x HD) | dO (BR x HD) | STAGES x K (BN x HD) | STAGES x V
- *   HD=128: wg2 s3 (variant 8): pass 2 160 KB + 1.5 KB (lse, D) + 1 KB slack = 166,400 bytes,
+ *   HD=128: wg2 s3 (lab variant 6): pass 2 160 KB + 1.5 KB (lse, D) + 1 KB slack = 166,400 bytes,
  *           pass 3 160 KB + 1 KB = 164,864 bytes: 1 CTA (8 warps) per SM;
- *           wg1 s2 (variant 9): pass 2 96 KB + 0.5 KB + 1 KB = 100,352 bytes, pass 3 97 KB =
+ *           wg1 s2 (variant 7): pass 2 96 KB + 0.5 KB + 1 KB = 100,352 bytes, pass 3 97 KB =
  *           99,328 bytes: 2 CTAs (4 warps each) per SM, which the registers also allow (254
  *           per thread, allocated as 256: 2 x 128 x 256 = the 64K register file).
  *
