@@ -215,7 +215,7 @@ void workspace_free(Workspace* ws) {
     void* bufs[] = {ws->rope_cos, ws->rope_sin, ws->row_a, ws->row_b, ws->d_act, ws->d_gu,
                     ws->rstdf, ws->logits};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) ops->free(ctx, bufs[i]);
-    void* chunk_bufs[] = {ws->ln2_c, ws->rstd2_c, ws->gu_c,      ws->act_c, ws->ln1_h,
+    void* chunk_bufs[] = {ws->ln2_c,  ws->rstd2_c,    ws->gu_c,  ws->act_c,    ws->ln1_h,
                           ws->qkv_raw_s, ws->rstd1_s, ws->qkv_s, ws->rstd_qk_s};
     for (size_t i = 0; i < sizeof chunk_bufs / sizeof chunk_bufs[0]; i++)
         if (chunk_bufs[i]) ops->free(ctx, chunk_bufs[i]);
@@ -252,16 +252,23 @@ static void mlp_chunk_forward(const Model* m, Workspace* ws, const void* slab, c
     ops->swiglu_forward(ws->ctx, ws->act_c, ws->gu_c, n, c->F);
 }
 
-// ln1 = RMSNorm(x) (rstd into rstd1), qkv_raw = ln1 · Wqkvᵀ: the forward's ops, also run by the
-// backward of a chunked block, which keeps neither (the same ops on the same inputs: the same bits).
+// ln1 = RMSNorm(x) (rstd into rstd1), qkv_raw = ln1 · Wqkvᵀ, qkv = RoPE(qk-norm(qkv_raw)) (its
+// rstd into rstd_qk): the forward's ops, also run by the backward of a chunked block, which keeps
+// none of them (the same ops on the same inputs: the same bits).
 static void attention_input_forward(const Model* m, Workspace* ws, const void* slab,
                                     const void* x_in, void* ln1, float* rstd1, void* qkv_raw,
-                                    int N) {
+                                    void* qkv, float* rstd_qk, int B, int T) {
     const Ops* ops = ws->ops;
+    const ModelConfig* c = &m->cfg;
     const BlockLayout* bl = &m->block;
-    ops->rmsnorm_forward(ws->ctx, ln1, rstd1, x_in, at(ws, slab, bl->attn_norm), N, m->cfg.C,
-                         m->cfg.norm_eps);
-    ops->matmul_forward(ws->ctx, qkv_raw, ln1, at(ws, slab, bl->wqkv), NULL, N, m->cfg.C, m->QKV);
+    const int N = B * T;
+    ops->rmsnorm_forward(ws->ctx, ln1, rstd1, x_in, at(ws, slab, bl->attn_norm), N, c->C,
+                         c->norm_eps);
+    ops->matmul_forward(ws->ctx, qkv_raw, ln1, at(ws, slab, bl->wqkv), NULL, N, c->C, m->QKV);
+    ops->qknorm_rope_forward(ws->ctx, qkv, rstd_qk, qkv_raw,
+                             bl->q_norm >= 0 ? at(ws, slab, bl->q_norm) : NULL,
+                             bl->k_norm >= 0 ? at(ws, slab, bl->k_norm) : NULL, ws->rope_cos,
+                             ws->rope_sin, B, T, c->H, c->KVH, c->HD, c->norm_eps);
 }
 
 // h = x + att · Woᵀ (through ws->proj), for a chunked block: its forward, and its backward's
@@ -282,8 +289,6 @@ void model_block_forward(const Model* m, Workspace* ws, BlockActs* a, const void
     const ModelConfig* c = &m->cfg;
     const BlockLayout* bl = &m->block;
     const int N = B * T, C = c->C, F = c->F, HD = c->HD, QD = c->H * c->HD;
-    const void* q_norm = bl->q_norm >= 0 ? at(ws, slab, bl->q_norm) : NULL;
-    const void* k_norm = bl->k_norm >= 0 ? at(ws, slab, bl->k_norm) : NULL;
 
     // attention: h = x + o_proj(attn(rope(qk_norm(qkv_proj(rmsnorm(x))))))
     // (long sequences: ln1, qkv_raw, qkv, rstd_qk and h go to workspace scratch, not the saved set)
@@ -292,9 +297,7 @@ void model_block_forward(const Model* m, Workspace* ws, BlockActs* a, const void
     void* qkv_raw = lean ? ws->qkv_raw_s : a->qkv_raw;
     void* qkv = lean ? ws->qkv_s : a->qkv;
     float* rstd_qk = lean ? ws->rstd_qk_s : a->rstd_qk;
-    attention_input_forward(m, ws, slab, x_in, ln1, a->rstd1, qkv_raw, N);
-    ops->qknorm_rope_forward(ctx, qkv, rstd_qk, qkv_raw, q_norm, k_norm, ws->rope_cos,
-                             ws->rope_sin, B, T, c->H, c->KVH, HD, c->norm_eps);
+    attention_input_forward(m, ws, slab, x_in, ln1, a->rstd1, qkv_raw, qkv, rstd_qk, B, T);
     ops->attention_forward(ctx, a->att, a->lse, qkv, B, T, c->H, c->KVH, HD);
     if (lean) {
         // long sequences: h = x + attn, then the MLP chunk by chunk
@@ -367,11 +370,9 @@ void model_block_backward(const Model* m, Workspace* ws, const BlockActs* a, con
     const void* qkv_raw = lean ? ws->qkv_raw_s : a->qkv_raw;
     const void* qkv = lean ? ws->qkv_s : a->qkv;
     const float* rstd_qk = lean ? ws->rstd_qk_s : a->rstd_qk;
-    if (lean) {
-        attention_input_forward(m, ws, slab, x_in, ws->ln1_h, ws->rstd1_s, ws->qkv_raw_s, N);
-        ops->qknorm_rope_forward(ctx, ws->qkv_s, ws->rstd_qk_s, ws->qkv_raw_s, q_norm, k_norm,
-                                 ws->rope_cos, ws->rope_sin, B, T, c->H, c->KVH, HD, c->norm_eps);
-    }
+    if (lean)
+        attention_input_forward(m, ws, slab, x_in, ws->ln1_h, ws->rstd1_s, ws->qkv_raw_s,
+                                ws->qkv_s, ws->rstd_qk_s, B, T);
     ops->matmul_backward(ctx, ws->d_att, gslab + bl->wo, NULL, dres, a->att, at(ws, slab, bl->wo),
                          N, QD, C);
     ops->attention_backward(ctx, ws->d_qkv, ws->d_att, qkv, a->att, a->lse, B, T, c->H, c->KVH,
