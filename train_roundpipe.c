@@ -275,15 +275,16 @@ int main(int argc, char** argv) {
                                    : 0.0;
     const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
     const double host_total = pages > 0 && page > 0 ? (double)pages * page : 0.0;
-    // the plan's choices that depend on its shape: MLP chunks, then split rounds
+    // the plan's choices that depend on its shape: MLP chunks, then split rounds (one more fp32
+    // gradient set per extra round)
+    const double split_extra = N > 1 ? (N - 1) * 4.0 * P : 0.0;
     if (engine_run || a.plan_only) {
         const EngineOptions eo = engine_options(&a, use_cuda, N > 0 ? N : 1, 0);
         resolve_mlp_chunk(&model, &a, use_cuda ? 2 : 4, N > 0 ? N : 1, &eo);
-        resolve_split_rounds(&a, &model, use_cuda ? 2 : 4, N, &eo, host_fixed, (N - 1) * 4.0 * P,
+        resolve_split_rounds(&a, &model, use_cuda ? 2 : 4, N, &eo, host_fixed, split_extra,
                              host_total);
     }
-    // split rounds: one more fp32 gradient set per extra round
-    if (engine_run && a.split_rounds > 0 && N > 1) host_fixed += (N - 1) * 4.0 * P;
+    if (engine_run && a.split_rounds > 0) host_fixed += split_extra;
     struct sysinfo si;
     const double host_swap = sysinfo(&si) == 0 ? (double)si.totalswap * si.mem_unit : 0.0;
     printf("host memory: %.2f GiB for weights, optimizer state and gradients",
