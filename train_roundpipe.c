@@ -48,6 +48,10 @@ static int resolve_devices(const TrainArgs* a) {
     return N;
 }
 
+// The next four functions are one unit, the run's planning policy: the engine's options, the
+// --mlp-chunk and --split-rounds auto choices, and the host-memory check (whose formulas repeat
+// the engine's own accounting; they move behind the engine's API together).
+
 // The engine's options from the flags. On GPUs without --device-mem the engine may allocate 90%
 // of the memory still free on GPU 0 (the rest: allocator rounding, cuBLAS and CUDA internals).
 static EngineOptions engine_options(const TrainArgs* a, int use_cuda, int n_devices,
