@@ -1438,12 +1438,13 @@ static int plans_equal(const PartitionPlan* a, const PartitionPlan* b) {
     return 1;
 }
 
-// "F[0,2) F[2,3) FB[3,6) B[2,3) B[0,2)" into buf.
+// A plan's ranges, "F[0,3) FB[3,5) B[2,3) B[0,2) ", into buf.
 static const char* plan_text(const PartitionPlan* p, char* buf, size_t cap) {
     size_t used = 0;
     buf[0] = '\0';
     for (int i = 0; i < p->n_fwd && used < cap; i++)
-        used += (size_t)snprintf(buf + used, cap - used, "F[%d,%d) ", p->fwd[i].begin, p->fwd[i].end);
+        used += (size_t)snprintf(buf + used, cap - used, "F[%d,%d) ", p->fwd[i].begin,
+                                 p->fwd[i].end);
     for (int i = 0; i < p->n_bwd && used < cap; i++)
         used += (size_t)snprintf(buf + used, cap - used, "%s[%d,%d) ", i == 0 ? "FB" : "B",
                                  p->bwd[i].begin, p->bwd[i].end);
