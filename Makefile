@@ -1,9 +1,11 @@
 # train_roundpipe — build
 #
 #   make            build ./train_roundpipe (CPU backend always; CUDA kernels too when nvcc exists)
-#   make test       build and run ./test_roundpipe (last line: "N passed, M failed")
-#   make test-gpu   build with CUDA and run the `gpu` suite (the CUDA backend against the CPU one;
-#                   it passes as "skipped" on a machine without a GPU)
+#   make test       build and run ./test_roundpipe (last line: "N passed, M failed, K skipped"; it
+#                   fails on any failed test; tests that cannot run here, e.g. the `gpu` suite on
+#                   a machine without a GPU, are reported as skipped and do not fail it)
+#   make test-gpu   build with CUDA and run the `gpu` suite (the CUDA backend and engine against
+#                   the CPU ones); it FAILS when the suite cannot run (no GPU, or no CUDA build)
 #   make dev-cuda   build the CUDA kernel labs of dev/cuda (benchmarks; need a GPU to run)
 #   make clean
 #   make tsan       ThreadSanitizer build of the tests (build-tsan/), runs the suites in TSAN_SUITES
@@ -113,13 +115,15 @@ $(BUILD)/kernels/%.o: kernels/%.cu $(wildcard kernels/*.h) $(wildcard kernels/*.
 test: note train_roundpipe test_roundpipe
 	./test_roundpipe
 
-# The GPU suite alone (it compares the CUDA backend with the CPU one on every op and the model).
+# The GPU suite alone (it compares the CUDA backend with the CPU one on every op, the model and the
+# engine). Whoever asks for it wants to know it ran: --no-skip turns "skipped" (no GPU here) into
+# a failure.
 .PHONY: test-gpu dev-cuda
 test-gpu: note test_roundpipe
 ifneq ($(USE_CUDA),1)
 	@echo "test-gpu: this build has no CUDA ($(BUILD_NOTE))"; exit 1
 endif
-	./test_roundpipe gpu
+	./test_roundpipe --no-skip gpu
 
 # Kernel labs that link against the backend's objects (dev/cuda/attention.cu builds on its own:
 # it includes kernels/attention.cu).

@@ -325,6 +325,8 @@ static void test_train_engine_cli(TestCtx* t) {
               "%s: exit %d: %s", nosplit[i], rc, out);
         free(out);
     }
+#else
+    test_skip_part(t, "--plan for cuda devices, built without CUDA");
 #endif
     rc = test_run_cli(t, "cpusplit", "--device cpu:2 --batch 8 --micro-batches 4 --plan");
     out = test_read_output(t, "cpusplit", "out");

@@ -1,8 +1,9 @@
 /*
- * testing.c — helpers shared by the test suites: driving ./train_roundpipe end to end, and the
- * plain reference trainer the engine suites compare with. (No suite here: the runner lists
- * suites explicitly.)
+ * testing.c — helpers shared by the test suites: skipping, driving ./train_roundpipe end to end,
+ * and the plain reference trainer the engine suites compare with. (No suite here: the runner
+ * lists suites explicitly.)
  */
+#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
@@ -14,6 +15,38 @@
 #include "../store.h"
 #include "../threads.h"
 #include "testing.h"
+
+// ----------------------------------------------------------------------------
+// skipping
+
+void test_skip(TestCtx* t, const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(t->skip_why, sizeof t->skip_why, fmt, ap);
+    va_end(ap);
+    if (!t->skip_why[0]) str_copy(t->skip_why, sizeof t->skip_why, "no reason given");
+}
+
+void test_skip_part(TestCtx* t, const char* fmt, ...) {
+    char part[160];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(part, sizeof part, fmt, ap);
+    va_end(ap);
+    // already listed: a part is named once per loop iteration that meets it
+    const char* p = t->skipped_parts;
+    const size_t n = strlen(part);
+    while ((p = strstr(p, part)) != NULL) {
+        if ((p == t->skipped_parts || p[-1] == ' ') && (p[n] == '\0' || p[n] == ';')) return;
+        p += n;
+    }
+    const size_t used = strlen(t->skipped_parts);
+    snprintf(t->skipped_parts + used, sizeof t->skipped_parts - used, "%s%s", used ? "; " : "",
+             part);
+}
+
+// ----------------------------------------------------------------------------
+// the CLI
 
 int test_run_cli(TestCtx* t, const char* tag, const char* args) {
     char cmd[16384];
@@ -37,6 +70,9 @@ char* test_read_output(TestCtx* t, const char* tag, const char* ext) {
     snprintf(path, sizeof path, "%s/%s.%s", t->tmpdir, tag, ext);
     return test_read_file(path, NULL);
 }
+
+// ----------------------------------------------------------------------------
+// the reference trainer
 
 void test_reference_train(const RefTrain* r, const int32_t* tokens, double* loss, float** params,
                           int64_t* n_params) {
@@ -117,6 +153,9 @@ void test_reference_train(const RefTrain* r, const int32_t* tokens, double* loss
     if (r->delayed) store_free(&w_own);
     model_free(&m);
 }
+
+// ----------------------------------------------------------------------------
+// HF parity fixtures
 
 double test_check_fixture_grads(TestCtx* t, const char* what, const Model* m, const Store* s,
                                 const StFile* ex, double tol, int* n_grads) {
