@@ -29,7 +29,9 @@
 // ----------------------------------------------------------------------------
 // CPU reference
 
-static float sigmoid_cpu(float x) { return 1.0f / (1.0f + expf(-x)); }
+static float sigmoid_cpu(float x) {
+    return 1.0f / (1.0f + expf(-x));
+}
 
 // out (N, F) = bf16(silu(gate)) · up with gu (N, 2F) = [gate | up] (before the final rounding).
 static void swiglu_forward_cpu(float* out, const float* gu, int N, int F) {
@@ -58,7 +60,8 @@ __global__ void swiglu_forward_kernel1(bf16* out, const bf16* gu, int N, int F) 
     const size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     if (e >= (size_t)N * F) return;
     const size_t n = e / F, f = e % F;
-    const float g = __bfloat162float(gu[n * 2 * F + f]), u = __bfloat162float(gu[n * 2 * F + F + f]);
+    const float g = __bfloat162float(gu[n * 2 * F + f]),
+                u = __bfloat162float(gu[n * 2 * F + F + f]);
     out[e] = __float2bfloat16_rn(bf16_round(g / (1.0f + expf(-g))) * u);
 }
 
@@ -66,7 +69,8 @@ __global__ void swiglu_backward_kernel1(bf16* dgu, const bf16* dout, const bf16*
     const size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     if (e >= (size_t)N * F) return;
     const size_t n = e / F, f = e % F;
-    const float g = __bfloat162float(gu[n * 2 * F + f]), u = __bfloat162float(gu[n * 2 * F + F + f]);
+    const float g = __bfloat162float(gu[n * 2 * F + f]),
+                u = __bfloat162float(gu[n * 2 * F + F + f]);
     const float dy = __bfloat162float(dout[e]), s = 1.0f / (1.0f + expf(-g));
     dgu[n * 2 * F + f] = __float2bfloat16_rn(dy * u * s * (1.0f + g * (1.0f - s)));
     dgu[n * 2 * F + F + f] = __float2bfloat16_rn(dy * (g * s));
@@ -102,8 +106,8 @@ static void swiglu_forward(int v, CudaCtx* cx, bf16* out, const bf16* gu, int N,
 static void swiglu_backward(int v, CudaCtx* cx, bf16* dgu, const bf16* dout, const bf16* gu, int N,
                             int F) {
     if (v == 2) return cuda_swiglu_backward(cx, dgu, dout, gu, N, F);
-    swiglu_backward_kernel1<<<grid_size((size_t)N * F, 256), 256, 0, cx->stream>>>(dgu, dout, gu,
-                                                                                  N, F);
+    swiglu_backward_kernel1<<<grid_size((size_t)N * F, 256), 256, 0, cx->stream>>>(dgu, dout, gu, N,
+                                                                                   F);
     cuda_check_launch();
 }
 

@@ -29,13 +29,12 @@ static void embedding_forward_cpu(float* out, const int32_t* ids, const float* w
                                   int V) {
     for (int n = 0; n < N; n++)
         for (int c = 0; c < C; c++)
-            out[(size_t)n * C + c] =
-                ids[n] >= 0 && ids[n] < V ? wte[(size_t)ids[n] * C + c] : 0.0f;
+            out[(size_t)n * C + c] = ids[n] >= 0 && ids[n] < V ? wte[(size_t)ids[n] * C + c] : 0.0f;
 }
 
 // dwte (V, C) += Σ_{n: ids[n] = v} dout[n] (sums in double); ids outside [0, V) are skipped.
-static void embedding_backward_cpu(float* dwte, const float* dout, const int32_t* ids, int N,
-                                   int C, int V) {
+static void embedding_backward_cpu(float* dwte, const float* dout, const int32_t* ids, int N, int C,
+                                   int V) {
     std::vector<double> acc((size_t)V * C, 0.0);
     std::vector<char> seen(V, 0);
     for (int n = 0; n < N; n++) {
@@ -65,7 +64,8 @@ __global__ void embedding_backward_kernel1(float* dwte, const bf16* dout, const 
     if (c >= C) return;
     for (int n = 0; n < N; n++) {
         const int id = ids[n];
-        if (id >= 0 && id < V) dwte[(size_t)id * C + c] += __bfloat162float(dout[(size_t)n * C + c]);
+        if (id >= 0 && id < V)
+            dwte[(size_t)id * C + c] += __bfloat162float(dout[(size_t)n * C + c]);
     }
 }
 
@@ -95,7 +95,7 @@ static std::vector<int32_t> rand_ids(Rng* r, int N, int V, int skew) {
     std::vector<int32_t> ids(N);
     for (auto& id : ids)
         id = skew && rng_uniform(r) < 0.5f ? (int32_t)rng_below(r, 16) * (V / 16)
-                                            : (int32_t)rng_below(r, V);
+                                           : (int32_t)rng_below(r, V);
     return ids;
 }
 
@@ -106,7 +106,8 @@ static void validate(Lab* lab, int v, Rng* r, int N, int C, int V, int skew) {
     std::vector<float> dwte = rand_f32(r, VC, 1.0f), out(NC);
     embedding_forward_cpu(out.data(), ids.data(), wte.data(), N, C, V);
     int32_t* d_ids = dev_upload(ids);
-    bf16 *d_wte = dev_upload_bf16(wte), *d_dout = dev_upload_bf16(dout), *d_out = dev_alloc<bf16>(NC);
+    bf16 *d_wte = dev_upload_bf16(wte), *d_dout = dev_upload_bf16(dout),
+         *d_out = dev_alloc<bf16>(NC);
     float* d_dwte = dev_upload(dwte);
     dev_poison(d_out, NC * 2);
     embedding_forward(v, lab->cx, d_out, d_ids, d_wte, N, C, V);
@@ -115,7 +116,8 @@ static void validate(Lab* lab, int v, Rng* r, int N, int C, int V, int skew) {
     char what[128];
     snprintf(what, sizeof what, "fwd v%d N=%d C=%d V=%d%s: out", v, N, C, V, skew ? " skewed" : "");
     lab_check(lab, what, dev_download_bf16(d_out, NC).data(), out.data(), NC, TOL_EXACT);
-    snprintf(what, sizeof what, "bwd v%d N=%d C=%d V=%d%s: dwte", v, N, C, V, skew ? " skewed" : "");
+    snprintf(what, sizeof what, "bwd v%d N=%d C=%d V=%d%s: dwte", v, N, C, V,
+             skew ? " skewed" : "");
     lab_check(lab, what, dev_download(d_dwte, VC).data(), dwte.data(), VC, TOL_F32);
     lab_check_true(lab, "no device error flagged for valid ids", lab_take_device_error(lab) == 0);
     void* bufs[] = {d_ids, d_wte, d_dout, d_out, d_dwte};
@@ -128,7 +130,8 @@ static void validate_bad_ids(Lab* lab, Rng* r) {
     std::vector<int32_t> ids = rand_ids(r, N, V, 0);
     ids[7] = -1;
     ids[200] = V;
-    std::vector<float> wte = rand_bf16(r, (size_t)V * C, 1.0f), dout = rand_bf16(r, (size_t)N * C, 1.0f);
+    std::vector<float> wte = rand_bf16(r, (size_t)V * C, 1.0f),
+                       dout = rand_bf16(r, (size_t)N * C, 1.0f);
     std::vector<float> dwte = rand_f32(r, (size_t)V * C, 1.0f), out((size_t)N * C);
     embedding_forward_cpu(out.data(), ids.data(), wte.data(), N, C, V);
     int32_t* d_ids = dev_upload(ids);
@@ -144,8 +147,8 @@ static void validate_bad_ids(Lab* lab, Rng* r) {
     embedding_backward_cpu(dwte.data(), dout.data(), ids.data(), N, C, V);
     lab_check(lab, "fwd v2 ids -1 and V: out (rows zeroed)",
               dev_download_bf16(d_out, (size_t)N * C).data(), out.data(), (size_t)N * C, TOL_EXACT);
-    lab_check(lab, "bwd v2 ids -1 and V: dwte (skipped)", dev_download(d_dwte, (size_t)V * C).data(),
-              dwte.data(), (size_t)V * C, TOL_F32);
+    lab_check(lab, "bwd v2 ids -1 and V: dwte (skipped)",
+              dev_download(d_dwte, (size_t)V * C).data(), dwte.data(), (size_t)V * C, TOL_F32);
     lab_check_true(lab, "ids -1 and V flagged in the device error word (fwd and bwd)",
                    (e_fwd & CUDA_ERR_TOKEN_ID) && (e_bwd & CUDA_ERR_TOKEN_ID));
     void* bufs[] = {d_ids, d_wte, d_dout, d_out, d_dwte};
@@ -170,7 +173,7 @@ static void bench(Lab* lab) {
     bf16* dout = dev_random<bf16>((size_t)NC, 1.0f, 2);
     bf16* out = dev_alloc<bf16>((size_t)NC);
     float* dwte = dev_alloc<float>((size_t)V * C);
-    cuda_check(cudaMemset(dwte, 0, (size_t)V * C * 4));
+    dev_zero(dwte, (size_t)V * C * 4);
     CudaCtx* cx = lab->cx;
     printf("\nbenchmark\n");
     lab_bench_header_bw();
@@ -186,7 +189,8 @@ static void bench(Lab* lab) {
                  dist ? "Zipf" : "uniform", unique);
         for (int v = 1; v <= 2; v++) {
             if (!lab_wants(&lab->args, v)) continue;
-            double ms = lab_time_ms(lab, [&] { embedding_forward(v, cx, out, d_ids, wte, N, C, V); });
+            double ms =
+                lab_time_ms(lab, [&] { embedding_forward(v, cx, out, d_ids, wte, N, C, V); });
             lab_report_bw("embedding fwd", v, shape, "4N + 2NC in, 2NC out", 4 * NC + 4.0 * N, ms);
             ms = lab_time_ms(lab, [&] { embedding_backward(v, cx, dwte, dout, d_ids, N, C, V); });
             lab_report_bw("embedding bwd", v, shape, "4N + 2NC in, rmw 8C per distinct id",

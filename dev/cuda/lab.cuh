@@ -7,7 +7,8 @@
  * (so the kernel validated and timed is the one the trainer links; the Makefile links the other
  * kernels/ objects and the host library), and defines next to it:
  *   - a CPU reference in fp32 (sums in double), mirroring the bf16 roundings of the production
- *     kernels (FORMATS.md: HF rounds after every tensor op);
+ *     kernels (they round where HF transformers, computing in bf16, rounds: after every tensor
+ *     op);
  *   - numbered variants: 1 the straightforward port of the reference, then the production kernel
  *     (and, in some labs, alternatives that did not earn a place in kernels/);
  *   - validation of every variant, forward and backward, on fresh random inputs (the seed is
@@ -73,8 +74,8 @@ static inline int lab_parse_int(const char* s, long lo, long hi, long* out) {
 }
 
 // `variants`: one line per variant ("  1  naive: ...\n"); n_variants: the highest number.
-static inline LabArgs lab_parse_args(int argc, char** argv, const char* name,
-                                     const char* variants, int n_variants) {
+static inline LabArgs lab_parse_args(int argc, char** argv, const char* name, const char* variants,
+                                     int n_variants) {
     LabArgs a = {name, 0, 0, 20, (uint32_t)time(NULL)};
     for (int i = 1; i < argc; i++) {
         const char* opt = argv[i];
@@ -116,16 +117,18 @@ static inline LabArgs lab_parse_args(int argc, char** argv, const char* name,
 }
 
 // Whether variant v runs in this invocation.
-static inline int lab_wants(const LabArgs* a, int v) { return a->variant == 0 || a->variant == v; }
+static inline int lab_wants(const LabArgs* a, int v) {
+    return a->variant == 0 || a->variant == v;
+}
 
 // ----------------------------------------------------------------------------
 // the lab's context: the production backend context on GPU 0, and the check tally
 
 typedef struct Lab {
     LabArgs args;
-    CudaCtx* cx;          // from ops_cuda_create: stream, SM count, scratch, cuBLASLt
+    CudaCtx* cx;  // from ops_cuda_create: stream, SM count, scratch, cuBLASLt
     int checks, failures;
-    void* flush;          // 2x the L2 size, written before every timed run
+    void* flush;  // 2x the L2 size, written before every timed run
     size_t flush_bytes;
 } Lab;
 
@@ -133,15 +136,18 @@ static inline Lab lab_init(const LabArgs* args) {
     Lab lab;
     memset(&lab, 0, sizeof lab);
     lab.args = *args;
-    if (cuda_device_count() == 0) fatal("%s: no CUDA device: the kernel labs need a GPU", args->name);
+    if (cuda_device_count() == 0)
+        fatal("%s: no CUDA device: the kernel labs need a GPU", args->name);
     lab.cx = (CudaCtx*)ops_cuda_create(0, NULL);
     int l2 = 0;
     cuda_check(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0));
     lab.flush_bytes = 2 * (size_t)(l2 > 0 ? l2 : 64 << 20);
     cuda_check(cudaMalloc(&lab.flush, lab.flush_bytes));
-    printf("%s lab on %s (%d SMs), seed %u; roofline: %.1f TB/s HBM, %.0f TFLOP/s dense bf16 "
-           "(H200)\n", args->name, cuda_device_name(0), lab.cx->n_sms, args->seed,
-           H200_HBM_BYTES_PER_S / 1e12, H200_BF16_FLOP_PER_S / 1e12);
+    printf(
+        "%s lab on %s (%d SMs), seed %u; roofline: %.1f TB/s HBM, %.0f TFLOP/s dense bf16 "
+        "(H200)\n",
+        args->name, cuda_device_name(0), lab.cx->n_sms, args->seed, H200_HBM_BYTES_PER_S / 1e12,
+        H200_BF16_FLOP_PER_S / 1e12);
     return lab;
 }
 
@@ -161,7 +167,9 @@ static inline int lab_finish(Lab* lab) {
 // ----------------------------------------------------------------------------
 // host data
 
-static inline float bf16r(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+static inline float bf16r(float x) {
+    return bf16_to_f32(f32_to_bf16(x));
+}
 
 // n values uniform in [-scale, scale), rounded to bf16 (so the reference sees the device's bits).
 static inline std::vector<float> rand_bf16(Rng* r, size_t n, float scale) {
@@ -177,7 +185,15 @@ static inline std::vector<float> rand_f32(Rng* r, size_t n, float scale) {
 }
 
 // ----------------------------------------------------------------------------
-// device buffers (synchronous helpers: validation sizes only)
+// device buffers
+//
+// These helpers run on the legacy default stream, which the context's non-blocking stream does
+// not wait for (and a copy from pageable memory may return before its DMA is done): each one ends
+// with a device-wide synchronize, so whatever the lab enqueues next on cx->stream sees its result.
+
+static inline void dev_sync(void) {
+    cuda_check(cudaDeviceSynchronize());
+}
 
 template <typename T>
 static inline T* dev_alloc(size_t n) {
@@ -191,6 +207,7 @@ static inline bf16* dev_upload_bf16(const std::vector<float>& h) {
     for (size_t i = 0; i < h.size(); i++) u[i] = f32_to_bf16(h[i]);
     bf16* d = dev_alloc<bf16>(h.size());
     cuda_check(cudaMemcpy(d, u.data(), u.size() * 2, cudaMemcpyHostToDevice));
+    dev_sync();
     return d;
 }
 
@@ -198,11 +215,12 @@ template <typename T>
 static inline T* dev_upload(const std::vector<T>& h) {
     T* d = dev_alloc<T>(h.size());
     cuda_check(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+    dev_sync();
     return d;
 }
 
 static inline std::vector<float> dev_download_bf16(const bf16* d, size_t n) {
-    cuda_check(cudaDeviceSynchronize());
+    dev_sync();  // the kernels of cx->stream are done
     std::vector<uint16_t> u(n);
     cuda_check(cudaMemcpy(u.data(), d, n * 2, cudaMemcpyDeviceToHost));
     std::vector<float> h(n);
@@ -212,14 +230,22 @@ static inline std::vector<float> dev_download_bf16(const bf16* d, size_t n) {
 
 template <typename T>
 static inline std::vector<T> dev_download(const T* d, size_t n) {
-    cuda_check(cudaDeviceSynchronize());
+    dev_sync();  // the kernels of cx->stream are done
     std::vector<T> h(n);
     cuda_check(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
     return h;
 }
 
 // Fill with NaN bit patterns (0xff bytes), so an element a kernel forgets to write fails.
-static inline void dev_poison(void* d, size_t bytes) { cuda_check(cudaMemset(d, 0xff, bytes)); }
+static inline void dev_poison(void* d, size_t bytes) {
+    cuda_check(cudaMemset(d, 0xff, bytes));
+    dev_sync();
+}
+
+static inline void dev_zero(void* d, size_t bytes) {
+    cuda_check(cudaMemset(d, 0, bytes));
+    dev_sync();
+}
 
 // Benchmark inputs, generated on the device (hundreds of MB): uniform in [-scale, scale) from a
 // hash of the index and the seed.
@@ -236,8 +262,10 @@ __global__ void lab_fill_kernel(T* p, size_t n, float scale, uint32_t seed) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
         float v = scale * (2.0f * lab_hash_uniform(i, seed) - 1.0f);
-        if constexpr (sizeof(T) == 2) p[i] = __float2bfloat16_rn(v);
-        else p[i] = v;
+        if constexpr (sizeof(T) == 2)
+            p[i] = __float2bfloat16_rn(v);
+        else
+            p[i] = v;
     }
 }
 
@@ -246,7 +274,7 @@ static inline T* dev_random(size_t n, float scale, uint32_t seed) {
     T* d = dev_alloc<T>(n);
     lab_fill_kernel<T><<<1024, 256>>>(d, n, scale, seed);
     cuda_check_launch();
-    cuda_check(cudaDeviceSynchronize());
+    dev_sync();
     return d;
 }
 
@@ -272,8 +300,8 @@ static const Tol TOL_EXP = {1e-4, 1e-5};
 static const Tol TOL_EXACT = {0, 0};
 
 // Compare n values; print one line (and the first mismatches); count the check in the lab.
-static inline int lab_check(Lab* lab, const char* what, const float* got, const float* ref, size_t n,
-                     Tol tol) {
+static inline int lab_check(Lab* lab, const char* what, const float* got, const float* ref,
+                            size_t n, Tol tol) {
     double ss = 0.0, num = 0.0, max_err = 0.0;
     for (size_t i = 0; i < n; i++) ss += (double)ref[i] * ref[i];
     const double rms = n ? sqrt(ss / (double)n) : 0.0, atol = tol.atol_rms * rms;
@@ -293,10 +321,10 @@ static inline int lab_check(Lab* lab, const char* what, const float* got, const 
     const double rel_l2 = ss > 0 ? sqrt(num / ss) : sqrt(num);
     lab->checks++;
     if (bad) lab->failures++;
-    printf("  %-4s %-52s max|err| %.2e  rel L2 %.2e\n", bad ? "FAIL" : "ok", what, max_err,
-           rel_l2);
-    if (bad) printf("    %zu of %zu elements outside the tolerance (rtol %.1e, atol %.2e)\n", bad,
-                    n, tol.rtol, atol);
+    printf("  %-4s %-52s max|err| %.2e  rel L2 %.2e\n", bad ? "FAIL" : "ok", what, max_err, rel_l2);
+    if (bad)
+        printf("    %zu of %zu elements outside the tolerance (rtol %.1e, atol %.2e)\n", bad, n,
+               tol.rtol, atol);
     fflush(stdout);
     return bad == 0;
 }
@@ -315,7 +343,7 @@ static inline int lab_take_device_error(Lab* lab) {
     int e = 0;
     cuda_check(cudaStreamSynchronize(lab->cx->stream));
     cuda_check(cudaMemcpy(&e, lab->cx->d_error, sizeof e, cudaMemcpyDeviceToHost));
-    cuda_check(cudaMemset(lab->cx->d_error, 0, sizeof e));
+    dev_zero(lab->cx->d_error, sizeof e);
     return e;
 }
 
@@ -351,12 +379,13 @@ static inline double lab_time_ms(Lab* lab, F fn, int reps = 0, int warmup = 2) {
 
 // Benchmark rows are markdown table rows ("| ..."), so run_labs.sh can collect them.
 static inline void lab_bench_header_bw(void) {
-    printf("| op | variant | shape | bytes counted | ms | GB/s | %% of HBM |\n"
-           "|---|---|---|---|---|---|---|\n");
+    printf(
+        "| op | variant | shape | bytes counted | ms | GB/s | %% of HBM |\n"
+        "|---|---|---|---|---|---|---|\n");
 }
 
-static inline void lab_report_bw(const char* op, int variant, const char* shape, const char* counted,
-                          double bytes, double ms) {
+static inline void lab_report_bw(const char* op, int variant, const char* shape,
+                                 const char* counted, double bytes, double ms) {
     const double gbs = bytes / (ms * 1e-3) / 1e9;
     printf("| %s | %d | %s | %s | %.3f | %.0f | %.0f%% |\n", op, variant, shape, counted, ms, gbs,
            100.0 * gbs * 1e9 / H200_HBM_BYTES_PER_S);
@@ -368,7 +397,7 @@ static inline void lab_bench_header_flops(void) {
 }
 
 static inline void lab_report_flops(const char* op, int variant, const char* shape, double flop,
-                             double ms) {
+                                    double ms) {
     const double tf = flop / (ms * 1e-3) / 1e12;
     printf("| %s | %d | %s | %.3f | %.1f | %.0f%% |\n", op, variant, shape, ms, tf,
            100.0 * tf * 1e12 / H200_BF16_FLOP_PER_S);

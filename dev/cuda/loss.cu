@@ -131,8 +131,9 @@ static void validate(Lab* lab, int v, Rng* r, int n, int V) {
         lab_check(lab, what, dev_download_bf16(d_z, nV).data(), compute_grad ? dz.data() : z.data(),
                   nV, compute_grad ? TOL_BF16 : TOL_EXACT);
     }
-    if (v == 2) lab_check_true(lab, "no device error flagged for valid targets",
-                               lab_take_device_error(lab) == 0);
+    if (v == 2)
+        lab_check_true(lab, "no device error flagged for valid targets",
+                       lab_take_device_error(lab) == 0);
     cuda_check(cudaFree(d_t));
     cuda_check(cudaFree(d_z));
     cuda_check(cudaFree(d_losses));
@@ -184,13 +185,11 @@ static void bench(Lab* lab) {
             const double nV = (double)n * V;
             char shape[64];
             snprintf(shape, sizeof shape, "n=%d V=%d", n, V);
-            double ms = lab_time_ms(lab, [&] {
-                crossentropy(v, cx, logits, losses, d_t, n, V, 1.0f / N, 0);
-            });
+            double ms = lab_time_ms(
+                lab, [&] { crossentropy(v, cx, logits, losses, d_t, n, V, 1.0f / N, 0); });
             lab_report_bw("cross-entropy fwd", v, shape, "2nV in", 2 * nV, ms);
-            ms = lab_time_ms(lab, [&] {
-                crossentropy(v, cx, logits, losses, d_t, n, V, 1.0f / N, 1);
-            });
+            ms = lab_time_ms(lab,
+                             [&] { crossentropy(v, cx, logits, losses, d_t, n, V, 1.0f / N, 1); });
             lab_report_bw("cross-entropy fwd+bwd", v, shape, "2nV in, 2nV out", 4 * nV, ms);
         }
     }
@@ -201,26 +200,32 @@ static void bench(Lab* lab) {
     bf16* w = dev_random<bf16>((size_t)V * C, 0.05f, 4);
     bf16* dxf = dev_alloc<bf16>((size_t)N * C);
     float* dw = dev_alloc<float>((size_t)V * C);
-    cuda_check(cudaMemset(dw, 0, (size_t)V * C * 4));
+    dev_zero(dw, (size_t)V * C * 4);
     printf("\n");
     lab_bench_header_flops();
     char shape[96];
     snprintf(shape, sizeof shape, "N=%d C=%d V=%d, chunks of %d", N, C, V, CHUNK);
     for (int v = 1; v <= 2; v++) {
         if (!lab_wants(&lab->args, v)) continue;
-        double ms_loss = lab_time_ms(lab, [&] {
-            for (int r0 = 0; r0 < N; r0 += CHUNK)
-                crossentropy(v, cx, logits, losses + r0, d_t + r0, CHUNK, V, 1.0f / N, 1);
-        }, 5);
-        double ms = lab_time_ms(lab, [&] {
-            for (int r0 = 0; r0 < N; r0 += CHUNK) {
-                const bf16* x = xf + (size_t)r0 * C;
-                cuda_matmul_forward(cx, logits, x, w, NULL, CHUNK, C, V);
-                crossentropy(v, cx, logits, losses + r0, d_t + r0, CHUNK, V, 1.0f / N, 1);
-                cuda_matmul_backward(cx, dxf + (size_t)r0 * C, dw, NULL, logits, x, w, CHUNK, C,
-                                     V);
-            }
-        }, 5);
+        double ms_loss = lab_time_ms(
+            lab,
+            [&] {
+                for (int r0 = 0; r0 < N; r0 += CHUNK)
+                    crossentropy(v, cx, logits, losses + r0, d_t + r0, CHUNK, V, 1.0f / N, 1);
+            },
+            5);
+        double ms = lab_time_ms(
+            lab,
+            [&] {
+                for (int r0 = 0; r0 < N; r0 += CHUNK) {
+                    const bf16* x = xf + (size_t)r0 * C;
+                    cuda_matmul_forward(cx, logits, x, w, NULL, CHUNK, C, V);
+                    crossentropy(v, cx, logits, losses + r0, d_t + r0, CHUNK, V, 1.0f / N, 1);
+                    cuda_matmul_backward(cx, dxf + (size_t)r0 * C, dw, NULL, logits, x, w, CHUNK, C,
+                                         V);
+                }
+            },
+            5);
         char op[96];
         snprintf(op, sizeof op, "LM head + loss (loss %.0f%% of the time)", 100.0 * ms_loss / ms);
         lab_report_flops(op, v, shape, 6.0 * N * C * V, ms);

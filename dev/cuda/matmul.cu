@@ -38,7 +38,8 @@ static void matmul_forward_cpu(float* out, const float* inp, const float* w, con
     for (int n = 0; n < N; n++)
         for (int o = 0; o < OC; o++) {
             double s = bias ? bias[o] : 0.0;
-            for (int i = 0; i < IC; i++) s += (double)inp[(size_t)n * IC + i] * w[(size_t)o * IC + i];
+            for (int i = 0; i < IC; i++)
+                s += (double)inp[(size_t)n * IC + i] * w[(size_t)o * IC + i];
             out[(size_t)n * OC + o] = (float)s;
         }
 }
@@ -95,8 +96,10 @@ __global__ void matmul_kernel1(OutT* D, const bf16* A, const bf16* B, const bf16
     if (m >= M || n >= Nn) return;
     const size_t i = (size_t)m * Nn + n;
     if (bias) acc += __bfloat162float(bias[n]);
-    if constexpr (sizeof(OutT) == 4) D[i] += acc;
-    else D[i] = __float2bfloat16_rn(acc);
+    if constexpr (sizeof(OutT) == 4)
+        D[i] += acc;
+    else
+        D[i] = __float2bfloat16_rn(acc);
 }
 
 __global__ void dbias_kernel1(float* dbias, const bf16* dout, int N, int OC) {
@@ -111,8 +114,8 @@ template <typename OutT>
 static void matmul1(CudaCtx* cx, OutT* D, const bf16* A, const bf16* B, const bf16* bias, int M,
                     int Nn, int K, size_t sam, size_t sak, size_t sbk, size_t sbn) {
     dim3 grid(grid_size(Nn, 32), grid_size(M, 32)), block(32, 32);
-    matmul_kernel1<OutT><<<grid, block, 0, cx->stream>>>(D, A, B, bias, M, Nn, K, sam, sak, sbk,
-                                                         sbn);
+    matmul_kernel1<OutT>
+        <<<grid, block, 0, cx->stream>>>(D, A, B, bias, M, Nn, K, sam, sak, sbk, sbn);
     cuda_check_launch();
 }
 
@@ -151,7 +154,8 @@ static double lt_best_of_heuristics(Lab* lab, int calls, int transa, int transb,
     CudaCtx* cx = lab->cx;
     cublasLtMatmulDesc_t desc;
     cublas_check(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    cublasOperation_t ta = transa ? CUBLAS_OP_T : CUBLAS_OP_N, tb = transb ? CUBLAS_OP_T : CUBLAS_OP_N;
+    cublasOperation_t ta = transa ? CUBLAS_OP_T : CUBLAS_OP_N,
+                      tb = transb ? CUBLAS_OP_T : CUBLAS_OP_N;
     cublas_check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
     cublas_check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
     cublasLtMatrixLayout_t la, lb, ld;
@@ -164,21 +168,26 @@ static double lt_best_of_heuristics(Lab* lab, int calls, int transa, int transb,
     // the production's restriction: no split-K reducing in a bf16 output
     uint32_t schemes = out_f32 ? (uint32_t)CUBLASLT_REDUCTION_SCHEME_MASK
                                : (uint32_t)CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-    cublas_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                      &ws, sizeof ws));
+    cublas_check(cublasLtMatmulPreferenceSetAttribute(
+        pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
     cublas_check(cublasLtMatmulPreferenceSetAttribute(
         pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof schemes));
     cublasLtMatmulHeuristicResult_t res[8];
     int count = 0;
-    cublas_check(cublasLtMatmulAlgoGetHeuristic(cx->lt, desc, la, lb, ld, ld, pref, 8, res, &count));
+    cublas_check(
+        cublasLtMatmulAlgoGetHeuristic(cx->lt, desc, la, lb, ld, ld, pref, 8, res, &count));
     double best = INFINITY;
     const float alpha = 1.0f;
     for (int i = 0; i < count; i++) {
-        double ms = lab_time_ms(lab, [&] {
-            for (int c = 0; c < calls; c++)
-                cublas_check(cublasLtMatmul(cx->lt, desc, &alpha, A, la, B, lb, &beta, D, ld, D, ld,
-                                            &res[i].algo, cx->lt_workspace, ws, cx->stream));
-        }, 5, 1);
+        double ms = lab_time_ms(
+            lab,
+            [&] {
+                for (int c = 0; c < calls; c++)
+                    cublas_check(cublasLtMatmul(cx->lt, desc, &alpha, A, la, B, lb, &beta, D, ld, D,
+                                                ld, &res[i].algo, cx->lt_workspace, ws,
+                                                cx->stream));
+            },
+            5, 1);
         best = std::min(best, ms);
     }
     cublasLtMatmulPreferenceDestroy(pref);
@@ -194,7 +203,8 @@ static double lt_best_of_heuristics(Lab* lab, int calls, int transa, int transb,
 
 // bias_mode 0: none, 1: aligned, 2: one element off 16-byte alignment.
 static void validate(Lab* lab, int v, Rng* r, int N, int IC, int OC, int bias_mode, int want_dinp) {
-    std::vector<float> x = rand_bf16(r, (size_t)N * IC, 1.0f), w = rand_bf16(r, (size_t)OC * IC, 0.1f);
+    std::vector<float> x = rand_bf16(r, (size_t)N * IC, 1.0f),
+                       w = rand_bf16(r, (size_t)OC * IC, 0.1f);
     std::vector<float> dout = rand_bf16(r, (size_t)N * OC, 1.0f), b = rand_bf16(r, OC + 1, 1.0f);
     std::vector<float> dw = rand_f32(r, (size_t)OC * IC, 1.0f), db = rand_f32(r, OC, 1.0f);
     std::vector<float> out((size_t)N * OC), dinp((size_t)N * IC);
@@ -214,7 +224,9 @@ static void validate(Lab* lab, int v, Rng* r, int N, int IC, int OC, int bias_mo
                         dout.data(), x.data(), w.data(), N, IC, OC);
     char what[128], tag[80];
     snprintf(tag, sizeof tag, "v%d N=%d IC=%d OC=%d%s", v, N, IC, OC,
-             bias_mode == 0 ? "" : bias_mode == 1 ? " bias" : " unaligned bias");
+             bias_mode == 0   ? ""
+             : bias_mode == 1 ? " bias"
+                              : " unaligned bias");
     snprintf(what, sizeof what, "fwd %s: out", tag);
     lab_check(lab, what, dev_download_bf16(d_out, (size_t)N * OC).data(), out.data(),
               (size_t)N * OC, TOL_BF16);
@@ -244,9 +256,12 @@ typedef struct Shape {
 static void bench(Lab* lab) {
     const int N = 16384;
     const Shape shapes[] = {
-        {"qkv", 2048, 4096, 0},         {"o", 2048, 2048, 0},
-        {"gate_up", 2048, 12288, 0},    {"down", 6144, 2048, 0},
-        {"lm_head/4096", 2048, 151936, 4096}, {"lm_head/220", 2048, 151936, 220},
+        {"qkv", 2048, 4096, 0},
+        {"o", 2048, 2048, 0},
+        {"gate_up", 2048, 12288, 0},
+        {"down", 6144, 2048, 0},
+        {"lm_head/4096", 2048, 151936, 4096},
+        {"lm_head/220", 2048, 151936, 220},
     };
     CudaCtx* cx = lab->cx;
     printf("\nbenchmark\n");
@@ -259,7 +274,7 @@ static void bench(Lab* lab) {
         bf16* dx = dev_alloc<bf16>((size_t)rows * sh.IC);
         float* dw = dev_alloc<float>((size_t)sh.OC * sh.IC);
         bf16* out = dev_alloc<bf16>((size_t)rows * sh.OC);
-        cuda_check(cudaMemset(dw, 0, (size_t)sh.OC * sh.IC * 4));
+        dev_zero(dw, (size_t)sh.OC * sh.IC * 4);
         // A chunked shape repeats one chunk `calls` times: the work of calls * rows rows.
         const double flop = 2.0 * calls * rows * (double)sh.IC * sh.OC;
         char shape[96];
@@ -276,18 +291,27 @@ static void bench(Lab* lab) {
                                            dw, sh.IC, 1, 1.0f);
             } else {
                 const int reps = v == 1 ? 3 : 0;  // 0: the lab's --reps
-                f = lab_time_ms(lab, [&] {
-                    for (int c = 0; c < calls; c++)
-                        matmul_forward(v, cx, out, x, w, NULL, rows, sh.IC, sh.OC);
-                }, reps, v == 1 ? 1 : 2);
-                bi = lab_time_ms(lab, [&] {
-                    for (int c = 0; c < calls; c++)
-                        matmul_backward(v, cx, dx, NULL, NULL, y, x, w, rows, sh.IC, sh.OC);
-                }, reps, v == 1 ? 1 : 2);
-                bw = lab_time_ms(lab, [&] {
-                    for (int c = 0; c < calls; c++)
-                        matmul_backward(v, cx, NULL, dw, NULL, y, x, w, rows, sh.IC, sh.OC);
-                }, reps, v == 1 ? 1 : 2);
+                f = lab_time_ms(
+                    lab,
+                    [&] {
+                        for (int c = 0; c < calls; c++)
+                            matmul_forward(v, cx, out, x, w, NULL, rows, sh.IC, sh.OC);
+                    },
+                    reps, v == 1 ? 1 : 2);
+                bi = lab_time_ms(
+                    lab,
+                    [&] {
+                        for (int c = 0; c < calls; c++)
+                            matmul_backward(v, cx, dx, NULL, NULL, y, x, w, rows, sh.IC, sh.OC);
+                    },
+                    reps, v == 1 ? 1 : 2);
+                bw = lab_time_ms(
+                    lab,
+                    [&] {
+                        for (int c = 0; c < calls; c++)
+                            matmul_backward(v, cx, NULL, dw, NULL, y, x, w, rows, sh.IC, sh.OC);
+                    },
+                    reps, v == 1 ? 1 : 2);
             }
             lab_report_flops("matmul fwd", v, shape, flop, f);
             lab_report_flops("matmul dinp", v, shape, flop, bi);

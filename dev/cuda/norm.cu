@@ -24,8 +24,8 @@
 
 // x = bf16(a + b) (stored in res) when b is given, else a; rstd (N) = 1 / sqrt(mean(x²) + eps);
 // out (N, C) = w · bf16(x · rstd), before its final rounding to bf16.
-static void rmsnorm_forward_cpu(float* res, float* out, float* rstd, const float* a,
-                                const float* b, const float* w, int N, int C, float eps) {
+static void rmsnorm_forward_cpu(float* res, float* out, float* rstd, const float* a, const float* b,
+                                const float* w, int N, int C, float eps) {
     for (int n = 0; n < N; n++) {
         const size_t off = (size_t)n * C;
         const float* x = a + off;
@@ -73,8 +73,8 @@ __global__ void rmsnorm_forward_kernel1(bf16* res, bf16* out, float* rstd, const
     const bf16* x = a + off;
     if (b) {  // res may alias a: each element is read before it is written
         for (int c = 0; c < C; c++)
-            res[off + c] = __float2bfloat16_rn(__bfloat162float(a[off + c]) +
-                                               __bfloat162float(b[off + c]));
+            res[off + c] =
+                __float2bfloat16_rn(__bfloat162float(a[off + c]) + __bfloat162float(b[off + c]));
         x = res + off;
     }
     float ss = 0.0f;
@@ -82,8 +82,8 @@ __global__ void rmsnorm_forward_kernel1(bf16* res, bf16* out, float* rstd, const
     const float rs = 1.0f / sqrtf(ss / (float)C + eps);
     if (rstd) rstd[n] = rs;
     for (int c = 0; c < C; c++)
-        out[off + c] = __float2bfloat16_rn(__bfloat162float(w[c]) *
-                                           bf16_round(__bfloat162float(x[c]) * rs));
+        out[off + c] =
+            __float2bfloat16_rn(__bfloat162float(w[c]) * bf16_round(__bfloat162float(x[c]) * rs));
 }
 
 __global__ void rmsnorm_backward_dinp_kernel1(bf16* dinp, const bf16* dout, const bf16* inp,
@@ -119,34 +119,37 @@ __global__ void rmsnorm_backward_dw_kernel1(float* dw, const bf16* dout, const b
 // variant dispatch
 
 static void rmsnorm_forward(int variant, CudaCtx* cx, bf16* res, bf16* out, float* rstd,
-                            const bf16* a, const bf16* b, const bf16* w, int N, int C,
-                            float eps) {
+                            const bf16* a, const bf16* b, const bf16* w, int N, int C, float eps) {
     switch (variant) {
-    case 1:
-        rmsnorm_forward_kernel1<<<grid_size(N, 128), 128, 0, cx->stream>>>(res, out, rstd, a, b, w,
-                                                                          N, C, eps);
-        cuda_check_launch();
-        break;
-    case 2: cuda_rmsnorm_forward(cx, res, out, rstd, a, b, w, N, C, eps); break;
+        case 1:
+            rmsnorm_forward_kernel1<<<grid_size(N, 128), 128, 0, cx->stream>>>(res, out, rstd, a, b,
+                                                                               w, N, C, eps);
+            cuda_check_launch();
+            break;
+        case 2:
+            cuda_rmsnorm_forward(cx, res, out, rstd, a, b, w, N, C, eps);
+            break;
     }
 }
 
 static void rmsnorm_backward(int variant, CudaCtx* cx, bf16* dinp, float* dw, const bf16* dout,
                              const bf16* inp, const bf16* w, const float* rstd, int N, int C) {
     switch (variant) {
-    case 1:
-        if (dinp) {
-            rmsnorm_backward_dinp_kernel1<<<grid_size(N, 128), 128, 0, cx->stream>>>(
-                dinp, dout, inp, w, rstd, N, C);
-            cuda_check_launch();
-        }
-        if (dw) {
-            rmsnorm_backward_dw_kernel1<<<grid_size(C, 128), 128, 0, cx->stream>>>(dw, dout, inp,
-                                                                                  rstd, N, C);
-            cuda_check_launch();
-        }
-        break;
-    case 2: cuda_rmsnorm_backward(cx, dinp, dw, dout, inp, w, rstd, N, C); break;
+        case 1:
+            if (dinp) {
+                rmsnorm_backward_dinp_kernel1<<<grid_size(N, 128), 128, 0, cx->stream>>>(
+                    dinp, dout, inp, w, rstd, N, C);
+                cuda_check_launch();
+            }
+            if (dw) {
+                rmsnorm_backward_dw_kernel1<<<grid_size(C, 128), 128, 0, cx->stream>>>(
+                    dw, dout, inp, rstd, N, C);
+                cuda_check_launch();
+            }
+            break;
+        case 2:
+            cuda_rmsnorm_backward(cx, dinp, dw, dout, inp, w, rstd, N, C);
+            break;
     }
 }
 
@@ -210,8 +213,8 @@ static void validate_backward(Lab* lab, int v, Rng* r, int N, int C, int want_di
     bf16 *d_x = dev_upload_bf16(x), *d_dout = dev_upload_bf16(dout), *d_w = dev_upload_bf16(w);
     bf16* d_dinp = dev_upload_bf16(dinp);
     float *d_dw = dev_upload(dw), *d_rstd = dev_upload(rstd);
-    rmsnorm_backward(v, lab->cx, want_dinp ? d_dinp : NULL, want_dw ? d_dw : NULL, d_dout, d_x,
-                     d_w, d_rstd, N, C);
+    rmsnorm_backward(v, lab->cx, want_dinp ? d_dinp : NULL, want_dw ? d_dw : NULL, d_dout, d_x, d_w,
+                     d_rstd, N, C);
     std::vector<float> dinp_ref = dinp, dw_ref = dw;  // untouched where not wanted
     rmsnorm_backward_cpu(want_dinp ? dinp_ref.data() : NULL, want_dw ? dw_ref.data() : NULL,
                          dout.data(), x.data(), w.data(), rstd.data(), N, C);
@@ -242,7 +245,7 @@ static void bench(Lab* lab) {
     bf16* dinp = dev_random<bf16>((size_t)N * C, 1.0f, 5);
     float* rstd = dev_alloc<float>(N);
     float* dw = dev_alloc<float>(C);
-    cuda_check(cudaMemset(dw, 0, (size_t)C * 4));
+    dev_zero(dw, (size_t)C * 4);
     CudaCtx* cx = lab->cx;
     const char* shape = "N=16384 C=2048";
     printf("\nbenchmark\n");
@@ -250,17 +253,14 @@ static void bench(Lab* lab) {
     lab_report_copy(lab, (size_t)NC * 2);
     for (int v = 1; v <= 2; v++) {
         if (!lab_wants(&lab->args, v)) continue;
-        double ms = lab_time_ms(lab, [&] {
-            rmsnorm_forward(v, cx, NULL, out, rstd, a, NULL, w, N, C, EPS);
-        });
+        double ms = lab_time_ms(
+            lab, [&] { rmsnorm_forward(v, cx, NULL, out, rstd, a, NULL, w, N, C, EPS); });
         lab_report_bw("rmsnorm fwd", v, shape, "2NC in, 2NC + 4N out", 4 * NC + 4.0 * N, ms);
         ms = lab_time_ms(lab, [&] { rmsnorm_forward(v, cx, res, out, rstd, a, b, w, N, C, EPS); });
         lab_report_bw("residual+rmsnorm fwd", v, shape, "4NC in, 4NC + 4N out", 8 * NC + 4.0 * N,
                       ms);
         rmsnorm_forward(v, cx, NULL, out, rstd, a, NULL, w, N, C, EPS);  // rstd of a
-        ms = lab_time_ms(lab, [&] {
-            rmsnorm_backward(v, cx, dinp, dw, dout, a, w, rstd, N, C);
-        });
+        ms = lab_time_ms(lab, [&] { rmsnorm_backward(v, cx, dinp, dw, dout, a, w, rstd, N, C); });
         lab_report_bw("rmsnorm bwd", v, shape, "6NC + 4N in, 2NC out", 8 * NC + 4.0 * N, ms);
     }
     void* bufs[] = {a, b, dout, w, out, res, dinp, rstd, dw};

@@ -46,8 +46,8 @@ static void rope_tables(std::vector<float>& cs, std::vector<float>& sn, int T, i
 // given (else n = x); out = n rotated by the position's angle (before its bf16 rounding); v heads
 // copied. rstd (N, H + KVH).
 static void qknorm_rope_forward_cpu(float* out, float* rstd, const float* inp, const float* qw,
-                                    const float* kw, const float* cs, const float* sn,
-                                    RopeShape s, float eps) {
+                                    const float* kw, const float* cs, const float* sn, RopeShape s,
+                                    float eps) {
     const int heads = s.H + s.KVH, QKV = (heads + s.KVH) * s.HD, half = s.HD / 2;
     std::vector<float> n_(s.HD);
     for (int row = 0; row < s.B * s.T; row++) {
@@ -65,7 +65,8 @@ static void qknorm_rope_forward_cpu(float* out, float* rstd, const float* inp, c
             for (int i = 0; i < s.HD; i++) n_[i] = w ? bf16r(w[i] * bf16r(x[i] * rs)) : x[i];
             float* y = out + (size_t)row * QKV + (size_t)hh * s.HD;
             for (int i = 0; i < half; i++) {
-                const float c = bf16r(cs[(size_t)t * half + i]), si = bf16r(sn[(size_t)t * half + i]);
+                const float c = bf16r(cs[(size_t)t * half + i]),
+                            si = bf16r(sn[(size_t)t * half + i]);
                 y[i] = n_[i] * c - n_[i + half] * si;
                 y[i + half] = n_[i + half] * c + n_[i] * si;
             }
@@ -91,7 +92,8 @@ static void qknorm_rope_backward_cpu(float* dinp, float* dqw, float* dkw, const 
             const size_t off = (size_t)row * QKV + (size_t)hh * s.HD;
             const float* g = dout + off;
             for (int i = 0; i < half; i++) {
-                const float c = bf16r(cs[(size_t)t * half + i]), si = bf16r(sn[(size_t)t * half + i]);
+                const float c = bf16r(cs[(size_t)t * half + i]),
+                            si = bf16r(sn[(size_t)t * half + i]);
                 dy[i] = g[i] * c + g[i + half] * si;
                 dy[i + half] = g[i + half] * c - g[i] * si;
             }
@@ -123,10 +125,9 @@ static void qknorm_rope_backward_cpu(float* dinp, float* dqw, float* dkw, const 
 // variant 1: naive
 
 // One thread per (row, head) over all H + 2 KVH heads of the row.
-__global__ void qknorm_rope_forward_kernel1(bf16* out, float* rstd, const bf16* inp,
-                                            const bf16* qw, const bf16* kw, const float* cosb,
-                                            const float* sinb, int N, int T, int H, int KVH,
-                                            int HD, float eps) {
+__global__ void qknorm_rope_forward_kernel1(bf16* out, float* rstd, const bf16* inp, const bf16* qw,
+                                            const bf16* kw, const float* cosb, const float* sinb,
+                                            int N, int T, int H, int KVH, int HD, float eps) {
     const int heads = H + KVH, all = heads + KVH, half = HD / 2;
     const size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     if (idx >= (size_t)N * all) return;
@@ -140,7 +141,8 @@ __global__ void qknorm_rope_forward_kernel1(bf16* out, float* rstd, const bf16* 
     float rs = 0.0f;
     if (w) {
         float ss = 0.0f;
-        for (int i = 0; i < HD; i++) ss += __bfloat162float(inp[off + i]) * __bfloat162float(inp[off + i]);
+        for (int i = 0; i < HD; i++)
+            ss += __bfloat162float(inp[off + i]) * __bfloat162float(inp[off + i]);
         rs = 1.0f / sqrtf(ss / (float)HD + eps);
         if (rstd) rstd[(size_t)row * heads + hh] = rs;
     }
@@ -168,10 +170,9 @@ __device__ __forceinline__ float rope_unrotate1(const bf16* g, const float* cosb
 }
 
 __global__ void qknorm_rope_backward_dinp_kernel1(bf16* dinp, const bf16* dout, const bf16* inp,
-                                                  const bf16* qw, const bf16* kw,
-                                                  const float* rstd, const float* cosb,
-                                                  const float* sinb, int N, int T, int H, int KVH,
-                                                  int HD) {
+                                                  const bf16* qw, const bf16* kw, const float* rstd,
+                                                  const float* cosb, const float* sinb, int N,
+                                                  int T, int H, int KVH, int HD) {
     const int heads = H + KVH, all = heads + KVH, half = HD / 2;
     const size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     if (idx >= (size_t)N * all) return;
@@ -232,43 +233,42 @@ static void qknorm_rope_forward(int variant, CudaCtx* cx, bf16* out, float* rstd
                                 const bf16* qw, const bf16* kw, const float* cs, const float* sn,
                                 RopeShape s, float eps) {
     switch (variant) {
-    case 1: {
-        const size_t n = (size_t)s.B * s.T * (s.H + 2 * s.KVH);
-        qknorm_rope_forward_kernel1<<<grid_size(n, 128), 128, 0, cx->stream>>>(
-            out, rstd, inp, qw, kw, cs, sn, s.B * s.T, s.T, s.H, s.KVH, s.HD, eps);
-        cuda_check_launch();
-        break;
-    }
-    case 2:
-        cuda_qknorm_rope_forward(cx, out, rstd, inp, qw, kw, cs, sn, s.B, s.T, s.H, s.KVH, s.HD,
-                                 eps);
-        break;
+        case 1: {
+            const size_t n = (size_t)s.B * s.T * (s.H + 2 * s.KVH);
+            qknorm_rope_forward_kernel1<<<grid_size(n, 128), 128, 0, cx->stream>>>(
+                out, rstd, inp, qw, kw, cs, sn, s.B * s.T, s.T, s.H, s.KVH, s.HD, eps);
+            cuda_check_launch();
+            break;
+        }
+        case 2:
+            cuda_qknorm_rope_forward(cx, out, rstd, inp, qw, kw, cs, sn, s.B, s.T, s.H, s.KVH, s.HD,
+                                     eps);
+            break;
     }
 }
 
 static void qknorm_rope_backward(int variant, CudaCtx* cx, bf16* dinp, float* dqw, float* dkw,
                                  const bf16* dout, const bf16* inp, const bf16* qw, const bf16* kw,
-                                 const float* rstd, const float* cs, const float* sn,
-                                 RopeShape s) {
+                                 const float* rstd, const float* cs, const float* sn, RopeShape s) {
     switch (variant) {
-    case 1: {
-        const int N = s.B * s.T;
-        const size_t n = (size_t)N * (s.H + 2 * s.KVH);
-        qknorm_rope_backward_dinp_kernel1<<<grid_size(n, 128), 128, 0, cx->stream>>>(
-            dinp, dout, inp, qw, kw, rstd, cs, sn, N, s.T, s.H, s.KVH, s.HD);
-        cuda_check_launch();
-        if ((qw && dqw) || (kw && dkw)) {
-            qknorm_rope_backward_dw_kernel1<<<2 * s.HD, 256, 0, cx->stream>>>(
-                qw ? dqw : NULL, kw ? dkw : NULL, dout, inp, rstd, cs, sn, N, s.T, s.H, s.KVH,
-                s.HD);
+        case 1: {
+            const int N = s.B * s.T;
+            const size_t n = (size_t)N * (s.H + 2 * s.KVH);
+            qknorm_rope_backward_dinp_kernel1<<<grid_size(n, 128), 128, 0, cx->stream>>>(
+                dinp, dout, inp, qw, kw, rstd, cs, sn, N, s.T, s.H, s.KVH, s.HD);
             cuda_check_launch();
+            if ((qw && dqw) || (kw && dkw)) {
+                qknorm_rope_backward_dw_kernel1<<<2 * s.HD, 256, 0, cx->stream>>>(
+                    qw ? dqw : NULL, kw ? dkw : NULL, dout, inp, rstd, cs, sn, N, s.T, s.H, s.KVH,
+                    s.HD);
+                cuda_check_launch();
+            }
+            break;
         }
-        break;
-    }
-    case 2:
-        cuda_qknorm_rope_backward(cx, dinp, dqw, dkw, dout, inp, qw, kw, rstd, cs, sn, s.B, s.T,
-                                  s.H, s.KVH, s.HD);
-        break;
+        case 2:
+            cuda_qknorm_rope_backward(cx, dinp, dqw, dkw, dout, inp, qw, kw, rstd, cs, sn, s.B, s.T,
+                                      s.H, s.KVH, s.HD);
+            break;
     }
 }
 
@@ -330,8 +330,8 @@ static void validate(Lab* lab, int v, Rng* r, RopeShape s, int qk_norm) {
     snprintf(what, sizeof what, "bwd %s: dk_norm_w", tag);
     lab_check(lab, what, dev_download(d_dkw, s.HD).data(), dkw_ref.data(), s.HD,
               qk_norm ? TOL_F32 : TOL_EXACT);
-    void* bufs[] = {d_x, d_dout, d_qw, d_kw, d_cs, d_sn, d_out, d_dinp, d_rstd, d_dqw, d_dkw,
-                    d_rstd_ref};
+    void* bufs[] = {d_x,   d_dout, d_qw,   d_kw,  d_cs,  d_sn,
+                    d_out, d_dinp, d_rstd, d_dqw, d_dkw, d_rstd_ref};
     for (void* p : bufs)
         if (p) cuda_check(cudaFree(p));
 }
@@ -352,7 +352,7 @@ static void bench(Lab* lab) {
     bf16* out = dev_alloc<bf16>((size_t)NQ);
     float* rstd = dev_alloc<float>((size_t)NH);
     float* dw = dev_alloc<float>(2 * s.HD);
-    cuda_check(cudaMemset(dw, 0, 2 * s.HD * 4));
+    dev_zero(dw, 2 * s.HD * 4);
     CudaCtx* cx = lab->cx;
     const char* shape = "B=8 T=2048 H=16 KVH=8 HD=128";
     printf("\nbenchmark\n");
