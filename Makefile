@@ -129,12 +129,14 @@ endif
 DEV_CUDA_LABS := norm rope elementwise embedding loss matmul
 DEV_CUDA_DIR := dev/cuda/build
 DEV_CUDA_BINS := $(patsubst %,$(DEV_CUDA_DIR)/%,$(DEV_CUDA_LABS))
+ifeq ($(USE_CUDA),1)
 dev-cuda: note $(DEV_CUDA_BINS)
-$(DEV_CUDA_DIR)/%: dev/cuda/%.cu kernels/%.cu dev/cuda/lab.cuh $(CU_OBJS) $(LIB_OBJS) \
-                   $(wildcard kernels/*.h) $(wildcard kernels/*.cuh) $(wildcard llmc/*.h) $(ARCH_STAMP)
-ifneq ($(USE_CUDA),1)
+else
+dev-cuda: note
 	@echo "dev-cuda: this build has no CUDA ($(BUILD_NOTE))"; exit 1
 endif
+$(DEV_CUDA_DIR)/%: dev/cuda/%.cu kernels/%.cu dev/cuda/lab.cuh $(CU_OBJS) $(LIB_OBJS) \
+                   $(wildcard kernels/*.h) $(wildcard kernels/*.cuh) $(wildcard llmc/*.h) $(ARCH_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(filter-out $(BUILD)/kernels/$*.o,$(CU_OBJS)) $(LIB_OBJS) \
 	    -Xlinker -rpath,$(CUDA_HOME)/lib64 -lcublasLt -lcublas -lm
