@@ -6,7 +6,8 @@
 #                   a machine without a GPU, are reported as skipped and do not fail it)
 #   make test-gpu   build with CUDA and run the `gpu` suite (the CUDA backend and engine against
 #                   the CPU ones); it FAILS when the suite cannot run (no GPU, or no CUDA build)
-#   make dev-cuda   build the CUDA kernel labs of dev/cuda (benchmarks; need a GPU to run)
+#   make dev-cuda   build the CUDA kernel labs of dev/cuda into dev/cuda/build (validation and
+#                   benchmark per kernel family; they need a GPU to run: dev/cuda/run_labs.sh)
 #   make clean
 #   make tsan       ThreadSanitizer build of the tests (build-tsan/), runs the suites in TSAN_SUITES
 #   make asan       AddressSanitizer+UBSan build of the tests (build-asan/), runs ASAN_SUITES
@@ -125,22 +126,27 @@ ifneq ($(USE_CUDA),1)
 endif
 	./test_roundpipe --no-skip gpu
 
-# Kernel labs that link against the backend's objects (dev/cuda/attention.cu builds on its own:
-# it includes kernels/attention.cu).
-DEV_CUDA_LABS := matmul memory_bound
-DEV_CUDA_BINS := $(patsubst %,$(BUILD)/dev/cuda/%,$(DEV_CUDA_LABS))
+# Kernel labs (dev/cuda/<family>.cu, one per kernel family of kernels/; the attention lab builds
+# on its own: dev/cuda/run_attention.sh). Each lab includes its family's production source
+# kernels/<family>.cu, so it links every other kernels/ object and the host library, never that
+# one. Binaries go to dev/cuda/build/; dev/cuda/run_labs.sh runs them all on a GPU.
+DEV_CUDA_LABS := norm rope elementwise embedding loss matmul
+DEV_CUDA_DIR := dev/cuda/build
+DEV_CUDA_BINS := $(patsubst %,$(DEV_CUDA_DIR)/%,$(DEV_CUDA_LABS))
+ifeq ($(USE_CUDA),1)
 dev-cuda: note $(DEV_CUDA_BINS)
-$(BUILD)/dev/cuda/%: dev/cuda/%.cu $(CU_OBJS) $(LIB_OBJS) $(wildcard kernels/*.h) $(wildcard kernels/*.cuh) \
-                    $(ARCH_STAMP)
-ifneq ($(USE_CUDA),1)
+else
+dev-cuda: note
 	@echo "dev-cuda: this build has no CUDA ($(BUILD_NOTE))"; exit 1
 endif
+$(DEV_CUDA_DIR)/%: dev/cuda/%.cu kernels/%.cu dev/cuda/lab.cuh $(CU_OBJS) $(LIB_OBJS) \
+                   $(wildcard kernels/*.h) $(wildcard kernels/*.cuh) $(wildcard llmc/*.h) $(ARCH_STAMP)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CU_OBJS) $(LIB_OBJS) -Xlinker -rpath,$(CUDA_HOME)/lib64 \
-	    -lcublasLt -lcublas -lm
+	$(NVCC) $(NVCCFLAGS) -o $@ $< $(filter-out $(BUILD)/kernels/$*.o,$(CU_OBJS)) $(LIB_OBJS) \
+	    -Xlinker -rpath,$(CUDA_HOME)/lib64 -lcublasLt -lcublas -lm
 
 clean:
-	rm -rf $(BUILD_ROOT) train_roundpipe test_roundpipe
+	rm -rf $(BUILD_ROOT) $(DEV_CUDA_DIR) train_roundpipe test_roundpipe
 
 # ---- sanitizer builds ----
 # CPU-only test binaries with their own object directories, so they never mix with the normal
