@@ -22,6 +22,7 @@
 
 #include "common.h"
 #include "json.h"
+#include "loader.h"
 
 // ----------------------------------------------------------------------------
 // --model resolution
@@ -98,8 +99,8 @@ int checkpoint_resolve_model(ModelSource* src, const char* spec, char* err) {
 
 int checkpoint_load_weights(const ModelSource* src, Store* s, int* n_unused, char* err) {
     if (!src->has_weights) return errorf(err, "the model source has no weights");
-    if (src->kind == SOURCE_GGUF) return store_load_gguf(s, &src->gguf, &src->cfg, n_unused, err);
-    return store_load(s, &src->ck, n_unused, err);
+    if (src->kind == SOURCE_GGUF) return loader_load_gguf(s, &src->gguf, &src->cfg, n_unused, err);
+    return loader_load_safetensors(s, &src->ck, n_unused, err);
 }
 
 void checkpoint_release_weights(ModelSource* src) {
@@ -583,7 +584,7 @@ int checkpoint_load_state(const char* step_dir, const Model* m, Store* s, TrainS
     StCheckpoint ck;
     if (st_checkpoint_open(&ck, step_dir, err) != 0) return -1;
     int unused = 0;
-    int rc = store_load(s, &ck, &unused, err);
+    int rc = loader_load_safetensors(s, &ck, &unused, err);
     st_checkpoint_close(&ck);
     if (rc != 0) return -1;
     char path[4200];
