@@ -84,7 +84,8 @@ int mkdir_p(const char* path, char* err);
 int fsync_dir(const char* dir, char* err);
 
 // ----------------------------------------------------------------------------
-// atomic writes: every file this program writes goes through these
+// atomic writes: every file this program writes goes through these (all but the --log
+// JSON-lines file, which is appended to step by step)
 //
 // The bytes go to path.tmp (same directory, hence same file system), which is fsync'd, closed and
 // renamed over path; then the directory is fsync'd so the rename is durable too. Until the
