@@ -198,7 +198,8 @@ FUZZ_SECONDS ?= 30
 FUZZ_TARGETS := json safetensors gguf shard
 FUZZ_BUILD := build-fuzz
 FUZZ_FLAGS := $(CFLAGS_BASE) -g -O1 -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined
-FUZZ_LIB := llmc/common.c llmc/json.c llmc/safetensors.c llmc/gguf.c llmc/config.c llmc/tensor.c \
+FUZZ_LIB := llmc/common.c llmc/json.c llmc/safetensors.c llmc/gguf_read.c llmc/gguf_quant.c \
+            llmc/gguf_arch.c llmc/gguf_write.c llmc/config.c llmc/tensor.c \
             llmc/dataloader.c llmc/rng.c
 
 .PHONY: fuzz fuzz-build

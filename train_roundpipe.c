@@ -272,7 +272,9 @@ int main(int argc, char** argv) {
     store_create(&store, &model.tt);
     char* args_json = args_to_json(&a);
     TrainState ts;
-    if (checkpoint_init_weights(&a, &src, &model, &store, &ts, args_json, err) != 0)
+    const InitOptions init = {.model = a.model, .out_dir = a.out, .resume = a.resume,
+                              .seed = a.seed, .init_std = a.init_std};
+    if (checkpoint_init_weights(&init, &src, &model, &store, &ts, args_json, err) != 0)
         fatal("%s", err);
 
     // 3. the trainer: plain training on the CPU, or the RoundPipe engine over the N devices

@@ -10,6 +10,7 @@
 
 #include "../checkpoint.h"
 #include "../common.h"
+#include "../loader.h"
 #include "../model.h"
 #include "../plain.h"
 #include "../store.h"
@@ -195,7 +196,7 @@ int test_parity_open(TestCtx* t, const char* name, ParityFixture* f) {
     }
     store_create(&f->s, &f->m.tt);
     int unused = -1;
-    CHECK(t, store_load(&f->s, &src.ck, &unused, err) == 0 && unused == 0, "load: %s", err);
+    CHECK(t, loader_load_safetensors(&f->s, &src.ck, &unused, err) == 0 && unused == 0, "load: %s", err);
     checkpoint_close_source(&src);
     snprintf(path, sizeof path, "%s/expected.safetensors", dir);
     if (st_open(&f->ex, path, err) != 0) {
