@@ -134,7 +134,7 @@ EngineDeviceBytes plan_device_bytes(const Engine* e, const PartitionPlan* plan,
 
 // Which layer boundaries a plan passes through host memory: need_x[b] (the residual stream
 // entering entry b: a stage's input, and with layer-grain recompute every block input a backward
-
+// stage recomputes from) and need_dx[b] (its gradient, the input of the next backward stage).
 void plan_boundaries(const Engine* e, const PartitionPlan* plan, int* need_x, int* need_dx) {
     const int efused = plan->bwd[0].begin;
     for (int i = 0; i < plan->n_fwd; i++)

@@ -65,6 +65,7 @@ static void lpt_assign(Piece* pieces, int n, int n_bins, int* bin_of) {
         bin_of[i] = best;
         load[best] += pieces[i].bytes;
     }
+    free(load);
 }
 
 
