@@ -6,13 +6,14 @@
  * downloads).
  *
  * Owns: e->stages, e->cursor, the job arenas and trace labels (arena[ip], labels[ip]), a
- * device's slot choice (pnext, gnext) and its compute stream. Events it records: up_done and
- * marks come from transfer.c; here comp_done[p] (compute of parity p done), param_done is waited
- * on, gev[k] (layer k's final gradient, per-layer downloads), pslot_free[k] (the stage's last
- * compute read slot k), the profile brackets prof_ev / prof_ok. Buffers it touches: only device
- * buffers, from jobs on the compute stream (the slot's parameters and gradients, the activation
- * parities, the workspace). Host buffers and copies are transfer.c's; the protocol's flags are
- * reached only through protocol.c's fences.
+ * device's slot choice (pnext, gnext), its compute stream, and the order in which a slot's work
+ * is enqueued. Events it records: param_done (after the stage's parameter upload), comp_done[p]
+ * (compute of parity p done), gev[k] (layer k's final gradient, for per-layer downloads),
+ * pslot_free[k] (the stage's last compute that read slot k) and the profile brackets prof_ev
+ * (with prof_ok); its compute waits on up_done[p], down_done[p], param_done and lev[k][l].
+ * Buffers it touches: device buffers only, from jobs on the compute stream (the slot's parameters
+ * and gradients, the activation parities, the workspace). Host buffers and copies are
+ * transfer.c's; the protocol's flags are reached only through protocol.c.
  */
 #include <stdarg.h>
 #include <stdlib.h>
@@ -182,6 +183,7 @@ static void fold_on_device(Engine* e, const MbJob* j) {
     }
 }
 
+// One job on a compute stream: the part of its micro-batch (row chunk) that MbJob.phase names.
 static void run_microbatch(void* arg) {
     MbJob* j = arg;
     Engine* e = j->e;

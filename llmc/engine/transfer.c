@@ -13,10 +13,12 @@
  *     the last micro-batch's backward.
  *
  * Buffers it touches: device slots and activation buffers (as copy source or target), host
- * master[ip] (read), hids / htgt / hx / hdx / hloss, hgrad / hsplit (written). Events it records:
- * lev[k][l], up_done[p], marks[r], down_done[p], x_ev / dx_ev / loss_ev, x_free / dx_free,
- * grads_ready, grad_ev / split_ev, gslot_free[k]; it waits on pslot_free, gslot_free,
- * comp_done, down_done, param_done-free marks and gev. Protocol flags only through protocol.c.
+ * master[ip], hids and htgt (read), hx / hdx (both), hloss, hgrad / hsplit (written). Events it
+ * records: lev[k][l], up_done[p], marks[r], down_done[p], x_ev / dx_ev / loss_ev, x_free /
+ * dx_free, grads_ready, grad_ev / split_ev, gslot_free[k]; its copies wait on pslot_free,
+ * gslot_free, comp_done, down_done, the running stage's marks, grads_ready, gev, and on the host
+ * buffers' producers and readers (x_ev, dx_ev, x_free, dx_free, grad_ev). Protocol flags only
+ * through protocol.c.
  */
 #include <stdlib.h>
 #include <string.h>
