@@ -36,7 +36,7 @@ LDLIBS := -lm -pthread
 # Objects of CUDA and CPU-only builds differ (-DHAVE_CUDA): keep them apart, so switching with
 # NO_CUDA=1 never links stale objects.
 BUILD_ROOT := build
-LIB_SRCS := $(sort $(wildcard llmc/*.c))
+LIB_SRCS := $(sort $(wildcard llmc/*.c)) $(sort $(wildcard llmc/engine/*.c))
 TEST_SRCS := $(sort $(wildcard llmc/tests/*.c))
 CU_SRCS := $(sort $(wildcard kernels/*.cu))
 
@@ -102,8 +102,8 @@ train_roundpipe: $(BUILD)/train_roundpipe.o $(LIB_OBJS) $(CU_OBJS) $(CONFIG_STAM
 test_roundpipe: $(BUILD)/test_roundpipe.o $(TEST_OBJS) $(LIB_OBJS) $(CU_OBJS) $(CONFIG_STAMP)
 	$(CC) $(CFLAGS) -o $@ $(filter %.o,$^) $(LDLIBS)
 
-$(BUILD)/%.o: %.c $(wildcard llmc/*.h) $(wildcard llmc/tests/*.h) $(wildcard kernels/*.h) \
-              $(wildcard dev/fuzz/*.h)
+$(BUILD)/%.o: %.c $(wildcard llmc/*.h) $(wildcard llmc/engine/*.h) $(wildcard llmc/tests/*.h) \
+              $(wildcard kernels/*.h) $(wildcard dev/fuzz/*.h)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c -o $@ $<
 
@@ -162,7 +162,8 @@ ASAN_BUILD := build-asan
 TSAN_FLAGS := $(CFLAGS_BASE) $(SAN_OPTFLAGS) -fsanitize=thread
 ASAN_FLAGS := $(CFLAGS_BASE) $(SAN_OPTFLAGS) -fsanitize=address,undefined -fno-sanitize-recover=undefined
 SAN_SRCS := test_roundpipe.c $(TEST_SRCS) $(LIB_SRCS)
-SAN_DEPS := $(wildcard llmc/*.h) $(wildcard llmc/tests/*.h) $(wildcard dev/fuzz/*.h)
+SAN_DEPS := $(wildcard llmc/*.h) $(wildcard llmc/engine/*.h) $(wildcard llmc/tests/*.h) \
+            $(wildcard dev/fuzz/*.h)
 
 .PHONY: tsan asan clean-san
 tsan: test_roundpipe_tsan
