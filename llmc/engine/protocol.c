@@ -234,15 +234,12 @@ static void optimizer_step(Engine* e, int64_t k) {
         FoldArgs fa = {g[o->layer] + o->grad_offset, g[d->layer] + d->grad_offset, d->numel};
         threadpool_run(e->pool, (d->numel + FOLD_CHUNK - 1) / FOLD_CHUNK, fold_chunk, &fa);
     }
-    double norm_sq = 0.0;
     for (int l = 0; l < NL && !dev_folded; l++)
         if (e->fold_owner[l]) layer_norm_parts(e, l);
-    for (int64_t c = 0; c < e->norm_first[NL]; c++) norm_sq += e->norm_parts[c];  // in order
-    double norm = sqrt(norm_sq);
-    float scale = adamw_clip_scale(norm, e->opt.grad_clip);
-    AdamWHyper h = e->opt.hyper;
-    const int64_t step = e->opt.start_step + k;  // the run's step number
-    h.lr = lr_schedule_at(&e->opt.sched, step);
+    // the step's norm (the chunk sums in order), clip factor and lr, for the run's step number
+    const AdamWUpdate u =
+        adamw_update_begin(&e->opt.hyper, &e->opt.sched, e->opt.grad_clip, e->opt.start_step + k,
+                           adamw_norm_sq_total(e->norm_parts, e->norm_first[NL]));
     const int buf = (int)((k + e->delay) % 2);
     // Shallow layers first: the next iteration's first forward stages need their weights first.
     // (Gradients never gate this order: with the delayed optimizer they are double-buffered, in
@@ -254,7 +251,7 @@ static void optimizer_step(Engine* e, int64_t k) {
             for (int i = first; i < first + count; i++)
                 e->opt_tensors[i].out_bf16 = (uint16_t*)e->master[buf][l] + e->opt_offset[i];
         }
-        if (count > 0) adamw_step(e->pool, e->opt_tensors + first, count, &h, step, scale);
+        if (count > 0) adamw_update_apply(e->pool, &u, e->opt_tensors + first, count);
         if (e->opt.fake_optimizer_us > 0) {  // tests: a slow step, spread over the layers by size
             const int64_t us = e->opt.fake_optimizer_us * tt->param_numel[l] / e->m->tt.total_params;
             struct timespec ts = {(time_t)(us / 1000000), (long)(us % 1000000) * 1000};
@@ -267,16 +264,16 @@ static void optimizer_step(Engine* e, int64_t k) {
         pthread_check(pthread_cond_broadcast(&e->cv));
         pthread_check(pthread_mutex_unlock(&e->mu));
     }
-    e->s->step = step;
+    e->s->step = u.step;
     if (e->trace) {
         char name[48];
-        snprintf(name, sizeof name, "AdamW step %lld", (long long)step);
+        snprintf(name, sizeof name, "AdamW step %lld", (long long)u.step);
         trace_add(e->trace, name, e->N, STREAM_COUNT, t_start, time_now_s());
     }
     pthread_check(pthread_mutex_lock(&e->mu));
     e->steps_done = k;
-    e->norm_hist[k % 4] = norm;
-    e->lr_hist[k % 4] = h.lr;
+    e->norm_hist[k % 4] = u.norm;
+    e->lr_hist[k % 4] = u.hyper.lr;
     pthread_check(pthread_cond_broadcast(&e->cv));
     pthread_check(pthread_mutex_unlock(&e->mu));
 }
