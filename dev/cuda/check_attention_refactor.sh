@@ -11,9 +11,9 @@
 #     3. forward and backward TFLOP/s of the C interface (variant 0) and of the mma.sync
 #        production shapes (forward 4, backward 2), base and new alternating, twice each
 #     Exit status 0 when both validations pass and every tensor is bit-identical (the timings
-#     are for reading: same code, so same speed within noise). Logs in LOGDIR (default
-#     .devbuild/refactor_check); the dumps (~1 GB) go to a temporary folder, removed at the end
-#     unless KEEP_DUMPS=1. QUICK=1 validates the --quick case set only.
+#     are for reading: the same instructions should run at the same speed, within noise). Logs
+#     in LOGDIR (default .devbuild/refactor_check); the dumps (~0.8 GB each) go to a temporary
+#     folder, removed at the end unless KEEP_DUMPS=1. QUICK=1 validates the --quick cases only.
 #   dev/cuda/check_attention_refactor.sh --build REV OUT                       (no GPU needed)
 #     build the lab of git revision REV (`.` = this work tree) into OUT, for sm_90a as
 #     dev/cuda/run_attention.sh does; a lab older than the --check-* modes gets this tree's
@@ -92,11 +92,15 @@ for b in "$BASE" "$NEW"; do
         echo "$b does not run here (not a lab binary, or no GPU / driver)"
         exit 1
     fi
-    if ! "$b" --check-dump 2>&1 | grep -q -- --check-compare; then
+    if ! grep -q -- --check-compare <<< "$("$b" --check-dump 2>&1)"; then
         echo "$b has no --check-* modes: build it with $0 --build REV OUT"
         exit 1
     fi
 done
+if ! "$NEW" --check-time 1,1,1,1,16 - - > /dev/null 2>&1; then
+    echo "no usable GPU here: $("$NEW" --check-time 1,1,1,1,16 - - 2>&1 | tail -1)"
+    exit 1
+fi
 mkdir -p "$LOG"
 DUMPS=$(mktemp -d)
 T0=$SECONDS
