@@ -44,6 +44,7 @@
     X(engine)      \
     X(gguf)        \
     X(resume)      \
+    X(checksum)    \
     X(train)
 
 #define DECLARE_SUITE(s) extern const TestCase tests_##s[] __attribute__((weak));

@@ -8,6 +8,10 @@
  * written last.
  * A reader only trusts directories named step_<N> that hold DONE, so a crash at any point leaves
  * either the previous complete checkpoints or the new one, never a torn one.
+ *
+ * Corruption after the fact (a disk error, a copy cut short, a stray write) is what DONE's
+ * checksums catch: it records every file's size and CRC-32C, computed while the file was written;
+ * --resume verifies them and falls back to the newest checkpoint that is intact.
  */
 #include "checkpoint.h"
 
@@ -20,6 +24,7 @@
 #include <unistd.h>
 
 #include "common.h"
+#include "crc32c.h"
 #include "json.h"
 #include "loader.h"
 
@@ -120,7 +125,38 @@ void checkpoint_close_source(ModelSource* src) {
 // ----------------------------------------------------------------------------
 // saving
 
-int checkpoint_save_hf(const char* dir, const Model* m, const Store* s, char* err) {
+// The files of a checkpoint directory with their sizes and CRC-32C, as DONE records them.
+#define CKPT_MAX_FILES 8
+typedef struct CkptFiles {
+    int n;
+    struct {
+        char name[64];
+        uint64_t bytes;
+        uint32_t crc;
+    } f[CKPT_MAX_FILES];
+} CkptFiles;
+
+static void files_add(CkptFiles* cf, const char* name, uint64_t bytes, uint32_t crc) {
+    if (!cf) return;
+    if (cf->n == CKPT_MAX_FILES) fatal("internal: more than %d checkpoint files", CKPT_MAX_FILES);
+    str_copy(cf->f[cf->n].name, sizeof cf->f[cf->n].name, name);
+    cf->f[cf->n].bytes = bytes;
+    cf->f[cf->n].crc = crc;
+    cf->n++;
+}
+
+// A whole buffer written atomically to dir/name, its checksum recorded in cf (may be NULL).
+static int write_buffer(const char* dir, const char* name, const char* data, size_t len,
+                        CkptFiles* cf, char* err) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    if (file_write_atomic(path, data, len, err) != 0) return -1;
+    files_add(cf, name, len, crc32c(data, len));
+    return 0;
+}
+
+// model.safetensors and config.json of dir; cf (may be NULL) records their checksums.
+static int save_hf(const char* dir, const Model* m, const Store* s, CkptFiles* cf, char* err) {
     if (mkdir_p(dir, err) != 0) return -1;
     char path[4096];
     StWriter w;
@@ -133,13 +169,17 @@ int checkpoint_save_hf(const char* dir, const Model* m, const Store* s, char* er
     }
     snprintf(path, sizeof path, "%s/model.safetensors", dir);
     int rc = st_writer_write(&w, path, err);
+    if (rc == 0) files_add(cf, "model.safetensors", w.file_bytes, w.file_crc32c);
     st_writer_free(&w);
     if (rc != 0) return -1;
     char* json = config_to_hf_json(&m->cfg);
-    snprintf(path, sizeof path, "%s/config.json", dir);
-    rc = file_write_atomic(path, json, strlen(json), err);
+    rc = write_buffer(dir, "config.json", json, strlen(json), cf, err);
     free(json);
     return rc;
+}
+
+int checkpoint_save_hf(const char* dir, const Model* m, const Store* s, char* err) {
+    return save_hf(dir, m, s, NULL, err);
 }
 
 int checkpoint_dump_state(const char* path, const Model* m, const Store* s, float loss, char* err) {
@@ -249,7 +289,8 @@ void train_state_free(TrainState* ts) {
     ts->pending_owned = 0;
 }
 
-static int write_pending(const char* path, const Model* m, const TrainState* ts, char* err) {
+static int write_pending(const char* path, const Model* m, const TrainState* ts, CkptFiles* cf,
+                         char* err) {
     StWriter w;
     st_writer_init(&w);
     st_writer_meta(&w, "format", "train_roundpipe-pending-weights");
@@ -265,6 +306,7 @@ static int write_pending(const char* path, const Model* m, const TrainState* ts,
     const int64_t two = 2;
     st_writer_add(&w, "update", ST_F64, 1, &two, update);
     int rc = st_writer_write(&w, path, err);
+    if (rc == 0) files_add(cf, "pending_weights.safetensors", w.file_bytes, w.file_crc32c);
     st_writer_free(&w);
     for (int l = 0; l < m->tt.n_layers; l++) free(names[l]);
     free(names);
@@ -324,7 +366,7 @@ static int read_pending(const char* step_dir, const Model* m, TrainState* ts, ch
 }
 
 static int write_train_state(const char* path, const Model* m, const Store* s, const TrainState* ts,
-                             char* err) {
+                             CkptFiles* cf, char* err) {
     StWriter w;
     st_writer_init(&w);
     st_writer_meta(&w, "format", "train_roundpipe-state");
@@ -346,6 +388,7 @@ static int write_train_state(const char* path, const Model* m, const Store* s, c
         st_writer_add(&w, name, ST_F32, d->ndim, d->shape, s->v[d->owner_layer] + d->param_offset);
     }
     int rc = st_writer_write(&w, path, err);
+    if (rc == 0) files_add(cf, "train_state.safetensors", w.file_bytes, w.file_crc32c);
     st_writer_free(&w);
     return rc;
 }
@@ -377,14 +420,14 @@ int checkpoint_save_state(const char* dir, int keep, const Model* m, const Store
     snprintf(final, sizeof final, "%s/step_%lld", dir, (long long)ts->step);
     if (mkdir_p(dir, err) != 0) return -1;
     if (remove_flat_dir(tmp, err) != 0) return -1;  // left over from a crash
-    if (checkpoint_save_hf(tmp, m, s, err) != 0) return -1;
+    CkptFiles cf = {0};
+    if (save_hf(tmp, m, s, &cf, err) != 0) return -1;
     snprintf(path, sizeof path, "%s/train_state.safetensors", tmp);
-    if (write_train_state(path, m, s, ts, err) != 0) return -1;
-    snprintf(path, sizeof path, "%s/args.json", tmp);
-    if (file_write_atomic(path, args_json, strlen(args_json), err) != 0) return -1;
+    if (write_train_state(path, m, s, ts, &cf, err) != 0) return -1;
+    if (write_buffer(tmp, "args.json", args_json, strlen(args_json), &cf, err) != 0) return -1;
     if (ts->pending_bytes) {
         snprintf(path, sizeof path, "%s/pending_weights.safetensors", tmp);
-        if (write_pending(path, m, ts, err) != 0) return -1;
+        if (write_pending(path, m, ts, &cf, err) != 0) return -1;
     }
     if (fsync_dir(tmp, err) != 0) return -1;
     // an older checkpoint of the same step (a re-run into the same --out) is replaced
@@ -392,8 +435,12 @@ int checkpoint_save_state(const char* dir, int keep, const Model* m, const Store
     if (rename(tmp, final) != 0)
         return errorf(err, "%s: rename from %s failed: %s", final, tmp, strerror(errno));
     if (fsync_dir(dir, err) != 0) return -1;
-    char done[64];
+    // DONE: the step, then one line per file: name, size in bytes, CRC-32C (8 hex digits)
+    char done[64 + CKPT_MAX_FILES * 128];
     int len = snprintf(done, sizeof done, "step %lld\n", (long long)ts->step);
+    for (int i = 0; i < cf.n; i++)
+        len += snprintf(done + len, sizeof done - (size_t)len, "%s %llu %08x\n", cf.f[i].name,
+                        (unsigned long long)cf.f[i].bytes, (unsigned)cf.f[i].crc);
     snprintf(path, sizeof path, "%s/DONE", final);
     if (file_write_atomic(path, done, (size_t)len, err) != 0) return -1;
     if (fsync_dir(final, err) != 0) return -1;
@@ -414,6 +461,77 @@ int checkpoint_find_latest(const char* dir, char* path, size_t cap, int64_t* ste
     }
     free(steps);
     return found;
+}
+
+// ----------------------------------------------------------------------------
+// checksums
+
+// Size and CRC-32C of the file at path: 0, or -1 with err (it cannot be opened or read).
+static int file_checksum(const char* path, uint64_t* bytes, uint32_t* crc, char* err) {
+    FILE* f = fopen(path, "rb");
+    if (!f) return errorf(err, "%s: cannot open: %s", path, strerror(errno));
+    const size_t cap = 8u << 20;
+    char* buf = malloc_check(cap);
+    uint64_t total = 0;
+    uint32_t c = 0;
+    size_t n;
+    while ((n = fread(buf, 1, cap, f)) > 0) {
+        c = crc32c_update(c, buf, n);
+        total += n;
+    }
+    const int failed = ferror(f);
+    free(buf);
+    fclose(f);  // read-only: nothing to lose at close
+    if (failed) return errorf(err, "%s: read error", path);
+    *bytes = total;
+    *crc = c;
+    return 0;
+}
+
+int checkpoint_verify(const char* step_dir, int* n_files, char* err) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/DONE", step_dir);
+    size_t len;
+    char* text = file_read_all(path, 1 << 16, &len, err);
+    if (!text) return -1;
+    int rc = 1, n = 0, line_no = 0;
+    char* save = NULL;
+    for (char* line = strtok_r(text, "\n", &save); line && rc == 1;
+         line = strtok_r(NULL, "\n", &save)) {
+        line_no++;
+        if (line_no == 1 && strncmp(line, "step ", 5) == 0) continue;
+        // NAME SIZE CRC32C: a plain file name of this directory, a decimal size, 8 hex digits
+        char name[64];
+        unsigned long long want_bytes;
+        unsigned want_crc;
+        int end = 0;
+        if (sscanf(line, "%63[^ /] %llu %8x%n", name, &want_bytes, &want_crc, &end) != 3 ||
+            line[end] != '\0' || strcmp(name, ".") == 0 || strcmp(name, "..") == 0) {
+            rc = errorf(err, "%s: line %d is not 'NAME SIZE CRC32C' (the marker is damaged)",
+                        path, line_no);
+            break;
+        }
+        char file[4300];
+        snprintf(file, sizeof file, "%s/%s", step_dir, name);
+        uint64_t bytes = 0;
+        uint32_t crc = 0;
+        char ferr[ERR_LEN];
+        if (!file_exists(file))
+            rc = errorf(err, "%s is missing (its DONE marker lists it)", file);
+        else if (file_checksum(file, &bytes, &crc, ferr) != 0)
+            rc = errorf(err, "%s", ferr);
+        else if (bytes != want_bytes)
+            rc = errorf(err, "%s has %llu bytes, its DONE marker records %llu (truncated or "
+                        "overwritten)", file, (unsigned long long)bytes, want_bytes);
+        else if (crc != want_crc)
+            rc = errorf(err, "%s is corrupt (CRC-32C %08x, its DONE marker records %08x)", file,
+                        (unsigned)crc, want_crc);
+        if (rc == 1) n++;
+    }
+    free(text);
+    if (rc == 1 && n == 0) rc = 0;  // an older marker: the step alone
+    if (n_files) *n_files = n;
+    return rc < 0 ? -1 : rc;
 }
 
 // The saved config must describe the same model (a checkpoint of another model would load
@@ -588,23 +706,52 @@ int checkpoint_load_state(const char* step_dir, const Model* m, Store* s, TrainS
     return 0;
 }
 
+// --resume: the newest complete checkpoint in out_dir whose files match their checksums, into
+// dir ("" when there is none: the run starts from step 0); each one passed over gets a line
+// naming the damaged file and the checkpoint tried next. *verified: the files checked.
+static int resume_pick(const char* out_dir, char* dir, size_t cap, int* verified, char* err) {
+    dir[0] = '\0';
+    int n = 0;
+    int64_t* steps = dir_exists(out_dir) ? list_complete_steps(out_dir, &n) : NULL;
+    if (n == 0) printf("--resume: no complete checkpoint in %s, starting from step 0\n", out_dir);
+    char cand[4096], why[ERR_LEN];
+    for (int i = n - 1; i >= 0 && !dir[0]; i--) {
+        if (snprintf(cand, sizeof cand, "%s/step_%lld", out_dir, (long long)steps[i]) >=
+            (int)sizeof cand) {
+            free(steps);
+            return errorf(err, "%s: path too long", out_dir);
+        }
+        const int v = checkpoint_verify(cand, verified, why);
+        if (v < 0 && i > 0)
+            printf("warning: --resume: %s; falling back to %s/step_%lld\n", why, out_dir,
+                   (long long)steps[i - 1]);
+        else if (v < 0)
+            printf("warning: --resume: %s, and %s holds no older complete checkpoint: starting "
+                   "from step 0\n", why, out_dir);
+        else
+            str_copy(dir, cap, cand);
+        if (v == 0)
+            printf("note: %s/DONE records no checksums (written by an older version): its files "
+                   "are not verified\n", cand);
+    }
+    free(steps);
+    return 0;
+}
+
 int checkpoint_init_weights(const InitOptions* o, ModelSource* src, const Model* m, Store* s,
                             TrainState* ts, const char* args_json, char* err) {
     train_state_init(ts, o->seed);
     char dir[4096] = "";
-    int64_t step = 0;
-    if (o->resume) {
-        int found = checkpoint_find_latest(o->out_dir, dir, sizeof dir, &step, err);
-        if (found < 0) return -1;
-        if (!found)
-            printf("--resume: no complete checkpoint in %s, starting from step 0\n", o->out_dir);
-    }
+    int verified = 0;
+    if (o->resume && resume_pick(o->out_dir, dir, sizeof dir, &verified, err) != 0) return -1;
     int rc = 0;
     if (dir[0]) {
         rc = checkpoint_load_state(dir, m, s, ts, args_json, err);
         if (rc == 0) {
             ts->resumed = 1;
-            printf("resumed from %s (step %lld)\n", dir, (long long)ts->step);
+            printf("resumed from %s (step %lld)", dir, (long long)ts->step);
+            if (verified > 0) printf(", %d files verified (CRC-32C)", verified);
+            printf("\n");
         }
     } else if (src->has_weights) {
         int unused = 0;

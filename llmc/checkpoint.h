@@ -106,7 +106,10 @@ int checkpoint_init_weights(const InitOptions* o, ModelSource* src, const Model*
 //   args.json                        the flags of the run (args_json)
 //   pending_weights.safetensors      only with ts->pending_bytes: layer.<l> = the weights the
 //                                    next iteration of the delayed update computes with
-//   DONE                             written last: only a directory holding it is complete
+//   DONE                             written last: only a directory holding it is complete.
+//                                    "step <N>", then one line per file above: its name, its
+//                                    size in bytes and its CRC-32C (8 hex digits), e.g.
+//                                    "model.safetensors 3291864 e3069283"
 // The files go to dir/step_<N>.tmp (each fsync'd), which is renamed to step_<N> before DONE is
 // written. Then only the newest `keep` complete checkpoints stay (keep 0: all).
 int checkpoint_save_state(const char* dir, int keep, const Model* m, const Store* s,
@@ -114,6 +117,12 @@ int checkpoint_save_state(const char* dir, int keep, const Model* m, const Store
 // The newest complete checkpoint (step_<N> holding DONE) in dir: 1 and its path and step,
 // 0 if there is none (or dir does not exist), -1 on an error.
 int checkpoint_find_latest(const char* dir, char* path, size_t cap, int64_t* step, char* err);
+// Check the files step_dir/DONE lists against their sizes and CRC-32C: 1 when all match (*n_files
+// of them, may be NULL), 0 when DONE records no checksums (an older checkpoint: nothing to
+// check), -1 with err naming the first file that is missing, truncated or corrupt (or a damaged
+// DONE). --resume (checkpoint_init_weights) takes the newest complete checkpoint that passes,
+// saying which file made it pass over a newer one; with none left the run starts from step 0.
+int checkpoint_verify(const char* step_dir, int* n_files, char* err);
 // Load a checkpoint written by checkpoint_save_state: the model config must match m's, the
 // weights, m, v and step go to the store, the rest to ts. Prints a warning for every training
 // flag that differs from args.json (args_json: this run's flags).

@@ -15,6 +15,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "crc32c.h"
+
 // ----------------------------------------------------------------------------
 // fatal errors
 
@@ -225,6 +227,8 @@ int atomic_file_write(AtomicFile* af, const void* data, size_t n, char* err) {
         af->failed = 1;
         return errorf(err, "%s: write failed: %s", af->tmp, strerror(errno));
     }
+    af->crc32c = crc32c_update(af->crc32c, data, n);
+    af->bytes += n;
     return 0;
 }
 

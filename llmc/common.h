@@ -98,6 +98,8 @@ typedef struct AtomicFile {
     char* path;  // the final name
     char* tmp;   // path.tmp
     int failed;  // a write failed (the message is already in err)
+    uint64_t bytes;   // written so far
+    uint32_t crc32c;  // CRC-32C of those bytes (checkpoints record it: read it before the commit)
 } AtomicFile;
 
 // Create path.tmp. -1 with err if it cannot be created.

@@ -788,6 +788,8 @@ int st_writer_write(StWriter* w, const char* path, char* err) {
         // Stream tensors straight from the caller's buffers: no copy of a multi-GB file.
         for (int i = 0; i < w->n && rc == 0; i++)
             rc = atomic_file_write(&af, order[i]->data, (size_t)order[i]->nbytes, err);
+        w->file_bytes = af.bytes;  // (the commit releases af)
+        w->file_crc32c = af.crc32c;
         if (rc == 0)
             rc = atomic_file_commit(&af, err);
         else

@@ -88,6 +88,8 @@ typedef struct StWriter {
     int n_meta;
     char** meta_keys;
     char** meta_vals;
+    uint64_t file_bytes;    // after a successful st_writer_write: the file's size
+    uint32_t file_crc32c;   // and its CRC-32C (computed while writing, for checkpoint DONE files)
 } StWriter;
 
 void st_writer_init(StWriter* w);
