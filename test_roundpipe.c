@@ -45,6 +45,7 @@
     X(gguf)        \
     X(resume)      \
     X(checksum)    \
+    X(memory)      \
     X(train)
 
 #define DECLARE_SUITE(s) extern const TestCase tests_##s[] __attribute__((weak));

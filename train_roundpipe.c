@@ -11,7 +11,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/sysinfo.h>
 #include <unistd.h>
 
 #include "llmc/args.h"
@@ -20,6 +19,7 @@
 #include "llmc/dataloader.h"
 #include "llmc/engine.h"
 #include "llmc/log.h"
+#include "llmc/memory.h"
 #include "llmc/model.h"
 #include "llmc/sample.h"
 #include "llmc/store.h"
@@ -81,57 +81,47 @@ static EngineOptions engine_options(const TrainArgs* a, int use_cuda, int n_devi
 }
 
 // Before anything big is allocated: the plan's choices that depend on its shape (they may set
-// a->split_rounds and model->mlp_chunk) and the host memory the run needs; with --plan the plan
-// itself, then 1 (the run is over). N: the devices (0: plain training).
+// a->split_rounds and model->mlp_chunk), then the host memory the run needs against what this
+// machine has (llmc/memory.h): a run that does not fit is refused here, exit 2, unless
+// --allow-overcommit. With --plan the plan itself, then 1 (the run is over). N: the devices (0:
+// plain training).
 static int plan_and_check_memory(TrainArgs* a, Model* model, int N) {
     char err[ERR_LEN];
     const int use_cuda = a->device == DEVICE_CUDA;
     const int engine_run = a->n_devices > 0 || use_cuda;
     const int act_bytes = use_cuda ? 2 : 4;  // the engine devices' compute dtype
-    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-    const double host_total = pages > 0 && page > 0 ? (double)pages * page : 0.0;
+    HostLimit lim;
+    if (memory_host_limit("", &lim, err) != 0) fatal("%s", err);
     // the plan's choices that depend on its shape: MLP chunks, then split rounds (one more fp32
     // gradient set per extra round, when the host has room for them)
     EngineOptions eo = engine_options(a, use_cuda, N > 0 ? N : 1, 0);
     if (engine_run || a->plan_only) {
         engine_resolve_mlp_chunk(model, a->mlp_chunk, act_bytes, N > 0 ? N : 1, &eo);
         a->split_rounds = engine_resolve_split_rounds(model, a->split_rounds, use_cuda, act_bytes,
-                                                      N, &eo, host_total);
+                                                      N, &eo, lim.bytes);
         eo.split_rounds = a->split_rounds > 0;
     }
-    // What the host needs (docs/PERFORMANCE.md §3): the Store, and with the engine its weight
-    // copies, gradient sets and activation checkpoints
-    const EngineHostMemory hm = engine_host_memory(model, act_bytes, N, &eo);
-    const double host_fixed = engine_run ? hm.fixed : engine_plain_host_bytes(model);
-    const double ckpt = engine_run ? hm.checkpoints_max : 0.0;
-    struct sysinfo si;
-    const double host_swap = sysinfo(&si) == 0 ? (double)si.totalswap * si.mem_unit : 0.0;
-    printf("host memory: %.2f GiB for weights, optimizer state and gradients",
-           host_fixed / (1 << 30));
-    if (engine_run) printf(" + up to %.2f GiB of activation checkpoints", ckpt / (1 << 30));
-    printf(" (machine: %.1f GiB)\n", host_total / (1 << 30));
-    // A warning, not a refusal: virtual machines whose memory grows on demand report a MemTotal
-    // far below what they can hold.
-    if (host_total > 0 && host_fixed > 0.9 * (host_total + host_swap))
-        printf("warning: the weights, optimizer state and gradients alone need more than 90%% "
-               "of the memory this machine reports (%.1f GiB + %.1f GiB swap)\n",
-               host_total / (1 << 30), host_swap / (1 << 30));
     if (a->plan_only) {
         // the plan needs only the model's shape: no store, devices or buffers
         EngineOptions peo = engine_options(a, use_cuda, N, 0);
         if (use_cuda && peo.device_budget <= 0)
             printf("note: no GPU memory to read here and no --device-mem: planning without a "
                    "device memory budget\n");
-        size_t host_acts = 0;
-        if (engine_plan_print(model, act_bytes, N > 0 ? N : 1, &peo, stdout, &host_acts, err) != 0)
+        if (engine_plan_print(model, act_bytes, N > 0 ? N : 1, &peo, stdout, NULL, err) != 0)
             fatal("%s", err);
-        const double need = host_fixed + (engine_run ? (double)host_acts : 0.0);
-        printf("host memory for this plan: %.2f GiB (this machine reports %.1f GiB + %.1f GiB "
-               "swap)\n", need / (1 << 30), host_total / (1 << 30), host_swap / (1 << 30));
-        if (host_total > 0 && need > host_total + host_swap)
-            printf("warning: more than this machine reports (--host-checkpoints single, --sync 1 "
-                   "or more micro-batches need less)\n");
+        const RunMemory rm = memory_estimate(a, model, N, &peo);
+        printf("host memory for this plan: %.2f GiB", rm.total / (1 << 30));
+        if (lim.bytes > 0) printf(" (available: %.2f GiB, %s)", lim.bytes / (1 << 30), lim.source);
+        printf("\n");
+        if (lim.bytes > 0 && rm.total > lim.bytes)
+            printf("warning: more than this machine reports as available (--host-checkpoints "
+                   "single, --sync 1 or more micro-batches need less)\n");
         return 1;
+    }
+    if (memory_check_run(a, model, N, &eo, &lim, err) != 0) {
+        fflush(stdout);
+        fprintf(stderr, "train_roundpipe: error: %s\n", err);
+        exit(2);
     }
     return 0;
 }

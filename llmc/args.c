@@ -60,6 +60,7 @@ void args_defaults(TrainArgs* a) {
     a->save_every = 0;
     a->keep = 0;
     a->resume = 0;
+    a->allow_overcommit = 0;
     a->export_hf = "";
     a->export_gguf = "";
     a->export_dtype = EXPORT_F32;
@@ -141,6 +142,9 @@ void args_usage(FILE* f) {
         "                         auto = 16384 with the engine when micro-batches hold more\n"
         "                         than 65536 tokens, no plan fits without, or the chunked plan\n"
         "                         is cheaper (default auto)\n"
+        "      --allow-overcommit start even when the run's host memory estimate exceeds what\n"
+        "                         the machine has available (MemAvailable, the cgroup limit):\n"
+        "                         a warning instead of the refusal (exit 2)\n"
         "\n"
         "RoundPipe engine (--device cpu:N)\n"
         "      --round M_R        micro-batches per round, M %% M_R == 0, 0 = all (default 0)\n"
@@ -236,7 +240,8 @@ enum {
     OPT_DEVICE, OPT_THREADS, OPT_DUMP, OPT_EVAL_BATCHES, OPT_SAMPLE, OPT_PROMPT, OPT_DECAY_FRAC,
     OPT_DECAY_EMB, OPT_INIT_STD, OPT_TEMPERATURE, OPT_ROUND, OPT_ROW_CHUNKS, OPT_RECOMPUTE, OPT_SYNC, OPT_PLAN,
     OPT_DEVICE_MEM, OPT_DELAY, OPT_TRACE, OPT_PROFILE_OPS, OPT_SPLIT_ROUNDS, OPT_NO_SPLIT_ROUNDS, OPT_PROFILE_STEPS, OPT_MLP_CHUNK, OPT_HOST_CKPT, OPT_SAVE_EVERY, OPT_KEEP, OPT_RESUME, OPT_EXPORT_HF,
-    OPT_EXPORT_GGUF, OPT_EXPORT_DTYPE, OPT_EXPORT_SHARD
+    OPT_EXPORT_GGUF, OPT_EXPORT_DTYPE, OPT_EXPORT_SHARD,
+    OPT_ALLOW_OVERCOMMIT
 };
 
 // "512M", "80G", "1e9": bytes with an optional K/M/G/T suffix (powers of 1024).
@@ -257,6 +262,8 @@ static int parse_bytes(const char* v, double* out) {
     *out = x * mult;
     return 0;
 }
+
+int args_parse_bytes(const char* v, double* out) { return parse_bytes(v, out); }
 
 int args_parse(TrainArgs* a, int argc, char** argv) {
     static const struct option opts[] = {
@@ -303,6 +310,7 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         {"export-gguf", required_argument, 0, OPT_EXPORT_GGUF},
         {"export-dtype", required_argument, 0, OPT_EXPORT_DTYPE},
         {"export-shard-size", required_argument, 0, OPT_EXPORT_SHARD},
+        {"allow-overcommit", no_argument, 0, OPT_ALLOW_OVERCOMMIT},
         {"help", no_argument, 0, 'h'},               {0, 0, 0, 0}};
     optind = 1;
     opterr = 0;
@@ -386,6 +394,7 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
             case OPT_SAVE_EVERY: rc = int_in("--save-every", v, 0, 1 << 30, &a->save_every); break;
             case OPT_KEEP: rc = int_in("--keep", v, 0, 1 << 30, &a->keep); break;
             case OPT_RESUME: a->resume = 1; break;
+            case OPT_ALLOW_OVERCOMMIT: a->allow_overcommit = 1; break;
             case OPT_EXPORT_HF: a->export_hf = v; break;
             case OPT_EXPORT_GGUF: a->export_gguf = v; break;
             case OPT_EXPORT_DTYPE:

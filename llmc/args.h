@@ -68,6 +68,7 @@ typedef struct TrainArgs {
     const char* prompt;      // generation prompt (byte-level vocabularies)
     float temperature;       // sampling temperature (0 = greedy)
     float init_std;
+    int allow_overcommit;    // start even when the host memory estimate exceeds what is available
 } TrainArgs;
 
 // Defaults: the built-in tiny model on the shipped corpus.
@@ -76,6 +77,9 @@ void args_defaults(TrainArgs* a);
 // 2 (the exit status). --help prints the usage to stdout and returns 1 (exit 0). Otherwise 0.
 int args_parse(TrainArgs* a, int argc, char** argv);
 void args_usage(FILE* f);
+// "512M", "80G", "1e9": a positive size in bytes with an optional K/M/G/T suffix (powers of
+// 1024), as --device-mem takes it. 0, or -1 when v is not one.
+int args_parse_bytes(const char* v, double* out);
 // The flags as a JSON object, keys = long flag names (args.json of checkpoints). malloc'd.
 char* args_to_json(const TrainArgs* a);
 const char* export_dtype_name(ExportDtype d);  // "f32", "bf16", "f16"

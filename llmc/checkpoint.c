@@ -833,6 +833,27 @@ static void copy_tokenizer_files(const char* from, const char* to) {
     }
 }
 
+double checkpoint_export_bytes(const Model* m, int hf, ExportDtype dtype, uint64_t shard_bytes,
+                              int gguf) {
+    const TensorTable* tt = &m->tt;
+    double hf_bytes = 0.0, shard = 0.0, gguf_bytes = 0.0;
+    // --export-hf in bf16/f16: each shard's converted tensors are held until the shard is
+    // written (export_data), shards planned as checkpoint_export_hf plans them
+    const uint64_t size = dtype == EXPORT_F32 ? 4 : 2;
+    for (int i = 0; i < tt->n && hf && dtype != EXPORT_F32; i++) {
+        if (tt->t[i].tied_to >= 0) continue;
+        const double bytes = (double)tt->t[i].numel * (double)size;
+        if (shard > 0 && shard + bytes > (double)shard_bytes) shard = 0;
+        shard += bytes;
+        if (shard > hf_bytes) hf_bytes = shard;
+    }
+    // --export-gguf of a LLaMA: the permuted q and k weights (fp32) wait for the write
+    for (int i = 0; i < tt->n && gguf && m->cfg.family == FAMILY_LLAMA; i++)
+        if (tt->t[i].tied_to < 0 && (tt->t[i].kind == TK_WQ || tt->t[i].kind == TK_WK))
+            gguf_bytes += (double)tt->t[i].numel * sizeof(float);
+    return hf_bytes > gguf_bytes ? hf_bytes : gguf_bytes;  // one export at a time
+}
+
 int checkpoint_export_hf(const char* dir, const Model* m, const Store* s, ExportDtype dtype,
                          uint64_t shard_bytes, const ModelSource* src, char* err) {
     const StDtype dt = dtype == EXPORT_BF16 ? ST_BF16 : dtype == EXPORT_F16 ? ST_F16 : ST_F32;

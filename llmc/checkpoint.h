@@ -134,6 +134,11 @@ int checkpoint_load_state(const char* step_dir, const Model* m, Store* s, TrainS
 
 #define EXPORT_DEFAULT_SHARD_BYTES 5000000000ull  // transformers' max_shard_size "5GB"
 
+// The host memory the exports take while they are written, on top of the store (the larger of
+// the two, as they run one after the other): with hf, the converted copies of one shard (bf16 /
+// f16; none for f32); with gguf, the permuted q/k weights of a LLaMA.
+double checkpoint_export_bytes(const Model* m, int hf, ExportDtype dtype, uint64_t shard_bytes,
+                              int gguf);
 // dir/: model.safetensors, or model-0000i-of-0000n.safetensors + model.safetensors.index.json
 // when the tensors exceed shard_bytes; config.json; the tokenizer files of an HF source.
 int checkpoint_export_hf(const char* dir, const Model* m, const Store* s, ExportDtype dtype,

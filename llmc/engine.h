@@ -141,6 +141,16 @@ int engine_plan_print(const Model* m, int act_bytes, int n_devices, const Engine
 // 0 when a plan fits (the same search, nothing printed); -1 with err otherwise.
 int engine_plan_fits(const Model* m, int act_bytes, int n_devices, const EngineOptions* opt,
                      char* err);
+// What the chosen plan allocates (the same search, nothing printed): per device, on the host for
+// activation checkpoints, and the rows a device computes at a time (Bc x T tokens: the row chunk
+// its ops' temporaries are sized for). -1 with err when no plan fits.
+typedef struct EnginePlanMemory {
+    EngineDeviceBytes device;  // each device's buffers (emulated devices: host memory)
+    size_t host_checkpoints;   // host activation checkpoints and boundary gradients
+    int Bc;                    // sequences per row chunk
+} EnginePlanMemory;
+int engine_plan_memory(const Model* m, int act_bytes, int n_devices, const EngineOptions* opt,
+                       EnginePlanMemory* out, char* err);
 // The same, with the chosen plan's cost (PartitionPlan.cost: the work on one device, S x t_max
 // on several) in *cost: plans of one shape under different settings compare by it.
 int engine_plan_cost(const Model* m, int act_bytes, int n_devices, const EngineOptions* opt,
@@ -159,7 +169,9 @@ typedef struct EngineHostMemory {
                              // sync mode)
     double split_extra;      // one fp32 gradient set per extra round with split rounds,
                              // (N - 1) x 4 B/param: what opt->split_rounds adds (or would add)
-    double fixed;            // store + masters + grads (+ split_extra with opt->split_rounds)
+    double staging;          // every micro-batch's tokens, targets and losses, two iterations
+    double fixed;            // store + masters + grads + staging (+ split_extra with
+                             // opt->split_rounds)
     double checkpoints_max;  // host activation checkpoints at most: (L + 3) residual-stream
                              // buffers per sequence (every stage boundary but the prefix's, and
                              // the two-slot gradient ring), in one or two sets (opt->host_single);
@@ -167,8 +179,6 @@ typedef struct EngineHostMemory {
 } EngineHostMemory;
 EngineHostMemory engine_host_memory(const Model* m, int act_bytes, int n_devices,
                                     const EngineOptions* opt);
-// Plain (non-engine) training's host memory: the Store alone, 16 B/param.
-double engine_plain_host_bytes(const Model* m);
 // The device budget (EngineOptions.device_budget) when none is given: 90% of the memory free on
 // the device (the rest: allocator rounding, cuBLAS and CUDA internals).
 double engine_default_device_budget(double device_free_bytes);

@@ -125,6 +125,37 @@ size_t workspace_bytes(const Model* m, int act_bytes, int B, int T, int n_acts) 
     return per_set * (size_t)n_acts + scratch + rope;
 }
 
+// The CPU backend's largest temporary of a linear layer of n rows, IC -> OC: its forward, input
+// gradient or weight gradient (cpu_matmul_backward's two products).
+static size_t linear_temp_bytes(int64_t n, int64_t IC, int64_t OC) {
+    size_t most = ops_cpu_gemm_temp_bytes(n, OC, IC);                  // out = inp . w^T
+    size_t b = ops_cpu_gemm_temp_bytes(n, IC, OC);                     // dinp = dout . w
+    if (b > most) most = b;
+    b = ops_cpu_gemm_temp_bytes(OC, IC, n);                            // dw += dout^T . inp
+    return b > most ? b : most;
+}
+
+size_t model_cpu_op_temp_bytes(const Model* m, int B, int T, int n_threads) {
+    const ModelConfig* c = &m->cfg;
+    const int64_t N = (int64_t)B * T, C = c->C, F = c->F, QD = (int64_t)c->H * c->HD;
+    const int chunk = mlp_chunk_rows(m, B, T);
+    const int64_t mlp_rows = chunk > 0 ? chunk : N;
+    const int64_t lm_rows = lm_chunk_rows(m, ops_cpu.act_bytes, B, T);
+    const size_t cand[] = {linear_temp_bytes(N, C, m->QKV),       // q/k/v projection
+                           linear_temp_bytes(N, QD, C),           // attention output projection
+                           linear_temp_bytes(mlp_rows, C, 2 * F), // gate and up
+                           linear_temp_bytes(mlp_rows, F, C),     // down
+                           linear_temp_bytes(lm_rows, C, c->V),   // the LM head's chunk
+                           ops_cpu_attention_temp_bytes(B, T, c->H, c->KVH, c->HD, n_threads)};
+    size_t most = 0;
+    for (size_t i = 0; i < sizeof cand / sizeof cand[0]; i++)
+        if (cand[i] > most) most = cand[i];
+    // glibc keeps freed blocks below its largest mmap threshold (32 MiB) in the heap, where the
+    // next op's temporary of another size may not fit: one more of them can stay resident
+    const size_t kept = (size_t)32 << 20;
+    return most + (most < kept ? most : kept);
+}
+
 Workspace* workspace_create(const Model* m, const Ops* ops, void* ctx, int B, int T, int n_acts) {
     const ModelConfig* c = &m->cfg;
     Workspace* ws = calloc_check(1, sizeof(Workspace));

@@ -118,6 +118,11 @@ void workspace_free(Workspace* ws);
 size_t workspace_act_set_bytes(const Model* m, int act_bytes, int B, int T);
 // Device bytes a workspace of this shape uses (for memory planning and the start-up report).
 size_t workspace_bytes(const Model* m, int act_bytes, int B, int T, int n_acts);
+// Host bytes the CPU backend's ops allocate for themselves at most at once while computing a
+// micro-batch of B x T tokens on n_threads threads (the largest block or LM-head matmul, or the
+// attention; ops_cpu_gemm_temp_bytes), plus one more of up to 32 MiB that malloc may keep in its
+// heap after it is freed: memory estimates add it to the workspace.
+size_t model_cpu_op_temp_bytes(const Model* m, int B, int T, int n_threads);
 
 // ----------------------------------------------------------------------------
 // layers. `slab` is the layer's parameter slab on the backend (compute dtype), `gslab` its fp32

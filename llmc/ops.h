@@ -119,5 +119,12 @@ typedef struct Ops {
 extern const Ops ops_cpu;
 void* ops_cpu_create(int n_threads);
 void ops_cpu_destroy(void* ctx);
+// Host bytes one op of the CPU backend allocates for itself while it runs, on top of the buffers
+// it is given (freed before it returns; memory estimates add the largest): a matmul's packed
+// operands, for the product (M, K) x (K, Nc); the attention's packed panels and its per-task
+// tiles with n_threads tasks at once (backward or forward, whichever needs more), or the qk-norm
+// backward's per-task partials.
+size_t ops_cpu_gemm_temp_bytes(int64_t M, int64_t Nc, int64_t K);
+size_t ops_cpu_attention_temp_bytes(int B, int T, int H, int KVH, int HD, int n_threads);
 
 #endif  // LLMC_OPS_H

@@ -932,6 +932,37 @@ static void attention_free_panels(AttnArgs* a) {
     free(a->qt), free(a->dot), free(a->qr), free(a->dor);
 }
 
+// ----------------------------------------------------------------------------
+// what one op allocates for itself while it runs (the run's memory estimate, memory.c)
+
+size_t ops_cpu_gemm_temp_bytes(int64_t M, int64_t Nc, int64_t K) {
+    if (M <= 0 || Nc <= 0) return 0;  // (gemm_run returns before packing)
+    return ((size_t)task_count(M, GEMM_MR) * GEMM_MR + (size_t)task_count(Nc, GEMM_NR) * GEMM_NR) *
+           (size_t)K * sizeof(float);
+}
+
+size_t ops_cpu_attention_temp_bytes(int B, int T, int H, int KVH, int HD, int n_threads) {
+    const size_t AB = ATT_BLOCK, blocks = (size_t)task_count(T, ATT_BLOCK);
+    const size_t HDp = (size_t)task_count(HD, GEMM_NR) * GEMM_NR;
+    // attention_alloc_panels, and the per-task tiles of the forward / the two backward passes
+    const size_t kv_t = (size_t)B * KVH * blocks * HD * AB;
+    const size_t kv_r = (size_t)B * KVH * blocks * AB * HDp;
+    const size_t q_t = (size_t)B * H * blocks * HD * AB, q_r = (size_t)B * H * blocks * AB * HDp;
+    const size_t fwd_tile = AB * HD + 2 * AB * AB + AB * HDp;
+    const size_t dq_tile = 2 * AB * HD + 3 * AB * AB + AB * HDp;
+    const size_t dkv_tile = 2 * AB * HD + 4 * AB * AB + 2 * AB * HDp;
+    const size_t threads = (size_t)(n_threads > 0 ? n_threads : 1);
+    const size_t fwd = kv_t + kv_r + threads * fwd_tile;
+    const size_t bwd = (size_t)B * H * T + 2 * kv_t + kv_r + 2 * q_t + 2 * q_r +
+                       threads * (dq_tile > dkv_tile ? dq_tile : dkv_tile);
+    // qk-norm + RoPE backward: a (2, HD) partial per task (rows_per_task rows each)
+    const int rope_rows = rows_per_task((size_t)(H + 2 * KVH) * HD);
+    const size_t rope = (size_t)task_count((int64_t)B * T, rope_rows) * 2 * HD;
+    size_t most = fwd > bwd ? fwd : bwd;
+    if (rope > most) most = rope;
+    return most * sizeof(float);
+}
+
 static AttnArgs attention_args(CpuCtx* cx, int B, int T, int H, int KVH, int HD) {
     return (AttnArgs){.kernel = cx->gemm_kernel, .row = cx->att_row, .B = B, .T = T, .H = H,
                       .KVH = KVH, .HD = HD, .QKV = (H + 2 * KVH) * HD,

@@ -8,6 +8,28 @@
 
 #include "common.h"
 
+// Keeping every block's activations is the fast path; past 8 GiB of them the backward
+// recomputes each block from its input instead (one activation set).
+#define PLAIN_KEEP_ACTS_MAX (8ull << 30)
+
+int plain_needs_recompute(const Model* m, int act_bytes, int B, int T) {
+    return workspace_bytes(m, act_bytes, B, T, m->cfg.L) > PLAIN_KEEP_ACTS_MAX;
+}
+
+size_t plain_bytes(const Model* m, int act_bytes, int aliased, int B, int T, int recompute) {
+    const TensorTable* tt = &m->tt;
+    const size_t N = (size_t)B * T, ab = (size_t)act_bytes;
+    // what plain_create allocates, in its order: the workspace, the device slabs (none when
+    // aliased), the residual streams x[0..L] and their gradient, ids, targets, losses (device
+    // and host)
+    size_t bytes = workspace_bytes(m, act_bytes, B, T, recompute ? 1 : m->cfg.L);
+    for (int l = 0; l < tt->n_layers && !aliased; l++)
+        bytes += (size_t)tt->param_numel[l] * ab + (size_t)tt->grad_numel[l] * sizeof(float);
+    bytes += ((size_t)m->cfg.L + 2) * N * (size_t)m->cfg.C * ab;
+    bytes += 2 * N * (2 * sizeof(int32_t) + sizeof(float));
+    return bytes;
+}
+
 Plain* plain_create(const Model* m, Store* s, const Ops* ops, void* ctx, int B, int T,
                     int recompute) {
     Plain* p = calloc_check(1, sizeof(Plain));

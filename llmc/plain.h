@@ -39,6 +39,14 @@ typedef struct Plain {
 
 Plain* plain_create(const Model* m, Store* s, const Ops* ops, void* ctx, int B, int T,
                     int recompute);
+// 1 when micro-batches of B x T tokens should recompute each block in the backward (keeping
+// every block's activations would take more than 8 GiB of the backend's memory).
+int plain_needs_recompute(const Model* m, int act_bytes, int B, int T);
+// Bytes plain_create allocates for that shape, on the backend (ops->alloc: the workspace, the
+// residual streams, the device slabs unless aliased to the store's) and on the host (the batch);
+// on the CPU backend all of it is host memory. The ops' own temporaries come on top
+// (model_cpu_op_temp_bytes).
+size_t plain_bytes(const Model* m, int act_bytes, int aliased, int B, int T, int recompute);
 void plain_free(Plain* p);
 // Copy the store's parameters to the device slabs (no-op when aliased).
 void plain_sync_params(Plain* p);

@@ -37,6 +37,13 @@ static void zero_chunk(void* arg, int64_t c) {
     memset(z->slabs[i] + b, 0, (size_t)n * sizeof(float));
 }
 
+double store_bytes(const TensorTable* tt) {
+    double bytes = 0;
+    for (int l = 0; l < tt->n_layers; l++)  // param, m and v slabs, and the gradient slab
+        bytes += (3.0 * (double)tt->param_numel[l] + (double)tt->grad_numel[l]) * sizeof(float);
+    return bytes;
+}
+
 void store_create(Store* s, const TensorTable* tt) {
     memset(s, 0, sizeof *s);
     s->tt = tt;

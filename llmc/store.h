@@ -28,6 +28,8 @@ typedef struct Store {
 } Store;
 
 void store_create(Store* s, const TensorTable* tt);
+// Host bytes store_create allocates for tt: the fp32 weights, m, v and gradient slabs.
+double store_bytes(const TensorTable* tt);
 void store_free(Store* s);
 
 // Parameter / gradient of tensor i of the table.

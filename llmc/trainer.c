@@ -49,11 +49,6 @@ static double plain_batch_gradients(Trainer* t, const int32_t* tokens) {
 // ----------------------------------------------------------------------------
 // building the backend
 
-// Plain training keeps every block's activations unless that needs more than 8 GiB: then it
-// recomputes them in the backward.
-static int plain_recompute(const Model* m, const Ops* ops, int Bm, int T) {
-    return workspace_bytes(m, ops->act_bytes, Bm, T, m->cfg.L) > (8ull << 30);
-}
 
 // GPUs, --threads 0: the controller (this thread) and the GPUs' issue threads (created by
 // device_set_open, inheriting this thread's CPUs) keep the last N + 1 CPUs; the optimizer and its
@@ -120,6 +115,12 @@ static int create_engine(Trainer* t, int N, int n_opt_cpus, TrainerEngineOptions
     return 0;
 }
 
+// Engine runs only need the plain path for evaluation, sampling or --dump-state: on a GPU it
+// holds a whole copy of the model, so it is made only when something will use it.
+int trainer_needs_plain(const TrainArgs* a, int use_engine) {
+    return !use_engine || a->val[0] || a->sample_tokens > 0 || a->dump_state[0];
+}
+
 int trainer_create(Trainer* t, const TrainArgs* a, const Model* m, Store* s, TrainState* ts,
                    int n_devices, TrainerEngineOptionsFn engine_options, char* err) {
     memset(t, 0, sizeof *t);
@@ -143,11 +144,9 @@ int trainer_create(Trainer* t, const TrainArgs* a, const Model* m, Store* s, Tra
     if (!t->ctx) t->ctx = ops_cpu_create(a->threads);
     if (!use_engine) t->pool = threadpool_create(a->threads);
     const int Bm = mb_rows(a, 0);  // the largest micro-batch
-    const int recompute = plain_recompute(m, t->ops, Bm, a->seq);
-    // Engine runs only need the plain path for evaluation, sampling or --dump-state: on a GPU it
-    // holds a whole copy of the model, so it is made only when something will use it.
-    const int need_plain = !use_engine || a->val[0] || a->sample_tokens > 0 || a->dump_state[0];
-    if (need_plain) t->plain = plain_create(m, s, t->ops, t->ctx, Bm, a->seq, recompute);
+    const int recompute = plain_needs_recompute(m, t->ops->act_bytes, Bm, a->seq);
+    if (trainer_needs_plain(a, use_engine))
+        t->plain = plain_create(m, s, t->ops, t->ctx, Bm, a->seq, recompute);
     const int n_opt_cpus = pin_feeding_threads(t, N);
     if (use_engine) {
         if (create_engine(t, N, n_opt_cpus, engine_options, err) != 0) return -1;

@@ -74,6 +74,9 @@ typedef struct Trainer {
 int trainer_create(Trainer* t, const TrainArgs* a, const Model* m, Store* s, TrainState* ts,
                    int n_devices, TrainerEngineOptionsFn engine_options, char* err);
 void trainer_free(Trainer* t);
+// Whether trainer_create builds the plain path (plain training; with the engine only for
+// evaluation, sampling or --dump-state): for the run's memory estimate.
+int trainer_needs_plain(const TrainArgs* a, int use_engine);
 
 // Optimizer step `step` of the run on the next batches of `train`: its loss, gradient norm and
 // lr (with the delayed update those of the step applying the previous iteration's gradient),

@@ -366,6 +366,17 @@ int engine_plan_cost(const Model* m, int act_bytes, int n_devices, const EngineO
     return 0;
 }
 
+int engine_plan_memory(const Model* m, int act_bytes, int n_devices, const EngineOptions* opt,
+                       EnginePlanMemory* out, char* err) {
+    Engine* e = plan_only(m, act_bytes, n_devices, opt, err);
+    if (!e) return -1;
+    out->device = engine_device_bytes(e);
+    out->host_checkpoints = plan_host_act_bytes(e, &e->plan);
+    out->Bc = e->Bc;
+    plan_only_free(e);
+    return 0;
+}
+
 int engine_plan_print(const Model* m, int act_bytes, int n_devices, const EngineOptions* opt,
                       FILE* f, size_t* host_act_bytes, char* err) {
     Engine* e = plan_only(m, act_bytes, n_devices, opt, err);
@@ -508,18 +519,25 @@ int engine_replans(const Engine* e) { return e->replans; }
 // the run's plan policy: what a caller decides with the engine's own accounting before it
 // creates one (the CLI maps its flags to EngineOptions and calls these)
 
-double engine_plain_host_bytes(const Model* m) { return 16.0 * (double)m->tt.total_params; }
-
 EngineHostMemory engine_host_memory(const Model* m, int act_bytes, int n_devices,
                                     const EngineOptions* opt) {
-    const double P = (double)m->tt.total_params;
+    const TensorTable* tt = &m->tt;
+    double params = 0.0, grads = 0.0;  // elements of the parameter and gradient slabs
+    for (int l = 0; l < tt->n_layers; l++) {
+        params += (double)tt->param_numel[l];
+        grads += (double)tt->grad_numel[l];
+    }
     EngineHostMemory h;
-    h.store = engine_plain_host_bytes(m);
-    h.masters = 2.0 * act_bytes * P;  // master[2] (engine_create)
-    h.grads = plan_host_grad_sets(opt) > 1 ? 4.0 * P : 0.0;  // hgrad[1] (engine_create)
-    h.split_extra = n_devices > 1 ? (n_devices - 1) * 4.0 * P : 0.0;  // hsplit: R - 1 = N - 1 sets
+    h.store = store_bytes(tt);
+    h.masters = 2.0 * (act_bytes * params + 64.0 * tt->n_layers);  // master[2] (engine_create)
+    h.grads = plan_host_grad_sets(opt) > 1 ? 4.0 * grads : 0.0;  // hgrad[1] (engine_create)
+    h.split_extra = n_devices > 1 ? (n_devices - 1) * 4.0 * grads : 0.0;  // hsplit: R - 1 = N - 1
+    // hids, htgt, hloss: two iteration parities of every micro-batch's tokens, targets, losses
+    const int M = opt->M > 0 ? opt->M : 1;
+    h.staging = 2.0 * M * (double)((opt->B + M - 1) / M) * opt->T *
+                (2 * sizeof(int32_t) + sizeof(float));
     h.fixed = h.store;
-    h.fixed += h.masters + h.grads;
+    h.fixed += h.masters + h.grads + h.staging;
     if (opt->split_rounds) h.fixed += h.split_extra;
     // plan_host_act_bytes counts at most L + 1 x boundaries (every one a stage may begin at but
     // the prefix's) plus the two dx ring slots, per sequence of the batch
