@@ -5,6 +5,7 @@
  */
 #include "memory.h"
 
+#include <dirent.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -160,6 +161,35 @@ static int cgroup_available(const char* root, double* avail, char* source, size_
     return found;
 }
 
+// A device of the virtio driver `name` is bound (root/sys/bus/virtio/drivers/<name>/virtio<k>);
+// with `feature` >= 0, one whose feature bit `feature` is set.
+static int virtio_bound(const char* root, const char* name, int feature) {
+    char path[4700];
+    snprintf(path, sizeof path, "%s/sys/bus/virtio/drivers/%s", root, name);
+    DIR* d = opendir(path);
+    if (!d) return 0;
+    int found = 0;
+    struct dirent* e;
+    while (!found && (e = readdir(d)) != NULL) {
+        if (strncmp(e->d_name, "virtio", 6) != 0) continue;
+        if (feature < 0) {
+            found = 1;
+            continue;
+        }
+        // "features": one '0' / '1' per bit, bit 0 first
+        char fpath[5000], bits[130] = "";
+        snprintf(fpath, sizeof fpath, "%s/%s/features", path, e->d_name);
+        FILE* f = fopen(fpath, "r");
+        if (f) {
+            if (!fgets(bits, sizeof bits, f)) bits[0] = '\0';
+            fclose(f);  // read-only
+        }
+        found = (int)strlen(bits) > feature && bits[feature] == '1';
+    }
+    closedir(d);
+    return found;
+}
+
 int memory_host_limit(const char* root, HostLimit* out, char* err) {
     memset(out, 0, sizeof *out);
     const char* env = getenv(MEMORY_LIMIT_ENV);
@@ -168,6 +198,7 @@ int memory_host_limit(const char* root, HostLimit* out, char* err) {
             return errorf(err, "%s='%s': expected a size in bytes (e.g. 8G)", MEMORY_LIMIT_ENV,
                           env);
         snprintf(out->source, sizeof out->source, "%s", MEMORY_LIMIT_ENV);
+        out->ceiling = 1;
         return 0;
     }
     char path[4700];
@@ -176,12 +207,27 @@ int memory_host_limit(const char* root, HostLimit* out, char* err) {
     if (kib >= 0) {
         out->bytes = kib * 1024.0;
         snprintf(out->source, sizeof out->source, "MemAvailable in /proc/meminfo");
+        // memory plugged in on demand (virtio-mem): MemAvailable is today's figure, not a ceiling
+        out->ceiling = !virtio_bound(root, "virtio_mem", -1);
+        // a balloon holding pages: one that deflates under memory pressure (virtio feature 2,
+        // DEFLATE_ON_OOM) gives them back on demand, so they are available too; any other
+        // gives them back when the host decides, so MemAvailable is no ceiling either
+        snprintf(path, sizeof path, "%s/proc/vmstat", root);
+        const double balloon = read_keyed(path, "nr_balloon_pages");
+        if (balloon > 0 && virtio_bound(root, "virtio_balloon", 2)) {
+            out->bytes += balloon * 4096.0;
+            snprintf(out->source, sizeof out->source,
+                     "MemAvailable in /proc/meminfo + the balloon's pages");
+        } else if (balloon > 0) {
+            out->ceiling = 0;
+        }
     }
     double cg = 0;
     char source[sizeof out->source];
     if (cgroup_available(root, &cg, source, sizeof source) && (kib < 0 || cg < out->bytes)) {
         out->bytes = cg;
         str_copy(out->source, sizeof out->source, source);
+        out->ceiling = 1;
     }
     return 0;
 }
@@ -362,9 +408,12 @@ int memory_check_run(const TrainArgs* a, Model* m, int n_devices, const EngineOp
     printf("\n");
     // (no plan fits the devices: engine_create says so, which matters more)
     if (lim->bytes <= 0 || r.total <= lim->bytes || r.plan_failed) return 0;
-    if (a->allow_overcommit) {
-        printf("warning: this run needs about %s of host memory but %s is available (%s); "
-               "--allow-overcommit: starting anyway\n", total, avail, lim->source);
+    if (a->allow_overcommit || !lim->ceiling) {
+        printf("warning: this run needs about %s of host memory but %s is available (%s); %s\n",
+               total, avail, lim->source,
+               a->allow_overcommit ? "--allow-overcommit: starting anyway"
+                                   : "this virtual machine adds memory on demand (virtio-mem or "
+                                     "a balloon), so that is not its ceiling: starting anyway");
         return 0;
     }
     char help[ERR_LEN] = "";

@@ -17,9 +17,13 @@
  * it kills; every ancestor's limit counts). MemTotal is not used: it includes memory that other
  * processes and the kernel hold, and some virtual machines grow it lazily as memory is touched,
  * so it says neither what can be allocated now nor what can be at most; a container's real
- * ceiling is its cgroup, which MemTotal does not show. Where memory does grow on demand beyond
- * MemAvailable, --allow-overcommit starts the run anyway (with a warning). Swap is not counted:
- * training with weights or activations in swap is slower than not training.
+ * ceiling is its cgroup, which MemTotal does not show. Virtual machines that hold memory back are
+ * recognised: a balloon that deflates under memory pressure (its pages are added to
+ * MemAvailable); memory plugged in on demand (virtio-mem) or a balloon the host deflates at will
+ * (MemAvailable is then no ceiling: beyond it only a cgroup limit refuses, otherwise the run
+ * starts with a warning). Anywhere else that can give more, --allow-overcommit starts the run
+ * anyway (with a warning). Swap is not counted: training with weights or activations in swap is
+ * slower than not training.
  */
 #ifndef LLMC_MEMORY_H
 #define LLMC_MEMORY_H
@@ -35,6 +39,9 @@
 typedef struct HostLimit {
     double bytes;       // what this process can still allocate; 0 = unknown (nothing is checked)
     char source[320];   // where the figure comes from, for messages
+    int ceiling;        // 1: more cannot be had (a run beyond it is refused); 0: the virtual
+                        // machine adds memory on demand (virtio-mem, a balloon that is not
+                        // deflated on memory pressure), so beyond it only warns
 } HostLimit;
 
 // The limit of this machine (root "") or of a fake tree for tests (root/proc/meminfo,
