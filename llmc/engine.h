@@ -47,6 +47,9 @@
 
 typedef enum { RECOMPUTE_STAGE = 0, RECOMPUTE_LAYER } RecomputeGrain;
 
+// The events a trace records at most (recording stops beyond; the file says so).
+#define ENGINE_TRACE_EVENTS 2000000
+
 typedef struct EngineOptions {
     int B, T;                // batch (sequences per step) and sequence length
     int M;                   // micro-batches per iteration
@@ -58,7 +61,7 @@ typedef struct EngineOptions {
     int opt_threads;         // optimizer threads (0 = all CPUs)
     const int* opt_cpus;     // the optimizer thread and its pool run on these CPUs (NULL: anywhere)
     int n_opt_cpus;
-    const char* trace_path;  // Chrome trace JSON ("" = none)
+    const char* trace_path;  // Chrome trace JSON ("" = none); at most ENGINE_TRACE_EVENTS events
     int host_single;         // 1: one set of host activation checkpoints instead of one per
                              // iteration parity (half the host memory; a producer then waits
                              // until the previous iteration's last consumer has read a buffer)

@@ -15,6 +15,7 @@
 #include "common.h"
 #include "plain.h"
 #include "threads.h"
+#include "trace.h"
 #include "trainer.h"
 
 // The program itself: its code and libraries, heap bookkeeping, thread stacks, small tables.
@@ -277,6 +278,7 @@ RunMemory memory_estimate(const TrainArgs* a, const Model* m, int n_devices,
         }
     }
     r.activations += 2.0 * a->batch * (T + 1.0) * sizeof(int32_t);  // the batch, twice
+    if (engine && a->trace[0]) r.activations += (double)trace_max_bytes(ENGINE_TRACE_EVENTS);
     r.exports = checkpoint_export_bytes(m, a->export_hf[0] != '\0', a->export_dtype,
                                         (uint64_t)a->export_shard_bytes, a->export_gguf[0] != '\0');
     r.program = PROGRAM_BYTES + (gpus && engine ? n_devices * CUDA_CONTEXT_BYTES : 0.0);

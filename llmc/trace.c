@@ -20,6 +20,14 @@ Trace* trace_create(int n_pids, size_t max_events) {
     return tr;
 }
 
+size_t trace_max_bytes(size_t max_events) {
+    // the buffer doubles from 4096 events (trace_add) until it holds max_events; while it grows,
+    // the old and the new buffer are both allocated
+    size_t cap = 4096;
+    while (cap < max_events) cap *= 2;
+    return (cap + cap / 2) * sizeof(TraceEvent);
+}
+
 void trace_free(Trace* tr) {
     if (!tr) return;
     pthread_check(pthread_mutex_destroy(&tr->mu));

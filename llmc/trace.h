@@ -30,6 +30,8 @@ typedef struct Trace {
 } Trace;
 
 Trace* trace_create(int n_pids, size_t max_events);
+// Host bytes a trace of max_events events holds at most (while its buffer grows).
+size_t trace_max_bytes(size_t max_events);
 void trace_free(Trace* tr);
 void trace_name_pid(Trace* tr, int pid, const char* name);
 void trace_name_tid(Trace* tr, int tid, const char* name);

@@ -346,7 +346,7 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
 
     // tracing: one process per device plus the host (optimizer)
     if (opt->trace_path && opt->trace_path[0]) {
-        e->trace = trace_create(e->N + 1, 2000000);
+        e->trace = trace_create(e->N + 1, ENGINE_TRACE_EVENTS);
         for (int g = 0; g < e->N; g++) {
             char name[32];
             snprintf(name, sizeof name, "%s:%d", e->impl->name, g);
