@@ -44,7 +44,8 @@
     X(engine)      \
     X(gguf)        \
     X(resume)      \
-    X(train)
+    X(train)       \
+    X(cli)
 
 #define DECLARE_SUITE(s) extern const TestCase tests_##s[] __attribute__((weak));
 SUITES(DECLARE_SUITE)
