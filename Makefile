@@ -9,8 +9,9 @@
 #   make dev-cuda   build the CUDA kernel labs of dev/cuda (benchmarks; need a GPU to run)
 #   make clean
 #   make tsan       ThreadSanitizer build of the tests (build-tsan/), runs the suites in TSAN_SUITES
-#   make asan       AddressSanitizer+UBSan build of the tests (build-asan/), runs ASAN_SUITES
-#                   (empty = the whole suite); `make clean-san` removes both builds
+#   make asan       AddressSanitizer+UBSan build of the tests and of the trainer (build-asan/),
+#                   runs ASAN_SUITES (empty = the whole suite), the CLI tests against the
+#                   sanitized trainer; `make clean-san` removes both builds
 #   make fuzz       libFuzzer targets of dev/fuzz (clang), each run FUZZ_SECONDS from its seeds
 #
 # Host code: C11, gcc, -Wall -Wextra -Werror -O3. CUDA code only in kernels/*.cu, compiled by nvcc
@@ -146,7 +147,8 @@ clean:
 # CPU-only test binaries with their own object directories, so they never mix with the normal
 # build. TSan checks the CPU device emulation and the engine's use of it (streams are threads);
 # suites that do not exercise threads add nothing under TSan, so the list is explicit. The asan
-# build runs the CLI tests against the normal ./train_roundpipe, hence its dependency.
+# build also sanitizes the trainer (train_roundpipe_asan) and runs the CLI tests against it
+# (TRAIN_ROUNDPIPE_BIN, which test_run_cli honours): a leak or an overflow in a run fails its test.
 SAN_CC ?= $(CC)
 SAN_OPTFLAGS ?= -O1 -g -fno-omit-frame-pointer
 TSAN_SUITES ?= device engine
@@ -162,13 +164,17 @@ SAN_DEPS := $(wildcard llmc/*.h) $(wildcard llmc/tests/*.h) $(wildcard dev/fuzz/
 tsan: test_roundpipe_tsan
 	set -e; for s in $(TSAN_SUITES); do TSAN_OPTIONS="halt_on_error=1 $(TSAN_OPTIONS)" ./test_roundpipe_tsan $$s; done
 
-asan: train_roundpipe test_roundpipe_asan
-	$(if $(strip $(ASAN_SUITES)),set -e; for s in $(ASAN_SUITES); do ./test_roundpipe_asan $$s; done,./test_roundpipe_asan)
+ASAN_RUN := TRAIN_ROUNDPIPE_BIN=./train_roundpipe_asan ./test_roundpipe_asan
+asan: train_roundpipe_asan test_roundpipe_asan
+	$(if $(strip $(ASAN_SUITES)),set -e; for s in $(ASAN_SUITES); do $(ASAN_RUN) $$s; done,$(ASAN_RUN))
 
 test_roundpipe_tsan: $(patsubst %.c,$(TSAN_BUILD)/%.o,$(SAN_SRCS))
 	$(SAN_CC) $(TSAN_FLAGS) -o $@ $^ -lm -pthread
 
 test_roundpipe_asan: $(patsubst %.c,$(ASAN_BUILD)/%.o,$(SAN_SRCS))
+	$(SAN_CC) $(ASAN_FLAGS) -o $@ $^ -lm -pthread
+
+train_roundpipe_asan: $(patsubst %.c,$(ASAN_BUILD)/%.o,train_roundpipe.c $(LIB_SRCS))
 	$(SAN_CC) $(ASAN_FLAGS) -o $@ $^ -lm -pthread
 
 $(TSAN_BUILD)/%.o: %.c $(SAN_DEPS)
@@ -180,7 +186,7 @@ $(ASAN_BUILD)/%.o: %.c $(SAN_DEPS)
 	$(SAN_CC) $(ASAN_FLAGS) -c -o $@ $<
 
 clean-san:
-	rm -rf $(TSAN_BUILD) $(ASAN_BUILD) test_roundpipe_tsan test_roundpipe_asan
+	rm -rf $(TSAN_BUILD) $(ASAN_BUILD) test_roundpipe_tsan test_roundpipe_asan train_roundpipe_asan
 
 # ---- libFuzzer targets (dev/fuzz) ----
 # One binary per parser (json, safetensors, gguf, shard: build-fuzz/fuzz_<t>), built by clang with

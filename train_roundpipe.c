@@ -380,7 +380,8 @@ int main(int argc, char** argv) {
     const int sig = interrupt_signal();
     if (sig) save_interrupted(&tr, &train, &a, args_json, sig, start, done, saved);
     if (trainer_finish(&tr, err) != 0) fatal("%s", err);
-    if (have_val && a.steps > 0 && !sig) log_eval(&lg, a.steps, trainer_evaluate(&tr, &val));
+    // (a resumed run that had nothing left to train evaluated at its start already)
+    if (have_val && done > start && !sig) log_eval(&lg, a.steps, trainer_evaluate(&tr, &val));
     log_close(&lg);
 
     // 6. sample and export (interrupted: the exports of what was trained, no sample)

@@ -149,6 +149,25 @@ class ShardWriter:
 # ----------------------------------------------------------------------------
 
 
+def load_tokenizer(name):
+    """AutoTokenizer.from_pretrained(name), with one line instead of a traceback when transformers
+    (or the tokenizer) is missing."""
+    try:
+        # imported late: --help and the argument checks work without it
+        from transformers import AutoTokenizer
+    except ImportError as e:
+        raise SystemExit("tokenize.py: needs the `transformers` package (%s): "
+                         "pip install transformers" % e)
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except ImportError as e:
+        # a tokenizer class that needs more (sentencepiece, tiktoken, protobuf, ...)
+        raise SystemExit("tokenize.py: the tokenizer %s needs another package: %s" % (name, e))
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SystemExit("tokenize.py: cannot load a tokenizer from %s: %s" % (name, first))
+
+
 def main():
     ap = argparse.ArgumentParser(
         description="Tokenize text files / .jsonl with a Hugging Face tokenizer into llm.c token "
@@ -176,9 +195,7 @@ def main():
         if not os.path.isfile(path):
             ap.error("%s: not a file" % path)
 
-    from transformers import AutoTokenizer  # imported late: --help works without it
-
-    tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    tok = load_tokenizer(args.tokenizer)
     tok.model_max_length = 2**62  # documents are any length here; silence the length warning
     doc_start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
     if doc_start is None:

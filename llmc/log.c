@@ -63,6 +63,7 @@ void log_step(StepLog* lg, const StepStats* s) {
     json_num(lg->f, "norm", s->no_update ? NAN : s->norm, 0);
     json_num(lg->f, "ms", s->ms, 0);
     json_num(lg->f, "tok_s", s->tok_s, 0);
+    fprintf(lg->f, "\"tokens\":%.0f,", s->tokens);
     if (s->mfu >= 0) json_num(lg->f, "mfu", s->mfu, 0);
     if (s->bubble >= 0) json_num(lg->f, "bubble", s->bubble, 0);
     if (s->dev_mib >= 0) json_num(lg->f, "dev_mib", s->dev_mib, 0);
@@ -109,6 +110,7 @@ void log_meter_init(StepMeter* mt, int window, double tokens_per_step, double fl
 
 void log_meter_record(StepMeter* mt, StepStats* st, double dt) {
     st->ms = dt * 1e3;
+    st->tokens = mt->tokens_per_step * st->step;
     mt->dt[mt->n % mt->window] = dt;
     mt->idle[mt->n % mt->window] = st->bubble >= 0 ? st->bubble * dt : 0.0;
     mt->n++;

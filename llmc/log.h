@@ -4,8 +4,9 @@
  * Numbers are written with enough digits to round-trip.
  *
  * The JSON-lines records:
- *   {"step":N,"loss":X,"lr":X,"norm":X,"ms":X,"tok_s":X[,"mfu":X][,"bubble":X][,"dev_mib":X],
- *    "host_mib":X}                      one per step; lr and norm are null for a step that applied
+ *   {"step":N,"loss":X,"lr":X,"norm":X,"ms":X,"tok_s":X,"tokens":N[,"mfu":X][,"bubble":X]
+ *    [,"dev_mib":X],"host_mib":X}       one per step (tokens: trained through this step, B x T x
+ *                                       step); lr and norm are null for a step that applied
  *                                       no optimizer update (the delayed engine's first
  *                                       iteration), and any non-finite number is null
  *   {"step":N,"val_loss":X}             one per evaluation
@@ -33,6 +34,7 @@ typedef struct StepStats {
                     // iteration): the line shows "norm -" and "lr -", the JSON null
     double ms;
     double tok_s;
+    double tokens;  // tokens trained through this step (B x T x step)
     double mfu;     // < 0 when not measured (CPU)
     double bubble;  // fraction of device compute time idle (< 0: not pipelined)
     double host_mib, dev_mib;  // memory in use (< 0: not reported)

@@ -16,6 +16,7 @@
  *  - messages: values too large say so, an unknown flag suggests the closest one, one line each;
  *    non-finite weights are named and no --lr advice is given; the delayed engine's first step
  *    shows "norm -" / "lr -" and null in the log;
+ *  - a --device-mem too small for any plan names the smallest that fits (llmc/plan_hint);
  *  - the progress line (llmc/progress): silent off a terminal and for short work, bytes and
  *    rate on one, its final state on a line of its own.
  */
@@ -608,6 +609,23 @@ static void test_cli_delayed_first_step(TestCtx* t) {
     free(text);
 }
 
+// A --device-mem too small for any plan: the error says the smallest that fits, which does.
+static void test_cli_device_mem_hint(TestCtx* t) {
+    int rc = test_run_cli(t, "devmem", "--device cpu:2 --device-mem 64K --steps 1 --val '' "
+                                       "--sample-tokens 0 --threads 1");
+    char* err = test_read_output(t, "devmem", "err");
+    const char* p = strstr(err, "the smallest --device-mem that fits is ");
+    char value[32] = "";
+    if (p) sscanf(p + strlen("the smallest --device-mem that fits is "), "%31[0-9MG]", value);
+    CHECK(t, rc == 1 && count_lines(err) == 1 && value[0], "64K: exit %d: %s", rc, err);
+    free(err);
+    char args[512];
+    fmt(args, sizeof args, "--device cpu:2 --device-mem %s --steps 1 --val '' --sample-tokens 0 "
+                           "--threads 1", value);
+    rc = test_run_cli(t, "devmem", args);
+    CHECK(t, rc == 0, "--device-mem %s (the suggested value): exit %d", value, rc);
+}
+
 // ----------------------------------------------------------------------------
 // the progress line
 
@@ -655,6 +673,7 @@ const TestCase tests_cli[] = {
     {"cli_messages", test_cli_messages},
     {"cli_nonfinite_weights", test_cli_nonfinite_weights},
     {"cli_delayed_first_step", test_cli_delayed_first_step},
+    {"cli_device_mem_hint", test_cli_device_mem_hint},
     {"cli_progress", test_cli_progress},
     {NULL, NULL},
 };
