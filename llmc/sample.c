@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "common.h"
 #include "rng.h"
 
@@ -44,8 +45,8 @@ void sample_print(Plain* p, int window, int n_tokens, const char* prompt, float 
                   uint32_t seed) {
     const ModelConfig* c = &p->m->cfg;
     int cap = n_tokens + (int)strlen(prompt) + 1;
-    int32_t* toks = malloc_check((size_t)cap * sizeof(int32_t));
-    float* logits = malloc_check((size_t)c->V * sizeof(float));
+    int32_t* toks = malloc_named((size_t)cap * sizeof(int32_t), "the sampled tokens");
+    float* logits = malloc_named((size_t)c->V * sizeof(float), "the sampler's logits (V floats)");
     Rng rng;
     rng_seed(&rng, seed + 17);  // apart from the init's stream
     int n = 0;

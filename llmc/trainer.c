@@ -175,7 +175,8 @@ int trainer_create(Trainer* t, const TrainArgs* a, const Model* m, Store* s, Tra
     }
     train_state_free(ts);  // the pending weights: unused by a plain run
     if (!use_engine) {
-        t->opt = malloc_named((size_t)m->tt.n * sizeof(AdamWTensor), "the optimizer's tensor table");
+        t->opt = malloc_named((size_t)m->tt.n * sizeof(AdamWTensor),
+                              "the optimizer's tensor table");
         t->n_opt = store_adamw_tensors(s, t->opt);
     }
     t->sched = (LrSchedule){a->schedule, a->lr, a->warmup, a->steps, a->min_lr_frac, a->decay_frac};
@@ -338,7 +339,8 @@ int trainer_save_checkpoint(Trainer* t, const DataLoader* train, int step, const
     if (t->eng && !t->a->sync) {
         // the delayed update: the next iteration computes with weights one step behind
         const int n_layers = t->m->tt.n_layers;
-        next = malloc_check((size_t)n_layers * sizeof(void*));
+        next = malloc_named((size_t)n_layers * sizeof(void*),
+                            "the checkpoint's pending-weight table");
         for (int l = 0; l < n_layers; l++) next[l] = (void*)engine_next_weights(t->eng, l);
         ts->pending = next;
         ts->pending_bytes = engine_weight_bytes(t->eng);

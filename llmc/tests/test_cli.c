@@ -600,7 +600,8 @@ static void test_cli_delayed_first_step(TestCtx* t) {
     char* out = test_read_output(t, "delayed", "out");
     char* text = test_read_file(log, NULL);
     CHECK(t, rc == 0 && strstr(out, "| norm        - | lr         - |") &&
-                 strstr(out, "step     2/2") && !strstr(strstr(out, "step     2/2"), "norm        -"),
+                 strstr(out, "step     2/2") &&
+                 !strstr(strstr(out, "step     2/2"), "norm        -"),
           "step lines: %s", out);
     CHECK(t, strstr(text, "{\"step\":1,") && strstr(text, "\"lr\":null,\"norm\":null") &&
                  !strstr(strstr(text, "{\"step\":2,"), "null"),
