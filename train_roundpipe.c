@@ -52,12 +52,9 @@ static int resolve_devices(const TrainArgs* a) {
     return N;
 }
 
-// The next four functions are one unit, the run's planning policy: the engine's options, the
-// --mlp-chunk and --split-rounds auto choices, and the host-memory check (whose formulas repeat
-// the engine's own accounting; they move behind the engine's API together).
-
-// The engine's options from the flags. On GPUs without --device-mem the engine may allocate 90%
-// of the memory still free on GPU 0 (the rest: allocator rounding, cuBLAS and CUDA internals).
+// The engine's options from the flags (the plan policy behind them, --mlp-chunk and
+// --split-rounds auto, the default device budget and the host-memory accounting, is the
+// engine's: llmc/engine/plan.c).
 static EngineOptions engine_options(const TrainArgs* a, int use_cuda, int n_devices,
                                     int64_t start_step) {
     EngineOptions eo = {.B = a->batch, .T = a->seq, .M = a->micro_batches,
@@ -78,72 +75,13 @@ static EngineOptions engine_options(const TrainArgs* a, int use_cuda, int n_devi
 #ifdef HAVE_CUDA
     if (use_cuda && eo.device_budget <= 0) {
         size_t free_b = 0, total_b = 0;
-        if (cuda_device_memory(0, &free_b, &total_b) == 0) eo.device_budget = 0.9 * (double)free_b;
+        if (cuda_device_memory(0, &free_b, &total_b) == 0)
+            eo.device_budget = engine_default_device_budget((double)free_b);
     }
 #else
     (void)use_cuda;
 #endif
     return eo;
-}
-
-// --mlp-chunk auto: chunk the MLP in 16384 rows when micro-batches hold more than 65,536 tokens
-// (long sequences: the MLP's activations would dominate device and host memory, and its
-// recompute is small next to the attention) or when no engine plan fits without.
-static void resolve_mlp_chunk(Model* m, const TrainArgs* a, int act_bytes, int n_devices,
-                              const EngineOptions* eo) {
-    if (a->mlp_chunk >= 0) return;
-    char err[ERR_LEN];
-    const int rows = 16384;
-    const int Bm = (a->batch + a->micro_batches - 1) / a->micro_batches;
-    const int64_t tokens = (int64_t)Bm * a->seq;
-    m->mlp_chunk = 0;
-    if (tokens <= rows) return;  // micro-batches too small for chunks to matter
-    // Up to 64K tokens per micro-batch chunks only where they make the plan cheaper (less
-    // recompute: the activations they save let more layers into the fused stage) or where no plan
-    // fits without them; beyond, always.
-    double plain_cost = 0.0, chunked_cost = 0.0;
-    const int plain_fits =
-        tokens <= 65536 && engine_plan_cost(m, act_bytes, n_devices, eo, &plain_cost, err) == 0;
-    m->mlp_chunk = rows;
-    if (plain_fits && (engine_plan_cost(m, act_bytes, n_devices, eo, &chunked_cost, err) != 0 ||
-                       chunked_cost >= 0.99 * plain_cost)) {
-        m->mlp_chunk = 0;
-        return;
-    }
-    printf("note: --mlp-chunk auto: the MLP runs in chunks of %d rows (%s)\n", rows,
-           tokens > 65536 ? "long micro-batches"
-           : plain_fits   ? "a cheaper plan: less recompute"
-                          : "no plan fits without");
-}
-
-// --split-rounds auto (the default): split each iteration into one round per GPU when that is
-// possible and the host has room for the extra gradient sets. On two H200s it measured 24,338
-// vs 23,383 tok/s (LLaMA-3.1-8B) and 90,006 vs 88,519 (Qwen3-1.7B): the optimizer step of an
-// iteration overlaps the next one instead of stalling the GPU whose turn comes next.
-// eo: the run's engine options; host_need: the host bytes of the weights, optimizer state and
-// gradients without the split; extra: what the split adds.
-static void resolve_split_rounds(TrainArgs* a, const Model* m, int act_bytes, int n_devices,
-                                 const EngineOptions* eo, double host_need, double extra,
-                                 double host_total) {
-    if (a->split_rounds >= 0) return;
-    a->split_rounds = 0;
-    if (a->device != DEVICE_CUDA || n_devices < 2 || a->micro_batches % n_devices != 0 ||
-        a->round_micro_batches > 0)
-        return;
-    EngineOptions split = *eo;
-    split.split_rounds = 1;
-    char err[ERR_LEN];
-    size_t host_acts = 0;  // the split plan's host activation checkpoints
-    if (engine_plan_print(m, act_bytes, n_devices, &split, NULL, &host_acts, err) != 0)
-        return;  // no one-stage plan
-    if (host_total > 0 && host_need + (double)host_acts + extra > 0.9 * host_total) {
-        printf("note: --split-rounds auto: not splitting rounds (the extra %.1f GiB of gradients "
-               "would not fit in host memory)\n", extra / (1 << 30));
-        return;
-    }
-    a->split_rounds = 1;
-    printf("note: --split-rounds auto: each iteration runs as %d rounds at once, one per GPU "
-           "(--no-split-rounds for the paper's schedule)\n", n_devices);
 }
 
 // Before anything big is allocated: the plan's choices that depend on its shape (they may set
@@ -152,30 +90,24 @@ static void resolve_split_rounds(TrainArgs* a, const Model* m, int act_bytes, in
 static int plan_and_check_memory(TrainArgs* a, Model* model, int N) {
     char err[ERR_LEN];
     const int use_cuda = a->device == DEVICE_CUDA;
-    // What the host needs, before anything big is allocated (PERFORMANCE_MODEL.md §5): the
-    // Store's 16 B/param; with the engine two compute-dtype weight copies, with the delayed
-    // optimizer a second fp32 gradient set, and activation checkpoints (at most one per layer
-    // boundary plus the two-slot gradient ring, per micro-batch, in one or two sets).
-    const int engine_run = a->n_devices > 0 || a->device == DEVICE_CUDA;
-    const double P = (double)model->tt.total_params;
-    const double wbytes = a->device == DEVICE_CUDA ? 2.0 : 4.0;
-    double host_fixed = 16.0 * P;
-    if (engine_run) host_fixed += 2.0 * wbytes * P + (a->sync ? 0.0 : 4.0 * P);
-    const double ckpt = engine_run ? (a->host_single ? 1.0 : 2.0) * (double)a->batch * a->seq *
-                                         model->cfg.C * wbytes * (model->cfg.L + 3)
-                                   : 0.0;
+    const int engine_run = a->n_devices > 0 || use_cuda;
+    const int act_bytes = use_cuda ? 2 : 4;  // the engine devices' compute dtype
     const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
     const double host_total = pages > 0 && page > 0 ? (double)pages * page : 0.0;
     // the plan's choices that depend on its shape: MLP chunks, then split rounds (one more fp32
-    // gradient set per extra round)
-    const double split_extra = N > 1 ? (N - 1) * 4.0 * P : 0.0;
+    // gradient set per extra round, when the host has room for them)
+    EngineOptions eo = engine_options(a, use_cuda, N > 0 ? N : 1, 0);
     if (engine_run || a->plan_only) {
-        const EngineOptions eo = engine_options(a, use_cuda, N > 0 ? N : 1, 0);
-        resolve_mlp_chunk(model, a, use_cuda ? 2 : 4, N > 0 ? N : 1, &eo);
-        resolve_split_rounds(a, model, use_cuda ? 2 : 4, N, &eo, host_fixed, split_extra,
-                             host_total);
+        engine_resolve_mlp_chunk(model, a->mlp_chunk, act_bytes, N > 0 ? N : 1, &eo);
+        a->split_rounds = engine_resolve_split_rounds(model, a->split_rounds, use_cuda, act_bytes,
+                                                      N, &eo, host_total);
+        eo.split_rounds = a->split_rounds > 0;
     }
-    if (engine_run && a->split_rounds > 0) host_fixed += split_extra;
+    // What the host needs (docs/PERFORMANCE.md §3): the Store, and with the engine its weight
+    // copies, gradient sets and activation checkpoints
+    const EngineHostMemory hm = engine_host_memory(model, act_bytes, N, &eo);
+    const double host_fixed = engine_run ? hm.fixed : engine_plain_host_bytes(model);
+    const double ckpt = engine_run ? hm.checkpoints_max : 0.0;
     struct sysinfo si;
     const double host_swap = sysinfo(&si) == 0 ? (double)si.totalswap * si.mem_unit : 0.0;
     printf("host memory: %.2f GiB for weights, optimizer state and gradients",
@@ -190,13 +122,12 @@ static int plan_and_check_memory(TrainArgs* a, Model* model, int N) {
                host_total / (1 << 30), host_swap / (1 << 30));
     if (a->plan_only) {
         // the plan needs only the model's shape: no store, devices or buffers
-        EngineOptions eo = engine_options(a, use_cuda, N, 0);
-        if (use_cuda && eo.device_budget <= 0)
+        EngineOptions peo = engine_options(a, use_cuda, N, 0);
+        if (use_cuda && peo.device_budget <= 0)
             printf("note: no GPU memory to read here and no --device-mem: planning without a "
                    "device memory budget\n");
         size_t host_acts = 0;
-        if (engine_plan_print(model, use_cuda ? 2 : 4, N > 0 ? N : 1, &eo, stdout, &host_acts,
-                              err) != 0)
+        if (engine_plan_print(model, act_bytes, N > 0 ? N : 1, &peo, stdout, &host_acts, err) != 0)
             fatal("%s", err);
         const double need = host_fixed + (engine_run ? (double)host_acts : 0.0);
         printf("host memory for this plan: %.2f GiB (this machine reports %.1f GiB + %.1f GiB "
@@ -314,7 +245,9 @@ int main(int argc, char** argv) {
     store_create(&store, &model.tt);
     char* args_json = args_to_json(&a);
     TrainState ts;
-    if (checkpoint_init_weights(&a, &src, &model, &store, &ts, args_json, err) != 0)
+    const InitOptions init = {.model = a.model, .out_dir = a.out, .resume = a.resume,
+                              .seed = a.seed, .init_std = a.init_std};
+    if (checkpoint_init_weights(&init, &src, &model, &store, &ts, args_json, err) != 0)
         fatal("%s", err);
 
     // 3. the trainer: plain training on the CPU, or the RoundPipe engine over the N devices (its

@@ -10,6 +10,7 @@
 
 #include "../checkpoint.h"
 #include "../common.h"
+#include "../loader.h"
 #include "../model.h"
 #include "../plain.h"
 #include "../store.h"
@@ -98,7 +99,6 @@ void test_reference_train(const RefTrain* r, const int32_t* tokens, double* loss
     Plain* p = plain_create(&m, w, r->ops, r->ctx, Bm, r->T, 0);
     AdamWTensor* opt = malloc_check((size_t)m.tt.n * sizeof(AdamWTensor));
     const int n = store_adamw_tensors(&s, opt);
-    AdamWHyper h = r->hyper;
     ThreadPool* pool = threadpool_create(2);
     float** total = calloc_check((size_t)m.tt.n_layers, sizeof(float*));  // split rounds' sum
     for (int l = 0; r->rounds > 1 && l < m.tt.n_layers; l++)
@@ -134,9 +134,7 @@ void test_reference_train(const RefTrain* r, const int32_t* tokens, double* loss
                 memcpy(w->param[l], s.param[l], (size_t)m.tt.param_numel[l] * sizeof(float));
             }
         }
-        double norm = sqrt(adamw_grad_norm_sq(pool, opt, n));
-        h.lr = lr_schedule_at(&r->sched, step + 1);
-        adamw_step(pool, opt, n, &h, step + 1, adamw_clip_scale(norm, 1.0f));
+        adamw_update(pool, opt, n, &r->hyper, &r->sched, 1.0f, step + 1);
     }
     if (params) {
         int64_t total = 0;
@@ -203,7 +201,7 @@ int test_parity_open(TestCtx* t, const char* name, ParityFixture* f) {
     }
     store_create(&f->s, &f->m.tt);
     int unused = -1;
-    CHECK(t, store_load(&f->s, &src.ck, &unused, err) == 0 && unused == 0, "load: %s", err);
+    CHECK(t, loader_load_safetensors(&f->s, &src.ck, &unused, err) == 0 && unused == 0, "load: %s", err);
     checkpoint_close_source(&src);
     snprintf(path, sizeof path, "%s/expected.safetensors", dir);
     if (st_open(&f->ex, path, err) != 0) {
