@@ -6,6 +6,7 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "common.h"
 
@@ -38,4 +39,16 @@ void plan_hint_format(double bytes, char* buf, size_t cap) {
     // whole GiB from 16G up (a few % more is nothing there), whole MiB below
     if (bytes >= 16 * gib) snprintf(buf, cap, "%.0fG", ceil(bytes / gib));
     else snprintf(buf, cap, "%.0fM", ceil(bytes / mib));
+}
+
+void plan_hint_append(char* err, const Model* m, int act_bytes, int n_devices,
+                      const EngineOptions* opt) {
+    if (opt->device_budget <= 0 || fits(m, act_bytes, n_devices, opt, opt->device_budget)) return;
+    const double need = plan_hint_min_device_mem(m, act_bytes, n_devices, opt, 0x1p50);
+    if (need <= opt->device_budget) return;
+    char v[32];
+    plan_hint_format(need, v, sizeof v);
+    const size_t used = strlen(err);
+    if (used < ERR_LEN)
+        snprintf(err + used, ERR_LEN - used, "; the smallest --device-mem that fits is %s", v);
 }

@@ -20,5 +20,9 @@ double plan_hint_min_device_mem(const Model* m, int act_bytes, int n_devices,
                                 const EngineOptions* opt, double max_bytes);
 // A budget as a --device-mem value, rounded up: "9M", "1536M", "14G".
 void plan_hint_format(double bytes, char* buf, size_t cap);
+// After a failed engine_create or engine_plan_print with opt: when opt's budget is too small for
+// any plan, append "; the smallest --device-mem that fits is 9M" to err (ERR_LEN bytes).
+void plan_hint_append(char* err, const Model* m, int act_bytes, int n_devices,
+                      const EngineOptions* opt);
 
 #endif  // LLMC_PLAN_HINT_H

@@ -103,19 +103,7 @@ static int create_engine(Trainer* t, int N, int n_opt_cpus, TrainerEngineOptions
     }
     t->eng = engine_create(t->m, t->s, &t->devs, &eo, err);
     if (!t->eng) {
-        // a budget too small for any plan: say which one is enough
-        char why[ERR_LEN];
-        if (eo.device_budget > 0 &&
-            engine_plan_fits(t->m, weight_bytes, N, &eo, why) != 0) {
-            const double need = plan_hint_min_device_mem(t->m, weight_bytes, N, &eo, 0x1p50);
-            if (need > eo.device_budget) {
-                char v[32];
-                plan_hint_format(need, v, sizeof v);
-                const size_t used = strlen(err);
-                snprintf(err + used, ERR_LEN - used, "; the smallest --device-mem that fits is %s",
-                         v);
-            }
-        }
+        plan_hint_append(err, t->m, weight_bytes, N, &eo);  // a budget too small: which is enough
         return -1;
     }
     if (ts->resumed && !a->sync && !eo.first_weights)
