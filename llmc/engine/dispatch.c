@@ -1,6 +1,6 @@
 /*
- * dispatch.c — the schedule as it runs (ROUNDPIPE.md §4): the stages of the plan in slot order,
- * the rounds of an iteration, the never-reset cursor that sends global slot i to device
+ * dispatch.c — the schedule as it runs (docs/ROUNDPIPE.md §3): the stages of the plan in slot
+ * order, the rounds of an iteration, the never-reset cursor that sends global slot i to device
  * schedule_slot_device(i, 0, N), and the micro-batch jobs a stage runs on its device's compute
  * stream (whole, or split into MbPhase parts behind per-layer uploads and ahead of per-layer
  * downloads).
@@ -477,8 +477,8 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
 
 // Enqueue every round of iteration t: the S slots of a round in order, each on the device the
 // cursor names (never reset, so rounds and iterations go on round-robin where the last stopped,
-// ROUNDPIPE.md §4). Nothing stays deferred past a round: the next round's gradient preparation
-// and the optimizer read the host gradient buffers.
+// docs/ROUNDPIPE.md §3.2). Nothing stays deferred past a round: the next round's gradient
+// preparation and the optimizer read the host gradient buffers.
 void dispatch_iteration(Engine* e, int64_t t) {
     for (int round = 0; round < e->R; round++) {
         for (int si = 0; si < e->S; si++) {

@@ -3,7 +3,7 @@
  * per-device state, the micro-batch jobs, and the functions the engine's files share. Only the
  * engine's own files include it; callers see llmc/engine.h.
  *
- * The engine is five files, the way ROUNDPIPE.md explains the system:
+ * The engine is five files, the way docs/ROUNDPIPE.md explains the system:
  *   plan.c      memory model, plan choice (partition + row chunks), re-planning from profiles, the
  *               run's plan policy (--mlp-chunk / --split-rounds auto, host memory, device budget)
  *   dispatch.c  stages, rounds, slots and the never-reset cursor; the micro-batch jobs
@@ -20,8 +20,8 @@
  *    gslot_free[k], recorded after the download.
  *  - device activation buffers come in two parities (micro-batch i uses parity i % 2), so the
  *    upload of i+1 overlaps the compute of i and the download of i overlaps the compute of i+1
- *    ("upload one early, download one late", ROUNDPIPE.md §7.2): an upload into parity p waits
- *    comp_done[p] and down_done[p]; a compute into parity p waits down_done[p].
+ *    ("upload one early, download one late", docs/ROUNDPIPE.md §4.2): an upload into parity p
+ *    waits comp_done[p] and down_done[p]; a compute into parity p waits down_done[p].
  *  - host activations: x at a layer boundary (forward outputs, checkpoints) and dx (gradients
  *    between backward stages) per micro-batch, in two iteration parities; x_ev / dx_ev mark a
  *    download done and gate the consumer's upload (cross-device waits). Before iteration t reuses
@@ -30,7 +30,8 @@
  *    boundary's dx runs only after the consumer of the boundary above it (same slot, two
  *    boundaries up) has uploaded it, through the backward chain's own events.
  *
- * The consistency protocol (ROUNDPIPE.md §9), per layer l, with two compute-dtype master buffers:
+ * The consistency protocol (docs/ROUNDPIPE.md §5), per layer l, with two compute-dtype master
+ * buffers:
  *  - iteration t uploads layer l from master[t % 2] once param_ready[l] >= t (rule 2): in sync
  *    mode the controller waits for a whole stage before enqueueing it; with the delayed update a
  *    stage not ready at enqueue time gets a host-function wait per layer on its parameter stream
@@ -81,8 +82,8 @@ typedef struct Piece {
 } Piece;
 
 // A backward stage's gradient download, deferred into the activation windows of the next stage
-// on the same device (ROUNDPIPE.md §7.5): LPT bins of <= 256 MiB pieces, bin j enqueued once the
-// next stage's micro-batch j has had its activations downloaded.
+// on the same device (docs/ROUNDPIPE.md §4.4): LPT bins of <= 256 MiB pieces, bin j enqueued once
+// the next stage's micro-batch j has had its activations downloaded.
 typedef struct PendingGrads {
     int active;
     const Stage* st;
@@ -213,7 +214,7 @@ struct Engine {
     DevEvent** loss_ev[2];  // [iteration parity][micro-batch]
     // Host fp32 gradient accumulators: iteration t downloads into hgrad[t % n_hgrad]. With the
     // delayed optimizer two sets (the Store's and one more), so iteration t+1 never waits for the
-    // step still reading iteration t's gradients (ROUNDPIPE.md §9.5); one set in sync mode.
+    // step still reading iteration t's gradients (docs/ROUNDPIPE.md §6.2); one set in sync mode.
     float** hgrad[2];
     int n_hgrad;
     DevEvent** grad_ev[2];  // [gradient set][layer] the latest download of the layer into that set
@@ -228,7 +229,7 @@ struct Engine {
     JobBlock* arena[2];
     LabelBlock* labels[2];
     Trace* trace;           // NULL unless opt.trace_path is set
-    // ---- profiling and re-planning (plan.c, ROUNDPIPE.md §8.2): compute of slot job j,
+    // ---- profiling and re-planning (plan.c, docs/ROUNDPIPE.md §2.7): compute of slot job j,
     // micro-batch r of an iteration of parity ip is bracketed by prof_ev[ip][2*(j*M_R + r)] and
     // [... + 1]
     DevEvent** prof_ev[2];

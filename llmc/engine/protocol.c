@@ -1,7 +1,7 @@
 /*
- * protocol.c — the consistency protocol (ROUNDPIPE.md §9) and the optimizer thread: the per-layer
- * fences that order the controller's enqueueing, the devices' gated uploads and the optimizer's
- * steps, and the thread that runs one AdamW step per iteration in FIFO order.
+ * protocol.c — the consistency protocol (docs/ROUNDPIPE.md §5) and the optimizer thread: the
+ * per-layer fences that order the controller's enqueueing, the devices' gated uploads and the
+ * optimizer's steps, and the thread that runs one AdamW step per iteration in FIFO order.
  *
  * The five ordering rules, per layer l, as this file enforces them:
  *   1. step k writes master[(k + delay) % 2] only after iteration k-1's last gradient download of

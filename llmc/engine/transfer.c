@@ -1,6 +1,6 @@
 /*
- * transfer.c — the transfer engine (ROUNDPIPE.md §7): every host<->device copy of the engine, on
- * a device's three copy streams (STREAM_PARAM_UP, STREAM_ACT_UP / STREAM_ACT_DOWN,
+ * transfer.c — the transfer engine (docs/ROUNDPIPE.md §4): every host<->device copy of the engine,
+ * on a device's four copy streams (STREAM_PARAM_UP, STREAM_ACT_UP / STREAM_ACT_DOWN,
  * STREAM_GRAD_DOWN).
  *   - parameters: a stage's weights from the master copy of its iteration into a parameter slot,
  *     in LPT bins of <= 256 MiB pieces behind the running stage's activation-upload marks, or
@@ -37,7 +37,7 @@ DevEvent* transfer_grad_event(const Engine* e, int64_t t, int round, int l) {
 }
 
 // ----------------------------------------------------------------------------
-// pieces and LPT bins (ROUNDPIPE.md §7.3)
+// pieces and LPT bins (docs/ROUNDPIPE.md §4.3)
 
 static int piece_cmp_desc(const void* a, const void* b) {
     size_t x = ((const Piece*)a)->bytes, y = ((const Piece*)b)->bytes;
@@ -100,8 +100,8 @@ static void copy_pieces(Engine* e, int ip, DevState* ds, StreamKind s, void* dst
 }
 
 // Upload a stage's parameters into slot `k` on the parameter stream, split into pieces of at most
-// 256 MiB assigned longest-first to the bin with the least load (LPT, ROUNDPIPE.md §7.3); bin j
-// waits the j-th activation-upload mark of the stage currently running on this device, so the
+// 256 MiB assigned longest-first to the bin with the least load (LPT, docs/ROUNDPIPE.md §4.3); bin
+// j waits the j-th activation-upload mark of the stage currently running on this device, so the
 // parameter traffic fills the gaps between activation uploads instead of delaying them.
 void transfer_params_up(Engine* e, DevState* ds, const Stage* st, int k, int64_t t) {
     const int ip = (int)(t % 2);
@@ -181,7 +181,7 @@ void transfer_grads_prepare(Engine* e, DevState* ds, const Stage* st, int k, int
 }
 
 // ----------------------------------------------------------------------------
-// activation hand-offs (ROUNDPIPE.md §7.2): host buffers between stages, per micro-batch
+// activation hand-offs (docs/ROUNDPIPE.md §4.2): host buffers between stages, per micro-batch
 
 // Activation upload of micro-batch i (the r-th of its round: device parity r % 2) of stage st,
 // on the high-priority stream: the tokens (prefix) or the stage's input boundary, the targets
@@ -267,7 +267,7 @@ void transfer_acts_down(Engine* e, DevState* ds, const Stage* st, int i, int r, 
 }
 
 // ----------------------------------------------------------------------------
-// gradient downloads (ROUNDPIPE.md §7.5): a backward stage's gradients are complete after its
+// gradient downloads (docs/ROUNDPIPE.md §4.4): a backward stage's gradients are complete after its
 // last micro-batch; they are downloaded in LPT chunks during the activation windows of the next
 // stage on the same device (bin j after that stage's micro-batch j has been downloaded), on the
 // gradient stream, so bulk gradient traffic never sits in front of an activation transfer.
