@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine_internal.h"
+#include "internal.h"
 
 // ----------------------------------------------------------------------------
 // the memory model

@@ -25,7 +25,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "engine_internal.h"
+#include "internal.h"
 
 // ----------------------------------------------------------------------------
 // fences (controller side of the consistency protocol)
@@ -204,8 +204,8 @@ static void optimizer_step(Engine* e, int64_t k) {
         // split rounds: the other rounds' gradients of this layer, added in round order; then
         // their sets may take iteration k's
         for (int r = 1; e->split && r < e->R; r++) {
-            e->impl->event_synchronize(transfer_grad_event(e, k - 1, r, l));
-            FoldArgs fa = {g[l], transfer_grad_host(e, k - 1, r, l), e->m->tt.grad_numel[l]};
+            e->impl->event_synchronize(engine_grad_event(e, k - 1, r, l));
+            FoldArgs fa = {g[l], engine_grad_host(e, k - 1, r, l), e->m->tt.grad_numel[l]};
             threadpool_run(e->pool, (fa.n + FOLD_CHUNK - 1) / FOLD_CHUNK, fold_chunk, &fa);
         }
         if (e->split) {

@@ -23,18 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine_internal.h"
-
-// ----------------------------------------------------------------------------
-// where gradients go
-
-// Where round `round` of iteration t downloads layer l's gradient, and the event of that download.
-float* transfer_grad_host(const Engine* e, int64_t t, int round, int l) {
-    return e->split && round > 0 ? e->hsplit[round - 1][l] : e->hgrad[t % e->n_hgrad][l];
-}
-DevEvent* transfer_grad_event(const Engine* e, int64_t t, int round, int l) {
-    return e->split && round > 0 ? e->split_ev[round - 1][l] : e->grad_ev[t % e->n_hgrad][l];
-}
+#include "internal.h"
 
 // ----------------------------------------------------------------------------
 // pieces and LPT bins (docs/ROUNDPIPE.md §4.3)
@@ -93,7 +82,7 @@ static void copy_pieces(Engine* e, int ip, DevState* ds, StreamKind s, void* dst
                         size_t bytes, int h2d, const char* name) {
     for (size_t off = 0; off < bytes; off += PIECE_MAX_BYTES) {
         const size_t len = bytes - off < PIECE_MAX_BYTES ? bytes - off : PIECE_MAX_BYTES;
-        dispatch_label(e, ip, ds, s, "%s", name);
+        jobs_label(e, ip, ds, s, "%s", name);
         if (h2d) e->impl->copy_h2d(ds->d, s, (char*)dst + off, (const char*)src + off, len);
         else e->impl->copy_d2h(ds->d, s, (char*)dst + off, (const char*)src + off, len);
     }
@@ -122,7 +111,7 @@ void transfer_params_up(Engine* e, DevState* ds, const Stage* st, int k, int64_t
         if (ds->n_marks > 0) im->stream_wait(ds->d, STREAM_PARAM_UP, ds->marks[b]);
         for (int i = 0; i < n; i++)
             if (bin_of[i] == b) {
-                dispatch_label(e, ip, ds, STREAM_PARAM_UP, "params %s [%d]", st->name, b);
+                jobs_label(e, ip, ds, STREAM_PARAM_UP, "params %s [%d]", st->name, b);
                 im->copy_h2d(ds->d, STREAM_PARAM_UP, pieces[i].dst, pieces[i].src, pieces[i].bytes);
             }
     }
@@ -148,7 +137,7 @@ void transfer_params_up_gated(Engine* e, DevState* ds, const Stage* st, int k, i
         const size_t bytes = slot_layer_copy(e, ds, st, k, ip, l, &src, &dst);
         if (!bytes) break;
         if (!protocol_layer_ready(e, owner, t)) {
-            MbJob* j = dispatch_job_new(e, ip);
+            MbJob* j = jobs_new(e, ip);
             *j = (MbJob){.e = e, .ds = ds, .st = st, .from = owner, .t = t};
             im->host_fn(ds->d, STREAM_PARAM_UP, protocol_param_fence_fn, j);
         }
@@ -167,13 +156,13 @@ void transfer_grads_prepare(Engine* e, DevState* ds, const Stage* st, int k, int
     const TensorTable* tt = &e->m->tt;
     im->stream_wait(ds->d, STREAM_PARAM_UP, ds->gslot_free[k]);
     if (round == 0 || e->split) {  // (split rounds each start from zero)
-        dispatch_label(e, ip, ds, STREAM_PARAM_UP, "zero grads %s", st->name);
+        jobs_label(e, ip, ds, STREAM_PARAM_UP, "zero grads %s", st->name);
         im->memset_zero(ds->d, STREAM_PARAM_UP, ds->gslot[k], (size_t)st->grad_numel * sizeof(float));
         return;
     }
     for (int l = st->b; l < st->e; l++) {
         im->stream_wait(ds->d, STREAM_PARAM_UP, e->grad_ev[t % e->n_hgrad][l]);
-        dispatch_label(e, ip, ds, STREAM_PARAM_UP, "partial grads %s", st->name);
+        jobs_label(e, ip, ds, STREAM_PARAM_UP, "partial grads %s", st->name);
         im->copy_h2d(ds->d, STREAM_PARAM_UP, ds->gslot[k] + st->g_off[l - st->b],
                      e->hgrad[t % e->n_hgrad][l],
                      (size_t)tt->grad_numel[l] * sizeof(float));
@@ -198,7 +187,7 @@ void transfer_acts_up(Engine* e, DevState* ds, const Stage* st, int i, int r, in
     const size_t tok_bytes = (size_t)Bi * e->T * sizeof(int32_t);
     im->stream_wait(d, STREAM_ACT_UP, ds->comp_done[p]);
     im->stream_wait(d, STREAM_ACT_UP, ds->down_done[p]);
-    dispatch_label(e, ip, ds, STREAM_ACT_UP, "up %s mb%d", st->name, i);
+    jobs_label(e, ip, ds, STREAM_ACT_UP, "up %s mb%d", st->name, i);
     if (st->b == 0) {
         im->copy_h2d(d, STREAM_ACT_UP, ds->ids[p], e->hids[ip][i], tok_bytes);
     } else {
@@ -242,7 +231,7 @@ void transfer_acts_down(Engine* e, DevState* ds, const Stage* st, int i, int r, 
         for (int k = 1; k <= n; k++) {
             int bnd = st->b + k;
             if (!e->need_x[bnd]) continue;
-            dispatch_label(e, ip, ds, STREAM_ACT_DOWN, "down %s mb%d x%d", st->name, i, bnd);
+            jobs_label(e, ip, ds, STREAM_ACT_DOWN, "down %s mb%d x%d", st->name, i, bnd);
             // one host set: the previous iteration's last reader of this buffer (the latest
             // consumer enqueued, causally the last) must be done with it
             if (e->x_free) im->stream_wait(d, STREAM_ACT_DOWN, e->x_free[bnd][i]);
@@ -256,7 +245,7 @@ void transfer_acts_down(Engine* e, DevState* ds, const Stage* st, int i, int r, 
             im->event_record(e->loss_ev[ip][i], d, STREAM_ACT_DOWN);
         }
         if (st->b > 0) {
-            dispatch_label(e, ip, ds, STREAM_ACT_DOWN, "down %s mb%d dx%d", st->name, i, st->b);
+            jobs_label(e, ip, ds, STREAM_ACT_DOWN, "down %s mb%d dx%d", st->name, i, st->b);
             // one host set: the previous iteration's last reader of this ring slot
             if (e->dx_free) im->stream_wait(d, STREAM_ACT_DOWN, e->dx_free[e->dx_last[st->b]][i]);
             im->copy_d2h(d, STREAM_ACT_DOWN, e->hdx[ip][st->b][i], ds->dres[p], x_bytes);
@@ -322,7 +311,7 @@ void transfer_grads_issue(Engine* e, DevState* ds, int all) {
         int b = pg->next_bin++;
         for (int i = 0; i < pg->n_pieces; i++)
             if (pg->bin_of[i] == b) {
-                dispatch_label(e, ip, ds, STREAM_GRAD_DOWN, "grads %s [%d]", pg->st->name, b);
+                jobs_label(e, ip, ds, STREAM_GRAD_DOWN, "grads %s [%d]", pg->st->name, b);
                 im->copy_d2h(ds->d, STREAM_GRAD_DOWN, pg->pieces[i].dst, pg->pieces[i].src,
                              pg->pieces[i].bytes);
             }
@@ -351,7 +340,7 @@ void transfer_grads_layer_down(Engine* e, DevState* ds, const Stage* st, int gk,
     char name[40];
     snprintf(name, sizeof name, "grads %s layer %d", st->name, l);
     im->stream_wait(ds->d, STREAM_GRAD_DOWN, ds->gev[l - st->b]);
-    float* dst = transfer_grad_host(e, t, round, l);
+    float* dst = engine_grad_host(e, t, round, l);
     const float* src = ds->gslot[gk] + st->g_off[l - st->b];
     // the layer's gradient in runs between its tied tensors (all of it when nothing is skipped)
     int64_t from = 0;
@@ -371,7 +360,7 @@ void transfer_grads_layer_down(Engine* e, DevState* ds, const Stage* st, int gk,
         if (next >= tt->grad_numel[l]) break;
         from = next;
     }
-    im->event_record(transfer_grad_event(e, t, round, l), ds->d, STREAM_GRAD_DOWN);
+    im->event_record(engine_grad_event(e, t, round, l), ds->d, STREAM_GRAD_DOWN);
 }
 
 // Round boundaries: the next round's gradient preparation and the optimizer read these buffers,

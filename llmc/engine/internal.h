@@ -1,15 +1,16 @@
 /*
- * engine_internal.h — the RoundPipe engine's private header: the Engine struct, the per-stage and
+ * internal.h — the RoundPipe engine's private header: the Engine struct, the per-stage and
  * per-device state, the micro-batch jobs, and the functions the engine's files share. Only the
  * engine's own files include it; callers see llmc/engine.h.
  *
- * The engine is five files, the way docs/ROUNDPIPE.md explains the system:
+ * The engine is six files, the way docs/ROUNDPIPE.md explains the system:
  *   plan.c      memory model, plan choice (partition + row chunks), re-planning from profiles, the
  *               run's plan policy (--mlp-chunk / --split-rounds auto, host memory, device budget)
  *   dispatch.c  stages, rounds, slots and the never-reset cursor; the micro-batch jobs
  *   transfer.c  parameter uploads (LPT chunks, gated per layer), activation hand-offs, gradient
  *               downloads (deferred LPT bins, per layer)
  *   protocol.c  the per-layer fences (the five ordering rules) and the optimizer thread
+ *   jobs.c      the micro-batch closures and trace labels (the bottom: no events, no flags)
  *   engine.c    create / submit / collect / synchronize / free: allocation and the glue
  *
  * Buffers and the events guarding them
@@ -308,6 +309,27 @@ void plan_profile_collect(Engine* e, int ip);
 int plan_replan(Engine* e, PartitionPlan* plan);
 
 // ----------------------------------------------------------------------------
+// jobs.c: closures and trace labels (under every other engine file)
+
+// A closure that lives until iteration parity ip's work is done (jobs_free).
+MbJob* jobs_new(Engine* e, int ip);
+// Release iteration parity ip's closures and trace labels (its device work must be done).
+void jobs_free(Engine* e, int ip);
+// Name the next work item queued on stream s of a device (only when tracing).
+__attribute__((format(printf, 5, 6))) void jobs_label(Engine* e, int ip, DevState* ds,
+                                                      StreamKind s, const char* fmt, ...);
+
+// Where round `round` of iteration t downloads layer l's gradient (the Store's set, its
+// delayed-update twin, or a split round's own set), and the event of that download: written by
+// transfer.c, read by protocol.c's optimizer thread.
+static inline float* engine_grad_host(const Engine* e, int64_t t, int round, int l) {
+    return e->split && round > 0 ? e->hsplit[round - 1][l] : e->hgrad[t % e->n_hgrad][l];
+}
+static inline DevEvent* engine_grad_event(const Engine* e, int64_t t, int round, int l) {
+    return e->split && round > 0 ? e->split_ev[round - 1][l] : e->grad_ev[t % e->n_hgrad][l];
+}
+
+// ----------------------------------------------------------------------------
 // dispatch.c: stages, rounds, the cursor, micro-batch jobs
 
 // e->stages from e->plan, in slot order; dispatch_stages_free releases them.
@@ -315,20 +337,10 @@ void dispatch_stages_build(Engine* e);
 void dispatch_stages_free(Engine* e);
 // Enqueue every round of iteration t on the devices the cursor names.
 void dispatch_iteration(Engine* e, int64_t t);
-// A closure that lives until iteration parity ip's work is done (dispatch_jobs_free).
-MbJob* dispatch_job_new(Engine* e, int ip);
-// Release iteration parity ip's closures and trace labels (its device work must be done).
-void dispatch_jobs_free(Engine* e, int ip);
-// Name the next work item queued on stream s of a device (only when tracing).
-__attribute__((format(printf, 5, 6))) void dispatch_label(Engine* e, int ip, DevState* ds,
-                                                          StreamKind s, const char* fmt, ...);
 
 // ----------------------------------------------------------------------------
 // transfer.c: parameter uploads, activation hand-offs, gradient downloads
 
-// The host gradient buffer round `round` of iteration t downloads layer l into, and its event.
-float* transfer_grad_host(const Engine* e, int64_t t, int round, int l);
-DevEvent* transfer_grad_event(const Engine* e, int64_t t, int round, int l);
 // A stage's parameters into parameter slot k for iteration t: LPT bins behind the running stage's
 // activation-upload marks, or (gated) layer by layer behind the optimizer's per-layer fences.
 void transfer_params_up(Engine* e, DevState* ds, const Stage* st, int k, int64_t t);
