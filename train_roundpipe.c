@@ -25,6 +25,7 @@
 #include "llmc/log.h"
 #include "llmc/model.h"
 #include "llmc/outputs.h"
+#include "llmc/plan_hint.h"
 #include "llmc/sample.h"
 #include "llmc/store.h"
 #include "llmc/threads.h"
@@ -127,8 +128,10 @@ static int plan_and_check_memory(TrainArgs* a, Model* model, int N) {
             printf("note: no GPU memory to read here and no --device-mem: planning without a "
                    "device memory budget\n");
         size_t host_acts = 0;
-        if (engine_plan_print(model, act_bytes, N > 0 ? N : 1, &peo, stdout, &host_acts, err) != 0)
+        if (engine_plan_print(model, act_bytes, N > 0 ? N : 1, &peo, stdout, &host_acts, err) != 0) {
+            plan_hint_append(err, model, act_bytes, N > 0 ? N : 1, &peo);  // which budget is enough
             fatal("%s", err);
+        }
         const double need = host_fixed + (engine_run ? (double)host_acts : 0.0);
         printf("host memory for this plan: %.2f GiB (this machine reports %.1f GiB + %.1f GiB "
                "swap)\n", need / (1 << 30), host_total / (1 << 30), host_swap / (1 << 30));
