@@ -36,6 +36,7 @@
     X(partition)   \
     X(engine)      \
     X(gguf)        \
+    X(tokenizer)   \
     X(resume)      \
     X(train)
 
