@@ -283,10 +283,15 @@ static void merge_insert(Tokenizer* t, int32_t a, int32_t b, int32_t rank, int32
 
 // The id of the model token spelled s[0..n) in the byte-level alphabet; -2 when the spelling is
 // not byte-level (such a merge can never apply), -1 when no token has these bytes.
-static int32_t build_lookup(const Tokenizer* t, const uint8_t* s, size_t n, uint8_t* scratch) {
-    long k = bytelevel_decode(s, n, scratch);
+static int32_t build_lookup(const Tokenizer* t, const uint8_t* s, size_t n, uint8_t** scratch,
+                            size_t* cap) {
+    if (n > *cap) {
+        *cap = n;
+        *scratch = realloc_check(*scratch, n);
+    }
+    long k = bytelevel_decode(s, n, *scratch);
     if (k < 0) return -2;
-    return vocab_find(t, scratch, (size_t)k);
+    return vocab_find(t, *scratch, (size_t)k);
 }
 
 static int build_finish(TokBuild* b, Tokenizer* t, char* err) {
@@ -318,7 +323,7 @@ static int build_finish(TokBuild* b, Tokenizer* t, char* err) {
         if (k >= 0) {
             t->bytelevel[i] = 1;
             off += (uint64_t)k;
-        } else {
+        } else if (e->n) {
             memcpy(t->pieces + off, e->s, e->n);
             off += e->n;
         }
@@ -364,14 +369,15 @@ static int build_finish(TokBuild* b, Tokenizer* t, char* err) {
     t->merge_table = malloc_check((t->merge_mask + 1) * sizeof(TokMergeSlot));
     for (uint64_t i = 0; i <= t->merge_mask; i++) t->merge_table[i].key = UINT64_MAX;
     t->merges = malloc_check((b->n_merges + 1) * sizeof(*t->merges));
-    uint8_t* scratch = malloc_check(2 * max_len + 2);
+    size_t scratch_cap = max_len + 1;
+    uint8_t* scratch = malloc_check(scratch_cap);
     uint8_t* both = NULL;
     size_t both_n = 0, both_cap = 0;
     int rc = 0;
     for (size_t r = 0; r < b->n_merges && rc == 0; r++) {
         const TokMergeText* m = &b->m[r];
-        int32_t l = build_lookup(t, m->a, m->an, scratch);
-        int32_t rr = build_lookup(t, m->b, m->bn, scratch);
+        int32_t l = build_lookup(t, m->a, m->an, &scratch, &scratch_cap);
+        int32_t rr = build_lookup(t, m->b, m->bn, &scratch, &scratch_cap);
         if (l == -2 || rr == -2) continue;  // not byte-level: it can never apply
         if (l < 0 || rr < 0) {
             const TokMergeText* mm = m;
@@ -1274,7 +1280,7 @@ static void encode_piece(TokEncoder* e, const uint8_t* w, size_t n, TokIds* out)
     s->n_ids = (uint16_t)k;
     memcpy(e->keys + e->keys_n, w, n);
     e->keys_n += n;
-    memcpy(e->cids + e->cids_n, out->ids + start, k * sizeof(int32_t));
+    if (k) memcpy(e->cids + e->cids_n, out->ids + start, k * sizeof(int32_t));
     e->cids_n += k;
     e->n_used++;
 }

@@ -222,13 +222,17 @@ void unicode_nfc(const uint8_t* s, size_t n, uint8_t** out, size_t* len, size_t*
             if (unicode_nfc_safe(c2)) break;
             j += (size_t)l2;
         }
-        out_reserve(out, len, cap, start - copied);
-        memcpy(*out + *len, s + copied, start - copied);
-        *len += start - copied;
+        if (start > copied) {
+            out_reserve(out, len, cap, start - copied);
+            memcpy(*out + *len, s + copied, start - copied);
+            *len += start - copied;
+        }
         nfc_span(s + start, j - start, out, len, cap);
         copied = i = j;
     }
-    out_reserve(out, len, cap, n - copied);
-    memcpy(*out + *len, s + copied, n - copied);
-    *len += n - copied;
+    if (n > copied) {
+        out_reserve(out, len, cap, n - copied);
+        memcpy(*out + *len, s + copied, n - copied);
+        *len += n - copied;
+    }
 }
