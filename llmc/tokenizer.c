@@ -58,8 +58,12 @@ static uint64_t hash_bytes(const uint8_t* p, size_t n) {
     }
     uint64_t w = 0;
     memcpy(&w, p, n);
-    h = (h ^ w) * 0xc4ceb9fe1a85ec53ull;
-    h ^= h >> 29;
+    h ^= w;  // the final mix of MurmurHash3: every input bit reaches the low bits used as index
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdull;
+    h ^= h >> 33;
+    h *= 0xc4ceb9fe1a85ec53ull;
+    h ^= h >> 33;
     return h;
 }
 
@@ -162,11 +166,14 @@ static void bytelevel_encode(const uint8_t* s, size_t n, uint8_t** out, size_t* 
 
 static int32_t vocab_find(const Tokenizer* t, const uint8_t* s, size_t n) {
     if (!t->vocab_table) return -1;
-    for (uint64_t i = hash_bytes(s, n) & t->vocab_mask;; i = (i + 1) & t->vocab_mask) {
-        int32_t id = t->vocab_table[i];
-        if (id < 0) return -1;
-        uint64_t o = t->piece_off[id];
-        if (t->piece_off[id + 1] - o == n && memcmp(t->pieces + o, s, n) == 0) return id;
+    uint64_t h = hash_bytes(s, n);
+    uint32_t tag = (uint32_t)(h >> 32);
+    for (uint64_t i = h & t->vocab_mask;; i = (i + 1) & t->vocab_mask) {
+        const TokVocabSlot* v = &t->vocab_table[i];
+        if (v->id < 0) return -1;
+        if (v->tag != tag) continue;  // the tag spares reading the pieces of other tokens
+        uint64_t o = t->piece_off[v->id];
+        if (t->piece_off[v->id + 1] - o == n && memcmp(t->pieces + o, s, n) == 0) return v->id;
     }
 }
 
@@ -254,10 +261,12 @@ static int compare_added(const void* pa, const void* pb, void* ctx) {
 static void vocab_insert(Tokenizer* t, int32_t id) {
     const uint8_t* s = t->pieces + t->piece_off[id];
     size_t n = (size_t)(t->piece_off[id + 1] - t->piece_off[id]);
-    for (uint64_t i = hash_bytes(s, n) & t->vocab_mask;; i = (i + 1) & t->vocab_mask) {
-        int32_t o = t->vocab_table[i];
+    uint64_t h = hash_bytes(s, n);
+    for (uint64_t i = h & t->vocab_mask;; i = (i + 1) & t->vocab_mask) {
+        int32_t o = t->vocab_table[i].id;
         if (o < 0) {
-            t->vocab_table[i] = id;
+            t->vocab_table[i].id = id;
+            t->vocab_table[i].tag = (uint32_t)(h >> 32);
             return;
         }
         // the same bytes twice (a GGUF may list a token twice): the lower id is found
@@ -331,8 +340,8 @@ static int build_finish(TokBuild* b, Tokenizer* t, char* err) {
     t->piece_off[V] = off;
     // model tokens by bytes (BPE works on them; added tokens are atoms)
     t->vocab_mask = pow2_at_least(2 * n_model + 1) - 1;
-    t->vocab_table = malloc_check((t->vocab_mask + 1) * sizeof(int32_t));
-    memset(t->vocab_table, 0xff, (t->vocab_mask + 1) * sizeof(int32_t));
+    t->vocab_table = malloc_check((t->vocab_mask + 1) * sizeof(TokVocabSlot));
+    memset(t->vocab_table, 0xff, (t->vocab_mask + 1) * sizeof(TokVocabSlot));
     for (int32_t i = 0; i < V; i++)
         if (t->kind[i] == TOK_KIND_NORMAL && t->bytelevel[i]) vocab_insert(t, i);
     for (int c = 0; c < 256; c++) {
@@ -1139,10 +1148,13 @@ typedef struct TokHeapItem {
     int32_t rank, pos, id;  // merge rank, left symbol, result
 } TokHeapItem;
 
+// A cached piece. Short pieces and one-token results sit in the slot itself, so that the usual
+// hit (an English word that is one token) reads one cache line.
 typedef struct TokCacheSlot {
-    uint64_t hash;  // 0: empty
-    uint32_t key_off, ids_off;
+    uint64_t key;      // pieces of up to 8 bytes: the bytes (zero-padded); longer: offset in keys
+    uint32_t tag;      // hash bits, never 0 (0: an empty slot)
     uint16_t key_len, n_ids;
+    int32_t id;        // one id: the id; more: their offset in cids
 } TokCacheSlot;
 
 static inline int heap_less(const TokHeapItem* a, const TokHeapItem* b) {
@@ -1239,49 +1251,59 @@ static void encode_piece(TokEncoder* e, const uint8_t* w, size_t n, TokIds* out)
         tokenizer_ids_push(out, t->byte_id[w[0]]);
         return;
     }
-    if (t->ignore_merges) {
-        int32_t id = vocab_find(t, w, n);
-        if (id >= 0) {
-            tokenizer_ids_push(out, id);
-            return;
-        }
-    }
     if (n > TOK_CACHE_MAX_PIECE) {
-        bpe_piece(e, w, n, out);
+        int32_t id = t->ignore_merges ? vocab_find(t, w, n) : -1;
+        if (id >= 0) tokenizer_ids_push(out, id);
+        else bpe_piece(e, w, n, out);
         return;
     }
-    uint64_t h = hash_bytes(w, n) | 1;
+    uint64_t h = hash_bytes(w, n);
+    uint32_t tag = (uint32_t)(h >> 32) | 1;
+    uint64_t key = 0;
+    if (n <= 8) memcpy(&key, w, n);
     uint64_t i = h & e->slot_mask;
     for (;; i = (i + 1) & e->slot_mask) {
-        TokCacheSlot* s = &e->slots[i];
-        if (s->hash == 0) break;
-        if (s->hash == h && s->key_len == n && memcmp(e->keys + s->key_off, w, n) == 0) {
-            for (uint32_t k = 0; k < s->n_ids; k++) tokenizer_ids_push(out, e->cids[s->ids_off + k]);
-            e->hits++;
-            return;
-        }
+        const TokCacheSlot* s = &e->slots[i];
+        if (s->tag == 0) break;
+        if (s->tag != tag || s->key_len != n) continue;
+        if (n <= 8 ? s->key != key : memcmp(e->keys + s->key, w, n) != 0) continue;
+        if (s->n_ids == 1) tokenizer_ids_push(out, s->id);
+        else
+            for (uint32_t k = 0; k < s->n_ids; k++) tokenizer_ids_push(out, e->cids[s->id + k]);
+        e->hits++;
+        return;
     }
     e->misses++;
     size_t start = out->n;
-    bpe_piece(e, w, n, out);
+    int32_t id = t->ignore_merges ? vocab_find(t, w, n) : -1;  // LLaMA-3: a whole token as is
+    if (id >= 0) tokenizer_ids_push(out, id);
+    else bpe_piece(e, w, n, out);
     size_t k = out->n - start;
     // keep it: clear everything first when the cache is full (simple, and pieces repeat enough
     // that it refills at once)
     if (e->n_used * 4 >= (e->slot_mask + 1) * 3 || e->keys_n + n > TOK_CACHE_MAX_KEYS ||
         e->cids_n + k > TOK_CACHE_MAX_IDS) {
         cache_clear(e);
-        for (i = h & e->slot_mask; e->slots[i].hash; i = (i + 1) & e->slot_mask) {}
+        for (i = h & e->slot_mask; e->slots[i].tag; i = (i + 1) & e->slot_mask) {}
     }
     TokCacheSlot* s = &e->slots[i];
-    s->hash = h;
-    s->key_off = (uint32_t)e->keys_n;
+    s->tag = tag;
     s->key_len = (uint16_t)n;
-    s->ids_off = (uint32_t)e->cids_n;
     s->n_ids = (uint16_t)k;
-    memcpy(e->keys + e->keys_n, w, n);
-    e->keys_n += n;
-    if (k) memcpy(e->cids + e->cids_n, out->ids + start, k * sizeof(int32_t));
-    e->cids_n += k;
+    if (n <= 8) {
+        s->key = key;
+    } else {
+        s->key = e->keys_n;
+        memcpy(e->keys + e->keys_n, w, n);
+        e->keys_n += n;
+    }
+    if (k == 1) {
+        s->id = out->ids[start];
+    } else {
+        s->id = (int32_t)e->cids_n;
+        if (k) memcpy(e->cids + e->cids_n, out->ids + start, k * sizeof(int32_t));
+        e->cids_n += k;
+    }
     e->n_used++;
 }
 
@@ -1311,9 +1333,10 @@ void tokenizer_encoder_free(TokEncoder* e) {
 static void encode_stretch(TokEncoder* e, const uint8_t* s, size_t n, TokIds* out) {
     const Tokenizer* t = e->tok;
     if (n == 0) return;
-    if (t->nfc || t->add_prefix_space) {
+    const int nfc = t->nfc && !unicode_nfc_quick(s, n);  // most text is NFC already
+    if (nfc || t->add_prefix_space) {
         e->norm_n = 0;
-        if (t->nfc) unicode_nfc(s, n, &e->norm, &e->norm_n, &e->norm_cap);
+        if (nfc) unicode_nfc(s, n, &e->norm, &e->norm_n, &e->norm_cap);
         else bytes_append(&e->norm, &e->norm_n, &e->norm_cap, s, n);
         if (t->add_prefix_space && e->norm[0] != ' ') {
             bytes_reserve(&e->norm, &e->norm_n, &e->norm_cap, 1);

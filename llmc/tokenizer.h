@@ -57,6 +57,11 @@ typedef struct TokMergeSlot {  // private: the merge table, keyed by (left id, r
     int32_t rank, id;
 } TokMergeSlot;
 
+typedef struct TokVocabSlot {  // private: model tokens by their bytes
+    uint32_t tag;  // high hash bits
+    int32_t id;    // -1: empty
+} TokVocabSlot;
+
 typedef struct Tokenizer {
     int32_t n_vocab;     // ids are [0, n_vocab): one past the largest id of vocabulary and added tokens
     TokSplit split;
@@ -85,7 +90,7 @@ typedef struct Tokenizer {
     int32_t (*merges)[2];  // (n_merges) left and right id
     TokMergeSlot* merge_table;
     uint64_t merge_mask;
-    int32_t* vocab_table;  // model tokens by bytes (open addressing over ids, -1 empty)
+    TokVocabSlot* vocab_table;  // model tokens by bytes (open addressing)
     uint64_t vocab_mask;
 } Tokenizer;
 

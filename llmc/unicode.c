@@ -199,6 +199,28 @@ static void nfc_span(const uint8_t* s, size_t n, uint8_t** out, size_t* len, siz
     }
 }
 
+int unicode_nfc_quick(const uint8_t* s, size_t n) {
+    size_t i = 0;
+    while (i < n) {
+        if (i + 8 <= n) {  // ASCII, eight bytes at a time
+            uint64_t w;
+            memcpy(&w, s + i, 8);
+            if ((w & 0x8080808080808080ull) == 0) {
+                i += 8;
+                continue;
+            }
+        }
+        if (s[i] < 0x80) {
+            i++;
+            continue;
+        }
+        uint32_t cp;
+        i += (size_t)utf8_decode(s + i, n - i, &cp);
+        if (!unicode_nfc_safe(cp)) return 0;
+    }
+    return 1;
+}
+
 void unicode_nfc(const uint8_t* s, size_t n, uint8_t** out, size_t* len, size_t* cap) {
     size_t copied = 0, prev = 0, i = 0;
     while (i < n) {

@@ -103,6 +103,8 @@ int unicode_ccc(uint32_t cp);
 // with what precedes it. Text made only of such code points is already NFC.
 int unicode_nfc_safe(uint32_t cp);
 
+// 1 when s[0..n) is NFC by the quick check (every code point passes it): no need to normalise.
+int unicode_nfc_quick(const uint8_t* s, size_t n);
 // The NFC form of s[0..n) appended to *out (a malloc'd buffer of *cap bytes, grown with
 // realloc_check; *len is its used length). Raw bytes pass through unchanged.
 void unicode_nfc(const uint8_t* s, size_t n, uint8_t** out, size_t* len, size_t* cap);
