@@ -796,10 +796,10 @@ int tokenizer_apply_config(Tokenizer* t, const char* text, size_t len, const cha
         }
         int32_t id = tokenizer_find(t, v->str, v->str_len);
         char p[200];
-        if (id < 0)
+        if (id >= 0) *dst[k] = id;
+        else if (k < 2)  // bos / eos must exist; a stray pad or unk name is left unset
             rc = errorf(err, "%s: %s '%s' is not a token of the tokenizer", name, keys[k],
                         printable(v->str, v->str_len, p, sizeof p));
-        else *dst[k] = id;
     }
     json_free(&doc);
     return rc;
@@ -1406,6 +1406,13 @@ void tokenizer_encode(TokEncoder* e, const void* text, size_t len, int flags, To
         for (int i = 0; i < t->n_suffix; i++) tokenizer_ids_push(out, t->suffix[i]);
 }
 
+void tokenizer_encode_once(const Tokenizer* t, const void* text, size_t len, int flags, TokIds* out) {
+    TokEncoder e;
+    tokenizer_encoder_init(&e, t);
+    tokenizer_encode(&e, text, len, flags, out);
+    tokenizer_encoder_free(&e);
+}
+
 // ----------------------------------------------------------------------------
 // decoding
 
@@ -1665,4 +1672,42 @@ int tokenizer_write_json(const Tokenizer* t, const char* path, char* err) {
         return errorf(err, "%s: cannot write", path);
     }
     return 0;
+}
+
+int tokenizer_write_hf(const Tokenizer* t, const char* dir, char* err) {
+    char path[4096];
+    if (mkdir_p(dir, err) != 0) return -1;
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    if (tokenizer_write_json(t, path, err) != 0) return -1;
+    // tokenizer_config.json: the special tokens by text, as transformers writes them
+    uint8_t* cfg = NULL;
+    size_t n = 0, cap = 0;
+    uint8_t* text = NULL;
+    size_t text_n = 0, text_cap = 0;
+    static const char* const keys[4] = {"bos_token", "eos_token", "pad_token", "unk_token"};
+    const int32_t ids[4] = {t->bos_id, t->eos_id, t->pad_id, t->unk_id};
+    const char* head0 = "{\n  \"tokenizer_class\": \"PreTrainedTokenizerFast\"";
+    bytes_append(&cfg, &n, &cap, head0, strlen(head0));
+    for (int k = 0; k < 4; k++) {
+        char head[64];
+        int hn = snprintf(head, sizeof head, ",\n  \"%s\": ", keys[k]);
+        bytes_append(&cfg, &n, &cap, head, (size_t)hn);
+        if (ids[k] < 0) {
+            bytes_append(&cfg, &n, &cap, "null", 4);
+            continue;
+        }
+        text_n = 0;
+        token_text(t, ids[k], &text, &text_n, &text_cap);
+        bytes_reserve(&text, &text_n, &text_cap, 1);
+        text[text_n] = '\0';
+        size_t need = 6 * text_n + 3;
+        bytes_reserve(&cfg, &n, &cap, need);
+        n += json_escape((char*)cfg + n, need, (const char*)text);
+    }
+    bytes_append(&cfg, &n, &cap, "\n}\n", 3);
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    int rc = file_write_atomic(path, cfg, n, err);
+    free(cfg);
+    free(text);
+    return rc;
 }

@@ -156,6 +156,8 @@ void tokenizer_encoder_init(TokEncoder* e, const Tokenizer* t);
 void tokenizer_encoder_free(TokEncoder* e);
 // Append the ids of text[0..len) (any bytes) to out. Never fails.
 void tokenizer_encode(TokEncoder* e, const void* text, size_t len, int flags, TokIds* out);
+// The same without keeping an encoder (a prompt, a chat template): a temporary one.
+void tokenizer_encode_once(const Tokenizer* t, const void* text, size_t len, int flags, TokIds* out);
 void tokenizer_ids_push(TokIds* v, int32_t id);
 void tokenizer_ids_free(TokIds* v);
 
@@ -180,5 +182,8 @@ int tokenizer_decode(const Tokenizer* t, const int32_t* ids, size_t n, int flags
 void tokenizer_gguf_records(const Tokenizer* t, GgufTokenizer* out);
 // The tokenizer as an HF tokenizer.json (written atomically).
 int tokenizer_write_json(const Tokenizer* t, const char* path, char* err);
+// An HF model directory's tokenizer files: dir/tokenizer.json and dir/tokenizer_config.json
+// (bos / eos / pad / unk tokens, PreTrainedTokenizerFast), what AutoTokenizer reads.
+int tokenizer_write_hf(const Tokenizer* t, const char* dir, char* err);
 
 #endif  // LLMC_TOKENIZER_H

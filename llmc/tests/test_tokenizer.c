@@ -290,6 +290,60 @@ static void test_tokenizer_fixture_settings(TestCtx* t) {
     tokenizer_free(&g);
 }
 
+// A model directory: tokenizer.json with tokenizer_config.json beside it naming eos / pad.
+static void test_tokenizer_config(TestCtx* t) {
+    char src[1024], dir[1024], path[1100], err[ERR_LEN];
+    snprintf(src, sizeof src, "%s/dev/tokenizer/fixtures/qwen3.json", t->exe_dir);
+    snprintf(dir, sizeof dir, "%s/qwen_dir", t->tmpdir);
+    CHECK(t, mkdir_p(dir, err) == 0, "%s", err);
+    size_t len;
+    char* json = test_read_file(src, &len);
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    CHECK(t, file_write_atomic(path, json, len, err) == 0, "%s", err);
+    free(json);
+    const char* cfg = "{\"bos_token\": null, \"eos_token\": {\"content\": \"<|im_end|>\", \"lstrip\": "
+                      "false}, \"pad_token\": \"<|endoftext|>\", \"unk_token\": \"<unk>\", "
+                      "\"model_max_length\": 131072}";
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    CHECK(t, file_write_atomic(path, cfg, strlen(cfg), err) == 0, "%s", err);
+    Tokenizer tok;
+    int rc = tokenizer_load(&tok, dir, err);
+    CHECK(t, rc == 0, "%s", err);
+    if (rc == 0) {
+        CHECK(t, tok.bos_id == -1 && tok.eos_id == tokenizer_find(&tok, "<|im_end|>", 10) &&
+                     tok.pad_id == tokenizer_find(&tok, "<|endoftext|>", 13) && tok.unk_id == -1,
+              "bos %d eos %d pad %d unk %d", tok.bos_id, tok.eos_id, tok.pad_id, tok.unk_id);
+        tokenizer_free(&tok);
+    }
+    // written back as an HF directory (tokenizer.json + tokenizer_config.json): the same again
+    rc = tokenizer_load(&tok, dir, err);
+    char out_dir[1100];
+    snprintf(out_dir, sizeof out_dir, "%s/qwen_export", t->tmpdir);
+    rc = rc ? rc : tokenizer_write_hf(&tok, out_dir, err);
+    CHECK(t, rc == 0, "write hf: %s", err);
+    Tokenizer back;
+    rc = rc ? rc : tokenizer_load(&back, out_dir, err);
+    CHECK(t, rc == 0, "reload hf: %s", err);
+    if (rc == 0) {
+        CHECK(t, back.eos_id == tok.eos_id && back.pad_id == tok.pad_id && back.bos_id == -1,
+              "special ids survive the export");
+        TokIds a = {0}, b = {0};
+        const char* text = "<|im_start|>user\nCafe\xcc\x81 12345<|im_end|>";
+        tokenizer_encode_once(&tok, text, strlen(text), 0, &a);
+        tokenizer_encode_once(&back, text, strlen(text), 0, &b);
+        CHECK(t, a.n == b.n && a.n > 5 && memcmp(a.ids, b.ids, a.n * 4) == 0, "same ids");
+        tokenizer_ids_free(&a);
+        tokenizer_ids_free(&b);
+        tokenizer_free(&back);
+        tokenizer_free(&tok);
+    }
+    cfg = "{\"bos_token\": \"<nope>\"}";
+    CHECK(t, file_write_atomic(path, cfg, strlen(cfg), err) == 0, "%s", err);
+    rc = tokenizer_load(&tok, dir, err);
+    CHECK(t, rc == -1 && strstr(err, "tokenizer_config.json: bos_token '<nope>' is not a token"),
+          "%s", err);
+}
+
 // Random bytes (valid and invalid UTF-8, specials, whitespace) round-trip exactly.
 static void test_tokenizer_roundtrip_random(TestCtx* t) {
     static const char* const atoms[] = {"a", "Z", "9", " ", "  ", "\n", "\r\n", "\t", "'s", "'LL",
@@ -953,6 +1007,7 @@ const TestCase tests_tokenizer[] = {
     {"tokenizer_unicode", test_tokenizer_unicode},
     {"tokenizer_fixtures", test_tokenizer_fixtures},
     {"tokenizer_fixture_settings", test_tokenizer_fixture_settings},
+    {"tokenizer_config", test_tokenizer_config},
     {"tokenizer_roundtrip_random", test_tokenizer_roundtrip_random},
     {"tokenizer_gguf", test_tokenizer_gguf},
     {"tokenizer_export_roundtrip", test_tokenizer_export_roundtrip},
