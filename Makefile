@@ -202,7 +202,8 @@ FUZZ_FLAGS := $(CFLAGS_BASE) -g -O1 -fno-omit-frame-pointer -fsanitize=fuzzer,ad
 FUZZ_LIB := llmc/common.c llmc/json.c llmc/safetensors.c llmc/gguf_read.c llmc/gguf_quant.c \
             llmc/gguf_arch.c llmc/gguf_write.c llmc/config.c llmc/tensor.c \
             llmc/dataloader.c llmc/rng.c
-FUZZ_LIB += llmc/tokenizer.c llmc/unicode.c llmc/unicode_tables.c
+FUZZ_LIB += llmc/tokenizer.c llmc/tokenizer_load.c llmc/tokenizer_export.c llmc/unicode.c \
+            llmc/unicode_tables.c
 
 .PHONY: fuzz fuzz-build
 fuzz: fuzz-build

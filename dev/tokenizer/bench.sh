@@ -91,7 +91,7 @@ EOF
 fi
 
 gcc -std=c11 -D_GNU_SOURCE -O3 -march=native -Wall -Wextra -Werror -pthread -o "$OUT/bench_tokenizer" \
-    dev/tokenizer/bench.c llmc/tokenizer.c llmc/unicode.c llmc/unicode_tables.c \
+    dev/tokenizer/bench.c llmc/tokenizer*.c llmc/unicode.c llmc/unicode_tables.c \
     llmc/tokenize_shards.c llmc/threads.c llmc/json.c llmc/common.c llmc/gguf*.c llmc/config.c \
     llmc/tensor.c llmc/dataloader.c llmc/rng.c -lm
 
