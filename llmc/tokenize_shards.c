@@ -222,8 +222,8 @@ static void reader_close(Reader* r) {
 }
 
 // ----------------------------------------------------------------------------
-// shard writing: tokens stream into <prefix>_<split>_<index>.bin.tmp; the header is written and
-// the file renamed when it is full or at the end
+// shard writing: tokens stream into <prefix>_<split>_<index>.bin.tmp (an AtomicFile); the header
+// is written and the file committed (fsync'd and renamed) when it is full or at the end
 
 typedef struct ShardOut {
     const char* prefix;
@@ -231,8 +231,8 @@ typedef struct ShardOut {
     int index;          // of the next shard
     int token_bytes;
     int64_t limit;      // tokens per shard
-    FILE* f;
-    char path[4096], tmp[4200];
+    AtomicFile af;      // the open shard (af.f NULL: none)
+    char path[4096];
     int64_t n;          // tokens in the open shard
     int n_shards;
     int quiet;
@@ -240,20 +240,20 @@ typedef struct ShardOut {
 } ShardOut;
 
 static int shard_close(ShardOut* s, char* err) {
-    if (!s->f) return 0;
+    if (!s->af.f) return 0;
     int32_t header[SHARD_HEADER_INTS] = {0};
     header[0] = s->token_bytes == 2 ? SHARD_MAGIC_U16 : SHARD_MAGIC_U32;
     header[1] = s->token_bytes == 2 ? SHARD_VERSION_U16 : SHARD_VERSION_U32;
     header[2] = (int32_t)s->n;
-    int bad = fseeko(s->f, 0, SEEK_SET) != 0 ||
-              fwrite(header, sizeof header, 1, s->f) != 1 || fflush(s->f) != 0 ||
-              fsync(fileno(s->f)) != 0;
-    if (fclose(s->f) != 0) bad = 1;
-    s->f = NULL;
-    if (bad || rename(s->tmp, s->path) != 0) {
-        remove(s->tmp);
+    if (fseeko(s->af.f, 0, SEEK_SET) != 0) {
+        atomic_file_abort(&s->af);
         return errorf(err, "%s: cannot write: %s", s->path, strerror(errno));
     }
+    if (atomic_file_write(&s->af, header, sizeof header, err) != 0) {
+        atomic_file_abort(&s->af);
+        return -1;
+    }
+    if (atomic_file_commit(&s->af, err) != 0) return -1;
     s->n_shards++;
     if (!s->quiet) {
         if (*s->progress_shown) fprintf(stderr, "\r\033[K");
@@ -265,12 +265,9 @@ static int shard_close(ShardOut* s, char* err) {
 
 static int shard_open(ShardOut* s, char* err) {
     snprintf(s->path, sizeof s->path, "%s_%s_%06d.bin", s->prefix, s->split, s->index++);
-    snprintf(s->tmp, sizeof s->tmp, "%s.tmp", s->path);
-    s->f = fopen(s->tmp, "wb");
-    if (!s->f) return errorf(err, "%s: cannot create: %s", s->tmp, strerror(errno));
-    static const int32_t zeros[SHARD_HEADER_INTS];
-    if (fwrite(zeros, sizeof zeros, 1, s->f) != 1)
-        return errorf(err, "%s: cannot write: %s", s->tmp, strerror(errno));
+    if (atomic_file_open(&s->af, s->path, err) != 0) return -1;
+    static const int32_t zeros[SHARD_HEADER_INTS];  // the header, written last
+    if (atomic_file_write(&s->af, zeros, sizeof zeros, err) != 0) return -1;
     s->n = 0;
     return 0;
 }
@@ -279,7 +276,7 @@ static int shard_put(ShardOut* s, const int32_t* ids, size_t n, char* err) {
     uint8_t buf[4096];
     size_t i = 0;
     while (i < n) {
-        if (!s->f && shard_open(s, err)) return -1;
+        if (!s->af.f && shard_open(s, err)) return -1;
         size_t room = (size_t)(s->limit - s->n);
         size_t k = n - i < room ? n - i : room;
         if (k > sizeof buf / (size_t)s->token_bytes) k = sizeof buf / (size_t)s->token_bytes;
@@ -292,8 +289,7 @@ static int shard_put(ShardOut* s, const int32_t* ids, size_t n, char* err) {
                 buf[j * 4 + 3] = (uint8_t)(v >> 24);
             }
         }
-        if (fwrite(buf, (size_t)s->token_bytes, k, s->f) != k)
-            return errorf(err, "%s: cannot write: %s", s->tmp, strerror(errno));
+        if (atomic_file_write(&s->af, buf, (size_t)s->token_bytes * k, err) != 0) return -1;
         s->n += (int64_t)k;
         i += k;
         if (s->n == s->limit && shard_close(s, err)) return -1;
@@ -302,10 +298,7 @@ static int shard_put(ShardOut* s, const int32_t* ids, size_t n, char* err) {
 }
 
 static void shard_abort(ShardOut* s) {
-    if (!s->f) return;
-    fclose(s->f);
-    s->f = NULL;
-    remove(s->tmp);
+    if (s->af.f) atomic_file_abort(&s->af);
 }
 
 // ----------------------------------------------------------------------------
@@ -350,9 +343,7 @@ static int run(const TokenizeShardsArgs* a, const Tokenizer* tok, TokenizeShards
     }
     // the document token
     int32_t eot = a->eot && a->eot[0] ? tokenizer_find(tok, a->eot, strlen(a->eot))
-                  : tok->bos_id >= 0  ? tok->bos_id
-                                      : tok->eos_id;
-    if (eot < 0 && !(a->eot && a->eot[0])) eot = tokenizer_find(tok, "<|endoftext|>", 13);
+                                      : tokenizer_document_token(tok);
     if (eot < 0)
         return errorf(err, a->eot && a->eot[0] ? "--eot '%s' is not a token of the tokenizer"
                                                : "%s: the tokenizer names no BOS or EOS token to "

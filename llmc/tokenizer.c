@@ -65,6 +65,12 @@ int32_t tokenizer_find(const Tokenizer* t, const char* s, size_t n) {
     return tok_vocab_find(t, (const uint8_t*)s, n);
 }
 
+int32_t tokenizer_document_token(const Tokenizer* t) {
+    if (t->bos_id >= 0) return t->bos_id;
+    if (t->eos_id >= 0) return t->eos_id;
+    return tokenizer_find(t, "<|endoftext|>", 13);
+}
+
 const uint8_t* tokenizer_piece(const Tokenizer* t, int32_t id, size_t* len) {
     if (id < 0 || id >= t->n_vocab) return NULL;
     *len = (size_t)(t->piece_off[id + 1] - t->piece_off[id]);

@@ -118,6 +118,10 @@ void tokenizer_free(Tokenizer* t);
 // The id of the token whose text is exactly s[0..n) (an added token's content first, then a
 // model token's bytes), or -1.
 int32_t tokenizer_find(const Tokenizer* t, const char* s, size_t n);
+// The token that starts every document: the BOS token, else the EOS token, else <|endoftext|>;
+// -1 when there is none. The shard tool puts it before each document, so the sample starts with
+// it too.
+int32_t tokenizer_document_token(const Tokenizer* t);
 
 // ----------------------------------------------------------------------------
 // encoding
@@ -178,8 +182,10 @@ int tokenizer_decode(const Tokenizer* t, const int32_t* ids, size_t n, int flags
 // writing (exports)
 
 // The tokenizer as GGUF tokenizer.ggml.* records (model "gpt2", pre, tokens, token_type, merges,
-// special ids, add_bos/add_eos), ready for gguf_writer_add_records.
-void tokenizer_gguf_records(const Tokenizer* t, GgufTokenizer* out);
+// special ids, add_bos/add_eos), ready for gguf_writer_add_records. n_vocab: the model's
+// vocabulary size; ids from t->n_vocab up to it are written as unused [PAD<id>] tokens, as
+// llama.cpp's converter does (llama.cpp's vocabulary must match the embedding's rows).
+void tokenizer_gguf_records(const Tokenizer* t, int32_t n_vocab, GgufTokenizer* out);
 // The tokenizer as an HF tokenizer.json (written atomically).
 int tokenizer_write_json(const Tokenizer* t, const char* path, char* err);
 // An HF model directory's tokenizer files: dir/tokenizer.json and dir/tokenizer_config.json

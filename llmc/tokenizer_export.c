@@ -52,7 +52,10 @@ static void rec_key(Rec* r, const char* key, uint32_t type) {
     rec_u32(r, type);
 }
 
-void tokenizer_gguf_records(const Tokenizer* t, GgufTokenizer* out) {
+void tokenizer_gguf_records(const Tokenizer* t, int32_t n_vocab, GgufTokenizer* out) {
+    // ids past the tokenizer's up to the model's vocabulary are holes too (llama.cpp takes the
+    // vocabulary size from the token list, and it must match the embedding's rows)
+    const int32_t n = n_vocab > t->n_vocab ? n_vocab : t->n_vocab;
     Rec r = {0};
     int64_t n_kv = 0;
     rec_key(&r, "tokenizer.ggml.model", GGUF_TYPE_STRING);
@@ -63,12 +66,12 @@ void tokenizer_gguf_records(const Tokenizer* t, GgufTokenizer* out) {
     // tokens (a hole becomes [PAD<id>], as llama.cpp's converter writes it)
     rec_key(&r, "tokenizer.ggml.tokens", GGUF_TYPE_ARRAY);
     rec_u32(&r, GGUF_TYPE_STRING);
-    rec_u64(&r, (uint64_t)t->n_vocab);
+    rec_u64(&r, (uint64_t)n);
     uint8_t* text = NULL;
     size_t text_n = 0, text_cap = 0;
-    for (int32_t i = 0; i < t->n_vocab; i++) {
+    for (int32_t i = 0; i < n; i++) {
         text_n = 0;
-        if (t->kind[i] == TOK_KIND_NONE) {
+        if (i >= t->n_vocab || t->kind[i] == TOK_KIND_NONE) {
             char pad[32];
             int k = snprintf(pad, sizeof pad, "[PAD%d]", i);
             tok_bytes_append(&text, &text_n, &text_cap, pad, (size_t)k);
@@ -79,9 +82,10 @@ void tokenizer_gguf_records(const Tokenizer* t, GgufTokenizer* out) {
     }
     rec_key(&r, "tokenizer.ggml.token_type", GGUF_TYPE_ARRAY);
     rec_u32(&r, GGUF_TYPE_INT32);
-    rec_u64(&r, (uint64_t)t->n_vocab);
-    for (int32_t i = 0; i < t->n_vocab; i++) {
-        uint32_t type = t->kind[i] == TOK_KIND_SPECIAL ? GGUF_TOK_CONTROL
+    rec_u64(&r, (uint64_t)n);
+    for (int32_t i = 0; i < n; i++) {
+        uint32_t type = i >= t->n_vocab                ? GGUF_TOK_UNUSED
+                        : t->kind[i] == TOK_KIND_SPECIAL ? GGUF_TOK_CONTROL
                         : t->kind[i] == TOK_KIND_ADDED ? GGUF_TOK_USER
                         : t->kind[i] == TOK_KIND_NONE  ? GGUF_TOK_UNUSED
                         : i == t->unk_id               ? GGUF_TOK_UNKNOWN

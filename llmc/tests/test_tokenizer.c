@@ -4,7 +4,9 @@
  * dev/tokenizer/make_fixtures.py), exact byte round trips (invalid UTF-8 included), GGUF
  * metadata (a record set built here, and the exports' records read back), the tokenizer.json
  * writer, error messages, the piece cache, the shard tool, and a fuzz smoke run of the
- * tokenizer fuzz target's entry point over its seeds and mutations.
+ * tokenizer fuzz target's entry point over its seeds and mutations. The tests through
+ * ./train_roundpipe (--tokenize; the prompt, sample and exports of a model with a tokenizer) are
+ * in test_tokenizer_cli.c.
  */
 #include <dirent.h>
 #include <stdlib.h>
@@ -550,7 +552,7 @@ static void test_tokenizer_export_roundtrip(TestCtx* t) {
         Tokenizer tok, back;
         if (load_style(t, STYLES[s], &tok)) continue;
         GgufTokenizer rec;
-        tokenizer_gguf_records(&tok, &rec);
+        tokenizer_gguf_records(&tok, tok.n_vocab, &rec);
         int rc = tokenizer_load_gguf_records(&back, &rec, "export.gguf", err);
         CHECK(t, rc == 0, "%s: GGUF records: %s", STYLES[s], err);
         if (rc == 0) {
@@ -770,7 +772,7 @@ static void test_tokenizer_parallel_chunks(TestCtx* t) {
             // the GPT-2 fixture's <mask> strips blanks, which forbids cuts; its GGUF form does not
             GgufTokenizer rec;
             char err[ERR_LEN];
-            tokenizer_gguf_records(&tok, &rec);
+            tokenizer_gguf_records(&tok, tok.n_vocab, &rec);
             CHECK(t, tokenizer_load_gguf_records(&gg, &rec, "gpt2.gguf", err) == 0, "%s", err);
             gguf_tokenizer_free(&rec);
             use = &gg;
@@ -1003,6 +1005,11 @@ static void test_tokenizer_shards_u32_and_errors(TestCtx* t) {
     CHECK(t, tokenize_shards_main(9, argv3) == 2, "bad value");
 }
 
+// through ./train_roundpipe (test_tokenizer_cli.c)
+void test_tokenizer_cli_tool(TestCtx* t);
+void test_tokenizer_cli_model(TestCtx* t);
+void test_tokenizer_cli_mismatch(TestCtx* t);
+
 const TestCase tests_tokenizer[] = {
     {"tokenizer_unicode", test_tokenizer_unicode},
     {"tokenizer_fixtures", test_tokenizer_fixtures},
@@ -1017,5 +1024,8 @@ const TestCase tests_tokenizer[] = {
     {"tokenizer_parallel_chunks", test_tokenizer_parallel_chunks},
     {"tokenizer_shards", test_tokenizer_shards},
     {"tokenizer_shards_u32_and_errors", test_tokenizer_shards_u32_and_errors},
+    {"tokenizer_cli_tool", test_tokenizer_cli_tool},
+    {"tokenizer_cli_model", test_tokenizer_cli_model},
+    {"tokenizer_cli_mismatch", test_tokenizer_cli_mismatch},
     {NULL, NULL},
 };
