@@ -34,7 +34,7 @@ static double plain_batch_gradients(Trainer* t, const int32_t* tokens) {
     const TrainArgs* a = t->a;
     const int T = a->seq;
     // Every micro-batch's gradient is scaled by 1/(tokens of the whole step), so the sum over
-    // micro-batches is the gradient of the step's mean loss (FORMATS_AND_MODELS.md §7).
+    // micro-batches is the gradient of the step's mean loss (docs/FORMATS.md §7.6).
     const float grad_scale = 1.0f / ((float)a->batch * (float)T);
     double loss_sum = 0.0;
     store_zero_grads(t->s);
@@ -165,7 +165,7 @@ int trainer_create(Trainer* t, const TrainArgs* a, const Model* m, Store* s, Tra
     t->hyper = (AdamWHyper){a->lr, a->beta1, a->beta2, a->eps, a->weight_decay};
     t->tokens = malloc_check((size_t)a->batch * (a->seq + 1) * sizeof(int32_t));
     // tok/s, MFU and bubble over as many steps as devices (log.h); MFU on GPUs only, from the
-    // model FLOPs per token (PERFORMANCE_MODEL.md §1)
+    // model FLOPs per token (docs/PERFORMANCE.md §1.1)
     log_meter_init(&t->meter, t->eng ? t->devs.n : 1, (double)a->batch * a->seq,
                    config_flops_per_token(&m->cfg, a->seq),
                    t->use_cuda ? LOG_PEAK_FLOPS_PER_GPU * N : 0.0);
