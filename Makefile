@@ -196,18 +196,20 @@ clean-san:
 	rm -rf $(TSAN_BUILD) $(ASAN_BUILD) test_roundpipe_tsan test_roundpipe_asan train_roundpipe_asan
 
 # ---- libFuzzer targets (dev/fuzz) ----
-# One binary per parser (json, safetensors, gguf, shard: build-fuzz/fuzz_<t>), built by clang with
-# -fsanitize=fuzzer,address,undefined, then run for FUZZ_SECONDS each from the committed seeds in
-# dev/fuzz/corpus/<t> (never modified: new inputs go to build-fuzz/corpus-<t>). `make test` runs
-# the same entry points over the seeds and mutations without libFuzzer (suite gguf).
+# One binary per parser (json, safetensors, gguf, shard, tokenizer: build-fuzz/fuzz_<t>), built by
+# clang with -fsanitize=fuzzer,address,undefined, then run for FUZZ_SECONDS each from the committed
+# seeds in dev/fuzz/corpus/<t> (never modified: new inputs go to build-fuzz/corpus-<t>). `make test`
+# runs the same entry points over the seeds and mutations without libFuzzer (suites gguf, tokenizer).
 FUZZ_CC ?= clang
 FUZZ_SECONDS ?= 30
-FUZZ_TARGETS := json safetensors gguf shard
+FUZZ_TARGETS := json safetensors gguf shard tokenizer
 FUZZ_BUILD := build-fuzz
 FUZZ_FLAGS := $(CFLAGS_BASE) -g -O1 -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined
 FUZZ_LIB := llmc/common.c llmc/json.c llmc/safetensors.c llmc/gguf_read.c llmc/gguf_quant.c \
             llmc/gguf_arch.c llmc/gguf_write.c llmc/config.c llmc/tensor.c \
             llmc/dataloader.c llmc/rng.c
+FUZZ_LIB += llmc/tokenizer.c llmc/tokenizer_load.c llmc/tokenizer_export.c llmc/unicode.c \
+            llmc/unicode_tables.c
 
 .PHONY: fuzz fuzz-build
 fuzz: fuzz-build

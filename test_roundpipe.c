@@ -43,6 +43,7 @@
     X(partition)   \
     X(engine)      \
     X(gguf)        \
+    X(tokenizer)   \
     X(resume)      \
     X(train)       \
     X(cli)

@@ -3,7 +3,8 @@
  * build the trainer (plain training on the CPU, or the RoundPipe engine over N devices), open the
  * data, train (step, log, checkpoint, evaluate), then sample and export. Every output is checked
  * before anything is loaded, --out is locked for the run, and SIGINT/SIGTERM stop it cleanly
- * (the step finishes, a checkpoint and the exports are written, exit 130/143).
+ * (the step finishes, a checkpoint and the exports are written, exit 130/143). `--tokenize` is a
+ * mode of its own: text into token shards (llmc/tokenize_shards.h).
  *
  *   make && ./train_roundpipe            trains the built-in tiny model on the shipped corpus
  *   ./train_roundpipe --help             every flag with its default
@@ -29,6 +30,7 @@
 #include "llmc/sample.h"
 #include "llmc/store.h"
 #include "llmc/threads.h"
+#include "llmc/tokenize_shards.h"
 #include "llmc/trainer.h"
 #ifdef HAVE_CUDA
 #include "kernels/kernels.h"
@@ -210,6 +212,8 @@ int main(int argc, char** argv) {
     char err[ERR_LEN];
     // line-buffered even into a file, so a killed run's log shows how far it got
     setvbuf(stdout, NULL, _IOLBF, 0);
+    // --tokenize IN... --tokenizer FILE --out-shards PREFIX: text to token shards, no training
+    if (tokenize_shards_requested(argc, argv)) return tokenize_shards_main(argc, argv);
 
     // 1. flags, then every output checked (and --out locked) before anything is loaded
     TrainArgs a;
@@ -244,6 +248,8 @@ int main(int argc, char** argv) {
         checkpoint_close_source(&src);
         return 0;
     }
+    // the tokenizer (tokenizer.json beside the model, or the GGUF's) for the prompt and exports
+    if (checkpoint_load_tokenizer(&src, err) != 0) fatal("%s", err);
     Store store;
     store_create(&store, &model.tt);
     char* args_json = args_to_json(&a);
@@ -322,7 +328,7 @@ int main(int argc, char** argv) {
 
     // 6. sample and export (interrupted: the exports of what was trained, no sample)
     if (a.sample_tokens > 0 && !sig)
-        sample_print(tr.plain, a.seq, a.sample_tokens, a.prompt, a.temperature, a.seed);
+        sample_print(tr.plain, a.seq, a.sample_tokens, a.prompt, a.temperature, a.seed, src.tok);
     if (!sig || done > start) export_model(&a, &model, &store, &src);
 
     checkpoint_close_source(&src);

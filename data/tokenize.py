@@ -26,6 +26,16 @@ Usage:
 with tokenizer files, or a hub name (downloaded by transformers if not cached).
 
 Requires Python 3 with the standard library and the `transformers` package.
+
+Without Python: the trainer has the same tool built in, with its own C tokenizer (byte-level BPE
+from a tokenizer.json or a .gguf: GPT-2, LLaMA-3, Qwen2/Qwen3), multi-threaded, id-exact with HF:
+
+    ./train_roundpipe --tokenize books/*.txt corpus.jsonl --tokenizer ./my_model_dir \
+        --out-shards out/mytext --val-frac 0.01
+
+It writes the same shard format and names; its validation split takes whole documents (a share
+of the tokens) instead of the first --val-tokens tokens. `./train_roundpipe --tokenize --help`
+lists its options.
 """
 
 import os
@@ -171,7 +181,9 @@ def load_tokenizer(name):
 def main():
     ap = argparse.ArgumentParser(
         description="Tokenize text files / .jsonl with a Hugging Face tokenizer into llm.c token "
-        "shards (<prefix>_val_000000.bin, <prefix>_train_000001.bin, ...).")
+        "shards (<prefix>_val_000000.bin, <prefix>_train_000001.bin, ...).",
+        epilog="Without Python or transformers: ./train_roundpipe --tokenize IN... --tokenizer FILE "
+        "--out-shards PREFIX [--val-frac X] does the same in C (see --tokenize --help).")
     ap.add_argument("inputs", nargs="+", help="text files (one document each) or .jsonl files")
     ap.add_argument("--tokenizer", required=True,
                     help="AutoTokenizer.from_pretrained() argument: local dir or hub name")
