@@ -43,10 +43,12 @@
     X(partition)   \
     X(engine)      \
     X(gguf)        \
+    X(tokenizer)   \
     X(resume)      \
     X(checksum)    \
     X(memory)      \
-    X(train)
+    X(train)       \
+    X(cli)
 
 #define DECLARE_SUITE(s) extern const TestCase tests_##s[] __attribute__((weak));
 SUITES(DECLARE_SUITE)

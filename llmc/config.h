@@ -1,9 +1,9 @@
 /*
  * config.h — model configuration: families, built-in presets, HF config.json parsing.
  *
- * One ModelConfig describes every family the trainer knows. Dimension letters follow STYLE.md:
- * V vocab, C model width, L layers, H query heads, KVH kv heads, HD head dim, F ffn width,
- * E experts, K experts per token. Fields a family does not use stay zero.
+ * One ModelConfig describes every family the trainer knows. Dimension letters follow
+ * docs/ARCHITECTURE.md §1.2: V vocab, C model width, L layers, H query heads, KVH kv heads, HD head
+ * dim, F ffn width, E experts, K experts per token. Fields a family does not use stay zero.
  */
 #ifndef LLMC_CONFIG_H
 #define LLMC_CONFIG_H
@@ -80,7 +80,7 @@ char* config_to_hf_json(const ModelConfig* cfg);
 float config_rope_inv_freq(const ModelConfig* cfg, float* inv_freq);
 
 // Parameter counts. n_mm counts matmul parameters per token (FLOP convention of
-// PERFORMANCE_MODEL.md; the LM head counts once even when tied).
+// docs/PERFORMANCE.md §1.1; the LM head counts once even when tied).
 int64_t config_num_params(const ModelConfig* cfg);
 int64_t config_num_matmul_params(const ModelConfig* cfg);
 // Model FLOPs per trained token at sequence length T: 6*N_mm + 6*L*T*H*HD.

@@ -328,7 +328,8 @@ static int config_scaling_and_experts(const GgufFile* f, const char* arch, Model
         arch_int(f, arch, "expert_feed_forward_length", 1, 1, GGUF_BIG, &c->F_expert, err))
         return -1;
     c->decoder_sparse_step = 1;
-    c->norm_topk_prob = c->family == FAMILY_QWEN3MOE;  // hard-coded by llama.cpp (§2.6)
+    // not stored in GGUF: hard-coded by llama.cpp (docs/FORMATS.md §4.2)
+    c->norm_topk_prob = c->family == FAMILY_QWEN3MOE;
     if (c->family == FAMILY_GPTOSS) {
         c->attention_bias = 1;
         c->swiglu_limit = 7.0f;
@@ -409,8 +410,9 @@ static const NameMap block_names[] = {
      "ffn_up.weight"},
     {FAM(FAMILY_LLAMA) | FAM(FAMILY_QWEN3) | FAM(FAMILY_QWEN3MOE), "mlp.down_proj.weight",
      "ffn_down.weight"},
-    // MoE routers and stacked experts (§2.7). The stacked GGUF tensors are [E, out, in] row-major;
-    // the HF forms differ per family (see GgufLayout notes in gguf_name_from_hf).
+    // MoE routers and stacked experts (docs/FORMATS.md §4.4). The stacked GGUF tensors are
+    // [E, out, in] row-major; the HF forms differ per family (see GgufLayout notes in
+    // gguf_name_from_hf).
     {FAM(FAMILY_QWEN3MOE), "mlp.gate.weight", "ffn_gate_inp.weight"},
     {FAM(FAMILY_QWEN3MOE), "mlp.experts.gate_up_proj", "ffn_gate_exps.weight"},
     {FAM(FAMILY_QWEN3MOE), "mlp.experts.down_proj", "ffn_down_exps.weight"},
@@ -521,7 +523,7 @@ int gguf_read_hf_tensor(const GgufFile* f, const ModelConfig* cfg, const TensorD
     }
     int permute = cfg->family == FAMILY_LLAMA && (d->kind == TK_WQ || d->kind == TK_WK);
     if (!permute) return gguf_tensor_to_f32(f, t, out, d->numel, err);
-    // llama.cpp permuted these rows for its adjacent-pair RoPE: undo it (§2.9)
+    // llama.cpp permuted these rows for its adjacent-pair RoPE: undo it (docs/FORMATS.md §4.4)
     int n_head = d->kind == TK_WQ ? cfg->H : cfg->KVH;
     float* tmp = malloc_check((size_t)d->numel * sizeof(float));
     int rc = gguf_tensor_to_f32(f, t, tmp, d->numel, err);
