@@ -1220,6 +1220,12 @@ int gguf_config(const GgufFile* f, ModelConfig* cfg, char* err) {
         const char* base = strrchr(f->path, '/');
         str_copy(c.name, sizeof c.name, base ? base + 1 : f->path);
     }
+    // The MoE math exists, but not the GGUF expert-tensor mapping (stacked ffn_*_exps, gpt-oss
+    // de-interleaving): refuse rather than fail on the first expert tensor.
+    if (config_is_moe(&c))
+        return errorf(err, "%s: %s: loading mixture-of-experts weights from GGUF is not "
+                           "implemented yet (use the HF safetensors checkpoint)",
+                      f->path, family_names[c.family]);
     char verr[ERR_LEN];
     if (config_validate(&c, verr) != 0) return errorf(err, "%s: %s", f->path, verr);
     *cfg = c;
