@@ -317,6 +317,10 @@ int main(int argc, char** argv) {
         checkpoint_close_source(&src);
         return 0;
     }
+    if (engine_run && config_is_moe(&model.cfg))
+        fatal("model family %s: mixture-of-experts models train only with --device cpu so far "
+              "(neither the RoundPipe engine nor the CUDA kernels run them yet)",
+              family_names[model.cfg.family]);
     Store store;
     store_create(&store, &model.tt);
     // weights: a training-state checkpoint (--resume), the source's, or a random init

@@ -60,9 +60,10 @@ static const Preset presets[] = {
     {"test-llama", FAMILY_LLAMA, 96, 48, 2, 4, 2, 12, 80, 1e-5f, 0, 5e5, ROPE_LLAMA3, 8.0, 32, 512, 1, 2},
     {"test-qwen3", FAMILY_QWEN3, 96, 48, 2, 4, 1, 16, 64, 1e-6f, 1, 1e6, ROPE_DEFAULT, 0, 0, 512, 1, 2},
     // Small MoE test models: 8 experts, top-2, the aux loss on; Qwen3-MoE with a dense middle
-    // block (mlp_only_layers [1]); GPT-OSS with a 4-token window, YaRN and biases.
+    // block (mlp_only_layers [1]); GPT-OSS with a 4-token window, YaRN and biases (C and F multiples
+// of 32, as MXFP4 needs).
     {"test-qwen3moe", FAMILY_QWEN3MOE, 96, 48, 3, 4, 2, 16, 64, 1e-6f, 0, 1e6, ROPE_DEFAULT, 0, 0, 512, 1, 2},
-    {"test-gptoss", FAMILY_GPTOSS, 96, 48, 2, 4, 2, 16, 32, 1e-5f, 0, 1e4, ROPE_YARN, 4.0, 64, 512, 1, 2},
+    {"test-gptoss", FAMILY_GPTOSS, 96, 64, 2, 4, 2, 16, 32, 1e-5f, 0, 1e4, ROPE_YARN, 4.0, 64, 512, 1, 2},
 };
 
 // Hub config.json values, the aux loss off as those files have it; the test models have 8

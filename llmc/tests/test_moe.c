@@ -15,9 +15,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../checkpoint.h"
 #include "../common.h"
 #include "../model.h"
 #include "../moe.h"
+#include "../mxfp4.h"
 #include "../ops.h"
 #include "../plain.h"
 #include "../rng.h"
@@ -995,6 +997,261 @@ static void test_moe_model_overfit(TestCtx* t) {
     }
 }
 
+// ----------------------------------------------------------------------------
+// checkpoints: the layouts HF files use, MXFP4, --dump-state names
+
+// A model of `preset` with the experts in `layout`, randomly initialised.
+static void layout_model(Model* m, Store* s, const char* preset, ExpertLayout layout,
+                         uint32_t seed) {
+    char err[ERR_LEN];
+    ModelConfig c;
+    config_from_preset(&c, preset, err);
+    c.expert_layout = layout;
+    if (model_init(m, &c, 0, err) != 0) fatal("model_init: %s", err);
+    store_create(s, &m->tt);
+    store_init_random(s, seed, 0.5f);
+}
+
+// Every parameter (or gradient) slab of two stores: identical bits.
+static int stores_equal(const Model* m, const Store* a, const Store* b, int grads) {
+    for (int l = 0; l < m->tt.n_layers; l++) {
+        int64_t n = grads ? m->tt.grad_numel[l] : m->tt.param_numel[l];
+        const float* x = grads ? a->grad[l] : a->param[l];
+        const float* y = grads ? b->grad[l] : b->param[l];
+        if (n > 0 && memcmp(x, y, (size_t)n * sizeof(float)) != 0) return 0;
+    }
+    return 1;
+}
+
+// Save in the model's layout, resolve the directory (the layout detected from the names), load:
+// the same parameters; the file holds the layout's names; the HF export (sharded) loads back too.
+static void layout_roundtrip(TestCtx* t, const char* preset, ExpertLayout layout,
+                             const char* must_have, const char* must_not_have) {
+    char dir[1024], err[ERR_LEN], path[1200];
+    snprintf(dir, sizeof dir, "%s/layout_%s_%d", t->tmpdir, preset, (int)layout);
+    Model m;
+    Store s;
+    layout_model(&m, &s, preset, layout, 41);
+    CHECK(t, checkpoint_save_hf(dir, &m, &s, err) == 0, "save: %s", err);
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    StFile f;
+    if (st_open(&f, path, err) != 0) {
+        CHECK(t, 0, "%s", err);
+    } else {
+        CHECK(t, st_find(&f, must_have) != NULL && st_find(&f, must_not_have) == NULL,
+              "%s layout %d: has %s, not %s", preset, (int)layout, must_have, must_not_have);
+        CHECK(t, f.n_tensors == m.tt.n_hf, "%d tensors written, the view has %d", f.n_tensors,
+              m.tt.n_hf);
+        st_close(&f);
+    }
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1) {  // the HF export, several shards
+            snprintf(dir + strlen(dir), sizeof dir - strlen(dir), "_export");
+            CHECK(t, checkpoint_export_hf(dir, &m, &s, EXPORT_F32, 20000, NULL, err) == 0,
+                  "export: %s", err);
+        }
+        ModelSource src;
+        if (checkpoint_resolve_model(&src, dir, err) != 0) {
+            CHECK(t, 0, "resolve %s: %s", dir, err);
+            continue;
+        }
+        CHECK(t, src.cfg.expert_layout == layout, "%s: layout detected %d, saved %d", dir,
+              (int)src.cfg.expert_layout, (int)layout);
+        Model m2;
+        Store s2;
+        if (model_init(&m2, &src.cfg, 0, err) != 0) {
+            CHECK(t, 0, "model_init: %s", err);
+            checkpoint_close_source(&src);
+            continue;
+        }
+        store_create(&s2, &m2.tt);
+        int unused = -1;
+        CHECK(t, checkpoint_load_weights(&src, &s2, &unused, err) == 0 && unused == 0,
+              "load %s: %s (unused %d)", dir, err, unused);
+        CHECK(t, m2.tt.total_params == m.tt.total_params && stores_equal(&m, &s, &s2, 0),
+              "%s: parameters differ after the round trip", dir);
+        store_free(&s2);
+        model_free(&m2);
+        checkpoint_close_source(&src);
+    }
+    store_free(&s);
+    model_free(&m);
+}
+
+static void test_moe_checkpoint_layouts(TestCtx* t) {
+    layout_roundtrip(t, "test-qwen3moe", EXPERTS_PER_EXPERT,
+                     "model.layers.2.mlp.experts.7.down_proj.weight",
+                     "model.layers.2.mlp.experts.gate_up_proj");
+    layout_roundtrip(t, "test-qwen3moe", EXPERTS_FUSED, "model.layers.2.mlp.experts.gate_up_proj",
+                     "model.layers.2.mlp.experts.0.gate_proj.weight");
+    layout_roundtrip(t, "test-gptoss", EXPERTS_GPTOSS,
+                     "model.layers.1.mlp.experts.gate_up_proj_bias",
+                     "model.layers.1.mlp.experts.0.gate_proj.weight");
+    // the dense middle block of test-qwen3moe has the dense MLP's names
+    Model m;
+    Store s;
+    layout_model(&m, &s, "test-qwen3moe", EXPERTS_PER_EXPERT, 1);
+    CHECK(t, tensor_table_find_hf_tensor(&m.tt, "model.layers.1.mlp.gate_proj.weight") >= 0 &&
+                 tensor_table_find_hf_tensor(&m.tt, "model.layers.1.mlp.gate.weight") < 0 &&
+                 tensor_table_find_hf_tensor(&m.tt, "model.layers.0.mlp.gate.weight") >= 0,
+          "dense and MoE blocks");
+    // per-expert views are slices of the fused tensors: expert 3's up_proj of block 2
+    int j = tensor_table_find_hf_tensor(&m.tt, "model.layers.2.mlp.experts.3.up_proj.weight");
+    int gu = tensor_table_index(&m.tt, TK_EXP_GATE_UP, 2);
+    const ModelConfig* c = &m.cfg;
+    CHECK(t, j >= 0 && m.tt.hf[j].index == gu &&
+                 m.tt.hf[j].offset == (int64_t)(2 * 3 + 1) * c->F_expert * c->C &&
+                 m.tt.hf[j].shape[0] == c->F_expert && m.tt.hf[j].shape[1] == c->C,
+          "per-expert slice");
+    CHECK(t, m.tt.total_params == config_num_params(c), "table %lld vs config %lld",
+          (long long)m.tt.total_params, (long long)config_num_params(c));
+    store_free(&s);
+    model_free(&m);
+    layout_model(&m, &s, "test-gptoss", EXPERTS_GPTOSS, 1);
+    CHECK(t, m.tt.total_params == config_num_params(&m.cfg), "gptoss table %lld vs config %lld",
+          (long long)m.tt.total_params, (long long)config_num_params(&m.cfg));
+    int sinks = tensor_table_index(&m.tt, TK_SINKS, 0), bq = tensor_table_index(&m.tt, TK_BQ, 1);
+    int gub = tensor_table_index(&m.tt, TK_EXP_GATE_UP_BIAS, 0);
+    CHECK(t, sinks >= 0 && !m.tt.t[sinks].decay && bq >= 0 && !m.tt.t[bq].decay && gub >= 0 &&
+                 !m.tt.t[gub].decay && m.tt.t[tensor_table_index(&m.tt, TK_EXP_DOWN, 0)].decay,
+          "decay: expert matrices only, not biases or sinks");
+    store_free(&s);
+    model_free(&m);
+}
+
+// GPT-OSS experts as the hub stores them (MXFP4 blocks and scales): dequantised on load to what
+// HF's convert_moe_packed_tensors gives, evaluated here directly from the bytes.
+static void test_moe_mxfp4_load(TestCtx* t) {
+    char dir[1024], err[ERR_LEN], path[1200];
+    snprintf(dir, sizeof dir, "%s/mxfp4", t->tmpdir);
+    Model m;
+    Store s;
+    layout_model(&m, &s, "test-gptoss", EXPERTS_GPTOSS, 43);
+    CHECK(t, checkpoint_save_hf(dir, &m, &s, err) == 0, "save: %s", err);
+    // rewrite model.safetensors: the expert matrices as _blocks / _scales
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    StWriter w;
+    st_writer_init(&w);
+    Rng r;
+    rng_seed(&r, 44);
+    const ModelConfig* c = &m.cfg;
+    uint8_t* bytes[16] = {0};
+    int nb = 0;
+    float* expect[4] = {0};
+    int ne = 0;
+    for (int j = 0; j < m.tt.n_hf; j++) {
+        const HfTensor* v = &m.tt.hf[j];
+        const TensorKind kind = m.tt.t[v->index].kind;
+        if (kind != TK_EXP_GATE_UP && kind != TK_EXP_DOWN) {
+            st_writer_add(&w, v->name, ST_F32, v->ndim, v->shape,
+                          store_param(&s, v->index) + v->offset);
+            continue;
+        }
+        // [E, cols, rows] parameter <- blocks [E, rows, cols/32, 16], scales [E, rows, cols/32]
+        const int64_t E = v->shape[0], cols = v->shape[1], rows = v->shape[2], G = cols / 32;
+        CHECK(t, cols % 32 == 0, "%s: %lld columns", v->name, (long long)cols);
+        uint8_t* blk = malloc_check((size_t)(E * rows * G * 16));
+        uint8_t* scl = malloc_check((size_t)(E * rows * G));
+        for (int64_t i = 0; i < E * rows * G * 16; i++) blk[i] = (uint8_t)rng_below(&r, 256);
+        for (int64_t i = 0; i < E * rows * G; i++) scl[i] = (uint8_t)(120 + rng_below(&r, 12));
+        float* ex = malloc_check((size_t)(E * cols * rows) * sizeof(float));
+        const float lut[16] = {0, .5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -.5f, -1, -1.5f, -2, -3, -4, -6};
+        for (int64_t e = 0; e < E; e++)
+            for (int64_t cc = 0; cc < cols; cc++)
+                for (int64_t rr = 0; rr < rows; rr++) {
+                    const int64_t g = cc / 32, b = (cc % 32) / 2;
+                    uint8_t byte = blk[((e * rows + rr) * G + g) * 16 + b];
+                    unsigned code = cc % 2 ? byte >> 4 : byte & 15;
+                    ex[(e * cols + cc) * rows + rr] =
+                        lut[code] * powf(2.0f, (float)scl[(e * rows + rr) * G + g] - 127.0f);
+                }
+        char* bn = malloc_check(128);
+        char* sn = malloc_check(128);
+        snprintf(bn, 128, "%s_blocks", v->name);
+        snprintf(sn, 128, "%s_scales", v->name);
+        int64_t bshape[4] = {E, rows, G, 16}, sshape[3] = {E, rows, G};
+        st_writer_add(&w, bn, ST_U8, 4, bshape, blk);
+        st_writer_add(&w, sn, ST_U8, 3, sshape, scl);
+        if (nb <= 12) {  // freed after the file is written
+            bytes[nb++] = blk, bytes[nb++] = scl;
+            bytes[nb++] = (uint8_t*)bn, bytes[nb++] = (uint8_t*)sn;
+        }
+        if (ne < 4) {  // test-gptoss: 2 blocks x 2 expert matrices
+            expect[ne++] = ex;
+        } else {
+            CHECK(t, 0, "test-gptoss has more expert matrices than expected");
+            free(ex);
+        }
+    }
+    CHECK(t, st_writer_write(&w, path, err) == 0, "%s", err);
+    st_writer_free(&w);
+    for (int k = 0; k < nb; k++) free(bytes[k]);
+    ModelSource src;
+    if (checkpoint_resolve_model(&src, dir, err) != 0) {
+        CHECK(t, 0, "resolve: %s", err);
+    } else {
+        Model m2;
+        Store s2;
+        model_init(&m2, &src.cfg, 0, err);
+        store_create(&s2, &m2.tt);
+        int unused = -1;
+        CHECK(t, checkpoint_load_weights(&src, &s2, &unused, err) == 0 && unused == 0,
+              "mxfp4 load: %s (unused %d)", err, unused);
+        int k = 0, ok = 1;
+        for (int j = 0; j < m2.tt.n_hf && k < ne; j++) {
+            const HfTensor* v = &m2.tt.hf[j];
+            const TensorKind kind = m2.tt.t[v->index].kind;
+            if (kind != TK_EXP_GATE_UP && kind != TK_EXP_DOWN) continue;
+            ok &= memcmp(store_param(&s2, v->index), expect[k], (size_t)v->numel * 4) == 0;
+            k++;
+        }
+        CHECK(t, k == 4 && ne == 4 && ok, "dequantised experts differ from HF's formula (%d tensors)", k);
+        // everything else is the float source
+        const int bias = tensor_table_index(&m2.tt, TK_EXP_DOWN_BIAS, 1);
+        CHECK(t, memcmp(store_param(&s2, bias), store_param(&s, bias),
+                        (size_t)m2.tt.t[bias].numel * 4) == 0,
+              "biases load as they are");
+        store_free(&s2);
+        model_free(&m2);
+        checkpoint_close_source(&src);
+    }
+    for (int k = 0; k < ne; k++) free(expect[k]);
+    (void)c;
+    store_free(&s);
+    model_free(&m);
+}
+
+// --dump-state of an MoE model writes grad.<checkpoint name> for every HF tensor, in the layout
+// the source used (hub per-expert names for test-qwen3moe), and the loss is CE + coef · aux.
+static void test_moe_dump_state_cli(TestCtx* t) {
+    char dir[1024], dump[1024], args[4096], err[ERR_LEN];
+    snprintf(dir, sizeof dir, "%s/moe_cli_model", t->tmpdir);
+    snprintf(args, sizeof args, "--model test-qwen3moe --steps 2 --batch 2 --seq 16 --val '' "
+                                "--out '%s'", dir);
+    CHECK(t, test_run_cli(t, "moe_train", args) == 0, "train + save failed");
+    snprintf(dump, sizeof dump, "%s/moe_dump.safetensors", t->tmpdir);
+    snprintf(args, sizeof args, "--model '%s' --batch 2 --seq 16 --dump-state '%s'", dir, dump);
+    CHECK(t, test_run_cli(t, "moe_dump", args) == 0, "dump-state failed");
+    StFile d;
+    if (st_open(&d, dump, err) != 0) {
+        CHECK(t, 0, "%s", err);
+        return;
+    }
+    CHECK(t, st_find(&d, "grad.model.layers.0.mlp.experts.5.gate_proj.weight") &&
+                 st_find(&d, "grad.model.layers.2.mlp.gate.weight") &&
+                 st_find(&d, "grad.model.layers.1.mlp.down_proj.weight") &&
+                 !st_find(&d, "grad.model.layers.0.mlp.experts.gate_up_proj"),
+          "per-expert gradient names");
+    ModelConfig c;
+    config_from_preset(&c, "test-qwen3moe", err);
+    Model m;
+    model_init(&m, &c, 0, err);
+    CHECK(t, d.n_tensors == m.tt.n_hf + 1, "%d tensors, expected %d gradients + loss",
+          d.n_tensors, m.tt.n_hf);
+    model_free(&m);
+    st_close(&d);
+}
+
 const TestCase tests_moe[] = {
     {"moe_route", test_moe_route},
     {"moe_dispatch_combine", test_moe_dispatch_combine},
@@ -1006,5 +1263,8 @@ const TestCase tests_moe[] = {
     {"moe_model_aux_loss", test_moe_model_aux_loss},
     {"moe_model_recompute_threads", test_moe_model_recompute_threads},
     {"moe_model_overfit", test_moe_model_overfit},
+    {"moe_checkpoint_layouts", test_moe_checkpoint_layouts},
+    {"moe_mxfp4_load", test_moe_mxfp4_load},
+    {"moe_dump_state_cli", test_moe_dump_state_cli},
     {NULL, NULL},
 };
