@@ -142,7 +142,8 @@ size_t workspace_bytes(const Model* m, int act_bytes, int B, int T, int n_acts) 
     const size_t mlp_rows = chunk > 0 ? (size_t)chunk : N;  // rows of the MLP gradient scratch
     const size_t per_set = workspace_act_set_bytes(m, act_bytes, B, T);
     const size_t row = C > (size_t)m->QKV ? C : (size_t)m->QKV;
-    size_t scratch = 2 * N * row * ab + 3 * mlp_rows * F * ab + N * sizeof(float) +
+    const size_t dense_rows = m->n_moe < c->L ? mlp_rows : 0;  // the dense MLP's gradient scratch
+    size_t scratch = 2 * N * row * ab + 3 * dense_rows * F * ab + N * sizeof(float) +
                      (size_t)lm_chunk_rows(m, act_bytes, B, T) * c->V * ab;
     if (chunk > 0)  // the MLP chunk's scratch, and the recomputed ln1 / h, qkv_raw, qkv, rstds
         scratch += (size_t)chunk * (C + 3 * F) * ab + (size_t)chunk * sizeof(float) +
@@ -216,8 +217,10 @@ Workspace* workspace_create(const Model* m, const Ops* ops, void* ctx, int B, in
     ws->d_qkv = ws->row_b;
     ws->mlp_chunk = mlp_chunk_rows(m, B, T);
     const size_t mlp_rows = ws->mlp_chunk > 0 ? (size_t)ws->mlp_chunk : N;
-    ws->d_act = ops->alloc(ctx, mlp_rows * F * ab);
-    ws->d_gu = ops->alloc(ctx, mlp_rows * 2 * F * ab);
+    if (m->n_moe < c->L) {  // some block has the dense MLP (MoE blocks use ws->moe)
+        ws->d_act = ops->alloc(ctx, mlp_rows * F * ab);
+        ws->d_gu = ops->alloc(ctx, mlp_rows * 2 * F * ab);
+    }
     if (ws->mlp_chunk > 0) {
         ws->ln2_c = ops->alloc(ctx, mlp_rows * C * ab);
         ws->rstd2_c = ops->alloc(ctx, mlp_rows * sizeof(float));
@@ -257,7 +260,8 @@ void workspace_free(Workspace* ws) {
     if (ws->moe_counts) ops->free(ctx, ws->moe_counts);
     void* bufs[] = {ws->rope_cos, ws->rope_sin, ws->row_a, ws->row_b, ws->d_act, ws->d_gu,
                     ws->rstdf, ws->logits};
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) ops->free(ctx, bufs[i]);
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        if (bufs[i]) ops->free(ctx, bufs[i]);
     void* chunk_bufs[] = {ws->ln2_c,  ws->rstd2_c,    ws->gu_c,  ws->act_c,    ws->ln1_h,
                           ws->qkv_raw_s, ws->rstd1_s, ws->qkv_s, ws->rstd_qk_s};
     for (size_t i = 0; i < sizeof chunk_bufs / sizeof chunk_bufs[0]; i++)

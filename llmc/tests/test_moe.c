@@ -14,7 +14,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
+#include "../adamw.h"
 #include "../checkpoint.h"
 #include "../common.h"
 #include "../model.h"
@@ -1252,6 +1254,271 @@ static void test_moe_dump_state_cli(TestCtx* t) {
     st_close(&d);
 }
 
+// The loss printed on stdout's "step <k>/<n> | loss X" line of a CLI run (NAN if absent).
+static double step_loss(TestCtx* t, const char* tag, int k, int n) {
+    char* out = test_read_output(t, tag, "out");
+    char key[64];
+    snprintf(key, sizeof key, "step %5d/%d | loss ", k, n);
+    const char* at = strstr(out, key);
+    double v = at ? strtod(at + strlen(key), NULL) : NAN;
+    free(out);
+    return v;
+}
+
+// Resume is bit-exact for both families (the HF-view weights and the table-named optimizer
+// state of a per-expert Qwen3-MoE checkpoint): 4 steps straight vs 2 + resume.
+static void test_moe_resume_cli(TestCtx* t) {
+    const char* presets[2] = {"test-qwen3moe", "test-gptoss"};
+    for (int k = 0; k < 2; k++) {
+        char a[1024], b[1024], args[4096], tag[64];
+        snprintf(a, sizeof a, "%s/moe_resume_a%d", t->tmpdir, k);
+        snprintf(b, sizeof b, "%s/moe_resume_b%d", t->tmpdir, k);
+        const char* common = "--steps 4 --batch 4 --seq 32 --val '' --save-every 2";
+        snprintf(args, sizeof args, "--model %s %s --out '%s'", presets[k], common, a);
+        snprintf(tag, sizeof tag, "moe_straight%d", k);
+        CHECK(t, test_run_cli(t, tag, args) == 0, "%s straight run", presets[k]);
+        const double l3 = step_loss(t, tag, 3, 4), l4 = step_loss(t, tag, 4, 4);
+        snprintf(args, sizeof args, "--model %s %s --out '%s'", presets[k], common, b);
+        CHECK(t, test_run_cli(t, "moe_first", args) == 0, "%s first run", presets[k]);
+        char cmd[2200];
+        snprintf(cmd, sizeof cmd, "rm -rf '%s/step_4'", b);
+        CHECK(t, system(cmd) == 0, "rm");
+        snprintf(args, sizeof args, "--model %s %s --out '%s' --resume", presets[k], common, b);
+        snprintf(tag, sizeof tag, "moe_resumed%d", k);
+        CHECK(t, test_run_cli(t, tag, args) == 0, "%s resumed run", presets[k]);
+        const double r3 = step_loss(t, tag, 3, 4), r4 = step_loss(t, tag, 4, 4);
+        CHECK(t, isfinite(l3) && l3 == r3 && l4 == r4, "%s: straight %.6f %.6f, resumed %.6f %.6f",
+              presets[k], l3, l4, r3, r4);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// HF parity (dev/parity/make_moe_fixtures.py): loss, its CE and aux parts, every gradient under
+// the checkpoint's own names, an 8-step AdamW trajectory. Skipped until the fixtures exist.
+
+static float moe_meta_float(const StFile* f, const char* key) {
+    const char* v = st_meta(f, key);
+    double d = NAN;
+    if (!v || parse_double(v, &d) != 0) return NAN;
+    return (float)d;
+}
+
+static float fixture_scalar(const StFile* f, const char* name) {
+    char err[ERR_LEN];
+    float v = NAN;
+    const StTensor* x = st_find(f, name);
+    if (x && x->numel == 1) st_tensor_to_f32(x, &v, 1, err);
+    return v;
+}
+
+// The fixture in dir (config.json, model.safetensors, expected.safetensors): as testing.c's
+// test_parity_open, for any directory. 0, or -1 after a failed CHECK.
+static int open_fixture_dir(TestCtx* t, const char* dir, ParityFixture* f) {
+    char path[4300], err[ERR_LEN];
+    memset(f, 0, sizeof *f);
+    ModelSource src;
+    if (checkpoint_resolve_model(&src, dir, err) != 0) {
+        CHECK(t, 0, "%s", err);
+        return -1;
+    }
+    if (model_init(&f->m, &src.cfg, 0, err) != 0) {
+        CHECK(t, 0, "%s", err);
+        checkpoint_close_source(&src);
+        return -1;
+    }
+    store_create(&f->s, &f->m.tt);
+    int unused = -1;
+    CHECK(t, checkpoint_load_weights(&src, &f->s, &unused, err) == 0 && unused == 0, "load: %s",
+          err);
+    checkpoint_close_source(&src);
+    snprintf(path, sizeof path, "%s/expected.safetensors", dir);
+    if (st_open(&f->ex, path, err) != 0) {
+        CHECK(t, 0, "%s", err);
+        store_free(&f->s);
+        model_free(&f->m);
+        return -1;
+    }
+    const StTensor* tok = st_find(&f->ex, "tokens");
+    if (!(tok && tok->dtype == ST_I32 && tok->ndim == 2 && tok->shape[1] >= 2)) {
+        CHECK(t, 0, "%s: no (B, T + 1) int32 tokens tensor", path);
+        test_parity_close(f);
+        return -1;
+    }
+    f->B = (int)tok->shape[0];
+    f->T = (int)tok->shape[1] - 1;
+    f->tokens = malloc_check((size_t)f->B * (f->T + 1) * sizeof(int32_t));
+    memcpy(f->tokens, tok->data, (size_t)f->B * (f->T + 1) * sizeof(int32_t));
+    f->ref_loss = fixture_scalar(&f->ex, "loss");
+    return 0;
+}
+
+static void moe_parity_dir(TestCtx* t, const char* dir, const char* name) {
+    char err[ERR_LEN];
+    ParityFixture f;
+    if (open_fixture_dir(t, dir, &f) != 0) return;
+    const int B = f.B, T = f.T;
+    const double N = (double)B * T;
+    CHECK(t, config_is_moe(&f.m.cfg) && f.m.cfg.output_router_logits &&
+                 fabs(f.m.cfg.router_aux_loss_coef - moe_meta_float(&f.ex, "aux_coef")) < 1e-9,
+          "%s: an MoE config with the fixture's aux coefficient", name);
+    void* ctx = ops_cpu_create(t->n_threads);
+    Plain* p = plain_create(&f.m, &f.s, &ops_cpu, ctx, B, T, 0);
+
+    // loss, its parts, gradients
+    store_zero_grads(&f.s);
+    double loss = plain_forward_backward(p, f.tokens, B, T, (float)(1.0 / N)) / N;
+    store_fold_tied_grads(&f.s);
+    const float ce = fixture_scalar(&f.ex, "ce"), aux = fixture_scalar(&f.ex, "aux");
+    CHECK(t, fabs(loss - f.ref_loss) <= 1e-5 * fabs(f.ref_loss), "%s loss %.9g vs HF %.9g", name,
+          loss, f.ref_loss);
+    CHECK(t, fabs(p->ce_sum / N - ce) <= 1e-5 * fabs(ce), "%s ce %.9g vs HF %.9g", name,
+          p->ce_sum / N, ce);
+    CHECK(t, fabs(p->aux - aux) <= 1e-5 * fabs(aux), "%s aux %.9g vs HF %.9g", name, p->aux, aux);
+    int n_grads = 0;
+    for (int j = 0; j < f.m.tt.n_hf; j++) {
+        const HfTensor* v = &f.m.tt.hf[j];
+        char gname[160];
+        snprintf(gname, sizeof gname, "grad.%s", v->name);
+        const StTensor* g = st_find(&f.ex, gname);
+        CHECK(t, g != NULL && g->numel == v->numel, "%s: %s missing or misshapen", name, gname);
+        if (!g || g->numel != v->numel) continue;
+        float* ref = malloc_check((size_t)v->numel * sizeof(float));
+        st_tensor_to_f32(g, ref, v->numel, err);
+        double e = rel_l2_error(store_grad(&f.s, v->index) + v->offset, ref, (size_t)v->numel);
+        CHECK(t, e <= 1e-4, "%s %s: gradient relative L2 error %.3g vs HF", name, v->name, e);
+        free(ref);
+        n_grads++;
+    }
+    int n_expected = 0;
+    for (int k = 0; k < f.ex.n_tensors; k++)
+        n_expected += strncmp(f.ex.tensors[k].name, "grad.", 5) == 0;
+    CHECK(t, n_grads == n_expected, "%s: compared %d of %d fixture gradients", name, n_grads,
+          n_expected);
+
+    // AdamW trajectory: the loss before each of 8 updates on the same batch
+    const StTensor* traj = st_find(&f.ex, "traj_loss");
+    float ref_traj[8];
+    CHECK(t, traj && traj->numel == 8 && st_tensor_to_f32(traj, ref_traj, 8, err) == 0,
+          "traj_loss");
+    AdamWTensor* opt = malloc_check((size_t)f.m.tt.n * sizeof(AdamWTensor));
+    int n_opt = store_adamw_tensors(&f.s, opt);
+    AdamWHyper h = {moe_meta_float(&f.ex, "lr"), moe_meta_float(&f.ex, "beta1"),
+                    moe_meta_float(&f.ex, "beta2"), moe_meta_float(&f.ex, "eps"),
+                    moe_meta_float(&f.ex, "weight_decay")};
+    float clip = moe_meta_float(&f.ex, "grad_clip");
+    CHECK(t, isfinite(h.lr) && isfinite(h.weight_decay) && isfinite(clip), "fixture metadata");
+    ThreadPool* pool = threadpool_create(t->n_threads);
+    double worst = 0;
+    for (int step = 1; step <= 8 && traj; step++) {
+        store_zero_grads(&f.s);
+        double l = plain_forward_backward(p, f.tokens, B, T, (float)(1.0 / N)) / N;
+        store_fold_tied_grads(&f.s);
+        double diff = fabs(l - ref_traj[step - 1]);
+        if (diff > worst) worst = diff;
+        double norm = sqrt(adamw_grad_norm_sq(pool, opt, n_opt));
+        adamw_step(pool, opt, n_opt, &h, step, adamw_clip_scale(norm, clip));
+    }
+    CHECK(t, worst <= 1e-4, "%s: AdamW trajectory differs by up to %.3g", name, worst);
+    threadpool_destroy(pool);
+    free(opt);
+    plain_free(p);
+    ops_cpu_destroy(ctx);
+    test_parity_close(&f);
+}
+
+static void moe_parity(TestCtx* t, const char* name) {
+    char dir[4200], path[4300];
+    snprintf(dir, sizeof dir, "%s/dev/parity/fixtures/%s", t->exe_dir, name);
+    snprintf(path, sizeof path, "%s/expected.safetensors", dir);
+    if (!file_exists(path)) {
+        printf("  moe_parity_%s: skipped: no fixture yet (python3 dev/parity/make_moe_fixtures.py "
+               "writes dev/parity/fixtures/%s)\n", name, name);
+        return;
+    }
+    moe_parity_dir(t, dir, name);
+}
+
+static void test_moe_parity_qwen3moe(TestCtx* t) { moe_parity(t, "qwen3moe"); }
+static void test_moe_parity_gptoss(TestCtx* t) { moe_parity(t, "gptoss"); }
+
+// The parity test's plumbing on a fixture written here in the script's format from our own
+// results (names of the hub per-expert layout, the metadata keys, ce / aux / traj tensors): it
+// must pass exactly. Guards the test itself until the HF fixtures are committed.
+static void test_moe_parity_selfcheck(TestCtx* t) {
+    const char* presets[2] = {"test-qwen3moe", "test-gptoss"};
+    for (int k = 0; k < 2; k++) {
+        char dir[1024], path[1200], err[ERR_LEN];
+        snprintf(dir, sizeof dir, "%s/selfcheck_%d", t->tmpdir, k);
+        Model m;
+        Store s;
+        layout_model(&m, &s, presets[k], k ? EXPERTS_GPTOSS : EXPERTS_PER_EXPERT, 51);
+        CHECK(t, checkpoint_save_hf(dir, &m, &s, err) == 0, "%s", err);
+        const int B = 2, T = 9;
+        const double N = (double)B * T;
+        int32_t tokens[2 * 10];
+        Rng r;
+        rng_seed(&r, 52);
+        for (int i = 0; i < B * (T + 1); i++) tokens[i] = (int32_t)rng_below(&r, (uint64_t)m.cfg.V);
+        void* ctx = ops_cpu_create(t->n_threads);
+        Plain* p = plain_create(&m, &s, &ops_cpu, ctx, B, T, 0);
+        store_zero_grads(&s);
+        float loss = (float)(plain_forward_backward(p, tokens, B, T, (float)(1.0 / N)) / N);
+        float ce = (float)(p->ce_sum / N), aux = (float)p->aux;
+        store_fold_tied_grads(&s);
+        snprintf(path, sizeof path, "%s/grads.safetensors", dir);
+        CHECK(t, checkpoint_dump_state(path, &m, &s, loss, err) == 0, "%s", err);
+        // the trajectory with the script's hyper-parameters
+        AdamWTensor* opt = malloc_check((size_t)m.tt.n * sizeof(AdamWTensor));
+        int n_opt = store_adamw_tensors(&s, opt);
+        AdamWHyper h = {1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f};
+        ThreadPool* pool = threadpool_create(t->n_threads);
+        float traj[8];
+        for (int step = 1; step <= 8; step++) {
+            store_zero_grads(&s);
+            traj[step - 1] = (float)(plain_forward_backward(p, tokens, B, T, (float)(1.0 / N)) / N);
+            store_fold_tied_grads(&s);
+            double norm = sqrt(adamw_grad_norm_sq(pool, opt, n_opt));
+            adamw_step(pool, opt, n_opt, &h, step, adamw_clip_scale(norm, 1.0f));
+        }
+        threadpool_destroy(pool);
+        free(opt);
+        plain_free(p);
+        ops_cpu_destroy(ctx);
+        // expected.safetensors: tokens, loss, ce, aux, traj_loss and the dumped grad.* tensors
+        StFile g;
+        if (st_open(&g, path, err) != 0) {
+            CHECK(t, 0, "%s", err);
+        } else {
+            StWriter w;
+            st_writer_init(&w);
+            int64_t tshape[2] = {B, T + 1}, one = 1, eight = 8;
+            st_writer_add(&w, "tokens", ST_I32, 2, tshape, tokens);
+            st_writer_add(&w, "loss", ST_F32, 1, &one, &loss);
+            st_writer_add(&w, "ce", ST_F32, 1, &one, &ce);
+            st_writer_add(&w, "aux", ST_F32, 1, &one, &aux);
+            st_writer_add(&w, "traj_loss", ST_F32, 1, &eight, traj);
+            for (int i = 0; i < g.n_tensors; i++)
+                if (strncmp(g.tensors[i].name, "grad.", 5) == 0)
+                    st_writer_add(&w, g.tensors[i].name, ST_F32, g.tensors[i].ndim,
+                                  g.tensors[i].shape, g.tensors[i].data);
+            const char* meta[][2] = {{"lr", "0.01"}, {"beta1", "0.9"}, {"beta2", "0.95"},
+                                     {"eps", "1e-08"}, {"weight_decay", "0.1"},
+                                     {"grad_clip", "1.0"}, {"aux_coef", "0.01"}};
+            for (size_t i = 0; i < sizeof meta / sizeof meta[0]; i++)
+                st_writer_meta(&w, meta[i][0], meta[i][1]);
+            snprintf(path, sizeof path, "%s/expected.safetensors", dir);
+            CHECK(t, st_writer_write(&w, path, err) == 0, "%s", err);
+            st_writer_free(&w);
+            st_close(&g);
+        }
+        snprintf(path, sizeof path, "%s/grads.safetensors", dir);
+        unlink(path);
+        moe_parity_dir(t, dir, presets[k]);
+        store_free(&s);
+        model_free(&m);
+    }
+}
+
 const TestCase tests_moe[] = {
     {"moe_route", test_moe_route},
     {"moe_dispatch_combine", test_moe_dispatch_combine},
@@ -1266,5 +1533,9 @@ const TestCase tests_moe[] = {
     {"moe_checkpoint_layouts", test_moe_checkpoint_layouts},
     {"moe_mxfp4_load", test_moe_mxfp4_load},
     {"moe_dump_state_cli", test_moe_dump_state_cli},
+    {"moe_resume_cli", test_moe_resume_cli},
+    {"moe_parity_qwen3moe", test_moe_parity_qwen3moe},
+    {"moe_parity_gptoss", test_moe_parity_gptoss},
+    {"moe_parity_selfcheck", test_moe_parity_selfcheck},
     {NULL, NULL},
 };
