@@ -132,10 +132,15 @@ def gptoss_spec():
 
 def force_eager_experts(model):
     # transformers 5 may run the experts through grouped_mm kernels; the reference is the loop
+    if getattr(model.config, "_experts_implementation", None) in (None, "eager"):
+        return
     setter = getattr(model, "set_experts_implementation", None)
-    if callable(setter):
-        setter("eager")
-    elif hasattr(model.config, "_experts_implementation"):
+    try:
+        if callable(setter):
+            setter("eager")
+        else:
+            model.config._experts_implementation = "eager"
+    except Exception:  # noqa: BLE001 -- an API variant: set the attribute the experts read
         model.config._experts_implementation = "eager"
     impl = getattr(model.config, "_experts_implementation", None)
     assert impl in (None, "eager"), f"experts implementation {impl}"
