@@ -92,7 +92,7 @@ DECAY_NOTE = (
 
 
 def qwen3moe_spec():
-    cfg = Qwen3MoeConfig(
+    kwargs = dict(
         vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
         max_position_embeddings=128, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
@@ -103,10 +103,16 @@ def qwen3moe_spec():
         router_aux_loss_coef=AUX_COEF, bos_token_id=1, eos_token_id=2, pad_token_id=None,
         dtype="float32", attn_implementation="eager",
     )
-    try:  # head_dim != hidden/heads, as the real models have (not a constructor field everywhere)
+    cfg = Qwen3MoeConfig(**kwargs)
+    # head_dim != hidden/heads, as the real models have; not a constructor field in every release,
+    # and useless unless config.json records it (the C side reads it from there)
+    try:
         cfg.head_dim = 32
-    except Exception:  # noqa: BLE001 -- then head_dim = hidden/heads = 16, also a valid fixture
-        pass
+        if cfg.to_dict().get("head_dim") != 32:
+            raise ValueError("head_dim is not serialised")
+    except Exception as e:  # noqa: BLE001 -- then head_dim = hidden/heads = 16, also valid
+        print(f"  qwen3moe: keeping head_dim = hidden/heads ({e})")
+        cfg = Qwen3MoeConfig(**kwargs)
     return {"name": "qwen3moe", "cfg": cfg, "cls": Qwen3MoeForCausalLM, "seed": 3003,
             "rope": {"rope_type": "default", "rope_theta": 1e6}}
 
