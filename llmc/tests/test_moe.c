@@ -1375,6 +1375,8 @@ static void moe_parity_dir(TestCtx* t, const char* dir, const char* name) {
           p->ce_sum / N, ce);
     CHECK(t, fabs(p->aux - aux) <= 1e-5 * fabs(aux), "%s aux %.9g vs HF %.9g", name, p->aux, aux);
     int n_grads = 0;
+    double worst_grad = 0;
+    const char* worst_name = "";
     for (int j = 0; j < f.m.tt.n_hf; j++) {
         const HfTensor* v = &f.m.tt.hf[j];
         char gname[160];
@@ -1386,6 +1388,10 @@ static void moe_parity_dir(TestCtx* t, const char* dir, const char* name) {
         st_tensor_to_f32(g, ref, v->numel, err);
         double e = rel_l2_error(store_grad(&f.s, v->index) + v->offset, ref, (size_t)v->numel);
         CHECK(t, e <= 1e-4, "%s %s: gradient relative L2 error %.3g vs HF", name, v->name, e);
+        if (e > worst_grad) {
+            worst_grad = e;
+            worst_name = v->name;
+        }
         free(ref);
         n_grads++;
     }
@@ -1419,6 +1425,9 @@ static void moe_parity_dir(TestCtx* t, const char* dir, const char* name) {
         adamw_step(pool, opt, n_opt, &h, step, adamw_clip_scale(norm, clip));
     }
     CHECK(t, worst <= 1e-4, "%s: AdamW trajectory differs by up to %.3g", name, worst);
+    printf("  parity %s: loss rel error %.3g, %d gradients, worst rel L2 %.3g (%s), AdamW "
+           "trajectory max |diff| %.3g\n",
+           name, fabs(loss - f.ref_loss) / fabs(f.ref_loss), n_grads, worst_grad, worst_name, worst);
     threadpool_destroy(pool);
     free(opt);
     plain_free(p);
