@@ -1,10 +1,13 @@
 # train_roundpipe — build
 #
 #   make            build ./train_roundpipe (CPU backend always; CUDA kernels too when nvcc exists)
-#   make test       build and run ./test_roundpipe (last line: "N passed, M failed")
-#   make test-gpu   build with CUDA and run the `gpu` suite (the CUDA backend against the CPU one;
-#                   it passes as "skipped" on a machine without a GPU)
-#   make dev-cuda   build the CUDA kernel labs of dev/cuda (benchmarks; need a GPU to run)
+#   make test       build and run ./test_roundpipe (last line: "N passed, M failed, K skipped"; it
+#                   fails on any failed test; tests that cannot run here, e.g. the `gpu` suite on
+#                   a machine without a GPU, are reported as skipped and do not fail it)
+#   make test-gpu   build with CUDA and run the `gpu` suite (the CUDA backend and engine against
+#                   the CPU ones); it FAILS when the suite cannot run (no GPU, or no CUDA build)
+#   make dev-cuda   build the CUDA kernel labs of dev/cuda into dev/cuda/build (validation and
+#                   benchmark per kernel family; they need a GPU to run: dev/cuda/run_labs.sh)
 #   make clean
 #   make tsan       ThreadSanitizer build of the tests (build-tsan/), runs the suites in TSAN_SUITES
 #   make asan       AddressSanitizer+UBSan build of the tests (build-asan/), runs ASAN_SUITES
@@ -33,7 +36,7 @@ LDLIBS := -lm -pthread
 # Objects of CUDA and CPU-only builds differ (-DHAVE_CUDA): keep them apart, so switching with
 # NO_CUDA=1 never links stale objects.
 BUILD_ROOT := build
-LIB_SRCS := $(sort $(wildcard llmc/*.c))
+LIB_SRCS := $(sort $(wildcard llmc/*.c)) $(sort $(wildcard llmc/engine/*.c))
 TEST_SRCS := $(sort $(wildcard llmc/tests/*.c))
 CU_SRCS := $(sort $(wildcard kernels/*.cu))
 
@@ -99,8 +102,8 @@ train_roundpipe: $(BUILD)/train_roundpipe.o $(LIB_OBJS) $(CU_OBJS) $(CONFIG_STAM
 test_roundpipe: $(BUILD)/test_roundpipe.o $(TEST_OBJS) $(LIB_OBJS) $(CU_OBJS) $(CONFIG_STAMP)
 	$(CC) $(CFLAGS) -o $@ $(filter %.o,$^) $(LDLIBS)
 
-$(BUILD)/%.o: %.c $(wildcard llmc/*.h) $(wildcard llmc/tests/*.h) $(wildcard kernels/*.h) \
-              $(wildcard dev/fuzz/*.h)
+$(BUILD)/%.o: %.c $(wildcard llmc/*.h) $(wildcard llmc/engine/*.h) $(wildcard llmc/tests/*.h) \
+              $(wildcard kernels/*.h) $(wildcard dev/fuzz/*.h)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c -o $@ $<
 
@@ -113,30 +116,37 @@ $(BUILD)/kernels/%.o: kernels/%.cu $(wildcard kernels/*.h) $(wildcard kernels/*.
 test: note train_roundpipe test_roundpipe
 	./test_roundpipe
 
-# The GPU suite alone (it compares the CUDA backend with the CPU one on every op and the model).
+# The GPU suite alone (it compares the CUDA backend with the CPU one on every op, the model and the
+# engine). Whoever asks for it wants to know it ran: --no-skip turns "skipped" (no GPU here) into
+# a failure.
 .PHONY: test-gpu dev-cuda
 test-gpu: note test_roundpipe
 ifneq ($(USE_CUDA),1)
 	@echo "test-gpu: this build has no CUDA ($(BUILD_NOTE))"; exit 1
 endif
-	./test_roundpipe gpu
+	./test_roundpipe --no-skip gpu
 
-# Kernel labs that link against the backend's objects (dev/cuda/attention.cu builds on its own:
-# it includes kernels/attention.cu).
-DEV_CUDA_LABS := matmul memory_bound
-DEV_CUDA_BINS := $(patsubst %,$(BUILD)/dev/cuda/%,$(DEV_CUDA_LABS))
+# Kernel labs (dev/cuda/<family>.cu, one per kernel family of kernels/; the attention lab builds
+# on its own: dev/cuda/run_attention.sh). Each lab includes its family's production source
+# kernels/<family>.cu, so it links every other kernels/ object and the host library, never that
+# one. Binaries go to dev/cuda/build/; dev/cuda/run_labs.sh runs them all on a GPU.
+DEV_CUDA_LABS := norm rope elementwise embedding loss matmul
+DEV_CUDA_DIR := dev/cuda/build
+DEV_CUDA_BINS := $(patsubst %,$(DEV_CUDA_DIR)/%,$(DEV_CUDA_LABS))
+ifeq ($(USE_CUDA),1)
 dev-cuda: note $(DEV_CUDA_BINS)
-$(BUILD)/dev/cuda/%: dev/cuda/%.cu $(CU_OBJS) $(LIB_OBJS) $(wildcard kernels/*.h) $(wildcard kernels/*.cuh) \
-                    $(ARCH_STAMP)
-ifneq ($(USE_CUDA),1)
+else
+dev-cuda: note
 	@echo "dev-cuda: this build has no CUDA ($(BUILD_NOTE))"; exit 1
 endif
+$(DEV_CUDA_DIR)/%: dev/cuda/%.cu kernels/%.cu dev/cuda/lab.cuh $(CU_OBJS) $(LIB_OBJS) \
+                   $(wildcard kernels/*.h) $(wildcard kernels/*.cuh) $(wildcard llmc/*.h) $(ARCH_STAMP)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CU_OBJS) $(LIB_OBJS) -Xlinker -rpath,$(CUDA_HOME)/lib64 \
-	    -lcublasLt -lcublas -lm
+	$(NVCC) $(NVCCFLAGS) -o $@ $< $(filter-out $(BUILD)/kernels/$*.o,$(CU_OBJS)) $(LIB_OBJS) \
+	    -Xlinker -rpath,$(CUDA_HOME)/lib64 -lcublasLt -lcublas -lm
 
 clean:
-	rm -rf $(BUILD_ROOT) train_roundpipe test_roundpipe
+	rm -rf $(BUILD_ROOT) $(DEV_CUDA_DIR) train_roundpipe test_roundpipe
 
 # ---- sanitizer builds ----
 # CPU-only test binaries with their own object directories, so they never mix with the normal
@@ -152,7 +162,8 @@ ASAN_BUILD := build-asan
 TSAN_FLAGS := $(CFLAGS_BASE) $(SAN_OPTFLAGS) -fsanitize=thread
 ASAN_FLAGS := $(CFLAGS_BASE) $(SAN_OPTFLAGS) -fsanitize=address,undefined -fno-sanitize-recover=undefined
 SAN_SRCS := test_roundpipe.c $(TEST_SRCS) $(LIB_SRCS)
-SAN_DEPS := $(wildcard llmc/*.h) $(wildcard llmc/tests/*.h) $(wildcard dev/fuzz/*.h)
+SAN_DEPS := $(wildcard llmc/*.h) $(wildcard llmc/engine/*.h) $(wildcard llmc/tests/*.h) \
+            $(wildcard dev/fuzz/*.h)
 
 .PHONY: tsan asan clean-san
 tsan: test_roundpipe_tsan
@@ -188,7 +199,8 @@ FUZZ_SECONDS ?= 30
 FUZZ_TARGETS := json safetensors gguf shard
 FUZZ_BUILD := build-fuzz
 FUZZ_FLAGS := $(CFLAGS_BASE) -g -O1 -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined
-FUZZ_LIB := llmc/common.c llmc/json.c llmc/safetensors.c llmc/gguf.c llmc/config.c llmc/tensor.c \
+FUZZ_LIB := llmc/common.c llmc/json.c llmc/safetensors.c llmc/gguf_read.c llmc/gguf_quant.c \
+            llmc/gguf_arch.c llmc/gguf_write.c llmc/config.c llmc/tensor.c \
             llmc/dataloader.c llmc/rng.c
 
 .PHONY: fuzz fuzz-build

@@ -2,12 +2,19 @@
  * test_roundpipe.c — the test suite runner (`make test`).
  *
  * Every suite lives in llmc/tests/test_<suite>.c and exports a NULL-terminated TestCase array.
- * The runner executes every test (or those whose name contains the filter argument), prints one
- * line per test and finishes with "N passed, M failed"; the exit status is non-zero on any failure.
+ * The runner executes every test (or those whose name contains the filter argument) and prints
+ * one line per test:
+ *   ok   <name>  <checks> <seconds>   passed (parts it could not run here listed as "skipped: ...")
+ *   FAIL <name>  ...                  a CHECK failed, or it ran none and did not say it skipped
+ *   skip <name> (why)                 it cannot run here (no GPU, a build without CUDA)
+ * and finishes with "N passed, M failed, K skipped". The exit status is non-zero on any failure
+ * (and, with --no-skip, on any skip), zero otherwise: a skipped test is never counted as passed.
  *
- *   ./test_roundpipe            run everything
- *   ./test_roundpipe json       run the tests whose name contains "json"
- *   ./test_roundpipe --list     list test names
+ *   ./test_roundpipe              run everything
+ *   ./test_roundpipe json         run the tests whose name contains "json" (none: an error)
+ *   ./test_roundpipe --list       list test names
+ *   ./test_roundpipe --no-skip gpu  the GPU suite, failing when it cannot run (make test-gpu)
+ *   ./test_roundpipe --partial    tolerate suites missing from a module-only build
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -50,10 +57,16 @@ typedef struct Suite {
 
 int main(int argc, char** argv) {
     const char* filter = NULL;
-    int list_only = 0, allow_partial = 0;
+    int list_only = 0, allow_partial = 0, no_skip = 0;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--list") == 0) list_only = 1;
         else if (strcmp(argv[i], "--partial") == 0) allow_partial = 1;  // module-only builds
+        else if (strcmp(argv[i], "--no-skip") == 0) no_skip = 1;  // asked-for tests must run
+        else if (argv[i][0] == '-') {
+            fprintf(stderr, "test_roundpipe: unknown option %s (--list, --partial, --no-skip)\n",
+                    argv[i]);
+            return 2;
+        }
         else filter = argv[i];
     }
 #define SUITE_ENTRY(s) {#s, tests_##s},
@@ -76,7 +89,8 @@ int main(int argc, char** argv) {
     int n_threads = threads_online_cpus();
     if (n_threads > 4) n_threads = 4;  // keep CPU tests representative of the 2-core CI machine
 
-    int passed = 0, failed = 0;
+    int passed = 0, failed = 0, skipped = 0, matched = 0;
+    char first_skip[400] = "";  // "<name>: <why>" of the first skipped test (for --no-skip)
     double t_start = time_now_s();
     for (int s = 0; s < n_suites; s++) {
         if (suites[s].cases == NULL) {
@@ -88,6 +102,7 @@ int main(int argc, char** argv) {
         }
         for (const TestCase* tc = suites[s].cases; tc->name != NULL; tc++) {
             if (filter && strstr(tc->name, filter) == NULL) continue;
+            matched++;
             if (list_only) {
                 printf("%s\n", tc->name);
                 continue;
@@ -98,23 +113,48 @@ int main(int argc, char** argv) {
             fflush(stdout);
             tc->fn(&t);
             double dt = time_now_s() - t0;
-            if (t.failures == 0) {
-                passed++;
-                printf("ok   %-44s %4d checks %8.2fs\n", tc->name, t.checks, dt);
-            } else {
+            if (t.failures > 0) {
                 failed++;
                 printf("FAIL %-44s %d of %d checks failed %8.2fs\n", tc->name, t.failures, t.checks,
                        dt);
+            } else if (t.skip_why[0]) {
+                // a skip is never a pass: it says why, and how many checks ran before it
+                skipped++;
+                if (t.checks > 0)
+                    printf("skip %-44s (%s; after %d check(s))\n", tc->name, t.skip_why, t.checks);
+                else
+                    printf("skip %-44s (%s)\n", tc->name, t.skip_why);
+                if (!first_skip[0])
+                    snprintf(first_skip, sizeof first_skip, "%s: %s", tc->name, t.skip_why);
+            } else if (t.checks == 0) {
+                // a test that checked nothing and did not say why has not shown anything
+                failed++;
+                printf("FAIL %-44s ran no checks and did not report a skip %8.2fs\n", tc->name, dt);
+            } else {
+                passed++;
+                printf("ok   %-44s %4d checks %8.2fs", tc->name, t.checks, dt);
+                if (t.skipped_parts[0]) printf("  (skipped: %s)", t.skipped_parts);
+                printf("\n");
             }
             fflush(stdout);
         }
+    }
+    // the verdicts beyond the counts come first: the counts stay the closing line
+    int rc = failed == 0 ? 0 : 1;
+    if (filter && matched == 0) {
+        printf("FAIL no test name contains '%s' (./test_roundpipe --list lists them)\n", filter);
+        rc = 1;
+    }
+    if (no_skip && skipped > 0) {
+        printf("FAIL --no-skip: %d test(s) did not run here (%s)\n", skipped, first_skip);
+        rc = 1;
     }
     if (!list_only) {
         char cmd[4200];
         snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
         if (system(cmd) != 0) fprintf(stderr, "warning: could not remove %s\n", tmpdir);
         printf("total time %.1fs\n", time_now_s() - t_start);
-        printf("%d passed, %d failed\n", passed, failed);
+        printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
     }
-    return failed == 0 ? 0 : 1;
+    return rc;
 }

@@ -1,60 +1,15 @@
 /*
- * kernels/attention_bwd_wgmma.cuh — causal grouped-query flash-attention BACKWARD on Hopper
- * warpgroup MMAs (wgmma.mma_async, sm_90a only), deterministic (no float atomics): what
- * attention_backward_bf16 runs at HD 64 and 128 when the device has sm_90a code. Included by
- * kernels/attention.cu after its own helpers (smem_u32, cp_async_16, cp_async_commit/wait_all,
- * fast_exp2, pack_bf16, acc_to_frag_a, attention_backward_dot_kernel, attention_check*,
- * attention_backward_check) and kernels/attention_wgmma.cuh (sw128_* layouts, wg_desc*, wgmma
- * fences, waits, register pins, WgmmaBf16<N>::ss / rs_trans_b, attention_wgmma_available): every
- * layout, descriptor and fragment helper used here is the one the wgmma forward validated with.
- * Same contract as attention_backward_bf16 (kernels/attention.h), same workspace (D, B*H*T fp32).
- *
- * STATUS: validated on an H200 (session 5, lab dev/cuda/attention.cu, variants "wgmma bwd wg2 s3"
- * and "wgmma bwd wg1 s2"): all 163 cases (HD 64/128, causal, GQA, odd T up to 4096) within
- * 3.9e-3 relative L2 of the fp64 reference and bit-identical across runs; the big case (B=3
- * T=131072 H=32 KVH=8, 64-bit offsets) 393 TFLOP/s; compute-sanitizer memcheck and racecheck
- * clean. Benchmark (H=16 KVH=8 HD=128, backward = 2.5x the causal forward's FLOPs):
- *              T=2048 B=16   T=4096 B=4   T=16384 B=2
- *   wg2 s3     345           381          409 TFLOP/s   (wired in: attention_backward_bf16)
- *   wg1 s2     331           387          374
- *   mma.sync   188           202          217
- * Passes at T=4096: dK,dV 560 TFLOP/s of its 4 matmuls, dQ 562 of its 3 (mma.sync: ~275).
- *
- * Checks after a change (lab backward variants "wgmma bwd wg2 s3" / "wgmma bwd wg1 s2"; --fwd -2
- * skips the forward variants):
- *  1. dev/cuda/run_attention.sh --tiny --no-big --no-bench --fwd -2 --bwd I
- *  2. compute-sanitizer --tool memcheck (then racecheck, synccheck) .devbuild/attention --tiny
- *     --no-big --no-bench --fwd -2 --bwd I --log /dev/null. racecheck covers the cp.async writes
- *     and the plain reads of the lse/D slots; it probably does not see wgmma's async-proxy reads
- *     of the Q/dO/K/V slots: the slot reuse argument ("Pipelines" below) covers those, and a
- *     wrong result or "NOT DETERMINISTIC" in step 3 is the symptom if it fails.
- *  3. dev/cuda/run_attention.sh --no-big --no-bench --fwd -2 --bwd I (all cases, twice each)
- *  4. dev/cuda/run_attention.sh --fwd -2 --bwd I (the big case, the benchmark, the passes)
- *  5. ptxas: .devbuild/attention_ptxas.txt, entries attn_bwg_dkdv_kernel / attn_bwg_dq_kernel:
- *     no spills, and no "(C7515) ... wgmma.mma_async instructions are serialized" line (grep
- *     C75). Seen while writing this: a for loop the compiler may skip entirely made ptxas
- *     serialise every wgmma (a WARPGROUP.DEPBAR after each HGMMA in the SASS); both loops are
- *     do-while for that reason. The SASS (cuobjdump -sass) of each loop should read: [DEPBAR
- *     gsb0 0x0 (2 slots)], BAR.SYNC, loads, [DEPBAR 0x0 (dK/dV, 3 slots)], ARRIVE, 16 HGMMA
- *     64x64 (S, dP), DEPBAR 0x1, exp2, ARRIVE, 4 HGMMA 64xHD (dV | dQ), ... as in "Pipelines".
- *  Reading a failure (the lab prints dq, dk, dv errors apart):
- *   - dv wrong  -> S^T / P^T (lse column values, mask) or the dO MN-major descriptor (LBO =
- *     BQ*128 at HD=128 only: HD=64 right and HD=128 wrong points there). dv right, dk wrong ->
- *     dP^T, D, dS^T or the Q MN-major descriptor (same LBO remark). dk and dv right, dq wrong ->
- *     the dQ kernel (its K MN-major descriptor LBO = BN*128, or the lse/D row values).
- *   - Everything wrong at T=64 (one tile) -> an operand of the SS products (K-major descriptors
- *     of a WG's 64-row slice: start + wg*64*128) or the accumulator -> A fragment mapping.
- *   - Right for NWG=1 (variant 7) and wrong for NWG=2 (variant 6) -> the warpgroup row offsets
- *     (wg*64*128 inside the K/V or Q/dO tiles) or the STAGES=3 ring; the reverse -> the 2-stage
- *     ring (wait<0> placement before the barrier).
- *   - Wrong only when T > one tile, or with GQA (H/KVH > 1) -> ring stages / stage() mapping of
- *     `it` to (head, query tile). "NOT DETERMINISTIC" -> a missing fence / wgmma wait, a stage
- *     overwritten while a wgmma still reads it.
- *   - NaN (unwritten) -> rows/keys past T or a grid shape; a CUDA error -> smem attribute size.
- * =============================================================================================
+ * attention_bwd_wgmma.cuh — causal grouped-query flash-attention BACKWARD on Hopper warpgroup
+ * MMAs (wgmma.mma_async, sm_90a only), deterministic (no float atomics): what
+ * attention_backward_bf16 runs at HD 64 and 128 when the device has sm_90a code. Part of
+ * kernels/attention.cu, which includes it after its pass 1 (attention_backward_dot); the
+ * layouts, descriptors, fragments and wgmma instructions are those of attention_common.cuh, the
+ * ones the wgmma forward uses. Same contract as attention_backward_bf16 (kernels/attention.h),
+ * same workspace (D, B*H*T fp32). The warpgroups per CTA and the ring slots of each pass are
+ * template parameters: the C interface runs 2 warpgroups and 3 slots in both passes.
  *
  * Scheme (the production backward of kernels/attention.cu with every matmul on wgmma)
- *   pass 1  D = rowsum(dO * O) per (b, h, t): attention_backward_dot_kernel (production, reused).
+ *   pass 1  D = rowsum(dO * O) per (b, h, t): attention_backward_dot_kernel (kernels/attention.cu).
  *   pass 2  dK, dV: one CTA per (kv tile of BN = 64*NWG keys, kv head, batch); warpgroup w owns
  *           keys k0 + 64w .. +63 (the wgmma M dimension), their dK and dV in registers. The CTA
  *           walks the query heads of its group (outer) and the query tiles of BQ = 64 rows from
@@ -77,7 +32,7 @@
  *   fixed order: bit-identical from run to run.
  *
  * ---------------------------------------------------------------------------------------------
- * Operand layouts (notation of dev/cuda/attention_wgmma.cuh: SW128 tiles of R rows x HD columns,
+ * Operand layouts (notation of attention_common.cuh: SW128 tiles of R rows x HD columns,
  * 64-column panels of R rows x 128 bytes, chunk c of row r at ((c%8) ^ (r%8))*16; descriptors
  * with swizzle mode 1, base offset 0, SBO = 1024 = 8 rows; K-major = the reduction dimension is
  * the contiguous one). All tiles here are stored [row][hd] with hd contiguous, as they are in
@@ -166,35 +121,21 @@
  * Pass 3: p = 0 where key > row, on tiles with k0 + BN - 1 > q0 (CTA-uniform); rows >= T get
  * lse = 0, D = 0 and zero Q, dO rows: finite, never stored. Keys >= T are zero rows of K and V
  * and always masked (key >= T > every valid query).
- *
- * Shared memory (base aligned to 1024 at run time, 1024 bytes of slack in the size):
+ * * Shared memory (base aligned to 1024 at run time, 1024 bytes of slack in the size):
  *   pass 2: K (BN x HD) | V (BN x HD) | STAGES x Q (BQ x HD) | STAGES x dO | STAGES x {lse[BQ],
  *           D[BQ]} fp32 (cp.async 4-byte copies, zero-filled past T)
  *   pass 3: Q (BR x HD) | dO (BR x HD) | STAGES x K (BN x HD) | STAGES x V
- *   HD=128: wg2 s3 (lab variant 6): pass 2 160 KB + 1.5 KB (lse, D) + 1 KB slack = 166,400 bytes,
- *           pass 3 160 KB + 1 KB = 164,864 bytes: 1 CTA (8 warps) per SM;
- *           wg1 s2 (variant 7): pass 2 96 KB + 0.5 KB + 1 KB = 100,352 bytes, pass 3 97 KB =
- *           99,328 bytes: 2 CTAs (4 warps each) per SM, which the registers also allow (254
- *           per thread, allocated as 256: 2 x 128 x 256 = the 64K register file).
- *
- * ptxas (nvcc 13.0, sm_90a; registers, no spills, no C7515 "wgmma serialized" in any):
- *   dK/dV  HD=128: 254 (wg2 s3 and wg1 s2)     HD=64: 192
- *   dQ     HD=128: 176 (wg2 s3), 161 (wg1 s2)  HD=64: 144 (wg2 s3), 128 (wg1 s2)
+ *   HD=128, 2 warpgroups, 3 slots: pass 2 160 KB + 1.5 KB (lse, D) + 1 KB slack = 166,400
+ *   bytes, pass 3 160 KB + 1 KB = 164,864 bytes: 1 CTA (8 warps) per SM.
  * ---------------------------------------------------------------------------------------------
  */
 #ifndef KERNELS_ATTENTION_BWD_WGMMA_CUH
 #define KERNELS_ATTENTION_BWD_WGMMA_CUH
 
-#include "attention_wgmma.cuh"  // (already included by kernels/attention.cu)
+#include "attention_common.cuh"
 
 #define ATTN_BWG_BQ 64  // pass 2: query rows per streamed tile (wgmma N of S^T, dP^T)
 #define ATTN_BWG_BN 64  // pass 3: keys per streamed tile (wgmma N of S, dP)
-
-// 4-byte global->shared copy (lse, D of one query); !valid: nothing read, zero written.
-__device__ __forceinline__ void attn_bwg_cp_async_4(uint32_t dst, const void* src, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(valid ? 4 : 0));
-}
 
 // ----------------------------------------------------------------------------
 // pass 2: dK, dV
@@ -225,9 +166,8 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
     constexpr uint32_t QT_PANEL = BQ * ATTN_SW128_ROW_BYTES;  // LBO of the MN-major Q/dO operand
     constexpr uint32_t LD_BYTES = 2 * BQ * sizeof(float);     // one slot of {lse, D}
     constexpr uint32_t ATOM = ATTN_SW128_ATOM_BYTES;
-    constexpr uint32_t KMAJOR_LBO = 16;
+    constexpr uint32_t KMAJOR_LBO = ATTN_SW128_KMAJOR_LBO;
     constexpr uint32_t WG_ROWS_BYTES = ATTN_WG_ROWS * ATTN_SW128_ROW_BYTES;  // 64 rows = 8 atoms
-    constexpr uint32_t KSTEP_ROWS_BYTES = ATTN_WG_K * ATTN_SW128_ROW_BYTES;  // 16 rows
     constexpr bool LATE_RETIRE = STAGES >= 3;
     static_assert(KV_BYTES % ATOM == 0 && QT_BYTES % ATOM == 0, "regions stay atom-aligned");
 
@@ -270,7 +210,7 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
             const int q = q0 + (i % BQ);
             const bool valid = q < T;
             const float* src = (i < BQ ? lse : D) + r0 + (valid ? q : 0);
-            attn_bwg_cp_async_4(sLD + slot * LD_BYTES + i * (uint32_t)sizeof(float), src, valid);
+            cp_async_4(sLD + slot * LD_BYTES + i * (uint32_t)sizeof(float), src, valid);
         }
     };
 
@@ -290,51 +230,27 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
 
     float dk[NB_O][4], dv[NB_O][4], s[NB_S][4], dp[NB_S][4];
     uint32_t pf[KS_O][4], dsf[KS_O][4];  // P^T, dS^T as bf16 A fragments, one [4] per k-step
-#pragma unroll
-    for (int i = 0; i < NB_O; i++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) dk[i][e] = dv[i][e] = 0.0f;
+    acc_zero(dk);
+    acc_zero(dv);
     // s, dp: overwritten by their first k-step (scale-d 0); pf, dsf written before each use.
     // Zeroed once so no path reads garbage.
-#pragma unroll
-    for (int i = 0; i < NB_S; i++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) s[i][e] = dp[i][e] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < KS_O; i++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) pf[i][e] = dsf[i][e] = 0u;
+    acc_zero(s);
+    acc_zero(dp);
+    frag_zero(pf);
+    frag_zero(dsf);
 
     // S^T = K_w Q^T and dP^T = V_w dO^T, two commit groups (first k-step: scale-d 0)
     auto issue_sdp = [&](int slot) {
-        const uint64_t bq = wg_desc_add(desc_q_kmaj, slot * QT_BYTES);
-        const uint64_t bo = wg_desc_add(desc_o_kmaj, slot * QT_BYTES);
-#pragma unroll
-        for (int kk = 0; kk < KS_S; kk++)
-            WgmmaBf16<BQ>::ss(s, wg_desc_add(desc_k, sw128_kstep_offset(kk, BN)),
-                              wg_desc_add(bq, sw128_kstep_offset(kk, BQ)), kk > 0);
-        wgmma_commit();
-#pragma unroll
-        for (int kk = 0; kk < KS_S; kk++)
-            WgmmaBf16<BQ>::ss(dp, wg_desc_add(desc_v, sw128_kstep_offset(kk, BN)),
-                              wg_desc_add(bo, sw128_kstep_offset(kk, BQ)), kk > 0);
-        wgmma_commit();
+        wgmma_group_ss<BQ, KS_S, BN>(s, desc_k, wg_desc_add(desc_q_kmaj, slot * QT_BYTES));
+        wgmma_group_ss<BQ, KS_S, BN>(dp, desc_v, wg_desc_add(desc_o_kmaj, slot * QT_BYTES));
     };
     // dV += P^T dO (k-step kk: query rows 16kk..16kk+15 of the dO slot), one group
     auto issue_dv = [&](int slot) {
-        const uint64_t bo = wg_desc_add(desc_o_nmaj, slot * QT_BYTES);
-#pragma unroll
-        for (int kk = 0; kk < KS_O; kk++)
-            WgmmaBf16<HD>::rs_trans_b(dv, pf[kk], wg_desc_add(bo, kk * KSTEP_ROWS_BYTES), 1);
-        wgmma_commit();
+        wgmma_group_rs<HD, KS_O>(dv, pf, wg_desc_add(desc_o_nmaj, slot * QT_BYTES));
     };
     // dK += dS^T Q, one group
     auto issue_dk = [&](int slot) {
-        const uint64_t bq = wg_desc_add(desc_q_nmaj, slot * QT_BYTES);
-#pragma unroll
-        for (int kk = 0; kk < KS_O; kk++)
-            WgmmaBf16<HD>::rs_trans_b(dk, dsf[kk], wg_desc_add(bq, kk * KSTEP_ROWS_BYTES), 1);
-        wgmma_commit();
+        wgmma_group_rs<HD, KS_O>(dk, dsf, wg_desc_add(desc_q_nmaj, slot * QT_BYTES));
     };
     auto retire_all = [&]() {
         wgmma_wait<0>();
@@ -388,8 +304,7 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
                 s[i][e] = p;
             }
         }
-#pragma unroll
-        for (int kk = 0; kk < KS_O; kk++) acc_to_frag_a(pf[kk], s[2 * kk], s[2 * kk + 1]);
+        acc_to_frags(pf, s);
 
         wg_fence_frag(pf);
         wg_fence_acc(dv);
@@ -407,8 +322,7 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
 #pragma unroll
             for (int e = 0; e < 4; e++) dp[i][e] = s[i][e] * (dp[i][e] - dd[e & 1]);
         }
-#pragma unroll
-        for (int kk = 0; kk < KS_O; kk++) acc_to_frag_a(dsf[kk], dp[2 * kk], dp[2 * kk + 1]);
+        acc_to_frags(dsf, dp);
 
         wg_fence_frag(dsf);
         wg_fence_acc(dk);
@@ -419,20 +333,7 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
     retire_all();
 
     // dK = scale * sum dS^T Q (the logits were scaled), dV; rows of keys < T
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        const int key = my_key + hf * 8;
-        if (key >= T) continue;
-        bf16* row = dqkv + ((int64_t)b * T + key) * QKV + (lane & 3) * 2;
-        bf16* dst_k = row + (int64_t)(H + kvh) * HD;
-        bf16* dst_v = row + (int64_t)(H + KVH + kvh) * HD;
-#pragma unroll
-        for (int i = 0; i < NB_O; i++) {
-            *reinterpret_cast<uint32_t*>(dst_k + i * 8) =
-                pack_bf16(dk[i][2 * hf] * scale, dk[i][2 * hf + 1] * scale);
-            *reinterpret_cast<uint32_t*>(dst_v + i * 8) = pack_bf16(dv[i][2 * hf], dv[i][2 * hf + 1]);
-        }
-    }
+    store_dk_dv(dqkv, dk, dv, QKV, b, kvh, my_key, T, H, KVH, lane, scale);
 #else
     __trap();  // built without sm_90a device code: never launched (the host checks first)
 #endif
@@ -466,9 +367,8 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
     constexpr uint32_t KV_BYTES = BN * HD * sizeof(bf16);     // one slot of K or of V
     constexpr uint32_t KV_PANEL = BN * ATTN_SW128_ROW_BYTES;  // LBO of the MN-major K operand
     constexpr uint32_t ATOM = ATTN_SW128_ATOM_BYTES;
-    constexpr uint32_t KMAJOR_LBO = 16;
+    constexpr uint32_t KMAJOR_LBO = ATTN_SW128_KMAJOR_LBO;
     constexpr uint32_t WG_ROWS_BYTES = ATTN_WG_ROWS * ATTN_SW128_ROW_BYTES;
-    constexpr uint32_t KSTEP_ROWS_BYTES = ATTN_WG_K * ATTN_SW128_ROW_BYTES;
     constexpr bool LATE_RETIRE = STAGES >= 3;
     static_assert(Q_BYTES % ATOM == 0 && KV_BYTES % ATOM == 0, "regions stay atom-aligned");
 
@@ -517,41 +417,20 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
     cp_async_commit();
 
     float dq[NB_O][4], s[NB_S][4], dp[NB_S][4];
-    uint32_t dsf[KS_O][4];
-#pragma unroll
-    for (int i = 0; i < NB_O; i++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) dq[i][e] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < NB_S; i++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) s[i][e] = dp[i][e] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < KS_O; i++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) dsf[i][e] = 0u;
+    uint32_t dsf[KS_O][4];  // dS as bf16 A fragments, one [4] per k-step
+    acc_zero(dq);
+    acc_zero(s);
+    acc_zero(dp);
+    frag_zero(dsf);
 
+    // S = Q_w K^T and dP = dO_w V^T, two commit groups (first k-step: scale-d 0)
     auto issue_sdp = [&](int slot) {
-        const uint64_t bk = wg_desc_add(desc_k_kmaj, slot * KV_BYTES);
-        const uint64_t bv = wg_desc_add(desc_v_kmaj, slot * KV_BYTES);
-#pragma unroll
-        for (int kk = 0; kk < KS_S; kk++)
-            WgmmaBf16<BN>::ss(s, wg_desc_add(desc_q, sw128_kstep_offset(kk, BR)),
-                              wg_desc_add(bk, sw128_kstep_offset(kk, BN)), kk > 0);
-        wgmma_commit();
-#pragma unroll
-        for (int kk = 0; kk < KS_S; kk++)
-            WgmmaBf16<BN>::ss(dp, wg_desc_add(desc_o, sw128_kstep_offset(kk, BR)),
-                              wg_desc_add(bv, sw128_kstep_offset(kk, BN)), kk > 0);
-        wgmma_commit();
+        wgmma_group_ss<BN, KS_S, BR>(s, desc_q, wg_desc_add(desc_k_kmaj, slot * KV_BYTES));
+        wgmma_group_ss<BN, KS_S, BR>(dp, desc_o, wg_desc_add(desc_v_kmaj, slot * KV_BYTES));
     };
     // dQ += dS K (k-step kk: keys 16kk..16kk+15 of the K slot), one group
     auto issue_dq = [&](int slot) {
-        const uint64_t bk = wg_desc_add(desc_k_nmaj, slot * KV_BYTES);
-#pragma unroll
-        for (int kk = 0; kk < KS_O; kk++)
-            WgmmaBf16<HD>::rs_trans_b(dq, dsf[kk], wg_desc_add(bk, kk * KSTEP_ROWS_BYTES), 1);
-        wgmma_commit();
+        wgmma_group_rs<HD, KS_O>(dq, dsf, wg_desc_add(desc_k_nmaj, slot * KV_BYTES));
     };
 
     // do-while: n_tiles >= 1 (q0 < T). A loop the compiler may skip gives a path on which the
@@ -606,8 +485,7 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
         for (int i = 0; i < NB_S; i++)
 #pragma unroll
             for (int e = 0; e < 4; e++) dp[i][e] = s[i][e] * (dp[i][e] - drow[e >> 1]);
-#pragma unroll
-        for (int kk = 0; kk < KS_O; kk++) acc_to_frag_a(dsf[kk], dp[2 * kk], dp[2 * kk + 1]);
+        acc_to_frags(dsf, dp);
 
         wg_fence_frag(dsf);
         wg_fence_acc(dq);
@@ -619,16 +497,7 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
     wg_fence_acc(dq);
     wg_fence_frag(dsf);
 
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        const int q = my_row + hf * 8;
-        if (q >= T) continue;
-        bf16* dst = dqkv + ((int64_t)b * T + q) * QKV + (int64_t)h * HD + (lane & 3) * 2;
-#pragma unroll
-        for (int i = 0; i < NB_O; i++)
-            *reinterpret_cast<uint32_t*>(dst + i * 8) =
-                pack_bf16(dq[i][2 * hf] * scale, dq[i][2 * hf + 1] * scale);
-    }
+    store_dq(dqkv, dq, QKV, b, h, my_row, T, lane, scale);
 #else
     __trap();  // built without sm_90a device code: never launched (the host checks first)
 #endif
@@ -637,84 +506,61 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
 // ----------------------------------------------------------------------------
 // host side
 
-// The three passes; marks (optional, 2 events) are recorded after pass 1 and after pass 2 so the
-// lab can time the passes apart.
-template <int HD, int KV_NWG, int KV_STAGES, int Q_NWG, int Q_STAGES>
-static void attn_bwg_run(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out,
-                         const float* lse, float* D, int B, int T, int H, int KVH,
-                         cudaStream_t stream, cudaEvent_t* marks) {
-    const char* fn = "attention_backward_wgmma";
-    constexpr int BQ = ATTN_BWG_BQ, BN = ATTN_BWG_BN;
-    constexpr int KV_BN = ATTN_WG_ROWS * KV_NWG, Q_BR = ATTN_WG_ROWS * Q_NWG;
+// The two wgmma passes' launches, apart (the lab times them one by one). <warpgroups per CTA,
+// ring slots>.
+template <int HD, int NWG, int STAGES>
+static void attn_bwg_dkdv_launch(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse,
+                                 const float* D, int B, int T, int H, int KVH,
+                                 cudaStream_t stream) {
+    constexpr int BQ = ATTN_BWG_BQ, BN = ATTN_WG_ROWS * NWG;
     const float scale = 1.0f / sqrtf((float)HD);
-    const float scale_log2 = scale * ATTN_LOG2E;
+    const size_t smem = attn_bwg_dkdv_smem_bytes<HD, NWG, BQ, STAGES>();
+    auto kernel = attn_bwg_dkdv_kernel<HD, NWG, BQ, STAGES>;
+    attention_set_max_smem(kernel, smem);
+    kernel<<<attention_grid(B, T, KVH, BN), NWG * ATTN_WG_THREADS, smem, stream>>>(
+        dqkv, dout, qkv, lse, D, T, H, KVH, scale * ATTN_LOG2E, scale);
+    attention_check(cudaGetLastError());
+}
+template <int HD, int NWG, int STAGES>
+static void attn_bwg_dq_launch(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse,
+                               const float* D, int B, int T, int H, int KVH, cudaStream_t stream) {
+    constexpr int BN = ATTN_BWG_BN, BR = ATTN_WG_ROWS * NWG;
+    const float scale = 1.0f / sqrtf((float)HD);
+    const size_t smem = attn_bwg_dq_smem_bytes<HD, NWG, BN, STAGES>();
+    auto kernel = attn_bwg_dq_kernel<HD, NWG, BN, STAGES>;
+    attention_set_max_smem(kernel, smem);
+    kernel<<<attention_grid(B, T, H, BR), NWG * ATTN_WG_THREADS, smem, stream>>>(
+        dqkv, dout, qkv, lse, D, T, H, KVH, scale * ATTN_LOG2E, scale);
+    attention_check(cudaGetLastError());
+}
 
-    const int64_t kv_tiles = (T + KV_BN - 1) / KV_BN, q_tiles = (T + Q_BR - 1) / Q_BR;
+// The grids' y dimension (tiles of T) is at most 65535.
+static void attn_bwg_check_tiles(const char* fn, int T, int kv_rows, int q_rows) {
+    const int64_t kv_tiles = (T + kv_rows - 1) / kv_rows, q_tiles = (T + q_rows - 1) / q_rows;
     if (kv_tiles > 65535 || q_tiles > 65535) {
         fprintf(stderr, "attention: %s: T = %d too large\n", fn, T);
         exit(1);
     }
-    attention_backward_dot<HD>(D, dout, out, B, T, H, fn, stream);
-    if (marks) attention_check(cudaEventRecord(marks[0], stream));
-    {
-        const size_t smem = attn_bwg_dkdv_smem_bytes<HD, KV_NWG, BQ, KV_STAGES>();
-        auto kernel = attn_bwg_dkdv_kernel<HD, KV_NWG, BQ, KV_STAGES>;
-        attention_set_max_smem(kernel, smem);
-        kernel<<<attention_grid(B, T, KVH, KV_BN), KV_NWG * ATTN_WG_THREADS, smem, stream>>>(dqkv, dout, qkv, lse, D, T, H,
-                                                                 KVH, scale_log2, scale);
-        attention_check(cudaGetLastError());
-    }
-    if (marks) attention_check(cudaEventRecord(marks[1], stream));
-    {
-        const size_t smem = attn_bwg_dq_smem_bytes<HD, Q_NWG, BN, Q_STAGES>();
-        auto kernel = attn_bwg_dq_kernel<HD, Q_NWG, BN, Q_STAGES>;
-        attention_set_max_smem(kernel, smem);
-        kernel<<<attention_grid(B, T, H, Q_BR), Q_NWG * ATTN_WG_THREADS, smem, stream>>>(dqkv, dout, qkv, lse, D, T, H, KVH,
-                                                               scale_log2, scale);
-        attention_check(cudaGetLastError());
-    }
 }
 
-// Same contract and workspace as attention_backward_bf16; HD 64 and 128; sm_90a device code.
-// <warpgroups and ring slots of the dK/dV pass, of the dQ pass>.
+// The three passes, dispatched on HD (64 or 128) once the arguments are checked
+// (attention_backward_check) and the device code is known to be there
+// (attention_wgmma_available). <warpgroups and ring slots of the dK/dV pass, of the dQ pass>.
 template <int KV_NWG, int KV_STAGES, int Q_NWG, int Q_STAGES>
-static void attention_backward_wgmma_timed(void* dqkv, const void* dout, const void* qkv,
-                                           const void* out, const float* lse, void* workspace,
-                                           int B, int T, int H, int KVH, int HD, void* stream,
-                                           cudaEvent_t* marks) {
-    const char* fn = "attention_backward_wgmma";
-    if (!attention_wgmma_supports_head_dim(HD)) {
-        fprintf(stderr, "attention: %s: head dim %d not supported (supported: 64, 128)\n", fn, HD);
-        exit(1);
+static void attention_backward_wgmma_hd(bf16* dqkv, const bf16* dout, const bf16* qkv,
+                                        const bf16* out, const float* lse, float* D, int B, int T,
+                                        int H, int KVH, int HD, cudaStream_t s) {
+    const char* fn = "attention_backward_bf16";
+    attn_bwg_check_tiles(fn, T, ATTN_WG_ROWS * KV_NWG, ATTN_WG_ROWS * Q_NWG);
+    if (HD == 64) {
+        attention_backward_dot<64>(D, dout, out, B, T, H, fn, s);
+        attn_bwg_dkdv_launch<64, KV_NWG, KV_STAGES>(dqkv, dout, qkv, lse, D, B, T, H, KVH, s);
+        attn_bwg_dq_launch<64, Q_NWG, Q_STAGES>(dqkv, dout, qkv, lse, D, B, T, H, KVH, s);
+    } else {
+        attention_backward_dot<128>(D, dout, out, B, T, H, fn, s);
+        attn_bwg_dkdv_launch<128, KV_NWG, KV_STAGES>(dqkv, dout, qkv, lse, D, B, T, H, KVH, s);
+        attn_bwg_dq_launch<128, Q_NWG, Q_STAGES>(dqkv, dout, qkv, lse, D, B, T, H, KVH, s);
     }
-    if (!attention_wgmma_available()) {
-        fprintf(stderr, "attention: %s needs sm_90a: this binary's device code was not built "
-                "with -gencode arch=compute_90a,code=sm_90a\n", fn);
-        exit(1);
-    }
-    if (!attention_backward_check(fn, dqkv, dout, qkv, out, lse, workspace, B, T, H, KVH, HD))
-        return;
-    bf16* dx = static_cast<bf16*>(dqkv);
-    const bf16* dy = static_cast<const bf16*>(dout);
-    const bf16* x = static_cast<const bf16*>(qkv);
-    const bf16* y = static_cast<const bf16*>(out);
-    float* D = static_cast<float*>(workspace);
-    cudaStream_t s = static_cast<cudaStream_t>(stream);
-    if (HD == 64)
-        attn_bwg_run<64, KV_NWG, KV_STAGES, Q_NWG, Q_STAGES>(dx, dy, x, y, lse, D, B, T, H, KVH, s,
-                                                             marks);
-    else
-        attn_bwg_run<128, KV_NWG, KV_STAGES, Q_NWG, Q_STAGES>(dx, dy, x, y, lse, D, B, T, H, KVH,
-                                                              s, marks);
-}
-
-// The lab's BackwardFn signature.
-template <int KV_NWG, int KV_STAGES, int Q_NWG, int Q_STAGES>
-static void attention_backward_wgmma(void* dqkv, const void* dout, const void* qkv,
-                                     const void* out, const float* lse, void* workspace, int B,
-                                     int T, int H, int KVH, int HD, void* stream) {
-    attention_backward_wgmma_timed<KV_NWG, KV_STAGES, Q_NWG, Q_STAGES>(
-        dqkv, dout, qkv, out, lse, workspace, B, T, H, KVH, HD, stream, nullptr);
 }
 
 #endif  // KERNELS_ATTENTION_BWD_WGMMA_CUH

@@ -109,7 +109,7 @@ __global__ void swiglu_forward_kernel(bf16* __restrict__ out, const bf16* __rest
     }
 }
 
-// du = dy silu(a); da = dy u σ(a) (1 + a (1 - σ(a))) (FORMATS_AND_MODELS.md §5.5).
+// du = dy silu(a); da = dy u σ(a) (1 + a (1 - σ(a))), the derivative of a σ(a) u.
 template <int VEC>
 __global__ void swiglu_backward_kernel(bf16* __restrict__ dgu, const bf16* __restrict__ dout,
                                        const bf16* __restrict__ gu, size_t n_vec, int F) {

@@ -3,9 +3,9 @@
  * fp32 math.
  *
  * Forward: one warp per row. The sum of squares is a per-lane sum then an xor butterfly, so rstd
- * is the same bits on every run. Rounding mirrors HF (FORMATS_AND_MODELS.md §5.2): the residual
- * sum is rounded to bf16 (two bf16 tensors added), the norm reads the rounded sum, and
- * out = w · bf16(x · rstd) is rounded after the weight multiply.
+ * is the same bits on every run. Rounding mirrors HF in bf16 (a rounding after every tensor op):
+ * the residual sum is rounded to bf16 (two bf16 tensors added), the norm reads the rounded sum,
+ * and out = w · bf16(x · rstd) is rounded after the weight multiply.
  *
  * Backward: one block per group of rows (about 512 blocks, a function of N only). For each row
  * a block sum gives mean(g·x̂); dinp += rstd (g - x̂ mean) with g = dy·w. For dw every thread owns

@@ -6,7 +6,7 @@
  *
  * Forward: one block per row. The q/k part is staged in shared memory as fp32, one warp per head
  * computes rstd (xor-butterfly sum: fixed order), then one thread per rotation pair (i, i+HD/2)
- * writes both outputs. Rounding mirrors HF in bf16 (FORMATS_AND_MODELS.md §5.3/§5.4): the norm is
+ * writes both outputs. Rounding mirrors HF in bf16 (a rounding after every tensor op): the norm is
  * w · bf16(x · rstd) rounded to bf16, and cos/sin are rounded to bf16 before use (HF casts them to
  * the activation dtype). The backward uses the same rounded cos/sin, so it is the exact transpose
  * of the forward's rotation.

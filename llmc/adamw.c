@@ -1,5 +1,6 @@
 /*
- * adamw.c — the CPU AdamW step, the global gradient norm, the clipping factor and LR schedules.
+ * adamw.c — the CPU AdamW step, the global gradient norm, the clipping factor, LR schedules and
+ * the sequence of one optimizer step that joins them (adamw_update).
  *
  * Both passes split the concatenation of all tensors into chunks of ADAMW_CHUNK elements (a chunk
  * never spans two tensors) and hand the chunks to the thread pool as tasks. A chunk's result
@@ -178,14 +179,20 @@ void adamw_grad_norm_sq_parts(ThreadPool* pool, const AdamWTensor* t, int n_tens
     free(chunks);
 }
 
+double adamw_norm_sq_total(const double* sums, int64_t n_chunks) {
+    // Chunk sums in chunk order: the same total whatever thread ran which chunk, and whatever
+    // order the chunks were computed in.
+    double total = 0.0;
+    for (int64_t k = 0; k < n_chunks; k++) total += sums[k];
+    return total;
+}
+
 double adamw_grad_norm_sq(ThreadPool* pool, const AdamWTensor* t, int n_tensors) {
     const int64_t n_chunks = adamw_chunk_count(t, n_tensors);
     if (n_chunks == 0) return 0.0;
     double* sums = malloc_check((size_t)n_chunks * sizeof(double));
     adamw_grad_norm_sq_parts(pool, t, n_tensors, sums);
-    // Chunk sums in chunk order: the same total whatever thread ran which chunk.
-    double total = 0.0;
-    for (int64_t k = 0; k < n_chunks; k++) total += sums[k];
+    double total = adamw_norm_sq_total(sums, n_chunks);
     free(sums);
     return total;
 }
@@ -397,6 +404,31 @@ void adamw_step(ThreadPool* pool, const AdamWTensor* t, int n_tensors, const Ada
     };
     threadpool_run(pool, n_chunks, step_task, &job);
     free(chunks);
+}
+
+// ----------------------------------------------------------------------------
+// one optimizer step: global norm -> clip factor -> scheduled lr -> AdamW
+
+AdamWUpdate adamw_update_begin(const AdamWHyper* h, const LrSchedule* sched, float grad_clip,
+                               int64_t step, double norm_sq) {
+    AdamWUpdate u = {.step = step, .norm = sqrt(norm_sq), .hyper = *h};
+    u.clip_scale = adamw_clip_scale(u.norm, grad_clip);
+    if (sched) u.hyper.lr = lr_schedule_at(sched, step);
+    return u;
+}
+
+void adamw_update_apply(ThreadPool* pool, const AdamWUpdate* u, const AdamWTensor* t,
+                        int n_tensors) {
+    adamw_step(pool, t, n_tensors, &u->hyper, u->step, u->clip_scale);
+}
+
+AdamWUpdate adamw_update(ThreadPool* pool, const AdamWTensor* t, int n_tensors,
+                         const AdamWHyper* h, const LrSchedule* sched, float grad_clip,
+                         int64_t step) {
+    const AdamWUpdate u =
+        adamw_update_begin(h, sched, grad_clip, step, adamw_grad_norm_sq(pool, t, n_tensors));
+    adamw_update_apply(pool, &u, t, n_tensors);
+    return u;
 }
 
 // ----------------------------------------------------------------------------

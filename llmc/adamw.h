@@ -1,6 +1,8 @@
 /*
  * adamw.h — the CPU optimizer: AdamW with fp32 master weights, m and v, bias correction,
- * decoupled weight decay (per tensor flag), global-norm gradient clipping; and LR schedules.
+ * decoupled weight decay (per tensor flag), global-norm gradient clipping; LR schedules; and the
+ * sequence of one optimizer step (norm -> clip -> lr -> AdamW, adamw_update), which every
+ * trainer shares.
  *
  * Math per element (torch.optim.AdamW):
  *     p *= 1 - lr*wd                         (only for tensors with decay)
@@ -100,5 +102,37 @@ const char* lr_schedule_name(LrScheduleType t);
 //  - D <= 0 (no steps after warmup, or T unset): max_lr after warmup.
 // Computed in double, returned as float.
 float lr_schedule_at(const LrSchedule* s, int64_t step);
+
+// ----------------------------------------------------------------------------
+// one optimizer step: global norm -> clip factor -> scheduled lr -> AdamW
+
+// The sequence every trainer runs, written once: plain training and tests call adamw_update;
+// a caller that gathers the norm in parts while gradients arrive and steps tensor group by
+// tensor group (the engine's layer-by-layer optimizer) calls adamw_norm_sq_total,
+// adamw_update_begin once, then adamw_update_apply per group.
+typedef struct AdamWUpdate {
+    int64_t step;      // the run's 1-based step number (bias correction, LR schedule)
+    double norm;       // global gradient norm: sqrt of the sum of squares of every gradient
+    float clip_scale;  // adamw_clip_scale(norm, grad_clip), folded into the gradients
+    AdamWHyper hyper;  // the run's hyper-parameters with lr = the schedule's lr at step
+} AdamWUpdate;
+
+// The sum of per-chunk sums of squares (adamw_grad_norm_sq_parts) in chunk order: the same bits
+// as adamw_grad_norm_sq over the same tensors.
+double adamw_norm_sq_total(const double* sums, int64_t n_chunks);
+// The factors of step `step` from the sum of squares of all its gradients. sched NULL: the
+// constant h->lr.
+AdamWUpdate adamw_update_begin(const AdamWHyper* h, const LrSchedule* sched,
+                               float grad_clip, int64_t step, double norm_sq);
+// AdamW with those factors over t[0..n_tensors). Every element's update depends only on its own
+// values, so applying one update group by group over a partition of the tensors gives the same
+// bits as one call over all of them.
+void adamw_update_apply(ThreadPool* pool, const AdamWUpdate* u, const AdamWTensor* t,
+                        int n_tensors);
+// The whole step over one tensor list: adamw_grad_norm_sq, adamw_update_begin,
+// adamw_update_apply. Returns the factors (the norm and lr a step line reports).
+AdamWUpdate adamw_update(ThreadPool* pool, const AdamWTensor* t, int n_tensors,
+                         const AdamWHyper* h, const LrSchedule* sched, float grad_clip,
+                         int64_t step);
 
 #endif  // LLMC_ADAMW_H

@@ -2,9 +2,10 @@
  * checkpoint.c — model source resolution (HF, safetensors, GGUF), HF-layout saving, --dump-state,
  * training-state checkpoints (save, find, load) and the HF / GGUF exports.
  *
- * Crash safety of a training-state checkpoint: every file is written to a temporary name,
- * fsync'd and renamed (st_writer_write, file_write_atomic); the whole directory is built as
- * step_<N>.tmp, fsync'd and renamed to step_<N>, whose parent is fsync'd; DONE is written last.
+ * Crash safety of a training-state checkpoint: every file is written through the atomic-write
+ * helper (common.h: a temporary name, fsync, rename, directory fsync); the whole directory is
+ * built as step_<N>.tmp, fsync'd and renamed to step_<N>, whose parent is fsync'd; DONE is
+ * written last.
  * A reader only trusts directories named step_<N> that hold DONE, so a crash at any point leaves
  * either the previous complete checkpoints or the new one, never a torn one.
  */
@@ -12,16 +13,15 @@
 
 #include <dirent.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include "common.h"
 #include "json.h"
+#include "loader.h"
 
 // ----------------------------------------------------------------------------
 // --model resolution
@@ -113,8 +113,8 @@ int checkpoint_resolve_model(ModelSource* src, const char* spec, char* err) {
 
 int checkpoint_load_weights(const ModelSource* src, Store* s, int* n_unused, char* err) {
     if (!src->has_weights) return errorf(err, "the model source has no weights");
-    if (src->kind == SOURCE_GGUF) return store_load_gguf(s, &src->gguf, &src->cfg, n_unused, err);
-    return store_load(s, &src->ck, n_unused, err);
+    if (src->kind == SOURCE_GGUF) return loader_load_gguf(s, &src->gguf, &src->cfg, n_unused, err);
+    return loader_load_safetensors(s, &src->ck, n_unused, err);
 }
 
 void checkpoint_release_weights(ModelSource* src) {
@@ -179,16 +179,6 @@ int checkpoint_dump_state(const char* path, const Model* m, const Store* s, floa
 
 // ----------------------------------------------------------------------------
 // directory helpers
-
-static int fsync_dir(const char* dir, char* err) {
-    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) return errorf(err, "%s: cannot open directory: %s", dir, strerror(errno));
-    int rc = fsync(fd);
-    int e = errno;
-    close(fd);
-    if (rc != 0) return errorf(err, "%s: fsync failed: %s", dir, strerror(e));
-    return 0;
-}
 
 // Remove a checkpoint directory we wrote: regular files only (one level), then the directory.
 // Anything else inside (a subdirectory) is refused rather than deleted recursively.
@@ -597,7 +587,7 @@ int checkpoint_load_state(const char* step_dir, const Model* m, Store* s, TrainS
     StCheckpoint ck;
     if (st_checkpoint_open(&ck, step_dir, err) != 0) return -1;
     int unused = 0;
-    int rc = store_load(s, &ck, &unused, err);
+    int rc = loader_load_safetensors(s, &ck, &unused, err);
     st_checkpoint_close(&ck);
     if (rc != 0) return -1;
     char path[4200];
@@ -612,16 +602,16 @@ int checkpoint_load_state(const char* step_dir, const Model* m, Store* s, TrainS
     return 0;
 }
 
-int checkpoint_init_weights(const TrainArgs* a, ModelSource* src, const Model* m, Store* s,
+int checkpoint_init_weights(const InitOptions* o, ModelSource* src, const Model* m, Store* s,
                             TrainState* ts, const char* args_json, char* err) {
-    train_state_init(ts, a->seed);
+    train_state_init(ts, o->seed);
     char dir[4096] = "";
     int64_t step = 0;
-    if (a->resume) {
-        int found = checkpoint_find_latest(a->out, dir, sizeof dir, &step, err);
+    if (o->resume) {
+        int found = checkpoint_find_latest(o->out_dir, dir, sizeof dir, &step, err);
         if (found < 0) return -1;
         if (!found)
-            printf("--resume: no complete checkpoint in %s, starting from step 0\n", a->out);
+            printf("--resume: no complete checkpoint in %s, starting from step 0\n", o->out_dir);
     }
     int rc = 0;
     if (dir[0]) {
@@ -634,10 +624,10 @@ int checkpoint_init_weights(const TrainArgs* a, ModelSource* src, const Model* m
         int unused = 0;
         rc = checkpoint_load_weights(src, s, &unused, err);
         if (rc == 0)
-            printf("loaded weights from %s%s\n", a->model,
+            printf("loaded weights from %s%s\n", o->model,
                    unused ? " (some checkpoint tensors are unused by this model)" : "");
     } else {
-        store_init_random(s, a->seed, a->init_std);
+        store_init_random(s, o->seed, o->init_std);
     }
     checkpoint_release_weights(src);
     return rc;

@@ -15,7 +15,7 @@
 
 #include <stdint.h>
 
-#include "args.h"
+#include "args.h"  // ExportDtype (the --export-dtype values)
 #include "config.h"
 #include "dataloader.h"
 #include "gguf.h"
@@ -83,10 +83,20 @@ typedef struct TrainState {
 void train_state_init(TrainState* ts, uint32_t seed);
 void train_state_free(TrainState* ts);  // the loaded pending weights
 
-// The start of a run: with --resume and a complete checkpoint in --out, the weights and state
-// come from it; otherwise the source's weights are loaded, or the store is randomly initialised.
-// ts is initialised either way; the source's weight files are released afterwards.
-int checkpoint_init_weights(const TrainArgs* a, ModelSource* src, const Model* m, Store* s,
+// Where the start of a run takes its weights from (the run's --model, --out, --resume, --seed
+// and --init-std).
+typedef struct InitOptions {
+    const char* model;    // the model spec, named in the "loaded weights from" line
+    const char* out_dir;  // the directory of the step_<N> checkpoints (--resume looks there)
+    int resume;           // continue from the newest complete checkpoint in out_dir, if any
+    uint32_t seed;        // seeds the run's random stream (ts->rng) and the random init
+    float init_std;       // random init: matrices and embeddings ~ N(0, init_std)
+} InitOptions;
+
+// The start of a run: with o->resume and a complete checkpoint in o->out_dir, the weights and
+// state come from it; otherwise the source's weights are loaded, or the store is randomly
+// initialised. ts is initialised either way; the source's weight files are released afterwards.
+int checkpoint_init_weights(const InitOptions* o, ModelSource* src, const Model* m, Store* s,
                             TrainState* ts, const char* args_json, char* err);
 
 // Write dir/step_<ts->step>/:

@@ -1,5 +1,6 @@
 /*
- * common.c — checked wrappers, error reporting, files, time, number parsing, float conversions.
+ * common.c — checked wrappers, error reporting, files and atomic writes, time, number parsing,
+ * printable strings, float conversions.
  */
 #include "common.h"
 
@@ -113,6 +114,13 @@ void fclose_check_at(FILE* f, const char* path, const char* file, int line) {
     if (fclose(f) != 0) fatal_at(file, line, "%s: close failed: %s", path, strerror(errno));
 }
 
+char* strndup_check_at(const char* s, size_t n, const char* file, int line) {
+    char* d = malloc_check_at(n + 1, file, line);
+    if (n) memcpy(d, s, n);
+    d[n] = '\0';
+    return d;
+}
+
 // ----------------------------------------------------------------------------
 // whole files
 
@@ -148,36 +156,6 @@ char* file_read_all(const char* path, size_t max_bytes, size_t* out_len, char* e
     return buf;
 }
 
-int file_write_atomic(const char* path, const void* data, size_t len, char* err) {
-    char tmp[4096];
-    if (snprintf(tmp, sizeof tmp, "%s.tmp", path) >= (int)sizeof tmp)
-        return errorf(err, "%s: path too long", path);
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd < 0) return errorf(err, "%s: cannot create: %s", tmp, strerror(errno));
-    const char* p = data;
-    size_t left = len;
-    while (left > 0) {
-        ssize_t w = write(fd, p, left);
-        if (w < 0) {
-            if (errno == EINTR) continue;
-            close(fd);
-            unlink(tmp);
-            return errorf(err, "%s: write failed: %s", tmp, strerror(errno));
-        }
-        p += w;
-        left -= (size_t)w;
-    }
-    if (fsync(fd) != 0 || close(fd) != 0) {
-        unlink(tmp);
-        return errorf(err, "%s: fsync/close failed: %s", tmp, strerror(errno));
-    }
-    if (rename(tmp, path) != 0) {
-        unlink(tmp);
-        return errorf(err, "%s: rename failed: %s", path, strerror(errno));
-    }
-    return 0;
-}
-
 int file_exists(const char* path) {
     struct stat st;
     return stat(path, &st) == 0 && S_ISREG(st.st_mode);
@@ -204,6 +182,99 @@ int mkdir_p(const char* path, char* err) {
         return errorf(err, "%s: cannot create directory: %s", buf, strerror(errno));
     if (!dir_exists(buf)) return errorf(err, "%s: exists and is not a directory", buf);
     return 0;
+}
+
+int fsync_dir(const char* dir, char* err) {
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return errorf(err, "%s: cannot open directory: %s", dir, strerror(errno));
+    int rc = fsync(fd);
+    int e = errno;
+    close(fd);
+    if (rc != 0) return errorf(err, "%s: fsync failed: %s", dir, strerror(e));
+    return 0;
+}
+
+// ----------------------------------------------------------------------------
+// atomic writes
+
+static void atomic_file_release(AtomicFile* af) {
+    free(af->path);
+    free(af->tmp);
+    memset(af, 0, sizeof *af);
+}
+
+int atomic_file_open(AtomicFile* af, const char* path, char* err) {
+    memset(af, 0, sizeof *af);
+    const size_t n = strlen(path);
+    af->path = strndup_check(path, n);
+    af->tmp = malloc_check(n + 5);
+    memcpy(af->tmp, path, n);
+    memcpy(af->tmp + n, ".tmp", 5);
+    af->f = fopen(af->tmp, "wb");
+    if (!af->f) {
+        errorf(err, "%s: cannot create: %s", af->tmp, strerror(errno));
+        atomic_file_release(af);
+        return -1;
+    }
+    return 0;
+}
+
+int atomic_file_write(AtomicFile* af, const void* data, size_t n, char* err) {
+    if (af->failed) return -1;
+    if (n > 0 && fwrite(data, 1, n, af->f) != n) {
+        af->failed = 1;
+        return errorf(err, "%s: write failed: %s", af->tmp, strerror(errno));
+    }
+    return 0;
+}
+
+void atomic_file_abort(AtomicFile* af) {
+    if (af->f) fclose(af->f);  // the file is being thrown away: its close status does not matter
+    if (af->tmp) unlink(af->tmp);
+    atomic_file_release(af);
+}
+
+int atomic_file_commit(AtomicFile* af, char* err) {
+    if (af->failed) {  // the message of the failed write is already in err
+        atomic_file_abort(af);
+        return -1;
+    }
+    int rc = 0;
+    if (ferror(af->f) || fflush(af->f) != 0)
+        rc = errorf(err, "%s: write failed: %s", af->tmp, strerror(errno));
+    else if (fsync(fileno(af->f)) != 0)
+        rc = errorf(err, "%s: fsync failed: %s", af->tmp, strerror(errno));
+    FILE* f = af->f;
+    af->f = NULL;
+    if (fclose(f) != 0 && rc == 0) rc = errorf(err, "%s: close failed: %s", af->tmp, strerror(errno));
+    if (rc == 0 && rename(af->tmp, af->path) != 0)
+        rc = errorf(err, "%s: rename from %s failed: %s", af->path, af->tmp, strerror(errno));
+    if (rc != 0) {
+        atomic_file_abort(af);
+        return -1;
+    }
+    // the rename is only durable once the directory entry is on disk
+    char* slash = strrchr(af->path, '/');
+    if (slash == af->path) {
+        rc = fsync_dir("/", err);
+    } else if (slash) {
+        *slash = '\0';
+        rc = fsync_dir(af->path, err);
+    } else {
+        rc = fsync_dir(".", err);
+    }
+    atomic_file_release(af);
+    return rc;
+}
+
+int file_write_atomic(const char* path, const void* data, size_t len, char* err) {
+    AtomicFile af;
+    if (atomic_file_open(&af, path, err) != 0) return -1;
+    if (atomic_file_write(&af, data, len, err) != 0) {
+        atomic_file_abort(&af);
+        return -1;
+    }
+    return atomic_file_commit(&af, err);
 }
 
 // ----------------------------------------------------------------------------
@@ -241,6 +312,23 @@ void str_copy(char* dst, size_t cap, const char* src) {
     if (n >= cap) n = cap - 1;
     memcpy(dst, src, n);
     dst[n] = '\0';
+}
+
+const char* str_printable(const char* s, size_t n, char* buf, size_t cap) {
+    if (cap == 0) return buf;
+    // Printable ASCII only: a control byte would split the message, and a byte >= 0x80 may be a
+    // C1 control (0x9b starts an escape sequence on some terminals) or half a UTF-8 character.
+    size_t o = 0;
+    for (size_t i = 0; i < n && o + 4 < cap; i++) {
+        unsigned char c = (unsigned char)s[i];
+        buf[o++] = (c >= 0x20 && c < 0x7f) ? (char)c : '?';
+    }
+    if (o + 4 >= cap && n > 0 && cap >= 4) {
+        memcpy(buf + o, "...", 3);
+        o += 3;
+    }
+    buf[o] = '\0';
+    return buf;
 }
 
 int str_ends_with(const char* s, const char* suffix) {

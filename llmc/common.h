@@ -48,6 +48,8 @@ void fread_check_at(void* p, size_t size, size_t n, FILE* f, const char* path, c
 void fwrite_check_at(const void* p, size_t size, size_t n, FILE* f, const char* path,
                      const char* file, int line);
 void fclose_check_at(FILE* f, const char* path, const char* file, int line);
+// A NUL-terminated malloc'd copy of the n bytes at s.
+char* strndup_check_at(const char* s, size_t n, const char* file, int line);
 
 #define malloc_check(size) malloc_check_at((size), __FILE__, __LINE__)
 #define calloc_check(n, size) calloc_check_at((n), (size), __FILE__, __LINE__)
@@ -58,6 +60,7 @@ void fclose_check_at(FILE* f, const char* path, const char* file, int line);
 #define fread_check(p, size, n, f, path) fread_check_at((p), (size), (n), (f), (path), __FILE__, __LINE__)
 #define fwrite_check(p, size, n, f, path) fwrite_check_at((p), (size), (n), (f), (path), __FILE__, __LINE__)
 #define fclose_check(f, path) fclose_check_at((f), (path), __FILE__, __LINE__)
+#define strndup_check(s, n) strndup_check_at((s), (n), __FILE__, __LINE__)
 // For pthread_* and similar calls that return an error number.
 #define pthread_check(call)                                                                      \
     do {                                                                                         \
@@ -73,12 +76,41 @@ void fclose_check_at(FILE* f, const char* path, const char* file, int line);
 char* file_read_all(const char* path, size_t max_bytes, size_t* out_len, char* err);
 // "1.50 GiB", "12.00 MiB", "3.00 KiB" or "17 B" into buf.
 void format_bytes(double bytes, char* buf, size_t cap);
-// Write a buffer to path atomically: path.tmp, fsync, rename. Returns -1 with err on failure.
-int file_write_atomic(const char* path, const void* data, size_t len, char* err);
 int file_exists(const char* path);
 int dir_exists(const char* path);
 // mkdir -p. Returns -1 with err on failure.
 int mkdir_p(const char* path, char* err);
+// fsync a directory, so that the names created or renamed in it survive a crash.
+int fsync_dir(const char* dir, char* err);
+
+// ----------------------------------------------------------------------------
+// atomic writes: every file this program writes goes through these (all but the --log
+// JSON-lines file, which is appended to step by step)
+//
+// The bytes go to path.tmp (same directory, hence same file system), which is fsync'd, closed and
+// renamed over path; then the directory is fsync'd so the rename is durable too. Until the
+// commit, path keeps its old contents (or stays absent); a failure removes path.tmp. Every stdio
+// call is checked: a write error, including one that only shows at fflush/fclose, fails the
+// commit. Errors are one line naming the file.
+
+typedef struct AtomicFile {
+    FILE* f;     // the temporary; callers may fprintf to it (errors surface at the commit)
+    char* path;  // the final name
+    char* tmp;   // path.tmp
+    int failed;  // a write failed (the message is already in err)
+} AtomicFile;
+
+// Create path.tmp. -1 with err if it cannot be created.
+int atomic_file_open(AtomicFile* af, const char* path, char* err);
+// Append n bytes. -1 with err on a write error (later writes and the commit then fail too).
+int atomic_file_write(AtomicFile* af, const void* data, size_t n, char* err);
+// Flush, fsync, close, rename to path, fsync the directory. Releases af either way; on failure
+// path.tmp is removed and path untouched.
+int atomic_file_commit(AtomicFile* af, char* err);
+// Close and remove path.tmp (a writer that gives up after atomic_file_open).
+void atomic_file_abort(AtomicFile* af);
+// The whole of a buffer: open, write, commit.
+int file_write_atomic(const char* path, const void* data, size_t len, char* err);
 
 // ----------------------------------------------------------------------------
 // time, numbers, strings
@@ -92,6 +124,10 @@ int parse_double(const char* s, double* out);
 
 // Copy a string into a fixed buffer, always NUL-terminated, truncating if needed.
 void str_copy(char* dst, size_t cap, const char* src);
+// Untrusted bytes (names and values read from files) made safe for a one-line message: the n
+// bytes at s (NULs included) with every byte outside printable ASCII (controls, DEL, bytes
+// >= 0x80) replaced by '?', truncated with "..." to fit cap. Returns buf.
+const char* str_printable(const char* s, size_t n, char* buf, size_t cap);
 int str_ends_with(const char* s, const char* suffix);
 
 // Multiplications and sums of sizes that must not overflow (return -1 on overflow).
@@ -103,6 +139,15 @@ float bf16_to_f32(uint16_t h);
 uint16_t f32_to_bf16(float f);
 float f16_to_f32(uint16_t h);
 uint16_t f32_to_f16(float f);
+
+// Little-endian loads from byte buffers (file formats; no alignment assumed).
+static inline uint16_t load_le16(const uint8_t* p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+static inline uint32_t load_le32(const uint8_t* p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+static inline uint64_t load_le64(const uint8_t* p) {
+    return (uint64_t)load_le32(p) | ((uint64_t)load_le32(p + 4) << 32);
+}
 
 static inline int imin(int a, int b) { return a < b ? a : b; }
 static inline int imax(int a, int b) { return a > b ? a : b; }

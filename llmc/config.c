@@ -312,8 +312,9 @@ static int parse_rope(ModelConfig* c, const JsonValue* root, const char* path, c
             return errorf(err, "%s: yarn RoPE scaling parameters out of range", path);
         c->rope_original_max_pos = (int)orig;
     } else {
+        char tp[64];
         return errorf(err, "%s: unsupported rope_type '%s' (supported: default, llama3, yarn)",
-                      path, type);
+                      path, str_printable(type, strlen(type), tp, sizeof tp));
     }
     return 0;
 }
@@ -457,8 +458,9 @@ int config_from_hf_json(ModelConfig* cfg, const char* path, char* err) {
     else if (strcmp(mt, "qwen3_moe") == 0) c.family = FAMILY_QWEN3MOE;
     else if (strcmp(mt, "gpt_oss") == 0) c.family = FAMILY_GPTOSS;
     else {
+        char mp[64];
         errorf(err, "%s: unsupported model_type '%s' (supported: llama, qwen3, qwen3_moe, gpt_oss)",
-               path, mt);
+               path, str_printable(mt, strlen(mt), mp, sizeof mp));
         goto done;
     }
 
@@ -489,7 +491,9 @@ int config_from_hf_json(ModelConfig* cfg, const char* path, char* err) {
         goto done;
     const char* act = NULL;
     if (json_get_string(o, "hidden_act", &act) == 1 && strcmp(act, "silu") != 0) {
-        errorf(err, "%s: hidden_act '%s' is not supported (only silu)", path, act);
+        char ap[64];
+        errorf(err, "%s: hidden_act '%s' is not supported (only silu)", path,
+               str_printable(act, strlen(act), ap, sizeof ap));
         goto done;
     }
     int mlp_bias = 0;

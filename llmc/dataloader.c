@@ -397,21 +397,17 @@ int shard_write(const char* path, const uint32_t* tokens, int64_t ntok, int toke
                               path, tokens[i], (long long)i, SHARD_MAGIC_U32);
     }
 
-    char tmp[4096];
-    if (snprintf(tmp, sizeof tmp, "%s.tmp", path) >= (int)sizeof tmp)
-        return errorf(err, "%s: path too long", path);
-    FILE* f = fopen(tmp, "wb");
-    if (!f) return errorf(err, "%s: cannot create: %s", tmp, strerror(errno));
-
+    AtomicFile af;
+    if (atomic_file_open(&af, path, err) != 0) return -1;
     uint8_t header[SHARD_HEADER_BYTES] = {0};
     le_put_u32(header + 0, token_bytes == 2 ? SHARD_MAGIC_U16 : SHARD_MAGIC_U32);
     le_put_u32(header + 4, token_bytes == 2 ? SHARD_VERSION_U16 : SHARD_VERSION_U32);
     le_put_u32(header + 8, (uint32_t)ntok);
-    int ok = fwrite(header, 1, sizeof header, f) == sizeof header;
+    int rc = atomic_file_write(&af, header, sizeof header, err);
     // tokens go out through a fixed chunk so a big shard never needs a second full-size buffer
     enum { CHUNK = 16384 };
     uint8_t buf[CHUNK * 4];
-    for (int64_t i = 0; ok && i < ntok; i += CHUNK) {
+    for (int64_t i = 0; rc == 0 && i < ntok; i += CHUNK) {
         int64_t n = ntok - i < CHUNK ? ntok - i : CHUNK;
         for (int64_t j = 0; j < n; j++) {
             uint32_t v = tokens[i + j];
@@ -422,26 +418,11 @@ int shard_write(const char* path, const uint32_t* tokens, int64_t ntok, int toke
                 le_put_u32(buf + 4 * j, v);
             }
         }
-        size_t bytes = (size_t)n * (size_t)token_bytes;
-        ok = fwrite(buf, 1, bytes, f) == bytes;
+        rc = atomic_file_write(&af, buf, (size_t)n * (size_t)token_bytes, err);
     }
-    int write_errno = errno;
-    if (ok && (fflush(f) != 0 || fsync(fileno(f)) != 0)) {
-        ok = 0;
-        write_errno = errno;
+    if (rc != 0) {
+        atomic_file_abort(&af);
+        return -1;
     }
-    if (fclose(f) != 0 && ok) {
-        ok = 0;
-        write_errno = errno;
-    }
-    if (!ok) {
-        unlink(tmp);
-        return errorf(err, "%s: write failed: %s", tmp, strerror(write_errno));
-    }
-    if (rename(tmp, path) != 0) {
-        int e = errno;
-        unlink(tmp);
-        return errorf(err, "%s: rename failed: %s", path, strerror(e));
-    }
-    return 0;
+    return atomic_file_commit(&af, err);
 }

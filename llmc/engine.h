@@ -146,6 +146,50 @@ int engine_plan_fits(const Model* m, int act_bytes, int n_devices, const EngineO
 int engine_plan_cost(const Model* m, int act_bytes, int n_devices, const EngineOptions* opt,
                      double* cost, char* err);
 
+// ----------------------------------------------------------------------------
+// the run's plan policy (plan.c): the decisions a caller makes before it creates an engine, with
+// the engine's own accounting. They take explicit values: a CLI maps its flags to EngineOptions.
+
+// Host memory of a run in bytes (PERFORMANCE_MODEL.md §5), before anything is allocated: what
+// engine_create allocates besides the caller's Store, and the Store itself.
+typedef struct EngineHostMemory {
+    double store;            // the Store: fp32 weights, m, v and gradients, 16 B/param
+    double masters;          // the two compute-dtype weight copies, 2 x act_bytes per param
+    double grads;            // the delayed update's second fp32 gradient set, 4 B/param (0 in
+                             // sync mode)
+    double split_extra;      // one fp32 gradient set per extra round with split rounds,
+                             // (N - 1) x 4 B/param: what opt->split_rounds adds (or would add)
+    double fixed;            // store + masters + grads (+ split_extra with opt->split_rounds)
+    double checkpoints_max;  // host activation checkpoints at most: (L + 3) residual-stream
+                             // buffers per sequence (every stage boundary but the prefix's, and
+                             // the two-slot gradient ring), in one or two sets (opt->host_single);
+                             // a plan's own figure: engine_plan_print's host_act_bytes
+} EngineHostMemory;
+EngineHostMemory engine_host_memory(const Model* m, int act_bytes, int n_devices,
+                                    const EngineOptions* opt);
+// Plain (non-engine) training's host memory: the Store alone, 16 B/param.
+double engine_plain_host_bytes(const Model* m);
+// The device budget (EngineOptions.device_budget) when none is given: 90% of the memory free on
+// the device (the rest: allocator rounding, cuBLAS and CUDA internals).
+double engine_default_device_budget(double device_free_bytes);
+// --mlp-chunk: requested >= 0 is taken as given (0 = no chunks); -1 = auto: chunk the MLP in
+// 16384 rows when micro-batches hold more than 65,536 tokens, or more than 16384 tokens and the
+// chunked plan costs at least 1% less (less recompute) or is the only one that fits. Sets
+// m->mlp_chunk (the plans are tried with it) and returns it; prints a "note:" line when auto
+// chunks.
+int engine_resolve_mlp_chunk(Model* m, int requested, int act_bytes, int n_devices,
+                             const EngineOptions* opt);
+// --split-rounds: requested >= 0 is returned as given; -1 = auto: 1 on gpus (the devices are
+// GPUs) with n_devices >= 2, M a multiple of n_devices, no round size given (opt->M_R == 0), a
+// one-stage split plan, and room in host_total bytes (0 = unknown: no check) for its extra
+// gradient sets within 90%; else 0. Prints a "note:" line when it splits or when host memory
+// stops it.
+int engine_resolve_split_rounds(const Model* m, int requested, int gpus, int act_bytes,
+                                int n_devices, const EngineOptions* opt, double host_total);
+
+// ----------------------------------------------------------------------------
+// running
+
 // Iterations are submitted and collected in order, at most two in flight: with the delayed
 // update iteration t+1 needs nothing of iteration t (its weights are those after step t-1), so a
 // GPU can start it while another still runs iteration t, and a plan of fewer stages than devices

@@ -1,9 +1,11 @@
 /*
- * gguf.h — GGUF v3 checkpoints (docs FORMATS_AND_MODELS.md §2): a bounded, validating reader
- * (memory-mapped, or over a caller's buffer for fuzzing), dequantisation of the ggml types we
- * accept to fp32, the mapping of GGUF metadata to a ModelConfig and of GGUF tensors to the
- * descriptor table (names, ne order, LLaMA Q/K rows), the tokenizer metadata, and a writer
- * (F32/F16/BF16 tensors) for exports.
+ * gguf.h — GGUF v3 checkpoints (docs FORMATS_AND_MODELS.md §2), one header over four files:
+ *   gguf_read.c   a bounded, validating reader (memory-mapped, or over a caller's buffer for
+ *                 fuzzing): header, metadata, tensor infos, lookups, the tokenizer records;
+ *   gguf_quant.c  the ggml type table and dequantisation of the types we accept to fp32;
+ *   gguf_arch.c   GGUF metadata <-> ModelConfig, descriptor/HF names -> GGUF names, ne order,
+ *                 LLaMA Q/K rows, llama3 rope_freqs;
+ *   gguf_write.c  the writer (F32/F16/BF16 tensors) for exports.
  *
  * Reader invariants after a successful gguf_open:
  *  - every count and length was bounded by the bytes left in the file before anything was
@@ -121,7 +123,7 @@ typedef struct GgufFile {
 } GgufFile;
 
 // ----------------------------------------------------------------------------
-// reading
+// reading (gguf_read.c)
 
 int gguf_open(GgufFile* f, const char* path, char* err);
 // Parse a buffer the caller keeps alive until gguf_close (fuzzing, tests). name is for messages.
@@ -138,14 +140,22 @@ int gguf_get_string(const GgufFile* f, const char* key, GgufString* out);
 // Element i of an integer array (any integer width); -1 if not an integer array or i >= n.
 int gguf_array_int(const GgufValue* v, uint64_t i, int64_t* out);
 
+// A scalar integer value widened to int64 (-1 if not an integer or above INT64_MAX).
+int gguf_value_int(const GgufValue* v, int64_t* out);
 const char* gguf_value_type_name(GgufValueType t);  // "UINT32", ... or "?"
-const char* ggml_type_name(int type);               // "Q4_K", ... or NULL if unknown
-int ggml_type_can_dequantize(int type);
-// Bytes of n elements of a type (n a multiple of the block size); 0 when unknown.
-uint64_t ggml_type_bytes(int type, int64_t n);
 
 // ----------------------------------------------------------------------------
-// dequantisation
+// ggml types and dequantisation (gguf_quant.c)
+
+const char* ggml_type_name(int type);  // "Q4_K", ... or NULL if unknown
+int ggml_type_can_dequantize(int type);
+// Elements per block of a type, and the bytes of one block in *block_bytes; 0 (and *block_bytes
+// untouched) when the type is unknown or its block size is unknown to this build.
+int ggml_type_block(int type, int* block_bytes);
+// Bytes of n elements of a type (n a multiple of the block size); 0 when unknown.
+uint64_t ggml_type_bytes(int type, int64_t n);
+// The types ggml_dequantize accepts, for messages: "F32, F16, BF16, Q8_0, ...".
+const char* ggml_supported_types(void);
 
 // n elements (a multiple of the type's block size) of `type` at src -> fp32. -1 if the type
 // cannot be dequantised. No finiteness check here.
@@ -155,7 +165,7 @@ int ggml_dequantize(int type, const uint8_t* src, float* dst, int64_t n);
 int gguf_tensor_to_f32(const GgufFile* f, const GgufTensor* t, float* out, int64_t n, char* err);
 
 // ----------------------------------------------------------------------------
-// models
+// architectures (gguf_arch.c)
 
 // general.architecture of a family: "llama", "qwen3", "qwen3moe", "gpt-oss".
 const char* gguf_arch_name(ModelFamily family);
@@ -183,7 +193,7 @@ void gguf_permute_rows(const float* src, float* dst, int n_head, int64_t rows, i
 void gguf_llama3_rope_factors(const ModelConfig* cfg, float* factors);
 
 // ----------------------------------------------------------------------------
-// tokenizer metadata: every tokenizer.* record of a file, kept verbatim for exports
+// tokenizer metadata: every tokenizer.* record of a file, kept verbatim for exports (gguf_read.c)
 
 typedef struct GgufTokenizer {
     uint8_t* records;  // n_kv serialized KV records, back to back
@@ -195,7 +205,7 @@ void gguf_tokenizer_extract(const GgufFile* f, GgufTokenizer* tok);
 void gguf_tokenizer_free(GgufTokenizer* tok);
 
 // ----------------------------------------------------------------------------
-// writing (F32 / F16 / BF16 tensors from fp32 sources)
+// writing (F32 / F16 / BF16 tensors from fp32 sources; gguf_write.c)
 
 typedef struct GgufWriterTensor {
     char* name;
@@ -225,10 +235,11 @@ void gguf_writer_add_records(GgufWriter* w, const uint8_t* records, size_t len, 
 // If `owned`, the writer frees data when it is freed.
 void gguf_writer_add_tensor(GgufWriter* w, const char* name, GgmlType type, int ndim,
                             const int64_t* shape, const float* data, int owned);
-// The architecture metadata of a config ({arch}.block_count, ...; general.architecture first).
+// The architecture metadata of a config ({arch}.block_count, ...; general.architecture first;
+// gguf_arch.c).
 void gguf_writer_add_config(GgufWriter* w, const ModelConfig* cfg);
-// Write atomically (path.tmp, fsync, rename); refuses values that overflow F16 and duplicate
-// names. Returns -1 with err on failure.
+// Write atomically (atomic_file_*: path.tmp, fsync, rename); refuses values that overflow F16
+// and duplicate names. Returns -1 with err on failure.
 int gguf_writer_write(GgufWriter* w, const char* path, char* err);
 void gguf_writer_free(GgufWriter* w);
 

@@ -118,20 +118,6 @@ static int json_fail_unexpected(JsonParser* p, const char* expected) {
     return errorf(p->err, "at byte %zu: expected %s, found %s", p->pos, expected, what);
 }
 
-// Printable, bounded copy of a key for messages (keys may hold any bytes).
-static void json_printable(const char* s, size_t n, char* buf, size_t cap) {
-    size_t o = 0;
-    for (size_t i = 0; i < n && o + 4 < cap; i++) {
-        unsigned char c = (unsigned char)s[i];
-        buf[o++] = (c >= 0x20 && c != 0x7f) ? (char)c : '?';
-    }
-    if (o + 4 >= cap && n > 0) {
-        memcpy(buf + o, "...", 3);
-        o += 3;
-    }
-    buf[o] = '\0';
-}
-
 static void json_push(JsonParser* p, const JsonPending* e) {
     if (p->stack_n == p->stack_cap) {
         size_t cap = p->stack_cap ? p->stack_cap * 2 : 64;
@@ -412,7 +398,7 @@ static int json_check_duplicate_keys(JsonParser* p, size_t base) {
             const JsonPending* later =
                 sorted[i]->key_pos > sorted[i - 1]->key_pos ? sorted[i] : sorted[i - 1];
             char key[80];
-            json_printable(later->key, later->key_len, key, sizeof key);
+            str_printable(later->key, later->key_len, key, sizeof key);
             rc = errorf(p->err, "at byte %zu: duplicate key \"%s\"", later->key_pos, key);
             break;
         }

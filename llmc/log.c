@@ -1,5 +1,5 @@
 /*
- * log.c — console step lines and JSON-lines records.
+ * log.c — console step lines, JSON-lines records and the throughput meter.
  */
 #include "log.h"
 
@@ -76,4 +76,32 @@ void log_eval(StepLog* lg, int step, double val_loss) {
     json_num(lg->f, "val_loss", val_loss, 1);
     fprintf(lg->f, "}\n");
     fflush(lg->f);
+}
+
+// ----------------------------------------------------------------------------
+// throughput
+
+void log_meter_init(StepMeter* mt, int window, double tokens_per_step, double flops_per_token,
+                    double peak_flops) {
+    memset(mt, 0, sizeof *mt);
+    mt->window = imax(1, imin(window, LOG_METER_WINDOW_MAX));
+    mt->tokens_per_step = tokens_per_step;
+    mt->flops_per_token = flops_per_token;
+    mt->peak_flops = peak_flops;
+}
+
+void log_meter_record(StepMeter* mt, StepStats* st, double dt) {
+    st->ms = dt * 1e3;
+    mt->dt[mt->n % mt->window] = dt;
+    mt->idle[mt->n % mt->window] = st->bubble >= 0 ? st->bubble * dt : 0.0;
+    mt->n++;
+    double sum_dt = 0.0, sum_idle = 0.0;
+    const int in_window = imin(mt->n, mt->window);
+    for (int w = 0; w < in_window; w++) {
+        sum_dt += mt->dt[w];
+        sum_idle += mt->idle[w];
+    }
+    st->tok_s = mt->tokens_per_step * in_window / sum_dt;
+    if (st->bubble >= 0) st->bubble = sum_idle / sum_dt;
+    if (mt->peak_flops > 0) st->mfu = mt->flops_per_token * st->tok_s / mt->peak_flops;
 }

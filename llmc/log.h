@@ -1,6 +1,7 @@
 /*
  * log.h — the per-step console line and the --log JSON-lines file (one object per step and one
- * per evaluation). Numbers are written with enough digits to round-trip.
+ * per evaluation), and the throughput meter behind the line's tok/s, MFU and bubble columns.
+ * Numbers are written with enough digits to round-trip.
  */
 #ifndef LLMC_LOG_H
 #define LLMC_LOG_H
@@ -33,5 +34,36 @@ int log_open(StepLog* lg, const char* path, int append, char* err);
 void log_close(StepLog* lg);
 void log_step(StepLog* lg, const StepStats* s);
 void log_eval(StepLog* lg, int step, double val_loss);
+
+// ----------------------------------------------------------------------------
+// throughput: tok/s, MFU and bubble over the last steps
+
+// Dense bf16 tensor-core peak of one H100/H200 SXM GPU: 989.4 TFLOP/s in NVIDIA's H100 and H200
+// datasheets (1,979 is the 2:4-sparse figure). MFU is model FLOPs per second (6N plus the
+// attention term, config_flops_per_token) over this peak rounded to 989 TFLOP/s per GPU, the
+// "MFU_989" convention every measurement of this project is quoted in.
+#define LOG_PEAK_FLOPS_PER_GPU 989e12
+
+#define LOG_METER_WINDOW_MAX 64
+
+// Rates over a window of the last W steps: when the whole model is one stage each of two GPUs
+// takes every other iteration, so step times alternate long and short; over W = the number of
+// devices they are the steady rate. The step's own ms stays the step's.
+typedef struct StepMeter {
+    int window;              // W: 1..LOG_METER_WINDOW_MAX steps
+    int n;                   // steps recorded so far
+    double tokens_per_step;  // B x T
+    double flops_per_token;  // model FLOPs per trained token
+    double peak_flops;       // the devices' summed peak FLOP/s (0: no MFU column)
+    double dt[LOG_METER_WINDOW_MAX];    // seconds of the last W steps (a ring)
+    double idle[LOG_METER_WINDOW_MAX];  // their idle device time (bubble x seconds)
+} StepMeter;
+
+// window is clamped to 1..LOG_METER_WINDOW_MAX.
+void log_meter_init(StepMeter* mt, int window, double tokens_per_step, double flops_per_token,
+                    double peak_flops);
+// Record a step of dt seconds whose bubble is st->bubble (< 0: not pipelined) and fill st->ms,
+// st->tok_s, st->bubble (now over the window) and st->mfu (with a peak).
+void log_meter_record(StepMeter* mt, StepStats* st, double dt);
 
 #endif  // LLMC_LOG_H

@@ -57,21 +57,6 @@ static int st_dtype_parse(const char* s, StDtype* out) {
 // ----------------------------------------------------------------------------
 // helpers
 
-// Printable, bounded copy of an untrusted name for one-line messages.
-static const char* st_printable(const char* s, size_t n, char* buf, size_t cap) {
-    size_t o = 0;
-    for (size_t i = 0; i < n && o + 4 < cap; i++) {
-        unsigned char c = (unsigned char)s[i];
-        buf[o++] = (c >= 0x20 && c != 0x7f) ? (char)c : '?';
-    }
-    if (o + 4 >= cap && n > 0) {
-        memcpy(buf + o, "...", 3);
-        o += 3;
-    }
-    buf[o] = '\0';
-    return buf;
-}
-
 static char* st_strdup(const char* s) {
     size_t n = strlen(s);
     char* d = malloc_check(n + 1);
@@ -125,7 +110,7 @@ static int st_parse_tensor(const char* path, const char* name, const JsonValue* 
         else {
             char key[64];
             return errorf(err, "%s: tensor '%s': unknown field '%s'", path, name,
-                          st_printable(k, e->key_lens[i], key, sizeof key));
+                          str_printable(k, e->key_lens[i], key, sizeof key));
         }
     }
     if (!dtype || !shape || !offsets) {
@@ -138,7 +123,7 @@ static int st_parse_tensor(const char* path, const char* name, const JsonValue* 
     if (strlen(dtype->str) != dtype->str_len || st_dtype_parse(dtype->str, &t->dtype) != 0) {
         char d[40];
         return errorf(err, "%s: tensor '%s': unsupported dtype '%s'", path, name,
-                      st_printable(dtype->str, dtype->str_len, d, sizeof d));
+                      str_printable(dtype->str, dtype->str_len, d, sizeof d));
     }
 
     if (shape->type != JSON_ARRAY)
@@ -210,7 +195,7 @@ static int st_check_tiling(const char* path, StTensor* ts, const uint64_t* begin
     char name[96];
     for (int i = 0; i < n && rc == 0; i++) {
         const char* nm = ts[spans[i].index].name;
-        st_printable(nm, strlen(nm), name, sizeof name);
+        str_printable(nm, strlen(nm), name, sizeof name);
         if (spans[i].begin > expected) {
             rc = errorf(err, "%s: tensor '%s': gap in the data buffer (bytes %llu..%llu unused)",
                         path, name, (unsigned long long)expected,
@@ -249,7 +234,7 @@ static int st_load_header(StFile* f, const JsonValue* root, uint64_t header_len,
         if (strlen(root->keys[i]) != root->key_lens[i]) {
             char nm[96];
             return errorf(err, "%s: tensor '%s': name contains a NUL byte", path,
-                          st_printable(root->keys[i], root->key_lens[i], nm, sizeof nm));
+                          str_printable(root->keys[i], root->key_lens[i], nm, sizeof nm));
         }
         n++;
         name_bytes += root->key_lens[i] + 1;  // bounded by the header length: no overflow
@@ -263,7 +248,7 @@ static int st_load_header(StFile* f, const JsonValue* root, uint64_t header_len,
             if (meta->items[i].type != JSON_STRING) {
                 char k[64];
                 return errorf(err, "%s: __metadata__ '%s': value is not a string", path,
-                              st_printable(meta->keys[i], meta->key_lens[i], k, sizeof k));
+                              str_printable(meta->keys[i], meta->key_lens[i], k, sizeof k));
             }
         }
         f->n_meta = (int)meta->n;
@@ -290,7 +275,7 @@ static int st_load_header(StFile* f, const JsonValue* root, uint64_t header_len,
         t->file = f->path;
         names += root->key_lens[i] + 1;
         char nm[96];
-        st_printable(t->name, root->key_lens[i], nm, sizeof nm);
+        str_printable(t->name, root->key_lens[i], nm, sizeof nm);
         rc = st_parse_tensor(path, nm, &root->items[i], data_size, t, &begins[k], err);
         k++;
     }
@@ -453,7 +438,7 @@ static int st_checkpoint_index_tensors(StCheckpoint* ck, char* err) {
             char nm[96];
             const char* name = ck->tensors[i]->name;
             return errorf(err, "%s: tensor '%s' appears in two shards (also in %s)",
-                          ck->tensors[i]->file, st_printable(name, strlen(name), nm, sizeof nm),
+                          ck->tensors[i]->file, str_printable(name, strlen(name), nm, sizeof nm),
                           ck->tensors[i - 1]->file);
         }
     }
@@ -480,12 +465,12 @@ static int st_index_read_map(const char* path, const JsonValue* root, StMapEntry
     for (size_t i = 0; i < wm->n; i++) {
         char nm[96], sh[96];
         const JsonValue* v = &wm->items[i];
-        st_printable(wm->keys[i], wm->key_lens[i], nm, sizeof nm);
+        str_printable(wm->keys[i], wm->key_lens[i], nm, sizeof nm);
         if (strlen(wm->keys[i]) != wm->key_lens[i])
             return errorf(err, "%s: weight_map: tensor '%s': name contains a NUL byte", path, nm);
         if (v->type != JSON_STRING)
             return errorf(err, "%s: weight_map: tensor '%s': shard is not a string", path, nm);
-        st_printable(v->str, v->str_len, sh, sizeof sh);
+        str_printable(v->str, v->str_len, sh, sizeof sh);
         // Shards must sit next to the index: no paths, no escaping the directory.
         if (v->str_len == 0 || strlen(v->str) != v->str_len || strchr(v->str, '/') ||
             strstr(v->str, "..")) {
@@ -539,7 +524,7 @@ static int st_checkpoint_open_index(StCheckpoint* ck, const char* path, char* er
                 char nm[96];
                 rc = errorf(err, "%s: shard %s (holding tensor '%s') does not exist", path,
                             shard_path,
-                            st_printable(entries[i].name, strlen(entries[i].name), nm, sizeof nm));
+                            str_printable(entries[i].name, strlen(entries[i].name), nm, sizeof nm));
             } else if (st_open(&ck->files[ck->n_files], shard_path, err) == 0) {
                 ck->n_files++;
             } else {
@@ -556,7 +541,7 @@ static int st_checkpoint_open_index(StCheckpoint* ck, const char* path, char* er
         for (size_t i = 0; i < n && rc == 0; i++) {
             const StTensor* t = st_checkpoint_find(ck, entries[i].name);
             char nm[96];
-            st_printable(entries[i].name, strlen(entries[i].name), nm, sizeof nm);
+            str_printable(entries[i].name, strlen(entries[i].name), nm, sizeof nm);
             if (!t) {
                 rc = errorf(err, "%s: tensor '%s' is mapped to shard %s, which does not contain it",
                             path, nm, entries[i].shard);
@@ -578,7 +563,7 @@ static int st_checkpoint_open_index(StCheckpoint* ck, const char* path, char* er
             char nm[96];
             const char* name = ck->tensors[j]->name;
             rc = errorf(err, "%s: tensor '%s' in shard %s is missing from the weight_map", path,
-                        st_printable(name, strlen(name), nm, sizeof nm), ck->tensors[j]->file);
+                        str_printable(name, strlen(name), nm, sizeof nm), ck->tensors[j]->file);
         }
     }
     free(dir);
@@ -793,35 +778,21 @@ int st_writer_write(StWriter* w, const char* path, char* err) {
     size_t header_len;
     char* header = st_writer_header(w, order, &header_len);
 
-    char* tmp = malloc_check(strlen(path) + 5);
-    sprintf(tmp, "%s.tmp", path);
-    int rc = 0;
-    FILE* fp = fopen(tmp, "wb");
-    if (!fp) {
-        rc = errorf(err, "%s: cannot create: %s", tmp, strerror(errno));
-    } else {
-        uint8_t len8[8];
-        for (int i = 0; i < 8; i++) len8[i] = (uint8_t)((uint64_t)header_len >> (8 * i));
-        int ok = fwrite(len8, 1, 8, fp) == 8 && fwrite(header, 1, header_len, fp) == header_len;
+    uint8_t len8[8];
+    for (int i = 0; i < 8; i++) len8[i] = (uint8_t)((uint64_t)header_len >> (8 * i));
+    AtomicFile af;
+    int rc = atomic_file_open(&af, path, err);
+    if (rc == 0) {
+        rc = atomic_file_write(&af, len8, 8, err);
+        if (rc == 0) rc = atomic_file_write(&af, header, header_len, err);
         // Stream tensors straight from the caller's buffers: no copy of a multi-GB file.
-        for (int i = 0; i < w->n && ok; i++)
-            if (order[i]->nbytes > 0)
-                ok = fwrite(order[i]->data, 1, order[i]->nbytes, fp) == order[i]->nbytes;
-        if (ok) ok = fflush(fp) == 0 && fsync(fileno(fp)) == 0;
-        int saved = ok ? 0 : errno;
-        if (fclose(fp) != 0 && ok) {
-            ok = 0;
-            saved = errno;
-        }
-        if (!ok) {
-            rc = errorf(err, "%s: write failed: %s", tmp, strerror(saved));
-            unlink(tmp);
-        } else if (rename(tmp, path) != 0) {
-            rc = errorf(err, "%s: rename from %s failed: %s", path, tmp, strerror(errno));
-            unlink(tmp);
-        }
+        for (int i = 0; i < w->n && rc == 0; i++)
+            rc = atomic_file_write(&af, order[i]->data, (size_t)order[i]->nbytes, err);
+        if (rc == 0)
+            rc = atomic_file_commit(&af, err);
+        else
+            atomic_file_abort(&af);
     }
-    free(tmp);
     free(header);
     free(order);
     return rc;

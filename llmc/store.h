@@ -5,6 +5,7 @@
  * Parameter slabs hold the tensors a layer OWNS; gradient slabs the tensors it USES (tensor.h), so
  * a tied LM head has gradient space in the postfix and storage in the prefix; store_fold_tied_grads
  * sums such gradients into the owner before the optimizer step. Slabs are 64-byte aligned.
+ * The store knows no file format: loader.h fills it from checkpoints.
  */
 #ifndef LLMC_STORE_H
 #define LLMC_STORE_H
@@ -13,8 +14,6 @@
 
 #include "adamw.h"
 #include "config.h"
-#include "gguf.h"
-#include "safetensors.h"
 #include "tensor.h"
 #include "threads.h"
 
@@ -37,13 +36,6 @@ float* store_grad(const Store* s, int i);
 
 // Seeded random init (HF style): matrices and embeddings ~ N(0, std), norms = 1.
 void store_init_random(Store* s, uint32_t seed, float std);
-// Load every owned tensor by HF name from a checkpoint, checking shapes; extra tensors in the
-// checkpoint are reported in *n_unused (a tied model's lm_head.weight is accepted if equal).
-int store_load(Store* s, const StCheckpoint* ck, int* n_unused, char* err);
-// The same from a GGUF file whose metadata gave cfg: every owned tensor by its GGUF name, shapes
-// checked (ne reversed), dequantised, LLaMA q/k rows un-permuted (gguf_read_hf_tensor).
-// rope_freqs.weight is consumed by the config; other extra tensors count in *n_unused.
-int store_load_gguf(Store* s, const GgufFile* f, const ModelConfig* cfg, int* n_unused, char* err);
 
 void store_zero_grads(Store* s);
 // Add the gradient of every tied tensor into its owner's gradient (and zero the tied slot).

@@ -36,6 +36,12 @@ int threads_pin_self(const int* cpus, int n) {
     return sched_setaffinity(0, sizeof set, &set) == 0 ? 0 : -1;  // 0: the calling thread
 }
 
+int threads_split_cpus(int* cpus, int cap, int n_keep, int min_rest) {
+    const int n = threads_allowed_cpus(cpus, cap);
+    if (n < n_keep + min_rest || threads_pin_self(cpus + n - n_keep, n_keep) != 0) return 0;
+    return n - n_keep;
+}
+
 // Claim and run tasks of the current generation until none are left; returns how many ran.
 static int64_t run_tasks(ThreadPool* pool, TaskFn fn, void* arg, int64_t n_tasks) {
     int64_t ran = 0;

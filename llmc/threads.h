@@ -47,5 +47,10 @@ int threads_allowed_cpus(int* cpus, int cap);
 // Restrict the calling thread to CPUs cpus[0..n) (n <= 0: no change). 0, or -1 when the system
 // refuses (the thread then keeps running where it did).
 int threads_pin_self(const int* cpus, int n);
+// Split the CPUs this process may run on (the first cap of its affinity mask, ascending): the
+// calling thread is pinned to the last n_keep of them (threads it creates afterwards inherit
+// that), and the others go to cpus[0..return) for a pool (threadpool_create_on). 0, with nothing
+// pinned, when fewer than n_keep + min_rest CPUs are allowed or the system refuses.
+int threads_split_cpus(int* cpus, int cap, int n_keep, int min_rest);
 
 #endif  // LLMC_THREADS_H

@@ -3,11 +3,9 @@
  */
 #include "trace.h"
 
-#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "common.h"
 #include "json.h"
@@ -61,10 +59,10 @@ void trace_add(Trace* tr, const char* name, int pid, int tid, double t0, double 
 }
 
 int trace_write(Trace* tr, const char* path, char* err) {
-    char tmp[4096];
-    snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    FILE* f = fopen(tmp, "w");
-    if (!f) return errorf(err, "--trace %s: cannot open for writing: %s", path, strerror(errno));
+    AtomicFile af;
+    char aerr[ERR_LEN];
+    if (atomic_file_open(&af, path, aerr) != 0) return errorf(err, "--trace: %s", aerr);
+    FILE* f = af.f;  // fprintf errors are sticky: atomic_file_commit reports them
     pthread_check(pthread_mutex_lock(&tr->mu));
     fprintf(f, "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n");
     int first = 1;
@@ -93,8 +91,6 @@ int trace_write(Trace* tr, const char* path, char* err) {
                    "\"pid\":0,\"tid\":0,\"ts\":0}", first ? "" : ",\n", tr->dropped);
     fprintf(f, "\n]}\n");
     pthread_check(pthread_mutex_unlock(&tr->mu));
-    if (fflush(f) != 0 || fsync(fileno(f)) != 0 || fclose(f) != 0)
-        return errorf(err, "--trace %s: write failed: %s", path, strerror(errno));
-    if (rename(tmp, path) != 0) return errorf(err, "--trace %s: rename failed: %s", path, strerror(errno));
+    if (atomic_file_commit(&af, aerr) != 0) return errorf(err, "--trace: %s", aerr);
     return 0;
 }

@@ -1,47 +1,46 @@
 /*
  * dev/cuda/attention.cu — kernel lab for causal grouped-query flash attention (bf16, fp32
- * accumulation). It includes kernels/attention.cu, so the kernels checked and timed here are the
- * ones the trainer links; the variants are other tile shapes of the same templates, and the one
- * named "kernels" is the C interface itself (the shape chosen from this lab's timings). The wgmma
- * forward and backward (kernels/attention_wgmma.cuh, kernels/attention_bwd_wgmma.cuh; variants
- * 7/8 forward, 6/7 backward) are what the C interface runs at HD 64 and 128 on sm_90a, so there
- * "kernels" is variant 7 (T < 32768) or 8 forward and variant 6 backward.
+ * accumulation), in llm.c's form: numbered variants, a CPU reference, validation, a benchmark in
+ * TFLOP/s. It includes kernels/attention.cu, so the kernels checked and timed here are the ones
+ * the trainer links; the lab adds only the wrappers that run them with other tile shapes, the
+ * timing of the backward's passes, and the atomic-dQ backward (attention_bwd_atomic.cuh).
+ *
+ * Build and run (needs a GPU; the build does not):
+ *   dev/cuda/run_attention.sh [--quick] [--tiny] [--no-big] [--no-bench] [--long]
+ *       [--shape B,T,H,KVH,HD] [--fwd I or I,J,...] [--bwd I or I,J,...]
+ *   exit status 0 passed, 3 a check failed, 1 a CUDA error, 2 bad usage; --shape validates that
+ *   one case only (e.g. under compute-sanitizer); --long adds a benchmark shape T=65536 B=1;
+ *   --fwd -2 / --bwd -2 run no forward / backward variant. The build is for sm_90a: the mma.sync
+ *   kernels are the same code there, the wgmma variants need it; variants a build or a head dim
+ *   does not support are skipped (counted as "skipped" in the validation summary).
+ *   dev/cuda/check_attention_refactor.sh compares two builds of this lab bit for bit and in speed
+ *   (the --check-* modes at the end of this file).
+ *
+ * Variants ("kernels" is the C interface itself: on sm_90a at HD 64/128 it runs forward 7
+ * (T < 32768) or 8 and backward 6, elsewhere forward 4 and backward 2):
+ *   forward  0 kernels   1-6 mma.sync <rows blocks of 16 per warp, warps, keys per tile,
+ *            blocks per SM asked of the register allocator>   7 wgmma ws k3v3   8 wgmma ws k2v2
+ *   backward 0 kernels   1-5 mma.sync <dK/dV warps, query rows per tile | dQ warps, keys per
+ *            tile>   6 wgmma bwd wg2 s3   7 wgmma bwd wg1 s2   8-10 atomic-dQ wgmma (below)
  *
  *   validation: fresh random bf16 inputs per case, a CPU reference with fp64 accumulation, relative
  *     L2 error of out, lse, dq, dk, dv (tolerance 2e-2); outputs poisoned with NaN before every
  *     launch so an unwritten element fails; every case run twice and compared bit for bit
- *     (a backward variant marked not deterministic: within the tolerance).
+ *     (a backward variant marked not deterministic: within the tolerance). A variant may name
+ *     another whose bits it must reproduce (same_bits_as): compared on every case.
  *   big: B=3, T=131072 (B*T*QKV > 2^31 elements, so 32-bit offsets would fail), checked on
- *     sampled rows and keys of the last sequence against the same reference.
- *   bench: HD=128, H=16, KVH=8 at T = 2048, 4096, 16384; TFLOP/s counted as in
- *     PERFORMANCE_MODEL.md (causal forward 2*B*H*T*T*HD, backward 2.5x that), against the
- *     ~600 TFLOP/s PyTorch SDPA forward measured on this machine.
- *
- * Build and run: dev/cuda/run_attention.sh [--quick] [--tiny] [--no-big] [--no-bench] [--long]
- * [--shape B,T,H,KVH,HD] [--fwd I or a list I,J,...] [--bwd I or a list]; exit status 0 passed,
- * 3 a check failed, 1 a CUDA error, 2 bad usage. --shape validates that one case only (e.g.
- * under compute-sanitizer); --long adds a benchmark shape T=65536 B=1 (forward and backward).
- * A forward or backward variant may name another whose bits it must reproduce (same_bits_as):
- * the lab compares them on every case ("bit-identical to ... in N/N cases"); on the big case
- * the wgmma forward variants are compared whole with the C interface's output.
- * The script builds for sm_90a (-gencode arch=compute_90a,code=sm_90a): the mma.sync
- * kernels are the same code, the wgmma variants below need it. Variants a build or a head dim
- * does not support are skipped (counted as "skipped" in the validation summary).
+ *     sampled rows and keys of the last sequence against the same reference; the wgmma variants
+ *     also whole, bit for bit, against the C interface's output.
+ *   bench: HD=128, H=16, KVH=8 at T = 2048, 4096, 16384 (--long: 65536); TFLOP/s counted as
+ *     the project counts attention (causal forward 2*B*H*T*T*HD, backward 2.5x that), against
+ *     the ~600 TFLOP/s of PyTorch SDPA's cuDNN forward on an H200; then the backward's passes.
  *
  * wgmma forward, variants 7 "wgmma ws k3v3" and 8 "wgmma ws k2v2" (kernels/attention_wgmma.cuh:
- * scheme, warp specialisation, mbarrier rings, ping-pong, deadlock and proxy arguments, every
- * layout, descriptor field and fragment mapping; protocol model dev/cuda/attention_fwd_ws_model.py).
- *   One CTA of 3 warpgroups per (128 query rows, head, batch): a producer warpgroup copies Q and
- *   the K/V tiles of 128 keys by cp.async into mbarrier rings (3+3 or 2+2 stages), two consumer
- *   warpgroups of 64 rows run S = Q K^T (wgmma, SS) and O += P V (RS, P in registers) with the
- *   P V of tile j-1 overlapping the softmax of tile j, and take turns on the tensor cores (named
- *   barriers, FA3's ping-pong). 8 must reproduce 7's bits (same_bits_as).
- *   Session 6 (first GPU run): 163 cases twice, bit-identical to the previous production kernel
- *   (lab variant 7 then, "wgmma bc128 wg2": the same arithmetic with all threads loading and a
- *   __syncthreads per tile), memcheck / synccheck / racecheck clean (T=1000, rings wrapped);
- *   TFLOP/s k3v3 / k2v2 / previous: T=2048 460 / 455 / 396, 4096 492 / 496 / 403, 16384 607 /
- *   556 / 486, 65536 562 / 589 / 506. Dropped after that run: no ping-pong (worse from 16K), a
- *   writer-side proxy fence (slower), 64-key tiles (bc64: 455 at 16K).
+ * scheme, warp specialisation, mbarrier rings, ping-pong, deadlock and proxy arguments; protocol
+ * model dev/cuda/attention_fwd_ws_model.py, `python3` it after touching the protocol).
+ *   Validated on an H200: 163 cases twice, bit-identical to the previous production kernel (the
+ *   same arithmetic with all threads loading and a __syncthreads per tile), memcheck / synccheck
+ *   / racecheck clean (T=1000, rings wrapped). 8 must reproduce 7's bits (same_bits_as).
  *   Checks after a change: 1. dev/cuda/run_attention.sh --tiny --no-big --no-bench --fwd 7,8
  *   --bwd -2 under `timeout 60` (a hang is a protocol error); 2. compute-sanitizer --tool
  *   memcheck | synccheck | racecheck .devbuild/attention --shape 1,1000,2,1,128 --no-big
@@ -51,78 +50,99 @@
  *   T > 384) -> ring stage / parity indices; only past the diagonal -> the mask.
  *
  * wgmma backward, variants 6 "wgmma bwd wg2 s3" and 7 "wgmma bwd wg1 s2"
- * (kernels/attention_bwd_wgmma.cuh: scheme, operand layouts, pipelines, checks after a change,
- * results). STATUS: validated in session 5 (all 163 cases, big case, memcheck and racecheck
- * clean, bit-identical repeats): wg2 s3 345 / 381 / 409 TFLOP/s at T = 2048 / 4096 / 16384
- * (393 on the big case), wg1 s2 331 / 387 / 374; the two passes at ~560 TFLOP/s of their own
- * matmuls. Wired in (wg2 s3).
- *   The production backward's passes (D, then dK/dV per kv tile walking query heads and tiles in
- *   a fixed order, then dQ per query tile; 7 matmuls, no atomics, deterministic) with every
- *   matmul on wgmma.m64nNk16 from SW128 shared memory (the forward's layouts and descriptors).
- *   dK/dV: warpgroup = 64 keys, S^T = K Q^T and dP^T = V dO^T (SS), dV += P^T dO and
- *   dK += dS^T Q with P^T, dS^T as register A operands and dO, Q MN-major (trans-b); query tiles
- *   of 64 rows stream through a cp.async ring. dQ: warpgroup = 64 query rows, S, dP (SS),
- *   dQ += dS K (RS, K MN-major); kv tiles of 64 keys stream. wg2 s3: 2 warpgroups per CTA (128
- *   keys / 128 query rows), 3 ring slots (the last products of a tile overlap the next ring
- *   barrier); wg1 s2: 1 warpgroup per CTA, 2 slots, 2 CTAs per SM. HD 64/128 (16, 32 skipped);
- *   also run on the big case. ptxas (HD=128): dK/dV 254 registers, dQ 176 (wg2) / 161 (wg1); HD=64
- *   192 and 144/128; no spills, no serialised wgmma.
+ * (kernels/attention_bwd_wgmma.cuh: scheme, operand layouts, pipelines). Production's passes (D,
+ * then dK/dV per kv tile walking query heads and tiles in a fixed order, then dQ per query tile;
+ * 7 matmuls, no atomics) with every matmul on wgmma. wg2 s3: 2 warpgroups per CTA (128 keys /
+ * 128 query rows), 3 ring slots; wg1 s2: 1 warpgroup, 2 slots, 2 CTAs per SM (shared memory at
+ * HD=128: 100,352 / 99,328 bytes; registers 254 per thread, allocated as 256). Validated on an
+ * H200 (all 163 cases within 3.9e-3, the big case, memcheck and racecheck clean, bit-identical
+ * repeats). ptxas (nvcc 13.0, no spills, no serialised wgmma): dK/dV 254 registers at HD=128
+ * (both), 192 at HD=64; dQ 176 (wg2 s3) / 161 (wg1 s2) at HD=128, 144 / 128 at HD=64.
+ *   Checks after a change (I = 6 or 7):
+ *   1. dev/cuda/run_attention.sh --tiny --no-big --no-bench --fwd -2 --bwd I
+ *   2. compute-sanitizer --tool memcheck (then racecheck, synccheck) .devbuild/attention --tiny
+ *      --no-big --no-bench --fwd -2 --bwd I --log /dev/null. racecheck covers the cp.async writes
+ *      and the plain reads of the lse/D slots; it probably does not see wgmma's async-proxy reads
+ *      of the Q/dO/K/V slots: the slot reuse argument (the kernel's "Pipelines") covers those,
+ *      and a wrong result or "NOT DETERMINISTIC" in step 3 is the symptom if it fails.
+ *   3. dev/cuda/run_attention.sh --no-big --no-bench --fwd -2 --bwd I (all cases, twice each)
+ *   4. dev/cuda/run_attention.sh --fwd -2 --bwd I (the big case, the benchmark, the passes)
+ *   5. ptxas: .devbuild/attention_ptxas.txt, entries attn_bwg_dkdv_kernel / attn_bwg_dq_kernel:
+ *      no spills, and no "(C7515) ... wgmma.mma_async instructions are serialized" line (grep
+ *      C75). A for loop the compiler may skip entirely made ptxas serialise every wgmma (a
+ *      WARPGROUP.DEPBAR after each HGMMA in the SASS); both loops are do-while for that reason.
+ *      The SASS (cuobjdump -sass) of each loop should read: [DEPBAR gsb0 0x0 (2 slots)],
+ *      BAR.SYNC, loads, [DEPBAR 0x0 (dK/dV, 3 slots)], ARRIVE, 16 HGMMA 64x64 (S, dP), DEPBAR
+ *      0x1, exp2, ARRIVE, 4 HGMMA 64xHD (dV | dQ), ... as in the kernel's "Pipelines".
+ *   Reading a failure (the lab prints dq, dk, dv errors apart):
+ *   - dv wrong  -> S^T / P^T (lse column values, mask) or the dO MN-major descriptor (LBO =
+ *     BQ*128 at HD=128 only: HD=64 right and HD=128 wrong points there). dv right, dk wrong ->
+ *     dP^T, D, dS^T or the Q MN-major descriptor (same LBO remark). dk and dv right, dq wrong ->
+ *     the dQ kernel (its K MN-major descriptor LBO = BN*128, or the lse/D row values).
+ *   - Everything wrong at T=64 (one tile) -> an operand of the SS products (K-major descriptors
+ *     of a WG's 64-row slice: start + wg*64*128) or the accumulator -> A fragment mapping.
+ *   - Right for wg1 s2 (7) and wrong for wg2 s3 (6) -> the warpgroup row offsets (wg*64*128
+ *     inside the K/V or Q/dO tiles) or the 3-slot ring; the reverse -> the 2-slot ring (wait<0>
+ *     placement before the barrier).
+ *   - Wrong only when T > one tile, or with GQA (H/KVH > 1) -> ring stages / stage() mapping of
+ *     `it` to (head, query tile). "NOT DETERMINISTIC" -> a missing fence / wgmma wait, a stage
+ *     overwritten while a wgmma still reads it.
+ *   - NaN (unwritten) -> rows/keys past T or a grid shape; a CUDA error -> smem attribute size.
  *
  * wgmma backward with atomic dQ, variants 8 "wgmma bwd atomic dq s3", 9 "... s2" and 10
  * "wgmma bwd bulk dq s3" (dev/cuda/attention_bwd_atomic.cuh: scheme, layouts, register budget,
  * memory-model argument, risks, first-run checklist; dev/cuda/check_bwd_atomic.sh runs that
- * checklist in one device call). STATUS: written blind, NOT YET RUN. Production's dK/dV pass
- * (2 warpgroups, 128 keys, 3 or 2 ring slots) also computes dQ = dS K per visited (query tile,
- * head) from a dS tile stored by stmatrix .trans (SS wgmma, each warpgroup half of the hd
- * columns) and adds it to an fp32 accumulator in the workspace with red.global.add.v4.f32 (10:
- * staged in shared memory and added by one cp.reduce.async.bulk per tile); a last pass converts
- * it to bf16. 5 matmuls per tile pair instead of 7. NOT deterministic (float atomics: the lab
- * compares its repeats within the tolerance, BackwardVariant::deterministic = false); bigger
- * workspace (attention_backward_atomic_ws_bytes: + B*H*ceil(T/64)*64*HD fp32). ptxas: 254
- * registers at HD=128, 202 at HD=64, no spills, no serialised wgmma.
+ * checklist; CPU model dev/cuda/attention_bwd_atomic_model.py). STATUS: not yet run on a GPU.
+ * Production's dK/dV pass (2 warpgroups, 128 keys, 3 or 2 ring slots) also computes dQ = dS K
+ * per visited (query tile, head) from a dS tile stored by stmatrix .trans (SS wgmma, each
+ * warpgroup half of the hd columns) and adds it to an fp32 accumulator in the workspace with
+ * red.global.add.v4.f32 (10: staged in shared memory and added by one cp.reduce.async.bulk per
+ * tile); a last pass converts it to bf16. 5 matmuls per tile pair instead of 7. NOT
+ * deterministic (float atomics: the lab compares its repeats within the tolerance,
+ * BackwardVariant::deterministic = false); bigger workspace (attention_backward_atomic_ws_bytes:
+ * + B*H*ceil(T/64)*64*HD fp32). ptxas: 254 registers at HD=128, 202 at HD=64, no spills, no
+ * serialised wgmma.
  *
- * Tried and dropped in session 6 (first GPU run of code written blind; numbers in docs/PERF.md):
- * a backward with the dQ pass's S and dP as RS wgmma and FA3 ping-pong (wrong dq at HD=64, and
- * only 1-3% faster at HD=128), GQA head-pair packing and kv-head "L2 sections" launch order for
- * forward and dQ (bit-identical but 0-5% slower: long-T attention is not DRAM-bound on K/V);
- * session 5 dropped the ordered mma.sync backward (dQ inside the dK/dV pass with per-tile turn
- * counters: validated, 186 TFLOP/s at T=16384 against 217).
- *
- * Results (one H200, nvcc 13.0 -arch=sm_90, mma.sync; medians of 10; H=16 KVH=8 HD=128):
+ * Results (one H200, medians of 10, H=16 KVH=8 HD=128, TFLOP/s as above; docs/PERF.md has the
+ * full log):
+ *                               T=2048 B=16   T=4096 B=4   T=16384 B=2   T=65536 B=1
+ *   forward  wgmma ws k3v3          460          492           607           562
+ *            wgmma ws k2v2          455          496           556           589
+ *            mma.sync (4)           295          314           332
+ *   backward wgmma bwd wg2 s3       345          381           409           407
+ *            wgmma bwd wg1 s2       331          387           374
+ *            mma.sync (2)           184          202           217
+ *   SDPA flash (FA2) fwd / bwd   295 / 210    283 / 235     334 / 303
+ *   SDPA cuDNN       fwd / bwd   469 / 377    489 / 434     631 / 527
+ *   Backward passes at T=4096 B=4: wgmma dK,dV 560 TFLOP/s of its 4 matmuls, dQ 562 of its 3;
+ *   mma.sync ~293 each. The deterministic scheme does 7 matmuls where the 2.5x count assumes 5
+ *   (dQ recomputes S and dP instead of fp32 atomics).
  *   validation: 163 cases (HD 16/32/64/128 x T 1/7/64/129/1000 x H/KVH 1/2/4/8 x B 1/3, plus
  *     T=4096, 2500, 3001), every variant: worst relative L2 2.1e-3 (out, lse), 4.3e-3 (dq, dk,
  *     dv); nothing unwritten; every run bit-identical to its repeat. big (B=3, T=131072, 2.4e9
  *     qkv elements): sampled errors <= 3.5e-3, no non-finite element.
- *   TFLOP/s, this lab's count        T=2048 B=16   T=4096 B=4   T=16384 B=2   (T=131072 B=3 H=32)
- *     forward  (kernels)                  295          314           332            338
- *     backward (kernels, 2.5x fwd)        184          202           217            220
- *     SDPA flash (FA2) fwd / bwd       295 / 210    283 / 235     334 / 303
- *     SDPA cuDNN       fwd / bwd       469 / 377    489 / 434     631 / 527
- *   The "~600 TFLOP/s SDPA" of PERFORMANCE_MODEL.md is the cuDNN backend (631 at T=16384); the
- *   flash backend, the same FA2 scheme as here, is at parity with our forward.
- *   Backward passes at T=4096 B=4: D 0.06 ms, dK/dV 1.88 ms, dQ 1.41 ms; both big passes run their
- *   own matmuls at ~293 TFLOP/s. The deterministic scheme does 7 matmuls where the 2.5x count
- *   assumes 5 (dQ recomputes S and dP instead of fp32 atomics), so 293 actual reads as ~205.
- *   Targets of the brief (fwd >= 350, bwd >= 250 at T=4096) are NOT reached: 314 and 202.
  *
- * History (what moved what, T=4096 forward unless said):
- *   run 1: fwd mt1 w4 bc64 267, mt1 w8 bc64 248 (1 block/SM at 169 regs), same capped at 128 regs
- *     266, mt2 w4 bc64 282 (255 regs, 128 B spilled), mt2 w4 bc32 306 (no spill): 32 rows per warp
- *     halve the K/V ldmatrix traffic per mma. Backward shapes 177-201, 8 warps best at T=16384.
- *     T=1 dq/dk "failed" only because the exact value is 0 (metric floor added, see ErrAcc).
- *   run 2: O rescaled only when a row maximum moves (warp vote): mt2 w4 bc32 306 -> 308..314 at
- *     T=4096 (noise-level), 280 -> 297 at T=2048, 309 -> 331 at T=16384. mt2 w8 bc32 (BR=256,
- *     1 block/SM) 277; mt2 w4 bc16 243. Backward: the six shapes within 2%.
- *   session 5: the wgmma forward (377 / 449 / 495) and backward (wg2 s3: 345 / 381 / 409)
- *     validated and wired into kernels/ (sm_90a by default); the ordered mma.sync backward
- *     validated but slower (186 at T=16384).
- *   session 6: the warp-specialised wgmma forward (k3v3 460 / 492 / 607) replaces the
- *     two-warpgroup one; k2v2 from T=32768 on (589 at T=65536).
- * Next: a producer warp with TMA and mbarriers, ping-pong scheduling of the two warpgroups
- * (FA3-style), Q/dO as register operands in the dQ pass: cuDNN reaches 631 / 527 at T=16384.
+ * History (T=4096 forward unless said):
+ *   mma.sync: mt1 w4 bc64 267, mt1 w8 bc64 248 (1 block/SM at 169 regs), mt2 w4 bc64 282 (255
+ *     regs, 128 B spilled), mt2 w4 bc32 306 (no spill): 32 rows per warp halve the K/V ldmatrix
+ *     traffic per mma. O rescaled only when a row maximum moves (warp vote): 306 -> 314 (280 ->
+ *     297 at T=2048, 309 -> 331 at T=16384). mt2 w8 bc32 (BR=256, 1 block/SM) 277; mt2 w4 bc16
+ *     243. Backward: the shapes within 2% of each other. T=1 dq/dk "failed" only because the
+ *     exact value is 0 (metric floor added, see ErrAcc).
+ *   wgmma: a two-warpgroup forward (377 / 449 / 495 at T=2048/4096/16384) and backward (wg2 s3
+ *     345 / 381 / 409) wired into kernels/; then the warp-specialised forward (k3v3 460 / 492 /
+ *     607) replaced the two-warpgroup one (396 / 403 / 486), k2v2 from T=32768 on.
+ *   Tried and dropped (numbers in docs/PERF.md): an ordered mma.sync backward (dQ inside the
+ *     dK/dV pass with per-tile turn counters: validated, 186 TFLOP/s at T=16384 against 217); a
+ *     backward with the dQ pass's S and dP as RS wgmma and FA3 ping-pong (wrong dq at HD=64, and
+ *     only 1-3% faster at HD=128); GQA head-pair packing and kv-head "L2 sections" launch order
+ *     for forward and dQ (bit-identical but 0-5% slower: long-T attention is not DRAM-bound on
+ *     K/V); for the warp-specialised forward: no ping-pong (worse from T=16384), a writer-side
+ *     proxy fence (slower), 64-key tiles (455 at T=16384).
+ * Next: TMA loads, Q/dO as register operands in the dQ pass, the atomic-dQ backward (8-10):
+ * cuDNN reaches 631 / 527 at T=16384.
  */
 #include "../../kernels/attention.cu"
-#include "attention_wgmma.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -131,6 +151,114 @@
 #include <vector>
 
 #include "attention_bwd_atomic.cuh"
+
+// ----------------------------------------------------------------------------
+// the variants' entry points: production's kernels with other tile shapes, each behind the
+// C interface's signature and checks (the lab's ForwardFn / BackwardFn)
+
+// Forward through mma.sync with tile shape <row blocks of 16 per warp, warps, keys per tile,
+// blocks per SM asked of the register allocator>.
+template <int MT, int NWARPS, int BC, int MINB>
+static void lab_forward_mma(void* out, float* lse, const void* qkv, int B, int T, int H, int KVH,
+                            int HD, void* stream) {
+    if (!attention_forward_check("lab_forward_mma", out, lse, qkv, B, T, H, KVH, HD)) return;
+    attention_forward_mma_hd<MT, NWARPS, BC, MINB>(
+        static_cast<bf16*>(out), lse, static_cast<const bf16*>(qkv), B, T, H, KVH, HD,
+        static_cast<cudaStream_t>(stream));
+}
+
+// The wgmma entry points exit with a message where they cannot run (the lab's `supports` skips
+// those cases first).
+static void lab_require_wgmma(const char* fn, int HD) {
+    if (!attention_wgmma_supports_head_dim(HD)) {
+        fprintf(stderr, "attention: %s: head dim %d not supported (supported: 64, 128)\n", fn, HD);
+        exit(1);
+    }
+    if (!attention_wgmma_available()) {
+        fprintf(stderr, "attention: %s needs sm_90a: this binary's device code was not built "
+                "with -gencode arch=compute_90a,code=sm_90a\n", fn);
+        exit(1);
+    }
+}
+
+// Forward through wgmma with <K ring stages, V ring stages>.
+template <int SK, int SV>
+static void lab_forward_wgmma(void* out, float* lse, const void* qkv, int B, int T, int H, int KVH,
+                              int HD, void* stream) {
+    const char* fn = "lab_forward_wgmma";
+    const int work = attention_forward_check(fn, out, lse, qkv, B, T, H, KVH, HD);
+    lab_require_wgmma(fn, HD);
+    if (!work) return;
+    attention_forward_wgmma_hd<SK, SV>(static_cast<bf16*>(out), lse, static_cast<const bf16*>(qkv),
+                                       B, T, H, KVH, HD, static_cast<cudaStream_t>(stream));
+}
+
+// Backward through mma.sync with <dK/dV warps (16 keys each), query rows per tile, dQ warps (16
+// rows each), keys per tile>.
+template <int KV_WARPS, int KV_BRQ, int Q_WARPS, int Q_BC>
+static void lab_backward_mma(void* dqkv, const void* dout, const void* qkv, const void* out,
+                             const float* lse, void* workspace, int B, int T, int H, int KVH,
+                             int HD, void* stream) {
+    if (!attention_backward_check("lab_backward_mma", dqkv, dout, qkv, out, lse, workspace, B, T,
+                                  H, KVH, HD))
+        return;
+    attention_backward_mma_hd<KV_WARPS, KV_BRQ, Q_WARPS, Q_BC>(
+        static_cast<bf16*>(dqkv), static_cast<const bf16*>(dout), static_cast<const bf16*>(qkv),
+        static_cast<const bf16*>(out), lse, static_cast<float*>(workspace), B, T, H, KVH, HD,
+        static_cast<cudaStream_t>(stream));
+}
+
+// Backward through wgmma with <dK/dV warpgroups (64 keys each), ring slots, dQ warpgroups (64
+// rows each), ring slots>.
+template <int KV_NWG, int KV_STAGES, int Q_NWG, int Q_STAGES>
+static void lab_backward_wgmma(void* dqkv, const void* dout, const void* qkv, const void* out,
+                               const float* lse, void* workspace, int B, int T, int H, int KVH,
+                               int HD, void* stream) {
+    const char* fn = "lab_backward_wgmma";
+    lab_require_wgmma(fn, HD);
+    if (!attention_backward_check(fn, dqkv, dout, qkv, out, lse, workspace, B, T, H, KVH, HD))
+        return;
+    attention_backward_wgmma_hd<KV_NWG, KV_STAGES, Q_NWG, Q_STAGES>(
+        static_cast<bf16*>(dqkv), static_cast<const bf16*>(dout), static_cast<const bf16*>(qkv),
+        static_cast<const bf16*>(out), lse, static_cast<float*>(workspace), B, T, H, KVH, HD,
+        static_cast<cudaStream_t>(stream));
+}
+
+// The wgmma backward's passes with an event recorded after pass 1 (marks[0]) and after pass 2
+// (marks[1]), so the lab times them apart (bench_backward_passes); HD 64 and 128.
+template <int HD, int KV_NWG, int KV_STAGES, int Q_NWG, int Q_STAGES>
+static void lab_backward_wgmma_passes(bf16* dqkv, const bf16* dout, const bf16* qkv,
+                                      const bf16* out, const float* lse, float* D, int B, int T,
+                                      int H, int KVH, cudaStream_t s, cudaEvent_t* marks) {
+    attention_backward_dot<HD>(D, dout, out, B, T, H, "lab_backward_wgmma_timed", s);
+    attention_check(cudaEventRecord(marks[0], s));
+    attn_bwg_dkdv_launch<HD, KV_NWG, KV_STAGES>(dqkv, dout, qkv, lse, D, B, T, H, KVH, s);
+    attention_check(cudaEventRecord(marks[1], s));
+    attn_bwg_dq_launch<HD, Q_NWG, Q_STAGES>(dqkv, dout, qkv, lse, D, B, T, H, KVH, s);
+}
+template <int KV_NWG, int KV_STAGES, int Q_NWG, int Q_STAGES>
+static void lab_backward_wgmma_timed(void* dqkv, const void* dout, const void* qkv,
+                                     const void* out, const float* lse, void* workspace, int B,
+                                     int T, int H, int KVH, int HD, void* stream,
+                                     cudaEvent_t* marks) {
+    const char* fn = "lab_backward_wgmma_timed";
+    lab_require_wgmma(fn, HD);
+    if (!attention_backward_check(fn, dqkv, dout, qkv, out, lse, workspace, B, T, H, KVH, HD))
+        return;
+    attn_bwg_check_tiles(fn, T, ATTN_WG_ROWS * KV_NWG, ATTN_WG_ROWS * Q_NWG);
+    bf16* dx = static_cast<bf16*>(dqkv);
+    const bf16* dy = static_cast<const bf16*>(dout);
+    const bf16* x = static_cast<const bf16*>(qkv);
+    const bf16* y = static_cast<const bf16*>(out);
+    float* D = static_cast<float*>(workspace);
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (HD == 64)
+        lab_backward_wgmma_passes<64, KV_NWG, KV_STAGES, Q_NWG, Q_STAGES>(dx, dy, x, y, lse, D, B,
+                                                                          T, H, KVH, s, marks);
+    else
+        lab_backward_wgmma_passes<128, KV_NWG, KV_STAGES, Q_NWG, Q_STAGES>(dx, dy, x, y, lse, D,
+                                                                           B, T, H, KVH, s, marks);
+}
 
 // ----------------------------------------------------------------------------
 // host helpers: checks, bf16, random numbers, threads
@@ -357,14 +485,14 @@ static int lab_wgmma_supports(int HD) {
 // wgmma: <K ring stages, V ring stages> (kernels/attention_wgmma.cuh)
 static const ForwardVariant forward_variants[] = {
     {"kernels", attention_forward_bf16, nullptr, false, nullptr},
-    {"fwd mt1 w4 bc64", attention_forward_tiled<1, 4, 64, 1>, nullptr, false, nullptr},
-    {"fwd mt1 w8 bc32 minb2", attention_forward_tiled<1, 8, 32, 2>, nullptr, false, nullptr},
-    {"fwd mt2 w4 bc16", attention_forward_tiled<2, 4, 16, 1>, nullptr, false, nullptr},
-    {"fwd mt2 w4 bc32", attention_forward_tiled<2, 4, 32, 1>, nullptr, false, nullptr},
-    {"fwd mt2 w4 bc64", attention_forward_tiled<2, 4, 64, 1>, nullptr, false, nullptr},
-    {"fwd mt2 w8 bc32", attention_forward_tiled<2, 8, 32, 1>, nullptr, false, nullptr},
-    {"wgmma ws k3v3", attention_forward_wgmma<3, 3>, lab_wgmma_supports, true, nullptr},
-    {"wgmma ws k2v2", attention_forward_wgmma<2, 2>, lab_wgmma_supports, true, "wgmma ws k3v3"},
+    {"fwd mt1 w4 bc64", lab_forward_mma<1, 4, 64, 1>, nullptr, false, nullptr},
+    {"fwd mt1 w8 bc32 minb2", lab_forward_mma<1, 8, 32, 2>, nullptr, false, nullptr},
+    {"fwd mt2 w4 bc16", lab_forward_mma<2, 4, 16, 1>, nullptr, false, nullptr},
+    {"fwd mt2 w4 bc32", lab_forward_mma<2, 4, 32, 1>, nullptr, false, nullptr},
+    {"fwd mt2 w4 bc64", lab_forward_mma<2, 4, 64, 1>, nullptr, false, nullptr},
+    {"fwd mt2 w8 bc32", lab_forward_mma<2, 8, 32, 1>, nullptr, false, nullptr},
+    {"wgmma ws k3v3", lab_forward_wgmma<3, 3>, lab_wgmma_supports, true, nullptr},
+    {"wgmma ws k2v2", lab_forward_wgmma<2, 2>, lab_wgmma_supports, true, "wgmma ws k3v3"},
 };
 static bool forward_runs(int v, int HD) {
     const ForwardVariant& f = forward_variants[v];
@@ -377,19 +505,19 @@ static bool forward_runs(int v, int HD) {
 // deterministic)
 static const BackwardVariant backward_variants[] = {
     {"kernels", attention_backward_bf16, nullptr, nullptr, false, nullptr, true},
-    {"bwd kv w4 q64 | dq w4 k64", attention_backward_tiled<4, 64, 4, 64>, nullptr, nullptr, false,
+    {"bwd kv w4 q64 | dq w4 k64", lab_backward_mma<4, 64, 4, 64>, nullptr, nullptr, false,
      nullptr, true},
-    {"bwd kv w8 q64 | dq w8 k64", attention_backward_tiled<8, 64, 8, 64>, nullptr, nullptr, false,
+    {"bwd kv w8 q64 | dq w8 k64", lab_backward_mma<8, 64, 8, 64>, nullptr, nullptr, false,
      nullptr, true},
-    {"bwd kv w8 q64 | dq w4 k64", attention_backward_tiled<8, 64, 4, 64>, nullptr, nullptr, false,
+    {"bwd kv w8 q64 | dq w4 k64", lab_backward_mma<8, 64, 4, 64>, nullptr, nullptr, false,
      nullptr, true},
-    {"bwd kv w4 q64 | dq w8 k64", attention_backward_tiled<4, 64, 8, 64>, nullptr, nullptr, false,
+    {"bwd kv w4 q64 | dq w8 k64", lab_backward_mma<4, 64, 8, 64>, nullptr, nullptr, false,
      nullptr, true},
-    {"bwd kv w8 q64 | dq w8 k32", attention_backward_tiled<8, 64, 8, 32>, nullptr, nullptr, false,
+    {"bwd kv w8 q64 | dq w8 k32", lab_backward_mma<8, 64, 8, 32>, nullptr, nullptr, false,
      nullptr, true},
-    {"wgmma bwd wg2 s3", attention_backward_wgmma<2, 3, 2, 3>, lab_wgmma_supports, nullptr, true,
+    {"wgmma bwd wg2 s3", lab_backward_wgmma<2, 3, 2, 3>, lab_wgmma_supports, nullptr, true,
      nullptr, true},
-    {"wgmma bwd wg1 s2", attention_backward_wgmma<1, 2, 1, 2>, lab_wgmma_supports, nullptr, true,
+    {"wgmma bwd wg1 s2", lab_backward_wgmma<1, 2, 1, 2>, lab_wgmma_supports, nullptr, true,
      nullptr, true},
     {"wgmma bwd atomic dq s3", attention_backward_atomic<3, false>, lab_wgmma_supports,
      attention_backward_atomic_ws_bytes, true, nullptr, false},
@@ -1142,38 +1270,30 @@ static bool lab_bwd_named(const LabOptions& opt, const char* name) {
     return false;
 }
 
-// Time the three backward passes of the C interface's shapes apart (HD=128), to see which one to
-// work on next; then those of the wgmma backward variants.
+// Time the three backward passes of the mma.sync backward (the C interface's tile shapes) apart
+// (HD=128), to see which one to work on next; then those of the wgmma backward variants.
 static void bench_backward_passes(const LabOptions& opt, FILE* log, const Shape& s) {
-    constexpr int HD = 128, LD = HD + ATTN_PAD;
-    constexpr int KV_BC = 16 * ATTN_KV_WARPS, Q_BR = 16 * ATTN_Q_WARPS;
+    constexpr int HD = 128;
     DeviceCase c = case_alloc(s);
     lab_fill_random_kernel<<<2048, 256>>>(c.qkv, (int64_t)c.n_qkv, 7);
     lab_check(cudaGetLastError());
     lab_fill_random_kernel<<<2048, 256>>>(c.dout, (int64_t)c.n_out, 8);
     lab_check(cudaGetLastError());
     attention_forward_bf16(c.out, c.lse, c.qkv, s.B, s.T, s.H, s.KVH, s.HD, nullptr);
-    const float scale = 1.0f / sqrtf((float)HD), scale_log2 = scale * ATTN_LOG2E;
-    const size_t kv_smem =
-        (size_t)(2 * KV_BC + 4 * ATTN_KV_BRQ) * LD * sizeof(bf16) + 4 * ATTN_KV_BRQ * sizeof(float);
-    const size_t q_smem = (size_t)(2 * Q_BR + 4 * ATTN_Q_BC) * LD * sizeof(bf16);
-    auto kv_kernel = attention_backward_dkdv_kernel<HD, ATTN_KV_WARPS, ATTN_KV_BRQ>;
-    auto q_kernel = attention_backward_dq_kernel<HD, ATTN_Q_WARPS, ATTN_Q_BC>;
-    attention_set_max_smem(kv_kernel, kv_smem);
-    attention_set_max_smem(q_kernel, q_smem);
     cudaEvent_t ev[4];
     for (auto& e : ev) lab_check(cudaEventCreate(&e));
     std::vector<float> t[3];
     for (int r = 0; r < 12; r++) {
         lab_check(cudaEventRecord(ev[0]));
-        attention_backward_dot<HD>(c.ws, c.dout, c.out, s.B, s.T, s.H,
-                                   "bench_backward_passes", nullptr);
+        attention_backward_dot<HD>(c.ws, c.dout, c.out, s.B, s.T, s.H, "bench_backward_passes",
+                                   nullptr);
         lab_check(cudaEventRecord(ev[1]));
-        kv_kernel<<<dim3(s.KVH * s.B, (s.T + KV_BC - 1) / KV_BC), ATTN_KV_WARPS * 32, kv_smem>>>(
-            c.dqkv, c.dout, c.qkv, c.lse, c.ws, s.T, s.H, s.KVH, scale_log2, scale);
+        attention_backward_dkdv_launch<HD, ATTN_KV_WARPS, ATTN_KV_BRQ>(
+            c.dqkv, c.dout, c.qkv, c.lse, c.ws, s.B, s.T, s.H, s.KVH, nullptr);
         lab_check(cudaEventRecord(ev[2]));
-        q_kernel<<<dim3(s.H * s.B, (s.T + Q_BR - 1) / Q_BR), ATTN_Q_WARPS * 32, q_smem>>>(
-            c.dqkv, c.dout, c.qkv, c.lse, c.ws, s.T, s.H, s.KVH, scale_log2, scale);
+        attention_backward_dq_launch<HD, ATTN_Q_WARPS, ATTN_Q_BC>(c.dqkv, c.dout, c.qkv, c.lse,
+                                                                  c.ws, s.B, s.T, s.H, s.KVH,
+                                                                  nullptr);
         lab_check(cudaEventRecord(ev[3]));
         lab_check(cudaEventSynchronize(ev[3]));
         lab_check(cudaGetLastError());
@@ -1203,8 +1323,8 @@ static void bench_backward_passes(const LabOptions& opt, FILE* log, const Shape&
         const char *kv_pass, *q_pass;
         int kv_matmuls, q_matmuls;
     } wgmma_bwd[] = {
-        {"wgmma bwd wg2 s3", attention_backward_wgmma_timed<2, 3, 2, 3>, "dK,dV", "dQ", 4, 3},
-        {"wgmma bwd wg1 s2", attention_backward_wgmma_timed<1, 2, 1, 2>, "dK,dV", "dQ", 4, 3},
+        {"wgmma bwd wg2 s3", lab_backward_wgmma_timed<2, 3, 2, 3>, "dK,dV", "dQ", 4, 3},
+        {"wgmma bwd wg1 s2", lab_backward_wgmma_timed<1, 2, 1, 2>, "dK,dV", "dQ", 4, 3},
         {"wgmma bwd atomic dq s3", attention_backward_atomic_timed<3, false>, "dK,dV,dQ",
          "dQ convert", 5, 0},
         {"wgmma bwd atomic dq s2", attention_backward_atomic_timed<2, false>, "dK,dV,dQ",
@@ -1243,10 +1363,308 @@ static void bench_backward_passes(const LabOptions& opt, FILE* log, const Shape&
     case_free(c);
 }
 
+// [refactor check: begin]
+// ----------------------------------------------------------------------------
+// refactor check: this build's outputs bit for bit, and its speed, against another build of the
+// lab (dev/cuda/check_attention_refactor.sh). The script splices this block, from the marker
+// above to the one at its end, into an older lab that lacks it (with the one line in main that
+// calls check_main), so it uses only what every version of this lab has: Shape, DeviceCase and
+// its helpers, fill_random, the variant tables, median_ms.
+//   --check-dump FILE        every forward variant and every deterministic backward variant on
+//                            the fixed cases below, outputs -> FILE
+//   --check-compare A B      the dumps of two builds, per (variant, case, tensor): elements that
+//                            differ; exit 0 when every tensor is bit-identical and none missing
+//   --check-time B,T,H,KVH,HD FWD BWD [REPS]   median ms and TFLOP/s of the forward variants
+//                            FWD and the backward variants BWD (index lists, "-" for none)
+
+#include <map>
+#include <string>
+
+// Every head dim, GQA and plain, tails that are no tile multiple, several tiles in every pass,
+// and the C interface's long-sequence forward (its 2-stage rings from T = 32768 on).
+static const Shape check_cases[] = {
+    {1, 1, 2, 1, 16},       {1, 7, 4, 2, 32},     {3, 129, 4, 1, 64},   {1, 1000, 8, 2, 128},
+    {2, 257, 2, 2, 16},     {1, 1000, 4, 4, 32},  {2, 2500, 4, 1, 64},  {1, 4096, 8, 2, 128},
+    {1, 3001, 8, 2, 32},    {1, 32769, 1, 1, 128}, {1, 32800, 2, 1, 64},
+};
+static const char* const check_tensor_names[] = {"out", "lse", "dq", "dk", "dv"};
+
+static void check_fwrite(FILE* f, const void* p, size_t bytes, const char* path) {
+    if (bytes && fwrite(p, 1, bytes, f) != bytes) {
+        fprintf(stderr, "attention lab: cannot write %s\n", path);
+        exit(1);
+    }
+}
+// One record: name length (u32), name, B T H KVH HD tensor (i32 each), byte count (u64), bytes.
+static void check_write_record(FILE* f, const char* path, const char* variant, const Shape& s,
+                               int tensor, const void* data, uint64_t bytes) {
+    const uint32_t len = (uint32_t)strlen(variant);
+    const int32_t head[6] = {s.B, s.T, s.H, s.KVH, s.HD, tensor};
+    check_fwrite(f, &len, sizeof(len), path);
+    check_fwrite(f, variant, len, path);
+    check_fwrite(f, head, sizeof(head), path);
+    check_fwrite(f, &bytes, sizeof(bytes), path);
+    check_fwrite(f, data, bytes, path);
+}
+
+static int check_dump(const char* path) {
+    FILE* f = fopen(path, "wb");
+    if (!f) {
+        fprintf(stderr, "attention lab: cannot open %s for writing\n", path);
+        return 1;
+    }
+    check_fwrite(f, "ATTNCHK1", 8, path);
+    const int n_cases = (int)(sizeof(check_cases) / sizeof(check_cases[0]));
+    for (int k = 0; k < n_cases; k++) {
+        const Shape& s = check_cases[k];
+        std::vector<uint16_t> qkv((size_t)s.B * s.T * s.qkv_cols()),
+            dout((size_t)s.B * s.T * s.out_cols());
+        fill_random(qkv, 2 * (500 + k) + 1);
+        fill_random(dout, 2 * (500 + k) + 2);
+        DeviceCase c = case_alloc(s);
+        lab_check(cudaMemcpy(c.qkv, qkv.data(), qkv.size() * 2, cudaMemcpyHostToDevice));
+        lab_check(cudaMemcpy(c.dout, dout.data(), dout.size() * 2, cudaMemcpyHostToDevice));
+        int records = 0;
+        for (int v = 0; v < N_FWD; v++) {
+            if (!forward_runs(v, s.HD)) continue;
+            poison_forward(c);
+            forward_variants[v].fn(c.out, c.lse, c.qkv, s.B, s.T, s.H, s.KVH, s.HD, nullptr);
+            lab_check(cudaDeviceSynchronize());
+            std::vector<uint16_t> out = to_host<uint16_t>(c.out, c.n_out);
+            std::vector<float> lse = to_host<float>(c.lse, c.n_lse);
+            check_write_record(f, path, forward_variants[v].name, s, 0, out.data(), out.size() * 2);
+            check_write_record(f, path, forward_variants[v].name, s, 1, lse.data(), lse.size() * 4);
+            records += 2;
+        }
+        // the backward's inputs: the C interface's forward
+        poison_forward(c);
+        attention_forward_bf16(c.out, c.lse, c.qkv, s.B, s.T, s.H, s.KVH, s.HD, nullptr);
+        lab_check(cudaDeviceSynchronize());
+        const int64_t rows = (int64_t)s.B * s.T, QKV = s.qkv_cols();
+        const int64_t qc = (int64_t)s.H * s.HD, kc = (int64_t)s.KVH * s.HD;
+        for (int v = 0; v < N_BWD; v++) {
+            if (!backward_variants[v].deterministic || !backward_runs(v, s.HD)) continue;
+            poison_backward(c);
+            backward_variants[v].fn(c.dqkv, c.dout, c.qkv, c.out, c.lse, c.ws, s.B, s.T, s.H,
+                                    s.KVH, s.HD, nullptr);
+            lab_check(cudaDeviceSynchronize());
+            std::vector<uint16_t> dqkv = to_host<uint16_t>(c.dqkv, c.n_qkv);
+            std::vector<uint16_t> dq((size_t)(rows * qc)), dk((size_t)(rows * kc)),
+                dv((size_t)(rows * kc));
+            for (int64_t r = 0; r < rows; r++) {
+                const uint16_t* row = &dqkv[(size_t)(r * QKV)];
+                memcpy(&dq[(size_t)(r * qc)], row, (size_t)qc * 2);
+                memcpy(&dk[(size_t)(r * kc)], row + qc, (size_t)kc * 2);
+                memcpy(&dv[(size_t)(r * kc)], row + qc + kc, (size_t)kc * 2);
+            }
+            check_write_record(f, path, backward_variants[v].name, s, 2, dq.data(), dq.size() * 2);
+            check_write_record(f, path, backward_variants[v].name, s, 3, dk.data(), dk.size() * 2);
+            check_write_record(f, path, backward_variants[v].name, s, 4, dv.data(), dv.size() * 2);
+            records += 3;
+        }
+        case_free(c);
+        printf("check-dump: B=%d T=%d H=%d KVH=%d HD=%d: %d tensors\n", s.B, s.T, s.H, s.KVH, s.HD,
+               records);
+        fflush(stdout);
+    }
+    if (fclose(f) != 0) {
+        fprintf(stderr, "attention lab: cannot write %s\n", path);
+        return 1;
+    }
+    return 0;
+}
+
+struct CheckRecord {
+    std::string key;  // variant | shape | tensor, printable
+    int tensor;
+    std::vector<unsigned char> bytes;
+};
+// The next record of a dump, false at its end; a truncated or foreign file exits.
+static bool check_read_record(FILE* f, const char* path, CheckRecord& r) {
+    uint32_t len;
+    if (fread(&len, sizeof(len), 1, f) != 1) return false;
+    std::string name(len, ' ');
+    int32_t head[6];
+    uint64_t bytes;
+    if (len > 4096 || fread(&name[0], 1, len, f) != len || fread(head, sizeof(head), 1, f) != 1 ||
+        fread(&bytes, sizeof(bytes), 1, f) != 1 || head[5] < 0 || head[5] > 4) {
+        fprintf(stderr, "attention lab: %s: not a --check-dump file or truncated\n", path);
+        exit(1);
+    }
+    char shape[96];
+    snprintf(shape, sizeof(shape), "B=%d T=%d H=%d KVH=%d HD=%d %s", head[0], head[1], head[2],
+             head[3], head[4], check_tensor_names[head[5]]);
+    r.key = name + " | " + shape;
+    r.tensor = head[5];
+    r.bytes.resize((size_t)bytes);
+    if (bytes && fread(r.bytes.data(), 1, (size_t)bytes, f) != bytes) {
+        fprintf(stderr, "attention lab: %s: truncated\n", path);
+        exit(1);
+    }
+    return true;
+}
+static FILE* check_open_dump(const char* path) {
+    FILE* f = fopen(path, "rb");
+    char magic[8];
+    if (!f || fread(magic, 1, 8, f) != 8 || memcmp(magic, "ATTNCHK1", 8) != 0) {
+        fprintf(stderr, "attention lab: %s: cannot open or not a --check-dump file\n", path);
+        exit(1);
+    }
+    return f;
+}
+
+static int check_compare(const char* path_a, const char* path_b) {
+    std::map<std::string, CheckRecord> a;
+    std::vector<std::string> order_a;
+    FILE* fa = check_open_dump(path_a);
+    CheckRecord r;
+    while (check_read_record(fa, path_a, r)) {
+        order_a.push_back(r.key);
+        a[r.key] = r;
+    }
+    fclose(fa);
+    FILE* fb = check_open_dump(path_b);
+    int same = 0, differ = 0, only_b = 0;
+    while (check_read_record(fb, path_b, r)) {
+        auto it = a.find(r.key);
+        if (it == a.end()) {
+            printf("  only in %s: %s\n", path_b, r.key.c_str());
+            only_b++;
+            continue;
+        }
+        const std::vector<unsigned char>& x = it->second.bytes;
+        const size_t elt = r.tensor == 1 ? 4 : 2;  // lse fp32, the others bf16
+        long long n_diff = 0, first = -1;
+        if (x.size() != r.bytes.size()) {
+            n_diff = -1;
+        } else {
+            for (size_t i = 0; i < x.size(); i += elt)
+                if (memcmp(&x[i], &r.bytes[i], elt) != 0) {
+                    if (first < 0) first = (long long)(i / elt);
+                    n_diff++;
+                }
+        }
+        if (n_diff == 0) {
+            same++;
+        } else {
+            differ++;
+            if (n_diff < 0)
+                printf("  DIFFER %s: sizes %zu and %zu bytes\n", r.key.c_str(), x.size(),
+                       r.bytes.size());
+            else
+                printf("  DIFFER %s: %lld of %zu elements (first at %lld)\n", r.key.c_str(),
+                       n_diff, x.size() / elt, first);
+        }
+        a.erase(it);
+    }
+    fclose(fb);
+    for (const std::string& k : order_a)
+        if (a.count(k)) printf("  only in %s: %s\n", path_a, k.c_str());
+    const int only_a = (int)a.size();
+    printf("check-compare: %d tensors bit-identical, %d differ, %d only in %s, %d only in %s\n",
+           same, differ, only_a, path_a, only_b, path_b);
+    return differ || only_a || only_b || same == 0 ? 3 : 0;
+}
+
+// "I,J,..." -> indices below n (each checked), "-" -> none.
+static std::vector<int> check_parse_list(const char* a, int n) {
+    std::vector<int> v;
+    if (!strcmp(a, "-")) return v;
+    for (const char* p = a; *p;) {
+        char* end;
+        const long x = strtol(p, &end, 10);
+        if (end == p || x < 0 || x >= n || (*end != ',' && *end != '\0')) {
+            fprintf(stderr, "attention lab: bad variant list %s (indices below %d)\n", a, n);
+            exit(2);
+        }
+        v.push_back((int)x);
+        p = *end ? end + 1 : end;
+    }
+    return v;
+}
+
+static int check_time(const char* shape, const char* fwd, const char* bwd, int reps) {
+    Shape s;
+    if (sscanf(shape, "%d,%d,%d,%d,%d", &s.B, &s.T, &s.H, &s.KVH, &s.HD) != 5 || s.B < 1 ||
+        s.T < 1 || s.H < 1 || s.KVH < 1 || s.H % s.KVH != 0 || reps < 1) {
+        fprintf(stderr, "attention lab: --check-time wants B,T,H,KVH,HD (KVH divides H)\n");
+        return 2;
+    }
+    const std::vector<int> fv = check_parse_list(fwd, N_FWD), bv = check_parse_list(bwd, N_BWD);
+    DeviceCase c = case_alloc(s);
+    lab_fill_random_kernel<<<2048, 256>>>(c.qkv, (int64_t)c.n_qkv, 5);
+    lab_check(cudaGetLastError());
+    lab_fill_random_kernel<<<2048, 256>>>(c.dout, (int64_t)c.n_out, 6);
+    lab_check(cudaGetLastError());
+    cudaEvent_t e0, e1;
+    lab_check(cudaEventCreate(&e0));
+    lab_check(cudaEventCreate(&e1));
+    const double flops = 2.0 * s.B * s.H * (double)s.T * s.T * s.HD;
+    for (int v : fv) {
+        if (!forward_runs(v, s.HD)) {
+            printf("check-time fwd %d - - %s (not run: head dim or build)\n", v,
+                   forward_variants[v].name);
+            continue;
+        }
+        std::vector<float> t;
+        for (int r = 0; r < reps + 2; r++) {
+            lab_check(cudaEventRecord(e0));
+            forward_variants[v].fn(c.out, c.lse, c.qkv, s.B, s.T, s.H, s.KVH, s.HD, nullptr);
+            lab_check(cudaEventRecord(e1));
+            lab_check(cudaEventSynchronize(e1));
+            float ms;
+            lab_check(cudaEventElapsedTime(&ms, e0, e1));
+            if (r >= 2) t.push_back(ms);
+        }
+        const float ms = median_ms(t);
+        printf("check-time fwd %d %.3f %.1f %s\n", v, ms, flops / ms * 1e-9,
+               forward_variants[v].name);
+    }
+    attention_forward_bf16(c.out, c.lse, c.qkv, s.B, s.T, s.H, s.KVH, s.HD, nullptr);
+    for (int v : bv) {
+        if (!backward_runs(v, s.HD)) {
+            printf("check-time bwd %d - - %s (not run: head dim or build)\n", v,
+                   backward_variants[v].name);
+            continue;
+        }
+        std::vector<float> t;
+        for (int r = 0; r < reps + 2; r++) {
+            lab_check(cudaEventRecord(e0));
+            backward_variants[v].fn(c.dqkv, c.dout, c.qkv, c.out, c.lse, c.ws, s.B, s.T, s.H,
+                                    s.KVH, s.HD, nullptr);
+            lab_check(cudaEventRecord(e1));
+            lab_check(cudaEventSynchronize(e1));
+            float ms;
+            lab_check(cudaEventElapsedTime(&ms, e0, e1));
+            if (r >= 2) t.push_back(ms);
+        }
+        const float ms = median_ms(t);
+        printf("check-time bwd %d %.3f %.1f %s\n", v, ms, 2.5 * flops / ms * 1e-9,
+               backward_variants[v].name);
+    }
+    lab_check(cudaEventDestroy(e0));
+    lab_check(cudaEventDestroy(e1));
+    case_free(c);
+    return 0;
+}
+
+static int check_main(int argc, char** argv) {
+    if (argc == 3 && !strcmp(argv[1], "--check-dump")) return check_dump(argv[2]);
+    if (argc == 4 && !strcmp(argv[1], "--check-compare")) return check_compare(argv[2], argv[3]);
+    if ((argc == 5 || argc == 6) && !strcmp(argv[1], "--check-time"))
+        return check_time(argv[2], argv[3], argv[4], argc == 6 ? atoi(argv[5]) : 10);
+    fprintf(stderr, "usage: %s --check-dump FILE | --check-compare A B | --check-time "
+            "B,T,H,KVH,HD FWD BWD [REPS]   (FWD, BWD: variant index lists I,J,... or -)\n",
+            argv[0]);
+    return 2;
+}
+// [refactor check: end]
+
 // ----------------------------------------------------------------------------
 // main
 
 int main(int argc, char** argv) {
+    if (argc > 1 && !strncmp(argv[1], "--check-", 8)) return check_main(argc, argv);
     LabOptions opt;
     const char* log_path = "attention_lab.log";
     for (int i = 1; i < argc; i++) {
@@ -1297,8 +1715,10 @@ int main(int argc, char** argv) {
                     "usage: %s [--quick] [--tiny] [--no-big] [--no-bench] [--long] "
                     "[--shape B,T,H,KVH,HD] "
                     "[--fwd I[,J...]] [--bwd I[,J...]] [--log FILE] [--probe] [--count]\n"
+                    "       %s --check-dump FILE | --check-compare A B | --check-time "
+                    "B,T,H,KVH,HD FWD BWD [REPS]   (refactor check)\n"
                     "  forward variants:",
-                    argv[0]);
+                    argv[0], argv[0]);
             for (int v = 0; v < N_FWD; v++) fprintf(stderr, " %d=%s", v, forward_variants[v].name);
             fprintf(stderr, "\n  backward variants:");
             for (int v = 0; v < N_BWD; v++) fprintf(stderr, " %d=%s", v, backward_variants[v].name);

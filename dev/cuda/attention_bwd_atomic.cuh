@@ -12,13 +12,12 @@
  *   10 "wgmma bwd bulk dq s3"    <3, true>   dQ staged in shared memory, one
  *                                            cp.reduce.async.bulk .add.f32 per tile (TMA unit)
  * The three share everything else; 8 vs 10 measures the reduction path. Included
- * by the lab after kernels/attention.cu, whose helpers it uses (attention_backward_dot,
- * attention_backward_check, attention_set_max_smem, attention_grid, smem_u32, fast_exp2,
- * pack_bf16, acc_to_frag_a; from kernels/attention_wgmma.cuh the SW128 layouts, wg_desc,
- * WgmmaBf16, wgmma fences / waits / register pins; from kernels/attention_bwd_wgmma.cuh
- * attn_bwg_cp_async_4). HD 64 and 128.
+ * by the lab after kernels/attention.cu, whose pieces it uses: attention_backward_dot (pass 1),
+ * from kernels/attention_common.cuh the checks, launch helpers, SW128 layouts, descriptors,
+ * WgmmaBf16 and its k-step groups, fences / waits / register pins, acc_to_frags, cp_async_4 and
+ * the dK/dV epilogue; from kernels/attention_wgmma.cuh the named barriers. HD 64 and 128.
  *
- * STATUS: written blind, NOT YET RUN (no GPU in the session that wrote it). The CPU model
+ * STATUS: written blind, NOT YET RUN on a GPU. The CPU model
  * dev/cuda/attention_bwd_atomic_model.py (python3 + numpy, ~10 s) emulates its new data paths
  * from the PTX ISA's definitions (stmatrix .trans into SW128, the dQ wgmma's descriptors, the
  * fragment-order reds and the conversion) and passes at HD 64 and 128; it cannot settle the one
@@ -72,7 +71,7 @@
  * H = 16, HD = 128 that is 2.1 GB (production's: 16 MB) -- a trainer that adopted this would
  * have to size its workspace accordingly.
  *
- * Operand layouts (notation of kernels/attention_wgmma.cuh and attention_bwd_wgmma.cuh; only
+ * Operand layouts (notation of kernels/attention_common.cuh and attention_bwd_wgmma.cuh; only
  * what is new here):
  *   dS tile: BQ = 64 query rows x BN = 128 key columns, bf16, SW128: 2 panels of 64 rows x 128
  *     bytes (panel p = keys 64p..64p+63 = warpgroup p's keys), 16 KB, 1024-aligned.
@@ -406,7 +405,7 @@ __global__ void __launch_bounds__(ATTN_BWA_THREADS, 1)
             const int q = q0 + (i % BQ);
             const bool valid = q < T;
             const float* src = (i < BQ ? lse : D) + r0 + (valid ? q : 0);
-            attn_bwg_cp_async_4(sLD + slot * LD_BYTES + i * (uint32_t)sizeof(float), src, valid);
+            cp_async_4(sLD + slot * LD_BYTES + i * (uint32_t)sizeof(float), src, valid);
         }
     };
 
@@ -432,52 +431,26 @@ __global__ void __launch_bounds__(ATTN_BWA_THREADS, 1)
 
     float dk[NB_O][4], dv[NB_O][4], s[NB_S][4], dp[NB_S][4], dq[NB_Q][4];
     uint32_t pf[KS_O][4], dsf[KS_O][4];
-#pragma unroll
-    for (int i = 0; i < NB_O; i++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) dk[i][e] = dv[i][e] = 0.0f;
+    acc_zero(dk);
+    acc_zero(dv);
     // s, dp, dq: overwritten by their first k-step (scale-d 0); pf, dsf written before each use.
     // Zeroed once so no path reads garbage.
-#pragma unroll
-    for (int i = 0; i < NB_S; i++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) s[i][e] = dp[i][e] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < NB_Q; i++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) dq[i][e] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < KS_O; i++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) pf[i][e] = dsf[i][e] = 0u;
+    acc_zero(s);
+    acc_zero(dp);
+    acc_zero(dq);
+    frag_zero(pf);
+    frag_zero(dsf);
 
+    // production's dK/dV products (attn_bwg_dkdv_kernel)
     auto issue_sdp = [&](int slot) {
-        const uint64_t bq = wg_desc_add(desc_q_kmaj, slot * QT_BYTES);
-        const uint64_t bo = wg_desc_add(desc_o_kmaj, slot * QT_BYTES);
-#pragma unroll
-        for (int kk = 0; kk < KS_S; kk++)
-            WgmmaBf16<BQ>::ss(s, wg_desc_add(desc_k, sw128_kstep_offset(kk, BN)),
-                              wg_desc_add(bq, sw128_kstep_offset(kk, BQ)), kk > 0);
-        wgmma_commit();
-#pragma unroll
-        for (int kk = 0; kk < KS_S; kk++)
-            WgmmaBf16<BQ>::ss(dp, wg_desc_add(desc_v, sw128_kstep_offset(kk, BN)),
-                              wg_desc_add(bo, sw128_kstep_offset(kk, BQ)), kk > 0);
-        wgmma_commit();
+        wgmma_group_ss<BQ, KS_S, BN>(s, desc_k, wg_desc_add(desc_q_kmaj, slot * QT_BYTES));
+        wgmma_group_ss<BQ, KS_S, BN>(dp, desc_v, wg_desc_add(desc_o_kmaj, slot * QT_BYTES));
     };
     auto issue_dv = [&](int slot) {
-        const uint64_t bo = wg_desc_add(desc_o_nmaj, slot * QT_BYTES);
-#pragma unroll
-        for (int kk = 0; kk < KS_O; kk++)
-            WgmmaBf16<HD>::rs_trans_b(dv, pf[kk], wg_desc_add(bo, kk * KSTEP_ROWS_BYTES), 1);
-        wgmma_commit();
+        wgmma_group_rs<HD, KS_O>(dv, pf, wg_desc_add(desc_o_nmaj, slot * QT_BYTES));
     };
     auto issue_dk = [&](int slot) {
-        const uint64_t bq = wg_desc_add(desc_q_nmaj, slot * QT_BYTES);
-#pragma unroll
-        for (int kk = 0; kk < KS_O; kk++)
-            WgmmaBf16<HD>::rs_trans_b(dk, dsf[kk], wg_desc_add(bq, kk * KSTEP_ROWS_BYTES), 1);
-        wgmma_commit();
+        wgmma_group_rs<HD, KS_O>(dk, dsf, wg_desc_add(desc_q_nmaj, slot * QT_BYTES));
     };
     // dQ[:, DQ_N wg ..] = dS K[:, DQ_N wg ..]: k-step kk = keys 16kk..16kk+15 of the CTA (A: 16
     // columns of the dS tile, K-major; B: 16 rows of the K tile, MN-major), one group
@@ -542,8 +515,7 @@ __global__ void __launch_bounds__(ATTN_BWA_THREADS, 1)
                 s[i][e] = p;
             }
         }
-#pragma unroll
-        for (int kk = 0; kk < KS_O; kk++) acc_to_frag_a(pf[kk], s[2 * kk], s[2 * kk + 1]);
+        acc_to_frags(pf, s);
 
         wg_fence_frag(pf);
         wg_fence_acc(dv);
@@ -560,8 +532,7 @@ __global__ void __launch_bounds__(ATTN_BWA_THREADS, 1)
 #pragma unroll
             for (int e = 0; e < 4; e++) dp[i][e] = s[i][e] * (dp[i][e] - dd[e & 1]);
         }
-#pragma unroll
-        for (int kk = 0; kk < KS_O; kk++) acc_to_frag_a(dsf[kk], dp[2 * kk], dp[2 * kk + 1]);
+        acc_to_frags(dsf, dp);
 
         // dS (queries x keys) into shared memory for dQ: the bf16 dS^T fragments stored
         // transposed, k-step kk = queries 16kk..16kk+15 (16 rows of 128 bytes further)
@@ -607,21 +578,7 @@ __global__ void __launch_bounds__(ATTN_BWA_THREADS, 1)
     retire_all();
     if (BULK && tid == 0) attn_bwa_bulk_wait();  // no reduction left in flight at exit
 
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        const int key = my_key + hf * 8;
-        if (key >= T) continue;
-        bf16* row = dqkv + ((int64_t)b * T + key) * QKV + (lane & 3) * 2;
-        bf16* dst_k = row + (int64_t)(H + kvh) * HD;
-        bf16* dst_v = row + (int64_t)(H + KVH + kvh) * HD;
-#pragma unroll
-        for (int i = 0; i < NB_O; i++) {
-            *reinterpret_cast<uint32_t*>(dst_k + i * 8) =
-                pack_bf16(dk[i][2 * hf] * scale, dk[i][2 * hf + 1] * scale);
-            *reinterpret_cast<uint32_t*>(dst_v + i * 8) =
-                pack_bf16(dv[i][2 * hf], dv[i][2 * hf + 1]);
-        }
-    }
+    store_dk_dv(dqkv, dk, dv, QKV, b, kvh, my_key, T, H, KVH, lane, scale);
 #else
     __trap();  // built without sm_90a device code: never launched (the host checks first)
 #endif
@@ -677,7 +634,7 @@ static size_t attention_backward_atomic_ws_bytes(int B, int T, int H, int KVH, i
 }
 
 // The three passes (and the accumulator's zeroing before pass 2), stream-ordered; marks
-// (optional, 2 events) after pass 1 and after pass 2, as attn_bwg_run.
+// (optional, 2 events) after pass 1 and after pass 2, as lab_backward_wgmma_timed.
 template <int HD, int STAGES, bool BULK>
 static void attn_bwa_run(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out,
                          const float* lse, void* workspace, int B, int T, int H, int KVH,

@@ -38,7 +38,7 @@ Checks, for HD = 64 and 128, warpgroups 0 and 1, the three variants' shared-memo
 Run: python3 dev/cuda/attention_bwd_atomic_model.py   (exit 0 iff every check passes and every
 mutation is caught; ~10 s)
 
-Result when written (kernel as of this session): every check passes at HD 64 and 128, variants
+Result: every check passes at HD 64 and 128, variants
 8/9/10, shared-memory base 48 or 1008 bytes past a 1024 boundary; the 5 seeded mutations are caught.
 
 What the hardware model assumes (it cannot establish these; the first GPU run does):
@@ -256,21 +256,21 @@ ATTN_BWA_THREADS = ATTN_WG_THREADS * ATTN_BWA_NWG
 ATTN_BWA_ALIGN = 256
 
 
-def sw128_offset(r, c, rows):  # kernels/attention_wgmma.cuh
+def sw128_offset(r, c, rows):  # kernels/attention_common.cuh
     return (c >> 3) * rows * ATTN_SW128_ROW_BYTES + r * ATTN_SW128_ROW_BYTES + (((c & 7) ^ (r & 7)) << 4)
 
 
-def sw128_kstep_offset(kk, rows):  # kernels/attention_wgmma.cuh
+def sw128_kstep_offset(kk, rows):  # kernels/attention_common.cuh
     KSTEPS_PER_PANEL = ATTN_SW128_PANEL_COLS // ATTN_WG_K
     return (kk // KSTEPS_PER_PANEL) * rows * ATTN_SW128_ROW_BYTES + (kk % KSTEPS_PER_PANEL) * ATTN_WG_K * 2
 
 
-def wg_desc(addr, lbo_bytes, sbo_bytes):  # kernels/attention_wgmma.cuh
+def wg_desc(addr, lbo_bytes, sbo_bytes):  # kernels/attention_common.cuh
     return (((addr >> 4) & 0x3FFF) | (((lbo_bytes >> 4) & 0x3FFF) << 16)
             | (((sbo_bytes >> 4) & 0x3FFF) << 32) | (1 << 62))
 
 
-def wg_desc_add(desc, nbytes):  # kernels/attention_wgmma.cuh (asserted carry-free below)
+def wg_desc_add(desc, nbytes):  # kernels/attention_common.cuh (asserted carry-free below)
     if (desc & 0x3FFF) + (nbytes >> 4) > 0x3FFF:
         raise OverflowError("wg_desc_add carries out of the start-address field")
     return desc + (nbytes >> 4)
@@ -280,7 +280,7 @@ def pack_bf16(lo, hi):  # kernels/attention.cu: __floats2bfloat162_rn(lo, hi): l
     return bf16_bits(lo).astype(np.uint32) | (bf16_bits(hi).astype(np.uint32) << 16)
 
 
-def acc_to_frag_a(c0, c1):  # kernels/attention.cu:195 (c0, c1: [..., 4] fp32 accumulator blocks)
+def acc_to_frag_a(c0, c1):  # kernels/attention_common.cuh (c0, c1: [..., 4] fp32 accumulator blocks)
     return np.stack([pack_bf16(c0[..., 0], c0[..., 1]), pack_bf16(c0[..., 2], c0[..., 3]),
                      pack_bf16(c1[..., 0], c1[..., 1]), pack_bf16(c1[..., 2], c1[..., 3])], axis=-1)
 
@@ -292,30 +292,30 @@ class Kernel:
         self.HD, self.STAGES, self.BULK, self.mut = HD, STAGES, BULK, mut
         BQ, BN = ATTN_BWA_BQ, ATTN_BWA_BN
         self.BQ, self.BN = BQ, BN
-        self.NB_S = BQ // 8                       # :329
+        self.NB_S = BQ // 8
         self.NB_O = HD // 8
         self.KS_O = BQ // ATTN_WG_K
-        self.DQ_N = HD // ATTN_BWA_NWG            # :333
+        self.DQ_N = HD // ATTN_BWA_NWG
         self.NB_Q = self.DQ_N // 8
         self.KS_Q = BN // ATTN_WG_K
         self.KV_BYTES = BN * HD * 2
         self.QT_BYTES = BQ * HD * 2
-        self.KV_PANEL = BN * ATTN_SW128_ROW_BYTES  # :345
+        self.KV_PANEL = BN * ATTN_SW128_ROW_BYTES
         self.DS_BYTES = BQ * BN * 2
         self.LD_BYTES = 2 * BQ * 4
         self.ATOM = ATTN_SW128_ATOM_BYTES
         self.KMAJOR_LBO = 16
-        self.KSTEP_ROWS_BYTES = ATTN_WG_K * ATTN_SW128_ROW_BYTES  # :351
-        # :354-355
+        self.KSTEP_ROWS_BYTES = ATTN_WG_K * ATTN_SW128_ROW_BYTES
+
         self.DQ_B_STEP = ((self.DQ_N // ATTN_SW128_PANEL_COLS) * self.KV_PANEL
                           + (self.DQ_N % ATTN_SW128_PANEL_COLS) * 2)
         if "b_start_bytes" in mut:  # seeded: the in-row offset counted in elements, not bytes
             self.DQ_B_STEP = ((self.DQ_N // ATTN_SW128_PANEL_COLS) * self.KV_PANEL
                               + (self.DQ_N % ATTN_SW128_PANEL_COLS))
-        # attn_bwa_smem_bytes (:311-317)
+        # attn_bwa_smem_bytes
         self.smem_bytes = ((2 * BN + 2 * STAGES * BQ) * HD * 2 + BQ * BN * 2 + STAGES * 2 * BQ * 4
                            + (BQ * HD * 4 if BULK else 0) + ATTN_SW128_ATOM_BYTES)
-        # shared-memory map (:361-369)
+        # shared-memory map
         self.sraw = sraw
         self.sbase = (sraw + (self.ATOM - 1)) & ~(self.ATOM - 1)
         self.sK = self.sbase
@@ -329,11 +329,11 @@ class Kernel:
 
     # ---- per-thread indices (tid = 0..255) ---------------------------------------------------
     @staticmethod
-    def thread_ids(tid):  # :374-376
+    def thread_ids(tid):
         tid = np.asarray(tid)
         return tid & 31, tid // ATTN_WG_THREADS, (tid >> 5) & 3  # lane, wg, wv
 
-    def st_addr(self, tid):  # :418-421
+    def st_addr(self, tid):
         lane, wg, wv = self.thread_ids(tid)
         st_j = lane >> 3
         if "stsm_swap" in self.mut:  # seeded: the two 8x8 block indices of stmatrix swapped
@@ -342,20 +342,20 @@ class Kernel:
         return self.sdS + sw128_offset(8 * (st_j >> 1) + (lane & 7),
                                        (wg * ATTN_WG_ROWS + wv * 16) // 8 + (st_j & 1), self.BQ)
 
-    def desc_ds(self):  # :414
+    def desc_ds(self):
         return wg_desc(self.sdS, self.KMAJOR_LBO, self.ATOM)
 
-    def desc_k_nmaj(self, wg):  # :415
+    def desc_k_nmaj(self, wg):
         if "b_lbo_sbo_swap" in self.mut:  # seeded
             return wg_desc(self.sK + wg * self.DQ_B_STEP, self.ATOM, self.KV_PANEL)
         return wg_desc(self.sK + wg * self.DQ_B_STEP, self.KV_PANEL, self.ATOM)
 
-    def issue_dq(self, wg):  # :478-485: (A desc, B desc, N) per k-step
+    def issue_dq(self, wg):  # (A desc, B desc, N) per k-step
         return [(wg_desc_add(self.desc_ds(), sw128_kstep_offset(kk, self.BQ)),
                  wg_desc_add(self.desc_k_nmaj(wg), kk * self.KSTEP_ROWS_BYTES), self.DQ_N)
                 for kk in range(self.KS_Q)]
 
-    def my_f4(self, tid):  # :388
+    def my_f4(self, tid):
         tid = np.asarray(tid)
         wg = tid // ATTN_WG_THREADS
         if "red_no_wg" in self.mut:  # seeded: warpgroup term dropped
@@ -365,7 +365,7 @@ class Kernel:
     # dq[i][e] is PTX accumulator operand 4i + e (ATTN_BWA_ACC16 / ATTN_WG_ACC32 operand order,
     # checked against the source by check_source); acc_registers() uses that naming.
 
-    # ---- the per-thread elementwise part that produces dsf (:523-559) -------------------------
+    # ---- the per-thread elementwise part that produces dsf -------------------------
     def dsf_from_acc(self, s, dp, tD, q0, k0, T, tid):
         """s, dp: [256, NB_S, 4] fp32 accumulators (P^T before masking, dP^T); tD: [BQ] fp32.
         Returns dsf [256, KS_O, 4] uint32."""
@@ -374,20 +374,20 @@ class Kernel:
         i = np.arange(self.NB_S)[None, :, None]
         e = np.arange(4)[None, None, :]
         BQ, BN = self.BQ, self.BN
-        my_key = k0 + wg * ATTN_WG_ROWS + wv * 16 + (lane >> 2)            # :386
-        edge = q0 < k0 + BN - 1 or q0 + BQ > T                              # :523
-        qi = i * 8 + (lane & 3) * 2                                          # :526
+        my_key = k0 + wg * ATTN_WG_ROWS + wv * 16 + (lane >> 2)
+        edge = q0 < k0 + BN - 1 or q0 + BQ > T
+        qi = i * 8 + (lane & 3) * 2
         p = s.astype(np.float32)
         if edge:
-            key = my_key + (e >> 1) * 8                                      # :533
-            q = q0 + qi + (e & 1)                                            # :534
-            p = np.where((key > q) | (q >= T), np.float32(0.0), p)          # :535
-        dd = tD[qi + (e & 1)]                                                # :552-554
-        dsv = (p * (dp.astype(np.float32) - dd)).astype(np.float32)          # :556
-        return np.stack([acc_to_frag_a(dsv[:, 2 * kk], dsv[:, 2 * kk + 1])   # :559
+            key = my_key + (e >> 1) * 8
+            q = q0 + qi + (e & 1)
+            p = np.where((key > q) | (q >= T), np.float32(0.0), p)
+        dd = tD[qi + (e & 1)]
+        dsv = (p * (dp.astype(np.float32) - dd)).astype(np.float32)
+        return np.stack([acc_to_frag_a(dsv[:, 2 * kk], dsv[:, 2 * kk + 1])
                          for kk in range(self.KS_O)], axis=1)
 
-    # ---- K tile loader: sw128_tile_load_async<BN, HD, 256> (:423) -----------------------------
+    # ---- K tile loader: sw128_tile_load_async<BN, HD, 256> -----------------------------
     def load_tile(self, smem, tile, gmem_u16, base, stride, row0, T, ROWS):
         CHUNKS = self.HD // 8
         RSTEP = ATTN_BWA_THREADS // CHUNKS
@@ -402,7 +402,7 @@ class Kernel:
                            gmem_u16, np.where(valid, src, base), valid)
             src = src + RSTEP * stride
 
-    # ---- workspace (host side, :680-700) ------------------------------------------------------
+    # ---- workspace (host side) ------------------------------------------------------------------
     @staticmethod
     def ws_layout(B, T, H, HD):
         align = lambda x: (x + ATTN_BWA_ALIGN - 1) & ~(ATTN_BWA_ALIGN - 1)
@@ -411,7 +411,7 @@ class Kernel:
         acc_off = align(B * T * H * 4)
         return acc_off, dq_bytes, acc_off + dq_bytes, n_qt
 
-    # ---- pass 3: attn_bwa_dq_convert_kernel<HD> (:632-654), all f at once ---------------------
+    # ---- pass 3: attn_bwa_dq_convert_kernel<HD>, all f at once ---------------------
     def convert(self, dqkv_u16, wcount, acc_f32, n4, T, H, KVH, n_qt, scale):
         HD = self.HD
         NB_Q = HD // ATTN_BWA_NWG // 8
@@ -471,7 +471,7 @@ def acc_registers(M):
 
 
 def run_stores(kern, smem, dsf):
-    """The 4 stmatrix.x4.trans per thread (:563-565), warp by warp."""
+    """The 4 stmatrix.x4.trans per thread, warp by warp."""
     tid = np.arange(ATTN_BWA_THREADS)
     st = kern.st_addr(tid)
     for warp in range(8):
@@ -551,7 +551,7 @@ def check_tile(kern, rng, T=1000, k0=128, q0=192, model=MODEL):
     smem = SharedMemory(kern.sraw + kern.smem_bytes)
     res["smem map"] = (kern.s_end <= kern.sraw + kern.smem_bytes and kern.sdS % 1024 == 0
                        and kern.sK % 1024 == 0 and kern.s_end < (1 << 18))
-    # check 4: K tile from a global qkv through the kernel's loader (:423)
+    # check 4: K tile from a global qkv through the kernel's loader
     B, H, KVH = 1, 4, 2
     QKV = (H + 2 * KVH) * HD
     kvh = 1
@@ -633,17 +633,17 @@ def check_launch(kern, rng, B, T, H, KVH):
     ok_cover = True
     for bx in range(KVH * B):                                   # grid x
         for by in range(n_kv):                                  # grid y
-            kvh, b = bx % KVH, bx // KVH                        # :377
+            kvh, b = bx % KVH, bx // KVH
             k0 = by * BN
-            qt0 = k0 // BQ                                      # :383
+            qt0 = k0 // BQ
             per_head = n_qt - qt0
             n_iter = group * per_head
             smem = SharedMemory(kern.sraw + kern.smem_bytes)
             kern.load_tile(smem, kern.sK, qkv.ravel(), b * T * QKV + (H + kvh) * HD, QKV, k0, T, BN)
-            seq_dq = acc_base + b * H * n_qt * (BQ * HD)       # :389
+            seq_dq = acc_base + b * H * n_qt * (BQ * HD)
             for it in range(n_iter):
-                hq = kvh * group + it // per_head               # :509
-                qt = qt0 + it % per_head                        # :510
+                hq = kvh * group + it // per_head
+                qt = qt0 + it % per_head
                 q0 = qt * BQ
                 Pt, dPt = P[b, hq, q0:q0 + BQ, k0:k0 + BN], dP[b, hq, q0:q0 + BQ, k0:k0 + BN]
                 s, dp = tile_registers(kern, Pt, dPt)
@@ -652,25 +652,25 @@ def check_launch(kern, rng, B, T, H, KVH):
                 D = run_dq(kern, smem)
                 # hardware accumulator fragment -> kernel's dq[i][e]
                 dq = np.concatenate([acc_registers(D[w]) for w in range(2)])  # [256, NB_Q, 4]
-                block = seq_dq + (hq * n_qt + qt) * (BQ * HD)  # :581
+                block = seq_dq + (hq * n_qt + qt) * (BQ * HD)
                 before = gcount.copy()
                 if kern.BULK:
                     smem.writes[:] = 0
-                    for i in range(kern.NB_Q):                  # :584-586
+                    for i in range(kern.NB_Q):
                         a = kern.sDQ + (kern.my_f4(tid) + i * ATTN_WG_THREADS) * 16
                         if np.any(a % 16):
                             raise ValueError("st.shared.v4 misaligned")
                         smem.write_f32(a[:, None] + 4 * np.arange(4), dq[:, i, :])
                     st_w = smem.writes[kern.sDQ:kern.sDQ + BQ * HD * 4]
                     ok_cover &= bool(np.all(st_w == 1) and smem.writes.sum() == st_w.sum())
-                    # thread 0: cp.reduce.async.bulk .add.f32 [block], [sDQ], BQ*HD*4 (:593)
+                    # thread 0: cp.reduce.async.bulk .add.f32 [block], [sDQ], BQ*HD*4
                     nbytes = BQ * HD * 4
                     if kern.sDQ % 16 or (block * 4) % 16 or nbytes % 16:
                         raise ValueError("bulk reduction misaligned")
                     vals = smem.read_f32(kern.sDQ + 4 * np.arange(nbytes // 4))
                     hw_red_add_v4_f32(acc, gcount, block + np.arange(0, nbytes // 4, 4), vals)
                 else:
-                    for i in range(kern.NB_Q):                  # :595-598
+                    for i in range(kern.NB_Q):
                         hw_red_add_v4_f32(acc, gcount, block + (kern.my_f4(tid) + i * ATTN_WG_THREADS) * 4,
                                           dq[:, i, :])
                 touched = np.nonzero(gcount != before)[0]
@@ -712,18 +712,18 @@ def check_source():
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_bwd_atomic.cuh")
     src = open(path).read()
     want = [
-        # :220-221 stmatrix, registers r[0..3] = {%1..%4}
+        # stmatrix, registers r[0..3] = {%1..%4}
         'stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\\n"\n'
         '                 ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])',
-        # :229 red.v4, {a, b, c, d} = dq[i][0..3] at the call (:597-598)
+        # red.v4, {a, b, c, d} = dq[i][0..3] at the call
         'red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\\n" ::"l"(dst), "f"(a), "f"(b),',
         'attn_bwa_red_v4(block + (my_f4 + i * ATTN_WG_THREADS) * 4, dq[i][0], dq[i][1],',
-        # :284-286 / :300-302: 32 or 16 accumulators, then a-desc, b-desc, p, 1, 1, trans-a 0, trans-b 1
+        # 32 or 16 accumulators, then a-desc, b-desc, p, 1, 1, trans-a 0, trans-b 1
         'setp.ne.b32 p, %34, 0;\\n"\n            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "'
         ' ATTN_WG_REGS32\n            ", %32, %33, p, 1, 1, 0, 1;',
         'setp.ne.b32 p, %18, 0;\\n"\n            "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "'
         ' ATTN_BWA_REGS16\n            ", %16, %17, p, 1, 1, 0, 1;',
-        # :269-270 accumulator operand order d[0][0..3], d[1][0..3], ... (dq[i][e] = d_{4i+e})
+        # accumulator operand order d[0][0..3], d[1][0..3], ... (dq[i][e] = d_{4i+e})
         'ATTN_WG_ACC4(d, 0), ATTN_WG_ACC4(d, 1), ATTN_WG_ACC4(d, 2), ATTN_WG_ACC4(d, 3)',
         '"{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"',
     ]

@@ -3,7 +3,7 @@
 dev/cuda/attention_fwd_ws_model.py -- a random-interleaving model of the synchronisation
 protocol of the wgmma forward in kernels/attention_wgmma.cuh (producer warpgroup + two consumer
 warpgroups, mbarrier rings for K and V, ping-pong named barriers). The kernel ships with PP on
-and WF off; the model keeps both switches (the variants measured in session 6). Each role is the kernel's program
+and WF off; the model keeps both switches (variants the lab measured). Each role is the kernel's program
 order as a generator of actions; a scheduler runs one runnable action at a time, chosen at
 random, and lands cp.async copies and completes wgmma groups at random moments.
 

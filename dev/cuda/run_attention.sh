@@ -3,20 +3,25 @@
 #
 #   dev/cuda/run_attention.sh [lab flags]   build .devbuild/attention if missing (or ATTN_REBUILD=1,
 #                                           or it does not load here), then validate and benchmark
-#   dev/cuda/run_attention.sh --build-only  build only (no GPU needed); ptxas report in .devbuild/
-#                                           (device code for sm_90a: H100/H200 only)
-#   ATTN_SDPA=1 dev/cuda/run_attention.sh   also time PyTorch SDPA (flash, cuDNN) at the benchmark shapes
+#   dev/cuda/run_attention.sh --build-only  build only (no GPU needed); ptxas report in
+#                                           .devbuild/attention_ptxas.txt (device code for sm_90a:
+#                                           H100/H200 only)
+#   ATTN_SDPA=1 dev/cuda/run_attention.sh   also time PyTorch SDPA (flash, cuDNN) at the benchmark
+#                                           shapes (needs python3 with torch)
 #
 # Lab flags: --quick --tiny --no-big --no-bench --long --shape B,T,H,KVH,HD --fwd I[,J..]
-# --bwd I[,J..] (see the lab's usage). Logs go to
-# $OUT when it is set (the device machine), else to .devbuild/. When the lab dies of a CUDA error,
-# the script re-runs small cases variant by variant, and under compute-sanitizer, to name the culprit.
+# --bwd I[,J..] (dev/cuda/attention.cu's header; the lab's usage lists the variants). Logs go to
+# $ATTN_LOGDIR (default .devbuild): attention_lab.log, attention_lab.out. When the lab dies of a
+# CUDA error, the script re-runs small cases variant by variant, and under compute-sanitizer, to
+# name the culprit. Exit status: the lab's (0 passed, 3 a check failed, 1 a CUDA error).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 
+case "${1:-}" in -h | --help) sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;; esac
+
 NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 BIN=.devbuild/attention
-LOGDIR=${OUT:-.devbuild}
+LOGDIR=${ATTN_LOGDIR:-.devbuild}
 mkdir -p .devbuild "$LOGDIR"
 
 build() {

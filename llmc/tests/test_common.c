@@ -1,5 +1,6 @@
 /*
- * test_common.c — checked helpers, number parsing, float conversions, the thread pool, the RNG.
+ * test_common.c — checked helpers, number parsing, float conversions, the thread pool, the RNG,
+ * atomic writes, printable strings.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -172,6 +173,61 @@ static void test_common_files(TestCtx* t) {
     CHECK(t, mkdir_p(path, err) != 0, "mkdir_p over a file fails");
 }
 
+// The atomic-write helper: nothing at the final name before the commit, the old contents kept
+// when a writer gives up, no temporary left behind in any outcome, one-line errors.
+static void test_common_atomic_write(TestCtx* t) {
+    char dir[512], path[600], tmp[700], err[ERR_LEN];
+    test_path(t, dir, sizeof dir, "atomic");
+    CHECK(t, mkdir_p(dir, err) == 0, "mkdir_p: %s", err);
+    snprintf(path, sizeof path, "%s/out.bin", dir);
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    AtomicFile af;
+    CHECK(t, atomic_file_open(&af, path, err) == 0, "open: %s", err);
+    CHECK(t, atomic_file_write(&af, "ab", 2, err) == 0 && atomic_file_write(&af, NULL, 0, err) == 0,
+          "write: %s", err);
+    fprintf(af.f, "c%d", 1);
+    CHECK(t, !file_exists(path) && file_exists(tmp), "only the temporary exists before the commit");
+    CHECK(t, atomic_file_commit(&af, err) == 0, "commit: %s", err);
+    size_t len = 0;
+    char* s = file_read_all(path, 100, &len, err);
+    CHECK(t, s && len == 4 && memcmp(s, "abc1", 4) == 0, "committed contents");
+    free(s);
+    CHECK(t, !file_exists(tmp), "no temporary after the commit");
+
+    // a writer that gives up leaves the old file as it was
+    CHECK(t, atomic_file_open(&af, path, err) == 0, "reopen: %s", err);
+    CHECK(t, atomic_file_write(&af, "zzzz", 4, err) == 0, "write: %s", err);
+    atomic_file_abort(&af);
+    s = file_read_all(path, 100, &len, err);
+    CHECK(t, s && len == 4 && memcmp(s, "abc1", 4) == 0, "abort keeps the old contents");
+    free(s);
+    CHECK(t, !file_exists(tmp), "no temporary after an abort");
+
+    // failures: a missing directory (create) and a directory in the way (rename)
+    snprintf(tmp, sizeof tmp, "%s/missing/x.bin", dir);
+    CHECK(t, file_write_atomic(tmp, "x", 1, err) == -1 && strstr(err, "x.bin.tmp: cannot create") &&
+                 !strchr(err, '\n'),
+          "missing directory: %s", err);
+    snprintf(tmp, sizeof tmp, "%s/sub", dir);
+    CHECK(t, mkdir_p(tmp, err) == 0, "mkdir_p: %s", err);
+    snprintf(path, sizeof path, "%s/sub/keep", dir);
+    CHECK(t, file_write_atomic(path, "k", 1, err) == 0, "write: %s", err);
+    CHECK(t, file_write_atomic(tmp, "x", 1, err) == -1 && strstr(err, "rename") && strstr(err, tmp),
+          "directory in the way: %s", err);
+    snprintf(path, sizeof path, "%s/sub.tmp", dir);
+    CHECK(t, !file_exists(path), "no temporary after a failed rename");
+}
+
+static void test_common_printable(TestCtx* t) {
+    char buf[16];
+    CHECK(t, strcmp(str_printable("a\nb\x80" "c\x1b", 6, buf, sizeof buf), "a?b?c?") == 0, "'%s'", buf);
+    CHECK(t, strcmp(str_printable("x\0y", 3, buf, sizeof buf), "x?y") == 0, "NUL byte: '%s'", buf);
+    CHECK(t, strcmp(str_printable("", 0, buf, sizeof buf), "") == 0, "empty");
+    const char* long_name = "abcdefghijklmnopqrstuvwxyz";
+    str_printable(long_name, strlen(long_name), buf, sizeof buf);
+    CHECK(t, strcmp(buf, "abcdefghijkl...") == 0, "cut with '...': '%s'", buf);
+}
+
 const TestCase tests_common[] = {
     {"common_parse_numbers", test_common_parse_numbers},
     {"common_float_conversions", test_common_float_conversions},
@@ -179,5 +235,7 @@ const TestCase tests_common[] = {
     {"common_affinity", test_common_affinity},
     {"common_rng", test_common_rng},
     {"common_files", test_common_files},
+    {"common_atomic_write", test_common_atomic_write},
+    {"common_printable", test_common_printable},
     {NULL, NULL},
 };

@@ -743,9 +743,7 @@ static void test_gguf_cli_dump_and_export(TestCtx* t) {
     size_t n;
     char fx[1024];
     char* bytes = read_file_bytes(fixture(t, fx, sizeof fx, "llama_q4_0.gguf"), &n);
-    FILE* f = fopen_check(bad, "wb");
-    fwrite_check(bytes, 1, n / 2, f, bad);
-    fclose_check(f, bad);
+    CHECK(t, file_write_atomic(bad, bytes, n / 2, err) == 0, "%s", err);
     free(bytes);
     snprintf(args, sizeof args, "--model '%s' --train '%s' %s", bad, shard, common);
     rc = test_run_cli(t, "bad_gguf", args);

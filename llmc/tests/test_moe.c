@@ -1294,7 +1294,7 @@ static void test_moe_resume_cli(TestCtx* t) {
 
 // ----------------------------------------------------------------------------
 // HF parity (dev/parity/make_moe_fixtures.py): loss, its CE and aux parts, every gradient under
-// the checkpoint's own names, an 8-step AdamW trajectory. Skipped until the fixtures exist.
+// the checkpoint's own names, an 8-step AdamW trajectory. Skipped without the fixtures.
 
 static float moe_meta_float(const StFile* f, const char* key) {
     const char* v = st_meta(f, key);
@@ -1440,8 +1440,8 @@ static void moe_parity(TestCtx* t, const char* name) {
     snprintf(dir, sizeof dir, "%s/dev/parity/fixtures/%s", t->exe_dir, name);
     snprintf(path, sizeof path, "%s/expected.safetensors", dir);
     if (!file_exists(path)) {
-        printf("  moe_parity_%s: skipped: no fixture yet (python3 dev/parity/make_moe_fixtures.py "
-               "writes dev/parity/fixtures/%s)\n", name, name);
+        test_skip(t, "no fixture (python3 dev/parity/make_moe_fixtures.py writes "
+                     "dev/parity/fixtures/%s)", name);
         return;
     }
     moe_parity_dir(t, dir, name);

@@ -306,9 +306,7 @@ static void test_resume_refusals(TestCtx* t) {
     snprintf(path, sizeof path, "%s/step_4/train_state.safetensors", out);
     size_t n;
     char* bytes = test_read_file(path, &n);
-    FILE* f = fopen_check(path, "wb");
-    fwrite_check(bytes, 1, n / 3, f, path);
-    fclose_check(f, path);
+    CHECK(t, file_write_atomic(path, bytes, n / 3, err) == 0, "%s", err);
     free(bytes);
     snprintf(args, sizeof args, "%s --steps 6 --out '%s' --resume", common, out);
     rc = test_run_cli(t, "corrupt", args);
@@ -326,9 +324,7 @@ static void test_resume_refusals(TestCtx* t) {
     bytes = test_read_file(path, &n);
     CHECK(t, bytes != NULL && n > 0, "%s written", path);
     if (bytes) {
-        f = fopen_check(path, "wb");
-        fwrite_check(bytes, 1, n - 5, f, path);
-        fclose_check(f, path);
+        CHECK(t, file_write_atomic(path, bytes, n - 5, err) == 0, "%s", err);
         free(bytes);
     }
     snprintf(args, sizeof args, "%s --device cpu:2 --micro-batches 2 --steps 3 --out '%s' --resume",

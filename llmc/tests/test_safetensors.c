@@ -18,15 +18,22 @@
 
 // A raw safetensors file: u64 LE header_len, the header bytes, then data_len bytes of data
 // (0xAB filler, or `data` when given).
+// Fixture files go through the atomic-write helper like every other writer; a failure to write
+// one is a machine failure, not a test result.
+static void write_bytes(const char* path, const void* data, size_t n) {
+    char err[ERR_LEN];
+    if (file_write_atomic(path, data, n, err) != 0) fatal("%s", err);
+}
+
 static void write_raw(const char* path, uint64_t header_len, const char* header,
                       size_t header_bytes, const void* data, size_t data_len) {
-    FILE* f = fopen_check(path, "wb");
-    uint8_t len8[8];
-    for (int i = 0; i < 8; i++) len8[i] = (uint8_t)(header_len >> (8 * i));
-    fwrite_check(len8, 1, 8, f, path);
-    if (header_bytes) fwrite_check(header, 1, header_bytes, f, path);
-    for (size_t i = 0; i < data_len; i++) fputc(data ? ((const uint8_t*)data)[i] : 0xAB, f);
-    fclose_check(f, path);
+    uint8_t* buf = malloc_check(8 + header_bytes + data_len);
+    for (int i = 0; i < 8; i++) buf[i] = (uint8_t)(header_len >> (8 * i));
+    if (header_bytes) memcpy(buf + 8, header, header_bytes);
+    for (size_t i = 0; i < data_len; i++)
+        buf[8 + header_bytes + i] = data ? ((const uint8_t*)data)[i] : 0xAB;
+    write_bytes(path, buf, 8 + header_bytes + data_len);
+    free(buf);
 }
 
 // The usual case: header_len = strlen(header).
@@ -44,11 +51,7 @@ static int starts_with_path(const char* err, const char* path) {
     return strncmp(err, path, n) == 0 && err[n] == ':';
 }
 
-static void write_text(const char* path, const char* text) {
-    FILE* f = fopen_check(path, "wb");
-    fputs(text, f);
-    fclose_check(f, path);
-}
+static void write_text(const char* path, const char* text) { write_bytes(path, text, strlen(text)); }
 
 // ----------------------------------------------------------------------------
 // round trip
@@ -344,9 +347,7 @@ static void test_safetensors_hostile(TestCtx* t) {
     test_path(t, path, sizeof path, "short.safetensors");
     write_raw(path, 0, NULL, 0, NULL, 0);  // 8 bytes: header length 0, empty header
     expect_open_fails(t, path, "empty header", "JSON object");
-    FILE* fp = fopen_check(path, "wb");
-    fwrite_check("\x08\0\0\0", 1, 4, fp, path);
-    fclose_check(fp, path);
+    write_bytes(path, "\x08\0\0\0", 4);
     expect_open_fails(t, path, "4-byte file", "too small");
     write_raw(path, 100, "{}", 2, NULL, 10);
     expect_open_fails(t, path, "truncated header", "past the end");
@@ -424,9 +425,7 @@ static void test_safetensors_mutation(TestCtx* t) {
                 n = pos;
             }
         }
-        FILE* f = fopen_check(path, "wb");
-        if (n) fwrite_check(buf, 1, n, f, path);
-        fclose_check(f, path);
+        write_bytes(path, buf, n);
         StFile sf;
         err[0] = '\0';
         if (st_open(&sf, path, err) == 0) {
@@ -473,9 +472,11 @@ static void write_shard(TestCtx* t, const char* dir, const char* file, const cha
 static void write_index(const char* dir, const char* map_json) {
     char path[600];
     snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
-    FILE* f = fopen_check(path, "wb");
-    fprintf(f, "{\"metadata\": {\"total_size\": 24}, \"weight_map\": {%s}}\n", map_json);
-    fclose_check(f, path);
+    char text[1024];
+    int n = snprintf(text, sizeof text, "{\"metadata\": {\"total_size\": 24}, \"weight_map\": {%s}}\n",
+                     map_json);
+    if (n < 0 || n >= (int)sizeof text) fatal("write_index: map too long");
+    write_bytes(path, text, (size_t)n);
 }
 
 static const char* const MAP_OK =

@@ -2,15 +2,21 @@
  * test_train.c — ./train_roundpipe end to end: --help documents every flag, bad flags exit 2 with
  * one error line, bad inputs exit 1 with one error line, a short run learns and writes a valid
  * JSON-lines log and a loadable model, and --dump-state reproduces the HF parity gradients.
+ * The step interface (llmc/trainer) directly: the engine with two iterations in flight gives the
+ * same steps as the engine stopping after each one, and in sync mode the same as plain training.
  */
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/sysinfo.h>
+#include <unistd.h>
 
+#include "../args.h"
 #include "../common.h"
 #include "../dataloader.h"
 #include "../json.h"
 #include "../safetensors.h"
+#include "../trainer.h"
 #include "testing.h"
 
 static int count_lines(const char* s) {
@@ -319,6 +325,8 @@ static void test_train_engine_cli(TestCtx* t) {
               "%s: exit %d: %s", nosplit[i], rc, out);
         free(out);
     }
+#else
+    test_skip_part(t, "--plan for cuda devices, built without CUDA");
 #endif
     rc = test_run_cli(t, "cpusplit", "--device cpu:2 --batch 8 --micro-batches 4 --plan");
     out = test_read_output(t, "cpusplit", "out");
@@ -362,6 +370,141 @@ static void test_train_engine_cli(TestCtx* t) {
     free(err);
 }
 
+// ----------------------------------------------------------------------------
+// the step interface
+
+// The engine's options from the flags (what the CLI's engine_options gives on emulated devices).
+static EngineOptions trainer_test_engine_options(const TrainArgs* a, int use_cuda, int n_devices,
+                                                 int64_t start_step) {
+    (void)use_cuda;
+    (void)n_devices;
+    return (EngineOptions){.B = a->batch, .T = a->seq, .M = a->micro_batches,
+                           .sync = a->sync, .opt_threads = 1, .trace_path = "",
+                           .start_step = start_step,
+                           .hyper = {a->lr, a->beta1, a->beta2, a->eps, a->weight_decay},
+                           .sched = {a->schedule, a->lr, a->warmup, a->steps, a->min_lr_frac,
+                                     a->decay_frac},
+                           .grad_clip = a->grad_clip};
+}
+
+enum { TRAINER_TEST_STEPS = 6 };
+
+typedef struct TrainerRun {
+    double loss[TRAINER_TEST_STEPS], norm[TRAINER_TEST_STEPS], lr[TRAINER_TEST_STEPS];
+    float* params;  // every parameter slab after the last step, concatenated (malloc'd)
+} TrainerRun;
+
+// Train the test-qwen3 preset for TRAINER_TEST_STEPS steps on shard through the trainer:
+// n_devices 0 plain, else the engine (sync or delayed); stop_every: the run stops after every
+// step (as around checkpoints) instead of keeping the next iteration in flight.
+static int trainer_run(TestCtx* t, const char* shard, int n_devices, int sync, int stop_every,
+                       TrainerRun* out) {
+    char err[ERR_LEN];
+    TrainArgs a;
+    args_defaults(&a);
+    a.model = "test-qwen3";
+    a.train = shard;
+    a.val = "";
+    a.batch = 4;
+    a.seq = 16;
+    a.micro_batches = 2;
+    a.steps = TRAINER_TEST_STEPS;
+    a.warmup = 2;
+    a.sync = sync;
+    a.threads = 1;
+    a.sample_tokens = 0;
+    a.n_devices = n_devices;
+    ModelConfig cfg;
+    Model m;
+    if (config_from_preset(&cfg, a.model, err) != 0 || model_init(&m, &cfg, 0, err) != 0) {
+        CHECK(t, 0, "%s", err);
+        return -1;
+    }
+    Store s;
+    store_create(&s, &m.tt);
+    store_init_random(&s, 7, 0.02f);
+    TrainState ts;
+    train_state_init(&ts, a.seed);
+    DataLoader train;
+    if (dataloader_open(&train, shard, a.batch, a.seq, 0, a.seed, cfg.V, err) != 0) {
+        CHECK(t, 0, "%s", err);
+        return -1;
+    }
+    // the trainer prints its plan and device line: not into the test report
+    fflush(stdout);
+    const int saved_stdout = dup(1), devnull = open("/dev/null", O_WRONLY);
+    if (saved_stdout >= 0 && devnull >= 0) dup2(devnull, 1);
+    Trainer tr;
+    int rc = trainer_create(&tr, &a, &m, &s, &ts, n_devices, trainer_test_engine_options, err);
+    for (int step = 1; rc == 0 && step <= a.steps; step++) {
+        StepStats st = trainer_step(&tr, &train, step, stop_every || step == a.steps);
+        out->loss[step - 1] = st.loss;
+        out->norm[step - 1] = st.norm;
+        out->lr[step - 1] = st.lr;
+        CHECK(t, st.ms >= 0 && st.tok_s > 0 && st.mfu < 0 && (st.bubble >= 0) == (n_devices > 0),
+              "step %d statistics: ms %g, tok/s %g, MFU %g, bubble %g", step, st.ms, st.tok_s,
+              st.mfu, st.bubble);
+    }
+    if (rc == 0) rc = trainer_finish(&tr, err);
+    fflush(stdout);
+    if (saved_stdout >= 0) {
+        dup2(saved_stdout, 1);
+        close(saved_stdout);
+    }
+    if (devnull >= 0) close(devnull);
+    CHECK(t, rc == 0, "trainer: %s", err);
+    int64_t total = 0;
+    for (int l = 0; l < m.tt.n_layers; l++) total += m.tt.param_numel[l];
+    out->params = malloc_check((size_t)total * sizeof(float));
+    int64_t o = 0;
+    for (int l = 0; l < m.tt.n_layers; l++) {
+        memcpy(out->params + o, s.param[l], (size_t)m.tt.param_numel[l] * sizeof(float));
+        o += m.tt.param_numel[l];
+    }
+    if (rc == 0) trainer_free(&tr);
+    dataloader_close(&train);
+    train_state_free(&ts);
+    store_free(&s);
+    model_free(&m);
+    return rc == 0 ? (int)total : -1;
+}
+
+static void check_same_runs(TestCtx* t, const TrainerRun* x, const TrainerRun* y, int n_params,
+                            const char* what) {
+    for (int i = 0; i < TRAINER_TEST_STEPS; i++)
+        CHECK(t, x->loss[i] == y->loss[i] && x->norm[i] == y->norm[i] && x->lr[i] == y->lr[i],
+              "%s, step %d: loss %.9g vs %.9g, norm %.9g vs %.9g, lr %g vs %g", what, i + 1,
+              x->loss[i], y->loss[i], x->norm[i], y->norm[i], x->lr[i], y->lr[i]);
+    CHECK(t, memcmp(x->params, y->params, (size_t)n_params * sizeof(float)) == 0,
+          "%s: the final weights differ", what);
+}
+
+static void test_train_trainer_steps(TestCtx* t) {
+    char shard[1024], err[ERR_LEN];
+    enum { NTOK = 3000 };
+    uint32_t toks[NTOK];
+    for (int i = 0; i < NTOK; i++) toks[i] = (uint32_t)((i * 7 + i / 13) % 61);
+    test_path(t, shard, sizeof shard, "trainer.bin");
+    CHECK(t, shard_write(shard, toks, NTOK, 2, err) == 0, "%s", err);
+    TrainerRun in_flight = {0}, stopping = {0}, plain = {0}, sync = {0};
+    // the delayed update: the same steps whether iteration t+1 is in flight while t is collected
+    int n = trainer_run(t, shard, 2, 0, 0, &in_flight);
+    if (n > 0 && trainer_run(t, shard, 2, 0, 1, &stopping) == n)
+        check_same_runs(t, &in_flight, &stopping, n, "delayed, in flight vs stopping");
+    CHECK(t, in_flight.norm[0] == 0.0 && in_flight.norm[1] > 0.0,
+          "the delayed update reports no step with the first iteration");
+    // sync mode trains as plain training does
+    if (n > 0 && trainer_run(t, shard, 0, 0, 0, &plain) == n &&
+        trainer_run(t, shard, 3, 1, 0, &sync) == n)
+        check_same_runs(t, &plain, &sync, n, "plain vs engine --sync 1");
+    CHECK(t, plain.loss[TRAINER_TEST_STEPS - 1] < plain.loss[0], "loss must fall: %.4f -> %.4f",
+          plain.loss[0], plain.loss[TRAINER_TEST_STEPS - 1]);
+    free(in_flight.params);
+    free(stopping.params);
+    free(plain.params);
+    free(sync.params);
+}
+
 const TestCase tests_train[] = {
     {"train_help", test_train_help},
     {"train_bad_flags", test_train_bad_flags},
@@ -369,5 +512,6 @@ const TestCase tests_train[] = {
     {"train_short_run", test_train_short_run},
     {"train_dump_state_parity", test_train_dump_state_parity},
     {"train_pipelined_cli", test_train_engine_cli},
+    {"train_trainer_steps", test_train_trainer_steps},
     {NULL, NULL},
 };

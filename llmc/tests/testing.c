@@ -1,19 +1,53 @@
 /*
- * testing.c — helpers shared by the test suites: driving ./train_roundpipe end to end, and the
- * plain reference trainer the engine suites compare with. (No suite here: the runner lists
- * suites explicitly.)
+ * testing.c — helpers shared by the test suites: skipping, driving ./train_roundpipe end to end,
+ * and the plain reference trainer the engine suites compare with. (No suite here: the runner
+ * lists suites explicitly.)
  */
+#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
 
 #include "../checkpoint.h"
 #include "../common.h"
+#include "../loader.h"
 #include "../model.h"
 #include "../plain.h"
 #include "../store.h"
 #include "../threads.h"
 #include "testing.h"
+
+// ----------------------------------------------------------------------------
+// skipping
+
+void test_skip(TestCtx* t, const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(t->skip_why, sizeof t->skip_why, fmt, ap);
+    va_end(ap);
+    if (!t->skip_why[0]) str_copy(t->skip_why, sizeof t->skip_why, "no reason given");
+}
+
+void test_skip_part(TestCtx* t, const char* fmt, ...) {
+    char part[160];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(part, sizeof part, fmt, ap);
+    va_end(ap);
+    // already listed: a part is named once per loop iteration that meets it
+    const char* p = t->skipped_parts;
+    const size_t n = strlen(part);
+    while ((p = strstr(p, part)) != NULL) {
+        if ((p == t->skipped_parts || p[-1] == ' ') && (p[n] == '\0' || p[n] == ';')) return;
+        p += n;
+    }
+    const size_t used = strlen(t->skipped_parts);
+    snprintf(t->skipped_parts + used, sizeof t->skipped_parts - used, "%s%s", used ? "; " : "",
+             part);
+}
+
+// ----------------------------------------------------------------------------
+// the CLI
 
 int test_run_cli(TestCtx* t, const char* tag, const char* args) {
     char cmd[16384];
@@ -38,6 +72,9 @@ char* test_read_output(TestCtx* t, const char* tag, const char* ext) {
     return test_read_file(path, NULL);
 }
 
+// ----------------------------------------------------------------------------
+// the reference trainer
+
 void test_reference_train(const RefTrain* r, const int32_t* tokens, double* loss, float** params,
                           int64_t* n_params) {
     char err[ERR_LEN];
@@ -57,7 +94,6 @@ void test_reference_train(const RefTrain* r, const int32_t* tokens, double* loss
     Plain* p = plain_create(&m, w, r->ops, r->ctx, Bm, r->T, 0);
     AdamWTensor* opt = malloc_check((size_t)m.tt.n * sizeof(AdamWTensor));
     const int n = store_adamw_tensors(&s, opt);
-    AdamWHyper h = r->hyper;
     ThreadPool* pool = threadpool_create(2);
     float** total = calloc_check((size_t)m.tt.n_layers, sizeof(float*));  // split rounds' sum
     for (int l = 0; r->rounds > 1 && l < m.tt.n_layers; l++)
@@ -93,9 +129,7 @@ void test_reference_train(const RefTrain* r, const int32_t* tokens, double* loss
                 memcpy(w->param[l], s.param[l], (size_t)m.tt.param_numel[l] * sizeof(float));
             }
         }
-        double norm = sqrt(adamw_grad_norm_sq(pool, opt, n));
-        h.lr = lr_schedule_at(&r->sched, step + 1);
-        adamw_step(pool, opt, n, &h, step + 1, adamw_clip_scale(norm, 1.0f));
+        adamw_update(pool, opt, n, &r->hyper, &r->sched, 1.0f, step + 1);
     }
     if (params) {
         int64_t total = 0;
@@ -117,6 +151,9 @@ void test_reference_train(const RefTrain* r, const int32_t* tokens, double* loss
     if (r->delayed) store_free(&w_own);
     model_free(&m);
 }
+
+// ----------------------------------------------------------------------------
+// HF parity fixtures
 
 double test_check_fixture_grads(TestCtx* t, const char* what, const Model* m, const Store* s,
                                 const StFile* ex, double tol, int* n_grads) {
@@ -159,7 +196,7 @@ int test_parity_open(TestCtx* t, const char* name, ParityFixture* f) {
     }
     store_create(&f->s, &f->m.tt);
     int unused = -1;
-    CHECK(t, store_load(&f->s, &src.ck, &unused, err) == 0 && unused == 0, "load: %s", err);
+    CHECK(t, loader_load_safetensors(&f->s, &src.ck, &unused, err) == 0 && unused == 0, "load: %s", err);
     checkpoint_close_source(&src);
     snprintf(path, sizeof path, "%s/expected.safetensors", dir);
     if (st_open(&f->ex, path, err) != 0) {

@@ -4,6 +4,13 @@
  * A test is `void test_x(TestCtx* t)`; CHECK* macros record failures without aborting the test.
  * Each test file exports one NULL-terminated TestCase array (tests_<suite>) that test_roundpipe.c
  * lists. Temporary files go under t->tmpdir (one directory per run, removed at the end).
+ *
+ * Every test ends in one of three states, and the runner counts them apart:
+ *   failed   a CHECK failed, or the test ran no CHECK at all without saying it was skipped
+ *   skipped  test_skip was called (it cannot run here: no GPU, a build without CUDA) and no
+ *            CHECK failed; it is never counted as passed
+ *   passed   otherwise; parts it could not run here (an AVX-512 path on a CPU without it) are
+ *            named by test_skip_part and listed on its "ok" line
  */
 #ifndef LLMC_TESTS_TESTING_H
 #define LLMC_TESTS_TESTING_H
@@ -26,6 +33,8 @@ typedef struct TestCtx {
     const char* tmpdir; // per-run scratch directory
     const char* exe_dir; // directory holding ./train_roundpipe (for CLI tests)
     int n_threads;      // threads tests may use (2 on CI)
+    char skip_why[256];      // test_skip: why the test did not run ("" = it ran)
+    char skipped_parts[256]; // test_skip_part: the parts that did not run, "; "-separated
 } TestCtx;
 
 typedef void (*TestFn)(TestCtx* t);
@@ -52,6 +61,15 @@ typedef struct TestCase {
         CHECK(t, fabs(a__ - b__) <= tol__, "%s: %.9g vs %.9g (tol %.3g)", (what), a__, b__, \
               tol__);                                                                     \
     } while (0)
+
+// ---- skipping (testing.c) ----
+// The test cannot run here: the runner reports "skip <name> (why)" and counts it as skipped.
+// Call it before any CHECK and return; should checks have run first (a precondition), the
+// runner says how many. A failed CHECK still fails the test.
+void test_skip(TestCtx* t, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+// One part of the test cannot run here (the test still passes on the parts that did): the
+// runner appends "(skipped: what)" to the test's "ok" line. Naming a part twice lists it once.
+void test_skip_part(TestCtx* t, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
 
 // Relative L2 error ||a - b|| / max(||b||, tiny) of two float arrays.
 static inline double rel_l2_error(const float* a, const float* b, size_t n) {

@@ -1,0 +1,329 @@
+/*
+ * trainer.c — the step interface over plain training and the RoundPipe engine: building the
+ * backend, one optimizer step with its statistics, evaluation, checkpoints, the end of the run.
+ */
+#include "trainer.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+#include "config.h"
+#ifdef HAVE_CUDA
+#include "../kernels/kernels.h"
+#endif
+
+// ----------------------------------------------------------------------------
+// the batch split into micro-batches (plain path)
+
+// Micro-batch mb of M splits the batch as evenly as possible: the first B % M get one more
+// sequence (as the engine does, and the reference implementation).
+static int mb_rows(const TrainArgs* a, int mb) {
+    return a->batch / a->micro_batches + (mb < a->batch % a->micro_batches ? 1 : 0);
+}
+
+static const int32_t* mb_tokens(const TrainArgs* a, const int32_t* tokens, int mb) {
+    int first = mb * (a->batch / a->micro_batches) + imin(mb, a->batch % a->micro_batches);
+    return tokens + (size_t)first * (a->seq + 1);
+}
+
+// tokens (B, T+1). Returns the mean loss over the B*T targets; gradients land in the store.
+static double plain_batch_gradients(Trainer* t, const int32_t* tokens) {
+    const TrainArgs* a = t->a;
+    const int T = a->seq;
+    // Every micro-batch's gradient is scaled by 1/(tokens of the whole step), so the sum over
+    // micro-batches is the gradient of the step's mean loss (FORMATS_AND_MODELS.md §7).
+    const float grad_scale = 1.0f / ((float)a->batch * (float)T);
+    double loss_sum = 0.0;
+    store_zero_grads(t->s);
+    for (int mb = 0; mb < a->micro_batches; mb++)
+        loss_sum += plain_forward_backward(t->plain, mb_tokens(a, tokens, mb), mb_rows(a, mb), T,
+                                           grad_scale);
+    plain_sync_grads(t->plain);
+    store_fold_tied_grads(t->s);
+    return loss_sum / ((double)a->batch * T);
+}
+
+// ----------------------------------------------------------------------------
+// building the backend
+
+// Plain training keeps every block's activations unless that needs more than 8 GiB: then it
+// recomputes them in the backward.
+static int plain_recompute(const Model* m, const Ops* ops, int Bm, int T) {
+    return workspace_bytes(m, ops->act_bytes, Bm, T, m->cfg.L) > (8ull << 30);
+}
+
+// GPUs, --threads 0: the controller (this thread) and the GPUs' issue threads (created by
+// device_set_open, inheriting this thread's CPUs) keep the last N + 1 CPUs; the optimizer and its
+// pool get the rest, so a pool thread never shares a core with a thread that feeds a launch
+// queue. Returns the optimizer's CPUs in t->cpus (0: nothing pinned).
+static int pin_feeding_threads(Trainer* t, int N) {
+    if (!t->use_cuda || t->a->threads != 0) return 0;
+    const int n_opt_cpus = threads_split_cpus(t->cpus, TRAINER_MAX_CPUS, N + 1, 2);
+    if (n_opt_cpus > 0)
+        printf("CPUs: the optimizer on %d, the controller and %d GPU issue thread(s) on %d\n",
+               n_opt_cpus, N, N + 1);
+    return n_opt_cpus;
+}
+
+// The N devices and the engine over them; prints the plan and the device line.
+static int create_engine(Trainer* t, int N, int n_opt_cpus, TrainerEngineOptionsFn engine_options,
+                         char* err) {
+    const TrainArgs* a = t->a;
+    TrainState* ts = t->ts;
+    int per_dev = a->threads > 0 ? a->threads : threads_online_cpus() / N;
+    DeviceOptions dopt = {.threads = per_dev > 0 ? per_dev : 1, .delay_seed = a->seed,
+                          .max_delay_us = a->delay_us, .mem_limit = 0,
+                          .profile_ops = a->profile_ops};
+    const DeviceImpl* impl = &device_cpu_impl;
+#ifdef HAVE_CUDA
+    if (t->use_cuda) impl = &device_cuda_impl;
+#endif
+    device_set_open(&t->devs, impl, N, &dopt);
+    EngineOptions eo = engine_options(a, t->use_cuda, N, ts->step);
+    if (n_opt_cpus > 0) {
+        eo.opt_cpus = t->cpus;
+        eo.n_opt_cpus = n_opt_cpus;
+        eo.opt_threads = n_opt_cpus;
+    }
+    const int weight_bytes = t->use_cuda ? 2 : 4;  // the engine devices' compute dtype
+    if (ts->resumed && !a->sync && ts->pending_bytes) {
+        // the delayed update's next weights, saved with the checkpoint
+        if (ts->pending_bytes != weight_bytes)
+            return errorf(err, "--resume: the checkpoint's pending weights have %d-byte elements "
+                          "but this device computes with %d-byte elements (resume on the same "
+                          "kind of device, or with --sync 1)", ts->pending_bytes, weight_bytes);
+        eo.first_weights = (const void* const*)ts->pending;
+        eo.first_norm = ts->pending_norm;
+        eo.first_lr = ts->pending_lr;
+    }
+    t->eng = engine_create(t->m, t->s, &t->devs, &eo, err);
+    if (!t->eng) return -1;
+    if (ts->resumed && !a->sync && !eo.first_weights)
+        printf("note: the checkpoint has no pending weights of the delayed update: the first "
+               "resumed iteration computes with the checkpoint's weights (one step fresher than "
+               "an uninterrupted run)\n");
+    train_state_free(ts);  // the pending weights are in the engine's buffers now
+    engine_print_plan(t->eng, stdout);
+    const int M_R = a->round_micro_batches > 0 ? a->round_micro_batches : a->micro_batches;
+    if (M_R < N && a->split_rounds <= 0)
+        printf("warning: %d micro-batches per round < %d devices: some devices idle every round "
+               "(RoundPipe needs M_R >= N)\n", M_R, N);
+    if (t->use_cuda)
+        printf("device cuda:%d, batch %d x %d tokens in %d micro-batch(es)\n", N, a->batch,
+               a->seq, a->micro_batches);
+    else
+        printf("device cpu:%d (emulated, %d threads each), batch %d x %d tokens in %d "
+               "micro-batch(es)\n", N, dopt.threads, a->batch, a->seq, a->micro_batches);
+    return 0;
+}
+
+int trainer_create(Trainer* t, const TrainArgs* a, const Model* m, Store* s, TrainState* ts,
+                   int n_devices, TrainerEngineOptionsFn engine_options, char* err) {
+    memset(t, 0, sizeof *t);
+    t->a = a;
+    t->m = m;
+    t->s = s;
+    t->ts = ts;
+    t->use_cuda = a->device == DEVICE_CUDA;
+    t->drained = 1;
+    const int use_engine = n_devices > 0;
+    const int N = use_engine ? n_devices : 1;
+    if ((use_engine || t->use_cuda) && config_is_moe(&m->cfg))
+        return errorf(err, "model family %s: mixture-of-experts models train only with --device "
+                           "cpu so far (neither the RoundPipe engine nor the CUDA kernels run "
+                           "them yet)", family_names[m->cfg.family]);
+    // The plain path also serves evaluation, sampling and --dump-state: on GPU 0 when training
+    // on GPUs.
+    t->ops = &ops_cpu;
+#ifdef HAVE_CUDA
+    if (t->use_cuda) {
+        t->ops = &ops_cuda;
+        t->ctx = ops_cuda_create(0, NULL);
+    }
+#endif
+    if (!t->ctx) t->ctx = ops_cpu_create(a->threads);
+    if (!use_engine) t->pool = threadpool_create(a->threads);
+    const int Bm = mb_rows(a, 0);  // the largest micro-batch
+    const int recompute = plain_recompute(m, t->ops, Bm, a->seq);
+    // Engine runs only need the plain path for evaluation, sampling or --dump-state: on a GPU it
+    // holds a whole copy of the model, so it is made only when something will use it.
+    const int need_plain = !use_engine || a->val[0] || a->sample_tokens > 0 || a->dump_state[0];
+    if (need_plain) t->plain = plain_create(m, s, t->ops, t->ctx, Bm, a->seq, recompute);
+    const int n_opt_cpus = pin_feeding_threads(t, N);
+    if (use_engine) {
+        if (create_engine(t, N, n_opt_cpus, engine_options, err) != 0) return -1;
+    } else {
+        printf("device cpu (%d threads), batch %d x %d tokens in %d micro-batch(es)%s\n",
+               t->pool->n_threads, a->batch, a->seq, a->micro_batches,
+               recompute ? ", recomputing activations" : "");
+    }
+    train_state_free(ts);  // the pending weights: unused by a plain run
+    if (!use_engine) {
+        t->opt = malloc_check((size_t)m->tt.n * sizeof(AdamWTensor));
+        t->n_opt = store_adamw_tensors(s, t->opt);
+    }
+    t->sched = (LrSchedule){a->schedule, a->lr, a->warmup, a->steps, a->min_lr_frac, a->decay_frac};
+    t->hyper = (AdamWHyper){a->lr, a->beta1, a->beta2, a->eps, a->weight_decay};
+    t->tokens = malloc_check((size_t)a->batch * (a->seq + 1) * sizeof(int32_t));
+    // tok/s, MFU and bubble over as many steps as devices (log.h); MFU on GPUs only, from the
+    // model FLOPs per token (PERFORMANCE_MODEL.md §1)
+    log_meter_init(&t->meter, t->eng ? t->devs.n : 1, (double)a->batch * a->seq,
+                   config_flops_per_token(&m->cfg, a->seq),
+                   t->use_cuda ? LOG_PEAK_FLOPS_PER_GPU * N : 0.0);
+    return 0;
+}
+
+void trainer_free(Trainer* t) {
+    free(t->opt);
+    free(t->tokens);
+    if (t->eng) {
+        engine_free(t->eng);
+        device_set_close(&t->devs);
+    }
+    plain_free(t->plain);
+    threadpool_destroy(t->pool);
+#ifdef HAVE_CUDA
+    if (t->use_cuda) ops_cuda_destroy(t->ctx);
+    else
+#endif
+        ops_cpu_destroy(t->ctx);
+    memset(t, 0, sizeof *t);
+}
+
+// ----------------------------------------------------------------------------
+// one step
+
+static void next_batch(DataLoader* dl, int32_t* tokens) {
+    char err[ERR_LEN];
+    if (dataloader_next_batch(dl, tokens, err) != 0) fatal("%s", err);
+}
+
+// The engine keeps up to two iterations in flight: this step's is submitted if nothing is (the
+// first step, or the first after a stop), the next one unless the run stops after this step.
+// The norm and lr are those of a fixed optimizer step (with the delayed update, the step
+// applying the previous iteration's gradient).
+static void engine_train_step(Trainer* t, DataLoader* train, int stop_after, StepStats* st) {
+    Engine* eng = t->eng;
+    int replans = engine_replans(eng);
+    if (engine_in_flight(eng) == 0) {
+        next_batch(train, t->tokens);
+        engine_submit(eng, t->tokens);
+    }
+    if (!stop_after) {
+        next_batch(train, t->tokens);
+        engine_submit(eng, t->tokens);
+    }
+    EngineStepResult r = engine_collect(eng);
+    if (engine_replans(eng) != replans) {
+        printf("re-planned from the measured stage times:\n");
+        engine_print_plan(eng, stdout);
+    }
+    st->loss = r.loss;
+    st->norm = r.norm;
+    st->lr = r.lr;
+    st->bubble = r.bubble;
+    st->dev_mib = 0;
+    for (int g = 0; g < t->devs.n; g++) {
+        DeviceStats ds;
+        t->devs.impl->stats(t->devs.dev[g], &ds);
+        st->dev_mib += (double)ds.mem_in_use / (1 << 20);
+    }
+    t->plain_stale = 1;
+}
+
+static void plain_train_step(Trainer* t, DataLoader* train, int step, StepStats* st) {
+    next_batch(train, t->tokens);
+    st->loss = plain_batch_gradients(t, t->tokens);
+    const AdamWUpdate u =
+        adamw_update(t->pool, t->opt, t->n_opt, &t->hyper, &t->sched, t->a->grad_clip, step);
+    st->norm = u.norm;
+    st->lr = u.hyper.lr;
+    t->s->step = step;
+    plain_sync_params(t->plain);
+}
+
+StepStats trainer_step(Trainer* t, DataLoader* train, int step, int stop_after) {
+    const double t0 = t->drained ? time_now_s() : t->t_last;
+    StepStats st = {.step = step, .steps = t->a->steps, .mfu = -1, .bubble = -1, .dev_mib = -1};
+    if (t->eng) engine_train_step(t, train, stop_after, &st);
+    else plain_train_step(t, train, step, &st);
+    if (!isfinite(st.loss)) fatal("loss is not finite at step %d (try a lower --lr)", step);
+    // nothing submitted after this step: its work after the loss (a stage plan's backward
+    // stages; for a single step most of it) is step time too
+    if (t->eng && stop_after) engine_wait_devices(t->eng);
+    t->t_last = time_now_s();
+    t->drained = stop_after;
+    log_meter_record(&t->meter, &st, t->t_last - t0);
+    st.host_mib = log_host_rss_mib();
+    return st;
+}
+
+// ----------------------------------------------------------------------------
+// evaluation, checkpoints, the end
+
+// The plain path computes with the store's weights: after engine steps, wait for the optimizer
+// and copy them (a no-op on the CPU, where the plain path works on the store itself).
+static void sync_plain(Trainer* t) {
+    if (!t->plain_stale) return;
+    engine_synchronize(t->eng);
+    if (t->plain) plain_sync_params(t->plain);
+    t->plain_stale = 0;
+}
+
+double trainer_evaluate(Trainer* t, DataLoader* val) {
+    const TrainArgs* a = t->a;
+    const int T = a->seq;
+    sync_plain(t);
+    int64_t n_batches = dataloader_batches_per_epoch(val);
+    if (n_batches > a->eval_batches) n_batches = a->eval_batches;
+    dataloader_reset(val);
+    double sum = 0.0;
+    for (int64_t i = 0; i < n_batches; i++) {
+        next_batch(val, t->tokens);
+        for (int mb = 0; mb < a->micro_batches; mb++)
+            sum += plain_forward_loss(t->plain, mb_tokens(a, t->tokens, mb), mb_rows(a, mb), T);
+    }
+    return sum / ((double)n_batches * a->batch * T);
+}
+
+double trainer_batch_gradients(Trainer* t, DataLoader* train) {
+    next_batch(train, t->tokens);
+    return plain_batch_gradients(t, t->tokens);
+}
+
+int trainer_save_checkpoint(Trainer* t, const DataLoader* train, int step, const char* args_json,
+                            char* err) {
+    TrainState* ts = t->ts;
+    if (t->eng) engine_synchronize(t->eng);
+    ts->step = step;
+    dataloader_state_save(train, ts->train_loader);
+    void** next = NULL;
+    if (t->eng && !t->a->sync) {
+        // the delayed update: the next iteration computes with weights one step behind
+        const int n_layers = t->m->tt.n_layers;
+        next = malloc_check((size_t)n_layers * sizeof(void*));
+        for (int l = 0; l < n_layers; l++) next[l] = (void*)engine_next_weights(t->eng, l);
+        ts->pending = next;
+        ts->pending_bytes = engine_weight_bytes(t->eng);
+        ts->pending_owned = 0;
+        engine_last_update(t->eng, &ts->pending_norm, &ts->pending_lr);
+    }
+    int rc = checkpoint_save_state(t->a->out, t->a->keep, t->m, t->s, ts, args_json, err);
+    free(next);
+    ts->pending = NULL;
+    ts->pending_bytes = 0;
+    return rc;
+}
+
+int trainer_finish(Trainer* t, char* err) {
+    if (!t->eng) return 0;
+    engine_synchronize(t->eng);
+    if (t->plain) plain_sync_params(t->plain);
+    t->plain_stale = 0;
+    if (engine_write_trace(t->eng, err) != 0) return -1;
+    if (t->a->trace[0]) printf("trace written to %s\n", t->a->trace);
+    return 0;
+}

@@ -1,0 +1,98 @@
+/*
+ * trainer.h — one training step interface over the two ways this project trains: plain training
+ * on the CPU (plain.h: every layer in order, then AdamW) and the RoundPipe engine over N devices
+ * (engine.h: emulated CPU devices or GPUs, layer-by-layer delayed optimizer). A run builds one
+ * Trainer and calls trainer_step once per optimizer step; the step line's statistics, evaluation,
+ * checkpoints (with the delayed update's pending weights) and the end of the run go through it
+ * the same way for both.
+ *
+ * What it owns: the backend (ops context, the plain path, the device set, the engine), the CPU
+ * split between the engine's feeding threads and its optimizer, the plain path's AdamW tensors
+ * and pool, the token buffer of one batch, and the step clock and throughput meter.
+ *
+ * Step timing: with the engine the next iteration is submitted before this one is collected (two
+ * in flight), except where the run must stop and look (the caller's stop_after: checkpoints,
+ * evaluations, the end). A step's time is the time between two collections, the iteration
+ * period; after a stop it counts from the next trainer_step call, so checkpoints and evaluations
+ * are not step time.
+ */
+#ifndef LLMC_TRAINER_H
+#define LLMC_TRAINER_H
+
+#include <stdint.h>
+
+#include "adamw.h"
+#include "args.h"
+#include "checkpoint.h"
+#include "dataloader.h"
+#include "device.h"
+#include "engine.h"
+#include "log.h"
+#include "model.h"
+#include "ops.h"
+#include "plain.h"
+#include "store.h"
+#include "threads.h"
+
+#define TRAINER_MAX_CPUS 4096
+
+// The engine's options for a run of n_devices devices from its flags, computed once the devices
+// are open (the default device budget is the memory GPU 0 has free then).
+typedef EngineOptions (*TrainerEngineOptionsFn)(const TrainArgs* a, int use_cuda, int n_devices,
+                                                int64_t start_step);
+
+typedef struct Trainer {
+    const TrainArgs* a;
+    const Model* m;
+    Store* s;
+    TrainState* ts;     // the run's state: step, loader position, pending weights of checkpoints
+    int use_cuda;       // GPUs (the engine's devices and the plain path's backend)
+    const Ops* ops;     // the plain path's backend
+    void* ctx;
+    Plain* plain;       // plain training; with the engine only for evaluation, sampling and
+                        // --dump-state (NULL when nothing uses it)
+    int plain_stale;    // the engine has updated the store since the plain path's weights were set
+    ThreadPool* pool;   // plain training's AdamW threads (NULL with the engine)
+    AdamWTensor* opt;   // (n_opt) plain training's optimizer view of the store
+    int n_opt;
+    LrSchedule sched;
+    AdamWHyper hyper;
+    DeviceSet devs;
+    Engine* eng;        // NULL for plain training
+    int cpus[TRAINER_MAX_CPUS];  // the engine's optimizer CPUs (the engine keeps a pointer)
+    int32_t* tokens;    // (B, T+1) the batch being submitted or evaluated
+    int drained;        // nothing in flight: the next step's clock starts when it is called
+    double t_last;      // when the last step was collected
+    StepMeter meter;
+} Trainer;
+
+// Build the backend for a run: n_devices 0 trains plain on the CPU; otherwise the RoundPipe
+// engine over n_devices devices of a->device, with the options engine_options gives. The model
+// and store (loaded) and ts (checkpoint_init_weights) outlive the trainer; the pending weights of
+// a resumed delayed update go into the engine, after which ts's copy is freed. Prints the plan
+// and the device line. -1 with err when the engine cannot be built.
+int trainer_create(Trainer* t, const TrainArgs* a, const Model* m, Store* s, TrainState* ts,
+                   int n_devices, TrainerEngineOptionsFn engine_options, char* err);
+void trainer_free(Trainer* t);
+
+// Optimizer step `step` of the run on the next batches of `train`: its loss, gradient norm and
+// lr (with the delayed update those of the step applying the previous iteration's gradient),
+// time, tok/s, MFU (GPUs), bubble and memory. stop_after: nothing may stay in flight after this
+// step (a checkpoint, an evaluation or the end follows). Fatal on a data error or a non-finite
+// loss.
+StepStats trainer_step(Trainer* t, DataLoader* train, int step, int stop_after);
+// The mean loss over up to --eval-batches batches of val, from its start, with the weights of
+// every step applied so far.
+double trainer_evaluate(Trainer* t, DataLoader* val);
+// --dump-state: the gradients of the next batch of train on the plain path into the store
+// (tied heads folded, no step); returns its mean loss.
+double trainer_batch_gradients(Trainer* t, DataLoader* train);
+// A training-state checkpoint after `step` into --out (keeping --keep), with the loader position
+// of train and, with the delayed update, the weights the next iteration computes with. -1 + err.
+int trainer_save_checkpoint(Trainer* t, const DataLoader* train, int step, const char* args_json,
+                            char* err);
+// The end of training: every queued step applied to the store, the plain path's weights current
+// (evaluation, sampling, exports), the engine's trace written. -1 + err.
+int trainer_finish(Trainer* t, char* err);
+
+#endif  // LLMC_TRAINER_H
