@@ -203,6 +203,7 @@ Workspace* workspace_create(const Model* m, const Ops* ops, void* ctx, int B, in
         moe_scratch_alloc(&ws->moe, c, ops, ctx, (int64_t)N);
         ws->moe_stats = ops->alloc(ctx, (size_t)m->n_moe * 2 * c->E * sizeof(float));
         ws->moe_counts = ops->alloc(ctx, (size_t)c->E * sizeof(float));
+        ws->moe_counts_host = calloc_check((size_t)c->E, sizeof(float));
     }
     // Two row buffers serve every (N, <= max(C, QKV)) temporary, by lifetime: the block backward
     // passes d_att (A) -> d_qkv (B) -> d_qkv_raw (A) -> d_ln (B), the forward uses proj (A),
@@ -258,6 +259,7 @@ void workspace_free(Workspace* ws) {
     moe_scratch_free(&ws->moe, ops, ctx);
     if (ws->moe_stats) ops->free(ctx, ws->moe_stats);
     if (ws->moe_counts) ops->free(ctx, ws->moe_counts);
+    free(ws->moe_counts_host);
     void* bufs[] = {ws->rope_cos, ws->rope_sin, ws->row_a, ws->row_b, ws->d_act, ws->d_gu,
                     ws->rstdf, ws->logits};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
@@ -516,7 +518,7 @@ double model_moe_aux(const Model* m, Workspace* ws, int B, int T, float grad_sca
     const int64_t N = (int64_t)B * T;
     const size_t n_stats = (size_t)m->n_moe * 2 * c->E;
     float* stats = malloc_check(n_stats * sizeof(float));
-    float* counts = malloc_check((size_t)c->E * sizeof(float));
+    float* counts = ws->moe_counts_host;
     ws->ops->download(ws->ctx, stats, ws->moe_stats, n_stats * sizeof(float));
     ws->moe_aux = moe_aux_loss(c, stats, m->n_moe, N, counts, &ws->moe_load_max,
                                &ws->moe_load_mean);
@@ -526,7 +528,6 @@ double model_moe_aux(const Model* m, Workspace* ws, int B, int T, float grad_sca
     ws->moe_aux_scale =
         (float)(model_aux_weight(m) * (double)N * grad_scale * c->E / (rows * rows));
     free(stats);
-    free(counts);
     return ws->moe_aux;
 }
 

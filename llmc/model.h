@@ -117,6 +117,7 @@ typedef struct Workspace {
     MoeScratch moe;      // the MoE blocks' scratch
     float* moe_stats;    // (n_moe, 2E) each MoE block's aux statistics of the last forward
     float* moe_counts;   // (E) tokens per expert over all MoE blocks (model_moe_aux)
+    float* moe_counts_host;  // (E) host copy of moe_counts: a step sums its micro-batches' loads
     float moe_aux_scale; // factor of the aux loss's gradient in the backward (0: none)
     double moe_aux;      // aux loss of the last forward (model_moe_aux)
     double moe_load_max, moe_load_mean;  // tokens per expert over the MoE blocks: max, mean

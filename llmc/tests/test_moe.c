@@ -19,6 +19,7 @@
 #include "../adamw.h"
 #include "../checkpoint.h"
 #include "../common.h"
+#include "../json.h"
 #include "../model.h"
 #include "../moe.h"
 #include "../mxfp4.h"
@@ -1254,6 +1255,70 @@ static void test_moe_dump_state_cli(TestCtx* t) {
     st_close(&d);
 }
 
+// The logged objective: an MoE run's JSON records carry "ce" and "aux" with loss = ce + coef · aux
+// (over two micro-batches, each one's aux weighted by its tokens), and "load_spread" (max / mean
+// tokens per expert, in [1, E / K]), which the step line shows; a dense run's records have none
+// of them. Engine and CUDA runs of MoE models are refused with one line.
+static void test_moe_log_cli(TestCtx* t) {
+    char args[4096], log[1024], err[ERR_LEN];
+    test_path(t, log, sizeof log, "moe_log.jsonl");
+    const char* models[2] = {"test-qwen3moe", "test-qwen3"};
+    for (int k = 0; k < 2; k++) {
+        const int moe = k == 0;
+        ModelConfig c;
+        CHECK(t, config_from_preset(&c, models[k], err) == 0, "%s", err);
+        snprintf(args, sizeof args, "--model %s --steps 3 --batch 4 --seq 16 --micro-batches 2 "
+                                    "--val '' --sample-tokens 0 --log '%s'", models[k], log);
+        CHECK(t, test_run_cli(t, "moe_log", args) == 0, "%s run failed", models[k]);
+        char* out = test_read_output(t, "moe_log", "out");
+        CHECK(t, (strstr(out, "| experts max/mean ") != NULL) == moe, "%s: step line %s",
+              models[k], out);
+        free(out);
+        char* text = file_read_all(log, 1 << 20, NULL, err);
+        CHECK(t, text != NULL, "log: %s", err);
+        int n_steps = 0;
+        for (char* line = text; text && *line;) {
+            char* nl = strchr(line, '\n');
+            size_t len = nl ? (size_t)(nl - line) : strlen(line);
+            JsonDoc doc;
+            if (json_parse(line, len, &doc, err) != 0) {
+                CHECK(t, 0, "log line is not JSON: %.*s (%s)", (int)len, line, err);
+                break;
+            }
+            double loss = NAN, ce = NAN, aux = NAN, spread = NAN;
+            json_get_double(&doc.root, "loss", &loss);
+            int has_ce = json_get_double(&doc.root, "ce", &ce) == 1;
+            int has_aux = json_get_double(&doc.root, "aux", &aux) == 1;
+            int has_spread = json_get_double(&doc.root, "load_spread", &spread) == 1;
+            json_free(&doc);
+            n_steps++;
+            if (!moe) {
+                CHECK(t, !has_ce && !has_aux && !has_spread, "dense record: %.*s", (int)len, line);
+            } else {
+                CHECK(t, has_ce && has_aux && has_spread, "MoE record: %.*s", (int)len, line);
+                const double obj = ce + c.router_aux_loss_coef * aux;
+                CHECK(t, c.output_router_logits && aux > 0.9 && ce > 0 &&
+                             fabs(loss - obj) <= 1e-6 * fabs(loss),
+                      "loss %.9g vs ce %.9g + %g x aux %.9g", loss, ce, c.router_aux_loss_coef,
+                      aux);
+                CHECK(t, spread >= 1.0 && spread <= (double)c.E / c.K + 1e-9,
+                      "load spread %g outside [1, %g]", spread, (double)c.E / c.K);
+            }
+            line = nl ? nl + 1 : line + len;
+        }
+        free(text);
+        CHECK(t, n_steps == 3, "%s: %d step records", models[k], n_steps);
+    }
+    // engine runs (emulated devices) are refused with one line, before training
+    CHECK(t, test_run_cli(t, "moe_engine", "--model test-gptoss --device cpu:2 --steps 1") != 0,
+          "an engine run of an MoE model must fail");
+    char* e = test_read_output(t, "moe_engine", "err");
+    CHECK(t, strstr(e, "mixture-of-experts models train only with --device cpu") != NULL &&
+                 strchr(e, '\n') == strrchr(e, '\n'),
+          "one-line refusal: %s", e);
+    free(e);
+}
+
 // The loss printed on stdout's "step <k>/<n> | loss X" line of a CLI run (NAN if absent).
 static double step_loss(TestCtx* t, const char* tag, int k, int n) {
     char* out = test_read_output(t, tag, "out");
@@ -1542,6 +1607,7 @@ const TestCase tests_moe[] = {
     {"moe_checkpoint_layouts", test_moe_checkpoint_layouts},
     {"moe_mxfp4_load", test_moe_mxfp4_load},
     {"moe_dump_state_cli", test_moe_dump_state_cli},
+    {"moe_log_cli", test_moe_log_cli},
     {"moe_resume_cli", test_moe_resume_cli},
     {"moe_parity_qwen3moe", test_moe_parity_qwen3moe},
     {"moe_parity_gptoss", test_moe_parity_gptoss},
