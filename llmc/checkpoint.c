@@ -795,9 +795,10 @@ int checkpoint_export_hf(const char* dir, const Model* m, const Store* s, Export
 int checkpoint_export_gguf(const char* path, const Model* m, const Store* s, ExportDtype dtype,
                            const ModelSource* src, char* err) {
     const ModelConfig* c = &m->cfg;
-    if (c->family != FAMILY_LLAMA && c->family != FAMILY_QWEN3)
-        return errorf(err, "%s: GGUF export of family %s is not supported", path,
-                      family_names[c->family]);
+    if (c->family == FAMILY_QWEN3MOE && config_num_moe_blocks(c) != c->L)
+        return errorf(err, "%s: llama.cpp's qwen3moe GGUF has no dense MLP blocks, this model has "
+                           "%d (mlp_only_layers / decoder_sparse_step): export to HF instead",
+                      path, c->L - config_num_moe_blocks(c));
     const GgmlType wt = dtype == EXPORT_BF16  ? GGML_TYPE_BF16
                         : dtype == EXPORT_F16 ? GGML_TYPE_F16
                                               : GGML_TYPE_F32;
@@ -815,21 +816,30 @@ int checkpoint_export_gguf(const char* path, const Model* m, const Store* s, Exp
     else
         gguf_writer_add_string(&w, "tokenizer.ggml.model", "no_vocab");
     const TensorTable* tt = &m->tt;
-    char name[GGUF_MAX_NAME + 32];
+    GgufPart parts[2];
     for (int i = 0; i < tt->n; i++) {
         const TensorDesc* d = &tt->t[i];
         if (d->tied_to >= 0) continue;  // llama.cpp reuses token_embd when output is absent
-        gguf_tensor_name(c->family, d, name, sizeof name);
+        const int n_parts = gguf_tensor_parts(c, d, parts);
         // norms stay F32, as llama.cpp's converter keeps every 1-D tensor
         GgmlType type = d->ndim == 1 ? GGML_TYPE_F32 : wt;
-        const float* data = store_param(s, i);
+        float* data = store_param(s, i);
         if (c->family == FAMILY_LLAMA && (d->kind == TK_WQ || d->kind == TK_WK)) {
             float* perm = malloc_check((size_t)d->numel * sizeof(float));
             gguf_permute_rows(data, perm, d->kind == TK_WQ ? c->H : c->KVH, d->shape[0],
                               d->shape[1], 0);
-            gguf_writer_add_tensor(&w, name, type, d->ndim, d->shape, perm, 1);
+            gguf_writer_add_tensor(&w, parts[0].name, type, d->ndim, d->shape, perm, 1);
+        } else if (gguf_parts_rearranged(c, d)) {
+            // MoE experts in llama.cpp's layout: the parts back to back in one buffer, which
+            // the first part's tensor owns (the writer frees it after writing them all)
+            float* packed = malloc_check((size_t)d->numel * sizeof(float));
+            gguf_parts_convert(c, d, data, packed, 0);
+            int64_t off = 0;
+            for (int p = 0; p < n_parts; off += parts[p].numel, p++)
+                gguf_writer_add_tensor(&w, parts[p].name, type, parts[p].ndim, parts[p].shape,
+                                       packed + off, p == 0);
         } else {
-            gguf_writer_add_tensor(&w, name, type, d->ndim, d->shape, data, 0);
+            gguf_writer_add_tensor(&w, parts[0].name, type, d->ndim, d->shape, data, 0);
         }
     }
     if (c->family == FAMILY_LLAMA && c->rope_type == ROPE_LLAMA3) {

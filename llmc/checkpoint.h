@@ -130,8 +130,9 @@ int checkpoint_load_state(const char* step_dir, const Model* m, Store* s, TrainS
 int checkpoint_export_hf(const char* dir, const Model* m, const Store* s, ExportDtype dtype,
                          uint64_t shard_bytes, const ModelSource* src, char* err);
 // One GGUF file (2-D weights in dtype, norms F32), LLaMA q/k rows permuted and rope_freqs.weight
-// written as llama.cpp expects, the source GGUF's tokenizer records (else tokenizer.ggml.model
-// "no_vocab", which llama.cpp loads as a model without a vocabulary).
+// written as llama.cpp expects, MoE experts in its layout (gguf_tensor_parts), the source GGUF's
+// tokenizer records (else tokenizer.ggml.model "no_vocab", which llama.cpp loads as a model
+// without a vocabulary).
 int checkpoint_export_gguf(const char* path, const Model* m, const Store* s, ExportDtype dtype,
                            const ModelSource* src, char* err);
 

@@ -163,15 +163,15 @@ int loader_load_gguf(Store* s, const GgufFile* f, const ModelConfig* cfg, int* n
     LoadJob job = {.s = s, .gguf = f, .cfg = cfg};
     if (load_all(&job, tt->n, err) != 0) return -1;
     int unused = 0;
-    char name[GGUF_MAX_NAME + 32];
+    GgufPart parts[2];
     for (int64_t k = 0; k < f->n_tensors; k++) {
         const char* have = f->tensors[k].name;
         if (strcmp(have, "rope_freqs.weight") == 0) continue;
         int used = 0;
         for (int i = 0; i < tt->n && !used; i++) {
             if (tt->t[i].tied_to >= 0) continue;
-            gguf_tensor_name(cfg->family, &tt->t[i], name, sizeof name);
-            used = strcmp(name, have) == 0;
+            const int n = gguf_tensor_parts(cfg, &tt->t[i], parts);
+            for (int p = 0; p < n && !used; p++) used = strcmp(parts[p].name, have) == 0;
         }
         unused += !used;
     }

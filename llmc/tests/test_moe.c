@@ -19,6 +19,7 @@
 #include "../adamw.h"
 #include "../checkpoint.h"
 #include "../common.h"
+#include "../gguf.h"
 #include "../json.h"
 #include "../model.h"
 #include "../moe.h"
@@ -1358,6 +1359,169 @@ static void test_moe_resume_cli(TestCtx* t) {
 }
 
 // ----------------------------------------------------------------------------
+// GGUF: llama.cpp's qwen3moe / gpt-oss layout, written here by hand as its converter does it
+// (stacked [E, out, in] experts, gate and up apart, GPT-OSS's x·W experts transposed and its
+// interleaved gate/up columns and biases split), read into the table, and written back by the
+// export byte for byte.
+
+// Tensor i of the table in llama.cpp's layout, as this test understands the converter: names and
+// row-major shapes of up to two GGUF tensors; data[k] malloc'd.
+static int llamacpp_tensors(const ModelConfig* c, const TensorDesc* d, const float* w,
+                            char names[2][96], int* ndim, int64_t shape[2][3], float* data[2]) {
+    const int64_t E = c->E, Fe = c->F_expert, C = c->C;
+    const int oss = c->family == FAMILY_GPTOSS, b = d->block;
+    if (d->kind == TK_EXP_GATE_UP || d->kind == TK_EXP_GATE_UP_BIAS) {
+        const int bias = d->kind == TK_EXP_GATE_UP_BIAS;
+        const int64_t per = bias ? Fe : Fe * C;
+        for (int k = 0; k < 2; k++) {
+            snprintf(names[k], 96, "blk.%d.ffn_%s_exps.%s", b, k ? "up" : "gate",
+                     bias ? "bias" : "weight");
+            data[k] = malloc_check((size_t)(E * per) * sizeof(float));
+            shape[k][0] = E, shape[k][1] = Fe, shape[k][2] = C;
+        }
+        *ndim = bias ? 2 : 3;
+        for (int64_t e = 0; e < E; e++)
+            for (int64_t i = 0; i < Fe; i++)
+                for (int64_t x = 0; x < (bias ? 1 : C); x++)
+                    for (int k = 0; k < 2; k++) {
+                        // gate rows then up rows (Qwen3-MoE); columns 2i / 2i + 1 (GPT-OSS)
+                        const int64_t src = bias  ? e * 2 * Fe + 2 * i + k
+                                            : oss ? (e * C + x) * 2 * Fe + 2 * i + k
+                                                  : (e * 2 * Fe + k * Fe + i) * C + x;
+                        data[k][(e * Fe + i) * (bias ? 1 : C) + x] = w[src];
+                    }
+        return 2;
+    }
+    *ndim = d->ndim;
+    for (int k = 0; k < 3; k++) shape[0][k] = d->shape[k];
+    data[0] = malloc_check((size_t)d->numel * sizeof(float));
+    if (d->kind == TK_EXP_DOWN) {  // [E, C, Fe]; GPT-OSS's HF tensor is x·W [E, Fe, C]
+        snprintf(names[0], 96, "blk.%d.ffn_down_exps.weight", b);
+        shape[0][1] = C, shape[0][2] = Fe;
+        for (int64_t e = 0; e < E; e++)
+            for (int64_t x = 0; x < C; x++)
+                for (int64_t i = 0; i < Fe; i++)
+                    data[0][(e * C + x) * Fe + i] =
+                        oss ? w[(e * Fe + i) * C + x] : w[(e * C + x) * Fe + i];
+        return 1;
+    }
+    memcpy(data[0], w, (size_t)d->numel * sizeof(float));
+    const char* fixed = d->kind == TK_ROUTER        ? "ffn_gate_inp.weight"
+                        : d->kind == TK_ROUTER_BIAS  ? "ffn_gate_inp.bias"
+                        : d->kind == TK_EXP_DOWN_BIAS ? "ffn_down_exps.bias"
+                        : d->kind == TK_SINKS        ? "attn_sinks.weight"
+                                                     : NULL;
+    if (fixed) snprintf(names[0], 96, "blk.%d.%s", b, fixed);
+    else gguf_tensor_name(c->family, d, names[0], 96);  // the dense names (test_gguf.c)
+    return 1;
+}
+
+static void test_moe_gguf_layout(TestCtx* t) {
+    const char* presets[2] = {"test-qwen3moe", "test-gptoss"};
+    char err[ERR_LEN], path[1024], out[1024];
+    for (int k = 0; k < 2; k++) {
+        ModelConfig c;
+        CHECK(t, config_from_preset(&c, presets[k], err) == 0, "%s", err);
+        memset(c.mlp_only, 0, sizeof c.mlp_only);  // llama.cpp's qwen3moe has no dense blocks
+        Model m;
+        if (model_init(&m, &c, 0, err) != 0) {
+            CHECK(t, 0, "%s", err);
+            continue;
+        }
+        Store s;
+        store_create(&s, &m.tt);
+        Rng rng;
+        rng_seed(&rng, 77u + (uint32_t)k);
+        GgufWriter w;
+        gguf_writer_init(&w);
+        gguf_writer_add_config(&w, &c);
+        int n_written = 0;
+        for (int i = 0; i < m.tt.n; i++) {
+            const TensorDesc* d = &m.tt.t[i];
+            if (d->tied_to >= 0) continue;
+            float* p = store_param(&s, i);
+            for (int64_t j = 0; j < d->numel; j++) p[j] = rng_normal(&rng);
+            char names[2][96];
+            int ndim;
+            int64_t shape[2][3];
+            float* data[2];
+            int n = llamacpp_tensors(&c, d, p, names, &ndim, shape, data);
+            for (int q = 0; q < n; q++)
+                gguf_writer_add_tensor(&w, names[q], GGML_TYPE_F32, ndim, shape[q], data[q], 1);
+            n_written += n;
+        }
+        snprintf(path, sizeof path, "%s/moe_%s.gguf", t->tmpdir, presets[k]);
+        CHECK(t, gguf_writer_write(&w, path, err) == 0, "%s", err);
+        gguf_writer_free(&w);
+
+        // read: the config, then every tensor into the table, nothing left over
+        ModelSource src;
+        if (checkpoint_resolve_model(&src, path, err) != 0) {
+            CHECK(t, 0, "%s: %s", presets[k], err);
+            store_free(&s);
+            model_free(&m);
+            continue;
+        }
+        const ModelConfig* g = &src.cfg;
+        CHECK(t, g->family == c.family && g->E == c.E && g->K == c.K &&
+                     g->F_expert == c.F_expert && g->sliding_window == c.sliding_window &&
+                     config_num_moe_blocks(g) == c.L,
+              "%s: config from GGUF", presets[k]);
+        Model m2;
+        CHECK(t, model_init(&m2, g, 0, err) == 0 && m2.tt.n == m.tt.n, "%s", err);
+        Store s2;
+        store_create(&s2, &m2.tt);
+        int unused = -1;
+        CHECK(t, checkpoint_load_weights(&src, &s2, &unused, err) == 0 && unused == 0,
+              "%s: load: %s (%d unused)", presets[k], err, unused);
+        for (int i = 0; i < m.tt.n && i < m2.tt.n; i++) {
+            if (m.tt.t[i].tied_to >= 0) continue;
+            int eq = memcmp(store_param(&s, i), store_param(&s2, i),
+                            (size_t)m.tt.t[i].numel * sizeof(float)) == 0;
+            CHECK(t, eq, "%s: %s differs after the GGUF read", presets[k], m.tt.t[i].hf_name);
+        }
+        // export: the same tensors, names, shapes and bytes as the hand-written file
+        snprintf(out, sizeof out, "%s/moe_%s_export.gguf", t->tmpdir, presets[k]);
+        CHECK(t, checkpoint_export_gguf(out, &m2, &s2, EXPORT_F32, &src, err) == 0, "%s", err);
+        GgufFile a, b;
+        if (gguf_open(&a, path, err) == 0 && gguf_open(&b, out, err) == 0) {
+            CHECK(t, a.n_tensors == n_written && b.n_tensors == a.n_tensors, "%lld vs %lld tensors",
+                  (long long)a.n_tensors, (long long)b.n_tensors);
+            for (int64_t i = 0; i < a.n_tensors; i++) {
+                const GgufTensor* ta = &a.tensors[i];
+                const GgufTensor* tb = gguf_find_tensor(&b, ta->name);
+                int eq = tb && tb->type == ta->type && tb->n_dims == ta->n_dims &&
+                         memcmp(tb->ne, ta->ne, sizeof ta->ne) == 0 &&
+                         memcmp(tb->data, ta->data, (size_t)ta->numel * sizeof(float)) == 0;
+                CHECK(t, eq, "%s: exported %s differs", presets[k], ta->name);
+            }
+            gguf_close(&a);
+            gguf_close(&b);
+        } else {
+            CHECK(t, 0, "%s", err);
+        }
+        store_free(&s2);
+        model_free(&m2);
+        checkpoint_close_source(&src);
+        store_free(&s);
+        model_free(&m);
+    }
+    // llama.cpp's qwen3moe cannot hold a dense block: the export says so
+    ModelConfig c;
+    config_from_preset(&c, "test-qwen3moe", err);
+    Model m;
+    model_init(&m, &c, 0, err);
+    Store s;
+    store_create(&s, &m.tt);
+    snprintf(out, sizeof out, "%s/moe_dense_block.gguf", t->tmpdir);
+    CHECK(t, checkpoint_export_gguf(out, &m, &s, EXPORT_F32, NULL, err) == -1 &&
+                 strstr(err, "dense") != NULL,
+          "a qwen3moe with a dense block refused: %s", err);
+    store_free(&s);
+    model_free(&m);
+}
+
+// ----------------------------------------------------------------------------
 // HF parity (dev/parity/make_moe_fixtures.py): loss, its CE and aux parts, every gradient under
 // the checkpoint's own names, an 8-step AdamW trajectory. Skipped without the fixtures.
 
@@ -1606,6 +1770,7 @@ const TestCase tests_moe[] = {
     {"moe_model_overfit", test_moe_model_overfit},
     {"moe_checkpoint_layouts", test_moe_checkpoint_layouts},
     {"moe_mxfp4_load", test_moe_mxfp4_load},
+    {"moe_gguf_layout", test_moe_gguf_layout},
     {"moe_dump_state_cli", test_moe_dump_state_cli},
     {"moe_log_cli", test_moe_log_cli},
     {"moe_resume_cli", test_moe_resume_cli},
