@@ -702,6 +702,13 @@ int config_block_window(const ModelConfig* c, int block) {
     return c->sliding_window;
 }
 
+int config_truncate_layers(ModelConfig* c, int n, char* err) {
+    if (n < 1 || n > c->L)
+        return errorf(err, "--layers %d: the model has %d decoder blocks", n, c->L);
+    c->L = n;
+    return config_validate(c, err);
+}
+
 int config_num_moe_blocks(const ModelConfig* c) {
     int n = 0;
     for (int b = 0; b < c->L; b++) n += config_block_is_moe(c, b);

@@ -102,6 +102,9 @@ int config_is_moe(const ModelConfig* cfg);
 int config_block_is_moe(const ModelConfig* cfg, int block);
 int config_block_window(const ModelConfig* cfg, int block);
 int config_num_moe_blocks(const ModelConfig* cfg);
+// Keep only the first n decoder blocks (--layers): their per-block settings (MoE or dense,
+// sliding windows) stay as they were. -1 + err when n is not in [1, L].
+int config_truncate_layers(ModelConfig* cfg, int n, char* err);
 
 // RoPE inverse frequencies, HD/2 floats, after llama3/yarn scaling, computed the way
 // transformers does (fp32). Returns the attention scaling factor applied to cos/sin (1 unless yarn).

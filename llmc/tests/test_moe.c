@@ -1320,6 +1320,37 @@ static void test_moe_log_cli(TestCtx* t) {
     free(e);
 }
 
+// --layers N keeps the first N blocks: a preset trains and saves an N-block model, a deeper
+// checkpoint loads its first N blocks (the rest reported unused), and N beyond the model fails.
+static void test_moe_layers_cli(TestCtx* t) {
+    char args[4096], dir[1024], dir1[1024], err[ERR_LEN];
+    snprintf(dir, sizeof dir, "%s/layers_full", t->tmpdir);
+    snprintf(dir1, sizeof dir1, "%s/layers_one", t->tmpdir);
+    snprintf(args, sizeof args, "--model test-gptoss --steps 1 --val '' --sample-tokens 0 "
+                                "--out '%s'", dir);
+    CHECK(t, test_run_cli(t, "layers_full", args) == 0, "full-depth run");
+    snprintf(args, sizeof args, "--model '%s' --layers 1 --steps 1 --val '' --sample-tokens 0 "
+                                "--out '%s'", dir, dir1);
+    CHECK(t, test_run_cli(t, "layers_one", args) == 0, "--layers 1 run");
+    char* out = test_read_output(t, "layers_one", "out");
+    CHECK(t, strstr(out, "L 1,") && strstr(out, "some checkpoint tensors are unused"),
+          "one block, the deeper tensors unused: %s", out);
+    free(out);
+    ModelSource src;
+    if (checkpoint_resolve_model(&src, dir1, err) == 0) {
+        CHECK(t, src.cfg.L == 1 && src.cfg.family == FAMILY_GPTOSS && src.cfg.sliding[0],
+              "saved model: L %d", src.cfg.L);
+        checkpoint_close_source(&src);
+    } else {
+        CHECK(t, 0, "%s", err);
+    }
+    CHECK(t, test_run_cli(t, "layers_bad", "--model test-gptoss --layers 3 --steps 1") != 0,
+          "--layers beyond the model must fail");
+    char* e = test_read_output(t, "layers_bad", "err");
+    CHECK(t, strstr(e, "--layers 3: the model has 2 decoder blocks") != NULL, "%s", e);
+    free(e);
+}
+
 // The loss printed on stdout's "step <k>/<n> | loss X" line of a CLI run (NAN if absent).
 static double step_loss(TestCtx* t, const char* tag, int k, int n) {
     char* out = test_read_output(t, tag, "out");
@@ -1773,6 +1804,7 @@ const TestCase tests_moe[] = {
     {"moe_gguf_layout", test_moe_gguf_layout},
     {"moe_dump_state_cli", test_moe_dump_state_cli},
     {"moe_log_cli", test_moe_log_cli},
+    {"moe_layers_cli", test_moe_layers_cli},
     {"moe_resume_cli", test_moe_resume_cli},
     {"moe_parity_qwen3moe", test_moe_parity_qwen3moe},
     {"moe_parity_gptoss", test_moe_parity_gptoss},
