@@ -10,8 +10,9 @@
 #                   benchmark per kernel family; they need a GPU to run: dev/cuda/run_labs.sh)
 #   make clean
 #   make tsan       ThreadSanitizer build of the tests (build-tsan/), runs the suites in TSAN_SUITES
-#   make asan       AddressSanitizer+UBSan build of the tests (build-asan/), runs ASAN_SUITES
-#                   (empty = the whole suite); `make clean-san` removes both builds
+#   make asan       AddressSanitizer+UBSan build of the tests and of the trainer (build-asan/),
+#                   runs ASAN_SUITES (empty = the whole suite), the CLI tests against the
+#                   sanitized trainer; `make clean-san` removes both builds
 #   make fuzz       libFuzzer targets of dev/fuzz (clang), each run FUZZ_SECONDS from its seeds
 #
 # Host code: C11, gcc, -Wall -Wextra -Werror -O3. CUDA code only in kernels/*.cu, compiled by nvcc
@@ -152,7 +153,8 @@ clean:
 # CPU-only test binaries with their own object directories, so they never mix with the normal
 # build. TSan checks the CPU device emulation and the engine's use of it (streams are threads);
 # suites that do not exercise threads add nothing under TSan, so the list is explicit. The asan
-# build runs the CLI tests against the normal ./train_roundpipe, hence its dependency.
+# build also sanitizes the trainer (train_roundpipe_asan) and runs the CLI tests against it
+# (TRAIN_ROUNDPIPE_BIN, which test_run_cli honours): a leak or an overflow in a run fails its test.
 SAN_CC ?= $(CC)
 SAN_OPTFLAGS ?= -O1 -g -fno-omit-frame-pointer
 TSAN_SUITES ?= device engine
@@ -169,13 +171,17 @@ SAN_DEPS := $(wildcard llmc/*.h) $(wildcard llmc/engine/*.h) $(wildcard llmc/tes
 tsan: test_roundpipe_tsan
 	set -e; for s in $(TSAN_SUITES); do TSAN_OPTIONS="halt_on_error=1 $(TSAN_OPTIONS)" ./test_roundpipe_tsan $$s; done
 
-asan: train_roundpipe test_roundpipe_asan
-	$(if $(strip $(ASAN_SUITES)),set -e; for s in $(ASAN_SUITES); do ./test_roundpipe_asan $$s; done,./test_roundpipe_asan)
+ASAN_RUN := TRAIN_ROUNDPIPE_BIN=./train_roundpipe_asan ./test_roundpipe_asan
+asan: train_roundpipe_asan test_roundpipe_asan
+	$(if $(strip $(ASAN_SUITES)),set -e; for s in $(ASAN_SUITES); do $(ASAN_RUN) $$s; done,$(ASAN_RUN))
 
 test_roundpipe_tsan: $(patsubst %.c,$(TSAN_BUILD)/%.o,$(SAN_SRCS))
 	$(SAN_CC) $(TSAN_FLAGS) -o $@ $^ -lm -pthread
 
 test_roundpipe_asan: $(patsubst %.c,$(ASAN_BUILD)/%.o,$(SAN_SRCS))
+	$(SAN_CC) $(ASAN_FLAGS) -o $@ $^ -lm -pthread
+
+train_roundpipe_asan: $(patsubst %.c,$(ASAN_BUILD)/%.o,train_roundpipe.c $(LIB_SRCS))
 	$(SAN_CC) $(ASAN_FLAGS) -o $@ $^ -lm -pthread
 
 $(TSAN_BUILD)/%.o: %.c $(SAN_DEPS)
@@ -187,21 +193,23 @@ $(ASAN_BUILD)/%.o: %.c $(SAN_DEPS)
 	$(SAN_CC) $(ASAN_FLAGS) -c -o $@ $<
 
 clean-san:
-	rm -rf $(TSAN_BUILD) $(ASAN_BUILD) test_roundpipe_tsan test_roundpipe_asan
+	rm -rf $(TSAN_BUILD) $(ASAN_BUILD) test_roundpipe_tsan test_roundpipe_asan train_roundpipe_asan
 
 # ---- libFuzzer targets (dev/fuzz) ----
-# One binary per parser (json, safetensors, gguf, shard: build-fuzz/fuzz_<t>), built by clang with
-# -fsanitize=fuzzer,address,undefined, then run for FUZZ_SECONDS each from the committed seeds in
-# dev/fuzz/corpus/<t> (never modified: new inputs go to build-fuzz/corpus-<t>). `make test` runs
-# the same entry points over the seeds and mutations without libFuzzer (suite gguf).
+# One binary per parser (json, safetensors, gguf, shard, tokenizer: build-fuzz/fuzz_<t>), built by
+# clang with -fsanitize=fuzzer,address,undefined, then run for FUZZ_SECONDS each from the committed
+# seeds in dev/fuzz/corpus/<t> (never modified: new inputs go to build-fuzz/corpus-<t>). `make test`
+# runs the same entry points over the seeds and mutations without libFuzzer (suites gguf, tokenizer).
 FUZZ_CC ?= clang
 FUZZ_SECONDS ?= 30
-FUZZ_TARGETS := json safetensors gguf shard
+FUZZ_TARGETS := json safetensors gguf shard tokenizer
 FUZZ_BUILD := build-fuzz
 FUZZ_FLAGS := $(CFLAGS_BASE) -g -O1 -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined
 FUZZ_LIB := llmc/common.c llmc/json.c llmc/safetensors.c llmc/gguf_read.c llmc/gguf_quant.c \
             llmc/gguf_arch.c llmc/gguf_write.c llmc/config.c llmc/tensor.c \
             llmc/dataloader.c llmc/rng.c
+FUZZ_LIB += llmc/tokenizer.c llmc/tokenizer_load.c llmc/tokenizer_export.c llmc/unicode.c \
+            llmc/unicode_tables.c
 
 .PHONY: fuzz fuzz-build
 fuzz: fuzz-build

@@ -44,8 +44,10 @@
     X(partition)   \
     X(engine)      \
     X(gguf)        \
+    X(tokenizer)   \
     X(resume)      \
-    X(train)
+    X(train)       \
+    X(cli)
 
 #define DECLARE_SUITE(s) extern const TestCase tests_##s[] __attribute__((weak));
 SUITES(DECLARE_SUITE)

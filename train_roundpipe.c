@@ -1,7 +1,10 @@
 /*
  * train_roundpipe.c — the run, top to bottom: parse the flags, load the model and its weights,
  * build the trainer (plain training on the CPU, or the RoundPipe engine over N devices), open the
- * data, train (step, log, checkpoint, evaluate), then sample and export.
+ * data, train (step, log, checkpoint, evaluate), then sample and export. Every output is checked
+ * before anything is loaded, --out is locked for the run, and SIGINT/SIGTERM stop it cleanly
+ * (the step finishes, a checkpoint and the exports are written, exit 130/143). `--tokenize` is a
+ * mode of its own: text into token shards (llmc/tokenize_shards.h).
  *
  *   make && ./train_roundpipe            trains the built-in tiny model on the shipped corpus
  *   ./train_roundpipe --help             every flag with its default
@@ -19,11 +22,15 @@
 #include "llmc/common.h"
 #include "llmc/dataloader.h"
 #include "llmc/engine.h"
+#include "llmc/interrupt.h"
 #include "llmc/log.h"
 #include "llmc/model.h"
+#include "llmc/outputs.h"
+#include "llmc/plan_hint.h"
 #include "llmc/sample.h"
 #include "llmc/store.h"
 #include "llmc/threads.h"
+#include "llmc/tokenize_shards.h"
 #include "llmc/trainer.h"
 #ifdef HAVE_CUDA
 #include "kernels/kernels.h"
@@ -123,8 +130,10 @@ static int plan_and_check_memory(TrainArgs* a, Model* model, int N) {
             printf("note: no GPU memory to read here and no --device-mem: planning without a "
                    "device memory budget\n");
         size_t host_acts = 0;
-        if (engine_plan_print(model, act_bytes, N > 0 ? N : 1, &peo, stdout, &host_acts, err) != 0)
+        if (engine_plan_print(model, act_bytes, N > 0 ? N : 1, &peo, stdout, &host_acts, err) != 0) {
+            plan_hint_append(err, model, act_bytes, N > 0 ? N : 1, &peo);  // which budget is enough
             fatal("%s", err);
+        }
         const double need = host_fixed + (engine_run ? (double)host_acts : 0.0);
         printf("host memory for this plan: %.2f GiB (this machine reports %.1f GiB + %.1f GiB "
                "swap)\n", need / (1 << 30), host_total / (1 << 30), host_swap / (1 << 30));
@@ -163,12 +172,50 @@ static void export_model(const TrainArgs* a, const Model* m, const Store* s,
 
 // ----------------------------------------------------------------------------
 
+// Every output checked before anything is loaded (llmc/outputs.h: one line, exit 2), its folders
+// created, and --out locked for this run; --plan writes nothing, so it only checks.
+static int check_outputs(Outputs* outs, const TrainArgs* a) {
+    char err[ERR_LEN];
+    outputs_init(outs);
+    outputs_add_run(outs, a);
+    if (outputs_check(outs, err) != 0 || (!a->plan_only && outputs_create(outs, err) != 0) ||
+        (!a->plan_only && a->out[0] && outputs_lock(outs, a->out, err) != 0)) {
+        fflush(stdout);
+        fprintf(stderr, "train_roundpipe: error: %s\n", err);
+        return 2;
+    }
+    return 0;
+}
+
+// A run stopped by a signal after step `done` (start: the step it began from; saved: the step
+// of the last checkpoint written): the checkpoint of `done` (with --out) and the exports, then
+// where they are. The caller exits with interrupt_exit_status(sig).
+static void save_interrupted(Trainer* tr, const DataLoader* train, const TrainArgs* a,
+                             const char* args_json, int sig, int start, int done, int saved) {
+    char err[ERR_LEN];
+    printf("interrupted by %s after step %d of %d\n", interrupt_name(sig), done, a->steps);
+    if (done == start) {
+        printf("no step was trained since the start (step %d): nothing new to save\n", start);
+        return;
+    }
+    if (a->out[0] && saved != done) {
+        if (trainer_save_checkpoint(tr, train, done, args_json, err) != 0) fatal("%s", err);
+    }
+    if (a->out[0])
+        printf("checkpoint: %s/step_%d (continue with the same flags and --resume)\n", a->out,
+               done);
+    else
+        printf("no checkpoint (no --out DIR): the run cannot be resumed\n");
+}
+
 int main(int argc, char** argv) {
     char err[ERR_LEN];
     // line-buffered even into a file, so a killed run's log shows how far it got
     setvbuf(stdout, NULL, _IOLBF, 0);
+    // --tokenize IN... --tokenizer FILE --out-shards PREFIX: text to token shards, no training
+    if (tokenize_shards_requested(argc, argv)) return tokenize_shards_main(argc, argv);
 
-    // 1. flags
+    // 1. flags, then every output checked (and --out locked) before anything is loaded
     TrainArgs a;
     args_defaults(&a);
     int rc = args_parse(&a, argc, argv);
@@ -181,6 +228,8 @@ int main(int argc, char** argv) {
         return 2;
     }
 #endif
+    Outputs outs;
+    if (check_outputs(&outs, &a) != 0) return 2;
     const int dump = a.dump_state[0] != '\0';
 
     // 2. model: configuration, the plan, the weights (a --resume checkpoint, the source's, or a
@@ -200,6 +249,8 @@ int main(int argc, char** argv) {
         checkpoint_close_source(&src);
         return 0;
     }
+    // the tokenizer (tokenizer.json beside the model, or the GGUF's) for the prompt and exports
+    if (checkpoint_load_tokenizer(&src, err) != 0) fatal("%s", err);
     Store store;
     store_create(&store, &model.tt);
     char* args_json = args_to_json(&a);
@@ -209,7 +260,9 @@ int main(int argc, char** argv) {
     if (checkpoint_init_weights(&init, &src, &model, &store, &ts, args_json, err) != 0)
         fatal("%s", err);
 
-    // 3. the trainer: plain training on the CPU, or the RoundPipe engine over the N devices
+    // 3. the trainer: plain training on the CPU, or the RoundPipe engine over the N devices (its
+    // threads start with SIGINT/SIGTERM blocked: only this thread handles them)
+    interrupt_block();
     Trainer tr;
     if (trainer_create(&tr, &a, &model, &store, &ts, N, engine_options, err) != 0)
         fatal("%s", err);
@@ -224,6 +277,8 @@ int main(int argc, char** argv) {
         fatal("--val: %s", err);
     if (ts.resumed && dataloader_state_restore(&train, ts.train_loader, err) != 0)
         fatal("--resume: %s", err);
+    // from here a first SIGINT/SIGTERM stops the run cleanly, a second one at once
+    interrupt_install();
 
     // --dump-state: the gradients of the first batch, then exit
     if (dump) {
@@ -231,32 +286,51 @@ int main(int argc, char** argv) {
         if (checkpoint_dump_state(a.dump_state, &model, &store, (float)loss, err) != 0)
             fatal("%s", err);
         printf("loss %.7f; gradients written to %s\n", loss, a.dump_state);
-        return 0;
+        checkpoint_close_source(&src);
+        free(args_json);
+        dataloader_close(&train);
+        trainer_free(&tr);
+        store_free(&store);
+        model_free(&model);
+        outputs_release(&outs);
+        return interrupt_signal() ? interrupt_exit_status(interrupt_signal()) : 0;
     }
 
-    // 5. training: step, log, checkpoint, evaluate
+    // 5. training: step, log, checkpoint, evaluate (a signal: the steps in flight finish)
     StepLog lg;
-    if (log_open(&lg, a.log, ts.resumed, err) != 0) fatal("%s", err);
+    if (log_open(&lg, a.log, ts.resumed ? (long long)ts.step : -1, err) != 0) fatal("%s", err);
     if (have_val) log_eval(&lg, (int)ts.step, trainer_evaluate(&tr, &val));
-    for (int step = (int)ts.step + 1; step <= a.steps; step++) {
+    const int start = (int)ts.step;
+    int done = start, saved = -1;  // the last step trained, the last checkpoint's step
+    for (int step = start + 1; step <= a.steps; step++) {
+        const int stopping = interrupt_signal() != 0;
+        if (stopping && trainer_in_flight(&tr) == 0) break;
         const int save = a.save_every > 0 && (step % a.save_every == 0 || step == a.steps);
         const int eval = have_val && a.eval_every > 0 && step % a.eval_every == 0 &&
                          step != a.steps;
-        // a checkpoint, an evaluation or the end: nothing may stay in flight after this step
-        const StepStats st = trainer_step(&tr, &train, step, save || eval || step == a.steps);
+        // a checkpoint, an evaluation, the end or a signal: nothing may stay in flight after
+        // this step
+        const StepStats st =
+            trainer_step(&tr, &train, step, save || eval || step == a.steps || stopping);
+        done = step;
         log_step(&lg, &st);
+        interrupt_test_hook(step);
         if (save && trainer_save_checkpoint(&tr, &train, step, args_json, err) != 0)
             fatal("%s", err);
-        if (eval) log_eval(&lg, step, trainer_evaluate(&tr, &val));
+        if (save) saved = step;
+        if (eval && !interrupt_signal()) log_eval(&lg, step, trainer_evaluate(&tr, &val));
     }
+    const int sig = interrupt_signal();
+    if (sig) save_interrupted(&tr, &train, &a, args_json, sig, start, done, saved);
     if (trainer_finish(&tr, err) != 0) fatal("%s", err);
-    if (have_val && a.steps > 0) log_eval(&lg, a.steps, trainer_evaluate(&tr, &val));
+    // (a resumed run that had nothing left to train evaluated at its start already)
+    if (have_val && done > start && !sig) log_eval(&lg, a.steps, trainer_evaluate(&tr, &val));
     log_close(&lg);
 
-    // 6. sample and export
-    if (a.sample_tokens > 0)
-        sample_print(tr.plain, a.seq, a.sample_tokens, a.prompt, a.temperature, a.seed);
-    export_model(&a, &model, &store, &src);
+    // 6. sample and export (interrupted: the exports of what was trained, no sample)
+    if (a.sample_tokens > 0 && !sig)
+        sample_print(tr.plain, a.seq, a.sample_tokens, a.prompt, a.temperature, a.seed, src.tok);
+    if (!sig || done > start) export_model(&a, &model, &store, &src);
 
     checkpoint_close_source(&src);
     free(args_json);
@@ -265,5 +339,8 @@ int main(int argc, char** argv) {
     trainer_free(&tr);
     store_free(&store);
     model_free(&model);
-    return 0;
+    outputs_release(&outs);
+    // a signal during the exports of a finished run still says the run was interrupted
+    const int final_sig = interrupt_signal();
+    return final_sig ? interrupt_exit_status(final_sig) : 0;
 }

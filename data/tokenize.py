@@ -26,6 +26,16 @@ Usage:
 with tokenizer files, or a hub name (downloaded by transformers if not cached).
 
 Requires Python 3 with the standard library and the `transformers` package.
+
+Without Python: the trainer has the same tool built in, with its own C tokenizer (byte-level BPE
+from a tokenizer.json or a .gguf: GPT-2, LLaMA-3, Qwen2/Qwen3), multi-threaded, id-exact with HF:
+
+    ./train_roundpipe --tokenize books/*.txt corpus.jsonl --tokenizer ./my_model_dir \
+        --out-shards out/mytext --val-frac 0.01
+
+It writes the same shard format and names; its validation split takes whole documents (a share
+of the tokens) instead of the first --val-tokens tokens. `./train_roundpipe --tokenize --help`
+lists its options.
 """
 
 import os
@@ -149,10 +159,31 @@ class ShardWriter:
 # ----------------------------------------------------------------------------
 
 
+def load_tokenizer(name):
+    """AutoTokenizer.from_pretrained(name), with one line instead of a traceback when transformers
+    (or the tokenizer) is missing."""
+    try:
+        # imported late: --help and the argument checks work without it
+        from transformers import AutoTokenizer
+    except ImportError as e:
+        raise SystemExit("tokenize.py: needs the `transformers` package (%s): "
+                         "pip install transformers" % e)
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except ImportError as e:
+        # a tokenizer class that needs more (sentencepiece, tiktoken, protobuf, ...)
+        raise SystemExit("tokenize.py: the tokenizer %s needs another package: %s" % (name, e))
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SystemExit("tokenize.py: cannot load a tokenizer from %s: %s" % (name, first))
+
+
 def main():
     ap = argparse.ArgumentParser(
         description="Tokenize text files / .jsonl with a Hugging Face tokenizer into llm.c token "
-        "shards (<prefix>_val_000000.bin, <prefix>_train_000001.bin, ...).")
+        "shards (<prefix>_val_000000.bin, <prefix>_train_000001.bin, ...).",
+        epilog="Without Python or transformers: ./train_roundpipe --tokenize IN... --tokenizer FILE "
+        "--out-shards PREFIX [--val-frac X] does the same in C (see --tokenize --help).")
     ap.add_argument("inputs", nargs="+", help="text files (one document each) or .jsonl files")
     ap.add_argument("--tokenizer", required=True,
                     help="AutoTokenizer.from_pretrained() argument: local dir or hub name")
@@ -176,9 +207,7 @@ def main():
         if not os.path.isfile(path):
             ap.error("%s: not a file" % path)
 
-    from transformers import AutoTokenizer  # imported late: --help works without it
-
-    tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    tok = load_tokenizer(args.tokenizer)
     tok.model_max_length = 2**62  # documents are any length here; silence the length warning
     doc_start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
     if doc_start is None:

@@ -17,7 +17,7 @@
  * trainer's store is (huge_alloc_check); -nohuge leaves them on normal pages. -simd sets
  * ROUNDPIPE_SIMD to force a lower inner loop.
  *
- * Target (PERFORMANCE_MODEL.md §4): >= 4.0 Gparam/s on the 16-core H200 host, the speed of
+ * Target (docs/PERFORMANCE.md §5): >= 4.0 Gparam/s on the 16-core H200 host, the speed of
  * PyTorch's fused CPU AdamW.
  */
 #include <math.h>

@@ -1,9 +1,13 @@
 /*
- * args.c — getopt_long parsing and validation of the trainer's flags.
+ * args.c — getopt_long parsing and validation of the trainer's flags. A bad flag or value is one
+ * line on stderr (what is wrong, and the limit it broke) and a hint to --help; exit status 2.
  */
 #include "args.h"
 
+#include <ctype.h>
+#include <errno.h>
 #include <getopt.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -108,10 +112,12 @@ void args_usage(FILE* f) {
         "      --grad-clip X      global gradient-norm clip, 0 = off (default %g)\n"
         "\n"
         "evaluation, output\n"
-        "  -v, --eval-every N     validation loss every N steps, 0 = only at the end (default %d)\n"
+        "  -v, --eval-every N     validation loss every N steps and at the start and the end;\n"
+        "                         0 = only at the start and the end (default %d)\n"
         "      --eval-batches N   batches per validation pass (default %d)\n"
         "  -o, --out DIR          write the trained model (model.safetensors + config.json) here;\n"
-        "                         with --save-every also the checkpoints DIR/step_<N>/\n"
+        "                         with --save-every also the checkpoints DIR/step_<N>/; one run\n"
+        "                         per DIR (a second one is refused with the first one's pid)\n"
         "      --save-every N     training-state checkpoint (weights, AdamW state, data and RNG\n"
         "                         position, config, flags) every N steps and at the last step into\n"
         "                         --out DIR/step_<N>/, atomically (DONE marks it complete); 0 = none\n"
@@ -121,14 +127,18 @@ void args_usage(FILE* f) {
         "                         (none there: start from step 0)\n"
         "      --export-hf DIR    at the end, write DIR in HF layout (safetensors, sharded with an\n"
         "                         index past --export-shard-size, config.json, tokenizer files)\n"
-        "      --export-gguf FILE at the end, write a GGUF file (llama.cpp layout)\n"
+        "      --export-gguf FILE at the end, write a GGUF file (llama.cpp layout, with the\n"
+        "                         model's tokenizer)\n"
         "      --export-dtype D   f32 | bf16 | f16: weight dtype of the exports (default f32)\n"
         "      --export-shard-size BYTES  --export-hf shard size, e.g. 2G (default 5000000000)\n"
-        "      --log FILE         JSON-lines log: one object per step and per evaluation\n"
+        "      --log FILE         JSON-lines log: one object per step and per evaluation; a\n"
+        "                         resumed run appends {\"resume\": N} and then its steps from N+1\n"
         "      --dump-state FILE  forward+backward on the first (unshuffled) batch, write the loss\n"
         "                         and grad.<HF name> tensors as safetensors, exit\n"
         "      --sample-tokens N  tokens generated at the end, 0 = none (default %d)\n"
-        "      --prompt TEXT      generation prompt (byte-level vocabularies; default: EOT)\n"
+        "      --prompt TEXT      generation prompt, after the document token (EOT); encoded by\n"
+        "                         the model's tokenizer (tokenizer.json beside the model, or the\n"
+        "                         GGUF's), or as bytes for byte-level vocabularies (default \"\")\n"
         "      --temperature X    sampling temperature, 0 = greedy (default %g)\n"
         "\n"
         "execution\n"
@@ -174,7 +184,25 @@ void args_usage(FILE* f) {
         "                         2+ GPUs when the plan is one stage, the micro-batches divide\n"
         "                         evenly, no --round is given and host memory has room\n"
         "      --no-split-rounds  never split rounds (the paper's schedule)\n"
-        "  -h, --help             this text\n",
+        "  -h, --help             this text\n"
+        "\n"
+        "tokenizing text (a mode of its own: no model, no training)\n"
+        "      --tokenize IN...   write llm.c token shards from text (.txt: one document each) and\n"
+        "                         JSONL files (.jsonl: one document per line), multi-threaded,\n"
+        "                         the document token before each document\n"
+        "      --tokenizer FILE   with --tokenize: tokenizer.json, a model directory holding one,\n"
+        "                         or a .gguf (byte-level BPE: GPT-2, LLaMA-3, Qwen2/Qwen3)\n"
+        "      --out-shards PREFIX  with --tokenize: write PREFIX_val_000000.bin, ... and\n"
+        "                         PREFIX_train_000001.bin, ...\n"
+        "      --val-frac X       with --tokenize: share of tokens (whole documents) for validation\n"
+        "                         (default 0.01); more: --tokenize --help\n"
+        "\n"
+        "Outputs (--out, --export-hf, --export-gguf, --log, --trace, --dump-state) are checked\n"
+        "before anything is loaded: folders are created as needed (the output folders and the\n"
+        "folders of output files, with their parents), each must be writable, and no two outputs\n"
+        "(nor an output and an input) may write the same file. SIGINT/SIGTERM (Ctrl-C): the step\n"
+        "in progress finishes, a checkpoint (with --out) and the exports are written, exit\n"
+        "130/143; a second signal exits at once. A bad flag or value exits with status 2.\n",
         d.train, d.val, d.batch, d.seq, d.micro_batches, d.shuffle, d.seed, (double)d.init_std,
         d.steps, (double)d.lr, lr_schedule_name(d.schedule), d.warmup, (double)d.min_lr_frac,
         (double)d.decay_frac, (double)d.weight_decay, d.decay_embeddings, (double)d.beta1,
@@ -185,31 +213,76 @@ void args_usage(FILE* f) {
 // ----------------------------------------------------------------------------
 // value parsing
 
+// The one line of a bad flag or value, with the hint where the flags are explained.
 static int bad(const char* flag, const char* value, const char* what) {
-    args_usage(stderr);
-    fprintf(stderr, "train_roundpipe: error: %s '%s': %s\n", flag, value, what);
+    if (value && *value)
+        fprintf(stderr, "train_roundpipe: error: %s '%s': %s (see --help)\n", flag, value, what);
+    else
+        fprintf(stderr, "train_roundpipe: error: %s: %s (see --help)\n", flag, what);
     return 2;
+}
+
+// An integer literal too long for int64 ("99999999999999999999"): parse_int64 refuses it like
+// any other bad string, but the user deserves to hear it is too large, not that it is no integer.
+static int int_overflows(const char* v, int* negative) {
+    const char* p = v;
+    *negative = *p == '-';
+    if (*p == '-' || *p == '+') p++;
+    if (!*p) return 0;
+    for (; *p; p++)
+        if (!isdigit((unsigned char)*p)) return 0;
+    return 1;
 }
 
 static int int_in(const char* flag, const char* v, int lo, int hi, int* out) {
     int64_t x;
-    if (parse_int64(v, &x) != 0) return bad(flag, v, "expected an integer");
-    if (x < lo || x > hi) {
-        char what[96];
-        snprintf(what, sizeof what, "must be between %d and %d", lo, hi);
+    char what[96];
+    if (parse_int64(v, &x) != 0) {
+        int negative;
+        if (!int_overflows(v, &negative)) return bad(flag, v, "expected an integer");
+        x = negative ? INT64_MIN : INT64_MAX;
+    }
+    if (x > hi) {
+        snprintf(what, sizeof what, "too large (at most %d)", hi);
+        return bad(flag, v, what);
+    }
+    if (x < lo) {
+        snprintf(what, sizeof what, "too small (at least %d)", lo);
         return bad(flag, v, what);
     }
     *out = (int)x;
     return 0;
 }
 
+// A decimal number that overflows a double ("1e400") is too large (or too small when negative);
+// NaN, infinities and words are no numbers. 0: not an overflow.
+static int double_overflows(const char* v, int* negative) {
+    char* end = NULL;
+    errno = 0;
+    const double x = strtod(v, &end);
+    if (end == v || *end != '\0' || errno != ERANGE || !isinf(x)) return 0;
+    // strtod also reads "inf" and "infinity": those are spelled, not overflowed
+    for (const char* p = v; *p; p++)
+        if (isalpha((unsigned char)*p) && *p != 'e' && *p != 'E') return 0;
+    *negative = x < 0;
+    return 1;
+}
+
 static int float_in(const char* flag, const char* v, double lo, double hi, int lo_open,
                     float* out) {
     double x;
-    if (parse_double(v, &x) != 0) return bad(flag, v, "expected a finite number");
-    if (x < lo || x > hi || (lo_open && x == lo)) {
-        char what[96];
-        snprintf(what, sizeof what, "must be in %s%g, %g]", lo_open ? "(" : "[", lo, hi);
+    char what[96];
+    if (parse_double(v, &x) != 0) {
+        int negative;
+        if (!double_overflows(v, &negative)) return bad(flag, v, "expected a finite number");
+        x = negative ? -INFINITY : INFINITY;
+    }
+    if (x > hi) {
+        snprintf(what, sizeof what, "too large (at most %g)", hi);
+        return bad(flag, v, what);
+    }
+    if (x < lo || (lo_open && x == lo)) {
+        snprintf(what, sizeof what, "too small (%s %g)", lo_open ? "more than" : "at least", lo);
         return bad(flag, v, what);
     }
     *out = (float)x;
@@ -225,8 +298,14 @@ static int parse_device(TrainArgs* a, const char* v) {
     a->n_devices = 0;
     if (colon) {
         int64_t n;
-        if (parse_int64(colon + 1, &n) != 0 || n < 1 || n > 64)
-            return bad("--device", v, "N must be an integer between 1 and 64");
+        int negative;
+        if (parse_int64(colon + 1, &n) != 0) {
+            if (!int_overflows(colon + 1, &negative))
+                return bad("--device", v, "N must be an integer between 1 and 64");
+            n = negative ? -1 : 65;
+        }
+        if (n > 64) return bad("--device", v, "N too large (at most 64 devices)");
+        if (n < 1) return bad("--device", v, "N too small (at least 1 device)");
         a->n_devices = (int)n;
     }
     return 0;
@@ -240,7 +319,8 @@ enum {
     OPT_EXPORT_GGUF, OPT_EXPORT_DTYPE, OPT_EXPORT_SHARD, OPT_LAYERS
 };
 
-// "512M", "80G", "1e9": bytes with an optional K/M/G/T suffix (powers of 1024).
+// "512M", "80G", "1e9": bytes with an optional K/M/G/T suffix (powers of 1024). -1: not a
+// size; -2: a size too large to be one (more than 2^60 bytes, or overflowing).
 static int parse_bytes(const char* v, double* out) {
     char buf[64];
     size_t n = strlen(v);
@@ -254,9 +334,49 @@ static int parse_bytes(const char* v, double* out) {
     if (last == 'T' || last == 't') mult = 1024.0 * 1024.0 * 1024.0 * 1024.0;
     if (mult > 1.0) buf[n - 1] = '\0';
     double x;
-    if (parse_double(buf, &x) != 0 || x <= 0) return -1;
+    int negative = 0;
+    if (parse_double(buf, &x) != 0) return double_overflows(buf, &negative) && !negative ? -2 : -1;
+    if (x <= 0) return -1;
+    if (x * mult > 0x1p60) return -2;  // an exbibyte: no device or shard is that large
     *out = x * mult;
     return 0;
+}
+
+// Edit distance of two short strings (flag names), capped at 63 characters each.
+static int edit_distance(const char* x, const char* y) {
+    int nx = (int)strlen(x), ny = (int)strlen(y);
+    if (nx > 63) nx = 63;
+    if (ny > 63) ny = 63;
+    int d[64][64];
+    for (int i = 0; i <= nx; i++) d[i][0] = i;
+    for (int j = 0; j <= ny; j++) d[0][j] = j;
+    for (int i = 1; i <= nx; i++)
+        for (int j = 1; j <= ny; j++) {
+            const int sub = d[i - 1][j - 1] + (x[i - 1] != y[j - 1]);
+            d[i][j] = imin(sub, imin(d[i - 1][j] + 1, d[i][j - 1] + 1));
+        }
+    return d[nx][ny];
+}
+
+// The known long flag closest to an unknown one ("--batchs" -> "batch"), or NULL when none is
+// within a third of its length.
+static const char* closest_flag(const struct option* opts, const char* flag) {
+    const char* name = flag;
+    while (*name == '-') name++;
+    char given[64];
+    str_copy(given, sizeof given, name);
+    given[strcspn(given, "=")] = '\0';  // --flag=value
+    if (!given[0]) return NULL;
+    const char* best = NULL;
+    int best_d = (int)strlen(given) / 3 + 1;
+    for (const struct option* o = opts; o->name; o++) {
+        const int dist = edit_distance(given, o->name);
+        if (dist < best_d) {
+            best_d = dist;
+            best = o->name;
+        }
+    }
+    return best;
 }
 
 int args_parse(TrainArgs* a, int argc, char** argv) {
@@ -340,8 +460,16 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
             case OPT_SHUFFLE: rc = int_in("--shuffle", v, 0, 1, &a->shuffle); break;
             case OPT_SEED: {
                 int64_t s;
-                if (parse_int64(v, &s) != 0 || s < 0 || s > 0xffffffffll)
-                    rc = bad("--seed", v, "expected an integer in [0, 4294967295]");
+                int negative = 0;
+                if (parse_int64(v, &s) != 0) {
+                    if (!int_overflows(v, &negative)) {
+                        rc = bad("--seed", v, "expected an integer in [0, 4294967295]");
+                        break;
+                    }
+                    s = negative ? -1 : INT64_MAX;
+                }
+                if (s < 0) rc = bad("--seed", v, "too small (at least 0)");
+                else if (s > 0xffffffffll) rc = bad("--seed", v, "too large (at most 4294967295)");
                 else a->seed = (uint32_t)s;
                 break;
             }
@@ -367,10 +495,13 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
                 break;
             case OPT_SYNC: rc = int_in("--sync", v, 0, 1, &a->sync); break;
             case OPT_PLAN: a->plan_only = 1; break;
-            case OPT_DEVICE_MEM:
-                if (parse_bytes(v, &a->device_mem) != 0)
+            case OPT_DEVICE_MEM: {
+                const int pb = parse_bytes(v, &a->device_mem);
+                if (pb == -2) rc = bad("--device-mem", v, "too large (at most 2^60 bytes)");
+                else if (pb != 0)
                     rc = bad("--device-mem", v, "expected a positive size such as 512M or 80G");
                 break;
+            }
             case OPT_DELAY: rc = int_in("--delay-us", v, 0, 1000000, &a->delay_us); break;
             case OPT_TRACE: a->trace = v; break;
             case OPT_PROFILE_OPS: a->profile_ops = 1; break;
@@ -397,32 +528,29 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
                 else if (strcmp(v, "f16") == 0) a->export_dtype = EXPORT_F16;
                 else rc = bad("--export-dtype", v, "expected f32, bf16 or f16");
                 break;
-            case OPT_EXPORT_SHARD:
-                if (parse_bytes(v, &a->export_shard_bytes) != 0 || a->export_shard_bytes < 1)
+            case OPT_EXPORT_SHARD: {
+                const int pb = parse_bytes(v, &a->export_shard_bytes);
+                if (pb == -2) rc = bad("--export-shard-size", v, "too large (at most 2^60 bytes)");
+                else if (pb != 0 || a->export_shard_bytes < 1)
                     rc = bad("--export-shard-size", v, "expected a positive size, e.g. 2G");
                 break;
+            }
             case OPT_TEMPERATURE: rc = float_in("--temperature", v, 0.0, 100.0, 0, &a->temperature); break;
             case 'h': args_usage(stdout); return 1;
-            case ':': {
-                const char* flag = argv[optind - 1];
-                args_usage(stderr);
-                fprintf(stderr, "train_roundpipe: error: %s needs a value\n", flag);
-                return 2;
-            }
+            case ':': return bad(argv[optind - 1], "", "needs a value");
             default: {
                 const char* flag = argv[optind - 1];
-                args_usage(stderr);
-                fprintf(stderr, "train_roundpipe: error: unknown flag '%s'\n", flag);
+                char what[160] = "unknown flag";
+                const char* near = closest_flag(opts, flag);
+                if (near) snprintf(what, sizeof what, "unknown flag; did you mean --%s?", near);
+                fprintf(stderr, "train_roundpipe: error: %s: %s (see --help)\n", flag, what);
                 return 2;
             }
         }
         if (rc) return rc;
     }
-    if (optind < argc) {
-        args_usage(stderr);
-        fprintf(stderr, "train_roundpipe: error: unexpected argument '%s'\n", argv[optind]);
-        return 2;
-    }
+    if (optind < argc)
+        return bad(argv[optind], "", "unexpected argument (every value follows its flag)");
     // cross-flag checks
     if (a->micro_batches > a->batch) {
         char v[64];

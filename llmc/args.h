@@ -73,8 +73,9 @@ typedef struct TrainArgs {
 
 // Defaults: the built-in tiny model on the shipped corpus.
 void args_defaults(TrainArgs* a);
-// Parse argv. On a bad flag or value: prints the usage and a one-line error to stderr and returns
-// 2 (the exit status). --help prints the usage to stdout and returns 1 (exit 0). Otherwise 0.
+// Parse argv. On a bad flag or value: prints one error line (what is wrong, the limit it broke, a
+// hint to --help) to stderr and returns 2 (the exit status). --help prints the usage to stdout
+// and returns 1 (exit 0). Otherwise 0.
 int args_parse(TrainArgs* a, int argc, char** argv);
 void args_usage(FILE* f);
 // The flags as a JSON object, keys = long flag names (args.json of checkpoints). malloc'd.

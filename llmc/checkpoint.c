@@ -86,6 +86,7 @@ int checkpoint_resolve_model(ModelSource* src, const char* spec, char* err) {
     if (str_ends_with(spec, ".json")) {
         if (!file_exists(spec)) return errorf(err, "%s: no such file", spec);
         str_copy(src->config_path, sizeof src->config_path, spec);
+        dir_of(spec, src->hf_dir, sizeof src->hf_dir);  // its tokenizer files, if any
         return config_from_hf_json(&src->cfg, spec, err);
     }
     if (str_ends_with(spec, ".safetensors")) {
@@ -130,6 +131,48 @@ void checkpoint_release_weights(ModelSource* src) {
 void checkpoint_close_source(ModelSource* src) {
     checkpoint_release_weights(src);
     gguf_tokenizer_free(&src->tokenizer);
+    if (src->tok) tokenizer_free(src->tok);
+    free(src->tok);
+    src->tok = NULL;
+}
+
+// ----------------------------------------------------------------------------
+// the tokenizer
+
+int checkpoint_load_tokenizer(ModelSource* src, char* err) {
+    char file[1200], terr[ERR_LEN];
+    Tokenizer tok;
+    int rc;
+    if (src->kind == SOURCE_GGUF) {
+        GgufString model;
+        if (!src->has_weights || src->tokenizer.n_kv == 0) return 0;
+        // our exports of a model without a tokenizer say so
+        if (gguf_get_string(&src->gguf, "tokenizer.ggml.model", &model) == 1 && model.n == 8 &&
+            memcmp(model.s, "no_vocab", 8) == 0)
+            return 0;
+        str_copy(file, sizeof file, src->gguf.path);
+        rc = tokenizer_load_gguf(&tok, &src->gguf, terr);
+    } else {
+        if (!src->hf_dir[0]) return 0;
+        snprintf(file, sizeof file, "%s/tokenizer.json", src->hf_dir);
+        if (!file_exists(file)) return 0;
+        rc = tokenizer_load(&tok, src->hf_dir, terr);
+    }
+    if (rc != 0) {
+        printf("warning: %s; the tokenizer is not used (no prompt encoding, samples print ids)\n",
+               terr);
+        return 0;
+    }
+    if (tok.n_vocab > src->cfg.V) {
+        errorf(err, "%s: the tokenizer has %d tokens, more than the model's vocabulary of %d "
+                    "(vocab_size)", file, tok.n_vocab, src->cfg.V);
+        tokenizer_free(&tok);
+        return -1;
+    }
+    printf("tokenizer: %d tokens from %s\n", tok.n_vocab, file);
+    src->tok = malloc_check(sizeof tok);
+    *src->tok = tok;
+    return 0;
 }
 
 // ----------------------------------------------------------------------------
@@ -786,6 +829,9 @@ int checkpoint_export_hf(const char* dir, const Model* m, const Store* s, Export
     rc = file_write_atomic(path, json, strlen(json), err);
     free(json);
     if (rc == 0 && src && src->hf_dir[0]) copy_tokenizer_files(src->hf_dir, dir);
+    // a GGUF source's tokenizer becomes tokenizer.json (an HF source's files are copied above)
+    if (rc == 0 && src && src->tok && src->kind == SOURCE_GGUF)
+        rc = tokenizer_write_hf(src->tok, dir, err);
     return rc;
 }
 
@@ -810,11 +856,16 @@ int checkpoint_export_gguf(const char* path, const Model* m, const Store* s, Exp
                         wt == GGML_TYPE_F32   ? 0
                         : wt == GGML_TYPE_F16 ? 1
                                               : 32);
-    if (src && src->tokenizer.n_kv > 0)
+    GgufTokenizer written = {0};  // records from an HF source's tokenizer
+    if (src && src->tokenizer.n_kv > 0) {
         gguf_writer_add_records(&w, src->tokenizer.records, src->tokenizer.len,
                                 src->tokenizer.n_kv);
-    else
+    } else if (src && src->tok) {
+        tokenizer_gguf_records(src->tok, c->V, &written);
+        gguf_writer_add_records(&w, written.records, written.len, written.n_kv);
+    } else {
         gguf_writer_add_string(&w, "tokenizer.ggml.model", "no_vocab");
+    }
     const TensorTable* tt = &m->tt;
     GgufPart parts[2];
     for (int i = 0; i < tt->n; i++) {
@@ -850,5 +901,6 @@ int checkpoint_export_gguf(const char* path, const Model* m, const Store* s, Exp
     }
     int rc = gguf_writer_write(&w, path, err);
     gguf_writer_free(&w);
+    gguf_tokenizer_free(&written);
     return rc;
 }

@@ -6,9 +6,12 @@
  *  - training-state checkpoints (--save-every, --keep, --resume): DIR/step_<N>/ with the weights,
  *    the optimizer state, the data-loader and RNG state, the config and the flags, written
  *    atomically and marked complete by a DONE file written last;
+ *  - the model's tokenizer (tokenizer.json beside an HF source or its config.json, or a GGUF
+ *    source's tokenizer.ggml.* records), for the prompt, the sample and the exports;
  *  - exports: --export-hf (safetensors, sharded with an index past the shard size, config.json,
- *    the source's tokenizer files) and --export-gguf (F32/F16/BF16 with the architecture metadata
- *    and the source GGUF's tokenizer).
+ *    the source's tokenizer files, or tokenizer.json written from a GGUF source's tokenizer) and
+ *    --export-gguf (F32/F16/BF16 with the architecture metadata and the source GGUF's tokenizer
+ *    records, or records written from an HF source's tokenizer).
  */
 #ifndef LLMC_CHECKPOINT_H
 #define LLMC_CHECKPOINT_H
@@ -23,6 +26,7 @@
 #include "rng.h"
 #include "safetensors.h"
 #include "store.h"
+#include "tokenizer.h"
 
 typedef enum {
     SOURCE_CONFIG = 0,   // a preset or a config.json: no weights (random init)
@@ -37,8 +41,10 @@ typedef struct ModelSource {
     StCheckpoint ck;          // SOURCE_SAFETENSORS
     GgufFile gguf;            // SOURCE_GGUF
     GgufTokenizer tokenizer;  // tokenizer.* records of a GGUF source (empty otherwise)
+    Tokenizer* tok;           // the model's tokenizer, once checkpoint_load_tokenizer found one
     char config_path[1024];   // "" for presets and GGUF files
-    char hf_dir[1024];        // the directory of an HF source (tokenizer files), or ""
+    char hf_dir[1024];        // the directory of an HF source or of a config.json (tokenizer
+                              // files), or ""
 } ModelSource;
 
 // spec: a preset name, an HF directory (config.json + safetensors), a config.json (random init),
@@ -48,6 +54,13 @@ int checkpoint_resolve_model(ModelSource* src, const char* spec, char* err);
 // Load the source's weights into the store (checks names and shapes; *n_unused counts tensors of
 // the file the model does not use).
 int checkpoint_load_weights(const ModelSource* src, Store* s, int* n_unused, char* err);
+// The source's tokenizer into src->tok: hf_dir/tokenizer.json (with tokenizer_config.json), or
+// a GGUF source's tokenizer.ggml.* records; call it before the weights are released. None, or
+// one this tokenizer cannot read (other than byte-level BPE), leaves src->tok NULL: the latter
+// with a warning (the prompt is then not encoded; the exports still copy the files or records
+// as they are). Prints "tokenizer: N tokens from FILE" when it loads one. -1 with err when its
+// vocabulary is larger than the model's.
+int checkpoint_load_tokenizer(ModelSource* src, char* err);
 // Unmap the weight files; the config, tokenizer and hf_dir stay for the exports.
 void checkpoint_release_weights(ModelSource* src);
 // Release everything.
@@ -126,13 +139,15 @@ int checkpoint_load_state(const char* step_dir, const Model* m, Store* s, TrainS
 #define EXPORT_DEFAULT_SHARD_BYTES 5000000000ull  // transformers' max_shard_size "5GB"
 
 // dir/: model.safetensors, or model-0000i-of-0000n.safetensors + model.safetensors.index.json
-// when the tensors exceed shard_bytes; config.json; the tokenizer files of an HF source.
+// when the tensors exceed shard_bytes; config.json; the tokenizer files of an HF source, or
+// tokenizer.json + tokenizer_config.json written from a GGUF source's tokenizer.
 int checkpoint_export_hf(const char* dir, const Model* m, const Store* s, ExportDtype dtype,
                          uint64_t shard_bytes, const ModelSource* src, char* err);
 // One GGUF file (2-D weights in dtype, norms F32), LLaMA q/k rows permuted and rope_freqs.weight
 // written as llama.cpp expects, MoE experts in its layout (gguf_tensor_parts), the source GGUF's
-// tokenizer records (else tokenizer.ggml.model "no_vocab", which llama.cpp loads as a model
-// without a vocabulary).
+// tokenizer records, else records written from the source's tokenizer (padded to the model's
+// vocabulary), else tokenizer.ggml.model "no_vocab" (llama.cpp loads that as a model without a
+// vocabulary).
 int checkpoint_export_gguf(const char* path, const Model* m, const Store* s, ExportDtype dtype,
                            const ModelSource* src, char* err);
 

@@ -41,7 +41,7 @@ typedef struct MoePreset {
     int aux_on;         // output_router_logits
 } MoePreset;
 
-// Hub configurations (FORMATS_AND_MODELS.md §6) and small models for tests and the default run.
+// Hub configurations (docs/FORMATS.md §2.4) and small models for tests and the default run.
 static const Preset presets[] = {
     {"qwen3-0.6b", FAMILY_QWEN3, 151936, 1024, 28, 16, 8, 128, 3072, 1e-6f, 1, 1e6, ROPE_DEFAULT, 0, 0, 40960, 151643, 151645},
     {"qwen3-1.7b", FAMILY_QWEN3, 151936, 2048, 28, 16, 8, 128, 6144, 1e-6f, 1, 1e6, ROPE_DEFAULT, 0, 0, 40960, 151643, 151645},
@@ -226,7 +226,7 @@ static int get_token_id(const JsonValue* o, const char* key, int* out, const cha
 }
 
 // RoPE: accept rope_parameters (transformers 5, possibly nested per layer type) or the legacy
-// rope_theta + rope_scaling (FORMATS_AND_MODELS.md §3.2).
+// rope_theta + rope_scaling (docs/FORMATS.md §2.2).
 static int parse_rope(ModelConfig* c, const JsonValue* root, const char* path, char* err) {
     const JsonValue* rp = json_get(root, "rope_parameters");
     if (rp && rp->type == JSON_NULL) rp = NULL;

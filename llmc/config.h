@@ -1,9 +1,9 @@
 /*
  * config.h — model configuration: families, built-in presets, HF config.json parsing.
  *
- * One ModelConfig describes every family the trainer knows. Dimension letters follow STYLE.md:
- * V vocab, C model width, L layers, H query heads, KVH kv heads, HD head dim, F ffn width,
- * E experts, K experts per token. Fields a family does not use stay zero.
+ * One ModelConfig describes every family the trainer knows. Dimension letters follow
+ * docs/ARCHITECTURE.md §1.2: V vocab, C model width, L layers, H query heads, KVH kv heads, HD head
+ * dim, F ffn width, E experts, K experts per token. Fields a family does not use stay zero.
  */
 #ifndef LLMC_CONFIG_H
 #define LLMC_CONFIG_H
@@ -111,8 +111,8 @@ int config_truncate_layers(ModelConfig* cfg, int n, char* err);
 float config_rope_inv_freq(const ModelConfig* cfg, float* inv_freq);
 
 // Parameter counts. n_mm counts matmul parameters per token (FLOP convention of
-// PERFORMANCE_MODEL.md; the LM head counts once even when tied; MoE blocks count their router and
-// the K active experts, so FLOPs and MFU use active parameters).
+// docs/PERFORMANCE.md §1.1; the LM head counts once even when tied; MoE blocks count their router
+// and the K active experts, so FLOPs and MFU use active parameters).
 int64_t config_num_params(const ModelConfig* cfg);
 int64_t config_num_matmul_params(const ModelConfig* cfg);
 // Model FLOPs per trained token at sequence length T: 6*N_mm + 6*T*H*HD per block, with

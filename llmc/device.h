@@ -14,7 +14,7 @@
  *    not tied to a device: any device's stream may record or wait on any event of the set (the
  *    CUDA implementation makes a CUDA event per record, on the recording GPU, and a wait uses
  *    the one current when the wait was made). Waiting on an event never recorded is a no-op (as in CUDA):
- *    the engine therefore guarantees "record before wait" itself (ROUNDPIPE.md §5).
+ *    the engine therefore guarantees "record before wait" itself (docs/ROUNDPIPE.md §3.2).
  *  - device_event_synchronize blocks the calling host thread the same way.
  *  - device_submit(stream, fn, arg): on the CPU emulation fn(arg) runs later, on the stream's
  *    thread, in order; on CUDA fn(arg) runs later on the GPU's issue thread (every call of this
@@ -23,7 +23,7 @@
  *    fn enqueues/does is ordered after earlier work on the stream. `arg` must stay valid until
  *    the work has run (use an event to know when).
  *
- * Stream roles (ROUNDPIPE.md §7.1, one of each per device): compute, activation upload and
+ * Stream roles (docs/ROUNDPIPE.md §4.1, one of each per device): compute, activation upload and
  * download (the critical path), parameter upload, gradient download.
  */
 #ifndef LLMC_DEVICE_H

@@ -276,8 +276,8 @@ static Device* cuda_open(int index, const DeviceOptions* opt) {
     int lo = 0, hi = 0;
     cuda_check(cudaDeviceGetStreamPriorityRange(&lo, &hi));
     for (int s = 0; s < STREAM_COUNT; s++) {
-        // the activation path is the critical one (ROUNDPIPE.md §7); priorities order kernels,
-        // the copy engines are ordered by the engine's event gating
+        // the activation path is the critical one (docs/ROUNDPIPE.md §4.1); priorities order
+        // kernels, the copy engines are ordered by the engine's event gating
         int prio = (s == STREAM_ACT_UP || s == STREAM_ACT_DOWN) ? hi : lo;
         cuda_check(cudaStreamCreateWithPriority(&d->streams[s], cudaStreamNonBlocking, prio));
     }

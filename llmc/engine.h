@@ -1,5 +1,5 @@
 /*
- * engine.h — the RoundPipe engine (ROUNDPIPE.md): stages of the layer sequence dispatched
+ * engine.h — the RoundPipe engine (docs/ROUNDPIPE.md): stages of the layer sequence dispatched
  * round-robin to N stateless devices, asymmetric forward/backward partitions with a fused
  * loss stage, a prioritised transfer engine over four copy streams per device, a per-layer
  * consistency protocol and a one-step-delayed CPU optimizer.
@@ -12,20 +12,20 @@
  * a stage's work (parameter upload, per micro-batch activation upload / compute / download,
  * gradient download) on the device's streams; cross-stage dependencies are device events, which a
  * producer always records before a consumer waits on them because slots are enqueued in order
- * (ROUNDPIPE.md §4 "single dispatcher"). The controller blocks only at fences on the host flags of
+ * (docs/ROUNDPIPE.md §3.2). The controller blocks only at fences on the host flags of
  * the consistency protocol. One optimizer thread runs AdamW steps from a FIFO.
  *
  * Precision: devices compute in their backend's dtype (fp32 emulated, bf16 CUDA); the host keeps
  * fp32 master weights, m, v and fp32 gradient accumulators (the Store) plus two compute-dtype
- * copies of the weights ("master" buffers, ROUNDPIPE.md §9.5): the optimizer step for iteration
- * t's gradient writes the updated weights straight into the buffer the next iteration to use them
- * uploads from, so no separate P-copy or G-copy pass exists. With the delayed update the fp32
- * gradient accumulators are double-buffered too (one more set, pinned), so an iteration's
+ * copies of the weights ("master" buffers, docs/ROUNDPIPE.md §5.1): the optimizer step for
+ * iteration t's gradient writes the updated weights straight into the buffer the next iteration to
+ * use them uploads from, so no separate P-copy or G-copy pass exists. With the delayed update the
+ * fp32 gradient accumulators are double-buffered too (one more set, pinned), so an iteration's
  * gradient downloads never wait for the step still reading the previous iteration's: the CPU
  * step hides behind a whole iteration. Host memory: 16 B/param (Store) + 2 x compute dtype
  * (masters) + 4 B/param (second gradient set, delayed mode only), plus activation checkpoints.
  *
- * Delayed update (default, ROUNDPIPE.md §9.4): iteration t computes with θ_{max(t-1,0)}; with
+ * Delayed update (default, docs/ROUNDPIPE.md §6.1): iteration t computes with θ_{max(t-1,0)}; with
  * `sync`, iteration t computes with θ_t (the step waits for the previous iteration).
  *
  * Determinism: every micro-batch runs the same ops in the same order whatever device it lands on;
@@ -150,7 +150,7 @@ int engine_plan_cost(const Model* m, int act_bytes, int n_devices, const EngineO
 // the run's plan policy (plan.c): the decisions a caller makes before it creates an engine, with
 // the engine's own accounting. They take explicit values: a CLI maps its flags to EngineOptions.
 
-// Host memory of a run in bytes (PERFORMANCE_MODEL.md §5), before anything is allocated: what
+// Host memory of a run in bytes (docs/PERFORMANCE.md §3), before anything is allocated: what
 // engine_create allocates besides the caller's Store, and the Store itself.
 typedef struct EngineHostMemory {
     double store;            // the Store: fp32 weights, m, v and gradients, 16 B/param

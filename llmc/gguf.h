@@ -1,5 +1,5 @@
 /*
- * gguf.h — GGUF v3 checkpoints (docs FORMATS_AND_MODELS.md §2), one header over four files:
+ * gguf.h — GGUF v3 checkpoints (docs/FORMATS.md §4), one header over four files:
  *   gguf_read.c   a bounded, validating reader (memory-mapped, or over a caller's buffer for
  *                 fuzzing): header, metadata, tensor infos, lookups, the tokenizer records;
  *   gguf_quant.c  the ggml type table and dequantisation of the types we accept to fp32;
@@ -180,8 +180,8 @@ void gguf_tensor_name(ModelFamily family, const TensorDesc* d, char* out, size_t
 // qwen3moe and gpt-oss (router, stacked experts, sinks, biases). -1 if the name has no mapping.
 int gguf_name_from_hf(ModelFamily family, const char* hf_name, char* out, size_t cap);
 // Read descriptor d's tensor into out (HF row-major layout, fp32): the GGUF ne must be d's shape
-// reversed (its parts' shapes for the MoE experts, below); LLaMA q/k rows are un-permuted (§2.9);
-// non-finite values are refused.
+// reversed (its parts' shapes for the MoE experts, below); LLaMA q/k rows are un-permuted
+// (docs/FORMATS.md §4.4); non-finite values are refused.
 int gguf_read_hf_tensor(const GgufFile* f, const ModelConfig* cfg, const TensorDesc* d, float* out,
                         char* err);
 

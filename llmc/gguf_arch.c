@@ -328,7 +328,8 @@ static int config_scaling_and_experts(const GgufFile* f, const char* arch, Model
         arch_int(f, arch, "expert_feed_forward_length", 1, 1, GGUF_BIG, &c->F_expert, err))
         return -1;
     c->decoder_sparse_step = 1;  // every block routes (llama.cpp has no dense qwen3moe blocks)
-    c->norm_topk_prob = c->family == FAMILY_QWEN3MOE;  // hard-coded by llama.cpp (§2.6)
+    // not stored in GGUF: hard-coded by llama.cpp (docs/FORMATS.md §4.2)
+    c->norm_topk_prob = c->family == FAMILY_QWEN3MOE;
     // The aux loss as the released HF configs have it (off; their coefficients)
     c->output_router_logits = 0;
     c->router_aux_loss_coef = c->family == FAMILY_GPTOSS ? 0.9 : 0.001;
@@ -418,8 +419,9 @@ static const NameMap block_names[] = {
      "ffn_up.weight"},
     {FAM(FAMILY_LLAMA) | FAM(FAMILY_QWEN3) | FAM(FAMILY_QWEN3MOE), "mlp.down_proj.weight",
      "ffn_down.weight"},
-    // MoE routers and stacked experts (§2.7). The stacked GGUF tensors are [E, out, in] row-major;
-    // the HF forms differ per family (see GgufLayout notes in gguf_name_from_hf).
+    // MoE routers and stacked experts (docs/FORMATS.md §4.4). The stacked GGUF tensors are
+    // [E, out, in] row-major; the HF forms differ per family (see GgufLayout notes in
+    // gguf_name_from_hf).
     {FAM(FAMILY_QWEN3MOE), "mlp.gate.weight", "ffn_gate_inp.weight"},
     {FAM(FAMILY_QWEN3MOE), "mlp.experts.gate_up_proj", "ffn_gate_exps.weight"},
     {FAM(FAMILY_QWEN3MOE), "mlp.experts.down_proj", "ffn_down_exps.weight"},
@@ -618,7 +620,8 @@ int gguf_read_hf_tensor(const GgufFile* f, const ModelConfig* cfg, const TensorD
     float* tmp = malloc_check((size_t)d->numel * sizeof(float));
     int rc = read_part(f, &parts[0], d, tmp, err);
     if (rc == 0 && n == 2) rc = read_part(f, &parts[1], d, tmp + parts[0].numel, err);
-    if (rc == 0 && permute)  // llama.cpp permuted these rows for its adjacent-pair RoPE (§2.9)
+    // llama.cpp permuted LLaMA's q/k rows for its adjacent-pair RoPE (docs/FORMATS.md §4.4)
+    if (rc == 0 && permute)
         gguf_permute_rows(tmp, out, d->kind == TK_WQ ? cfg->H : cfg->KVH, d->shape[0],
                           d->shape[1], 1);
     else if (rc == 0)

@@ -2,7 +2,7 @@
  * gguf_quant.c — the ggml tensor types: the table of names and block sizes, and dequantisation
  * to fp32 of the types we accept (F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q6_K MXFP4).
  *
- * Block layouts follow ggml (FORMATS_AND_MODELS.md §2.5) operation for operation, so results are
+ * Block layouts follow ggml (docs/FORMATS.md §4.3) operation for operation, so results are
  * bit-identical to gguf-py's dequantize (our oracle in tests).
  */
 #include "gguf.h"

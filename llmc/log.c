@@ -10,12 +10,25 @@
 
 #include "common.h"
 
-int log_open(StepLog* lg, const char* path, int append, char* err) {
+int log_open(StepLog* lg, const char* path, long long resume_step, char* err) {
     lg->f = NULL;
     lg->path = path;
     if (!path || !*path) return 0;
-    lg->f = fopen(path, append ? "a" : "w");
+    const int append = resume_step >= 0;
+    lg->f = fopen(path, append ? "a+" : "w");
     if (!lg->f) return errorf(err, "--log %s: cannot open for writing: %s", path, strerror(errno));
+    if (!append) return 0;
+    // a run killed while writing a record leaves a line without its newline: end it, so the
+    // marker starts a line of its own
+    int last = EOF;
+    if (fseek(lg->f, 0, SEEK_END) == 0 && ftell(lg->f) > 0 && fseek(lg->f, -1, SEEK_END) == 0)
+        last = fgetc(lg->f);
+    if (fseek(lg->f, 0, SEEK_END) != 0)
+        return errorf(err, "--log %s: cannot seek: %s", path, strerror(errno));
+    if (last != EOF && last != '\n') fputc('\n', lg->f);
+    fprintf(lg->f, "{\"resume\":%lld}\n", resume_step);
+    if (fflush(lg->f) != 0)
+        return errorf(err, "--log %s: write failed: %s", path, strerror(errno));
     return 0;
 }
 
@@ -31,8 +44,12 @@ static void json_num(FILE* f, const char* key, double v, int last) {
 }
 
 void log_step(StepLog* lg, const StepStats* s) {
-    printf("step %5d/%d | loss %.6f | norm %8.4f | lr %.3e | %8.1f ms | %9.0f tok/s", s->step,
-           s->steps, s->loss, s->norm, s->lr, s->ms, s->tok_s);
+    if (s->no_update)
+        printf("step %5d/%d | loss %.6f | norm %8s | lr %9s | %8.1f ms | %9.0f tok/s", s->step,
+               s->steps, s->loss, "-", "-", s->ms, s->tok_s);
+    else
+        printf("step %5d/%d | loss %.6f | norm %8.4f | lr %.3e | %8.1f ms | %9.0f tok/s",
+               s->step, s->steps, s->loss, s->norm, s->lr, s->ms, s->tok_s);
     if (s->mfu >= 0) printf(" | MFU %5.1f%%", 100.0 * s->mfu);
     if (s->bubble >= 0) printf(" | bubble %4.1f%%", 100.0 * s->bubble);
     if (s->moe) printf(" | experts max/mean %.2f", s->load_spread);
@@ -48,10 +65,11 @@ void log_step(StepLog* lg, const StepStats* s) {
         json_num(lg->f, "aux", s->aux, 0);
         json_num(lg->f, "load_spread", s->load_spread, 0);
     }
-    json_num(lg->f, "lr", s->lr, 0);
-    json_num(lg->f, "norm", s->norm, 0);
+    json_num(lg->f, "lr", s->no_update ? NAN : s->lr, 0);
+    json_num(lg->f, "norm", s->no_update ? NAN : s->norm, 0);
     json_num(lg->f, "ms", s->ms, 0);
     json_num(lg->f, "tok_s", s->tok_s, 0);
+    fprintf(lg->f, "\"tokens\":%.0f,", s->tokens);
     if (s->mfu >= 0) json_num(lg->f, "mfu", s->mfu, 0);
     if (s->bubble >= 0) json_num(lg->f, "bubble", s->bubble, 0);
     if (s->dev_mib >= 0) json_num(lg->f, "dev_mib", s->dev_mib, 0);
@@ -98,6 +116,7 @@ void log_meter_init(StepMeter* mt, int window, double tokens_per_step, double fl
 
 void log_meter_record(StepMeter* mt, StepStats* st, double dt) {
     st->ms = dt * 1e3;
+    st->tokens = mt->tokens_per_step * st->step;
     mt->dt[mt->n % mt->window] = dt;
     mt->idle[mt->n % mt->window] = st->bubble >= 0 ? st->bubble * dt : 0.0;
     mt->n++;

@@ -2,6 +2,18 @@
  * log.h — the per-step console line and the --log JSON-lines file (one object per step and one
  * per evaluation), and the throughput meter behind the line's tok/s, MFU and bubble columns.
  * Numbers are written with enough digits to round-trip.
+ *
+ * The JSON-lines records:
+ *   {"step":N,"loss":X,"lr":X,"norm":X,"ms":X,"tok_s":X,"tokens":N[,"mfu":X][,"bubble":X]
+ *    [,"dev_mib":X],"host_mib":X}       one per step (tokens: trained through this step, B x T x
+ *                                       step); lr and norm are null for a step that applied
+ *                                       no optimizer update (the delayed engine's first
+ *                                       iteration), and any non-finite number is null
+ *   {"step":N,"val_loss":X}             one per evaluation
+ *   {"resume":N}                        a resumed run appending to its log: the records that
+ *                                       follow replace every earlier record of a step > N (a run
+ *                                       killed after its last checkpoint logged steps that the
+ *                                       resumed run logs again)
  */
 #ifndef LLMC_LOG_H
 #define LLMC_LOG_H
@@ -18,8 +30,11 @@ typedef struct StepStats {
     double loss;
     double norm;
     double lr;
+    int no_update;  // no optimizer step was reported with this step (the delayed update's first
+                    // iteration): the line shows "norm -" and "lr -", the JSON null
     double ms;
     double tok_s;
+    double tokens;  // tokens trained through this step (B x T x step)
     double mfu;     // < 0 when not measured (CPU)
     double bubble;  // fraction of device compute time idle (< 0: not pipelined)
     double host_mib, dev_mib;  // memory in use (< 0: not reported)
@@ -34,9 +49,10 @@ typedef struct StepStats {
 // Resident host memory of this process in MiB (from /proc/self/status; -1 if unavailable).
 double log_host_rss_mib(void);
 
-// Open the log file, truncated, or appended to when `append` (a resumed run continues its log);
-// "" means no file. -1 + err on failure.
-int log_open(StepLog* lg, const char* path, int append, char* err);
+// Open the log file; "" means no file. resume_step < 0: a new run, the file is truncated;
+// otherwise a run resumed after step resume_step appends to it, first a {"resume":N} record
+// (after a newline when a killed run left its last line unfinished). -1 + err on failure.
+int log_open(StepLog* lg, const char* path, long long resume_step, char* err);
 void log_close(StepLog* lg);
 void log_step(StepLog* lg, const StepStats* s);
 void log_eval(StepLog* lg, int step, double val_loss);

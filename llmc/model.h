@@ -8,7 +8,8 @@
  * buffers one backend needs to run layers on micro-batches of up to B x T tokens: RoPE tables,
  * saved block activations (BlockActs, for the backward) and scratch for gradients and LM-head
  * chunks. The LM head and the loss are fused and chunked over tokens: full logits (N, V) are never
- * materialised, and the head's weight gradient is computed inside the forward (ROUNDPIPE.md §12).
+ * materialised, and the head's weight gradient is computed inside the forward
+ * (docs/ROUNDPIPE.md §2.2).
  *
  * Block math (HF modeling_llama / modeling_qwen3 / modeling_qwen3_moe / modeling_gpt_oss):
  *     ln1 = RMSNorm(x) ; qkv = ln1·Wqkvᵀ (+ bqkv) ; (Qwen3: RMSNorm_HD(q), RMSNorm_HD(k)) ; RoPE(q, k)

@@ -181,7 +181,7 @@ static void cpu_residual_rmsnorm_forward(void* ctx, void* res, void* out, float*
     cpu_run(ctx, task_count(N, r.rows_per_task), rmsnorm_forward_task, &r);
 }
 
-// dx = rstd * (g - x̂ * mean(g * x̂)), g = dy * w, x̂ = x * rstd (FORMATS_AND_MODELS.md §5.2).
+// dx = rstd * (g - x̂ * mean(g * x̂)), g = dy * w, x̂ = x * rstd (docs/FORMATS.md §7.2).
 static void rmsnorm_backward_dinp_task(void* arg, int64_t task) {
     const RmsnormArgs* r = arg;
     int n0 = (int)task * r->rows_per_task, n1 = imin(r->N, n0 + r->rows_per_task);
@@ -484,7 +484,7 @@ static void cpu_swiglu_forward(void* ctx, void* out, const void* gu, int N, int 
     cpu_run(ctx, task_count(N, s.rows_per_task), swiglu_forward_task, &s);
 }
 
-// du = dy silu(a); da = dy u σ(a) (1 + a (1 - σ(a))) (FORMATS_AND_MODELS.md §5.5).
+// du = dy silu(a); da = dy u σ(a) (1 + a (1 - σ(a))) (docs/FORMATS.md §7.5).
 static void swiglu_backward_task(void* arg, int64_t task) {
     const SwigluArgs* s = arg;
     int n0 = (int)task * s->rows_per_task, n1 = imin(s->N, n0 + s->rows_per_task);

@@ -1,5 +1,5 @@
 /*
- * partition.c — the RoundPipe planner (ROUNDPIPE.md §8): candidate t values, the greedy
+ * partition.c — the RoundPipe planner (docs/ROUNDPIPE.md §2.4): candidate t values, the greedy
  * fewest-stages scan per candidate, the exhaustive reference search, plan validation, cost
  * estimates and profiles, the slot schedule and the --plan printout. See partition.h for the plan
  * layout and the objective.
@@ -454,7 +454,7 @@ int partition_brute_force(const PartitionInput* in, PartitionPlan* out, char* er
 }
 
 // ----------------------------------------------------------------------------
-// cost estimates (PERFORMANCE_MODEL.md §1)
+// cost estimates (docs/ROUNDPIPE.md §2.3)
 
 static int layer_is_moe(const ModelConfig* cfg, int block) {
     if (cfg->E <= 0 || cfg->K <= 0 || cfg->F_expert <= 0) return 0;
@@ -490,7 +490,7 @@ void partition_estimate_costs(const ModelConfig* cfg, int T, int tokens_per_micr
 }
 
 // ----------------------------------------------------------------------------
-// profiled costs (ROUNDPIPE.md §8.2)
+// profiled costs (docs/ROUNDPIPE.md §2.7)
 
 void cost_profile_init(CostProfile* p, int n_layers) {
     p->n_layers = n_layers;

@@ -1,6 +1,6 @@
 /*
  * partition.h — the RoundPipe planner: asymmetric stage partitions, their cost model and the
- * round-robin slot schedule (ROUNDPIPE.md §3, §4, §6, §8).
+ * round-robin slot schedule (docs/ROUNDPIPE.md §2, §3).
  *
  * The layer sequence has n_layers = L + 2 entries: 0 = prefix (embedding), 1..L = decoder blocks
  * (entry l is block l-1), L+1 = postfix (final norm + LM head + loss). A stage is a contiguous
@@ -23,7 +23,7 @@
  * what one stage needs resident on its device (forward: parameters; backward: parameters +
  * gradients); activation memory is the caller's business, folded into the budget. Every stage
  * must fit the budget for ONE stage, which the caller sets to half the device limit because a
- * device holds its current stage and prefetches its next one (§7.4).
+ * device holds its current stage and prefetches its next one (docs/ROUNDPIPE.md §2.5).
  *
  * Objective over S = n_fwd + n_bwd slots per round:
  *   sync  (paper):       (M*S + N*(N-1)) * t_max
@@ -32,7 +32,7 @@
  *       the one-step-delayed update two iterations may run at once (the engine submits t+1
  *       before collecting t), so a plan of S < N stages still keeps min(N, 2S) devices busy:
  *       the period is the larger of S t / N (all devices busy) and half an iteration's span
- *       (1 + (min(S, N) - 1) / M) t. The paper's max(S, N) t (ROUNDPIPE.md §8.3) assumed one
+ *       (1 + (min(S, N) - 1) / M) t. The paper's max(S, N) t (docs/ROUNDPIPE.md §2.4) assumed one
  *       iteration at a time; for S >= N the two agree unless M is small.
  *   one device (N = 1), either mode: the work, sum of fwd_cost over the layers before the fused
  *       stage + sum of bwd_cost over all layers (x M in sync mode): the device runs its stages
@@ -41,13 +41,13 @@
  * bubble: sync, N(N-1) / (M*S + N(N-1)), the paper's structural bubble of the chosen plan;
  * async, 1 - S t_max / cost, the devices' idle share of the period; 0 on one device.
  *
- * partition_plan is the paper's search (§8.3): for each candidate t (every contiguous sum of the
- * costs, ascending; forward sums stop before the postfix, which never runs as a forward stage) a
- * greedy scan gives the fewest stages whose times are all <= t and whose bytes all fit; the
- * cheapest (cost from the plan's ACTUAL t_max) wins, ties going to fewer stages, then smaller
- * t_max. Why greedy is exact: packing a prefix [0, e) into intervals under "sum <= t and bytes <=
- * budget" is minimised greedily from either end, the minimum is monotone in e, so the largest
- * fused stage is best; and the optimum's t_max is itself a candidate. Cost is
+ * partition_plan is the paper's search (docs/ROUNDPIPE.md §2.4): for each candidate t (every
+ * contiguous sum of the costs, ascending; forward sums stop before the postfix, which never runs as
+ * a forward stage) a greedy scan gives the fewest stages whose times are all <= t and whose bytes
+ * all fit; the cheapest (cost from the plan's ACTUAL t_max) wins, ties going to fewer stages, then
+ * smaller t_max. Why greedy is exact: packing a prefix [0, e) into intervals under "sum <= t and
+ * bytes <= budget" is minimised greedily from either end, the minimum is monotone in e, so the
+ * largest fused stage is best; and the optimum's t_max is itself a candidate. Cost is
  * O(#candidates * n_layers) with lower-bound pruning: about 1 ms for 96 entries, 1-3 s at
  * PARTITION_MAX_LAYERS (a million candidates). partition_brute_force enumerates every valid plan
  * of a small instance to test the exactness claim.
@@ -119,7 +119,7 @@ void partition_evaluate(const PartitionInput* in, PartitionPlan* plan);
 // costs
 
 // FLOP-proportional estimates per layer entry (n_layers = cfg->L + 2) for one micro-batch of
-// tokens_per_microbatch tokens in sequences of length T (PERFORMANCE_MODEL.md §1): a block's
+// tokens_per_microbatch tokens in sequences of length T (docs/ROUNDPIPE.md §2.3): a block's
 // forward is 2*(active matmul params)*tokens + 2*T*H*HD*tokens (causal attention; GPT-OSS sliding
 // layers 4*min(W, T/2)*H*HD), its recompute + backward 3x that; the postfix forward is
 // 2*V*C*tokens and its fused forward + backward 3x that (never recomputed); the prefix (an
@@ -131,9 +131,9 @@ void partition_evaluate(const PartitionInput* in, PartitionPlan* plan);
 void partition_estimate_costs(const ModelConfig* cfg, int T, int tokens_per_microbatch,
                               int mlp_chunked, double* fwd_cost, double* bwd_cost);
 
-// Profiled costs (ROUNDPIPE.md §8.2): the first observation is a cold start and is dropped; after
-// it, est <- 0.9*est + 0.1*obs starting from est = 0, reported bias-corrected as est/(1-0.9^k)
-// with k the number of observations kept. fwd/bwd hold the raw (uncorrected) EMA.
+// Profiled costs (docs/ROUNDPIPE.md §2.7): the first observation is a cold start and is dropped;
+// after it, est <- 0.9*est + 0.1*obs starting from est = 0, reported bias-corrected as
+// est/(1-0.9^k) with k the number of observations kept. fwd/bwd hold the raw (uncorrected) EMA.
 typedef struct CostProfile {
     int n_layers;
     double* fwd;  // (n_layers) raw EMA of forward times
@@ -164,7 +164,8 @@ typedef struct SlotInfo {
 // Slot i (0 <= i < S) of a round. 0, or -1 when i is out of range.
 int partition_slot(const PartitionPlan* plan, int i, SlotInfo* out);
 // The device that runs a global slot: (g0 + global_slot) mod N. Slots are counted over all rounds
-// (the never-reset cursor of §4), so the next round starts at schedule_slot_device(S, g0, N).
+// (the never-reset cursor of docs/ROUNDPIPE.md §3.2), so the next round starts at
+// schedule_slot_device(S, g0, N).
 int schedule_slot_device(int64_t global_slot, int g0, int N);
 
 // ----------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 /*
  * safetensors.c — read (mmap + full validation), open sharded checkpoints, convert to fp32, write.
  *
- * Layout (docs/FORMATS_AND_MODELS.md §1): u64 LE header length N | N bytes of JSON | data buffer.
+ * Layout (docs/FORMATS.md §3.1): u64 LE header length N | N bytes of JSON | data buffer.
  * Invariants after a successful st_open:
  *  - every tensor has a known dtype, rank <= ST_MAX_DIMS, non-negative dims whose product and byte
  *    size do not overflow, and data_offsets with end - begin == numel * dtype size;

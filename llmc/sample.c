@@ -1,5 +1,6 @@
 /*
- * sample.c — temperature sampling over a sliding window, printed as it goes.
+ * sample.c — temperature sampling over a sliding window, printed as it goes (decoded by the
+ * model's tokenizer when it has one).
  */
 #include "sample.h"
 
@@ -8,13 +9,33 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "common.h"
 #include "rng.h"
 
-// Printable for byte-level vocabularies: EOT as <|eot|>, newlines kept, other non-ASCII bytes
-// escaped.
-static void print_token(const ModelConfig* c, int tok) {
-    if (c->V == 256) {
+// A token's text as the tokenizer decodes it: bytes as they are (a character split over two
+// tokens comes together on the terminal), control characters but newline and tab escaped; ids
+// past the tokenizer's vocabulary (the model's padding rows) as [id].
+static void print_piece(const Tokenizer* t, int id) {
+    size_t n = 0;
+    const uint8_t* s = tokenizer_piece(t, id, &n);
+    if (!s) {
+        printf("[%d]", id);
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if ((s[i] < 0x20 && s[i] != '\n' && s[i] != '\t') || s[i] == 0x7f) printf("\\x%02x", s[i]);
+        else putchar(s[i]);
+    }
+}
+
+// One token as printed: through the tokenizer when the model has one; else byte-level
+// vocabularies as text (EOT as <|eot|>, newlines kept, other non-ASCII bytes escaped), and other
+// vocabularies as ids.
+static void print_token(const ModelConfig* c, const Tokenizer* t, int tok) {
+    if (t) {
+        print_piece(t, tok);
+    } else if (c->V == 256) {
         if (tok == c->bos_id) printf("<|eot|>");
         else if (tok == '\n') printf("\n");
         else if (tok >= 32 && tok < 127) putchar(tok);
@@ -41,25 +62,38 @@ static int sample_token(const float* logits, int V, float temperature, Rng* rng)
 }
 
 void sample_print(Plain* p, int window, int n_tokens, const char* prompt, float temperature,
-                  uint32_t seed) {
+                  uint32_t seed, const Tokenizer* tok) {
     const ModelConfig* c = &p->m->cfg;
-    int cap = n_tokens + (int)strlen(prompt) + 1;
-    int32_t* toks = malloc_check((size_t)cap * sizeof(int32_t));
-    float* logits = malloc_check((size_t)c->V * sizeof(float));
+    // the prompt's ids: at most one per byte, and a document token
+    int cap = n_tokens + (int)strlen(prompt) + 2;
+    int32_t* toks = malloc_named((size_t)cap * sizeof(int32_t), "the sampled tokens");
+    float* logits = malloc_named((size_t)c->V * sizeof(float), "the sampler's logits (V floats)");
     Rng rng;
     rng_seed(&rng, seed + 17);  // apart from the init's stream
     int n = 0;
-    if (c->bos_id >= 0) toks[n++] = c->bos_id;
-    if (c->V == 256)
-        for (const char* s = prompt; *s; s++) toks[n++] = (unsigned char)*s;
+    if (tok) {
+        const int32_t doc = tokenizer_document_token(tok);
+        if (doc >= 0) toks[n++] = doc;
+        TokIds ids = {0};
+        tokenizer_encode_once(tok, prompt, strlen(prompt), 0, &ids);
+        memcpy(toks + n, ids.ids, ids.n * sizeof(int32_t));
+        n += (int)ids.n;
+        tokenizer_ids_free(&ids);
+    } else {
+        if (c->bos_id >= 0) toks[n++] = c->bos_id;
+        if (c->V == 256)
+            for (const char* s = prompt; *s; s++) toks[n++] = (unsigned char)*s;
+        else if (prompt[0])
+            printf("note: --prompt needs a tokenizer, and the model has none: sampling without it\n");
+    }
     if (n == 0) toks[n++] = 0;
     printf("sample (%d tokens, temperature %g):\n", n_tokens, (double)temperature);
-    for (int i = 0; i < n; i++) print_token(c, toks[i]);
+    for (int i = 0; i < n; i++) print_token(c, tok, toks[i]);
     for (int i = 0; i < n_tokens; i++) {
         int ctx = n < window ? n : window;  // sliding window of at most T tokens
         plain_logits_last(p, toks + n - ctx, ctx, logits);
         toks[n] = sample_token(logits, c->V, temperature, &rng);
-        print_token(c, toks[n++]);
+        print_token(c, tok, toks[n++]);
     }
     printf("\n");
     free(toks);

@@ -4,8 +4,8 @@
  * the optimizer, checkpoints and --dump-state are all driven by this table; nothing else in the
  * code base indexes tensors by magic numbers.
  *
- * The layer sequence (ROUNDPIPE.md §3): layer 0 is the prefix (token embedding), layers 1..L are
- * the decoder blocks (block l is layer l+1), layer L+1 is the postfix (final norm, LM head).
+ * The layer sequence (docs/ROUNDPIPE.md §1.1): layer 0 is the prefix (token embedding), layers 1..L
+ * are the decoder blocks (block l is layer l+1), layer L+1 is the postfix (final norm, LM head).
  * Each layer owns one parameter slab (its own tensors, contiguous, in table order) and one gradient
  * slab (every tensor the layer USES, including a tied LM head whose storage lives in layer 0).
  * Within a block, q/k/v are adjacent and gate/up are adjacent so the fused matmuls see one

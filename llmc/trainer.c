@@ -9,8 +9,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc.h"
 #include "common.h"
 #include "config.h"
+#include "plan_hint.h"
 #ifdef HAVE_CUDA
 #include "../kernels/kernels.h"
 #endif
@@ -53,7 +55,7 @@ static double plain_batch_gradients(Trainer* t, const int32_t* tokens, StepStats
     const TrainArgs* a = t->a;
     const int T = a->seq;
     // Every micro-batch's gradient is scaled by 1/(tokens of the whole step), so the sum over
-    // micro-batches is the gradient of the step's mean loss (FORMATS_AND_MODELS.md §7).
+    // micro-batches is the gradient of the step's mean loss (docs/FORMATS.md §7.6).
     const float grad_scale = 1.0f / ((float)a->batch * (float)T);
     const int moe = t->m->n_moe > 0;
     double* load = moe ? calloc_check((size_t)t->m->cfg.E, sizeof(double)) : NULL;
@@ -129,7 +131,10 @@ static int create_engine(Trainer* t, int N, int n_opt_cpus, TrainerEngineOptions
         eo.first_lr = ts->pending_lr;
     }
     t->eng = engine_create(t->m, t->s, &t->devs, &eo, err);
-    if (!t->eng) return -1;
+    if (!t->eng) {
+        plan_hint_append(err, t->m, weight_bytes, N, &eo);  // a budget too small: which is enough
+        return -1;
+    }
     if (ts->resumed && !a->sync && !eo.first_weights)
         printf("note: the checkpoint has no pending weights of the delayed update: the first "
                "resumed iteration computes with the checkpoint's weights (one step fresher than "
@@ -191,14 +196,16 @@ int trainer_create(Trainer* t, const TrainArgs* a, const Model* m, Store* s, Tra
     }
     train_state_free(ts);  // the pending weights: unused by a plain run
     if (!use_engine) {
-        t->opt = malloc_check((size_t)m->tt.n * sizeof(AdamWTensor));
+        t->opt = malloc_named((size_t)m->tt.n * sizeof(AdamWTensor),
+                              "the optimizer's tensor table");
         t->n_opt = store_adamw_tensors(s, t->opt);
     }
     t->sched = (LrSchedule){a->schedule, a->lr, a->warmup, a->steps, a->min_lr_frac, a->decay_frac};
     t->hyper = (AdamWHyper){a->lr, a->beta1, a->beta2, a->eps, a->weight_decay};
-    t->tokens = malloc_check((size_t)a->batch * (a->seq + 1) * sizeof(int32_t));
+    t->tokens = malloc_named((size_t)a->batch * (a->seq + 1) * sizeof(int32_t),
+                             "the token batch (--batch x (--seq + 1) tokens)");
     // tok/s, MFU and bubble over as many steps as devices (log.h); MFU on GPUs only, from the
-    // model FLOPs per token (PERFORMANCE_MODEL.md §1)
+    // model FLOPs per token (docs/PERFORMANCE.md §1.1)
     log_meter_init(&t->meter, t->eng ? t->devs.n : 1, (double)a->batch * a->seq,
                    config_flops_per_token(&m->cfg, a->seq),
                    t->use_cuda ? LOG_PEAK_FLOPS_PER_GPU * N : 0.0);
@@ -253,6 +260,7 @@ static void engine_train_step(Trainer* t, DataLoader* train, int stop_after, Ste
     st->loss = r.loss;
     st->norm = r.norm;
     st->lr = r.lr;
+    st->no_update = r.norm_step == 0;  // the delayed update's first iteration: no step yet
     st->bubble = r.bubble;
     st->dev_mib = 0;
     for (int g = 0; g < t->devs.n; g++) {
@@ -274,12 +282,29 @@ static void plain_train_step(Trainer* t, DataLoader* train, int step, StepStats*
     plain_sync_params(t->plain);
 }
 
+// A non-finite loss computed with the weights the run started from (loaded, or randomly
+// initialised) is no learning-rate problem: no update has touched them yet. Plain training and the
+// synchronous engine compute their first step with them, the delayed update its first two.
+static int uses_start_weights(const Trainer* t) {
+    const int first_steps = t->eng && !t->a->sync ? 2 : 1;
+    return t->n_collected <= first_steps;
+}
+
+static void fatal_nonfinite_loss(const Trainer* t, int step) {
+    if (!uses_start_weights(t)) fatal("loss is not finite at step %d (try a lower --lr)", step);
+    // (weights holding NaN or infinity are refused when they are loaded)
+    fatal("loss is not finite at step %d, computed with the weights the run started from (no "
+          "update has changed them yet, so not a learning-rate problem): their values overflow "
+          "the computation; check --model (or --init-std) and the data", step);
+}
+
 StepStats trainer_step(Trainer* t, DataLoader* train, int step, int stop_after) {
     const double t0 = t->drained ? time_now_s() : t->t_last;
     StepStats st = {.step = step, .steps = t->a->steps, .mfu = -1, .bubble = -1, .dev_mib = -1};
     if (t->eng) engine_train_step(t, train, stop_after, &st);
     else plain_train_step(t, train, step, &st);
-    if (!isfinite(st.loss)) fatal("loss is not finite at step %d (try a lower --lr)", step);
+    t->n_collected++;
+    if (!isfinite(st.loss)) fatal_nonfinite_loss(t, step);
     // nothing submitted after this step: its work after the loss (a stage plan's backward
     // stages; for a single step most of it) is step time too
     if (t->eng && stop_after) engine_wait_devices(t->eng);
@@ -323,6 +348,8 @@ double trainer_batch_gradients(Trainer* t, DataLoader* train) {
     return plain_batch_gradients(t, t->tokens, NULL);
 }
 
+int trainer_in_flight(const Trainer* t) { return t->eng ? (int)engine_in_flight(t->eng) : 0; }
+
 int trainer_save_checkpoint(Trainer* t, const DataLoader* train, int step, const char* args_json,
                             char* err) {
     TrainState* ts = t->ts;
@@ -333,7 +360,8 @@ int trainer_save_checkpoint(Trainer* t, const DataLoader* train, int step, const
     if (t->eng && !t->a->sync) {
         // the delayed update: the next iteration computes with weights one step behind
         const int n_layers = t->m->tt.n_layers;
-        next = malloc_check((size_t)n_layers * sizeof(void*));
+        next = malloc_named((size_t)n_layers * sizeof(void*),
+                            "the checkpoint's pending-weight table");
         for (int l = 0; l < n_layers; l++) next[l] = (void*)engine_next_weights(t->eng, l);
         ts->pending = next;
         ts->pending_bytes = engine_weight_bytes(t->eng);

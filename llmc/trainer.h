@@ -62,6 +62,7 @@ typedef struct Trainer {
     int cpus[TRAINER_MAX_CPUS];  // the engine's optimizer CPUs (the engine keeps a pointer)
     int32_t* tokens;    // (B, T+1) the batch being submitted or evaluated
     int drained;        // nothing in flight: the next step's clock starts when it is called
+    int64_t n_collected;  // steps collected so far by this trainer
     double t_last;      // when the last step was collected
     StepMeter meter;
 } Trainer;
@@ -79,7 +80,7 @@ void trainer_free(Trainer* t);
 // lr (with the delayed update those of the step applying the previous iteration's gradient),
 // time, tok/s, MFU (GPUs), bubble and memory. stop_after: nothing may stay in flight after this
 // step (a checkpoint, an evaluation or the end follows). Fatal on a data error or a non-finite
-// loss.
+// loss (whose message tells a learning-rate problem from weights that were bad to begin with).
 StepStats trainer_step(Trainer* t, DataLoader* train, int step, int stop_after);
 // The mean loss over up to --eval-batches batches of val, from its start, with the weights of
 // every step applied so far.
@@ -87,6 +88,9 @@ double trainer_evaluate(Trainer* t, DataLoader* val);
 // --dump-state: the gradients of the next batch of train on the plain path into the store
 // (tied heads folded, no step); returns its mean loss.
 double trainer_batch_gradients(Trainer* t, DataLoader* train);
+// Iterations submitted and not yet collected (the engine keeps up to two; plain training none).
+// A run that must stop (a signal) runs steps with stop_after set until this is 0.
+int trainer_in_flight(const Trainer* t);
 // A training-state checkpoint after `step` into --out (keeping --keep), with the loader position
 // of train and, with the delayed update, the weights the next iteration computes with. -1 + err.
 int trainer_save_checkpoint(Trainer* t, const DataLoader* train, int step, const char* args_json,

@@ -96,7 +96,7 @@ for model in $MODELS; do
 done
 if [ "$SWEEP" = 1 ]; then
     for seq in 512 1024 2048 4096 8192 16384 32768 65536; do
-        # the paper's batches (ROUNDPIPE.md §17.5)
+        # the paper's batches (Fig. 14; docs/PERFORMANCE.md §6.1)
         case $seq in 512) batch=512;; 1024) batch=256;; 2048) batch=128;; 4096) batch=60;;
                      8192) batch=30;; *) batch=10;; esac
         read -r tps mfu bub <<<"$(run qwen3-1.7b 1 "$batch" "$seq" 10)"

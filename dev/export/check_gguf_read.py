@@ -8,7 +8,8 @@ llama_f32.gguf, which carries a tokenizer) and each --export-dtype (f32, f16, bf
 exports with ./train_roundpipe --steps 0 and checks with GGUFReader:
   - general.architecture, block_count, embedding_length, head counts, key_length,
     layer_norm_rms_epsilon, rope.freq_base, general.file_type (0 / 1 / 32);
-  - every tensor: the GGUF name of §2.7, ne = the HF shape reversed, 2-D weights in the export
+  - every tensor: the GGUF name (docs/FORMATS.md §4.4), ne = the HF shape reversed, 2-D weights
+    in the export
     dtype and 1-D norms F32 (as llama.cpp's converter), data equal to the HF weights (rounded to
     the dtype) with LLaMA q/k rows permuted as LlamaModel.permute does; no output.weight for a
     tied model; rope_freqs.weight for llama3 equal to the converter's factors;

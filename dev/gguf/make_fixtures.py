@@ -9,8 +9,9 @@ Output under fixtures/ (under 500 KB in all):
                               model.safetensors, fp32). llama: llama3 RoPE scaling, GQA, untied
                               head. qwen3: QK-norm, head_dim != hidden/heads, tied head.
   <model>_<type>.gguf         the same models converted the way convert_hf_to_gguf.py does it:
-                              metadata keys of §2.6, GGUF names of §2.7, ne = shape reversed,
-                              LLaMA q/k rows permuted (§2.9), rope_freqs.weight for llama3, a small
+                              metadata keys and GGUF names of docs/FORMATS.md §4.2 and §4.4,
+                              ne = shape reversed, LLaMA q/k rows permuted (docs/FORMATS.md §4.4),
+                              rope_freqs.weight for llama3, a small
                               tokenizer (tokens, token types, merges, special ids, chat template).
                               Types: f32, f16, bf16 (all weights); q8_0, q4_0, mxfp4 (2-D weights
                               quantized with gguf.quants.quantize, 1-D norms stay F32, as llama.cpp

@@ -1,6 +1,6 @@
 /*
- * dispatch.c — the schedule as it runs (ROUNDPIPE.md §4): the stages of the plan in slot order,
- * the rounds of an iteration, the never-reset cursor that sends global slot i to device
+ * dispatch.c — the schedule as it runs (docs/ROUNDPIPE.md §3): the stages of the plan in slot
+ * order, the rounds of an iteration, the never-reset cursor that sends global slot i to device
  * schedule_slot_device(i, 0, N), and the micro-batch jobs a stage runs on its device's compute
  * stream (whole, or split into MbPhase parts behind per-layer uploads and ahead of per-layer
  * downloads).
@@ -20,7 +20,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "engine_internal.h"
+#include "internal.h"
 
 // ----------------------------------------------------------------------------
 // stages
@@ -244,61 +244,6 @@ static void run_microbatch(void* arg) {
     backward_layers(e, j, st->b, st->e);
 }
 
-// ----------------------------------------------------------------------------
-// arena of closures
-
-MbJob* dispatch_job_new(Engine* e, int ip) {
-    JobBlock* blk = e->arena[ip];
-    if (!blk || blk->used == (int)(sizeof blk->jobs / sizeof blk->jobs[0])) {
-        JobBlock* nb = calloc_check(1, sizeof(JobBlock));
-        nb->next = blk;
-        e->arena[ip] = nb;
-        blk = nb;
-    }
-    return &blk->jobs[blk->used++];
-}
-
-static void arena_free(JobBlock* b) {
-    while (b) {
-        JobBlock* n = b->next;
-        free(b);
-        b = n;
-    }
-}
-
-static void labels_free(LabelBlock* b) {
-    while (b) {
-        LabelBlock* n = b->next;
-        free(b);
-        b = n;
-    }
-}
-
-// The closures and labels of iteration parity ip (its device work must be done).
-void dispatch_jobs_free(Engine* e, int ip) {
-    arena_free(e->arena[ip]);
-    e->arena[ip] = NULL;
-    labels_free(e->labels[ip]);
-    e->labels[ip] = NULL;
-}
-
-// Name the next work item queued on stream s of a device (only when tracing).
-void dispatch_label(Engine* e, int ip, DevState* ds, StreamKind s, const char* fmt, ...) {
-    if (!e->trace) return;
-    LabelBlock* blk = e->labels[ip];
-    if (!blk || blk->used == (int)(sizeof blk->names / sizeof blk->names[0])) {
-        LabelBlock* nb = calloc_check(1, sizeof(LabelBlock));
-        nb->next = blk;
-        e->labels[ip] = nb;
-        blk = nb;
-    }
-    char* name = blk->names[blk->used++];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(name, sizeof blk->names[0], fmt, ap);
-    va_end(ap);
-    e->impl->label(ds->d, s, name);
-}
 
 // ----------------------------------------------------------------------------
 // one stage on one device
@@ -307,7 +252,7 @@ void dispatch_label(Engine* e, int ip, DevState* ds, StreamKind s, const char* f
 __attribute__((format(printf, 6, 7))) static void submit_part(Engine* e, const MbJob* base,
                                                               MbPhase phase, int from, int to,
                                                               const char* fmt, ...) {
-    MbJob* j = dispatch_job_new(e, base->ip);
+    MbJob* j = jobs_new(e, base->ip);
     *j = *base;
     j->phase = phase;
     j->from = from;
@@ -318,7 +263,7 @@ __attribute__((format(printf, 6, 7))) static void submit_part(Engine* e, const M
         va_start(ap, fmt);
         vsnprintf(name, sizeof name, fmt, ap);
         va_end(ap);
-        dispatch_label(e, base->ip, base->ds, STREAM_COMPUTE, "%s", name);
+        jobs_label(e, base->ip, base->ds, STREAM_COMPUTE, "%s", name);
     }
     e->impl->submit(base->ds->d, STREAM_COMPUTE, run_microbatch, j);
 }
@@ -477,8 +422,8 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
 
 // Enqueue every round of iteration t: the S slots of a round in order, each on the device the
 // cursor names (never reset, so rounds and iterations go on round-robin where the last stopped,
-// ROUNDPIPE.md §4). Nothing stays deferred past a round: the next round's gradient preparation
-// and the optimizer read the host gradient buffers.
+// docs/ROUNDPIPE.md §3.2). Nothing stays deferred past a round: the next round's gradient
+// preparation and the optimizer read the host gradient buffers.
 void dispatch_iteration(Engine* e, int64_t t) {
     for (int round = 0; round < e->R; round++) {
         for (int si = 0; si < e->S; si++) {

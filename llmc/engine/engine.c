@@ -2,7 +2,7 @@
  * engine.c — the RoundPipe engine's glue: engine_create (plan, then allocate every host and device
  * buffer and event the plan needs, start the optimizer thread), engine_submit / engine_collect /
  * engine_step (one iteration in, its losses and reported step out, two in flight at most),
- * engine_synchronize, engine_free. Read engine.h first, then engine_internal.h (the buffer and
+ * engine_synchronize, engine_free. Read engine.h first, then internal.h (the buffer and
  * event map), then plan.c, dispatch.c, transfer.c and protocol.c.
  *
  * Owns: the allocation and release of every buffer and event in the Engine struct (the other
@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine_internal.h"
+#include "internal.h"
 
 // ----------------------------------------------------------------------------
 // plan-dependent buffers
@@ -232,7 +232,7 @@ static void plan_resources_free(Engine* e) {
         for (int i = 0; i < n_prof; i++) im->event_destroy(e->prof_ev[b][i]);
         free(e->prof_ev[b]);
         free(e->prof_ok[b]);
-        dispatch_jobs_free(e, b);
+        jobs_free(e, b);
     }
     for (int bnd = 0; bnd <= NL; bnd++) {
         if (e->x_ev[bnd]) {
@@ -382,7 +382,7 @@ static void wait_iteration_end(Engine* e, int ip) {
 static void wait_iteration_done(Engine* e, int ip) {
     wait_iteration_end(e, ip);
     plan_profile_collect(e, ip);
-    dispatch_jobs_free(e, ip);
+    jobs_free(e, ip);
 }
 
 // Re-plan once from the profiled stage times (plan_replan); when the plan changes, everything in

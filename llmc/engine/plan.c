@@ -1,5 +1,5 @@
 /*
- * plan.c — the engine's planning (ROUNDPIPE.md §6, §8): the memory model of a device and of the
+ * plan.c — the engine's planning (docs/ROUNDPIPE.md §2): the memory model of a device and of the
  * host, the choice of partition and row chunks, re-planning once from profiled stage times, and
  * the run's plan policy that callers share with the engine (host memory, the default device
  * budget, --mlp-chunk auto, --split-rounds auto).
@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine_internal.h"
+#include "internal.h"
 
 // ----------------------------------------------------------------------------
 // the memory model
@@ -438,7 +438,7 @@ int engine_row_chunks(const Engine* e) { return e->K; }
 
 // Turn the measured compute time of every stage of an iteration (averaged over micro-batches and
 // rounds) into per-layer observations: a stage's time is shared among its layers in proportion to
-// the costs the plan was made with (ROUNDPIPE.md §8.2). Layers of the fused stage never run a
+// the costs the plan was made with (docs/ROUNDPIPE.md §2.7). Layers of the fused stage never run a
 // forward stage; their forward is a third of their (fused) backward, the 1:3 rule.
 void plan_profile_collect(Engine* e, int ip) {
     if (e->prof_iter[ip] < 0) return;
@@ -482,7 +482,7 @@ static int plans_equal(const PartitionPlan* a, const PartitionPlan* b) {
 }
 
 // After replan_after profiled iterations: plan again with the measured costs, and freeze the plan
-// (ROUNDPIPE.md §18: profile, then freeze). engine.c rebuilds the buffers when it changed.
+// (docs/ROUNDPIPE.md §2.7: profile, then freeze). engine.c rebuilds the buffers when it changed.
 int plan_replan(Engine* e, PartitionPlan* plan) {
     // (split rounds keep their one-stage plan)
     if (e->frozen || e->split || e->opt.replan_after <= 0 || e->profile.n_obs < e->opt.replan_after)

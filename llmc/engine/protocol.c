@@ -1,7 +1,7 @@
 /*
- * protocol.c — the consistency protocol (ROUNDPIPE.md §9) and the optimizer thread: the per-layer
- * fences that order the controller's enqueueing, the devices' gated uploads and the optimizer's
- * steps, and the thread that runs one AdamW step per iteration in FIFO order.
+ * protocol.c — the consistency protocol (docs/ROUNDPIPE.md §5) and the optimizer thread: the
+ * per-layer fences that order the controller's enqueueing, the devices' gated uploads and the
+ * optimizer's steps, and the thread that runs one AdamW step per iteration in FIFO order.
  *
  * The five ordering rules, per layer l, as this file enforces them:
  *   1. step k writes master[(k + delay) % 2] only after iteration k-1's last gradient download of
@@ -25,7 +25,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "engine_internal.h"
+#include "internal.h"
 
 // ----------------------------------------------------------------------------
 // fences (controller side of the consistency protocol)
@@ -204,8 +204,8 @@ static void optimizer_step(Engine* e, int64_t k) {
         // split rounds: the other rounds' gradients of this layer, added in round order; then
         // their sets may take iteration k's
         for (int r = 1; e->split && r < e->R; r++) {
-            e->impl->event_synchronize(transfer_grad_event(e, k - 1, r, l));
-            FoldArgs fa = {g[l], transfer_grad_host(e, k - 1, r, l), e->m->tt.grad_numel[l]};
+            e->impl->event_synchronize(engine_grad_event(e, k - 1, r, l));
+            FoldArgs fa = {g[l], engine_grad_host(e, k - 1, r, l), e->m->tt.grad_numel[l]};
             threadpool_run(e->pool, (fa.n + FOLD_CHUNK - 1) / FOLD_CHUNK, fold_chunk, &fa);
         }
         if (e->split) {

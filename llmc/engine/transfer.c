@@ -1,6 +1,6 @@
 /*
- * transfer.c — the transfer engine (ROUNDPIPE.md §7): every host<->device copy of the engine, on
- * a device's three copy streams (STREAM_PARAM_UP, STREAM_ACT_UP / STREAM_ACT_DOWN,
+ * transfer.c — the transfer engine (docs/ROUNDPIPE.md §4): every host<->device copy of the engine,
+ * on a device's four copy streams (STREAM_PARAM_UP, STREAM_ACT_UP / STREAM_ACT_DOWN,
  * STREAM_GRAD_DOWN).
  *   - parameters: a stage's weights from the master copy of its iteration into a parameter slot,
  *     in LPT bins of <= 256 MiB pieces behind the running stage's activation-upload marks, or
@@ -23,21 +23,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine_internal.h"
+#include "internal.h"
 
 // ----------------------------------------------------------------------------
-// where gradients go
-
-// Where round `round` of iteration t downloads layer l's gradient, and the event of that download.
-float* transfer_grad_host(const Engine* e, int64_t t, int round, int l) {
-    return e->split && round > 0 ? e->hsplit[round - 1][l] : e->hgrad[t % e->n_hgrad][l];
-}
-DevEvent* transfer_grad_event(const Engine* e, int64_t t, int round, int l) {
-    return e->split && round > 0 ? e->split_ev[round - 1][l] : e->grad_ev[t % e->n_hgrad][l];
-}
-
-// ----------------------------------------------------------------------------
-// pieces and LPT bins (ROUNDPIPE.md §7.3)
+// pieces and LPT bins (docs/ROUNDPIPE.md §4.3)
 
 static int piece_cmp_desc(const void* a, const void* b) {
     size_t x = ((const Piece*)a)->bytes, y = ((const Piece*)b)->bytes;
@@ -93,15 +82,15 @@ static void copy_pieces(Engine* e, int ip, DevState* ds, StreamKind s, void* dst
                         size_t bytes, int h2d, const char* name) {
     for (size_t off = 0; off < bytes; off += PIECE_MAX_BYTES) {
         const size_t len = bytes - off < PIECE_MAX_BYTES ? bytes - off : PIECE_MAX_BYTES;
-        dispatch_label(e, ip, ds, s, "%s", name);
+        jobs_label(e, ip, ds, s, "%s", name);
         if (h2d) e->impl->copy_h2d(ds->d, s, (char*)dst + off, (const char*)src + off, len);
         else e->impl->copy_d2h(ds->d, s, (char*)dst + off, (const char*)src + off, len);
     }
 }
 
 // Upload a stage's parameters into slot `k` on the parameter stream, split into pieces of at most
-// 256 MiB assigned longest-first to the bin with the least load (LPT, ROUNDPIPE.md §7.3); bin j
-// waits the j-th activation-upload mark of the stage currently running on this device, so the
+// 256 MiB assigned longest-first to the bin with the least load (LPT, docs/ROUNDPIPE.md §4.3); bin
+// j waits the j-th activation-upload mark of the stage currently running on this device, so the
 // parameter traffic fills the gaps between activation uploads instead of delaying them.
 void transfer_params_up(Engine* e, DevState* ds, const Stage* st, int k, int64_t t) {
     const int ip = (int)(t % 2);
@@ -122,7 +111,7 @@ void transfer_params_up(Engine* e, DevState* ds, const Stage* st, int k, int64_t
         if (ds->n_marks > 0) im->stream_wait(ds->d, STREAM_PARAM_UP, ds->marks[b]);
         for (int i = 0; i < n; i++)
             if (bin_of[i] == b) {
-                dispatch_label(e, ip, ds, STREAM_PARAM_UP, "params %s [%d]", st->name, b);
+                jobs_label(e, ip, ds, STREAM_PARAM_UP, "params %s [%d]", st->name, b);
                 im->copy_h2d(ds->d, STREAM_PARAM_UP, pieces[i].dst, pieces[i].src, pieces[i].bytes);
             }
     }
@@ -148,7 +137,7 @@ void transfer_params_up_gated(Engine* e, DevState* ds, const Stage* st, int k, i
         const size_t bytes = slot_layer_copy(e, ds, st, k, ip, l, &src, &dst);
         if (!bytes) break;
         if (!protocol_layer_ready(e, owner, t)) {
-            MbJob* j = dispatch_job_new(e, ip);
+            MbJob* j = jobs_new(e, ip);
             *j = (MbJob){.e = e, .ds = ds, .st = st, .from = owner, .t = t};
             im->host_fn(ds->d, STREAM_PARAM_UP, protocol_param_fence_fn, j);
         }
@@ -167,13 +156,13 @@ void transfer_grads_prepare(Engine* e, DevState* ds, const Stage* st, int k, int
     const TensorTable* tt = &e->m->tt;
     im->stream_wait(ds->d, STREAM_PARAM_UP, ds->gslot_free[k]);
     if (round == 0 || e->split) {  // (split rounds each start from zero)
-        dispatch_label(e, ip, ds, STREAM_PARAM_UP, "zero grads %s", st->name);
+        jobs_label(e, ip, ds, STREAM_PARAM_UP, "zero grads %s", st->name);
         im->memset_zero(ds->d, STREAM_PARAM_UP, ds->gslot[k], (size_t)st->grad_numel * sizeof(float));
         return;
     }
     for (int l = st->b; l < st->e; l++) {
         im->stream_wait(ds->d, STREAM_PARAM_UP, e->grad_ev[t % e->n_hgrad][l]);
-        dispatch_label(e, ip, ds, STREAM_PARAM_UP, "partial grads %s", st->name);
+        jobs_label(e, ip, ds, STREAM_PARAM_UP, "partial grads %s", st->name);
         im->copy_h2d(ds->d, STREAM_PARAM_UP, ds->gslot[k] + st->g_off[l - st->b],
                      e->hgrad[t % e->n_hgrad][l],
                      (size_t)tt->grad_numel[l] * sizeof(float));
@@ -181,7 +170,7 @@ void transfer_grads_prepare(Engine* e, DevState* ds, const Stage* st, int k, int
 }
 
 // ----------------------------------------------------------------------------
-// activation hand-offs (ROUNDPIPE.md §7.2): host buffers between stages, per micro-batch
+// activation hand-offs (docs/ROUNDPIPE.md §4.2): host buffers between stages, per micro-batch
 
 // Activation upload of micro-batch i (the r-th of its round: device parity r % 2) of stage st,
 // on the high-priority stream: the tokens (prefix) or the stage's input boundary, the targets
@@ -198,7 +187,7 @@ void transfer_acts_up(Engine* e, DevState* ds, const Stage* st, int i, int r, in
     const size_t tok_bytes = (size_t)Bi * e->T * sizeof(int32_t);
     im->stream_wait(d, STREAM_ACT_UP, ds->comp_done[p]);
     im->stream_wait(d, STREAM_ACT_UP, ds->down_done[p]);
-    dispatch_label(e, ip, ds, STREAM_ACT_UP, "up %s mb%d", st->name, i);
+    jobs_label(e, ip, ds, STREAM_ACT_UP, "up %s mb%d", st->name, i);
     if (st->b == 0) {
         im->copy_h2d(d, STREAM_ACT_UP, ds->ids[p], e->hids[ip][i], tok_bytes);
     } else {
@@ -242,7 +231,7 @@ void transfer_acts_down(Engine* e, DevState* ds, const Stage* st, int i, int r, 
         for (int k = 1; k <= n; k++) {
             int bnd = st->b + k;
             if (!e->need_x[bnd]) continue;
-            dispatch_label(e, ip, ds, STREAM_ACT_DOWN, "down %s mb%d x%d", st->name, i, bnd);
+            jobs_label(e, ip, ds, STREAM_ACT_DOWN, "down %s mb%d x%d", st->name, i, bnd);
             // one host set: the previous iteration's last reader of this buffer (the latest
             // consumer enqueued, causally the last) must be done with it
             if (e->x_free) im->stream_wait(d, STREAM_ACT_DOWN, e->x_free[bnd][i]);
@@ -256,7 +245,7 @@ void transfer_acts_down(Engine* e, DevState* ds, const Stage* st, int i, int r, 
             im->event_record(e->loss_ev[ip][i], d, STREAM_ACT_DOWN);
         }
         if (st->b > 0) {
-            dispatch_label(e, ip, ds, STREAM_ACT_DOWN, "down %s mb%d dx%d", st->name, i, st->b);
+            jobs_label(e, ip, ds, STREAM_ACT_DOWN, "down %s mb%d dx%d", st->name, i, st->b);
             // one host set: the previous iteration's last reader of this ring slot
             if (e->dx_free) im->stream_wait(d, STREAM_ACT_DOWN, e->dx_free[e->dx_last[st->b]][i]);
             im->copy_d2h(d, STREAM_ACT_DOWN, e->hdx[ip][st->b][i], ds->dres[p], x_bytes);
@@ -267,7 +256,7 @@ void transfer_acts_down(Engine* e, DevState* ds, const Stage* st, int i, int r, 
 }
 
 // ----------------------------------------------------------------------------
-// gradient downloads (ROUNDPIPE.md §7.5): a backward stage's gradients are complete after its
+// gradient downloads (docs/ROUNDPIPE.md §4.4): a backward stage's gradients are complete after its
 // last micro-batch; they are downloaded in LPT chunks during the activation windows of the next
 // stage on the same device (bin j after that stage's micro-batch j has been downloaded), on the
 // gradient stream, so bulk gradient traffic never sits in front of an activation transfer.
@@ -322,7 +311,7 @@ void transfer_grads_issue(Engine* e, DevState* ds, int all) {
         int b = pg->next_bin++;
         for (int i = 0; i < pg->n_pieces; i++)
             if (pg->bin_of[i] == b) {
-                dispatch_label(e, ip, ds, STREAM_GRAD_DOWN, "grads %s [%d]", pg->st->name, b);
+                jobs_label(e, ip, ds, STREAM_GRAD_DOWN, "grads %s [%d]", pg->st->name, b);
                 im->copy_d2h(ds->d, STREAM_GRAD_DOWN, pg->pieces[i].dst, pg->pieces[i].src,
                              pg->pieces[i].bytes);
             }
@@ -351,7 +340,7 @@ void transfer_grads_layer_down(Engine* e, DevState* ds, const Stage* st, int gk,
     char name[40];
     snprintf(name, sizeof name, "grads %s layer %d", st->name, l);
     im->stream_wait(ds->d, STREAM_GRAD_DOWN, ds->gev[l - st->b]);
-    float* dst = transfer_grad_host(e, t, round, l);
+    float* dst = engine_grad_host(e, t, round, l);
     const float* src = ds->gslot[gk] + st->g_off[l - st->b];
     // the layer's gradient in runs between its tied tensors (all of it when nothing is skipped)
     int64_t from = 0;
@@ -371,7 +360,7 @@ void transfer_grads_layer_down(Engine* e, DevState* ds, const Stage* st, int gk,
         if (next >= tt->grad_numel[l]) break;
         from = next;
     }
-    im->event_record(transfer_grad_event(e, t, round, l), ds->d, STREAM_GRAD_DOWN);
+    im->event_record(engine_grad_event(e, t, round, l), ds->d, STREAM_GRAD_DOWN);
 }
 
 // Round boundaries: the next round's gradient preparation and the optimizer read these buffers,

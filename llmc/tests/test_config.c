@@ -14,7 +14,7 @@ static void test_config_presets_counts(TestCtx* t) {
     char err[ERR_LEN];
     ModelConfig c;
     CHECK(t, config_from_preset(&c, "qwen3-1.7b", err) == 0, "%s", err);
-    // FORMATS_AND_MODELS.md §6 / PERFORMANCE_MODEL.md §1.3
+    // docs/FORMATS.md §2.4 / docs/PERFORMANCE.md §1.2
     CHECK(t, config_num_params(&c) == 1720574976ll, "qwen3-1.7b total %lld",
           (long long)config_num_params(&c));
     CHECK(t, config_num_matmul_params(&c) == 1720451072ll, "qwen3-1.7b N_mm %lld",
@@ -43,7 +43,7 @@ static void test_config_rope_llama3(TestCtx* t) {
     float inv[64];
     float s = config_rope_inv_freq(&c, inv);
     CHECK(t, s == 1.0f, "no attention scaling");
-    // transformers 5.17 values (FORMATS_AND_MODELS.md §5.3)
+    // transformers 5.17 values (docs/FORMATS.md §7.3)
     const double want[10] = {3.942276e-3, 3.211446e-3, 2.166571e-3, 1.371894e-3, 8.56751e-4,
                              5.24846e-4,  3.12694e-4,  1.78508e-4,  9.5562e-5,   7.7847e-5};
     for (int i = 0; i < 10; i++)

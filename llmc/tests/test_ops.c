@@ -119,7 +119,7 @@ static double dot_d(const double* a, const double* b, size_t n) {
 }
 
 // ----------------------------------------------------------------------------
-// double references (naive loops, the math of FORMATS_AND_MODELS.md §5 and §7)
+// double references (naive loops, the math of docs/FORMATS.md §7)
 
 static void ref_rmsnorm_forward(double* out, double* rstd, const double* x, const double* w, int N,
                                 int C, double eps) {

@@ -249,14 +249,14 @@ static void test_resume_find_latest(TestCtx* t) {
 static void test_resume_refusals(TestCtx* t) {
     char out[1024], args[4096], path[1300];
     const char* common = "--batch 4 --seq 16 --val '' --sample-tokens 0 --threads 2 --lr 2e-3";
-    // flag errors: exit 2 with the usage
+    // flag errors: exit 2 with one error line and the hint to --help
     const char* bad_flags[] = {
         "--resume",          "--save-every 2",    "--resume --device cpu:2",
         "--keep -1 --out x", "--export-dtype f8", NULL};
     for (int i = 0; bad_flags[i]; i++) {
         int rc = test_run_cli(t, "badflag", bad_flags[i]);
         char* e = test_read_output(t, "badflag", "err");
-        CHECK(t, rc == 2 && strstr(e, "usage:") && strstr(e, "train_roundpipe: error:"),
+        CHECK(t, rc == 2 && strstr(e, "see --help") && strstr(e, "train_roundpipe: error:"),
               "'%s' exit %d", bad_flags[i], rc);
         free(e);
     }

@@ -49,10 +49,15 @@ void test_skip_part(TestCtx* t, const char* fmt, ...) {
 // ----------------------------------------------------------------------------
 // the CLI
 
+const char* test_trainer_binary(void) {
+    const char* bin = getenv("TRAIN_ROUNDPIPE_BIN");
+    return bin && *bin ? bin : "./train_roundpipe";
+}
+
 int test_run_cli(TestCtx* t, const char* tag, const char* args) {
     char cmd[16384];
-    snprintf(cmd, sizeof cmd, "cd '%s' && ./train_roundpipe %s > '%s/%s.out' 2> '%s/%s.err'",
-             t->exe_dir, args, t->tmpdir, tag, t->tmpdir, tag);
+    snprintf(cmd, sizeof cmd, "cd '%s' && %s %s > '%s/%s.out' 2> '%s/%s.err'", t->exe_dir,
+             test_trainer_binary(), args, t->tmpdir, tag, t->tmpdir, tag);
     int st = system(cmd);
     if (st == -1 || !WIFEXITED(st)) return -1;
     return WEXITSTATUS(st);

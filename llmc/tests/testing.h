@@ -90,7 +90,10 @@ static inline const char* test_path(const TestCtx* t, char* buf, size_t cap, con
 }
 
 // ---- CLI helpers (testing.c) ----
-// Run ./train_roundpipe with `args` from the repository root; stdout/stderr go to
+// The trainer the CLI tests run, relative to the repository root: $TRAIN_ROUNDPIPE_BIN when set
+// (`make asan` runs them against the sanitized build), else ./train_roundpipe.
+const char* test_trainer_binary(void);
+// Run the trainer with `args` from the repository root; stdout/stderr go to
 // tmpdir/<tag>.out and .err. Returns the exit status (-1 if it did not exit normally).
 int test_run_cli(TestCtx* t, const char* tag, const char* args);
 // A whole file (NUL-terminated, malloc'd; "" when unreadable), its length in *len if non-NULL.

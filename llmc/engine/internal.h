@@ -1,15 +1,16 @@
 /*
- * engine_internal.h — the RoundPipe engine's private header: the Engine struct, the per-stage and
+ * internal.h — the RoundPipe engine's private header: the Engine struct, the per-stage and
  * per-device state, the micro-batch jobs, and the functions the engine's files share. Only the
  * engine's own files include it; callers see llmc/engine.h.
  *
- * The engine is five files, the way ROUNDPIPE.md explains the system:
+ * The engine is six files, the way docs/ROUNDPIPE.md explains the system:
  *   plan.c      memory model, plan choice (partition + row chunks), re-planning from profiles, the
  *               run's plan policy (--mlp-chunk / --split-rounds auto, host memory, device budget)
  *   dispatch.c  stages, rounds, slots and the never-reset cursor; the micro-batch jobs
  *   transfer.c  parameter uploads (LPT chunks, gated per layer), activation hand-offs, gradient
  *               downloads (deferred LPT bins, per layer)
  *   protocol.c  the per-layer fences (the five ordering rules) and the optimizer thread
+ *   jobs.c      the micro-batch closures and trace labels (the bottom: no events, no flags)
  *   engine.c    create / submit / collect / synchronize / free: allocation and the glue
  *
  * Buffers and the events guarding them
@@ -20,8 +21,8 @@
  *    gslot_free[k], recorded after the download.
  *  - device activation buffers come in two parities (micro-batch i uses parity i % 2), so the
  *    upload of i+1 overlaps the compute of i and the download of i overlaps the compute of i+1
- *    ("upload one early, download one late", ROUNDPIPE.md §7.2): an upload into parity p waits
- *    comp_done[p] and down_done[p]; a compute into parity p waits down_done[p].
+ *    ("upload one early, download one late", docs/ROUNDPIPE.md §4.2): an upload into parity p
+ *    waits comp_done[p] and down_done[p]; a compute into parity p waits down_done[p].
  *  - host activations: x at a layer boundary (forward outputs, checkpoints) and dx (gradients
  *    between backward stages) per micro-batch, in two iteration parities; x_ev / dx_ev mark a
  *    download done and gate the consumer's upload (cross-device waits). Before iteration t reuses
@@ -30,7 +31,8 @@
  *    boundary's dx runs only after the consumer of the boundary above it (same slot, two
  *    boundaries up) has uploaded it, through the backward chain's own events.
  *
- * The consistency protocol (ROUNDPIPE.md §9), per layer l, with two compute-dtype master buffers:
+ * The consistency protocol (docs/ROUNDPIPE.md §5), per layer l, with two compute-dtype master
+ * buffers:
  *  - iteration t uploads layer l from master[t % 2] once param_ready[l] >= t (rule 2): in sync
  *    mode the controller waits for a whole stage before enqueueing it; with the delayed update a
  *    stage not ready at enqueue time gets a host-function wait per layer on its parameter stream
@@ -81,8 +83,8 @@ typedef struct Piece {
 } Piece;
 
 // A backward stage's gradient download, deferred into the activation windows of the next stage
-// on the same device (ROUNDPIPE.md §7.5): LPT bins of <= 256 MiB pieces, bin j enqueued once the
-// next stage's micro-batch j has had its activations downloaded.
+// on the same device (docs/ROUNDPIPE.md §4.4): LPT bins of <= 256 MiB pieces, bin j enqueued once
+// the next stage's micro-batch j has had its activations downloaded.
 typedef struct PendingGrads {
     int active;
     const Stage* st;
@@ -213,7 +215,7 @@ struct Engine {
     DevEvent** loss_ev[2];  // [iteration parity][micro-batch]
     // Host fp32 gradient accumulators: iteration t downloads into hgrad[t % n_hgrad]. With the
     // delayed optimizer two sets (the Store's and one more), so iteration t+1 never waits for the
-    // step still reading iteration t's gradients (ROUNDPIPE.md §9.5); one set in sync mode.
+    // step still reading iteration t's gradients (docs/ROUNDPIPE.md §6.2); one set in sync mode.
     float** hgrad[2];
     int n_hgrad;
     DevEvent** grad_ev[2];  // [gradient set][layer] the latest download of the layer into that set
@@ -228,7 +230,7 @@ struct Engine {
     JobBlock* arena[2];
     LabelBlock* labels[2];
     Trace* trace;           // NULL unless opt.trace_path is set
-    // ---- profiling and re-planning (plan.c, ROUNDPIPE.md §8.2): compute of slot job j,
+    // ---- profiling and re-planning (plan.c, docs/ROUNDPIPE.md §2.7): compute of slot job j,
     // micro-batch r of an iteration of parity ip is bracketed by prof_ev[ip][2*(j*M_R + r)] and
     // [... + 1]
     DevEvent** prof_ev[2];
@@ -307,6 +309,27 @@ void plan_profile_collect(Engine* e, int ip);
 int plan_replan(Engine* e, PartitionPlan* plan);
 
 // ----------------------------------------------------------------------------
+// jobs.c: closures and trace labels (under every other engine file)
+
+// A closure that lives until iteration parity ip's work is done (jobs_free).
+MbJob* jobs_new(Engine* e, int ip);
+// Release iteration parity ip's closures and trace labels (its device work must be done).
+void jobs_free(Engine* e, int ip);
+// Name the next work item queued on stream s of a device (only when tracing).
+__attribute__((format(printf, 5, 6))) void jobs_label(Engine* e, int ip, DevState* ds,
+                                                      StreamKind s, const char* fmt, ...);
+
+// Where round `round` of iteration t downloads layer l's gradient (the Store's set, its
+// delayed-update twin, or a split round's own set), and the event of that download: written by
+// transfer.c, read by protocol.c's optimizer thread.
+static inline float* engine_grad_host(const Engine* e, int64_t t, int round, int l) {
+    return e->split && round > 0 ? e->hsplit[round - 1][l] : e->hgrad[t % e->n_hgrad][l];
+}
+static inline DevEvent* engine_grad_event(const Engine* e, int64_t t, int round, int l) {
+    return e->split && round > 0 ? e->split_ev[round - 1][l] : e->grad_ev[t % e->n_hgrad][l];
+}
+
+// ----------------------------------------------------------------------------
 // dispatch.c: stages, rounds, the cursor, micro-batch jobs
 
 // e->stages from e->plan, in slot order; dispatch_stages_free releases them.
@@ -314,20 +337,10 @@ void dispatch_stages_build(Engine* e);
 void dispatch_stages_free(Engine* e);
 // Enqueue every round of iteration t on the devices the cursor names.
 void dispatch_iteration(Engine* e, int64_t t);
-// A closure that lives until iteration parity ip's work is done (dispatch_jobs_free).
-MbJob* dispatch_job_new(Engine* e, int ip);
-// Release iteration parity ip's closures and trace labels (its device work must be done).
-void dispatch_jobs_free(Engine* e, int ip);
-// Name the next work item queued on stream s of a device (only when tracing).
-__attribute__((format(printf, 5, 6))) void dispatch_label(Engine* e, int ip, DevState* ds,
-                                                          StreamKind s, const char* fmt, ...);
 
 // ----------------------------------------------------------------------------
 // transfer.c: parameter uploads, activation hand-offs, gradient downloads
 
-// The host gradient buffer round `round` of iteration t downloads layer l into, and its event.
-float* transfer_grad_host(const Engine* e, int64_t t, int round, int l);
-DevEvent* transfer_grad_event(const Engine* e, int64_t t, int round, int l);
 // A stage's parameters into parameter slot k for iteration t: LPT bins behind the running stage's
 // activation-upload marks, or (gated) layer by layer behind the optimizer's per-layer fences.
 void transfer_params_up(Engine* e, DevState* ds, const Stage* st, int k, int64_t t);
