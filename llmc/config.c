@@ -370,7 +370,7 @@ static int get_layer_types(ModelConfig* c, const JsonValue* o, const char* path,
     return 0;
 }
 
-// The MoE fields of qwen3_moe and gpt_oss configs (FORMATS_AND_MODELS.md §3.3).
+// The MoE fields of qwen3_moe and gpt_oss configs (docs/FORMATS.md §8.1).
 static int parse_moe(ModelConfig* c, const JsonValue* o, const char* path, char* err) {
     if (get_experts(o, &c->E, path, err)) return -1;
     if (json_get(o, "num_experts_per_tok")) {
@@ -673,10 +673,14 @@ int64_t config_num_matmul_params(const ModelConfig* c) {
 }
 
 double config_flops_per_token(const ModelConfig* c, int T) {
+    // 12·H·HD FLOPs (q·k and p·v, forward and backward) per visible (query, key) pair, keys per
+    // query on average T/2 under the causal mask (6·T·H·HD) and W - W²/(2T) under a window W < T
+    // (every query past the first W sees W keys), which meets T/2 at W = T.
     double att = 0.0;
     for (int b = 0; b < c->L; b++) {
-        int w = config_block_window(c, b);
-        att += 6.0 * (double)(w > 0 && w < T ? w : T) * c->H * c->HD;
+        const double w = config_block_window(c, b);
+        const double keys = w > 0 && w < T ? w - w * w / (2.0 * T) : 0.5 * T;
+        att += 12.0 * keys * c->H * c->HD;
     }
     return 6.0 * (double)config_num_matmul_params(c) + att;
 }

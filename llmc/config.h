@@ -21,7 +21,7 @@ typedef enum {
 
 typedef enum { ROPE_DEFAULT = 0, ROPE_LLAMA3, ROPE_YARN } RopeType;
 
-// How an HF checkpoint stores the experts of an MoE block (FORMATS_AND_MODELS.md §4.3-4.4). The
+// How an HF checkpoint stores the experts of an MoE block (docs/FORMATS.md §8.2). The
 // trainer keeps one layout in memory (tensor.h); this only names the checkpoint's tensors, so a
 // model is saved, dumped and exported in the layout it was loaded from.
 typedef enum {
@@ -115,8 +115,8 @@ float config_rope_inv_freq(const ModelConfig* cfg, float* inv_freq);
 // and the K active experts, so FLOPs and MFU use active parameters).
 int64_t config_num_params(const ModelConfig* cfg);
 int64_t config_num_matmul_params(const ModelConfig* cfg);
-// Model FLOPs per trained token at sequence length T: 6*N_mm + 6*T*H*HD per block, with
-// min(T, W) keys instead of T for sliding-window blocks.
+// Model FLOPs per trained token at sequence length T: 6*N_mm + 6*T*H*HD per block; a
+// sliding-window block (window W < T) has 12*(W - W^2/(2T))*H*HD instead (docs/PERFORMANCE.md).
 double config_flops_per_token(const ModelConfig* cfg, int T);
 
 void config_print(const ModelConfig* cfg);

@@ -1,6 +1,6 @@
 /*
  * mxfp4.h — GPT-OSS's MXFP4 expert weights as the HF hub stores them (transformers
- * integrations/mxfp4.py, FORMATS_AND_MODELS.md §4.4), dequantised for full training.
+ * integrations/mxfp4.py, docs/FORMATS.md §8.2), dequantised for full training.
  *
  * `name_blocks` U8 [E, rows, G, 16] and `name_scales` U8 [E, rows, G]: group g of a row holds 32
  * E2M1 values, byte b's low nibble is element 2b and its high nibble element 2b+1, each times

@@ -12,7 +12,7 @@
  * (QKV, C) and one (2F, C) weight; the q/k/v biases (GPT-OSS) are adjacent too (one (QKV) bias).
  *
  * Mixture-of-experts blocks keep all experts of a block in one tensor per projection, in the
- * layout their family's fused HF tensors have (FORMATS_AND_MODELS.md §4.3-4.4):
+ * layout their family's fused HF tensors have (docs/FORMATS.md §8.2):
  *   Qwen3-MoE  experts gate_up (E, 2F, C): per expert [gate rows | up rows], nn.Linear (out, in);
  *              experts down (E, C, F)
  *   GPT-OSS    experts gate_up (E, C, 2F): x·W (in, out), gate/up interleaved in the columns;

@@ -238,7 +238,7 @@ static void test_config_hf_json_errors(TestCtx* t) {
 
 // Qwen3-MoE in the hub spelling and in transformers 5's, GPT-OSS with layer_types and YaRN: the
 // fields, the block structure, our own writer's round trip, and the hub models' counts
-// (FORMATS_AND_MODELS.md §6).
+// (docs/FORMATS.md §2.4).
 static void test_config_moe(TestCtx* t) {
     char path[512], err[ERR_LEN];
     ModelConfig c, d;
@@ -344,7 +344,7 @@ static void test_config_moe(TestCtx* t) {
     CHECK(t, c.yarn_truncate && config_block_window(&c, 0) == 0 &&
                  config_block_window(&c, 1) == 4 && config_block_window(&c, 2) == 0,
           "explicit layer_types, truncate default");
-    // active parameters (FORMATS_AND_MODELS.md §6): the matmul ones of one token
+    // active parameters (docs/PERFORMANCE.md §1.1): the matmul ones of one token
     config_from_preset(&c, "qwen3-30b-a3b", err);
     CHECK(t, config_validate(&c, err) == 0 && config_num_moe_blocks(&c) == 48, "30b-a3b: %s", err);
 }

@@ -1,9 +1,9 @@
 /*
  * test_moe.c — mixture-of-experts and GPT-OSS attention on the CPU backend.
  *
- * Every new op against a naive double-precision reference written here (FORMATS_AND_MODELS.md
- * §5.6-5.7): the fp32 forward against the double forward, the double reference's analytic
- * backward against central finite differences of the double forward (loss L = Σ out ∘ R), and
+ * Every new op against a naive double-precision reference written here (docs/FORMATS.md §8.3):
+ * the fp32 forward against the double forward, the double reference's analytic backward against
+ * central finite differences of the double forward (loss L = Σ out ∘ R), and
  * the fp32 backward against the double backward; outputs are pre-filled with NaN where the op
  * overwrites and with random values where it accumulates. Then the whole model of both families
  * (dense and MoE blocks, the aux loss, sinks, windows, YaRN, biases): finite-difference checks of
