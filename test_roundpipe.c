@@ -37,6 +37,7 @@
     X(adamw)       \
     X(ops)         \
     X(model)       \
+    X(moe)         \
     X(parity)      \
     X(gpu)         \
     X(device)      \

@@ -226,6 +226,7 @@ int main(int argc, char** argv) {
     // random init)
     ModelSource src;
     if (checkpoint_resolve_model(&src, a.model, err) != 0) fatal("%s", err);
+    if (a.layers > 0 && config_truncate_layers(&src.cfg, a.layers, err) != 0) fatal("%s", err);
     Model model;
     if (model_init(&model, &src.cfg, a.decay_embeddings, err) != 0) fatal("%s: %s", a.model, err);
     model.mlp_chunk = a.mlp_chunk > 0 ? a.mlp_chunk : 0;  // auto is resolved with the plan

@@ -95,6 +95,8 @@ void args_usage(FILE* f) {
         "      --shuffle 0|1      shuffle training windows each epoch (default %d)\n"
         "      --seed S           seed for init, shuffling and sampling (default %u)\n"
         "      --init-std X       std of the random init of matrices (default %g)\n"
+        "      --layers N         keep only the model's first N decoder blocks (a shallower\n"
+        "                         copy of a big model for benchmarks on small hosts)\n"
         "\n"
         "optimisation\n"
         "  -x, --steps N          optimizer steps (default %d)\n"
@@ -319,7 +321,7 @@ enum {
     OPT_DEVICE, OPT_THREADS, OPT_DUMP, OPT_EVAL_BATCHES, OPT_SAMPLE, OPT_PROMPT, OPT_DECAY_FRAC,
     OPT_DECAY_EMB, OPT_INIT_STD, OPT_TEMPERATURE, OPT_ROUND, OPT_ROW_CHUNKS, OPT_RECOMPUTE, OPT_SYNC, OPT_PLAN,
     OPT_DEVICE_MEM, OPT_DELAY, OPT_TRACE, OPT_PROFILE_OPS, OPT_SPLIT_ROUNDS, OPT_NO_SPLIT_ROUNDS, OPT_PROFILE_STEPS, OPT_MLP_CHUNK, OPT_HOST_CKPT, OPT_SAVE_EVERY, OPT_KEEP, OPT_RESUME, OPT_EXPORT_HF,
-    OPT_EXPORT_GGUF, OPT_EXPORT_DTYPE, OPT_EXPORT_SHARD,
+    OPT_EXPORT_GGUF, OPT_EXPORT_DTYPE, OPT_EXPORT_SHARD, OPT_LAYERS,
     OPT_ALLOW_OVERCOMMIT
 };
 
@@ -422,6 +424,7 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         {"no-split-rounds", no_argument, 0, OPT_NO_SPLIT_ROUNDS},
         {"profile-steps", required_argument, 0, OPT_PROFILE_STEPS},
         {"mlp-chunk", required_argument, 0, OPT_MLP_CHUNK},
+        {"layers", required_argument, 0, OPT_LAYERS},
         {"host-checkpoints", required_argument, 0, OPT_HOST_CKPT},
         {"save-every", required_argument, 0, OPT_SAVE_EVERY},
         {"keep", required_argument, 0, OPT_KEEP},
@@ -447,6 +450,7 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
             case 'b': rc = int_in("--batch", v, 1, 1 << 20, &a->batch); break;
             case 't': rc = int_in("--seq", v, 1, 1 << 24, &a->seq); break;
             case 'm': rc = int_in("--micro-batches", v, 1, 1 << 20, &a->micro_batches); break;
+            case OPT_LAYERS: rc = int_in("--layers", v, 1, CONFIG_MAX_LAYERS, &a->layers); break;
             case 'x': rc = int_in("--steps", v, 0, 1 << 30, &a->steps); break;
             case 'l': rc = float_in("--lr", v, 0.0, 10.0, 1, &a->lr); break;
             case OPT_SCHEDULE:

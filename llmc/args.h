@@ -19,6 +19,7 @@ typedef struct TrainArgs {
     const char* val;         // shard glob ("" = no validation)
     int batch;               // B: sequences per optimizer step
     int seq;                 // T: tokens per sequence
+    int layers;              // --layers N: keep only the first N decoder blocks (0 = all)
     int micro_batches;       // M: the batch is split into M micro-batches of B/M sequences
     int steps;
     float lr;

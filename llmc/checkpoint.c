@@ -56,6 +56,19 @@ static int resolve_gguf(ModelSource* src, const char* spec, char* err) {
     return 0;
 }
 
+// How a Qwen3-MoE checkpoint holds its experts: the hub's one tensor per expert, or the fused
+// pair transformers 5 may save (config.json does not say). GPT-OSS has one layout.
+static void detect_expert_layout(ModelConfig* c, const StCheckpoint* ck) {
+    if (c->family != FAMILY_QWEN3MOE) return;
+    for (int b = 0; b < c->L; b++) {
+        if (!config_block_is_moe(c, b)) continue;
+        char name[128];
+        snprintf(name, sizeof name, "model.layers.%d.mlp.experts.gate_up_proj", b);
+        if (st_checkpoint_find(ck, name)) c->expert_layout = EXPERTS_FUSED;
+        return;
+    }
+}
+
 int checkpoint_resolve_model(ModelSource* src, const char* spec, char* err) {
     memset(src, 0, sizeof *src);
     char dir[1024];
@@ -68,6 +81,7 @@ int checkpoint_resolve_model(ModelSource* src, const char* spec, char* err) {
                           spec);
         if (config_from_hf_json(&src->cfg, src->config_path, err) != 0) return -1;
         if (st_checkpoint_open(&src->ck, spec, err) != 0) return -1;
+        detect_expert_layout(&src->cfg, &src->ck);
         str_copy(src->hf_dir, sizeof src->hf_dir, spec);
         src->kind = SOURCE_SAFETENSORS;
         src->has_weights = 1;
@@ -91,6 +105,7 @@ int checkpoint_resolve_model(ModelSource* src, const char* spec, char* err) {
                           src->config_path);
         if (config_from_hf_json(&src->cfg, src->config_path, err) != 0) return -1;
         if (st_checkpoint_open(&src->ck, spec, err) != 0) return -1;
+        detect_expert_layout(&src->cfg, &src->ck);
         str_copy(src->hf_dir, sizeof src->hf_dir, dir);
         src->kind = SOURCE_SAFETENSORS;
         src->has_weights = 1;
@@ -205,10 +220,9 @@ static int save_hf(const char* dir, const Model* m, const Store* s, CkptFiles* c
     StWriter w;
     st_writer_init(&w);
     st_writer_meta(&w, "format", "pt");
-    for (int i = 0; i < m->tt.n; i++) {
-        const TensorDesc* d = &m->tt.t[i];
-        if (d->tied_to >= 0) continue;
-        st_writer_add(&w, d->hf_name, ST_F32, d->ndim, d->shape, store_param(s, i));
+    for (int j = 0; j < m->tt.n_hf; j++) {  // the HF view: the layout the model came in
+        const HfTensor* v = &m->tt.hf[j];
+        st_writer_add(&w, v->name, ST_F32, v->ndim, v->shape, store_param(s, v->index) + v->offset);
     }
     snprintf(path, sizeof path, "%s/model.safetensors", dir);
     int rc = st_writer_write(&w, path, err);
@@ -230,18 +244,18 @@ int checkpoint_dump_state(const char* path, const Model* m, const Store* s, floa
     st_writer_init(&w);
     int64_t one = 1;
     st_writer_add(&w, "loss", ST_F32, 1, &one, &loss);
-    char** names = calloc_check((size_t)m->tt.n, sizeof(char*));
-    for (int i = 0; i < m->tt.n; i++) {
-        const TensorDesc* d = &m->tt.t[i];
-        if (d->tied_to >= 0) continue;
-        size_t len = strlen(d->hf_name) + 6;
-        names[i] = malloc_check(len);
-        snprintf(names[i], len, "grad.%s", d->hf_name);
-        st_writer_add(&w, names[i], ST_F32, d->ndim, d->shape, store_grad(s, i));
+    // under the checkpoint's own tensor names (the HF view)
+    char** names = calloc_check((size_t)(m->tt.n_hf > 0 ? m->tt.n_hf : 1), sizeof(char*));
+    for (int j = 0; j < m->tt.n_hf; j++) {
+        const HfTensor* v = &m->tt.hf[j];
+        size_t len = strlen(v->name) + 6;
+        names[j] = malloc_check(len);
+        snprintf(names[j], len, "grad.%s", v->name);
+        st_writer_add(&w, names[j], ST_F32, v->ndim, v->shape, store_grad(s, v->index) + v->offset);
     }
     int rc = st_writer_write(&w, path, err);
     st_writer_free(&w);
-    for (int i = 0; i < m->tt.n; i++) free(names[i]);
+    for (int j = 0; j < m->tt.n_hf; j++) free(names[j]);
     free(names);
     return rc;
 }
@@ -901,23 +915,22 @@ int checkpoint_export_hf(const char* dir, const Model* m, const Store* s, Export
                          uint64_t shard_bytes, const ModelSource* src, char* err) {
     const StDtype dt = dtype == EXPORT_BF16 ? ST_BF16 : dtype == EXPORT_F16 ? ST_F16 : ST_F32;
     if (mkdir_p(dir, err) != 0) return -1;
-    // Plan the shards greedily in table order, as transformers does: a new shard starts when the
-    // next tensor would push a non-empty shard past shard_bytes.
+    // Plan the shards greedily in checkpoint order (the HF view: the layout the model came in), as
+    // transformers does: a new shard starts when the next tensor would push a non-empty shard past
+    // shard_bytes.
     const TensorTable* tt = &m->tt;
-    int* shard_of = malloc_check((size_t)tt->n * sizeof(int));
+    int* shard_of = malloc_check((size_t)(tt->n_hf > 0 ? tt->n_hf : 1) * sizeof(int));
     int n_shards = 0;
     uint64_t in_shard = 0, total = 0;
-    for (int i = 0; i < tt->n; i++) {
-        shard_of[i] = -1;
-        if (tt->t[i].tied_to >= 0) continue;
-        uint64_t bytes = (uint64_t)tt->t[i].numel * (uint64_t)st_dtype_size(dt);
+    for (int j = 0; j < tt->n_hf; j++) {
+        uint64_t bytes = (uint64_t)tt->hf[j].numel * (uint64_t)st_dtype_size(dt);
         if (n_shards == 0 || (in_shard > 0 && in_shard + bytes > shard_bytes)) {
             n_shards++;
             in_shard = 0;
         }
         in_shard += bytes;
         total += bytes;
-        shard_of[i] = n_shards - 1;
+        shard_of[j] = n_shards - 1;
     }
     remove_old_weights(dir);
     char path[4096], file[64];
@@ -931,21 +944,21 @@ int checkpoint_export_hf(const char* dir, const Model* m, const Store* s, Export
         StWriter w;
         st_writer_init(&w);
         st_writer_meta(&w, "format", "pt");
-        void** owned = calloc_check((size_t)tt->n, sizeof(void*));
-        for (int i = 0; i < tt->n && rc == 0; i++) {
-            if (shard_of[i] != sh) continue;
-            const TensorDesc* d = &tt->t[i];
+        void** owned = calloc_check((size_t)(tt->n_hf > 0 ? tt->n_hf : 1), sizeof(void*));
+        for (int j = 0; j < tt->n_hf && rc == 0; j++) {
+            if (shard_of[j] != sh) continue;
+            const HfTensor* v = &tt->hf[j];
             char cerr[ERR_LEN];
-            const void* data =
-                export_data(store_param(s, i), d->numel, dt, &owned[i], d->hf_name, cerr);
+            const void* data = export_data(store_param(s, v->index) + v->offset, v->numel, dt,
+                                           &owned[j], v->name, cerr);
             if (!data)
                 rc = errorf(err, "%s: %s", path, cerr);
             else
-                st_writer_add(&w, d->hf_name, dt, d->ndim, d->shape, data);
+                st_writer_add(&w, v->name, dt, v->ndim, v->shape, data);
         }
         if (rc == 0) rc = st_writer_write(&w, path, err);
         st_writer_free(&w);
-        for (int i = 0; i < tt->n; i++) free(owned[i]);
+        for (int j = 0; j < tt->n_hf; j++) free(owned[j]);
         free(owned);
     }
     if (rc == 0 && n_shards > 1) {
@@ -955,13 +968,10 @@ int checkpoint_export_hf(const char* dir, const Model* m, const Store* s, Export
         if (!mf) fatal("open_memstream failed");
         fprintf(mf, "{\n  \"metadata\": {\"total_size\": %llu},\n  \"weight_map\": {",
                 (unsigned long long)total);
-        int first = 1;
-        for (int i = 0; i < tt->n; i++) {
-            if (shard_of[i] < 0) continue;
-            fprintf(mf, "%s\n    ", first ? "" : ",");
-            json_write_string(mf, tt->t[i].hf_name);
-            fprintf(mf, ": \"model-%05d-of-%05d.safetensors\"", shard_of[i] + 1, n_shards);
-            first = 0;
+        for (int j = 0; j < tt->n_hf; j++) {
+            fprintf(mf, "%s\n    ", j ? "," : "");
+            json_write_string(mf, tt->hf[j].name);
+            fprintf(mf, ": \"model-%05d-of-%05d.safetensors\"", shard_of[j] + 1, n_shards);
         }
         fprintf(mf, "\n  }\n}\n");
         if (ferror(mf) || fclose(mf) != 0) fatal("building the index failed");
@@ -999,9 +1009,10 @@ int checkpoint_export_hf(const char* dir, const Model* m, const Store* s, Export
 int checkpoint_export_gguf(const char* path, const Model* m, const Store* s, ExportDtype dtype,
                            const ModelSource* src, char* err) {
     const ModelConfig* c = &m->cfg;
-    if (c->family != FAMILY_LLAMA && c->family != FAMILY_QWEN3)
-        return errorf(err, "%s: GGUF export of family %s is not supported", path,
-                      family_names[c->family]);
+    if (c->family == FAMILY_QWEN3MOE && config_num_moe_blocks(c) != c->L)
+        return errorf(err, "%s: llama.cpp's qwen3moe GGUF has no dense MLP blocks, this model has "
+                           "%d (mlp_only_layers / decoder_sparse_step): export to HF instead",
+                      path, c->L - config_num_moe_blocks(c));
     const GgmlType wt = dtype == EXPORT_BF16  ? GGML_TYPE_BF16
                         : dtype == EXPORT_F16 ? GGML_TYPE_F16
                                               : GGML_TYPE_F32;
@@ -1024,21 +1035,30 @@ int checkpoint_export_gguf(const char* path, const Model* m, const Store* s, Exp
         gguf_writer_add_string(&w, "tokenizer.ggml.model", "no_vocab");
     }
     const TensorTable* tt = &m->tt;
-    char name[GGUF_MAX_NAME + 32];
+    GgufPart parts[2];
     for (int i = 0; i < tt->n; i++) {
         const TensorDesc* d = &tt->t[i];
         if (d->tied_to >= 0) continue;  // llama.cpp reuses token_embd when output is absent
-        gguf_tensor_name(c->family, d, name, sizeof name);
+        const int n_parts = gguf_tensor_parts(c, d, parts);
         // norms stay F32, as llama.cpp's converter keeps every 1-D tensor
         GgmlType type = d->ndim == 1 ? GGML_TYPE_F32 : wt;
-        const float* data = store_param(s, i);
+        float* data = store_param(s, i);
         if (c->family == FAMILY_LLAMA && (d->kind == TK_WQ || d->kind == TK_WK)) {
             float* perm = malloc_check((size_t)d->numel * sizeof(float));
             gguf_permute_rows(data, perm, d->kind == TK_WQ ? c->H : c->KVH, d->shape[0],
                               d->shape[1], 0);
-            gguf_writer_add_tensor(&w, name, type, d->ndim, d->shape, perm, 1);
+            gguf_writer_add_tensor(&w, parts[0].name, type, d->ndim, d->shape, perm, 1);
+        } else if (gguf_parts_rearranged(c, d)) {
+            // MoE experts in llama.cpp's layout: the parts back to back in one buffer, which
+            // the first part's tensor owns (the writer frees it after writing them all)
+            float* packed = malloc_check((size_t)d->numel * sizeof(float));
+            gguf_parts_convert(c, d, data, packed, 0);
+            int64_t off = 0;
+            for (int p = 0; p < n_parts; off += parts[p].numel, p++)
+                gguf_writer_add_tensor(&w, parts[p].name, type, parts[p].ndim, parts[p].shape,
+                                       packed + off, p == 0);
         } else {
-            gguf_writer_add_tensor(&w, name, type, d->ndim, d->shape, data, 0);
+            gguf_writer_add_tensor(&w, parts[0].name, type, d->ndim, d->shape, data, 0);
         }
     }
     if (c->family == FAMILY_LLAMA && c->rope_type == ROPE_LLAMA3) {

@@ -158,9 +158,10 @@ double checkpoint_export_bytes(const Model* m, int hf, ExportDtype dtype, uint64
 int checkpoint_export_hf(const char* dir, const Model* m, const Store* s, ExportDtype dtype,
                          uint64_t shard_bytes, const ModelSource* src, char* err);
 // One GGUF file (2-D weights in dtype, norms F32), LLaMA q/k rows permuted and rope_freqs.weight
-// written as llama.cpp expects, the source GGUF's tokenizer records, else records written from
-// the source's tokenizer (padded to the model's vocabulary), else tokenizer.ggml.model "no_vocab"
-// (llama.cpp loads that as a model without a vocabulary).
+// written as llama.cpp expects, MoE experts in its layout (gguf_tensor_parts), the source GGUF's
+// tokenizer records, else records written from the source's tokenizer (padded to the model's
+// vocabulary), else tokenizer.ggml.model "no_vocab" (llama.cpp loads that as a model without a
+// vocabulary).
 int checkpoint_export_gguf(const char* path, const Model* m, const Store* s, ExportDtype dtype,
                            const ModelSource* src, char* err);
 

@@ -21,6 +21,18 @@ typedef enum {
 
 typedef enum { ROPE_DEFAULT = 0, ROPE_LLAMA3, ROPE_YARN } RopeType;
 
+// How an HF checkpoint stores the experts of an MoE block (docs/FORMATS.md §8.2). The
+// trainer keeps one layout in memory (tensor.h); this only names the checkpoint's tensors, so a
+// model is saved, dumped and exported in the layout it was loaded from.
+typedef enum {
+    EXPERTS_PER_EXPERT = 0,  // Qwen3-MoE hub: mlp.experts.{e}.{gate,up,down}_proj.weight
+    EXPERTS_FUSED,           // transformers 5 Qwen3-MoE: mlp.experts.gate_up_proj [E, 2F, C]
+                             // (gate rows, then up rows), mlp.experts.down_proj [E, C, F]
+    EXPERTS_GPTOSS           // GPT-OSS: gate_up_proj [E, C, 2F] (x·W, gate/up interleaved),
+                             // down_proj [E, F, C], their _bias tensors; MXFP4 *_blocks/_scales
+                             // are dequantised on load
+} ExpertLayout;
+
 #define CONFIG_MAX_LAYERS 1024
 
 typedef struct ModelConfig {
@@ -49,14 +61,21 @@ typedef struct ModelConfig {
     double yarn_beta_fast, yarn_beta_slow;
     int yarn_truncate;
 
+    double rope_attention_factor;  // yarn attention_factor given by the config (0: 0.1 ln f + 1)
+
     // MoE (Qwen3-MoE, GPT-OSS); unused by dense families
-    int E;                // experts
-    int K;                // experts per token
-    int F_expert;         // expert MLP width (moe_intermediate_size)
-    int norm_topk_prob;   // Qwen3-MoE
-    int decoder_sparse_step;
-    int sliding_window;   // GPT-OSS sliding attention window (0 = none)
+    int E;                // experts (num_experts / num_local_experts)
+    int K;                // experts per token (num_experts_per_tok)
+    int F_expert;         // expert MLP width (moe_intermediate_size; GPT-OSS intermediate_size)
+    int norm_topk_prob;   // Qwen3-MoE: renormalise the top-k probabilities to sum to 1
+    int decoder_sparse_step;             // Qwen3-MoE: block i is MoE iff (i + 1) % step == 0 ...
+    uint8_t mlp_only[CONFIG_MAX_LAYERS];  // ... and mlp_only[i] == 0 (mlp_only_layers)
+    double router_aux_loss_coef;         // weight of the load-balancing loss ...
+    int output_router_logits;            // ... which is in the objective only when this is set
+    int sliding_window;                  // GPT-OSS sliding attention window W (0 = none)
+    uint8_t sliding[CONFIG_MAX_LAYERS];  // GPT-OSS layer_types: 1 = sliding_attention
     float swiglu_limit;   // GPT-OSS clamp (7.0)
+    ExpertLayout expert_layout;  // how HF checkpoints of this model hold the experts
 
     int bos_id, eos_id;  // -1 when unknown
 } ModelConfig;
@@ -75,15 +94,29 @@ int config_validate(const ModelConfig* cfg, char* err);
 // Write an HF-style config.json text for this config into a malloc'd string.
 char* config_to_hf_json(const ModelConfig* cfg);
 
+// Mixture-of-experts structure. config_is_moe: the family routes tokens to experts.
+// config_block_is_moe: decoder block `block` has a routed-expert MLP (HF Qwen3MoeDecoderLayer's
+// rule; every GPT-OSS block). config_block_window: the block's attention window (0 = full
+// causal attention). config_num_moe_blocks: how many blocks have experts.
+int config_is_moe(const ModelConfig* cfg);
+int config_block_is_moe(const ModelConfig* cfg, int block);
+int config_block_window(const ModelConfig* cfg, int block);
+int config_num_moe_blocks(const ModelConfig* cfg);
+// Keep only the first n decoder blocks (--layers): their per-block settings (MoE or dense,
+// sliding windows) stay as they were. -1 + err when n is not in [1, L].
+int config_truncate_layers(ModelConfig* cfg, int n, char* err);
+
 // RoPE inverse frequencies, HD/2 floats, after llama3/yarn scaling, computed the way
 // transformers does (fp32). Returns the attention scaling factor applied to cos/sin (1 unless yarn).
 float config_rope_inv_freq(const ModelConfig* cfg, float* inv_freq);
 
 // Parameter counts. n_mm counts matmul parameters per token (FLOP convention of
-// docs/PERFORMANCE.md §1.1; the LM head counts once even when tied).
+// docs/PERFORMANCE.md §1.1; the LM head counts once even when tied; MoE blocks count their router
+// and the K active experts, so FLOPs and MFU use active parameters).
 int64_t config_num_params(const ModelConfig* cfg);
 int64_t config_num_matmul_params(const ModelConfig* cfg);
-// Model FLOPs per trained token at sequence length T: 6*N_mm + 6*L*T*H*HD.
+// Model FLOPs per trained token at sequence length T: 6*N_mm + 6*T*H*HD per block; a
+// sliding-window block (window W < T) has 12*(W - W^2/(2T))*H*HD instead (docs/PERFORMANCE.md).
 double config_flops_per_token(const ModelConfig* cfg, int T);
 
 void config_print(const ModelConfig* cfg);

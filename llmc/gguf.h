@@ -180,9 +180,32 @@ void gguf_tensor_name(ModelFamily family, const TensorDesc* d, char* out, size_t
 // qwen3moe and gpt-oss (router, stacked experts, sinks, biases). -1 if the name has no mapping.
 int gguf_name_from_hf(ModelFamily family, const char* hf_name, char* out, size_t cap);
 // Read descriptor d's tensor into out (HF row-major layout, fp32): the GGUF ne must be d's shape
-// reversed; LLaMA q/k rows are un-permuted (docs/FORMATS.md §4.4); non-finite values are refused.
+// reversed (its parts' shapes for the MoE experts, below); LLaMA q/k rows are un-permuted
+// (docs/FORMATS.md §4.4); non-finite values are refused.
 int gguf_read_hf_tensor(const GgufFile* f, const ModelConfig* cfg, const TensorDesc* d, float* out,
                         char* err);
+
+// The GGUF tensors that hold one descriptor, in llama.cpp's names and layouts. Most descriptors
+// are one tensor of their own shape. The MoE experts differ: llama.cpp keeps gate and up apart
+// (ffn_gate_exps then ffn_up_exps, each [E, Fe, C]; GPT-OSS's biases [E, Fe] likewise) and
+// stores every expert matrix as [E, out, in], where GPT-OSS's HF tensors are x·W ([E, C, 2Fe]
+// with gate/up interleaved in the columns, down [E, Fe, C]).
+typedef struct GgufPart {
+    char name[GGUF_MAX_NAME + 32];
+    int ndim;
+    int64_t shape[3];  // row-major (the file's ne reversed)
+    int64_t numel;
+} GgufPart;
+
+// d's parts (1 or 2) into parts; returns how many.
+int gguf_tensor_parts(const ModelConfig* cfg, const TensorDesc* d, GgufPart parts[2]);
+// 1 if d's values must be rearranged between its table layout and its parts' (the MoE cases
+// above); 0 if the single part's data is the table's.
+int gguf_parts_rearranged(const ModelConfig* cfg, const TensorDesc* d);
+// Between d's table layout (table) and its parts' row-major data back to back (packed, d->numel
+// floats in all): to_table 1 fills table from packed, 0 fills packed from table.
+void gguf_parts_convert(const ModelConfig* cfg, const TensorDesc* d, float* table, float* packed,
+                        int to_table);
 
 // llama.cpp's LLaMA Q/K row permutation on a (n_head*hd, cols) row-major matrix: forward
 // (HF -> GGUF: GGUF row 2i+j = HF row j*hd/2+i within each head) or inverse (GGUF -> HF).

@@ -1,8 +1,8 @@
 /*
  * gguf_arch.c — what GGUF files mean for our models: general.architecture and the {arch}.* keys
  * -> ModelConfig (and back, for exports), llama3 RoPE scaling recovered from rope_freqs.weight,
- * descriptor and HF tensor names -> GGUF names, the ne order (HF shape reversed) and llama.cpp's
- * LLaMA q/k row permutation.
+ * descriptor and HF tensor names -> GGUF names, the ne order (HF shape reversed), llama.cpp's
+ * LLaMA q/k row permutation, and its layout of the qwen3moe / gpt-oss expert tensors.
  */
 #include "gguf.h"
 
@@ -327,15 +327,24 @@ static int config_scaling_and_experts(const GgufFile* f, const char* arch, Model
         arch_int(f, arch, "expert_used_count", 1, 1, GGUF_BIG, &c->K, err) ||
         arch_int(f, arch, "expert_feed_forward_length", 1, 1, GGUF_BIG, &c->F_expert, err))
         return -1;
-    c->decoder_sparse_step = 1;
+    c->decoder_sparse_step = 1;  // every block routes (llama.cpp has no dense qwen3moe blocks)
     // not stored in GGUF: hard-coded by llama.cpp (docs/FORMATS.md §4.2)
     c->norm_topk_prob = c->family == FAMILY_QWEN3MOE;
+    // The aux loss as the released HF configs have it (off; their coefficients)
+    c->output_router_logits = 0;
+    c->router_aux_loss_coef = c->family == FAMILY_GPTOSS ? 0.9 : 0.001;
+    // HF exports: the hub's layouts (one tensor per Qwen3-MoE expert; GPT-OSS's fused x·W)
+    c->expert_layout = c->family == FAMILY_GPTOSS ? EXPERTS_GPTOSS : EXPERTS_PER_EXPERT;
+    if (c->F == 0) c->F = c->F_expert;  // no dense block: the width is unused
     if (c->family == FAMILY_GPTOSS) {
         c->attention_bias = 1;
         c->swiglu_limit = 7.0f;
+        c->yarn_truncate = 0;  // GPT-OSS's rope_scaling: truncate false
         if (arch_int(f, arch, "attention.sliding_window", 0, 0, GGUF_BIG, &c->sliding_window, err))
             return -1;
-        if (c->F == 0) c->F = c->F_expert;
+        // layer_types: sliding at even blocks (HF's default, llama.cpp's swa pattern 2)
+        for (int i = 0; i < c->L && i < CONFIG_MAX_LAYERS; i++)
+            c->sliding[i] = c->sliding_window > 0 && i % 2 == 0;
     }
     return 0;
 }
@@ -503,31 +512,120 @@ static void shape_text(const int64_t* dims, int n, char* buf, size_t cap) {
     snprintf(buf + o, cap - o, "]");
 }
 
-int gguf_read_hf_tensor(const GgufFile* f, const ModelConfig* cfg, const TensorDesc* d, float* out,
-                        char* err) {
-    char name[GGUF_MAX_NAME + 32];
-    gguf_tensor_name(cfg->family, d, name, sizeof name);
-    const GgufTensor* t = gguf_find_tensor(f, name);
-    if (!t) return errorf(err, "%s: tensor '%s' (HF %s) is missing", f->path, name, d->hf_name);
+// ----------------------------------------------------------------------------
+// the MoE expert tensors: our layout <-> llama.cpp's (gguf.h)
+
+int gguf_tensor_parts(const ModelConfig* cfg, const TensorDesc* d, GgufPart parts[2]) {
+    const int64_t E = cfg->E, Fe = cfg->F_expert, C = cfg->C;
+    int n = 1;
+    gguf_tensor_name(cfg->family, d, parts[0].name, sizeof parts[0].name);
+    parts[0].ndim = d->ndim;
+    for (int k = 0; k < 3; k++) parts[0].shape[k] = k < d->ndim ? d->shape[k] : 0;
+    if (d->kind == TK_EXP_GATE_UP || d->kind == TK_EXP_GATE_UP_BIAS) {
+        const int bias = d->kind == TK_EXP_GATE_UP_BIAS;
+        n = 2;
+        snprintf(parts[1].name, sizeof parts[1].name, "blk.%d.ffn_up_exps.%s", d->block,
+                 bias ? "bias" : "weight");
+        for (int p = 0; p < 2; p++) {
+            parts[p].ndim = bias ? 2 : 3;
+            parts[p].shape[0] = E;
+            parts[p].shape[1] = Fe;
+            parts[p].shape[2] = bias ? 0 : C;
+        }
+    } else if (d->kind == TK_EXP_DOWN) {  // [E, C, Fe] for both families
+        parts[0].shape[1] = C;
+        parts[0].shape[2] = Fe;
+    }
+    for (int p = 0; p < n; p++) {
+        parts[p].numel = 1;
+        for (int k = 0; k < parts[p].ndim; k++) parts[p].numel *= parts[p].shape[k];
+    }
+    return n;
+}
+
+int gguf_parts_rearranged(const ModelConfig* cfg, const TensorDesc* d) {
+    return d->kind == TK_EXP_GATE_UP || d->kind == TK_EXP_GATE_UP_BIAS ||
+           (d->kind == TK_EXP_DOWN && cfg->family == FAMILY_GPTOSS);
+}
+
+// One element: table[ti] <-> packed[pi].
+static void move_elem(float* table, float* packed, int64_t ti, int64_t pi, int to_table) {
+    if (to_table) table[ti] = packed[pi];
+    else packed[pi] = table[ti];
+}
+
+void gguf_parts_convert(const ModelConfig* cfg, const TensorDesc* d, float* table, float* packed,
+                        int to_table) {
+    const int64_t E = cfg->E, Fe = cfg->F_expert, C = cfg->C;
+    const int oss = cfg->family == FAMILY_GPTOSS;
+    const int64_t half = E * Fe * (d->kind == TK_EXP_GATE_UP ? C : 1);  // the up part's offset
+    if (!gguf_parts_rearranged(cfg, d)) {
+        if (to_table) memcpy(table, packed, (size_t)d->numel * sizeof(float));
+        else memcpy(packed, table, (size_t)d->numel * sizeof(float));
+        return;
+    }
+    for (int64_t e = 0; e < E; e++) {
+        if (d->kind == TK_EXP_GATE_UP && !oss) {  // [E, 2Fe, C]: gate rows, then up rows
+            for (int64_t r = 0; r < 2 * Fe; r++)
+                for (int64_t c = 0; c < C; c++)
+                    move_elem(table, packed, (e * 2 * Fe + r) * C + c,
+                              (r >= Fe ? half : 0) + (e * Fe + r % Fe) * C + c, to_table);
+        } else if (d->kind == TK_EXP_GATE_UP) {  // [E, C, 2Fe]: x·W, gate/up interleaved
+            for (int64_t c = 0; c < C; c++)
+                for (int64_t j = 0; j < 2 * Fe; j++)
+                    move_elem(table, packed, (e * C + c) * 2 * Fe + j,
+                              (j & 1 ? half : 0) + (e * Fe + j / 2) * C + c, to_table);
+        } else if (d->kind == TK_EXP_GATE_UP_BIAS) {  // [E, 2Fe] interleaved
+            for (int64_t j = 0; j < 2 * Fe; j++)
+                move_elem(table, packed, e * 2 * Fe + j, (j & 1 ? half : 0) + e * Fe + j / 2,
+                          to_table);
+        } else {  // GPT-OSS down [E, Fe, C]: x·W, llama.cpp's [E, C, Fe] transposed
+            for (int64_t i = 0; i < Fe; i++)
+                for (int64_t c = 0; c < C; c++)
+                    move_elem(table, packed, (e * Fe + i) * C + c, (e * C + c) * Fe + i, to_table);
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------
+// reading a descriptor
+
+// Part p's tensor into out (p->numel floats), its ne checked against the part's shape reversed.
+static int read_part(const GgufFile* f, const GgufPart* p, const TensorDesc* d, float* out,
+                     char* err) {
+    const GgufTensor* t = gguf_find_tensor(f, p->name);
+    if (!t) return errorf(err, "%s: tensor '%s' (HF %s) is missing", f->path, p->name, d->hf_name);
     // ne is the HF shape reversed; trailing ne of 1 may be dropped by ggml's own writers
     int64_t want[GGUF_MAX_DIMS] = {1, 1, 1, 1};
-    for (int k = 0; k < d->ndim && k < GGUF_MAX_DIMS; k++) want[k] = d->shape[d->ndim - 1 - k];
-    int ok = d->ndim <= GGUF_MAX_DIMS;
+    for (int k = 0; k < p->ndim && k < GGUF_MAX_DIMS; k++) want[k] = p->shape[p->ndim - 1 - k];
+    int ok = p->ndim <= GGUF_MAX_DIMS;
     for (int k = 0; ok && k < GGUF_MAX_DIMS; k++) ok = t->ne[k] == want[k];
     if (!ok) {
         char got[96], need[96];
         shape_text(t->ne, t->n_dims, got, sizeof got);
-        shape_text(want, d->ndim, need, sizeof need);
+        shape_text(want, p->ndim, need, sizeof need);
         return errorf(err, "%s: tensor '%s' has ne %s, the config needs ne %s (HF %s)", f->path,
-                      name, got, need, d->hf_name);
+                      p->name, got, need, d->hf_name);
     }
-    int permute = cfg->family == FAMILY_LLAMA && (d->kind == TK_WQ || d->kind == TK_WK);
-    if (!permute) return gguf_tensor_to_f32(f, t, out, d->numel, err);
-    // llama.cpp permuted these rows for its adjacent-pair RoPE: undo it (docs/FORMATS.md §4.4)
-    int n_head = d->kind == TK_WQ ? cfg->H : cfg->KVH;
+    return gguf_tensor_to_f32(f, t, out, p->numel, err);
+}
+
+int gguf_read_hf_tensor(const GgufFile* f, const ModelConfig* cfg, const TensorDesc* d, float* out,
+                        char* err) {
+    GgufPart parts[2];
+    const int n = gguf_tensor_parts(cfg, d, parts);
+    const int permute = cfg->family == FAMILY_LLAMA && (d->kind == TK_WQ || d->kind == TK_WK);
+    if (n == 1 && !permute && !gguf_parts_rearranged(cfg, d))
+        return read_part(f, parts, d, out, err);
     float* tmp = malloc_check((size_t)d->numel * sizeof(float));
-    int rc = gguf_tensor_to_f32(f, t, tmp, d->numel, err);
-    if (rc == 0) gguf_permute_rows(tmp, out, n_head, d->shape[0], d->shape[1], 1);
+    int rc = read_part(f, &parts[0], d, tmp, err);
+    if (rc == 0 && n == 2) rc = read_part(f, &parts[1], d, tmp + parts[0].numel, err);
+    // llama.cpp permuted LLaMA's q/k rows for its adjacent-pair RoPE (docs/FORMATS.md §4.4)
+    if (rc == 0 && permute)
+        gguf_permute_rows(tmp, out, d->kind == TK_WQ ? cfg->H : cfg->KVH, d->shape[0],
+                          d->shape[1], 1);
+    else if (rc == 0)
+        gguf_parts_convert(cfg, d, out, tmp, 1);
     free(tmp);
     return rc;
 }

@@ -1,6 +1,8 @@
 /*
  * loader.c — checkpoint files (safetensors, GGUF) -> the host layer store: names and shapes
  * checked in table order first, then one conversion task per tensor on a thread pool.
+ * Safetensors load through the table's HF view (tensor.h): one task per checkpoint tensor, so
+ * per-expert, fused and MXFP4 expert layouts land in the same slabs.
  */
 #include "loader.h"
 
@@ -9,6 +11,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "mxfp4.h"
 #include "threads.h"
 
 // ----------------------------------------------------------------------------
@@ -17,27 +20,41 @@
 // Loading converts every owned tensor in its own task (conversion or dequantisation and the
 // finiteness check are independent per tensor, and the sources are read-only maps); the error
 // reported is the first failing tensor's in table order, whatever the number of threads.
+// Safetensors sources load through the table's HF view (tensor.h): one task per HF tensor.
 typedef struct LoadJob {
     Store* s;
-    const StTensor** st;     // safetensors: the checkpoint tensor of each table entry (or NULL)
+    const StCheckpoint* ck;  // safetensors: the checkpoint ...
+    const StTensor** st;     // ... the tensor of each HF view entry (NULL: an MXFP4 pair)
     const GgufFile* gguf;    // GGUF: the file and the config it gave (or NULL)
     const ModelConfig* cfg;
-    char (*err)[ERR_LEN];    // per table entry
-    int* rc;                 // per table entry, 0 = loaded
+    char (*err)[ERR_LEN];    // per task
+    int* rc;                 // per task, 0 = loaded
 } LoadJob;
 
 static void load_task(void* arg, int64_t task) {
     LoadJob* job = arg;
     const int i = (int)task;
-    const TensorDesc* d = &job->s->tt->t[i];
-    if (d->tied_to >= 0) return;
-    float* out = store_param(job->s, i);
-    job->rc[i] = job->gguf ? gguf_read_hf_tensor(job->gguf, job->cfg, d, out, job->err[i])
-                           : st_tensor_to_f32(job->st[i], out, d->numel, job->err[i]);
+    const TensorTable* tt = job->s->tt;
+    if (job->gguf) {
+        const TensorDesc* d = &tt->t[i];
+        if (d->tied_to >= 0) return;
+        job->rc[i] =
+            gguf_read_hf_tensor(job->gguf, job->cfg, d, store_param(job->s, i), job->err[i]);
+        return;
+    }
+    const HfTensor* v = &tt->hf[i];
+    float* out = store_param(job->s, v->index) + v->offset;
+    if (job->st[i]) {
+        job->rc[i] = st_tensor_to_f32(job->st[i], out, v->numel, job->err[i]);
+    } else {  // GPT-OSS experts in MXFP4: [E, rows, G, 16] blocks of the [E, cols, rows] tensor
+        int r = mxfp4_load(job->ck, v->name, v->shape[0], v->shape[1], v->shape[2], out,
+                           job->err[i]);
+        job->rc[i] = r == 1 ? 0 : -1;
+    }
 }
 
-static int load_all(LoadJob* job, char* err) {
-    const int n = job->s->tt->n;
+// n tasks: the table's entries (GGUF) or its HF view's (safetensors)
+static int load_all(LoadJob* job, int n, char* err) {
     job->err = malloc_check((size_t)(n > 0 ? n : 1) * sizeof *job->err);
     job->rc = calloc_check((size_t)(n > 0 ? n : 1), sizeof(int));
     ThreadPool* pool = threadpool_create(0);
@@ -54,44 +71,70 @@ static int load_all(LoadJob* job, char* err) {
 // ----------------------------------------------------------------------------
 // safetensors
 
+static void shape_string(char* out, size_t cap, int ndim, const int64_t* shape) {
+    int off = snprintf(out, cap, "[");
+    for (int k = 0; k < ndim && off < (int)cap - 24; k++)
+        off += snprintf(out + off, cap - (size_t)off, k ? ", %lld" : "%lld", (long long)shape[k]);
+    snprintf(out + off, cap - (size_t)off, "]");
+}
+
+// The checkpoint's tensor for HF view entry v, shape checked (NULL + rc 0: an MXFP4 pair stands
+// in for it; rc -1 + err: missing or misshapen).
+static const StTensor* find_hf_tensor(const StCheckpoint* ck, const HfTensor* v, int* rc,
+                                      char* err) {
+    *rc = 0;
+    const StTensor* st = st_checkpoint_find(ck, v->name);
+    if (!st) {
+        char bname[160];
+        snprintf(bname, sizeof bname, "%s_blocks", v->name);
+        if (v->ndim == 3 && st_checkpoint_find(ck, bname)) return NULL;  // MXFP4 (load_task)
+        *rc = errorf(err, "checkpoint has no tensor '%s'", v->name);
+        return NULL;
+    }
+    int shape_ok = st->ndim == v->ndim;
+    for (int k = 0; shape_ok && k < v->ndim; k++) shape_ok = st->shape[k] == v->shape[k];
+    if (!shape_ok) {
+        char want[64], got[64];
+        shape_string(want, sizeof want, v->ndim, v->shape);
+        shape_string(got, sizeof got, st->ndim, st->shape);
+        *rc = errorf(err, "%s: tensor '%s' has shape %s, the config needs %s", st->file, v->name,
+                     got, want);
+    }
+    return st;
+}
+
 int loader_load_safetensors(Store* s, const StCheckpoint* ck, int* n_unused, char* err) {
     const TensorTable* tt = s->tt;
     char terr[ERR_LEN];
-    // names and shapes first (cheap, in table order), then the conversions in parallel
-    LoadJob job = {.s = s, .st = calloc_check((size_t)(tt->n > 0 ? tt->n : 1), sizeof(StTensor*))};
-    for (int i = 0; i < tt->n; i++) {
-        const TensorDesc* d = &tt->t[i];
-        if (d->tied_to >= 0) continue;
-        const StTensor* st = st_checkpoint_find(ck, d->hf_name);
-        job.st[i] = st;
-        if (!st) {
+    // names and shapes first (cheap, in checkpoint order), then the conversions in parallel
+    LoadJob job = {.s = s, .ck = ck,
+                   .st = calloc_check((size_t)(tt->n_hf > 0 ? tt->n_hf : 1), sizeof(StTensor*))};
+    for (int j = 0; j < tt->n_hf; j++) {
+        int rc;
+        job.st[j] = find_hf_tensor(ck, &tt->hf[j], &rc, err);
+        if (rc != 0) {
             free(job.st);
-            return errorf(err, "checkpoint has no tensor '%s'", d->hf_name);
-        }
-        int shape_ok = st->ndim == d->ndim;
-        for (int k = 0; shape_ok && k < d->ndim; k++) shape_ok = st->shape[k] == d->shape[k];
-        if (!shape_ok) {
-            char want[64], got[64];
-            if (d->ndim == 1) snprintf(want, sizeof want, "[%lld]", (long long)d->shape[0]);
-            else snprintf(want, sizeof want, "[%lld, %lld]", (long long)d->shape[0], (long long)d->shape[1]);
-            int off = snprintf(got, sizeof got, "[");
-            for (int k = 0; k < st->ndim && off < (int)sizeof got - 24; k++)
-                off += snprintf(got + off, sizeof got - off, k ? ", %lld" : "%lld", (long long)st->shape[k]);
-            snprintf(got + off, sizeof got - off, "]");
-            free(job.st);
-            return errorf(err, "%s: tensor '%s' has shape %s, the config needs %s", st->file,
-                          d->hf_name, got, want);
+            return -1;
         }
     }
-    const int rc = load_all(&job, err);
+    const int rc = load_all(&job, tt->n_hf, err);
     free(job.st);
     if (rc != 0) return rc;
     // Report checkpoint tensors we do not use. A tied model may carry lm_head.weight: accept it
-    // only if it equals the embedding, otherwise tying would silently change the model.
+    // only if it equals the embedding, otherwise tying would silently change the model. MXFP4
+    // experts count as used through their _blocks / _scales pair.
     int unused = 0;
     for (int k = 0; k < ck->n_tensors; k++) {
         const char* name = ck->tensors[k]->name;
-        if (tensor_table_find_hf(tt, name) >= 0) continue;
+        if (tensor_table_find_hf_tensor(tt, name) >= 0) continue;
+        char base[160];
+        str_copy(base, sizeof base, name);
+        char* us = strrchr(base, '_');
+        if (us && (strcmp(us, "_blocks") == 0 || strcmp(us, "_scales") == 0)) {
+            *us = '\0';
+            if (tensor_table_find_hf_tensor(tt, base) >= 0 && mxfp4_is_part_of(name, base))
+                continue;
+        }
         int head = tensor_table_index(tt, TK_LM_HEAD, -1);
         if (strcmp(name, "lm_head.weight") == 0 && head >= 0 && tt->t[head].tied_to >= 0) {
             const TensorDesc* d = &tt->t[head];
@@ -118,17 +161,17 @@ int loader_load_gguf(Store* s, const GgufFile* f, const ModelConfig* cfg, int* n
                      char* err) {
     const TensorTable* tt = s->tt;
     LoadJob job = {.s = s, .gguf = f, .cfg = cfg};
-    if (load_all(&job, err) != 0) return -1;
+    if (load_all(&job, tt->n, err) != 0) return -1;
     int unused = 0;
-    char name[GGUF_MAX_NAME + 32];
+    GgufPart parts[2];
     for (int64_t k = 0; k < f->n_tensors; k++) {
         const char* have = f->tensors[k].name;
         if (strcmp(have, "rope_freqs.weight") == 0) continue;
         int used = 0;
         for (int i = 0; i < tt->n && !used; i++) {
             if (tt->t[i].tied_to >= 0) continue;
-            gguf_tensor_name(cfg->family, &tt->t[i], name, sizeof name);
-            used = strcmp(name, have) == 0;
+            const int n = gguf_tensor_parts(cfg, &tt->t[i], parts);
+            for (int p = 0; p < n && !used; p++) used = strcmp(parts[p].name, have) == 0;
         }
         unused += !used;
     }

@@ -15,8 +15,10 @@
 #include "safetensors.h"
 #include "store.h"
 
-// Load every owned tensor by HF name from a checkpoint, checking shapes; extra tensors in the
-// checkpoint are reported in *n_unused (a tied model's lm_head.weight is accepted if equal).
+// Load every owned tensor by HF name from a checkpoint, checking shapes, through the table's HF
+// view (per-expert or fused MoE experts; GPT-OSS MXFP4 _blocks/_scales pairs dequantised); extra
+// tensors in the checkpoint are reported in *n_unused (a tied model's lm_head.weight is accepted
+// if equal).
 int loader_load_safetensors(Store* s, const StCheckpoint* ck, int* n_unused, char* err);
 // The same from a GGUF file whose metadata gave cfg: every owned tensor by its GGUF name, shapes
 // checked (ne reversed), dequantised, LLaMA q/k rows un-permuted (gguf_read_hf_tensor).

@@ -52,6 +52,7 @@ void log_step(StepLog* lg, const StepStats* s) {
                s->step, s->steps, s->loss, s->norm, s->lr, s->ms, s->tok_s);
     if (s->mfu >= 0) printf(" | MFU %5.1f%%", 100.0 * s->mfu);
     if (s->bubble >= 0) printf(" | bubble %4.1f%%", 100.0 * s->bubble);
+    if (s->moe) printf(" | experts max/mean %.2f", s->load_spread);
     if (s->host_mib >= 0) printf(" | host %.0f MiB", s->host_mib);
     if (s->dev_mib >= 0) printf(" | dev %.0f MiB", s->dev_mib);
     printf("\n");
@@ -59,6 +60,11 @@ void log_step(StepLog* lg, const StepStats* s) {
     if (!lg->f) return;
     fprintf(lg->f, "{\"step\":%d,", s->step);
     json_num(lg->f, "loss", s->loss, 0);
+    if (s->moe) {
+        json_num(lg->f, "ce", s->ce, 0);
+        json_num(lg->f, "aux", s->aux, 0);
+        json_num(lg->f, "load_spread", s->load_spread, 0);
+    }
     json_num(lg->f, "lr", s->no_update ? NAN : s->lr, 0);
     json_num(lg->f, "norm", s->no_update ? NAN : s->norm, 0);
     json_num(lg->f, "ms", s->ms, 0);

@@ -38,6 +38,12 @@ typedef struct StepStats {
     double mfu;     // < 0 when not measured (CPU)
     double bubble;  // fraction of device compute time idle (< 0: not pipelined)
     double host_mib, dev_mib;  // memory in use (< 0: not reported)
+    // MoE models (moe = 1): the objective's parts, loss = ce + router_aux_loss_coef · aux (the
+    // coefficient 0 without output_router_logits), and the expert load spread: the most tokens
+    // any expert got over the mean per expert (summed over the MoE blocks and micro-batches;
+    // 1 = perfectly balanced, E / K = every token to the same K experts)
+    int moe;
+    double ce, aux, load_spread;
 } StepStats;
 
 // Resident host memory of this process in MiB (from /proc/self/status; -1 if unavailable).

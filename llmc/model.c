@@ -18,6 +18,12 @@ static inline void* at(const Workspace* ws, const void* p, int64_t i) {
 // ----------------------------------------------------------------------------
 // model description
 
+// Offset of the tensor of `kind` in block `block`'s slab, or -1.
+static int64_t block_offset(const TensorTable* tt, TensorKind kind, int block) {
+    int i = tensor_table_index(tt, kind, block);
+    return i < 0 ? -1 : tt->t[i].param_offset;
+}
+
 int model_init(Model* m, const ModelConfig* cfg, int decay_embeddings, char* err) {
     memset(m, 0, sizeof *m);
     if (config_validate(cfg, err) != 0) return -1;
@@ -25,25 +31,38 @@ int model_init(Model* m, const ModelConfig* cfg, int decay_embeddings, char* err
     if (tensor_table_build(&m->tt, cfg, decay_embeddings, err) != 0) return -1;
     m->QKV = (cfg->H + 2 * cfg->KVH) * cfg->HD;
 
-    // Block layout relative to the block slab, read off block 0 of the table.
+    // Block layouts relative to each block's slab, read off the table.
     const TensorTable* tt = &m->tt;
-    int64_t* slots[] = {&m->block.attn_norm, &m->block.wqkv, &m->block.q_norm, &m->block.k_norm,
-                        &m->block.wo, &m->block.mlp_norm, &m->block.wgu, &m->block.wdown};
-    const TensorKind kinds[] = {TK_ATTN_NORM, TK_WQ, TK_Q_NORM, TK_K_NORM,
-                                TK_WO, TK_MLP_NORM, TK_W_GATE, TK_W_DOWN};
-    for (int i = 0; i < 8; i++) {
-        int idx = tensor_table_index(tt, kinds[i], 0);
-        *slots[i] = idx < 0 ? -1 : tt->t[idx].param_offset;
-    }
-    // The fused matmuls rely on adjacency: check it once here rather than trusting the table.
     const int64_t C = cfg->C;
-    int iq = tensor_table_index(tt, TK_WQ, 0), ik = tensor_table_index(tt, TK_WK, 0);
-    int iv = tensor_table_index(tt, TK_WV, 0), ig = tensor_table_index(tt, TK_W_GATE, 0);
-    int iu = tensor_table_index(tt, TK_W_UP, 0);
-    if (tt->t[ik].param_offset != tt->t[iq].param_offset + (int64_t)cfg->H * cfg->HD * C ||
-        tt->t[iv].param_offset != tt->t[ik].param_offset + (int64_t)cfg->KVH * cfg->HD * C ||
-        tt->t[iu].param_offset != tt->t[ig].param_offset + (int64_t)cfg->F * C)
-        fatal("internal: tensor table breaks the fused qkv / gate-up adjacency");
+    m->layout = calloc_check((size_t)cfg->L, sizeof(BlockLayout));
+    m->moe_slot = malloc_check((size_t)cfg->L * sizeof(int));
+    for (int l = 0; l < cfg->L; l++) {
+        BlockLayout* bl = &m->layout[l];
+        int64_t* slots[] = {&bl->attn_norm, &bl->wqkv,   &bl->q_norm,      &bl->k_norm,
+                            &bl->wo,        &bl->mlp_norm, &bl->wgu,       &bl->wdown,
+                            &bl->bqkv,      &bl->bo,     &bl->sinks,       &bl->router,
+                            &bl->router_bias, &bl->exp_gu, &bl->exp_gu_bias, &bl->exp_down,
+                            &bl->exp_down_bias};
+        const TensorKind kinds[] = {TK_ATTN_NORM, TK_WQ,       TK_Q_NORM,      TK_K_NORM,
+                                    TK_WO,        TK_MLP_NORM, TK_W_GATE,      TK_W_DOWN,
+                                    TK_BQ,        TK_BO,       TK_SINKS,       TK_ROUTER,
+                                    TK_ROUTER_BIAS, TK_EXP_GATE_UP, TK_EXP_GATE_UP_BIAS,
+                                    TK_EXP_DOWN,  TK_EXP_DOWN_BIAS};
+        for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++)
+            *slots[i] = block_offset(tt, kinds[i], l);
+        bl->moe = config_block_is_moe(cfg, l);
+        bl->window = config_block_window(cfg, l);
+        m->moe_slot[l] = bl->moe ? m->n_moe++ : -1;
+        // The fused matmuls rely on adjacency: check it here rather than trusting the table.
+        const int64_t QD = (int64_t)cfg->H * cfg->HD, KVD = (int64_t)cfg->KVH * cfg->HD;
+        int bad = block_offset(tt, TK_WK, l) != bl->wqkv + QD * C ||
+                  block_offset(tt, TK_WV, l) != bl->wqkv + (QD + KVD) * C;
+        if (bl->bqkv >= 0)
+            bad |= block_offset(tt, TK_BK, l) != bl->bqkv + QD ||
+                   block_offset(tt, TK_BV, l) != bl->bqkv + QD + KVD;
+        if (!bl->moe) bad |= block_offset(tt, TK_W_UP, l) != bl->wgu + (int64_t)cfg->F * C;
+        if (bad) fatal("internal: tensor table breaks the fused qkv / gate-up adjacency");
+    }
 
     m->inv_freq = malloc_check((size_t)(cfg->HD / 2) * sizeof(float));
     m->rope_scale = config_rope_inv_freq(cfg, m->inv_freq);
@@ -53,7 +72,13 @@ int model_init(Model* m, const ModelConfig* cfg, int decay_embeddings, char* err
 void model_free(Model* m) {
     tensor_table_free(&m->tt);
     free(m->inv_freq);
+    free(m->layout);
+    free(m->moe_slot);
     memset(m, 0, sizeof *m);
+}
+
+double model_aux_weight(const Model* m) {
+    return m->n_moe > 0 && m->cfg.output_router_logits ? m->cfg.router_aux_loss_coef : 0.0;
 }
 
 // ----------------------------------------------------------------------------
@@ -73,8 +98,10 @@ static int lm_chunk_rows(const Model* m, int act_bytes, int B, int T) {
 }
 
 // Rows per MLP chunk for a workspace of B x T tokens (0: not chunked).
+// (MoE models: never; their blocks keep whole activations.)
 static int mlp_chunk_rows(const Model* m, int B, int T) {
     int64_t N = (int64_t)B * T;
+    if (m->n_moe > 0) return 0;
     return m->mlp_chunk > 0 && N > m->mlp_chunk ? m->mlp_chunk : 0;
 }
 
@@ -95,14 +122,16 @@ static void acts_sizes(const Model* m, int B, int T, size_t act_bytes, size_t* s
     sizes[7] = chunked ? 0 : N * C * act_bytes;                   // h
     sizes[8] = chunked ? 0 : N * C * act_bytes;                   // ln2
     sizes[9] = chunked ? 0 : N * sizeof(float);                   // rstd2
-    sizes[10] = chunked ? 0 : N * 2 * F * act_bytes;              // gu
-    sizes[11] = chunked ? 0 : N * F * act_bytes;                  // act
+    const int dense = m->n_moe < c->L;  // some block has the dense MLP
+    sizes[10] = chunked || !dense ? 0 : N * 2 * F * act_bytes;    // gu
+    sizes[11] = chunked || !dense ? 0 : N * F * act_bytes;        // act
 }
 
 size_t workspace_act_set_bytes(const Model* m, int act_bytes, int B, int T) {
     size_t sizes[12], total = 0;
     acts_sizes(m, B, T, (size_t)act_bytes, sizes);
     for (int i = 0; i < 12; i++) total += sizes[i];
+    if (m->n_moe > 0) total += moe_acts_bytes(&m->cfg, (size_t)act_bytes, (int64_t)B * T);
     return total;
 }
 
@@ -111,16 +140,18 @@ size_t workspace_bytes(const Model* m, int act_bytes, int B, int T, int n_acts) 
     const size_t N = (size_t)B * T, C = c->C, F = c->F, ab = (size_t)act_bytes;
     const int chunk = mlp_chunk_rows(m, B, T);
     const size_t mlp_rows = chunk > 0 ? (size_t)chunk : N;  // rows of the MLP gradient scratch
-    size_t sizes[12], per_set = 0;
-    acts_sizes(m, B, T, ab, sizes);
-    for (int i = 0; i < 12; i++) per_set += sizes[i];
+    const size_t per_set = workspace_act_set_bytes(m, act_bytes, B, T);
     const size_t row = C > (size_t)m->QKV ? C : (size_t)m->QKV;
-    size_t scratch = 2 * N * row * ab + 3 * mlp_rows * F * ab + N * sizeof(float) +
+    const size_t dense_rows = m->n_moe < c->L ? mlp_rows : 0;  // the dense MLP's gradient scratch
+    size_t scratch = 2 * N * row * ab + 3 * dense_rows * F * ab + N * sizeof(float) +
                      (size_t)lm_chunk_rows(m, act_bytes, B, T) * c->V * ab;
     if (chunk > 0)  // the MLP chunk's scratch, and the recomputed ln1 / h, qkv_raw, qkv, rstds
         scratch += (size_t)chunk * (C + 3 * F) * ab + (size_t)chunk * sizeof(float) +
                    N * (C + 2 * (size_t)m->QKV) * ab + N * sizeof(float) +
                    (c->qk_norm ? N * (size_t)(c->H + c->KVH) * sizeof(float) : 0);
+    if (m->n_moe > 0)  // the experts' scratch, the per-block statistics and the summed counts
+        scratch += moe_scratch_bytes(c, ab, (int64_t)N) +
+                   ((size_t)m->n_moe * 2 + 1) * (size_t)c->E * sizeof(float);
     size_t rope = 2 * (size_t)T * (c->HD / 2) * sizeof(float);
     return per_set * (size_t)n_acts + scratch + rope;
 }
@@ -150,6 +181,15 @@ size_t model_cpu_op_temp_bytes(const Model* m, int B, int T, int n_threads) {
     size_t most = 0;
     for (size_t i = 0; i < sizeof cand / sizeof cand[0]; i++)
         if (cand[i] > most) most = cand[i];
+    if (m->n_moe > 0) {
+        // the router, and each expert's grouped matmul on its rows (at most all N: a token goes
+        // to K distinct experts); the router statistics' probabilities (N, E)
+        const int64_t E = c->E, Fe = c->F_expert;
+        const size_t moe[] = {linear_temp_bytes(N, C, E), linear_temp_bytes(N, C, 2 * Fe),
+                              linear_temp_bytes(N, Fe, C), (size_t)N * E * sizeof(float)};
+        for (size_t i = 0; i < sizeof moe / sizeof moe[0]; i++)
+            if (moe[i] > most) most = moe[i];
+    }
     // glibc keeps freed blocks below its largest mmap threshold (32 MiB) in the heap, where the
     // next op's temporary of another size may not fit: one more of them can stay resident
     const size_t kept = (size_t)32 << 20;
@@ -158,6 +198,9 @@ size_t model_cpu_op_temp_bytes(const Model* m, int B, int T, int n_threads) {
 
 Workspace* workspace_create(const Model* m, const Ops* ops, void* ctx, int B, int T, int n_acts) {
     const ModelConfig* c = &m->cfg;
+    if (config_is_moe(c) && !moe_ops_supported(ops, c))
+        fatal("model family %s: the %s backend has no mixture-of-experts kernels yet (train it "
+              "with --device cpu)", family_names[c->family], ops->name);
     Workspace* ws = calloc_check(1, sizeof(Workspace));
     ws->ops = ops;
     ws->ctx = ctx;
@@ -194,6 +237,13 @@ Workspace* workspace_create(const Model* m, const Ops* ops, void* ctx, int B, in
                             (void**)&a->rstd_qk, &a->att, (void**)&a->lse, &a->h,
                             &a->ln2, (void**)&a->rstd2, &a->gu, &a->act};
         for (int j = 0; j < 12; j++) *slots[j] = sizes[j] ? ops->alloc(ctx, sizes[j]) : NULL;
+        if (m->n_moe > 0) moe_acts_alloc(&a->moe, c, ops, ctx, (int64_t)N);
+    }
+    if (m->n_moe > 0) {
+        moe_scratch_alloc(&ws->moe, c, ops, ctx, (int64_t)N);
+        ws->moe_stats = ops->alloc(ctx, (size_t)m->n_moe * 2 * c->E * sizeof(float));
+        ws->moe_counts = ops->alloc(ctx, (size_t)c->E * sizeof(float));
+        ws->moe_counts_host = calloc_check((size_t)c->E, sizeof(float));
     }
     // Two row buffers serve every (N, <= max(C, QKV)) temporary, by lifetime: the block backward
     // passes d_att (A) -> d_qkv (B) -> d_qkv_raw (A) -> d_ln (B), the forward uses proj (A),
@@ -208,8 +258,10 @@ Workspace* workspace_create(const Model* m, const Ops* ops, void* ctx, int B, in
     ws->d_qkv = ws->row_b;
     ws->mlp_chunk = mlp_chunk_rows(m, B, T);
     const size_t mlp_rows = ws->mlp_chunk > 0 ? (size_t)ws->mlp_chunk : N;
-    ws->d_act = ops->alloc(ctx, mlp_rows * F * ab);
-    ws->d_gu = ops->alloc(ctx, mlp_rows * 2 * F * ab);
+    if (m->n_moe < c->L) {  // some block has the dense MLP (MoE blocks use ws->moe)
+        ws->d_act = ops->alloc(ctx, mlp_rows * F * ab);
+        ws->d_gu = ops->alloc(ctx, mlp_rows * 2 * F * ab);
+    }
     if (ws->mlp_chunk > 0) {
         ws->ln2_c = ops->alloc(ctx, mlp_rows * C * ab);
         ws->rstd2_c = ops->alloc(ctx, mlp_rows * sizeof(float));
@@ -241,11 +293,17 @@ void workspace_free(Workspace* ws) {
                           a->lse, a->h, a->ln2, a->rstd2, a->gu, a->act};
         for (int j = 0; j < 12; j++)
             if (ptrs[j]) ops->free(ctx, ptrs[j]);
+        moe_acts_free(&a->moe, ops, ctx);
     }
     free(ws->acts);
+    moe_scratch_free(&ws->moe, ops, ctx);
+    if (ws->moe_stats) ops->free(ctx, ws->moe_stats);
+    if (ws->moe_counts) ops->free(ctx, ws->moe_counts);
+    free(ws->moe_counts_host);
     void* bufs[] = {ws->rope_cos, ws->rope_sin, ws->row_a, ws->row_b, ws->d_act, ws->d_gu,
                     ws->rstdf, ws->logits};
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) ops->free(ctx, bufs[i]);
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        if (bufs[i]) ops->free(ctx, bufs[i]);
     void* chunk_bufs[] = {ws->ln2_c,  ws->rstd2_c,    ws->gu_c,  ws->act_c,    ws->ln1_h,
                           ws->qkv_raw_s, ws->rstd1_s, ws->qkv_s, ws->rstd_qk_s};
     for (size_t i = 0; i < sizeof chunk_bufs / sizeof chunk_bufs[0]; i++)
@@ -271,11 +329,10 @@ void model_prefix_backward(const Model* m, Workspace* ws, float* dwte, const voi
 
 // Rows [r0, r0+n) of the MLP's activations into the chunk scratch: ln2_c = RMSNorm(h), gu_c =
 // ln2_c · Wguᵀ, act_c = silu(gate) * up. The same ops on the same rows as the unchunked MLP.
-static void mlp_chunk_forward(const Model* m, Workspace* ws, const void* slab, const void* h,
-                              int r0, int n) {
+static void mlp_chunk_forward(const Model* m, Workspace* ws, const BlockLayout* bl,
+                              const void* slab, const void* h, int r0, int n) {
     const Ops* ops = ws->ops;
     const ModelConfig* c = &m->cfg;
-    const BlockLayout* bl = &m->block;
     ops->rmsnorm_forward(ws->ctx, ws->ln2_c, ws->rstd2_c, at(ws, h, (int64_t)r0 * c->C),
                          at(ws, slab, bl->mlp_norm), n, c->C, c->norm_eps);
     ops->matmul_forward(ws->ctx, ws->gu_c, ws->ln2_c, at(ws, slab, bl->wgu), NULL, n, c->C,
@@ -283,43 +340,74 @@ static void mlp_chunk_forward(const Model* m, Workspace* ws, const void* slab, c
     ops->swiglu_forward(ws->ctx, ws->act_c, ws->gu_c, n, c->F);
 }
 
-// ln1 = RMSNorm(x) (rstd into rstd1), qkv_raw = ln1 · Wqkvᵀ, qkv = RoPE(qk-norm(qkv_raw)) (its
-// rstd into rstd_qk): the forward's ops, also run by the backward of a chunked block, which keeps
-// none of them (the same ops on the same inputs: the same bits).
-static void attention_input_forward(const Model* m, Workspace* ws, const void* slab,
-                                    const void* x_in, void* ln1, float* rstd1, void* qkv_raw,
-                                    void* qkv, float* rstd_qk, int B, int T) {
+// Parameter pointer of a slab offset, NULL when the tensor is absent (-1).
+static const void* opt_at(const Workspace* ws, const void* slab, int64_t off) {
+    return off >= 0 ? at(ws, slab, off) : NULL;
+}
+
+static float* opt_grad(float* gslab, int64_t off) { return off >= 0 ? gslab + off : NULL; }
+
+// ln1 = RMSNorm(x) (rstd into rstd1), qkv_raw = ln1 · Wqkvᵀ (+ bqkv), qkv = RoPE(qk-norm(qkv_raw))
+// (its rstd into rstd_qk): the forward's ops, also run by the backward of a chunked block, which
+// keeps none of them (the same ops on the same inputs: the same bits).
+static void attention_input_forward(const Model* m, Workspace* ws, const BlockLayout* bl,
+                                    const void* slab, const void* x_in, void* ln1, float* rstd1,
+                                    void* qkv_raw, void* qkv, float* rstd_qk, int B, int T) {
     const Ops* ops = ws->ops;
     const ModelConfig* c = &m->cfg;
-    const BlockLayout* bl = &m->block;
     const int N = B * T;
     ops->rmsnorm_forward(ws->ctx, ln1, rstd1, x_in, at(ws, slab, bl->attn_norm), N, c->C,
                          c->norm_eps);
-    ops->matmul_forward(ws->ctx, qkv_raw, ln1, at(ws, slab, bl->wqkv), NULL, N, c->C, m->QKV);
-    ops->qknorm_rope_forward(ws->ctx, qkv, rstd_qk, qkv_raw,
-                             bl->q_norm >= 0 ? at(ws, slab, bl->q_norm) : NULL,
-                             bl->k_norm >= 0 ? at(ws, slab, bl->k_norm) : NULL, ws->rope_cos,
-                             ws->rope_sin, B, T, c->H, c->KVH, c->HD, c->norm_eps);
+    ops->matmul_forward(ws->ctx, qkv_raw, ln1, at(ws, slab, bl->wqkv), opt_at(ws, slab, bl->bqkv),
+                        N, c->C, m->QKV);
+    ops->qknorm_rope_forward(ws->ctx, qkv, rstd_qk, qkv_raw, opt_at(ws, slab, bl->q_norm),
+                             opt_at(ws, slab, bl->k_norm), ws->rope_cos, ws->rope_sin, B, T, c->H,
+                             c->KVH, c->HD, c->norm_eps);
 }
 
-// h = x + att · Woᵀ (through ws->proj), for a chunked block: its forward, and its backward's
-// recompute of h.
-static void attention_residual_forward(const Model* m, Workspace* ws, const void* slab,
-                                       const void* att, const void* x_in, void* h, int N) {
+// The attention proper: plain causal (flash) attention, or GPT-OSS's with sinks and the block's
+// window.
+static void attention_core_forward(const Model* m, Workspace* ws, const BlockLayout* bl,
+                                   const void* slab, BlockActs* a, const void* qkv, int B, int T) {
+    const ModelConfig* c = &m->cfg;
+    if (bl->sinks >= 0 || bl->window > 0)
+        ws->ops->attention_sink_forward(ws->ctx, a->att, a->lse, qkv, opt_at(ws, slab, bl->sinks),
+                                        B, T, c->H, c->KVH, c->HD, bl->window);
+    else
+        ws->ops->attention_forward(ws->ctx, a->att, a->lse, qkv, B, T, c->H, c->KVH, c->HD);
+}
+
+// h = x + att · Woᵀ (+ bo) (through ws->proj), for a chunked block: its forward, and its
+// backward's recompute of h.
+static void attention_residual_forward(const Model* m, Workspace* ws, const BlockLayout* bl,
+                                       const void* slab, const void* att, const void* x_in,
+                                       void* h, int N) {
     const Ops* ops = ws->ops;
     const ModelConfig* c = &m->cfg;
-    ops->matmul_forward(ws->ctx, ws->proj, att, at(ws, slab, m->block.wo), NULL, N, c->H * c->HD,
-                        c->C);
+    ops->matmul_forward(ws->ctx, ws->proj, att, at(ws, slab, bl->wo), opt_at(ws, slab, bl->bo), N,
+                        c->H * c->HD, c->C);
     ops->add(ws->ctx, h, x_in, ws->proj, (size_t)N * c->C);
 }
 
-void model_block_forward(const Model* m, Workspace* ws, BlockActs* a, const void* slab,
-                         const void* x_in, void* x_out, int B, int T) {
+static MoeWeights moe_weights(const Workspace* ws, const BlockLayout* bl, const void* slab) {
+    MoeWeights w = {opt_at(ws, slab, bl->router),   opt_at(ws, slab, bl->router_bias),
+                    opt_at(ws, slab, bl->exp_gu),   opt_at(ws, slab, bl->exp_gu_bias),
+                    opt_at(ws, slab, bl->exp_down), opt_at(ws, slab, bl->exp_down_bias)};
+    return w;
+}
+
+static const BlockLayout* block_layout(const Model* m, int block) {
+    if (block < 0 || block >= m->cfg.L) fatal("internal: block %d of a %d-block model", block, m->cfg.L);
+    return &m->layout[block];
+}
+
+void model_block_forward_at(const Model* m, Workspace* ws, BlockActs* a, int block,
+                            const void* slab, const void* x_in, void* x_out, int B, int T) {
     const Ops* ops = ws->ops;
     void* ctx = ws->ctx;
     const ModelConfig* c = &m->cfg;
-    const BlockLayout* bl = &m->block;
-    const int N = B * T, C = c->C, F = c->F, HD = c->HD, QD = c->H * c->HD;
+    const BlockLayout* bl = block_layout(m, block);
+    const int N = B * T, C = c->C, F = c->F, QD = c->H * c->HD;
 
     // attention: h = x + o_proj(attn(rope(qk_norm(qkv_proj(rmsnorm(x))))))
     // (long sequences: ln1, qkv_raw, qkv, rstd_qk and h go to workspace scratch, not the saved set)
@@ -328,24 +416,33 @@ void model_block_forward(const Model* m, Workspace* ws, BlockActs* a, const void
     void* qkv_raw = lean ? ws->qkv_raw_s : a->qkv_raw;
     void* qkv = lean ? ws->qkv_s : a->qkv;
     float* rstd_qk = lean ? ws->rstd_qk_s : a->rstd_qk;
-    attention_input_forward(m, ws, slab, x_in, ln1, a->rstd1, qkv_raw, qkv, rstd_qk, B, T);
-    ops->attention_forward(ctx, a->att, a->lse, qkv, B, T, c->H, c->KVH, HD);
+    attention_input_forward(m, ws, bl, slab, x_in, ln1, a->rstd1, qkv_raw, qkv, rstd_qk, B, T);
+    attention_core_forward(m, ws, bl, slab, a, qkv, B, T);
     if (lean) {
         // long sequences: h = x + attn, then the MLP chunk by chunk
         void* h = ws->ln1_h;  // ln1 is dead once qkv_raw exists
-        attention_residual_forward(m, ws, slab, a->att, x_in, h, N);
+        attention_residual_forward(m, ws, bl, slab, a->att, x_in, h, N);
         for (int r0 = 0; r0 < N; r0 += ws->mlp_chunk) {
             const int n = imin(ws->mlp_chunk, N - r0);
-            mlp_chunk_forward(m, ws, slab, h, r0, n);
+            mlp_chunk_forward(m, ws, bl, slab, h, r0, n);
             ops->matmul_forward(ctx, at(ws, ws->proj, (int64_t)r0 * C), ws->act_c,
                                 at(ws, slab, bl->wdown), NULL, n, F, C);
         }
         ops->add(ctx, x_out, h, ws->proj, (size_t)N * C);
         return;
     }
-    ops->matmul_forward(ctx, ws->proj, a->att, at(ws, slab, bl->wo), NULL, N, QD, C);
+    ops->matmul_forward(ctx, ws->proj, a->att, at(ws, slab, bl->wo), opt_at(ws, slab, bl->bo), N,
+                        QD, C);
     ops->residual_rmsnorm_forward(ctx, a->h, a->ln2, a->rstd2, x_in, ws->proj,
                                   at(ws, slab, bl->mlp_norm), N, C, c->norm_eps);
+    if (bl->moe) {
+        // x' = h + MoE(ln2); the block's aux statistics go to its slot of ws->moe_stats
+        MoeWeights w = moe_weights(ws, bl, slab);
+        float* stats = ws->moe_stats + (size_t)m->moe_slot[block] * 2 * c->E;
+        moe_forward(c, ops, ctx, &ws->moe, &a->moe, &w, a->ln2, ws->proj, stats, N);
+        ops->add(ctx, x_out, a->h, ws->proj, (size_t)N * C);
+        return;
+    }
     // MLP: x' = h + down(silu(gate(ln2)) * up(ln2))
     ops->matmul_forward(ctx, a->gu, a->ln2, at(ws, slab, bl->wgu), NULL, N, C, 2 * F);
     ops->swiglu_forward(ctx, a->act, a->gu, N, F);
@@ -353,28 +450,29 @@ void model_block_forward(const Model* m, Workspace* ws, BlockActs* a, const void
     ops->add(ctx, x_out, a->h, ws->proj, (size_t)N * C);
 }
 
-void model_block_backward(const Model* m, Workspace* ws, const BlockActs* a, const void* slab,
-                          float* gslab, const void* x_in, void* dres, int B, int T) {
+void model_block_backward_at(const Model* m, Workspace* ws, const BlockActs* a, int block,
+                             const void* slab, float* gslab, const void* x_in, void* dres, int B,
+                             int T) {
     const Ops* ops = ws->ops;
     void* ctx = ws->ctx;
     const ModelConfig* c = &m->cfg;
-    const BlockLayout* bl = &m->block;
+    const BlockLayout* bl = block_layout(m, block);
     const int N = B * T, C = c->C, F = c->F, HD = c->HD, QD = c->H * c->HD;
-    const void* q_norm = bl->q_norm >= 0 ? at(ws, slab, bl->q_norm) : NULL;
-    const void* k_norm = bl->k_norm >= 0 ? at(ws, slab, bl->k_norm) : NULL;
-    float* dq_norm = bl->q_norm >= 0 ? gslab + bl->q_norm : NULL;
-    float* dk_norm = bl->k_norm >= 0 ? gslab + bl->k_norm : NULL;
+    const void* q_norm = opt_at(ws, slab, bl->q_norm);
+    const void* k_norm = opt_at(ws, slab, bl->k_norm);
+    float* dq_norm = opt_grad(gslab, bl->q_norm);
+    float* dk_norm = opt_grad(gslab, bl->k_norm);
 
     // MLP. dres is the gradient of x' and, through the residual, of h.
     const int lean = ws->mlp_chunk > 0;
     const void* h = lean ? ws->ln1_h : a->h;
     if (lean) {
         // recompute h, then each chunk's activations from h, then its backward
-        attention_residual_forward(m, ws, slab, a->att, x_in, ws->ln1_h, N);
+        attention_residual_forward(m, ws, bl, slab, a->att, x_in, ws->ln1_h, N);
         for (int r0 = 0; r0 < N; r0 += ws->mlp_chunk) {
             const int n = imin(ws->mlp_chunk, N - r0);
             void* dres_c = at(ws, dres, (int64_t)r0 * C);
-            mlp_chunk_forward(m, ws, slab, h, r0, n);
+            mlp_chunk_forward(m, ws, bl, slab, h, r0, n);
             ops->matmul_backward(ctx, ws->d_act, gslab + bl->wdown, NULL, dres_c, ws->act_c,
                                  at(ws, slab, bl->wdown), n, F, C);
             ops->swiglu_backward(ctx, ws->d_gu, ws->d_act, ws->gu_c, n, F);
@@ -385,11 +483,20 @@ void model_block_backward(const Model* m, Workspace* ws, const BlockActs* a, con
                                   ws->rstd2_c, n, C);
         }
     } else {
-        ops->matmul_backward(ctx, ws->d_act, gslab + bl->wdown, NULL, dres, a->act,
-                             at(ws, slab, bl->wdown), N, F, C);
-        ops->swiglu_backward(ctx, ws->d_gu, ws->d_act, a->gu, N, F);
-        ops->matmul_backward(ctx, ws->d_ln, gslab + bl->wgu, NULL, ws->d_gu, a->ln2,
-                             at(ws, slab, bl->wgu), N, C, 2 * F);
+        if (bl->moe) {
+            MoeWeights w = moe_weights(ws, bl, slab);
+            MoeGrads g = {opt_grad(gslab, bl->router),   opt_grad(gslab, bl->router_bias),
+                          opt_grad(gslab, bl->exp_gu),   opt_grad(gslab, bl->exp_gu_bias),
+                          opt_grad(gslab, bl->exp_down), opt_grad(gslab, bl->exp_down_bias)};
+            moe_backward(c, ops, ctx, &ws->moe, &a->moe, &w, &g, a->ln2, dres, ws->d_ln,
+                         ws->moe_counts, ws->moe_aux_scale, N);
+        } else {
+            ops->matmul_backward(ctx, ws->d_act, gslab + bl->wdown, NULL, dres, a->act,
+                                 at(ws, slab, bl->wdown), N, F, C);
+            ops->swiglu_backward(ctx, ws->d_gu, ws->d_act, a->gu, N, F);
+            ops->matmul_backward(ctx, ws->d_ln, gslab + bl->wgu, NULL, ws->d_gu, a->ln2,
+                                 at(ws, slab, bl->wgu), N, C, 2 * F);
+        }
         // rmsnorm_backward accumulates: dres becomes the full gradient of h
         ops->rmsnorm_backward(ctx, dres, gslab + bl->mlp_norm, ws->d_ln, a->h,
                               at(ws, slab, bl->mlp_norm), a->rstd2, N, C);
@@ -402,19 +509,66 @@ void model_block_backward(const Model* m, Workspace* ws, const BlockActs* a, con
     const void* qkv = lean ? ws->qkv_s : a->qkv;
     const float* rstd_qk = lean ? ws->rstd_qk_s : a->rstd_qk;
     if (lean)
-        attention_input_forward(m, ws, slab, x_in, ws->ln1_h, ws->rstd1_s, ws->qkv_raw_s,
+        attention_input_forward(m, ws, bl, slab, x_in, ws->ln1_h, ws->rstd1_s, ws->qkv_raw_s,
                                 ws->qkv_s, ws->rstd_qk_s, B, T);
-    ops->matmul_backward(ctx, ws->d_att, gslab + bl->wo, NULL, dres, a->att, at(ws, slab, bl->wo),
-                         N, QD, C);
-    ops->attention_backward(ctx, ws->d_qkv, ws->d_att, qkv, a->att, a->lse, B, T, c->H, c->KVH,
-                            HD);
+    ops->matmul_backward(ctx, ws->d_att, gslab + bl->wo, opt_grad(gslab, bl->bo), dres, a->att,
+                         at(ws, slab, bl->wo), N, QD, C);
+    if (bl->sinks >= 0 || bl->window > 0)
+        ops->attention_sink_backward(ctx, ws->d_qkv, opt_grad(gslab, bl->sinks), ws->d_att, qkv,
+                                     a->att, a->lse, opt_at(ws, slab, bl->sinks), B, T, c->H,
+                                     c->KVH, HD, bl->window);
+    else
+        ops->attention_backward(ctx, ws->d_qkv, ws->d_att, qkv, a->att, a->lse, B, T, c->H, c->KVH,
+                                HD);
     ops->qknorm_rope_backward(ctx, ws->d_qkv_raw, dq_norm, dk_norm, ws->d_qkv, qkv_raw, q_norm,
                               k_norm, rstd_qk, ws->rope_cos, ws->rope_sin, B, T, c->H, c->KVH,
                               HD);
-    ops->matmul_backward(ctx, ws->d_ln, gslab + bl->wqkv, NULL, ws->d_qkv_raw, ln1,
-                         at(ws, slab, bl->wqkv), N, C, m->QKV);
+    ops->matmul_backward(ctx, ws->d_ln, gslab + bl->wqkv, opt_grad(gslab, bl->bqkv),
+                         ws->d_qkv_raw, ln1, at(ws, slab, bl->wqkv), N, C, m->QKV);
     ops->rmsnorm_backward(ctx, dres, gslab + bl->attn_norm, ws->d_ln, x_in,
                           at(ws, slab, bl->attn_norm), a->rstd1, N, C);
+}
+
+// The engine's calls (no block index): only for models whose blocks are all alike.
+static void require_uniform(const Model* m) {
+    if (config_is_moe(&m->cfg))
+        fatal("model family %s needs the block index (model_block_*_at): the RoundPipe engine does "
+              "not run mixture-of-experts models yet (train with --device cpu)",
+              family_names[m->cfg.family]);
+}
+
+void model_block_forward(const Model* m, Workspace* ws, BlockActs* a, const void* slab,
+                         const void* x_in, void* x_out, int B, int T) {
+    require_uniform(m);
+    model_block_forward_at(m, ws, a, 0, slab, x_in, x_out, B, T);
+}
+
+void model_block_backward(const Model* m, Workspace* ws, const BlockActs* a, const void* slab,
+                          float* gslab, const void* x_in, void* dres, int B, int T) {
+    require_uniform(m);
+    model_block_backward_at(m, ws, a, 0, slab, gslab, x_in, dres, B, T);
+}
+
+// ----------------------------------------------------------------------------
+// mixture of experts: the aux loss across the blocks of a micro-batch
+
+double model_moe_aux(const Model* m, Workspace* ws, int B, int T, float grad_scale) {
+    if (m->n_moe == 0) return 0.0;
+    const ModelConfig* c = &m->cfg;
+    const int64_t N = (int64_t)B * T;
+    const size_t n_stats = (size_t)m->n_moe * 2 * c->E;
+    float* stats = malloc_check(n_stats * sizeof(float));
+    float* counts = ws->moe_counts_host;
+    ws->ops->download(ws->ctx, stats, ws->moe_stats, n_stats * sizeof(float));
+    ws->moe_aux = moe_aux_loss(c, stats, m->n_moe, N, counts, &ws->moe_load_max,
+                               &ws->moe_load_mean);
+    ws->ops->upload(ws->ctx, ws->moe_counts, counts, (size_t)c->E * sizeof(float));
+    // d(coef · aux · N · grad_scale) / d logits = coef N grad_scale E / R'^2 · p (counts - counts·p)
+    const double rows = (double)m->n_moe * (double)N;
+    ws->moe_aux_scale =
+        (float)(model_aux_weight(m) * (double)N * grad_scale * c->E / (rows * rows));
+    free(stats);
+    return ws->moe_aux;
 }
 
 // ----------------------------------------------------------------------------

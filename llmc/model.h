@@ -11,10 +11,15 @@
  * materialised, and the head's weight gradient is computed inside the forward
  * (docs/ROUNDPIPE.md §2.2).
  *
- * Block math (HF modeling_llama / modeling_qwen3):
- *     ln1 = RMSNorm(x) ; qkv = ln1·Wqkvᵀ ; (Qwen3: RMSNorm_HD(q), RMSNorm_HD(k)) ; RoPE(q, k)
- *     h   = x + Attn(q, k, v)·Woᵀ
+ * Block math (HF modeling_llama / modeling_qwen3 / modeling_qwen3_moe / modeling_gpt_oss):
+ *     ln1 = RMSNorm(x) ; qkv = ln1·Wqkvᵀ (+ bqkv) ; (Qwen3: RMSNorm_HD(q), RMSNorm_HD(k)) ; RoPE(q, k)
+ *     h   = x + Attn(q, k, v)·Woᵀ (+ bo)      GPT-OSS: sinks, a sliding window in some blocks
  *     ln2 = RMSNorm(h) ; gu = ln2·Wguᵀ ; x' = h + (silu(gate) * up)·Wdownᵀ
+ *                                           or x' = h + MoE(ln2) (moe.h) in an MoE block
+ * Blocks differ within a model (Qwen3-MoE's dense blocks, GPT-OSS's window per layer_types), so
+ * the block functions take the block index. The aux loss couples the MoE blocks of a micro-batch:
+ * after the last block's forward, model_moe_aux() computes it from what each block recorded and
+ * sets up the gradient the blocks' backward adds.
  */
 #ifndef LLMC_MODEL_H
 #define LLMC_MODEL_H
@@ -23,19 +28,26 @@
 #include <stdint.h>
 
 #include "config.h"
+#include "moe.h"
 #include "ops.h"
 #include "tensor.h"
 
 // Element offsets of each weight inside a decoder block's parameter (and gradient) slab.
-// q/k/v are adjacent (one (QKV, C) matrix), gate/up are adjacent (one (2F, C) matrix).
+// q/k/v are adjacent (one (QKV, C) matrix, one (QKV) bias), gate/up are adjacent (one (2F, C)).
 typedef struct BlockLayout {
     int64_t attn_norm, wqkv, q_norm, k_norm, wo, mlp_norm, wgu, wdown;  // -1 when absent
+    int64_t bqkv, bo, sinks;                                            // GPT-OSS attention
+    int64_t router, router_bias, exp_gu, exp_gu_bias, exp_down, exp_down_bias;  // MoE blocks
+    int moe;     // the block routes to experts (else the dense SwiGLU MLP)
+    int window;  // attention window (0: full causal)
 } BlockLayout;
 
 typedef struct Model {
     ModelConfig cfg;
     TensorTable tt;
-    BlockLayout block;     // identical for every block
+    BlockLayout* layout;   // (L) per decoder block
+    int n_moe;             // MoE blocks (0 for dense families)
+    int* moe_slot;         // (L) the block's index among the MoE blocks, or -1
     int QKV;               // (H + 2*KVH) * HD
     float* inv_freq;       // (HD/2) RoPE inverse frequencies (host)
     float rope_scale;      // attention scaling folded into cos/sin (1 except yarn)
@@ -65,6 +77,7 @@ typedef struct BlockActs {
     float* rstd2;    // (N)             } the backward recomputes them per chunk
     void* gu;        // (N, 2F) [gate | up]
     void* act;       // (N, F) silu(gate) * up
+    MoeActs moe;     // an MoE block's router, routing and expert activations (moe.h)
 } BlockActs;
 
 typedef struct Workspace {
@@ -101,6 +114,14 @@ typedef struct Workspace {
     float* rstd1_s;    // (N) chunked: rstd1 of the backward's recompute (equal to the saved one)
     void* qkv_s;       // (N, QKV) chunked: the block's qkv (forward and recompute)
     float* rstd_qk_s;  // (N, H + KVH) chunked: its qk-norm rstd (NULL without qk-norm)
+    // mixture of experts (unused by dense models)
+    MoeScratch moe;      // the MoE blocks' scratch
+    float* moe_stats;    // (n_moe, 2E) each MoE block's aux statistics of the last forward
+    float* moe_counts;   // (E) tokens per expert over all MoE blocks (model_moe_aux)
+    float* moe_counts_host;  // (E) host copy of moe_counts: a step sums its micro-batches' loads
+    float moe_aux_scale; // factor of the aux loss's gradient in the backward (0: none)
+    double moe_aux;      // aux loss of the last forward (model_moe_aux)
+    double moe_load_max, moe_load_mean;  // tokens per expert over the MoE blocks: max, mean
 } Workspace;
 
 // ----------------------------------------------------------------------------
@@ -136,12 +157,32 @@ void model_prefix_forward(const Model* m, Workspace* ws, void* x_out, const int3
 void model_prefix_backward(const Model* m, Workspace* ws, float* dwte, const void* dx,
                            const int32_t* ids, int B, int T);
 
+// Decoder block `block` (0 .. L-1).
+void model_block_forward_at(const Model* m, Workspace* ws, BlockActs* a, int block,
+                            const void* slab, const void* x_in, void* x_out, int B, int T);
+// dres (N, C): in = gradient w.r.t. the block output, out = gradient w.r.t. x_in (in place).
+// `a` must hold this block's activations for x_in (from its forward, possibly a recompute); an
+// MoE block's backward also needs model_moe_aux() to have run for this micro-batch.
+void model_block_backward_at(const Model* m, Workspace* ws, const BlockActs* a, int block,
+                             const void* slab, float* gslab, const void* x_in, void* dres, int B,
+                             int T);
+// The same without the block index, for models whose blocks are all alike (dense families; what
+// the RoundPipe engine calls until it passes block indices). Fatal on an MoE family.
 void model_block_forward(const Model* m, Workspace* ws, BlockActs* a, const void* slab,
                          const void* x_in, void* x_out, int B, int T);
-// dres (N, C): in = gradient w.r.t. the block output, out = gradient w.r.t. x_in (in place).
-// `a` must hold this block's activations for x_in (from model_block_forward, possibly a recompute).
 void model_block_backward(const Model* m, Workspace* ws, const BlockActs* a, const void* slab,
                           float* gslab, const void* x_in, void* dres, int B, int T);
+
+// MoE models, after every block's forward of a micro-batch of B x T tokens and before any block's
+// backward: the aux loss from the blocks' statistics (ws->moe_aux, returned), the load spread
+// (ws->moe_load_max / mean), and the aux gradient's setup (ws->moe_counts, ws->moe_aux_scale =
+// router_aux_loss_coef · B·T · grad_scale · E / (n_moe B T)^2 when output_router_logits, else 0).
+// The micro-batch's share of the objective is router_aux_loss_coef · aux · B·T · grad_scale (the
+// caller adds coef · aux · B·T to its loss sum). 0 for dense models.
+double model_moe_aux(const Model* m, Workspace* ws, int B, int T, float grad_scale);
+// The weight of the aux loss in the objective: router_aux_loss_coef when output_router_logits,
+// else 0 (HF adds it only then).
+double model_aux_weight(const Model* m);
 
 // Final norm + LM head + cross-entropy, chunked over tokens, fused with the backward:
 //   losses (N, fp32, device) = per-token loss; when compute_grad, dx (N, C) = dloss/dx_in and

@@ -16,12 +16,22 @@
  *  - The packed qkv layout: one row is [q (H*HD) | k (KVH*HD) | v (KVH*HD)], QKV = (H+2*KVH)*HD.
  *    The packed gate/up layout: one row is [gate (F) | up (F)].
  *  - Results must not depend on the number of threads (fixed work split), so runs are repeatable.
+ *  - The mixture-of-experts and sink-attention ops at the end of the table may be NULL on a
+ *    backend that does not implement them yet: the model refuses MoE families there
+ *    (workspace_create). R = n*K routed rows: the n rows of a block each go to K experts.
  */
 #ifndef LLMC_OPS_H
 #define LLMC_OPS_H
 
 #include <stddef.h>
 #include <stdint.h>
+
+// How router logits become routing weights (moe_route_forward).
+typedef enum {
+    MOE_ROUTE_SOFTMAX_TOPK = 0,  // Qwen3-MoE: p = softmax(logits) over E, the K largest p
+    MOE_ROUTE_SOFTMAX_TOPK_NORM, // ... renormalised to sum to 1 (norm_topk_prob)
+    MOE_ROUTE_TOPK_SOFTMAX       // GPT-OSS: the K largest logits, softmax over those K
+} MoeRouteMode;
 
 typedef struct Ops {
     const char* name;  // "cpu", "cuda"
@@ -113,6 +123,74 @@ typedef struct Ops {
     void (*crossentropy_forward_backward)(void* ctx, void* logits, float* losses,
                                           const int32_t* targets, int n, int V, float grad_scale,
                                           int compute_grad);
+
+    // ---- attention with sinks and sliding windows (GPT-OSS) ----
+    // As attention_forward, with key j visible to query t iff j <= t and (window == 0 or
+    // j > t - window), and, when sinks (H) is non-NULL, one more logit s_h per head in the softmax
+    // denominator that has no value: o = Σ_j e^{a_j - m} v_j / (Σ_j e^{a_j - m} + e^{s_h - m}).
+    // lse (B, H, T) is the log of that whole denominator (sink included).
+    void (*attention_sink_forward)(void* ctx, void* out, float* lse, const void* qkv,
+                                   const void* sinks, int B, int T, int H, int KVH, int HD,
+                                   int window);
+    // dqkv (N, QKV) overwritten; dsinks (H) += -Σ_rows p_sink · rowsum(dout ∘ out) (NULL skips).
+    void (*attention_sink_backward)(void* ctx, void* dqkv, float* dsinks, const void* dout,
+                                    const void* qkv, const void* out, const float* lse,
+                                    const void* sinks, int B, int T, int H, int KVH, int HD,
+                                    int window);
+
+    // ---- mixture of experts ----
+    // Routing of n rows over E experts, K per row: idx (n, K) the chosen experts, best first
+    // (ties: the lower expert index first), weights (n, K) fp32 their routing weights, from the
+    // router logits (n, E) (MoeRouteMode; the softmax in fp32).
+    void (*moe_route_forward)(void* ctx, int32_t* idx, float* weights, const void* logits, int n,
+                              int E, int K, int mode);
+    // dlogits (n, E) (overwritten) = the routing's backward of dweights (n, K) fp32, plus, when
+    // aux_scale != 0, the load-balancing term aux_scale · p_j (counts_j - Σ_e counts_e p_e) with
+    // p = softmax(logits) and counts (E) fp32 (the gradient of aux_scale · Σ_e counts_e Σ_rows p_e).
+    void (*moe_route_backward)(void* ctx, void* dlogits, const float* dweights, const void* logits,
+                               const int32_t* idx, const float* weights, const float* counts,
+                               float aux_scale, int n, int E, int K, int mode);
+    // Sort the R = n*K assignments r = row*K + k by expert, stably (row, then k): offsets (E+1)
+    // prefix sums of the tokens per expert, src (R) the assignment at each sorted position, dst (R)
+    // the sorted position of each assignment (src[dst[r]] == r).
+    void (*moe_dispatch)(void* ctx, int32_t* offsets, int32_t* src, int32_t* dst,
+                         const int32_t* idx, int n, int E, int K);
+    // out (R, C) = inp[src[i] / K]: each expert's rows, grouped by expert.
+    void (*moe_gather)(void* ctx, void* out, const void* inp, const int32_t* src, int n, int K,
+                       int C);
+    // dinp (n, C) = Σ_k dout[dst[row*K + k]], k in order (overwritten): the gather's backward.
+    void (*moe_gather_backward)(void* ctx, void* dinp, const void* dout, const int32_t* dst, int n,
+                                int K, int C);
+    // Grouped matmul: rows offsets[e] .. offsets[e+1] of inp (R, IC) through expert e's weight,
+    // out (R, OC) = inp · W_eᵀ + bias_e with w (E, OC, IC) (w_in_out 0, nn.Linear), or
+    // out = inp · W_e + bias_e with w (E, IC, OC) (w_in_out 1, GPT-OSS). bias (E, OC) or NULL.
+    void (*moe_matmul_forward)(void* ctx, void* out, const void* inp, const void* w,
+                               const void* bias, const int32_t* offsets, int R, int E, int IC,
+                               int OC, int w_in_out);
+    // dinp (R, IC) overwritten (NULL skips); dw (w's layout) += each expert's doutᵀ·inp over its
+    // rows; dbias (E, OC) += each expert's Σ_rows dout (NULL skips).
+    void (*moe_matmul_backward)(void* ctx, void* dinp, float* dw, float* dbias, const void* dout,
+                                const void* inp, const void* w, const int32_t* offsets, int R,
+                                int E, int IC, int OC, int w_in_out);
+    // GPT-OSS expert activation on gu (R, 2F) with gate/up interleaved (gate = even columns):
+    // g = min(gate, limit), u = clamp(up, -limit, limit), out (R, F) = (u + 1) · g · σ(alpha g).
+    void (*gptoss_glu_forward)(void* ctx, void* out, const void* gu, int R, int F, float limit,
+                               float alpha);
+    // dgu (R, 2F) overwritten; zero where a clamp is active.
+    void (*gptoss_glu_backward)(void* ctx, void* dgu, const void* dout, const void* gu, int R,
+                                int F, float limit, float alpha);
+    // out (n, C) = Σ_k weights[row, k] · y[dst[row*K + k]], k in order (overwritten).
+    void (*moe_combine_forward)(void* ctx, void* out, const void* y, const float* weights,
+                                const int32_t* dst, int n, int K, int C);
+    // dy (R, C) = weights · dout of the row (overwritten); dweights (n, K) fp32 (overwritten) =
+    // dout[row] · y[dst[row*K + k]].
+    void (*moe_combine_backward)(void* ctx, void* dy, float* dweights, const void* dout,
+                                 const void* y, const float* weights, const int32_t* dst, int n,
+                                 int K, int C);
+    // One block's load statistics for the aux loss (overwritten, fp32): stats[e] = rows routed to
+    // expert e (offsets[e+1] - offsets[e]), stats[E + e] = Σ_rows softmax(logits)[e].
+    void (*moe_router_stats)(void* ctx, float* stats, const void* logits, const int32_t* offsets,
+                             int n, int E);
 } Ops;
 
 // The CPU fp32 reference backend. ctx = ops_cpu_create(n_threads) (n_threads <= 0: all CPUs).

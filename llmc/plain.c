@@ -159,7 +159,7 @@ static void forward_blocks(Plain* p, int B, int T) {
     model_prefix_forward(m, p->ws, p->x[0], p->ids, dparam_of(p, i_embed), B, T);
     for (int l = 0; l < L; l++) {
         BlockActs* a = &p->ws->acts[p->recompute ? 0 : l];
-        model_block_forward(m, p->ws, a, p->dparam[l + 1], p->x[l], p->x[l + 1], B, T);
+        model_block_forward_at(m, p->ws, a, l, p->dparam[l + 1], p->x[l], p->x[l + 1], B, T);
     }
 }
 
@@ -168,6 +168,8 @@ double plain_forward_backward(Plain* p, const int32_t* tokens, int B, int T, flo
     const int L = m->cfg.L, N = B * T;
     upload_batch(p, tokens, B, T);
     forward_blocks(p, B, T);
+    // MoE: the aux loss of this forward, and its gradient's setup for the blocks' backward
+    p->aux = model_moe_aux(m, p->ws, B, T, grad_scale);
 
     int i_norm = tensor_table_index(&m->tt, TK_FINAL_NORM, -1);
     int i_head = tensor_table_index(&m->tt, TK_LM_HEAD, -1);
@@ -179,13 +181,14 @@ double plain_forward_backward(Plain* p, const int32_t* tokens, int B, int T, flo
         // Recompute: x[l+1] is no longer needed once block l+1's backward is done, so the
         // recomputed output can overwrite it.
         if (p->recompute)
-            model_block_forward(m, p->ws, a, p->dparam[l + 1], p->x[l], p->x[l + 1], B, T);
-        model_block_backward(m, p->ws, a, p->dparam[l + 1], p->dgrad[l + 1], p->x[l], p->dres, B,
-                             T);
+            model_block_forward_at(m, p->ws, a, l, p->dparam[l + 1], p->x[l], p->x[l + 1], B, T);
+        model_block_backward_at(m, p->ws, a, l, p->dparam[l + 1], p->dgrad[l + 1], p->x[l],
+                                p->dres, B, T);
     }
     int i_embed = tensor_table_index(&m->tt, TK_EMBED, -1);
     model_prefix_backward(m, p->ws, dgrad_of(p, i_embed), p->dres, p->ids, B, T);
-    return download_loss_sum(p, N);
+    p->ce_sum = download_loss_sum(p, N);
+    return p->ce_sum + model_aux_weight(m) * p->aux * (double)N;
 }
 
 double plain_forward_loss(Plain* p, const int32_t* tokens, int B, int T) {

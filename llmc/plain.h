@@ -35,6 +35,9 @@ typedef struct Plain {
     int32_t* ids_host;
     int32_t* targets_host;
     float* losses_host;
+    // MoE models, the last plain_forward_backward: the sum of the per-token cross-entropies, and
+    // the aux loss (its share of the returned sum is router_aux_loss_coef · aux · B·T when on)
+    double ce_sum, aux;
 } Plain;
 
 Plain* plain_create(const Model* m, Store* s, const Ops* ops, void* ctx, int B, int T,
@@ -54,9 +57,11 @@ void plain_sync_params(Plain* p);
 void plain_sync_grads(Plain* p);
 
 // One micro-batch: tokens (B, T+1) host. Gradients (scaled by grad_scale) accumulate on the
-// device slabs. Returns the sum of the B*T per-token losses.
+// device slabs. Returns the sum of the B*T per-token losses (MoE models with the aux loss on:
+// plus router_aux_loss_coef · aux · B·T, so that dividing by the step's tokens gives CE + the
+// weighted aux loss, the differentiated objective).
 double plain_forward_backward(Plain* p, const int32_t* tokens, int B, int T, float grad_scale);
-// Forward only: the sum of the per-token losses.
+// Forward only: the sum of the per-token cross-entropies (no aux loss).
 double plain_forward_loss(Plain* p, const int32_t* tokens, int B, int T);
 // Logits (V, host fp32) after the last of n tokens of one sequence (n <= T).
 void plain_logits_last(Plain* p, const int32_t* tokens, int n, float* logits);

@@ -130,9 +130,22 @@ static void init_chunk(void* arg, int64_t c) {
     const int64_t b = job->chunk_begin[c];
     const int64_t n = d->numel - b < INIT_CHUNK ? d->numel - b : INIT_CHUNK;
     float* p = store_param(job->s, i) + b;
-    if (d->ndim == 1) {
-        for (int64_t j = 0; j < n; j++) p[j] = 1.0f;
+    // As HF's _init_weights: norms 1, linear and expert biases 0 (GPT-OSS), everything else
+    // normal(0, std), GPT-OSS's sinks and router bias included. (Biases of 1 would add one
+    // constant vector to every token's hidden state, and the router would send every token to
+    // the same experts.)
+    switch (d->kind) {
+    case TK_BQ: case TK_BK: case TK_BV: case TK_BO: case TK_EXP_GATE_UP_BIAS:
+    case TK_EXP_DOWN_BIAS:
+        memset(p, 0, (size_t)n * sizeof(float));
         return;
+    case TK_SINKS: case TK_ROUTER_BIAS:
+        break;
+    default:
+        if (d->ndim == 1) {
+            for (int64_t j = 0; j < n; j++) p[j] = 1.0f;
+            return;
+        }
     }
     Rng rng;
     rng_seed(&rng, mix32(job->seed ^ mix32((uint32_t)i * 0x9e3779b9u ^ mix32((uint32_t)(b / INIT_CHUNK)))));

@@ -36,7 +36,8 @@ void store_free(Store* s);
 float* store_param(const Store* s, int i);
 float* store_grad(const Store* s, int i);
 
-// Seeded random init (HF style): matrices and embeddings ~ N(0, std), norms = 1.
+// Seeded random init (HF style): matrices and embeddings ~ N(0, std), norms = 1; GPT-OSS: linear
+// and expert biases = 0, sinks and the router bias ~ N(0, std).
 void store_init_random(Store* s, uint32_t seed, float std);
 
 void store_zero_grads(Store* s);

@@ -1,5 +1,6 @@
 /*
- * tensor.c — builds the tensor descriptor table of a model (see tensor.h for the layout rules).
+ * tensor.c — builds the tensor descriptor table of a model and its HF view (see tensor.h for the
+ * layout rules).
  */
 #include "tensor.h"
 
@@ -10,8 +11,11 @@
 #include "common.h"
 
 static const char* const kind_names[TK_COUNT] = {
-    "embed", "attn_norm", "wq", "wk", "wv", "q_norm", "k_norm", "wo",
-    "mlp_norm", "w_gate", "w_up", "w_down", "final_norm", "lm_head"};
+    "embed",    "attn_norm", "wq",     "wk",          "wv",          "q_norm",
+    "k_norm",   "wo",        "mlp_norm", "w_gate",    "w_up",        "w_down",
+    "final_norm", "lm_head", "bq",     "bk",          "bv",          "bo",
+    "sinks",    "router",    "router_bias", "experts_gate_up", "experts_gate_up_bias",
+    "experts_down", "experts_down_bias"};
 
 const char* tensor_kind_name(TensorKind k) { return (k >= 0 && k < TK_COUNT) ? kind_names[k] : "?"; }
 
@@ -23,7 +27,7 @@ typedef struct Builder {
 } Builder;
 
 static TensorDesc* builder_add(Builder* b, TensorKind kind, int layer, int block, int ndim,
-                               int64_t d0, int64_t d1) {
+                               int64_t d0, int64_t d1, int64_t d2) {
     TensorTable* tt = b->tt;
     if (tt->n == b->cap) {
         b->cap = b->cap ? 2 * b->cap : 64;
@@ -38,7 +42,8 @@ static TensorDesc* builder_add(Builder* b, TensorKind kind, int layer, int block
     d->ndim = ndim;
     d->shape[0] = d0;
     d->shape[1] = ndim > 1 ? d1 : 0;
-    d->numel = ndim > 1 ? d0 * d1 : d0;
+    d->shape[2] = ndim > 2 ? d2 : 0;
+    d->numel = d0 * (ndim > 1 ? d1 : 1) * (ndim > 2 ? d2 : 1);
     d->tied_to = -1;
     d->param_offset = b->param_fill[layer];
     b->param_fill[layer] += d->numel;
@@ -53,63 +58,162 @@ static void set_names(TensorDesc* d, const char* ours, const char* hf, const cha
     str_copy(d->gguf_name, sizeof d->gguf_name, gguf);
 }
 
+// One tensor of a block: kind, shape, HF and GGUF suffixes (after "model.layers.N." and
+// "blk.N."), whether it is present, whether weight decay applies (matrices only).
+typedef struct BlockSpec {
+    TensorKind kind;
+    int ndim;
+    int64_t d0, d1, d2;
+    const char* hf;
+    const char* gguf;
+    int present;
+    int decay;
+} BlockSpec;
+
+// The tensors of decoder block l, in slab order (tensor.h).
+static int block_specs(const ModelConfig* c, int l, BlockSpec* out) {
+    const int64_t C = c->C, F = c->F, HD = c->HD, E = c->E, Fe = c->F_expert;
+    const int64_t QD = (int64_t)c->H * HD, KVD = (int64_t)c->KVH * HD;
+    const int oss = c->family == FAMILY_GPTOSS, moe = config_block_is_moe(c, l);
+    const int bias = c->attention_bias;
+    const BlockSpec spec[] = {
+        {TK_ATTN_NORM, 1, C, 0, 0, "input_layernorm.weight", "attn_norm.weight", 1, 0},
+        {TK_WQ, 2, QD, C, 0, "self_attn.q_proj.weight", "attn_q.weight", 1, 1},
+        {TK_WK, 2, KVD, C, 0, "self_attn.k_proj.weight", "attn_k.weight", 1, 1},
+        {TK_WV, 2, KVD, C, 0, "self_attn.v_proj.weight", "attn_v.weight", 1, 1},
+        {TK_BQ, 1, QD, 0, 0, "self_attn.q_proj.bias", "attn_q.bias", bias, 0},
+        {TK_BK, 1, KVD, 0, 0, "self_attn.k_proj.bias", "attn_k.bias", bias, 0},
+        {TK_BV, 1, KVD, 0, 0, "self_attn.v_proj.bias", "attn_v.bias", bias, 0},
+        {TK_Q_NORM, 1, HD, 0, 0, "self_attn.q_norm.weight", "attn_q_norm.weight", c->qk_norm, 0},
+        {TK_K_NORM, 1, HD, 0, 0, "self_attn.k_norm.weight", "attn_k_norm.weight", c->qk_norm, 0},
+        {TK_WO, 2, C, QD, 0, "self_attn.o_proj.weight", "attn_output.weight", 1, 1},
+        {TK_BO, 1, C, 0, 0, "self_attn.o_proj.bias", "attn_output.bias", bias, 0},
+        {TK_SINKS, 1, c->H, 0, 0, "self_attn.sinks", "attn_sinks.weight", oss, 0},
+        {TK_MLP_NORM, 1, C, 0, 0, "post_attention_layernorm.weight",
+         oss ? "post_attention_norm.weight" : "ffn_norm.weight", 1, 0},
+        {TK_W_GATE, 2, F, C, 0, "mlp.gate_proj.weight", "ffn_gate.weight", !moe, 1},
+        {TK_W_UP, 2, F, C, 0, "mlp.up_proj.weight", "ffn_up.weight", !moe, 1},
+        {TK_W_DOWN, 2, C, F, 0, "mlp.down_proj.weight", "ffn_down.weight", !moe, 1},
+        {TK_ROUTER, 2, E, C, 0, oss ? "mlp.router.weight" : "mlp.gate.weight",
+         "ffn_gate_inp.weight", moe, 1},
+        {TK_ROUTER_BIAS, 1, E, 0, 0, "mlp.router.bias", "ffn_gate_inp.bias", moe && oss, 0},
+        {TK_EXP_GATE_UP, 3, E, oss ? C : 2 * Fe, oss ? 2 * Fe : C, "mlp.experts.gate_up_proj",
+         "ffn_gate_exps.weight", moe, 1},
+        {TK_EXP_GATE_UP_BIAS, 2, E, 2 * Fe, 0, "mlp.experts.gate_up_proj_bias",
+         "ffn_gate_exps.bias", moe && oss, 0},
+        {TK_EXP_DOWN, 3, E, oss ? Fe : C, oss ? C : Fe, "mlp.experts.down_proj",
+         "ffn_down_exps.weight", moe, 1},
+        {TK_EXP_DOWN_BIAS, 2, E, C, 0, "mlp.experts.down_proj_bias", "ffn_down_exps.bias",
+         moe && oss, 0},
+    };
+    int n = 0;
+    for (size_t i = 0; i < sizeof spec / sizeof spec[0]; i++)
+        if (spec[i].present) out[n++] = spec[i];
+    return n;
+}
+
+static void hf_add(TensorTable* tt, int* cap, const char* name, int ndim, int64_t d0, int64_t d1,
+                   int64_t d2, int index, int64_t offset) {
+    if (tt->n_hf == *cap) {
+        *cap = *cap ? 2 * *cap : 64;
+        tt->hf = realloc_check(tt->hf, (size_t)*cap * sizeof(HfTensor));
+    }
+    HfTensor* h = &tt->hf[tt->n_hf++];
+    memset(h, 0, sizeof *h);
+    str_copy(h->name, sizeof h->name, name);
+    h->ndim = ndim;
+    h->shape[0] = d0;
+    h->shape[1] = ndim > 1 ? d1 : 0;
+    h->shape[2] = ndim > 2 ? d2 : 0;
+    h->numel = d0 * (ndim > 1 ? d1 : 1) * (ndim > 2 ? d2 : 1);
+    h->index = index;
+    h->offset = offset;
+}
+
+static uint64_t name_hash(const char* s) {
+    uint64_t h = 1469598103934665603ull;  // FNV-1a
+    for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
+    return h;
+}
+
+// The HF view (tensor.h) in checkpoint order: every owned tensor in table order, except that the
+// hub Qwen3-MoE layout lists expert e's gate_proj, up_proj, down_proj in place of the fused pair.
+static void build_hf_view(TensorTable* tt, const ModelConfig* c) {
+    int cap = 0;
+    const int per_expert = c->family == FAMILY_QWEN3MOE && c->expert_layout == EXPERTS_PER_EXPERT;
+    for (int i = 0; i < tt->n; i++) {
+        const TensorDesc* d = &tt->t[i];
+        if (d->tied_to >= 0) continue;
+        if (per_expert && d->kind == TK_EXP_DOWN) continue;  // listed with the gate/up slices
+        if (!(per_expert && d->kind == TK_EXP_GATE_UP)) {
+            hf_add(tt, &cap, d->hf_name, d->ndim, d->shape[0], d->shape[1], d->shape[2], i, 0);
+            continue;
+        }
+        const int down = tensor_table_index(tt, TK_EXP_DOWN, d->block);
+        const int64_t C = c->C, Fe = c->F_expert;
+        char name[96];
+        for (int e = 0; e < c->E; e++) {
+            const char* which[3] = {"gate", "up", "down"};
+            for (int k = 0; k < 3; k++) {
+                snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s_proj.weight",
+                         d->block, e, which[k]);
+                if (k < 2)
+                    hf_add(tt, &cap, name, 2, Fe, C, 0, i, ((int64_t)e * 2 + k) * Fe * C);
+                else
+                    hf_add(tt, &cap, name, 2, C, Fe, 0, down, (int64_t)e * C * Fe);
+            }
+        }
+    }
+    tt->hf_hash_cap = 16;
+    while (tt->hf_hash_cap < 2 * tt->n_hf) tt->hf_hash_cap *= 2;
+    tt->hf_hash = malloc_check((size_t)tt->hf_hash_cap * sizeof(int));
+    for (int k = 0; k < tt->hf_hash_cap; k++) tt->hf_hash[k] = -1;
+    for (int j = 0; j < tt->n_hf; j++) {
+        uint64_t h = name_hash(tt->hf[j].name) & (uint64_t)(tt->hf_hash_cap - 1);
+        while (tt->hf_hash[h] >= 0) h = (h + 1) & (uint64_t)(tt->hf_hash_cap - 1);
+        tt->hf_hash[h] = j;
+    }
+}
+
 int tensor_table_build(TensorTable* tt, const ModelConfig* c, int decay_embeddings, char* err) {
     memset(tt, 0, sizeof *tt);
-    if (c->family != FAMILY_LLAMA && c->family != FAMILY_QWEN3)
-        return errorf(err, "tensor table: family %s is not supported yet", family_names[c->family]);
+    if (c->family < 0 || c->family >= FAMILY_COUNT)
+        return errorf(err, "tensor table: unknown model family");
     const int L = c->L;
     tt->n_layers = L + 2;
     Builder b = {.tt = tt};
     b.param_fill = calloc_check((size_t)tt->n_layers, sizeof(int64_t));
     b.grad_fill = calloc_check((size_t)tt->n_layers, sizeof(int64_t));
-    const int64_t V = c->V, C = c->C, F = c->F, HD = c->HD;
-    const int64_t QD = (int64_t)c->H * HD, KVD = (int64_t)c->KVH * HD;
+    const int64_t V = c->V, C = c->C;
     char ours[64], hf[96], gg[64];
 
     // prefix
-    TensorDesc* d = builder_add(&b, TK_EMBED, 0, -1, 2, V, C);
+    TensorDesc* d = builder_add(&b, TK_EMBED, 0, -1, 2, V, C, 0);
     set_names(d, "embed", "model.embed_tokens.weight", "token_embd.weight");
     d->decay = decay_embeddings;
     const int embed_index = 0;
 
     // blocks: the spec order is the slab order, q/k/v adjacent (one fused QKV matmul) and
     // gate/up adjacent (one fused gate-up matmul)
+    BlockSpec spec[32];
     for (int l = 0; l < L; l++) {
         const int layer = l + 1;
-        struct {
-            TensorKind kind;
-            int ndim;
-            int64_t d0, d1;
-            const char* hf;
-            const char* gguf;
-        } spec[] = {
-            {TK_ATTN_NORM, 1, C, 0, "input_layernorm.weight", "attn_norm.weight"},
-            {TK_WQ, 2, QD, C, "self_attn.q_proj.weight", "attn_q.weight"},
-            {TK_WK, 2, KVD, C, "self_attn.k_proj.weight", "attn_k.weight"},
-            {TK_WV, 2, KVD, C, "self_attn.v_proj.weight", "attn_v.weight"},
-            {TK_Q_NORM, 1, HD, 0, "self_attn.q_norm.weight", "attn_q_norm.weight"},
-            {TK_K_NORM, 1, HD, 0, "self_attn.k_norm.weight", "attn_k_norm.weight"},
-            {TK_WO, 2, C, QD, "self_attn.o_proj.weight", "attn_output.weight"},
-            {TK_MLP_NORM, 1, C, 0, "post_attention_layernorm.weight", "ffn_norm.weight"},
-            {TK_W_GATE, 2, F, C, "mlp.gate_proj.weight", "ffn_gate.weight"},
-            {TK_W_UP, 2, F, C, "mlp.up_proj.weight", "ffn_up.weight"},
-            {TK_W_DOWN, 2, C, F, "mlp.down_proj.weight", "ffn_down.weight"},
-        };
-        for (size_t i = 0; i < sizeof spec / sizeof spec[0]; i++) {
-            if ((spec[i].kind == TK_Q_NORM || spec[i].kind == TK_K_NORM) && !c->qk_norm) continue;
-            d = builder_add(&b, spec[i].kind, layer, l, spec[i].ndim, spec[i].d0, spec[i].d1);
+        const int n = block_specs(c, l, spec);
+        for (int i = 0; i < n; i++) {
+            d = builder_add(&b, spec[i].kind, layer, l, spec[i].ndim, spec[i].d0, spec[i].d1,
+                            spec[i].d2);
             snprintf(ours, sizeof ours, "layers.%d.%s", l, kind_names[spec[i].kind]);
             snprintf(hf, sizeof hf, "model.layers.%d.%s", l, spec[i].hf);
             snprintf(gg, sizeof gg, "blk.%d.%s", l, spec[i].gguf);
             set_names(d, ours, hf, gg);
-            d->decay = spec[i].ndim >= 2;  // matrices only: never norms
+            d->decay = spec[i].decay;  // matrices only: never norms, biases or sinks
         }
     }
 
     // postfix
-    d = builder_add(&b, TK_FINAL_NORM, L + 1, -1, 1, C, 0);
+    d = builder_add(&b, TK_FINAL_NORM, L + 1, -1, 1, C, 0, 0);
     set_names(d, "final_norm", "model.norm.weight", "output_norm.weight");
-    d = builder_add(&b, TK_LM_HEAD, L + 1, -1, 2, V, C);
+    d = builder_add(&b, TK_LM_HEAD, L + 1, -1, 2, V, C, 0);
     set_names(d, "lm_head", "lm_head.weight", "output.weight");
     d->decay = 1;
     if (c->tied_embeddings) {
@@ -133,6 +237,7 @@ int tensor_table_build(TensorTable* tt, const ModelConfig* c, int decay_embeddin
     tt->total_params = 0;
     for (int i = 0; i < tt->n; i++)
         if (tt->t[i].tied_to < 0) tt->total_params += tt->t[i].numel;
+    build_hf_view(tt, c);
     return 0;
 }
 
@@ -142,7 +247,19 @@ void tensor_table_free(TensorTable* tt) {
     free(tt->grad_numel);
     free(tt->first);
     free(tt->count);
+    free(tt->hf);
+    free(tt->hf_hash);
     memset(tt, 0, sizeof *tt);
+}
+
+int tensor_table_find_hf_tensor(const TensorTable* tt, const char* name) {
+    if (tt->hf_hash_cap <= 0) return -1;
+    uint64_t h = name_hash(name) & (uint64_t)(tt->hf_hash_cap - 1);
+    while (tt->hf_hash[h] >= 0) {
+        if (strcmp(tt->hf[tt->hf_hash[h]].name, name) == 0) return tt->hf_hash[h];
+        h = (h + 1) & (uint64_t)(tt->hf_hash_cap - 1);
+    }
+    return -1;
 }
 
 int tensor_table_find_hf(const TensorTable* tt, const char* hf_name) {

@@ -9,7 +9,21 @@
  * Each layer owns one parameter slab (its own tensors, contiguous, in table order) and one gradient
  * slab (every tensor the layer USES, including a tied LM head whose storage lives in layer 0).
  * Within a block, q/k/v are adjacent and gate/up are adjacent so the fused matmuls see one
- * (QKV, C) and one (2F, C) weight.
+ * (QKV, C) and one (2F, C) weight; the q/k/v biases (GPT-OSS) are adjacent too (one (QKV) bias).
+ *
+ * Mixture-of-experts blocks keep all experts of a block in one tensor per projection, in the
+ * layout their family's fused HF tensors have (docs/FORMATS.md §8.2):
+ *   Qwen3-MoE  experts gate_up (E, 2F, C): per expert [gate rows | up rows], nn.Linear (out, in);
+ *              experts down (E, C, F)
+ *   GPT-OSS    experts gate_up (E, C, 2F): x·W (in, out), gate/up interleaved in the columns;
+ *              gate_up bias (E, 2F) interleaved the same way; down (E, F, C); down bias (E, C)
+ * so a GPT-OSS checkpoint and a transformers-5 Qwen3-MoE checkpoint map 1:1 onto the table.
+ *
+ * The HF view (HfTensor): the tensors an HF checkpoint of this model holds, each a contiguous
+ * range of one table tensor. Dense models and fused expert layouts: one per owned table tensor,
+ * the whole of it. Qwen3-MoE in the hub layout (EXPERTS_PER_EXPERT): mlp.experts.{e}.gate_proj,
+ * up_proj, down_proj, each a slice of the fused expert tensors. Loading, saving, --dump-state and
+ * the HF export go through the view, so a model leaves in the layout it came in.
  */
 #ifndef LLMC_TENSOR_H
 #define LLMC_TENSOR_H
@@ -34,6 +48,19 @@ typedef enum {
     TK_W_DOWN,
     TK_FINAL_NORM,
     TK_LM_HEAD,
+    // attention biases and sinks (GPT-OSS)
+    TK_BQ,
+    TK_BK,
+    TK_BV,
+    TK_BO,
+    TK_SINKS,
+    // mixture of experts
+    TK_ROUTER,            // (E, C)
+    TK_ROUTER_BIAS,       // (E) GPT-OSS
+    TK_EXP_GATE_UP,       // (E, 2F, C) Qwen3-MoE / (E, C, 2F) GPT-OSS (see above)
+    TK_EXP_GATE_UP_BIAS,  // (E, 2F) GPT-OSS, interleaved
+    TK_EXP_DOWN,          // (E, C, F) Qwen3-MoE / (E, F, C) GPT-OSS
+    TK_EXP_DOWN_BIAS,     // (E, C) GPT-OSS
     TK_COUNT
 } TensorKind;
 
@@ -44,7 +71,7 @@ typedef struct TensorDesc {
     char name[64];           // ours: "embed", "layers.3.wq", "final_norm", "lm_head"
     char hf_name[96];        // "model.layers.3.self_attn.q_proj.weight"
     char gguf_name[64];      // "blk.3.attn_q.weight"
-    int ndim;
+    int ndim;                // 1, 2 or 3
     int64_t shape[4];        // HF (row-major) shape
     int64_t numel;
     int64_t param_offset;    // element offset in the owner layer's parameter slab (-1 when tied)
@@ -53,6 +80,17 @@ typedef struct TensorDesc {
     int tied_to;             // index of the tensor whose storage this one shares, or -1
     int owner_layer;         // layer whose parameter slab holds the storage
 } TensorDesc;
+
+// One tensor of an HF checkpoint of the model: elements [offset, offset + numel) of table tensor
+// `index` (its own parameter, gradient, m or v storage), under the checkpoint's name and shape.
+typedef struct HfTensor {
+    char name[96];
+    int ndim;
+    int64_t shape[3];
+    int64_t numel;
+    int index;
+    int64_t offset;
+} HfTensor;
 
 typedef struct TensorTable {
     int n;                 // number of tensors
@@ -63,6 +101,10 @@ typedef struct TensorTable {
     int* first;            // (n_layers) index of the layer's first tensor in t
     int* count;            // (n_layers) number of tensors used by the layer
     int64_t total_params;  // unique parameters (tied counted once)
+    int n_hf;              // the HF view (see above), in checkpoint order
+    HfTensor* hf;
+    int hf_hash_cap;       // open-addressing index of hf by name (a power of two)
+    int* hf_hash;          // (hf_hash_cap) index into hf, or -1
 } TensorTable;
 
 // Build the table for a config. decay_embeddings: also decay the token embedding (and therefore
@@ -72,6 +114,8 @@ void tensor_table_free(TensorTable* tt);
 // Lookups; -1 if absent.
 int tensor_table_find_hf(const TensorTable* tt, const char* hf_name);
 int tensor_table_find(const TensorTable* tt, const char* name);
+// The HF view's tensor of this name (-1 if absent): a hash lookup (a 235B MoE has 36k tensors).
+int tensor_table_find_hf_tensor(const TensorTable* tt, const char* name);
 // Index of the tensor of `kind` in block `block` (or -1 for non-block kinds); -1 if absent.
 int tensor_table_index(const TensorTable* tt, TensorKind kind, int block);
 const char* tensor_kind_name(TensorKind k);

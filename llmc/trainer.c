@@ -32,19 +32,48 @@ static const int32_t* mb_tokens(const TrainArgs* a, const int32_t* tokens, int m
 }
 
 // tokens (B, T+1). Returns the mean loss over the B*T targets; gradients land in the store.
-static double plain_batch_gradients(Trainer* t, const int32_t* tokens) {
+// MoE models: the step's CE and aux parts (each micro-batch's aux weighted by its tokens, as its
+// share of the objective is) and the expert load spread over all its micro-batches, into st.
+static void moe_step_stats(const Trainer* t, const double* load, double ce_sum, double aux_sum,
+                           StepStats* st) {
+    const double n_tokens = (double)t->a->batch * t->a->seq;
+    const int E = t->m->cfg.E;
+    double mx = 0.0, sum = 0.0;
+    for (int e = 0; e < E; e++) {
+        sum += load[e];
+        if (load[e] > mx) mx = load[e];
+    }
+    st->moe = 1;
+    st->ce = ce_sum / n_tokens;
+    st->aux = aux_sum / n_tokens;
+    st->load_spread = sum > 0 ? mx / (sum / E) : 0.0;
+}
+
+// The gradients of one batch into the store; returns the step's mean objective (CE, plus the
+// weighted aux loss for MoE models). st (optional): the MoE parts (moe_step_stats).
+static double plain_batch_gradients(Trainer* t, const int32_t* tokens, StepStats* st) {
     const TrainArgs* a = t->a;
     const int T = a->seq;
     // Every micro-batch's gradient is scaled by 1/(tokens of the whole step), so the sum over
     // micro-batches is the gradient of the step's mean loss (docs/FORMATS.md §7.6).
     const float grad_scale = 1.0f / ((float)a->batch * (float)T);
-    double loss_sum = 0.0;
+    const int moe = t->m->n_moe > 0;
+    double* load = moe ? calloc_check((size_t)t->m->cfg.E, sizeof(double)) : NULL;
+    double loss_sum = 0.0, ce_sum = 0.0, aux_sum = 0.0;
     store_zero_grads(t->s);
-    for (int mb = 0; mb < a->micro_batches; mb++)
+    for (int mb = 0; mb < a->micro_batches; mb++) {
         loss_sum += plain_forward_backward(t->plain, mb_tokens(a, tokens, mb), mb_rows(a, mb), T,
                                            grad_scale);
+        if (!moe) continue;
+        const Plain* p = t->plain;
+        ce_sum += p->ce_sum;
+        aux_sum += p->aux * (double)mb_rows(a, mb) * T;
+        for (int e = 0; e < t->m->cfg.E; e++) load[e] += p->ws->moe_counts_host[e];
+    }
     plain_sync_grads(t->plain);
     store_fold_tied_grads(t->s);
+    if (moe && st) moe_step_stats(t, load, ce_sum, aux_sum, st);
+    free(load);
     return loss_sum / ((double)a->batch * T);
 }
 
@@ -137,6 +166,10 @@ int trainer_create(Trainer* t, const TrainArgs* a, const Model* m, Store* s, Tra
     t->drained = 1;
     const int use_engine = n_devices > 0;
     const int N = use_engine ? n_devices : 1;
+    if ((use_engine || t->use_cuda) && config_is_moe(&m->cfg))
+        return errorf(err, "model family %s: mixture-of-experts models train only with --device "
+                           "cpu so far (neither the RoundPipe engine nor the CUDA kernels run "
+                           "them yet)", family_names[m->cfg.family]);
     // The plain path also serves evaluation, sampling and --dump-state: on GPU 0 when training
     // on GPUs.
     t->ops = &ops_cpu;
@@ -239,7 +272,7 @@ static void engine_train_step(Trainer* t, DataLoader* train, int stop_after, Ste
 
 static void plain_train_step(Trainer* t, DataLoader* train, int step, StepStats* st) {
     next_batch(train, t->tokens);
-    st->loss = plain_batch_gradients(t, t->tokens);
+    st->loss = plain_batch_gradients(t, t->tokens, st);
     const AdamWUpdate u =
         adamw_update(t->pool, t->opt, t->n_opt, &t->hyper, &t->sched, t->a->grad_clip, step);
     st->norm = u.norm;
@@ -311,7 +344,7 @@ double trainer_evaluate(Trainer* t, DataLoader* val) {
 
 double trainer_batch_gradients(Trainer* t, DataLoader* train) {
     next_batch(train, t->tokens);
-    return plain_batch_gradients(t, t->tokens);
+    return plain_batch_gradients(t, t->tokens, NULL);
 }
 
 int trainer_in_flight(const Trainer* t) { return t->eng ? (int)engine_in_flight(t->eng) : 0; }

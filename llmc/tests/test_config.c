@@ -204,22 +204,156 @@ static void test_config_hf_json_errors(TestCtx* t) {
         CHECK(t, rc != 0 && strstr(err, more[i].must_mention), "extra %s: rc %d err '%s'",
               more[i].extra, rc, rc ? err : "");
     }
-    // MoE families are recognised but refused with a clear message
-    snprintf(buf, sizeof buf,
-             "{\"model_type\":\"qwen3_moe\",%s,\"num_experts\":8,\"num_experts_per_tok\":2,"
-             "\"moe_intermediate_size\":32}",
-             base_ok);
-    write_text(t, "moe.json", buf, path, sizeof path);
-    CHECK(t, config_from_hf_json(&c, path, err) != 0 && strstr(err, "qwen3moe"), "moe: %s", err);
+    // MoE configs with bad expert fields
+    struct {
+        const char* json;
+        const char* must_mention;
+    } moe_bad[] = {
+        {"\"model_type\":\"qwen3_moe\",\"num_experts_per_tok\":2,\"moe_intermediate_size\":32",
+         "num_experts"},
+        {"\"model_type\":\"qwen3_moe\",\"num_experts\":8,\"num_local_experts\":4,"
+         "\"num_experts_per_tok\":2,\"moe_intermediate_size\":32", "disagree"},
+        {"\"model_type\":\"qwen3_moe\",\"num_experts\":2,\"num_experts_per_tok\":4,"
+         "\"moe_intermediate_size\":32", "num_experts_per_tok"},
+        {"\"model_type\":\"qwen3_moe\",\"num_experts\":8,\"num_experts_per_tok\":2,"
+         "\"moe_intermediate_size\":32,\"mlp_only_layers\":[5]", "mlp_only_layers"},
+        {"\"model_type\":\"gpt_oss\",\"num_local_experts\":8,\"num_experts_per_tok\":2,"
+         "\"layer_types\":[\"full_attention\"]", "layer_types"},
+        {"\"model_type\":\"gpt_oss\",\"num_local_experts\":8,\"num_experts_per_tok\":2,"
+         "\"quantization_config\":{\"quant_method\":\"gptq\"}", "mxfp4"},
+        {"\"model_type\":\"llama\",\"num_experts\":8", "experts"},
+        {NULL, NULL},
+    };
+    for (int i = 0; moe_bad[i].json; i++) {
+        snprintf(buf, sizeof buf, "{%s,%s}", base_ok, moe_bad[i].json);
+        write_text(t, "moe.json", buf, path, sizeof path);
+        int rc = config_from_hf_json(&c, path, err);
+        CHECK(t, rc != 0 && strstr(err, moe_bad[i].must_mention), "moe case %d: rc %d err '%s'",
+              i, rc, rc ? err : "");
+    }
     CHECK(t, config_from_hf_json(&c, "/nonexistent/config.json", err) != 0 &&
                  strstr(err, "/nonexistent/config.json"),
           "missing file: %s", err);
+}
+
+// Qwen3-MoE in the hub spelling and in transformers 5's, GPT-OSS with layer_types and YaRN: the
+// fields, the block structure, our own writer's round trip, and the hub models' counts
+// (docs/FORMATS.md §2.4).
+static void test_config_moe(TestCtx* t) {
+    char path[512], err[ERR_LEN];
+    ModelConfig c, d;
+    write_text(t, "qmoe.json",
+               "{\"architectures\":[\"Qwen3MoeForCausalLM\"],\"model_type\":\"qwen3_moe\","
+               "\"vocab_size\":151936,\"hidden_size\":4096,\"intermediate_size\":12288,"
+               "\"num_hidden_layers\":94,\"num_attention_heads\":64,\"num_key_value_heads\":4,"
+               "\"head_dim\":128,\"rms_norm_eps\":1e-06,\"rope_theta\":1000000.0,"
+               "\"num_experts\":128,\"num_experts_per_tok\":8,\"moe_intermediate_size\":1536,"
+               "\"decoder_sparse_step\":1,\"mlp_only_layers\":[],\"norm_topk_prob\":true,"
+               "\"output_router_logits\":false,\"router_aux_loss_coef\":0.001,"
+               "\"tie_word_embeddings\":false,\"use_sliding_window\":false,\"sliding_window\":null}",
+               path, sizeof path);
+    CHECK(t, config_from_hf_json(&c, path, err) == 0, "qwen3moe: %s", err);
+    CHECK(t, c.family == FAMILY_QWEN3MOE && c.E == 128 && c.K == 8 && c.F_expert == 1536 &&
+                 c.norm_topk_prob && !c.output_router_logits && c.qk_norm &&
+                 c.expert_layout == EXPERTS_PER_EXPERT && config_num_moe_blocks(&c) == 94,
+          "qwen3moe fields");
+    CHECK(t, config_num_params(&c) == 235093634560ll, "235B total %lld",
+          (long long)config_num_params(&c));
+    config_from_preset(&d, "qwen3-235b-a22b", err);
+    CHECK(t, config_num_params(&d) == config_num_params(&c), "preset = config.json");
+
+    // transformers-5 spelling, dense blocks by step and by list
+    write_text(t, "qmoe5.json",
+               "{\"model_type\":\"qwen3_moe\",\"vocab_size\":100,\"hidden_size\":64,"
+               "\"intermediate_size\":96,\"num_hidden_layers\":6,\"num_attention_heads\":4,"
+               "\"num_key_value_heads\":2,\"head_dim\":16,\"num_local_experts\":8,"
+               "\"num_experts_per_tok\":2,\"moe_intermediate_size\":32,"
+               "\"decoder_sparse_step\":2,\"mlp_only_layers\":[3],"
+               "\"output_router_logits\":true,\"router_aux_loss_coef\":0.02,"
+               "\"rope_parameters\":{\"rope_theta\":10000,\"rope_type\":\"default\"}}",
+               path, sizeof path);
+    CHECK(t, config_from_hf_json(&c, path, err) == 0, "qwen3moe v5: %s", err);
+    CHECK(t, c.E == 8 && c.output_router_logits && c.router_aux_loss_coef == 0.02 &&
+                 !c.norm_topk_prob,
+          "v5 fields");
+    const int want_moe[6] = {0, 1, 0, 0, 0, 1};  // (i + 1) % 2 == 0, except 3
+    for (int b = 0; b < 6; b++)
+        CHECK(t, config_block_is_moe(&c, b) == want_moe[b], "block %d moe %d", b,
+              config_block_is_moe(&c, b));
+    char* json = config_to_hf_json(&c);
+    write_text(t, "qmoe_rt.json", json, path, sizeof path);
+    free(json);
+    CHECK(t, config_from_hf_json(&d, path, err) == 0, "roundtrip: %s", err);
+    CHECK(t, d.E == c.E && d.K == c.K && d.F_expert == c.F_expert && d.F == c.F &&
+                 d.decoder_sparse_step == 2 && memcmp(d.mlp_only, c.mlp_only, sizeof c.mlp_only) == 0 &&
+                 d.output_router_logits && d.router_aux_loss_coef == 0.02 &&
+                 config_num_params(&d) == config_num_params(&c),
+          "qwen3moe roundtrip");
+
+    // GPT-OSS: hub fields, default layer_types, YaRN, MXFP4 quantization_config accepted
+    write_text(t, "oss.json",
+               "{\"architectures\":[\"GptOssForCausalLM\"],\"model_type\":\"gpt_oss\","
+               "\"vocab_size\":201088,\"hidden_size\":2880,\"intermediate_size\":2880,"
+               "\"num_hidden_layers\":24,\"num_attention_heads\":64,\"num_key_value_heads\":8,"
+               "\"head_dim\":64,\"num_local_experts\":32,\"experts_per_token\":4,"
+               "\"sliding_window\":128,\"swiglu_limit\":7.0,\"rms_norm_eps\":1e-05,"
+               "\"rope_theta\":150000,\"rope_scaling\":{\"rope_type\":\"yarn\",\"factor\":32.0,"
+               "\"beta_fast\":32.0,\"beta_slow\":1.0,\"truncate\":false,"
+               "\"original_max_position_embeddings\":4096},\"attention_bias\":true,"
+               "\"router_aux_loss_coef\":0.9,\"tie_word_embeddings\":false,"
+               "\"quantization_config\":{\"quant_method\":\"mxfp4\",\"modules_to_not_convert\":"
+               "[\"model.layers.*.self_attn\"]}}",
+               path, sizeof path);
+    CHECK(t, config_from_hf_json(&c, path, err) == 0, "gpt-oss: %s", err);
+    CHECK(t, c.family == FAMILY_GPTOSS && c.E == 32 && c.K == 4 && c.F_expert == 2880 &&
+                 c.attention_bias && !c.qk_norm && c.rope_type == ROPE_YARN && !c.yarn_truncate &&
+                 c.sliding_window == 128 && c.swiglu_limit == 7.0f &&
+                 c.expert_layout == EXPERTS_GPTOSS,
+          "gpt-oss fields");
+    CHECK(t, config_block_window(&c, 0) == 128 && config_block_window(&c, 1) == 0 &&
+                 config_block_window(&c, 22) == 128 && config_block_window(&c, 23) == 0,
+          "default layer_types: sliding at even blocks");
+    CHECK(t, config_num_params(&c) == 20914757184ll, "gpt-oss-20b total %lld",
+          (long long)config_num_params(&c));
+    config_from_preset(&d, "gpt-oss-20b", err);
+    CHECK(t, config_num_params(&d) == config_num_params(&c), "preset = config.json");
+    float ia[32], ib[32];
+    CHECK(t, config_rope_inv_freq(&c, ia) == config_rope_inv_freq(&d, ib) &&
+                 memcmp(ia, ib, sizeof ia) == 0,
+          "yarn preset = config.json");
+    json = config_to_hf_json(&c);
+    write_text(t, "oss_rt.json", json, path, sizeof path);
+    free(json);
+    CHECK(t, config_from_hf_json(&d, path, err) == 0, "roundtrip: %s", err);
+    CHECK(t, d.E == c.E && d.K == c.K && d.F == c.F && memcmp(d.sliding, c.sliding, sizeof c.sliding) == 0 &&
+                 d.sliding_window == c.sliding_window && d.rope_type == ROPE_YARN &&
+                 !d.yarn_truncate && d.rope_factor == 32.0 && d.attention_bias &&
+                 config_num_params(&d) == config_num_params(&c),
+          "gpt-oss roundtrip");
+    // transformers' yarn reads truncate with the default true
+    write_text(t, "oss_trunc.json",
+               "{\"model_type\":\"gpt_oss\",\"vocab_size\":100,\"hidden_size\":64,"
+               "\"intermediate_size\":32,\"num_hidden_layers\":3,\"num_attention_heads\":4,"
+               "\"num_key_value_heads\":2,\"head_dim\":16,\"num_local_experts\":8,"
+               "\"num_experts_per_tok\":2,\"layer_types\":[\"full_attention\","
+               "\"sliding_attention\",\"full_attention\"],\"sliding_window\":4,"
+               "\"rope_parameters\":{\"rope_type\":\"yarn\",\"rope_theta\":10000,"
+               "\"factor\":4.0,\"original_max_position_embeddings\":64}}",
+               path, sizeof path);
+    CHECK(t, config_from_hf_json(&c, path, err) == 0, "gpt-oss v5: %s", err);
+    CHECK(t, c.yarn_truncate && config_block_window(&c, 0) == 0 &&
+                 config_block_window(&c, 1) == 4 && config_block_window(&c, 2) == 0,
+          "explicit layer_types, truncate default");
+    // active parameters (docs/PERFORMANCE.md §1.1): the matmul ones of one token
+    config_from_preset(&c, "qwen3-30b-a3b", err);
+    CHECK(t, config_validate(&c, err) == 0 && config_num_moe_blocks(&c) == 48, "30b-a3b: %s", err);
 }
 
 const TestCase tests_config[] = {
     {"config_presets_counts", test_config_presets_counts},
     {"config_rope_llama3", test_config_rope_llama3},
     {"config_rope_yarn", test_config_rope_yarn},
+    {"config_moe", test_config_moe},
     {"config_hf_json", test_config_hf_json},
     {"config_hf_json_errors", test_config_hf_json_errors},
     {NULL, NULL},

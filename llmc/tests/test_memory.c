@@ -253,6 +253,8 @@ static void test_memory_estimate_vs_rss(TestCtx* t) {
         {"plain, recomputed", "tiny", 4, 512, 2, 0, 0, 1, 0, 0, 0},
         {"plain, chunked MLP", "tiny", 1, 2048, 1, 0, 0, 0, 512, 0, 0},
         {"plain, untied llama", "test-llama", 4, 256, 1, 0, 0, 0, 0, 0, 0},
+        {"plain, mixture of experts", "test-qwen3moe", 4, 256, 1, 0, 0, 0, 0, 0, 0},
+        {"plain, gpt-oss (sinks, sliding window)", "test-gptoss", 4, 256, 1, 0, 0, 0, 0, 0, 0},
         {"engine cpu:2, sync", "tiny", 4, 256, 2, 2, 1, 0, 0, 0, 0},
         {"engine cpu:2, delayed, host checkpoints", "tiny", 4, 256, 2, 2, 0, 0, 0, 12e6, 0},
         {"engine cpu:3, one host checkpoint set", "tiny", 6, 128, 3, 3, 0, 0, 0, 12e6, 1},
