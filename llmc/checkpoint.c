@@ -27,6 +27,7 @@
 #include "crc32c.h"
 #include "json.h"
 #include "loader.h"
+#include "progress.h"
 
 // ----------------------------------------------------------------------------
 // --model resolution
@@ -935,6 +936,10 @@ int checkpoint_export_hf(const char* dir, const Model* m, const Store* s, Export
     remove_old_weights(dir);
     char path[4096], file[64];
     int rc = 0;
+    Progress pg;  // a line on a terminal only: bytes written, shard by shard
+    char what[96];
+    snprintf(what, sizeof what, "exporting %s", dir);
+    progress_begin(&pg, what, (double)total);
     for (int sh = 0; sh < n_shards && rc == 0; sh++) {
         if (n_shards == 1)
             snprintf(file, sizeof file, "model.safetensors");
@@ -960,7 +965,11 @@ int checkpoint_export_hf(const char* dir, const Model* m, const Store* s, Export
         st_writer_free(&w);
         for (int j = 0; j < tt->n_hf; j++) free(owned[j]);
         free(owned);
+        for (int j = 0; j < tt->n_hf; j++)
+            if (shard_of[j] == sh)
+                progress_add(&pg, (double)tt->hf[j].numel * (double)st_dtype_size(dt));
     }
+    progress_end(&pg);
     if (rc == 0 && n_shards > 1) {
         char* buf = NULL;
         size_t len = 0;
@@ -1067,7 +1076,12 @@ int checkpoint_export_gguf(const char* path, const Model* m, const Store* s, Exp
         gguf_llama3_rope_factors(c, r);
         gguf_writer_add_tensor(&w, "rope_freqs.weight", GGML_TYPE_F32, 1, &half, r, 1);
     }
+    Progress pg;  // a line on a terminal only (the file is written in one pass)
+    char what[96];
+    snprintf(what, sizeof what, "exporting %s", path);
+    progress_begin(&pg, what, 0.0);
     int rc = gguf_writer_write(&w, path, err);
+    progress_end(&pg);
     gguf_writer_free(&w);
     gguf_tokenizer_free(&written);
     return rc;

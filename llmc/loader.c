@@ -12,6 +12,7 @@
 
 #include "common.h"
 #include "mxfp4.h"
+#include "progress.h"
 #include "threads.h"
 
 // ----------------------------------------------------------------------------
@@ -53,12 +54,50 @@ static void load_task(void* arg, int64_t task) {
     }
 }
 
+// The fp32 bytes task i writes into the Store (for the progress line).
+static double load_task_bytes(const LoadJob* job, int i) {
+    const TensorTable* tt = job->s->tt;
+    if (job->gguf) return tt->t[i].tied_to >= 0 ? 0.0 : 4.0 * (double)tt->t[i].numel;
+    return 4.0 * (double)tt->hf[i].numel;
+}
+static double load_bytes_range(const LoadJob* job, int first, int count) {
+    double b = 0.0;
+    for (int i = first; i < first + count; i++) b += load_task_bytes(job, i);
+    return b;
+}
+static double load_bytes(const LoadJob* job, int n) { return load_bytes_range(job, 0, n); }
+
+// Tasks first .. first + count - 1 of a job, run as one group.
+typedef struct LoadGroup {
+    LoadJob* job;
+    int first;
+} LoadGroup;
+static void load_group_task(void* arg, int64_t task) {
+    LoadGroup* g = arg;
+    load_task(g->job, g->first + task);
+}
+
 // n tasks: the table's entries (GGUF) or its HF view's (safetensors)
 static int load_all(LoadJob* job, int n, char* err) {
     job->err = malloc_check((size_t)(n > 0 ? n : 1) * sizeof *job->err);
     job->rc = calloc_check((size_t)(n > 0 ? n : 1), sizeof(int));
     ThreadPool* pool = threadpool_create(0);
-    threadpool_run(pool, n, load_task, job);
+    // On a terminal a progress line (bytes converted, rate): the tasks then run in groups, the
+    // line redrawn between groups; elsewhere (logs, tests) in one call, as the line is not shown
+    Progress pg;
+    progress_begin(&pg, "loading the checkpoint", load_bytes(job, n));
+    if (!pg.out) {
+        threadpool_run(pool, n, load_task, job);
+    } else {
+        LoadGroup g = {job, 0};
+        const int group = 4 * pool->n_threads;
+        for (g.first = 0; g.first < n; g.first += group) {
+            const int count = n - g.first < group ? n - g.first : group;
+            threadpool_run(pool, count, load_group_task, &g);
+            progress_add(&pg, load_bytes_range(job, g.first, count));
+        }
+    }
+    progress_end(&pg);
     threadpool_destroy(pool);
     int rc = 0;
     for (int i = 0; i < n && rc == 0; i++)
