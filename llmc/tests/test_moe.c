@@ -35,49 +35,9 @@
 #define FD_CHECKS 160
 
 // ----------------------------------------------------------------------------
-// helpers (as test_ops.c)
-
-static float* rand_floats(Rng* r, size_t n, float scale) {
-    float* x = malloc_check((n > 0 ? n : 1) * sizeof(float));
-    for (size_t i = 0; i < n; i++) x[i] = scale * rng_normal(r);
-    return x;
-}
-
-static float* filled_floats(size_t n, float v) {
-    float* x = malloc_check((n > 0 ? n : 1) * sizeof(float));
-    for (size_t i = 0; i < n; i++) x[i] = v;
-    return x;
-}
-
-static double* to_doubles(const float* x, size_t n) {
-    double* d = malloc_check((n > 0 ? n : 1) * sizeof(double));
-    for (size_t i = 0; i < n; i++) d[i] = x ? (double)x[i] : 0.0;
-    return d;
-}
+// helpers (the shared ones are in testing.h)
 
 static double* zero_doubles(size_t n) { return calloc_check(n > 0 ? n : 1, sizeof(double)); }
-
-static double dot_d(const double* a, const double* b, size_t n) {
-    double s = 0.0;
-    for (size_t i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
-static void check_close(TestCtx* t, const char* what, const float* got, const double* want,
-                        size_t n, double tol) {
-    double num = 0.0, den = 0.0, worst = 0.0, amax = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        double d = (double)got[i] - want[i];
-        num += d * d;
-        den += want[i] * want[i];
-        if (!(fabs(d) <= worst)) worst = fabs(d);
-        if (fabs(want[i]) > amax) amax = fabs(want[i]);
-    }
-    double rel = sqrt(num) / (den > 0 ? sqrt(den) : 1e-30);
-    double rel_worst = worst / (amax > 0 ? amax : 1e-30);
-    CHECK(t, rel <= tol && rel_worst <= 4 * tol,
-          "%s: relative L2 error %.3g, worst %.3g (tol %.3g)", what, rel, rel_worst, tol);
-}
 
 typedef double (*LossFn)(void* arg);
 

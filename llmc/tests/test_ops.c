@@ -35,50 +35,16 @@
 #define BWD_TOL 1e-5   // same for an fp32 backward
 #define FD_CHECKS 160  // finite-difference probes per tensor (evenly spaced elements)
 
-static float* rand_floats(Rng* r, size_t n, float scale) {
-    float* x = malloc_check((n > 0 ? n : 1) * sizeof(float));
-    for (size_t i = 0; i < n; i++) x[i] = scale * rng_normal(r);
-    return x;
-}
-
-static float* filled_floats(size_t n, float v) {
-    float* x = malloc_check((n > 0 ? n : 1) * sizeof(float));
-    for (size_t i = 0; i < n; i++) x[i] = v;
-    return x;
-}
-
 static float* copy_floats(const float* src, size_t n) {
     float* x = malloc_check((n > 0 ? n : 1) * sizeof(float));
     memcpy(x, src, n * sizeof(float));
     return x;
 }
 
-static double* to_doubles(const float* x, size_t n) {
-    double* d = malloc_check((n > 0 ? n : 1) * sizeof(double));
-    for (size_t i = 0; i < n; i++) d[i] = x ? (double)x[i] : 0.0;
-    return d;
-}
-
 static double* zero_doubles(size_t n) { return calloc_check(n > 0 ? n : 1, sizeof(double)); }
 
 // fp32 result against a double reference: relative L2 error and worst element, both <= tol
 // (the worst element relative to the largest reference magnitude).
-static void check_close(TestCtx* t, const char* what, const float* got, const double* want,
-                        size_t n, double tol) {
-    double num = 0.0, den = 0.0, worst = 0.0, amax = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        double d = (double)got[i] - want[i];
-        num += d * d;
-        den += want[i] * want[i];
-        if (!(fabs(d) <= worst)) worst = fabs(d);  // NaN propagates
-        if (fabs(want[i]) > amax) amax = fabs(want[i]);
-    }
-    double rel = sqrt(num) / (den > 0 ? sqrt(den) : 1e-30);
-    double rel_worst = worst / (amax > 0 ? amax : 1e-30);
-    CHECK(t, rel <= tol && rel_worst <= 4 * tol,
-          "%s: relative L2 error %.3g, worst %.3g (tol %.3g)", what, rel, rel_worst, tol);
-}
-
 static int all_equal_bits(const void* a, const void* b, size_t bytes) {
     return memcmp(a, b, bytes) == 0;
 }
@@ -110,12 +76,6 @@ static void check_fd(TestCtx* t, const char* what, double* x, size_t n, const do
     }
     CHECK(t, worst <= 1e-6 * fmax(gmax, 1e-3), "%s: finite differences differ by %.3g at %zu "
           "(gradient max %.3g)", what, worst, worst_i, gmax);
-}
-
-static double dot_d(const double* a, const double* b, size_t n) {
-    double s = 0.0;
-    for (size_t i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
 }
 
 // ----------------------------------------------------------------------------

@@ -23,6 +23,7 @@
 #include "../config.h"
 #include "../model.h"
 #include "../ops.h"
+#include "../rng.h"
 #include "../safetensors.h"
 #include "../store.h"
 
@@ -146,5 +147,17 @@ void test_parity_close(ParityFixture* f);
 
 double test_check_fixture_grads(TestCtx* t, const char* what, const Model* m, const Store* s,
                                 const StFile* ex, double tol, int* n_grads);
+
+// Buffers and comparisons for the op and model tests (test_ops.c, test_moe.c).
+// n floats ~ scale * N(0, 1) / all equal to v (at least one element is allocated).
+float* rand_floats(Rng* r, size_t n, float scale);
+float* filled_floats(size_t n, float v);
+// x as doubles (x NULL: zeros).
+double* to_doubles(const float* x, size_t n);
+double dot_d(const double* a, const double* b, size_t n);
+// got against want: relative L2 error <= tol and the worst element <= 4 tol of the largest |want|
+// (NaN fails).
+void check_close(TestCtx* t, const char* what, const float* got, const double* want, size_t n,
+                 double tol);
 
 #endif  // LLMC_TESTS_TESTING_H
