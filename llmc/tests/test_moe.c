@@ -1531,51 +1531,10 @@ static float fixture_scalar(const StFile* f, const char* name) {
     return v;
 }
 
-// The fixture in dir (config.json, model.safetensors, expected.safetensors): as testing.c's
-// test_parity_open, for any directory. 0, or -1 after a failed CHECK.
-static int open_fixture_dir(TestCtx* t, const char* dir, ParityFixture* f) {
-    char path[4300], err[ERR_LEN];
-    memset(f, 0, sizeof *f);
-    ModelSource src;
-    if (checkpoint_resolve_model(&src, dir, err) != 0) {
-        CHECK(t, 0, "%s", err);
-        return -1;
-    }
-    if (model_init(&f->m, &src.cfg, 0, err) != 0) {
-        CHECK(t, 0, "%s", err);
-        checkpoint_close_source(&src);
-        return -1;
-    }
-    store_create(&f->s, &f->m.tt);
-    int unused = -1;
-    CHECK(t, checkpoint_load_weights(&src, &f->s, &unused, err) == 0 && unused == 0, "load: %s",
-          err);
-    checkpoint_close_source(&src);
-    snprintf(path, sizeof path, "%s/expected.safetensors", dir);
-    if (st_open(&f->ex, path, err) != 0) {
-        CHECK(t, 0, "%s", err);
-        store_free(&f->s);
-        model_free(&f->m);
-        return -1;
-    }
-    const StTensor* tok = st_find(&f->ex, "tokens");
-    if (!(tok && tok->dtype == ST_I32 && tok->ndim == 2 && tok->shape[1] >= 2)) {
-        CHECK(t, 0, "%s: no (B, T + 1) int32 tokens tensor", path);
-        test_parity_close(f);
-        return -1;
-    }
-    f->B = (int)tok->shape[0];
-    f->T = (int)tok->shape[1] - 1;
-    f->tokens = malloc_check((size_t)f->B * (f->T + 1) * sizeof(int32_t));
-    memcpy(f->tokens, tok->data, (size_t)f->B * (f->T + 1) * sizeof(int32_t));
-    f->ref_loss = fixture_scalar(&f->ex, "loss");
-    return 0;
-}
-
 static void moe_parity_dir(TestCtx* t, const char* dir, const char* name) {
     char err[ERR_LEN];
     ParityFixture f;
-    if (open_fixture_dir(t, dir, &f) != 0) return;
+    if (test_parity_open_dir(t, dir, &f) != 0) return;
     const int B = f.B, T = f.T;
     const double N = (double)B * T;
     CHECK(t, config_is_moe(&f.m.cfg) && f.m.cfg.output_router_logits &&

@@ -186,9 +186,14 @@ double test_check_fixture_grads(TestCtx* t, const char* what, const Model* m, co
 }
 
 int test_parity_open(TestCtx* t, const char* name, ParityFixture* f) {
-    char dir[4200], path[4300], err[ERR_LEN];
-    memset(f, 0, sizeof *f);
+    char dir[4200];
     snprintf(dir, sizeof dir, "%s/dev/parity/fixtures/%s", t->exe_dir, name);
+    return test_parity_open_dir(t, dir, f);
+}
+
+int test_parity_open_dir(TestCtx* t, const char* dir, ParityFixture* f) {
+    char path[4300], err[ERR_LEN];
+    memset(f, 0, sizeof *f);
     ModelSource src;
     if (checkpoint_resolve_model(&src, dir, err) != 0) {
         CHECK(t, 0, "%s", err);

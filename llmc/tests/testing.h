@@ -143,6 +143,8 @@ typedef struct ParityFixture {
 } ParityFixture;
 // 0, or -1 after a failed CHECK saying why (nothing left to close).
 int test_parity_open(TestCtx* t, const char* name, ParityFixture* f);
+// The same for a fixture directory anywhere (config.json, model.safetensors, expected.safetensors).
+int test_parity_open_dir(TestCtx* t, const char* dir, ParityFixture* f);
 void test_parity_close(ParityFixture* f);
 
 double test_check_fixture_grads(TestCtx* t, const char* what, const Model* m, const Store* s,
