@@ -11,6 +11,10 @@
 #
 #   scripts/bench_paper.sh                         Qwen3-1.7B and LLaMA-3.1-8B on 1 and 2 GPUs
 #   MODELS=qwen3-1.7b GPUS=1 scripts/bench_paper.sh
+#   MODELS="qwen3-30b-a3b gpt-oss-20b" LAYERS=4 GPUS=1 scripts/bench_paper.sh
+#                                                  the MoE shapes cut to 4 decoder blocks (the
+#                                                  depth at which the official RoundPipe fits a
+#                                                  128 GiB host; docs/PERF.md)
 #   SWEEP=1 scripts/bench_paper.sh                 + the Qwen3-1.7B sequence sweep 512 .. 64K
 #   MAXSEQ=1 scripts/bench_paper.sh                + the longest trainable sequence per model
 #                                                  (one sequence per micro-batch, found with
@@ -20,7 +24,7 @@
 #   EXTRA="--no-split-rounds" GPUS=2 scripts/bench_paper.sh   the paper's schedule on two GPUs
 #                                                  (split rounds are the default; see the README)
 #
-# Variables: MODELS, GPUS, BATCH (128), SEQ (2048), MICRO (10), WARMUP (3), TIMED (4), SWEEP (0),
+# Variables: MODELS, GPUS, LAYERS (empty: full depth; N: --layers N), BATCH (128), SEQ (2048), MICRO (10), WARMUP (3), TIMED (4), SWEEP (0),
 # MAXSEQ (0), HOST_GIB (120: host memory a MAXSEQ plan may use), MAXSEQ_STEP (1; 0 reports
 # the longest plan without running its step: at 786K tokens one step takes ~12-20 minutes),
 # EXTRA, OUTDIR (out/bench), COMMIT (named in the output; default git's), NO_PERF_MD=1 to leave
@@ -39,6 +43,11 @@ TIMED=${TIMED:-4}
 SWEEP=${SWEEP:-0}
 MAXSEQ=${MAXSEQ:-0}
 EXTRA=${EXTRA:-}
+LAYERS=${LAYERS:-}
+if [ -n "$LAYERS" ]; then
+    [[ "$LAYERS" =~ ^[1-9][0-9]*$ ]] || { echo "bench_paper.sh: LAYERS takes a positive number" >&2; exit 2; }
+    EXTRA="--layers $LAYERS $EXTRA"
+fi
 OUTDIR=${OUTDIR:-out/bench}
 mkdir -p "$OUTDIR"
 
@@ -46,7 +55,7 @@ mkdir -p "$OUTDIR"
 visible=$(nvidia-smi -L 2>/dev/null | wc -l || echo 0)
 [ "$visible" -gt 0 ] || { echo "bench_paper.sh: no GPU visible" >&2; exit 1; }
 
-vocab_of() { case "$1" in qwen3*) echo 151936;; llama*) echo 128256;; *) echo 256;; esac; }
+vocab_of() { case "$1" in qwen3*) echo 151936;; llama*) echo 128256;; gpt-oss*) echo 201088;; *) echo 256;; esac; }
 
 # tokens/s of the timed steps of a --log file: sum(batch*seq) / sum(ms)
 tok_s() {
@@ -74,7 +83,7 @@ run() {
     local steps=$((WARMUP + timed))
     [ -f "$shard" ] || python3 scripts/make_random_shard.py "$shard" --vocab "$vocab" \
         --tokens $(((steps + 1) * batch * (seq + 1)))
-    local tag="${model}_g${gpus}_${batch}x${seq}"
+    local tag="${model}${LAYERS:+_l$LAYERS}_g${gpus}_${batch}x${seq}"
     if ./train_roundpipe --model "$model" --device "cuda:$gpus" --train "$shard" --val '' \
         --batch "$batch" --seq "$seq" --micro-batches "$micro" --steps "$steps" --warmup 1 \
         --sample-tokens 0 --lr 1e-5 --profile-steps 0 --log "$OUTDIR/$tag.jsonl" $EXTRA \
@@ -91,7 +100,7 @@ for model in $MODELS; do
         [ "$g" -le "$visible" ] || { echo "skip $model on $g GPUs: only $visible visible"; continue; }
         read -r tps mfu bub <<<"$(run "$model" "$g" "$BATCH" "$SEQ" "$MICRO")"
         echo "$model  $g GPU(s)  ${BATCH}x${SEQ}: $tps tokens/s, MFU $mfu%, bubble $bub%"
-        table+="| $model | $g | ${BATCH} x ${SEQ} | $MICRO | $tps | $mfu% | $bub% |\n"
+        table+="| $model${LAYERS:+ ($LAYERS layers)} | $g | ${BATCH} x ${SEQ} | $MICRO | $tps | $mfu% | $bub% |\n"
     done
 done
 if [ "$SWEEP" = 1 ]; then

@@ -1066,7 +1066,7 @@ static void parity_case(TestCtx* t, Gpu* G, const char* name) {
     char what[96];
     snprintf(what, sizeof what, "%s (GPU)", name);
     int n_grads = 0;
-    double worst = test_check_fixture_grads(t, what, &f.m, &f.s, &f.ex, 5e-2, &n_grads);
+    double worst = test_check_fixture_grads(t, what, &f.m, &f.s, &f.ex, 5e-2, &n_grads, NULL);
     printf("  parity %s: %d gradients, worst relative L2 error %.3g\n", name, n_grads, worst);
     CHECK(t, n_grads > 0, "%s: no gradients compared", name);
     test_parity_close(&f);
@@ -1077,6 +1077,19 @@ static void test_gpu_parity(TestCtx* t) {
     if (!gpu_open(t, &G, 11)) return;
     parity_case(t, &G, "llama");
     parity_case(t, &G, "qwen3");
+    gpu_close(&G);
+}
+
+// Mixture-of-experts models on the GPU: against the CPU backend on the same bf16 weights, then
+// the HF fixtures (dev/parity/make_moe_fixtures.py: the aux loss on, GPT-OSS with sinks, a sliding
+// window shorter than T and YaRN) within bf16 noise.
+static void test_gpu_moe_model(TestCtx* t) {
+    Gpu G;
+    if (!gpu_open(t, &G, 12)) return;
+    model_case(t, &G, "test-qwen3moe", 0);  // a dense block and two MoE blocks
+    model_case(t, &G, "test-gptoss", 0);    // sinks, window 4 < T on even blocks, biases
+    parity_case(t, &G, "qwen3moe");
+    parity_case(t, &G, "gptoss");
     gpu_close(&G);
 }
 
@@ -1623,6 +1636,7 @@ static void test_gpu_crossentropy(TestCtx* t) { gpu_skipped(t); }
 static void test_gpu_determinism(TestCtx* t) { gpu_skipped(t); }
 static void test_gpu_model(TestCtx* t) { gpu_skipped(t); }
 static void test_gpu_parity(TestCtx* t) { gpu_skipped(t); }
+static void test_gpu_moe_model(TestCtx* t) { gpu_skipped(t); }
 static void test_gpu_engine(TestCtx* t) { gpu_skipped(t); }
 static void test_gpu_engine_training(TestCtx* t) { gpu_skipped(t); }
 
@@ -1640,6 +1654,7 @@ const TestCase tests_gpu[] = {
     {"gpu_determinism", test_gpu_determinism},
     {"gpu_model", test_gpu_model},
     {"gpu_parity", test_gpu_parity},
+    {"gpu_moe_model", test_gpu_moe_model},
     {"gpu_engine", test_gpu_engine},
     {"gpu_engine_training", test_gpu_engine_training},
     {NULL, NULL},

@@ -1554,31 +1554,9 @@ static void moe_parity_dir(TestCtx* t, const char* dir, const char* name) {
           p->ce_sum / N, ce);
     CHECK(t, fabs(p->aux - aux) <= 1e-5 * fabs(aux), "%s aux %.9g vs HF %.9g", name, p->aux, aux);
     int n_grads = 0;
-    double worst_grad = 0;
     const char* worst_name = "";
-    for (int j = 0; j < f.m.tt.n_hf; j++) {
-        const HfTensor* v = &f.m.tt.hf[j];
-        char gname[160];
-        snprintf(gname, sizeof gname, "grad.%s", v->name);
-        const StTensor* g = st_find(&f.ex, gname);
-        CHECK(t, g != NULL && g->numel == v->numel, "%s: %s missing or misshapen", name, gname);
-        if (!g || g->numel != v->numel) continue;
-        float* ref = malloc_check((size_t)v->numel * sizeof(float));
-        st_tensor_to_f32(g, ref, v->numel, err);
-        double e = rel_l2_error(store_grad(&f.s, v->index) + v->offset, ref, (size_t)v->numel);
-        CHECK(t, e <= 1e-4, "%s %s: gradient relative L2 error %.3g vs HF", name, v->name, e);
-        if (e > worst_grad) {
-            worst_grad = e;
-            worst_name = v->name;
-        }
-        free(ref);
-        n_grads++;
-    }
-    int n_expected = 0;
-    for (int k = 0; k < f.ex.n_tensors; k++)
-        n_expected += strncmp(f.ex.tensors[k].name, "grad.", 5) == 0;
-    CHECK(t, n_grads == n_expected, "%s: compared %d of %d fixture gradients", name, n_grads,
-          n_expected);
+    const double worst_grad =
+        test_check_fixture_grads(t, name, &f.m, &f.s, &f.ex, 1e-4, &n_grads, &worst_name);
 
     // AdamW trajectory: the loss before each of 8 updates on the same batch
     const StTensor* traj = st_find(&f.ex, "traj_loss");

@@ -40,7 +40,7 @@ static void parity_check(TestCtx* t, const char* name) {
     CHECK(t, fabs(loss - f.ref_loss) <= 1e-5 * fabs(f.ref_loss), "%s loss %.9g vs HF %.9g", name,
           loss, f.ref_loss);
     int n_grads = 0;
-    test_check_fixture_grads(t, name, &f.m, &f.s, &f.ex, 1e-4, &n_grads);
+    test_check_fixture_grads(t, name, &f.m, &f.s, &f.ex, 1e-4, &n_grads, NULL);
     int n_expected = 0;
     for (int k = 0; k < f.ex.n_tensors; k++) n_expected += strncmp(f.ex.tensors[k].name, "grad.", 5) == 0;
     CHECK(t, n_grads == n_expected, "%s: compared %d of %d fixture gradients", name, n_grads,

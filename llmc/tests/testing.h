@@ -127,10 +127,6 @@ typedef struct RefTrain {
 void test_reference_train(const RefTrain* r, const int32_t* tokens, double* loss, float** params,
                           int64_t* n_params);
 
-// The store's gradients against an HF parity fixture's "grad.<HF name>" tensors (every owned
-// tensor; the tied head's gradient is folded into the embedding): one CHECK per tensor that the
-// relative L2 error is <= tol (what: the message's prefix). Returns the worst error; *n_grads =
-// tensors compared.
 // An HF parity fixture (dev/parity/fixtures/<name>): the model with the fixture's weights, its
 // expected.safetensors, and the batch and loss recorded there.
 typedef struct ParityFixture {
@@ -147,8 +143,15 @@ int test_parity_open(TestCtx* t, const char* name, ParityFixture* f);
 int test_parity_open_dir(TestCtx* t, const char* dir, ParityFixture* f);
 void test_parity_close(ParityFixture* f);
 
+// The store's gradients against an HF parity fixture's "grad.<checkpoint name>" tensors, through
+// the HF view (every owned tensor, or each expert's slice in the hub's per-expert Qwen3-MoE
+// layout; the tied head's gradient is folded into the embedding): one CHECK per tensor that the
+// relative L2 error is <= tol (what: the message's prefix), and one that every fixture gradient
+// was compared. Returns the worst error; *n_grads = tensors compared; *worst_name (optional) the
+// worst one's name.
 double test_check_fixture_grads(TestCtx* t, const char* what, const Model* m, const Store* s,
-                                const StFile* ex, double tol, int* n_grads);
+                                const StFile* ex, double tol, int* n_grads,
+                                const char** worst_name);
 
 // Buffers and comparisons for the op and model tests (test_ops.c, test_moe.c).
 // n floats ~ scale * N(0, 1) / all equal to v (at least one element is allocated).
