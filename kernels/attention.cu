@@ -22,6 +22,17 @@
  *    its group and every query tile at or below the diagonal in a fixed order; (3) a separate pass,
  *    one block per (query tile, head, batch), recomputes P and dS and sums dQ over the kv tiles.
  *    No atomics anywhere, so results are bit-identical from run to run.
+ *  - sinks and sliding windows (GPT-OSS; attention_sink_forward_bf16 / _backward_bf16): every
+ *    kernel takes a compile-time flag SW; without it the code is the causal code it always was
+ *    (the extra arguments are unused), so the causal path keeps its bits and its speed. With it
+ *    the window (normalised on the host to 1..T, T = none) bounds the tile loops, so tiles
+ *    outside every row's window are never loaded (forward and dQ: kv tiles from the one the
+ *    first row's window reaches; dK/dV: query tiles up to the last query that sees the block's
+ *    last key), and partially covered tiles get an element mask like the diagonal's; the sink
+ *    enters each row's online softmax once, as its starting maximum and sum (softmax_start in
+ *    attention_common.cuh), so lse includes it and the backward's P = exp(S - lse) is right as
+ *    it is. dsinks = -sum p_sink D by a small kernel over D (pass 1's workspace) and lse: one
+ *    block per head, a fixed-order sum.
  *
  * Invariants:
  *  - Each warp owns 16*MT whole rows of every product it accumulates, so no reduction ever crosses
@@ -43,10 +54,12 @@
 // One block: BR = 16*MT*NWARPS query rows of one (batch, head); K/V tiles of BC keys; MINB blocks
 // per multiprocessor asked of the register allocator.
 // grid: x = h + H*b, y = query tile counted from the last (longest rows first).
-template <int HD, int MT, int NWARPS, int BC, int MINB>
+// SW (attention_common.cuh): sinks (H) or NULL, window normalised to [1, T]; key tiles left of
+// the window of every row of the block are never loaded, as those right of the diagonal.
+template <int HD, int MT, int NWARPS, int BC, int MINB, bool SW = false>
 __global__ void __launch_bounds__(NWARPS * 32, MINB)
     attention_forward_kernel(bf16* out, float* lse, const bf16* qkv, int T, int H, int KVH,
-                             float scale_log2) {
+                             float scale_log2, const bf16* sinks, int window) {
     constexpr int BR = 16 * MT * NWARPS;
     constexpr int LD = HD + ATTN_PAD;
     constexpr int NT = NWARPS * 32;
@@ -66,10 +79,12 @@ __global__ void __launch_bounds__(NWARPS * 32, MINB)
     const bf16* gK = seq + (int64_t)(H + kvh) * HD;
     const bf16* gV = seq + (int64_t)(H + KVH + kvh) * HD;
     const int n_tiles = (min(q0 + BR, T) - 1) / BC + 1;  // tiles holding keys <= last query
+    // first tile holding a key the first query sees (SW: its window; causal: key 0)
+    const int j_first = SW ? attn_first_key(q0, window) / BC : 0;
 
     tile_load_async<BR, HD, NT>(sQ, gQ, QKV, q0, T, tid);
-    tile_load_async<BC, HD, NT>(sK, gK, QKV, 0, T, tid);
-    tile_load_async<BC, HD, NT>(sV, gV, QKV, 0, T, tid);
+    tile_load_async<BC, HD, NT>(sK + (j_first & 1) * BC * LD, gK, QKV, j_first * BC, T, tid);
+    tile_load_async<BC, HD, NT>(sV + (j_first & 1) * BC * LD, gV, QKV, j_first * BC, T, tid);
     cp_async_commit();
 
     const int wrow = warp * 16 * MT;       // first row of this warp inside the tile
@@ -80,11 +95,10 @@ __global__ void __launch_bounds__(NWARPS * 32, MINB)
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
         acc_zero(o[mt]);
-        row_max[mt][0] = row_max[mt][1] = -INFINITY;
-        row_sum[mt][0] = row_sum[mt][1] = 0.0f;
+        softmax_start<SW>(row_max[mt], row_sum[mt], sinks, h, lane);
     }
 
-    for (int j = 0; j < n_tiles; j++) {
+    for (int j = j_first; j < n_tiles; j++) {
         // Tile j has landed, and every warp is done with tile j-1, whose buffer we refill now.
         cp_async_wait_all();
         __syncthreads();
@@ -96,6 +110,7 @@ __global__ void __launch_bounds__(NWARPS * 32, MINB)
         cp_async_commit();
         const int k0 = j * BC;
         if (k0 > wq_last) continue;  // every key of this tile is right of this warp's diagonal
+        if (SW && k0 + BC - 1 < wq0 - window + 1) continue;  // ... or left of its windows
         const bf16* tK = sK + (j & 1) * BC * LD;
         const bf16* tV = sV + (j & 1) * BC * LD;
 
@@ -106,7 +121,13 @@ __global__ void __launch_bounds__(NWARPS * 32, MINB)
         mma_rows_bt<HD, BC, LD>(s, sQ, wrow, tK, lane);
 
         // causal mask; keys >= T are always right of the diagonal of every valid query
-        if (k0 + BC - 1 > wq0) {
+        if constexpr (SW) {
+            if (k0 + BC - 1 > wq0 || k0 <= wq_last - window) {
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++)
+                    mask_causal_window(s[mt], wq0 + mt * 16 + (lane >> 2), k0, lane, window);
+            }
+        } else if (k0 + BC - 1 > wq0) {
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
                 mask_causal(s[mt], wq0 + mt * 16 + (lane >> 2), k0, lane);
@@ -134,28 +155,40 @@ __global__ void __launch_bounds__(NWARPS * 32, MINB)
                       T, H, lane);
 }
 
-template <int HD, int MT, int NWARPS, int BC, int MINB>
+// SW: sinks and window (normalised) as the kernel takes them; without SW they are unused.
+template <int HD, int MT, int NWARPS, int BC, int MINB, bool SW = false>
 static void attention_forward_run(bf16* out, float* lse, const bf16* qkv, int B, int T, int H,
-                                  int KVH, cudaStream_t stream) {
+                                  int KVH, cudaStream_t stream, const bf16* sinks = nullptr,
+                                  int window = 0) {
     constexpr int BR = 16 * MT * NWARPS;
     constexpr int LD = HD + ATTN_PAD;
     const size_t smem = (size_t)(BR + 4 * BC) * LD * sizeof(bf16);
-    auto kernel = attention_forward_kernel<HD, MT, NWARPS, BC, MINB>;
+    auto kernel = attention_forward_kernel<HD, MT, NWARPS, BC, MINB, SW>;
     attention_set_max_smem(kernel, smem);
-    kernel<<<attention_grid(B, T, H, BR), NWARPS * 32, smem, stream>>>(out, lse, qkv, T, H, KVH,
-                                                                      attention_scale_log2(HD));
+    kernel<<<attention_grid(B, T, H, BR), NWARPS * 32, smem, stream>>>(
+        out, lse, qkv, T, H, KVH, attention_scale_log2(HD), sinks, window);
     attention_check(cudaGetLastError());
 }
 
 // Dispatch on HD once the arguments are checked (attention_forward_check).
-template <int MT, int NWARPS, int BC, int MINB>
+template <int MT, int NWARPS, int BC, int MINB, bool SW = false>
 static void attention_forward_mma_hd(bf16* o, float* lse, const bf16* x, int B, int T, int H,
-                                     int KVH, int HD, cudaStream_t s) {
+                                     int KVH, int HD, cudaStream_t s, const bf16* sk = nullptr,
+                                     int w = 0) {
     switch (HD) {
-        case 16: attention_forward_run<16, MT, NWARPS, BC, MINB>(o, lse, x, B, T, H, KVH, s); break;
-        case 32: attention_forward_run<32, MT, NWARPS, BC, MINB>(o, lse, x, B, T, H, KVH, s); break;
-        case 64: attention_forward_run<64, MT, NWARPS, BC, MINB>(o, lse, x, B, T, H, KVH, s); break;
-        default: attention_forward_run<128, MT, NWARPS, BC, MINB>(o, lse, x, B, T, H, KVH, s); break;
+        case 16:
+            attention_forward_run<16, MT, NWARPS, BC, MINB, SW>(o, lse, x, B, T, H, KVH, s, sk, w);
+            break;
+        case 32:
+            attention_forward_run<32, MT, NWARPS, BC, MINB, SW>(o, lse, x, B, T, H, KVH, s, sk, w);
+            break;
+        case 64:
+            attention_forward_run<64, MT, NWARPS, BC, MINB, SW>(o, lse, x, B, T, H, KVH, s, sk, w);
+            break;
+        default:
+            attention_forward_run<128, MT, NWARPS, BC, MINB, SW>(o, lse, x, B, T, H, KVH, s, sk,
+                                                                 w);
+            break;
     }
 }
 
@@ -216,11 +249,13 @@ static void attention_backward_dot(float* D, const bf16* dout, const bf16* out, 
 // A-operand layout):  S^T = K Q^T, P^T = 2^(S^T*scale_log2 - lse_log2), dV += P^T dO,
 // dP^T = V dO^T, dS^T = P^T (dP^T - D), dK += dS^T Q.
 // grid: x = kvh + KVH*b, y = kv tile (tile 0 has the most work and starts first).
-template <int HD, int NWARPS, int BRQ>
+// SW: window normalised to [1, T] (the sinks are in lse already): the query tiles walked end at
+// the last query that sees a key of the block.
+template <int HD, int NWARPS, int BRQ, bool SW = false>
 __global__ void __launch_bounds__(NWARPS * 32)
     attention_backward_dkdv_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv,
                                    const float* lse, const float* D, int T, int H, int KVH,
-                                   float scale_log2, float scale) {
+                                   float scale_log2, float scale, int window) {
     constexpr int BC = 16 * NWARPS;
     constexpr int LD = HD + ATTN_PAD;
     constexpr int NT = NWARPS * 32;
@@ -242,7 +277,9 @@ __global__ void __launch_bounds__(NWARPS * 32)
     const bf16* seq = qkv + (int64_t)b * T * QKV;
     const bf16* dseq = dout + (int64_t)b * T * OS;
     const int qt0 = k0 / BRQ;                       // first query tile that sees any key here
-    const int per_head = (T + BRQ - 1) / BRQ - qt0;  // query tiles per head
+    // one past the last query tile that sees any key here (SW: the window of the last key)
+    const int qt_end = SW ? (min(T, k0 + BC - 1 + window) - 1) / BRQ + 1 : (T + BRQ - 1) / BRQ;
+    const int per_head = qt_end - qt0;  // query tiles per head
     const int n_iter = group * per_head;
 
     // Stage the (Q, dO, lse, D) tile of iteration `it` into buffer `buf`.
@@ -279,6 +316,7 @@ __global__ void __launch_bounds__(NWARPS * 32)
         cp_async_commit();
         const int q0 = (qt0 + it % per_head) * BRQ;
         if (q0 + BRQ - 1 < wk0) continue;  // every query of this tile is left of these keys
+        if (SW && q0 >= wk0 + 15 + window) continue;  // ... or past all their windows
         const int buf = it & 1;
         const bf16* tQ = sQ + buf * BRQ * LD;
         const bf16* tdO = sdO + buf * BRQ * LD;
@@ -290,8 +328,10 @@ __global__ void __launch_bounds__(NWARPS * 32)
         acc_zero(st);
         mma_rows_bt<HD, BRQ, LD>(st, sK, wrow, tQ, lane);
 
-        // P^T; masked where key > query, and for the zero-filled queries past T
-        const bool edge = q0 < wk0 + 15 || q0 + BRQ > T;
+        // P^T; masked where key > query, and for the zero-filled queries past T (SW: and where
+        // the query is past the key's window)
+        const bool edge =
+            q0 < wk0 + 15 || q0 + BRQ > T || (SW && q0 + BRQ - 1 >= wk0 + window);
 #pragma unroll
         for (int nb = 0; nb < BRQ / 8; nb++)
 #pragma unroll
@@ -301,7 +341,7 @@ __global__ void __launch_bounds__(NWARPS * 32)
                 if (edge) {
                     const int key = wk0 + (lane >> 2) + (e >> 1) * 8;
                     const int q = q0 + qi;
-                    if (key > q || q >= T) p = 0.0f;
+                    if (key > q || q >= T || (SW && q >= key + window)) p = 0.0f;
                 }
                 st[nb][e] = p;
             }
@@ -336,11 +376,12 @@ __global__ void __launch_bounds__(NWARPS * 32)
 // One block: BR = 16*NWARPS query rows of one (batch, head), like the forward. Per kv tile:
 // S = Q K^T, P = 2^(S*scale_log2 - lse_log2), dP = dO V^T, dS = P (dP - D), dQ += dS K.
 // grid: x = h + H*b, y = query tile counted from the last.
-template <int HD, int NWARPS, int BC>
+// SW: window normalised to [1, T]; kv tiles left of every row's window are never loaded.
+template <int HD, int NWARPS, int BC, bool SW = false>
 __global__ void __launch_bounds__(NWARPS * 32)
     attention_backward_dq_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse,
                                  const float* D, int T, int H, int KVH, float scale_log2,
-                                 float scale) {
+                                 float scale, int window) {
     constexpr int BR = 16 * NWARPS;
     constexpr int LD = HD + ATTN_PAD;
     constexpr int NT = NWARPS * 32;
@@ -361,11 +402,12 @@ __global__ void __launch_bounds__(NWARPS * 32)
     const bf16* gK = seq + (int64_t)(H + kvh) * HD;
     const bf16* gV = seq + (int64_t)(H + KVH + kvh) * HD;
     const int n_tiles = (min(q0 + BR, T) - 1) / BC + 1;
+    const int j_first = SW ? attn_first_key(q0, window) / BC : 0;  // first tile any row sees
 
     tile_load_async<BR, HD, NT>(sQ, seq + (int64_t)h * HD, QKV, q0, T, tid);
     tile_load_async<BR, HD, NT>(sdO, dout + (int64_t)b * T * OS + (int64_t)h * HD, OS, q0, T, tid);
-    tile_load_async<BC, HD, NT>(sK, gK, QKV, 0, T, tid);
-    tile_load_async<BC, HD, NT>(sV, gV, QKV, 0, T, tid);
+    tile_load_async<BC, HD, NT>(sK + (j_first & 1) * BC * LD, gK, QKV, j_first * BC, T, tid);
+    tile_load_async<BC, HD, NT>(sV + (j_first & 1) * BC * LD, gV, QKV, j_first * BC, T, tid);
     cp_async_commit();
 
     const int wrow = warp * 16;
@@ -381,7 +423,7 @@ __global__ void __launch_bounds__(NWARPS * 32)
     float dq[NB][4];
     acc_zero(dq);
 
-    for (int j = 0; j < n_tiles; j++) {
+    for (int j = j_first; j < n_tiles; j++) {
         cp_async_wait_all();
         __syncthreads();
         if (j + 1 < n_tiles) {
@@ -392,6 +434,7 @@ __global__ void __launch_bounds__(NWARPS * 32)
         cp_async_commit();
         const int k0 = j * BC;
         if (k0 > wq0 + 15) continue;
+        if (SW && k0 + BC - 1 < wq0 - window + 1) continue;  // left of this warp's windows
         const bf16* tK = sK + (j & 1) * BC * LD;
         const bf16* tV = sV + (j & 1) * BC * LD;
 
@@ -401,8 +444,8 @@ __global__ void __launch_bounds__(NWARPS * 32)
         acc_zero(dp);
         mma_rows_bt_pair<HD, BC, LD>(s, sQ, tK, dp, sdO, tV, wrow, lane);
 
-        // dS = P (dP - D), P masked right of the diagonal
-        const bool diag = k0 + BC - 1 > wq0;
+        // dS = P (dP - D), P masked right of the diagonal (SW: and left of the window)
+        const bool diag = k0 + BC - 1 > wq0 || (SW && k0 <= wq0 + 15 - window);
 #pragma unroll
         for (int nb = 0; nb < BC / 8; nb++)
 #pragma unroll
@@ -411,7 +454,7 @@ __global__ void __launch_bounds__(NWARPS * 32)
                 if (diag) {
                     const int row = wq0 + (lane >> 2) + (e >> 1) * 8;
                     const int key = k0 + nb * 8 + (lane & 3) * 2 + (e & 1);
-                    if (key > row) p = 0.0f;
+                    if (key > row || (SW && key <= row - window)) p = 0.0f;
                 }
                 s[nb][e] = p * (dp[nb][e] - drow[e >> 1]);
             }
@@ -424,68 +467,68 @@ __global__ void __launch_bounds__(NWARPS * 32)
 }
 
 // The two passes' launches, apart (the lab times them one by one).
-template <int HD, int NWARPS, int BRQ>
+// SW: the window normalised to [1, T]; without SW unused.
+template <int HD, int NWARPS, int BRQ, bool SW = false>
 static void attention_backward_dkdv_launch(bf16* dqkv, const bf16* dout, const bf16* qkv,
                                            const float* lse, const float* D, int B, int T, int H,
-                                           int KVH, cudaStream_t stream) {
+                                           int KVH, cudaStream_t stream, int window = 0) {
     constexpr int LD = HD + ATTN_PAD, BC = 16 * NWARPS;
     const float scale = 1.0f / sqrtf((float)HD);
     const size_t smem = (size_t)(2 * BC + 4 * BRQ) * LD * sizeof(bf16) + 4 * BRQ * sizeof(float);
-    auto kernel = attention_backward_dkdv_kernel<HD, NWARPS, BRQ>;
+    auto kernel = attention_backward_dkdv_kernel<HD, NWARPS, BRQ, SW>;
     attention_set_max_smem(kernel, smem);
     kernel<<<attention_grid(B, T, KVH, BC), NWARPS * 32, smem, stream>>>(
-        dqkv, dout, qkv, lse, D, T, H, KVH, scale * ATTN_LOG2E, scale);
+        dqkv, dout, qkv, lse, D, T, H, KVH, scale * ATTN_LOG2E, scale, window);
     attention_check(cudaGetLastError());
 }
-template <int HD, int NWARPS, int BC>
+template <int HD, int NWARPS, int BC, bool SW = false>
 static void attention_backward_dq_launch(bf16* dqkv, const bf16* dout, const bf16* qkv,
                                          const float* lse, const float* D, int B, int T, int H,
-                                         int KVH, cudaStream_t stream) {
+                                         int KVH, cudaStream_t stream, int window = 0) {
     constexpr int LD = HD + ATTN_PAD, BR = 16 * NWARPS;
     const float scale = 1.0f / sqrtf((float)HD);
     const size_t smem = (size_t)(2 * BR + 4 * BC) * LD * sizeof(bf16);
-    auto kernel = attention_backward_dq_kernel<HD, NWARPS, BC>;
+    auto kernel = attention_backward_dq_kernel<HD, NWARPS, BC, SW>;
     attention_set_max_smem(kernel, smem);
     kernel<<<attention_grid(B, T, H, BR), NWARPS * 32, smem, stream>>>(
-        dqkv, dout, qkv, lse, D, T, H, KVH, scale * ATTN_LOG2E, scale);
+        dqkv, dout, qkv, lse, D, T, H, KVH, scale * ATTN_LOG2E, scale, window);
     attention_check(cudaGetLastError());
+}
+
+// The three passes at one head dim. SW: the window normalised to [1, T] (without SW unused).
+template <int HD, int KV_WARPS, int KV_BRQ, int Q_WARPS, int Q_BC, bool SW>
+static void attention_backward_mma_run(bf16* dqkv, const bf16* dout, const bf16* qkv,
+                                       const bf16* out, const float* lse, float* D, int B, int T,
+                                       int H, int KVH, cudaStream_t s, int window) {
+    attention_backward_dot<HD>(D, dout, out, B, T, H, "attention_backward_bf16", s);
+    attention_backward_dkdv_launch<HD, KV_WARPS, KV_BRQ, SW>(dqkv, dout, qkv, lse, D, B, T, H,
+                                                             KVH, s, window);
+    attention_backward_dq_launch<HD, Q_WARPS, Q_BC, SW>(dqkv, dout, qkv, lse, D, B, T, H, KVH, s,
+                                                        window);
 }
 
 // The three passes, dispatched on HD once the arguments are checked (attention_backward_check).
 // <dK/dV warps (16 keys each), query rows per tile, dQ warps (16 rows each), keys per tile>.
-template <int KV_WARPS, int KV_BRQ, int Q_WARPS, int Q_BC>
+template <int KV_WARPS, int KV_BRQ, int Q_WARPS, int Q_BC, bool SW = false>
 static void attention_backward_mma_hd(bf16* dqkv, const bf16* dout, const bf16* qkv,
                                       const bf16* out, const float* lse, float* D, int B, int T,
-                                      int H, int KVH, int HD, cudaStream_t s) {
-    const char* fn = "attention_backward_bf16";
+                                      int H, int KVH, int HD, cudaStream_t s, int window = 0) {
     switch (HD) {
         case 16:
-            attention_backward_dot<16>(D, dout, out, B, T, H, fn, s);
-            attention_backward_dkdv_launch<16, KV_WARPS, KV_BRQ>(dqkv, dout, qkv, lse, D, B, T, H,
-                                                                 KVH, s);
-            attention_backward_dq_launch<16, Q_WARPS, Q_BC>(dqkv, dout, qkv, lse, D, B, T, H, KVH,
-                                                            s);
+            attention_backward_mma_run<16, KV_WARPS, KV_BRQ, Q_WARPS, Q_BC, SW>(
+                dqkv, dout, qkv, out, lse, D, B, T, H, KVH, s, window);
             break;
         case 32:
-            attention_backward_dot<32>(D, dout, out, B, T, H, fn, s);
-            attention_backward_dkdv_launch<32, KV_WARPS, KV_BRQ>(dqkv, dout, qkv, lse, D, B, T, H,
-                                                                 KVH, s);
-            attention_backward_dq_launch<32, Q_WARPS, Q_BC>(dqkv, dout, qkv, lse, D, B, T, H, KVH,
-                                                            s);
+            attention_backward_mma_run<32, KV_WARPS, KV_BRQ, Q_WARPS, Q_BC, SW>(
+                dqkv, dout, qkv, out, lse, D, B, T, H, KVH, s, window);
             break;
         case 64:
-            attention_backward_dot<64>(D, dout, out, B, T, H, fn, s);
-            attention_backward_dkdv_launch<64, KV_WARPS, KV_BRQ>(dqkv, dout, qkv, lse, D, B, T, H,
-                                                                 KVH, s);
-            attention_backward_dq_launch<64, Q_WARPS, Q_BC>(dqkv, dout, qkv, lse, D, B, T, H, KVH,
-                                                            s);
+            attention_backward_mma_run<64, KV_WARPS, KV_BRQ, Q_WARPS, Q_BC, SW>(
+                dqkv, dout, qkv, out, lse, D, B, T, H, KVH, s, window);
             break;
         default:
-            attention_backward_dot<128>(D, dout, out, B, T, H, fn, s);
-            attention_backward_dkdv_launch<128, KV_WARPS, KV_BRQ>(dqkv, dout, qkv, lse, D, B, T,
-                                                                  H, KVH, s);
-            attention_backward_dq_launch<128, Q_WARPS, Q_BC>(dqkv, dout, qkv, lse, D, B, T, H,
-                                                             KVH, s);
+            attention_backward_mma_run<128, KV_WARPS, KV_BRQ, Q_WARPS, Q_BC, SW>(
+                dqkv, dout, qkv, out, lse, D, B, T, H, KVH, s, window);
             break;
     }
 }
@@ -578,4 +621,86 @@ extern "C" int attention_uses_wgmma(int HD) { return attention_takes_wgmma(HD); 
 
 extern "C" int attention_supports_head_dim(int HD) {
     return HD == 16 || HD == 32 || HD == 64 || HD == 128;
+}
+
+// ----------------------------------------------------------------------------
+// sinks and sliding windows (GPT-OSS): the same kernels with SW = true
+
+// dsinks[h] += -sum over (b, t) of exp(sink_h - lse) * D, one block of 256 threads per head:
+// thread i sums rows i, i + 256, ... in order, then a fixed tree (shuffles, then the 8 warp sums
+// in order by thread 0): deterministic, no atomics. D = rowsum(dO * O) (pass 1's workspace).
+__global__ void attention_sink_dsinks_kernel(float* dsinks, const bf16* sinks, const float* lse,
+                                             const float* D, int B, int T, int H) {
+    __shared__ float warp_sums[8];
+    const int h = blockIdx.x, tid = threadIdx.x;
+    const float sink = __bfloat162float(sinks[h]);
+    float acc = 0.0f;
+    for (int64_t i = tid; i < (int64_t)B * T; i += 256) {
+        const int64_t b = i / T, t = i % T;
+        const int64_t r = (b * H + h) * T + t;
+        acc = fmaf(expf(sink - lse[r]), D[r], acc);
+    }
+#pragma unroll
+    for (int k = 16; k >= 1; k >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, k);
+    if ((tid & 31) == 0) warp_sums[tid >> 5] = acc;
+    __syncthreads();
+    if (tid == 0) {
+        float total = 0.0f;
+        for (int w = 0; w < 8; w++) total += warp_sums[w];
+        dsinks[h] -= total;
+    }
+}
+
+extern "C" void attention_sink_dsinks_bf16(float* dsinks, const void* sinks, const float* lse,
+                                           const float* D, int B, int T, int H, void* stream) {
+    if (dsinks == NULL || sinks == NULL || B <= 0 || T <= 0 || H <= 0) return;
+    attention_sink_dsinks_kernel<<<H, 256, 0, static_cast<cudaStream_t>(stream)>>>(
+        dsinks, static_cast<const bf16*>(sinks), lse, D, B, T, H);
+    attention_check(cudaGetLastError());
+}
+
+// As attention_forward_bf16 with SW kernels: the same choice of wgmma or mma.sync kernel.
+extern "C" void attention_sink_forward_bf16(void* out, float* lse, const void* qkv,
+                                            const void* sinks, int B, int T, int H, int KVH,
+                                            int HD, int window, void* stream) {
+    const char* fn = "attention_sink_forward_bf16";
+    if (!attention_forward_check(fn, out, lse, qkv, B, T, H, KVH, HD)) return;
+    const int w = attention_window_for_kernels(fn, window, T);
+    bf16* o = static_cast<bf16*>(out);
+    const bf16* x = static_cast<const bf16*>(qkv);
+    const bf16* sk = static_cast<const bf16*>(sinks);
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (attention_takes_wgmma(HD) && T < ATTN_WG_FWD_LONG_T)
+        attention_forward_wgmma_hd<3, 3, true>(o, lse, x, B, T, H, KVH, HD, s, sk, w);
+    else if (attention_takes_wgmma(HD))
+        attention_forward_wgmma_hd<2, 2, true>(o, lse, x, B, T, H, KVH, HD, s, sk, w);
+    else
+        attention_forward_mma_hd<ATTN_FWD_MT, ATTN_FWD_WARPS, ATTN_FWD_BC, ATTN_FWD_MINB, true>(
+            o, lse, x, B, T, H, KVH, HD, s, sk, w);
+}
+
+// As attention_backward_bf16 with SW kernels (P = exp(S - lse) with the sink in lse), then the
+// sinks' gradient from D and lse when dsinks and sinks are both given.
+extern "C" void attention_sink_backward_bf16(void* dqkv, float* dsinks, const void* dout,
+                                             const void* qkv, const void* out, const float* lse,
+                                             const void* sinks, void* workspace, int B, int T,
+                                             int H, int KVH, int HD, int window, void* stream) {
+    const char* fn = "attention_sink_backward_bf16";
+    if (!attention_backward_check(fn, dqkv, dout, qkv, out, lse, workspace, B, T, H, KVH, HD))
+        return;
+    const int w = attention_window_for_kernels(fn, window, T);
+    bf16* dx = static_cast<bf16*>(dqkv);
+    const bf16* dy = static_cast<const bf16*>(dout);
+    const bf16* x = static_cast<const bf16*>(qkv);
+    const bf16* y = static_cast<const bf16*>(out);
+    float* D = static_cast<float*>(workspace);
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (attention_takes_wgmma(HD))
+        attention_backward_wgmma_hd<ATTN_WG_BWD_KV_NWG, ATTN_WG_BWD_KV_STAGES, ATTN_WG_BWD_Q_NWG,
+                                    ATTN_WG_BWD_Q_STAGES, true>(dx, dy, x, y, lse, D, B, T, H,
+                                                                KVH, HD, s, w);
+    else
+        attention_backward_mma_hd<ATTN_KV_WARPS, ATTN_KV_BRQ, ATTN_Q_WARPS, ATTN_Q_BC, true>(
+            dx, dy, x, y, lse, D, B, T, H, KVH, HD, s, w);
+    attention_sink_dsinks_bf16(dsinks, sinks, lse, D, B, T, H, stream);
 }

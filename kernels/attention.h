@@ -6,7 +6,8 @@
  * Layout: one packed projection row per token, [q heads | k heads | v heads], QKV = (H+2*KVH)*HD
  * columns. Query head h reads kv head h / (H/KVH) (H must be a multiple of KVH). Scale 1/sqrt(HD);
  * key j is visible to query i iff j <= i. All calls are asynchronous on `stream` (a cudaStream_t
- * passed as void*); bad arguments and CUDA failures print a message and exit(1).
+ * passed as void*); bad arguments and CUDA failures print a message and exit(1). The sink entry
+ * points (GPT-OSS) add learned per-head sinks and a sliding window to the same kernels.
  */
 #ifndef KERNELS_ATTENTION_H
 #define KERNELS_ATTENTION_H
@@ -30,6 +31,26 @@ size_t attention_backward_workspace_bytes(int B, int T, int H, int KVH, int HD);
 void attention_backward_bf16(void* dqkv, const void* dout, const void* qkv, const void* out,
                              const float* lse, void* workspace, int B, int T, int H, int KVH,
                              int HD, void* stream);
+// Attention with sinks and sliding windows (GPT-OSS), the same kernels compiled with the option:
+// key j visible to query i iff j <= i and (window == 0 or j > i - window); sinks: bf16 (H), one
+// more logit s_h per head in every row's softmax denominator (unscaled: the logits' domain after
+// the 1/sqrt(HD) scale), with no value; NULL for none. lse includes the sink. window 0 (or >= T):
+// causal only; window < 0 is an error.
+void attention_sink_forward_bf16(void* out, float* lse, const void* qkv, const void* sinks, int B,
+                                 int T, int H, int KVH, int HD, int window, void* stream);
+// dqkv as attention_backward_bf16 (overwritten); dsinks: fp32 (H), += -sum over (b, t) of
+// exp(s_h - lse) * rowsum(dout * out), deterministic (NULL, or sinks NULL: skipped). The
+// workspace is attention_backward_workspace_bytes.
+void attention_sink_backward_bf16(void* dqkv, float* dsinks, const void* dout, const void* qkv,
+                                  const void* out, const float* lse, const void* sinks,
+                                  void* workspace, int B, int T, int H, int KVH, int HD,
+                                  int window, void* stream);
+// dsinks (H) fp32 += -sum over (b, t) of exp(sinks[h] - lse) * D with D = rowsum(dout * out)
+// (B, H, T) fp32 as the backwards leave it in their workspace: the sink part of
+// attention_sink_backward_bf16, for a backward that computed D elsewhere (the simple kernels).
+// Nothing when dsinks or sinks is NULL.
+void attention_sink_dsinks_bf16(float* dsinks, const void* sinks, const float* lse,
+                                const float* D, int B, int T, int H, void* stream);
 // 1 if HD is supported (at least 16, 32, 64, 128), else 0.
 int attention_supports_head_dim(int HD);
 // 1 when the forward and backward at this head dim run the Hopper wgmma kernels on the current

@@ -146,10 +146,14 @@ constexpr size_t attn_bwg_dkdv_smem_bytes() {
            (size_t)STAGES * 2 * BQ * sizeof(float) + ATTN_SW128_ATOM_BYTES;
 }
 
-template <int HD, int NWG, int BQ, int STAGES>
+// SW: window normalised to [1, T] (the sinks are in lse already): the query tiles walked end at
+// the last query that sees a key of the CTA; P^T is also 0 where the query is past the key's
+// window.
+template <int HD, int NWG, int BQ, int STAGES, bool SW = false>
 __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
     attn_bwg_dkdv_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse,
-                         const float* D, int T, int H, int KVH, float scale_log2, float scale) {
+                         const float* D, int T, int H, int KVH, float scale_log2, float scale,
+                         int window) {
     static_assert(HD == 64 || HD == 128, "head dim: one or two 64-column swizzle panels");
     static_assert(BQ == 64, "query rows per tile: wgmma N of S^T (registers: 64)");
     static_assert(NWG >= 1 && NWG <= 2, "warpgroups per CTA");
@@ -192,7 +196,10 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
     const bf16* seq = qkv + (int64_t)b * T * QKV;
     const bf16* dseq = dout + (int64_t)b * T * OS;
     const int qt0 = k0 / BQ;                         // first query tile holding a query >= k0
-    const int per_head = (T + BQ - 1) / BQ - qt0;    // >= 1 since k0 < T
+    // one past the last query tile holding a query that sees a key of the CTA (SW: the window
+    // of its last key)
+    const int qt_end = SW ? (min(T, k0 + BN - 1 + window) - 1) / BQ + 1 : (T + BQ - 1) / BQ;
+    const int per_head = qt_end - qt0;               // >= 1 since k0 < T
     const int n_iter = group * per_head;
     // key of accumulator rows e = 0, 1 of this thread (e = 2, 3: + 8)
     const int my_key = k0 + wg * ATTN_WG_ROWS + wv * 16 + (lane >> 2);
@@ -286,8 +293,10 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
         wgmma_wait<1>();  // S^T done
         wg_fence_acc(s);
 
-        // P^T = 2^(S^T * scale_log2 - lse * log2e); 0 where key > query or query >= T
-        const bool edge = q0 < k0 + BN - 1 || q0 + BQ > T;  // CTA-uniform
+        // P^T = 2^(S^T * scale_log2 - lse * log2e); 0 where key > query or query >= T (SW: or
+        // query >= key + window)
+        const bool edge = q0 < k0 + BN - 1 || q0 + BQ > T ||
+                          (SW && q0 + BQ - 1 >= k0 + window);  // CTA-uniform
 #pragma unroll
         for (int i = 0; i < NB_S; i++) {
             const int qi = i * 8 + (lane & 3) * 2;  // query (in the tile) of e = 0, 2; +1: e = 1, 3
@@ -299,7 +308,7 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
                 if (edge) {
                     const int key = my_key + (e >> 1) * 8;
                     const int q = q0 + qi + (e & 1);
-                    if (key > q || q >= T) p = 0.0f;
+                    if (key > q || q >= T || (SW && q >= key + window)) p = 0.0f;
                 }
                 s[i][e] = p;
             }
@@ -348,10 +357,13 @@ constexpr size_t attn_bwg_dq_smem_bytes() {
            ATTN_SW128_ATOM_BYTES;
 }
 
-template <int HD, int NWG, int BN, int STAGES>
+// SW: window normalised to [1, T]: the CTA walks the kv tiles from the first one its first
+// row's window reaches; P is also 0 left of a row's window.
+template <int HD, int NWG, int BN, int STAGES, bool SW = false>
 __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
     attn_bwg_dq_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse,
-                       const float* D, int T, int H, int KVH, float scale_log2, float scale) {
+                       const float* D, int T, int H, int KVH, float scale_log2, float scale,
+                       int window) {
     static_assert(HD == 64 || HD == 128, "head dim: one or two 64-column swizzle panels");
     static_assert(BN == 64 || BN == 128, "keys per tile: wgmma N of S (64 or 128 implemented)");
     static_assert(NWG >= 1 && NWG <= 2, "warpgroups per CTA");
@@ -390,8 +402,11 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
     const bf16* seq = qkv + (int64_t)b * T * QKV;
     const bf16* gK = seq + (int64_t)(H + kvh) * HD;
     const bf16* gV = seq + (int64_t)(H + KVH + kvh) * HD;
-    // kv tiles holding keys <= the CTA's last row (< T); both warpgroups walk all of them
-    const int n_tiles = (min(q0 + BR, T) - 1) / BN + 1;
+    // kv tiles holding keys <= the CTA's last row (< T), from the first one its first row's
+    // window reaches (causal: tile 0); both warpgroups walk all of them. Loop index j = tile
+    // j_first + j.
+    const int j_first = SW ? attn_first_key(q0, window) / BN : 0;
+    const int n_tiles = (min(q0 + BR, T) - 1) / BN + 1 - j_first;
     const int my_row = q0 + wg * ATTN_WG_ROWS + wv * 16 + (lane >> 2);  // e = 0,1; +8: e = 2,3
 
     float lse_log2[2], drow[2];
@@ -412,8 +427,8 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
     sw128_tile_load_async<BR, HD, NT>(sQ, seq + (int64_t)h * HD, QKV, q0, T, tid);
     sw128_tile_load_async<BR, HD, NT>(sdO, dout + (int64_t)b * T * OS + (int64_t)h * HD, OS, q0,
                                       T, tid);
-    sw128_tile_load_async<BN, HD, NT>(sK, gK, QKV, 0, T, tid);
-    sw128_tile_load_async<BN, HD, NT>(sV, gV, QKV, 0, T, tid);
+    sw128_tile_load_async<BN, HD, NT>(sK, gK, QKV, j_first * BN, T, tid);
+    sw128_tile_load_async<BN, HD, NT>(sV, gV, QKV, j_first * BN, T, tid);
     cp_async_commit();
 
     float dq[NB_O][4], s[NB_S][4], dp[NB_S][4];
@@ -449,8 +464,9 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
         __syncthreads();
         const int next = slot + 1 == STAGES ? 0 : slot + 1;
         if (j + 1 < n_tiles) {
-            sw128_tile_load_async<BN, HD, NT>(sK + next * KV_BYTES, gK, QKV, (j + 1) * BN, T, tid);
-            sw128_tile_load_async<BN, HD, NT>(sV + next * KV_BYTES, gV, QKV, (j + 1) * BN, T, tid);
+            const int kn = (j_first + j + 1) * BN;
+            sw128_tile_load_async<BN, HD, NT>(sK + next * KV_BYTES, gK, QKV, kn, T, tid);
+            sw128_tile_load_async<BN, HD, NT>(sV + next * KV_BYTES, gV, QKV, kn, T, tid);
         }
         cp_async_commit();
 
@@ -463,9 +479,10 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
         wg_fence_acc(dq);
         wg_fence_frag(dsf);
 
-        // P = 2^(S * scale_log2 - lse_log2), 0 where key > row
-        const int k0 = j * BN;
-        const bool diag = k0 + BN - 1 > q0;  // CTA-uniform
+        // P = 2^(S * scale_log2 - lse_log2), 0 where key > row (SW: or key <= row - window)
+        const int k0 = (j_first + j) * BN;
+        const bool diag =
+            k0 + BN - 1 > q0 || (SW && k0 <= q0 + BR - 1 - window);  // CTA-uniform
 #pragma unroll
         for (int i = 0; i < NB_S; i++)
 #pragma unroll
@@ -474,7 +491,7 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
                 if (diag) {
                     const int row = my_row + (e >> 1) * 8;
                     const int key = k0 + i * 8 + (lane & 3) * 2 + (e & 1);
-                    if (key > row) p = 0.0f;
+                    if (key > row || (SW && key <= row - window)) p = 0.0f;
                 }
                 s[i][e] = p;
             }
@@ -508,29 +525,31 @@ __global__ void __launch_bounds__(NWG * ATTN_WG_THREADS, 1)
 
 // The two wgmma passes' launches, apart (the lab times them one by one). <warpgroups per CTA,
 // ring slots>.
-template <int HD, int NWG, int STAGES>
+// SW: the window normalised to [1, T]; without SW unused.
+template <int HD, int NWG, int STAGES, bool SW = false>
 static void attn_bwg_dkdv_launch(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse,
                                  const float* D, int B, int T, int H, int KVH,
-                                 cudaStream_t stream) {
+                                 cudaStream_t stream, int window = 0) {
     constexpr int BQ = ATTN_BWG_BQ, BN = ATTN_WG_ROWS * NWG;
     const float scale = 1.0f / sqrtf((float)HD);
     const size_t smem = attn_bwg_dkdv_smem_bytes<HD, NWG, BQ, STAGES>();
-    auto kernel = attn_bwg_dkdv_kernel<HD, NWG, BQ, STAGES>;
+    auto kernel = attn_bwg_dkdv_kernel<HD, NWG, BQ, STAGES, SW>;
     attention_set_max_smem(kernel, smem);
     kernel<<<attention_grid(B, T, KVH, BN), NWG * ATTN_WG_THREADS, smem, stream>>>(
-        dqkv, dout, qkv, lse, D, T, H, KVH, scale * ATTN_LOG2E, scale);
+        dqkv, dout, qkv, lse, D, T, H, KVH, scale * ATTN_LOG2E, scale, window);
     attention_check(cudaGetLastError());
 }
-template <int HD, int NWG, int STAGES>
+template <int HD, int NWG, int STAGES, bool SW = false>
 static void attn_bwg_dq_launch(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse,
-                               const float* D, int B, int T, int H, int KVH, cudaStream_t stream) {
+                               const float* D, int B, int T, int H, int KVH, cudaStream_t stream,
+                               int window = 0) {
     constexpr int BN = ATTN_BWG_BN, BR = ATTN_WG_ROWS * NWG;
     const float scale = 1.0f / sqrtf((float)HD);
     const size_t smem = attn_bwg_dq_smem_bytes<HD, NWG, BN, STAGES>();
-    auto kernel = attn_bwg_dq_kernel<HD, NWG, BN, STAGES>;
+    auto kernel = attn_bwg_dq_kernel<HD, NWG, BN, STAGES, SW>;
     attention_set_max_smem(kernel, smem);
     kernel<<<attention_grid(B, T, H, BR), NWG * ATTN_WG_THREADS, smem, stream>>>(
-        dqkv, dout, qkv, lse, D, T, H, KVH, scale * ATTN_LOG2E, scale);
+        dqkv, dout, qkv, lse, D, T, H, KVH, scale * ATTN_LOG2E, scale, window);
     attention_check(cudaGetLastError());
 }
 
@@ -546,20 +565,25 @@ static void attn_bwg_check_tiles(const char* fn, int T, int kv_rows, int q_rows)
 // The three passes, dispatched on HD (64 or 128) once the arguments are checked
 // (attention_backward_check) and the device code is known to be there
 // (attention_wgmma_available). <warpgroups and ring slots of the dK/dV pass, of the dQ pass>.
-template <int KV_NWG, int KV_STAGES, int Q_NWG, int Q_STAGES>
+// SW: the window normalised to [1, T] (without SW unused).
+template <int KV_NWG, int KV_STAGES, int Q_NWG, int Q_STAGES, bool SW = false>
 static void attention_backward_wgmma_hd(bf16* dqkv, const bf16* dout, const bf16* qkv,
                                         const bf16* out, const float* lse, float* D, int B, int T,
-                                        int H, int KVH, int HD, cudaStream_t s) {
+                                        int H, int KVH, int HD, cudaStream_t s, int window = 0) {
     const char* fn = "attention_backward_bf16";
     attn_bwg_check_tiles(fn, T, ATTN_WG_ROWS * KV_NWG, ATTN_WG_ROWS * Q_NWG);
     if (HD == 64) {
         attention_backward_dot<64>(D, dout, out, B, T, H, fn, s);
-        attn_bwg_dkdv_launch<64, KV_NWG, KV_STAGES>(dqkv, dout, qkv, lse, D, B, T, H, KVH, s);
-        attn_bwg_dq_launch<64, Q_NWG, Q_STAGES>(dqkv, dout, qkv, lse, D, B, T, H, KVH, s);
+        attn_bwg_dkdv_launch<64, KV_NWG, KV_STAGES, SW>(dqkv, dout, qkv, lse, D, B, T, H, KVH, s,
+                                                        window);
+        attn_bwg_dq_launch<64, Q_NWG, Q_STAGES, SW>(dqkv, dout, qkv, lse, D, B, T, H, KVH, s,
+                                                    window);
     } else {
         attention_backward_dot<128>(D, dout, out, B, T, H, fn, s);
-        attn_bwg_dkdv_launch<128, KV_NWG, KV_STAGES>(dqkv, dout, qkv, lse, D, B, T, H, KVH, s);
-        attn_bwg_dq_launch<128, Q_NWG, Q_STAGES>(dqkv, dout, qkv, lse, D, B, T, H, KVH, s);
+        attn_bwg_dkdv_launch<128, KV_NWG, KV_STAGES, SW>(dqkv, dout, qkv, lse, D, B, T, H, KVH,
+                                                         s, window);
+        attn_bwg_dq_launch<128, Q_NWG, Q_STAGES, SW>(dqkv, dout, qkv, lse, D, B, T, H, KVH, s,
+                                                     window);
     }
 }
 

@@ -106,6 +106,16 @@ static int attention_backward_check(const char* fn, const void* dqkv, const void
     return 1;
 }
 
+// The sliding window as the SW kernels take it: 1 <= window <= T, T (masks nothing) for no
+// window (0) or one at least as long as the sequence. A negative window is a caller's error.
+static int attention_window_for_kernels(const char* fn, int window, int T) {
+    if (window < 0) {
+        fprintf(stderr, "attention: %s: window %d is negative (0: no window)\n", fn, window);
+        exit(1);
+    }
+    return window == 0 || window > T ? T : window;
+}
+
 // ----------------------------------------------------------------------------
 // host: launch helpers, and where the wgmma kernels can run
 
@@ -412,6 +422,60 @@ __device__ __forceinline__ void softmax_online(float (&s)[NB][4], float (&row_ma
                 sum += p;
             }
         row_sum[hf] = row_sum[hf] * alpha[hf] + sum;
+    }
+}
+
+// ----------------------------------------------------------------------------
+// device: sinks and sliding windows (GPT-OSS), the compile-time option SW of every kernel
+//
+// With SW the kernels take `window`, normalised by the host to 1 <= window <= T (no window: T,
+// which masks nothing): key j is visible to query t iff j <= t and j > t - window. `sinks` (H)
+// bf16 or NULL: one more logit s_h per head in each row's softmax denominator, unscaled (natural
+// log domain) and with no value. Without SW every kernel compiles to the causal code it had.
+
+// Logits of keys outside the window or right of the diagonal: -inf (key > row or key <= row -
+// window), keys k0 + 8i + 2t + e%2.
+template <int NB>
+__device__ __forceinline__ void mask_causal_window(float (&s)[NB][4], int row0, int k0, int lane,
+                                                   int window) {
+#pragma unroll
+    for (int i = 0; i < NB; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int row = row0 + (e >> 1) * 8;
+            const int key = k0 + i * 8 + (lane & 3) * 2 + (e & 1);
+            if (key > row || key <= row - window) s[i][e] = -INFINITY;
+        }
+}
+
+// First key visible to query row `row` (>= 0).
+__device__ __forceinline__ int attn_first_key(int row, int window) {
+    return max(0, row - window + 1);
+}
+
+// The running maximum (base 2, scaled) and sum a row's online softmax starts from. Causal
+// (!SW): -inf and 0, and every row sees key 0 in its first tile. SW: a row's first tiles may hold
+// none of its keys (the window starts inside the CTA's first tile for its first row only), and
+// a fully masked tile must not compute 2^(-inf - (-inf)) = NaN: without a sink the maximum
+// starts at the finite floor -1e30 (2^(-1e30 - m) = 0 once a real logit arrives: the same
+// result), with a sink at s_h * log2(e) with l = 1 = 2^(s_h log2(e) - m) counted once per row,
+// on lane t = 0 of the quad (the quad's partial sums are added in the epilogue). The sink is
+// not multiplied by the softmax scale: it is a logit of the scaled domain already.
+template <bool SW>
+__device__ __forceinline__ void softmax_start(float (&row_max)[2], float (&row_sum)[2],
+                                              const bf16* sinks, int h, int lane) {
+    if constexpr (SW) {
+        const bool sink = sinks != nullptr;
+        const float m = sink ? __bfloat162float(sinks[h]) * ATTN_LOG2E : -1e30f;
+        const float l = sink && (lane & 3) == 0 ? 1.0f : 0.0f;
+        row_max[0] = row_max[1] = m;
+        row_sum[0] = row_sum[1] = l;
+    } else {
+        (void)sinks;
+        (void)h;
+        (void)lane;
+        row_max[0] = row_max[1] = -INFINITY;
+        row_sum[0] = row_sum[1] = 0.0f;
     }
 }
 

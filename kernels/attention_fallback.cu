@@ -12,6 +12,10 @@
  *  - backward pass 2: one warp per (b, kv head g, key j): dk = scale Σ ds_ij q_i and
  *    dv = Σ P_ij dO_i over the query heads of the group and the queries i >= j, in that order.
  * Every sum runs in a fixed order: deterministic, no atomics.
+ * The sink variants (GPT-OSS) take sinks (H) or NULL and a sliding window: key j visible to query
+ * t iff t - window < j <= t (the loops' bounds), the sink one more term of the softmax's
+ * denominator (the forward starts from m = sink, l = 1); P = exp(s - lse) already includes it in
+ * the backward. Without sinks and window they are the causal kernels.
  */
 #include <math.h>
 
@@ -24,6 +28,8 @@
 struct AttnDims {
     int B, T, H, KVH, HD, QKV, group;
     float scale;
+    const bf16* sinks;  // (H) or NULL
+    int window;         // 1 .. T (T: no window)
 };
 
 __device__ __forceinline__ const bf16* q_row(const bf16* qkv, const AttnDims& a, int b, int t,
@@ -71,8 +77,9 @@ __global__ void attention_forward_simple_kernel(bf16* __restrict__ out, float* _
     float q[ATT_SIMPLE_MAX_PER_LANE], acc[ATT_SIMPLE_MAX_PER_LANE];
     load_row(q, q_row(qkv, a, b, t, h), a.HD, lane);
     for (int k = 0; k < ATT_SIMPLE_MAX_PER_LANE; k++) acc[k] = 0.0f;
-    float m = -INFINITY, l = 0.0f;
-    for (int j = 0; j <= t; j++) {
+    float m = a.sinks ? __bfloat162float(a.sinks[h]) : -INFINITY;
+    float l = a.sinks ? 1.0f : 0.0f;  // e^(sink - m) at m = sink
+    for (int j = max(0, t - a.window + 1); j <= t; j++) {
         float s = row_dot(q, k_row(qkv, a, b, j, g), a.HD, lane) * a.scale;
         float m_new = fmaxf(m, s), corr = expf(m - m_new), p = expf(s - m_new);
         l = l * corr + p;
@@ -115,7 +122,7 @@ __global__ void attention_backward_dq_simple_kernel(bf16* __restrict__ dqkv, flo
     const float D = row_dot(dO, out + o_off, a.HD, lane), L = lse[bht];
     if (lane == 0) Dws[bht] = D;
     for (int k = 0; k < ATT_SIMPLE_MAX_PER_LANE; k++) dq[k] = 0.0f;
-    for (int j = 0; j <= t; j++) {
+    for (int j = max(0, t - a.window + 1); j <= t; j++) {
         const bf16* kr = k_row(qkv, a, b, j, g);
         float p = expf(row_dot(q, kr, a.HD, lane) * a.scale - L);
         float ds = p * (row_dot(dO, v_row(qkv, a, b, j, g), a.HD, lane) - D);
@@ -149,7 +156,7 @@ __global__ void attention_backward_dkv_simple_kernel(bf16* __restrict__ dqkv,
     load_row(vj, v_row(qkv, a, b, j, g), a.HD, lane);
     for (int k = 0; k < ATT_SIMPLE_MAX_PER_LANE; k++) dk[k] = dv[k] = 0.0f;
     for (int h = g * a.group; h < (g + 1) * a.group; h++) {
-        for (int i = j; i < a.T; i++) {
+        for (int i = j; i < min(a.T, j + a.window); i++) {
             const size_t bht = ((size_t)b * a.H + h) * a.T + i;
             const bf16* qi = q_row(qkv, a, b, i, h);
             const bf16* dOi = dout + ((size_t)b * a.T + i) * a.H * a.HD + (size_t)h * a.HD;
@@ -180,11 +187,14 @@ __global__ void attention_backward_dkv_simple_kernel(bf16* __restrict__ dqkv,
 // ----------------------------------------------------------------------------
 // launchers
 
-static AttnDims attn_dims(int B, int T, int H, int KVH, int HD) {
+// sinks (H) or NULL; window 0 (none) or >= T: T, which masks nothing.
+static AttnDims attn_dims(int B, int T, int H, int KVH, int HD, const bf16* sinks, int window) {
     if (HD > 32 * ATT_SIMPLE_MAX_PER_LANE || H % KVH != 0)
         fatal("attention (simple path): unsupported shape H=%d KVH=%d HD=%d (HD <= %d, H a "
               "multiple of KVH)", H, KVH, HD, 32 * ATT_SIMPLE_MAX_PER_LANE);
-    AttnDims a = {B, T, H, KVH, HD, (H + 2 * KVH) * HD, H / KVH, 1.0f / sqrtf((float)HD)};
+    if (window < 0) fatal("attention (simple path): window %d is negative (0: none)", window);
+    AttnDims a = {B, T, H, KVH, HD, (H + 2 * KVH) * HD, H / KVH, 1.0f / sqrtf((float)HD), sinks,
+                  window == 0 || window > T ? T : window};
     return a;
 }
 
@@ -192,20 +202,22 @@ size_t cuda_attention_simple_workspace_bytes(int B, int T, int H) {
     return (size_t)B * T * H * sizeof(float);
 }
 
-void cuda_attention_forward_simple(CudaCtx* cx, bf16* out, float* lse, const bf16* qkv, int B,
-                                   int T, int H, int KVH, int HD) {
+void cuda_attention_sink_forward_simple(CudaCtx* cx, bf16* out, float* lse, const bf16* qkv,
+                                        const bf16* sinks, int B, int T, int H, int KVH, int HD,
+                                        int window) {
     if (B <= 0 || T <= 0) return;
-    AttnDims a = attn_dims(B, T, H, KVH, HD);
+    AttnDims a = attn_dims(B, T, H, KVH, HD, sinks, window);
     attention_forward_simple_kernel<<<grid_size((size_t)B * H * T, ATT_SIMPLE_WARPS),
                                       32 * ATT_SIMPLE_WARPS, 0, cx->stream>>>(out, lse, qkv, a);
     cuda_check_launch();
 }
 
-void cuda_attention_backward_simple(CudaCtx* cx, bf16* dqkv, const bf16* dout, const bf16* qkv,
-                                    const bf16* out, const float* lse, float* workspace, int B,
-                                    int T, int H, int KVH, int HD) {
+void cuda_attention_sink_backward_simple(CudaCtx* cx, bf16* dqkv, const bf16* dout,
+                                         const bf16* qkv, const bf16* out, const float* lse,
+                                         float* workspace, int B, int T, int H, int KVH, int HD,
+                                         int window) {
     if (B <= 0 || T <= 0) return;
-    AttnDims a = attn_dims(B, T, H, KVH, HD);
+    AttnDims a = attn_dims(B, T, H, KVH, HD, NULL, window);  // the sinks are in lse
     attention_backward_dq_simple_kernel<<<grid_size((size_t)B * H * T, ATT_SIMPLE_WARPS),
                                           32 * ATT_SIMPLE_WARPS, 0, cx->stream>>>(
         dqkv, workspace, dout, qkv, out, lse, a);
@@ -214,4 +226,16 @@ void cuda_attention_backward_simple(CudaCtx* cx, bf16* dqkv, const bf16* dout, c
                                            32 * ATT_SIMPLE_WARPS, 0, cx->stream>>>(
         dqkv, workspace, dout, qkv, lse, a);
     cuda_check_launch();
+}
+
+void cuda_attention_forward_simple(CudaCtx* cx, bf16* out, float* lse, const bf16* qkv, int B,
+                                   int T, int H, int KVH, int HD) {
+    cuda_attention_sink_forward_simple(cx, out, lse, qkv, NULL, B, T, H, KVH, HD, 0);
+}
+
+void cuda_attention_backward_simple(CudaCtx* cx, bf16* dqkv, const bf16* dout, const bf16* qkv,
+                                    const bf16* out, const float* lse, float* workspace, int B,
+                                    int T, int H, int KVH, int HD) {
+    cuda_attention_sink_backward_simple(cx, dqkv, dout, qkv, out, lse, workspace, B, T, H, KVH,
+                                        HD, 0);
 }

@@ -200,10 +200,13 @@ constexpr size_t attention_wgmma_smem_bytes() {
            ATTN_SW128_ATOM_BYTES + ATTN_WGF_MBAR_BYTES;
 }
 
-template <int HD, int SK, int SV>
+// SW (attention_common.cuh): sinks (H) or NULL, window normalised to [1, T]. The CTA walks the
+// kv tiles from the first one its first row's window reaches (tile j_first) to its diagonal;
+// the rings count tiles from j_first (u = tile - j_first), so the protocol below is unchanged.
+template <int HD, int SK, int SV, bool SW = false>
 __global__ void __launch_bounds__(ATTN_WGF_THREADS, 1)
     attention_forward_wgmma_kernel(bf16* out, float* lse, const bf16* qkv, int T, int H, int KVH,
-                                   float scale_log2) {
+                                   float scale_log2, const bf16* sinks, int window) {
     static_assert(HD == 64 || HD == 128, "head dim: one or two 64-column swizzle panels");
     static_assert(SK >= 2 && SV >= 2, "ring stages (see the deadlock argument in the header)");
     static_assert(1 + 2 * SK + 2 * SV <= ATTN_WGF_MBAR_BYTES / 8, "mbarrier room");
@@ -245,9 +248,11 @@ __global__ void __launch_bounds__(ATTN_WGF_THREADS, 1)
     const bf16* gQ = seq + (int64_t)h * HD;
     const bf16* gK = seq + (int64_t)(H + kvh) * HD;
     const bf16* gV = seq + (int64_t)(H + KVH + kvh) * HD;
-    // kv tiles holding keys <= the CTA's last query (< T); both warpgroups walk all of them
-    // (the wgmma control flow stays CTA-uniform: header)
-    const int n_tiles = (min(q0 + BR, T) - 1) / BC + 1;
+    // kv tiles holding keys <= the CTA's last query (< T) from the first one its first query's
+    // window reaches (causal: tile 0); both warpgroups walk all of them (the wgmma control flow
+    // stays CTA-uniform: header). Ring index u = tile j_first + u.
+    const int j_first = SW ? attn_first_key(q0, window) / BC : 0;
+    const int n_tiles = (min(q0 + BR, T) - 1) / BC + 1 - j_first;
 
     if (tid == 0) {
         // full barriers: one arrival per producer thread (its cp.async.mbarrier.arrive.noinc)
@@ -278,15 +283,15 @@ __global__ void __launch_bounds__(ATTN_WGF_THREADS, 1)
         auto load_k = [&](int u) {
             const int s = u % SK;
             if (u >= SK) mbar_wait(bar_empty_k + 8 * s, ((u / SK) & 1) ^ 1);
-            sw128_tile_load_async<BC, HD, ATTN_WGF_PRODUCERS>(sK + s * KV_BYTES, gK, QKV, u * BC,
-                                                              T, ptid);
+            sw128_tile_load_async<BC, HD, ATTN_WGF_PRODUCERS>(sK + s * KV_BYTES, gK, QKV,
+                                                              (j_first + u) * BC, T, ptid);
             cp_async_mbar_arrive(bar_full_k + 8 * s);
         };
         auto load_v = [&](int u) {
             const int s = u % SV;
             if (u >= SV) mbar_wait(bar_empty_v + 8 * s, ((u / SV) & 1) ^ 1);
-            sw128_tile_load_async<BC, HD, ATTN_WGF_PRODUCERS>(sV + s * KV_BYTES, gV, QKV, u * BC,
-                                                              T, ptid);
+            sw128_tile_load_async<BC, HD, ATTN_WGF_PRODUCERS>(sV + s * KV_BYTES, gV, QKV,
+                                                              (j_first + u) * BC, T, ptid);
             cp_async_mbar_arrive(bar_full_v + 8 * s);
         };
         load_k(0);
@@ -316,7 +321,8 @@ __global__ void __launch_bounds__(ATTN_WGF_THREADS, 1)
     acc_zero(o);
     acc_zero(s);
     frag_zero(p);
-    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+    float row_max[2], row_sum[2];
+    softmax_start<SW>(row_max, row_sum, sinks, h, lane);
 
     // Ping-pong: named barrier 1 + w = "warpgroup w may issue". Warpgroup w syncs on it
     // before each issue phase and arrives on 2 - w after; warpgroup 1 arrives on barrier 1 once
@@ -332,10 +338,16 @@ __global__ void __launch_bounds__(ATTN_WGF_THREADS, 1)
     auto issue_pv = [&](int j) {
         wgmma_group_rs<HD, KS_O>(o, p, wg_desc_add(desc_v, (j % SV) * KV_BYTES));
     };
-    // mask (tiles that cross the diagonal: CTA-uniform), online softmax: s = P_j in fp32
+    // mask (tiles that cross the diagonal, SW: or the window's left edge of some row of the CTA:
+    // CTA-uniform), online softmax: s = P_j in fp32
     auto softmax = [&](int j, float (&alpha)[2]) -> bool {
-        const int k0 = j * BC;
-        if (k0 + BC - 1 > q0) mask_causal(s, my_row, k0, lane);
+        const int k0 = (j_first + j) * BC;
+        if constexpr (SW) {
+            if (k0 + BC - 1 > q0 || k0 <= q0 + BR - 1 - window)
+                mask_causal_window(s, my_row, k0, lane, window);
+        } else if (k0 + BC - 1 > q0) {
+            mask_causal(s, my_row, k0, lane);
+        }
         bool max_moved = false;
         softmax_online(s, row_max, row_sum, alpha, scale_log2, max_moved);
         return max_moved;
@@ -419,27 +431,32 @@ __global__ void __launch_bounds__(ATTN_WGF_THREADS, 1)
 // ----------------------------------------------------------------------------
 // host side
 
-template <int HD, int SK, int SV>
+// SW: sinks and window (normalised) as the kernel takes them; without SW unused.
+template <int HD, int SK, int SV, bool SW = false>
 static void attention_forward_wgmma_run(bf16* out, float* lse, const bf16* qkv, int B, int T,
-                                        int H, int KVH, cudaStream_t stream) {
+                                        int H, int KVH, cudaStream_t stream,
+                                        const bf16* sinks = nullptr, int window = 0) {
     constexpr int BR = ATTN_WG_ROWS * ATTN_WGF_NWG;
     const size_t smem = attention_wgmma_smem_bytes<HD, SK, SV>();
-    auto kernel = attention_forward_wgmma_kernel<HD, SK, SV>;
+    auto kernel = attention_forward_wgmma_kernel<HD, SK, SV, SW>;
     attention_set_max_smem(kernel, smem);
     kernel<<<attention_grid(B, T, H, BR), ATTN_WGF_THREADS, smem, stream>>>(
-        out, lse, qkv, T, H, KVH, attention_scale_log2(HD));
+        out, lse, qkv, T, H, KVH, attention_scale_log2(HD), sinks, window);
     attention_check(cudaGetLastError());
 }
 
 // Dispatch on HD (64 or 128) once the arguments are checked (attention_forward_check) and the
 // device code is known to be there (attention_wgmma_available). <K ring stages, V ring stages>.
-template <int SK, int SV>
+template <int SK, int SV, bool SW = false>
 static void attention_forward_wgmma_hd(bf16* out, float* lse, const bf16* qkv, int B, int T,
-                                       int H, int KVH, int HD, cudaStream_t stream) {
+                                       int H, int KVH, int HD, cudaStream_t stream,
+                                       const bf16* sinks = nullptr, int window = 0) {
     if (HD == 64)
-        attention_forward_wgmma_run<64, SK, SV>(out, lse, qkv, B, T, H, KVH, stream);
+        attention_forward_wgmma_run<64, SK, SV, SW>(out, lse, qkv, B, T, H, KVH, stream, sinks,
+                                                    window);
     else
-        attention_forward_wgmma_run<128, SK, SV>(out, lse, qkv, B, T, H, KVH, stream);
+        attention_forward_wgmma_run<128, SK, SV, SW>(out, lse, qkv, B, T, H, KVH, stream, sinks,
+                                                     window);
 }
 
 #endif  // KERNELS_ATTENTION_WGMMA_CUH

@@ -226,6 +226,15 @@ void cuda_attention_forward_simple(CudaCtx* cx, bf16* out, float* lse, const bf1
 void cuda_attention_backward_simple(CudaCtx* cx, bf16* dqkv, const bf16* dout, const bf16* qkv,
                                     const bf16* out, const float* lse, float* workspace, int B,
                                     int T, int H, int KVH, int HD);
+// The same with sinks (H) or NULL and a sliding window (0: none), as ops.h's sink ops; the
+// backward leaves D (B, H, T) in the workspace for the sinks' gradient (attention.h).
+void cuda_attention_sink_forward_simple(CudaCtx* cx, bf16* out, float* lse, const bf16* qkv,
+                                        const bf16* sinks, int B, int T, int H, int KVH, int HD,
+                                        int window);
+void cuda_attention_sink_backward_simple(CudaCtx* cx, bf16* dqkv, const bf16* dout,
+                                         const bf16* qkv, const bf16* out, const float* lse,
+                                         float* workspace, int B, int T, int H, int KVH, int HD,
+                                         int window);
 
 // loss.cu
 void cuda_crossentropy_forward_backward(CudaCtx* cx, bf16* logits, float* losses,

@@ -10,8 +10,9 @@
  *    device error word (bad token ids or targets flagged by kernels) and are fatal if it is set.
  *  - fp32 <-> bf16 conversions go through a pinned host staging buffer and a device fp32 chunk,
  *    STAGE_BYTES at a time, converted on the GPU with round-to-nearest-even.
- * Attention goes to the flash kernels of attention.cu when they take the shape (head dim 16, 32,
- * 64 or 128, 16-byte aligned rows), otherwise to the simple kernels of attention_fallback.cu.
+ * Attention (also with sinks and sliding windows) goes to the flash kernels of attention.cu when
+ * they take the shape (head dim 16, 32, 64 or 128, 16-byte aligned rows), otherwise to the simple
+ * kernels of attention_fallback.cu.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -397,6 +398,56 @@ static void op_attention_backward(void* ctx, void* dqkv, const void* dout, const
     prof_end(cx);
 }
 
+// Pairs (query, key) a row attends to per (b, h) summed over the rows: T(T+1)/2 causal, fewer
+// with a window (for the profiler's FLOP count).
+static double attention_visible_pairs(int T, int window) {
+    const double t = T, w = window > 0 && window < T ? window : T;
+    return w * (w + 1) / 2 + (t - w) * w;
+}
+
+static void op_attention_sink_forward(void* ctx, void* out, float* lse, const void* qkv,
+                                      const void* sinks, int B, int T, int H, int KVH, int HD,
+                                      int window) {
+    CudaCtx* cx = ctx_enter(ctx);
+    if (B <= 0 || T <= 0) return;
+    const int flash = flash_attention_ok(H, KVH, HD, out, qkv, out, qkv);
+    prof_begin(cx, 4.0 * B * H * attention_visible_pairs(T, window) * HD, 0,
+               "attention sink fwd%s B=%d T=%d H=%d HD=%d window=%d", flash ? "" : " (fallback)",
+               B, T, H, HD, window);
+    if (flash)
+        attention_sink_forward_bf16(out, lse, qkv, sinks, B, T, H, KVH, HD, window, cx->stream);
+    else
+        cuda_attention_sink_forward_simple(cx, (bf16*)out, lse, (const bf16*)qkv,
+                                           (const bf16*)sinks, B, T, H, KVH, HD, window);
+    prof_end(cx);
+}
+
+static void op_attention_sink_backward(void* ctx, void* dqkv, float* dsinks, const void* dout,
+                                       const void* qkv, const void* out, const float* lse,
+                                       const void* sinks, int B, int T, int H, int KVH, int HD,
+                                       int window) {
+    CudaCtx* cx = ctx_enter(ctx);
+    if (B <= 0 || T <= 0) return;
+    const int flash = flash_attention_ok(H, KVH, HD, dqkv, dout, qkv, out);
+    prof_begin(cx, 10.0 * B * H * attention_visible_pairs(T, window) * HD, 0,
+               "attention sink bwd%s B=%d T=%d H=%d HD=%d window=%d", flash ? "" : " (fallback)",
+               B, T, H, HD, window);
+    if (flash) {
+        size_t ws_bytes = attention_backward_workspace_bytes(B, T, H, KVH, HD);
+        void* ws = cuda_scratch(cx, SCRATCH_ATTN, ws_bytes > 0 ? ws_bytes : 16);
+        attention_sink_backward_bf16(dqkv, dsinks, dout, qkv, out, lse, sinks, ws, B, T, H, KVH,
+                                     HD, window, cx->stream);
+    } else {
+        float* ws = (float*)cuda_scratch(cx, SCRATCH_ATTN,
+                                         cuda_attention_simple_workspace_bytes(B, T, H));
+        cuda_attention_sink_backward_simple(cx, (bf16*)dqkv, (const bf16*)dout, (const bf16*)qkv,
+                                            (const bf16*)out, lse, ws, B, T, H, KVH, HD, window);
+        // the simple backward left D (B, H, T) in the workspace
+        attention_sink_dsinks_bf16(dsinks, sinks, lse, ws, B, T, H, cx->stream);
+    }
+    prof_end(cx);
+}
+
 static void op_swiglu_forward(void* ctx, void* out, const void* gu, int N, int F) {
     CudaCtx* cx = ctx_enter(ctx);
     prof_begin(cx, 0, 6.0 * N * F, "swiglu fwd N=%d F=%d", N, F);
@@ -468,4 +519,6 @@ extern "C" const Ops ops_cuda = {
     .add = op_add,
     .add_f32 = op_add_f32,
     .crossentropy_forward_backward = op_crossentropy_forward_backward,
+    .attention_sink_forward = op_attention_sink_forward,
+    .attention_sink_backward = op_attention_sink_backward,
 };

@@ -8,6 +8,10 @@
  * Build and run (needs a GPU; the build does not):
  *   dev/cuda/run_attention.sh [--quick] [--tiny] [--no-big] [--no-bench] [--long]
  *       [--shape B,T,H,KVH,HD] [--fwd I or I,J,...] [--bwd I or I,J,...]
+ *   dev/cuda/run_attention.sh --sink [--no-bench]: sinks and sliding windows (GPT-OSS) only:
+ *       their validation (C interface, mma.sync SW kernels, wgmma 2-stage forward; the option
+ *       off bit for bit against the causal path) and the GPT-OSS benchmark (section "sinks and
+ *       sliding windows" below)
  *   exit status 0 passed, 3 a check failed, 1 a CUDA error, 2 bad usage; --shape validates that
  *   one case only (e.g. under compute-sanitizer); --long adds a benchmark shape T=65536 B=1;
  *   --fwd -2 / --bwd -2 run no forward / backward variant. The build is for sm_90a: the mma.sync
@@ -660,6 +664,7 @@ static const double TOLERANCE = 2e-2;
 // benchmark shape T=65536 B=1, forward and backward (the trainer's long-sequence regime).
 struct LabOptions {
     bool quick = false, tiny = false, big = true, bench = true, long_bench = false;
+    bool sink = false;  // --sink: the sink/window validation and benchmark only
     int shape[5] = {0, 0, 0, 0, 0};  // --shape B,T,H,KVH,HD: validate this one case only
     int fwd = -1, bwd = -1;
     uint64_t fwd_set = 0, bwd_set = 0;
@@ -1363,6 +1368,435 @@ static void bench_backward_passes(const LabOptions& opt, FILE* log, const Shape&
     case_free(c);
 }
 
+// ----------------------------------------------------------------------------
+// sinks and sliding windows (GPT-OSS): --sink
+//
+// The kernels' compile-time option SW (kernels/attention_common.cuh): key j visible to query i
+// iff i - window < j <= i, one learned logit per head (bf16) in each row's softmax denominator.
+//   validation: the C interface (attention_sink_forward_bf16 / attention_sink_backward_bf16:
+//     wgmma at HD 64/128 on an sm_90a build, else mma.sync), the mma.sync SW kernels called
+//     directly (the C interface's shapes) and the wgmma forward with 2-stage rings (the C
+//     interface's choice from T = 32768 on), against an fp64 CPU reference with the window and
+//     the sinks: out, lse, dq, dk, dv and dsinks (relative L2, TOLERANCE); every run twice, bit
+//     for bit; outputs poisoned with NaN first. Then the option off (sinks NULL, window 0)
+//     against the causal C interface, bit for bit.
+//   benchmark: the GPT-OSS attention (H 64, KVH 8, HD 64) at T = 2048, B = 13 (one micro-batch
+//     of 26,624 rows): causal without sinks (the old path), causal with sinks, window 128 with
+//     sinks. TFLOP/s over the pairs (query, key) actually visible, and the speed-up over causal.
+
+// fp64 reference of one query row (b, h, i) with window (0: none) and sink (NaN: none): out,
+// lse, D = sum_j P_ij dP_ij, dq, and the row's sink-gradient term -P_sink D. p, dp: T doubles.
+static void sink_ref_query_row(const Shape& s, int window, double sink, const uint16_t* qkv,
+                               const uint16_t* dout, int b, int h, int i, double* p, double* dp,
+                               float* out_row, double* lse_out, double* D_out, float* dq_row,
+                               double* dsink_term) {
+    const int HD = s.HD, kvh = h / (s.H / s.KVH);
+    const int64_t QKV = s.qkv_cols(), OC = s.out_cols();
+    const double scale = 1.0 / std::sqrt((double)HD);
+    const bool has_sink = !std::isnan(sink);
+    const int j0 = window > 0 ? std::max(0, i - window + 1) : 0;
+    const uint16_t* q = qkv + ((int64_t)b * s.T + i) * QKV + (int64_t)h * HD;
+    const uint16_t* dy = dout + ((int64_t)b * s.T + i) * OC + (int64_t)h * HD;
+    std::vector<double> qd(HD), dyd(HD), acc(HD, 0.0);
+    for (int d = 0; d < HD; d++) qd[d] = bf16_to_float(q[d]), dyd[d] = bf16_to_float(dy[d]);
+    double mx = has_sink ? sink : -INFINITY;
+    for (int j = j0; j <= i; j++) {
+        const uint16_t* k = qkv + ((int64_t)b * s.T + j) * QKV + (int64_t)(s.H + kvh) * HD;
+        const uint16_t* v = k + (int64_t)s.KVH * HD;
+        double sk = 0.0, sv = 0.0;
+        for (int d = 0; d < HD; d++) {
+            sk += qd[d] * bf16_to_float(k[d]);
+            sv += dyd[d] * bf16_to_float(v[d]);
+        }
+        p[j] = sk * scale;
+        dp[j] = sv;
+        mx = std::max(mx, p[j]);
+    }
+    double l = has_sink ? std::exp(sink - mx) : 0.0;
+    for (int j = j0; j <= i; j++) l += (p[j] = std::exp(p[j] - mx));
+    double D = 0.0;
+    for (int j = j0; j <= i; j++) {
+        p[j] /= l;
+        D += p[j] * dp[j];
+        const uint16_t* v =
+            qkv + ((int64_t)b * s.T + j) * QKV + (int64_t)(s.H + s.KVH + kvh) * HD;
+        for (int d = 0; d < HD; d++) acc[d] += p[j] * bf16_to_float(v[d]);
+    }
+    for (int d = 0; d < HD; d++) out_row[d] = (float)acc[d];
+    *lse_out = mx + std::log(l);
+    *D_out = D;
+    *dsink_term = has_sink ? -std::exp(sink - *lse_out) * D : 0.0;
+    std::fill(acc.begin(), acc.end(), 0.0);
+    for (int j = j0; j <= i; j++) {
+        const double ds = p[j] * (dp[j] - D);
+        const uint16_t* k = qkv + ((int64_t)b * s.T + j) * QKV + (int64_t)(s.H + kvh) * HD;
+        for (int d = 0; d < HD; d++) acc[d] += ds * bf16_to_float(k[d]);
+    }
+    for (int d = 0; d < HD; d++) dq_row[d] = (float)(acc[d] * scale);
+}
+
+// One key row (b, kvh, j): dk, dv over the group's query heads and the queries i with
+// j <= i < j + window (window 0: to T), given lse (sinks included) and D per (b, h, i).
+static void sink_ref_key_row(const Shape& s, int window, const uint16_t* qkv,
+                             const uint16_t* dout, const double* lse, const double* Dv, int b,
+                             int kvh, int j, float* dk_row, float* dv_row) {
+    const int HD = s.HD, group = s.H / s.KVH;
+    const int64_t QKV = s.qkv_cols(), OC = s.out_cols();
+    const double scale = 1.0 / std::sqrt((double)HD);
+    const int i_end = window > 0 ? std::min(s.T, j + window) : s.T;
+    const uint16_t* k = qkv + ((int64_t)b * s.T + j) * QKV + (int64_t)(s.H + kvh) * HD;
+    const uint16_t* v = k + (int64_t)s.KVH * HD;
+    std::vector<double> kd(HD), vd(HD), dk(HD, 0.0), dv(HD, 0.0);
+    for (int d = 0; d < HD; d++) kd[d] = bf16_to_float(k[d]), vd[d] = bf16_to_float(v[d]);
+    for (int h = kvh * group; h < (kvh + 1) * group; h++)
+        for (int i = j; i < i_end; i++) {
+            const uint16_t* q = qkv + ((int64_t)b * s.T + i) * QKV + (int64_t)h * HD;
+            const uint16_t* dy = dout + ((int64_t)b * s.T + i) * OC + (int64_t)h * HD;
+            double sk = 0.0, sv = 0.0;
+            for (int d = 0; d < HD; d++) {
+                sk += bf16_to_float(q[d]) * kd[d];
+                sv += bf16_to_float(dy[d]) * vd[d];
+            }
+            const int64_t r = ((int64_t)b * s.H + h) * s.T + i;
+            const double P = std::exp(sk * scale - lse[r]);
+            const double ds = P * (sv - Dv[r]);
+            for (int d = 0; d < HD; d++) {
+                dk[d] += ds * bf16_to_float(q[d]);
+                dv[d] += P * bf16_to_float(dy[d]);
+            }
+        }
+    for (int d = 0; d < HD; d++) dk_row[d] = (float)(dk[d] * scale), dv_row[d] = (float)dv[d];
+}
+
+// The whole reference; sinks: H values or empty (none). dsinks (H) from zero.
+static void sink_ref_attention(const Shape& s, int window, const std::vector<float>& sinks,
+                               const std::vector<uint16_t>& qkv,
+                               const std::vector<uint16_t>& dout, Reference& r,
+                               std::vector<double>& dsinks) {
+    const int64_t rows = (int64_t)s.B * s.T, n_lse = (int64_t)s.B * s.H * s.T;
+    r.out.assign(rows * s.out_cols(), 0.0f);
+    r.lse.assign(n_lse, 0.0);
+    r.D.assign(n_lse, 0.0);
+    r.dqkv.assign(rows * s.qkv_cols(), 0.0f);
+    std::vector<double> term(n_lse, 0.0);
+    parallel_for(n_lse, [&](int64_t idx) {
+        const int i = (int)(idx % s.T), h = (int)(idx / s.T % s.H), b = (int)(idx / s.T / s.H);
+        std::vector<double> p(s.T), dp(s.T);
+        const int64_t row = (int64_t)b * s.T + i;
+        const double sink = sinks.empty() ? NAN : (double)sinks[h];
+        sink_ref_query_row(s, window, sink, qkv.data(), dout.data(), b, h, i, p.data(),
+                           dp.data(), &r.out[row * s.out_cols() + (int64_t)h * s.HD],
+                           &r.lse[idx], &r.D[idx],
+                           &r.dqkv[row * s.qkv_cols() + (int64_t)h * s.HD], &term[idx]);
+    });
+    parallel_for((int64_t)s.B * s.KVH * s.T, [&](int64_t idx) {
+        const int j = (int)(idx % s.T), g = (int)(idx / s.T % s.KVH),
+                  b = (int)(idx / s.T / s.KVH);
+        float* row = &r.dqkv[((int64_t)b * s.T + j) * s.qkv_cols()];
+        sink_ref_key_row(s, window, qkv.data(), dout.data(), r.lse.data(), r.D.data(), b, g, j,
+                         row + (int64_t)(s.H + g) * s.HD,
+                         row + (int64_t)(s.H + s.KVH + g) * s.HD);
+    });
+    dsinks.assign(s.H, 0.0);
+    for (int64_t idx = 0; idx < n_lse; idx++) dsinks[idx / s.T % s.H] += term[idx];
+}
+
+// A way to run the sink attention: forward, and backward (dsinks += from the workspace's D).
+typedef void (*SinkForwardFn)(void* out, float* lse, const void* qkv, const void* sinks, int B,
+                              int T, int H, int KVH, int HD, int window);
+typedef void (*SinkBackwardFn)(void* dqkv, float* dsinks, const void* dout, const void* qkv,
+                               const void* out, const float* lse, const void* sinks, void* ws,
+                               int B, int T, int H, int KVH, int HD, int window);
+struct SinkVariant {
+    const char* name;
+    SinkForwardFn fwd;
+    SinkBackwardFn bwd;  // nullptr: forward only
+    int (*supports)(int HD);
+};
+
+static void sink_fwd_kernels(void* out, float* lse, const void* qkv, const void* sinks, int B,
+                             int T, int H, int KVH, int HD, int window) {
+    attention_sink_forward_bf16(out, lse, qkv, sinks, B, T, H, KVH, HD, window, nullptr);
+}
+static void sink_bwd_kernels(void* dqkv, float* dsinks, const void* dout, const void* qkv,
+                             const void* out, const float* lse, const void* sinks, void* ws,
+                             int B, int T, int H, int KVH, int HD, int window) {
+    attention_sink_backward_bf16(dqkv, dsinks, dout, qkv, out, lse, sinks, ws, B, T, H, KVH, HD,
+                                 window, nullptr);
+}
+// The mma.sync SW kernels with the C interface's tile shapes (what runs off Hopper).
+static void sink_fwd_mma(void* out, float* lse, const void* qkv, const void* sinks, int B, int T,
+                         int H, int KVH, int HD, int window) {
+    const char* fn = "sink lab mma.sync forward";
+    if (!attention_forward_check(fn, out, lse, qkv, B, T, H, KVH, HD)) return;
+    attention_forward_mma_hd<ATTN_FWD_MT, ATTN_FWD_WARPS, ATTN_FWD_BC, ATTN_FWD_MINB, true>(
+        static_cast<bf16*>(out), lse, static_cast<const bf16*>(qkv), B, T, H, KVH, HD, nullptr,
+        static_cast<const bf16*>(sinks), attention_window_for_kernels(fn, window, T));
+}
+static void sink_bwd_mma(void* dqkv, float* dsinks, const void* dout, const void* qkv,
+                         const void* out, const float* lse, const void* sinks, void* ws, int B,
+                         int T, int H, int KVH, int HD, int window) {
+    const char* fn = "sink lab mma.sync backward";
+    if (!attention_backward_check(fn, dqkv, dout, qkv, out, lse, ws, B, T, H, KVH, HD)) return;
+    attention_backward_mma_hd<ATTN_KV_WARPS, ATTN_KV_BRQ, ATTN_Q_WARPS, ATTN_Q_BC, true>(
+        static_cast<bf16*>(dqkv), static_cast<const bf16*>(dout), static_cast<const bf16*>(qkv),
+        static_cast<const bf16*>(out), lse, static_cast<float*>(ws), B, T, H, KVH, HD, nullptr,
+        attention_window_for_kernels(fn, window, T));
+    attention_sink_dsinks_bf16(dsinks, sinks, lse, static_cast<const float*>(ws), B, T, H,
+                               nullptr);
+}
+// The wgmma forward with 2-stage rings (the C interface's from T = 32768 on).
+static void sink_fwd_wgmma_k2v2(void* out, float* lse, const void* qkv, const void* sinks, int B,
+                                int T, int H, int KVH, int HD, int window) {
+    const char* fn = "sink lab wgmma k2v2 forward";
+    lab_require_wgmma(fn, HD);
+    if (!attention_forward_check(fn, out, lse, qkv, B, T, H, KVH, HD)) return;
+    attention_forward_wgmma_hd<2, 2, true>(static_cast<bf16*>(out), lse,
+                                           static_cast<const bf16*>(qkv), B, T, H, KVH, HD,
+                                           nullptr, static_cast<const bf16*>(sinks),
+                                           attention_window_for_kernels(fn, window, T));
+}
+
+static const SinkVariant sink_variants[] = {
+    {"kernels", sink_fwd_kernels, sink_bwd_kernels, nullptr},
+    {"mma.sync SW", sink_fwd_mma, sink_bwd_mma, nullptr},
+    {"wgmma SW k2v2 (fwd)", sink_fwd_wgmma_k2v2, nullptr, lab_wgmma_supports},
+};
+#define N_SINK ((int)(sizeof(sink_variants) / sizeof(sink_variants[0])))
+
+struct SinkCaseSpec {
+    int B, T, H, KVH, HD, window;
+    bool sinks;
+};
+
+// One case: the reference once, every variant twice (bit for bit). Returns the failures.
+static int sink_validate_case(const SinkCaseSpec& k, uint64_t seed, FILE* log) {
+    const Shape s = {k.B, k.T, k.H, k.KVH, k.HD};
+    std::vector<uint16_t> qkv((size_t)s.B * s.T * s.qkv_cols()),
+        dout((size_t)s.B * s.T * s.out_cols());
+    fill_random(qkv, seed * 2 + 1);
+    fill_random(dout, seed * 2 + 2);
+    std::vector<uint16_t> sinks16;
+    std::vector<float> sinks;
+    if (k.sinks)
+        for (int h = 0; h < s.H; h++) {
+            // a few units: comparable to the logits, so the sink takes a real share of a row
+            const float x = 2.0f * normal_from_hash(splitmix64(seed * 7919 + h));
+            sinks16.push_back(float_to_bf16(x));
+            sinks.push_back(bf16_to_float(sinks16.back()));
+        }
+    Reference ref;
+    std::vector<double> ref_ds;
+    sink_ref_attention(s, k.window, sinks, qkv, dout, ref, ref_ds);
+
+    DeviceCase c = case_alloc(s);
+    bf16* d_sinks = nullptr;
+    float* d_ds = nullptr;
+    lab_check(cudaMalloc(&d_ds, s.H * sizeof(float)));
+    if (k.sinks) {
+        lab_check(cudaMalloc(&d_sinks, s.H * sizeof(bf16)));
+        lab_check(cudaMemcpy(d_sinks, sinks16.data(), s.H * 2, cudaMemcpyHostToDevice));
+    }
+    lab_check(cudaMemcpy(c.qkv, qkv.data(), c.n_qkv * 2, cudaMemcpyHostToDevice));
+    lab_check(cudaMemcpy(c.dout, dout.data(), c.n_out * 2, cudaMemcpyHostToDevice));
+    int failures = 0;
+    for (int v = 0; v < N_SINK; v++) {
+        const SinkVariant& sv = sink_variants[v];
+        if (sv.supports && !sv.supports(s.HD)) continue;
+        std::vector<uint16_t> out[2], dqkv[2];
+        std::vector<float> lse[2], ds[2];
+        for (int rep = 0; rep < 2; rep++) {
+            poison_forward(c);
+            sv.fwd(c.out, c.lse, c.qkv, d_sinks, s.B, s.T, s.H, s.KVH, s.HD, k.window);
+            lab_check(cudaDeviceSynchronize());
+            out[rep] = to_host<uint16_t>(c.out, c.n_out);
+            lse[rep] = to_host<float>(c.lse, c.n_lse);
+            if (!sv.bwd) continue;
+            poison_backward(c);
+            lab_check(cudaMemset(d_ds, 0, s.H * sizeof(float)));
+            sv.bwd(c.dqkv, d_ds, c.dout, c.qkv, c.out, c.lse, d_sinks, c.ws, s.B, s.T, s.H,
+                   s.KVH, s.HD, k.window);
+            lab_check(cudaDeviceSynchronize());
+            dqkv[rep] = to_host<uint16_t>(c.dqkv, c.n_qkv);
+            ds[rep] = to_host<float>(d_ds, s.H);
+        }
+        Errors e = {0, 0, 0, 0, 0};
+        errors_forward(s, out[0], lse[0], ref, e);
+        ErrAcc eds;
+        if (sv.bwd) {
+            errors_backward(s, dqkv[0], ref.dqkv, e);
+            for (int h = 0; h < s.H; h++) eds.add(ds[0][h], ref_ds[h]);
+        }
+        const double e_ds = k.sinks ? eds.rel() : 0.0;
+        bool ds_zero = true;  // without sinks dsinks is left alone (here: stays 0)
+        if (sv.bwd && !k.sinks)
+            for (int h = 0; h < s.H; h++) ds_zero &= ds[0][h] == 0.0f;
+        const bool same = out[0] == out[1] && lse[0] == lse[1] && dqkv[0] == dqkv[1] &&
+                          ds[0] == ds[1];
+        const bool ok = e.max() <= TOLERANCE && e_ds <= TOLERANCE && same && ds_zero;
+        failures += !ok;
+        printf("  %-20s B=%d T=%-5d H=%-2d KVH=%d HD=%-3d window=%-4d %s  out %.1e lse %.1e "
+               "dq %.1e dk %.1e dv %.1e dsinks %.1e%s%s\n",
+               sv.name, s.B, s.T, s.H, s.KVH, s.HD, k.window, k.sinks ? "sinks" : "     ", e.out,
+               e.lse, e.dq, e.dk, e.dv, e_ds, same ? "" : "  NOT DETERMINISTIC",
+               ok ? "" : "  FAILED");
+        fprintf(log, "sink %s B=%d T=%d H=%d KVH=%d HD=%d window=%d sinks=%d: out %.3g lse %.3g "
+                "dq %.3g dk %.3g dv %.3g dsinks %.3g same %d ok %d\n", sv.name, s.B, s.T, s.H,
+                s.KVH, s.HD, k.window, (int)k.sinks, e.out, e.lse, e.dq, e.dk, e.dv, e_ds,
+                (int)same, (int)ok);
+    }
+    if (d_sinks) lab_check(cudaFree(d_sinks));
+    lab_check(cudaFree(d_ds));
+    case_free(c);
+    return failures;
+}
+
+// The option off: sinks NULL and window 0 through the sink C interface must reproduce the
+// causal C interface bit for bit (out, lse, dqkv). Returns the failures.
+static int sink_check_option_off(const Shape& s, FILE* log) {
+    DeviceCase c = case_alloc(s);
+    lab_fill_random_kernel<<<2048, 256>>>(c.qkv, (int64_t)c.n_qkv, 11);
+    lab_check(cudaGetLastError());
+    lab_fill_random_kernel<<<2048, 256>>>(c.dout, (int64_t)c.n_out, 12);
+    lab_check(cudaGetLastError());
+    bf16 *out2, *dqkv2;
+    float* lse2;
+    lab_check(cudaMalloc(&out2, c.n_out * 2));
+    lab_check(cudaMalloc(&dqkv2, c.n_qkv * 2));
+    lab_check(cudaMalloc(&lse2, c.n_lse * 4));
+    attention_forward_bf16(c.out, c.lse, c.qkv, s.B, s.T, s.H, s.KVH, s.HD, nullptr);
+    attention_sink_forward_bf16(out2, lse2, c.qkv, nullptr, s.B, s.T, s.H, s.KVH, s.HD, 0,
+                                nullptr);
+    attention_backward_bf16(c.dqkv, c.dout, c.qkv, c.out, c.lse, c.ws, s.B, s.T, s.H, s.KVH,
+                            s.HD, nullptr);
+    attention_sink_backward_bf16(dqkv2, nullptr, c.dout, c.qkv, c.out, c.lse, nullptr, c.ws, s.B,
+                                 s.T, s.H, s.KVH, s.HD, 0, nullptr);
+    lab_check(cudaDeviceSynchronize());
+    const long long d_out = count_diff16(c.out, out2, c.n_out);
+    const long long d_lse = count_diff16(c.lse, lse2, 2 * c.n_lse);
+    const long long d_dqkv = count_diff16(c.dqkv, dqkv2, c.n_qkv);
+    const bool ok = d_out == 0 && d_lse == 0 && d_dqkv == 0;
+    printf("  option off vs causal  B=%d T=%-5d H=%-2d KVH=%d HD=%-3d  differing 16-bit words: "
+           "out %lld lse %lld dqkv %lld%s\n", s.B, s.T, s.H, s.KVH, s.HD, d_out, d_lse, d_dqkv,
+           ok ? "" : "  FAILED");
+    fprintf(log, "sink option off B=%d T=%d H=%d KVH=%d HD=%d: diff out %lld lse %lld dqkv %lld\n",
+            s.B, s.T, s.H, s.KVH, s.HD, d_out, d_lse, d_dqkv);
+    lab_check(cudaFree(out2));
+    lab_check(cudaFree(dqkv2));
+    lab_check(cudaFree(lse2));
+    case_free(c);
+    return ok ? 0 : 1;
+}
+
+static int sink_validate_all(FILE* log) {
+    const uint64_t seed = (uint64_t)time(nullptr);
+    printf("sink/window validation (seed %llu): relative L2 vs the fp64 reference, tolerance "
+           "%.0e; each run twice, bit for bit\n", (unsigned long long)seed, TOLERANCE);
+    fprintf(log, "sink validation seed %llu\n", (unsigned long long)seed);
+    int failures = 0;
+    const int hds[] = {16, 32, 64, 128};
+    // tails that are no tile multiple, windows of 1, below a tile, of several tiles, longer than
+    // T, none; sinks and none; B > 1; GQA and not
+    const SinkCaseSpec base[] = {
+        {1, 1, 2, 1, 0, 1, true},     {2, 77, 4, 2, 0, 16, true},   {1, 300, 8, 2, 0, 128, true},
+        {1, 300, 4, 4, 0, 1, true},   {2, 129, 4, 1, 0, 1000, true}, {1, 1000, 4, 2, 0, 200, false},
+        {1, 1000, 4, 2, 0, 0, true},  {3, 257, 2, 1, 0, 64, true},  {1, 700, 2, 1, 0, 384, true},
+    };
+    uint64_t n = 0;
+    for (int hd : hds)
+        for (SinkCaseSpec k : base) {
+            k.HD = hd;
+            failures += sink_validate_case(k, seed + n++, log);
+            fflush(stdout);
+        }
+    // GPT-OSS: H 64, KVH 8, HD 64, window 128 at T 2048; its full-causal layers with sinks
+    failures += sink_validate_case({1, 2048, 64, 8, 64, 128, true}, seed + n++, log);
+    failures += sink_validate_case({1, 1024, 16, 2, 64, 0, true}, seed + n++, log);
+    const Shape off[] = {{2, 1000, 8, 2, 64}, {1, 700, 4, 2, 128}, {2, 333, 4, 2, 32},
+                         {1, 129, 2, 1, 16}};
+    for (const Shape& s : off) failures += sink_check_option_off(s, log);
+    printf("sink/window validation: %d failures\n", failures);
+    return failures;
+}
+
+// GPT-OSS attention at one micro-batch: causal (the old path), causal with sinks, window 128
+// with sinks; forward and backward, median of 10.
+static void sink_bench(FILE* log) {
+    const Shape s = {13, 2048, 64, 8, 64};
+    const int reps = 10;
+    DeviceCase c = case_alloc(s);
+    lab_fill_random_kernel<<<2048, 256>>>(c.qkv, (int64_t)c.n_qkv, 21);
+    lab_check(cudaGetLastError());
+    lab_fill_random_kernel<<<2048, 256>>>(c.dout, (int64_t)c.n_out, 22);
+    lab_check(cudaGetLastError());
+    bf16* d_sinks;
+    float* d_ds;
+    lab_check(cudaMalloc(&d_sinks, s.H * sizeof(bf16)));
+    lab_check(cudaMalloc(&d_ds, s.H * sizeof(float)));
+    lab_fill_random_kernel<<<1, 64>>>(d_sinks, s.H, 23);
+    lab_check(cudaGetLastError());
+    lab_check(cudaMemset(d_ds, 0, s.H * sizeof(float)));
+    cudaEvent_t a, z;
+    lab_check(cudaEventCreate(&a));
+    lab_check(cudaEventCreate(&z));
+    auto time_ms = [&](auto fn) {
+        std::vector<float> t;
+        for (int r = 0; r < reps + 2; r++) {
+            lab_check(cudaEventRecord(a));
+            fn();
+            lab_check(cudaEventRecord(z));
+            lab_check(cudaEventSynchronize(z));
+            float ms;
+            lab_check(cudaEventElapsedTime(&ms, a, z));
+            if (r >= 2) t.push_back(ms);
+        }
+        return median_ms(t);
+    };
+    printf("sink/window benchmark: GPT-OSS attention B=%d T=%d H=%d KVH=%d HD=%d (%s), median "
+           "of %d; TFLOP/s over the visible (query, key) pairs: forward 4*pairs*HD, backward "
+           "2.5x\n", s.B, s.T, s.H, s.KVH, s.HD, attention_uses_wgmma(s.HD) ? "wgmma" : "mma.sync",
+           reps);
+    struct Mode {
+        const char* name;
+        int window;
+        bool sinks, old_path;
+    } modes[] = {{"causal (old path)", 0, false, true},
+                 {"causal + sinks", 0, true, false},
+                 {"window 128 + sinks", 128, true, false}};
+    float causal_fwd = 0.0f, causal_bwd = 0.0f;
+    for (const Mode& m : modes) {
+        const bf16* sk = m.sinks ? d_sinks : nullptr;
+        const double w = m.window > 0 ? m.window : s.T;
+        const double pairs = w * (w + 1) / 2 + ((double)s.T - w) * w;
+        const double flops = 4.0 * s.B * s.H * pairs * s.HD;
+        const float f = time_ms([&] {
+            if (m.old_path)
+                attention_forward_bf16(c.out, c.lse, c.qkv, s.B, s.T, s.H, s.KVH, s.HD, nullptr);
+            else
+                attention_sink_forward_bf16(c.out, c.lse, c.qkv, sk, s.B, s.T, s.H, s.KVH, s.HD,
+                                            m.window, nullptr);
+        });
+        const float b = time_ms([&] {
+            if (m.old_path)
+                attention_backward_bf16(c.dqkv, c.dout, c.qkv, c.out, c.lse, c.ws, s.B, s.T, s.H,
+                                        s.KVH, s.HD, nullptr);
+            else
+                attention_sink_backward_bf16(c.dqkv, m.sinks ? d_ds : nullptr, c.dout, c.qkv,
+                                             c.out, c.lse, sk, c.ws, s.B, s.T, s.H, s.KVH, s.HD,
+                                             m.window, nullptr);
+        });
+        if (m.old_path) causal_fwd = f, causal_bwd = b;
+        printf("  %-20s fwd %7.3f ms %6.1f TFLOP/s (x%.2f vs causal)   bwd %7.3f ms %6.1f "
+               "TFLOP/s (x%.2f)\n", m.name, f, flops / f * 1e-9, causal_fwd / f, b,
+               2.5 * flops / b * 1e-9, causal_bwd / b);
+        fprintf(log, "sink bench %s: fwd %.3f ms %.1f TFLOP/s, bwd %.3f ms %.1f TFLOP/s\n",
+                m.name, f, flops / f * 1e-9, b, 2.5 * flops / b * 1e-9);
+    }
+    lab_check(cudaFree(d_sinks));
+    lab_check(cudaFree(d_ds));
+    case_free(c);
+}
+
 // [refactor check: begin]
 // ----------------------------------------------------------------------------
 // refactor check: this build's outputs bit for bit, and its speed, against another build of the
@@ -1678,6 +2112,7 @@ int main(int argc, char** argv) {
         else if (!strcmp(argv[i], "--no-big")) opt.big = false;
         else if (!strcmp(argv[i], "--no-bench")) opt.bench = false;
         else if (!strcmp(argv[i], "--long")) opt.long_bench = true;
+        else if (!strcmp(argv[i], "--sink")) opt.sink = true;
         else if (!strcmp(argv[i], "--shape") && i + 1 < argc) {
             int* d = opt.shape;
             if (sscanf(argv[++i], "%d,%d,%d,%d,%d", &d[0], &d[1], &d[2], &d[3], &d[4]) != 5 ||
@@ -1712,7 +2147,7 @@ int main(int argc, char** argv) {
         else if (!strcmp(argv[i], "--log") && i + 1 < argc) log_path = argv[++i];
         else {
             fprintf(stderr,
-                    "usage: %s [--quick] [--tiny] [--no-big] [--no-bench] [--long] "
+                    "usage: %s [--quick] [--tiny] [--no-big] [--no-bench] [--long] [--sink] "
                     "[--shape B,T,H,KVH,HD] "
                     "[--fwd I[,J...]] [--bwd I[,J...]] [--log FILE] [--probe] [--count]\n"
                     "       %s --check-dump FILE | --check-compare A B | --check-time "
@@ -1743,6 +2178,13 @@ int main(int argc, char** argv) {
            attention_supports_head_dim(16), attention_supports_head_dim(32),
            attention_supports_head_dim(64), attention_supports_head_dim(96),
            attention_supports_head_dim(128), attention_supports_head_dim(256));
+    if (opt.sink) {  // sinks and sliding windows only
+        int failures = sink_validate_all(log);
+        if (opt.bench) sink_bench(log);
+        fclose(log);
+        printf("%s: %d failures\n", failures ? "FAILED" : "PASSED", failures);
+        return failures ? 3 : 0;
+    }
     int failures = validate_all(opt, log);
     fflush(stdout);
     if (opt.big) failures += validate_big(opt, log);

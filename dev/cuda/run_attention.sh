@@ -10,7 +10,8 @@
 #                                           shapes (needs python3 with torch)
 #
 # Lab flags: --quick --tiny --no-big --no-bench --long --shape B,T,H,KVH,HD --fwd I[,J..]
-# --bwd I[,J..] (dev/cuda/attention.cu's header; the lab's usage lists the variants). Logs go to
+# --bwd I[,J..] (dev/cuda/attention.cu's header; the lab's usage lists the variants); --sink
+# [--no-bench]: the sink / sliding-window (GPT-OSS) validation and benchmark only. Logs go to
 # $ATTN_LOGDIR (default .devbuild): attention_lab.log, attention_lab.out. When the lab dies of a
 # CUDA error, the script re-runs small cases variant by variant, and under compute-sanitizer, to
 # name the culprit. Exit status: the lab's (0 passed, 3 a check failed, 1 a CUDA error).
