@@ -40,6 +40,7 @@
     X(moe)         \
     X(parity)      \
     X(gpu)         \
+    X(gpu_moe)     \
     X(device)      \
     X(partition)   \
     X(engine)      \

@@ -196,10 +196,11 @@ __global__ void moe_route_backward_kernel(bf16* __restrict__ dlogits,
         for (int k = 0; k < K; k++) {
             const int i = __shfl_sync(FULL_MASK, my_i, k);
             const float d = __shfl_sync(FULL_MASK, my_dw, k);
-            if ((i & 31) == lane) {
+            const int sel = (i & 31) == lane ? i >> 5 : -1;  // its register here, if any
 #pragma unroll
-                for (int j = 0; j < EPL; j++)
-                    if (j == (i >> 5)) dl[j] = __fadd_rn(dl[j], __fmul_rn(p[j], d));
+            for (int j = 0; j < EPL; j++) {
+                const float upd = __fadd_rn(dl[j], __fmul_rn(p[j], d));
+                dl[j] = j == sel ? upd : dl[j];
             }
         }
     } else {
@@ -210,11 +211,10 @@ __global__ void moe_route_backward_kernel(bf16* __restrict__ dlogits,
             const int i = __shfl_sync(FULL_MASK, my_i, k);
             const float wk = __shfl_sync(FULL_MASK, my_w, k);
             const float d = __shfl_sync(FULL_MASK, my_dw, k);
-            if ((i & 31) == lane) {
+            const int sel = (i & 31) == lane ? i >> 5 : -1;
+            const float val = (float)((double)wk * ((double)d - wdw));
 #pragma unroll
-                for (int j = 0; j < EPL; j++)
-                    if (j == (i >> 5)) dl[j] = (float)((double)wk * ((double)d - wdw));
-            }
+            for (int j = 0; j < EPL; j++) dl[j] = j == sel ? val : dl[j];
         }
     }
     if (aux_scale != 0.0f) {  // aux_scale p_j (c_j - Σ_e c_e p_e)
