@@ -547,9 +547,11 @@ __global__ void moe_gather_kernel(bf16* __restrict__ out, const bf16* __restrict
     const bf16* s = inp + (size_t)(src[i] / K) * C;
     bf16* o = out + (size_t)i * C;
     if constexpr (VEC == 8) {
-        for (int c = lane * 8; c < C; c += 32 * 8)
+#pragma unroll 4
+        for (int c = lane * 8; c < C; c += 32 * 8)  // several 16-byte loads in flight per lane
             *reinterpret_cast<uint4*>(o + c) = *reinterpret_cast<const uint4*>(s + c);
     } else {
+#pragma unroll 4
         for (int c = lane; c < C; c += 32) o[c] = s[c];
     }
 }
@@ -573,7 +575,8 @@ __global__ void moe_sum_rows_kernel(bf16* __restrict__ out, const bf16* __restri
         float acc[VEC];
 #pragma unroll
         for (int q = 0; q < VEC; q++) acc[q] = 0.0f;
-        for (int k = 0; k < K; k++) {
+#pragma unroll 4
+        for (int k = 0; k < K; k++) {  // the K rows' loads are independent: several in flight
             const int r = __shfl_sync(FULL_MASK, my_r, k);
             const float w = __shfl_sync(FULL_MASK, my_w, k);
             if (active) {
@@ -605,6 +608,7 @@ __global__ void moe_combine_backward_kernel(bf16* __restrict__ dy, float* __rest
     const bf16* yr = y + r * C;
     bf16* d = dy + r * C;
     float dot = 0.0f;
+#pragma unroll 2
     for (int c = lane * VEC; c < C; c += 32 * VEC) {
         float gv[VEC], yv[VEC], dv[VEC];
         load_bf16<VEC>(g + c, gv);
