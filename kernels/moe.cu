@@ -24,6 +24,8 @@
  * Every shape-dependent split is a function of the shape only, never of the device: the same
  * inputs give the same bits on every run.
  */
+#include <type_traits>
+
 #include "moe.cuh"
 
 #define FULL_MASK 0xffffffffu
@@ -37,8 +39,19 @@ __device__ __forceinline__ double warp_sum_double(double v) {
     return v;
 }
 
-// The experts-per-lane template of the routing kernels: the smallest that holds E.
-static int route_epl(int E) { return E <= 32 ? 1 : E <= 64 ? 2 : E <= 128 ? 4 : 8; }
+// Calls launch(std::integral_constant<int, EPL>()) with the experts-per-lane template argument of
+// the routing kernels: the smallest of 1, 2, 4, 8 whose 32 * EPL holds E.
+template <typename Launch>
+static void with_route_epl(int E, Launch launch) {
+    if (E <= 32)
+        launch(std::integral_constant<int, 1>());
+    else if (E <= 64)
+        launch(std::integral_constant<int, 2>());
+    else if (E <= 128)
+        launch(std::integral_constant<int, 4>());
+    else
+        launch(std::integral_constant<int, 8>());
+}
 
 static void route_check(const char* op, int E, int K, int mode) {
     if (E < 1 || E > MOE_MAX_EXPERTS)
@@ -246,25 +259,10 @@ void cuda_moe_route_forward(CudaCtx* cx, int32_t* idx, float* weights, const bf1
     route_check("moe_route_forward", E, K, mode);
     if (n <= 0) return;
     const unsigned grid = grid_size((size_t)n, ROUTE_WARPS);
-    const int block = ROUTE_WARPS * 32;
-    switch (route_epl(E)) {
-    case 1:
-        moe_route_forward_kernel<1><<<grid, block, 0, cx->stream>>>(idx, weights, logits, n, E, K,
-                                                                     mode);
-        break;
-    case 2:
-        moe_route_forward_kernel<2><<<grid, block, 0, cx->stream>>>(idx, weights, logits, n, E, K,
-                                                                     mode);
-        break;
-    case 4:
-        moe_route_forward_kernel<4><<<grid, block, 0, cx->stream>>>(idx, weights, logits, n, E, K,
-                                                                     mode);
-        break;
-    default:
-        moe_route_forward_kernel<8><<<grid, block, 0, cx->stream>>>(idx, weights, logits, n, E, K,
-                                                                     mode);
-        break;
-    }
+    with_route_epl(E, [&](auto epl) {
+        moe_route_forward_kernel<decltype(epl)::value><<<grid, ROUTE_WARPS * 32, 0, cx->stream>>>(
+            idx, weights, logits, n, E, K, mode);
+    });
     cuda_check_launch();
 }
 
@@ -276,25 +274,10 @@ void cuda_moe_route_backward(CudaCtx* cx, bf16* dlogits, const float* dweights, 
         fatal("moe_route_backward: an aux term (aux_scale %g) needs the expert counts", aux_scale);
     if (n <= 0) return;
     const unsigned grid = grid_size((size_t)n, ROUTE_WARPS);
-    const int block = ROUTE_WARPS * 32;
-    switch (route_epl(E)) {
-    case 1:
-        moe_route_backward_kernel<1><<<grid, block, 0, cx->stream>>>(
+    with_route_epl(E, [&](auto epl) {
+        moe_route_backward_kernel<decltype(epl)::value><<<grid, ROUTE_WARPS * 32, 0, cx->stream>>>(
             dlogits, dweights, logits, idx, weights, counts, aux_scale, n, E, K, mode);
-        break;
-    case 2:
-        moe_route_backward_kernel<2><<<grid, block, 0, cx->stream>>>(
-            dlogits, dweights, logits, idx, weights, counts, aux_scale, n, E, K, mode);
-        break;
-    case 4:
-        moe_route_backward_kernel<4><<<grid, block, 0, cx->stream>>>(
-            dlogits, dweights, logits, idx, weights, counts, aux_scale, n, E, K, mode);
-        break;
-    default:
-        moe_route_backward_kernel<8><<<grid, block, 0, cx->stream>>>(
-            dlogits, dweights, logits, idx, weights, counts, aux_scale, n, E, K, mode);
-        break;
-    }
+    });
     cuda_check_launch();
 }
 
@@ -357,25 +340,10 @@ void cuda_moe_router_stats(CudaCtx* cx, float* stats, const bf16* logits, const 
         const int rows = rows_per_block(n, STATS_TARGET_BLOCKS);
         n_parts = (n + rows - 1) / rows;
         partial = (double*)cuda_scratch(cx, SCRATCH_PARTIAL, (size_t)n_parts * E * sizeof(double));
-        const int block = ROUTE_WARPS * 32;
-        switch (route_epl(E)) {
-        case 1:
-            moe_router_stats_partial_kernel<1><<<n_parts, block, 0, cx->stream>>>(partial, logits,
-                                                                                  n, E, rows);
-            break;
-        case 2:
-            moe_router_stats_partial_kernel<2><<<n_parts, block, 0, cx->stream>>>(partial, logits,
-                                                                                  n, E, rows);
-            break;
-        case 4:
-            moe_router_stats_partial_kernel<4><<<n_parts, block, 0, cx->stream>>>(partial, logits,
-                                                                                  n, E, rows);
-            break;
-        default:
-            moe_router_stats_partial_kernel<8><<<n_parts, block, 0, cx->stream>>>(partial, logits,
-                                                                                  n, E, rows);
-            break;
-        }
+        with_route_epl(E, [&](auto epl) {
+            moe_router_stats_partial_kernel<decltype(epl)::value>
+                <<<n_parts, ROUTE_WARPS * 32, 0, cx->stream>>>(partial, logits, n, E, rows);
+        });
         cuda_check_launch();
     }
     moe_router_stats_finish_kernel<<<grid_size((size_t)E, 256), 256, 0, cx->stream>>>(
