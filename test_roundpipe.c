@@ -41,6 +41,7 @@
     X(parity)      \
     X(gpu)         \
     X(gpu_sink)    \
+    X(gpu_moe)     \
     X(device)      \
     X(partition)   \
     X(engine)      \

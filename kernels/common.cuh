@@ -51,7 +51,7 @@ static inline void cublas_check_at(cublasStatus_t s, const char* what, const cha
 // the backend context
 
 // Bits of the device error word: conditions a kernel can detect but not report itself.
-enum { CUDA_ERR_TOKEN_ID = 1, CUDA_ERR_TARGET = 2 };
+enum { CUDA_ERR_TOKEN_ID = 1, CUDA_ERR_TARGET = 2, CUDA_ERR_EXPERT = 4 };
 
 // Scratch slots: one op uses a slot only while it enqueues, and stream order keeps the kernels of
 // consecutive ops apart, so one buffer per slot suffices.

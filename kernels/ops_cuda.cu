@@ -20,6 +20,7 @@
 #include "attention.h"
 #include "common.cuh"
 #include "kernels.h"
+#include "moe.cuh"
 
 // ----------------------------------------------------------------------------
 // device memory and context helpers
@@ -72,6 +73,8 @@ static void check_device_errors(CudaCtx* cx) {
     if (e & CUDA_ERR_TARGET)
         fatal("crossentropy: a target id >= vocab reached the GPU. HINT: the data's tokenizer "
               "must match the model's vocabulary");
+    if (e & CUDA_ERR_EXPERT)
+        fatal("moe_dispatch: an expert index outside [0, experts) reached the GPU (a routing bug)");
 }
 
 // ----------------------------------------------------------------------------
@@ -489,6 +492,95 @@ static void op_crossentropy_forward_backward(void* ctx, void* logits, float* los
 }
 
 // ----------------------------------------------------------------------------
+// mixture of experts (moe.cu; the grouped matmul is moe_matmul.cu's)
+
+static void op_moe_route_forward(void* ctx, int32_t* idx, float* weights, const void* logits,
+                                 int n, int E, int K, int mode) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 2.0 * n * E + 8.0 * n * K, "moe route fwd n=%d E=%d K=%d", n, E, K);
+    cuda_moe_route_forward(cx, idx, weights, (const bf16*)logits, n, E, K, mode);
+    prof_end(cx);
+}
+
+static void op_moe_route_backward(void* ctx, void* dlogits, const float* dweights,
+                                  const void* logits, const int32_t* idx, const float* weights,
+                                  const float* counts, float aux_scale, int n, int E, int K,
+                                  int mode) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 4.0 * n * E + 12.0 * n * K, "moe route bwd n=%d E=%d K=%d", n, E, K);
+    cuda_moe_route_backward(cx, (bf16*)dlogits, dweights, (const bf16*)logits, idx, weights,
+                            counts, aux_scale, n, E, K, mode);
+    prof_end(cx);
+}
+
+static void op_moe_dispatch(void* ctx, int32_t* offsets, int32_t* src, int32_t* dst,
+                            const int32_t* idx, int n, int E, int K) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 16.0 * n * K, "moe dispatch n=%d E=%d K=%d", n, E, K);
+    cuda_moe_dispatch(cx, offsets, src, dst, idx, n, E, K);
+    prof_end(cx);
+}
+
+static void op_moe_gather(void* ctx, void* out, const void* inp, const int32_t* src, int n,
+                          int K, int C) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 4.0 * n * K * C, "moe gather n=%d K=%d C=%d", n, K, C);
+    cuda_moe_gather(cx, (bf16*)out, (const bf16*)inp, src, n, K, C);
+    prof_end(cx);
+}
+
+static void op_moe_gather_backward(void* ctx, void* dinp, const void* dout, const int32_t* dst,
+                                   int n, int K, int C) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 2.0 * n * C * (K + 1), "moe gather bwd n=%d K=%d C=%d", n, K, C);
+    cuda_moe_gather_backward(cx, (bf16*)dinp, (const bf16*)dout, dst, n, K, C);
+    prof_end(cx);
+}
+
+static void op_moe_combine_forward(void* ctx, void* out, const void* y, const float* weights,
+                                   const int32_t* dst, int n, int K, int C) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 2.0 * n * C * (K + 1), "moe combine fwd n=%d K=%d C=%d", n, K, C);
+    cuda_moe_combine_forward(cx, (bf16*)out, (const bf16*)y, weights, dst, n, K, C);
+    prof_end(cx);
+}
+
+static void op_moe_combine_backward(void* ctx, void* dy, float* dweights, const void* dout,
+                                    const void* y, const float* weights, const int32_t* dst,
+                                    int n, int K, int C) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 2.0 * n * C * (2 * K + 1), "moe combine bwd n=%d K=%d C=%d", n, K, C);
+    cuda_moe_combine_backward(cx, (bf16*)dy, dweights, (const bf16*)dout, (const bf16*)y,
+                              weights, dst, n, K, C);
+    prof_end(cx);
+}
+
+static void op_moe_router_stats(void* ctx, float* stats, const void* logits,
+                                const int32_t* offsets, int n, int E) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 2.0 * n * E, "moe router stats n=%d E=%d", n, E);
+    cuda_moe_router_stats(cx, stats, (const bf16*)logits, offsets, n, E);
+    prof_end(cx);
+}
+
+static void op_gptoss_glu_forward(void* ctx, void* out, const void* gu, int R, int F,
+                                  float limit, float alpha) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 6.0 * R * F, "gpt-oss glu fwd R=%d F=%d", R, F);
+    cuda_gptoss_glu_forward(cx, (bf16*)out, (const bf16*)gu, R, F, limit, alpha);
+    prof_end(cx);
+}
+
+static void op_gptoss_glu_backward(void* ctx, void* dgu, const void* dout, const void* gu, int R,
+                                   int F, float limit, float alpha) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 10.0 * R * F, "gpt-oss glu bwd R=%d F=%d", R, F);
+    cuda_gptoss_glu_backward(cx, (bf16*)dgu, (const bf16*)dout, (const bf16*)gu, R, F, limit,
+                             alpha);
+    prof_end(cx);
+}
+
+// ----------------------------------------------------------------------------
 // the table
 
 extern "C" const Ops ops_cuda = {
@@ -521,4 +613,15 @@ extern "C" const Ops ops_cuda = {
     .crossentropy_forward_backward = op_crossentropy_forward_backward,
     .attention_sink_forward = op_attention_sink_forward,
     .attention_sink_backward = op_attention_sink_backward,
+    // the grouped matmul (moe_matmul_*) comes from kernels/moe_matmul.cu
+    .moe_route_forward = op_moe_route_forward,
+    .moe_route_backward = op_moe_route_backward,
+    .moe_dispatch = op_moe_dispatch,
+    .moe_gather = op_moe_gather,
+    .moe_gather_backward = op_moe_gather_backward,
+    .gptoss_glu_forward = op_gptoss_glu_forward,
+    .gptoss_glu_backward = op_gptoss_glu_backward,
+    .moe_combine_forward = op_moe_combine_forward,
+    .moe_combine_backward = op_moe_combine_backward,
+    .moe_router_stats = op_moe_router_stats,
 };
