@@ -19,6 +19,7 @@
 #include "attention.h"
 #include "common.cuh"
 #include "kernels.h"
+#include "moe_matmul.h"
 
 // ----------------------------------------------------------------------------
 // device memory and context helpers
@@ -437,6 +438,28 @@ static void op_crossentropy_forward_backward(void* ctx, void* logits, float* los
     prof_end(cx);
 }
 
+static void op_moe_matmul_forward(void* ctx, void* out, const void* inp, const void* w,
+                                  const void* bias, const int32_t* offsets, int R, int E, int IC,
+                                  int OC, int w_in_out) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 2.0 * R * IC * OC, 0, "moe matmul fwd R=%d E=%d IC=%d OC=%d", R, E, IC, OC);
+    cuda_moe_matmul_forward(cx, MOE_MM_AUTO, (bf16*)out, (const bf16*)inp, (const bf16*)w,
+                            (const bf16*)bias, offsets, R, E, IC, OC, w_in_out);
+    prof_end(cx);
+}
+
+static void op_moe_matmul_backward(void* ctx, void* dinp, float* dw, float* dbias,
+                                   const void* dout, const void* inp, const void* w,
+                                   const int32_t* offsets, int R, int E, int IC, int OC,
+                                   int w_in_out) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, ((dinp ? 2.0 : 0.0) + (dw ? 2.0 : 0.0)) * R * IC * OC, 0,
+               "moe matmul bwd R=%d E=%d IC=%d OC=%d", R, E, IC, OC);
+    cuda_moe_matmul_backward(cx, MOE_MM_AUTO, (bf16*)dinp, dw, dbias, (const bf16*)dout,
+                             (const bf16*)inp, (const bf16*)w, offsets, R, E, IC, OC, w_in_out);
+    prof_end(cx);
+}
+
 // ----------------------------------------------------------------------------
 // the table
 
@@ -468,4 +491,6 @@ extern "C" const Ops ops_cuda = {
     .add = op_add,
     .add_f32 = op_add_f32,
     .crossentropy_forward_backward = op_crossentropy_forward_backward,
+    .moe_matmul_forward = op_moe_matmul_forward,
+    .moe_matmul_backward = op_moe_matmul_backward,
 };
