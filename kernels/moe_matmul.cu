@@ -26,7 +26,10 @@
  *   2 mma.sync m16n8k16 (bf16 -> fp32) with ldmatrix (.trans for MN-major operands) and a 4-stage
  *     cp.async ring of 128 x 128 x 32 tiles, 8 warps of 64 x 32; XOR-swizzled shared tiles (no
  *     bank conflicts, no padding). Every sm_80+ GPU.
- *   3 Hopper wgmma (sm_90a build on a compute capability 9.0 device).
+ *   3 Hopper wgmma (moe_matmul_wgmma.cuh; sm_90a build on a compute capability 9.0 device):
+ *     persistent, warp-specialised (a cp.async producer warpgroup, 2 consumer warpgroups),
+ *     128 x 256 x 64 tiles in a 4-stage mbarrier ring, m64n256k16 from shared memory. The
+ *     production choice where available.
  * Edges: IC and OC multiples of 8 (16-byte chunks are wholly inside or wholly outside); rows
  * past an expert's end and columns past N are zero-filled on load and never stored.
  */
@@ -35,40 +38,53 @@
 // ----------------------------------------------------------------------------
 // device: the tile schedule
 
-// Expert and m-tile (tiles of bm rows, experts in index order) of grouped tile `slot`, written to
-// info[0..1] (info[0] = -1 past the last tile); warp 0 scans the offsets, 32 experts per step.
-// Called by the whole CTA (it ends with a barrier); `tid` is the linear thread index.
+// Expert e and m-tile mt (tiles of bm rows, experts in index order, expert e's rows split into
+// ceil(M_e / bm) tiles) of grouped tile `slot`, for every lane of the calling warp; e = -1 past
+// the last tile. The warp scans the offsets 32 experts per step (an inclusive scan of the tile
+// counts by shuffles), so no shared memory and no block barrier.
+__device__ __forceinline__ void moe_warp_find_tile(const int32_t* offsets, int E, int bm, int slot,
+                                                   int lane, int* e_out, int* mt_out) {
+    const unsigned full = 0xffffffffu;
+    int base = 0;
+    for (int e0 = 0; e0 < E; e0 += 32) {
+        const int e = e0 + lane;
+        int cnt = 0;
+        if (e < E) {
+            const int m = offsets[e + 1] - offsets[e];
+            cnt = m > 0 ? (m + bm - 1) / bm : 0;
+        }
+        int incl = cnt;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(full, incl, o);
+            if (lane >= o) incl += v;
+        }
+        const int excl = incl - cnt;
+        const bool hit = cnt > 0 && slot >= base + excl && slot < base + incl;
+        const unsigned b = __ballot_sync(full, hit);
+        if (b) {  // exactly one lane hits
+            const int src = __ffs(b) - 1;
+            *e_out = __shfl_sync(full, e, src);
+            *mt_out = __shfl_sync(full, slot - base - excl, src);
+            return;
+        }
+        base += __shfl_sync(full, incl, 31);
+    }
+    *e_out = -1;
+    *mt_out = 0;
+}
+
+// The same for the whole CTA: warp 0 searches, info[0..1] = (e, mt) in shared memory. Ends with
+// a barrier; `tid` is the linear thread index.
 __device__ __forceinline__ void moe_find_tile(int* info, const int32_t* offsets, int E, int bm,
                                               int slot, int tid) {
     if (tid < 32) {
-        const unsigned full = 0xffffffffu;
-        int base = 0, found = 0;
-        for (int e0 = 0; e0 < E && !found; e0 += 32) {
-            const int e = e0 + tid;
-            int cnt = 0;
-            if (e < E) {
-                const int m = offsets[e + 1] - offsets[e];
-                cnt = m > 0 ? (m + bm - 1) / bm : 0;
-            }
-            int incl = cnt;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int v = __shfl_up_sync(full, incl, o);
-                if (tid >= o) incl += v;
-            }
-            const int excl = incl - cnt;
-            const bool hit = cnt > 0 && slot >= base + excl && slot < base + incl;
-            const unsigned b = __ballot_sync(full, hit);
-            if (b) {
-                found = 1;
-                if (hit) {  // exactly one lane
-                    info[0] = e;
-                    info[1] = slot - base - excl;
-                }
-            }
-            base += __shfl_sync(full, incl, 31);
+        int e, mt;
+        moe_warp_find_tile(offsets, E, bm, slot, tid, &e, &mt);
+        if (tid == 0) {
+            info[0] = e;
+            info[1] = mt;
         }
-        if (!found && tid == 0) info[0] = -1;
     }
     __syncthreads();
 }
@@ -422,12 +438,13 @@ __global__ void __launch_bounds__(MOE_THREADS)
 // ----------------------------------------------------------------------------
 // variant 3: Hopper wgmma
 
+// m-tile slots of a rows product: an upper bound on Σ_e ceil(M_e / bm) for Σ_e M_e <= R.
+static unsigned moe_slots(int R, int E, int bm) { return (unsigned)((R + bm - 1) / bm + E); }
+
 #include "moe_matmul_wgmma.cuh"
 
 // ----------------------------------------------------------------------------
 // host: launchers per variant
-
-static unsigned moe_slots(int R, int E, int bm) { return (unsigned)((R + bm - 1) / bm + E); }
 
 // One rows product. B_e(k, n) = B[e bstride + k sbk + n sbn]: K-major when sbk == 1.
 static void moe_rows_launch(CudaCtx* cx, int variant, bf16* D, const bf16* A, const bf16* B,

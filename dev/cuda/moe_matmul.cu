@@ -14,7 +14,8 @@
  * misaligned pointers):
  *   1  naive: 32 x 32 shared-memory tiles, fp32 FMA
  *   2  mma.sync m16n8k16, ldmatrix, 4-stage cp.async ring, 128 x 128 x 32 tiles, 8 warps
- *   3  Hopper wgmma, warp-specialised (cp.async producer warpgroup, 2 consumer warpgroups)
+ *   3  Hopper wgmma, persistent, warp-specialised (cp.async producer warpgroup, 2 consumer
+ *      warpgroups of 64 x 256), 128 x 256 x 64 tiles, 4-stage mbarrier ring
  * Validation, every variant x product x layout: random imbalanced row counts with empty experts
  * (first, last, in a row), sizes multiples of 8 but not of the tiles, one case with many k-tiles;
  * variant 1 also on sizes that are not multiples of 8. bf16 outputs TOL_BF16, fp32 gradients
