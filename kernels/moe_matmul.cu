@@ -306,7 +306,8 @@ __device__ __forceinline__ void moe_mma_stage(float (&acc)[4][4][4], uint32_t sa
 #pragma unroll
         for (int mi = 0; mi < 4; mi++)
 #pragma unroll
-            for (int nj = 0; nj < 4; nj++) moe_mma16816(acc[mi][nj], af[mi], bfr[nj][0], bfr[nj][1]);
+            for (int nj = 0; nj < 4; nj++)
+                moe_mma16816(acc[mi][nj], af[mi], bfr[nj][0], bfr[nj][1]);
     }
 }
 

@@ -24,7 +24,8 @@ enum {
     MOE_MM_VARIANTS = 3
 };
 
-// out (R, OC) = per expert inp · W_e(ᵀ) (+ bias (E, OC)), bf16, overwritten on the experts' rows.
+// out (R, OC) = per expert inp · W_e(ᵀ) (+ bias (E, OC)), bf16, overwritten on the experts'
+// rows.
 void cuda_moe_matmul_forward(CudaCtx* cx, int variant, bf16* out, const bf16* inp, const bf16* w,
                              const bf16* bias, const int32_t* offsets, int R, int E, int IC,
                              int OC, int w_in_out);

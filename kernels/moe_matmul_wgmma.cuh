@@ -344,7 +344,8 @@ __global__ void __launch_bounds__(MOE_WG_THREADS, 1)
     moe_setmaxnreg_inc<MOE_WG_CONSUMER_REGS>();
     const int v = warp & 3, g = lane >> 2, tq = lane & 3;
     // descriptors' fixed parts; warpgroup wg's A rows (K-major) or A panel (M-major) at wg*8192
-    const uint32_t a_lbo = A_KMAJOR ? 16 : MOE_WG_PANEL_BYTES, b_lbo = B_KMAJOR ? 16 : MOE_WG_PANEL_BYTES;
+    const uint32_t a_lbo = A_KMAJOR ? 16 : MOE_WG_PANEL_BYTES;
+    const uint32_t b_lbo = B_KMAJOR ? 16 : MOE_WG_PANEL_BYTES;
     const uint32_t a_kstep = A_KMAJOR ? 32 : 16 * 128, b_kstep = B_KMAJOR ? 32 : 16 * 128;
     float acc[32][4];
 #pragma unroll
@@ -465,7 +466,8 @@ static void moe_rows_launch_wgmma(CudaCtx* cx, bf16* D, const bf16* A, const bf1
 static void moe_dw_launch_wgmma(CudaCtx* cx, float* D, const bf16* A, const bf16* B,
                                 const int32_t* offsets, int R, int E, int M, int N) {
     (void)R;
-    const int n_ntiles = (N + MOE_WG_BN - 1) / MOE_WG_BN, n_mtiles = (M + MOE_WG_BM - 1) / MOE_WG_BM;
+    const int n_ntiles = (N + MOE_WG_BN - 1) / MOE_WG_BN;
+    const int n_mtiles = (M + MOE_WG_BM - 1) / MOE_WG_BM;
     moe_wgmma_launch<true, false>(cx, D, A, B, NULL, offsets, E, M, N, 0, 0, 0, n_ntiles, n_mtiles,
                                   (long long)n_ntiles * n_mtiles * E);
 }
