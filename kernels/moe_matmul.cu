@@ -38,38 +38,59 @@
 // ----------------------------------------------------------------------------
 // device: the tile schedule
 
+// Tiles of bm rows of expert e (0 for e >= E or an empty expert).
+__device__ __forceinline__ int moe_tile_count(const int32_t* offsets, int e, int E, int bm) {
+    if (e >= E) return 0;
+    const int m = offsets[e + 1] - offsets[e];
+    return m > 0 ? (m + bm - 1) / bm : 0;
+}
+
+// One chunk of 32 experts (lane's expert e has cnt tiles; *base tiles precede the chunk): an
+// inclusive scan by shuffles; returns 1 with (e, m-tile) of `slot` in every lane if the slot lies
+// in this chunk, else adds the chunk's tiles to *base and returns 0.
+__device__ __forceinline__ int moe_scan_chunk(int cnt, int e, int slot, int lane, int* base,
+                                              int* e_out, int* mt_out) {
+    const unsigned full = 0xffffffffu;
+    int incl = cnt;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(full, incl, o);
+        if (lane >= o) incl += v;
+    }
+    const int excl = incl - cnt;
+    const bool hit = cnt > 0 && slot >= *base + excl && slot < *base + incl;
+    const unsigned b = __ballot_sync(full, hit);
+    if (b) {  // exactly one lane hits
+        const int src = __ffs(b) - 1;
+        *e_out = __shfl_sync(full, e, src);
+        *mt_out = __shfl_sync(full, slot - *base - excl, src);
+        return 1;
+    }
+    *base += __shfl_sync(full, incl, 31);
+    return 0;
+}
+
 // Expert e and m-tile mt (tiles of bm rows, experts in index order, expert e's rows split into
 // ceil(M_e / bm) tiles) of grouped tile `slot`, for every lane of the calling warp; e = -1 past
-// the last tile. The warp scans the offsets 32 experts per step (an inclusive scan of the tile
-// counts by shuffles), so no shared memory and no block barrier.
+// the last tile. No shared memory, no block barrier. The counts of the first 128 experts are
+// loaded at once (their loads in flight together: the search costs about one memory latency for
+// E <= 128), the others chunk by chunk.
 __device__ __forceinline__ void moe_warp_find_tile(const int32_t* offsets, int E, int bm, int slot,
                                                    int lane, int* e_out, int* mt_out) {
-    const unsigned full = 0xffffffffu;
-    int base = 0;
-    for (int e0 = 0; e0 < E; e0 += 32) {
-        const int e = e0 + lane;
-        int cnt = 0;
-        if (e < E) {
-            const int m = offsets[e + 1] - offsets[e];
-            cnt = m > 0 ? (m + bm - 1) / bm : 0;
-        }
-        int incl = cnt;
+    constexpr int PRE = 4;
+    int cnt[PRE];
 #pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int v = __shfl_up_sync(full, incl, o);
-            if (lane >= o) incl += v;
-        }
-        const int excl = incl - cnt;
-        const bool hit = cnt > 0 && slot >= base + excl && slot < base + incl;
-        const unsigned b = __ballot_sync(full, hit);
-        if (b) {  // exactly one lane hits
-            const int src = __ffs(b) - 1;
-            *e_out = __shfl_sync(full, e, src);
-            *mt_out = __shfl_sync(full, slot - base - excl, src);
-            return;
-        }
-        base += __shfl_sync(full, incl, 31);
+    for (int c = 0; c < PRE; c++) cnt[c] = moe_tile_count(offsets, 32 * c + lane, E, bm);
+    int base = 0;
+#pragma unroll
+    for (int c = 0; c < PRE; c++) {
+        if (32 * c >= E) break;
+        if (moe_scan_chunk(cnt[c], 32 * c + lane, slot, lane, &base, e_out, mt_out)) return;
     }
+    for (int e0 = 32 * PRE; e0 < E; e0 += 32)
+        if (moe_scan_chunk(moe_tile_count(offsets, e0 + lane, E, bm), e0 + lane, slot, lane,
+                           &base, e_out, mt_out))
+            return;
     *e_out = -1;
     *mt_out = 0;
 }
