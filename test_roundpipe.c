@@ -42,6 +42,7 @@
     X(gpu)         \
     X(gpu_sink)    \
     X(gpu_moe)     \
+    X(gpu_moe_matmul) \
     X(device)      \
     X(partition)   \
     X(engine)      \

@@ -21,6 +21,7 @@
 #include "common.cuh"
 #include "kernels.h"
 #include "moe.cuh"
+#include "moe_matmul.h"
 
 // ----------------------------------------------------------------------------
 // device memory and context helpers
@@ -491,6 +492,28 @@ static void op_crossentropy_forward_backward(void* ctx, void* logits, float* los
     prof_end(cx);
 }
 
+static void op_moe_matmul_forward(void* ctx, void* out, const void* inp, const void* w,
+                                  const void* bias, const int32_t* offsets, int R, int E, int IC,
+                                  int OC, int w_in_out) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 2.0 * R * IC * OC, 0, "moe matmul fwd R=%d E=%d IC=%d OC=%d", R, E, IC, OC);
+    cuda_moe_matmul_forward(cx, MOE_MM_AUTO, (bf16*)out, (const bf16*)inp, (const bf16*)w,
+                            (const bf16*)bias, offsets, R, E, IC, OC, w_in_out);
+    prof_end(cx);
+}
+
+static void op_moe_matmul_backward(void* ctx, void* dinp, float* dw, float* dbias,
+                                   const void* dout, const void* inp, const void* w,
+                                   const int32_t* offsets, int R, int E, int IC, int OC,
+                                   int w_in_out) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, ((dinp ? 2.0 : 0.0) + (dw ? 2.0 : 0.0)) * R * IC * OC, 0,
+               "moe matmul bwd R=%d E=%d IC=%d OC=%d", R, E, IC, OC);
+    cuda_moe_matmul_backward(cx, MOE_MM_AUTO, (bf16*)dinp, dw, dbias, (const bf16*)dout,
+                             (const bf16*)inp, (const bf16*)w, offsets, R, E, IC, OC, w_in_out);
+    prof_end(cx);
+}
+
 // ----------------------------------------------------------------------------
 // mixture of experts (moe.cu; the grouped matmul is moe_matmul.cu's)
 
@@ -613,12 +636,13 @@ extern "C" const Ops ops_cuda = {
     .crossentropy_forward_backward = op_crossentropy_forward_backward,
     .attention_sink_forward = op_attention_sink_forward,
     .attention_sink_backward = op_attention_sink_backward,
-    // the grouped matmul (moe_matmul_*) comes from kernels/moe_matmul.cu
     .moe_route_forward = op_moe_route_forward,
     .moe_route_backward = op_moe_route_backward,
     .moe_dispatch = op_moe_dispatch,
     .moe_gather = op_moe_gather,
     .moe_gather_backward = op_moe_gather_backward,
+    .moe_matmul_forward = op_moe_matmul_forward,
+    .moe_matmul_backward = op_moe_matmul_backward,
     .gptoss_glu_forward = op_gptoss_glu_forward,
     .gptoss_glu_backward = op_gptoss_glu_backward,
     .moe_combine_forward = op_moe_combine_forward,
