@@ -47,6 +47,7 @@
     X(tokenizer)   \
     X(resume)      \
     X(checksum)    \
+    X(comm)        \
     X(memory)      \
     X(train)       \
     X(cli)

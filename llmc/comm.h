@@ -167,7 +167,9 @@ int comm_broadcast(Comm* c, const void* send, void* recv, size_t count, CommDtyp
                    const CommStream* st);
 int comm_barrier(Comm* c);
 // Wait until the ops enqueued on st so far have completed, polling the asynchronous error, at
-// most the timeout; on timeout (or an error) the communicator is aborted. 0, or -1 with the
+// most the timeout (plus 10% and half a second, so an implementation's own timeout of an op,
+// with its more precise message, comes first); on timeout (or an error) the communicator is
+// aborted. 0, or -1 with the
 // message in comm_error.
 int comm_sync(Comm* c, const CommStream* st);
 int comm_poll(Comm* c);
