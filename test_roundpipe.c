@@ -40,6 +40,7 @@
     X(moe)         \
     X(parity)      \
     X(gpu)         \
+    X(gpu_comm)    \
     X(device)      \
     X(partition)   \
     X(engine)      \
