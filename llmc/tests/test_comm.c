@@ -777,6 +777,6 @@ const TestCase tests_comm[] = {
     {"comm_dist_config", test_comm_dist_config},
     {"comm_dist_rendezvous", test_comm_dist_rendezvous},
     {"comm_dist_rendezvous_config", test_comm_dist_rendezvous_config},
-    {"comm_cli_flags", test_comm_cli_flags},
+    {"cli_dist_flags", test_comm_cli_flags},
     {NULL, NULL},
 };
