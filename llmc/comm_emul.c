@@ -119,13 +119,16 @@ static void missing_ranks(const CommEmulWorld* w, char* buf, size_t cap, int* n_
 
 // All ranks meet. 0 when everyone arrived; -1 (failure recorded in the comm) on timeout, on an
 // aborted world, or when the world aborts while waiting. what names the op in messages.
-static int world_barrier(CommEmul* e, const char* what) {
+// through_abort: the second barrier of an op, which every rank reaches once the first one
+// completed (nothing between them blocks): it ignores an abort, so no rank leaves the op (and
+// frees or reuses its buffers) while another still reads them.
+static int world_barrier(CommEmul* e, const char* what, int through_abort) {
     CommEmulWorld* w = e->w;
     Comm* c = &e->base;
     struct timespec deadline;
     deadline_after(&deadline, c->timeout_s);
     pthread_check(pthread_mutex_lock(&w->mu));
-    if (w->aborted) {
+    if (w->aborted && !through_abort) {
         char why[ERR_LEN];
         str_copy(why, sizeof why, w->why);
         pthread_check(pthread_mutex_unlock(&w->mu));
@@ -141,9 +144,9 @@ static int world_barrier(CommEmul* e, const char* what) {
         pthread_check(pthread_mutex_unlock(&w->mu));
         return 0;
     }
-    while (w->gen == gen && !w->aborted) {
+    while (w->gen == gen && (through_abort || !w->aborted)) {
         const int rc = pthread_cond_timedwait(&w->cv, &w->mu, &deadline);
-        if (rc == ETIMEDOUT && w->gen == gen && !w->aborted) {
+        if (rc == ETIMEDOUT && w->gen == gen && (through_abort || !w->aborted)) {
             char miss[256], why[ERR_LEN];
             int n_missing = 0;
             missing_ranks(w, miss, sizeof miss, &n_missing);
@@ -258,7 +261,7 @@ static int emul_exec(CommEmul* e, const CommOp* ops, int n) {
     pthread_check(pthread_mutex_lock(&w->mu));
     w->slot[c->rank] = (EmulSlot){.ops = ops, .n = n};
     pthread_check(pthread_mutex_unlock(&w->mu));
-    if (world_barrier(e, what) != 0) return -1;
+    if (world_barrier(e, what, 0) != 0) return -1;
     // every rank must have issued the same group (checked against every rank, not only rank 0:
     // computing reads the other ranks' ops, which must exist)
     for (int q = 0; q < w->world; q++) {
@@ -285,7 +288,11 @@ static int emul_exec(CommEmul* e, const CommOp* ops, int n) {
         pthread_check(pthread_mutex_lock(&w->mu));
         world_abort_locked(w, why);
         pthread_check(pthread_mutex_unlock(&w->mu));
-        return comm_fail(c, "%s", why);
+        comm_fail(c, "%s", why);
+        char done[200];
+        snprintf(done, sizeof done, "%s, after the mismatch", what);
+        world_barrier(e, done, 1);  // the others may still be reading this rank's slot
+        return -1;
     }
     void** tmp = calloc_check((size_t)n, sizeof(void*));
     for (int i = 0; i < n; i++) {
@@ -295,7 +302,7 @@ static int emul_exec(CommEmul* e, const CommOp* ops, int n) {
     }
     char done[200];
     snprintf(done, sizeof done, "%s, after reading", what);
-    int rc = world_barrier(e, done);
+    int rc = world_barrier(e, done, 1);
     for (int i = 0; i < n; i++) {
         const size_t bytes = out_count(&ops[i], w->world) * comm_dtype_size(ops[i].dtype);
         if (rc == 0 && bytes > 0) memcpy(ops[i].recv, tmp[i], bytes);
@@ -339,7 +346,7 @@ static int emul_barrier(Comm* c) {
     char what[64];
     snprintf(what, sizeof what, "barrier (op #%llu)", (unsigned long long)atomic_load(&c->n_ops));
     if (fault_fire(e, what) != 0) return -1;
-    const int rc = world_barrier(e, what);
+    const int rc = world_barrier(e, what, 0);
     atomic_fetch_add(&c->n_ops, 1);
     return rc;
 }
@@ -374,7 +381,7 @@ static Comm* emul_init(const CommInit* in, char* err) {
     comm_base_init(&e->base, &comm_emul_impl, in->rank, in->world, in->timeout_s);
     e->w = w;
     // init is collective, as ncclCommInitRank: it names the ranks that never joined
-    if (world_barrier(e, "init") != 0) {
+    if (world_barrier(e, "init", 0) != 0) {
         comm_error(&e->base, err, ERR_LEN);
         comm_base_destroy(&e->base);
         free(e);

@@ -344,7 +344,7 @@ int dist_server_hand_out(DistServer* s, int world, const CommToken* token, doubl
     const double deadline = time_now_s() + timeout_s;
     int* fds = malloc_check((size_t)(world > 0 ? world : 1) * sizeof(int));
     for (int r = 0; r < world; r++) fds[r] = -1;
-    char msg[ERR_LEN];
+    char msg[1024];  // room for the names of the missing ranks and the host (cut to ERR_LEN)
     int connected = 0;
     while (connected < world - 1) {
         const int w = wait_fd(s->fd, POLLIN, deadline);
