@@ -136,7 +136,7 @@ static void nccl_abort_locked(CommNccl* n) {
     atomic_store(&n->aborted, 1);
     if (n->nc) {
         const ncclResult_t rc = ncclCommAbort(n->nc);
-        if (rc != ncclSuccess)
+        if (rc != ncclSuccess && rc != ncclInProgress)  // non-blocking: it may finish later
             fprintf(stderr, "train_roundpipe: warning: ncclCommAbort: %s\n",
                     ncclGetErrorString(rc));
         n->nc = NULL;
@@ -185,6 +185,35 @@ static void nccl_job_fn(void* arg) {
 
 static int cuda_fail(CommNccl* n, const char* what, cudaError_t e) {
     return comm_fail(&n->base, "CUDA %s failed: %s", what, cudaGetErrorString(e));
+}
+
+// Wait until the host stream is idle, polling the asynchronous error, at most the timeout; on a
+// failure (rc != 0 already, an error, the timeout) the communicator is aborted, which frees the
+// stream, and the wait goes on a while longer for it to drain. 0, or -1 with the failure recorded.
+static int host_wait(CommNccl* n, CommOpKind kind, int rc) {
+    Comm* c = &n->base;
+    const double deadline = time_now_s() + c->timeout_s;
+    double drain_deadline = 0;
+    for (;;) {
+        const cudaError_t ce = cudaStreamQuery(n->host_stream);
+        if (ce == cudaSuccess) return rc;
+        if (ce != cudaErrorNotReady) return cuda_fail(n, "cudaStreamQuery (host path)", ce);
+        if (rc == 0 && comm_poll(c) != 0) rc = -1;
+        if (rc == 0 && time_now_s() > deadline)
+            rc = comm_fail(c, "%s (op #%llu) did not complete within %.1f s: a peer rank stopped "
+                           "responding; communicator aborted (--dist-timeout)",
+                           comm_op_names[kind], (unsigned long long)atomic_load(&c->n_ops),
+                           c->timeout_s);
+        if (rc != 0 && drain_deadline == 0) {
+            pthread_check(pthread_mutex_lock(&n->mu));
+            nccl_abort_locked(n);
+            pthread_check(pthread_mutex_unlock(&n->mu));
+            drain_deadline = time_now_s() + c->timeout_s;
+        }
+        if (drain_deadline > 0 && time_now_s() > drain_deadline)
+            return rc;  // the stream did not drain after the abort either: give up on it
+        sleep_us(100);
+    }
 }
 
 static int nccl_host_run(CommNccl* n, const CommOp* ops, int cnt) {
@@ -236,6 +265,9 @@ static int nccl_host_run(CommNccl* n, const CommOp* ops, int cnt) {
         if (rc != 0) nccl_abort_locked(n);
         pthread_check(pthread_mutex_unlock(&n->mu));
     }
+    // Wait for the collectives before copying back: a copy into pageable host memory blocks the
+    // thread until the stream gets there, which on a dead peer is never. Bounded instead.
+    if (host_wait(n, ops[0].kind, rc) != 0) rc = -1;
     for (int i = 0; rc == 0 && i < cnt; i++) {
         const size_t es = comm_dtype_size(ops[i].dtype);
         const size_t out = ops[i].kind == COMM_ALL_GATHER ? ops[i].count * (size_t)W
@@ -245,28 +277,8 @@ static int nccl_host_run(CommNccl* n, const CommOp* ops, int cnt) {
                              n->host_stream);
         if (ce != cudaSuccess) rc = cuda_fail(n, "cudaMemcpyAsync (host path)", ce);
     }
-    // wait for the stream, bounded: a dead peer leaves it waiting until the abort frees it
-    const double deadline = time_now_s() + c->timeout_s;
-    for (;;) {
-        ce = cudaStreamQuery(n->host_stream);
-        if (ce == cudaSuccess) break;
-        if (ce != cudaErrorNotReady) {
-            rc = cuda_fail(n, "cudaStreamQuery (host path)", ce);
-            break;
-        }
-        if (rc == 0 && comm_poll(c) != 0) rc = -1;
-        if (rc == 0 && time_now_s() > deadline)
-            rc = comm_fail(c, "%s (op #%llu) did not complete within %.1f s: a peer rank stopped "
-                           "responding; communicator aborted (--dist-timeout)",
-                           comm_op_names[ops[0].kind], (unsigned long long)c->n_ops,
-                           c->timeout_s);
-        if (rc != 0 && !atomic_load(&n->aborted)) {
-            pthread_check(pthread_mutex_lock(&n->mu));
-            nccl_abort_locked(n);
-            pthread_check(pthread_mutex_unlock(&n->mu));
-        }
-        sleep_us(100);
-    }
+    if (rc == 0 && (ce = cudaStreamSynchronize(n->host_stream)) != cudaSuccess)
+        rc = cuda_fail(n, "cudaStreamSynchronize (host path)", ce);
     free(send);
     free(recv);
     free(off);
