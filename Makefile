@@ -17,7 +17,9 @@
 #
 # Host code: C11, gcc, -Wall -Wextra -Werror -O3. CUDA code only in kernels/*.cu, compiled by nvcc
 # for GPU_ARCH when nvcc is on the PATH (or NVCC=...); NO_CUDA=1 forces a CPU-only build. Building
-# never needs a GPU to be present. GPU_ARCH defaults to sm_90a, the architecture-specific Hopper
+# never needs a GPU to be present. The CUDA build links NCCL (-lnccl: libnccl.so beside CUDA's
+# libraries in $(CUDA_HOME)/lib or lib64, nccl.h on the include path) for the data-parallel
+# communicator llmc/comm_nccl.c. GPU_ARCH defaults to sm_90a, the architecture-specific Hopper
 # target (H100/H200): the wgmma attention forward needs it (its machine code runs on compute
 # capability 9.0 only). For other GPUs set GPU_ARCH=sm_80, sm_89, sm_100, ...: the attention
 # forward then runs its mma.sync kernel.
@@ -64,7 +66,7 @@ NVCCFLAGS ?= -O3 -std=c++17 -arch=$(GPU_ARCH) -lineinfo -Xcompiler -Wall,-Werror
              -DCUDA_BUILD_ARCH='"$(GPU_ARCH)"' $(if $(filter sm_90a,$(GPU_ARCH)),-DATTN_WGMMA_BUILD=1)
 CFLAGS += -DHAVE_CUDA -I$(CUDA_HOME)/include
 LDLIBS += -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/targets/x86_64-linux/lib -Wl,-rpath,$(CUDA_HOME)/lib64 \
-          -lcublasLt -lcublas -lcudart -lstdc++
+          -L$(CUDA_HOME)/lib -Wl,-rpath,$(CUDA_HOME)/lib -lnccl -lcublasLt -lcublas -lcudart -lstdc++
 CU_OBJS := $(patsubst kernels/%.cu,$(BUILD)/kernels/%.o,$(CU_SRCS))
 BUILD_NOTE := building with CUDA ($(NVCC), $(GPU_ARCH))
 # The CUDA objects depend on GPU_ARCH, which no source file shows: a stamp that changes with it
@@ -144,7 +146,7 @@ $(DEV_CUDA_DIR)/%: dev/cuda/%.cu kernels/%.cu dev/cuda/lab.cuh $(CU_OBJS) $(LIB_
                    $(wildcard kernels/*.h) $(wildcard kernels/*.cuh) $(wildcard llmc/*.h) $(ARCH_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(filter-out $(BUILD)/kernels/$*.o,$(CU_OBJS)) $(LIB_OBJS) \
-	    -Xlinker -rpath,$(CUDA_HOME)/lib64 -lcublasLt -lcublas -lm
+	    -Xlinker -rpath,$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/lib -lnccl -lcublasLt -lcublas -lm
 
 clean:
 	rm -rf $(BUILD_ROOT) $(DEV_CUDA_DIR) train_roundpipe test_roundpipe
@@ -157,7 +159,7 @@ clean:
 # (TRAIN_ROUNDPIPE_BIN, which test_run_cli honours): a leak or an overflow in a run fails its test.
 SAN_CC ?= $(CC)
 SAN_OPTFLAGS ?= -O1 -g -fno-omit-frame-pointer
-TSAN_SUITES ?= device engine
+TSAN_SUITES ?= device engine comm_
 ASAN_SUITES ?=
 TSAN_BUILD := build-tsan
 ASAN_BUILD := build-asan

@@ -43,6 +43,7 @@
     X(gpu_sink)    \
     X(gpu_moe)     \
     X(gpu_moe_matmul) \
+    X(gpu_comm)    \
     X(device)      \
     X(partition)   \
     X(engine)      \
@@ -50,6 +51,7 @@
     X(tokenizer)   \
     X(resume)      \
     X(checksum)    \
+    X(comm)        \
     X(memory)      \
     X(train)       \
     X(cli)

@@ -14,6 +14,7 @@
 
 #include "common.h"
 #include "config.h"
+#include "dist.h"
 #include "json.h"
 
 void args_defaults(TrainArgs* a) {
@@ -69,6 +70,10 @@ void args_defaults(TrainArgs* a) {
     a->export_gguf = "";
     a->export_dtype = EXPORT_F32;
     a->export_shard_bytes = 5e9;  // transformers' max_shard_size "5GB"
+    a->dist_init = "";
+    a->dist_rank = -1;
+    a->dist_world = 0;
+    a->dist_timeout = (float)DIST_DEFAULT_TIMEOUT_S;
 }
 
 void args_usage(FILE* f) {
@@ -189,6 +194,16 @@ void args_usage(FILE* f) {
         "                         2+ GPUs when the plan is one stage, the micro-batches divide\n"
         "                         evenly, no --round is given and host memory has room\n"
         "      --no-split-rounds  never split rounds (the paper's schedule)\n"
+        "\n"
+        "data parallel (several processes; not wired into training yet: a world size over 1\n"
+        "is refused)\n"
+        "      --dist-init URL    tcp://HOST:PORT where rank 0 hands out the communicator's id\n"
+        "                         (default: MASTER_ADDR and MASTER_PORT from the environment)\n"
+        "      --rank R           this process's rank (default: RANK, else SLURM_PROCID, else 0)\n"
+        "      --world W          number of processes (default: WORLD_SIZE, else SLURM_NTASKS,\n"
+        "                         else 1)\n"
+        "      --dist-timeout S   seconds any rendezvous or collective waits for a missing\n"
+        "                         rank before failing with its name (default %g)\n"
         "  -h, --help             this text\n"
         "\n"
         "tokenizing text (a mode of its own: no model, no training)\n"
@@ -212,7 +227,8 @@ void args_usage(FILE* f) {
         d.steps, (double)d.lr, lr_schedule_name(d.schedule), d.warmup, (double)d.min_lr_frac,
         (double)d.decay_frac, (double)d.weight_decay, d.decay_embeddings, (double)d.beta1,
         (double)d.beta2, (double)d.eps, (double)d.grad_clip, d.eval_every, d.eval_batches,
-        d.sample_tokens, (double)d.temperature, d.threads, d.profile_steps);
+        d.sample_tokens, (double)d.temperature, d.threads, d.profile_steps,
+        (double)d.dist_timeout);
 }
 
 // ----------------------------------------------------------------------------
@@ -322,7 +338,7 @@ enum {
     OPT_DECAY_EMB, OPT_INIT_STD, OPT_TEMPERATURE, OPT_ROUND, OPT_ROW_CHUNKS, OPT_RECOMPUTE, OPT_SYNC, OPT_PLAN,
     OPT_DEVICE_MEM, OPT_DELAY, OPT_TRACE, OPT_PROFILE_OPS, OPT_SPLIT_ROUNDS, OPT_NO_SPLIT_ROUNDS, OPT_PROFILE_STEPS, OPT_MLP_CHUNK, OPT_HOST_CKPT, OPT_SAVE_EVERY, OPT_KEEP, OPT_RESUME, OPT_EXPORT_HF,
     OPT_EXPORT_GGUF, OPT_EXPORT_DTYPE, OPT_EXPORT_SHARD, OPT_LAYERS,
-    OPT_ALLOW_OVERCOMMIT
+    OPT_ALLOW_OVERCOMMIT, OPT_DIST_INIT, OPT_RANK, OPT_WORLD, OPT_DIST_TIMEOUT
 };
 
 // "512M", "80G", "1e9": bytes with an optional K/M/G/T suffix (powers of 1024). -1: not a
@@ -434,6 +450,10 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         {"export-dtype", required_argument, 0, OPT_EXPORT_DTYPE},
         {"export-shard-size", required_argument, 0, OPT_EXPORT_SHARD},
         {"allow-overcommit", no_argument, 0, OPT_ALLOW_OVERCOMMIT},
+        {"dist-init", required_argument, 0, OPT_DIST_INIT},
+        {"rank", required_argument, 0, OPT_RANK},
+        {"world", required_argument, 0, OPT_WORLD},
+        {"dist-timeout", required_argument, 0, OPT_DIST_TIMEOUT},
         {"help", no_argument, 0, 'h'},               {0, 0, 0, 0}};
     optind = 1;
     opterr = 0;
@@ -530,6 +550,21 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
             case OPT_KEEP: rc = int_in("--keep", v, 0, 1 << 30, &a->keep); break;
             case OPT_RESUME: a->resume = 1; break;
             case OPT_ALLOW_OVERCOMMIT: a->allow_overcommit = 1; break;
+            case OPT_DIST_INIT: {
+                char host[256], err[ERR_LEN];
+                int port = 0;
+                if (dist_parse_url(v, host, sizeof host, &port, err) != 0) {
+                    fprintf(stderr, "train_roundpipe: error: %s (see --help)\n", err);
+                    rc = 2;
+                }
+                a->dist_init = v;
+                break;
+            }
+            case OPT_RANK: rc = int_in("--rank", v, 0, DIST_MAX_WORLD - 1, &a->dist_rank); break;
+            case OPT_WORLD: rc = int_in("--world", v, 1, DIST_MAX_WORLD, &a->dist_world); break;
+            case OPT_DIST_TIMEOUT:
+                rc = float_in("--dist-timeout", v, 0.0, 86400.0, 1, &a->dist_timeout);
+                break;
             case OPT_EXPORT_HF: a->export_hf = v; break;
             case OPT_EXPORT_GGUF: a->export_gguf = v; break;
             case OPT_EXPORT_DTYPE:
@@ -595,6 +630,21 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
     }
     if (a->resume && !*a->out) return bad("--resume", "", "needs --out DIR holding the checkpoints");
     if (!*a->train) return bad("--train", a->train, "must not be empty");
+    // data parallel: the flags and the launcher's environment must describe one valid rank; more
+    // than one is refused until the trainer uses them (llmc/comm.h, llmc/dist.h are ready)
+    DistFlags df = {.init = a->dist_init, .rank = a->dist_rank, .world = a->dist_world,
+                    .timeout_s = a->dist_timeout};
+    DistConfig dc;
+    char err[ERR_LEN];
+    if (dist_config_resolve(&dc, &df, dist_getenv, NULL, err) != 0) {
+        fprintf(stderr, "train_roundpipe: error: %s (see --help)\n", err);
+        return 2;
+    }
+    if (dc.world > 1) {
+        fprintf(stderr, "train_roundpipe: error: data parallel is not wired into training yet "
+                "(world size %d from %s; run a single process)\n", dc.world, dc.source);
+        return 2;
+    }
     return 0;
 }
 

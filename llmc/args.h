@@ -70,6 +70,11 @@ typedef struct TrainArgs {
     float temperature;       // sampling temperature (0 = greedy)
     float init_std;
     int allow_overcommit;    // start even when the host memory estimate exceeds what is available
+    // data parallel (dist.h): flags win over the torchrun / Slurm environment, field by field
+    const char* dist_init;   // --dist-init tcp://HOST:PORT of rank 0 ("" = from the environment)
+    int dist_rank;           // --rank R (-1 = from the environment)
+    int dist_world;          // --world W (0 = from the environment, else 1)
+    float dist_timeout;      // --dist-timeout S: every rendezvous and collective wait (seconds)
 } TrainArgs;
 
 // Defaults: the built-in tiny model on the shipped corpus.

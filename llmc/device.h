@@ -126,6 +126,9 @@ typedef struct DeviceOptions {
 extern const DeviceImpl device_cpu_impl;
 #ifdef HAVE_CUDA
 extern const DeviceImpl device_cuda_impl;
+// The cudaStream_t of a CUDA device's stream s (and its GPU index in *gpu, if non-NULL), for
+// libraries that enqueue on it themselves (NCCL, comm_nccl.c) from work submitted to d.
+void* device_cuda_stream(Device* d, StreamKind s, int* gpu);
 #endif
 
 // Open n devices of an implementation (fatal with a clear message when they cannot be opened).

@@ -599,6 +599,14 @@ static void cuda_set_trace(Device* d, struct Trace* tr, int pid) {
     d->trace_pid = pid;
 }
 
+// For libraries that enqueue on a device's streams themselves (NCCL in comm_nccl.c): the
+// cudaStream_t of stream s, and the GPU's index in *gpu. Only from work submitted to that device
+// (device_submit), so the call is ordered with the device's other commands.
+void* device_cuda_stream(Device* d, StreamKind s, int* gpu) {
+    if (gpu) *gpu = d->index;
+    return (void*)d->streams[s];
+}
+
 const DeviceImpl device_cuda_impl = {
     .name = "cuda",
     .open = cuda_open,
