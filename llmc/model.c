@@ -551,7 +551,8 @@ double model_moe_aux(const Model* m, Workspace* ws, int B, int T, float grad_sca
 float model_moe_aux_scale(const Model* m, int B, int T, float grad_scale) {
     if (m->n_moe == 0) return 0.0f;
     const int64_t N = (int64_t)B * T;
-    // d(coef · aux · N · grad_scale) / d logits = coef N grad_scale E / R'^2 · p (counts - counts·p)
+    // d(coef · aux · N · grad_scale) / d logits
+    //     = coef N grad_scale E / R'^2 · p (counts - counts·p)
     const double rows = (double)m->n_moe * (double)N;
     return (float)(model_aux_weight(m) * (double)N * grad_scale * m->cfg.E / (rows * rows));
 }

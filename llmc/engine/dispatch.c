@@ -12,8 +12,10 @@
  * pslot_free[k] (the stage's last compute that read slot k) and the profile brackets prof_ev
  * (with prof_ok); its compute waits on up_done[p], down_done[p], param_done and lev[k][l].
  * Buffers it touches: device buffers only, from jobs on the compute stream (the slot's parameters
- * and gradients, the activation parities, the workspace). Host buffers and copies are
- * transfer.c's; the protocol's flags are reached only through protocol.c.
+ * and gradients, the activation parities, the workspace and, for MoE models, the parity's aux
+ * statistics and counts, DevState.moe). Host buffers and copies are transfer.c's (but the fused
+ * stage's model_moe_aux, which copies a few KiB synchronously on the compute stream); the
+ * protocol's flags are reached only through protocol.c.
  */
 #include <stdarg.h>
 #include <stdlib.h>

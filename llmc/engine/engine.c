@@ -7,7 +7,8 @@
  *
  * Owns: the allocation and release of every buffer and event in the Engine struct (the other
  * files only use them), the tokens' split into micro-batches (hids, htgt), the losses' sum (hloss
- * after loss_ev), the iteration bookkeeping (iter, collected, prof_iter) and the per-iteration
+ * after loss_ev; MoE models: plus each micro-batch's aux from hmoe, with the step's CE, aux and
+ * expert loads), the iteration bookkeeping (iter, collected, prof_iter) and the per-iteration
  * end events iter_end, which it records on every stream and waits on before iteration t + 2
  * reuses parity t % 2's host buffers and closures. The bubble accounting (busy_last,
  * t_last_step).

@@ -30,6 +30,10 @@
  *    micro-batch form a ring of two: boundaries alternate going down, and the producer of a
  *    boundary's dx runs only after the consumer of the boundary above it (same slot, two
  *    boundaries up) has uploaded it, through the backward chain's own events.
+ *  - MoE models: device moe[p] (aux statistics and counts of the micro-batch in parity p) follows
+ *    the activation parities' rules; host hmoe[ip][i] rides on x_ev (forward stages' rows, read
+ *    by the fused stage), loss_ev (read by engine_collect) and dx_ev (the counts, read by
+ *    backward stages) (docs/ROUNDPIPE.md §4.5).
  *
  * The consistency protocol (docs/ROUNDPIPE.md §5), per layer l, with two compute-dtype master
  * buffers:

@@ -10,15 +10,17 @@
  *     micro-batch's compute; boundaries, gradients and losses down, after it;
  *   - gradients: a backward stage's slot down to the host gradient set of its iteration (or of its
  *     split round), deferred into the next stage's activation windows or layer by layer behind
- *     the last micro-batch's backward.
+ *     the last micro-batch's backward;
+ *   - MoE models: each micro-batch's aux statistics rows and summed counts (docs/ROUNDPIPE.md
+ *     §4.5), down from forward stages, up to and down from the fused stage, up to backward stages.
  *
  * Buffers it touches: device slots and activation buffers (as copy source or target), host
- * master[ip], hids and htgt (read), hx / hdx / hmoe (both), hloss, hgrad / hsplit (written). Events it
- * records: lev[k][l], up_done[p], marks[r], down_done[p], x_ev / dx_ev / loss_ev, x_free /
- * dx_free, grads_ready, grad_ev / split_ev, gslot_free[k]; its copies wait on pslot_free,
- * gslot_free, comp_done, down_done, the running stage's marks, grads_ready, gev, and on the host
- * buffers' producers and readers (x_ev, dx_ev, x_free, dx_free, grad_ev). Protocol flags only
- * through protocol.c.
+ * master[ip], hids and htgt (read), hx / hdx / hmoe (both), hloss, hgrad / hsplit (written).
+ * Events it records: lev[k][l], up_done[p], marks[r], down_done[p], x_ev / dx_ev / loss_ev,
+ * x_free / dx_free, grads_ready, grad_ev / split_ev, gslot_free[k]; its copies wait on
+ * pslot_free, gslot_free, comp_done, down_done, the running stage's marks, grads_ready, gev, and
+ * on the host buffers' producers and readers (x_ev, dx_ev, x_free, dx_free, grad_ev). Protocol
+ * flags only through protocol.c.
  */
 #include <stdlib.h>
 #include <string.h>
