@@ -105,6 +105,13 @@ typedef struct EngineStepResult {
     double lr;          // its learning rate
     int64_t norm_step;  // the run's number of that step (0 = none)
     double bubble;      // fraction of device compute time idle during this iteration (0..1)
+    // MoE models (as the plain trainer's step statistics): the sum of the per-token CE losses,
+    // the sum over micro-batches of aux x tokens, and the tokens routed to each expert (E, summed
+    // over the MoE blocks and micro-batches; engine memory, valid until the next engine_collect;
+    // NULL for dense models). loss is (ce_sum + router_aux_loss_coef · aux_sum) / (B·T) when
+    // the aux loss is on, else ce_sum / (B·T).
+    double ce_sum, aux_sum;
+    const double* load;
 } EngineStepResult;
 
 typedef struct Engine Engine;

@@ -110,7 +110,7 @@ static void acts_sizes(const Model* m, int B, int T, size_t act_bytes, size_t* s
     const size_t N = (size_t)B * T, C = c->C, F = c->F;
     // long sequences (a chunked MLP) keep only what the backward cannot cheaply recompute (the
     // attention's output and lse, rstd1): ln1, qkv_raw, qkv, rstd_qk and h are recomputed by the
-    // block backward (model_block_backward)
+    // block backward (model_block_backward_at)
     const int chunked = mlp_chunk_rows(m, B, T) > 0;
     sizes[0] = chunked ? 0 : N * C * act_bytes;                   // ln1
     sizes[1] = N * sizeof(float);                                 // rstd1
@@ -200,7 +200,7 @@ Workspace* workspace_create(const Model* m, const Ops* ops, void* ctx, int B, in
     const ModelConfig* c = &m->cfg;
     if (config_is_moe(c) && !moe_ops_supported(ops, c))
         fatal("model family %s: the %s backend has no mixture-of-experts kernels yet (train it "
-              "with --device cpu)", family_names[c->family], ops->name);
+              "on the CPU: --device cpu or cpu:N)", family_names[c->family], ops->name);
     Workspace* ws = calloc_check(1, sizeof(Workspace));
     ws->ops = ops;
     ws->ctx = ctx;
@@ -529,26 +529,6 @@ void model_block_backward_at(const Model* m, Workspace* ws, const BlockActs* a, 
                           at(ws, slab, bl->attn_norm), a->rstd1, N, C);
 }
 
-// The engine's calls (no block index): only for models whose blocks are all alike.
-static void require_uniform(const Model* m) {
-    if (config_is_moe(&m->cfg))
-        fatal("model family %s needs the block index (model_block_*_at): the RoundPipe engine does "
-              "not run mixture-of-experts models yet (train with --device cpu)",
-              family_names[m->cfg.family]);
-}
-
-void model_block_forward(const Model* m, Workspace* ws, BlockActs* a, const void* slab,
-                         const void* x_in, void* x_out, int B, int T) {
-    require_uniform(m);
-    model_block_forward_at(m, ws, a, 0, slab, x_in, x_out, B, T);
-}
-
-void model_block_backward(const Model* m, Workspace* ws, const BlockActs* a, const void* slab,
-                          float* gslab, const void* x_in, void* dres, int B, int T) {
-    require_uniform(m);
-    model_block_backward_at(m, ws, a, 0, slab, gslab, x_in, dres, B, T);
-}
-
 // ----------------------------------------------------------------------------
 // mixture of experts: the aux loss across the blocks of a micro-batch
 
@@ -563,12 +543,18 @@ double model_moe_aux(const Model* m, Workspace* ws, int B, int T, float grad_sca
     ws->moe_aux = moe_aux_loss(c, stats, m->n_moe, N, counts, &ws->moe_load_max,
                                &ws->moe_load_mean);
     ws->ops->upload(ws->ctx, ws->moe_counts, counts, (size_t)c->E * sizeof(float));
-    // d(coef · aux · N · grad_scale) / d logits = coef N grad_scale E / R'^2 · p (counts - counts·p)
-    const double rows = (double)m->n_moe * (double)N;
-    ws->moe_aux_scale =
-        (float)(model_aux_weight(m) * (double)N * grad_scale * c->E / (rows * rows));
+    ws->moe_aux_scale = model_moe_aux_scale(m, B, T, grad_scale);
     free(stats);
     return ws->moe_aux;
+}
+
+float model_moe_aux_scale(const Model* m, int B, int T, float grad_scale) {
+    if (m->n_moe == 0) return 0.0f;
+    const int64_t N = (int64_t)B * T;
+    // d(coef · aux · N · grad_scale) / d logits
+    //     = coef N grad_scale E / R'^2 · p (counts - counts·p)
+    const double rows = (double)m->n_moe * (double)N;
+    return (float)(model_aux_weight(m) * (double)N * grad_scale * m->cfg.E / (rows * rows));
 }
 
 // ----------------------------------------------------------------------------

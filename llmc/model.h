@@ -166,13 +166,6 @@ void model_block_forward_at(const Model* m, Workspace* ws, BlockActs* a, int blo
 void model_block_backward_at(const Model* m, Workspace* ws, const BlockActs* a, int block,
                              const void* slab, float* gslab, const void* x_in, void* dres, int B,
                              int T);
-// The same without the block index, for models whose blocks are all alike (dense families; what
-// the RoundPipe engine calls until it passes block indices). Fatal on an MoE family.
-void model_block_forward(const Model* m, Workspace* ws, BlockActs* a, const void* slab,
-                         const void* x_in, void* x_out, int B, int T);
-void model_block_backward(const Model* m, Workspace* ws, const BlockActs* a, const void* slab,
-                          float* gslab, const void* x_in, void* dres, int B, int T);
-
 // MoE models, after every block's forward of a micro-batch of B x T tokens and before any block's
 // backward: the aux loss from the blocks' statistics (ws->moe_aux, returned), the load spread
 // (ws->moe_load_max / mean), and the aux gradient's setup (ws->moe_counts, ws->moe_aux_scale =
@@ -180,6 +173,10 @@ void model_block_backward(const Model* m, Workspace* ws, const BlockActs* a, con
 // The micro-batch's share of the objective is router_aux_loss_coef · aux · B·T · grad_scale (the
 // caller adds coef · aux · B·T to its loss sum). 0 for dense models.
 double model_moe_aux(const Model* m, Workspace* ws, int B, int T, float grad_scale);
+// The ws->moe_aux_scale model_moe_aux sets for a micro-batch of B x T tokens: it depends on the
+// shape only, so a device that runs MoE blocks' backward without the aux's forward (the RoundPipe
+// engine's backward stages) sets it itself and needs only the counts from the one that ran it.
+float model_moe_aux_scale(const Model* m, int B, int T, float grad_scale);
 // The weight of the aux loss in the objective: router_aux_loss_coef when output_router_logits,
 // else 0 (HF adds it only then).
 double model_aux_weight(const Model* m);

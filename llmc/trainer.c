@@ -166,10 +166,7 @@ int trainer_create(Trainer* t, const TrainArgs* a, const Model* m, Store* s, Tra
     t->drained = 1;
     const int use_engine = n_devices > 0;
     const int N = use_engine ? n_devices : 1;
-    if ((use_engine || t->use_cuda) && config_is_moe(&m->cfg))
-        return errorf(err, "model family %s: mixture-of-experts models train only with --device "
-                           "cpu so far (neither the RoundPipe engine nor the CUDA kernels run "
-                           "them yet)", family_names[m->cfg.family]);
+    // (mixture-of-experts models on a backend without MoE ops: workspace_create says so)
     // The plain path also serves evaluation, sampling and --dump-state: on GPU 0 when training
     // on GPUs.
     t->ops = &ops_cpu;
@@ -261,6 +258,7 @@ static void engine_train_step(Trainer* t, DataLoader* train, int stop_after, Ste
     st->lr = r.lr;
     st->no_update = r.norm_step == 0;  // the delayed update's first iteration: no step yet
     st->bubble = r.bubble;
+    if (r.load) moe_step_stats(t, r.load, r.ce_sum, r.aux_sum, st);  // MoE: as plain training
     st->dev_mib = 0;
     for (int g = 0; g < t->devs.n; g++) {
         DeviceStats ds;

@@ -12,8 +12,10 @@
  * pslot_free[k] (the stage's last compute that read slot k) and the profile brackets prof_ev
  * (with prof_ok); its compute waits on up_done[p], down_done[p], param_done and lev[k][l].
  * Buffers it touches: device buffers only, from jobs on the compute stream (the slot's parameters
- * and gradients, the activation parities, the workspace). Host buffers and copies are
- * transfer.c's; the protocol's flags are reached only through protocol.c.
+ * and gradients, the activation parities, the workspace and, for MoE models, the parity's aux
+ * statistics and counts, DevState.moe). Host buffers and copies are transfer.c's (but the fused
+ * stage's model_moe_aux, which copies a few KiB synchronously on the compute stream); the
+ * protocol's flags are reached only through protocol.c.
  */
 #include <stdarg.h>
 #include <stdlib.h>
@@ -119,8 +121,8 @@ static void forward_layers(Engine* e, MbJob* j, int from, int to, int keep) {
                                  slot_layer(e, st, j->pslot, 0), j->B, e->T);
         } else {
             BlockActs* a = &ds->ws->acts[keep ? block_set(st, l) : 0];
-            model_block_forward(m, ds->ws, a, slot_layer(e, st, j->pslot, l), xrows(e, j, xs[k]),
-                                xrows(e, j, xs[k + 1]), j->B, e->T);
+            model_block_forward_at(m, ds->ws, a, l - 1, slot_layer(e, st, j->pslot, l),
+                                   xrows(e, j, xs[k]), xrows(e, j, xs[k + 1]), j->B, e->T);
         }
     }
 }
@@ -143,14 +145,18 @@ static void backward_layers(Engine* e, MbJob* j, int from, int to) {
         if (e->opt.grain == RECOMPUTE_LAYER && st->kind == SLOT_BWD) {
             // layer grain: recompute just this block from its uploaded checkpoint; its output is
             // written over the deeper boundary's buffer, which the deeper block no longer needs
-            model_block_forward(m, ds->ws, &ds->ws->acts[0], slot_layer(e, st, j->pslot, l),
-                                xrows(e, j, xs[k]), xrows(e, j, xs[k + 1]), j->B, e->T);
-            model_block_backward(m, ds->ws, &ds->ws->acts[0], slot_layer(e, st, j->pslot, l),
-                                 j->gslot + st->g_off[k], xrows(e, j, xs[k]), dres, j->B, e->T);
+            // (an MoE block's recompute rewrites its aux statistics row with the same bits and
+            // leaves the counts alone)
+            model_block_forward_at(m, ds->ws, &ds->ws->acts[0], l - 1,
+                                   slot_layer(e, st, j->pslot, l), xrows(e, j, xs[k]),
+                                   xrows(e, j, xs[k + 1]), j->B, e->T);
+            model_block_backward_at(m, ds->ws, &ds->ws->acts[0], l - 1,
+                                    slot_layer(e, st, j->pslot, l), j->gslot + st->g_off[k],
+                                    xrows(e, j, xs[k]), dres, j->B, e->T);
         } else {
-            model_block_backward(m, ds->ws, &ds->ws->acts[block_set(st, l)],
-                                 slot_layer(e, st, j->pslot, l), j->gslot + st->g_off[k],
-                                 xrows(e, j, xs[k]), dres, j->B, e->T);
+            model_block_backward_at(m, ds->ws, &ds->ws->acts[block_set(st, l)], l - 1,
+                                    slot_layer(e, st, j->pslot, l), j->gslot + st->g_off[k],
+                                    xrows(e, j, xs[k]), dres, j->B, e->T);
         }
     }
 }
@@ -183,6 +189,16 @@ static void fold_on_device(Engine* e, const MbJob* j) {
     }
 }
 
+// MoE models: the job's workspace reads and writes its micro-batch parity's aux statistics and
+// counts (DevState.moe, which the hand-offs move), and the aux gradient's factor for its shape
+// (model_moe_aux sets the same in the fused stage; backward stages get only the counts).
+static void moe_bind(Engine* e, const MbJob* j, float grad_scale) {
+    Workspace* ws = j->ds->ws;
+    ws->moe_stats = j->ds->moe[j->p];
+    ws->moe_counts = j->ds->moe[j->p] + (size_t)e->m->n_moe * 2 * e->m->cfg.E;
+    ws->moe_aux_scale = model_moe_aux_scale(e->m, j->B, e->T, grad_scale);
+}
+
 // One job on a compute stream: the part of its micro-batch (row chunk) that MbJob.phase names.
 static void run_microbatch(void* arg) {
     MbJob* j = arg;
@@ -206,6 +222,9 @@ static void run_microbatch(void* arg) {
         nanosleep(&ts, NULL);
         return;
     }
+    // the gradient of every micro-batch is scaled by 1 / (tokens of the step)
+    const float grad_scale = 1.0f / ((float)e->opt.B * (float)e->T);
+    if (e->m->n_moe > 0) moe_bind(e, j, grad_scale);
     if (j->phase == MB_PHASE_FORWARD) {
         forward_layers(e, j, j->from, j->to, st->kind != SLOT_FWD);
         return;
@@ -227,7 +246,10 @@ static void run_microbatch(void* arg) {
         float* g = j->gslot + st->g_off[last - st->b];
         const void* norm_w = (const char*)slot_layer(e, st, j->pslot, last) +
                              (size_t)tt->t[i_norm].param_offset * e->ab;
-        const float grad_scale = 1.0f / ((float)e->opt.B * (float)e->T);
+        // MoE: every block of the micro-batch has run its forward (the forward stages' rows were
+        // uploaded before this job): the aux loss, and the counts its backward needs (the
+        // host part of model_moe_aux copies synchronously: once per micro-batch, a few KiB)
+        model_moe_aux(e->m, ds->ws, j->B, e->T, grad_scale);
         model_postfix_forward_backward(e->m, ds->ws, norm_w, postfix_head(e, j),
                                        g + tt->t[i_norm].grad_offset, g + tt->t[i_head].grad_offset,
                                        xrows(e, j, ds->xs[j->p][last - st->b]),

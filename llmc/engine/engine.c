@@ -7,7 +7,8 @@
  *
  * Owns: the allocation and release of every buffer and event in the Engine struct (the other
  * files only use them), the tokens' split into micro-batches (hids, htgt), the losses' sum (hloss
- * after loss_ev), the iteration bookkeeping (iter, collected, prof_iter) and the per-iteration
+ * after loss_ev; MoE models: plus each micro-batch's aux from hmoe, with the step's CE, aux and
+ * expert loads), the iteration bookkeeping (iter, collected, prof_iter) and the per-iteration
  * end events iter_end, which it records on every stream and waits on before iteration t + 2
  * reuses parity t % 2's host buffers and closures. The bubble accounting (busy_last,
  * t_last_step).
@@ -127,6 +128,8 @@ static void plan_resources_create(Engine* e) {
         ds->pnext = ds->gnext = 0;
         ds->n_marks = 0;
         ds->ws = workspace_create(m, ds->ops, ds->ctx, e->Bc, e->T, acts);
+        ds->ws_moe_stats = ds->ws->moe_stats;
+        ds->ws_moe_counts = ds->ws->moe_counts;
         for (int k = 0; k < 2; k++) {
             if (k < e->slot_sets) {
                 ds->pslot[k] = dev_alloc(e, ds, (size_t)max_p * e->ab);
@@ -153,6 +156,10 @@ static void plan_resources_create(Engine* e) {
                 ds->targets[k] = dev_alloc(e, ds, tok * sizeof(int32_t));
                 ds->losses[k] = dev_alloc(e, ds, tok * sizeof(float));
             }
+            if (e->moe_floats > 0)  // (one micro-batch per round: parity 1 is parity 0)
+                ds->moe[k] = k == 1 && e->M_R == 1
+                                 ? ds->moe[0]
+                                 : dev_alloc(e, ds, (size_t)e->moe_floats * sizeof(float));
             ds->up_done[k] = e->impl->event_create(ds->d);
             ds->comp_done[k] = e->impl->event_create(ds->d);
             ds->down_done[k] = e->impl->event_create(ds->d);
@@ -179,6 +186,9 @@ static void plan_resources_free(Engine* e) {
     const int max_len = max_stage_len(e);
     for (int g = 0; g < e->N; g++) {
         DevState* ds = &e->dev[g];
+        // the workspace frees its own MoE buffers, not the parity buffers its jobs pointed it to
+        ds->ws->moe_stats = ds->ws_moe_stats;
+        ds->ws->moe_counts = ds->ws_moe_counts;
         workspace_free(ds->ws);
         for (int k = 0; k < 2; k++) {
             if (k < e->slot_sets) {
@@ -194,6 +204,7 @@ static void plan_resources_free(Engine* e) {
                 im->free(ds->d, ds->ids[k]);
                 im->free(ds->d, ds->targets[k]);
                 im->free(ds->d, ds->losses[k]);
+                if (e->moe_floats > 0) im->free(ds->d, ds->moe[k]);
             }
             im->event_destroy(ds->up_done[k]);
             im->event_destroy(ds->comp_done[k]);
@@ -301,7 +312,15 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
             e->htgt[b][i] = e->impl->host_alloc(tok * sizeof(int32_t));
             e->hloss[b][i] = e->impl->host_alloc(tok * sizeof(float));
         }
+        if (e->moe_floats > 0) {
+            e->hmoe[b] = calloc_check((size_t)e->M, sizeof(float*));
+            for (int i = 0; i < e->M; i++) {
+                e->hmoe[b][i] = e->impl->host_alloc((size_t)e->moe_floats * sizeof(float));
+                memset(e->hmoe[b][i], 0, (size_t)e->moe_floats * sizeof(float));
+            }
+        }
     }
+    if (e->moe_floats > 0) e->moe_load = calloc_check((size_t)m->cfg.E, sizeof(double));
     protocol_masters_init(e);
     if (opt->first_weights) {
         // a resumed delayed run: iteration 0 computes with the weights one step behind the Store
@@ -427,6 +446,27 @@ void engine_submit(Engine* e, const int32_t* tokens) {
 
 int64_t engine_in_flight(const Engine* e) { return e->iter - e->collected; }
 
+// MoE models: micro-batch i's share of the iteration's objective, as the plain trainer sums it
+// (its CE sum, then plus the weighted aux loss times its tokens), and its CE, aux and expert loads
+// into res. The aux comes from the statistics the fused stage downloaded (loss_ev covers them)
+// through the same moe_aux_loss that stage ran: the same bits.
+static void collect_moe(Engine* e, int ip, int i, double* sum, EngineStepResult* res) {
+    const Model* m = e->m;
+    const int E = m->cfg.E, rows = mb_rows(e, i), N = rows * e->T;
+    if (i == 0) memset(e->moe_load, 0, (size_t)E * sizeof(double));
+    double ce = 0.0;
+    for (int k = 0; k < N; k++) ce += e->hloss[ip][i][k];
+    float* counts = malloc_check((size_t)E * sizeof(float));
+    double load_max, load_mean;
+    const double aux =
+        moe_aux_loss(&m->cfg, e->hmoe[ip][i], m->n_moe, N, counts, &load_max, &load_mean);
+    *sum += ce + model_aux_weight(m) * aux * (double)N;
+    res->ce_sum += ce;
+    res->aux_sum += aux * (double)rows * e->T;
+    for (int x = 0; x < E; x++) e->moe_load[x] += counts[x];
+    free(counts);
+}
+
 EngineStepResult engine_collect(Engine* e) {
     if (e->collected >= e->iter) fatal("engine_collect: no iteration in flight");
     const int64_t t = e->collected;
@@ -434,14 +474,19 @@ EngineStepResult engine_collect(Engine* e) {
     const int T = e->T;
 
     // the losses of this iteration, summed in micro-batch order
+    EngineStepResult res;
+    memset(&res, 0, sizeof res);
     double sum = 0.0;
     for (int i = 0; i < e->M; i++) {
         e->impl->event_synchronize(e->loss_ev[ip][i]);
         const size_t tok = (size_t)mb_rows(e, i) * T;
+        if (e->moe_floats > 0) {
+            collect_moe(e, ip, i, &sum, &res);
+            continue;
+        }
         for (size_t k = 0; k < tok; k++) sum += e->hloss[ip][i][k];
     }
-    EngineStepResult res;
-    memset(&res, 0, sizeof res);
+    if (e->moe_floats > 0) res.load = e->moe_load;
     res.loss = sum / ((double)e->opt.B * T);
     // The step reported with this iteration, the same one whatever the timing (so logs are
     // reproducible): sync, the step of this iteration's gradient (the next iteration waits for it
@@ -541,7 +586,9 @@ void engine_free(Engine* e) {
             im->host_free(e->hids[b][i]);
             im->host_free(e->htgt[b][i]);
             im->host_free(e->hloss[b][i]);
+            if (e->hmoe[b]) im->host_free(e->hmoe[b][i]);
         }
+        free(e->hmoe[b]);
         free(e->hids[b]);
         free(e->htgt[b]);
         free(e->hloss[b]);
@@ -554,6 +601,7 @@ void engine_free(Engine* e) {
         for (int l = 0; l < NL; l++) im->event_destroy(e->grad_ev[b][l]);
         free(e->grad_ev[b]);
     }
+    free(e->moe_load);
     free(e->cost_fwd);
     free(e->cost_bwd);
     cost_profile_free(&e->profile);

@@ -30,6 +30,10 @@
  *    micro-batch form a ring of two: boundaries alternate going down, and the producer of a
  *    boundary's dx runs only after the consumer of the boundary above it (same slot, two
  *    boundaries up) has uploaded it, through the backward chain's own events.
+ *  - MoE models: device moe[p] (aux statistics and counts of the micro-batch in parity p) follows
+ *    the activation parities' rules; host hmoe[ip][i] rides on x_ev (forward stages' rows, read
+ *    by the fused stage), loss_ev (read by engine_collect) and dx_ev (the counts, read by
+ *    backward stages) (docs/ROUNDPIPE.md §4.5).
  *
  * The consistency protocol (docs/ROUNDPIPE.md §5), per layer l, with two compute-dtype master
  * buffers:
@@ -127,6 +131,12 @@ typedef struct DevState {
                             // downloads)
     PendingGrads pend;
     DevEvent* iter_end[2][STREAM_COUNT];
+    // MoE models: [parity] (moe_floats) fp32, the micro-batch's aux statistics rows (one per MoE
+    // block, 2E each) then the summed counts (E); a job points its workspace's moe_stats /
+    // moe_counts here (the workspace's own buffers, ws_moe_stats / ws_moe_counts, are kept for
+    // workspace_free), so the hand-offs of micro-batch i never race the compute of i+1
+    float* moe[2];
+    float *ws_moe_stats, *ws_moe_counts;
     double busy_last;       // compute busy seconds at the previous step (bubble accounting)
 } DevState;
 
@@ -207,6 +217,13 @@ struct Engine {
     int32_t** hids[2];      // [iteration parity][micro-batch]
     int32_t** htgt[2];
     float** hloss[2];
+    // MoE models (docs/ROUNDPIPE.md §4.5): per micro-batch, the same layout as DevState.moe: each
+    // forward stage downloads its blocks' statistics rows, the fused stage uploads the rows before
+    // its own, runs the aux loss (model_moe_aux) and downloads its rows and the counts, which each
+    // backward stage uploads for its blocks' backward; engine_collect reads the aux back from it
+    int moe_floats;         // n_moe * 2E + E (0 for dense models)
+    float** hmoe[2];        // [iteration parity][micro-batch]
+    double* moe_load;       // (E) the collected iteration's tokens per expert (EngineStepResult)
     DevEvent*** x_ev;       // [boundary][micro-batch]
     DevEvent*** dx_ev;
     int host_parities;      // 2, or 1 with opt.host_single (hx[1] / hdx[1] alias set 0)
@@ -279,6 +296,16 @@ static inline int mb_rows(const Engine* e, int i) {
 // First sequence of micro-batch i within the batch.
 static inline int mb_first_row(const Engine* e, int i) {
     return i * (e->opt.B / e->M) + imin(i, e->opt.B % e->M);
+}
+
+// MoE models: the first aux-statistics row of layer entry l (the MoE blocks before it: a stage
+// [b, e) owns rows [engine_moe_row(b), engine_moe_row(e)), contiguous because rows follow the
+// block order).
+static inline int engine_moe_row(const Engine* e, int l) {
+    int row = 0;
+    for (int block = 0; block < l - 1 && block < e->m->cfg.L; block++)
+        row += e->m->moe_slot[block] >= 0;
+    return row;
 }
 
 // ----------------------------------------------------------------------------

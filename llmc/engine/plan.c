@@ -26,6 +26,12 @@ static size_t parity_count(const Engine* e) { return e->M_R == 1 ? 1 : 2; }
 
 size_t plan_x_buffer_bytes(const Engine* e) { return (size_t)e->Bm * e->T * e->C * e->ab; }
 
+// MoE models: one micro-batch's aux statistics rows and summed counts (DevState.moe), per parity.
+static size_t moe_handoff_bytes(const Engine* e) {
+    const int n_moe = e->m->n_moe, E = e->m->cfg.E;
+    return n_moe > 0 ? ((size_t)n_moe * 2 * E + (size_t)E) * sizeof(float) : 0;
+}
+
 static size_t scratch_bytes(const Engine* e) {
     const size_t tok = (size_t)e->Bc * e->T;  // the compute works on one row chunk at a time
     const size_t kernels = e->ab == 2 ? tok * (16 + 4 * (size_t)e->m->cfg.H) + ((size_t)64 << 20) : 0;
@@ -38,11 +44,12 @@ static size_t scratch_bytes(const Engine* e) {
 // whose compute dtype is bf16; the emulated devices' ops use host memory), and of
 // the hand-off buffers those not proportional to a stage's length (the incoming gradient, one
 // spare residual-stream buffer, tokens, targets and losses) in one or two micro-batch parities.
+// (MoE models add their per-micro-batch aux statistics and counts, DevState.moe.)
 static size_t fixed_device_bytes(const Engine* e) {
     const size_t tok = (size_t)e->Bm * e->T;
     return scratch_bytes(e) +
-           parity_count(e) *
-               (2 * plan_x_buffer_bytes(e) + tok * (2 * sizeof(int32_t) + sizeof(float)));
+           parity_count(e) * (2 * plan_x_buffer_bytes(e) +
+                              tok * (2 * sizeof(int32_t) + sizeof(float)) + moe_handoff_bytes(e));
 }
 
 // Bytes a forward / backward stage needs per layer on a device: parameters (the fused stage
@@ -115,7 +122,8 @@ EngineDeviceBytes plan_device_bytes(const Engine* e, const PartitionPlan* plan,
     b.acts = (size_t)acts * workspace_act_set_bytes(e->m, (int)e->ab, e->Bc, e->T);
     b.scratch = scratch_bytes(e);
     b.handoff = parity_count(e) * ((size_t)(max_len + 2) * plan_x_buffer_bytes(e) +
-                                   tok * (2 * sizeof(int32_t) + sizeof(float)));
+                                   tok * (2 * sizeof(int32_t) + sizeof(float)) +
+                                   moe_handoff_bytes(e));
     b.total = b.slots + b.acts + b.scratch + b.handoff;
     // The whole model in one stage: the second slot set only prefetches that same stage for a
     // later iteration (on several devices its weights wait for the optimizer anyway; on one the
@@ -168,7 +176,9 @@ static size_t plan_host_act_bytes(const Engine* e, const PartitionPlan* plan) {
     n += n_dx < 2 ? n_dx : 2;  // the dx ring
     free(nx);
     free(ndx);
-    return n * (size_t)e->M * plan_x_buffer_bytes(e) * (size_t)plan_host_act_sets(&e->opt);
+    // (MoE models: each micro-batch's aux statistics and counts, in two iteration parities)
+    return n * (size_t)e->M * plan_x_buffer_bytes(e) * (size_t)plan_host_act_sets(&e->opt) +
+           2 * (size_t)e->M * (size_t)e->moe_floats * sizeof(float);
 }
 
 // ----------------------------------------------------------------------------
@@ -288,6 +298,16 @@ int plan_init(Engine* e, const Model* m, int act_bytes, int n_devices, const Eng
     if (opt->row_chunks < 0 || opt->row_chunks > min_rows)
         return errorf(err, "row chunks: %d for micro-batches of %d sequences (need 0 = choose, or "
                       "1 .. %d)", opt->row_chunks, min_rows, min_rows);
+    // MoE models compute whole micro-batches: the aux loss couples all of a micro-batch's rows
+    // (its counts and router probabilities are sums over them, and every block's backward needs
+    // the counts of the whole micro-batch's forward), so row chunks would change the numbers or
+    // need the fused stage to run every chunk's forward before any chunk's backward
+    // (docs/ROUNDPIPE.md §4.5)
+    if (m->n_moe > 0 && opt->row_chunks > 1)
+        return errorf(err, "row chunks: %d for a mixture-of-experts model, which computes whole "
+                      "micro-batches (its aux loss couples their rows): use 1 (or more "
+                      "micro-batches)", opt->row_chunks);
+    e->moe_floats = m->n_moe > 0 ? m->n_moe * 2 * m->cfg.E + m->cfg.E : 0;
     e->ab = (size_t)act_bytes;
     // size-based (FLOP) cost estimates until profiled times exist
     // (per row-chunk count below: whether the MLP is chunked depends on the chunk's tokens)
@@ -296,7 +316,7 @@ int plan_init(Engine* e, const Model* m, int act_bytes, int n_devices, const Eng
     // Row chunks: given, or the fewest (up to 8) whose plan is within 3% of the cheapest. More
     // chunks shrink the activations and scratch, so a tight budget fits more layers into the
     // fused stage (less recompute), at the price of smaller matrix products.
-    const int k_max = opt->row_chunks > 0 ? opt->row_chunks : imin(min_rows, 8);
+    const int k_max = m->n_moe > 0 ? 1 : opt->row_chunks > 0 ? opt->row_chunks : imin(min_rows, 8);
     PartitionPlan* plans = malloc_check((size_t)k_max * sizeof(PartitionPlan));
     int* ok = calloc_check((size_t)k_max, sizeof(int));
     char first_err[ERR_LEN] = "";

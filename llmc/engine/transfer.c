@@ -10,15 +10,17 @@
  *     micro-batch's compute; boundaries, gradients and losses down, after it;
  *   - gradients: a backward stage's slot down to the host gradient set of its iteration (or of its
  *     split round), deferred into the next stage's activation windows or layer by layer behind
- *     the last micro-batch's backward.
+ *     the last micro-batch's backward;
+ *   - MoE models: each micro-batch's aux statistics rows and summed counts (docs/ROUNDPIPE.md
+ *     §4.5), down from forward stages, up to and down from the fused stage, up to backward stages.
  *
  * Buffers it touches: device slots and activation buffers (as copy source or target), host
- * master[ip], hids and htgt (read), hx / hdx (both), hloss, hgrad / hsplit (written). Events it
- * records: lev[k][l], up_done[p], marks[r], down_done[p], x_ev / dx_ev / loss_ev, x_free /
- * dx_free, grads_ready, grad_ev / split_ev, gslot_free[k]; its copies wait on pslot_free,
- * gslot_free, comp_done, down_done, the running stage's marks, grads_ready, gev, and on the host
- * buffers' producers and readers (x_ev, dx_ev, x_free, dx_free, grad_ev). Protocol flags only
- * through protocol.c.
+ * master[ip], hids and htgt (read), hx / hdx / hmoe (both), hloss, hgrad / hsplit (written).
+ * Events it records: lev[k][l], up_done[p], marks[r], down_done[p], x_ev / dx_ev / loss_ev,
+ * x_free / dx_free, grads_ready, grad_ev / split_ev, gslot_free[k]; its copies wait on
+ * pslot_free, gslot_free, comp_done, down_done, the running stage's marks, grads_ready, gev, and
+ * on the host buffers' producers and readers (x_ev, dx_ev, x_free, dx_free, grad_ev). Protocol
+ * flags only through protocol.c.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -197,6 +199,14 @@ void transfer_acts_up(Engine* e, DevState* ds, const Stage* st, int i, int r, in
     }
     if (st->kind == SLOT_FUSED)
         im->copy_h2d(d, STREAM_ACT_UP, ds->targets[p], e->htgt[ip][i], tok_bytes);
+    // MoE: the aux statistics rows of the forward stages' blocks, which the fused stage's aux loss
+    // needs (each forward stage downloaded its rows before recording its output boundary's x_ev,
+    // so the x_ev wait above covers them all)
+    const int n_moe = e->m->n_moe, E = e->m->cfg.E;
+    const int moe_lo = n_moe > 0 ? engine_moe_row(e, st->b) : 0;
+    if (st->kind == SLOT_FUSED && moe_lo > 0)
+        im->copy_h2d(d, STREAM_ACT_UP, ds->moe[p], e->hmoe[ip][i],
+                     (size_t)moe_lo * 2 * E * sizeof(float));
     if (st->kind == SLOT_BWD) {
         if (e->opt.grain == RECOMPUTE_LAYER) {
             for (int l = imax(st->b, 1); l < st->e; l++) {
@@ -209,6 +219,11 @@ void transfer_acts_up(Engine* e, DevState* ds, const Stage* st, int i, int r, in
         im->stream_wait(d, STREAM_ACT_UP, e->dx_ev[st->e][i]);
         im->copy_h2d(d, STREAM_ACT_UP, ds->dres[p], e->hdx[ip][st->e][i], x_bytes);
         if (e->dx_free) im->event_record(e->dx_free[st->e][i], d, STREAM_ACT_UP);
+        // MoE: the micro-batch's summed counts for the blocks' aux gradient (the fused stage
+        // downloaded them before recording its dx_ev, which this stage's dx_ev wait follows)
+        if (n_moe > 0 && engine_moe_row(e, st->e) > moe_lo)
+            im->copy_h2d(d, STREAM_ACT_UP, ds->moe[p] + (size_t)n_moe * 2 * E,
+                         e->hmoe[ip][i] + (size_t)n_moe * 2 * E, (size_t)E * sizeof(float));
     }
     im->event_record(ds->up_done[p], d, STREAM_ACT_UP);
     im->event_record(ds->marks[r], d, STREAM_ACT_UP);
@@ -227,6 +242,21 @@ void transfer_acts_down(Engine* e, DevState* ds, const Stage* st, int i, int r, 
     const int Bi = mb_rows(e, i);
     const size_t x_bytes = (size_t)Bi * e->T * e->C * e->ab;
     im->stream_wait(d, STREAM_ACT_DOWN, ds->comp_done[p]);
+    // MoE: a forward stage's blocks' aux statistics rows, before its boundaries' x_ev (which the
+    // fused stage's upload waits for); the fused stage's rows and the counts (the tail of the
+    // buffer), before its loss_ev (engine_collect's aux) and dx_ev (the backward stages' counts)
+    const int n_moe = e->m->n_moe, E = e->m->cfg.E;
+    if (n_moe > 0 && st->kind != SLOT_BWD) {
+        const int lo = engine_moe_row(e, st->b);
+        const size_t end = st->kind == SLOT_FWD ? (size_t)engine_moe_row(e, st->e) * 2 * E
+                                                : (size_t)e->moe_floats;
+        const size_t from = (size_t)lo * 2 * E;
+        if (end > from) {
+            jobs_label(e, ip, ds, STREAM_ACT_DOWN, "down %s mb%d moe stats", st->name, i);
+            im->copy_d2h(d, STREAM_ACT_DOWN, e->hmoe[ip][i] + from, ds->moe[p] + from,
+                         (end - from) * sizeof(float));
+        }
+    }
     if (st->kind == SLOT_FWD) {
         for (int k = 1; k <= n; k++) {
             int bnd = st->b + k;

@@ -815,6 +815,113 @@ static void test_engine_one_slot_set(TestCtx* t) {
     free(tokens);
 }
 
+// ----------------------------------------------------------------------------
+// mixture of experts
+
+// test-qwen3moe with 5 blocks (block 1 dense: mlp_only_layers) or test-gptoss with 4 (a 4-token
+// window < T in blocks 0 and 2, full attention in 1 and 3), the aux loss on or off.
+static ModelConfig engine_moe_config(int gptoss, int aux) {
+    char err[ERR_LEN];
+    ModelConfig c;
+    if (config_from_preset(&c, gptoss ? "test-gptoss" : "test-qwen3moe", err) != 0)
+        fatal("%s", err);
+    c.L = gptoss ? 4 : 5;
+    if (gptoss) c.sliding[2] = 1;
+    c.output_router_logits = aux;
+    return c;
+}
+
+// The stages' share of the smallest device budget (in 3% steps) that still plans: as many stages
+// as the model allows.
+static double engine_tight_budget(const ModelConfig* c, int N, int B, int T, int M, int M_R,
+                                  RecomputeGrain grain) {
+    char err[ERR_LEN];
+    Model m;
+    if (model_init(&m, c, 0, err) != 0) fatal("%s", err);
+    EngineOptions eo = {.B = B, .T = T, .M = M, .M_R = M_R, .grain = grain, .sync = 1,
+                        .row_chunks = 1};
+    const double fixed = (double)engine_fixed_device_bytes(&m, 4, &eo);
+    double x = 0;
+    for (int l = 0; l < m.tt.n_layers; l++) x += 16.0 * (double)m.tt.param_numel[l];
+    for (;;) {
+        eo.device_budget = fixed + 0.97 * x;
+        if (engine_plan_fits(&m, 4, N, &eo, err) != 0) break;
+        x *= 0.97;
+    }
+    model_free(&m);
+    return x;
+}
+
+// MoE models through the engine are bit-identical to plain training (losses with and without the
+// aux loss, and the weights after the steps, hence every gradient): forward stages hand their
+// blocks' aux statistics to the fused stage, which hands the counts to the backward stages,
+// whose recompute (stage or layer grain) routes the same tokens; also with the delayed update,
+// gated uploads, one set of host checkpoints, rounds and split rounds.
+static void test_engine_moe_matches_plain(TestCtx* t) {
+    const int B = 8, T = 12;
+    // (under ThreadSanitizer, which slows these runs fifty-fold, with the aux loss on only: the
+    // hand-offs and their events are the same without it)
+#if defined(__SANITIZE_THREAD__)
+    const int k_step = 2;
+#else
+    const int k_step = 1;
+#endif
+    for (int k = 0; k < 4; k += k_step) {
+        const int gptoss = k / 2, aux = k % 2 == 0;
+        ModelConfig c = engine_moe_config(gptoss, aux);
+        int32_t* tokens = make_batches(B, T, 21 + k, c.V);
+        Run ref[3];  // sync, delayed, sync in two split rounds
+        run_reference(&ref[0], &c, B, T, 4, tokens, 0);
+        run_reference(&ref[1], &c, B, T, 4, tokens, 1);
+        run_reference_rounds(&ref[2], &c, B, T, 4, tokens, 0, 2);
+        const double st = engine_tight_budget(&c, 3, B, T, 4, 4, RECOMPUTE_STAGE);
+        const double ly = engine_tight_budget(&c, 3, B, T, 4, 4, RECOMPUTE_LAYER);
+        const struct {
+            EngineCase ec;
+            int ref;
+        } cases[] = {
+            {{1, 4, 4, 1, 0, RECOMPUTE_STAGE, 0, 0, 0, 0, 0, 0}, 0},
+            {{2, 4, 4, 1, 1, RECOMPUTE_STAGE, st, 0, 0, 0, 0, 0}, 0},
+            {{3, 4, 4, 1, 1, RECOMPUTE_LAYER, ly, 0, 0, 0, 0, 0}, 0},
+            {{3, 4, 2, 1, 1, RECOMPUTE_STAGE, st, 0, 0, 0, 0, 0}, 0},
+            {{2, 4, 1, 1, 1, RECOMPUTE_LAYER, ly, 0, 0, 0, 0, 0}, 0},
+            {{3, 4, 4, 1, 1, RECOMPUTE_STAGE, st, 0, 1, 0, 0, 0}, 0},
+            {{3, 4, 2, 0, 1, RECOMPUTE_LAYER, ly, 0, 1, 0, 0, 0}, 1},
+            {{2, 4, 4, 0, 1, RECOMPUTE_STAGE, st, 0, 0, 20000, 0, 0}, 1},
+            {{2, 4, 4, 1, 1, RECOMPUTE_STAGE, 0, 0, 0, 0, 0, 1}, 2},
+        };
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+            const EngineCase* ec = &cases[i].ec;
+            Run r;
+            int S = run_engine(t, &r, &c, B, T, ec, tokens);
+            if (S < 0) continue;
+            if (ec->budget > 0) CHECK(t, S >= 3, "%s case %zu: only %d stages", c.name, i, S);
+            const Run* want = &ref[cases[i].ref];
+            CHECK(t, runs_identical(&r, want),
+                  "%s aux %d case %zu (N=%d M_R=%d grain %d, S=%d): loss %.9g/%.9g vs plain "
+                  "%.9g/%.9g",
+                  c.name, aux, i, ec->N, ec->M_R, ec->grain, S, r.loss[0], r.loss[STEPS - 1],
+                  want->loss[0], want->loss[STEPS - 1]);
+            free(r.params);
+        }
+        for (int i = 0; i < 3; i++) free(ref[i].params);
+        free(tokens);
+    }
+    // row chunks would split the rows the aux loss couples: refused with one line
+    char err[ERR_LEN];
+    ModelConfig c = engine_moe_config(0, 1);
+    Fixture fx;
+    DeviceOptions dopt = {.threads = 1};
+    fixture_open(&fx, &c, 1, &dopt);
+    EngineOptions eo = {.B = 8, .T = 12, .M = 2, .row_chunks = 2, .sync = 1, .opt_threads = 1,
+                        .trace_path = "", .hyper = test_hyper(), .sched = test_sched()};
+    Engine* e = engine_create(&fx.m, &fx.s, &fx.devs, &eo, err);
+    CHECK(t, e == NULL && strstr(err, "mixture-of-experts"), "MoE with row chunks: %s",
+          e ? "accepted" : err);
+    engine_free(e);
+    fixture_close(&fx);
+}
+
 const TestCase tests_engine[] = {
     {"engine_sync_matches_plain", test_engine_sync_matches_plain},
     {"engine_microbatch_counts", test_engine_microbatch_counts},
@@ -829,5 +936,6 @@ const TestCase tests_engine[] = {
     {"engine_gated_uploads_hide_step", test_engine_gated_uploads_hide_step},
     {"engine_row_chunks_chosen", test_engine_row_chunks_chosen},
     {"engine_one_slot_set", test_engine_one_slot_set},
+    {"engine_moe_matches_plain", test_engine_moe_matches_plain},
     {NULL, NULL},
 };

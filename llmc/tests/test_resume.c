@@ -138,6 +138,26 @@ static void test_resume_bit_exact(TestCtx* t) {
     // before every step, so a checkpoint holds nothing of them
     resume_case(t, "engine_split", "--batch 4 --seq 32 --micro-batches 4 --warmup 2 --device cpu:2 "
                 "--split-rounds", 6, 3);
+    // a mixture-of-experts model (MoE blocks around a dense one, the aux loss on) through the
+    // engine in several stages, synchronous and delayed; the synchronous run logs what plain
+    // training logs (loss, CE, aux, load spread, norm)
+    const char* moe = "--model test-qwen3moe --batch 4 --seq 16 --micro-batches 2 --warmup 2";
+    char moe_args[2048], moe_log[1024], plain_log[1024];
+    snprintf(moe_args, sizeof moe_args, "%s --device cpu:2 --device-mem 1.2M --sync 1", moe);
+    resume_case(t, "moe_engine", moe_args, 6, 3);
+    snprintf(moe_args, sizeof moe_args, "%s --device cpu:3 --device-mem 1.2M", moe);
+    resume_case(t, "moe_engine_async", moe_args, 6, 3);
+    snprintf(moe_log, sizeof moe_log, "%s/moe_engine_a.jsonl", t->tmpdir);
+    snprintf(plain_log, sizeof plain_log, "%s/moe_plain.jsonl", t->tmpdir);
+    snprintf(moe_args, sizeof moe_args, "%s --val '' --sample-tokens 0 --threads 2 --steps 6 "
+             "--log '%s'", moe, plain_log);
+    CHECK(t, test_run_cli(t, "moe_plain", moe_args) == 0, "moe: plain run");
+    char* le = test_read_file(moe_log, NULL);
+    char* lp = test_read_file(plain_log, NULL);
+    CHECK(t, strstr(lp, "\"aux\":") != NULL, "moe: the plain log has no aux");
+    compare_logs(t, le, lp, 1, 6, "moe engine vs plain");
+    free(le);
+    free(lp);
     // an untied LLaMA from a quantized GGUF, cosine schedule ending inside the resumed part
     char shard[1024], err[ERR_LEN], args[2048];
     uint32_t toks[3000];
