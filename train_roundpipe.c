@@ -247,6 +247,17 @@ int main(int argc, char** argv) {
         fatal("%s: %s", a.model, err);
     model.mlp_chunk = a.mlp_chunk > 0 ? a.mlp_chunk : 0;  // auto is resolved with the plan
     config_print(&model.cfg);
+    if (model.tt.lora.r > 0) {
+        char targets[128];
+        lora_targets_string(model.tt.lora.targets, targets, sizeof targets);
+        printf("LoRA: r %d, alpha %g (scale %g%s), targets %s, dropout %g: %lld trainable "
+               "parameters (%.3f%% of %lld), the base frozen\n", model.tt.lora.r,
+               (double)model.tt.lora.alpha, (double)model.lora_scale,
+               model.tt.lora.rslora ? ", rsLoRA" : "", targets, (double)model.tt.lora.dropout,
+               (long long)model.tt.trainable_params,
+               100.0 * (double)model.tt.trainable_params / (double)model.tt.total_params,
+               (long long)model.tt.total_params);
+    }
     if (a.seq > model.cfg.max_pos && model.cfg.max_pos > 0)
         printf("warning: --seq %d exceeds max_position_embeddings %d\n", a.seq, model.cfg.max_pos);
     const int N = resolve_devices(&a);

@@ -11,7 +11,7 @@
  *    adapted loss, recompute and the chunked MLP give the same results;
  *  - PEFT directories: a round trip, and one-line refusals of a mismatched config or tensors;
  *  - the CLI: flag validation, training (the base untouched), --dump-state with the adapters'
- *    gradients only, --export-lora / --lora-init, bit-exact --resume;
+ *    gradients only, --export-lora / --lora-init, bit-exact --resume, --merge-lora;
  *  - parity with PEFT (dev/parity/make_lora_fixtures.py), skipped while the fixtures are absent.
  */
 #include <math.h>
@@ -612,6 +612,34 @@ static void test_lora_cli_train(TestCtx* t) {
     free(e);
 }
 
+// The value after "val loss " in the last such line of an output, NAN if none.
+static double last_val_loss(const char* out) {
+    const char* p = NULL;
+    for (const char* q = strstr(out, "val loss "); q; q = strstr(q + 1, "val loss ")) p = q;
+    return p ? atof(p + 9) : NAN;
+}
+
+// --merge-lora: the exported model alone (no adapters) has the adapted model's validation loss.
+static void test_lora_cli_merge(TestCtx* t) {
+    char args[4096], exp[1024];
+    test_path(t, exp, sizeof exp, "lora_merged");
+    snprintf(args, sizeof args, "--sample-tokens 0 --threads 2 --lora-r 4 --lr 1e-2 --steps 3 "
+             "--eval-every 0 --eval-batches 1 --export-hf '%s' --merge-lora", exp);
+    CHECK(t, test_run_cli(t, "merge", args) == 0, "LoRA run with --merge-lora");
+    char* a = test_read_output(t, "merge", "out");
+    snprintf(args, sizeof args, "--model '%s' --sample-tokens 0 --threads 2 --steps 0 "
+             "--eval-batches 1", exp);
+    CHECK(t, test_run_cli(t, "merged", args) == 0, "the merged model");
+    char* b = test_read_output(t, "merged", "out");
+    const double la = last_val_loss(a), lb = last_val_loss(b);
+    CHECK(t, isfinite(la) && fabs(la - lb) <= 1e-5 * fabs(la),
+          "merged model val loss %.7f vs the adapted model's %.7f", lb, la);
+    CHECK(t, strstr(a, "LoRA: r 4, alpha 8 (scale 2), targets q,k,v,o,gate,up,down"),
+          "the LoRA line: %s", a);
+    free(a);
+    free(b);
+}
+
 // Straight 6 steps vs 3 + --resume 3: the same log records; the checkpoint holds the adapters.
 static void test_lora_cli_resume(TestCtx* t) {
     char args[4096], a_out[1024], b_out[1024], la[1024], lb1[1024], lb2[1024], path[1200];
@@ -886,6 +914,7 @@ const TestCase tests_lora[] = {
     {"lora_cli_flags", test_lora_cli_flags},
     {"lora_cli_train", test_lora_cli_train},
     {"lora_cli_resume", test_lora_cli_resume},
+    {"lora_cli_merge", test_lora_cli_merge},
     {"lora_gpu_ops", test_lora_gpu_ops},
     {"lora_gpu_model", test_lora_gpu_model},
     {"lora_parity_qwen3", test_lora_parity_qwen3},
