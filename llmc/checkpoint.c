@@ -745,6 +745,9 @@ static void warn_changed_flags(const char* step_dir, const char* args_json) {
                                        "grad-clip",
                                        "shuffle",
                                        "seed",
+                                       "lora-alpha",
+                                       "lora-dropout",
+                                       "rslora",
                                        NULL};
     char path[4200], err[ERR_LEN];
     snprintf(path, sizeof path, "%s/args.json", step_dir);

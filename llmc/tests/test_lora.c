@@ -337,6 +337,7 @@ static float* lora_grads_copy(const Fix* f, int64_t* n_out) {
     float* out = malloc_check((size_t)(n > 0 ? n : 1) * sizeof(float));
     int64_t k = 0;
     for (int l = 0; l < f->m.tt.n_layers; l++) {
+        if (f->m.tt.grad_numel[l] == 0) continue;  // the prefix and postfix: frozen
         memcpy(out + k, f->s.grad[l], (size_t)f->m.tt.grad_numel[l] * sizeof(float));
         k += f->m.tt.grad_numel[l];
     }
