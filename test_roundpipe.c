@@ -38,6 +38,7 @@
     X(ops)         \
     X(model)       \
     X(moe)         \
+    X(lora)        \
     X(parity)      \
     X(gpu)         \
     X(gpu_sink)    \

@@ -23,6 +23,7 @@
 #include "llmc/engine.h"
 #include "llmc/interrupt.h"
 #include "llmc/log.h"
+#include "llmc/lora.h"
 #include "llmc/memory.h"
 #include "llmc/model.h"
 #include "llmc/outputs.h"
@@ -138,12 +139,24 @@ static int plan_and_check_memory(TrainArgs* a, Model* model, int N) {
 // ----------------------------------------------------------------------------
 // the trained model: --out, --export-hf, --export-gguf
 
-static void export_model(const TrainArgs* a, const Model* m, const Store* s,
-                         const ModelSource* src) {
+static void export_model(const TrainArgs* a, const Model* m, Store* s, const ModelSource* src) {
     char err[ERR_LEN];
+    const int lora = m->tt.lora.r > 0;
     if (a->out[0]) {
         if (checkpoint_save_hf(a->out, m, s, err) != 0) fatal("%s", err);
-        printf("saved the model to %s (model.safetensors, config.json)\n", a->out);
+        if (lora && lora_save_peft(a->out, m, s, a->model, NULL, err) != 0) fatal("%s", err);
+        printf("saved the model to %s (model.safetensors, config.json%s)\n", a->out,
+               lora ? ", the LoRA adapters" : "");
+    }
+    if (lora && a->export_lora[0]) {
+        if (lora_save_peft(a->export_lora, m, s, a->model, NULL, err) != 0) fatal("%s", err);
+        printf("exported the LoRA adapters to %s (PEFT: adapter_config.json, "
+               "adapter_model.safetensors)\n", a->export_lora);
+    }
+    if (lora && a->merge_lora) {
+        // the last use of the store: the HF / GGUF exports below carry W + scale·B·A
+        lora_merge(m, s);
+        printf("merged the LoRA adapters into the exported weights\n");
     }
     if (a->export_hf[0]) {
         if (checkpoint_export_hf(a->export_hf, m, s, a->export_dtype,
@@ -228,9 +241,23 @@ int main(int argc, char** argv) {
     if (checkpoint_resolve_model(&src, a.model, err) != 0) fatal("%s", err);
     if (a.layers > 0 && config_truncate_layers(&src.cfg, a.layers, err) != 0) fatal("%s", err);
     Model model;
-    if (model_init(&model, &src.cfg, a.decay_embeddings, err) != 0) fatal("%s: %s", a.model, err);
+    const LoraSpec lora = {.r = a.lora_r, .alpha = a.lora_alpha, .rslora = a.rslora,
+                           .dropout = a.lora_dropout, .targets = a.lora_targets};
+    if (model_init_lora(&model, &src.cfg, a.decay_embeddings, &lora, err) != 0)
+        fatal("%s: %s", a.model, err);
     model.mlp_chunk = a.mlp_chunk > 0 ? a.mlp_chunk : 0;  // auto is resolved with the plan
     config_print(&model.cfg);
+    if (model.tt.lora.r > 0) {
+        char targets[128];
+        lora_targets_string(model.tt.lora.targets, targets, sizeof targets);
+        printf("LoRA: r %d, alpha %g (scale %g%s), targets %s, dropout %g: %lld trainable "
+               "parameters (%.3f%% of %lld), the base frozen\n", model.tt.lora.r,
+               (double)model.tt.lora.alpha, (double)model.lora_scale,
+               model.tt.lora.rslora ? ", rsLoRA" : "", targets, (double)model.tt.lora.dropout,
+               (long long)model.tt.trainable_params,
+               100.0 * (double)model.tt.trainable_params / (double)model.tt.total_params,
+               (long long)model.tt.total_params);
+    }
     if (a.seq > model.cfg.max_pos && model.cfg.max_pos > 0)
         printf("warning: --seq %d exceeds max_position_embeddings %d\n", a.seq, model.cfg.max_pos);
     const int N = resolve_devices(&a);
@@ -246,7 +273,7 @@ int main(int argc, char** argv) {
     char* args_json = args_to_json(&a);
     TrainState ts;
     const InitOptions init = {.model = a.model, .out_dir = a.out, .resume = a.resume,
-                              .seed = a.seed, .init_std = a.init_std};
+                              .seed = a.seed, .init_std = a.init_std, .lora_init = a.lora_init};
     if (checkpoint_init_weights(&init, &src, &model, &store, &ts, args_json, err) != 0)
         fatal("%s", err);
 

@@ -190,6 +190,12 @@ void cuda_swiglu_forward(CudaCtx* cx, bf16* out, const bf16* gu, int N, int F);
 void cuda_swiglu_backward(CudaCtx* cx, bf16* dgu, const bf16* dout, const bf16* gu, int N, int F);
 void cuda_add(CudaCtx* cx, bf16* out, const bf16* a, const bf16* b, size_t n);
 void cuda_add_f32(CudaCtx* cx, float* dst, const float* src, size_t n);
+void cuda_add_cols_scaled(CudaCtx* cx, bf16* out, const bf16* src, float scale, int N, int ld,
+                          int c0, int w);
+void cuda_get_cols_scaled(CudaCtx* cx, bf16* dst, const bf16* src, float scale, int N, int ld,
+                          int c0, int w);
+void cuda_dropout(CudaCtx* cx, bf16* out, const bf16* inp, float p, uint64_t seed, int64_t row0,
+                  int N, int C);
 // dst (C) += Σ_p partial (n_parts, C), parts summed in an order fixed by n_parts.
 void cuda_reduce_partials(CudaCtx* cx, float* dst, const float* partial, int n_parts, int C);
 

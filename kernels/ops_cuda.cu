@@ -481,6 +481,30 @@ static void op_add_f32(void* ctx, float* dst, const float* src, size_t n) {
     prof_end(cx);
 }
 
+static void op_add_cols_scaled(void* ctx, void* out, const void* src, float scale, int N, int ld,
+                               int c0, int w) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 6.0 * N * w, "add cols N=%d ld=%d w=%d", N, ld, w);
+    cuda_add_cols_scaled(cx, (bf16*)out, (const bf16*)src, scale, N, ld, c0, w);
+    prof_end(cx);
+}
+
+static void op_get_cols_scaled(void* ctx, void* dst, const void* src, float scale, int N, int ld,
+                               int c0, int w) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 4.0 * N * w, "get cols N=%d ld=%d w=%d", N, ld, w);
+    cuda_get_cols_scaled(cx, (bf16*)dst, (const bf16*)src, scale, N, ld, c0, w);
+    prof_end(cx);
+}
+
+static void op_dropout(void* ctx, void* out, const void* inp, float p, uint64_t seed, int64_t row0,
+                       int N, int C) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 4.0 * N * C, "dropout N=%d C=%d", N, C);
+    cuda_dropout(cx, (bf16*)out, (const bf16*)inp, p, seed, row0, N, C);
+    prof_end(cx);
+}
+
 static void op_crossentropy_forward_backward(void* ctx, void* logits, float* losses,
                                              const int32_t* targets, int n, int V,
                                              float grad_scale, int compute_grad) {
@@ -648,4 +672,7 @@ extern "C" const Ops ops_cuda = {
     .moe_combine_forward = op_moe_combine_forward,
     .moe_combine_backward = op_moe_combine_backward,
     .moe_router_stats = op_moe_router_stats,
+    .add_cols_scaled = op_add_cols_scaled,
+    .get_cols_scaled = op_get_cols_scaled,
+    .dropout = op_dropout,
 };

@@ -16,6 +16,7 @@
 #include "config.h"
 #include "dist.h"
 #include "json.h"
+#include "lora.h"
 
 void args_defaults(TrainArgs* a) {
     memset(a, 0, sizeof *a);
@@ -74,6 +75,16 @@ void args_defaults(TrainArgs* a) {
     a->dist_rank = -1;
     a->dist_world = 0;
     a->dist_timeout = (float)DIST_DEFAULT_TIMEOUT_S;
+    a->lora_r = 0;
+    a->lora_alpha = 8.0f;  // PEFT's LoraConfig default
+    a->lora_targets = LORA_ALL_LINEAR;
+    a->lora_targets_arg = "all-linear";
+    a->lora_dropout = 0.0f;
+    a->rslora = 0;
+    a->lora_init = "";
+    a->export_lora = "";
+    a->merge_lora = 0;
+    a->lora_flag = NULL;
 }
 
 void args_usage(FILE* f) {
@@ -163,6 +174,20 @@ void args_usage(FILE* f) {
         "                         the machine has available (MemAvailable, the cgroup limit):\n"
         "                         a warning instead of the refusal (exit 2)\n"
         "\n"
+        "LoRA (adapters on a frozen base; plain training, --device cpu, for now)\n"
+        "      --lora-r R         adapter rank; 0 = off, full fine-tuning (default 0)\n"
+        "      --lora-alpha A     scale alpha / r (default %g)\n"
+        "      --lora-targets L   all-linear (every linear but the LM head) or a comma list of\n"
+        "                         q, k, v, o, gate, up, down (default all-linear)\n"
+        "      --lora-dropout P   dropout on the adapters' input while training, seeded from\n"
+        "                         --seed (default 0)\n"
+        "      --rslora           scale alpha / sqrt(r) (rank-stabilised LoRA)\n"
+        "      --lora-init DIR    start from a PEFT adapter directory (adapter_config.json,\n"
+        "                         adapter_model.safetensors); its r, lora_alpha, target_modules\n"
+        "                         and use_rslora must match the flags\n"
+        "      --export-lora DIR  at the end, write the adapters as a PEFT adapter directory\n"
+        "      --merge-lora       the --export-hf / --export-gguf weights are W + scale*B*A\n"
+        "\n"
         "RoundPipe engine (--device cpu:N)\n"
         "      --round M_R        micro-batches per round, M %% M_R == 0, 0 = all (default 0)\n"
         "      --row-chunks K     compute each micro-batch in K row chunks, one after the other\n"
@@ -227,8 +252,8 @@ void args_usage(FILE* f) {
         d.steps, (double)d.lr, lr_schedule_name(d.schedule), d.warmup, (double)d.min_lr_frac,
         (double)d.decay_frac, (double)d.weight_decay, d.decay_embeddings, (double)d.beta1,
         (double)d.beta2, (double)d.eps, (double)d.grad_clip, d.eval_every, d.eval_batches,
-        d.sample_tokens, (double)d.temperature, d.threads, d.profile_steps,
-        (double)d.dist_timeout);
+        d.sample_tokens, (double)d.temperature, d.threads, (double)d.lora_alpha,
+        d.profile_steps, (double)d.dist_timeout);
 }
 
 // ----------------------------------------------------------------------------
@@ -338,7 +363,9 @@ enum {
     OPT_DECAY_EMB, OPT_INIT_STD, OPT_TEMPERATURE, OPT_ROUND, OPT_ROW_CHUNKS, OPT_RECOMPUTE, OPT_SYNC, OPT_PLAN,
     OPT_DEVICE_MEM, OPT_DELAY, OPT_TRACE, OPT_PROFILE_OPS, OPT_SPLIT_ROUNDS, OPT_NO_SPLIT_ROUNDS, OPT_PROFILE_STEPS, OPT_MLP_CHUNK, OPT_HOST_CKPT, OPT_SAVE_EVERY, OPT_KEEP, OPT_RESUME, OPT_EXPORT_HF,
     OPT_EXPORT_GGUF, OPT_EXPORT_DTYPE, OPT_EXPORT_SHARD, OPT_LAYERS,
-    OPT_ALLOW_OVERCOMMIT, OPT_DIST_INIT, OPT_RANK, OPT_WORLD, OPT_DIST_TIMEOUT
+    OPT_ALLOW_OVERCOMMIT, OPT_DIST_INIT, OPT_RANK, OPT_WORLD, OPT_DIST_TIMEOUT,
+    OPT_LORA_R, OPT_LORA_ALPHA, OPT_LORA_TARGETS, OPT_LORA_DROPOUT,
+    OPT_RSLORA, OPT_LORA_INIT, OPT_EXPORT_LORA, OPT_MERGE_LORA
 };
 
 // "512M", "80G", "1e9": bytes with an optional K/M/G/T suffix (powers of 1024). -1: not a
@@ -403,6 +430,29 @@ static const char* closest_flag(const struct option* opts, const char* flag) {
     return best;
 }
 
+// The LoRA flags together: every other --lora-* flag needs --lora-r, LoRA trains plain for now.
+static int check_lora(const TrainArgs* a) {
+    if (a->lora_r == 0) {
+        if (a->lora_flag)
+            return bad(a->lora_flag, "", "needs --lora-r R (LoRA is off without a rank)");
+        return 0;
+    }
+    char v[32];
+    snprintf(v, sizeof v, "%d", a->lora_r);
+    if (a->n_devices > 0 || a->device == DEVICE_CUDA)
+        return bad("--lora-r", v, "LoRA trains with --device cpu (plain training) for now: the "
+                   "RoundPipe engine (--device cpu:N, cuda[:N]) does not run adapters yet");
+    if (a->lora_targets & (LORA_ROUTER_BIT | LORA_EXPERTS_BIT))
+        return bad("--lora-targets", a->lora_targets_arg, "router and experts adapters (MoE "
+                   "models) are not supported yet");
+    if (a->merge_lora && !*a->export_hf && !*a->export_gguf)
+        return bad("--merge-lora", "", "merges the adapters into the --export-hf / --export-gguf "
+                   "weights: give one of them");
+    if (*a->lora_init && !dir_exists(a->lora_init))
+        return bad("--lora-init", a->lora_init, "no such directory (a PEFT adapter directory)");
+    return 0;
+}
+
 int args_parse(TrainArgs* a, int argc, char** argv) {
     static const struct option opts[] = {
         {"model", required_argument, 0, 'e'},        {"train", required_argument, 0, 'i'},
@@ -454,6 +504,14 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         {"rank", required_argument, 0, OPT_RANK},
         {"world", required_argument, 0, OPT_WORLD},
         {"dist-timeout", required_argument, 0, OPT_DIST_TIMEOUT},
+        {"lora-r", required_argument, 0, OPT_LORA_R},
+        {"lora-alpha", required_argument, 0, OPT_LORA_ALPHA},
+        {"lora-targets", required_argument, 0, OPT_LORA_TARGETS},
+        {"lora-dropout", required_argument, 0, OPT_LORA_DROPOUT},
+        {"rslora", no_argument, 0, OPT_RSLORA},
+        {"lora-init", required_argument, 0, OPT_LORA_INIT},
+        {"export-lora", required_argument, 0, OPT_EXPORT_LORA},
+        {"merge-lora", no_argument, 0, OPT_MERGE_LORA},
         {"help", no_argument, 0, 'h'},               {0, 0, 0, 0}};
     optind = 1;
     opterr = 0;
@@ -565,6 +623,38 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
             case OPT_DIST_TIMEOUT:
                 rc = float_in("--dist-timeout", v, 0.0, 86400.0, 1, &a->dist_timeout);
                 break;
+            case OPT_LORA_R: rc = int_in("--lora-r", v, 0, 65536, &a->lora_r); break;
+            case OPT_LORA_ALPHA:
+                rc = float_in("--lora-alpha", v, 0.0, 1e6, 1, &a->lora_alpha);
+                if (!a->lora_flag) a->lora_flag = "--lora-alpha";
+                break;
+            case OPT_LORA_TARGETS: {
+                char why[ERR_LEN];
+                if (lora_parse_targets(v, &a->lora_targets, why) != 0) rc = bad("--lora-targets", v, why);
+                a->lora_targets_arg = v;
+                if (!a->lora_flag) a->lora_flag = "--lora-targets";
+                break;
+            }
+            case OPT_LORA_DROPOUT:
+                rc = float_in("--lora-dropout", v, 0.0, 0.999, 0, &a->lora_dropout);
+                if (!a->lora_flag) a->lora_flag = "--lora-dropout";
+                break;
+            case OPT_RSLORA:
+                a->rslora = 1;
+                if (!a->lora_flag) a->lora_flag = "--rslora";
+                break;
+            case OPT_LORA_INIT:
+                a->lora_init = v;
+                if (!a->lora_flag) a->lora_flag = "--lora-init";
+                break;
+            case OPT_EXPORT_LORA:
+                a->export_lora = v;
+                if (!a->lora_flag) a->lora_flag = "--export-lora";
+                break;
+            case OPT_MERGE_LORA:
+                a->merge_lora = 1;
+                if (!a->lora_flag) a->lora_flag = "--merge-lora";
+                break;
             case OPT_EXPORT_HF: a->export_hf = v; break;
             case OPT_EXPORT_GGUF: a->export_gguf = v; break;
             case OPT_EXPORT_DTYPE:
@@ -645,7 +735,7 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
                 "(world size %d from %s; run a single process)\n", dc.world, dc.source);
         return 2;
     }
-    return 0;
+    return check_lora(a);
 }
 
 // ----------------------------------------------------------------------------
@@ -684,8 +774,16 @@ char* args_to_json(const TrainArgs* a) {
                "  \"devices\": %d,\n  \"threads\": %d",
             a->save_every, a->keep, a->device == DEVICE_CUDA ? "cuda" : "cpu", a->n_devices,
             a->threads);
-    fprintf(m, ",\n  \"round\": %d,\n  \"recompute\": \"%s\",\n  \"sync\": %d\n}\n",
+    fprintf(m, ",\n  \"round\": %d,\n  \"recompute\": \"%s\",\n  \"sync\": %d",
             a->round_micro_batches, a->recompute_layer ? "layer" : "stage", a->sync);
+    if (a->lora_r > 0) {  // (absent without LoRA: the flags of full fine-tuning runs as before)
+        char targets[128];
+        lora_targets_string(a->lora_targets, targets, sizeof targets);
+        fprintf(m, ",\n  \"lora-r\": %d,\n  \"lora-alpha\": %.9g,\n  \"lora-targets\": \"%s\""
+                   ",\n  \"lora-dropout\": %.9g,\n  \"rslora\": %d",
+                a->lora_r, (double)a->lora_alpha, targets, (double)a->lora_dropout, a->rslora);
+    }
+    fputs("\n}\n", m);
     if (ferror(m) || fclose(m) != 0) fatal("building args.json failed");
     return buf;
 }

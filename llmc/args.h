@@ -75,6 +75,17 @@ typedef struct TrainArgs {
     int dist_rank;           // --rank R (-1 = from the environment)
     int dist_world;          // --world W (0 = from the environment, else 1)
     float dist_timeout;      // --dist-timeout S: every rendezvous and collective wait (seconds)
+    // LoRA on a frozen base (lora.h)
+    int lora_r;              // rank, 0 = off
+    float lora_alpha;
+    unsigned lora_targets;   // LORA_BIT set (tensor.h), router/experts bits (lora.h)
+    const char* lora_targets_arg;  // --lora-targets as given
+    float lora_dropout;
+    int rslora;              // scale alpha / sqrt(r)
+    const char* lora_init;   // PEFT adapter directory to start from ("" = PEFT's init)
+    const char* export_lora; // PEFT adapter directory written at the end ("" = none)
+    int merge_lora;          // the HF / GGUF exports carry W + scale·B·A
+    const char* lora_flag;   // the first --lora-* flag other than --lora-r given (validation)
 } TrainArgs;
 
 // Defaults: the built-in tiny model on the shipped corpus.

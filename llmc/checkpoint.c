@@ -28,6 +28,7 @@
 #include "crc32c.h"
 #include "json.h"
 #include "loader.h"
+#include "lora.h"
 #include "progress.h"
 
 // ----------------------------------------------------------------------------
@@ -241,7 +242,31 @@ int checkpoint_save_hf(const char* dir, const Model* m, const Store* s, char* er
     return save_hf(dir, m, s, NULL, err);
 }
 
+// With LoRA: grad.<PEFT key> of the adapters, the only gradients computed.
+static int dump_lora_state(const char* path, const Model* m, const Store* s, float loss,
+                           char* err) {
+    StWriter w;
+    st_writer_init(&w);
+    int64_t one = 1;
+    st_writer_add(&w, "loss", ST_F32, 1, &one, &loss);
+    char** names = calloc_check((size_t)m->tt.n, sizeof(char*));
+    for (int i = 0; i < m->tt.n; i++) {
+        const TensorDesc* d = &m->tt.t[i];
+        if (d->lora_target < 0) continue;
+        size_t len = strlen(d->hf_name) + 6;
+        names[i] = malloc_check(len);
+        snprintf(names[i], len, "grad.%s", d->hf_name);
+        st_writer_add(&w, names[i], ST_F32, d->ndim, d->shape, store_grad(s, i));
+    }
+    int rc = st_writer_write(&w, path, err);
+    st_writer_free(&w);
+    for (int i = 0; i < m->tt.n; i++) free(names[i]);
+    free(names);
+    return rc;
+}
+
 int checkpoint_dump_state(const char* path, const Model* m, const Store* s, float loss, char* err) {
+    if (m->tt.lora.r > 0) return dump_lora_state(path, m, s, loss, err);
     StWriter w;
     st_writer_init(&w);
     int64_t one = 1;
@@ -438,13 +463,13 @@ static int write_train_state(const char* path, const Model* m, const Store* s, c
     st_writer_add(&w, "rng.has_spare", ST_I32, 1, &one, &rng_has_spare);
     st_writer_add(&w, "rng.spare", ST_F32, 1, &one, &ts->rng.spare);
     char name[128];
-    for (int i = 0; i < m->tt.n; i++) {
+    for (int i = 0; i < m->tt.n; i++) {  // the trainable tensors' state (LoRA: the adapters')
         const TensorDesc* d = &m->tt.t[i];
-        if (d->tied_to >= 0) continue;
+        if (d->tied_to >= 0 || !d->trainable) continue;
         snprintf(name, sizeof name, "m.%s", d->hf_name);
-        st_writer_add(&w, name, ST_F32, d->ndim, d->shape, s->m[d->owner_layer] + d->param_offset);
+        st_writer_add(&w, name, ST_F32, d->ndim, d->shape, s->m[d->owner_layer] + d->state_offset);
         snprintf(name, sizeof name, "v.%s", d->hf_name);
-        st_writer_add(&w, name, ST_F32, d->ndim, d->shape, s->v[d->owner_layer] + d->param_offset);
+        st_writer_add(&w, name, ST_F32, d->ndim, d->shape, s->v[d->owner_layer] + d->state_offset);
     }
     int rc = st_writer_write(&w, path, err);
     if (rc == 0) files_add(cf, "train_state.safetensors", w.file_bytes, w.file_crc32c);
@@ -480,7 +505,19 @@ int checkpoint_save_state(const char* dir, int keep, const Model* m, const Store
     if (mkdir_p(dir, err) != 0) return -1;
     if (remove_flat_dir(tmp, err) != 0) return -1;  // left over from a crash
     CkptFiles cf = {0};
-    if (save_hf(tmp, m, s, &cf, err) != 0) return -1;
+    if (m->tt.lora.r > 0) {
+        // LoRA: the frozen base is not copied (a resumed run loads it from --model again); the
+        // config, and the adapters as a PEFT adapter directory
+        if (mkdir_p(tmp, err) != 0) return -1;
+        char* json = config_to_hf_json(&m->cfg);
+        int rc = write_buffer(tmp, "config.json", json, strlen(json), &cf, err);
+        free(json);
+        LoraFile lf[2];
+        if (rc != 0 || lora_save_peft(tmp, m, s, "", lf, err) != 0) return -1;
+        for (int k = 0; k < 2; k++) files_add(&cf, lf[k].name, lf[k].bytes, lf[k].crc);
+    } else if (save_hf(tmp, m, s, &cf, err) != 0) {
+        return -1;
+    }
     snprintf(path, sizeof path, "%s/train_state.safetensors", tmp);
     if (write_train_state(path, m, s, ts, &cf, err) != 0) return -1;
     if (write_buffer(tmp, "args.json", args_json, strlen(args_json), &cf, err) != 0) return -1;
@@ -671,11 +708,11 @@ static int read_train_state(const char* path, const Model* m, Store* s, TrainSta
     char name[128];
     for (int i = 0; i < m->tt.n; i++) {
         const TensorDesc* d = &m->tt.t[i];
-        if (d->tied_to >= 0) continue;
+        if (d->tied_to >= 0 || !d->trainable) continue;
         for (int which = 0; which < 2; which++) {
             snprintf(name, sizeof name, "%c.%s", which ? 'v' : 'm', d->hf_name);
             const StTensor* t = state_tensor(&f, name, ST_F32, d->numel, err);
-            float* dst = (which ? s->v : s->m)[d->owner_layer] + d->param_offset;
+            float* dst = (which ? s->v : s->m)[d->owner_layer] + d->state_offset;
             if (!t || st_tensor_to_f32(t, dst, d->numel, err) != 0) goto done;
         }
     }
@@ -708,6 +745,9 @@ static void warn_changed_flags(const char* step_dir, const char* args_json) {
                                        "grad-clip",
                                        "shuffle",
                                        "seed",
+                                       "lora-alpha",
+                                       "lora-dropout",
+                                       "rslora",
                                        NULL};
     char path[4200], err[ERR_LEN];
     snprintf(path, sizeof path, "%s/args.json", step_dir);
@@ -747,13 +787,19 @@ static void warn_changed_flags(const char* step_dir, const char* args_json) {
 int checkpoint_load_state(const char* step_dir, const Model* m, Store* s, TrainState* ts,
                           const char* args_json, char* err) {
     if (check_same_model(step_dir, &m->cfg, err) != 0) return -1;
-    StCheckpoint ck;
-    if (st_checkpoint_open(&ck, step_dir, err) != 0) return -1;
-    int unused = 0;
-    int rc = loader_load_safetensors(s, &ck, &unused, err);
-    st_checkpoint_close(&ck);
-    if (rc != 0) return -1;
     char path[4200];
+    if (m->tt.lora.r > 0) {
+        // the adapters; the frozen base is the caller's (checkpoint_init_weights)
+        snprintf(path, sizeof path, "%s/adapter_model.safetensors", step_dir);
+        if (lora_load_weights(path, m, s, err) != 0) return -1;
+    } else {
+        StCheckpoint ck;
+        if (st_checkpoint_open(&ck, step_dir, err) != 0) return -1;
+        int unused = 0;
+        int rc = loader_load_safetensors(s, &ck, &unused, err);
+        st_checkpoint_close(&ck);
+        if (rc != 0) return -1;
+    }
     snprintf(path, sizeof path, "%s/train_state.safetensors", step_dir);
     if (read_train_state(path, m, s, ts, err) != 0) return -1;
     if (read_pending(step_dir, m, ts, err) != 0) return -1;
@@ -797,6 +843,20 @@ static int resume_pick(const char* out_dir, char* dir, size_t cap, int* verified
     return 0;
 }
 
+// The source's weights, or the seeded random init.
+static int load_base(const InitOptions* o, const ModelSource* src, const Model* m, Store* s,
+                     char* err) {
+    if (!src->has_weights) {
+        store_init_random(s, o->seed, o->init_std);
+        return 0;
+    }
+    int unused = 0;
+    if (checkpoint_load_weights(src, s, &unused, err) != 0) return -1;
+    printf("loaded %sweights from %s%s\n", m->tt.lora.r > 0 ? "the base's " : "", o->model,
+           unused ? " (some checkpoint tensors are unused by this model)" : "");
+    return 0;
+}
+
 int checkpoint_init_weights(const InitOptions* o, ModelSource* src, const Model* m, Store* s,
                             TrainState* ts, const char* args_json, char* err) {
     train_state_init(ts, o->seed);
@@ -804,6 +864,13 @@ int checkpoint_init_weights(const InitOptions* o, ModelSource* src, const Model*
     int verified = 0;
     if (o->resume && resume_pick(o->out_dir, dir, sizeof dir, &verified, err) != 0) return -1;
     int rc = 0;
+    const int lora = m->tt.lora.r > 0;
+    if (dir[0] && lora) {
+        // LoRA checkpoints hold the adapters only: the frozen base comes from the source (or the
+        // same seeded random init) first
+        rc = load_base(o, src, m, s, err);
+        if (rc != 0) return -1;
+    }
     if (dir[0]) {
         rc = checkpoint_load_state(dir, m, s, ts, args_json, err);
         if (rc == 0) {
@@ -812,14 +879,15 @@ int checkpoint_init_weights(const InitOptions* o, ModelSource* src, const Model*
             if (verified > 0) printf(", %d files verified (CRC-32C)", verified);
             printf("\n");
         }
-    } else if (src->has_weights) {
-        int unused = 0;
-        rc = checkpoint_load_weights(src, s, &unused, err);
-        if (rc == 0)
-            printf("loaded weights from %s%s\n", o->model,
-                   unused ? " (some checkpoint tensors are unused by this model)" : "");
     } else {
-        store_init_random(s, o->seed, o->init_std);
+        rc = load_base(o, src, m, s, err);
+        // the adapters of a fresh LoRA run: PEFT's init, or a PEFT adapter directory
+        if (rc == 0 && lora && o->lora_init && o->lora_init[0]) {
+            rc = lora_load_peft(o->lora_init, m, s, err);
+            if (rc == 0) printf("loaded LoRA adapters from %s\n", o->lora_init);
+        } else if (rc == 0 && lora) {
+            lora_init_random(m, s, o->seed);
+        }
     }
     checkpoint_release_weights(src);
     return rc;

@@ -69,7 +69,8 @@ void checkpoint_close_source(ModelSource* src);
 // Write dir/model.safetensors (F32, HF names; tied head omitted) and dir/config.json.
 int checkpoint_save_hf(const char* dir, const Model* m, const Store* s, char* err);
 // Write the --dump-state file: "loss" F32 [1] and "grad.<HF name>" F32 for every owned tensor
-// (store gradients must already be folded: tied heads summed into the embedding).
+// (store gradients must already be folded: tied heads summed into the embedding); with LoRA
+// "grad.<PEFT key>" of the adapters only.
 int checkpoint_dump_state(const char* path, const Model* m, const Store* s, float loss, char* err);
 
 // ----------------------------------------------------------------------------
@@ -104,17 +105,24 @@ typedef struct InitOptions {
     int resume;           // continue from the newest complete checkpoint in out_dir, if any
     uint32_t seed;        // seeds the run's random stream (ts->rng) and the random init
     float init_std;       // random init: matrices and embeddings ~ N(0, init_std)
+    const char* lora_init;  // LoRA: a PEFT adapter directory to start from (NULL / "": PEFT's
+                            // init, seeded by seed)
 } InitOptions;
 
 // The start of a run: with o->resume and a complete checkpoint in o->out_dir, the weights and
 // state come from it; otherwise the source's weights are loaded, or the store is randomly
 // initialised. ts is initialised either way; the source's weight files are released afterwards.
+// With LoRA (m->tt.lora.r > 0) the base always comes from the source (or the random init) and
+// the adapters from the checkpoint, o->lora_init or their init (lora_init_random).
 int checkpoint_init_weights(const InitOptions* o, ModelSource* src, const Model* m, Store* s,
                             TrainState* ts, const char* args_json, char* err);
 
 // Write dir/step_<ts->step>/:
-//   model.safetensors, config.json   the fp32 master weights in HF layout (--model can load it)
-//   train_state.safetensors          m.<HF name>, v.<HF name> (F32), step (I64), dataloader (U8),
+//   model.safetensors, config.json   the fp32 master weights in HF layout (--model can load it);
+//                                    with LoRA no model.safetensors (the base is frozen) but
+//                                    adapter_config.json + adapter_model.safetensors (PEFT)
+//   train_state.safetensors          m.<HF name>, v.<HF name> (F32) of the trainable tensors
+//                                    (LoRA: m.<PEFT key> of the adapters), step (I64), dataloader (U8),
 //                                    rng.mt (U32 [624]), rng.index, rng.has_spare (I32), rng.spare
 //   args.json                        the flags of the run (args_json)
 //   pending_weights.safetensors      only with ts->pending_bytes: layer.<l> = the weights the

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "lora.h"
 
 // Byte address of element `i` of a compute-dtype buffer.
 static inline void* at(const Workspace* ws, const void* p, int64_t i) {
@@ -24,34 +25,63 @@ static int64_t block_offset(const TensorTable* tt, TensorKind kind, int block) {
     return i < 0 ? -1 : tt->t[i].param_offset;
 }
 
+// The same in its gradient slab (-1 also for a frozen tensor).
+static int64_t block_grad_offset(const TensorTable* tt, TensorKind kind, int block) {
+    int i = tensor_table_index(tt, kind, block);
+    return i < 0 ? -1 : tt->t[i].grad_offset;
+}
+
+// Block l's offsets of every tensor, in its parameter slab (grad 0) or gradient slab (grad 1).
+static void fill_layout(const TensorTable* tt, int l, int grad, BlockLayout* bl) {
+    int64_t* slots[] = {&bl->attn_norm, &bl->wqkv,   &bl->q_norm,      &bl->k_norm,
+                        &bl->wo,        &bl->mlp_norm, &bl->wgu,       &bl->wdown,
+                        &bl->bqkv,      &bl->bo,     &bl->sinks,       &bl->router,
+                        &bl->router_bias, &bl->exp_gu, &bl->exp_gu_bias, &bl->exp_down,
+                        &bl->exp_down_bias};
+    const TensorKind kinds[] = {TK_ATTN_NORM, TK_WQ,       TK_Q_NORM,      TK_K_NORM,
+                                TK_WO,        TK_MLP_NORM, TK_W_GATE,      TK_W_DOWN,
+                                TK_BQ,        TK_BO,       TK_SINKS,       TK_ROUTER,
+                                TK_ROUTER_BIAS, TK_EXP_GATE_UP, TK_EXP_GATE_UP_BIAS,
+                                TK_EXP_DOWN,  TK_EXP_DOWN_BIAS};
+    for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++)
+        *slots[i] = grad ? block_grad_offset(tt, kinds[i], l) : block_offset(tt, kinds[i], l);
+    for (int tg = 0; tg < LORA_N_TARGETS; tg++) {
+        for (int k = 0; k < 2; k++) {
+            const int i = tensor_table_lora_index(tt, l, (LoraTarget)tg, k);
+            const int64_t off = i < 0 ? -1 : grad ? tt->t[i].grad_offset : tt->t[i].param_offset;
+            if (k) bl->lora_b[tg] = off;
+            else bl->lora_a[tg] = off;
+        }
+    }
+}
+
 int model_init(Model* m, const ModelConfig* cfg, int decay_embeddings, char* err) {
+    return model_init_lora(m, cfg, decay_embeddings, NULL, err);
+}
+
+int model_init_lora(Model* m, const ModelConfig* cfg, int decay_embeddings, const LoraSpec* lora,
+                    char* err) {
     memset(m, 0, sizeof *m);
     if (config_validate(cfg, err) != 0) return -1;
     m->cfg = *cfg;
-    if (tensor_table_build(&m->tt, cfg, decay_embeddings, err) != 0) return -1;
+    if (tensor_table_build_lora(&m->tt, cfg, decay_embeddings, lora, err) != 0) return -1;
     m->QKV = (cfg->H + 2 * cfg->KVH) * cfg->HD;
+    if (m->tt.lora.r > 0) m->lora_scale = lora_scale(&m->tt.lora);
 
     // Block layouts relative to each block's slab, read off the table.
     const TensorTable* tt = &m->tt;
     const int64_t C = cfg->C;
     m->layout = calloc_check((size_t)cfg->L, sizeof(BlockLayout));
+    m->glayout = calloc_check((size_t)cfg->L, sizeof(BlockLayout));
     m->moe_slot = malloc_check((size_t)cfg->L * sizeof(int));
     for (int l = 0; l < cfg->L; l++) {
         BlockLayout* bl = &m->layout[l];
-        int64_t* slots[] = {&bl->attn_norm, &bl->wqkv,   &bl->q_norm,      &bl->k_norm,
-                            &bl->wo,        &bl->mlp_norm, &bl->wgu,       &bl->wdown,
-                            &bl->bqkv,      &bl->bo,     &bl->sinks,       &bl->router,
-                            &bl->router_bias, &bl->exp_gu, &bl->exp_gu_bias, &bl->exp_down,
-                            &bl->exp_down_bias};
-        const TensorKind kinds[] = {TK_ATTN_NORM, TK_WQ,       TK_Q_NORM,      TK_K_NORM,
-                                    TK_WO,        TK_MLP_NORM, TK_W_GATE,      TK_W_DOWN,
-                                    TK_BQ,        TK_BO,       TK_SINKS,       TK_ROUTER,
-                                    TK_ROUTER_BIAS, TK_EXP_GATE_UP, TK_EXP_GATE_UP_BIAS,
-                                    TK_EXP_DOWN,  TK_EXP_DOWN_BIAS};
-        for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++)
-            *slots[i] = block_offset(tt, kinds[i], l);
+        fill_layout(tt, l, 0, bl);
+        fill_layout(tt, l, 1, &m->glayout[l]);
         bl->moe = config_block_is_moe(cfg, l);
         bl->window = config_block_window(cfg, l);
+        m->glayout[l].moe = bl->moe;
+        m->glayout[l].window = bl->window;
         m->moe_slot[l] = bl->moe ? m->n_moe++ : -1;
         // The fused matmuls rely on adjacency: check it here rather than trusting the table.
         const int64_t QD = (int64_t)cfg->H * cfg->HD, KVD = (int64_t)cfg->KVH * cfg->HD;
@@ -73,6 +103,7 @@ void model_free(Model* m) {
     tensor_table_free(&m->tt);
     free(m->inv_freq);
     free(m->layout);
+    free(m->glayout);
     free(m->moe_slot);
     memset(m, 0, sizeof *m);
 }
@@ -152,6 +183,7 @@ size_t workspace_bytes(const Model* m, int act_bytes, int B, int T, int n_acts) 
     if (m->n_moe > 0)  // the experts' scratch, the per-block statistics and the summed counts
         scratch += moe_scratch_bytes(c, ab, (int64_t)N) +
                    ((size_t)m->n_moe * 2 + 1) * (size_t)c->E * sizeof(float);
+    scratch += lora_scratch_bytes(m, ab, (int64_t)N);  // the adapters' products (none without)
     size_t rope = 2 * (size_t)T * (c->HD / 2) * sizeof(float);
     return per_set * (size_t)n_acts + scratch + rope;
 }
@@ -280,6 +312,7 @@ Workspace* workspace_create(const Model* m, const Ops* ops, void* ctx, int B, in
     ws->d_xf = ws->row_b;
     ws->lm_chunk = lm_chunk_rows(m, ops->act_bytes, B, T);
     ws->logits = ops->alloc(ctx, (size_t)ws->lm_chunk * c->V * ab);
+    lora_scratch_alloc(m, ws, (int64_t)N);
     return ws;
 }
 
@@ -308,6 +341,7 @@ void workspace_free(Workspace* ws) {
                           ws->qkv_raw_s, ws->rstd1_s, ws->qkv_s, ws->rstd_qk_s};
     for (size_t i = 0; i < sizeof chunk_bufs / sizeof chunk_bufs[0]; i++)
         if (chunk_bufs[i]) ops->free(ctx, chunk_bufs[i]);
+    lora_scratch_free(ws);
     free(ws);
 }
 
@@ -321,6 +355,7 @@ void model_prefix_forward(const Model* m, Workspace* ws, void* x_out, const int3
 
 void model_prefix_backward(const Model* m, Workspace* ws, float* dwte, const void* dx,
                            const int32_t* ids, int B, int T) {
+    if (!dwte) return;  // a frozen embedding (LoRA)
     ws->ops->embedding_backward(ws->ctx, dwte, dx, ids, B * T, m->cfg.C, m->cfg.V);
 }
 
@@ -329,7 +364,7 @@ void model_prefix_backward(const Model* m, Workspace* ws, float* dwte, const voi
 
 // Rows [r0, r0+n) of the MLP's activations into the chunk scratch: ln2_c = RMSNorm(h), gu_c =
 // ln2_c · Wguᵀ, act_c = silu(gate) * up. The same ops on the same rows as the unchunked MLP.
-static void mlp_chunk_forward(const Model* m, Workspace* ws, const BlockLayout* bl,
+static void mlp_chunk_forward(const Model* m, Workspace* ws, const BlockLayout* bl, int block,
                               const void* slab, const void* h, int r0, int n) {
     const Ops* ops = ws->ops;
     const ModelConfig* c = &m->cfg;
@@ -337,6 +372,8 @@ static void mlp_chunk_forward(const Model* m, Workspace* ws, const BlockLayout* 
                          at(ws, slab, bl->mlp_norm), n, c->C, c->norm_eps);
     ops->matmul_forward(ws->ctx, ws->gu_c, ws->ln2_c, at(ws, slab, bl->wgu), NULL, n, c->C,
                         2 * c->F);
+    lora_forward(m, ws, block, LORA_BIT(LORA_GATE) | LORA_BIT(LORA_UP), slab, ws->ln2_c, ws->gu_c,
+                 n, r0);
     ops->swiglu_forward(ws->ctx, ws->act_c, ws->gu_c, n, c->F);
 }
 
@@ -351,8 +388,9 @@ static float* opt_grad(float* gslab, int64_t off) { return off >= 0 ? gslab + of
 // (its rstd into rstd_qk): the forward's ops, also run by the backward of a chunked block, which
 // keeps none of them (the same ops on the same inputs: the same bits).
 static void attention_input_forward(const Model* m, Workspace* ws, const BlockLayout* bl,
-                                    const void* slab, const void* x_in, void* ln1, float* rstd1,
-                                    void* qkv_raw, void* qkv, float* rstd_qk, int B, int T) {
+                                    int block, const void* slab, const void* x_in, void* ln1,
+                                    float* rstd1, void* qkv_raw, void* qkv, float* rstd_qk, int B,
+                                    int T) {
     const Ops* ops = ws->ops;
     const ModelConfig* c = &m->cfg;
     const int N = B * T;
@@ -360,6 +398,8 @@ static void attention_input_forward(const Model* m, Workspace* ws, const BlockLa
                          c->norm_eps);
     ops->matmul_forward(ws->ctx, qkv_raw, ln1, at(ws, slab, bl->wqkv), opt_at(ws, slab, bl->bqkv),
                         N, c->C, m->QKV);
+    lora_forward(m, ws, block, LORA_BIT(LORA_Q) | LORA_BIT(LORA_K) | LORA_BIT(LORA_V), slab, ln1,
+                 qkv_raw, N, 0);
     ops->qknorm_rope_forward(ws->ctx, qkv, rstd_qk, qkv_raw, opt_at(ws, slab, bl->q_norm),
                              opt_at(ws, slab, bl->k_norm), ws->rope_cos, ws->rope_sin, B, T, c->H,
                              c->KVH, c->HD, c->norm_eps);
@@ -380,12 +420,13 @@ static void attention_core_forward(const Model* m, Workspace* ws, const BlockLay
 // h = x + att · Woᵀ (+ bo) (through ws->proj), for a chunked block: its forward, and its
 // backward's recompute of h.
 static void attention_residual_forward(const Model* m, Workspace* ws, const BlockLayout* bl,
-                                       const void* slab, const void* att, const void* x_in,
-                                       void* h, int N) {
+                                       int block, const void* slab, const void* att,
+                                       const void* x_in, void* h, int N) {
     const Ops* ops = ws->ops;
     const ModelConfig* c = &m->cfg;
     ops->matmul_forward(ws->ctx, ws->proj, att, at(ws, slab, bl->wo), opt_at(ws, slab, bl->bo), N,
                         c->H * c->HD, c->C);
+    lora_forward(m, ws, block, LORA_BIT(LORA_O), slab, att, ws->proj, N, 0);
     ops->add(ws->ctx, h, x_in, ws->proj, (size_t)N * c->C);
 }
 
@@ -416,23 +457,26 @@ void model_block_forward_at(const Model* m, Workspace* ws, BlockActs* a, int blo
     void* qkv_raw = lean ? ws->qkv_raw_s : a->qkv_raw;
     void* qkv = lean ? ws->qkv_s : a->qkv;
     float* rstd_qk = lean ? ws->rstd_qk_s : a->rstd_qk;
-    attention_input_forward(m, ws, bl, slab, x_in, ln1, a->rstd1, qkv_raw, qkv, rstd_qk, B, T);
+    attention_input_forward(m, ws, bl, block, slab, x_in, ln1, a->rstd1, qkv_raw, qkv, rstd_qk, B, T);
     attention_core_forward(m, ws, bl, slab, a, qkv, B, T);
     if (lean) {
         // long sequences: h = x + attn, then the MLP chunk by chunk
         void* h = ws->ln1_h;  // ln1 is dead once qkv_raw exists
-        attention_residual_forward(m, ws, bl, slab, a->att, x_in, h, N);
+        attention_residual_forward(m, ws, bl, block, slab, a->att, x_in, h, N);
         for (int r0 = 0; r0 < N; r0 += ws->mlp_chunk) {
             const int n = imin(ws->mlp_chunk, N - r0);
-            mlp_chunk_forward(m, ws, bl, slab, h, r0, n);
+            mlp_chunk_forward(m, ws, bl, block, slab, h, r0, n);
             ops->matmul_forward(ctx, at(ws, ws->proj, (int64_t)r0 * C), ws->act_c,
                                 at(ws, slab, bl->wdown), NULL, n, F, C);
+            lora_forward(m, ws, block, LORA_BIT(LORA_DOWN), slab, ws->act_c,
+                         at(ws, ws->proj, (int64_t)r0 * C), n, r0);
         }
         ops->add(ctx, x_out, h, ws->proj, (size_t)N * C);
         return;
     }
     ops->matmul_forward(ctx, ws->proj, a->att, at(ws, slab, bl->wo), opt_at(ws, slab, bl->bo), N,
                         QD, C);
+    lora_forward(m, ws, block, LORA_BIT(LORA_O), slab, a->att, ws->proj, N, 0);
     ops->residual_rmsnorm_forward(ctx, a->h, a->ln2, a->rstd2, x_in, ws->proj,
                                   at(ws, slab, bl->mlp_norm), N, C, c->norm_eps);
     if (bl->moe) {
@@ -445,8 +489,10 @@ void model_block_forward_at(const Model* m, Workspace* ws, BlockActs* a, int blo
     }
     // MLP: x' = h + down(silu(gate(ln2)) * up(ln2))
     ops->matmul_forward(ctx, a->gu, a->ln2, at(ws, slab, bl->wgu), NULL, N, C, 2 * F);
+    lora_forward(m, ws, block, LORA_BIT(LORA_GATE) | LORA_BIT(LORA_UP), slab, a->ln2, a->gu, N, 0);
     ops->swiglu_forward(ctx, a->act, a->gu, N, F);
     ops->matmul_forward(ctx, ws->proj, a->act, at(ws, slab, bl->wdown), NULL, N, F, C);
+    lora_forward(m, ws, block, LORA_BIT(LORA_DOWN), slab, a->act, ws->proj, N, 0);
     ops->add(ctx, x_out, a->h, ws->proj, (size_t)N * C);
 }
 
@@ -457,48 +503,57 @@ void model_block_backward_at(const Model* m, Workspace* ws, const BlockActs* a, 
     void* ctx = ws->ctx;
     const ModelConfig* c = &m->cfg;
     const BlockLayout* bl = block_layout(m, block);
+    const BlockLayout* gl = &m->glayout[block];  // gradient offsets (-1: frozen)
     const int N = B * T, C = c->C, F = c->F, HD = c->HD, QD = c->H * c->HD;
+    const unsigned gate_up = LORA_BIT(LORA_GATE) | LORA_BIT(LORA_UP);
     const void* q_norm = opt_at(ws, slab, bl->q_norm);
     const void* k_norm = opt_at(ws, slab, bl->k_norm);
-    float* dq_norm = opt_grad(gslab, bl->q_norm);
-    float* dk_norm = opt_grad(gslab, bl->k_norm);
+    float* dq_norm = opt_grad(gslab, gl->q_norm);
+    float* dk_norm = opt_grad(gslab, gl->k_norm);
 
     // MLP. dres is the gradient of x' and, through the residual, of h.
     const int lean = ws->mlp_chunk > 0;
     const void* h = lean ? ws->ln1_h : a->h;
     if (lean) {
         // recompute h, then each chunk's activations from h, then its backward
-        attention_residual_forward(m, ws, bl, slab, a->att, x_in, ws->ln1_h, N);
+        attention_residual_forward(m, ws, bl, block, slab, a->att, x_in, ws->ln1_h, N);
         for (int r0 = 0; r0 < N; r0 += ws->mlp_chunk) {
             const int n = imin(ws->mlp_chunk, N - r0);
             void* dres_c = at(ws, dres, (int64_t)r0 * C);
-            mlp_chunk_forward(m, ws, bl, slab, h, r0, n);
-            ops->matmul_backward(ctx, ws->d_act, gslab + bl->wdown, NULL, dres_c, ws->act_c,
-                                 at(ws, slab, bl->wdown), n, F, C);
+            mlp_chunk_forward(m, ws, bl, block, slab, h, r0, n);
+            ops->matmul_backward(ctx, ws->d_act, opt_grad(gslab, gl->wdown), NULL, dres_c,
+                                 ws->act_c, at(ws, slab, bl->wdown), n, F, C);
+            lora_backward(m, ws, block, LORA_BIT(LORA_DOWN), slab, gslab, ws->act_c, dres_c,
+                          ws->d_act, n, r0);
             ops->swiglu_backward(ctx, ws->d_gu, ws->d_act, ws->gu_c, n, F);
-            ops->matmul_backward(ctx, ws->d_ln, gslab + bl->wgu, NULL, ws->d_gu, ws->ln2_c,
-                                 at(ws, slab, bl->wgu), n, C, 2 * F);
-            ops->rmsnorm_backward(ctx, dres_c, gslab + bl->mlp_norm, ws->d_ln,
+            ops->matmul_backward(ctx, ws->d_ln, opt_grad(gslab, gl->wgu), NULL, ws->d_gu,
+                                 ws->ln2_c, at(ws, slab, bl->wgu), n, C, 2 * F);
+            lora_backward(m, ws, block, gate_up, slab, gslab, ws->ln2_c, ws->d_gu, ws->d_ln, n,
+                          r0);
+            ops->rmsnorm_backward(ctx, dres_c, opt_grad(gslab, gl->mlp_norm), ws->d_ln,
                                   at(ws, h, (int64_t)r0 * C), at(ws, slab, bl->mlp_norm),
                                   ws->rstd2_c, n, C);
         }
     } else {
         if (bl->moe) {
             MoeWeights w = moe_weights(ws, bl, slab);
-            MoeGrads g = {opt_grad(gslab, bl->router),   opt_grad(gslab, bl->router_bias),
-                          opt_grad(gslab, bl->exp_gu),   opt_grad(gslab, bl->exp_gu_bias),
-                          opt_grad(gslab, bl->exp_down), opt_grad(gslab, bl->exp_down_bias)};
+            MoeGrads g = {opt_grad(gslab, gl->router),   opt_grad(gslab, gl->router_bias),
+                          opt_grad(gslab, gl->exp_gu),   opt_grad(gslab, gl->exp_gu_bias),
+                          opt_grad(gslab, gl->exp_down), opt_grad(gslab, gl->exp_down_bias)};
             moe_backward(c, ops, ctx, &ws->moe, &a->moe, &w, &g, a->ln2, dres, ws->d_ln,
                          ws->moe_counts, ws->moe_aux_scale, N);
         } else {
-            ops->matmul_backward(ctx, ws->d_act, gslab + bl->wdown, NULL, dres, a->act,
+            ops->matmul_backward(ctx, ws->d_act, opt_grad(gslab, gl->wdown), NULL, dres, a->act,
                                  at(ws, slab, bl->wdown), N, F, C);
+            lora_backward(m, ws, block, LORA_BIT(LORA_DOWN), slab, gslab, a->act, dres, ws->d_act,
+                          N, 0);
             ops->swiglu_backward(ctx, ws->d_gu, ws->d_act, a->gu, N, F);
-            ops->matmul_backward(ctx, ws->d_ln, gslab + bl->wgu, NULL, ws->d_gu, a->ln2,
+            ops->matmul_backward(ctx, ws->d_ln, opt_grad(gslab, gl->wgu), NULL, ws->d_gu, a->ln2,
                                  at(ws, slab, bl->wgu), N, C, 2 * F);
+            lora_backward(m, ws, block, gate_up, slab, gslab, a->ln2, ws->d_gu, ws->d_ln, N, 0);
         }
         // rmsnorm_backward accumulates: dres becomes the full gradient of h
-        ops->rmsnorm_backward(ctx, dres, gslab + bl->mlp_norm, ws->d_ln, a->h,
+        ops->rmsnorm_backward(ctx, dres, opt_grad(gslab, gl->mlp_norm), ws->d_ln, a->h,
                               at(ws, slab, bl->mlp_norm), a->rstd2, N, C);
     }
     // attention. dres is the gradient of h and, through the residual, of x.
@@ -509,12 +564,13 @@ void model_block_backward_at(const Model* m, Workspace* ws, const BlockActs* a, 
     const void* qkv = lean ? ws->qkv_s : a->qkv;
     const float* rstd_qk = lean ? ws->rstd_qk_s : a->rstd_qk;
     if (lean)
-        attention_input_forward(m, ws, bl, slab, x_in, ws->ln1_h, ws->rstd1_s, ws->qkv_raw_s,
+        attention_input_forward(m, ws, bl, block, slab, x_in, ws->ln1_h, ws->rstd1_s, ws->qkv_raw_s,
                                 ws->qkv_s, ws->rstd_qk_s, B, T);
-    ops->matmul_backward(ctx, ws->d_att, gslab + bl->wo, opt_grad(gslab, bl->bo), dres, a->att,
-                         at(ws, slab, bl->wo), N, QD, C);
+    ops->matmul_backward(ctx, ws->d_att, opt_grad(gslab, gl->wo), opt_grad(gslab, gl->bo), dres,
+                         a->att, at(ws, slab, bl->wo), N, QD, C);
+    lora_backward(m, ws, block, LORA_BIT(LORA_O), slab, gslab, a->att, dres, ws->d_att, N, 0);
     if (bl->sinks >= 0 || bl->window > 0)
-        ops->attention_sink_backward(ctx, ws->d_qkv, opt_grad(gslab, bl->sinks), ws->d_att, qkv,
+        ops->attention_sink_backward(ctx, ws->d_qkv, opt_grad(gslab, gl->sinks), ws->d_att, qkv,
                                      a->att, a->lse, opt_at(ws, slab, bl->sinks), B, T, c->H,
                                      c->KVH, HD, bl->window);
     else
@@ -523,9 +579,11 @@ void model_block_backward_at(const Model* m, Workspace* ws, const BlockActs* a, 
     ops->qknorm_rope_backward(ctx, ws->d_qkv_raw, dq_norm, dk_norm, ws->d_qkv, qkv_raw, q_norm,
                               k_norm, rstd_qk, ws->rope_cos, ws->rope_sin, B, T, c->H, c->KVH,
                               HD);
-    ops->matmul_backward(ctx, ws->d_ln, gslab + bl->wqkv, opt_grad(gslab, bl->bqkv),
+    ops->matmul_backward(ctx, ws->d_ln, opt_grad(gslab, gl->wqkv), opt_grad(gslab, gl->bqkv),
                          ws->d_qkv_raw, ln1, at(ws, slab, bl->wqkv), N, C, m->QKV);
-    ops->rmsnorm_backward(ctx, dres, gslab + bl->attn_norm, ws->d_ln, x_in,
+    lora_backward(m, ws, block, LORA_BIT(LORA_Q) | LORA_BIT(LORA_K) | LORA_BIT(LORA_V), slab,
+                  gslab, ln1, ws->d_qkv_raw, ws->d_ln, N, 0);
+    ops->rmsnorm_backward(ctx, dres, opt_grad(gslab, gl->attn_norm), ws->d_ln, x_in,
                           at(ws, slab, bl->attn_norm), a->rstd1, N, C);
 }
 

@@ -38,6 +38,7 @@ typedef struct BlockLayout {
     int64_t attn_norm, wqkv, q_norm, k_norm, wo, mlp_norm, wgu, wdown;  // -1 when absent
     int64_t bqkv, bo, sinks;                                            // GPT-OSS attention
     int64_t router, router_bias, exp_gu, exp_gu_bias, exp_down, exp_down_bias;  // MoE blocks
+    int64_t lora_a[LORA_N_TARGETS], lora_b[LORA_N_TARGETS];  // LoRA adapters (lora.h), or -1
     int moe;     // the block routes to experts (else the dense SwiGLU MLP)
     int window;  // attention window (0: full causal)
 } BlockLayout;
@@ -45,7 +46,10 @@ typedef struct BlockLayout {
 typedef struct Model {
     ModelConfig cfg;
     TensorTable tt;
-    BlockLayout* layout;   // (L) per decoder block
+    BlockLayout* layout;   // (L) per decoder block: offsets in its parameter slab
+    BlockLayout* glayout;  // (L) the same tensors' offsets in its gradient slab (-1: frozen, as
+                           // the base is under LoRA; equal to layout otherwise)
+    float lora_scale;      // LoRA (tt.lora.r > 0): alpha / r, or alpha / sqrt(r) (rsLoRA)
     int n_moe;             // MoE blocks (0 for dense families)
     int* moe_slot;         // (L) the block's index among the MoE blocks, or -1
     int QKV;               // (H + 2*KVH) * HD
@@ -122,12 +126,22 @@ typedef struct Workspace {
     float moe_aux_scale; // factor of the aux loss's gradient in the backward (0: none)
     double moe_aux;      // aux loss of the last forward (model_moe_aux)
     double moe_load_max, moe_load_mean;  // tokens per expert over the MoE blocks: max, mean
+    // LoRA (lora.h; NULL without): scratch of the adapters' products, and the dropout's state
+    void* lora_xd;       // (N, max in) drop(x) (only with dropout)
+    void* lora_t;        // (N, r) drop(x)·Aᵀ
+    void* lora_dt;       // (N, r) its gradient
+    void* lora_tmp;      // (N, max(in, out)) t·Bᵀ, the scaled output gradient, dt·A
+    int lora_train;      // apply the dropout (training forward and backward; 0: evaluation)
+    uint64_t lora_seed;  // the dropout masks' seed of this micro-batch (set by the trainer)
 } Workspace;
 
 // ----------------------------------------------------------------------------
 // model description
 
 int model_init(Model* m, const ModelConfig* cfg, int decay_embeddings, char* err);
+// The same with LoRA adapters on a frozen base (lora NULL or r = 0: none; tensor.h, lora.h).
+int model_init_lora(Model* m, const ModelConfig* cfg, int decay_embeddings, const LoraSpec* lora,
+                    char* err);
 void model_free(Model* m);
 
 // ----------------------------------------------------------------------------

@@ -191,7 +191,36 @@ typedef struct Ops {
     // expert e (offsets[e+1] - offsets[e]), stats[E + e] = Σ_rows softmax(logits)[e].
     void (*moe_router_stats)(void* ctx, float* stats, const void* logits, const int32_t* offsets,
                              int n, int E);
+
+    // ---- LoRA (lora.h): an adapter's product into a column range of a fused output ----
+    // out (N, ld) columns [c0, c0 + w) += scale · src (N, w) (the scaled product in fp32, then the
+    // add, one rounding each).
+    void (*add_cols_scaled)(void* ctx, void* out, const void* src, float scale, int N, int ld,
+                            int c0, int w);
+    // dst (N, w) = scale · src (N, ld) columns [c0, c0 + w) (overwritten).
+    void (*get_cols_scaled)(void* ctx, void* dst, const void* src, float scale, int N, int ld,
+                            int c0, int w);
+    // Inverted dropout with a counter-based mask: out (N, C) = inp · keep / (1 - p), where
+    // element (i, j) is kept iff lora_dropout_hash(seed, (row0 + i) · C + j) >= p · 2^32 (the same
+    // mask on every backend, for any row chunking). It is its own backward (the same call on the
+    // output gradient). out may alias inp.
+    void (*dropout)(void* ctx, void* out, const void* inp, float p, uint64_t seed, int64_t row0,
+                    int N, int C);
 } Ops;
+
+// The dropout mask's hash (splitmix64 finaliser of seed + (i + 1)·golden), its top 32 bits.
+static inline uint32_t lora_dropout_hash(uint64_t seed, uint64_t i) {
+    uint64_t z = seed + (i + 1) * 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return (uint32_t)(z >> 32);
+}
+// Elements whose hash is below this are dropped: p · 2^32, rounded down, capped.
+static inline uint32_t lora_dropout_threshold(float p) {
+    double t = (double)p * 4294967296.0;
+    return t >= 4294967295.0 ? 4294967295u : (uint32_t)t;
+}
 
 // The CPU fp32 reference backend. ctx = ops_cpu_create(n_threads) (n_threads <= 0: all CPUs).
 extern const Ops ops_cpu;

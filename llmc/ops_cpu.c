@@ -544,6 +544,78 @@ static void cpu_add_f32(void* ctx, float* dst, const float* src, size_t n) {
 }
 
 // ----------------------------------------------------------------------------
+// LoRA: column ranges of fused outputs, dropout
+
+typedef struct ColsArgs {
+    float* dst;
+    const float* src;
+    float scale, p, inv_keep;
+    uint32_t threshold;
+    uint64_t seed;
+    int64_t row0;
+    int N, ld, c0, w, rows_per_task;
+} ColsArgs;
+
+static void add_cols_task(void* arg, int64_t task) {
+    const ColsArgs* a = arg;
+    int n0 = (int)task * a->rows_per_task, n1 = imin(a->N, n0 + a->rows_per_task);
+    for (int n = n0; n < n1; n++) {
+        float* o = a->dst + (size_t)n * a->ld + a->c0;
+        const float* x = a->src + (size_t)n * a->w;
+        for (int j = 0; j < a->w; j++) {
+            float d = a->scale * x[j];
+            o[j] = o[j] + d;
+        }
+    }
+}
+
+static void cpu_add_cols_scaled(void* ctx, void* out, const void* src, float scale, int N, int ld,
+                                int c0, int w) {
+    ColsArgs a = {.dst = out, .src = src, .scale = scale, .N = N, .ld = ld, .c0 = c0, .w = w,
+                  .rows_per_task = rows_per_task((size_t)w)};
+    cpu_run(ctx, task_count(N, a.rows_per_task), add_cols_task, &a);
+}
+
+static void get_cols_task(void* arg, int64_t task) {
+    const ColsArgs* a = arg;
+    int n0 = (int)task * a->rows_per_task, n1 = imin(a->N, n0 + a->rows_per_task);
+    for (int n = n0; n < n1; n++) {
+        float* o = a->dst + (size_t)n * a->w;
+        const float* x = a->src + (size_t)n * a->ld + a->c0;
+        for (int j = 0; j < a->w; j++) o[j] = a->scale * x[j];
+    }
+}
+
+static void cpu_get_cols_scaled(void* ctx, void* dst, const void* src, float scale, int N, int ld,
+                                int c0, int w) {
+    ColsArgs a = {.dst = dst, .src = src, .scale = scale, .N = N, .ld = ld, .c0 = c0, .w = w,
+                  .rows_per_task = rows_per_task((size_t)w)};
+    cpu_run(ctx, task_count(N, a.rows_per_task), get_cols_task, &a);
+}
+
+static void dropout_task(void* arg, int64_t task) {
+    const ColsArgs* a = arg;
+    int n0 = (int)task * a->rows_per_task, n1 = imin(a->N, n0 + a->rows_per_task);
+    for (int n = n0; n < n1; n++) {
+        const uint64_t base = (uint64_t)(a->row0 + n) * (uint64_t)a->w;
+        float* o = a->dst + (size_t)n * a->w;
+        const float* x = a->src + (size_t)n * a->w;
+        for (int j = 0; j < a->w; j++) {
+            const int keep = lora_dropout_hash(a->seed, base + (uint64_t)j) >= a->threshold;
+            o[j] = keep ? x[j] * a->inv_keep : 0.0f;
+        }
+    }
+}
+
+static void cpu_dropout(void* ctx, void* out, const void* inp, float p, uint64_t seed,
+                        int64_t row0, int N, int C) {
+    ColsArgs a = {.dst = out, .src = inp, .p = p, .inv_keep = 1.0f / (1.0f - p),
+                  .threshold = lora_dropout_threshold(p), .seed = seed, .row0 = row0, .N = N,
+                  .w = C, .rows_per_task = rows_per_task((size_t)C)};
+    cpu_run(ctx, task_count(N, a.rows_per_task), dropout_task, &a);
+}
+
+// ----------------------------------------------------------------------------
 // softmax cross-entropy
 
 typedef struct XentArgs {
@@ -660,5 +732,8 @@ const Ops ops_cpu = {
     .moe_combine_forward = ops_cpu_moe_combine_forward,
     .moe_combine_backward = ops_cpu_moe_combine_backward,
     .moe_router_stats = ops_cpu_moe_router_stats,
+    .add_cols_scaled = cpu_add_cols_scaled,
+    .get_cols_scaled = cpu_get_cols_scaled,
+    .dropout = cpu_dropout,
 };
 

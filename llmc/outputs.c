@@ -25,7 +25,11 @@
 // model, the checkpoints step_<N>/ (built as step_<N>.tmp/) and the lock; --export-hf the
 // weights (one file, or shards and their index), config.json and the copied tokenizer files.
 static const char* const out_writes[] = {"model.safetensors", "config.json", ".lock", "step_*",
+                                         "adapter_config.json", "adapter_model.safetensors",
                                          NULL};
+// --export-lora: a PEFT adapter directory
+static const char* const export_lora_writes[] = {"adapter_config.json",
+                                                 "adapter_model.safetensors", NULL};
 static const char* const export_hf_writes[] = {
     "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json",
     "config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -36,12 +40,14 @@ void outputs_add_run(Outputs* o, const TrainArgs* a) {
     outputs_add(o, "--out", a->out, OUTPUT_DIR, out_writes);
     outputs_add(o, "--export-hf", a->export_hf, OUTPUT_DIR, export_hf_writes);
     outputs_add(o, "--export-gguf", a->export_gguf, OUTPUT_FILE, NULL);
+    outputs_add(o, "--export-lora", a->export_lora, OUTPUT_DIR, export_lora_writes);
     outputs_add(o, "--trace", a->trace, OUTPUT_FILE, NULL);
     outputs_add(o, "--dump-state", a->dump_state, OUTPUT_FILE, NULL);
     outputs_add(o, "--log", a->log, OUTPUT_STREAM, NULL);
     outputs_add_input(o, "--train", a->train, 1);
     outputs_add_input(o, "--val", a->val, 1);
     outputs_add_input(o, "--model", a->model, 0);
+    outputs_add_input(o, "--lora-init", a->lora_init, 0);
 }
 
 void outputs_init(Outputs* o) {

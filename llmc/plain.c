@@ -147,8 +147,10 @@ static const void* dparam_of(const Plain* p, int i) {
     return (const char*)p->dparam[d->owner_layer] + (size_t)d->param_offset * p->ops->act_bytes;
 }
 
+// NULL for a frozen tensor (LoRA): its gradient is not computed.
 static float* dgrad_of(const Plain* p, int i) {
     const TensorDesc* d = &p->m->tt.t[i];
+    if (d->grad_offset < 0) return NULL;
     return p->dgrad[d->layer] + d->grad_offset;
 }
 
@@ -167,6 +169,7 @@ double plain_forward_backward(Plain* p, const int32_t* tokens, int B, int T, flo
     const Model* m = p->m;
     const int L = m->cfg.L, N = B * T;
     upload_batch(p, tokens, B, T);
+    p->ws->lora_train = 1;  // LoRA dropout while training (ws->lora_seed: the trainer's)
     forward_blocks(p, B, T);
     // MoE: the aux loss of this forward, and its gradient's setup for the blocks' backward
     p->aux = model_moe_aux(m, p->ws, B, T, grad_scale);
@@ -194,6 +197,7 @@ double plain_forward_backward(Plain* p, const int32_t* tokens, int B, int T, flo
 double plain_forward_loss(Plain* p, const int32_t* tokens, int B, int T) {
     const Model* m = p->m;
     upload_batch(p, tokens, B, T);
+    p->ws->lora_train = 0;
     forward_blocks(p, B, T);
     int i_norm = tensor_table_index(&m->tt, TK_FINAL_NORM, -1);
     int i_head = tensor_table_index(&m->tt, TK_LM_HEAD, -1);
@@ -208,6 +212,7 @@ void plain_logits_last(Plain* p, const int32_t* tokens, int n, float* logits) {
     if (n <= 0 || n > p->T) fatal("internal: plain_logits_last with %d tokens (max %d)", n, p->T);
     memcpy(p->ids_host, tokens, (size_t)n * sizeof(int32_t));
     p->ops->upload(p->ctx, p->ids, p->ids_host, (size_t)n * sizeof(int32_t));
+    p->ws->lora_train = 0;
     forward_blocks(p, 1, n);
     int i_norm = tensor_table_index(&m->tt, TK_FINAL_NORM, -1);
     int i_head = tensor_table_index(&m->tt, TK_LM_HEAD, -1);

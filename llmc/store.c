@@ -39,8 +39,9 @@ static void zero_chunk(void* arg, int64_t c) {
 
 double store_bytes(const TensorTable* tt) {
     double bytes = 0;
-    for (int l = 0; l < tt->n_layers; l++)  // param, m and v slabs, and the gradient slab
-        bytes += (3.0 * (double)tt->param_numel[l] + (double)tt->grad_numel[l]) * sizeof(float);
+    for (int l = 0; l < tt->n_layers; l++)  // param, gradient, m and v slabs (LoRA: the adapters'
+        bytes += ((double)tt->param_numel[l] + (double)tt->grad_numel[l] +  // gradient and state)
+                  2.0 * (double)tt->state_numel[l]) * sizeof(float);
     return bytes;
 }
 
@@ -58,11 +59,11 @@ void store_create(Store* s, const TensorTable* tt) {
     for (int l = 0; l < s->n_layers; l++) {
         s->param[l] = slab_alloc(tt->param_numel[l]);
         s->grad[l] = slab_alloc(tt->grad_numel[l]);
-        s->m[l] = slab_alloc(tt->param_numel[l]);
-        s->v[l] = slab_alloc(tt->param_numel[l]);
+        s->m[l] = slab_alloc(tt->state_numel[l]);
+        s->v[l] = slab_alloc(tt->state_numel[l]);
         float* slabs[4] = {s->param[l], s->grad[l], s->m[l], s->v[l]};
-        int64_t numel[4] = {tt->param_numel[l], tt->grad_numel[l], tt->param_numel[l],
-                            tt->param_numel[l]};
+        int64_t numel[4] = {tt->param_numel[l], tt->grad_numel[l], tt->state_numel[l],
+                            tt->state_numel[l]};
         for (int k = 0; k < 4; k++) {
             z.slabs[4 * l + k] = slabs[k];
             z.numel[4 * l + k] = slabs[k] ? numel[k] : 0;
@@ -98,6 +99,7 @@ float* store_param(const Store* s, int i) {
 
 float* store_grad(const Store* s, int i) {
     const TensorDesc* d = &s->tt->t[i];
+    if (d->grad_offset < 0) return NULL;  // frozen
     return s->grad[d->layer] + d->grad_offset;
 }
 
@@ -111,6 +113,8 @@ typedef struct InitJob {
     uint32_t seed;
     float std;
     int* chunk_tensor;       // (n_chunks) tensor index of each chunk
+    int* chunk_key;          // (n_chunks) its index among the base's tensors (the seed's key:
+                             // the same base with or without LoRA adapters in the table)
     int64_t* chunk_begin;    // (n_chunks) first element of each chunk within its tensor
 } InitJob;
 
@@ -148,21 +152,28 @@ static void init_chunk(void* arg, int64_t c) {
         }
     }
     Rng rng;
-    rng_seed(&rng, mix32(job->seed ^ mix32((uint32_t)i * 0x9e3779b9u ^ mix32((uint32_t)(b / INIT_CHUNK)))));
+    const uint32_t key = (uint32_t)job->chunk_key[c];
+    rng_seed(&rng, mix32(job->seed ^ mix32(key * 0x9e3779b9u ^ mix32((uint32_t)(b / INIT_CHUNK)))));
     for (int64_t j = 0; j < n; j++) p[j] = job->std * rng_normal(&rng);
 }
 
 void store_init_random(Store* s, uint32_t seed, float std) {
     int64_t n_chunks = 0;
     for (int i = 0; i < s->tt->n; i++)
-        if (s->tt->t[i].tied_to < 0) n_chunks += (s->tt->t[i].numel + INIT_CHUNK - 1) / INIT_CHUNK;
+        if (s->tt->t[i].tied_to < 0 && s->tt->t[i].lora_target < 0)
+            n_chunks += (s->tt->t[i].numel + INIT_CHUNK - 1) / INIT_CHUNK;
     InitJob job = {s, seed, std, malloc_check((size_t)n_chunks * sizeof(int)),
+                   malloc_check((size_t)n_chunks * sizeof(int)),
                    malloc_check((size_t)n_chunks * sizeof(int64_t))};
     int64_t c = 0;
+    int key = 0;
     for (int i = 0; i < s->tt->n; i++) {
+        if (s->tt->t[i].lora_target >= 0) continue;  // adapters: lora_init_random
+        const int k = key++;
         if (s->tt->t[i].tied_to >= 0) continue;
         for (int64_t b = 0; b < s->tt->t[i].numel; b += INIT_CHUNK) {
             job.chunk_tensor[c] = i;
+            job.chunk_key[c] = k;
             job.chunk_begin[c] = b;
             c++;
         }
@@ -171,6 +182,7 @@ void store_init_random(Store* s, uint32_t seed, float std) {
     threadpool_run(pool, n_chunks, init_chunk, &job);
     threadpool_destroy(pool);
     free(job.chunk_tensor);
+    free(job.chunk_key);
     free(job.chunk_begin);
 }
 
@@ -182,7 +194,7 @@ void store_zero_grads(Store* s) {
 void store_fold_tied_grads(Store* s) {
     for (int i = 0; i < s->tt->n; i++) {
         const TensorDesc* d = &s->tt->t[i];
-        if (d->tied_to < 0) continue;
+        if (d->tied_to < 0 || !d->trainable) continue;
         float* src = store_grad(s, i);
         float* dst = store_grad(s, d->tied_to);
         for (int64_t j = 0; j < d->numel; j++) {
@@ -196,11 +208,11 @@ int store_adamw_tensors(const Store* s, AdamWTensor* out) {
     int n = 0;
     for (int i = 0; i < s->tt->n; i++) {
         const TensorDesc* d = &s->tt->t[i];
-        if (d->tied_to >= 0) continue;
+        if (d->tied_to >= 0 || !d->trainable) continue;
         out[n].param = store_param(s, i);
         out[n].grad = store_grad(s, i);
-        out[n].m = s->m[d->owner_layer] + d->param_offset;
-        out[n].v = s->v[d->owner_layer] + d->param_offset;
+        out[n].m = s->m[d->owner_layer] + d->state_offset;
+        out[n].v = s->v[d->owner_layer] + d->state_offset;
         out[n].n = (size_t)d->numel;
         out[n].decay = d->decay;
         out[n].out_bf16 = NULL;

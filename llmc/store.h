@@ -5,6 +5,7 @@
  * Parameter slabs hold the tensors a layer OWNS; gradient slabs the tensors it USES (tensor.h), so
  * a tied LM head has gradient space in the postfix and storage in the prefix; store_fold_tied_grads
  * sums such gradients into the owner before the optimizer step. Slabs are 64-byte aligned.
+ * With LoRA (tensor.h) the gradient, m and v slabs hold the adapters only: the base is frozen.
  * The store knows no file format: loader.h fills it from checkpoints.
  */
 #ifndef LLMC_STORE_H
@@ -32,18 +33,19 @@ void store_create(Store* s, const TensorTable* tt);
 double store_bytes(const TensorTable* tt);
 void store_free(Store* s);
 
-// Parameter / gradient of tensor i of the table.
+// Parameter / gradient of tensor i of the table (the gradient NULL for a frozen tensor).
 float* store_param(const Store* s, int i);
 float* store_grad(const Store* s, int i);
 
 // Seeded random init (HF style): matrices and embeddings ~ N(0, std), norms = 1; GPT-OSS: linear
-// and expert biases = 0, sinks and the router bias ~ N(0, std).
+// and expert biases = 0, sinks and the router bias ~ N(0, std). LoRA adapters are left to
+// lora_init_random; the base gets the same values with or without them.
 void store_init_random(Store* s, uint32_t seed, float std);
 
 void store_zero_grads(Store* s);
 // Add the gradient of every tied tensor into its owner's gradient (and zero the tied slot).
 void store_fold_tied_grads(Store* s);
-// Fill out[] with one AdamWTensor per owned tensor; returns the count (<= tt->n).
+// Fill out[] with one AdamWTensor per owned trainable tensor; returns the count (<= tt->n).
 int store_adamw_tensors(const Store* s, AdamWTensor* out);
 
 #endif  // LLMC_STORE_H

@@ -15,7 +15,7 @@ static const char* const kind_names[TK_COUNT] = {
     "k_norm",   "wo",        "mlp_norm", "w_gate",    "w_up",        "w_down",
     "final_norm", "lm_head", "bq",     "bk",          "bv",          "bo",
     "sinks",    "router",    "router_bias", "experts_gate_up", "experts_gate_up_bias",
-    "experts_down", "experts_down_bias"};
+    "experts_down", "experts_down_bias", "lora_A", "lora_B"};
 
 const char* tensor_kind_name(TensorKind k) { return (k >= 0 && k < TK_COUNT) ? kind_names[k] : "?"; }
 
@@ -45,7 +45,10 @@ static TensorDesc* builder_add(Builder* b, TensorKind kind, int layer, int block
     d->shape[2] = ndim > 2 ? d2 : 0;
     d->numel = d0 * (ndim > 1 ? d1 : 1) * (ndim > 2 ? d2 : 1);
     d->tied_to = -1;
+    d->trainable = 1;
+    d->lora_target = -1;
     d->param_offset = b->param_fill[layer];
+    d->state_offset = d->param_offset;
     b->param_fill[layer] += d->numel;
     d->grad_offset = b->grad_fill[layer];
     b->grad_fill[layer] += d->numel;
@@ -143,7 +146,7 @@ static void build_hf_view(TensorTable* tt, const ModelConfig* c) {
     const int per_expert = c->family == FAMILY_QWEN3MOE && c->expert_layout == EXPERTS_PER_EXPERT;
     for (int i = 0; i < tt->n; i++) {
         const TensorDesc* d = &tt->t[i];
-        if (d->tied_to >= 0) continue;
+        if (d->tied_to >= 0 || d->lora_target >= 0) continue;  // adapters: the PEFT files
         if (per_expert && d->kind == TK_EXP_DOWN) continue;  // listed with the gate/up slices
         if (!(per_expert && d->kind == TK_EXP_GATE_UP)) {
             hf_add(tt, &cap, d->hf_name, d->ndim, d->shape[0], d->shape[1], d->shape[2], i, 0);
@@ -175,10 +178,80 @@ static void build_hf_view(TensorTable* tt, const ModelConfig* c) {
     }
 }
 
+// ----------------------------------------------------------------------------
+// LoRA targets
+
+static const char* const lora_names[LORA_N_TARGETS] = {"q_proj",    "k_proj",  "v_proj",
+                                                       "o_proj",    "gate_proj", "up_proj",
+                                                       "down_proj"};
+
+const char* lora_target_name(LoraTarget target) {
+    return target >= 0 && target < LORA_N_TARGETS ? lora_names[target] : "?";
+}
+
+const char* lora_target_parent(LoraTarget target) {
+    return target <= LORA_O ? "self_attn" : "mlp";
+}
+
+void lora_target_dims(const ModelConfig* c, LoraTarget target, int64_t* in, int64_t* out) {
+    const int64_t C = c->C, F = c->F, QD = (int64_t)c->H * c->HD, KVD = (int64_t)c->KVH * c->HD;
+    const int64_t ins[LORA_N_TARGETS] = {C, C, C, QD, C, C, F};
+    const int64_t outs[LORA_N_TARGETS] = {QD, KVD, KVD, C, F, F, C};
+    *in = ins[target];
+    *out = outs[target];
+}
+
+// Block l's adapters, A then B per target in target order, after the block's own tensors.
+static void add_lora_tensors(Builder* b, const ModelConfig* c, const LoraSpec* lora, int l) {
+    for (int tg = 0; tg < LORA_N_TARGETS; tg++) {
+        if (!(lora->targets & LORA_BIT(tg))) continue;
+        int64_t in, out;
+        lora_target_dims(c, (LoraTarget)tg, &in, &out);
+        for (int k = 0; k < 2; k++) {
+            TensorDesc* d = builder_add(b, k ? TK_LORA_B : TK_LORA_A, l + 1, l, 2,
+                                        k ? out : lora->r, k ? lora->r : in, 0);
+            char ours[64], peft[96];
+            snprintf(ours, sizeof ours, "layers.%d.%s.lora_%c", l, lora_names[tg], k ? 'B' : 'A');
+            snprintf(peft, sizeof peft, "base_model.model.model.layers.%d.%s.%s.lora_%c.weight", l,
+                     lora_target_parent((LoraTarget)tg), lora_names[tg], k ? 'B' : 'A');
+            set_names(d, ours, peft, "");
+            d->lora_target = tg;
+            d->decay = 1;  // as every matrix: AdamW's weight decay applies to the adapters
+        }
+    }
+}
+
+// With adapters only they train: gradient slots and AdamW state for them alone, in table order.
+static void freeze_base(TensorTable* tt, int64_t* grad_fill, int64_t* state_fill) {
+    for (int l = 0; l < tt->n_layers; l++) grad_fill[l] = state_fill[l] = 0;
+    for (int i = 0; i < tt->n; i++) {
+        TensorDesc* d = &tt->t[i];
+        d->trainable = d->lora_target >= 0;
+        d->grad_offset = d->state_offset = -1;
+        if (!d->trainable) continue;
+        d->grad_offset = grad_fill[d->layer];
+        grad_fill[d->layer] += d->numel;
+        d->state_offset = state_fill[d->owner_layer];
+        state_fill[d->owner_layer] += d->numel;
+    }
+}
+
 int tensor_table_build(TensorTable* tt, const ModelConfig* c, int decay_embeddings, char* err) {
+    return tensor_table_build_lora(tt, c, decay_embeddings, NULL, err);
+}
+
+int tensor_table_build_lora(TensorTable* tt, const ModelConfig* c, int decay_embeddings,
+                            const LoraSpec* lora, char* err) {
     memset(tt, 0, sizeof *tt);
     if (c->family < 0 || c->family >= FAMILY_COUNT)
         return errorf(err, "tensor table: unknown model family");
+    const int use_lora = lora && lora->r > 0;
+    if (use_lora && config_is_moe(c))
+        return errorf(err, "LoRA on mixture-of-experts models (family %s): not yet (dense LLaMA "
+                           "and Qwen3 models only so far)", family_names[c->family]);
+    if (use_lora && (lora->targets & LORA_ALL_LINEAR) == 0)
+        return errorf(err, "LoRA: no target module");
+    if (use_lora) tt->lora = *lora;
     const int L = c->L;
     tt->n_layers = L + 2;
     Builder b = {.tt = tt};
@@ -208,6 +281,7 @@ int tensor_table_build(TensorTable* tt, const ModelConfig* c, int decay_embeddin
             set_names(d, ours, hf, gg);
             d->decay = spec[i].decay;  // matrices only: never norms, biases or sinks
         }
+        if (use_lora) add_lora_tensors(&b, c, lora, l);
     }
 
     // postfix
@@ -223,6 +297,7 @@ int tensor_table_build(TensorTable* tt, const ModelConfig* c, int decay_embeddin
         d->param_offset = tt->t[embed_index].param_offset;
         d->owner_layer = 0;
         d->tied_to = embed_index;
+        d->state_offset = tt->t[embed_index].state_offset;
         d->decay = tt->t[embed_index].decay;
         str_copy(d->hf_name, sizeof d->hf_name, "model.embed_tokens.weight");
         str_copy(d->gguf_name, sizeof d->gguf_name, "token_embd.weight");
@@ -230,13 +305,21 @@ int tensor_table_build(TensorTable* tt, const ModelConfig* c, int decay_embeddin
 
     tt->param_numel = b.param_fill;
     tt->grad_numel = b.grad_fill;
+    tt->state_numel = calloc_check((size_t)tt->n_layers, sizeof(int64_t));
+    if (use_lora)
+        freeze_base(tt, tt->grad_numel, tt->state_numel);
+    else
+        memcpy(tt->state_numel, tt->param_numel, (size_t)tt->n_layers * sizeof(int64_t));
     tt->first = calloc_check((size_t)tt->n_layers, sizeof(int));
     tt->count = calloc_check((size_t)tt->n_layers, sizeof(int));
     for (int i = tt->n - 1; i >= 0; i--) tt->first[tt->t[i].layer] = i;
     for (int i = 0; i < tt->n; i++) tt->count[tt->t[i].layer]++;
     tt->total_params = 0;
-    for (int i = 0; i < tt->n; i++)
-        if (tt->t[i].tied_to < 0) tt->total_params += tt->t[i].numel;
+    for (int i = 0; i < tt->n; i++) {
+        if (tt->t[i].tied_to >= 0) continue;
+        tt->total_params += tt->t[i].numel;
+        if (tt->t[i].trainable) tt->trainable_params += tt->t[i].numel;
+    }
     build_hf_view(tt, c);
     return 0;
 }
@@ -245,6 +328,7 @@ void tensor_table_free(TensorTable* tt) {
     free(tt->t);
     free(tt->param_numel);
     free(tt->grad_numel);
+    free(tt->state_numel);
     free(tt->first);
     free(tt->count);
     free(tt->hf);
@@ -271,6 +355,15 @@ int tensor_table_find_hf(const TensorTable* tt, const char* hf_name) {
 int tensor_table_find(const TensorTable* tt, const char* name) {
     for (int i = 0; i < tt->n; i++)
         if (strcmp(tt->t[i].name, name) == 0) return i;
+    return -1;
+}
+
+int tensor_table_lora_index(const TensorTable* tt, int block, LoraTarget target, int b) {
+    const int layer = block + 1;
+    if (tt->lora.r <= 0 || block < 0 || layer >= tt->n_layers - 1) return -1;
+    const TensorKind kind = b ? TK_LORA_B : TK_LORA_A;
+    for (int i = tt->first[layer]; i < tt->first[layer] + tt->count[layer]; i++)
+        if (tt->t[i].kind == kind && tt->t[i].lora_target == (int)target) return i;
     return -1;
 }
 

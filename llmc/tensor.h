@@ -24,6 +24,13 @@
  * the whole of it. Qwen3-MoE in the hub layout (EXPERTS_PER_EXPERT): mlp.experts.{e}.gate_proj,
  * up_proj, down_proj, each a slice of the fused expert tensors. Loading, saving, --dump-state and
  * the HF export go through the view, so a model leaves in the layout it came in.
+ *
+ * LoRA (tensor_table_build_lora, lora.h): each adapted linear of a block gets two more tensors at
+ * the end of the block's slab, A (r, in) and B (out, r), named by their PEFT keys
+ * (base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight). They are the only
+ * trainable tensors then: the base is frozen, with no gradient slot (grad_offset -1) and no AdamW
+ * state (state_offset -1), so the gradient and m/v slabs hold the adapters only. The HF view
+ * leaves the adapters out (the base model is what loads and exports as HF / GGUF).
  */
 #ifndef LLMC_TENSOR_H
 #define LLMC_TENSOR_H
@@ -61,8 +68,36 @@ typedef enum {
     TK_EXP_GATE_UP_BIAS,  // (E, 2F) GPT-OSS, interleaved
     TK_EXP_DOWN,          // (E, C, F) Qwen3-MoE / (E, F, C) GPT-OSS
     TK_EXP_DOWN_BIAS,     // (E, C) GPT-OSS
+    // LoRA adapters (TensorDesc.lora_target says which linear)
+    TK_LORA_A,            // (r, in)
+    TK_LORA_B,            // (out, r)
     TK_COUNT
 } TensorKind;
+
+// The linears LoRA can adapt, in PEFT's module names: q_proj, k_proj, v_proj, o_proj, gate_proj,
+// up_proj, down_proj (router and experts belong to MoE blocks: not yet).
+typedef enum {
+    LORA_Q = 0,
+    LORA_K,
+    LORA_V,
+    LORA_O,
+    LORA_GATE,
+    LORA_UP,
+    LORA_DOWN,
+    LORA_N_TARGETS
+} LoraTarget;
+
+#define LORA_BIT(target) (1u << (target))
+#define LORA_ALL_LINEAR ((1u << LORA_N_TARGETS) - 1u)
+
+// A LoRA configuration (r = 0: none). scale = alpha / r, or alpha / sqrt(r) with rslora.
+typedef struct LoraSpec {
+    int r;
+    float alpha;
+    int rslora;
+    float dropout;      // on the adapter branch's input, while training
+    unsigned targets;   // LORA_BIT(LoraTarget) set
+} LoraSpec;
 
 typedef struct TensorDesc {
     TensorKind kind;
@@ -79,6 +114,9 @@ typedef struct TensorDesc {
     int decay;               // weight decay applies
     int tied_to;             // index of the tensor whose storage this one shares, or -1
     int owner_layer;         // layer whose parameter slab holds the storage
+    int trainable;           // the optimizer updates it (with LoRA: the adapters only)
+    int64_t state_offset;    // element offset in the owner layer's AdamW m / v slabs (-1: frozen)
+    int lora_target;         // TK_LORA_A / TK_LORA_B: the LoraTarget adapted; -1 otherwise
 } TensorDesc;
 
 // One tensor of an HF checkpoint of the model: elements [offset, offset + numel) of table tensor
@@ -98,9 +136,12 @@ typedef struct TensorTable {
     int n_layers;          // L + 2
     int64_t* param_numel;  // (n_layers) elements of each layer's parameter slab
     int64_t* grad_numel;   // (n_layers) elements of each layer's gradient slab
+    int64_t* state_numel;  // (n_layers) elements of each layer's AdamW m (and v) slab
     int* first;            // (n_layers) index of the layer's first tensor in t
     int* count;            // (n_layers) number of tensors used by the layer
     int64_t total_params;  // unique parameters (tied counted once)
+    int64_t trainable_params;  // of which trainable (all of them without LoRA)
+    LoraSpec lora;         // the adapters (r = 0: none)
     int n_hf;              // the HF view (see above), in checkpoint order
     HfTensor* hf;
     int hf_hash_cap;       // open-addressing index of hf by name (a power of two)
@@ -110,6 +151,10 @@ typedef struct TensorTable {
 // Build the table for a config. decay_embeddings: also decay the token embedding (and therefore
 // a tied head); norms never decay. Returns -1 with err for unsupported families.
 int tensor_table_build(TensorTable* tt, const ModelConfig* cfg, int decay_embeddings, char* err);
+// The same with LoRA adapters (lora NULL or r = 0: none): dense blocks only (-1 with err for a
+// mixture-of-experts family).
+int tensor_table_build_lora(TensorTable* tt, const ModelConfig* cfg, int decay_embeddings,
+                            const LoraSpec* lora, char* err);
 void tensor_table_free(TensorTable* tt);
 // Lookups; -1 if absent.
 int tensor_table_find_hf(const TensorTable* tt, const char* hf_name);
@@ -118,6 +163,13 @@ int tensor_table_find(const TensorTable* tt, const char* name);
 int tensor_table_find_hf_tensor(const TensorTable* tt, const char* name);
 // Index of the tensor of `kind` in block `block` (or -1 for non-block kinds); -1 if absent.
 int tensor_table_index(const TensorTable* tt, TensorKind kind, int block);
+// Index of block `block`'s LoRA A (b = 0) or B (b = 1) tensor of `target`; -1 if absent.
+int tensor_table_lora_index(const TensorTable* tt, int block, LoraTarget target, int b);
+// PEFT's module name of a target ("q_proj") and its place in the block ("self_attn", "mlp").
+const char* lora_target_name(LoraTarget target);
+const char* lora_target_parent(LoraTarget target);
+// (in, out) features of a target's linear in model c.
+void lora_target_dims(const ModelConfig* c, LoraTarget target, int64_t* in, int64_t* out);
 const char* tensor_kind_name(TensorKind k);
 
 #endif  // LLMC_TENSOR_H

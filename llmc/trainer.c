@@ -49,6 +49,15 @@ static void moe_step_stats(const Trainer* t, const double* load, double ce_sum, 
     st->load_spread = sum > 0 ? mx / (sum / E) : 0.0;
 }
 
+// The LoRA dropout masks' seed of micro-batch mb of the step after `done` optimizer steps: the
+// same for a resumed run as for the straight one.
+static uint64_t lora_dropout_seed(uint32_t seed, int64_t done, int mb) {
+    uint64_t z = ((uint64_t)seed << 32 | (uint32_t)mb) ^ ((uint64_t)done * 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
 // The gradients of one batch into the store; returns the step's mean objective (CE, plus the
 // weighted aux loss for MoE models). st (optional): the MoE parts (moe_step_stats).
 static double plain_batch_gradients(Trainer* t, const int32_t* tokens, StepStats* st) {
@@ -62,6 +71,7 @@ static double plain_batch_gradients(Trainer* t, const int32_t* tokens, StepStats
     double loss_sum = 0.0, ce_sum = 0.0, aux_sum = 0.0;
     store_zero_grads(t->s);
     for (int mb = 0; mb < a->micro_batches; mb++) {
+        t->plain->ws->lora_seed = lora_dropout_seed(a->seed, t->s->step, mb);
         loss_sum += plain_forward_backward(t->plain, mb_tokens(a, tokens, mb), mb_rows(a, mb), T,
                                            grad_scale);
         if (!moe) continue;
@@ -167,6 +177,9 @@ int trainer_create(Trainer* t, const TrainArgs* a, const Model* m, Store* s, Tra
     const int use_engine = n_devices > 0;
     const int N = use_engine ? n_devices : 1;
     // (mixture-of-experts models on a backend without MoE ops: workspace_create says so)
+    if (use_engine && m->tt.lora.r > 0)
+        return errorf(err, "LoRA trains with plain training (--device cpu) for now: the RoundPipe "
+                           "engine does not run adapters yet");
     // The plain path also serves evaluation, sampling and --dump-state: on GPU 0 when training
     // on GPUs.
     t->ops = &ops_cpu;

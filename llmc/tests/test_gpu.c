@@ -982,8 +982,9 @@ static double compare_tensor_grads(TestCtx* t, const char* label, const Model* m
 }
 
 // mlp_chunk > 0: long-sequence mode (the MLP in row chunks; ln1, qkv_raw, qkv, h and the MLP's
-// activations recomputed by the backward) on both backends.
-static void model_case(TestCtx* t, Gpu* G, const char* preset, int mlp_chunk) {
+// activations recomputed by the backward) on both backends. tensor_tol: the per-tensor gradient
+// tolerance (the whole-model one is 3e-2).
+static void model_case(TestCtx* t, Gpu* G, const char* preset, int mlp_chunk, double tensor_tol) {
     char err[ERR_LEN];
     ModelConfig cfg;
     CHECK(t, config_from_preset(&cfg, preset, err) == 0, "%s", err);
@@ -1026,7 +1027,7 @@ static void model_case(TestCtx* t, Gpu* G, const char* preset, int mlp_chunk) {
     snprintf(label, sizeof label, "%s all gradients", preset);
     check_rel(t, label, gg, gc, ng, 3e-2);
     snprintf(label, sizeof label, "%s gpu vs cpu", preset);
-    compare_tensor_grads(t, label, &m, &sg, &sc, 6e-2);
+    compare_tensor_grads(t, label, &m, &sg, &sc, tensor_tol);
 
     // recompute and a second run: the same bits
     double lg2 = run_batch(&m, &sg, G->g, G->gctx, tokens, B, T, 1);
@@ -1047,16 +1048,17 @@ static void model_case(TestCtx* t, Gpu* G, const char* preset, int mlp_chunk) {
 static void test_gpu_model(TestCtx* t) {
     Gpu G;
     if (!gpu_open(t, &G, 10)) return;
-    model_case(t, &G, "test-llama", 0);  // HD 12: the simple attention path
-    model_case(t, &G, "test-qwen3", 0);  // HD 16: the flash attention path, QK-norm
-    model_case(t, &G, "test-qwen3", 40); // 96 rows in MLP chunks of 40, 40, 16
+    model_case(t, &G, "test-llama", 0, 6e-2);   // HD 12: the simple attention path
+    model_case(t, &G, "test-qwen3", 0, 6e-2);   // HD 16: the flash attention path, QK-norm
+    model_case(t, &G, "test-qwen3", 40, 6e-2);  // 96 rows in MLP chunks of 40, 40, 16
     gpu_close(&G);
 }
 
 // ----------------------------------------------------------------------------
 // HF parity fixtures through the GPU path (fp32 fixtures, bf16 compute)
 
-static void parity_case(TestCtx* t, Gpu* G, const char* name) {
+// tol: the per-tensor gradient tolerance.
+static void parity_case(TestCtx* t, Gpu* G, const char* name, double tol) {
     ParityFixture f;
     if (test_parity_open(t, name, &f) != 0) return;
     double loss = run_batch(&f.m, &f.s, G->g, G->gctx, f.tokens, f.B, f.T, 0);
@@ -1066,7 +1068,7 @@ static void parity_case(TestCtx* t, Gpu* G, const char* name) {
     char what[96];
     snprintf(what, sizeof what, "%s (GPU)", name);
     int n_grads = 0;
-    double worst = test_check_fixture_grads(t, what, &f.m, &f.s, &f.ex, 5e-2, &n_grads, NULL);
+    double worst = test_check_fixture_grads(t, what, &f.m, &f.s, &f.ex, tol, &n_grads, NULL);
     printf("  parity %s: %d gradients, worst relative L2 error %.3g\n", name, n_grads, worst);
     CHECK(t, n_grads > 0, "%s: no gradients compared", name);
     test_parity_close(&f);
@@ -1075,21 +1077,26 @@ static void parity_case(TestCtx* t, Gpu* G, const char* name) {
 static void test_gpu_parity(TestCtx* t) {
     Gpu G;
     if (!gpu_open(t, &G, 11)) return;
-    parity_case(t, &G, "llama");
-    parity_case(t, &G, "qwen3");
+    parity_case(t, &G, "llama", 5e-2);
+    parity_case(t, &G, "qwen3", 5e-2);
     gpu_close(&G);
 }
 
 // Mixture-of-experts models on the GPU: against the CPU backend on the same bf16 weights, then
 // the HF fixtures (dev/parity/make_moe_fixtures.py: the aux loss on, GPT-OSS with sinks, a sliding
-// window shorter than T and YaRN) within bf16 noise.
+// window shorter than T and YaRN) within bf16 noise. Per tensor the noise is larger than in a
+// dense model: the bf16 router logits send a few near-tie tokens to other experts than the fp32
+// ones do (each such token moves a whole row of an expert's gradient), and the router's gradient
+// through a top-2 softmax is a difference of two nearly equal products (measured on the H200:
+// up to 0.10 for a rarely chosen expert, 0.12 for the GPT-OSS router; 0.035 for the dense
+// models). The kernels themselves are checked op by op in gpu_moe_* at bf16 tolerances.
 static void test_gpu_moe_model(TestCtx* t) {
     Gpu G;
     if (!gpu_open(t, &G, 12)) return;
-    model_case(t, &G, "test-qwen3moe", 0);  // a dense block and two MoE blocks
-    model_case(t, &G, "test-gptoss", 0);    // sinks, window 4 < T on even blocks, biases
-    parity_case(t, &G, "qwen3moe");
-    parity_case(t, &G, "gptoss");
+    model_case(t, &G, "test-qwen3moe", 0, 0.2);  // a dense block and two MoE blocks
+    model_case(t, &G, "test-gptoss", 0, 0.2);    // sinks, window 4 < T on even blocks, biases
+    parity_case(t, &G, "qwen3moe", 0.2);
+    parity_case(t, &G, "gptoss", 0.2);
     gpu_close(&G);
 }
 

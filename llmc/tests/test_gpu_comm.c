@@ -272,17 +272,14 @@ static int gc_have_gpus(TestCtx* t, int need) {
 // ----------------------------------------------------------------------------
 // tests
 
-static void test_gpu_comm_nccl_one_rank(TestCtx* t) {
-    if (!gc_have_gpus(t, 1)) return;
-    gc_sweep(t, 1, 1);
-    gc_sweep(t, 1, 0);
-    CHECK(t, getenv("NCCL_NVLS_ENABLE") != NULL, "NCCL_NVLS_ENABLE is set (0 unless the user "
-          "set it)");
-}
 
-static void test_gpu_comm_nccl_all_gpus(TestCtx* t) {
-    const int n = gc_have_gpus(t, 2);
-    if (!n) return;
+// Every GPU a rank (one communicator each), when there are two or more.
+static void gc_all_gpus(TestCtx* t) {
+    const int n = cuda_device_count();
+    if (n < 2) {
+        test_skip_part(t, "all GPUs as ranks: %d GPU here, needs 2", n);
+        return;
+    }
     const int W = n < GC_MAX_W ? n : GC_MAX_W;
     gc_sweep(t, W, 1);
     gc_sweep(t, W, 0);
@@ -290,8 +287,11 @@ static void test_gpu_comm_nccl_all_gpus(TestCtx* t) {
 
 // Rank 1 joins and issues nothing: rank 0's all-reduce cannot complete; comm_sync gives up after
 // the timeout, aborts, and returns instead of hanging.
-static void test_gpu_comm_nccl_timeout(TestCtx* t) {
-    if (!gc_have_gpus(t, 2)) return;
+static void gc_timeout(TestCtx* t) {
+    if (cuda_device_count() < 2) {
+        test_skip_part(t, "a rank that never joins: %d GPU here, needs 2", cuda_device_count());
+        return;
+    }
     DeviceSet set;
     device_set_open(&set, &device_cuda_impl, 2, NULL);
     GcCase k;
@@ -323,17 +323,25 @@ static void test_gpu_comm_nccl_timeout(TestCtx* t) {
     device_set_close(&set);
 }
 
+// NCCL with one rank (the full code path at world size 1) against the emulation; with two or
+// more GPUs also every GPU as a rank and a rank that never joins (parts skipped with one GPU).
+static void test_gpu_comm_nccl(TestCtx* t) {
+    if (!gc_have_gpus(t, 1)) return;
+    gc_sweep(t, 1, 1);
+    gc_sweep(t, 1, 0);
+    CHECK(t, getenv("NCCL_NVLS_ENABLE") != NULL, "NCCL_NVLS_ENABLE is set (0 unless the user "
+          "set it)");
+    gc_all_gpus(t);
+    gc_timeout(t);
+}
+
 #else  // no CUDA in this build
 
-static void test_gpu_comm_nccl_one_rank(TestCtx* t) { test_skip(t, "built without CUDA"); }
-static void test_gpu_comm_nccl_all_gpus(TestCtx* t) { test_skip(t, "built without CUDA"); }
-static void test_gpu_comm_nccl_timeout(TestCtx* t) { test_skip(t, "built without CUDA"); }
+static void test_gpu_comm_nccl(TestCtx* t) { test_skip(t, "built without CUDA"); }
 
 #endif
 
 const TestCase tests_gpu_comm[] = {
-    {"gpu_comm_nccl_one_rank", test_gpu_comm_nccl_one_rank},
-    {"gpu_comm_nccl_all_gpus", test_gpu_comm_nccl_all_gpus},
-    {"gpu_comm_nccl_timeout", test_gpu_comm_nccl_timeout},
+    {"gpu_comm_nccl", test_gpu_comm_nccl},
     {NULL, NULL},
 };

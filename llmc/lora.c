@@ -1,0 +1,269 @@
+/*
+ * lora.c — LoRA adapters: the --lora-targets list, the scale, the adapters' forward and backward
+ * against the op table, their init and their merge into the base. PEFT adapter files are
+ * lora_peft.c's. See lora.h for the math.
+ */
+#include "lora.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+#include "rng.h"
+
+// ----------------------------------------------------------------------------
+// targets and scale
+
+static const char* const short_names[LORA_N_TARGETS] = {"q", "k", "v", "o", "gate", "up", "down"};
+
+int lora_parse_targets(const char* s, unsigned* targets, char* err) {
+    *targets = 0;
+    if (strcmp(s, "all-linear") == 0) {
+        *targets = LORA_ALL_LINEAR;
+        return 0;
+    }
+    char buf[256];
+    if (strlen(s) >= sizeof buf) return errorf(err, "list too long");
+    str_copy(buf, sizeof buf, s);
+    char* save = NULL;
+    for (char* tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        int found = 0;
+        for (int tg = 0; tg < LORA_N_TARGETS && !found; tg++) {
+            if (strcmp(tok, short_names[tg]) == 0 ||
+                strcmp(tok, lora_target_name((LoraTarget)tg)) == 0) {
+                *targets |= LORA_BIT(tg);
+                found = 1;
+            }
+        }
+        if (!found && strcmp(tok, "router") == 0) *targets |= LORA_ROUTER_BIT, found = 1;
+        if (!found && strcmp(tok, "experts") == 0) *targets |= LORA_EXPERTS_BIT, found = 1;
+        if (!found)
+            return errorf(err, "unknown module '%s' (expected all-linear or a comma list of q, k, "
+                               "v, o, gate, up, down, router, experts)", tok);
+    }
+    if (*targets == 0) return errorf(err, "no module named");
+    return 0;
+}
+
+void lora_targets_string(unsigned targets, char* buf, size_t cap) {
+    size_t len = 0;
+    buf[0] = '\0';
+    for (int tg = 0; tg < LORA_N_TARGETS; tg++) {
+        if (!(targets & LORA_BIT(tg))) continue;
+        int w = snprintf(buf + len, cap - len, "%s%s", len ? "," : "", short_names[tg]);
+        if (w < 0 || (size_t)w >= cap - len) return;
+        len += (size_t)w;
+    }
+}
+
+float lora_scale(const LoraSpec* l) {
+    if (l->r <= 0) return 0.0f;
+    return l->rslora ? (float)((double)l->alpha / sqrt((double)l->r))
+                     : (float)((double)l->alpha / (double)l->r);
+}
+
+// ----------------------------------------------------------------------------
+// where an adapter reads and writes: its linear's input width, and its column range [c0, c0 + w)
+// of the fused output (ld wide)
+
+typedef struct LoraSite {
+    int in, ld, c0, w;
+} LoraSite;
+
+static LoraSite lora_site(const Model* m, LoraTarget tg) {
+    const ModelConfig* c = &m->cfg;
+    const int C = c->C, F = c->F, QD = c->H * c->HD, KVD = c->KVH * c->HD;
+    switch (tg) {
+    case LORA_Q: return (LoraSite){C, m->QKV, 0, QD};
+    case LORA_K: return (LoraSite){C, m->QKV, QD, KVD};
+    case LORA_V: return (LoraSite){C, m->QKV, QD + KVD, KVD};
+    case LORA_O: return (LoraSite){QD, C, 0, C};
+    case LORA_GATE: return (LoraSite){C, 2 * F, 0, F};
+    case LORA_UP: return (LoraSite){C, 2 * F, F, F};
+    default: return (LoraSite){F, C, 0, C};  // LORA_DOWN
+    }
+}
+
+// The widest input and output of any linear (the scratch's row widths).
+static int64_t widest(const Model* m) {
+    const ModelConfig* c = &m->cfg;
+    int64_t w = c->C;
+    if ((int64_t)c->H * c->HD > w) w = (int64_t)c->H * c->HD;
+    if (c->F > w) w = c->F;
+    return w;
+}
+
+// ----------------------------------------------------------------------------
+// scratch
+
+size_t lora_scratch_bytes(const Model* m, size_t act_bytes, int64_t n) {
+    const LoraSpec* l = &m->tt.lora;
+    if (l->r <= 0) return 0;
+    const size_t w = (size_t)widest(m), rows = (size_t)n;
+    size_t bytes = 2 * rows * (size_t)l->r * act_bytes + rows * w * act_bytes;  // t, dt, tmp
+    if (l->dropout > 0) bytes += rows * w * act_bytes;                          // drop(x)
+    return bytes;
+}
+
+void lora_scratch_alloc(const Model* m, Workspace* ws, int64_t n) {
+    const LoraSpec* l = &m->tt.lora;
+    if (l->r <= 0) return;
+    const size_t ab = (size_t)ws->ops->act_bytes, w = (size_t)widest(m), rows = (size_t)n;
+    ws->lora_t = ws->ops->alloc(ws->ctx, rows * (size_t)l->r * ab);
+    ws->lora_dt = ws->ops->alloc(ws->ctx, rows * (size_t)l->r * ab);
+    ws->lora_tmp = ws->ops->alloc(ws->ctx, rows * w * ab);
+    if (l->dropout > 0) ws->lora_xd = ws->ops->alloc(ws->ctx, rows * w * ab);
+}
+
+void lora_scratch_free(Workspace* ws) {
+    void* bufs[] = {ws->lora_t, ws->lora_dt, ws->lora_tmp, ws->lora_xd};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        if (bufs[i]) ws->ops->free(ws->ctx, bufs[i]);
+    ws->lora_t = ws->lora_dt = ws->lora_tmp = ws->lora_xd = NULL;
+}
+
+// ----------------------------------------------------------------------------
+// forward and backward
+
+static inline void* byte_at(const Workspace* ws, const void* p, int64_t i) {
+    return (char*)p + (size_t)i * (size_t)ws->ops->act_bytes;
+}
+
+// The dropout mask's seed of one adapter in this micro-batch.
+static uint64_t site_seed(const Workspace* ws, int block, LoraTarget tg) {
+    uint64_t z = ws->lora_seed ^ (((uint64_t)block * LORA_N_TARGETS + (uint64_t)tg + 1) *
+                                  0xd1b54a32d192ed03ull);
+    z = (z ^ (z >> 33)) * 0xff51afd7ed558ccdull;
+    return z ^ (z >> 33);
+}
+
+// The adapter's input: x, or drop(x) in the scratch while training with dropout.
+static const void* branch_input(const Model* m, Workspace* ws, int block, LoraTarget tg,
+                                const void* x, int n, int in, int64_t row0) {
+    const float p = m->tt.lora.dropout;
+    if (!ws->lora_train || p <= 0) return x;
+    ws->ops->dropout(ws->ctx, ws->lora_xd, x, p, site_seed(ws, block, tg), row0, n, in);
+    return ws->lora_xd;
+}
+
+void lora_forward(const Model* m, Workspace* ws, int block, unsigned mask, const void* slab,
+                  const void* x, void* y, int n, int64_t row0) {
+    const int r = m->tt.lora.r;
+    if (r <= 0) return;
+    const Ops* ops = ws->ops;
+    const BlockLayout* bl = &m->layout[block];
+    for (int tg = 0; tg < LORA_N_TARGETS; tg++) {
+        if (!(mask & LORA_BIT(tg)) || bl->lora_a[tg] < 0) continue;
+        const LoraSite st = lora_site(m, (LoraTarget)tg);
+        const void* xa = branch_input(m, ws, block, (LoraTarget)tg, x, n, st.in, row0);
+        // t = drop(x)·Aᵀ (n, r); tmp = t·Bᵀ (n, w); y[:, c0:c0+w] += scale · tmp
+        ops->matmul_forward(ws->ctx, ws->lora_t, xa, byte_at(ws, slab, bl->lora_a[tg]), NULL, n,
+                            st.in, r);
+        ops->matmul_forward(ws->ctx, ws->lora_tmp, ws->lora_t, byte_at(ws, slab, bl->lora_b[tg]),
+                            NULL, n, r, st.w);
+        ops->add_cols_scaled(ws->ctx, y, ws->lora_tmp, m->lora_scale, n, st.ld, st.c0, st.w);
+    }
+}
+
+void lora_backward(const Model* m, Workspace* ws, int block, unsigned mask, const void* slab,
+                   float* gslab, const void* x, const void* dy, void* dx, int n, int64_t row0) {
+    const int r = m->tt.lora.r;
+    if (r <= 0) return;
+    const Ops* ops = ws->ops;
+    const BlockLayout* bl = &m->layout[block];
+    const BlockLayout* gl = &m->glayout[block];
+    const float p = m->tt.lora.dropout;
+    for (int tg = 0; tg < LORA_N_TARGETS; tg++) {
+        if (!(mask & LORA_BIT(tg)) || bl->lora_a[tg] < 0) continue;
+        const LoraSite st = lora_site(m, (LoraTarget)tg);
+        const void* A = byte_at(ws, slab, bl->lora_a[tg]);
+        const void* Bw = byte_at(ws, slab, bl->lora_b[tg]);
+        float* dA = gslab + gl->lora_a[tg];
+        float* dB = gslab + gl->lora_b[tg];
+        // t = drop(x)·Aᵀ again (the same mask: the same bits as the forward's)
+        const void* xa = branch_input(m, ws, block, (LoraTarget)tg, x, n, st.in, row0);
+        ops->matmul_forward(ws->ctx, ws->lora_t, xa, A, NULL, n, st.in, r);
+        // g = scale · dy[:, c0:c0+w] (n, w); dt = g·B (n, r); dB += gᵀ·t
+        ops->get_cols_scaled(ws->ctx, ws->lora_tmp, dy, m->lora_scale, n, st.ld, st.c0, st.w);
+        ops->matmul_backward(ws->ctx, ws->lora_dt, dB, NULL, ws->lora_tmp, ws->lora_t, Bw, n, r,
+                             st.w);
+        // tmp = dt·A (n, in); dA += dtᵀ·drop(x)
+        ops->matmul_backward(ws->ctx, ws->lora_tmp, dA, NULL, ws->lora_dt, xa, A, n, st.in, r);
+        // dx += drop(tmp): the dropout is linear, its backward the same mask
+        if (ws->lora_train && p > 0)
+            ops->dropout(ws->ctx, ws->lora_tmp, ws->lora_tmp, p, site_seed(ws, block,
+                         (LoraTarget)tg), row0, n, st.in);
+        ops->add(ws->ctx, dx, dx, ws->lora_tmp, (size_t)n * (size_t)st.in);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// init and merge
+
+static uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
+void lora_init_random(const Model* m, Store* s, uint32_t seed) {
+    const TensorTable* tt = &m->tt;
+    for (int i = 0; i < tt->n; i++) {
+        const TensorDesc* d = &tt->t[i];
+        if (d->lora_target < 0) continue;
+        float* p = store_param(s, i);
+        if (d->kind == TK_LORA_B) {
+            memset(p, 0, (size_t)d->numel * sizeof(float));
+            continue;
+        }
+        // nn.Linear's kaiming_uniform_(a = sqrt(5)): gain sqrt(2 / (1 + 5)), bound
+        // gain · sqrt(3 / fan_in) = 1 / sqrt(fan_in)
+        const double bound = 1.0 / sqrt((double)d->shape[1]);
+        Rng rng;
+        rng_seed(&rng, mix32(seed ^ mix32(0x10a5u + (uint32_t)i * 0x9e3779b9u)));
+        for (int64_t j = 0; j < d->numel; j++)
+            p[j] = (float)((2.0 * (double)rng_uniform(&rng) - 1.0) * bound);
+    }
+}
+
+static TensorKind base_kind(LoraTarget tg) {
+    static const TensorKind kinds[LORA_N_TARGETS] = {TK_WQ,     TK_WK,   TK_WV,    TK_WO,
+                                                     TK_W_GATE, TK_W_UP, TK_W_DOWN};
+    return kinds[tg];
+}
+
+void lora_merge(const Model* m, Store* s) {
+    const TensorTable* tt = &m->tt;
+    const int r = tt->lora.r;
+    if (r <= 0) return;
+    for (int l = 0; l < m->cfg.L; l++) {
+        for (int tg = 0; tg < LORA_N_TARGETS; tg++) {
+            const int ia = tensor_table_lora_index(tt, l, (LoraTarget)tg, 0);
+            const int ib = tensor_table_lora_index(tt, l, (LoraTarget)tg, 1);
+            const int iw = tensor_table_index(tt, base_kind((LoraTarget)tg), l);
+            if (ia < 0 || ib < 0 || iw < 0) continue;
+            const int64_t out = tt->t[iw].shape[0], in = tt->t[iw].shape[1];
+            const float* A = store_param(s, ia);  // (r, in)
+            const float* B = store_param(s, ib);  // (out, r)
+            float* W = store_param(s, iw);        // (out, in)
+            // W += (B·A) · scale, as PEFT's merge: the product (in double, row by row), then
+            // scaled, then added
+            double* row = malloc_check((size_t)in * sizeof(double));
+            for (int64_t o = 0; o < out; o++) {
+                for (int64_t j = 0; j < in; j++) row[j] = 0.0;
+                for (int k = 0; k < r; k++) {
+                    const double b = (double)B[o * r + k];
+                    const float* a = A + (int64_t)k * in;
+                    for (int64_t j = 0; j < in; j++) row[j] += b * (double)a[j];
+                }
+                for (int64_t j = 0; j < in; j++) W[o * in + j] += (float)row[j] * m->lora_scale;
+            }
+            free(row);
+        }
+    }
+}

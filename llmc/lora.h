@@ -1,0 +1,91 @@
+/*
+ * lora.h — LoRA adapters on a frozen base (PEFT's LoraModel): the flags' target list, the scale,
+ * the adapters' forward and backward against the op table (called by model.c after each base
+ * linear), their init, merging them into the base for the exports, and PEFT adapter directories
+ * (adapter_config.json + adapter_model.safetensors) in and out.
+ *
+ * Math for a targeted linear y = x·Wᵀ with A (r, in), B (out, r), s = alpha / r (rsLoRA:
+ * alpha / sqrt(r)) and, while training, inverted dropout on the branch's input only:
+ *     forward   t = drop(x)·Aᵀ (n, r) ;  y += s · t·Bᵀ
+ *     backward  dB += (s·dy)ᵀ·t ;  dt = (s·dy)·B ;  dA += dtᵀ·drop(x) ;  dx += drop(dt·A)
+ * The backward recomputes t (an (n, in) x (in, r) product) rather than keeping it. The q, k, v
+ * (and gate, up) adapters are separate PEFT modules on our fused (QKV, C) (and (2F, C)) linears:
+ * each adds its product into its column range of the fused output (ops->add_cols_scaled) and
+ * reads its range of the output gradient (ops->get_cols_scaled).
+ *
+ * The dropout mask is a hash of (the workspace's seed, block, target, element), so a recomputed
+ * forward and the backward see the mask the forward used, on every backend and row chunking.
+ * The tensors live in the tensor table (tensor.h): A and B per targeted module per block, the
+ * only trainable tensors of a LoRA run.
+ */
+#ifndef LLMC_LORA_H
+#define LLMC_LORA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "model.h"
+#include "store.h"
+#include "tensor.h"
+
+// --lora-targets names beyond LoraTarget that belong to MoE blocks (refused for now).
+#define LORA_ROUTER_BIT (1u << 16)
+#define LORA_EXPERTS_BIT (1u << 17)
+
+// "all-linear" or a comma list of q,k,v,o,gate,up,down (PEFT's q_proj ... down_proj also
+// accepted), router, experts. 0, or -1 with a one-line err.
+int lora_parse_targets(const char* s, unsigned* targets, char* err);
+// The targets as a comma list of short names, into buf.
+void lora_targets_string(unsigned targets, char* buf, size_t cap);
+// alpha / r, or alpha / sqrt(r) with rsLoRA.
+float lora_scale(const LoraSpec* l);
+
+// ----------------------------------------------------------------------------
+// the adapters' math (model.c calls these; no-ops without LoRA)
+
+// Workspace scratch for n rows (bytes on the backend) and its allocation.
+size_t lora_scratch_bytes(const Model* m, size_t act_bytes, int64_t n);
+void lora_scratch_alloc(const Model* m, Workspace* ws, int64_t n);
+void lora_scratch_free(Workspace* ws);
+
+// y (n, the fused output's width) += each targeted adapter's s·drop(x)·Aᵀ·Bᵀ in its column
+// range, for the targets in `mask` (LORA_BIT set) that share input x. Rows are row0.. of the
+// micro-batch (the dropout mask's key). slab: block `block`'s parameter slab on the backend.
+void lora_forward(const Model* m, Workspace* ws, int block, unsigned mask, const void* slab,
+                  const void* x, void* y, int n, int64_t row0);
+// The adapters' backward for the same targets: dA, dB accumulated into gslab (the block's
+// gradient slab), dx (n, in) += their input gradient. dy (n, fused width): the output's gradient.
+void lora_backward(const Model* m, Workspace* ws, int block, unsigned mask, const void* slab,
+                   float* gslab, const void* x, const void* dy, void* dx, int n, int64_t row0);
+
+// ----------------------------------------------------------------------------
+// weights
+
+// PEFT's init: A ~ U(-1/sqrt(in), 1/sqrt(in)) (nn.Linear's kaiming_uniform(a = sqrt(5))), B = 0,
+// each tensor from its own generator seeded by (seed, tensor).
+void lora_init_random(const Model* m, Store* s, uint32_t seed);
+// W += s · B·A for every adapter (the --merge-lora exports; the base then carries them).
+void lora_merge(const Model* m, Store* s);
+
+// ----------------------------------------------------------------------------
+// PEFT adapter directories
+
+// A file written, for checkpoint checksums.
+typedef struct LoraFile {
+    char name[64];
+    uint64_t bytes;
+    uint32_t crc;
+} LoraFile;
+
+// dir/adapter_config.json and dir/adapter_model.safetensors (F32, PEFT keys). base_model: the
+// config's base_model_name_or_path. files (may be NULL): the two files written.
+int lora_save_peft(const char* dir, const Model* m, const Store* s, const char* base_model,
+                   LoraFile files[2], char* err);
+// Read a PEFT adapter directory into the store's adapters: its config must match the model's
+// LoRA (r, lora_alpha, target_modules, use_rslora), every adapter key must be there with its
+// shape, and no other key. -1 with a one-line err.
+int lora_load_peft(const char* dir, const Model* m, Store* s, char* err);
+// Only the adapter weights of dir/adapter_model.safetensors (no config check: a checkpoint).
+int lora_load_weights(const char* path, const Model* m, Store* s, char* err);
+
+#endif  // LLMC_LORA_H

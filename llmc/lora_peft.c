@@ -1,0 +1,229 @@
+/*
+ * lora_peft.c — PEFT adapter directories (declared in lora.h): adapter_config.json and
+ * adapter_model.safetensors as PEFT's save_pretrained writes them for a CausalLM, and reading
+ * them back strictly (the config must be the model's LoRA, every key present with its shape,
+ * nothing else).
+ *
+ * Keys: base_model.model.model.layers.{i}.{self_attn|mlp}.{q|k|v|o|gate|up|down}_proj.lora_{A|B}
+ * .weight, A (r, in) and B (out, r) (PEFT's LoraModel around the CausalLM; the adapter name
+ * "default" is not in saved keys). The tensor table carries these names (tensor.h).
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+#include "crc32c.h"
+#include "json.h"
+#include "lora.h"
+#include "safetensors.h"
+
+// ----------------------------------------------------------------------------
+// writing
+
+// adapter_config.json with PEFT's LoraConfig fields (sorted, as PEFT writes them). malloc'd.
+static char* config_json(const LoraSpec* l, const char* base_model, size_t* len) {
+    char* buf = NULL;
+    FILE* f = open_memstream(&buf, len);
+    if (!f) fatal("open_memstream failed");
+    fputs("{\n  \"alpha_pattern\": {},\n  \"auto_mapping\": null,\n"
+          "  \"base_model_name_or_path\": ", f);
+    json_write_string(f, base_model);
+    fprintf(f, ",\n  \"bias\": \"none\",\n  \"fan_in_fan_out\": false,\n"
+               "  \"inference_mode\": true,\n  \"init_lora_weights\": true,\n"
+               "  \"layers_pattern\": null,\n  \"layers_to_transform\": null,\n"
+               "  \"lora_alpha\": %.9g,\n  \"lora_dropout\": %.7g,\n"
+               "  \"modules_to_save\": null,\n  \"peft_type\": \"LORA\",\n  \"r\": %d,\n"
+               "  \"rank_pattern\": {},\n  \"revision\": null,\n  \"target_modules\": [",
+            (double)l->alpha, (double)l->dropout, l->r);
+    int first = 1;
+    for (int tg = 0; tg < LORA_N_TARGETS; tg++) {
+        if (!(l->targets & LORA_BIT(tg))) continue;
+        fprintf(f, "%s\n    \"%s\"", first ? "" : ",", lora_target_name((LoraTarget)tg));
+        first = 0;
+    }
+    fprintf(f, "\n  ],\n  \"task_type\": \"CAUSAL_LM\",\n  \"use_dora\": false,\n"
+               "  \"use_rslora\": %s\n}\n", l->rslora ? "true" : "false");
+    if (ferror(f) || fclose(f) != 0) fatal("building adapter_config.json failed");
+    return buf;
+}
+
+int lora_save_peft(const char* dir, const Model* m, const Store* s, const char* base_model,
+                   LoraFile files[2], char* err) {
+    const TensorTable* tt = &m->tt;
+    if (tt->lora.r <= 0) return errorf(err, "internal: no LoRA adapters to save");
+    if (mkdir_p(dir, err) != 0) return -1;
+    char path[4200];
+    size_t len = 0;
+    char* json = config_json(&tt->lora, base_model, &len);
+    snprintf(path, sizeof path, "%s/adapter_config.json", dir);
+    int rc = file_write_atomic(path, json, len, err);
+    if (rc == 0 && files) {
+        str_copy(files[0].name, sizeof files[0].name, "adapter_config.json");
+        files[0].bytes = len;
+        files[0].crc = crc32c(json, len);
+    }
+    free(json);
+    if (rc != 0) return -1;
+
+    StWriter w;
+    st_writer_init(&w);
+    st_writer_meta(&w, "format", "pt");
+    for (int i = 0; i < tt->n; i++) {
+        const TensorDesc* d = &tt->t[i];
+        if (d->lora_target >= 0)
+            st_writer_add(&w, d->hf_name, ST_F32, d->ndim, d->shape, store_param(s, i));
+    }
+    snprintf(path, sizeof path, "%s/adapter_model.safetensors", dir);
+    rc = st_writer_write(&w, path, err);
+    if (rc == 0 && files) {
+        str_copy(files[1].name, sizeof files[1].name, "adapter_model.safetensors");
+        files[1].bytes = w.file_bytes;
+        files[1].crc = w.file_crc32c;
+    }
+    st_writer_free(&w);
+    return rc;
+}
+
+// ----------------------------------------------------------------------------
+// reading
+
+int lora_load_weights(const char* path, const Model* m, Store* s, char* err) {
+    const TensorTable* tt = &m->tt;
+    StFile f;
+    if (st_open(&f, path, err) != 0) return -1;
+    int rc = 0, n_found = 0, n_lora = 0;
+    for (int i = 0; i < tt->n; i++) n_lora += tt->t[i].lora_target >= 0;
+    for (int k = 0; k < f.n_tensors && rc == 0; k++) {
+        const StTensor* t = &f.tensors[k];
+        const int i = tensor_table_find_hf(tt, t->name);
+        if (i < 0 || tt->t[i].lora_target < 0) {
+            rc = errorf(err, "%s: unexpected tensor '%s' (not an adapter of this LoRA "
+                             "configuration: check --lora-targets and the model)", path, t->name);
+            break;
+        }
+        const TensorDesc* d = &tt->t[i];
+        if (t->ndim != 2 || t->shape[0] != d->shape[0] || t->shape[1] != d->shape[1]) {
+            rc = errorf(err, "%s: tensor '%s' has shape [%lld, %lld], expected [%lld, %lld] "
+                             "(r = %d)", path, t->name, (long long)t->shape[0],
+                        (long long)(t->ndim > 1 ? t->shape[1] : 0), (long long)d->shape[0],
+                        (long long)d->shape[1], tt->lora.r);
+            break;
+        }
+        rc = st_tensor_to_f32(t, store_param(s, i), d->numel, err);
+        if (rc == 0) n_found++;
+    }
+    if (rc == 0 && n_found != n_lora) {
+        for (int i = 0; i < tt->n; i++) {
+            if (tt->t[i].lora_target >= 0 && !st_find(&f, tt->t[i].hf_name)) {
+                rc = errorf(err, "%s: adapter tensor '%s' is missing (%d of %d present)", path,
+                            tt->t[i].hf_name, n_found, n_lora);
+                break;
+            }
+        }
+    }
+    st_close(&f);
+    return rc;
+}
+
+// target_modules: a list of PEFT module names (or "all-linear") into a LoraTarget set.
+static int config_targets(const JsonValue* v, unsigned* targets, const char* path, char* err) {
+    *targets = 0;
+    if (v && v->type == JSON_STRING && strcmp(v->str, "all-linear") == 0) {
+        *targets = LORA_ALL_LINEAR;
+        return 0;
+    }
+    if (!v || v->type != JSON_ARRAY)
+        return errorf(err, "%s: target_modules must be a list of module names (a regular "
+                           "expression is not supported)", path);
+    for (size_t k = 0; k < v->n; k++) {
+        const JsonValue* e = &v->items[k];
+        int found = -1;
+        for (int tg = 0; tg < LORA_N_TARGETS && e->type == JSON_STRING; tg++)
+            if (strcmp(e->str, lora_target_name((LoraTarget)tg)) == 0) found = tg;
+        if (found < 0)
+            return errorf(err, "%s: target module %s%s%s is not supported (q_proj, k_proj, "
+                               "v_proj, o_proj, gate_proj, up_proj, down_proj)", path,
+                          e->type == JSON_STRING ? "'" : "",
+                          e->type == JSON_STRING ? e->str : "(not a string)",
+                          e->type == JSON_STRING ? "'" : "");
+        *targets |= LORA_BIT(found);
+    }
+    return 0;
+}
+
+// A field this trainer does not implement must hold its default (empty / null / false).
+static int check_default(const JsonValue* root, const char* key, const char* path, char* err) {
+    const JsonValue* v = json_get(root, key);
+    if (!v || v->type == JSON_NULL) return 0;
+    if ((v->type == JSON_OBJECT || v->type == JSON_ARRAY) && v->n == 0) return 0;
+    if (v->type == JSON_BOOL && !v->boolean) return 0;
+    return errorf(err, "%s: %s is set; this trainer supports plain LoRA adapters only", path, key);
+}
+
+static int check_config(const JsonValue* root, const LoraSpec* l, const char* path, char* err) {
+    const char* s = NULL;
+    if (json_get_string(root, "peft_type", &s) != 1 || strcmp(s, "LORA") != 0)
+        return errorf(err, "%s: peft_type is not \"LORA\"", path);
+    if (json_get_string(root, "bias", &s) == 1 && strcmp(s, "none") != 0)
+        return errorf(err, "%s: bias \"%s\": only adapters without bias (\"none\") are supported",
+                      path, s);
+    static const char* const unsupported[] = {"use_dora", "fan_in_fan_out", "rank_pattern",
+                                              "alpha_pattern", "layers_to_transform",
+                                              "modules_to_save", "lora_bias",
+                                              "target_parameters", "trainable_token_indices",
+                                              "layer_replication", NULL};
+    for (int k = 0; unsupported[k]; k++)
+        if (check_default(root, unsupported[k], path, err) != 0) return -1;
+    int64_t r = 0;
+    if (json_get_int(root, "r", &r) != 1) return errorf(err, "%s: no integer r", path);
+    if (r != l->r)
+        return errorf(err, "%s: the adapter has r = %lld but --lora-r is %d", path, (long long)r,
+                      l->r);
+    double alpha = 0;
+    if (json_get_double(root, "lora_alpha", &alpha) != 1)
+        return errorf(err, "%s: no lora_alpha", path);
+    if ((float)alpha != l->alpha)
+        return errorf(err, "%s: the adapter has lora_alpha %g but --lora-alpha is %g (pass "
+                           "--lora-alpha %g)", path, alpha, (double)l->alpha, alpha);
+    int rs = 0;
+    if (json_get_bool(root, "use_rslora", &rs) < 0)
+        return errorf(err, "%s: use_rslora is not a boolean", path);
+    if (rs != l->rslora)
+        return errorf(err, "%s: the adapter has use_rslora %s but this run %s --rslora", path,
+                      rs ? "true" : "false", l->rslora ? "has" : "has no");
+    unsigned targets = 0;
+    if (config_targets(json_get(root, "target_modules"), &targets, path, err) != 0) return -1;
+    if (targets != (l->targets & LORA_ALL_LINEAR)) {
+        char have[128], want[128];
+        lora_targets_string(targets, have, sizeof have);
+        lora_targets_string(l->targets, want, sizeof want);
+        return errorf(err, "%s: the adapter targets %s but --lora-targets is %s (pass "
+                           "--lora-targets %s)", path, have, want, have);
+    }
+    return 0;
+}
+
+int lora_load_peft(const char* dir, const Model* m, Store* s, char* err) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/adapter_config.json", dir);
+    size_t len = 0;
+    char* text = file_read_all(path, 1 << 20, &len, err);
+    if (!text) return -1;
+    JsonDoc doc;
+    char jerr[ERR_LEN];
+    if (json_parse(text, len, &doc, jerr) != 0) {
+        free(text);
+        return errorf(err, "%s: %s", path, jerr);
+    }
+    free(text);
+    int rc = check_config(&doc.root, &m->tt.lora, path, err);
+    json_free(&doc);
+    if (rc != 0) return -1;
+    snprintf(path, sizeof path, "%s/adapter_model.safetensors", dir);
+    if (!file_exists(path))
+        return errorf(err, "%s: no such file (a PEFT adapter directory holds "
+                           "adapter_model.safetensors)", path);
+    return lora_load_weights(path, m, s, err);
+}

@@ -1,0 +1,924 @@
+/*
+ * test_lora.c — suite `lora`: LoRA adapters on a frozen base (lora.h).
+ *
+ *  - the ops: column-range add / read (against a reference, and each the other's adjoint: the
+ *    finite-difference check of linear ops), dropout (mask rate, scale, its own backward, the
+ *    same mask for any row chunking);
+ *  - the tensor table: adapters named by their PEFT keys, the only trainable tensors, gradient
+ *    and AdamW slabs of the adapters only, the HF view without them; MoE refused;
+ *  - the model: finite-difference checks of every A and B gradient (LLaMA and tied Qwen3, with
+ *    and without dropout), B = 0 gives the base's loss to the bit, the merged base gives the
+ *    adapted loss, recompute and the chunked MLP give the same results;
+ *  - PEFT directories: a round trip, and one-line refusals of a mismatched config or tensors;
+ *  - the CLI: flag validation, training (the base untouched), --dump-state with the adapters'
+ *    gradients only, --export-lora / --lora-init, bit-exact --resume, --merge-lora;
+ *  - parity with PEFT (dev/parity/make_lora_fixtures.py), skipped while the fixtures are absent.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "../checkpoint.h"
+#include "../common.h"
+#include "../lora.h"
+#include "../model.h"
+#include "../ops.h"
+#include "../plain.h"
+#include "../rng.h"
+#include "../safetensors.h"
+#include "../store.h"
+#include "testing.h"
+
+// ----------------------------------------------------------------------------
+// the ops
+
+static double dot_f(const float* a, const float* b, size_t n) {
+    double s = 0;
+    for (size_t i = 0; i < n; i++) s += (double)a[i] * b[i];
+    return s;
+}
+
+static void test_lora_ops_cols(TestCtx* t) {
+    void* ctx = ops_cpu_create(t->n_threads);
+    Rng r;
+    rng_seed(&r, 5);
+    const int N = 13, ld = 29, c0 = 7, w = 11;
+    const float scale = 0.37f;
+    float* y = rand_floats(&r, (size_t)N * ld, 1.0f);
+    float* y0 = malloc_check((size_t)N * ld * sizeof(float));
+    memcpy(y0, y, (size_t)N * ld * sizeof(float));
+    float* u = rand_floats(&r, (size_t)N * w, 1.0f);
+    ops_cpu.add_cols_scaled(ctx, y, u, scale, N, ld, c0, w);
+    int ok = 1;
+    for (int n = 0; n < N; n++)
+        for (int j = 0; j < ld; j++) {
+            const float want = j >= c0 && j < c0 + w
+                                   ? y0[n * ld + j] + scale * u[n * w + j - c0]
+                                   : y0[n * ld + j];
+            ok &= y[n * ld + j] == want;
+        }
+    CHECK(t, ok, "add_cols_scaled: out[:, c0:c0+w] += scale * src, the rest untouched");
+    // adjoint: <add(u), g> - <y0, g> = scale <u, g[:, c0:c0+w]> = <u, get(g)>
+    float* g = rand_floats(&r, (size_t)N * ld, 1.0f);
+    float* gc = malloc_check((size_t)N * w * sizeof(float));
+    ops_cpu.get_cols_scaled(ctx, gc, g, scale, N, ld, c0, w);
+    const double lhs = dot_f(y, g, (size_t)N * ld) - dot_f(y0, g, (size_t)N * ld);
+    const double rhs = dot_f(u, gc, (size_t)N * w);
+    CHECK(t, fabs(lhs - rhs) <= 1e-4 * (fabs(rhs) + 1), "get_cols is add_cols' adjoint: %.9g vs %.9g",
+          lhs, rhs);
+    ok = 1;
+    for (int n = 0; n < N; n++)
+        for (int j = 0; j < w; j++) ok &= gc[n * w + j] == scale * g[n * ld + c0 + j];
+    CHECK(t, ok, "get_cols_scaled: dst = scale * src[:, c0:c0+w]");
+    free(y);
+    free(y0);
+    free(u);
+    free(g);
+    free(gc);
+    ops_cpu_destroy(ctx);
+}
+
+static void test_lora_ops_dropout(TestCtx* t) {
+    void* ctx = ops_cpu_create(t->n_threads);
+    Rng r;
+    rng_seed(&r, 6);
+    const int N = 64, C = 96;
+    const float p = 0.25f;
+    const size_t n = (size_t)N * C;
+    float* x = rand_floats(&r, n, 1.0f);
+    float* y = malloc_check(n * sizeof(float));
+    ops_cpu.dropout(ctx, y, x, p, 1234, 0, N, C);
+    size_t dropped = 0;
+    int ok = 1;
+    for (size_t i = 0; i < n; i++) {
+        if (y[i] == 0.0f) dropped++;
+        else ok &= y[i] == x[i] * (1.0f / (1.0f - p));
+    }
+    const double rate = (double)dropped / (double)n;
+    CHECK(t, ok, "kept elements are x / (1 - p)");
+    CHECK(t, fabs(rate - p) < 0.03, "dropped fraction %.4f, want %.2f", rate, p);
+    // rows in two chunks (row0) give the same mask; in place works
+    float* z = malloc_check(n * sizeof(float));
+    memcpy(z, x, n * sizeof(float));
+    ops_cpu.dropout(ctx, z, z, p, 1234, 0, 20, C);
+    ops_cpu.dropout(ctx, z + 20 * C, z + 20 * C, p, 1234, 20, N - 20, C);
+    CHECK(t, memcmp(y, z, n * sizeof(float)) == 0, "chunked, in-place dropout: the same mask");
+    // its own adjoint: <drop(x), g> = <x, drop(g)>
+    float* g = rand_floats(&r, n, 1.0f);
+    float* dg = malloc_check(n * sizeof(float));
+    ops_cpu.dropout(ctx, dg, g, p, 1234, 0, N, C);
+    CHECK(t, fabs(dot_f(y, g, n) - dot_f(x, dg, n)) <= 1e-4 * (fabs(dot_f(y, g, n)) + 1),
+          "dropout is self-adjoint (the backward is the same call)");
+    ops_cpu.dropout(ctx, z, x, p, 1235, 0, N, C);
+    CHECK(t, memcmp(y, z, n * sizeof(float)) != 0, "another seed, another mask");
+    free(x);
+    free(y);
+    free(z);
+    free(g);
+    free(dg);
+    ops_cpu_destroy(ctx);
+}
+
+// ----------------------------------------------------------------------------
+// the tensor table
+
+static ModelConfig small_config(ModelFamily fam, int tied) {
+    char err[ERR_LEN];
+    ModelConfig c;
+    config_from_preset(&c, fam == FAMILY_LLAMA ? "test-llama" : "test-qwen3", err);
+    c.V = 37;
+    c.C = 24;
+    c.L = 2;
+    c.H = 4;
+    c.KVH = 2;
+    c.HD = 8;
+    c.F = 40;
+    c.tied_embeddings = tied;
+    return c;
+}
+
+static LoraSpec spec(int r, float alpha, unsigned targets, float dropout, int rslora) {
+    LoraSpec l = {.r = r, .alpha = alpha, .rslora = rslora, .dropout = dropout,
+                  .targets = targets};
+    return l;
+}
+
+static void test_lora_table(TestCtx* t) {
+    char err[ERR_LEN];
+    ModelConfig c = small_config(FAMILY_QWEN3, 1);
+    LoraSpec l = spec(4, 8, LORA_ALL_LINEAR, 0, 0);
+    Model m, base;
+    CHECK(t, model_init_lora(&m, &c, 0, &l, err) == 0, "%s", err);
+    CHECK(t, model_init(&base, &c, 0, err) == 0, "%s", err);
+    const TensorTable* tt = &m.tt;
+    int n_lora = 0, bad = 0;
+    int64_t lora_numel = 0;
+    for (int i = 0; i < tt->n; i++) {
+        const TensorDesc* d = &tt->t[i];
+        if (d->lora_target >= 0) {
+            n_lora++;
+            lora_numel += d->numel;
+            bad |= !d->trainable || d->grad_offset < 0 || d->state_offset < 0;
+        } else {
+            bad |= d->trainable || d->grad_offset >= 0 || d->state_offset >= 0;
+        }
+    }
+    CHECK(t, n_lora == 2 * 7 * c.L && !bad, "%d adapters, only they trainable", n_lora);
+    CHECK(t, tt->trainable_params == lora_numel, "trainable %lld of %lld",
+          (long long)tt->trainable_params, (long long)lora_numel);
+    int64_t g = 0, st = 0;
+    for (int l2 = 0; l2 < tt->n_layers; l2++) {
+        g += tt->grad_numel[l2];
+        st += tt->state_numel[l2];
+    }
+    CHECK(t, g == lora_numel && st == lora_numel, "gradient %lld, state %lld elements",
+          (long long)g, (long long)st);
+    CHECK(t, tt->n_hf == base.tt.n_hf, "the HF view has the base's %d tensors (%d)", base.tt.n_hf,
+          tt->n_hf);
+    int i = tensor_table_lora_index(tt, 1, LORA_V, 1);
+    CHECK(t, i >= 0 && strcmp(tt->t[i].hf_name,
+                              "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight") == 0 &&
+                 tt->t[i].shape[0] == c.KVH * c.HD && tt->t[i].shape[1] == 4,
+          "PEFT key and shape of layers.1 v_proj lora_B: %s", i >= 0 ? tt->t[i].hf_name : "-");
+    i = tensor_table_lora_index(tt, 0, LORA_DOWN, 0);
+    CHECK(t, i >= 0 && strcmp(tt->t[i].hf_name,
+                              "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight") == 0 &&
+                 tt->t[i].shape[0] == 4 && tt->t[i].shape[1] == c.F,
+          "PEFT key and shape of layers.0 down_proj lora_A");
+    CHECK(t, store_bytes(tt) < store_bytes(&base.tt) / 2 + 1e6, "LoRA store %.0f bytes vs %.0f",
+          store_bytes(tt), store_bytes(&base.tt));
+    // without LoRA every offset as before
+    int same = 1;
+    for (int k = 0; k < base.tt.n; k++) {
+        const TensorDesc* d = &base.tt.t[k];
+        same &= d->trainable && d->grad_offset >= 0 && d->state_offset == d->param_offset;
+    }
+    CHECK(t, same, "full fine-tuning: every tensor trainable, state at the parameter offsets");
+    model_free(&m);
+    model_free(&base);
+    // MoE: not yet
+    ModelConfig mc;
+    config_from_preset(&mc, "test-qwen3moe", err);
+    Model mm;
+    CHECK(t, model_init_lora(&mm, &mc, 0, &l, err) != 0 && strstr(err, "not yet"),
+          "MoE refused: %s", err);
+    unsigned tg = 0;
+    CHECK(t, lora_parse_targets("q,v,down", &tg, err) == 0 &&
+                 tg == (LORA_BIT(LORA_Q) | LORA_BIT(LORA_V) | LORA_BIT(LORA_DOWN)),
+          "q,v,down");
+    CHECK(t, lora_parse_targets("q,lm_head", &tg, err) != 0 && strstr(err, "lm_head"),
+          "unknown module: %s", err);
+}
+
+// ----------------------------------------------------------------------------
+// the model
+
+typedef struct Fix {
+    Model m;
+    Store s;
+    void* ctx;
+    Plain* p;
+    int B, T;
+    int32_t* tokens;
+} Fix;
+
+// A random base with perturbed norms, adapters with random (non-zero) B.
+static void fix_init(Fix* f, const ModelConfig* c, const LoraSpec* l, int recompute, int chunk) {
+    char err[ERR_LEN];
+    memset(f, 0, sizeof *f);
+    if (model_init_lora(&f->m, c, 0, l, err) != 0) fatal("model_init_lora: %s", err);
+    f->m.mlp_chunk = chunk;
+    store_create(&f->s, &f->m.tt);
+    store_init_random(&f->s, 21, 0.3f);
+    Rng r;
+    rng_seed(&r, 22);
+    for (int i = 0; i < f->m.tt.n; i++) {
+        const TensorDesc* d = &f->m.tt.t[i];
+        if (d->tied_to >= 0 || d->ndim != 1) continue;
+        float* p = store_param(&f->s, i);
+        for (int64_t j = 0; j < d->numel; j++) p[j] = 1.0f + 0.2f * rng_normal(&r);
+    }
+    lora_init_random(&f->m, &f->s, 23);
+    for (int i = 0; i < f->m.tt.n; i++) {
+        const TensorDesc* d = &f->m.tt.t[i];
+        if (d->kind != TK_LORA_B) continue;
+        float* p = store_param(&f->s, i);
+        for (int64_t j = 0; j < d->numel; j++) p[j] = 0.3f * rng_normal(&r);
+    }
+    f->ctx = ops_cpu_create(2);
+    f->B = 2;
+    f->T = 7;
+    f->p = plain_create(&f->m, &f->s, &ops_cpu, f->ctx, f->B, f->T, recompute);
+    f->p->ws->lora_seed = 77;
+    f->tokens = malloc_check((size_t)f->B * (f->T + 1) * sizeof(int32_t));
+    for (int i = 0; i < f->B * (f->T + 1); i++) f->tokens[i] = (int32_t)rng_below(&r, (uint64_t)c->V);
+}
+
+static void fix_free(Fix* f) {
+    plain_free(f->p);
+    ops_cpu_destroy(f->ctx);
+    store_free(&f->s);
+    model_free(&f->m);
+    free(f->tokens);
+}
+
+// The training objective (dropout on, the fixed seed) and its gradients into the store.
+static double fix_grads(Fix* f) {
+    const double N = (double)f->B * f->T;
+    store_zero_grads(&f->s);
+    return plain_forward_backward(f->p, f->tokens, f->B, f->T, (float)(1.0 / N)) / N;
+}
+
+static void lora_gradcheck(TestCtx* t, ModelFamily fam, int tied, float dropout, int rslora) {
+    ModelConfig c = small_config(fam, tied);
+    LoraSpec l = spec(3, 5.0f, LORA_ALL_LINEAR, dropout, rslora);
+    Fix f;
+    fix_init(&f, &c, &l, 0, 0);
+    fix_grads(&f);
+    int64_t n_grad = 0;
+    for (int k = 0; k < f.m.tt.n_layers; k++) n_grad += f.m.tt.grad_numel[k];
+    float* g_all = malloc_check((size_t)n_grad * sizeof(float));
+    Rng r;
+    rng_seed(&r, 99);
+    for (int i = 0; i < f.m.tt.n; i++) {
+        const TensorDesc* d = &f.m.tt.t[i];
+        if (d->lora_target < 0) {
+            CHECK(t, store_grad(&f.s, i) == NULL, "%s: frozen, no gradient", d->name);
+            continue;
+        }
+        const int64_t n = d->numel;
+        float* p = store_param(&f.s, i);
+        float* g = malloc_check((size_t)n * sizeof(float));
+        memcpy(g, store_grad(&f.s, i), (size_t)n * sizeof(float));
+        double gnorm = 0;
+        for (int64_t j = 0; j < n; j++) gnorm += (double)g[j] * g[j];
+        gnorm = sqrt(gnorm);
+        CHECK(t, gnorm > 0 && isfinite(gnorm), "%s: gradient norm %g", d->name, gnorm);
+        double* dir = malloc_check((size_t)n * sizeof(double));
+        double dn = 0, analytic = 0;
+        for (int64_t j = 0; j < n; j++) {
+            dir[j] = g[j] / gnorm + 0.5 * rng_normal(&r) / sqrt((double)n);
+            dn += dir[j] * dir[j];
+        }
+        for (int64_t j = 0; j < n; j++) {
+            dir[j] /= sqrt(dn);
+            analytic += dir[j] * g[j];
+        }
+        float* saved = malloc_check((size_t)n * sizeof(float));
+        memcpy(saved, p, (size_t)n * sizeof(float));
+        const double eps = 1e-3;
+        for (int64_t j = 0; j < n; j++) p[j] = (float)(saved[j] + eps * dir[j]);
+        double lp = fix_grads(&f);
+        for (int64_t j = 0; j < n; j++) p[j] = (float)(saved[j] - eps * dir[j]);
+        double lm = fix_grads(&f);
+        memcpy(p, saved, (size_t)n * sizeof(float));
+        double fd = (lp - lm) / (2 * eps);
+        CHECK(t, fabs(fd - analytic) <= 1e-2 * fabs(analytic) + 2e-5,
+              "%s %s (dropout %g): finite difference %.7g vs analytic %.7g",
+              family_names[fam], d->name, (double)dropout, fd, analytic);
+        free(dir);
+        free(saved);
+        free(g);
+    }
+    free(g_all);
+    fix_free(&f);
+}
+
+static void test_lora_gradcheck_llama(TestCtx* t) { lora_gradcheck(t, FAMILY_LLAMA, 0, 0, 0); }
+static void test_lora_gradcheck_qwen3_tied_rslora(TestCtx* t) {
+    lora_gradcheck(t, FAMILY_QWEN3, 1, 0, 1);
+}
+static void test_lora_gradcheck_dropout(TestCtx* t) { lora_gradcheck(t, FAMILY_QWEN3, 0, 0.3f, 0); }
+
+static float* lora_grads_copy(const Fix* f, int64_t* n_out) {
+    int64_t n = 0;
+    for (int l = 0; l < f->m.tt.n_layers; l++) n += f->m.tt.grad_numel[l];
+    float* out = malloc_check((size_t)(n > 0 ? n : 1) * sizeof(float));
+    int64_t k = 0;
+    for (int l = 0; l < f->m.tt.n_layers; l++) {
+        if (f->m.tt.grad_numel[l] == 0) continue;  // the prefix and postfix: frozen
+        memcpy(out + k, f->s.grad[l], (size_t)f->m.tt.grad_numel[l] * sizeof(float));
+        k += f->m.tt.grad_numel[l];
+    }
+    *n_out = n;
+    return out;
+}
+
+// B = 0 (PEFT's init): the base's loss to the bit. The merged base: the adapted loss. Recompute
+// and the chunked MLP: the same loss and gradients.
+static void test_lora_model_consistency(TestCtx* t) {
+    ModelConfig c = small_config(FAMILY_LLAMA, 0);
+    LoraSpec l = spec(4, 8.0f, LORA_ALL_LINEAR, 0.2f, 0);
+    Fix a, b, ch;
+    fix_init(&a, &c, &l, 0, 0);
+    fix_init(&b, &c, &l, 1, 0);
+    fix_init(&ch, &c, &l, 0, 5);  // 14 rows: 5 + 5 + 4
+    const double la = fix_grads(&a), lb = fix_grads(&b), lc = fix_grads(&ch);
+    CHECK(t, la == lb, "recompute: loss %.9g vs %.9g", la, lb);
+    CHECK(t, fabs(la - lc) <= 1e-6 * fabs(la), "chunked MLP: loss %.9g vs %.9g", la, lc);
+    int64_t n;
+    float* ga = lora_grads_copy(&a, &n);
+    float* gb = lora_grads_copy(&b, &n);
+    float* gc = lora_grads_copy(&ch, &n);
+    CHECK(t, memcmp(ga, gb, (size_t)n * sizeof(float)) == 0, "recompute: the same gradients");
+    double e = rel_l2_error(gc, ga, (size_t)n);
+    CHECK(t, e <= 1e-5, "chunked MLP: gradient relative error %.3g", e);
+    free(ga);
+    free(gb);
+    free(gc);
+    fix_free(&b);
+    fix_free(&ch);
+
+    // evaluation (no dropout) of the adapted model vs the merged base without adapters
+    const double adapted = plain_forward_loss(a.p, a.tokens, a.B, a.T);
+    char err[ERR_LEN];
+    Model mb;
+    CHECK(t, model_init(&mb, &c, 0, err) == 0, "%s", err);
+    Store sb;
+    store_create(&sb, &mb.tt);
+    lora_merge(&a.m, &a.s);
+    for (int i = 0; i < mb.tt.n; i++) {
+        if (mb.tt.t[i].tied_to >= 0) continue;
+        const int j = tensor_table_find(&a.m.tt, mb.tt.t[i].name);
+        memcpy(store_param(&sb, i), store_param(&a.s, j), (size_t)mb.tt.t[i].numel * sizeof(float));
+    }
+    Plain* pb = plain_create(&mb, &sb, &ops_cpu, a.ctx, a.B, a.T, 0);
+    const double merged = plain_forward_loss(pb, a.tokens, a.B, a.T);
+    CHECK(t, fabs(merged - adapted) <= 1e-5 * fabs(adapted), "merged %.9g vs adapted %.9g",
+          merged, adapted);
+    plain_free(pb);
+    // B = 0 (a fresh fixture: a's base is merged now): the adapters add exactly zero
+    Fix z;
+    fix_init(&z, &c, &l, 0, 0);
+    for (int i = 0; i < z.m.tt.n; i++)
+        if (z.m.tt.t[i].kind == TK_LORA_B)
+            memset(store_param(&z.s, i), 0, (size_t)z.m.tt.t[i].numel * sizeof(float));
+    for (int i = 0; i < mb.tt.n; i++) {
+        if (mb.tt.t[i].tied_to >= 0) continue;
+        const int j = tensor_table_find(&z.m.tt, mb.tt.t[i].name);
+        memcpy(store_param(&sb, i), store_param(&z.s, j), (size_t)mb.tt.t[i].numel * sizeof(float));
+    }
+    pb = plain_create(&mb, &sb, &ops_cpu, z.ctx, z.B, z.T, 0);
+    const double lz = plain_forward_loss(z.p, z.tokens, z.B, z.T);
+    const double lbase = plain_forward_loss(pb, z.tokens, z.B, z.T);
+    CHECK(t, lz == lbase, "B = 0: loss %.9g, the base's %.9g", lz, lbase);
+    CHECK(t, lz != adapted, "the adapters change the loss");
+    plain_free(pb);
+    store_free(&sb);
+    model_free(&mb);
+    fix_free(&z);
+    fix_free(&a);
+}
+
+// ----------------------------------------------------------------------------
+// PEFT directories
+
+static void test_lora_peft_files(TestCtx* t) {
+    char err[ERR_LEN], dir[1024], path[1200];
+    ModelConfig c = small_config(FAMILY_QWEN3, 1);
+    LoraSpec l = spec(4, 16.0f, LORA_BIT(LORA_Q) | LORA_BIT(LORA_V) | LORA_BIT(LORA_DOWN), 0, 0);
+    Fix a;
+    fix_init(&a, &c, &l, 0, 0);
+    test_path(t, dir, sizeof dir, "peft_a");
+    CHECK(t, lora_save_peft(dir, &a.m, &a.s, "my/base", NULL, err) == 0, "%s", err);
+    snprintf(path, sizeof path, "%s/adapter_config.json", dir);
+    char* json = test_read_file(path, NULL);
+    CHECK(t, strstr(json, "\"peft_type\": \"LORA\"") && strstr(json, "\"task_type\": \"CAUSAL_LM\"") &&
+                 strstr(json, "\"r\": 4") && strstr(json, "\"lora_alpha\": 16") &&
+                 strstr(json, "\"q_proj\"") && strstr(json, "\"down_proj\"") &&
+                 !strstr(json, "\"k_proj\"") && strstr(json, "\"bias\": \"none\"") &&
+                 strstr(json, "\"base_model_name_or_path\": \"my/base\""),
+          "adapter_config.json: %s", json);
+    free(json);
+    Model m2;
+    Store s2;
+    CHECK(t, model_init_lora(&m2, &c, 0, &l, err) == 0, "%s", err);
+    store_create(&s2, &m2.tt);
+    CHECK(t, lora_load_peft(dir, &m2, &s2, err) == 0, "load: %s", err);
+    int same = 1;
+    for (int i = 0; i < m2.tt.n; i++)
+        if (m2.tt.t[i].lora_target >= 0)
+            same &= memcmp(store_param(&s2, i), store_param(&a.s, i),
+                           (size_t)m2.tt.t[i].numel * sizeof(float)) == 0;
+    CHECK(t, same, "round trip: the same adapters");
+    store_free(&s2);
+    model_free(&m2);
+
+    // mismatches: one line each
+    struct {
+        LoraSpec l;
+        const char* must;
+    } bad[] = {
+        {spec(8, 16.0f, l.targets, 0, 0), "r = 4"},
+        {spec(4, 8.0f, l.targets, 0, 0), "lora_alpha"},
+        {spec(4, 16.0f, l.targets, 0, 1), "use_rslora"},
+        {spec(4, 16.0f, LORA_BIT(LORA_Q) | LORA_BIT(LORA_V), 0, 0), "--lora-targets q,v,down"},
+    };
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        CHECK(t, model_init_lora(&m2, &c, 0, &bad[k].l, err) == 0, "%s", err);
+        store_create(&s2, &m2.tt);
+        int rc = lora_load_peft(dir, &m2, &s2, err);
+        CHECK(t, rc != 0 && strstr(err, bad[k].must) && !strchr(err, '\n'),
+              "mismatch %zu refused naming '%s': %s", k, bad[k].must, rc ? err : "(loaded)");
+        store_free(&s2);
+        model_free(&m2);
+    }
+    // a missing tensor, an extra tensor, a wrong shape
+    for (int k = 0; k < 3; k++) {
+        StWriter w;
+        st_writer_init(&w);
+        int first = 1;
+        float* junk = calloc_check(1024, sizeof(float));
+        for (int i = 0; i < a.m.tt.n; i++) {
+            const TensorDesc* d = &a.m.tt.t[i];
+            if (d->lora_target < 0) continue;
+            if (k == 0 && first) {  // drop the first
+                first = 0;
+                continue;
+            }
+            int64_t shape[2] = {d->shape[0], d->shape[1]};
+            if (k == 2 && first) shape[1] += 1, first = 0;
+            st_writer_add(&w, d->hf_name, ST_F32, 2, shape, k == 2 && shape[1] != d->shape[1]
+                                                                ? (const void*)junk
+                                                                : (const void*)store_param(&a.s, i));
+        }
+        int64_t one = 1;
+        if (k == 1) st_writer_add(&w, "base_model.model.lm_head.lora_A.weight", ST_F32, 1, &one, junk);
+        snprintf(path, sizeof path, "%s/adapter_model.safetensors", dir);
+        CHECK(t, st_writer_write(&w, path, err) == 0, "%s", err);
+        st_writer_free(&w);
+        free(junk);
+        CHECK(t, model_init_lora(&m2, &c, 0, &l, err) == 0, "%s", err);
+        store_create(&s2, &m2.tt);
+        const char* must[3] = {"missing", "unexpected tensor", "shape"};
+        int rc = lora_load_peft(dir, &m2, &s2, err);
+        CHECK(t, rc != 0 && strstr(err, must[k]), "bad tensors %d: %s", k, rc ? err : "(loaded)");
+        store_free(&s2);
+        model_free(&m2);
+    }
+    fix_free(&a);
+}
+
+// ----------------------------------------------------------------------------
+// the CLI
+
+static int one_error_line(const char* err, const char* must) {
+    size_t n = strlen(err);
+    return n > 0 && strchr(err, '\n') == err + n - 1 && strstr(err, "error") && strstr(err, must);
+}
+
+static void test_lora_cli_flags(TestCtx* t) {
+    struct {
+        const char* args;
+        const char* must;
+    } cases[] = {
+        {"--lora-alpha 16", "needs --lora-r"},
+        {"--export-lora x", "needs --lora-r"},
+        {"--lora-r 4 --device cpu:2", "--device cpu"},
+        {"--lora-r 4 --merge-lora", "--export-hf"},
+        {"--lora-r 4 --lora-targets q,foo", "unknown module"},
+        {"--lora-r 4 --lora-targets experts", "not supported yet"},
+        {"--lora-r 4 --lora-dropout 1", "too large"},
+        {"--lora-r -1", "too small"},
+        {"--lora-r 4 --lora-init /nonexistent/adapter", "no such directory"},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        char args[512];
+        snprintf(args, sizeof args, "--steps 1 --val '' --sample-tokens 0 %s", cases[k].args);
+        int rc = test_run_cli(t, "flags", args);
+        char* err = test_read_output(t, "flags", "err");
+        CHECK(t, rc == 2 && one_error_line(err, cases[k].must), "'%s': exit %d, '%s' (want '%s')",
+              cases[k].args, rc, err, cases[k].must);
+        free(err);
+    }
+}
+
+// The deterministic head of a step's log record (test_resume.c's helper).
+static int log_record(const char* log, int step, char* out, size_t cap) {
+    char key[48];
+    snprintf(key, sizeof key, "{\"step\":%d,\"loss\":", step);
+    const char* p = strstr(log, key);
+    if (!p) return 0;
+    const char* end = strstr(p, ",\"ms\":");
+    if (!end || (size_t)(end - p) >= cap) return 0;
+    memcpy(out, p, (size_t)(end - p));
+    out[end - p] = '\0';
+    return 1;
+}
+
+static void test_lora_cli_train(TestCtx* t) {
+    char args[4096], out[1024], exp[1024], dump[1024], path[1200], err[ERR_LEN];
+    test_path(t, out, sizeof out, "lora_run");
+    test_path(t, exp, sizeof exp, "lora_export");
+    test_path(t, dump, sizeof dump, "lora_dump.safetensors");
+    const char* common = "--val '' --sample-tokens 0 --threads 2 --lora-r 4 --lora-alpha 8 "
+                         "--lora-dropout 0.1 --lr 1e-2";
+    snprintf(args, sizeof args, "%s --steps 6 --out '%s' --export-lora '%s'", common, out, exp);
+    CHECK(t, test_run_cli(t, "train", args) == 0, "LoRA training run");
+    char* so = test_read_output(t, "train", "out");
+    CHECK(t, strstr(so, "exported the LoRA adapters to"), "export line: %s", so);
+    free(so);
+    snprintf(path, sizeof path, "%s/adapter_model.safetensors", exp);
+    StFile f;
+    CHECK(t, st_open(&f, path, err) == 0, "%s", err);
+    if (f.map) {
+        int nonzero_b = 0;
+        for (int k = 0; k < f.n_tensors; k++) {
+            const StTensor* x = &f.tensors[k];
+            if (!strstr(x->name, "lora_B")) continue;
+            const float* v = (const float*)x->data;
+            for (int64_t j = 0; j < x->numel; j++) nonzero_b |= v[j] != 0.0f;
+        }
+        CHECK(t, f.n_tensors > 0 && nonzero_b, "%d adapter tensors, B trained", f.n_tensors);
+        st_close(&f);
+    }
+    // the base: untouched by training (the --out model equals the random init of the same seed)
+    snprintf(args, sizeof args, "--val '' --sample-tokens 0 --threads 2 --steps 0 --out '%s/base0'",
+             t->tmpdir);
+    CHECK(t, test_run_cli(t, "base0", args) == 0, "steps 0 run");
+    char a[1200], b[1200];
+    snprintf(a, sizeof a, "%s/model.safetensors", out);
+    snprintf(b, sizeof b, "%s/base0/model.safetensors", t->tmpdir);
+    size_t na, nb;
+    char* xa = test_read_file(a, &na);
+    char* xb = test_read_file(b, &nb);
+    CHECK(t, na > 0 && na == nb && memcmp(xa, xb, na) == 0, "the frozen base is unchanged");
+    free(xa);
+    free(xb);
+
+    // --dump-state: loss and the adapters' gradients only; --lora-init from the export
+    snprintf(args, sizeof args, "%s --dump-state '%s' --lora-init '%s'", common, dump, exp);
+    CHECK(t, test_run_cli(t, "dump", args) == 0, "dump run");
+    CHECK(t, st_open(&f, dump, err) == 0, "%s", err);
+    if (f.map) {
+        int only = 1;
+        for (int k = 0; k < f.n_tensors; k++)
+            only &= strcmp(f.tensors[k].name, "loss") == 0 ||
+                    strncmp(f.tensors[k].name, "grad.base_model.model.model.layers.", 35) == 0;
+        CHECK(t, only && f.n_tensors == 1 + 2 * 7 * 4, "%d tensors, grad.<PEFT key> only",
+              f.n_tensors);
+        st_close(&f);
+    }
+    so = test_read_output(t, "dump", "out");
+    CHECK(t, strstr(so, "loaded LoRA adapters from"), "--lora-init line: %s", so);
+    free(so);
+    // a mismatched --lora-init: one line
+    snprintf(args, sizeof args, "%s --lora-r 8 --dump-state '%s' --lora-init '%s'", common, dump,
+             exp);
+    int rc = test_run_cli(t, "badinit", args);
+    char* e = test_read_output(t, "badinit", "err");
+    CHECK(t, rc != 0 && strstr(e, "r = 4") && strchr(e, '\n') == e + strlen(e) - 1,
+          "mismatched --lora-init: exit %d, %s", rc, e);
+    free(e);
+}
+
+// The value after "val loss " in the last such line of an output, NAN if none.
+static double last_val_loss(const char* out) {
+    const char* p = NULL;
+    for (const char* q = strstr(out, "val loss "); q; q = strstr(q + 1, "val loss ")) p = q;
+    return p ? atof(p + 9) : NAN;
+}
+
+// --merge-lora: the exported model alone (no adapters) has the adapted model's validation loss.
+static void test_lora_cli_merge(TestCtx* t) {
+    char args[4096], exp[1024];
+    test_path(t, exp, sizeof exp, "lora_merged");
+    snprintf(args, sizeof args, "--sample-tokens 0 --threads 2 --lora-r 4 --lr 1e-2 --steps 3 "
+             "--eval-every 0 --eval-batches 1 --export-hf '%s' --merge-lora", exp);
+    CHECK(t, test_run_cli(t, "merge", args) == 0, "LoRA run with --merge-lora");
+    char* a = test_read_output(t, "merge", "out");
+    snprintf(args, sizeof args, "--model '%s' --sample-tokens 0 --threads 2 --steps 0 "
+             "--eval-batches 1", exp);
+    CHECK(t, test_run_cli(t, "merged", args) == 0, "the merged model");
+    char* b = test_read_output(t, "merged", "out");
+    const double la = last_val_loss(a), lb = last_val_loss(b);
+    CHECK(t, isfinite(la) && fabs(la - lb) <= 1e-5 * fabs(la),
+          "merged model val loss %.7f vs the adapted model's %.7f", lb, la);
+    CHECK(t, strstr(a, "LoRA: r 4, alpha 8 (scale 2), targets q,k,v,o,gate,up,down"),
+          "the LoRA line: %s", a);
+    free(a);
+    free(b);
+}
+
+// Straight 6 steps vs 3 + --resume 3: the same log records; the checkpoint holds the adapters.
+static void test_lora_cli_resume(TestCtx* t) {
+    char args[4096], a_out[1024], b_out[1024], la[1024], lb1[1024], lb2[1024], path[1200];
+    test_path(t, a_out, sizeof a_out, "lora_ra");
+    test_path(t, b_out, sizeof b_out, "lora_rb");
+    test_path(t, la, sizeof la, "lora_ra.jsonl");
+    test_path(t, lb1, sizeof lb1, "lora_rb1.jsonl");
+    test_path(t, lb2, sizeof lb2, "lora_rb2.jsonl");
+    const char* common = "--val '' --sample-tokens 0 --threads 2 --lora-r 4 --lora-targets "
+                         "q,v,o,down --lora-dropout 0.1 --rslora --lr 1e-2 -m 2";
+    snprintf(args, sizeof args, "%s --steps 6 --save-every 6 --out '%s' --log '%s'", common, a_out,
+             la);
+    CHECK(t, test_run_cli(t, "straight", args) == 0, "straight run");
+    snprintf(args, sizeof args, "%s --steps 3 --save-every 3 --out '%s' --log '%s'", common, b_out,
+             lb1);
+    CHECK(t, test_run_cli(t, "first", args) == 0, "first part");
+    snprintf(path, sizeof path, "%s/step_3/adapter_model.safetensors", b_out);
+    CHECK(t, access(path, F_OK) == 0, "the checkpoint holds the adapters");
+    snprintf(path, sizeof path, "%s/step_3/model.safetensors", b_out);
+    CHECK(t, access(path, F_OK) != 0, "the checkpoint does not copy the frozen base");
+    snprintf(args, sizeof args, "%s --steps 6 --save-every 3 --out '%s' --log '%s' --resume",
+             common, b_out, lb2);
+    CHECK(t, test_run_cli(t, "second", args) == 0, "resumed part");
+    char* a = test_read_file(la, NULL);
+    char* b1 = test_read_file(lb1, NULL);
+    char* b2 = test_read_file(lb2, NULL);
+    for (int s = 1; s <= 6; s++) {
+        char x[512], y[512];
+        int hx = log_record(a, s, x, sizeof x);
+        int hy = log_record(s <= 3 ? b1 : b2, s, y, sizeof y);
+        CHECK(t, hx && hy && strcmp(x, y) == 0, "step %d: '%s' vs '%s'", s, hx ? x : "-",
+              hy ? y : "-");
+    }
+    free(a);
+    free(b1);
+    free(b2);
+    char fa[1200], fb[1200];
+    snprintf(fa, sizeof fa, "%s/step_6/adapter_model.safetensors", a_out);
+    snprintf(fb, sizeof fb, "%s/step_6/adapter_model.safetensors", b_out);
+    size_t na, nb;
+    char* xa = test_read_file(fa, &na);
+    char* xb = test_read_file(fb, &nb);
+    CHECK(t, na > 0 && na == nb && memcmp(xa, xb, na) == 0, "byte-identical adapters at step 6");
+    free(xa);
+    free(xb);
+}
+
+// ----------------------------------------------------------------------------
+// parity with PEFT (fixtures by dev/parity/make_lora_fixtures.py)
+
+static void lora_parity(TestCtx* t, const char* name) {
+    char dir[1024], path[1200], err[ERR_LEN];
+    snprintf(dir, sizeof dir, "dev/parity/fixtures/%s", name);
+    snprintf(path, sizeof path, "%s/expected.safetensors", dir);
+    if (access(path, F_OK) != 0) {
+        test_skip(t, "no fixture %s (make it with dev/parity/make_lora_fixtures.py)", path);
+        return;
+    }
+    StFile ex;
+    if (st_open(&ex, path, err) != 0) {
+        CHECK(t, 0, "%s", err);
+        return;
+    }
+    // the adapter's configuration from the fixture's metadata
+    const char* r = st_meta(&ex, "lora_r");
+    const char* alpha = st_meta(&ex, "lora_alpha");
+    const char* targets = st_meta(&ex, "lora_targets");
+    const char* rs = st_meta(&ex, "use_rslora");
+    LoraSpec l = {0};
+    if (!r || !alpha || !targets || !rs || lora_parse_targets(targets, &l.targets, err) != 0) {
+        CHECK(t, 0, "%s: lora_r, lora_alpha, lora_targets, use_rslora metadata", path);
+        st_close(&ex);
+        return;
+    }
+    l.r = atoi(r);
+    l.alpha = (float)atof(alpha);
+    l.rslora = strcmp(rs, "true") == 0;
+    ModelSource src;
+    Model m;
+    Store s;
+    CHECK(t, checkpoint_resolve_model(&src, dir, err) == 0, "%s", err);
+    CHECK(t, model_init_lora(&m, &src.cfg, 0, &l, err) == 0, "%s", err);
+    store_create(&s, &m.tt);
+    int unused = 0;
+    CHECK(t, checkpoint_load_weights(&src, &s, &unused, err) == 0, "%s", err);
+    checkpoint_close_source(&src);
+    snprintf(path, sizeof path, "%s/adapter", dir);
+    CHECK(t, lora_load_peft(path, &m, &s, err) == 0, "%s", err);
+    const StTensor* tok = st_find(&ex, "tokens");
+    const StTensor* loss = st_find(&ex, "loss");
+    CHECK(t, tok && loss && tok->ndim == 2, "tokens and loss in the fixture");
+    if (!tok || !loss) goto done;
+    {
+        const int B = (int)tok->shape[0], T = (int)tok->shape[1] - 1;
+        void* ctx = ops_cpu_create(t->n_threads);
+        Plain* p = plain_create(&m, &s, &ops_cpu, ctx, B, T, 0);
+        p->ws->lora_seed = 1;
+        store_zero_grads(&s);
+        const double N = (double)B * T;
+        const double got = plain_forward_backward(p, (const int32_t*)tok->data, B, T,
+                                                  (float)(1.0 / N)) / N;
+        float want;
+        st_tensor_to_f32(loss, &want, 1, err);
+        CHECK(t, fabs(got - want) <= 1e-5 * fabs(want), "%s: loss %.7f vs PEFT %.7f", name, got,
+              (double)want);
+        int n_grads = 0;
+        for (int i = 0; i < m.tt.n; i++) {
+            const TensorDesc* d = &m.tt.t[i];
+            if (d->lora_target < 0) continue;
+            char key[160];
+            snprintf(key, sizeof key, "grad.%s", d->hf_name);
+            const StTensor* g = st_find(&ex, key);
+            CHECK(t, g && g->numel == d->numel, "%s: %s in the fixture", name, key);
+            if (!g || g->numel != d->numel) continue;
+            float* ref = malloc_check((size_t)d->numel * sizeof(float));
+            st_tensor_to_f32(g, ref, d->numel, err);
+            const double e = rel_l2_error(store_grad(&s, i), ref, (size_t)d->numel);
+            CHECK(t, e <= 1e-4, "%s: %s relative L2 error %.3g", name, key, e);
+            n_grads++;
+            free(ref);
+        }
+        CHECK(t, n_grads > 0, "%s: gradients compared", name);
+        // the last position's logits of sequence 0
+        const StTensor* lg = st_find(&ex, "logits");
+        if (lg && lg->ndim == 3) {
+            const int V = m.cfg.V;
+            float* mine = malloc_check((size_t)V * sizeof(float));
+            float* ref = malloc_check((size_t)lg->numel * sizeof(float));
+            st_tensor_to_f32(lg, ref, lg->numel, err);
+            plain_logits_last(p, (const int32_t*)tok->data, T, mine);
+            const double e = rel_l2_error(mine, ref + (size_t)(T - 1) * V, (size_t)V);
+            CHECK(t, e <= 1e-5, "%s: last logits relative L2 error %.3g", name, e);
+            free(mine);
+            free(ref);
+        }
+        plain_free(p);
+        ops_cpu_destroy(ctx);
+    }
+done:
+    store_free(&s);
+    model_free(&m);
+    st_close(&ex);
+}
+
+static void test_lora_parity_qwen3(TestCtx* t) { lora_parity(t, "lora_qwen3"); }
+static void test_lora_parity_llama(TestCtx* t) { lora_parity(t, "lora_llama"); }
+
+// ----------------------------------------------------------------------------
+// the CUDA backend against the CPU (bf16 tolerances; skipped without a GPU)
+
+#ifdef HAVE_CUDA
+#include "../../kernels/kernels.h"
+
+static float bf16_value(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+// The three LoRA ops on both backends: the column ops within bf16 rounding, the dropout with the
+// same mask.
+static void test_lora_gpu_ops(TestCtx* t) {
+    if (cuda_device_count() == 0) {
+        test_skip(t, "no GPU: cudaGetDeviceCount found no CUDA device");
+        return;
+    }
+    void* g = ops_cuda_create(0, NULL);
+    void* c = ops_cpu_create(t->n_threads);
+    Rng r;
+    rng_seed(&r, 8);
+    const int N = 300, ld = 136, c0 = 40, w = 72, C = 136;
+    const size_t ny = (size_t)N * ld, nu = (size_t)N * w;
+    float* y = rand_floats(&r, ny, 1.0f);
+    float* u = rand_floats(&r, nu, 1.0f);
+    for (size_t i = 0; i < ny; i++) y[i] = bf16_value(y[i]);
+    for (size_t i = 0; i < nu; i++) u[i] = bf16_value(u[i]);
+    void* dy = ops_cuda.alloc(g, ny * 2);
+    void* du = ops_cuda.alloc(g, nu * 2);
+    ops_cuda.upload_f32(g, dy, y, ny);
+    ops_cuda.upload_f32(g, du, u, nu);
+    float* got = malloc_check(ny * sizeof(float));
+    // add_cols
+    ops_cuda.add_cols_scaled(g, dy, du, 0.5f, N, ld, c0, w);
+    ops_cuda.download_f32(g, got, dy, ny);
+    ops_cpu.add_cols_scaled(c, y, u, 0.5f, N, ld, c0, w);
+    CHECK(t, rel_l2_error(got, y, ny) <= 4e-3, "add_cols_scaled: %.3g", rel_l2_error(got, y, ny));
+    // get_cols
+    ops_cuda.upload_f32(g, dy, y, ny);
+    ops_cuda.get_cols_scaled(g, du, dy, 2.0f, N, ld, c0, w);
+    ops_cuda.download_f32(g, got, du, nu);
+    ops_cpu.get_cols_scaled(c, u, y, 2.0f, N, ld, c0, w);
+    CHECK(t, rel_l2_error(got, u, nu) <= 4e-3, "get_cols_scaled: %.3g", rel_l2_error(got, u, nu));
+    // dropout: the same mask (row chunks too)
+    for (size_t i = 0; i < ny; i++) y[i] = bf16_value(y[i]) + (y[i] == 0.0f ? 1.0f : 0.0f);
+    ops_cuda.upload_f32(g, dy, y, ny);
+    ops_cuda.dropout(g, dy, dy, 0.3f, 99, 0, 100, C);
+    ops_cuda.dropout(g, (char*)dy + (size_t)100 * C * 2, (char*)dy + (size_t)100 * C * 2, 0.3f, 99,
+                     100, N - 100, C);
+    ops_cuda.download_f32(g, got, dy, ny);
+    float* want = malloc_check(ny * sizeof(float));
+    ops_cpu.dropout(c, want, y, 0.3f, 99, 0, N, C);
+    int same_mask = 1;
+    for (size_t i = 0; i < ny; i++) same_mask &= (got[i] == 0.0f) == (want[i] == 0.0f);
+    CHECK(t, same_mask, "dropout: the GPU drops the elements the CPU drops");
+    CHECK(t, rel_l2_error(got, want, ny) <= 4e-3, "dropout values: %.3g",
+          rel_l2_error(got, want, ny));
+    free(want);
+    free(got);
+    free(y);
+    free(u);
+    ops_cuda.free(g, dy);
+    ops_cuda.free(g, du);
+    ops_cuda_destroy(g);
+    ops_cpu_destroy(c);
+}
+
+// One batch of a LoRA model (all-linear, dropout, random B) on the GPU's plain path against the
+// CPU: the loss and the adapters' gradients within bf16 tolerances, no base gradient.
+static void test_lora_gpu_model(TestCtx* t) {
+    if (cuda_device_count() == 0) {
+        test_skip(t, "no GPU: cudaGetDeviceCount found no CUDA device");
+        return;
+    }
+    for (int fam = 0; fam < 2; fam++) {
+        ModelConfig c = small_config(fam ? FAMILY_QWEN3 : FAMILY_LLAMA, fam);
+        c.C = 64;
+        c.H = 4;
+        c.KVH = 2;
+        c.HD = 16;
+        c.F = 128;
+        LoraSpec l = spec(8, 16.0f, LORA_ALL_LINEAR, 0.1f, 0);
+        Fix a;
+        fix_init(&a, &c, &l, 0, 0);
+        for (int k = 0; k < a.m.tt.n_layers; k++)  // the same (bf16) weights on both backends
+            for (int64_t i = 0; i < a.m.tt.param_numel[k]; i++)
+                a.s.param[k][i] = bf16_value(a.s.param[k][i]);
+        const double lc = fix_grads(&a);
+        int64_t n;
+        float* gc = lora_grads_copy(&a, &n);
+        void* g = ops_cuda_create(0, NULL);
+        Plain* p = plain_create(&a.m, &a.s, &ops_cuda, g, a.B, a.T, 0);
+        p->ws->lora_seed = 77;  // fix_init's
+        store_zero_grads(&a.s);
+        const double N = (double)a.B * a.T;
+        const double lg = plain_forward_backward(p, a.tokens, a.B, a.T, (float)(1.0 / N)) / N;
+        plain_sync_grads(p);
+        float* gg = lora_grads_copy(&a, &n);
+        CHECK(t, fabs(lg - lc) <= 2e-2 * fabs(lc), "%s: GPU loss %.6f vs CPU %.6f",
+              family_names[c.family], lg, lc);
+        const double e = rel_l2_error(gg, gc, (size_t)n);
+        CHECK(t, e <= 5e-2, "%s: adapter gradients relative L2 error %.3g",
+              family_names[c.family], e);
+        printf("  %s: loss %.6f vs %.6f, adapter gradient error %.3g\n", family_names[c.family], lg,
+               lc, e);
+        plain_free(p);
+        ops_cuda_destroy(g);
+        free(gc);
+        free(gg);
+        fix_free(&a);
+    }
+}
+#else
+static void test_lora_gpu_ops(TestCtx* t) { test_skip(t, "built without CUDA"); }
+static void test_lora_gpu_model(TestCtx* t) { test_skip(t, "built without CUDA"); }
+#endif
+
+const TestCase tests_lora[] = {
+    {"lora_ops_cols", test_lora_ops_cols},
+    {"lora_ops_dropout", test_lora_ops_dropout},
+    {"lora_table", test_lora_table},
+    {"lora_gradcheck_llama", test_lora_gradcheck_llama},
+    {"lora_gradcheck_qwen3_tied_rslora", test_lora_gradcheck_qwen3_tied_rslora},
+    {"lora_gradcheck_dropout", test_lora_gradcheck_dropout},
+    {"lora_model_consistency", test_lora_model_consistency},
+    {"lora_peft_files", test_lora_peft_files},
+    {"lora_cli_flags", test_lora_cli_flags},
+    {"lora_cli_train", test_lora_cli_train},
+    {"lora_cli_resume", test_lora_cli_resume},
+    {"lora_cli_merge", test_lora_cli_merge},
+    {"lora_gpu_ops", test_lora_gpu_ops},
+    {"lora_gpu_model", test_lora_gpu_model},
+    {"lora_parity_qwen3", test_lora_parity_qwen3},
+    {"lora_parity_llama", test_lora_parity_llama},
+    {NULL, NULL},
+};
