@@ -1377,7 +1377,8 @@ static void bench_backward_passes(const LabOptions& opt, FILE* log, const Shape&
 //     wgmma at HD 64/128 on an sm_90a build, else mma.sync), the mma.sync SW kernels called
 //     directly (the C interface's shapes) and the wgmma forward with 2-stage rings (the C
 //     interface's choice from T = 32768 on), against an fp64 CPU reference with the window and
-//     the sinks: out, lse, dq, dk, dv and dsinks (relative L2, TOLERANCE); every run twice, bit
+//     the sinks: out, lse, dq, dk, dv and dsinks (relative L2, TOLERANCE; the backward's reference
+//     takes D from the variant's own bf16 output, as the kernels do); every run twice, bit
 //     for bit; outputs poisoned with NaN first. Then the option off (sinks NULL, window 0)
 //     against the causal C interface, bit for bit.
 //   benchmark: the GPT-OSS attention (H 64, KVH 8, HD 64) at T = 2048, B = 13 (one micro-batch
@@ -1386,10 +1387,14 @@ static void bench_backward_passes(const LabOptions& opt, FILE* log, const Shape&
 
 // fp64 reference of one query row (b, h, i) with window (0: none) and sink (NaN: none): out,
 // lse, D = sum_j P_ij dP_ij, dq, and the row's sink-gradient term -P_sink D. p, dp: T doubles.
+// D_given (optional): the row's D from the output the backward is given (the kernels compute D
+// from their own bf16 output, not the exact one: in a row whose weight sits mostly on one key or
+// on the sink, dP - D cancels and that rounding dominates the gradient), used instead of the
+// exact D for dq and the sink term.
 static void sink_ref_query_row(const Shape& s, int window, double sink, const uint16_t* qkv,
                                const uint16_t* dout, int b, int h, int i, double* p, double* dp,
                                float* out_row, double* lse_out, double* D_out, float* dq_row,
-                               double* dsink_term) {
+                               double* dsink_term, const double* D_given) {
     const int HD = s.HD, kvh = h / (s.H / s.KVH);
     const int64_t QKV = s.qkv_cols(), OC = s.out_cols();
     const double scale = 1.0 / std::sqrt((double)HD);
@@ -1424,6 +1429,7 @@ static void sink_ref_query_row(const Shape& s, int window, double sink, const ui
     }
     for (int d = 0; d < HD; d++) out_row[d] = (float)acc[d];
     *lse_out = mx + std::log(l);
+    if (D_given) D = *D_given;
     *D_out = D;
     *dsink_term = has_sink ? -std::exp(sink - *lse_out) * D : 0.0;
     std::fill(acc.begin(), acc.end(), 0.0);
@@ -1468,11 +1474,13 @@ static void sink_ref_key_row(const Shape& s, int window, const uint16_t* qkv,
     for (int d = 0; d < HD; d++) dk_row[d] = (float)(dk[d] * scale), dv_row[d] = (float)dv[d];
 }
 
-// The whole reference; sinks: H values or empty (none). dsinks (H) from zero.
+// The whole reference; sinks: H values or empty (none). dsinks (H) from zero. out_given
+// (optional, bf16 (B*T, H*HD)): the backward's D from this output (sink_ref_query_row).
 static void sink_ref_attention(const Shape& s, int window, const std::vector<float>& sinks,
                                const std::vector<uint16_t>& qkv,
                                const std::vector<uint16_t>& dout, Reference& r,
-                               std::vector<double>& dsinks) {
+                               std::vector<double>& dsinks,
+                               const std::vector<uint16_t>* out_given = nullptr) {
     const int64_t rows = (int64_t)s.B * s.T, n_lse = (int64_t)s.B * s.H * s.T;
     r.out.assign(rows * s.out_cols(), 0.0f);
     r.lse.assign(n_lse, 0.0);
@@ -1484,10 +1492,17 @@ static void sink_ref_attention(const Shape& s, int window, const std::vector<flo
         std::vector<double> p(s.T), dp(s.T);
         const int64_t row = (int64_t)b * s.T + i;
         const double sink = sinks.empty() ? NAN : (double)sinks[h];
+        double Dg = 0.0;
+        if (out_given) {
+            const int64_t o = row * s.out_cols() + (int64_t)h * s.HD;
+            for (int d = 0; d < s.HD; d++)
+                Dg += (double)bf16_to_float(dout[o + d]) * bf16_to_float((*out_given)[o + d]);
+        }
         sink_ref_query_row(s, window, sink, qkv.data(), dout.data(), b, h, i, p.data(),
                            dp.data(), &r.out[row * s.out_cols() + (int64_t)h * s.HD],
                            &r.lse[idx], &r.D[idx],
-                           &r.dqkv[row * s.qkv_cols() + (int64_t)h * s.HD], &term[idx]);
+                           &r.dqkv[row * s.qkv_cols() + (int64_t)h * s.HD], &term[idx],
+                           out_given ? &Dg : nullptr);
     });
     parallel_for((int64_t)s.B * s.KVH * s.T, [&](int64_t idx) {
         const int j = (int)(idx % s.T), g = (int)(idx / s.T % s.KVH),
@@ -1624,8 +1639,12 @@ static int sink_validate_case(const SinkCaseSpec& k, uint64_t seed, FILE* log) {
         errors_forward(s, out[0], lse[0], ref, e);
         ErrAcc eds;
         if (sv.bwd) {
-            errors_backward(s, dqkv[0], ref.dqkv, e);
-            for (int h = 0; h < s.H; h++) eds.add(ds[0][h], ref_ds[h]);
+            // the backward against the reference given this variant's own output (its D)
+            Reference rb;
+            std::vector<double> rb_ds;
+            sink_ref_attention(s, k.window, sinks, qkv, dout, rb, rb_ds, &out[0]);
+            errors_backward(s, dqkv[0], rb.dqkv, e);
+            for (int h = 0; h < s.H; h++) eds.add(ds[0][h], rb_ds[h]);
         }
         const double e_ds = k.sinks ? eds.rel() : 0.0;
         bool ds_zero = true;  // without sinks dsinks is left alone (here: stays 0)
