@@ -39,97 +39,7 @@
 #include "../rng.h"
 #include "../safetensors.h"
 #include "../store.h"
-
-// ----------------------------------------------------------------------------
-// fixture: one CUDA context and one CPU context per test
-
-typedef struct Gpu {
-    const Ops* g;  // ops_cuda
-    void* gctx;
-    const Ops* c;  // ops_cpu
-    void* cctx;
-    Rng rng;
-} Gpu;
-
-// 0 when there is no GPU: the test is then reported as skipped (never as passed).
-static int gpu_open(TestCtx* t, Gpu* G, uint32_t seed) {
-    if (cuda_device_count() == 0) {
-        test_skip(t, "no GPU: cudaGetDeviceCount found no CUDA device");
-        return 0;
-    }
-    G->g = &ops_cuda;
-    G->gctx = ops_cuda_create(0, NULL);
-    G->c = &ops_cpu;
-    G->cctx = ops_cpu_create(t->n_threads);
-    rng_seed(&G->rng, seed);
-    return 1;
-}
-
-static void gpu_close(Gpu* G) {
-    ops_cuda_destroy(G->gctx);
-    ops_cpu_destroy(G->cctx);
-}
-
-static float bf16_value(float x) { return bf16_to_f32(f32_to_bf16(x)); }
-
-// n random bf16 values (as floats) of the given scale.
-static float* rand_bf16(Gpu* G, size_t n, float scale) {
-    float* x = malloc_check((n > 0 ? n : 1) * sizeof(float));
-    for (size_t i = 0; i < n; i++) x[i] = bf16_value(scale * rng_normal(&G->rng));
-    return x;
-}
-
-static float* rand_f32(Gpu* G, size_t n, float scale) {
-    float* x = malloc_check((n > 0 ? n : 1) * sizeof(float));
-    for (size_t i = 0; i < n; i++) x[i] = scale * rng_normal(&G->rng);
-    return x;
-}
-
-static float* fill_f32(size_t n, float v) {
-    float* x = malloc_check((n > 0 ? n : 1) * sizeof(float));
-    for (size_t i = 0; i < n; i++) x[i] = v;
-    return x;
-}
-
-// Device bf16 buffer holding host floats (rounded to bf16 on upload).
-static void* dev_bf16(Gpu* G, const float* host, size_t n) {
-    void* d = G->g->alloc(G->gctx, (n > 0 ? n : 1) * 2);
-    G->g->upload_f32(G->gctx, d, host, n);
-    return d;
-}
-
-// Device fp32 / int32 buffer holding a raw host copy.
-static void* dev_raw(Gpu* G, const void* host, size_t bytes) {
-    void* d = G->g->alloc(G->gctx, bytes > 0 ? bytes : 4);
-    G->g->upload(G->gctx, d, host, bytes);
-    return d;
-}
-
-static float* host_bf16(Gpu* G, const void* dev, size_t n) {
-    float* h = malloc_check((n > 0 ? n : 1) * sizeof(float));
-    G->g->download_f32(G->gctx, h, dev, n);
-    return h;
-}
-
-static float* host_f32(Gpu* G, const void* dev, size_t n) {
-    float* h = malloc_check((n > 0 ? n : 1) * sizeof(float));
-    G->g->download(G->gctx, h, dev, n * sizeof(float));
-    return h;
-}
-
-// got vs want: relative L2 error <= tol and every element finite.
-static double check_rel(TestCtx* t, const char* what, const float* got, const float* want,
-                        size_t n, double tol) {
-    size_t bad = n;
-    for (size_t i = 0; i < n && bad == n; i++)
-        if (!isfinite(got[i])) bad = i;
-    double e = rel_l2_error(got, want, n);
-    CHECK(t, bad == n && e <= tol, "%s: relative L2 error %.3g (tol %.3g)%s", what, e, tol,
-          bad < n ? ", non-finite element" : "");
-    return e;
-}
-
-static void gfree(Gpu* G, void* p) { G->g->free(G->gctx, p); }
+#include "gpu_testing.h"
 
 // ----------------------------------------------------------------------------
 // device, memory ops
@@ -155,7 +65,7 @@ static void test_gpu_device_and_memory(TestCtx* t) {
     free(h);
 
     // upload_f32 rounds to nearest even bf16; download_f32 is exact
-    float* x = rand_f32(&G, n, 3.0f);
+    float* x = rand_floats(&G.rng, n, 3.0f);
     G.g->upload_f32(G.gctx, d, x, n);
     h = host_bf16(&G, d, n);
     int exact = 1;
@@ -187,7 +97,7 @@ static void test_gpu_device_and_memory(TestCtx* t) {
 
     // conversions larger than the staging chunk (32 MiB of fp32)
     const size_t big = ((size_t)9 << 20) + 5;
-    float* xb = rand_f32(&G, big, 1.0f);
+    float* xb = rand_floats(&G.rng, big, 1.0f);
     void* db = dev_bf16(&G, xb, big);
     float* hb = host_bf16(&G, db, big);
     exact = 1;
@@ -227,7 +137,7 @@ static void embedding_case(TestCtx* t, Gpu* G, int N, int C, int V, int id_range
 
     // backward: dwte += scatter(dout), pre-filled
     float* dout = rand_bf16(G, (size_t)N * C, 1.0f);
-    float* dwte_c = rand_f32(G, (size_t)V * C, 0.5f);
+    float* dwte_c = rand_floats(&G->rng, (size_t)V * C, 0.5f);
     void* d_dwte = dev_raw(G, dwte_c, (size_t)V * C * sizeof(float));
     void* d_dout = dev_bf16(G, dout, (size_t)N * C);
     G->c->embedding_backward(G->cctx, dwte_c, dout, ids, N, C, V);
@@ -285,7 +195,7 @@ static void rmsnorm_case(TestCtx* t, Gpu* G, int N, int C, int residual) {
     void* d_a = dev_bf16(G, a, n);
     void* d_b = dev_bf16(G, b, n);
     void* d_w = dev_bf16(G, w, (size_t)C);
-    float* nan_n = fill_f32(n, NAN);
+    float* nan_n = filled_floats(n, NAN);
     void* d_out = dev_bf16(G, nan_n, n);
     void* d_rstd = G->g->alloc(G->gctx, (size_t)N * sizeof(float));
     if (residual) {
@@ -316,7 +226,7 @@ static void rmsnorm_case(TestCtx* t, Gpu* G, int N, int C, int residual) {
     if (!residual) {  // backward: dinp += , dw += ; both pre-filled
         float* dout = rand_bf16(G, n, 1.0f);
         float* dinp_c = rand_bf16(G, n, 1.0f);
-        float* dw_c = rand_f32(G, (size_t)C, 1.0f);
+        float* dw_c = rand_floats(&G->rng, (size_t)C, 1.0f);
         void* d_dout = dev_bf16(G, dout, n);
         void* d_dinp = dev_bf16(G, dinp_c, n);
         void* d_dw = dev_raw(G, dw_c, (size_t)C * sizeof(float));
@@ -381,11 +291,10 @@ static void matmul_case(TestCtx* t, Gpu* G, int N, int IC, int OC, int with_bias
     G->c->matmul_forward(G->cctx, out_c, x, w, bias, N, IC, OC);
 
     void* d_x = dev_bf16(G, x, (size_t)N * IC);
-    char* d_wbuf = G->g->alloc(G->gctx, ((size_t)OC * IC + w_offset) * 2);
-    void* d_w = d_wbuf + (size_t)w_offset * 2;
-    G->g->upload_f32(G->gctx, d_w, w, (size_t)OC * IC);
+    void* d_wbuf;
+    void* d_w = dev_bf16_pad(G, w, (size_t)OC * IC, w_offset, &d_wbuf);
     void* d_bias = bias ? dev_bf16(G, bias, (size_t)OC) : NULL;
-    float* nan_out = fill_f32((size_t)N * OC, NAN);
+    float* nan_out = filled_floats((size_t)N * OC, NAN);
     void* d_out = dev_bf16(G, nan_out, (size_t)N * OC);
     G->g->matmul_forward(G->gctx, d_out, d_x, d_w, d_bias, N, IC, OC);
     float* out_g = host_bf16(G, d_out, (size_t)N * OC);
@@ -394,10 +303,10 @@ static void matmul_case(TestCtx* t, Gpu* G, int N, int IC, int OC, int with_bias
     // backward: dinp overwritten (NaN pre-fill), dw and dbias accumulate (random pre-fill)
     float* dout = rand_bf16(G, (size_t)N * OC, 1.0f);
     float* dinp_c = malloc_check((size_t)N * IC * sizeof(float));
-    float* dw_c = rand_f32(G, (size_t)OC * IC, 1.0f);
-    float* db_c = rand_f32(G, (size_t)OC, 1.0f);
+    float* dw_c = rand_floats(&G->rng, (size_t)OC * IC, 1.0f);
+    float* db_c = rand_floats(&G->rng, (size_t)OC, 1.0f);
     void* d_dout = dev_bf16(G, dout, (size_t)N * OC);
-    float* nan_in = fill_f32((size_t)N * IC, NAN);
+    float* nan_in = filled_floats((size_t)N * IC, NAN);
     void* d_dinp = dev_bf16(G, nan_in, (size_t)N * IC);
     void* d_dw = dev_raw(G, dw_c, (size_t)OC * IC * sizeof(float));
     void* d_db = dev_raw(G, db_c, (size_t)OC * sizeof(float));
@@ -495,7 +404,7 @@ static void rope_case(TestCtx* t, Gpu* G, int B, int T, int H, int KVH, int HD, 
             sn[(size_t)p * half + i] = sinf(ang);
         }
     float* out_c = malloc_check(n * sizeof(float));
-    float* rstd_c = fill_f32((size_t)N * heads, 0.0f);
+    float* rstd_c = filled_floats((size_t)N * heads, 0.0f);
     G->c->qknorm_rope_forward(G->cctx, out_c, normed ? rstd_c : NULL, inp, qw, kw, cs, sn, B, T,
                               H, KVH, HD, eps);
     void* d_inp = dev_bf16(G, inp, n);
@@ -503,7 +412,7 @@ static void rope_case(TestCtx* t, Gpu* G, int B, int T, int H, int KVH, int HD, 
     void* d_kw = normed ? dev_bf16(G, kw, (size_t)HD) : NULL;
     void* d_cs = dev_raw(G, cs, (size_t)T * half * sizeof(float));
     void* d_sn = dev_raw(G, sn, (size_t)T * half * sizeof(float));
-    float* nan_n = fill_f32(n, NAN);
+    float* nan_n = filled_floats(n, NAN);
     void* d_out = dev_bf16(G, nan_n, n);
     void* d_rstd = G->g->alloc(G->gctx, (size_t)N * heads * sizeof(float));
     G->g->qknorm_rope_forward(G->gctx, d_out, normed ? d_rstd : NULL, d_inp, d_qw, d_kw, d_cs,
@@ -526,8 +435,8 @@ static void rope_case(TestCtx* t, Gpu* G, int B, int T, int H, int KVH, int HD, 
     // backward: dinp overwritten, norm-weight gradients accumulate
     float* dout = rand_bf16(G, n, 1.0f);
     float* dinp_c = malloc_check(n * sizeof(float));
-    float* dqw_c = rand_f32(G, (size_t)HD, 1.0f);
-    float* dkw_c = rand_f32(G, (size_t)HD, 1.0f);
+    float* dqw_c = rand_floats(&G->rng, (size_t)HD, 1.0f);
+    float* dkw_c = rand_floats(&G->rng, (size_t)HD, 1.0f);
     void* d_dout = dev_bf16(G, dout, n);
     void* d_dinp = dev_bf16(G, nan_n, n);
     void* d_dqw = dev_raw(G, dqw_c, (size_t)HD * sizeof(float));
@@ -594,7 +503,7 @@ static void attention_case(TestCtx* t, Gpu* G, int B, int T, int H, int KVH, int
     float* lse_c = malloc_check((size_t)B * H * T * sizeof(float));
     G->c->attention_forward(G->cctx, out_c, lse_c, qkv, B, T, H, KVH, HD);
     void* d_qkv = dev_bf16(G, qkv, (size_t)N * QKV);
-    float* nan_o = fill_f32((size_t)N * QKV, NAN);
+    float* nan_o = filled_floats((size_t)N * QKV, NAN);
     void* d_out = dev_bf16(G, nan_o, (size_t)N * OD);
     void* d_lse = G->g->alloc(G->gctx, (size_t)B * H * T * sizeof(float));
     G->g->attention_forward(G->gctx, d_out, d_lse, d_qkv, B, T, H, KVH, HD);
@@ -687,7 +596,7 @@ static void swiglu_case(TestCtx* t, Gpu* G, int N, int F) {
     float* out_c = malloc_check(n * sizeof(float));
     G->c->swiglu_forward(G->cctx, out_c, gu, N, F);
     void* d_gu = dev_bf16(G, gu, 2 * n);
-    float* nan2 = fill_f32(2 * n, NAN);
+    float* nan2 = filled_floats(2 * n, NAN);
     void* d_out = dev_bf16(G, nan2, n);
     G->g->swiglu_forward(G->gctx, d_out, d_gu, N, F);
     float* out_g = host_bf16(G, d_out, n);
@@ -750,8 +659,8 @@ static void test_gpu_swiglu_add(TestCtx* t) {
     const size_t fsizes[3] = {4096, 4099, 1001};
     for (int k = 0; k < 3; k++) {
         const size_t n = fsizes[k], off = k == 2 ? 1 : 0;
-        float* a = rand_f32(&G, n + off, 3.0f);
-        float* b = rand_f32(&G, n + off, 1e-3f);
+        float* a = rand_floats(&G.rng, n + off, 3.0f);
+        float* b = rand_floats(&G.rng, n + off, 1e-3f);
         float* d_a = G.g->alloc(G.gctx, (n + off) * sizeof(float));
         float* d_b = G.g->alloc(G.gctx, (n + off) * sizeof(float));
         G.g->upload(G.gctx, d_a, a, (n + off) * sizeof(float));
@@ -785,7 +694,7 @@ static void xent_case(TestCtx* t, Gpu* G, int n, int V, int compute_grad) {
     tg[0] = V - 1;
     void* d_z = dev_bf16(G, z, nv);
     void* d_tg = dev_raw(G, tg, (size_t)n * sizeof(int32_t));
-    float* nanl = fill_f32((size_t)n, NAN);
+    float* nanl = filled_floats((size_t)n, NAN);
     void* d_loss = dev_raw(G, nanl, (size_t)n * sizeof(float));
     float* loss_c = malloc_check((size_t)n * sizeof(float));
     const float scale = 0.25f;
@@ -827,17 +736,6 @@ static void test_gpu_crossentropy(TestCtx* t) {
 // ----------------------------------------------------------------------------
 // determinism: every op with a reduction, twice on the same inputs, bit for bit
 
-static int same_device_bytes(Gpu* G, const void* a, const void* b, size_t bytes) {
-    char* ha = malloc_check(bytes);
-    char* hb = malloc_check(bytes);
-    G->g->download(G->gctx, ha, a, bytes);
-    G->g->download(G->gctx, hb, b, bytes);
-    int same = memcmp(ha, hb, bytes) == 0;
-    free(ha);
-    free(hb);
-    return same;
-}
-
 static void test_gpu_determinism(TestCtx* t) {
     Gpu G;
     if (!gpu_open(t, &G, 9)) return;
@@ -846,7 +744,7 @@ static void test_gpu_determinism(TestCtx* t) {
     float* x = rand_bf16(&G, (size_t)N * C, 1.0f);
     float* dy = rand_bf16(&G, (size_t)N * QKV, 1.0f);
     float* w = rand_bf16(&G, (size_t)QKV * C, 0.1f);
-    float* rs = fill_f32((size_t)N * (H + KVH), 1.3f);
+    float* rs = filled_floats((size_t)N * (H + KVH), 1.3f);
     void* d_x = dev_bf16(&G, x, (size_t)N * C);
     void* d_dy = dev_bf16(&G, dy, (size_t)N * QKV);
     void* d_w = dev_bf16(&G, w, (size_t)QKV * C);
@@ -869,8 +767,8 @@ static void test_gpu_determinism(TestCtx* t) {
     CHECK(t, same_device_bytes(&G, o1, o2, (size_t)N * C * 2) &&
                  same_device_bytes(&G, f1, f2, (size_t)OC * C * 4), "matmul_backward differs");
     // qknorm_rope backward (dinp, norm weights): the x buffer doubles as qkv input
-    float* cs = fill_f32((size_t)T * HD / 2, 0.6f);
-    float* sn = fill_f32((size_t)T * HD / 2, 0.8f);
+    float* cs = filled_floats((size_t)T * HD / 2, 0.6f);
+    float* sn = filled_floats((size_t)T * HD / 2, 0.8f);
     void* d_cs = dev_raw(&G, cs, (size_t)T * HD / 2 * 4);
     void* d_sn = dev_raw(&G, sn, (size_t)T * HD / 2 * 4);
     void* d_qkv = dev_bf16(&G, dy, (size_t)B * T * QKV);

@@ -24,68 +24,22 @@
 
 #ifdef HAVE_CUDA
 
-#include "../../kernels/kernels.h"
 #include "../ops.h"
 #include "../rng.h"
+#include "gpu_testing.h"
 
 // ----------------------------------------------------------------------------
-// fixture: one CUDA context and one CPU context per test
-
-typedef struct Gm {
-    const Ops* g;  // ops_cuda
-    void* gctx;
-    const Ops* c;  // ops_cpu
-    void* cctx;
-    Rng rng;
-} Gm;
-
-static int gm_open(TestCtx* t, Gm* G, uint32_t seed) {
-    if (cuda_device_count() == 0) {
-        test_skip(t, "no GPU: cudaGetDeviceCount found no CUDA device");
-        return 0;
-    }
-    G->g = &ops_cuda;
-    G->gctx = ops_cuda_create(0, NULL);
-    G->c = &ops_cpu;
-    G->cctx = ops_cpu_create(t->n_threads);
-    rng_seed(&G->rng, seed);
-    return 1;
-}
-
-static void gm_close(Gm* G) {
-    ops_cuda_destroy(G->gctx);
-    ops_cpu_destroy(G->cctx);
-}
-
-static float bf16v(float x) { return bf16_to_f32(f32_to_bf16(x)); }
-
-static float* rand_bf16(Gm* G, size_t n, float scale) {
-    float* x = malloc_check((n > 0 ? n : 1) * sizeof(float));
-    for (size_t i = 0; i < n; i++) x[i] = bf16v(scale * rng_normal(&G->rng));
-    return x;
-}
-
-static void* dev_bf16(Gm* G, const float* host, size_t n) {
-    void* d = G->g->alloc(G->gctx, (n > 0 ? n : 1) * 2);
-    G->g->upload_f32(G->gctx, d, host, n);
-    return d;
-}
-
-static void* dev_raw(Gm* G, const void* host, size_t bytes) {
-    void* d = G->g->alloc(G->gctx, bytes > 0 ? bytes : 4);
-    G->g->upload(G->gctx, d, host, bytes);
-    return d;
-}
+// buffers and comparisons of these tests (the fixture: gpu_testing.h)
 
 // A device bf16 buffer of n NaNs / an fp32 or int32 buffer of 0xff bytes (NaN / -1).
-static void* dev_nan_bf16(Gm* G, size_t n) {
+static void* dev_nan_bf16(Gpu* G, size_t n) {
     float* h = filled_floats(n, NAN);
     void* d = dev_bf16(G, h, n);
     free(h);
     return d;
 }
 
-static void* dev_poison(Gm* G, size_t bytes) {
+static void* dev_poison(Gpu* G, size_t bytes) {
     unsigned char* h = malloc_check(bytes > 0 ? bytes : 1);
     memset(h, 0xff, bytes);
     void* d = dev_raw(G, h, bytes);
@@ -93,42 +47,17 @@ static void* dev_poison(Gm* G, size_t bytes) {
     return d;
 }
 
-static float* host_bf16(Gm* G, const void* dev, size_t n) {
-    float* h = malloc_check((n > 0 ? n : 1) * sizeof(float));
-    G->g->download_f32(G->gctx, h, dev, n);
-    return h;
-}
-
-static void* host_raw(Gm* G, const void* dev, size_t bytes) {
-    void* h = malloc_check(bytes > 0 ? bytes : 1);
-    G->g->download(G->gctx, h, dev, bytes);
-    return h;
-}
-
-static void gfree(Gm* G, void* p) { G->g->free(G->gctx, p); }
-
-// got vs want: relative L2 error <= tol and every element finite.
-static void check_rel(TestCtx* t, const char* what, const float* got, const float* want, size_t n,
-                      double tol) {
-    size_t bad = n;
-    for (size_t i = 0; i < n && bad == n; i++)
-        if (!isfinite(got[i])) bad = i;
-    double e = rel_l2_error(got, want, n);
-    CHECK(t, bad == n && e <= tol, "%s: relative L2 error %.3g (tol %.3g)%s", what, e, tol,
-          bad < n ? ", non-finite element" : "");
-}
-
 // got (bf16 values) == bf16(want) element for element.
 static void check_bf16_exact(TestCtx* t, const char* what, const float* got, const float* want,
                              size_t n) {
     size_t bad = 0, first = 0;
     for (size_t i = 0; i < n; i++)
-        if (!(got[i] == bf16v(want[i]))) {
+        if (!(got[i] == bf16_value(want[i]))) {
             if (bad++ == 0) first = i;
         }
     CHECK(t, bad == 0, "%s: %zu of %zu elements differ from the CPU's rounded to bf16 (first at "
           "%zu: %.8g vs %.8g)", what, bad, n, first, bad ? (double)got[first] : 0.0,
-          bad ? (double)bf16v(want[first]) : 0.0);
+          bad ? (double)bf16_value(want[first]) : 0.0);
 }
 
 static void check_ints(TestCtx* t, const char* what, const int32_t* got, const int32_t* want,
@@ -144,11 +73,11 @@ static void check_ints(TestCtx* t, const char* what, const int32_t* got, const i
 
 // Router logits (n, E), bf16 values: odd rows ~ N(0, scale), even rows from 17 values in
 // [-1, 1] (exact in bf16), so rows hold many exact ties, some among the largest.
-static float* rand_logits(Gm* G, int n, int E, float scale) {
+static float* rand_logits(Gpu* G, int n, int E, float scale) {
     float* z = malloc_check((size_t)n * E * sizeof(float));
     for (int i = 0; i < n; i++)
         for (int e = 0; e < E; e++)
-            z[(size_t)i * E + e] = i % 2 ? bf16v(scale * rng_normal(&G->rng))
+            z[(size_t)i * E + e] = i % 2 ? bf16_value(scale * rng_normal(&G->rng))
                                          : (float)((int)rng_below(&G->rng, 17) - 8) / 8.0f;
     return z;
 }
@@ -156,7 +85,7 @@ static float* rand_logits(Gm* G, int n, int E, float scale) {
 // ----------------------------------------------------------------------------
 // routing forward and backward
 
-static void route_case(TestCtx* t, Gm* G, int n, int E, int K, int mode) {
+static void route_case(TestCtx* t, Gpu* G, int n, int E, int K, int mode) {
     char what[160];
     snprintf(what, sizeof what, "route n=%d E=%d K=%d mode=%d", n, E, K, mode);
     const size_t nE = (size_t)n * E, nK = (size_t)n * K;
@@ -229,8 +158,8 @@ static void route_case(TestCtx* t, Gm* G, int n, int E, int K, int mode) {
 }
 
 static void test_gpu_moe_ops_route(TestCtx* t) {
-    Gm G;
-    if (!gm_open(t, &G, 151)) return;
+    Gpu G;
+    if (!gpu_open(t, &G, 151)) return;
     for (int mode = 0; mode <= 2; mode++) {
         route_case(t, &G, 300, 128, 8, mode);  // Qwen3-30B-A3B: 4 experts per lane
         route_case(t, &G, 257, 32, 4, mode);   // GPT-OSS-20B: one per lane, a partial block
@@ -239,14 +168,14 @@ static void test_gpu_moe_ops_route(TestCtx* t) {
         route_case(t, &G, 33, 5, 5, mode);     // K = E: every expert chosen
         route_case(t, &G, 9, 8, 1, mode);      // top-1
     }
-    gm_close(&G);
+    gpu_close(&G);
 }
 
 // ----------------------------------------------------------------------------
 // dispatch and router statistics
 
 // skew 0: idx from the CPU routing of random logits; 1: most assignments to one expert.
-static void dispatch_case(TestCtx* t, Gm* G, int n, int E, int K, int skew) {
+static void dispatch_case(TestCtx* t, Gpu* G, int n, int E, int K, int skew) {
     char what[160];
     snprintf(what, sizeof what, "dispatch n=%d E=%d K=%d skew=%d", n, E, K, skew);
     const size_t nK = (size_t)n * K;
@@ -319,8 +248,8 @@ static void dispatch_case(TestCtx* t, Gm* G, int n, int E, int K, int skew) {
 }
 
 static void test_gpu_moe_ops_dispatch(TestCtx* t) {
-    Gm G;
-    if (!gm_open(t, &G, 152)) return;
+    Gpu G;
+    if (!gpu_open(t, &G, 152)) return;
     dispatch_case(t, &G, 300, 128, 8, 0);    // 3 blocks of the sort, the last one partial
     dispatch_case(t, &G, 5000, 128, 8, 0);   // 40 blocks
     dispatch_case(t, &G, 3000, 32, 4, 0);    // GPT-OSS
@@ -328,14 +257,14 @@ static void test_gpu_moe_ops_dispatch(TestCtx* t) {
     dispatch_case(t, &G, 31250, 256, 8, 0);  // 250,000 assignments: the scan's segments > 1
     dispatch_case(t, &G, 7, 8, 2, 0);        // fewer assignments than a tile
     dispatch_case(t, &G, 0, 16, 4, 1);       // empty: offsets all 0
-    gm_close(&G);
+    gpu_close(&G);
 }
 
 // ----------------------------------------------------------------------------
 // gather, gather backward, combine forward and backward
 
 // misalign: every activation pointer one element past 16-byte alignment (the scalar path).
-static void rows_case(TestCtx* t, Gm* G, int n, int E, int K, int C, int misalign) {
+static void rows_case(TestCtx* t, Gpu* G, int n, int E, int K, int C, int misalign) {
     char what[160];
     snprintf(what, sizeof what, "moe rows n=%d K=%d C=%d misalign=%d", n, K, C, misalign);
     const size_t nK = (size_t)n * K, nC = (size_t)n * C, RC = nK * C, m = misalign ? 1 : 0;
@@ -432,20 +361,20 @@ static void rows_case(TestCtx* t, Gm* G, int n, int E, int K, int C, int misalig
 }
 
 static void test_gpu_moe_ops_rows(TestCtx* t) {
-    Gm G;
-    if (!gm_open(t, &G, 153)) return;
+    Gpu G;
+    if (!gpu_open(t, &G, 153)) return;
     rows_case(t, &G, 200, 128, 8, 2048, 0);  // Qwen3-30B-A3B widths, 16-byte path
     rows_case(t, &G, 150, 32, 4, 2880, 0);   // GPT-OSS-20B
     rows_case(t, &G, 77, 16, 3, 100, 0);     // C % 8 != 0: scalar path, partial last step
     rows_case(t, &G, 60, 16, 2, 64, 1);      // misaligned pointers: scalar path
     rows_case(t, &G, 50, 64, 16, 40, 0);     // K = 16, C < 32 * 8
-    gm_close(&G);
+    gpu_close(&G);
 }
 
 // ----------------------------------------------------------------------------
 // GPT-OSS GLU
 
-static void glu_case(TestCtx* t, Gm* G, int R, int F, int misalign) {
+static void glu_case(TestCtx* t, Gpu* G, int R, int F, int misalign) {
     char what[160];
     snprintf(what, sizeof what, "gptoss glu R=%d F=%d misalign=%d", R, F, misalign);
     const float limit = 7.0f, alpha = 1.702f;
@@ -490,18 +419,18 @@ static void glu_case(TestCtx* t, Gm* G, int R, int F, int misalign) {
 }
 
 static void test_gpu_moe_ops_glu(TestCtx* t) {
-    Gm G;
-    if (!gm_open(t, &G, 154)) return;
+    Gpu G;
+    if (!gpu_open(t, &G, 154)) return;
     glu_case(t, &G, 300, 2880, 0);  // GPT-OSS-20B's F, 16-byte path
     glu_case(t, &G, 77, 45, 0);     // F % 8 != 0: scalar path
     glu_case(t, &G, 40, 64, 1);     // misaligned: scalar path
-    gm_close(&G);
+    gpu_close(&G);
 }
 
 // ----------------------------------------------------------------------------
 // the router's matmul: E = 32 or 128 outputs, GPT-OSS with a bias
 
-static void router_matmul_case(TestCtx* t, Gm* G, int N, int IC, int OC, int with_bias) {
+static void router_matmul_case(TestCtx* t, Gpu* G, int N, int IC, int OC, int with_bias) {
     char what[160];
     snprintf(what, sizeof what, "router matmul N=%d IC=%d OC=%d bias=%d", N, IC, OC, with_bias);
     float* x = rand_bf16(G, (size_t)N * IC, 1.0f);
@@ -557,12 +486,12 @@ static void router_matmul_case(TestCtx* t, Gm* G, int N, int IC, int OC, int wit
 }
 
 static void test_gpu_moe_ops_router_matmul(TestCtx* t) {
-    Gm G;
-    if (!gm_open(t, &G, 155)) return;
+    Gpu G;
+    if (!gpu_open(t, &G, 155)) return;
     router_matmul_case(t, &G, 300, 2880, 32, 1);   // GPT-OSS-20B
     router_matmul_case(t, &G, 300, 2880, 128, 1);  // GPT-OSS-120B
     router_matmul_case(t, &G, 257, 2048, 128, 0);  // Qwen3-30B-A3B
-    gm_close(&G);
+    gpu_close(&G);
 }
 
 #else  // no CUDA in this build

@@ -24,85 +24,9 @@
 
 #ifdef HAVE_CUDA
 
-#include "../../kernels/kernels.h"
 #include "../ops.h"
 #include "../rng.h"
-
-// ----------------------------------------------------------------------------
-// fixture
-
-typedef struct MmGpu {
-    void* gctx;  // ops_cuda
-    void* cctx;  // ops_cpu
-    Rng rng;
-} MmGpu;
-
-static int mm_open(TestCtx* t, MmGpu* G, uint32_t seed) {
-    if (cuda_device_count() == 0) {
-        test_skip(t, "no GPU: cudaGetDeviceCount found no CUDA device");
-        return 0;
-    }
-    G->gctx = ops_cuda_create(0, NULL);
-    G->cctx = ops_cpu_create(t->n_threads);
-    rng_seed(&G->rng, seed);
-    return 1;
-}
-
-static void mm_close(MmGpu* G) {
-    ops_cuda_destroy(G->gctx);
-    ops_cpu_destroy(G->cctx);
-}
-
-// n random values of the given scale, rounded to bf16 (both backends see the same numbers).
-static float* mm_rand_bf16(MmGpu* G, size_t n, float scale) {
-    float* x = malloc_check((n > 0 ? n : 1) * sizeof(float));
-    for (size_t i = 0; i < n; i++) x[i] = bf16_to_f32(f32_to_bf16(scale * rng_normal(&G->rng)));
-    return x;
-}
-
-static float* mm_rand_f32(MmGpu* G, size_t n, float scale) {
-    float* x = malloc_check((n > 0 ? n : 1) * sizeof(float));
-    for (size_t i = 0; i < n; i++) x[i] = scale * rng_normal(&G->rng);
-    return x;
-}
-
-// A device bf16 buffer of n + pad elements holding host[0..n) from element `pad` on (pad 1: the
-// tensor starts 2 bytes past a 16-byte boundary). *base receives the allocation.
-static void* mm_dev_bf16(MmGpu* G, void** base, const float* host, size_t n, int pad) {
-    *base = ops_cuda.alloc(G->gctx, (n + (size_t)pad + 1) * 2);
-    void* d = (char*)*base + 2 * (size_t)pad;
-    ops_cuda.upload_f32(G->gctx, d, host, n);
-    return d;
-}
-
-static void* mm_dev_raw(MmGpu* G, const void* host, size_t bytes) {
-    void* d = ops_cuda.alloc(G->gctx, bytes > 0 ? bytes : 4);
-    ops_cuda.upload(G->gctx, d, host, bytes);
-    return d;
-}
-
-static float* mm_host_bf16(MmGpu* G, const void* dev, size_t n) {
-    float* h = malloc_check((n > 0 ? n : 1) * sizeof(float));
-    ops_cuda.download_f32(G->gctx, h, dev, n);
-    return h;
-}
-
-static float* mm_host_f32(MmGpu* G, const void* dev, size_t n) {
-    float* h = malloc_check((n > 0 ? n : 1) * sizeof(float));
-    ops_cuda.download(G->gctx, h, dev, n * sizeof(float));
-    return h;
-}
-
-// got vs want: relative L2 error <= tol and every element finite.
-static void mm_check_rel(TestCtx* t, const char* what, const float* got, const float* want,
-                         size_t n, double tol) {
-    size_t bad = n;
-    for (size_t i = 0; i < n && bad == n; i++)
-        if (!isfinite(got[i])) bad = i;
-    double e = rel_l2_error(got, want, n);
-    CHECK(t, bad == n && e <= tol, "%s: relative L2 error %.3g (tol %.3g)%s", what, e, tol,
-          bad < n ? ", non-finite element" : "");
-}
+#include "gpu_testing.h"
 
 // ----------------------------------------------------------------------------
 // one case
@@ -115,7 +39,7 @@ typedef struct MmCase {
     int w_pad;          // weight offset in elements from a 16-byte boundary (0: aligned)
 } MmCase;
 
-static void mm_run_case(TestCtx* t, MmGpu* G, const MmCase* c) {
+static void mm_run_case(TestCtx* t, Gpu* G, const MmCase* c) {
     const int E = c->E, IC = c->IC, OC = c->OC;
     int32_t* offsets = malloc_check((size_t)(E + 1) * sizeof(int32_t));
     offsets[0] = 0;
@@ -127,12 +51,12 @@ static void mm_run_case(TestCtx* t, MmGpu* G, const MmCase* c) {
              OC, c->w_in_out, c->bias ? " bias" : "", c->with_dinp ? "" : " (no dinp)",
              c->w_pad ? " (misaligned w)" : "");
 
-    float* x = mm_rand_bf16(G, nx, 1.0f);
-    float* w = mm_rand_bf16(G, nw, 0.1f);
-    float* b = c->bias ? mm_rand_bf16(G, (size_t)E * OC, 1.0f) : NULL;
-    float* dy = mm_rand_bf16(G, ny, 1.0f);
-    float* dw0 = mm_rand_f32(G, nw, 0.5f);
-    float* db0 = mm_rand_f32(G, (size_t)E * OC, 0.5f);
+    float* x = rand_bf16(G, nx, 1.0f);
+    float* w = rand_bf16(G, nw, 0.1f);
+    float* b = c->bias ? rand_bf16(G, (size_t)E * OC, 1.0f) : NULL;
+    float* dy = rand_bf16(G, ny, 1.0f);
+    float* dw0 = rand_floats(&G->rng, nw, 0.5f);
+    float* db0 = rand_floats(&G->rng, (size_t)E * OC, 0.5f);
 
     // CPU reference
     float* y_c = malloc_check((ny > 0 ? ny : 1) * sizeof(float));
@@ -141,52 +65,51 @@ static void mm_run_case(TestCtx* t, MmGpu* G, const MmCase* c) {
     float* db_c = malloc_check((size_t)E * OC * sizeof(float));
     memcpy(dw_c, dw0, nw * sizeof(float));
     memcpy(db_c, db0, (size_t)E * OC * sizeof(float));
-    ops_cpu.moe_matmul_forward(G->cctx, y_c, x, w, b, offsets, R, E, IC, OC, c->w_in_out);
-    ops_cpu.moe_matmul_backward(G->cctx, c->with_dinp ? dx_c : NULL, dw_c, b ? db_c : NULL, dy, x,
-                                w, offsets, R, E, IC, OC, c->w_in_out);
+    G->c->moe_matmul_forward(G->cctx, y_c, x, w, b, offsets, R, E, IC, OC, c->w_in_out);
+    G->c->moe_matmul_backward(G->cctx, c->with_dinp ? dx_c : NULL, dw_c, b ? db_c : NULL, dy, x, w,
+                              offsets, R, E, IC, OC, c->w_in_out);
 
     // GPU, twice (the second run into fresh outputs must give the same bits)
     void *x_base, *w_base, *b_base = NULL, *dy_base;
-    void* d_x = mm_dev_bf16(G, &x_base, x, nx, 0);
-    void* d_w = mm_dev_bf16(G, &w_base, w, nw, c->w_pad);
-    void* d_b = b ? mm_dev_bf16(G, &b_base, b, (size_t)E * OC, 0) : NULL;
-    void* d_dy = mm_dev_bf16(G, &dy_base, dy, ny, 0);
-    void* d_off = mm_dev_raw(G, offsets, (size_t)(E + 1) * sizeof(int32_t));
+    void* d_x = dev_bf16_pad(G, x, nx, 0, &x_base);
+    void* d_w = dev_bf16_pad(G, w, nw, c->w_pad, &w_base);
+    void* d_b = b ? dev_bf16_pad(G, b, (size_t)E * OC, 0, &b_base) : NULL;
+    void* d_dy = dev_bf16_pad(G, dy, ny, 0, &dy_base);
+    void* d_off = dev_raw(G, offsets, (size_t)(E + 1) * sizeof(int32_t));
     float *y_g[2], *dx_g[2], *dw_g[2], *db_g[2];
     float* nan_fill = malloc_check(((nx > ny ? nx : ny) + 1) * sizeof(float));
     for (size_t i = 0; i < (nx > ny ? nx : ny) + 1; i++) nan_fill[i] = NAN;
     for (int run = 0; run < 2; run++) {
-        void* d_y = ops_cuda.alloc(G->gctx, (ny + 1) * 2);
-        void* d_dx = ops_cuda.alloc(G->gctx, (nx + 1) * 2);
-        ops_cuda.upload_f32(G->gctx, d_y, nan_fill, ny);
-        ops_cuda.upload_f32(G->gctx, d_dx, nan_fill, nx);
-        void* d_dw = mm_dev_raw(G, dw0, nw * sizeof(float));
-        void* d_db = mm_dev_raw(G, db0, (size_t)E * OC * sizeof(float));
-        ops_cuda.moe_matmul_forward(G->gctx, d_y, d_x, d_w, d_b, d_off, R, E, IC, OC,
-                                    c->w_in_out);
-        ops_cuda.moe_matmul_backward(G->gctx, c->with_dinp ? d_dx : NULL, d_dw, b ? d_db : NULL,
-                                     d_dy, d_x, d_w, d_off, R, E, IC, OC, c->w_in_out);
-        y_g[run] = mm_host_bf16(G, d_y, ny);
-        dx_g[run] = mm_host_bf16(G, d_dx, nx);
-        dw_g[run] = mm_host_f32(G, d_dw, nw);
-        db_g[run] = mm_host_f32(G, d_db, (size_t)E * OC);
-        ops_cuda.free(G->gctx, d_y);
-        ops_cuda.free(G->gctx, d_dx);
-        ops_cuda.free(G->gctx, d_dw);
-        ops_cuda.free(G->gctx, d_db);
+        void* d_y = G->g->alloc(G->gctx, (ny + 1) * 2);
+        void* d_dx = G->g->alloc(G->gctx, (nx + 1) * 2);
+        G->g->upload_f32(G->gctx, d_y, nan_fill, ny);
+        G->g->upload_f32(G->gctx, d_dx, nan_fill, nx);
+        void* d_dw = dev_raw(G, dw0, nw * sizeof(float));
+        void* d_db = dev_raw(G, db0, (size_t)E * OC * sizeof(float));
+        G->g->moe_matmul_forward(G->gctx, d_y, d_x, d_w, d_b, d_off, R, E, IC, OC, c->w_in_out);
+        G->g->moe_matmul_backward(G->gctx, c->with_dinp ? d_dx : NULL, d_dw, b ? d_db : NULL,
+                                  d_dy, d_x, d_w, d_off, R, E, IC, OC, c->w_in_out);
+        y_g[run] = host_bf16(G, d_y, ny);
+        dx_g[run] = host_bf16(G, d_dx, nx);
+        dw_g[run] = host_f32(G, d_dw, nw);
+        db_g[run] = host_f32(G, d_db, (size_t)E * OC);
+        G->g->free(G->gctx, d_y);
+        G->g->free(G->gctx, d_dx);
+        G->g->free(G->gctx, d_dw);
+        G->g->free(G->gctx, d_db);
     }
 
     char w2[224];
     snprintf(w2, sizeof w2, "%s: out", what);
-    mm_check_rel(t, w2, y_g[0], y_c, ny, 1e-2);
+    check_rel(t, w2, y_g[0], y_c, ny, 1e-2);
     if (c->with_dinp) {
         snprintf(w2, sizeof w2, "%s: dinp", what);
-        mm_check_rel(t, w2, dx_g[0], dx_c, nx, 1e-2);
+        check_rel(t, w2, dx_g[0], dx_c, nx, 1e-2);
     }
     snprintf(w2, sizeof w2, "%s: dW", what);
-    mm_check_rel(t, w2, dw_g[0], dw_c, nw, 1e-4);
+    check_rel(t, w2, dw_g[0], dw_c, nw, 1e-4);
     snprintf(w2, sizeof w2, "%s: dbias", what);
-    mm_check_rel(t, w2, db_g[0], db_c, (size_t)E * OC, b ? 1e-5 : 0.0);
+    check_rel(t, w2, db_g[0], db_c, (size_t)E * OC, b ? 1e-5 : 0.0);
     // experts without rows: dW and dbias untouched, bit for bit
     int untouched = 1;
     for (int e = 0; e < E; e++) {
@@ -209,11 +132,11 @@ static void mm_run_case(TestCtx* t, MmGpu* G, const MmCase* c) {
         free(dw_g[run]);
         free(db_g[run]);
     }
-    ops_cuda.free(G->gctx, x_base);
-    ops_cuda.free(G->gctx, w_base);
-    if (b_base) ops_cuda.free(G->gctx, b_base);
-    ops_cuda.free(G->gctx, dy_base);
-    ops_cuda.free(G->gctx, d_off);
+    G->g->free(G->gctx, x_base);
+    G->g->free(G->gctx, w_base);
+    if (b_base) G->g->free(G->gctx, b_base);
+    G->g->free(G->gctx, dy_base);
+    G->g->free(G->gctx, d_off);
     free(nan_fill);
     free(offsets);
     free(x);
@@ -235,8 +158,8 @@ static void mm_run_case(TestCtx* t, MmGpu* G, const MmCase* c) {
 // 1, 7, 127, 128, 129 and several hundred rows (one row more or less than a tile, many k-tiles of
 // dW).
 static void test_gpu_moe_matmul_tiles(TestCtx* t) {
-    MmGpu G;
-    if (!mm_open(t, &G, 15)) return;
+    Gpu G;
+    if (!gpu_open(t, &G, 15)) return;
     const int c6[] = {0, 150, 7, 0, 260, 1};
     const int c5[] = {129, 0, 0, 128, 33};
     const int c4[] = {300, 0, 517, 127};
@@ -252,13 +175,13 @@ static void test_gpu_moe_matmul_tiles(TestCtx* t) {
         {3, 8, 64, 1, c3, 0, 1, 0},     // K = 8: one partial k-tile
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) mm_run_case(t, &G, &cases[i]);
-    mm_close(&G);
+    gpu_close(&G);
 }
 
 // The fallback kernel: sizes that are not multiples of 8, or a misaligned weight.
 static void test_gpu_moe_matmul_fallback(TestCtx* t) {
-    MmGpu G;
-    if (!mm_open(t, &G, 16)) return;
+    Gpu G;
+    if (!gpu_open(t, &G, 16)) return;
     const int c4[] = {37, 0, 70, 5};
     const int c3[] = {0, 33, 0};
     MmCase cases[] = {
@@ -269,7 +192,7 @@ static void test_gpu_moe_matmul_fallback(TestCtx* t) {
         {4, 64, 40, 1, c4, 0, 1, 1},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) mm_run_case(t, &G, &cases[i]);
-    mm_close(&G);
+    gpu_close(&G);
 }
 
 #else  // no CUDA in this build

@@ -24,83 +24,9 @@
 #ifdef HAVE_CUDA
 
 #include "../../kernels/attention.h"
-#include "../../kernels/kernels.h"
 #include "../ops.h"
 #include "../rng.h"
-
-// ----------------------------------------------------------------------------
-// fixture: one CUDA context and one CPU context
-
-typedef struct SinkGpu {
-    const Ops* g;  // ops_cuda
-    void* gctx;
-    const Ops* c;  // ops_cpu
-    void* cctx;
-    Rng rng;
-} SinkGpu;
-
-static int sink_gpu_open(TestCtx* t, SinkGpu* G, uint32_t seed) {
-    if (cuda_device_count() == 0) {
-        test_skip(t, "no GPU: cudaGetDeviceCount found no CUDA device");
-        return 0;
-    }
-    G->g = &ops_cuda;
-    G->gctx = ops_cuda_create(0, NULL);
-    G->c = &ops_cpu;
-    G->cctx = ops_cpu_create(t->n_threads);
-    rng_seed(&G->rng, seed);
-    return 1;
-}
-
-static void sink_gpu_close(SinkGpu* G) {
-    ops_cuda_destroy(G->gctx);
-    ops_cpu_destroy(G->cctx);
-}
-
-static float sink_bf16_value(float x) { return bf16_to_f32(f32_to_bf16(x)); }
-
-// n random bf16 values (as floats) ~ scale * N(0, 1).
-static float* sink_rand_bf16(SinkGpu* G, size_t n, float scale) {
-    float* x = rand_floats(&G->rng, n, scale);
-    for (size_t i = 0; i < n; i++) x[i] = sink_bf16_value(x[i]);
-    return x;
-}
-
-static void* sink_dev_bf16(SinkGpu* G, const float* host, size_t n) {
-    void* d = G->g->alloc(G->gctx, (n > 0 ? n : 1) * 2);
-    G->g->upload_f32(G->gctx, d, host, n);
-    return d;
-}
-
-static void* sink_dev_raw(SinkGpu* G, const void* host, size_t bytes) {
-    void* d = G->g->alloc(G->gctx, bytes > 0 ? bytes : 4);
-    G->g->upload(G->gctx, d, host, bytes);
-    return d;
-}
-
-static float* sink_host_bf16(SinkGpu* G, const void* dev, size_t n) {
-    float* h = malloc_check((n > 0 ? n : 1) * sizeof(float));
-    G->g->download_f32(G->gctx, h, dev, n);
-    return h;
-}
-
-static float* sink_host_f32(SinkGpu* G, const void* dev, size_t n) {
-    float* h = malloc_check((n > 0 ? n : 1) * sizeof(float));
-    G->g->download(G->gctx, h, dev, n * sizeof(float));
-    return h;
-}
-
-// got vs want: relative L2 error <= tol and every element finite. Returns the error.
-static double sink_check_rel(TestCtx* t, const char* what, const float* got, const float* want,
-                             size_t n, double tol) {
-    size_t bad = n;
-    for (size_t i = 0; i < n && bad == n; i++)
-        if (!isfinite(got[i])) bad = i;
-    const double e = rel_l2_error(got, want, n);
-    CHECK(t, bad == n && e <= tol, "%s: relative L2 error %.3g (tol %.3g)%s", what, e, tol,
-          bad < n ? ", non-finite element" : "");
-    return e;
-}
+#include "gpu_testing.h"
 
 // ----------------------------------------------------------------------------
 // one case: forward, backward and dsinks against the CPU
@@ -109,53 +35,53 @@ typedef struct SinkCase {
     int B, T, H, KVH, HD, window, sinks;  // sinks: 0 = NULL
 } SinkCase;
 
-static void sink_case(TestCtx* t, SinkGpu* G, SinkCase k) {
+static void sink_case(TestCtx* t, Gpu* G, SinkCase k) {
     char what[160], w2[200];
     snprintf(what, sizeof what, "sink attention B=%d T=%d H=%d KVH=%d HD=%d window=%d%s", k.B,
              k.T, k.H, k.KVH, k.HD, k.window, k.sinks ? " sinks" : "");
     const int B = k.B, T = k.T, H = k.H, KVH = k.KVH, HD = k.HD;
     const size_t N = (size_t)B * T, QKV = (size_t)(H + 2 * KVH) * HD, OD = (size_t)H * HD;
     const size_t n_lse = (size_t)B * H * T;
-    float* qkv = sink_rand_bf16(G, N * QKV, 1.0f);
+    float* qkv = rand_bf16(G, N * QKV, 1.0f);
     // sinks of a few units: comparable to the logits, so they take a real share of each row
-    float* sinks = k.sinks ? sink_rand_bf16(G, (size_t)H, 2.0f) : NULL;
+    float* sinks = k.sinks ? rand_bf16(G, (size_t)H, 2.0f) : NULL;
 
     // forward
     float* out_c = malloc_check(N * OD * sizeof(float));
     float* lse_c = malloc_check(n_lse * sizeof(float));
     G->c->attention_sink_forward(G->cctx, out_c, lse_c, qkv, sinks, B, T, H, KVH, HD, k.window);
-    void* d_qkv = sink_dev_bf16(G, qkv, N * QKV);
-    void* d_sinks = sinks ? sink_dev_bf16(G, sinks, (size_t)H) : NULL;
+    void* d_qkv = dev_bf16(G, qkv, N * QKV);
+    void* d_sinks = sinks ? dev_bf16(G, sinks, (size_t)H) : NULL;
     float* nan_buf = filled_floats(N * QKV, NAN);
-    void* d_out = sink_dev_bf16(G, nan_buf, N * OD);
+    void* d_out = dev_bf16(G, nan_buf, N * OD);
     void* d_lse = G->g->alloc(G->gctx, n_lse * sizeof(float));
     G->g->attention_sink_forward(G->gctx, d_out, d_lse, d_qkv, d_sinks, B, T, H, KVH, HD,
                                  k.window);
-    float* out_g = sink_host_bf16(G, d_out, N * OD);
-    float* lse_g = sink_host_f32(G, d_lse, n_lse);
+    float* out_g = host_bf16(G, d_out, N * OD);
+    float* lse_g = host_f32(G, d_lse, n_lse);
     snprintf(w2, sizeof w2, "%s out", what);
-    const double e_out = sink_check_rel(t, w2, out_g, out_c, N * OD, 1e-2);
+    const double e_out = check_rel(t, w2, out_g, out_c, N * OD, 1e-2);
     snprintf(w2, sizeof w2, "%s lse", what);
-    sink_check_rel(t, w2, lse_g, lse_c, n_lse, 1e-4);
+    check_rel(t, w2, lse_g, lse_c, n_lse, 1e-4);
 
     // backward, both backends on the same (bf16-rounded) out and the CPU's lse
-    for (size_t i = 0; i < N * OD; i++) out_c[i] = sink_bf16_value(out_c[i]);
-    float* dout = sink_rand_bf16(G, N * OD, 1.0f);
+    for (size_t i = 0; i < N * OD; i++) out_c[i] = bf16_value(out_c[i]);
+    float* dout = rand_bf16(G, N * OD, 1.0f);
     float* dqkv_c = malloc_check(N * QKV * sizeof(float));
     float* dsinks0 = rand_floats(&G->rng, (size_t)H, 1.0f);  // accumulated into
     float* dsinks_c = malloc_check((size_t)H * sizeof(float));
     memcpy(dsinks_c, dsinks0, (size_t)H * sizeof(float));
     G->c->attention_sink_backward(G->cctx, dqkv_c, dsinks_c, dout, qkv, out_c, lse_c, sinks, B,
                                   T, H, KVH, HD, k.window);
-    void* d_dout = sink_dev_bf16(G, dout, N * OD);
-    void* d_oc = sink_dev_bf16(G, out_c, N * OD);
-    void* d_lc = sink_dev_raw(G, lse_c, n_lse * sizeof(float));
-    void* d_dqkv = sink_dev_bf16(G, nan_buf, N * QKV);
-    void* d_dsinks = sink_dev_raw(G, dsinks0, (size_t)H * sizeof(float));
+    void* d_dout = dev_bf16(G, dout, N * OD);
+    void* d_oc = dev_bf16(G, out_c, N * OD);
+    void* d_lc = dev_raw(G, lse_c, n_lse * sizeof(float));
+    void* d_dqkv = dev_bf16(G, nan_buf, N * QKV);
+    void* d_dsinks = dev_raw(G, dsinks0, (size_t)H * sizeof(float));
     G->g->attention_sink_backward(G->gctx, d_dqkv, (float*)d_dsinks, d_dout, d_qkv, d_oc, d_lc,
                                   d_sinks, B, T, H, KVH, HD, k.window);
-    float* dqkv_g = sink_host_bf16(G, d_dqkv, N * QKV);
-    float* dsinks_g = sink_host_f32(G, d_dsinks, (size_t)H);
+    float* dqkv_g = host_bf16(G, d_dqkv, N * QKV);
+    float* dsinks_g = host_f32(G, d_dsinks, (size_t)H);
     // q, k and v parts apart (dq/dk go through the softmax gradient, dv does not)
     const size_t part_lo[3] = {0, OD, OD + (size_t)KVH * HD};
     const size_t part_w[3] = {OD, (size_t)KVH * HD, (size_t)KVH * HD};
@@ -170,7 +96,7 @@ static void sink_case(TestCtx* t, SinkGpu* G, SinkCase k) {
             memcpy(pc + r * part_w[p], dqkv_c + r * QKV + part_lo[p], part_w[p] * sizeof(float));
         }
         snprintf(w2, sizeof w2, "%s %s", what, part_name[p]);
-        e_part[p] = sink_check_rel(t, w2, pg, pc, m, 3e-2);
+        e_part[p] = check_rel(t, w2, pg, pc, m, 3e-2);
         free(pg);
         free(pc);
     }
@@ -184,7 +110,7 @@ static void sink_case(TestCtx* t, SinkGpu* G, SinkCase k) {
             inc_c[h] = dsinks_c[h] - dsinks0[h];
         }
         snprintf(w2, sizeof w2, "%s dsinks", what);
-        e_ds = sink_check_rel(t, w2, inc_g, inc_c, (size_t)H, 1e-2);
+        e_ds = check_rel(t, w2, inc_g, inc_c, (size_t)H, 1e-2);
         free(inc_g);
         free(inc_c);
     } else {
@@ -214,8 +140,8 @@ static void sink_case(TestCtx* t, SinkGpu* G, SinkCase k) {
 
 // The Hopper wgmma kernels (HD 64, 128 on an sm_90a build; mma.sync elsewhere).
 static void test_gpu_sink_wgmma(TestCtx* t) {
-    SinkGpu G;
-    if (!sink_gpu_open(t, &G, 15)) return;
+    Gpu G;
+    if (!gpu_open(t, &G, 15)) return;
     // GPT-OSS: H 64, KVH 8, HD 64, window 128 (T not a multiple of the 128-row tiles)
     sink_case(t, &G, (SinkCase){1, 520, 64, 8, 64, 128, 1});
     sink_case(t, &G, (SinkCase){2, 300, 8, 2, 64, 0, 1});     // full causal with sinks, B > 1
@@ -227,13 +153,13 @@ static void test_gpu_sink_wgmma(TestCtx* t) {
     sink_case(t, &G, (SinkCase){3, 5, 2, 2, 128, 3, 1});      // one partial tile
     printf("  sink attention: wgmma kernels %s at HD 64\n",
            attention_uses_wgmma(64) ? "used" : "NOT used");
-    sink_gpu_close(&G);
+    gpu_close(&G);
 }
 
 // The mma.sync kernels (HD 16, 32) and the simple fallback (HD 12).
 static void test_gpu_sink_mma_fallback(TestCtx* t) {
-    SinkGpu G;
-    if (!sink_gpu_open(t, &G, 16)) return;
+    Gpu G;
+    if (!gpu_open(t, &G, 16)) return;
     sink_case(t, &G, (SinkCase){2, 333, 4, 2, 32, 50, 1});
     sink_case(t, &G, (SinkCase){1, 300, 4, 2, 32, 0, 1});
     sink_case(t, &G, (SinkCase){2, 129, 4, 1, 32, 7, 0});
@@ -242,32 +168,21 @@ static void test_gpu_sink_mma_fallback(TestCtx* t) {
     sink_case(t, &G, (SinkCase){2, 40, 4, 2, 12, 9, 1});    // simple path
     sink_case(t, &G, (SinkCase){1, 50, 4, 1, 12, 0, 1});    // simple path, causal with sinks
     sink_case(t, &G, (SinkCase){1, 45, 2, 1, 12, 6, 0});    // simple path, window only
-    sink_gpu_close(&G);
+    gpu_close(&G);
 }
 
 // ----------------------------------------------------------------------------
 // bit for bit: the option off is the causal op, and the backward repeats
 
-static int sink_same_bytes(SinkGpu* G, const void* a, const void* b, size_t bytes) {
-    unsigned char* ha = malloc_check(bytes);
-    unsigned char* hb = malloc_check(bytes);
-    G->g->download(G->gctx, ha, a, bytes);
-    G->g->download(G->gctx, hb, b, bytes);
-    const int same = memcmp(ha, hb, bytes) == 0;
-    free(ha);
-    free(hb);
-    return same;
-}
-
-static void sink_bits_case(TestCtx* t, SinkGpu* G, int B, int T, int H, int KVH, int HD) {
+static void sink_bits_case(TestCtx* t, Gpu* G, int B, int T, int H, int KVH, int HD) {
     const size_t N = (size_t)B * T, QKV = (size_t)(H + 2 * KVH) * HD, OD = (size_t)H * HD;
     const size_t n_lse = (size_t)B * H * T;
-    float* qkv = sink_rand_bf16(G, N * QKV, 1.0f);
-    float* dout = sink_rand_bf16(G, N * OD, 1.0f);
-    float* sinks = sink_rand_bf16(G, (size_t)H, 2.0f);
-    void* d_qkv = sink_dev_bf16(G, qkv, N * QKV);
-    void* d_dout = sink_dev_bf16(G, dout, N * OD);
-    void* d_sinks = sink_dev_bf16(G, sinks, (size_t)H);
+    float* qkv = rand_bf16(G, N * QKV, 1.0f);
+    float* dout = rand_bf16(G, N * OD, 1.0f);
+    float* sinks = rand_bf16(G, (size_t)H, 2.0f);
+    void* d_qkv = dev_bf16(G, qkv, N * QKV);
+    void* d_dout = dev_bf16(G, dout, N * OD);
+    void* d_sinks = dev_bf16(G, sinks, (size_t)H);
     void* o1 = G->g->alloc(G->gctx, N * OD * 2);
     void* o2 = G->g->alloc(G->gctx, N * OD * 2);
     void* l1 = G->g->alloc(G->gctx, n_lse * sizeof(float));
@@ -280,23 +195,24 @@ static void sink_bits_case(TestCtx* t, SinkGpu* G, int B, int T, int H, int KVH,
     // no sinks, no window: the causal op's bits
     G->g->attention_forward(G->gctx, o1, l1, d_qkv, B, T, H, KVH, HD);
     G->g->attention_sink_forward(G->gctx, o2, l2, d_qkv, NULL, B, T, H, KVH, HD, 0);
-    CHECK(t, sink_same_bytes(G, o1, o2, N * OD * 2) && sink_same_bytes(G, l1, l2, n_lse * 4),
+    CHECK(t, same_device_bytes(G, o1, o2, N * OD * 2) && same_device_bytes(G, l1, l2, n_lse * 4),
           "HD %d: sink forward without sinks and window differs from the causal forward", HD);
     G->g->attention_backward(G->gctx, g1, d_dout, d_qkv, o1, l1, B, T, H, KVH, HD);
     G->g->attention_sink_backward(G->gctx, g2, NULL, d_dout, d_qkv, o1, l1, NULL, B, T, H, KVH,
                                   HD, 0);
-    CHECK(t, sink_same_bytes(G, g1, g2, N * QKV * 2),
+    CHECK(t, same_device_bytes(G, g1, g2, N * QKV * 2),
           "HD %d: sink backward without sinks and window differs from the causal backward", HD);
 
     // sinks and a window: the same bits twice (dsinks from zero both times)
     G->g->attention_sink_forward(G->gctx, o1, l1, d_qkv, d_sinks, B, T, H, KVH, HD, 96);
     G->g->attention_sink_forward(G->gctx, o2, l2, d_qkv, d_sinks, B, T, H, KVH, HD, 96);
-    CHECK(t, sink_same_bytes(G, o1, o2, N * OD * 2) && sink_same_bytes(G, l1, l2, n_lse * 4),
+    CHECK(t, same_device_bytes(G, o1, o2, N * OD * 2) && same_device_bytes(G, l1, l2, n_lse * 4),
           "HD %d: sink forward not deterministic", HD);
     for (int r = 0; r < 2; r++)
         G->g->attention_sink_backward(G->gctx, r ? g2 : g1, (float*)(r ? s2 : s1), d_dout, d_qkv,
                                       o1, l1, d_sinks, B, T, H, KVH, HD, 96);
-    CHECK(t, sink_same_bytes(G, g1, g2, N * QKV * 2) && sink_same_bytes(G, s1, s2, (size_t)H * 4),
+    CHECK(t, same_device_bytes(G, g1, g2, N * QKV * 2) &&
+                 same_device_bytes(G, s1, s2, (size_t)H * 4),
           "HD %d: sink backward not deterministic", HD);
 
     free(qkv);
@@ -307,13 +223,13 @@ static void sink_bits_case(TestCtx* t, SinkGpu* G, int B, int T, int H, int KVH,
 }
 
 static void test_gpu_sink_bits(TestCtx* t) {
-    SinkGpu G;
-    if (!sink_gpu_open(t, &G, 17)) return;
+    Gpu G;
+    if (!gpu_open(t, &G, 17)) return;
     sink_bits_case(t, &G, 2, 1000, 8, 2, 64);   // wgmma on sm_90a
     sink_bits_case(t, &G, 1, 700, 4, 2, 128);   // wgmma on sm_90a
     sink_bits_case(t, &G, 2, 333, 4, 2, 32);    // mma.sync
     sink_bits_case(t, &G, 1, 60, 2, 1, 12);     // simple path
-    sink_gpu_close(&G);
+    gpu_close(&G);
 }
 
 #else  // no CUDA in this build
