@@ -1,9 +1,11 @@
 /*
  * attention_common.cuh — what the flash-attention kernels share: the argument checks and launch
- * helpers of every launcher, the mma.sync building blocks (cp.async, ldmatrix, m16n8k16, the
- * padded shared tiles), the Hopper wgmma building blocks (the 128-byte swizzled tiles, matrix
- * descriptors, fences, the wgmma instructions and their k-step loops), and the row-block steps
- * every kernel repeats (causal mask, online softmax, the stores of out/lse, dQ, dK and dV).
+ * helpers of every launcher, the mma.sync building blocks (fragment addresses and loops over the
+ * padded shared tiles), the Hopper wgmma building blocks (the 128-byte swizzled tiles, the wgmma
+ * instructions and their k-step loops), and the row-block steps every kernel repeats (causal
+ * mask, online softmax, the stores of out/lse, dQ, dK and dV). The PTX instruction wrappers
+ * (cp.async, ldmatrix, mma.sync, mbarriers, fences, wgmma commit / wait, descriptors) are those of
+ * ptx.cuh, which the MoE grouped GEMM shares.
  * Included by kernels/attention.cu (the mma.sync kernels and the C interface), whose
  * attention_wgmma.cuh (forward) and attention_bwd_wgmma.cuh (backward) use it too; the lab
  * dev/cuda/attention.cu includes kernels/attention.cu and so this file. Not a stand-alone
@@ -22,6 +24,7 @@
 #define KERNELS_ATTENTION_COMMON_CUH
 
 #include "attention.h"
+#include "ptx.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -156,48 +159,7 @@ static int attention_wgmma_available() {
 static int attention_wgmma_supports_head_dim(int HD) { return HD == 64 || HD == 128; }
 
 // ----------------------------------------------------------------------------
-// device: cp.async, ldmatrix, mma.sync, exp2, bf16 packing
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-// 16-byte global->shared copy; when !valid nothing is read and the 16 bytes are zero-filled.
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-    int src_bytes = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(src_bytes));
-}
-// 4-byte global->shared copy (lse, D of one query); !valid: nothing read, zero written.
-__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(valid ? 4 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() {
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-// d += a (16x16, row-major) * b (16x8, col-major), bf16 in, fp32 accumulate.
-__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                          uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// device: exp2, bf16 packing (cp.async, ldmatrix and mma.sync are in ptx.cuh)
 
 // 2^x by the hardware approximation (about 2 ulp; flushes results below 2^-126 to zero, which is
 // harmless here: every exponent is <= 0 and the values are probabilities). 2^-inf = 0.
@@ -572,10 +534,11 @@ __device__ __forceinline__ void store_dk_dv(bf16* dqkv, const float (&dk)[NB][4]
 // wgmma (sm_90a): the 128-byte swizzled tiles, descriptors and fragments
 //
 // wgmma exists only in the architecture-specific target sm_90a (-gencode
-// arch=compute_90a,code=sm_90a), where nvcc defines __CUDA_ARCH_FEAT_SM90_ALL. Every wgmma and
-// proxy-fence asm below is compiled only there, and the wgmma kernels' bodies elsewhere are a
-// trap, so the files also build for any other target (-arch=sm_90, sm_80, ...);
-// attention_wgmma_available() then says no and the C interface runs the mma.sync kernels.
+// arch=compute_90a,code=sm_90a), where nvcc defines __CUDA_ARCH_FEAT_SM90_ALL. Every wgmma asm
+// below (and every sm_90a wrapper of ptx.cuh) is compiled only there, and the wgmma kernels'
+// bodies elsewhere are a trap, so the files also build for any other target (-arch=sm_90,
+// sm_80, ...); attention_wgmma_available() then says no and the C interface runs the mma.sync
+// kernels.
 //
 // Shared-memory layout: 128-byte swizzle ("SW128"), the same for every tile (Q, K, V, dO)
 //   A tile of R rows x HD bf16 columns is cut into HD/64 column panels of 64 columns = 128 bytes:
@@ -637,11 +600,7 @@ __device__ __forceinline__ void store_dk_dv(bf16* dqkv, const float (&dk)[NB][4]
 // rescale, conversion) before the next batch of wgmma reads them. ptxas reports any wgmma it had
 // to serialise (C7515 and neighbours in the -Xptxas -v log); the kernels here have none.
 
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define ATTN_WG_ENABLED 1
-#else
-#define ATTN_WG_ENABLED 0
-#endif
+#define ATTN_WG_ENABLED PTX_SM90A  // the wgmma kernels' device code exists only there
 
 #define ATTN_WG_THREADS 128        // one warpgroup: 4 consecutive warps
 #define ATTN_WG_ROWS 64            // wgmma M: rows per warpgroup
@@ -649,7 +608,6 @@ __device__ __forceinline__ void store_dk_dv(bf16* dqkv, const float (&dk)[NB][4]
 #define ATTN_SW128_ROW_BYTES 128   // one swizzled row: 64 bf16
 #define ATTN_SW128_PANEL_COLS 64   // bf16 columns per 128-byte row = per panel
 #define ATTN_SW128_ATOM_BYTES 1024 // 8 rows x 128 bytes: swizzle period, alignment of every atom
-#define ATTN_SW128_MODE 1ull       // descriptor bits 62-63: 1 = 128-byte swizzle
 #define ATTN_SW128_KMAJOR_LBO 16   // unused by swizzled K-major layouts; encodes as 1
 
 // Byte offset of 16-byte chunk c (columns 8c..8c+7) of row r in a SW128 tile of `rows` rows.
@@ -663,17 +621,6 @@ __device__ __forceinline__ uint32_t sw128_kstep_offset(int kk, int rows) {
     constexpr int KSTEPS_PER_PANEL = ATTN_SW128_PANEL_COLS / ATTN_WG_K;  // 4
     return (uint32_t)((kk / KSTEPS_PER_PANEL) * rows * ATTN_SW128_ROW_BYTES +
                       (kk % KSTEPS_PER_PANEL) * ATTN_WG_K * (int)sizeof(bf16));
-}
-
-// Shared-memory matrix descriptor, 128-byte swizzle, base offset 0 (fields above).
-__device__ __forceinline__ uint64_t wg_desc(uint32_t addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
-    return (uint64_t)((addr >> 4) & 0x3FFF) | ((uint64_t)((lbo_bytes >> 4) & 0x3FFF) << 16) |
-           ((uint64_t)((sbo_bytes >> 4) & 0x3FFF) << 32) | (ATTN_SW128_MODE << 62);
-}
-// The start address is the low field: moving a descriptor by `bytes` (a multiple of 16) adds
-// bytes >> 4 there. No carry into bit 14 is possible: every address is below 228 KB (< 2^18).
-__device__ __forceinline__ uint64_t wg_desc_add(uint64_t desc, uint32_t bytes) {
-    return desc + (uint64_t)(bytes >> 4);
 }
 
 // Copy rows [row0, row0+ROWS) x HD columns of one head into a SW128 tile at shared address
@@ -700,56 +647,14 @@ __device__ __forceinline__ void sw128_tile_load_async(uint32_t tile, const bf16*
     }
 }
 
-__device__ __forceinline__ void fence_proxy_async_shared() {
-#if ATTN_WG_ENABLED
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wgmma_fence() {
-#if ATTN_WG_ENABLED
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wgmma_commit() {
-#if ATTN_WG_ENABLED
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#endif
-}
-// Wait until at most N of this warpgroup's committed wgmma groups are still pending.
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-#if ATTN_WG_ENABLED
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-#endif
-}
-
-// Pin accumulator / A-fragment registers at this point of the program (async-register
-// discipline above).
-template <int NB>
-__device__ __forceinline__ void wg_fence_acc(float (&d)[NB][4]) {
-#pragma unroll
-    for (int i = 0; i < NB; i++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) asm volatile("" : "+f"(d[i][e])::"memory");
-}
-template <int KS>
-__device__ __forceinline__ void wg_fence_frag(uint32_t (&a)[KS][4]) {
-#pragma unroll
-    for (int i = 0; i < KS; i++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) asm volatile("" : "+r"(a[i][e])::"memory");
-}
-
 // Operand lists of the accumulator: block i of 8 columns = registers d[i][0..3], in the PTX
-// order d0, d1, ... (d[i][e] is fragment register 4i + e).
-#define ATTN_WG_ACC4(d, i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
-#define ATTN_WG_ACC32(d)                                                                       \
-    ATTN_WG_ACC4(d, 0), ATTN_WG_ACC4(d, 1), ATTN_WG_ACC4(d, 2), ATTN_WG_ACC4(d, 3),           \
-        ATTN_WG_ACC4(d, 4), ATTN_WG_ACC4(d, 5), ATTN_WG_ACC4(d, 6), ATTN_WG_ACC4(d, 7)
-#define ATTN_WG_ACC64(d)                                                                       \
-    ATTN_WG_ACC32(d), ATTN_WG_ACC4(d, 8), ATTN_WG_ACC4(d, 9), ATTN_WG_ACC4(d, 10),            \
-        ATTN_WG_ACC4(d, 11), ATTN_WG_ACC4(d, 12), ATTN_WG_ACC4(d, 13), ATTN_WG_ACC4(d, 14),   \
-        ATTN_WG_ACC4(d, 15)
+// order d0, d1, ... (d[i][e] is fragment register 4i + e; WG_ACC4 in ptx.cuh).
+#define ATTN_WG_ACC32(d)                                                                  \
+    WG_ACC4(d, 0), WG_ACC4(d, 1), WG_ACC4(d, 2), WG_ACC4(d, 3), WG_ACC4(d, 4), WG_ACC4(d, 5), \
+        WG_ACC4(d, 6), WG_ACC4(d, 7)
+#define ATTN_WG_ACC64(d)                                                                  \
+    ATTN_WG_ACC32(d), WG_ACC4(d, 8), WG_ACC4(d, 9), WG_ACC4(d, 10), WG_ACC4(d, 11),         \
+        WG_ACC4(d, 12), WG_ACC4(d, 13), WG_ACC4(d, 14), WG_ACC4(d, 15)
 #define ATTN_WG_REGS32                                                                   \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, " \
     "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"

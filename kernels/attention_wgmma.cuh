@@ -3,7 +3,8 @@
  * (wgmma.mma_async, sm_90a only), warp-specialised: what attention_forward_bf16 runs for HD 64
  * and 128 when the device code was built for sm_90a (the Makefile's default GPU_ARCH). Part of
  * kernels/attention.cu, which includes it; the swizzled layouts, descriptors, fragments and wgmma
- * instructions are those of attention_common.cuh (described there).
+ * instructions are those of attention_common.cuh (described there), the mbarrier and setmaxnreg
+ * wrappers those of ptx.cuh.
  * Same contract as the mma.sync forward: packed qkv rows [q heads | k heads | v heads], query
  * head h reads kv head h / (H/KVH) with no K/V copies, causal (key j visible to query i iff
  * j <= i), bf16 out, lse = natural-log log-sum-exp of the scaled logits per (b, h, t) for the
@@ -118,67 +119,8 @@
 #define ATTN_WGF_PRODUCER_REGS 24
 
 // ----------------------------------------------------------------------------
-// device helpers (sm_90a): mbarriers, named barriers
+// device helpers (sm_90a): named barriers (mbarriers, setmaxnreg: ptx.cuh)
 
-// mbarrier at shared address `bar` expecting `count` arrivals per phase.
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-#if ATTN_WG_ENABLED
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-#endif
-}
-// Make the initialised mbarriers visible (to the async arrivals of cp.async as well).
-__device__ __forceinline__ void mbar_init_fence() {
-#if ATTN_WG_ENABLED
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#endif
-}
-// Block until the phase of parity `parity` of the mbarrier has completed (acquire, CTA scope).
-// The loop lives inside one asm statement (PTX scopes the labels to the braces), so the
-// compiler sees straight-line code.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-#if ATTN_WG_ENABLED
-    asm volatile(
-        "{\n.reg .pred P1;\n"
-        "MBAR_WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-        "@P1 bra MBAR_DONE;\n"
-        "bra MBAR_WAIT;\n"
-        "MBAR_DONE:\n}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-#endif
-}
-// Arrive (release, CTA scope) on the mbarrier when pred holds; predicated, no branch.
-__device__ __forceinline__ void mbar_arrive_if(uint32_t bar, bool pred) {
-#if ATTN_WG_ENABLED
-    asm volatile(
-        "{\n.reg .pred p;\n.reg .b64 st;\n"
-        "setp.ne.b32 p, %1, 0;\n"
-        "@p mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar),
-        "r"((int)pred)
-        : "memory");
-#endif
-}
-// One arrival on the mbarrier once every cp.async this thread issued so far has completed
-// (.noinc: the arrival is one of the `count` the barrier was initialised with).
-__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
-#if ATTN_WG_ENABLED
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-#endif
-}
-// Hand registers back to / take them from the SM's pool (whole warpgroup, sm_90a).
-template <int N>
-__device__ __forceinline__ void setmaxnreg_dec() {
-#if ATTN_WG_ENABLED
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-#endif
-}
-template <int N>
-__device__ __forceinline__ void setmaxnreg_inc() {
-#if ATTN_WG_ENABLED
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-#endif
-}
 // Named barriers of the two consumer warpgroups (256 threads; id 0 is __syncthreads).
 __device__ __forceinline__ void named_bar_sync(uint32_t id) {
 #if ATTN_WG_ENABLED

@@ -34,6 +34,7 @@
  * past an expert's end and columns past N are zero-filled on load and never stored.
  */
 #include "moe_matmul.h"
+#include "ptx.cuh"
 
 // ----------------------------------------------------------------------------
 // device: the tile schedule
@@ -206,41 +207,6 @@ __global__ void moe_dbias_kernel(float* __restrict__ dbias, const bf16* __restri
 #define MOE_TILE_BYTES (MOE_BM * MOE_BK * 2)  // one operand tile of a stage (8 KiB)
 #define MOE_SMEM_BYTES (MOE_STAGES * 2 * MOE_TILE_BYTES)
 
-__device__ __forceinline__ uint32_t moe_smem_u32(const void* p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-// 16 bytes global -> shared; !valid: nothing is read, 16 zero bytes are written.
-__device__ __forceinline__ void moe_cp_async16(uint32_t dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void moe_cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::);
-}
-template <int N>
-__device__ __forceinline__ void moe_cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void moe_ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-__device__ __forceinline__ void moe_ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-// d += a (16 x 16, row-major) · b (16 x 8, col-major); bf16 in, fp32 accumulate.
-__device__ __forceinline__ void moe_mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                             uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Shared tiles of one stage, 8 KiB each, in one of two layouts:
 //   K-major  (128 rows of m or n) x (32 k): 64-byte rows, 16-byte chunk c of row r stored at
 //            chunk c ^ ((r >> 1) & 3): the 8 rows an ldmatrix reads at one chunk column hit 8
@@ -284,7 +250,7 @@ __device__ __forceinline__ void moe_load_tile(uint32_t dst, const MoeTileSrc& s,
             off = moe_mnmajor_off(k, c * 8);
         }
         const bool valid = row < s.row_end && col < s.col_end;
-        moe_cp_async16(dst + off, valid ? s.g + (size_t)row * s.ld + col : s.g, valid);
+        cp_async_16(dst + off, valid ? s.g + (size_t)row * s.ld + col : s.g, valid);
     }
 }
 
@@ -300,11 +266,11 @@ __device__ __forceinline__ void moe_mma_stage(float (&acc)[4][4][4], uint32_t sa
         for (int mi = 0; mi < 4; mi++) {
             if (A_KMAJOR) {  // matrices (m 0-7 | 8-15) x (k 0-7 | 8-15), lanes 0-15 k 0-7
                 const int r = wm * 64 + mi * 16 + (lane & 15), k = kk + (lane >> 4) * 8;
-                moe_ldsm_x4(af[mi], sa + moe_kmajor_off(r, k));
+                ldsm_x4(af[mi], sa + moe_kmajor_off(r, k));
             } else {  // stored [k][m]: .trans; matrix i: m + 8 (i & 1), k + 8 (i >> 1)
                 const int i = lane >> 3, k = kk + (lane & 7) + (i >> 1) * 8,
                           m = wm * 64 + mi * 16 + (i & 1) * 8;
-                moe_ldsm_x4_trans(af[mi], sa + moe_mnmajor_off(k, m));
+                ldsm_x4_trans(af[mi], sa + moe_mnmajor_off(k, m));
             }
         }
 #pragma unroll
@@ -313,11 +279,11 @@ __device__ __forceinline__ void moe_mma_stage(float (&acc)[4][4][4], uint32_t sa
             if (B_KMAJOR) {  // stored [n][k]; matrix i: n + 8 (i >> 1), k + 8 (i & 1)
                 const int i = lane >> 3, n = wn * 32 + p * 16 + (lane & 7) + (i >> 1) * 8,
                           k = kk + (i & 1) * 8;
-                moe_ldsm_x4(r, sb + moe_kmajor_off(n, k));
+                ldsm_x4(r, sb + moe_kmajor_off(n, k));
             } else {  // stored [k][n]: .trans; matrix i: k + 8 (i & 1), n + 8 (i >> 1)
                 const int i = lane >> 3, k = kk + (lane & 7) + (i & 1) * 8,
                           n = wn * 32 + p * 16 + (i >> 1) * 8;
-                moe_ldsm_x4_trans(r, sb + moe_mnmajor_off(k, n));
+                ldsm_x4_trans(r, sb + moe_mnmajor_off(k, n));
             }
             bfr[2 * p][0] = r[0];
             bfr[2 * p][1] = r[1];
@@ -328,7 +294,7 @@ __device__ __forceinline__ void moe_mma_stage(float (&acc)[4][4][4], uint32_t sa
         for (int mi = 0; mi < 4; mi++)
 #pragma unroll
             for (int nj = 0; nj < 4; nj++)
-                moe_mma16816(acc[mi][nj], af[mi], bfr[nj][0], bfr[nj][1]);
+                mma_16816(acc[mi][nj], af[mi], bfr[nj][0], bfr[nj][1]);
     }
 }
 
@@ -351,10 +317,10 @@ __device__ __forceinline__ void moe_mainloop(float (&acc)[4][4][4], uint32_t sme
             moe_load_tile<A_KMAJOR>(smem + s * 2 * MOE_TILE_BYTES, a, s, tid);
             moe_load_tile<B_KMAJOR>(smem + (s * 2 + 1) * MOE_TILE_BYTES, b, s, tid);
         }
-        moe_cp_async_commit();  // empty groups keep the count uniform
+        cp_async_commit();  // empty groups keep the count uniform
     }
     for (int kt = 0; kt < n_kt; kt++) {
-        moe_cp_async_wait<MOE_STAGES - 2>();  // k-tile kt has landed (this thread's copies)
+        cp_async_wait<MOE_STAGES - 2>();  // k-tile kt has landed (this thread's copies)
         __syncthreads();  // ... everyone's; and every warp is done with k-tile kt - 1's stage
         const int pf = kt + MOE_STAGES - 1;
         if (pf < n_kt) {  // refill the stage k-tile kt - 1 used
@@ -362,12 +328,12 @@ __device__ __forceinline__ void moe_mainloop(float (&acc)[4][4][4], uint32_t sme
             moe_load_tile<A_KMAJOR>(smem + s * 2 * MOE_TILE_BYTES, a, pf, tid);
             moe_load_tile<B_KMAJOR>(smem + (s * 2 + 1) * MOE_TILE_BYTES, b, pf, tid);
         }
-        moe_cp_async_commit();
+        cp_async_commit();
         const int s = kt % MOE_STAGES;
         moe_mma_stage<A_KMAJOR, B_KMAJOR>(acc, smem + s * 2 * MOE_TILE_BYTES,
                                           smem + (s * 2 + 1) * MOE_TILE_BYTES, wm, wn, lane);
     }
-    moe_cp_async_wait<0>();
+    cp_async_wait<0>();
     __syncthreads();  // the next tile's prologue overwrites the stages
 }
 
@@ -381,7 +347,7 @@ __global__ void __launch_bounds__(MOE_THREADS)
                      int N, int K, int slots, size_t bstride, int ldb) {
     extern __shared__ __align__(128) unsigned char moe_smem[];
     __shared__ int info[2];
-    const uint32_t smem = moe_smem_u32(moe_smem);
+    const uint32_t smem = smem_u32(moe_smem);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp >> 2, wn = warp & 3;
     const int n0 = blockIdx.x * MOE_BN, n_kt = (K + MOE_BK - 1) / MOE_BK;
     for (int slot = blockIdx.y; slot < slots; slot += gridDim.y) {
@@ -427,7 +393,7 @@ __global__ void __launch_bounds__(MOE_THREADS)
     moe_dw_kernel2(float* __restrict__ D, const bf16* __restrict__ A, const bf16* __restrict__ B,
                    const int32_t* __restrict__ offsets, int M, int N) {
     extern __shared__ __align__(128) unsigned char moe_smem[];
-    const uint32_t smem = moe_smem_u32(moe_smem);
+    const uint32_t smem = smem_u32(moe_smem);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp >> 2, wn = warp & 3;
     const int e = blockIdx.z, m0 = blockIdx.y * MOE_BM, n0 = blockIdx.x * MOE_BN;
     const int r0 = offsets[e], Me = offsets[e + 1] - r0;

@@ -1,7 +1,8 @@
 /*
  * moe_matmul_wgmma.cuh — variant 3 of the grouped expert GEMM: Hopper warpgroup MMAs
  * (wgmma.mma_async, sm_90a only), warp-specialised and persistent. Part of kernels/moe_matmul.cu,
- * which includes it (the tile schedule, MoeTileSrc and the cp.async helpers are there).
+ * which includes it (the tile schedule and MoeTileSrc are there); the PTX wrappers (cp.async,
+ * mbarriers, setmaxnreg, fences, wgmma commit / wait, the descriptor) are those of ptx.cuh.
  *
  * CTA: 384 threads = 3 warpgroups; tile BM x BN = 128 x 256, k-tiles of BK = 64.
  *   Warpgroups 0 and 1 are CONSUMERS: warpgroup w owns rows [64w, 64w + 64) of the CTA tile, a
@@ -47,16 +48,14 @@
 #ifndef KERNELS_MOE_MATMUL_WGMMA_CUH
 #define KERNELS_MOE_MATMUL_WGMMA_CUH
 
+#include "ptx.cuh"
+
 // The Makefile defines ATTN_WGMMA_BUILD=1 when GPU_ARCH is sm_90a (the wgmma attention kernels
 // use the same switch); the device code exists only for that target.
 #ifndef ATTN_WGMMA_BUILD
 #define ATTN_WGMMA_BUILD 0
 #endif
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define MOE_WG_ENABLED 1
-#else
-#define MOE_WG_ENABLED 0
-#endif
+#define MOE_WG_ENABLED PTX_SM90A  // ptx.cuh: the device pass of an sm_90a build
 
 #define MOE_WG_BM 128
 #define MOE_WG_BN 256
@@ -73,102 +72,16 @@
 #define MOE_WG_SMEM_BYTES (MOE_WG_STAGES * MOE_WG_STAGE_BYTES + 1024 + 16 * MOE_WG_STAGES)
 
 // ----------------------------------------------------------------------------
-// device helpers (sm_90a): mbarriers, register hand-over, fences, descriptors, wgmma
+// device helpers (sm_90a): the m64n256k16 wgmma (the other wrappers are in ptx.cuh)
 
-__device__ __forceinline__ void moe_mbar_init(uint32_t bar, uint32_t count) {
-#if MOE_WG_ENABLED
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-#endif
-}
-__device__ __forceinline__ void moe_mbar_init_fence() {
-#if MOE_WG_ENABLED
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#endif
-}
-// Block until the phase of parity `parity` has completed (acquire, CTA scope).
-__device__ __forceinline__ void moe_mbar_wait(uint32_t bar, uint32_t parity) {
-#if MOE_WG_ENABLED
-    asm volatile(
-        "{\n.reg .pred P1;\n"
-        "MOE_MBAR_WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-        "@P1 bra MOE_MBAR_DONE;\n"
-        "bra MOE_MBAR_WAIT;\n"
-        "MOE_MBAR_DONE:\n}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-#endif
-}
-__device__ __forceinline__ void moe_mbar_arrive(uint32_t bar) {
-#if MOE_WG_ENABLED
-    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar)
-                 : "memory");
-#endif
-}
-// One arrival once every cp.async this thread issued so far has landed.
-__device__ __forceinline__ void moe_cp_async_mbar_arrive(uint32_t bar) {
-#if MOE_WG_ENABLED
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-#endif
-}
-template <int N>
-__device__ __forceinline__ void moe_setmaxnreg_dec() {
-#if MOE_WG_ENABLED
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-#endif
-}
-template <int N>
-__device__ __forceinline__ void moe_setmaxnreg_inc() {
-#if MOE_WG_ENABLED
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-#endif
-}
-__device__ __forceinline__ void moe_fence_proxy_async() {
-#if MOE_WG_ENABLED
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void moe_wgmma_fence() {
-#if MOE_WG_ENABLED
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void moe_wgmma_commit() {
-#if MOE_WG_ENABLED
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#endif
-}
-template <int N>
-__device__ __forceinline__ void moe_wgmma_wait() {
-#if MOE_WG_ENABLED
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-#endif
-}
-// Pin the accumulator registers here (no compiler motion of their reads/writes across).
-__device__ __forceinline__ void moe_wg_fence_acc(float (&d)[32][4]) {
-#pragma unroll
-    for (int i = 0; i < 32; i++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) asm volatile("" : "+f"(d[i][e])::"memory");
-}
-
-// Shared-memory matrix descriptor, 128-byte swizzle, base offset 0: start >> 4 (bits 0-13),
-// LBO >> 4 (16-29), SBO >> 4 (32-45), mode 1 = SW128 (62-63).
-__device__ __forceinline__ uint64_t moe_wg_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-    return (uint64_t)((addr >> 4) & 0x3FFF) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) |
-           ((uint64_t)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
-}
-
-#define MOE_WG_ACC4(d, i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
-#define MOE_WG_ACC128(d)                                                                       \
-    MOE_WG_ACC4(d, 0), MOE_WG_ACC4(d, 1), MOE_WG_ACC4(d, 2), MOE_WG_ACC4(d, 3),               \
-        MOE_WG_ACC4(d, 4), MOE_WG_ACC4(d, 5), MOE_WG_ACC4(d, 6), MOE_WG_ACC4(d, 7),           \
-        MOE_WG_ACC4(d, 8), MOE_WG_ACC4(d, 9), MOE_WG_ACC4(d, 10), MOE_WG_ACC4(d, 11),         \
-        MOE_WG_ACC4(d, 12), MOE_WG_ACC4(d, 13), MOE_WG_ACC4(d, 14), MOE_WG_ACC4(d, 15),       \
-        MOE_WG_ACC4(d, 16), MOE_WG_ACC4(d, 17), MOE_WG_ACC4(d, 18), MOE_WG_ACC4(d, 19),       \
-        MOE_WG_ACC4(d, 20), MOE_WG_ACC4(d, 21), MOE_WG_ACC4(d, 22), MOE_WG_ACC4(d, 23),       \
-        MOE_WG_ACC4(d, 24), MOE_WG_ACC4(d, 25), MOE_WG_ACC4(d, 26), MOE_WG_ACC4(d, 27),       \
-        MOE_WG_ACC4(d, 28), MOE_WG_ACC4(d, 29), MOE_WG_ACC4(d, 30), MOE_WG_ACC4(d, 31)
+#define MOE_WG_ACC128(d)                                                                           \
+    WG_ACC4(d, 0), WG_ACC4(d, 1), WG_ACC4(d, 2), WG_ACC4(d, 3), WG_ACC4(d, 4), WG_ACC4(d, 5),      \
+        WG_ACC4(d, 6), WG_ACC4(d, 7), WG_ACC4(d, 8), WG_ACC4(d, 9), WG_ACC4(d, 10),                \
+        WG_ACC4(d, 11), WG_ACC4(d, 12), WG_ACC4(d, 13), WG_ACC4(d, 14), WG_ACC4(d, 15),            \
+        WG_ACC4(d, 16), WG_ACC4(d, 17), WG_ACC4(d, 18), WG_ACC4(d, 19), WG_ACC4(d, 20),            \
+        WG_ACC4(d, 21), WG_ACC4(d, 22), WG_ACC4(d, 23), WG_ACC4(d, 24), WG_ACC4(d, 25),            \
+        WG_ACC4(d, 26), WG_ACC4(d, 27), WG_ACC4(d, 28), WG_ACC4(d, 29), WG_ACC4(d, 30),            \
+        WG_ACC4(d, 31)
 #define MOE_WG_REGS128                                                                   \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "           \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
@@ -257,7 +170,7 @@ __device__ __forceinline__ void moe_wg_load_kmajor(uint32_t dst, const MoeTileSr
 #pragma unroll
     for (int j = 0; j < ROWS / 16; j++) {
         const bool valid = 16 * j < rows_left;
-        moe_cp_async16(d + j * 16 * 128, valid ? src : s.g, valid);
+        cp_async_16(d + j * 16 * 128, valid ? src : s.g, valid);
         src += step;
     }
 }
@@ -278,7 +191,7 @@ __device__ __forceinline__ void moe_wg_load_mnmajor(uint32_t dst, const MoeTileS
     for (int j = 0; j < MOE_WG_BK / RSTEP; j++) {
         const bool valid = RSTEP * j < rows_left;
         const int phase = k0 ^ ((RSTEP * j) & 7);
-        moe_cp_async16(d + RSTEP * j * 128 + (((c & 7) ^ phase) << 4), valid ? src : s.g, valid);
+        cp_async_16(d + RSTEP * j * 128 + (((c & 7) ^ phase) << 4), valid ? src : s.g, valid);
         src += step;
     }
 }
@@ -296,7 +209,7 @@ __global__ void __launch_bounds__(MOE_WG_THREADS, 1)
     constexpr bool A_KMAJOR = !DW;
     constexpr int S = MOE_WG_STAGES;
     extern __shared__ __align__(1024) unsigned char moe_wg_smem[];
-    const uint32_t sbase = (moe_smem_u32(moe_wg_smem) + 1023u) & ~1023u;
+    const uint32_t sbase = (smem_u32(moe_wg_smem) + 1023u) & ~1023u;
     const uint32_t bar_full = sbase + S * MOE_WG_STAGE_BYTES;  // [S] stage landed (128)
     const uint32_t bar_empty = bar_full + 8 * S;               // [S] stage released (8 warps)
     const int tid = threadIdx.x, lane = tid & 31;
@@ -304,15 +217,15 @@ __global__ void __launch_bounds__(MOE_WG_THREADS, 1)
     const int wg = warp >> 2;
     if (tid == 0) {
         for (int s = 0; s < S; s++) {
-            moe_mbar_init(bar_full + 8 * s, 128);
-            moe_mbar_init(bar_empty + 8 * s, 8);
+            mbar_init(bar_full + 8 * s, 128);
+            mbar_init(bar_empty + 8 * s, 8);
         }
-        moe_mbar_init_fence();
+        mbar_init_fence();
     }
     __syncthreads();
 
     if (wg == 2) {  // producer
-        moe_setmaxnreg_dec<MOE_WG_PRODUCER_REGS>();
+        setmaxnreg_dec<MOE_WG_PRODUCER_REGS>();
         const int ptid = tid - 256;
         uint32_t u = 0;
         for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
@@ -323,7 +236,7 @@ __global__ void __launch_bounds__(MOE_WG_THREADS, 1)
                 break;
             for (int kt = 0; kt < n_kt; kt++, u++) {
                 const uint32_t s = u % S;
-                if (u >= S) moe_mbar_wait(bar_empty + 8 * s, ((u / S) & 1) ^ 1);
+                if (u >= S) mbar_wait(bar_empty + 8 * s, ((u / S) & 1) ^ 1);
                 const uint32_t sa = sbase + s * MOE_WG_STAGE_BYTES, sb = sa + MOE_WG_A_BYTES;
                 if (A_KMAJOR)
                     moe_wg_load_kmajor<MOE_WG_BM>(sa, a, kt, ptid);
@@ -333,15 +246,15 @@ __global__ void __launch_bounds__(MOE_WG_THREADS, 1)
                     moe_wg_load_kmajor<MOE_WG_BN>(sb, b, kt, ptid);
                 else
                     moe_wg_load_mnmajor<MOE_WG_BN>(sb, b, kt, ptid);
-                moe_cp_async_mbar_arrive(bar_full + 8 * s);
+                cp_async_mbar_arrive(bar_full + 8 * s);
             }
         }
-        moe_cp_async_wait<0>();
+        cp_async_wait<0>();
         return;
     }
 
     // consumers
-    moe_setmaxnreg_inc<MOE_WG_CONSUMER_REGS>();
+    setmaxnreg_inc<MOE_WG_CONSUMER_REGS>();
     const int v = warp & 3, g = lane >> 2, tq = lane & 3;
     // descriptors' fixed parts; warpgroup wg's A rows (K-major) or A panel (M-major) at wg*8192
     const uint32_t a_lbo = A_KMAJOR ? 16 : MOE_WG_PANEL_BYTES;
@@ -363,26 +276,26 @@ __global__ void __launch_bounds__(MOE_WG_THREADS, 1)
         const int n0 = (t % n_ntiles) * MOE_WG_BN;
         for (int kt = 0; kt < n_kt; kt++, u++) {
             const uint32_t s = u % S;
-            moe_mbar_wait(bar_full + 8 * s, (u / S) & 1);
-            moe_fence_proxy_async();
+            mbar_wait(bar_full + 8 * s, (u / S) & 1);
+            fence_proxy_async_shared();
             const uint32_t sa = sbase + s * MOE_WG_STAGE_BYTES + wg * MOE_WG_PANEL_BYTES;
             const uint32_t sb = sbase + s * MOE_WG_STAGE_BYTES + MOE_WG_A_BYTES;
-            moe_wgmma_fence();
-            moe_wg_fence_acc(acc);
+            wgmma_fence();
+            wg_fence_acc(acc);
 #pragma unroll
             for (int kk = 0; kk < MOE_WG_BK / 16; kk++)
                 moe_wgmma_m64n256k16<A_KMAJOR ? 0 : 1, B_KMAJOR ? 0 : 1>(
-                    acc, moe_wg_desc(sa + kk * a_kstep, a_lbo, 1024),
-                    moe_wg_desc(sb + kk * b_kstep, b_lbo, 1024), kt > 0 || kk > 0);
-            moe_wgmma_commit();
-            moe_wg_fence_acc(acc);
-            moe_wgmma_wait<1>();  // the previous k-tile's wgmmas have retired: release its stage
-            moe_wg_fence_acc(acc);
-            if (kt > 0 && lane == 0) moe_mbar_arrive(bar_empty + 8 * ((u - 1) % S));
+                    acc, wg_desc(sa + kk * a_kstep, a_lbo, 1024),
+                    wg_desc(sb + kk * b_kstep, b_lbo, 1024), kt > 0 || kk > 0);
+            wgmma_commit();
+            wg_fence_acc(acc);
+            wgmma_wait<1>();  // the previous k-tile's wgmmas have retired: release its stage
+            wg_fence_acc(acc);
+            if (kt > 0 && lane == 0) mbar_arrive(bar_empty + 8 * ((u - 1) % S));
         }
-        moe_wgmma_wait<0>();
-        moe_wg_fence_acc(acc);
-        if (lane == 0) moe_mbar_arrive(bar_empty + 8 * ((u - 1) % S));
+        wgmma_wait<0>();
+        wg_fence_acc(acc);
+        if (lane == 0) mbar_arrive(bar_empty + 8 * ((u - 1) % S));
 
         // epilogue: warp v holds rows 16v + g (+8) of the warpgroup's 64, columns 8i + 2tq
 #pragma unroll

@@ -13,9 +13,10 @@
  *                                            cp.reduce.async.bulk .add.f32 per tile (TMA unit)
  * The three share everything else; 8 vs 10 measures the reduction path. Included
  * by the lab after kernels/attention.cu, whose pieces it uses: attention_backward_dot (pass 1),
- * from kernels/attention_common.cuh the checks, launch helpers, SW128 layouts, descriptors,
- * WgmmaBf16 and its k-step groups, fences / waits / register pins, acc_to_frags, cp_async_4 and
- * the dK/dV epilogue; from kernels/attention_wgmma.cuh the named barriers. HD 64 and 128.
+ * from kernels/attention_common.cuh the checks, launch helpers, SW128 layouts, WgmmaBf16 and
+ * its k-step groups, acc_to_frags and the dK/dV epilogue; from kernels/ptx.cuh the descriptors,
+ * fences / waits / register pins and cp_async_4; from kernels/attention_wgmma.cuh the named
+ * barriers. HD 64 and 128.
  *
  * STATUS: written blind, NOT YET RUN on a GPU. The CPU model
  * dev/cuda/attention_bwd_atomic_model.py (python3 + numpy, ~10 s) emulates its new data paths
@@ -271,7 +272,7 @@ __device__ __forceinline__ void attn_bwa_bulk_wait() {
 }
 
 #define ATTN_BWA_ACC16(d) \
-    ATTN_WG_ACC4(d, 0), ATTN_WG_ACC4(d, 1), ATTN_WG_ACC4(d, 2), ATTN_WG_ACC4(d, 3)
+    WG_ACC4(d, 0), WG_ACC4(d, 1), WG_ACC4(d, 2), WG_ACC4(d, 3)
 #define ATTN_BWA_REGS16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 
 // d (64 x N, f32) = A (64 x 16, bf16, K-major descriptor) * B (16 x N, bf16, MN-major

@@ -265,12 +265,12 @@ def sw128_kstep_offset(kk, rows):  # kernels/attention_common.cuh
     return (kk // KSTEPS_PER_PANEL) * rows * ATTN_SW128_ROW_BYTES + (kk % KSTEPS_PER_PANEL) * ATTN_WG_K * 2
 
 
-def wg_desc(addr, lbo_bytes, sbo_bytes):  # kernels/attention_common.cuh
+def wg_desc(addr, lbo_bytes, sbo_bytes):  # kernels/ptx.cuh
     return (((addr >> 4) & 0x3FFF) | (((lbo_bytes >> 4) & 0x3FFF) << 16)
             | (((sbo_bytes >> 4) & 0x3FFF) << 32) | (1 << 62))
 
 
-def wg_desc_add(desc, nbytes):  # kernels/attention_common.cuh (asserted carry-free below)
+def wg_desc_add(desc, nbytes):  # kernels/ptx.cuh (asserted carry-free below)
     if (desc & 0x3FFF) + (nbytes >> 4) > 0x3FFF:
         raise OverflowError("wg_desc_add carries out of the start-address field")
     return desc + (nbytes >> 4)
@@ -724,7 +724,7 @@ def check_source():
         'setp.ne.b32 p, %18, 0;\\n"\n            "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "'
         ' ATTN_BWA_REGS16\n            ", %16, %17, p, 1, 1, 0, 1;',
         # accumulator operand order d[0][0..3], d[1][0..3], ... (dq[i][e] = d_{4i+e})
-        'ATTN_WG_ACC4(d, 0), ATTN_WG_ACC4(d, 1), ATTN_WG_ACC4(d, 2), ATTN_WG_ACC4(d, 3)',
+        'WG_ACC4(d, 0), WG_ACC4(d, 1), WG_ACC4(d, 2), WG_ACC4(d, 3)',
         '"{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"',
     ]
     return [w for w in want if w not in src]

@@ -1,0 +1,221 @@
+/*
+ * ptx.cuh — the PTX instruction wrappers every hand-written kernel uses: cp.async, ldmatrix,
+ * mma.sync (sm_80+), and the Hopper ones (sm_90a): mbarriers, register hand-over (setmaxnreg),
+ * proxy fences, wgmma fences / commit / wait, the wgmma shared-memory matrix descriptor. One
+ * definition of each, shared by the flash-attention kernels (attention_common.cuh and the files
+ * it serves) and the grouped expert GEMM (moe_matmul.cu, moe_matmul_wgmma.cuh); what only one
+ * kernel family uses with its own constants (named barriers, the wgmma shapes and their operand
+ * lists) stays with that family.
+ *
+ * Each wrapper is its instruction and operands and nothing else (the descriptor helpers: the bit
+ * packing of the fields), all force-inlined: a kernel that calls these instead of private copies
+ * of the same asm compiles to the same SASS.
+ *
+ * The sm_90a wrappers compile to their instruction only in the architecture-specific target
+ * (-gencode arch=compute_90a,code=sm_90a, where nvcc defines __CUDA_ARCH_FEAT_SM90_ALL) and to
+ * nothing elsewhere: the kernels that use them are themselves compiled only there (PTX_SM90A),
+ * so the sources build for any target.
+ */
+#ifndef KERNELS_PTX_CUH
+#define KERNELS_PTX_CUH
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+// 1 in the device pass of an sm_90a build (wgmma, setmaxnreg, mbarrier waits exist), else 0.
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define PTX_SM90A 1
+#else
+#define PTX_SM90A 0
+#endif
+
+// ----------------------------------------------------------------------------
+// shared addresses, cp.async
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+// 16-byte global->shared copy; when !valid nothing is read and the 16 bytes are zero-filled.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+    int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(src_bytes));
+}
+// 4-byte global->shared copy (lse, D of one query); !valid: nothing read, zero written.
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Wait until at most N of this thread's committed cp.async groups are still pending.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { cp_async_wait<0>(); }
+
+// ----------------------------------------------------------------------------
+// ldmatrix, mma.sync
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// d += a (16x16, row-major) * b (16x8, col-major), bf16 in, fp32 accumulate.
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                          uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ----------------------------------------------------------------------------
+// sm_90a: mbarriers, register hand-over
+
+// mbarrier at shared address `bar` expecting `count` arrivals per phase.
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+#if PTX_SM90A
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+#endif
+}
+// Make the initialised mbarriers visible (to the async arrivals of cp.async as well).
+__device__ __forceinline__ void mbar_init_fence() {
+#if PTX_SM90A
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+// Block until the phase of parity `parity` of the mbarrier has completed (acquire, CTA scope).
+// The loop lives inside one asm statement (PTX scopes the labels to the braces), so the
+// compiler sees straight-line code.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+#if PTX_SM90A
+    asm volatile(
+        "{\n.reg .pred P1;\n"
+        "MBAR_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+        "@P1 bra MBAR_DONE;\n"
+        "bra MBAR_WAIT;\n"
+        "MBAR_DONE:\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+#endif
+}
+// Arrive (release, CTA scope) on the mbarrier.
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+#if PTX_SM90A
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar)
+                 : "memory");
+#endif
+}
+// The same when pred holds; predicated, no branch.
+__device__ __forceinline__ void mbar_arrive_if(uint32_t bar, bool pred) {
+#if PTX_SM90A
+    asm volatile(
+        "{\n.reg .pred p;\n.reg .b64 st;\n"
+        "setp.ne.b32 p, %1, 0;\n"
+        "@p mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar),
+        "r"((int)pred)
+        : "memory");
+#endif
+}
+// One arrival on the mbarrier once every cp.async this thread issued so far has completed
+// (.noinc: the arrival is one of the `count` the barrier was initialised with).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+#if PTX_SM90A
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+#endif
+}
+// Hand registers back to / take them from the SM's pool (whole warpgroup).
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+#if PTX_SM90A
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+#if PTX_SM90A
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+
+// ----------------------------------------------------------------------------
+// sm_90a: fences, wgmma groups, register pinning, descriptors
+
+// Order this thread's generic-proxy writes of shared memory (cp.async, st.shared, stmatrix)
+// before later async-proxy reads of it (wgmma operands from shared memory).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+#if PTX_SM90A
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+// Order earlier register writes (accumulators, A fragments) before the next wgmmas read them.
+__device__ __forceinline__ void wgmma_fence() {
+#if PTX_SM90A
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#if PTX_SM90A
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+// Wait until at most N of this warpgroup's committed wgmma groups are still pending.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#if PTX_SM90A
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// Pin accumulator / A-fragment registers at this point of the program: between a
+// wgmma.mma_async and the wgmma.wait_group that retires it, its registers must not be touched,
+// and these empty asm statements ("+f" / "+r" operands) keep the compiler from moving their reads
+// or writes across the issue and wait points.
+template <int NB>
+__device__ __forceinline__ void wg_fence_acc(float (&d)[NB][4]) {
+#pragma unroll
+    for (int i = 0; i < NB; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) asm volatile("" : "+f"(d[i][e])::"memory");
+}
+template <int KS>
+__device__ __forceinline__ void wg_fence_frag(uint32_t (&a)[KS][4]) {
+#pragma unroll
+    for (int i = 0; i < KS; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) asm volatile("" : "+r"(a[i][e])::"memory");
+}
+
+// Operand list of accumulator block i (8 columns: registers d[i][0..3], fragment registers
+// 4i .. 4i+3 in the PTX order) of a wgmma; the families build their full lists from it.
+#define WG_ACC4(d, i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+
+// wgmma shared-memory matrix descriptor, 128-byte swizzle, base offset 0 (64 bits):
+//   bits  0-13  start address >> 4        bits 16-29  leading-dimension byte offset (LBO) >> 4
+//   bits 32-45  stride-dimension byte offset (SBO) >> 4
+//   bits 49-51  base offset = 0 (every start address lies in row 0 of a 1024-byte swizzle atom)
+//   bits 62-63  swizzle mode: 1 = 128-byte swizzle
+// Every field fits its 14 bits: shared addresses are below 228 KB.
+#define PTX_WG_DESC_SW128 1ull
+__device__ __forceinline__ uint64_t wg_desc(uint32_t addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+    return (uint64_t)((addr >> 4) & 0x3FFF) | ((uint64_t)((lbo_bytes >> 4) & 0x3FFF) << 16) |
+           ((uint64_t)((sbo_bytes >> 4) & 0x3FFF) << 32) | (PTX_WG_DESC_SW128 << 62);
+}
+// The start address is the low field: moving a descriptor by `bytes` (a multiple of 16) adds
+// bytes >> 4 there. No carry into bit 14 is possible: every address is below 228 KB (< 2^18).
+__device__ __forceinline__ uint64_t wg_desc_add(uint64_t desc, uint32_t bytes) {
+    return desc + (uint64_t)(bytes >> 4);
+}
+
+#endif  // KERNELS_PTX_CUH
