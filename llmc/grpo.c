@@ -334,7 +334,8 @@ static double policy_micro_batch(Grpo* g, const GrpoBatch* b, const int* rows, i
         if (g->h_tgt[o] < 0) continue;
         const double lp = g->h_logp[o], ratio = exp(lp - g->h_old[o]), A = g->h_adv[o];
         st->ratio_mean += ratio;
-        st->clip_frac += (A > 0 && ratio > 1.0 + r->clip_high) || (A < 0 && ratio < 1.0 - r->clip_low);
+        st->clip_frac +=
+            (A > 0 && ratio > 1.0 + r->clip_high) || (A < 0 && ratio < 1.0 - r->clip_low);
         if (g->ref) {
             const double d = g->h_ref[o] - lp;
             st->kl += exp(d) - d - 1.0;
@@ -457,7 +458,8 @@ void grpo_log_step(const Grpo* g, StepLog* lg, const StepStats* s) {
            st->staleness ? " (1 behind)" : "", st->rollout_s * 1e3, st->gen_tok_s,
            st->train_s * 1e3, st->sync_s * 1e3, s->norm, s->lr);
     if (st->masked || st->skipped_groups || st->regenerated)
-        printf("  %d answers without a reward (masked), %d of %d groups skipped (equal rewards)%s\n",
+        printf("  %d answers without a reward (masked), %d of %d groups skipped (equal "
+               "rewards)%s\n",
                st->masked, st->skipped_groups, g->r->prompts,
                st->regenerated ? ", the pending batch was too stale: generated again" : "");
     if (!lg->f) return;

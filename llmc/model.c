@@ -692,9 +692,10 @@ void model_block_decode_at(const Model* m, Workspace* ws, int block, const void*
         ops->qknorm_rope_forward(ctx, at(ws, a->qkv, row),
                                  a->rstd_qk ? a->rstd_qk + (size_t)i * heads : NULL,
                                  at(ws, a->qkv_raw, row), opt_at(ws, slab, bl->q_norm),
-                                 opt_at(ws, slab, bl->k_norm), r->rope_cos + (size_t)r->pos[i] * half,
-                                 r->rope_sin + (size_t)r->pos[i] * half, 1, 1, c->H, c->KVH, c->HD,
-                                 c->norm_eps);
+                                 opt_at(ws, slab, bl->k_norm),
+                                 r->rope_cos + (size_t)r->pos[i] * half,
+                                 r->rope_sin + (size_t)r->pos[i] * half, 1, 1, c->H, c->KVH,
+                                 c->HD, c->norm_eps);
         // the new token's key and value into its slot's cache at its position
         const int64_t cache_at = ((int64_t)r->slot[i] * r->maxT + r->pos[i]) * KD;
         ops->copy(ctx, at(ws, kc, cache_at), at(ws, a->qkv, row + QD),

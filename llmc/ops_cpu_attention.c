@@ -804,6 +804,7 @@ void ops_cpu_attention_decode(void* ctx, void* out, const void* qkv, const void*
                         .sinks = sinks, .maxT = maxT, .H = H, .KVH = KVH, .HD = HD,
                         .window = window, .scale = 1.0f / sqrtf((float)HD)};
     for (int i = 0; i < n; i++)
-        if (len[i] < 1 || len[i] > maxT) fatal("internal: decode attention over %d keys (cache of %d)", len[i], maxT);
+        if (len[i] < 1 || len[i] > maxT)
+            fatal("internal: decode attention over %d keys (cache of %d)", len[i], maxT);
     cpu_run(ctx, (int64_t)n * H, decode_attention_task, &a);
 }

@@ -458,6 +458,36 @@ static void test_grpo_cli_learns(TestCtx* t) {
     free(b);
 }
 
+// --reward-cmd: the command's NaN answers mask their answers (the mean is over the scored
+// ones: 0.5, not the 0.333 that counting them as 0 would give), {"reward": x} lines are read, and
+// a command that does not answer in time masks the batch with a warning instead of hanging.
+static void test_grpo_cli_reward_cmd(TestCtx* t) {
+    char script[512], args[2048];
+    test_path(t, script, sizeof script, "grpo_reward.sh");
+    FILE* f = fopen(script, "w");
+    CHECK(t, f != NULL, "cannot write %s", script);
+    if (!f) return;
+    fputs("#!/bin/sh\nn=0\nwhile IFS= read -r line; do n=$((n+1)); case $((n % 3)) in\n"
+          "1) echo '{\"reward\": 1}';; 2) echo 0;; *) echo NaN;; esac; done\n", f);
+    fclose(f);
+    snprintf(args, sizeof args, "--rl grpo --steps 1 --seq 16 --rl-prompts 4 --rl-group 3 "
+             "--rl-max-tokens 2 --rl-eval 2 --threads 2 --sample-tokens 0 --reward-cmd 'sh %s'",
+             script);
+    int rc = test_run_cli(t, "grpo_cmd", args);
+    char* out = test_read_output(t, "grpo_cmd", "out");
+    CHECK(t, rc == 0, "exit %d", rc);
+    CHECK(t, strstr(out, "| reward 0.500 |") != NULL, "the mean over scored answers: %s", out);
+    CHECK(t, strstr(out, "4 answers without a reward (masked)") != NULL, "masked count: %s", out);
+    free(out);
+    rc = test_run_cli(t, "grpo_slow", "--rl grpo --steps 1 --seq 16 --rl-prompts 2 --rl-group 2 "
+                      "--rl-max-tokens 2 --rl-eval 2 --threads 2 --sample-tokens 0 "
+                      "--reward-cmd 'sleep 10' --reward-timeout 0.3");
+    out = test_read_output(t, "grpo_slow", "out");
+    CHECK(t, rc == 0 && strstr(out, "no answer within 0.3 s: 4 of 4 answers masked"),
+          "timeout: exit %d: %s", rc, out);
+    free(out);
+}
+
 const TestCase tests_grpo[] = {
     {"grpo_decode_attention_matches_full", test_grpo_decode_attention_matches_full},
     {"grpo_generate_matches_forward", test_grpo_generate_matches_forward},
@@ -465,6 +495,7 @@ const TestCase tests_grpo[] = {
     {"grpo_policy_op_gradient", test_grpo_policy_op_gradient},
     {"grpo_policy_model_gradient", test_grpo_policy_model_gradient},
     {"grpo_advantages", test_grpo_advantages},
+    {"grpo_cli_reward_cmd", test_grpo_cli_reward_cmd},
     {"grpo_cli_learns", test_grpo_cli_learns},
     {NULL, NULL},
 };
