@@ -488,6 +488,42 @@ static void test_grpo_cli_reward_cmd(TestCtx* t) {
     free(out);
 }
 
+// The KV cache is planned: a budget it does not fit is refused with the numbers and the flags
+// that shrink it; and the flags --rl cannot run with yet are refused before anything loads.
+static void test_grpo_refusals(TestCtx* t) {
+    ModelConfig cfg;
+    char err[ERR_LEN] = "";
+    Model m;
+    CHECK(t, config_from_preset(&cfg, "test-llama", err) == 0 && model_init(&m, &cfg, 0, err) == 0,
+          "%s", err);
+    void* ctx = ops_cpu_create(1);
+    Generator g;
+    const GenOptions go = {.max_seqs = 128, .max_len = 512, .temperature = 1.0f, .top_p = 1.0f,
+                           .max_bytes = 1 << 20};
+    CHECK(t, gen_create(&g, &m, &ops_cpu, ctx, &go, 1, err) == -1 && strstr(err, "KV cache") &&
+                 strstr(err, "--rl-max-tokens"),
+          "an over-budget generator: %s", err);
+    ops_cpu_destroy(ctx);
+    model_free(&m);
+    const char* bad[][2] = {
+        {"--rl grpo --device cpu:2", "plain training"},
+        {"--rl grpo --temperature 0", "must be above 0"},
+        {"--rl grpo --seq 8 --rl-max-tokens 8", "must fit --seq"},
+        {"--rl ppo", "expected grpo"},
+        {"--rl grpo --adv-std mean", "group, batch or none"},
+        {"--rl grpo --off-policy 1 --max-staleness 0", "at least 1"},
+        {"--reward-cmd true", "needs --rl grpo"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char args[256];
+        snprintf(args, sizeof args, "%s --steps 1 --sample-tokens 0", bad[i][0]);
+        const int rc = test_run_cli(t, "grpo_bad", args);
+        char* e = test_read_output(t, "grpo_bad", "err");
+        CHECK(t, rc == 2 && strstr(e, bad[i][1]), "'%s': exit %d, %s", bad[i][0], rc, e);
+        free(e);
+    }
+}
+
 const TestCase tests_grpo[] = {
     {"grpo_decode_attention_matches_full", test_grpo_decode_attention_matches_full},
     {"grpo_generate_matches_forward", test_grpo_generate_matches_forward},
@@ -495,6 +531,7 @@ const TestCase tests_grpo[] = {
     {"grpo_policy_op_gradient", test_grpo_policy_op_gradient},
     {"grpo_policy_model_gradient", test_grpo_policy_model_gradient},
     {"grpo_advantages", test_grpo_advantages},
+    {"grpo_refusals", test_grpo_refusals},
     {"grpo_cli_reward_cmd", test_grpo_cli_reward_cmd},
     {"grpo_cli_learns", test_grpo_cli_learns},
     {NULL, NULL},
