@@ -55,6 +55,7 @@
     X(comm)        \
     X(memory)      \
     X(train)       \
+    X(grpo)        \
     X(cli)
 
 #define DECLARE_SUITE(s) extern const TestCase tests_##s[] __attribute__((weak));

@@ -21,6 +21,7 @@
 #include "llmc/common.h"
 #include "llmc/dataloader.h"
 #include "llmc/engine.h"
+#include "llmc/grpo.h"
 #include "llmc/interrupt.h"
 #include "llmc/log.h"
 #include "llmc/lora.h"
@@ -211,6 +212,53 @@ static void save_interrupted(Trainer* tr, const DataLoader* train, const TrainAr
         printf("no checkpoint (no --out DIR): the run cannot be resumed\n");
 }
 
+// ----------------------------------------------------------------------------
+// reinforcement learning: --rl grpo (llmc/grpo.h)
+
+// GRPO steps from `start`: per step the answers (with the weights before the step, or one
+// version older with --off-policy 1), their rewards and the policy step, then the new weights
+// into the generator as version `step`; the held-out accuracy at the start, every
+// --rl-eval-every steps and at the end; checkpoints as in pre-training. Returns the last step
+// trained (*saved: the last checkpoint's).
+static int train_rl(const TrainArgs* a, Trainer* tr, const Model* model, Store* store,
+                    const Tokenizer* tok, const DataLoader* train, StepLog* lg,
+                    const char* args_json, int start, int* saved) {
+    char err[ERR_LEN];
+    HostLimit lim;
+    if (memory_host_limit("", &lim, err) != 0) fatal("%s", err);
+    Grpo grpo;
+    if (grpo_create(&grpo, a, model, store, tr->plain, tok, start, lim.bytes, err) != 0)
+        fatal("--rl: %s", err);
+    const RlArgs* r = &a->rl;
+    printf("GRPO: %d prompts x %d answers of up to %d tokens per step (task %s, reward %s), "
+           "temperature %g, adv-std %s, clip %g/%g, loss %s, kl-beta %g, %s\n", r->prompts,
+           r->group, r->max_tokens, r->task, *r->reward_cmd ? "--reward-cmd" :
+           r->reward == RL_REWARD_ARITH ? "arith" : "exact", (double)a->temperature,
+           rl_adv_std_name(r->adv_std), (double)r->clip_low, (double)r->clip_high,
+           rl_loss_agg_name(r->loss_agg), (double)r->kl_beta,
+           r->off_policy ? "one step off-policy" : "on-policy");
+    grpo_log_eval(lg, start, grpo_evaluate(&grpo), grpo.task.n_eval);
+    int done = start;
+    for (int step = start + 1; step <= a->steps && !interrupt_signal(); step++) {
+        grpo_rollout(&grpo, step);                          // answers and rewards
+        const StepStats st = grpo_train(&grpo, tr, step);   // advantages, the policy step
+        grpo_sync(&grpo, step);                             // the generator's weights: version step
+        grpo_log_step(&grpo, lg, &st);
+        done = step;
+        interrupt_test_hook(step);
+        if (a->save_every > 0 && (step % a->save_every == 0 || step == a->steps)) {
+            if (trainer_save_checkpoint(tr, train, step, args_json, err) != 0) fatal("%s", err);
+            *saved = step;
+        }
+        if (r->eval_every > 0 && step % r->eval_every == 0 && step != a->steps)
+            grpo_log_eval(lg, step, grpo_evaluate(&grpo), grpo.task.n_eval);
+    }
+    if (done > start && !interrupt_signal())
+        grpo_log_eval(lg, done, grpo_evaluate(&grpo), grpo.task.n_eval);
+    grpo_free(&grpo);
+    return done;
+}
+
 int main(int argc, char** argv) {
     char err[ERR_LEN];
     // line-buffered even into a file, so a killed run's log shows how far it got
@@ -286,7 +334,7 @@ int main(int argc, char** argv) {
 
     // 4. data
     DataLoader train, val;
-    const int have_val = a.val[0] != '\0' && !dump;
+    const int have_val = a.val[0] != '\0' && !dump && !a.rl.on;  // (RL: held-out accuracy)
     if (dataloader_open(&train, a.train, a.batch, a.seq, dump ? 0 : a.shuffle, a.seed,
                         model.cfg.V, err) != 0)
         fatal("--train: %s", err);
@@ -313,13 +361,16 @@ int main(int argc, char** argv) {
         return interrupt_signal() ? interrupt_exit_status(interrupt_signal()) : 0;
     }
 
-    // 5. training: step, log, checkpoint, evaluate (a signal: the steps in flight finish)
+    // 5. training: step, log, checkpoint, evaluate (a signal: the steps in flight finish); with
+    // --rl grpo the GRPO loop instead (train_rl)
     StepLog lg;
     if (log_open(&lg, a.log, ts.resumed ? (long long)ts.step : -1, err) != 0) fatal("%s", err);
     if (have_val) log_eval(&lg, (int)ts.step, trainer_evaluate(&tr, &val));
     const int start = (int)ts.step;
     int done = start, saved = -1;  // the last step trained, the last checkpoint's step
-    for (int step = start + 1; step <= a.steps; step++) {
+    if (a.rl.on)
+        done = train_rl(&a, &tr, &model, &store, src.tok, &train, &lg, args_json, start, &saved);
+    for (int step = start + 1; step <= a.steps && !a.rl.on; step++) {
         const int stopping = interrupt_signal() != 0;
         if (stopping && trainer_in_flight(&tr) == 0) break;
         const int save = a.save_every > 0 && (step % a.save_every == 0 || step == a.steps);

@@ -52,6 +52,7 @@ void args_defaults(TrainArgs* a) {
     a->prompt = "";
     a->temperature = 0.8f;
     a->init_std = 0.02f;
+    rl_args_defaults(&a->rl);
     a->round_micro_batches = 0;
     a->recompute_layer = 0;
     a->sync = 0;
@@ -254,6 +255,7 @@ void args_usage(FILE* f) {
         (double)d.beta2, (double)d.eps, (double)d.grad_clip, d.eval_every, d.eval_batches,
         d.sample_tokens, (double)d.temperature, d.threads, (double)d.lora_alpha,
         d.profile_steps, (double)d.dist_timeout);
+    rl_args_usage(f);
 }
 
 // ----------------------------------------------------------------------------
@@ -512,7 +514,9 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         {"lora-init", required_argument, 0, OPT_LORA_INIT},
         {"export-lora", required_argument, 0, OPT_EXPORT_LORA},
         {"merge-lora", no_argument, 0, OPT_MERGE_LORA},
-        {"help", no_argument, 0, 'h'},               {0, 0, 0, 0}};
+        {"help", no_argument, 0, 'h'},
+        RL_ARGS_OPTIONS,
+        {0, 0, 0, 0}};
     optind = 1;
     opterr = 0;
     for (;;) {
@@ -674,6 +678,10 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
             case 'h': args_usage(stdout); return 1;
             case ':': return bad(argv[optind - 1], "", "needs a value");
             default: {
+                if (rl_args_owns(c)) {  // the reinforcement-learning flags (rl_args.c)
+                    rc = rl_args_set(&a->rl, c, v);
+                    break;
+                }
                 const char* flag = argv[optind - 1];
                 char what[160] = "unknown flag";
                 const char* near = closest_flag(opts, flag);
@@ -735,7 +743,9 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
                 "(world size %d from %s; run a single process)\n", dc.world, dc.source);
         return 2;
     }
-    return check_lora(a);
+    if (check_lora(a) != 0) return 2;
+    return rl_args_check(&a->rl, a->n_devices > 0 || a->device == DEVICE_CUDA, a->temperature,
+                         a->seq, a->lora_r > 0);
 }
 
 // ----------------------------------------------------------------------------
@@ -783,6 +793,7 @@ char* args_to_json(const TrainArgs* a) {
                    ",\n  \"lora-dropout\": %.9g,\n  \"rslora\": %d",
                 a->lora_r, (double)a->lora_alpha, targets, (double)a->lora_dropout, a->rslora);
     }
+    rl_args_json(m, &a->rl);  // (absent without --rl)
     fputs("\n}\n", m);
     if (ferror(m) || fclose(m) != 0) fatal("building args.json failed");
     return buf;

@@ -9,6 +9,7 @@
 #include <stdio.h>
 
 #include "adamw.h"
+#include "rl_args.h"
 
 typedef enum { DEVICE_CPU = 0, DEVICE_CUDA } DeviceKind;
 typedef enum { EXPORT_F32 = 0, EXPORT_BF16, EXPORT_F16 } ExportDtype;
@@ -86,6 +87,7 @@ typedef struct TrainArgs {
     const char* export_lora; // PEFT adapter directory written at the end ("" = none)
     int merge_lora;          // the HF / GGUF exports carry W + scale·B·A
     const char* lora_flag;   // the first --lora-* flag other than --lora-r given (validation)
+    RlArgs rl;               // reinforcement learning (--rl grpo; rl_args.h)
 } TrainArgs;
 
 // Defaults: the built-in tiny model on the shipped corpus.

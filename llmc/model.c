@@ -659,3 +659,103 @@ void model_postfix_logits_last(const Model* m, Workspace* ws, const void* norm_w
                             c->V);
     }
 }
+
+// ----------------------------------------------------------------------------
+// generation: one decode step of a block, the prefill's keys and values
+
+const void* model_block_qkv(const Workspace* ws, const BlockActs* a) {
+    return ws->mlp_chunk > 0 ? ws->qkv_s : a->qkv;
+}
+
+void model_block_decode_at(const Model* m, Workspace* ws, int block, const void* slab, void* kc,
+                           void* vc, const DecodeRows* r, const void* x_in, void* x_out) {
+    const Ops* ops = ws->ops;
+    void* ctx = ws->ctx;
+    const ModelConfig* c = &m->cfg;
+    const BlockLayout* bl = block_layout(m, block);
+    BlockActs* a = &ws->acts[0];
+    const int n = r->n, C = c->C, F = c->F, QD = c->H * c->HD, KD = c->KVH * c->HD;
+    const int half = c->HD / 2, heads = c->H + c->KVH;
+    if (ws->mlp_chunk > 0 || n > ws->B * ws->T)
+        fatal("internal: decode of %d rows in a workspace of %d (mlp chunk %d)", n, ws->B * ws->T,
+              ws->mlp_chunk);
+    // ln1, qkv_raw as in the forward; then each row's RoPE at its own position (a row is a
+    // one-token sequence whose tables start at that position)
+    ops->rmsnorm_forward(ctx, a->ln1, a->rstd1, x_in, at(ws, slab, bl->attn_norm), n, C,
+                         c->norm_eps);
+    ops->matmul_forward(ctx, a->qkv_raw, a->ln1, at(ws, slab, bl->wqkv),
+                        opt_at(ws, slab, bl->bqkv), n, C, m->QKV);
+    lora_forward(m, ws, block, LORA_BIT(LORA_Q) | LORA_BIT(LORA_K) | LORA_BIT(LORA_V), slab,
+                 a->ln1, a->qkv_raw, n, 0);
+    for (int i = 0; i < n; i++) {
+        const int64_t row = (int64_t)i * m->QKV;
+        ops->qknorm_rope_forward(ctx, at(ws, a->qkv, row),
+                                 a->rstd_qk ? a->rstd_qk + (size_t)i * heads : NULL,
+                                 at(ws, a->qkv_raw, row), opt_at(ws, slab, bl->q_norm),
+                                 opt_at(ws, slab, bl->k_norm),
+                                 r->rope_cos + (size_t)r->pos[i] * half,
+                                 r->rope_sin + (size_t)r->pos[i] * half, 1, 1, c->H, c->KVH,
+                                 c->HD, c->norm_eps);
+        // the new token's key and value into its slot's cache at its position
+        const int64_t cache_at = ((int64_t)r->slot[i] * r->maxT + r->pos[i]) * KD;
+        ops->copy(ctx, at(ws, kc, cache_at), at(ws, a->qkv, row + QD),
+                  (size_t)KD * ops->act_bytes);
+        ops->copy(ctx, at(ws, vc, cache_at), at(ws, a->qkv, row + QD + KD),
+                  (size_t)KD * ops->act_bytes);
+    }
+    ops->attention_decode(ctx, a->att, a->qkv, kc, vc, r->d_slot, r->d_len,
+                          opt_at(ws, slab, bl->sinks), n, r->maxT, c->H, c->KVH, c->HD,
+                          bl->window);
+    // the rest of the block is the forward's, on n rows
+    ops->matmul_forward(ctx, ws->proj, a->att, at(ws, slab, bl->wo), opt_at(ws, slab, bl->bo), n,
+                        QD, C);
+    lora_forward(m, ws, block, LORA_BIT(LORA_O), slab, a->att, ws->proj, n, 0);
+    ops->residual_rmsnorm_forward(ctx, a->h, a->ln2, a->rstd2, x_in, ws->proj,
+                                  at(ws, slab, bl->mlp_norm), n, C, c->norm_eps);
+    if (bl->moe) {
+        MoeWeights w = moe_weights(ws, bl, slab);
+        float* stats = ws->moe_stats + (size_t)m->moe_slot[block] * 2 * c->E;
+        moe_forward(c, ops, ctx, &ws->moe, &a->moe, &w, a->ln2, ws->proj, stats, n);
+        ops->add(ctx, x_out, a->h, ws->proj, (size_t)n * C);
+        return;
+    }
+    ops->matmul_forward(ctx, a->gu, a->ln2, at(ws, slab, bl->wgu), NULL, n, C, 2 * F);
+    lora_forward(m, ws, block, LORA_BIT(LORA_GATE) | LORA_BIT(LORA_UP), slab, a->ln2, a->gu, n, 0);
+    ops->swiglu_forward(ctx, a->act, a->gu, n, F);
+    ops->matmul_forward(ctx, ws->proj, a->act, at(ws, slab, bl->wdown), NULL, n, F, C);
+    lora_forward(m, ws, block, LORA_BIT(LORA_DOWN), slab, a->act, ws->proj, n, 0);
+    ops->add(ctx, x_out, a->h, ws->proj, (size_t)n * C);
+}
+
+// ----------------------------------------------------------------------------
+// postfix with the policy-gradient objective (GRPO): the cross-entropy's chunked loop
+
+void model_postfix_policy(const Model* m, Workspace* ws, const void* norm_w, const void* head_w,
+                          float* dnorm_w, float* dhead_w, const void* x_in, void* dx,
+                          const int32_t* targets, const PolicyLoss* pl, float* logp,
+                          float* losses, int compute_grad, int B, int T) {
+    const Ops* ops = ws->ops;
+    void* ctx = ws->ctx;
+    const ModelConfig* c = &m->cfg;
+    const int N = B * T, C = c->C, V = c->V;
+    if (!ops->policy_forward_backward)
+        fatal("the %s backend has no policy-gradient op yet (--rl trains on the CPU for now)",
+              ops->name);
+    ops->rmsnorm_forward(ctx, ws->xf, ws->rstdf, x_in, norm_w, N, C, c->norm_eps);
+    for (int r0 = 0; r0 < N; r0 += ws->lm_chunk) {
+        int n = imin(ws->lm_chunk, N - r0);
+        const void* xf = at(ws, ws->xf, (int64_t)r0 * C);
+        ops->matmul_forward(ctx, ws->logits, xf, head_w, NULL, n, C, V);
+        ops->policy_forward_backward(ctx, ws->logits, logp + r0, losses + r0, targets + r0,
+                                     pl->old_logp + r0, pl->ref_logp ? pl->ref_logp + r0 : NULL,
+                                     pl->adv + r0, pl->weight + r0, n, V, pl->inv_temp,
+                                     pl->clip_low, pl->clip_high, pl->kl_beta, compute_grad);
+        if (compute_grad)
+            ops->matmul_backward(ctx, at(ws, ws->d_xf, (int64_t)r0 * C), dhead_w, NULL,
+                                 ws->logits, xf, head_w, n, C, V);
+    }
+    if (compute_grad) {
+        ops->zero(ctx, dx, (size_t)N * C * (size_t)ops->act_bytes);
+        ops->rmsnorm_backward(ctx, dx, dnorm_w, ws->d_xf, x_in, norm_w, ws->rstdf, N, C);
+    }
+}

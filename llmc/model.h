@@ -209,4 +209,45 @@ void model_postfix_forward_backward(const Model* m, Workspace* ws, const void* n
 void model_postfix_logits_last(const Model* m, Workspace* ws, const void* norm_w,
                                const void* head_w, const void* x_in, void* logits, int B, int T);
 
+// ----------------------------------------------------------------------------
+// generation (generate.h) and the policy-gradient objective (grpo.h)
+
+// The rows of one decode step: n sequences, one new token each, at their own positions.
+typedef struct DecodeRows {
+    int n;                    // rows (the active sequences), <= the workspace's B*T
+    const int32_t* pos;       // (n) host: each row's position in its sequence
+    const int32_t* slot;      // (n) host: each row's KV-cache slot
+    const int32_t* d_slot;    // (n) device: the same slots, for the decode attention
+    const int32_t* d_len;     // (n) device: pos + 1, the keys each row attends to
+    const float* rope_cos;    // (maxT, HD/2) device RoPE tables covering every position
+    const float* rope_sin;
+    int maxT;                 // positions per cache slot
+} DecodeRows;
+
+// The post-RoPE packed qkv (N, QKV) of the block whose forward last ran with activation set a
+// (the keys and values a prefill copies into the KV cache).
+const void* model_block_qkv(const Workspace* ws, const BlockActs* a);
+// Decoder block `block` for one new token per row: the forward's math on x_in (n, C), with
+// this block's keys and values of the new tokens written into the cache kc, vc (slots, maxT,
+// KVH*HD) at (slot, pos) and attention over each row's cache (ops->attention_decode). Uses
+// activation set 0 of ws as scratch (ws without MLP chunks, B*T >= n).
+void model_block_decode_at(const Model* m, Workspace* ws, int block, const void* slab, void* kc,
+                           void* vc, const DecodeRows* r, const void* x_in, void* x_out);
+
+// Per-token inputs of the clipped policy-gradient objective (ops.h policy_forward_backward),
+// device fp32 buffers of N = B*T entries aligned with the targets; ref_logp NULL: no KL.
+typedef struct PolicyLoss {
+    const float *old_logp, *ref_logp, *adv, *weight;
+    float inv_temp, clip_low, clip_high, kl_beta;
+} PolicyLoss;
+
+// As model_postfix_forward_backward with the policy objective instead of the cross-entropy:
+// logp (N) the log-prob of each target under softmax(logits · inv_temp), losses (N) each
+// token's weighted objective; when compute_grad, dx and the head's and norm's gradients of the
+// summed objective (the weights carry the normalisation).
+void model_postfix_policy(const Model* m, Workspace* ws, const void* norm_w, const void* head_w,
+                          float* dnorm_w, float* dhead_w, const void* x_in, void* dx,
+                          const int32_t* targets, const PolicyLoss* pl, float* logp,
+                          float* losses, int compute_grad, int B, int T);
+
 #endif  // LLMC_MODEL_H

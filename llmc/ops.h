@@ -124,6 +124,31 @@ typedef struct Ops {
                                           const int32_t* targets, int n, int V, float grad_scale,
                                           int compute_grad);
 
+    // ---- generation and policy-gradient ops (generate.h, grpo.h; may be NULL on a backend that
+    // does not implement them yet: generation and --rl refuse that backend) ----
+    // Decode attention, one query row per sequence against its KV cache: for row i (n rows),
+    // the q heads of qkv row i (N, QKV packed; only q is read) attend to keys 0 .. len[i]-1 of
+    // cache slot slot[i]: kc, vc (slots, maxT, KVH*HD) in the compute dtype. window > 0 keeps
+    // the last `window` keys; sinks (H) or NULL adds one value-less logit per head to the
+    // denominator (as attention_sink_forward). out (n, H*HD) overwritten. slot, len (n) int32.
+    void (*attention_decode)(void* ctx, void* out, const void* qkv, const void* kc, const void* vc,
+                             const int32_t* slot, const int32_t* len, const void* sinks, int n,
+                             int maxT, int H, int KVH, int HD, int window);
+    // The clipped policy-gradient objective over a chunk of logits (n, V), per token i with a
+    // target (targets[i] >= 0; < 0: ignored, logp 0, zero gradient):
+    //   logp_i = log softmax(logits_i · inv_temp)[target]           (into logp, fp32)
+    //   r_i = exp(logp_i - old_logp_i), A = adv_i, w = weight_i
+    //   loss_i = w · (-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) + kl_beta · k3_i)
+    //   k3_i = exp(ref_i - logp_i) - (ref_i - logp_i) - 1           (ref_logp NULL: no KL term)
+    // losses (n) gets loss_i; when compute_grad, logits is overwritten with dloss_i/dlogits =
+    // coef_i · inv_temp · (onehot - softmax), coef_i = dloss_i/dlogp_i (0 where the clip is
+    // active). old_logp, ref_logp, adv, weight (n) fp32.
+    void (*policy_forward_backward)(void* ctx, void* logits, float* logp, float* losses,
+                                    const int32_t* targets, const float* old_logp,
+                                    const float* ref_logp, const float* adv, const float* weight,
+                                    int n, int V, float inv_temp, float clip_low, float clip_high,
+                                    float kl_beta, int compute_grad);
+
     // ---- attention with sinks and sliding windows (GPT-OSS) ----
     // As attention_forward, with key j visible to query t iff j <= t and (window == 0 or
     // j > t - window), and, when sinks (H) is non-NULL, one more logit s_h per head in the softmax

@@ -668,6 +668,82 @@ static void cpu_crossentropy_forward_backward(void* ctx, void* logits, float* lo
 }
 
 // ----------------------------------------------------------------------------
+// clipped policy-gradient objective (GRPO) over a chunk of logits
+
+typedef struct PolicyArgs {
+    float* logits;           // (n, V), overwritten by dlogits when compute_grad
+    float* logp;             // (n)
+    float* losses;           // (n)
+    const int32_t* targets;  // (n)
+    const float *old_logp, *ref_logp, *adv, *weight;  // (n); ref_logp may be NULL
+    int n, V, rows_per_task, compute_grad;
+    float inv_temp, clip_low, clip_high, kl_beta;
+} PolicyArgs;
+
+static void policy_task(void* arg, int64_t task) {
+    const PolicyArgs* x = arg;
+    int i0 = (int)task * x->rows_per_task, i1 = imin(x->n, i0 + x->rows_per_task);
+    for (int i = i0; i < i1; i++) {
+        float* z = x->logits + (size_t)i * x->V;
+        int y = x->targets[i];
+        if (y < 0) {
+            if (x->logp) x->logp[i] = 0.0f;
+            if (x->losses) x->losses[i] = 0.0f;
+            if (x->compute_grad) memset(z, 0, (size_t)x->V * sizeof(float));
+            continue;
+        }
+        if (y >= x->V) fatal("policy loss: target %d outside [0, %d)", y, x->V);
+        const float zy = z[y];
+        float mx = -INFINITY;
+        for (int j = 0; j < x->V; j++) mx = z[j] > mx ? z[j] : mx;
+        double sum = 0.0;
+        for (int j = 0; j < x->V; j++) {
+            float e = expf((z[j] - mx) * x->inv_temp);
+            sum += e;
+            if (x->compute_grad) z[j] = e;
+        }
+        // the same arithmetic as the sampler's log-prob (generate.c), so that on-policy r = 1
+        const double lp = (double)((zy - mx) * x->inv_temp) - log(sum);
+        if (x->logp) x->logp[i] = (float)lp;
+        const double A = x->adv[i], w = x->weight[i];
+        const double r = exp(lp - (double)x->old_logp[i]);
+        const double rc = fmin(fmax(r, 1.0 - x->clip_low), 1.0 + x->clip_high);
+        // min(r A, clip(r) A): the clipped term is the smaller one exactly when the clip binds
+        // in the direction the advantage pushes (r above 1 + ε_high for A > 0, below 1 - ε_low
+        // for A < 0); there the objective is flat in θ
+        const int clipped = rc * A < r * A;
+        double loss = -(clipped ? rc * A : r * A), coef = clipped ? 0.0 : -r * A;
+        if (x->ref_logp && x->kl_beta != 0.0f) {
+            const double d = (double)x->ref_logp[i] - lp;
+            loss += x->kl_beta * (exp(d) - d - 1.0);
+            coef += x->kl_beta * (1.0 - exp(d));  // d k3 / d logp
+        }
+        if (x->losses) x->losses[i] = (float)(w * loss);
+        if (x->compute_grad) {
+            // d logp / d z_j = τ⁻¹ (onehot_j - p_j)
+            const float g = (float)(w * coef * x->inv_temp), inv = (float)(1.0 / sum);
+            const float py = z[y] * inv;
+            for (int j = 0; j < x->V; j++) z[j] = -(z[j] * inv) * g;
+            z[y] = (1.0f - py) * g;
+        }
+    }
+}
+
+static void cpu_policy_forward_backward(void* ctx, void* logits, float* logp, float* losses,
+                                        const int32_t* targets, const float* old_logp,
+                                        const float* ref_logp, const float* adv,
+                                        const float* weight, int n, int V, float inv_temp,
+                                        float clip_low, float clip_high, float kl_beta,
+                                        int compute_grad) {
+    PolicyArgs x = {.logits = logits, .logp = logp, .losses = losses, .targets = targets,
+                    .old_logp = old_logp, .ref_logp = ref_logp, .adv = adv, .weight = weight,
+                    .n = n, .V = V, .rows_per_task = rows_per_task((size_t)V),
+                    .compute_grad = compute_grad, .inv_temp = inv_temp, .clip_low = clip_low,
+                    .clip_high = clip_high, .kl_beta = kl_beta};
+    cpu_run(ctx, task_count(n, x.rows_per_task), policy_task, &x);
+}
+
+// ----------------------------------------------------------------------------
 // the table
 
 void* ops_cpu_create(int n_threads) {
@@ -718,6 +794,8 @@ const Ops ops_cpu = {
     .add = cpu_add,
     .add_f32 = cpu_add_f32,
     .crossentropy_forward_backward = cpu_crossentropy_forward_backward,
+    .attention_decode = ops_cpu_attention_decode,
+    .policy_forward_backward = cpu_policy_forward_backward,
     .attention_sink_forward = ops_cpu_attention_sink_forward,
     .attention_sink_backward = ops_cpu_attention_sink_backward,
     .moe_route_forward = ops_cpu_moe_route_forward,

@@ -752,3 +752,59 @@ void ops_cpu_attention_sink_backward(void* ctx, void* dqkv, float* dsinks, const
     free(a.dsink_part);
 }
 
+
+// ----------------------------------------------------------------------------
+// decode attention: one query row per sequence against its KV cache (generate.c)
+
+typedef struct DecodeAttnArgs {
+    float* out;            // (n, H*HD)
+    const float* qkv;      // (n, QKV): the q part of each row
+    const float* kc;       // (slots, maxT, KVH*HD)
+    const float* vc;       // (slots, maxT, KVH*HD)
+    const int32_t* slot;   // (n)
+    const int32_t* len;    // (n)
+    const float* sinks;    // (H) or NULL
+    int maxT, H, KVH, HD, window;
+    float scale;
+} DecodeAttnArgs;
+
+// Task (row i, head h): a softmax over the visible keys in two passes (max, then the weighted
+// sum), in the same float arithmetic as the sink attention's reference.
+static void decode_attention_task(void* arg, int64_t task) {
+    const DecodeAttnArgs* a = arg;
+    const int i = (int)(task / a->H), h = (int)(task % a->H), g = h / (a->H / a->KVH);
+    const int HD = a->HD, KD = a->KVH * HD, QKV = (a->H + 2 * a->KVH) * HD;
+    const int len = a->len[i], first = a->window > 0 && len > a->window ? len - a->window : 0;
+    const float* q = a->qkv + (size_t)i * QKV + (size_t)h * HD;
+    const float* kbase = a->kc + (size_t)a->slot[i] * a->maxT * KD + (size_t)g * HD;
+    const float* vbase = a->vc + (size_t)a->slot[i] * a->maxT * KD + (size_t)g * HD;
+    float* o = a->out + (size_t)i * a->H * HD + (size_t)h * HD;
+    float mx = a->sinks ? a->sinks[h] : -INFINITY;
+    for (int j = first; j < len; j++) {
+        const float s = vec_dot(q, kbase + (size_t)j * KD, HD) * a->scale;
+        mx = s > mx ? s : mx;
+    }
+    double den = a->sinks ? (double)expf(a->sinks[h] - mx) : 0.0;
+    for (int d = 0; d < HD; d++) o[d] = 0.0f;
+    for (int j = first; j < len; j++) {
+        const float p = expf(vec_dot(q, kbase + (size_t)j * KD, HD) * a->scale - mx);
+        den += p;
+        const float* v = vbase + (size_t)j * KD;
+        for (int d = 0; d < HD; d++) o[d] += p * v[d];
+    }
+    const float inv = den > 0.0 ? (float)(1.0 / den) : 0.0f;
+    for (int d = 0; d < HD; d++) o[d] *= inv;
+}
+
+void ops_cpu_attention_decode(void* ctx, void* out, const void* qkv, const void* kc,
+                              const void* vc, const int32_t* slot, const int32_t* len,
+                              const void* sinks, int n, int maxT, int H, int KVH, int HD,
+                              int window) {
+    DecodeAttnArgs a = {.out = out, .qkv = qkv, .kc = kc, .vc = vc, .slot = slot, .len = len,
+                        .sinks = sinks, .maxT = maxT, .H = H, .KVH = KVH, .HD = HD,
+                        .window = window, .scale = 1.0f / sqrtf((float)HD)};
+    for (int i = 0; i < n; i++)
+        if (len[i] < 1 || len[i] > maxT)
+            fatal("internal: decode attention over %d keys (cache of %d)", len[i], maxT);
+    cpu_run(ctx, (int64_t)n * H, decode_attention_task, &a);
+}

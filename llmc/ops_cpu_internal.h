@@ -127,6 +127,10 @@ void ops_cpu_attention_sink_backward(void* ctx, void* dqkv, float* dsinks, const
                                      const void* qkv, const void* out, const float* lse,
                                      const void* sinks, int B, int T, int H, int KVH, int HD,
                                      int window);
+void ops_cpu_attention_decode(void* ctx, void* out, const void* qkv, const void* kc,
+                              const void* vc, const int32_t* slot, const int32_t* len,
+                              const void* sinks, int n, int maxT, int H, int KVH, int HD,
+                              int window);
 
 // ----------------------------------------------------------------------------
 // mixture of experts (ops_cpu_moe.c)

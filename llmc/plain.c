@@ -165,6 +165,22 @@ static void forward_blocks(Plain* p, int B, int T) {
     }
 }
 
+// The blocks' backward deepest first, then the embedding's, from the postfix's dres.
+static void backward_blocks(Plain* p, int B, int T) {
+    const Model* m = p->m;
+    for (int l = m->cfg.L - 1; l >= 0; l--) {
+        BlockActs* a = &p->ws->acts[p->recompute ? 0 : l];
+        // Recompute: x[l+1] is no longer needed once block l+1's backward is done, so the
+        // recomputed output can overwrite it.
+        if (p->recompute)
+            model_block_forward_at(m, p->ws, a, l, p->dparam[l + 1], p->x[l], p->x[l + 1], B, T);
+        model_block_backward_at(m, p->ws, a, l, p->dparam[l + 1], p->dgrad[l + 1], p->x[l],
+                                p->dres, B, T);
+    }
+    int i_embed = tensor_table_index(&m->tt, TK_EMBED, -1);
+    model_prefix_backward(m, p->ws, dgrad_of(p, i_embed), p->dres, p->ids, B, T);
+}
+
 double plain_forward_backward(Plain* p, const int32_t* tokens, int B, int T, float grad_scale) {
     const Model* m = p->m;
     const int L = m->cfg.L, N = B * T;
@@ -179,17 +195,7 @@ double plain_forward_backward(Plain* p, const int32_t* tokens, int B, int T, flo
     model_postfix_forward_backward(m, p->ws, dparam_of(p, i_norm), dparam_of(p, i_head),
                                    dgrad_of(p, i_norm), dgrad_of(p, i_head), p->x[L], p->dres,
                                    p->targets, p->losses, grad_scale, 1, B, T);
-    for (int l = L - 1; l >= 0; l--) {
-        BlockActs* a = &p->ws->acts[p->recompute ? 0 : l];
-        // Recompute: x[l+1] is no longer needed once block l+1's backward is done, so the
-        // recomputed output can overwrite it.
-        if (p->recompute)
-            model_block_forward_at(m, p->ws, a, l, p->dparam[l + 1], p->x[l], p->x[l + 1], B, T);
-        model_block_backward_at(m, p->ws, a, l, p->dparam[l + 1], p->dgrad[l + 1], p->x[l],
-                                p->dres, B, T);
-    }
-    int i_embed = tensor_table_index(&m->tt, TK_EMBED, -1);
-    model_prefix_backward(m, p->ws, dgrad_of(p, i_embed), p->dres, p->ids, B, T);
+    backward_blocks(p, B, T);
     p->ce_sum = download_loss_sum(p, N);
     return p->ce_sum + model_aux_weight(m) * p->aux * (double)N;
 }
@@ -220,4 +226,30 @@ void plain_logits_last(Plain* p, const int32_t* tokens, int n, float* logits) {
     model_postfix_logits_last(m, p->ws, dparam_of(p, i_norm), dparam_of(p, i_head), p->x[m->cfg.L],
                               p->ws->logits, 1, n);
     p->ops->download_f32(p->ctx, logits, p->ws->logits, (size_t)m->cfg.V);
+}
+
+double plain_policy_forward_backward(Plain* p, const int32_t* ids, const int32_t* targets,
+                                     const PolicyLoss* pl, float* logp, float* losses,
+                                     int compute_grad, int B, int T) {
+    const Model* m = p->m;
+    const size_t N = (size_t)B * T;
+    if (B > p->B || T > p->T || B <= 0 || T <= 0)
+        fatal("internal: policy batch %dx%d exceeds the workspace %dx%d", B, T, p->B, p->T);
+    p->ops->upload(p->ctx, p->ids, ids, N * sizeof(int32_t));
+    p->ops->upload(p->ctx, p->targets, targets, N * sizeof(int32_t));
+    p->ws->lora_train = compute_grad;
+    forward_blocks(p, B, T);
+    if (compute_grad) p->aux = model_moe_aux(m, p->ws, B, T, 0.0f);  // routing only: no aux loss
+    int i_norm = tensor_table_index(&m->tt, TK_FINAL_NORM, -1);
+    int i_head = tensor_table_index(&m->tt, TK_LM_HEAD, -1);
+    model_postfix_policy(m, p->ws, dparam_of(p, i_norm), dparam_of(p, i_head),
+                         compute_grad ? dgrad_of(p, i_norm) : NULL,
+                         compute_grad ? dgrad_of(p, i_head) : NULL, p->x[m->cfg.L],
+                         compute_grad ? p->dres : NULL, p->targets, pl, logp, losses,
+                         compute_grad, B, T);
+    if (compute_grad) backward_blocks(p, B, T);
+    p->ops->download(p->ctx, p->losses_host, losses, N * sizeof(float));
+    double sum = 0.0;
+    for (size_t i = 0; i < N; i++) sum += p->losses_host[i];
+    return sum;
 }

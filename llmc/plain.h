@@ -65,5 +65,13 @@ double plain_forward_backward(Plain* p, const int32_t* tokens, int B, int T, flo
 double plain_forward_loss(Plain* p, const int32_t* tokens, int B, int T);
 // Logits (V, host fp32) after the last of n tokens of one sequence (n <= T).
 void plain_logits_last(Plain* p, const int32_t* tokens, int n, float* logits);
+// The policy-gradient objective (GRPO, model.h model_postfix_policy) of B rows of T tokens:
+// ids and targets (B*T, host; targets < 0 ignored), the per-token inputs pl and outputs logp,
+// losses on the device (B*T each). With compute_grad, the gradients of the summed objective
+// accumulate on the device slabs (the per-token weights carry the normalisation). Returns the
+// summed objective (host).
+double plain_policy_forward_backward(Plain* p, const int32_t* ids, const int32_t* targets,
+                                     const PolicyLoss* pl, float* logp, float* losses,
+                                     int compute_grad, int B, int T);
 
 #endif  // LLMC_PLAIN_H

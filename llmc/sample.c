@@ -1,6 +1,7 @@
 /*
- * sample.c — temperature sampling over a sliding window, printed as it goes (decoded by the
- * model's tokenizer when it has one).
+ * sample.c — --sample-tokens: the generation engine (generate.h) on the plain path's weights,
+ * then, past the context window, a sliding window; printed as it goes (decoded by the model's
+ * tokenizer when it has one).
  */
 #include "sample.h"
 
@@ -11,6 +12,7 @@
 
 #include "alloc.h"
 #include "common.h"
+#include "generate.h"
 #include "rng.h"
 
 // A token's text as the tokenizer decodes it: bytes as they are (a character split over two
@@ -45,22 +47,6 @@ static void print_token(const ModelConfig* c, const Tokenizer* t, int tok) {
     }
 }
 
-// Sample from softmax(logits / temperature); temperature 0 = greedy.
-static int sample_token(const float* logits, int V, float temperature, Rng* rng) {
-    int best = 0;
-    for (int v = 1; v < V; v++)
-        if (logits[v] > logits[best]) best = v;
-    if (temperature <= 0.0f) return best;
-    double sum = 0.0;
-    for (int v = 0; v < V; v++) sum += exp((logits[v] - logits[best]) / temperature);
-    double r = rng_uniform(rng) * sum;
-    for (int v = 0; v < V; v++) {
-        r -= exp((logits[v] - logits[best]) / temperature);
-        if (r <= 0.0) return v;
-    }
-    return best;
-}
-
 void sample_print(Plain* p, int window, int n_tokens, const char* prompt, float temperature,
                   uint32_t seed, const Tokenizer* tok) {
     const ModelConfig* c = &p->m->cfg;
@@ -89,10 +75,40 @@ void sample_print(Plain* p, int window, int n_tokens, const char* prompt, float 
     if (n == 0) toks[n++] = 0;
     printf("sample (%d tokens, temperature %g):\n", n_tokens, (double)temperature);
     for (int i = 0; i < n; i++) print_token(c, tok, toks[i]);
-    for (int i = 0; i < n_tokens; i++) {
+    // While the text fits the window: the generation engine (KV cache, one decode step per
+    // token) on the plain path's weights. Past the window, or on a backend without the decode
+    // op: a forward over the last `window` tokens per token (positions restart at 0 there, as
+    // training saw them).
+    Generator g;
+    char err[ERR_LEN];
+    const GenOptions go = {.max_seqs = 1, .max_len = window, .temperature = temperature,
+                           .top_k = 0, .top_p = 1.0f};
+    int done = 0;
+    if (n < window && gen_create(&g, p->m, p->ops, p->ctx, &go, 0, err) == 0) {
+        float* lp = malloc_named((size_t)window * 2 * sizeof(float), "the sampler's log-probs");
+        int32_t* seq = malloc_named((size_t)window * sizeof(int32_t), "the sampled sequence");
+        memcpy(seq, toks, (size_t)n * sizeof(int32_t));
+        GenSeq gs = {.tokens = seq, .logp = lp, .logp_full = lp + window, .prompt_len = n,
+                     .max_new = imin(n_tokens, window - n), .stop_a = -1, .stop_b = -1,
+                     .rng = rng};
+        gen_borrow_weights(&g, p->dparam, 0);
+        gen_run(&g, &gs, 1, 1);
+        rng = gs.rng;
+        done = gs.len - n;
+        memcpy(toks + n, seq + n, (size_t)done * sizeof(int32_t));
+        for (int i = 0; i < done; i++) print_token(c, tok, toks[n + i]);
+        n += done;
+        gen_free(&g);
+        free(lp);
+        free(seq);
+    }
+    Generator one = {.m = p->m, .o = go};  // gen_sample's view: the model and the options
+    for (int i = done; i < n_tokens; i++) {
         int ctx = n < window ? n : window;  // sliding window of at most T tokens
         plain_logits_last(p, toks + n - ctx, ctx, logits);
-        toks[n] = sample_token(logits, c->V, temperature, &rng);
+        float lp, lpf;
+        one.probs = NULL;
+        toks[n] = gen_sample(&one, logits, &rng, &lp, &lpf);
         print_token(c, tok, toks[n++]);
     }
     printf("\n");

@@ -1,7 +1,8 @@
 /*
  * sample.h — text from the trained model at the end of a run: a prompt, then tokens drawn one at
- * a time from softmax(logits / temperature) over a sliding window of the last T tokens, on the
- * plain path (no KV cache: each token is a forward over the window). A model with a tokenizer
+ * a time from softmax(logits / temperature) by the generation engine (generate.h: KV cache, one
+ * decode step per token) while the text fits the window of T tokens; past it, each token is a
+ * forward over the last T tokens (a sliding window, as before the engine). A model with a tokenizer
  * encodes the prompt with it and prints decoded text; byte-level vocabularies (V 256) without
  * one take the prompt's bytes and print them as text; other models print token ids.
  */

@@ -325,6 +325,29 @@ StepStats trainer_step(Trainer* t, DataLoader* train, int step, int stop_after) 
     return st;
 }
 
+StepStats trainer_step_with(Trainer* t, int step, TrainerGradFn fn, void* arg) {
+    if (t->eng || !t->plain) fatal("internal: trainer_step_with needs plain training");
+    const double t0 = time_now_s();
+    StepStats st = {.step = step, .steps = t->a->steps, .mfu = -1, .bubble = -1, .dev_mib = -1};
+    store_zero_grads(t->s);
+    st.loss = fn(arg, t->plain);
+    plain_sync_grads(t->plain);
+    store_fold_tied_grads(t->s);
+    const AdamWUpdate u =
+        adamw_update(t->pool, t->opt, t->n_opt, &t->hyper, &t->sched, t->a->grad_clip, step);
+    st.norm = u.norm;
+    st.lr = u.hyper.lr;
+    t->s->step = step;
+    plain_sync_params(t->plain);
+    t->n_collected++;
+    if (!isfinite(st.loss)) fatal_nonfinite_loss(t, step);
+    t->t_last = time_now_s();
+    t->drained = 1;
+    log_meter_record(&t->meter, &st, t->t_last - t0);
+    st.host_mib = log_host_rss_mib();
+    return st;
+}
+
 // ----------------------------------------------------------------------------
 // evaluation, checkpoints, the end
 

@@ -85,6 +85,11 @@ int trainer_needs_plain(const TrainArgs* a, int use_engine);
 // step (a checkpoint, an evaluation or the end follows). Fatal on a data error or a non-finite
 // loss (whose message tells a learning-rate problem from weights that were bad to begin with).
 StepStats trainer_step(Trainer* t, DataLoader* train, int step, int stop_after);
+// A step whose objective is the caller's (GRPO): fn accumulates its gradients on t->plain (the
+// store's gradients zeroed before) and returns its value (st.loss); then the optimizer step and
+// the statistics as trainer_step. Plain training only.
+typedef double (*TrainerGradFn)(void* arg, Plain* p);
+StepStats trainer_step_with(Trainer* t, int step, TrainerGradFn fn, void* arg);
 // The mean loss over up to --eval-batches batches of val, from its start, with the weights of
 // every step applied so far.
 double trainer_evaluate(Trainer* t, DataLoader* val);

@@ -1,0 +1,361 @@
+/*
+ * generate.c — the generation engine (generate.h): KV cache planning, prefill per prompt group,
+ * batched decode of the active sequences, sampling with log-probs.
+ */
+#include "generate.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+typedef struct ProbIdx {
+    double p;
+    int v;
+} ProbIdx;
+
+// ----------------------------------------------------------------------------
+// memory
+
+// KV cache bytes: L layers x keys and values x S slots x maxT positions x KVH·HD.
+static size_t kv_bytes(const Model* m, int act_bytes, const GenOptions* o) {
+    const ModelConfig* c = &m->cfg;
+    return (size_t)c->L * 2 * (size_t)o->max_seqs * (size_t)o->max_len * (size_t)c->KVH *
+           (size_t)c->HD * (size_t)act_bytes;
+}
+
+static size_t weight_bytes(const Model* m, int act_bytes) {
+    size_t b = 0;
+    for (int l = 0; l < m->tt.n_layers; l++) b += (size_t)m->tt.param_numel[l] * act_bytes;
+    return b;
+}
+
+size_t gen_bytes(const Model* m, int act_bytes, const GenOptions* o, int own_weights) {
+    const size_t rows = (size_t)imax(o->max_len, o->max_seqs);
+    size_t b = kv_bytes(m, act_bytes, o);
+    b += workspace_bytes(m, act_bytes, 1, o->max_len, 1);
+    b += workspace_bytes(m, act_bytes, o->max_seqs, 1, 1);
+    b += 2 * rows * (size_t)m->cfg.C * act_bytes + rows * 4 + 2 * (size_t)o->max_seqs * 4;
+    b += (size_t)o->max_seqs * m->cfg.V * sizeof(float);
+    if (own_weights) b += weight_bytes(m, act_bytes);
+    return b;
+}
+
+// ----------------------------------------------------------------------------
+// create / free / weights
+
+int gen_create(Generator* g, const Model* m, const Ops* ops, void* ctx, const GenOptions* o,
+               int own_weights, char* err) {
+    memset(g, 0, sizeof *g);
+    const ModelConfig* c = &m->cfg;
+    if (!ops->attention_decode) {
+        snprintf(err, ERR_LEN, "the %s backend has no decode attention yet: generation with a KV "
+                 "cache runs on the CPU backend", ops->name);
+        return -1;
+    }
+    if (o->max_seqs < 1 || o->max_len < 2) {
+        snprintf(err, ERR_LEN, "generation needs at least one sequence of two positions (%d x %d)",
+                 o->max_seqs, o->max_len);
+        return -1;
+    }
+    const size_t need = gen_bytes(m, ops->act_bytes, o, own_weights);
+    if (o->max_bytes > 0 && (double)need > o->max_bytes) {
+        char kv[32], all[32], cap[32];
+        format_bytes((double)kv_bytes(m, ops->act_bytes, o), kv, sizeof kv);
+        format_bytes((double)need, all, sizeof all);
+        format_bytes(o->max_bytes, cap, sizeof cap);
+        snprintf(err, ERR_LEN, "generation of %d sequences x %d positions needs %s (KV cache %s) "
+                 "and %s is available: fewer --rl-prompts / --rl-group, or a shorter "
+                 "--rl-max-tokens", o->max_seqs, o->max_len, all, kv, cap);
+        return -1;
+    }
+    g->m = m;
+    g->ops = ops;
+    g->ctx = ctx;
+    g->o = *o;
+    g->n_layers = m->tt.n_layers;
+    g->w = calloc_check((size_t)g->n_layers, sizeof(void*));
+    if (own_weights) {
+        g->own = calloc_check((size_t)g->n_layers, sizeof(void*));
+        for (int l = 0; l < g->n_layers; l++)
+            if (m->tt.param_numel[l] > 0) {
+                g->own[l] = ops->alloc(ctx, (size_t)m->tt.param_numel[l] * ops->act_bytes);
+                g->w[l] = g->own[l];
+            }
+    }
+    g->version = -1;
+    const int S = o->max_seqs, maxT = o->max_len, rows = imax(maxT, S);
+    const size_t KD = (size_t)c->KVH * c->HD, ab = (size_t)ops->act_bytes;
+    g->ws_pre = workspace_create(m, ops, ctx, 1, maxT, 1);
+    g->ws_dec = workspace_create(m, ops, ctx, S, 1, 1);
+    if (g->ws_dec->mlp_chunk > 0) {
+        snprintf(err, ERR_LEN, "generation of %d sequences at once with MLP chunks of %d rows is "
+                 "not supported: fewer sequences", S, g->ws_dec->mlp_chunk);
+        gen_free(g);
+        return -1;
+    }
+    for (int i = 0; i < 2; i++) g->x[i] = ops->alloc(ctx, (size_t)rows * c->C * ab);
+    g->kc = calloc_check((size_t)c->L, sizeof(void*));
+    g->vc = calloc_check((size_t)c->L, sizeof(void*));
+    for (int l = 0; l < c->L; l++) {
+        g->kc[l] = ops->alloc(ctx, (size_t)S * maxT * KD * ab);
+        g->vc[l] = ops->alloc(ctx, (size_t)S * maxT * KD * ab);
+    }
+    g->d_ids = ops->alloc(ctx, (size_t)rows * sizeof(int32_t));
+    g->d_slot = ops->alloc(ctx, (size_t)S * sizeof(int32_t));
+    g->d_len = ops->alloc(ctx, (size_t)S * sizeof(int32_t));
+    g->h_ids = calloc_check((size_t)rows, sizeof(int32_t));
+    g->h_pos = calloc_check((size_t)S, sizeof(int32_t));
+    g->h_slot = calloc_check((size_t)S, sizeof(int32_t));
+    g->h_len = calloc_check((size_t)S, sizeof(int32_t));
+    g->h_row = calloc_check((size_t)S, sizeof(int32_t));
+    g->logits = malloc_check((size_t)S * c->V * sizeof(float));
+    g->probs = malloc_check((size_t)c->V * sizeof(ProbIdx));
+    return 0;
+}
+
+void gen_free(Generator* g) {
+    if (!g->m) return;
+    const Ops* ops = g->ops;
+    for (int l = 0; g->own && l < g->n_layers; l++)
+        if (g->own[l]) ops->free(g->ctx, g->own[l]);
+    for (int l = 0; g->kc && l < g->m->cfg.L; l++) {
+        ops->free(g->ctx, g->kc[l]);
+        ops->free(g->ctx, g->vc[l]);
+    }
+    for (int i = 0; i < 2; i++)
+        if (g->x[i]) ops->free(g->ctx, g->x[i]);
+    void* dev[] = {g->d_ids, g->d_slot, g->d_len};
+    for (int i = 0; i < 3; i++)
+        if (dev[i]) ops->free(g->ctx, dev[i]);
+    if (g->ws_pre) workspace_free(g->ws_pre);
+    if (g->ws_dec) workspace_free(g->ws_dec);
+    free(g->own);
+    free(g->w);
+    free(g->kc);
+    free(g->vc);
+    free(g->h_ids);
+    free(g->h_pos);
+    free(g->h_slot);
+    free(g->h_len);
+    free(g->h_row);
+    free(g->logits);
+    free(g->probs);
+    memset(g, 0, sizeof *g);
+}
+
+void gen_load_weights(Generator* g, const Store* s, int64_t version) {
+    if (!g->own) fatal("internal: gen_load_weights on a generator that borrows its weights");
+    for (int l = 0; l < g->n_layers; l++)
+        if (g->own[l])
+            g->ops->upload_f32(g->ctx, g->own[l], s->param[l], (size_t)g->m->tt.param_numel[l]);
+    g->version = version;
+}
+
+void gen_borrow_weights(Generator* g, void* const* slabs, int64_t version) {
+    for (int l = 0; l < g->n_layers; l++) g->w[l] = slabs[l];
+    g->version = version;
+}
+
+// ----------------------------------------------------------------------------
+// sampling
+
+static int cmp_prob_desc(const void* pa, const void* pb) {
+    const ProbIdx* a = pa;
+    const ProbIdx* b = pb;
+    if (a->p != b->p) return a->p < b->p ? 1 : -1;
+    return a->v - b->v;  // ties: the lower token first (repeatable)
+}
+
+int gen_sample(Generator* g, const float* logits, Rng* rng, float* logp, float* logp_full) {
+    const int V = g->m->cfg.V;
+    const float temperature = g->o.temperature;
+    int best = 0;
+    for (int v = 1; v < V; v++)
+        if (logits[v] > logits[best]) best = v;
+    if (temperature <= 0.0f) {  // greedy: a point mass
+        *logp = *logp_full = 0.0f;
+        return best;
+    }
+    const float mx = logits[best], inv = 1.0f / temperature;
+    // the full tempered log-softmax, in the arithmetic of ops.h policy_forward_backward
+    double full = 0.0;
+    for (int v = 0; v < V; v++) full += expf((logits[v] - mx) * inv);
+    const double log_full = log(full);
+    int tok = best;
+    if (g->o.top_k <= 0 && g->o.top_p >= 1.0f) {
+        // the whole distribution: one uniform draw walked down the vocabulary (the draws of the
+        // sliding-window sampler this engine replaced, so a seed gives the same text)
+        double sum = 0.0;
+        for (int v = 0; v < V; v++) sum += exp((logits[v] - mx) / temperature);
+        double r = rng_uniform(rng) * sum;
+        for (int v = 0; v < V; v++) {
+            r -= exp((logits[v] - mx) / temperature);
+            if (r <= 0.0) {
+                tok = v;
+                break;
+            }
+        }
+        *logp_full = (float)((double)((logits[tok] - mx) * inv) - log_full);
+        *logp = *logp_full;
+        return tok;
+    }
+    // top-k, then the smallest prefix of the sorted probabilities holding top_p of their mass
+    ProbIdx* pi = (ProbIdx*)g->probs;
+    for (int v = 0; v < V; v++) {
+        pi[v].p = exp((logits[v] - mx) / temperature);
+        pi[v].v = v;
+    }
+    qsort(pi, (size_t)V, sizeof *pi, cmp_prob_desc);
+    const int k = g->o.top_k > 0 && g->o.top_k < V ? g->o.top_k : V;
+    double mass = 0.0;
+    for (int i = 0; i < k; i++) mass += pi[i].p;
+    int keep = 0;
+    double kept = 0.0;
+    while (keep < k) {
+        kept += pi[keep++].p;
+        if (kept >= (double)g->o.top_p * mass) break;
+    }
+    double r = rng_uniform(rng) * kept;
+    int pick = keep - 1;
+    for (int i = 0; i < keep; i++) {
+        r -= pi[i].p;
+        if (r <= 0.0) {
+            pick = i;
+            break;
+        }
+    }
+    tok = pi[pick].v;
+    *logp = (float)log(pi[pick].p / kept);
+    *logp_full = (float)((double)((logits[tok] - mx) * inv) - log_full);
+    return tok;
+}
+
+// ----------------------------------------------------------------------------
+// prefill and decode
+
+// Device pointer of tensor `kind`'s parameters in the generator's weights.
+static const void* weight_of(const Generator* g, TensorKind kind) {
+    const TensorTable* tt = &g->m->tt;
+    const TensorDesc* d = &tt->t[tensor_table_index(tt, kind, -1)];
+    return (const char*)g->w[d->owner_layer] + (size_t)d->param_offset * g->ops->act_bytes;
+}
+
+// True while sequence s may take another token.
+static int seq_active(const Generator* g, const GenSeq* s) {
+    return !s->stopped && s->len < s->prompt_len + s->max_new && s->len < g->o.max_len;
+}
+
+// One sampled token appended to s (its log-probs at its position).
+static void seq_append(Generator* g, GenSeq* s, const float* logits) {
+    float lp, lpf;
+    const int tok = gen_sample(g, logits, &s->rng, &lp, &lpf);
+    s->tokens[s->len] = tok;
+    s->logp[s->len] = lp;
+    s->logp_full[s->len] = lpf;
+    s->len++;
+    if (tok == s->stop_a || tok == s->stop_b) s->stopped = 1;
+}
+
+// The group's prompt through the model's forward into cache slot `first`, its keys and values
+// copied to the other slots of the group; then each sequence's first token.
+static void prefill_group(Generator* g, GenSeq* seqs, int first, int group) {
+    const Model* m = g->m;
+    const Ops* ops = g->ops;
+    const ModelConfig* c = &m->cfg;
+    Workspace* ws = g->ws_pre;
+    const GenSeq* s0 = &seqs[first];
+    const int P = s0->prompt_len, maxT = g->o.max_len, QD = c->H * c->HD, KD = c->KVH * c->HD;
+    const size_t ab = (size_t)ops->act_bytes;
+    if (P < 1 || P >= maxT)
+        fatal("internal: a prompt of %d tokens for a cache of %d positions", P, maxT);
+    ws->lora_train = 0;
+    ops->upload(g->ctx, g->d_ids, s0->tokens, (size_t)P * sizeof(int32_t));
+    model_prefix_forward(m, ws, g->x[0], g->d_ids, weight_of(g, TK_EMBED), 1, P);
+    int cur = 0;
+    for (int l = 0; l < c->L; l++) {
+        model_block_forward_at(m, ws, &ws->acts[0], l, g->w[l + 1], g->x[cur], g->x[1 - cur], 1, P);
+        cur = 1 - cur;
+        const char* qkv = model_block_qkv(ws, &ws->acts[0]);
+        char* kc = (char*)g->kc[l] + (size_t)first * maxT * KD * ab;
+        char* vc = (char*)g->vc[l] + (size_t)first * maxT * KD * ab;
+        for (int t = 0; t < P; t++) {
+            const char* row = qkv + (size_t)t * m->QKV * ab;
+            ops->copy(g->ctx, kc + (size_t)t * KD * ab, row + (size_t)QD * ab, KD * ab);
+            ops->copy(g->ctx, vc + (size_t)t * KD * ab, row + (size_t)(QD + KD) * ab, KD * ab);
+        }
+        for (int j = 1; j < group; j++) {
+            const size_t off = (size_t)(first + j) * maxT * KD * ab;
+            ops->copy(g->ctx, (char*)g->kc[l] + off, kc, (size_t)P * KD * ab);
+            ops->copy(g->ctx, (char*)g->vc[l] + off, vc, (size_t)P * KD * ab);
+        }
+    }
+    model_postfix_logits_last(m, ws, weight_of(g, TK_FINAL_NORM), weight_of(g, TK_LM_HEAD),
+                              g->x[cur], ws->logits, 1, P);
+    ops->download_f32(g->ctx, g->logits, ws->logits, (size_t)c->V);
+    for (int j = 0; j < group; j++) {
+        GenSeq* s = &seqs[first + j];
+        if (seq_active(g, s)) seq_append(g, s, g->logits);
+    }
+}
+
+// One decode step of every active sequence; 0 when none is left.
+static int decode_step(Generator* g, GenSeq* seqs, int n_seqs) {
+    const Model* m = g->m;
+    const Ops* ops = g->ops;
+    const ModelConfig* c = &m->cfg;
+    Workspace* ws = g->ws_dec;
+    int n = 0;
+    for (int i = 0; i < n_seqs; i++) {
+        GenSeq* s = &seqs[i];
+        if (!seq_active(g, s)) continue;
+        g->h_row[n] = i;
+        g->h_ids[n] = s->tokens[s->len - 1];  // its newest token, not yet in the cache
+        g->h_pos[n] = s->len - 1;
+        g->h_slot[n] = i;
+        g->h_len[n] = s->len;
+        n++;
+    }
+    if (n == 0) return 0;
+    ops->upload(g->ctx, g->d_ids, g->h_ids, (size_t)n * sizeof(int32_t));
+    ops->upload(g->ctx, g->d_slot, g->h_slot, (size_t)n * sizeof(int32_t));
+    ops->upload(g->ctx, g->d_len, g->h_len, (size_t)n * sizeof(int32_t));
+    const DecodeRows r = {.n = n, .pos = g->h_pos, .slot = g->h_slot, .d_slot = g->d_slot,
+                          .d_len = g->d_len, .rope_cos = g->ws_pre->rope_cos,
+                          .rope_sin = g->ws_pre->rope_sin, .maxT = g->o.max_len};
+    ws->lora_train = 0;
+    model_prefix_forward(m, ws, g->x[0], g->d_ids, weight_of(g, TK_EMBED), n, 1);
+    int cur = 0;
+    for (int l = 0; l < c->L; l++) {
+        model_block_decode_at(m, ws, l, g->w[l + 1], g->kc[l], g->vc[l], &r, g->x[cur],
+                              g->x[1 - cur]);
+        cur = 1 - cur;
+    }
+    model_postfix_logits_last(m, ws, weight_of(g, TK_FINAL_NORM), weight_of(g, TK_LM_HEAD),
+                              g->x[cur], ws->logits, n, 1);
+    ops->download_f32(g->ctx, g->logits, ws->logits, (size_t)n * c->V);
+    for (int k = 0; k < n; k++)
+        seq_append(g, &seqs[g->h_row[k]], g->logits + (size_t)k * c->V);
+    g->n_decoded += n;
+    return n;
+}
+
+void gen_run(Generator* g, GenSeq* seqs, int n, int group) {
+    if (n > g->o.max_seqs || group < 1 || n % group != 0)
+        fatal("internal: gen_run of %d sequences in groups of %d (capacity %d)", n, group,
+              g->o.max_seqs);
+    for (int i = 0; i < n; i++) {
+        seqs[i].len = seqs[i].prompt_len;
+        seqs[i].stopped = 0;
+        seqs[i].version = g->version;
+    }
+    double t0 = time_now_s();
+    for (int first = 0; first < n; first += group) prefill_group(g, seqs, first, group);
+    double t1 = time_now_s();
+    while (decode_step(g, seqs, n) > 0) {
+    }
+    g->t_prefill += t1 - t0;
+    g->t_decode += time_now_s() - t1;
+}

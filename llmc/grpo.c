@@ -1,0 +1,493 @@
+/*
+ * grpo.c — GRPO rollouts, advantages, the policy step and the weight sync (grpo.h).
+ */
+#include "grpo.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+#define GRPO_STD_EPS 1e-4  // added to the std the advantages are divided by (TRL's epsilon)
+
+// The sampler's seed of answer i of step `step`: repeatable, apart from the problems' streams.
+static uint32_t answer_seed(uint32_t seed, int64_t step, int i) {
+    uint64_t z = ((uint64_t)seed << 32 | 0x5a5au) ^ ((uint64_t)step * 0xd1b54a32d192ed03ull) ^
+                 ((uint64_t)(uint32_t)i * 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return (uint32_t)(z ^ (z >> 31));
+}
+
+// ----------------------------------------------------------------------------
+// advantages
+
+int grpo_advantages(const double* reward, const int* len, int n, int G, RlAdvStd adv_std,
+                    RlLossAgg agg, int max_tokens, float* adv, float* weight) {
+    // the batch's std of every scored reward (--adv-std batch)
+    double bs = 0.0, bs2 = 0.0;
+    int bn = 0;
+    for (int i = 0; i < n; i++)
+        if (!isnan(reward[i])) {
+            bs += reward[i];
+            bs2 += reward[i] * reward[i];
+            bn++;
+        }
+    const double bmean = bn ? bs / bn : 0.0;
+    const double bstd = bn > 1 ? sqrt(fmax(bs2 - bn * bmean * bmean, 0.0) / (bn - 1)) : 0.0;
+    int skipped = 0, counted = 0;
+    int64_t tokens = 0;
+    for (int k = 0; k < n / G; k++) {
+        const double* r = reward + (size_t)k * G;
+        double sum = 0.0, lo = INFINITY, hi = -INFINITY;
+        int cnt = 0;
+        for (int j = 0; j < G; j++)
+            if (!isnan(r[j])) {
+                sum += r[j];
+                lo = fmin(lo, r[j]);
+                hi = fmax(hi, r[j]);
+                cnt++;
+            }
+        // a group whose scored answers all got the same reward teaches nothing (its advantages
+        // are 0): skipped, and left out of the normalisation (DAPO's dynamic sampling, minus
+        // the resampling)
+        const int skip = cnt < 2 || lo == hi;
+        skipped += skip;
+        const double mean = cnt ? sum / cnt : 0.0;
+        double var = 0.0;
+        for (int j = 0; j < G; j++)
+            if (!isnan(r[j])) var += (r[j] - mean) * (r[j] - mean);
+        const double gstd = cnt > 1 ? sqrt(var / (cnt - 1)) : 0.0;  // unbiased, as torch.std
+        for (int j = 0; j < G; j++) {
+            const int i = k * G + j;
+            adv[i] = 0.0f;
+            weight[i] = 0.0f;
+            if (skip || isnan(r[j]) || len[i] <= 0) continue;
+            double A = r[j] - mean;
+            if (adv_std == RL_ADV_GROUP) A /= gstd + GRPO_STD_EPS;
+            else if (adv_std == RL_ADV_BATCH) A /= bstd + GRPO_STD_EPS;
+            adv[i] = (float)A;
+            weight[i] = 1.0f;  // counted; the normalisation below
+            counted++;
+            tokens += len[i];
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        if (weight[i] == 0.0f) continue;
+        if (agg == RL_AGG_TOKEN) weight[i] = (float)(1.0 / (double)tokens);
+        else if (agg == RL_AGG_SEQUENCE) weight[i] = (float)(1.0 / ((double)len[i] * counted));
+        else weight[i] = (float)(1.0 / ((double)max_tokens * counted));
+    }
+    return skipped;
+}
+
+// ----------------------------------------------------------------------------
+// create / free
+
+static void batch_alloc(GrpoBatch* b, int P, int G, int maxT) {
+    const int n = P * G;
+    b->n = n;
+    b->seqs = calloc_check((size_t)n, sizeof(GenSeq));
+    b->tokens = calloc_check((size_t)n * maxT, sizeof(int32_t));
+    b->logp = calloc_check((size_t)n * 2 * maxT, sizeof(float));
+    b->prompts = calloc_check((size_t)P, sizeof(char*));
+    b->answers = calloc_check((size_t)P, sizeof(char*));
+    b->completions = calloc_check((size_t)n, sizeof(char*));
+    b->reward = calloc_check((size_t)n, sizeof(double));
+    b->correct = calloc_check((size_t)n, sizeof(int));
+    b->adv = calloc_check((size_t)n, sizeof(float));
+    b->weight = calloc_check((size_t)n, sizeof(float));
+    for (int i = 0; i < n; i++) {
+        b->seqs[i].tokens = b->tokens + (size_t)i * maxT;
+        b->seqs[i].logp = b->logp + (size_t)i * 2 * maxT;
+        b->seqs[i].logp_full = b->seqs[i].logp + maxT;
+    }
+}
+
+static void batch_free(GrpoBatch* b, int P) {
+    for (int i = 0; i < P && b->prompts; i++) {
+        free(b->prompts[i]);
+        free(b->answers[i]);
+    }
+    for (int i = 0; i < b->n && b->completions; i++) free(b->completions[i]);
+    free(b->seqs);
+    free(b->tokens);
+    free(b->logp);
+    free(b->prompts);
+    free(b->answers);
+    free(b->completions);
+    free(b->reward);
+    free(b->correct);
+    free(b->adv);
+    free(b->weight);
+    memset(b, 0, sizeof *b);
+}
+
+int grpo_create(Grpo* g, const TrainArgs* a, const Model* m, Store* s, Plain* p,
+                const Tokenizer* tok, int64_t version, double host_budget, char* err) {
+    memset(g, 0, sizeof *g);
+    g->a = a;
+    g->r = &a->rl;
+    g->m = m;
+    g->s = s;
+    g->p = p;
+    g->tok = tok;
+    g->maxT = a->seq;
+    const RlArgs* r = g->r;
+    const int n = r->prompts * r->group;
+    if (!tok && m->cfg.V != 256) {
+        snprintf(err, ERR_LEN, "--rl needs text prompts: the model has no tokenizer and is not "
+                 "byte-level (vocabulary %d)", m->cfg.V);
+        return -1;
+    }
+    if (rl_task_open(&g->task, r->task, r->eval, a->seed, err) != 0) return -1;
+    const GenOptions go = {.max_seqs = n, .max_len = g->maxT, .temperature = a->temperature,
+                           .top_k = r->top_k, .top_p = r->top_p, .max_bytes = host_budget};
+    if (gen_create(&g->gen, m, p->ops, p->ctx, &go, 1, err) != 0) {
+        rl_task_free(&g->task);
+        return -1;
+    }
+    gen_load_weights(&g->gen, s, version);
+    rl_stop_tokens(&m->cfg, tok, &g->stop_a, &g->stop_b);
+    reward_cmd_init(&g->rc, r->reward_cmd, r->reward_timeout);
+    for (int i = 0; i < 2; i++) batch_alloc(&g->batch[i], r->prompts, r->group, g->maxT);
+    if (r->kl_beta > 0.0f) {
+        // the reference policy: the weights the run starts from, on the backend
+        g->ref = calloc_check((size_t)m->tt.n_layers, sizeof(void*));
+        for (int l = 0; l < m->tt.n_layers; l++) {
+            if (m->tt.param_numel[l] == 0) continue;
+            g->ref[l] = p->ops->alloc(p->ctx, (size_t)m->tt.param_numel[l] * p->ops->act_bytes);
+            p->ops->upload_f32(p->ctx, g->ref[l], s->param[l], (size_t)m->tt.param_numel[l]);
+        }
+    }
+    const size_t N = (size_t)a->batch * g->maxT;
+    g->h_ids = calloc_check(N, sizeof(int32_t));
+    g->h_tgt = calloc_check(N, sizeof(int32_t));
+    float** hf[] = {&g->h_old, &g->h_adv, &g->h_w, &g->h_ref, &g->h_logp};
+    for (size_t i = 0; i < sizeof hf / sizeof hf[0]; i++) *hf[i] = calloc_check(N, sizeof(float));
+    float** df[] = {&g->d_old, &g->d_adv, &g->d_w, &g->d_ref, &g->d_logp, &g->d_loss};
+    for (size_t i = 0; i < sizeof df / sizeof df[0]; i++)
+        *df[i] = p->ops->alloc(p->ctx, N * sizeof(float));
+    return 0;
+}
+
+void grpo_free(Grpo* g) {
+    if (!g->m) return;
+    const Ops* ops = g->p->ops;
+    reward_cmd_stop(&g->rc);
+    for (int i = 0; i < 2; i++) batch_free(&g->batch[i], g->r->prompts);
+    for (int l = 0; g->ref && l < g->m->tt.n_layers; l++)
+        if (g->ref[l]) ops->free(g->p->ctx, g->ref[l]);
+    free(g->ref);
+    float* df[] = {g->d_old, g->d_adv, g->d_w, g->d_ref, g->d_logp, g->d_loss};
+    for (size_t i = 0; i < sizeof df / sizeof df[0]; i++) ops->free(g->p->ctx, df[i]);
+    free(g->h_ids);
+    free(g->h_tgt);
+    free(g->h_old);
+    free(g->h_adv);
+    free(g->h_w);
+    free(g->h_ref);
+    free(g->h_logp);
+    gen_free(&g->gen);
+    rl_task_free(&g->task);
+    memset(g, 0, sizeof *g);
+}
+
+// ----------------------------------------------------------------------------
+// rollouts
+
+// The prompt's ids into seq (fatal when it leaves no room for an answer).
+static void set_prompt(const Grpo* g, GenSeq* seq, const char* prompt) {
+    const int n = rl_encode_prompt(&g->m->cfg, g->tok, prompt, seq->tokens, g->maxT - 1);
+    if (n < 1 || n > g->maxT - 2)
+        fatal("--rl: the prompt \"%.40s\" does not leave room for an answer in --seq %d", prompt,
+              g->maxT);
+    seq->prompt_len = n;
+}
+
+// Generate and score batch b for step `step` with the generator's current weights.
+static void fill_batch(Grpo* g, GrpoBatch* b, int step) {
+    const RlArgs* r = g->r;
+    const int P = r->prompts, G = r->group;
+    const double t0 = time_now_s();
+    char prompt[4096], answer[1024];
+    for (int k = 0; k < P; k++) {
+        rl_task_train_problem(&g->task, step, k, prompt, sizeof prompt, answer, sizeof answer);
+        free(b->prompts[k]);
+        free(b->answers[k]);
+        b->prompts[k] = strndup_check(prompt, strlen(prompt));
+        b->answers[k] = strndup_check(answer, strlen(answer));
+        for (int j = 0; j < G; j++) {
+            GenSeq* q = &b->seqs[k * G + j];
+            set_prompt(g, q, prompt);
+            q->max_new = r->max_tokens;
+            q->stop_a = g->stop_a;
+            q->stop_b = g->stop_b;
+            rng_seed(&q->rng, answer_seed(g->a->seed, step, k * G + j));
+        }
+    }
+    gen_run(&g->gen, b->seqs, b->n, G);
+    // the answers' text, then their rewards
+    char text[4096];
+    for (int i = 0; i < b->n; i++) {
+        const GenSeq* q = &b->seqs[i];
+        rl_decode_answer(&g->m->cfg, g->tok, q->tokens + q->prompt_len, q->len - q->prompt_len,
+                         g->stop_a, g->stop_b, text, sizeof text);
+        free(b->completions[i]);
+        b->completions[i] = strndup_check(text, strlen(text));
+        b->correct[i] = rl_exact_match(text, b->answers[i / G]);
+    }
+    if (*r->reward_cmd) {
+        const char** pr = malloc_check((size_t)b->n * sizeof(char*));
+        const char** an = malloc_check((size_t)b->n * sizeof(char*));
+        for (int i = 0; i < b->n; i++) {
+            pr[i] = b->prompts[i / G];
+            an[i] = b->answers[i / G];
+        }
+        reward_cmd_score(&g->rc, b->n, pr, (const char* const*)b->completions, an, b->reward);
+        free(pr);
+        free(an);
+    } else {
+        for (int i = 0; i < b->n; i++)
+            b->reward[i] = rl_reward_builtin(r->reward, b->prompts[i / G], b->completions[i],
+                                             b->answers[i / G]);
+    }
+    b->version = g->gen.version;
+    b->for_step = step;
+    b->ready = 1;
+    b->rollout_s = time_now_s() - t0;
+}
+
+void grpo_rollout(Grpo* g, int step) {
+    const RlArgs* r = g->r;
+    const double decoded0 = (double)g->gen.n_decoded, t0 = time_now_s();
+    GrpoStats* st = &g->st;
+    memset(st, 0, sizeof *st);
+    // the batch generated for this step during the previous one (off-policy), if any
+    if (!(g->batch[g->cur].ready && g->batch[g->cur].for_step == step) &&
+        g->batch[1 - g->cur].ready && g->batch[1 - g->cur].for_step == step)
+        g->cur = 1 - g->cur;
+    GrpoBatch* b = &g->batch[g->cur];
+    const int64_t trained = g->gen.version;  // the weights this step's gradient is taken at
+    const int have = b->ready && b->for_step == step;
+    if (!have || trained - b->version > r->max_staleness) {
+        st->regenerated = have;
+        fill_batch(g, b, step);
+    }
+    // one step off: the next step's batch with the weights before this step's update (with
+    // separate rollout GPUs it is generated while this step trains)
+    if (r->off_policy && step < g->a->steps) fill_batch(g, &g->batch[1 - g->cur], step + 1);
+    st->rollout_s = time_now_s() - t0;
+    const double decoded = (double)g->gen.n_decoded - decoded0;
+    st->gen_tok_s = st->rollout_s > 0 ? decoded / st->rollout_s : 0.0;
+}
+
+// ----------------------------------------------------------------------------
+// the policy step
+
+// One micro-batch of rows[0..nb) of batch b: packed, the reference's log-probs (KL), then the
+// objective's forward and backward; the statistics into g->st. Returns the summed objective.
+static double policy_micro_batch(Grpo* g, const GrpoBatch* b, const int* rows, int nb) {
+    Plain* p = g->p;
+    const Ops* ops = p->ops;
+    const RlArgs* r = g->r;
+    const int T = g->maxT;
+    const size_t N = (size_t)nb * T;
+    // row k: the sequence's tokens as inputs; position j predicts token j+1, trained where
+    // that token is part of the answer
+    for (int k = 0; k < nb; k++) {
+        const GenSeq* q = &b->seqs[rows[k]];
+        for (int j = 0; j < T; j++) {
+            const size_t o = (size_t)k * T + j;
+            const int answer = j + 1 >= q->prompt_len && j + 1 < q->len;
+            g->h_ids[o] = j < q->len ? q->tokens[j] : 0;
+            g->h_tgt[o] = answer ? q->tokens[j + 1] : -1;
+            g->h_old[o] = answer ? q->logp_full[j + 1] : 0.0f;
+            g->h_adv[o] = answer ? b->adv[rows[k]] : 0.0f;
+            g->h_w[o] = answer ? b->weight[rows[k]] : 0.0f;
+        }
+    }
+    ops->upload(p->ctx, g->d_old, g->h_old, N * sizeof(float));
+    ops->upload(p->ctx, g->d_adv, g->h_adv, N * sizeof(float));
+    ops->upload(p->ctx, g->d_w, g->h_w, N * sizeof(float));
+    PolicyLoss pl = {.old_logp = g->d_old, .adv = g->d_adv, .weight = g->d_w,
+                     .inv_temp = 1.0f / g->a->temperature, .clip_low = r->clip_low,
+                     .clip_high = r->clip_high, .kl_beta = 0.0f};
+    if (g->ref) {
+        // the reference's log-probs: a forward with the initial weights in the plain path's
+        // place (its slab table swapped for the call; no gradient)
+        void** own = p->dparam;
+        p->dparam = g->ref;
+        plain_policy_forward_backward(p, g->h_ids, g->h_tgt, &pl, g->d_ref, g->d_loss, 0, nb, T);
+        p->dparam = own;
+        pl.ref_logp = g->d_ref;
+        pl.kl_beta = r->kl_beta;
+        ops->download(p->ctx, g->h_ref, g->d_ref, N * sizeof(float));
+    }
+    const double loss =
+        plain_policy_forward_backward(p, g->h_ids, g->h_tgt, &pl, g->d_logp, g->d_loss, 1, nb, T);
+    ops->download(p->ctx, g->h_logp, g->d_logp, N * sizeof(float));
+    GrpoStats* st = &g->st;
+    for (size_t o = 0; o < N; o++) {
+        if (g->h_tgt[o] < 0) continue;
+        const double lp = g->h_logp[o], ratio = exp(lp - g->h_old[o]), A = g->h_adv[o];
+        st->ratio_mean += ratio;
+        st->clip_frac +=
+            (A > 0 && ratio > 1.0 + r->clip_high) || (A < 0 && ratio < 1.0 - r->clip_low);
+        if (g->ref) {
+            const double d = g->h_ref[o] - lp;
+            st->kl += exp(d) - d - 1.0;
+        }
+        st->trained_tokens++;
+    }
+    return loss;
+}
+
+static double policy_gradients(void* arg, Plain* p) {
+    (void)p;
+    Grpo* g = arg;
+    const GrpoBatch* b = &g->batch[g->cur];
+    int* rows = malloc_check((size_t)b->n * sizeof(int));
+    int n_rows = 0;
+    for (int i = 0; i < b->n; i++)
+        if (b->weight[i] != 0.0f) rows[n_rows++] = i;  // skipped groups cost nothing
+    double loss = 0.0;
+    for (int r0 = 0; r0 < n_rows; r0 += g->a->batch)
+        loss += policy_micro_batch(g, b, rows + r0, imin(g->a->batch, n_rows - r0));
+    free(rows);
+    return loss;
+}
+
+StepStats grpo_train(Grpo* g, Trainer* tr, int step) {
+    GrpoBatch* b = &g->batch[g->cur];
+    GrpoStats* st = &g->st;
+    const RlArgs* r = g->r;
+    int* len = malloc_check((size_t)b->n * sizeof(int));
+    double rsum = 0.0, lsum = 0.0;
+    int scored = 0, correct = 0;
+    for (int i = 0; i < b->n; i++) {
+        len[i] = b->seqs[i].len - b->seqs[i].prompt_len;
+        lsum += len[i];
+        correct += b->correct[i];
+        if (isnan(b->reward[i])) continue;
+        rsum += b->reward[i];
+        scored++;
+    }
+    st->skipped_groups = grpo_advantages(b->reward, len, b->n, r->group, r->adv_std, r->loss_agg,
+                                         r->max_tokens, b->adv, b->weight);
+    free(len);
+    st->masked = b->n - scored;
+    st->reward_mean = scored ? rsum / scored : NAN;
+    st->accuracy = (double)correct / b->n;
+    st->answer_len = lsum / b->n;
+    st->version = b->version;
+    st->staleness = (int)(g->gen.version - b->version);
+    const double t0 = time_now_s();
+    StepStats s = trainer_step_with(tr, step, policy_gradients, g);
+    st->train_s = time_now_s() - t0;
+    if (st->trained_tokens > 0) {
+        st->ratio_mean /= (double)st->trained_tokens;
+        st->clip_frac /= (double)st->trained_tokens;
+        st->kl /= (double)st->trained_tokens;
+    } else {
+        st->ratio_mean = st->clip_frac = st->kl = NAN;
+    }
+    b->ready = 0;  // trained on
+    return s;
+}
+
+void grpo_sync(Grpo* g, int64_t version) {
+    const double t0 = time_now_s();
+    gen_load_weights(&g->gen, g->s, version);
+    g->st.sync_s = time_now_s() - t0;
+}
+
+// ----------------------------------------------------------------------------
+// evaluation and the log
+
+double grpo_evaluate(Grpo* g) {
+    const RlTask* t = &g->task;
+    if (t->n_eval == 0) return NAN;
+    const int cap = g->gen.o.max_seqs, T = g->maxT;
+    GenSeq* seqs = calloc_check((size_t)cap, sizeof(GenSeq));
+    int32_t* toks = malloc_check((size_t)cap * T * sizeof(int32_t));
+    float* lp = malloc_check((size_t)cap * 2 * T * sizeof(float));
+    const float temperature = g->gen.o.temperature;
+    g->gen.o.temperature = 0.0f;  // greedy
+    char text[4096];
+    int correct = 0;
+    for (int i0 = 0; i0 < t->n_eval; i0 += cap) {
+        const int n = imin(cap, t->n_eval - i0);
+        for (int i = 0; i < n; i++) {
+            seqs[i] = (GenSeq){.tokens = toks + (size_t)i * T, .logp = lp + (size_t)i * 2 * T,
+                               .logp_full = lp + (size_t)i * 2 * T + T,
+                               .max_new = g->r->max_tokens, .stop_a = g->stop_a,
+                               .stop_b = g->stop_b};
+            set_prompt(g, &seqs[i], t->eval_prompts[i0 + i]);
+        }
+        gen_run(&g->gen, seqs, n, 1);
+        for (int i = 0; i < n; i++) {
+            rl_decode_answer(&g->m->cfg, g->tok, seqs[i].tokens + seqs[i].prompt_len,
+                             seqs[i].len - seqs[i].prompt_len, g->stop_a, g->stop_b, text,
+                             sizeof text);
+            correct += rl_exact_match(text, t->eval_answers[i0 + i]);
+        }
+    }
+    g->gen.o.temperature = temperature;
+    free(seqs);
+    free(toks);
+    free(lp);
+    return (double)correct / t->n_eval;
+}
+
+// A JSON number, null when not finite.
+static void json_num(FILE* f, const char* key, double v) {
+    if (isfinite(v)) fprintf(f, ",\"%s\":%.9g", key, v);
+    else fprintf(f, ",\"%s\":null", key);
+}
+
+void grpo_log_step(const Grpo* g, StepLog* lg, const StepStats* s) {
+    const GrpoStats* st = &g->st;
+    printf("step %d/%d | loss %+.5f | reward %.3f | acc %.3f | ratio %.4f | clip %.3f | kl %.4f | "
+           "len %.1f | v%lld%s | rollout %.0f ms (%.0f tok/s) | train %.0f ms | sync %.1f ms | "
+           "norm %.3f | lr %.2e\n",
+           s->step, s->steps, s->loss, st->reward_mean, st->accuracy, st->ratio_mean,
+           st->clip_frac, st->kl, st->answer_len, (long long)st->version,
+           st->staleness ? " (1 behind)" : "", st->rollout_s * 1e3, st->gen_tok_s,
+           st->train_s * 1e3, st->sync_s * 1e3, s->norm, s->lr);
+    if (st->masked || st->skipped_groups || st->regenerated)
+        printf("  %d answers without a reward (masked), %d of %d groups skipped (equal "
+               "rewards)%s\n",
+               st->masked, st->skipped_groups, g->r->prompts,
+               st->regenerated ? ", the pending batch was too stale: generated again" : "");
+    if (!lg->f) return;
+    fprintf(lg->f, "{\"step\":%d", s->step);
+    json_num(lg->f, "loss", s->loss);
+    json_num(lg->f, "lr", s->lr);
+    json_num(lg->f, "norm", s->norm);
+    json_num(lg->f, "reward", st->reward_mean);
+    json_num(lg->f, "accuracy", st->accuracy);
+    json_num(lg->f, "ratio", st->ratio_mean);
+    json_num(lg->f, "clip_frac", st->clip_frac);
+    json_num(lg->f, "kl", st->kl);
+    json_num(lg->f, "answer_len", st->answer_len);
+    fprintf(lg->f, ",\"masked\":%d,\"skipped_groups\":%d,\"version\":%lld,\"staleness\":%d",
+            st->masked, st->skipped_groups, (long long)st->version, st->staleness);
+    json_num(lg->f, "rollout_ms", st->rollout_s * 1e3);
+    json_num(lg->f, "train_ms", st->train_s * 1e3);
+    json_num(lg->f, "sync_ms", st->sync_s * 1e3);
+    json_num(lg->f, "gen_tok_s", st->gen_tok_s);
+    fprintf(lg->f, "}\n");
+    fflush(lg->f);
+}
+
+void grpo_log_eval(StepLog* lg, int step, double accuracy, int n) {
+    printf("held-out accuracy %.4f (%d problems, greedy) after step %d\n", accuracy, n, step);
+    if (!lg->f) return;
+    fprintf(lg->f, "{\"step\":%d", step);
+    json_num(lg->f, "heldout_accuracy", accuracy);
+    fprintf(lg->f, "}\n");
+    fflush(lg->f);
+}

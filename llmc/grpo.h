@@ -1,0 +1,121 @@
+/*
+ * grpo.h — GRPO on one process (colocated): rollouts from the generation engine (generate.h) on
+ * the generator's copy of the weights, rewards (rl_task.h), group advantages, the clipped
+ * policy-gradient step through the trainer (trainer_step_with; the loss in the chunked LM head,
+ * model_postfix_policy), and the versioned weight sync back into the generator.
+ *
+ * Versions: version v = the weights after v optimizer steps (a resumed run starts at its step).
+ * The generator's weights carry the version they were synced at; every answer records it.
+ * On-policy (--off-policy 0) step t generates with v = t-1 and trains on that batch. One step
+ * off (--off-policy 1) step t first generates the batch of step t+1 with v = t-1 — the rollout
+ * that runs while step t trains when rollout and training have GPUs of their own; here the two
+ * run one after the other — and trains on the batch generated during step t-1 (v = t-2), the
+ * ratio π_θ / π_behaviour taken against the log-probs recorded at generation. A batch more than
+ * --max-staleness versions behind the trained weights is generated again. The first step (and
+ * the first after a resume: the pending batch is not in the checkpoint) has no batch from
+ * before and generates its own.
+ *
+ * The objective per answer token (ops.h policy_forward_backward): advantages Â_i from the
+ * group's rewards (NaN masks an answer; a group with fewer than two scored answers or all
+ * scores equal is skipped: no gradient, not in the normalisation), the clipped ratio, the k3 KL
+ * to the initial policy (--kl-beta; the reference is the weights the run started from), and the
+ * aggregation's weight per token (token: 1 / Σ|o|; sequence: 1 / (|o_i| · answers); dr-grpo:
+ * 1 / (max tokens · answers)).
+ */
+#ifndef LLMC_GRPO_H
+#define LLMC_GRPO_H
+
+#include <stdint.h>
+
+#include "args.h"
+#include "generate.h"
+#include "log.h"
+#include "model.h"
+#include "plain.h"
+#include "rl_task.h"
+#include "store.h"
+#include "tokenizer.h"
+#include "trainer.h"
+
+// One rollout: P prompts x G answers.
+typedef struct GrpoBatch {
+    int n;                 // P * G answers
+    GenSeq* seqs;          // (n)
+    int32_t* tokens;       // (n, maxT) storage of the sequences
+    float* logp;           // (n, 2 maxT) their log-probs (sampling, full)
+    char** prompts;        // (P) the prompts' text
+    char** answers;        // (P) the reference answers
+    char** completions;    // (n) the answers' text
+    double* reward;        // (n) NaN: masked
+    int* correct;          // (n) exact match with the reference
+    float* adv;            // (n) advantages (0 in skipped groups)
+    float* weight;         // (n) the aggregation's weight per token (0: no gradient)
+    int64_t version;       // the weights' version that generated it
+    int64_t for_step;      // the step it was generated for
+    int ready;             // holds a rollout not trained on yet
+    double rollout_s;      // generation and scoring time
+} GrpoBatch;
+
+// What a step reports (the step line and the JSON log).
+typedef struct GrpoStats {
+    double reward_mean;    // over scored answers
+    double accuracy;       // exact matches over answers
+    double ratio_mean;     // π_θ / π_behaviour over trained tokens
+    double clip_frac;      // tokens where the clip is active
+    double kl;             // mean k3 to the reference over trained tokens (with --kl-beta)
+    double answer_len;     // mean tokens per answer
+    int masked;            // answers without a reward
+    int skipped_groups;    // groups with zero reward variance (or fewer than 2 scored)
+    int64_t trained_tokens;
+    int64_t version;       // of the batch trained on
+    int staleness;         // trained weights' version - the batch's
+    int regenerated;       // the pending batch was too stale and was generated again
+    double rollout_s, train_s, sync_s, gen_tok_s;
+} GrpoStats;
+
+typedef struct Grpo {
+    const TrainArgs* a;
+    const RlArgs* r;
+    const Model* m;
+    Store* s;
+    Plain* p;
+    const Tokenizer* tok;
+    RlTask task;
+    RewardCmd rc;
+    Generator gen;
+    int maxT;              // positions of a sequence (--seq)
+    int stop_a, stop_b;
+    GrpoBatch batch[2];    // the one trained this step and the next one (off-policy)
+    int cur;               // index of the batch trained this step
+    void** ref;            // (n_layers) reference weights on the backend (--kl-beta), or NULL
+    // one micro-batch of the policy loss: host staging and device buffers (B*T each)
+    int32_t *h_ids, *h_tgt;
+    float *h_old, *h_adv, *h_w, *h_ref, *h_logp;
+    float *d_old, *d_adv, *d_w, *d_ref, *d_logp, *d_loss;
+    GrpoStats st;          // of the last step
+} Grpo;
+
+// Build the generator (its memory checked against host_budget bytes, 0: none), the task, the
+// reference weights; the generator's weights = the store's, as `version`. -1 + err.
+int grpo_create(Grpo* g, const TrainArgs* a, const Model* m, Store* s, Plain* p,
+                const Tokenizer* tok, int64_t version, double host_budget, char* err);
+void grpo_free(Grpo* g);
+// Step `step`'s rollout(s): the batch it trains on (and, off-policy, the next step's).
+void grpo_rollout(Grpo* g, int step);
+// Step `step` trained on the current batch (through trainer_step_with).
+StepStats grpo_train(Grpo* g, Trainer* tr, int step);
+// The trained weights into the generator as version `version`.
+void grpo_sync(Grpo* g, int64_t version);
+// Exact-match accuracy of greedy answers to the held-out problems (the generator's weights).
+double grpo_evaluate(Grpo* g);
+// The step line and its JSON record.
+void grpo_log_step(const Grpo* g, StepLog* lg, const StepStats* st);
+void grpo_log_eval(StepLog* lg, int step, double accuracy, int n);
+
+// Advantages and aggregation weights of a batch from its rewards (exposed for the tests):
+// groups of G consecutive answers, answer lengths len (n), max_tokens for dr-grpo. Returns the
+// number of skipped groups.
+int grpo_advantages(const double* reward, const int* len, int n, int G, RlAdvStd adv_std,
+                    RlLossAgg agg, int max_tokens, float* adv, float* weight);
+
+#endif  // LLMC_GRPO_H
