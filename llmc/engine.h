@@ -67,9 +67,13 @@ typedef struct EngineOptions {
                              // until the previous iteration's last consumer has read a buffer)
     int64_t start_step;      // optimizer steps already applied (resume): step k of this engine is
                              // step start_step + k of the run (LR schedule, bias correction)
+    uint32_t seed;           // LoRA: the run's seed, for the dropout masks (lora_dropout_seed of
+                             // step start_step + t, micro-batch i: the plain trainer's masks)
     const void* const* first_weights;  // resume with the delayed update: per layer, in the
                              // compute dtype, the weights the first iteration computes with (one
-                             // step behind the Store's); NULL = the Store's weights
+                             // step behind the Store's); NULL = the Store's weights. Only the
+                             // layer's trainable tensors: tt.state_numel[l] elements, the end of
+                             // its slab (everything for full training, the adapters with LoRA)
     double first_norm, first_lr;  // with first_weights: the norm and lr of the update the Store
                              // already holds, reported with the first iteration (as the straight
                              // run reports that update with the iteration it ran during)
@@ -236,8 +240,9 @@ EngineStepResult engine_step(Engine* e, const int32_t* tokens);
 void engine_synchronize(Engine* e);
 // Optimizer steps applied so far.
 int64_t engine_steps_done(const Engine* e);
-// The weights (compute dtype, layer l's slab) the next iteration will compute with: with the
-// delayed update one step behind the Store's. Valid after engine_synchronize; a checkpoint keeps
+// The trainable weights (compute dtype, the last tt.state_numel[l] elements of layer l's slab:
+// all of it for full training, the adapters with LoRA) the next iteration will compute with:
+// with the delayed update one step behind the Store's. Valid after engine_synchronize; a checkpoint keeps
 // them so a resumed run (EngineOptions.first_weights) continues bit-exactly.
 const void* engine_next_weights(const Engine* e, int layer);
 // Bytes per element of those weights (the compute dtype).

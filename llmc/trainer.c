@@ -12,6 +12,7 @@
 #include "alloc.h"
 #include "common.h"
 #include "config.h"
+#include "lora.h"
 #include "plan_hint.h"
 #ifdef HAVE_CUDA
 #include "../kernels/kernels.h"
@@ -47,15 +48,6 @@ static void moe_step_stats(const Trainer* t, const double* load, double ce_sum, 
     st->ce = ce_sum / n_tokens;
     st->aux = aux_sum / n_tokens;
     st->load_spread = sum > 0 ? mx / (sum / E) : 0.0;
-}
-
-// The LoRA dropout masks' seed of micro-batch mb of the step after `done` optimizer steps: the
-// same for a resumed run as for the straight one.
-static uint64_t lora_dropout_seed(uint32_t seed, int64_t done, int mb) {
-    uint64_t z = ((uint64_t)seed << 32 | (uint32_t)mb) ^ ((uint64_t)done * 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
 }
 
 // The gradients of one batch into the store; returns the step's mean objective (CE, plus the
@@ -119,6 +111,7 @@ static int create_engine(Trainer* t, int N, int n_opt_cpus, TrainerEngineOptions
 #endif
     device_set_open(&t->devs, impl, N, &dopt);
     EngineOptions eo = engine_options(a, t->use_cuda, N, ts->step);
+    eo.seed = a->seed;  // LoRA dropout: the plain trainer's masks
     if (n_opt_cpus > 0) {
         eo.opt_cpus = t->cpus;
         eo.n_opt_cpus = n_opt_cpus;
@@ -177,9 +170,9 @@ int trainer_create(Trainer* t, const TrainArgs* a, const Model* m, Store* s, Tra
     const int use_engine = n_devices > 0;
     const int N = use_engine ? n_devices : 1;
     // (mixture-of-experts models on a backend without MoE ops: workspace_create says so)
-    if (use_engine && m->tt.lora.r > 0)
-        return errorf(err, "LoRA trains with plain training (--device cpu) for now: the RoundPipe "
-                           "engine does not run adapters yet");
+    if (t->use_cuda && m->tt.lora.r > 0)
+        return errorf(err, "LoRA on GPUs awaits validation on a GPU: train with --device cpu or "
+                           "cpu:N for now (--plan shows the GPU plan)");
     // The plain path also serves evaluation, sampling and --dump-state: on GPU 0 when training
     // on GPUs.
     t->ops = &ops_cpu;
