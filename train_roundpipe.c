@@ -142,7 +142,12 @@ static int plan_and_check_memory(TrainArgs* a, Model* model, int N) {
 static void export_model(const TrainArgs* a, const Model* m, Store* s, const ModelSource* src) {
     char err[ERR_LEN];
     const int lora = m->tt.lora.r > 0;
-    if (a->out[0]) {
+    if (a->out[0] && s->frozen_released) {
+        // (LoRA on GPUs: the Store gave its fp32 base back; the base stays at --model)
+        if (lora_save_peft(a->out, m, s, a->model, NULL, err) != 0) fatal("%s", err);
+        printf("saved the LoRA adapters to %s (the frozen base stays at %s)\n", a->out,
+               a->model[0] ? a->model : "the preset's seed");
+    } else if (a->out[0]) {
         if (checkpoint_save_hf(a->out, m, s, err) != 0) fatal("%s", err);
         if (lora && lora_save_peft(a->out, m, s, a->model, NULL, err) != 0) fatal("%s", err);
         printf("saved the model to %s (model.safetensors, config.json%s)\n", a->out,

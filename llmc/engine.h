@@ -178,7 +178,13 @@ int engine_plan_cost(const Model* m, int act_bytes, int n_devices, const EngineO
 // engine_create allocates besides the caller's Store, and the Store itself.
 typedef struct EngineHostMemory {
     double store;            // the Store: fp32 weights, m, v and gradients, 16 B/param
-    double masters;          // the two compute-dtype weight copies, 2 x act_bytes per param
+    double masters;          // the two compute-dtype weight copies, 2 x act_bytes per trainable
+                             // param, and one copy of a frozen base (LoRA) in the compute dtype
+                             // (included: base; none on fp32 devices, which read the Store's)
+    double base;             // of which the frozen base's compute-dtype copy
+    double store_frozen;     // of the Store: its fp32 copy of the frozen base (0 without LoRA),
+                             // which a run can give back once the engine holds its own
+                             // (store_release_frozen)
     double grads;            // the delayed update's second fp32 gradient set, 4 B/param (0 in
                              // sync mode)
     double split_extra;      // one fp32 gradient set per extra round with split rounds,

@@ -158,6 +158,11 @@ int trainer_needs_plain(const TrainArgs* a, int use_engine) {
     return !use_engine || a->val[0] || a->sample_tokens > 0 || a->dump_state[0];
 }
 
+int trainer_releases_frozen(const TrainArgs* a, const Model* m, int use_engine) {
+    return use_engine && a->device == DEVICE_CUDA && m->tt.lora.r > 0 &&
+           !trainer_needs_plain(a, use_engine) && !a->export_hf[0] && !a->export_gguf[0];
+}
+
 int trainer_create(Trainer* t, const TrainArgs* a, const Model* m, Store* s, TrainState* ts,
                    int n_devices, TrainerEngineOptionsFn engine_options, char* err) {
     memset(t, 0, sizeof *t);
@@ -191,6 +196,8 @@ int trainer_create(Trainer* t, const TrainArgs* a, const Model* m, Store* s, Tra
     const int n_opt_cpus = pin_feeding_threads(t, N);
     if (use_engine) {
         if (create_engine(t, N, n_opt_cpus, engine_options, err) != 0) return -1;
+        // (the engine has made its bf16 copy of the base)
+        if (trainer_releases_frozen(a, m, use_engine)) store_release_frozen(s);
     } else {
         printf("device cpu (%d threads), batch %d x %d tokens in %d micro-batch(es)%s\n",
                t->pool->n_threads, a->batch, a->seq, a->micro_batches,

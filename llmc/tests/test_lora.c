@@ -16,6 +16,8 @@
  *    (1-3 devices, stage and layer grain, rounds, several stages, gated uploads, row chunks),
  *    gradient downloads of the adapters only, the delayed optimizer and split rounds against
  *    references, and through the CLI the plain run's records and a bit-exact delayed --resume;
+ *    the frozen base held once (host memory model, the Store's release of its fp32 base) and
+ *    the partitioner's costs without the base's weight gradients;
  *  - parity with PEFT (dev/parity/make_lora_fixtures.py), skipped while the fixtures are absent.
  */
 #include <math.h>
@@ -27,6 +29,7 @@
 #include "../common.h"
 #include "../device.h"
 #include "../engine.h"
+#include "../partition.h"
 #include "../lora.h"
 #include "../model.h"
 #include "../ops.h"
@@ -941,6 +944,80 @@ static void test_lora_engine_delayed(TestCtx* t) {
     }
 }
 
+// The frozen base costs no optimizer memory and is held once: the engine's masters double only
+// the adapters (fp32 devices read the Store's base, bf16 devices hold one bf16 copy), the Store
+// can give its fp32 base back (the adapters stay), and the plan's costs drop the base's weight
+// gradients.
+static void test_lora_engine_memory(TestCtx* t) {
+    char err[ERR_LEN];
+    const ModelConfig c = lora_engine_config(1);
+    const LoraSpec l = spec(4, 8, LORA_ALL_LINEAR, 0.0f, 0);
+    Model full, m;
+    if (model_init(&full, &c, 0, err) != 0 || model_init_lora(&m, &c, 0, &l, err) != 0)
+        fatal("test_lora_engine_memory: %s", err);
+    double adapters = 0, frozen = 0;
+    for (int k = 0; k < m.tt.n; k++) {
+        if (m.tt.t[k].tied_to >= 0) continue;
+        if (m.tt.t[k].trainable) adapters += (double)m.tt.t[k].numel;
+        else frozen += (double)m.tt.t[k].numel;
+    }
+    const EngineOptions eo = {.B = 8, .T = 12, .M = 4, .sync = 1};
+    const double pad = 64.0 * m.tt.n_layers;  // (every layer has a frozen part)
+    for (int ab = 2; ab <= 4; ab += 2) {
+        const EngineHostMemory h = engine_host_memory(&m, ab, 1, &eo);
+        const double base = ab == 4 ? 0.0 : ab * frozen + pad;
+        CHECK(t, h.base == base && h.masters == 2.0 * (ab * adapters + pad) + base,
+              "ab %d: masters %.0f (base %.0f), expected 2 x %.0f adapter bytes + the base once "
+              "(%.0f)", ab, h.masters, h.base, ab * adapters, base);
+        CHECK(t, h.store_frozen == 4.0 * frozen, "the Store's fp32 base %.0f", h.store_frozen);
+        const EngineHostMemory hf = engine_host_memory(&full, ab, 1, &eo);
+        CHECK(t, hf.base == 0 && hf.store_frozen == 0, "full training: no frozen base");
+    }
+    // the Store gives its fp32 base back; the adapters keep their values
+    Store s;
+    store_create(&s, &m.tt);
+    store_init_random(&s, 7, 0.2f);
+    lora_init_random(&m, &s, 7);
+    for (int k = 0; k < m.tt.n; k++)  // (B = 0 at init: give the B tensors values too)
+        if (m.tt.t[k].kind == TK_LORA_B)
+            for (int64_t j = 0; j < m.tt.t[k].numel; j++) store_param(&s, k)[j] = 0.5f + (float)j;
+    float* before = malloc_check((size_t)adapters * sizeof(float));
+    int64_t o = 0;
+    for (int k = 0; k < m.tt.n; k++)
+        if (m.tt.t[k].trainable) {
+            memcpy(before + o, store_param(&s, k), (size_t)m.tt.t[k].numel * sizeof(float));
+            o += m.tt.t[k].numel;
+        }
+    store_release_frozen(&s);
+    CHECK(t, s.frozen_released, "released");
+    o = 0;
+    int same = 1;
+    for (int k = 0; k < m.tt.n; k++)
+        if (m.tt.t[k].trainable) {
+            same &= memcmp(before + o, store_param(&s, k),
+                           (size_t)m.tt.t[k].numel * sizeof(float)) == 0;
+            o += m.tt.t[k].numel;
+        }
+    CHECK(t, same, "the adapters survive the base's release");
+    free(before);
+    store_free(&s);
+    // costs: a block's backward without the base's weight gradients is cheaper, its forward a
+    // little dearer (the adapters); the frozen head's backward 2x its forward, the embedding none
+    const int n = c.L + 2;
+    double* f0 = malloc_check((size_t)n * 4 * sizeof(double));
+    double *b0 = f0 + n, *f1 = f0 + 2 * n, *b1 = f0 + 3 * n;
+    partition_estimate_costs(&c, 128, 1024, 0, f0, b0);
+    partition_estimate_costs_lora(&c, &l, 128, 1024, 0, f1, b1);
+    for (int k = 1; k < n - 1; k++)
+        CHECK(t, f1[k] > f0[k] && b1[k] < b0[k] && b1[k] > f1[k],
+              "block %d: fwd %.4g -> %.4g, bwd %.4g -> %.4g", k - 1, f0[k], f1[k], b0[k], b1[k]);
+    CHECK(t, b1[n - 1] == 2.0 * f1[n - 1] && b1[0] == f1[0], "head %.4g, embedding %.4g",
+          b1[n - 1], b1[0]);
+    free(f0);
+    model_free(&m);
+    model_free(&full);
+}
+
 // The CLI: --device cpu:2 --sync 1 logs the plain run's records and exports its adapters; a
 // delayed engine run resumed from its step-3 checkpoint (pending weights: the adapters only)
 // logs the straight run's records and ends with byte-identical adapters.
@@ -1250,6 +1327,7 @@ const TestCase tests_lora[] = {
     {"lora_engine_sync_matches_plain", test_lora_engine_sync_matches_plain},
     {"lora_engine_delayed", test_lora_engine_delayed},
     {"lora_engine_cli", test_lora_engine_cli},
+    {"lora_engine_memory", test_lora_engine_memory},
     {"lora_gpu_ops", test_lora_gpu_ops},
     {"lora_gpu_model", test_lora_gpu_model},
     {"lora_parity_qwen3", test_lora_parity_qwen3},
