@@ -248,8 +248,8 @@ void engine_synchronize(Engine* e);
 int64_t engine_steps_done(const Engine* e);
 // The trainable weights (compute dtype, the last tt.state_numel[l] elements of layer l's slab:
 // all of it for full training, the adapters with LoRA) the next iteration will compute with:
-// with the delayed update one step behind the Store's. Valid after engine_synchronize; a checkpoint keeps
-// them so a resumed run (EngineOptions.first_weights) continues bit-exactly.
+// with the delayed update one step behind the Store's. Valid after engine_synchronize; a
+// checkpoint keeps them so a resumed run (EngineOptions.first_weights) continues bit-exactly.
 const void* engine_next_weights(const Engine* e, int layer);
 // Bytes per element of those weights (the compute dtype).
 int engine_weight_bytes(const Engine* e);

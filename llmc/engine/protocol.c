@@ -17,8 +17,10 @@
  * Owns: the flags under mu (param_ready, grad_consumed, grad_recorded, split_summed, folded_iter,
  * steps_queued, steps_done, shutdown, norm_hist, lr_hist), the optimizer thread, its AdamW tables
  * and norm parts. Buffers it touches: the Store (fp32 weights, m, v; the gradient set of the
- * step's iteration and, with split rounds, hsplit, added into it), master[buf] (written by step k
- * for iteration k + delay). Events: it synchronises on grad_ev / split_ev, records none.
+ * step's iteration and, with split rounds, hsplit, added into it), master[buf] (the layers'
+ * trainable tails, written by step k for iteration k + delay), base (a frozen base's bf16 copy,
+ * written once by protocol_masters_init). Events: it synchronises on grad_ev / split_ev, records
+ * none.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -208,7 +210,8 @@ static void optimizer_step(Engine* e, int64_t k) {
     double t_wait = time_now_s();
     // the gradient set iteration k-1 downloaded into
     float** g = e->hgrad[(k - 1) % e->n_hgrad];
-    for (int i = 0; i < e->n_opt; i++) e->opt_tensors[i].grad = g[e->opt_layer[i]] + e->opt_goffset[i];
+    for (int i = 0; i < e->n_opt; i++)
+        e->opt_tensors[i].grad = g[e->opt_layer[i]] + e->opt_goffset[i];
     // Deepest first, as backward produces them; each layer's part of the norm while the rest are
     // still on their way (a layer that receives a tied gradient waits for the fold below).
     pthread_check(pthread_mutex_lock(&e->mu));

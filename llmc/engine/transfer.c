@@ -15,8 +15,9 @@
  *     §4.5), down from forward stages, up to and down from the fused stage, up to backward stages.
  *
  * Buffers it touches: device slots and activation buffers (as copy source or target), host
- * master[ip] and base (the trainable tail and the frozen head of each layer's slab: LoRA's base is
- * one copy for both parities), hids and htgt (read), hx / hdx / hmoe (both), hloss, hgrad / hsplit (written).
+ * master[ip] and base (the trainable tail and the frozen head of each layer's slab: LoRA's base
+ * is one copy for both parities), hids and htgt (read), hx / hdx / hmoe (both), hloss, hgrad /
+ * hsplit (written).
  * Events it records: lev[k][l], up_done[p], marks[r], down_done[p], x_ev / dx_ev / loss_ev,
  * x_free / dx_free, grads_ready, grad_ev / split_ev, gslot_free[k]; its copies wait on
  * pslot_free, gslot_free, comp_done, down_done, the running stage's marks, grads_ready, gev, and
