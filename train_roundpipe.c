@@ -101,12 +101,16 @@ static void print_lora_host_memory(const TrainArgs* a, const Model* m, int act_b
     const double base = act_bytes == 2 ? h.base : h.store_frozen;
     const double adapters = h.store - h.store_frozen + (h.masters - h.base) + h.grads;
     printf("LoRA host memory: the frozen base %.2f GiB (%s, one copy) + the adapters %.3f GiB "
-           "(fp32 weights, gradients, AdamW m and v; two %s masters)%s\n", base / gib,
-           act_bytes == 2 ? "bf16" : "fp32", adapters / gib, act_bytes == 2 ? "bf16" : "fp32",
-           act_bytes == 2 && !released
-               ? "; plus the Store's fp32 base, which --val/--sample-tokens/--dump-state and "
-                 "HF/GGUF exports read (--val '' --sample-tokens 0 drops it)"
-               : "");
+           "(fp32 weights, gradients, AdamW m and v; two %s masters)", base / gib,
+           act_bytes == 2 ? "bf16" : "fp32", adapters / gib, act_bytes == 2 ? "bf16" : "fp32");
+    if (act_bytes == 2 && released)
+        printf("; at start-up the loader's fp32 base (%.2f GiB), given back page by page as the "
+               "engine makes its bf16 copy", h.store_frozen / gib);
+    else if (act_bytes == 2)
+        printf("; plus the Store's fp32 base (%.2f GiB), which --val, --sample-tokens, "
+               "--dump-state and HF/GGUF exports read (--val '' --sample-tokens 0 drops it)",
+               h.store_frozen / gib);
+    printf("\n");
 }
 
 // Before anything big is allocated: the plan's choices that depend on its shape (they may set

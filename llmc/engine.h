@@ -69,6 +69,11 @@ typedef struct EngineOptions {
                              // step start_step + k of the run (LR schedule, bias correction)
     uint32_t seed;           // LoRA: the run's seed, for the dropout masks (lora_dropout_seed of
                              // step start_step + t, micro-batch i: the plain trainer's masks)
+    int release_frozen;      // LoRA on bf16 devices: the caller reads the Store's fp32 frozen
+                             // base no more, so the engine gives its pages back as it makes its
+                             // bf16 copy (store_release_range; the caller then marks the Store
+                             // with store_release_frozen): the host holds at most the fp32 base
+                             // at any time, and the bf16 base once afterwards
     const void* const* first_weights;  // resume with the delayed update: per layer, in the
                              // compute dtype, the weights the first iteration computes with (one
                              // step behind the Store's); NULL = the Store's weights. Only the

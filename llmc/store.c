@@ -56,20 +56,24 @@ double store_frozen_bytes(const TensorTable* tt) {
     return bytes;
 }
 
-void store_release_frozen(Store* s) {
+void store_release_range(Store* s, int l, int64_t from, int64_t to) {
+    const int64_t off = s->tt->param_numel[l] - s->tt->state_numel[l];
+    if (to > off) to = off;  // (never the trainable tail)
+    if (from >= to || !s->param[l]) return;
     const long page = sysconf(_SC_PAGESIZE);
     const uintptr_t pg = page > 0 ? (uintptr_t)page : 4096u;
-    for (int l = 0; l < s->n_layers; l++) {
-        const int64_t off = s->tt->param_numel[l] - s->tt->state_numel[l];
-        if (off <= 0 || !s->param[l]) continue;
-        // the whole pages inside the head (the allocation stays, for store_free, and so do the
-        // tails' addresses); MADV_DONTNEED frees them, reading them again would give zeros
-        const uintptr_t b = ((uintptr_t)s->param[l] + pg - 1) / pg * pg;
-        const uintptr_t e = (uintptr_t)(s->param[l] + off) / pg * pg;
-        if (e > b && madvise((void*)b, e - b, MADV_DONTNEED) != 0)
-            fatal("madvise(MADV_DONTNEED) on the frozen base's %zu bytes: %s", (size_t)(e - b),
-                  strerror(errno));
-    }
+    // the whole pages inside the range (the allocation stays, for store_free, and so do the
+    // tails' addresses); MADV_DONTNEED frees them, reading them again would give zeros
+    const uintptr_t b = ((uintptr_t)(s->param[l] + from) + pg - 1) / pg * pg;
+    const uintptr_t e = (uintptr_t)(s->param[l] + to) / pg * pg;
+    if (e > b && madvise((void*)b, e - b, MADV_DONTNEED) != 0)
+        fatal("madvise(MADV_DONTNEED) on the frozen base's %zu bytes: %s", (size_t)(e - b),
+              strerror(errno));
+}
+
+void store_release_frozen(Store* s) {
+    for (int l = 0; l < s->n_layers; l++)
+        store_release_range(s, l, 0, s->tt->param_numel[l] - s->tt->state_numel[l]);
     s->frozen_released = 1;
 }
 

@@ -42,6 +42,10 @@ double store_frozen_bytes(const TensorTable* tt);
 // (store_param of one is then fatal): only for runs that read the base from the Store no more
 // (no plain path, no HF / GGUF export, no copy of the base in --out).
 void store_release_frozen(Store* s);
+// The same for elements [from, to) of layer l's frozen head only (the whole pages inside it),
+// without marking the Store: for the engine, which releases each part of the base as soon as it
+// has its bf16 copy (EngineOptions.release_frozen), so the host never holds both in full.
+void store_release_range(Store* s, int l, int64_t from, int64_t to);
 void store_free(Store* s);
 
 // Parameter / gradient of tensor i of the table (the gradient NULL for a frozen tensor; the

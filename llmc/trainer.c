@@ -112,6 +112,7 @@ static int create_engine(Trainer* t, int N, int n_opt_cpus, TrainerEngineOptions
     device_set_open(&t->devs, impl, N, &dopt);
     EngineOptions eo = engine_options(a, t->use_cuda, N, ts->step);
     eo.seed = a->seed;  // LoRA dropout: the plain trainer's masks
+    eo.release_frozen = trainer_releases_frozen(a, t->m, 1);  // (LoRA on GPUs)
     if (n_opt_cpus > 0) {
         eo.opt_cpus = t->cpus;
         eo.n_opt_cpus = n_opt_cpus;
@@ -196,7 +197,7 @@ int trainer_create(Trainer* t, const TrainArgs* a, const Model* m, Store* s, Tra
     const int n_opt_cpus = pin_feeding_threads(t, N);
     if (use_engine) {
         if (create_engine(t, N, n_opt_cpus, engine_options, err) != 0) return -1;
-        // (the engine has made its bf16 copy of the base)
+        // (the engine has made its bf16 copy of the base, releasing the fp32 one as it went)
         if (trainer_releases_frozen(a, m, use_engine)) store_release_frozen(s);
     } else {
         printf("device cpu (%d threads), batch %d x %d tokens in %d micro-batch(es)%s\n",

@@ -138,6 +138,9 @@ static void master_init_chunk(void* arg, int64_t c) {
             const float* src = e->s->param[l] + b;
             uint16_t* dst = (uint16_t*)e->base[l] + b;
             for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+            // the chunk's own whole pages (the pages it shares with a neighbour chunk, which
+            // another thread may still be reading, go with store_release_frozen afterwards)
+            if (e->opt.release_frozen) store_release_range(e->s, l, b, b + n);
         }
         return;
     }
