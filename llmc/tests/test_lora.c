@@ -789,9 +789,12 @@ static void lora_reference(LoraRun* run, const ModelConfig* c, const LoraSpec* l
     ops_cpu_destroy(ctx);
 }
 
-// The same run through the engine; -1 after a failed CHECK.
-static int lora_engine(TestCtx* t, LoraRun* run, const ModelConfig* c, const LoraSpec* l, int B,
-                       int T, const LoraCase* lc, const int32_t* tokens) {
+// The same run through the engine on devices of impl (emulated CPU devices: lora_engine);
+// round_bf16: the initial weights rounded to bf16 (GPU comparisons); release: the engine gives
+// the Store's fp32 base back as it makes its bf16 copy (bf16 devices). -1 after a failed CHECK.
+static int lora_engine_on(TestCtx* t, const DeviceImpl* impl, LoraRun* run, const ModelConfig* c,
+                          const LoraSpec* l, int B, int T, const LoraCase* lc,
+                          const int32_t* tokens, int round_bf16, int release) {
     char err[ERR_LEN];
     memset(run, 0, sizeof *run);
     Model m;
@@ -800,16 +803,21 @@ static int lora_engine(TestCtx* t, LoraRun* run, const ModelConfig* c, const Lor
     store_create(&s, &m.tt);
     store_init_random(&s, 7, 0.2f);
     lora_init_random(&m, &s, 7);
+    for (int k = 0; round_bf16 && k < m.tt.n_layers; k++)
+        for (int64_t i = 0; i < m.tt.param_numel[k]; i++)
+            s.param[k][i] = bf16_to_f32(f32_to_bf16(s.param[k][i]));
     DeviceOptions dopt = {.threads = 1, .delay_seed = 99, .max_delay_us = lc->delays ? 50 : 0};
     DeviceSet devs;
-    device_set_open(&devs, &device_cpu_impl, lc->N, &dopt);
+    device_set_open(&devs, impl, lc->N, &dopt);
     EngineOptions eo = {.B = B, .T = T, .M = lc->M, .M_R = lc->M_R, .grain = lc->grain,
                         .sync = lc->sync, .device_budget = lc->budget, .opt_threads = 1,
                         .host_single = lc->host_single, .fake_optimizer_us = lc->slow_opt_us,
                         .row_chunks = lc->row_chunks > 0 ? lc->row_chunks : 1, .trace_path = "",
-                        .split_rounds = lc->split, .seed = 7, .hyper = lora_hyper(),
-                        .sched = lora_sched(), .grad_clip = 1.0f};
-    if (lc->budget > 0) eo.device_budget += (double)engine_fixed_device_bytes(&m, 4, &eo);
+                        .split_rounds = lc->split, .seed = 7, .release_frozen = release,
+                        .hyper = lora_hyper(), .sched = lora_sched(), .grad_clip = 1.0f};
+    if (lc->budget > 0)
+        eo.device_budget +=
+            (double)engine_fixed_device_bytes(&m, impl->ops(devs.dev[0])->act_bytes, &eo);
     Engine* e = engine_create(&m, &s, &devs, &eo, err);
     CHECK(t, e != NULL, "engine_create: %s", err);
     if (e) {
@@ -829,22 +837,34 @@ static int lora_engine(TestCtx* t, LoraRun* run, const ModelConfig* c, const Lor
         run->gated = engine_gated_stages(e);
         for (int g = 0; g < lc->N; g++) {
             DeviceStats st;
-            device_cpu_impl.stats(devs.dev[g], &st);
+            impl->stats(devs.dev[g], &st);
             run->grad_down += st.bytes[STREAM_GRAD_DOWN];
         }
         engine_free(e);
-        for (int l2 = 0; l2 < m.tt.n_layers; l2++) run->n_params += m.tt.param_numel[l2];
-        run->params = malloc_check((size_t)run->n_params * sizeof(float));
+        if (release) store_release_frozen(&s);  // (as the trainer: then the adapters only)
+        // every slab (the base untouched, the adapters trained), or after a release the
+        // adapters alone
+        for (int l2 = 0; l2 < m.tt.n_layers; l2++)
+            run->n_params += release ? m.tt.state_numel[l2] : m.tt.param_numel[l2];
+        run->params = malloc_check((size_t)(run->n_params > 0 ? run->n_params : 1) *
+                                   sizeof(float));
         int64_t o = 0;
         for (int l2 = 0; l2 < m.tt.n_layers; l2++) {
-            memcpy(run->params + o, s.param[l2], (size_t)m.tt.param_numel[l2] * sizeof(float));
-            o += m.tt.param_numel[l2];
+            const int64_t skip = release ? m.tt.param_numel[l2] - m.tt.state_numel[l2] : 0;
+            memcpy(run->params + o, s.param[l2] + skip,
+                   (size_t)(m.tt.param_numel[l2] - skip) * sizeof(float));
+            o += m.tt.param_numel[l2] - skip;
         }
     }
     device_set_close(&devs);
     store_free(&s);
     model_free(&m);
     return e ? 0 : -1;
+}
+
+static int lora_engine(TestCtx* t, LoraRun* run, const ModelConfig* c, const LoraSpec* l, int B,
+                       int T, const LoraCase* lc, const int32_t* tokens) {
+    return lora_engine_on(t, &device_cpu_impl, run, c, l, B, T, lc, tokens, 0, 0);
 }
 
 static int lora_runs_identical(const LoraRun* a, const LoraRun* b) {
@@ -1366,6 +1386,71 @@ static void test_lora_gpu_ops(TestCtx* t) { test_skip(t, "built without CUDA"); 
 static void test_lora_gpu_model(TestCtx* t) { test_skip(t, "built without CUDA"); }
 #endif
 
+// LoRA through the engine on GPUs (bf16 compute; the base held once, in bf16): close to the
+// emulated fp32 devices from the same bf16 weights, in sync and delayed mode, and with the
+// Store's fp32 base given back during the engine's start-up (release_frozen) bit-identical to
+// keeping it; only the adapters' gradients are downloaded.
+static void test_lora_gpu_engine(TestCtx* t) {
+#ifdef HAVE_CUDA
+    if (cuda_device_count() == 0) {
+        test_skip(t, "no GPU: cudaGetDeviceCount found no CUDA device");
+        return;
+    }
+    const int B = 8, T = 16, N = cuda_device_count() >= 2 ? 2 : 1;
+    ModelConfig c = lora_engine_config(1);
+    c.C = 64;
+    c.H = 4;
+    c.KVH = 2;
+    c.HD = 16;
+    c.F = 128;
+    const LoraSpec l = spec(8, 16.0f, LORA_ALL_LINEAR, 0.1f, 0);
+    const uint64_t gbytes = lora_grad_bytes(&c, &l);
+    int32_t* tokens = lora_batches(B, T, 41, c.V);
+    for (int sync = 1; sync >= 0; sync--) {
+        const LoraCase lc = {N, 4, 4, sync, 0, RECOMPUTE_STAGE, 0, 0, 0, 0, 0};
+        const LoraCase lc_stages = {N, 4, 2, sync, 0, RECOMPUTE_LAYER, 1.2e6, 0, 0, 0, 0};
+        LoraRun cpu, gpu, gpu_rel, gpu_st;
+        if (lora_engine_on(t, &device_cpu_impl, &cpu, &c, &l, B, T, &lc, tokens, 1, 0) != 0)
+            continue;
+        if (lora_engine_on(t, &device_cuda_impl, &gpu, &c, &l, B, T, &lc, tokens, 1, 0) == 0) {
+            for (int k = 0; k < ENG_STEPS; k++)
+                CHECK(t, fabs(gpu.loss[k] - cpu.loss[k]) <= 2e-2 * fabs(cpu.loss[k]),
+                      "sync %d step %d: GPU loss %.6f vs emulated %.6f", sync, k, gpu.loss[k],
+                      cpu.loss[k]);
+            const double e = rel_l2_error(gpu.params, cpu.params, (size_t)cpu.n_params);
+            CHECK(t, e <= 1e-2, "sync %d: weights after training, relative L2 error %.3g", sync,
+                  e);
+            CHECK(t, gpu.grad_down == ENG_STEPS * gbytes, "sync %d: %llu gradient bytes "
+                  "downloaded, the adapters' %llu per step", sync,
+                  (unsigned long long)gpu.grad_down, (unsigned long long)gbytes);
+            printf("  sync %d: loss %.6f vs %.6f (emulated), weights error %.3g\n", sync,
+                   gpu.loss[ENG_STEPS - 1], cpu.loss[ENG_STEPS - 1], e);
+            if (lora_engine_on(t, &device_cuda_impl, &gpu_rel, &c, &l, B, T, &lc, tokens, 1, 1) ==
+                0) {
+                int same = 1;
+                for (int k = 0; k < ENG_STEPS; k++) same &= gpu_rel.loss[k] == gpu.loss[k];
+                CHECK(t, same, "sync %d: the released fp32 base changes the losses", sync);
+                free(gpu_rel.params);
+            }
+            free(gpu.params);
+        }
+        if (lora_engine_on(t, &device_cuda_impl, &gpu_st, &c, &l, B, T, &lc_stages, tokens, 1,
+                           0) == 0) {
+            CHECK(t, gpu_st.S >= 3, "sync %d: several stages (S %d)", sync, gpu_st.S);
+            for (int k = 0; k < ENG_STEPS; k++)
+                CHECK(t, fabs(gpu_st.loss[k] - cpu.loss[k]) <= 2e-2 * fabs(cpu.loss[k]),
+                      "sync %d stages step %d: GPU loss %.6f vs emulated %.6f", sync, k,
+                      gpu_st.loss[k], cpu.loss[k]);
+            free(gpu_st.params);
+        }
+        free(cpu.params);
+    }
+    free(tokens);
+#else
+    test_skip(t, "built without CUDA");
+#endif
+}
+
 const TestCase tests_lora[] = {
     {"lora_ops_cols", test_lora_ops_cols},
     {"lora_ops_dropout", test_lora_ops_dropout},
@@ -1387,6 +1472,7 @@ const TestCase tests_lora[] = {
     {"lora_engine_memory", test_lora_engine_memory},
     {"lora_gpu_ops", test_lora_gpu_ops},
     {"lora_gpu_model", test_lora_gpu_model},
+    {"lora_gpu_engine", test_lora_gpu_engine},
     {"lora_parity_qwen3", test_lora_parity_qwen3},
     {"lora_parity_llama", test_lora_parity_llama},
     {NULL, NULL},
