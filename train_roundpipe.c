@@ -89,6 +89,31 @@ static EngineOptions engine_options(const TrainArgs* a, int use_cuda, int n_devi
     return eo;
 }
 
+// --plan with LoRA: the host's share of the frozen base and of the adapters. The base is held
+// once, in the devices' compute dtype (the engine's bf16 copy on GPUs, which the Store's fp32
+// copy is given back for, unless something still reads it; the Store's own fp32 slabs on
+// emulated devices); the adapters have fp32 weights, gradients, AdamW m and v, and two
+// compute-dtype masters.
+static void print_lora_host_memory(const TrainArgs* a, const Model* m, int act_bytes, int N,
+                                   const EngineOptions* eo) {
+    const EngineHostMemory h = engine_host_memory(m, act_bytes, N > 0 ? N : 1, eo);
+    const int released = trainer_releases_frozen(a, m, 1);
+    const double gib = 1 << 30;
+    const double base = act_bytes == 2 ? h.base : h.store_frozen;
+    const double adapters = h.store - h.store_frozen + (h.masters - h.base) + h.grads;
+    printf("LoRA host memory: the frozen base %.2f GiB (%s, one copy) + the adapters %.3f GiB "
+           "(fp32 weights, gradients, AdamW m and v; two %s masters)", base / gib,
+           act_bytes == 2 ? "bf16" : "fp32", adapters / gib, act_bytes == 2 ? "bf16" : "fp32");
+    if (act_bytes == 2 && released)
+        printf("; at start-up the loader's fp32 base (%.2f GiB), given back page by page as the "
+               "engine makes its bf16 copy", h.store_frozen / gib);
+    else if (act_bytes == 2)
+        printf("; plus the Store's fp32 base (%.2f GiB), which --val, --sample-tokens, "
+               "--dump-state and HF/GGUF exports read (--val '' --sample-tokens 0 drops it)",
+               h.store_frozen / gib);
+    printf("\n");
+}
+
 // Before anything big is allocated: the plan's choices that depend on its shape (they may set
 // a->split_rounds and model->mlp_chunk), then the host memory the run needs against what this
 // machine has (llmc/memory.h): a run that does not fit is refused here, exit 2, unless
@@ -121,6 +146,7 @@ static int plan_and_check_memory(TrainArgs* a, Model* model, int N) {
             fatal("%s", err);
         }
         const RunMemory rm = memory_estimate(a, model, N, &peo);
+        if (model->tt.lora.r > 0) print_lora_host_memory(a, model, act_bytes, N, &peo);
         printf("host memory for this plan: %.2f GiB", rm.total / (1 << 30));
         if (lim.bytes > 0) printf(" (available: %.2f GiB, %s)", lim.bytes / (1 << 30), lim.source);
         printf("\n");
@@ -143,7 +169,12 @@ static int plan_and_check_memory(TrainArgs* a, Model* model, int N) {
 static void export_model(const TrainArgs* a, const Model* m, Store* s, const ModelSource* src) {
     char err[ERR_LEN];
     const int lora = m->tt.lora.r > 0;
-    if (a->out[0]) {
+    if (a->out[0] && s->frozen_released) {
+        // (LoRA on GPUs: the Store gave its fp32 base back; the base stays at --model)
+        if (lora_save_peft(a->out, m, s, a->model, NULL, err) != 0) fatal("%s", err);
+        printf("saved the LoRA adapters to %s (the frozen base stays at %s)\n", a->out,
+               a->model[0] ? a->model : "the preset's seed");
+    } else if (a->out[0]) {
         if (checkpoint_save_hf(a->out, m, s, err) != 0) fatal("%s", err);
         if (lora && lora_save_peft(a->out, m, s, a->model, NULL, err) != 0) fatal("%s", err);
         printf("saved the model to %s (model.safetensors, config.json%s)\n", a->out,

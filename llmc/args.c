@@ -175,7 +175,7 @@ void args_usage(FILE* f) {
         "                         the machine has available (MemAvailable, the cgroup limit):\n"
         "                         a warning instead of the refusal (exit 2)\n"
         "\n"
-        "LoRA (adapters on a frozen base; plain training, --device cpu, for now)\n"
+        "LoRA (adapters on a frozen base; --device cpu and cpu:N for now, cuda only --plan)\n"
         "      --lora-r R         adapter rank; 0 = off, full fine-tuning (default 0)\n"
         "      --lora-alpha A     scale alpha / r (default %g)\n"
         "      --lora-targets L   all-linear (every linear but the LM head) or a comma list of\n"
@@ -432,7 +432,8 @@ static const char* closest_flag(const struct option* opts, const char* flag) {
     return best;
 }
 
-// The LoRA flags together: every other --lora-* flag needs --lora-r, LoRA trains plain for now.
+// The LoRA flags together: every other --lora-* flag needs --lora-r; LoRA trains on the CPU
+// (plain and the engine's emulated devices) for now, GPUs only plan.
 static int check_lora(const TrainArgs* a) {
     if (a->lora_r == 0) {
         if (a->lora_flag)
@@ -441,9 +442,9 @@ static int check_lora(const TrainArgs* a) {
     }
     char v[32];
     snprintf(v, sizeof v, "%d", a->lora_r);
-    if (a->n_devices > 0 || a->device == DEVICE_CUDA)
-        return bad("--lora-r", v, "LoRA trains with --device cpu (plain training) for now: the "
-                   "RoundPipe engine (--device cpu:N, cuda[:N]) does not run adapters yet");
+    if (a->device == DEVICE_CUDA && !a->plan_only)
+        return bad("--lora-r", v, "LoRA trains with --device cpu and cpu:N for now: the GPU path "
+                   "is written but awaits validation on a GPU (--plan shows its plan)");
     if (a->lora_targets & (LORA_ROUTER_BIT | LORA_EXPERTS_BIT))
         return bad("--lora-targets", a->lora_targets_arg, "router and experts adapters (MoE "
                    "models) are not supported yet");

@@ -380,7 +380,9 @@ static int write_pending(const char* path, const Model* m, const TrainState* ts,
     st_writer_meta(&w, "format", "train_roundpipe-pending-weights");
     char** names = calloc_check((size_t)m->tt.n_layers, sizeof(char*));
     for (int l = 0; l < m->tt.n_layers; l++) {
-        int64_t n = m->tt.param_numel[l];
+        // the layer's trainable tensors (the end of its slab): all of it for full training, the
+        // adapters with LoRA (the frozen base is the same in every iteration)
+        int64_t n = m->tt.state_numel[l];
         names[l] = malloc_check(32);
         snprintf(names[l], 32, "layer.%d", l);
         st_writer_add(&w, names[l], ts->pending_bytes == 2 ? ST_BF16 : ST_F32, 1, &n,
@@ -412,10 +414,11 @@ static int read_pending(const char* step_dir, const Model* m, TrainState* ts, ch
         snprintf(name, sizeof name, "layer.%d", l);
         const StTensor* t = st_find(&f, name);
         int b = t ? (t->dtype == ST_BF16 ? 2 : t->dtype == ST_F32 ? 4 : 0) : 0;
-        if (!t || b == 0 || t->ndim != 1 || t->numel != m->tt.param_numel[l] || (bytes && b != bytes)) {
+        if (!t || b == 0 || t->ndim != 1 || t->numel != m->tt.state_numel[l] ||
+            (bytes && b != bytes)) {
             st_close(&f);
             return errorf(err, "%s: tensor '%s' missing or not a [%lld] BF16/F32 vector", path,
-                          name, (long long)m->tt.param_numel[l]);
+                          name, (long long)m->tt.state_numel[l]);
         }
         bytes = b;
         total += (size_t)t->nbytes;

@@ -67,9 +67,18 @@ typedef struct EngineOptions {
                              // until the previous iteration's last consumer has read a buffer)
     int64_t start_step;      // optimizer steps already applied (resume): step k of this engine is
                              // step start_step + k of the run (LR schedule, bias correction)
+    uint32_t seed;           // LoRA: the run's seed, for the dropout masks (lora_dropout_seed of
+                             // step start_step + t, micro-batch i: the plain trainer's masks)
+    int release_frozen;      // LoRA on bf16 devices: the caller reads the Store's fp32 frozen
+                             // base no more, so the engine gives its pages back as it makes its
+                             // bf16 copy (store_release_range; the caller then marks the Store
+                             // with store_release_frozen): the host holds at most the fp32 base
+                             // at any time, and the bf16 base once afterwards
     const void* const* first_weights;  // resume with the delayed update: per layer, in the
                              // compute dtype, the weights the first iteration computes with (one
-                             // step behind the Store's); NULL = the Store's weights
+                             // step behind the Store's); NULL = the Store's weights. Only the
+                             // layer's trainable tensors: tt.state_numel[l] elements, the end of
+                             // its slab (everything for full training, the adapters with LoRA)
     double first_norm, first_lr;  // with first_weights: the norm and lr of the update the Store
                              // already holds, reported with the first iteration (as the straight
                              // run reports that update with the iteration it ran during)
@@ -174,7 +183,13 @@ int engine_plan_cost(const Model* m, int act_bytes, int n_devices, const EngineO
 // engine_create allocates besides the caller's Store, and the Store itself.
 typedef struct EngineHostMemory {
     double store;            // the Store: fp32 weights, m, v and gradients, 16 B/param
-    double masters;          // the two compute-dtype weight copies, 2 x act_bytes per param
+    double masters;          // the two compute-dtype weight copies, 2 x act_bytes per trainable
+                             // param, and one copy of a frozen base (LoRA) in the compute dtype
+                             // (included: base; none on fp32 devices, which read the Store's)
+    double base;             // of which the frozen base's compute-dtype copy
+    double store_frozen;     // of the Store: its fp32 copy of the frozen base (0 without LoRA),
+                             // which a run can give back once the engine holds its own
+                             // (store_release_frozen)
     double grads;            // the delayed update's second fp32 gradient set, 4 B/param (0 in
                              // sync mode)
     double split_extra;      // one fp32 gradient set per extra round with split rounds,
@@ -236,9 +251,10 @@ EngineStepResult engine_step(Engine* e, const int32_t* tokens);
 void engine_synchronize(Engine* e);
 // Optimizer steps applied so far.
 int64_t engine_steps_done(const Engine* e);
-// The weights (compute dtype, layer l's slab) the next iteration will compute with: with the
-// delayed update one step behind the Store's. Valid after engine_synchronize; a checkpoint keeps
-// them so a resumed run (EngineOptions.first_weights) continues bit-exactly.
+// The trainable weights (compute dtype, the last tt.state_numel[l] elements of layer l's slab:
+// all of it for full training, the adapters with LoRA) the next iteration will compute with:
+// with the delayed update one step behind the Store's. Valid after engine_synchronize; a
+// checkpoint keeps them so a resumed run (EngineOptions.first_weights) continues bit-exactly.
 const void* engine_next_weights(const Engine* e, int layer);
 // Bytes per element of those weights (the compute dtype).
 int engine_weight_bytes(const Engine* e);

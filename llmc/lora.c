@@ -64,6 +64,13 @@ float lora_scale(const LoraSpec* l) {
                      : (float)((double)l->alpha / (double)l->r);
 }
 
+uint64_t lora_dropout_seed(uint32_t seed, int64_t done, int mb) {
+    uint64_t z = ((uint64_t)seed << 32 | (uint32_t)mb) ^ ((uint64_t)done * 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
 // ----------------------------------------------------------------------------
 // where an adapter reads and writes: its linear's input width, and its column range [c0, c0 + w)
 // of the fused output (ld wide)
@@ -144,7 +151,8 @@ static const void* branch_input(const Model* m, Workspace* ws, int block, LoraTa
                                 const void* x, int n, int in, int64_t row0) {
     const float p = m->tt.lora.dropout;
     if (!ws->lora_train || p <= 0) return x;
-    ws->ops->dropout(ws->ctx, ws->lora_xd, x, p, site_seed(ws, block, tg), row0, n, in);
+    ws->ops->dropout(ws->ctx, ws->lora_xd, x, p, site_seed(ws, block, tg), ws->lora_row0 + row0,
+                     n, in);
     return ws->lora_xd;
 }
 
@@ -194,7 +202,7 @@ void lora_backward(const Model* m, Workspace* ws, int block, unsigned mask, cons
         // dx += drop(tmp): the dropout is linear, its backward the same mask
         if (ws->lora_train && p > 0)
             ops->dropout(ws->ctx, ws->lora_tmp, ws->lora_tmp, p, site_seed(ws, block,
-                         (LoraTarget)tg), row0, n, st.in);
+                         (LoraTarget)tg), ws->lora_row0 + row0, n, st.in);
         ops->add(ws->ctx, dx, dx, ws->lora_tmp, (size_t)n * (size_t)st.in);
     }
 }

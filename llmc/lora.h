@@ -39,6 +39,10 @@ int lora_parse_targets(const char* s, unsigned* targets, char* err);
 void lora_targets_string(unsigned targets, char* buf, size_t cap);
 // alpha / r, or alpha / sqrt(r) with rsLoRA.
 float lora_scale(const LoraSpec* l);
+// The dropout masks' seed of micro-batch mb of the step after `done` optimizer steps (the plain
+// trainer and the engine alike, so they drop the same elements, and a resumed run as the
+// straight one).
+uint64_t lora_dropout_seed(uint32_t seed, int64_t done, int mb);
 
 // ----------------------------------------------------------------------------
 // the adapters' math (model.c calls these; no-ops without LoRA)

@@ -254,10 +254,13 @@ RunMemory memory_estimate(const TrainArgs* a, const Model* m, int n_devices,
         const int ab = gpus ? 2 : 4;  // the devices' compute dtype
         const EngineHostMemory h = engine_host_memory(m, ab, n_devices, eo);
         r.state += h.masters + h.grads + (eo->split_rounds ? h.split_extra : 0.0);
+        // LoRA on GPUs: the engine's bf16 base takes the place of the Store's fp32 one, page by
+        // page as it converts them (the peak is the fp32 base the loader fills)
+        if (trainer_releases_frozen(a, m, engine)) r.state -= h.base;
         // resuming the delayed update: its pending weights stay until the engine has copied them
         if (a->resume && !a->sync) {
-            for (int l = 0; l < m->tt.n_layers; l++)
-                r.state += (double)m->tt.param_numel[l] * ab;
+            for (int l = 0; l < m->tt.n_layers; l++)  // (the trainable tensors': LoRA's adapters)
+                r.state += (double)m->tt.state_numel[l] * ab;
         }
         r.activations += h.staging;
         EnginePlanMemory pm;

@@ -133,6 +133,8 @@ typedef struct Workspace {
     void* lora_tmp;      // (N, max(in, out)) t·Bᵀ, the scaled output gradient, dt·A
     int lora_train;      // apply the dropout (training forward and backward; 0: evaluation)
     uint64_t lora_seed;  // the dropout masks' seed of this micro-batch (set by the trainer)
+    int64_t lora_row0;   // the rows' first token within the micro-batch (the masks' key: an
+                         // engine row chunk of the micro-batch drops what the whole one would)
 } Workspace;
 
 // ----------------------------------------------------------------------------

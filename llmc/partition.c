@@ -465,6 +465,14 @@ static int layer_is_moe(const ModelConfig* cfg, int block) {
 
 void partition_estimate_costs(const ModelConfig* cfg, int T, int tokens_per_microbatch,
                               int mlp_chunked, double* fwd_cost, double* bwd_cost) {
+    partition_estimate_costs_lora(cfg, NULL, T, tokens_per_microbatch, mlp_chunked, fwd_cost,
+                                  bwd_cost);
+}
+
+void partition_estimate_costs_lora(const ModelConfig* cfg, const LoraSpec* lora, int T,
+                                   int tokens_per_microbatch, int mlp_chunked, double* fwd_cost,
+                                   double* bwd_cost) {
+    const int frozen = lora && lora->r > 0;
     const double tok = tokens_per_microbatch, C = cfg->C, HHD = (double)cfg->H * cfg->HD;
     const double attn_proj = C * (cfg->H + 2.0 * cfg->KVH) * cfg->HD + HHD * C;
     const int n = cfg->L + 2;
@@ -480,13 +488,30 @@ void partition_estimate_costs(const ModelConfig* cfg, int T, int tokens_per_micr
         double keys = T / 2.0;
         if (cfg->family == FAMILY_GPTOSS && cfg->sliding_window > 0 && b % 2 == 0)
             keys = fmin(keys, (double)cfg->sliding_window);
-        fwd_cost[1 + b] = 2.0 * (attn_proj + mlp) * tok + 4.0 * keys * HHD * tok;
+        const double mm = 2.0 * (attn_proj + mlp) * tok, att = 4.0 * keys * HHD * tok;
+        fwd_cost[1 + b] = mm + att;
         bwd_cost[1 + b] = 3.0 * fwd_cost[1 + b];  // recompute (1x) + backward (2x)
         if (mlp_chunked) bwd_cost[1 + b] += 2.0 * (mlp + attn_proj) * tok;
+        if (!frozen) continue;
+        // LoRA: the base's matmuls need their input gradient only; the adapters' products
+        double ad_fwd = 0.0, ad_bwd = 0.0;
+        for (int tg = 0; tg < LORA_N_TARGETS; tg++) {
+            if (!(lora->targets & LORA_BIT(tg))) continue;
+            if (tg >= LORA_GATE && layer_is_moe(cfg, b)) continue;  // (no dense MLP there)
+            int64_t in, out;
+            lora_target_dims(cfg, (LoraTarget)tg, &in, &out);
+            ad_fwd += 2.0 * lora->r * (double)(in + out) * tok;
+            ad_bwd += 2.0 * lora->r * (double)(3 * in + 2 * out) * tok;
+        }
+        fwd_cost[1 + b] += ad_fwd;
+        bwd_cost[1 + b] = fwd_cost[1 + b] + mm + 2.0 * att + ad_bwd;
+        if (mlp_chunked) bwd_cost[1 + b] += 2.0 * (mlp + attn_proj) * tok;
     }
-    // postfix: LM head; in the fused stage its forward is not repeated, backward is 2x
+    // postfix: LM head; in the fused stage its forward is not repeated, backward is 2x (LoRA's
+    // frozen head: the input gradient only, 1x)
     fwd_cost[n - 1] = 2.0 * (double)cfg->V * C * tok;
-    bwd_cost[n - 1] = 3.0 * fwd_cost[n - 1];
+    bwd_cost[n - 1] = (frozen ? 2.0 : 3.0) * fwd_cost[n - 1];
+    if (frozen) bwd_cost[0] = fwd_cost[0];  // a frozen embedding: nothing but the gather
 }
 
 // ----------------------------------------------------------------------------

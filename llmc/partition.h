@@ -63,6 +63,7 @@
 #include <stdio.h>
 
 #include "config.h"
+#include "tensor.h"
 
 #define PARTITION_MAX_LAYERS (CONFIG_MAX_LAYERS + 2)  // prefix + blocks + postfix
 #define PARTITION_MAX_STAGES PARTITION_MAX_LAYERS     // per direction; S < 2 * this
@@ -130,6 +131,14 @@ void partition_evaluate(const PartitionInput* in, PartitionPlan* plan);
 // elementwise: not counted).
 void partition_estimate_costs(const ModelConfig* cfg, int T, int tokens_per_microbatch,
                               int mlp_chunked, double* fwd_cost, double* bwd_cost);
+// The same for LoRA adapters on a frozen base (lora NULL or r = 0: the full-training costs
+// above): no weight gradient of the base (a block's base matmuls cost 2x their forward in
+// recompute + input gradient instead of 3x; the frozen LM head 2x; the frozen embedding no
+// backward, its recompute only), plus each adapter's products: 2*r*(in + out)*tokens forward,
+// and 2*r*(3*in + 2*out)*tokens in backward (t again, dB, dt, dA, dx) after its recompute.
+void partition_estimate_costs_lora(const ModelConfig* cfg, const LoraSpec* lora, int T,
+                                   int tokens_per_microbatch, int mlp_chunked, double* fwd_cost,
+                                   double* bwd_cost);
 
 // Profiled costs (docs/ROUNDPIPE.md §2.7): the first observation is a cold start and is dropped;
 // after it, est <- 0.9*est + 0.1*obs starting from est = 0, reported bias-corrected as

@@ -5,10 +5,14 @@
  */
 #include "store.h"
 
+#include <errno.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "common.h"
 #include "rng.h"
@@ -43,6 +47,34 @@ double store_bytes(const TensorTable* tt) {
         bytes += ((double)tt->param_numel[l] + (double)tt->grad_numel[l] +  // gradient and state)
                   2.0 * (double)tt->state_numel[l]) * sizeof(float);
     return bytes;
+}
+
+double store_frozen_bytes(const TensorTable* tt) {
+    double bytes = 0;
+    for (int l = 0; l < tt->n_layers; l++)
+        bytes += (double)(tt->param_numel[l] - tt->state_numel[l]) * sizeof(float);
+    return bytes;
+}
+
+void store_release_range(Store* s, int l, int64_t from, int64_t to) {
+    const int64_t off = s->tt->param_numel[l] - s->tt->state_numel[l];
+    if (to > off) to = off;  // (never the trainable tail)
+    if (from >= to || !s->param[l]) return;
+    const long page = sysconf(_SC_PAGESIZE);
+    const uintptr_t pg = page > 0 ? (uintptr_t)page : 4096u;
+    // the whole pages inside the range (the allocation stays, for store_free, and so do the
+    // tails' addresses); MADV_DONTNEED frees them, reading them again would give zeros
+    const uintptr_t b = ((uintptr_t)(s->param[l] + from) + pg - 1) / pg * pg;
+    const uintptr_t e = (uintptr_t)(s->param[l] + to) / pg * pg;
+    if (e > b && madvise((void*)b, e - b, MADV_DONTNEED) != 0)
+        fatal("madvise(MADV_DONTNEED) on the frozen base's %zu bytes: %s", (size_t)(e - b),
+              strerror(errno));
+}
+
+void store_release_frozen(Store* s) {
+    for (int l = 0; l < s->n_layers; l++)
+        store_release_range(s, l, 0, s->tt->param_numel[l] - s->tt->state_numel[l]);
+    s->frozen_released = 1;
 }
 
 void store_create(Store* s, const TensorTable* tt) {
@@ -94,6 +126,8 @@ void store_free(Store* s) {
 
 float* store_param(const Store* s, int i) {
     const TensorDesc* d = &s->tt->t[i];
+    if (s->frozen_released && !s->tt->t[d->tied_to >= 0 ? d->tied_to : i].trainable)
+        fatal("internal: %s's fp32 weights were released (store_release_frozen)", d->name);
     return s->param[d->owner_layer] + d->param_offset;
 }
 

@@ -5,7 +5,9 @@
  * Parameter slabs hold the tensors a layer OWNS; gradient slabs the tensors it USES (tensor.h), so
  * a tied LM head has gradient space in the postfix and storage in the prefix; store_fold_tied_grads
  * sums such gradients into the owner before the optimizer step. Slabs are 64-byte aligned.
- * With LoRA (tensor.h) the gradient, m and v slabs hold the adapters only: the base is frozen.
+ * With LoRA (tensor.h) the gradient, m and v slabs hold the adapters only: the base is frozen,
+ * at the head of each parameter slab (store_release_frozen gives its fp32 pages back where the
+ * engine keeps the one copy of the base the run needs, in bf16).
  * The store knows no file format: loader.h fills it from checkpoints.
  */
 #ifndef LLMC_STORE_H
@@ -26,14 +28,28 @@ typedef struct Store {
     float** m;      // (n_layers) AdamW first moments (same layout as param)
     float** v;      // (n_layers) AdamW second moments
     int64_t step;   // optimizer steps taken
+    int frozen_released;  // store_release_frozen: the frozen base's fp32 values are gone
 } Store;
 
 void store_create(Store* s, const TensorTable* tt);
 // Host bytes store_create allocates for tt: the fp32 weights, m, v and gradient slabs.
 double store_bytes(const TensorTable* tt);
+// Of which the frozen tensors' fp32 weights (LoRA's base: each slab's head, the adapters last).
+double store_frozen_bytes(const TensorTable* tt);
+// Give the memory of every slab's frozen head back to the system (LoRA on bf16 devices: the
+// engine uploads the base from its own bf16 copy, so the host holds the base once, in bf16).
+// The trainable tails stay where they are; a frozen tensor's fp32 values are gone for good
+// (store_param of one is then fatal): only for runs that read the base from the Store no more
+// (no plain path, no HF / GGUF export, no copy of the base in --out).
+void store_release_frozen(Store* s);
+// The same for elements [from, to) of layer l's frozen head only (the whole pages inside it),
+// without marking the Store: for the engine, which releases each part of the base as soon as it
+// has its bf16 copy (EngineOptions.release_frozen), so the host never holds both in full.
+void store_release_range(Store* s, int l, int64_t from, int64_t to);
 void store_free(Store* s);
 
-// Parameter / gradient of tensor i of the table (the gradient NULL for a frozen tensor).
+// Parameter / gradient of tensor i of the table (the gradient NULL for a frozen tensor; the
+// parameter of a frozen one is fatal after store_release_frozen).
 float* store_param(const Store* s, int i);
 float* store_grad(const Store* s, int i);
 

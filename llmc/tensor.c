@@ -246,9 +246,14 @@ int tensor_table_build_lora(TensorTable* tt, const ModelConfig* c, int decay_emb
     if (c->family < 0 || c->family >= FAMILY_COUNT)
         return errorf(err, "tensor table: unknown model family");
     const int use_lora = lora && lora->r > 0;
-    if (use_lora && config_is_moe(c))
-        return errorf(err, "LoRA on mixture-of-experts models (family %s): not yet (dense LLaMA "
-                           "and Qwen3 models only so far)", family_names[c->family]);
+    // MoE blocks have no dense MLP: adapters on their attention only (per-expert and router
+    // adapters: not yet)
+    const unsigned attention = LORA_BIT(LORA_Q) | LORA_BIT(LORA_K) | LORA_BIT(LORA_V) |
+                               LORA_BIT(LORA_O);
+    if (use_lora && config_is_moe(c) && (lora->targets & ~attention))
+        return errorf(err, "LoRA on mixture-of-experts models (family %s): attention adapters "
+                           "only so far (--lora-targets q,k,v,o; gate, up, down, router and "
+                           "experts: not yet)", family_names[c->family]);
     if (use_lora && (lora->targets & LORA_ALL_LINEAR) == 0)
         return errorf(err, "LoRA: no target module");
     if (use_lora) tt->lora = *lora;

@@ -151,8 +151,8 @@ typedef struct TensorTable {
 // Build the table for a config. decay_embeddings: also decay the token embedding (and therefore
 // a tied head); norms never decay. Returns -1 with err for unsupported families.
 int tensor_table_build(TensorTable* tt, const ModelConfig* cfg, int decay_embeddings, char* err);
-// The same with LoRA adapters (lora NULL or r = 0: none): dense blocks only (-1 with err for a
-// mixture-of-experts family).
+// The same with LoRA adapters (lora NULL or r = 0: none): any target on dense models, attention
+// targets only (q, k, v, o) on mixture-of-experts families (-1 with err for the others).
 int tensor_table_build_lora(TensorTable* tt, const ModelConfig* cfg, int decay_embeddings,
                             const LoraSpec* lora, char* err);
 void tensor_table_free(TensorTable* tt);

@@ -12,6 +12,7 @@
 #include "alloc.h"
 #include "common.h"
 #include "config.h"
+#include "lora.h"
 #include "plan_hint.h"
 #ifdef HAVE_CUDA
 #include "../kernels/kernels.h"
@@ -47,15 +48,6 @@ static void moe_step_stats(const Trainer* t, const double* load, double ce_sum, 
     st->ce = ce_sum / n_tokens;
     st->aux = aux_sum / n_tokens;
     st->load_spread = sum > 0 ? mx / (sum / E) : 0.0;
-}
-
-// The LoRA dropout masks' seed of micro-batch mb of the step after `done` optimizer steps: the
-// same for a resumed run as for the straight one.
-static uint64_t lora_dropout_seed(uint32_t seed, int64_t done, int mb) {
-    uint64_t z = ((uint64_t)seed << 32 | (uint32_t)mb) ^ ((uint64_t)done * 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
 }
 
 // The gradients of one batch into the store; returns the step's mean objective (CE, plus the
@@ -119,6 +111,8 @@ static int create_engine(Trainer* t, int N, int n_opt_cpus, TrainerEngineOptions
 #endif
     device_set_open(&t->devs, impl, N, &dopt);
     EngineOptions eo = engine_options(a, t->use_cuda, N, ts->step);
+    eo.seed = a->seed;  // LoRA dropout: the plain trainer's masks
+    eo.release_frozen = trainer_releases_frozen(a, t->m, 1);  // (LoRA on GPUs)
     if (n_opt_cpus > 0) {
         eo.opt_cpus = t->cpus;
         eo.n_opt_cpus = n_opt_cpus;
@@ -165,6 +159,11 @@ int trainer_needs_plain(const TrainArgs* a, int use_engine) {
     return !use_engine || a->val[0] || a->sample_tokens > 0 || a->dump_state[0];
 }
 
+int trainer_releases_frozen(const TrainArgs* a, const Model* m, int use_engine) {
+    return use_engine && a->device == DEVICE_CUDA && m->tt.lora.r > 0 &&
+           !trainer_needs_plain(a, use_engine) && !a->export_hf[0] && !a->export_gguf[0];
+}
+
 int trainer_create(Trainer* t, const TrainArgs* a, const Model* m, Store* s, TrainState* ts,
                    int n_devices, TrainerEngineOptionsFn engine_options, char* err) {
     memset(t, 0, sizeof *t);
@@ -177,9 +176,9 @@ int trainer_create(Trainer* t, const TrainArgs* a, const Model* m, Store* s, Tra
     const int use_engine = n_devices > 0;
     const int N = use_engine ? n_devices : 1;
     // (mixture-of-experts models on a backend without MoE ops: workspace_create says so)
-    if (use_engine && m->tt.lora.r > 0)
-        return errorf(err, "LoRA trains with plain training (--device cpu) for now: the RoundPipe "
-                           "engine does not run adapters yet");
+    if (t->use_cuda && m->tt.lora.r > 0)
+        return errorf(err, "LoRA on GPUs awaits validation on a GPU: train with --device cpu or "
+                           "cpu:N for now (--plan shows the GPU plan)");
     // The plain path also serves evaluation, sampling and --dump-state: on GPU 0 when training
     // on GPUs.
     t->ops = &ops_cpu;
@@ -198,6 +197,8 @@ int trainer_create(Trainer* t, const TrainArgs* a, const Model* m, Store* s, Tra
     const int n_opt_cpus = pin_feeding_threads(t, N);
     if (use_engine) {
         if (create_engine(t, N, n_opt_cpus, engine_options, err) != 0) return -1;
+        // (the engine has made its bf16 copy of the base, releasing the fp32 one as it went)
+        if (trainer_releases_frozen(a, m, use_engine)) store_release_frozen(s);
     } else {
         printf("device cpu (%d threads), batch %d x %d tokens in %d micro-batch(es)%s\n",
                t->pool->n_threads, a->batch, a->seq, a->micro_batches,

@@ -78,6 +78,11 @@ void trainer_free(Trainer* t);
 // Whether trainer_create builds the plain path (plain training; with the engine only for
 // evaluation, sampling or --dump-state): for the run's memory estimate.
 int trainer_needs_plain(const TrainArgs* a, int use_engine);
+// LoRA through the engine on GPUs: the engine holds the frozen base in bf16, and nothing reads
+// the Store's fp32 copy any more (no plain path, no HF / GGUF export), so the trainer gives it
+// back (store_release_frozen): the host holds the base once, in bf16, and the adapters' fp32
+// state. (--out then holds the config and the adapters, as the checkpoints do.)
+int trainer_releases_frozen(const TrainArgs* a, const Model* m, int use_engine);
 
 // Optimizer step `step` of the run on the next batches of `train`: its loss, gradient norm and
 // lr (with the delayed update those of the step applying the previous iteration's gradient),

@@ -23,6 +23,7 @@
 #include <time.h>
 
 #include "internal.h"
+#include "../lora.h"
 
 // ----------------------------------------------------------------------------
 // stages
@@ -138,8 +139,11 @@ static void backward_layers(Engine* e, MbJob* j, int from, int to) {
         int k = l - st->b;
         void* dres = xrows(e, j, ds->dres[j->p]);
         if (l == 0) {
-            model_prefix_backward(m, ds->ws, j->gslot + st->g_off[k], dres,
-                                  trows(e, j, ds->ids[j->p], sizeof(int32_t)), j->B, e->T);
+            // (LoRA: a frozen embedding has no gradient, and the prefix no backward)
+            const int64_t g_embed = m->tt.t[tensor_table_index(&m->tt, TK_EMBED, -1)].grad_offset;
+            if (g_embed >= 0)
+                model_prefix_backward(m, ds->ws, j->gslot + st->g_off[k] + g_embed, dres,
+                                      trows(e, j, ds->ids[j->p], sizeof(int32_t)), j->B, e->T);
             continue;
         }
         if (e->opt.grain == RECOMPUTE_LAYER && st->kind == SLOT_BWD) {
@@ -167,7 +171,7 @@ static int stage_folds(const Engine* e, const Stage* st) {
     const TensorTable* tt = &e->m->tt;
     for (int i = 0; i < tt->n; i++) {
         const TensorDesc* d = &tt->t[i];
-        if (d->tied_to < 0) continue;
+        if (d->tied_to < 0 || !d->trainable) continue;  // (LoRA: a frozen head has no gradient)
         const int lo = tt->t[d->tied_to].layer;
         if (lo >= st->b && lo < st->e && d->layer >= st->b && d->layer < st->e) return 1;
     }
@@ -181,7 +185,7 @@ static void fold_on_device(Engine* e, const MbJob* j) {
     const Stage* st = j->st;
     for (int i = 0; i < tt->n; i++) {
         const TensorDesc* d = &tt->t[i];
-        if (d->tied_to < 0) continue;
+        if (d->tied_to < 0 || !d->trainable) continue;
         const TensorDesc* o = &tt->t[d->tied_to];
         j->ds->ops->add_f32(j->ds->ctx, j->gslot + st->g_off[o->layer - st->b] + o->grad_offset,
                             j->gslot + st->g_off[d->layer - st->b] + d->grad_offset,
@@ -225,6 +229,11 @@ static void run_microbatch(void* arg) {
     // the gradient of every micro-batch is scaled by 1 / (tokens of the step)
     const float grad_scale = 1.0f / ((float)e->opt.B * (float)e->T);
     if (e->m->n_moe > 0) moe_bind(e, j, grad_scale);
+    // LoRA: the plain trainer's dropout masks for this micro-batch (the workspace is the
+    // device's, used by one job at a time on its compute stream)
+    ds->ws->lora_train = 1;
+    ds->ws->lora_seed = j->lora_seed;
+    ds->ws->lora_row0 = (int64_t)j->row0 * e->T;
     if (j->phase == MB_PHASE_FORWARD) {
         forward_layers(e, j, j->from, j->to, st->kind != SLOT_FWD);
         return;
@@ -250,8 +259,11 @@ static void run_microbatch(void* arg) {
         // uploaded before this job): the aux loss, and the counts its backward needs (the
         // host part of model_moe_aux copies synchronously: once per micro-batch, a few KiB)
         model_moe_aux(e->m, ds->ws, j->B, e->T, grad_scale);
+        // (LoRA: the frozen norm and head have no gradient: NULL)
+        const int64_t g_norm = tt->t[i_norm].grad_offset, g_head = tt->t[i_head].grad_offset;
         model_postfix_forward_backward(e->m, ds->ws, norm_w, postfix_head(e, j),
-                                       g + tt->t[i_norm].grad_offset, g + tt->t[i_head].grad_offset,
+                                       g_norm >= 0 ? g + g_norm : NULL,
+                                       g_head >= 0 ? g + g_head : NULL,
                                        xrows(e, j, ds->xs[j->p][last - st->b]),
                                        xrows(e, j, ds->dres[j->p]),
                                        trows(e, j, ds->targets[j->p], sizeof(int32_t)),
@@ -411,7 +423,9 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
             const int r0 = c * Bi / e->K, r1 = (c + 1) * Bi / e->K;
             const MbJob base = {.e = e, .ds = ds, .st = st, .i = i, .p = p, .ip = ip,
                                 .B = r1 - r0, .row0 = r0, .pslot = ds->pslot[pk],
-                                .gslot = gk >= 0 ? ds->gslot[gk] : NULL, .t = t};
+                                .gslot = gk >= 0 ? ds->gslot[gk] : NULL, .t = t,
+                                .lora_seed = lora_dropout_seed(e->opt.seed,
+                                                               e->opt.start_step + t, i)};
             enqueue_chunk(e, &base, pk, gk, r == 0 && c == 0 && split,
                           r == e->M_R - 1 && c == e->K - 1 && layer_grads);
         }

@@ -297,12 +297,30 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
     plan_resources_create(e);
     e->pool = threadpool_create_on(opt->opt_threads, opt->opt_cpus, opt->n_opt_cpus);
 
-    // host buffers that do not depend on the plan: the compute-dtype weights and the batch
+    // host buffers that do not depend on the plan: the compute-dtype weights and the batch. Each
+    // layer's slab is a frozen head (LoRA: the base) and a trainable tail (the tensors the
+    // optimizer updates; all of them for full training): the tail has a master per iteration
+    // parity, the head one copy for both, since it never changes (the Store's own fp32 slab on
+    // fp32 devices; one bf16 copy on bf16 devices)
     const size_t tok = (size_t)e->Bm * e->T;
+    e->train_off = calloc_check((size_t)NL, sizeof(int64_t));
+    e->base = calloc_check((size_t)NL, sizeof(void*));
+    e->base_owned = e->ab != sizeof(float);
+    for (int l = 0; l < NL; l++) {
+        e->train_off[l] = tt->param_numel[l] - tt->state_numel[l];
+        if (e->train_off[l] == 0) continue;
+        if (e->base_owned) {
+            e->base[l] = e->impl->host_alloc((size_t)e->train_off[l] * e->ab + 64);
+        } else {
+            e->base[l] = s->param[l];
+            e->impl->host_register(s->param[l], (size_t)e->train_off[l] * sizeof(float));
+        }
+    }
     for (int b = 0; b < 2; b++) {
         e->master[b] = calloc_check((size_t)NL, sizeof(void*));
         for (int l = 0; l < NL; l++) {
-            e->master[b][l] = e->impl->host_alloc((size_t)tt->param_numel[l] * e->ab + 64);
+            e->master[b][l] = e->impl->host_alloc(
+                (size_t)(tt->param_numel[l] - e->train_off[l]) * e->ab + 64);
         }
         e->hids[b] = calloc_check((size_t)e->M, sizeof(int32_t*));
         e->htgt[b] = calloc_check((size_t)e->M, sizeof(int32_t*));
@@ -325,7 +343,8 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
     if (opt->first_weights) {
         // a resumed delayed run: iteration 0 computes with the weights one step behind the Store
         for (int l = 0; l < NL; l++)
-            memcpy(e->master[0][l], opt->first_weights[l], (size_t)tt->param_numel[l] * e->ab);
+            memcpy(e->master[0][l], opt->first_weights[l],
+                   (size_t)(tt->param_numel[l] - e->train_off[l]) * e->ab);
     }
     // the gradient accumulators are copy targets and sources: pin them
     e->n_hgrad = plan_host_grad_sets(&e->opt);
@@ -579,6 +598,13 @@ void engine_free(Engine* e) {
         for (int l = 0; l < NL; l++) im->host_free(e->hgrad[1][l]);
         free(e->hgrad[1]);
     }
+    for (int l = 0; l < NL; l++) {
+        if (!e->base[l]) continue;
+        if (e->base_owned) im->host_free(e->base[l]);
+        else im->host_unregister(e->base[l]);
+    }
+    free(e->base);
+    free(e->train_off);
     for (int b = 0; b < 2; b++) {
         for (int l = 0; l < NL; l++) im->host_free(e->master[b][l]);
         free(e->master[b]);

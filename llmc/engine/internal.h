@@ -169,6 +169,7 @@ typedef struct MbJob {
     MbPhase phase;
     int from, to;
     int64_t t;      // protocol_param_fence_fn: wait until param_ready[from] >= t
+    uint64_t lora_seed;  // LoRA: the dropout masks' seed of this micro-batch (lora_dropout_seed)
 } MbJob;
 
 typedef struct JobBlock {
@@ -205,7 +206,15 @@ struct Engine {
     int64_t iter;           // iterations enqueued
     int64_t collected;      // iterations whose results engine_collect returned (<= iter, >= iter-2)
     // ---- host buffers (allocated in engine.c; written by transfers and the optimizer)
-    void** master[2];       // [buffer][layer] compute-dtype weights
+    void** master[2];       // [buffer][layer] compute-dtype weights of the layer's trainable
+                            // tail (elements [train_off[l], param_numel[l]) of its slab)
+    int64_t* train_off;     // (NL) where the trainable tail of layer l's slab begins: 0 for full
+                            // training; with LoRA the frozen base comes first, the adapters last
+    void** base;            // (NL) the frozen head of layer l's slab (elements [0, train_off[l]))
+                            // in the compute dtype, ONE copy for both iteration parities (it never
+                            // changes): the Store's own fp32 slab on fp32 devices, a bf16 copy on
+                            // bf16 devices; NULL where a layer has none
+    int base_owned;         // base[l] are the engine's allocations (bf16), not the Store's slabs
     int* need_x;            // (NL+1) boundary b needs host x buffers
     int* need_dx;
     void*** hx[2];          // [iteration parity][boundary][micro-batch]
@@ -276,7 +285,9 @@ struct Engine {
     AdamWTensor* opt_tensors;
     int n_opt;
     int* layer_first_opt;   // (NL+1) AdamW tensors of layer l are [first[l], first[l+1])
-    int64_t* opt_offset;    // (n_opt) element offset of each AdamW tensor in its layer's slab
+    int64_t* opt_offset;    // (n_opt) element offset of each AdamW tensor in its layer's
+                            // trainable tail (master[buf][l])
+    int64_t* opt_goffset;   // (n_opt) and in its layer's gradient slab (LoRA: adapters only)
     int* opt_layer;         // (n_opt) its layer
     int64_t* norm_first;    // (NL+1) the norm's chunk sums of layer l are [first[l], first[l+1])
     double* norm_parts;     // the chunk sums (adamw_grad_norm_sq_parts), filled as layers arrive

@@ -262,7 +262,8 @@ static int plan_partition(Engine* e, PartitionPlan* plan, char* err) {
 // block's backward recomputes the MLP forward.
 static void estimate_costs(Engine* e) {
     const int chunked = e->m->mlp_chunk > 0 && (int64_t)e->Bc * e->T > e->m->mlp_chunk;
-    partition_estimate_costs(&e->m->cfg, e->T, e->Bm * e->T, chunked, e->cost_fwd, e->cost_bwd);
+    partition_estimate_costs_lora(&e->m->cfg, &e->m->tt.lora, e->T, e->Bm * e->T, chunked,
+                                  e->cost_fwd, e->cost_bwd);
 }
 
 // The shape of a run and its size-based plan: everything engine_create and engine_plan_print
@@ -542,14 +543,24 @@ int engine_replans(const Engine* e) { return e->replans; }
 EngineHostMemory engine_host_memory(const Model* m, int act_bytes, int n_devices,
                                     const EngineOptions* opt) {
     const TensorTable* tt = &m->tt;
-    double params = 0.0, grads = 0.0;  // elements of the parameter and gradient slabs
+    // elements of the slabs' trainable tails (everything for full training, LoRA's adapters),
+    // their frozen heads (LoRA's base) and the gradient slabs
+    double tails = 0.0, frozen = 0.0, grads = 0.0;
+    int frozen_layers = 0;
     for (int l = 0; l < tt->n_layers; l++) {
-        params += (double)tt->param_numel[l];
+        tails += (double)tt->state_numel[l];
+        frozen += (double)(tt->param_numel[l] - tt->state_numel[l]);
+        frozen_layers += tt->param_numel[l] > tt->state_numel[l];
         grads += (double)tt->grad_numel[l];
     }
     EngineHostMemory h;
     h.store = store_bytes(tt);
-    h.masters = 2.0 * (act_bytes * params + 64.0 * tt->n_layers);  // master[2] (engine_create)
+    // master[2] of the trainable tails, and one copy of the frozen base for both (engine_create):
+    // fp32 devices read the Store's own slabs, bf16 devices a bf16 copy
+    h.masters = 2.0 * (act_bytes * tails + 64.0 * tt->n_layers);
+    h.base = act_bytes == (int)sizeof(float) ? 0.0 : act_bytes * frozen + 64.0 * frozen_layers;
+    h.masters += h.base;
+    h.store_frozen = store_frozen_bytes(tt);
     h.grads = plan_host_grad_sets(opt) > 1 ? 4.0 * grads : 0.0;  // hgrad[1] (engine_create)
     h.split_extra = n_devices > 1 ? (n_devices - 1) * 4.0 * grads : 0.0;  // hsplit: R - 1 = N - 1
     // hids, htgt, hloss: two iteration parities of every micro-batch's tokens, targets, losses

@@ -17,8 +17,10 @@
  * Owns: the flags under mu (param_ready, grad_consumed, grad_recorded, split_summed, folded_iter,
  * steps_queued, steps_done, shutdown, norm_hist, lr_hist), the optimizer thread, its AdamW tables
  * and norm parts. Buffers it touches: the Store (fp32 weights, m, v; the gradient set of the
- * step's iteration and, with split rounds, hsplit, added into it), master[buf] (written by step k
- * for iteration k + delay). Events: it synchronises on grad_ev / split_ev, records none.
+ * step's iteration and, with split rounds, hsplit, added into it), master[buf] (the layers'
+ * trainable tails, written by step k for iteration k + delay), base (a frozen base's bf16 copy,
+ * written once by protocol_masters_init). Events: it synchronises on grad_ev / split_ev, records
+ * none.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -117,17 +119,34 @@ void protocol_mark_device_fold(Engine* e, int64_t t) {
 
 typedef struct MasterInit {
     Engine* e;
-    int64_t* first;  // (NL + 1) first chunk of each layer
+    int64_t* first;        // (NL + 1) first chunk of each layer
+    int64_t* head_chunks;  // (NL) of which the frozen head's
 } MasterInit;
 
+// Chunk c of the layers' slabs: the frozen head's chunks of a layer come first, converted once
+// into the base's bf16 copy (fp32 devices read the Store's slab itself), then its trainable
+// tail's, into both masters.
 static void master_init_chunk(void* arg, int64_t c) {
     const MasterInit* mi = arg;
     Engine* e = mi->e;
     int l = 0;
     while (mi->first[l + 1] <= c) l++;
-    const int64_t b = (c - mi->first[l]) * MASTER_CHUNK;
-    const int64_t n = imin64(e->m->tt.param_numel[l] - b, MASTER_CHUNK);
-    const float* src = e->s->param[l] + b;
+    const int64_t k = c - mi->first[l], off = e->train_off[l];
+    if (k < mi->head_chunks[l]) {
+        const int64_t b = k * MASTER_CHUNK, n = imin64(off - b, MASTER_CHUNK);
+        if (e->ab == 2) {
+            const float* src = e->s->param[l] + b;
+            uint16_t* dst = (uint16_t*)e->base[l] + b;
+            for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+            // the chunk's own whole pages (the pages it shares with a neighbour chunk, which
+            // another thread may still be reading, go with store_release_frozen afterwards)
+            if (e->opt.release_frozen) store_release_range(e->s, l, b, b + n);
+        }
+        return;
+    }
+    const int64_t b = (k - mi->head_chunks[l]) * MASTER_CHUNK;
+    const int64_t n = imin64(e->m->tt.param_numel[l] - off - b, MASTER_CHUNK);
+    const float* src = e->s->param[l] + off + b;
     for (int buf = 0; buf < 2; buf++) {
         if (e->ab == 4) {
             memcpy((float*)e->master[buf][l] + b, src, (size_t)n * sizeof(float));
@@ -140,16 +159,24 @@ static void master_init_chunk(void* arg, int64_t c) {
 
 void protocol_masters_init(Engine* e) {
     const int NL = e->NL;
-    MasterInit mi = {e, calloc_check((size_t)NL + 1, sizeof(int64_t))};
-    for (int l = 0; l < NL; l++)
-        mi.first[l + 1] = mi.first[l] + (e->m->tt.param_numel[l] + MASTER_CHUNK - 1) / MASTER_CHUNK;
+    MasterInit mi = {e, calloc_check((size_t)NL + 1, sizeof(int64_t)), NULL};
+    int64_t* head_chunks = calloc_check((size_t)NL, sizeof(int64_t));
+    for (int l = 0; l < NL; l++) {
+        const int64_t off = e->train_off[l], tail = e->m->tt.param_numel[l] - off;
+        head_chunks[l] = (off + MASTER_CHUNK - 1) / MASTER_CHUNK;
+        mi.first[l + 1] = mi.first[l] + head_chunks[l] + (tail + MASTER_CHUNK - 1) / MASTER_CHUNK;
+    }
+    mi.head_chunks = head_chunks;
     threadpool_run(e->pool, mi.first[NL], master_init_chunk, &mi);
+    free(head_chunks);
     free(mi.first);
 }
 
+// Layer l's trainable tail from the Store into master[buf] (fp32 devices; bf16 devices have the
+// optimizer write it in the same pass).
 static void write_master(Engine* e, int buf, int l) {
-    const int64_t n = e->m->tt.param_numel[l];
-    const float* src = e->s->param[l];
+    const int64_t n = e->m->tt.param_numel[l] - e->train_off[l];
+    const float* src = e->s->param[l] + e->train_off[l];
     if (n == 0) return;
     if (e->ab == 4) {
         memcpy(e->master[buf][l], src, (size_t)n * sizeof(float));
@@ -186,7 +213,8 @@ static void optimizer_step(Engine* e, int64_t k) {
     double t_wait = time_now_s();
     // the gradient set iteration k-1 downloaded into
     float** g = e->hgrad[(k - 1) % e->n_hgrad];
-    for (int i = 0; i < e->n_opt; i++) e->opt_tensors[i].grad = g[e->opt_layer[i]] + e->opt_offset[i];
+    for (int i = 0; i < e->n_opt; i++)
+        e->opt_tensors[i].grad = g[e->opt_layer[i]] + e->opt_goffset[i];
     // Deepest first, as backward produces them; each layer's part of the norm while the rest are
     // still on their way (a layer that receives a tied gradient waits for the fold below).
     pthread_check(pthread_mutex_lock(&e->mu));
@@ -227,7 +255,7 @@ static void optimizer_step(Engine* e, int64_t k) {
     const TensorTable* tt = &e->m->tt;
     for (int i = 0; i < tt->n && !dev_folded; i++) {
         const TensorDesc* d = &tt->t[i];
-        if (d->tied_to < 0) continue;
+        if (d->tied_to < 0 || !d->trainable) continue;  // (LoRA: a frozen head has no gradient)
         const TensorDesc* o = &tt->t[d->tied_to];
         // in parallel: a tied head is the largest tensor (300 M elements for Qwen3-1.7B), and
         // with two GPUs the next iteration waits for this step
@@ -324,22 +352,27 @@ void protocol_init(Engine* e) {
     e->n_opt = store_adamw_tensors(s, e->opt_tensors);
     e->layer_first_opt = calloc_check((size_t)NL + 1, sizeof(int));
     e->opt_offset = calloc_check((size_t)(e->n_opt > 0 ? e->n_opt : 1), sizeof(int64_t));
+    e->opt_goffset = calloc_check((size_t)(e->n_opt > 0 ? e->n_opt : 1), sizeof(int64_t));
     e->opt_layer = calloc_check((size_t)(e->n_opt > 0 ? e->n_opt : 1), sizeof(int));
     {
-        // store_adamw_tensors lists the owned tensors in table order, which is layer order; an
-        // owned tensor sits at the same offset in its layer's parameter and gradient slabs
+        // store_adamw_tensors lists the owned trainable tensors in table order, which is layer
+        // order; each has its own offsets in the layer's trainable tail (master) and gradient
+        // slab (the same for full training; LoRA's gradient slabs hold the adapters only)
         int idx = 0, t_i = 0;
         for (int l = 0; l < NL; l++) {
             e->layer_first_opt[l] = idx;
             for (; t_i < tt->n && tt->t[t_i].layer == l; t_i++) {
-                if (tt->t[t_i].tied_to >= 0) continue;
-                if (tt->t[t_i].grad_offset != tt->t[t_i].param_offset)
-                    fatal("internal: tensor %s has different parameter and gradient offsets",
-                          tt->t[t_i].name);
+                const TensorDesc* d = &tt->t[t_i];
+                if (d->tied_to >= 0 || !d->trainable) continue;
+                if (d->param_offset < e->train_off[l] || d->grad_offset < 0)
+                    fatal("internal: trainable tensor %s outside its layer's trainable tail",
+                          d->name);
                 e->opt_layer[idx] = l;
-                e->opt_offset[idx++] = tt->t[t_i].param_offset;
+                e->opt_goffset[idx] = d->grad_offset;
+                e->opt_offset[idx++] = d->param_offset - e->train_off[l];
             }
         }
+        if (idx != e->n_opt) fatal("internal: %d optimizer tensors, %d listed", e->n_opt, idx);
         e->layer_first_opt[NL] = idx;
         e->norm_first = calloc_check((size_t)NL + 1, sizeof(int64_t));
         e->fold_owner = calloc_check((size_t)NL, sizeof(int));
@@ -350,7 +383,8 @@ void protocol_init(Engine* e) {
         e->norm_parts = calloc_check((size_t)(e->norm_first[NL] > 0 ? e->norm_first[NL] : 1),
                                      sizeof(double));
         for (int i = 0; i < tt->n; i++)
-            if (tt->t[i].tied_to >= 0) e->fold_owner[tt->t[tt->t[i].tied_to].layer] = 1;
+            if (tt->t[i].tied_to >= 0 && tt->t[i].trainable)
+                e->fold_owner[tt->t[tt->t[i].tied_to].layer] = 1;
     }
     pthread_check(pthread_create(&e->opt_thread, NULL, optimizer_main, e));
 }
@@ -393,6 +427,7 @@ void protocol_free(Engine* e) {
     free(e->norm_parts);
     free(e->fold_owner);
     free(e->opt_offset);
+    free(e->opt_goffset);
     free(e->opt_layer);
     pthread_check(pthread_mutex_destroy(&e->mu));
     pthread_check(pthread_cond_destroy(&e->cv));
@@ -402,7 +437,7 @@ void protocol_free(Engine* e) {
 // accessors
 
 const void* engine_next_weights(const Engine* e, int layer) {
-    return e->master[e->iter % 2][layer];
+    return e->master[e->iter % 2][layer];  // the trainable tail (the frozen base never changes)
 }
 
 int engine_weight_bytes(const Engine* e) { return (int)e->ab; }

@@ -15,7 +15,9 @@
  *     §4.5), down from forward stages, up to and down from the fused stage, up to backward stages.
  *
  * Buffers it touches: device slots and activation buffers (as copy source or target), host
- * master[ip], hids and htgt (read), hx / hdx / hmoe (both), hloss, hgrad / hsplit (written).
+ * master[ip] and base (the trainable tail and the frozen head of each layer's slab: LoRA's base
+ * is one copy for both parities), hids and htgt (read), hx / hdx / hmoe (both), hloss, hgrad /
+ * hsplit (written).
  * Events it records: lev[k][l], up_done[p], marks[r], down_done[p], x_ev / dx_ev / loss_ev,
  * x_free / dx_free, grads_ready, grad_ev / split_ev, gslot_free[k]; its copies wait on
  * pslot_free, gslot_free, comp_done, down_done, the running stage's marks, grads_ready, gev, and
@@ -62,21 +64,38 @@ static void lpt_assign(Piece* pieces, int n, int n_bins, int* bin_of) {
 }
 
 
-// Where layer l of a stage goes in parameter slot k, from iteration parity ip's master copy
-// (l == st->e: the copy of the embedding that a stage carrying a tied head holds as its head).
-// Returns the bytes, 0 when the stage carries no such head.
-static size_t slot_layer_copy(const Engine* e, const DevState* ds, const Stage* st, int k, int ip,
-                              int l, const void** src, char** dst) {
-    const TensorTable* tt = &e->m->tt;
-    if (l < st->e) {
-        *src = e->master[ip][l];
-        *dst = (char*)ds->pslot[k] + (size_t)st->p_off[l - st->b] * e->ab;
-        return (size_t)tt->param_numel[l] * e->ab;
+// Elements [from, to) of layer l's slab from iteration parity ip's weights to dst: the frozen
+// head from the one base copy, the trainable tail from the parity's master. Returns the copies
+// (0 to 2) in seg.
+static int layer_range_copies(const Engine* e, int ip, int l, int64_t from, int64_t to, char* dst,
+                              Piece seg[2]) {
+    const int64_t off = e->train_off[l];
+    int n = 0;
+    if (from < off && from < to)
+        seg[n++] = (Piece){dst, (const char*)e->base[l] + (size_t)from * e->ab,
+                           (size_t)(imin64(to, off) - from) * e->ab};
+    if (to > off) {
+        const int64_t b = from > off ? from : off;
+        seg[n++] = (Piece){dst + (size_t)(b - from) * e->ab,
+                           (const char*)e->master[ip][l] + (size_t)(b - off) * e->ab,
+                           (size_t)(to - b) * e->ab};
     }
+    return n;
+}
+
+// Where layer l of a stage goes in parameter slot k, from iteration parity ip's weights (l ==
+// st->e: the copy of the embedding that a stage carrying a tied head holds as its head), as 0 to
+// 2 copies in seg (layer_range_copies).
+static int slot_layer_copies(const Engine* e, const DevState* ds, const Stage* st, int k, int ip,
+                             int l, Piece seg[2]) {
+    const TensorTable* tt = &e->m->tt;
+    if (l < st->e)
+        return layer_range_copies(e, ip, l, 0, tt->param_numel[l],
+                                  (char*)ds->pslot[k] + (size_t)st->p_off[l - st->b] * e->ab, seg);
     if (st->head_off < 0) return 0;
-    *src = e->master[ip][0];
-    *dst = (char*)ds->pslot[k] + (size_t)st->head_off * e->ab;
-    return (size_t)tt->t[tensor_table_index(tt, TK_LM_HEAD, -1)].numel * e->ab;
+    const int64_t head = tt->t[tensor_table_index(tt, TK_LM_HEAD, -1)].numel;
+    return layer_range_copies(e, ip, 0, 0, head,
+                              (char*)ds->pslot[k] + (size_t)st->head_off * e->ab, seg);
 }
 
 // One copy on stream s in pieces of at most PIECE_MAX_BYTES, each labelled `name` in traces.
@@ -99,10 +118,10 @@ void transfer_params_up(Engine* e, DevState* ds, const Stage* st, int k, int64_t
     int cap = 16, n = 0;
     Piece* pieces = malloc_check((size_t)cap * sizeof(Piece));
     for (int l = st->b; l <= st->e; l++) {
-        const void* src;
-        char* dst;
-        const size_t bytes = slot_layer_copy(e, ds, st, k, ip, l, &src, &dst);
-        if (bytes) pieces_add(&pieces, &n, &cap, dst, src, bytes);
+        Piece seg[2];
+        const int n_seg = slot_layer_copies(e, ds, st, k, ip, l, seg);
+        for (int c = 0; c < n_seg; c++)
+            pieces_add(&pieces, &n, &cap, seg[c].dst, seg[c].src, seg[c].bytes);
     }
     int n_bins = ds->n_marks > 0 ? ds->n_marks : 1;
     int* bin_of = malloc_check((size_t)(n ? n : 1) * sizeof(int));
@@ -134,10 +153,9 @@ void transfer_params_up_gated(Engine* e, DevState* ds, const Stage* st, int k, i
     if (ds->n_marks > 0) im->stream_wait(ds->d, STREAM_PARAM_UP, ds->marks[ds->n_marks - 1]);
     for (int l = st->b; l <= st->e; l++) {
         const int owner = l < st->e ? l : 0;  // the tied head is a copy of layer 0's embedding
-        const void* src;
-        char* dst;
-        const size_t bytes = slot_layer_copy(e, ds, st, k, ip, l, &src, &dst);
-        if (!bytes) break;
+        Piece seg[2];
+        const int n_seg = slot_layer_copies(e, ds, st, k, ip, l, seg);
+        if (l == st->e && !n_seg) break;  // no tied head
         if (!protocol_layer_ready(e, owner, t)) {
             MbJob* j = jobs_new(e, ip);
             *j = (MbJob){.e = e, .ds = ds, .st = st, .from = owner, .t = t};
@@ -145,7 +163,8 @@ void transfer_params_up_gated(Engine* e, DevState* ds, const Stage* st, int k, i
         }
         char name[40];
         snprintf(name, sizeof name, "params %s layer %d", st->name, l);
-        copy_pieces(e, ip, ds, STREAM_PARAM_UP, dst, src, bytes, 1, name);
+        for (int c = 0; c < n_seg; c++)
+            copy_pieces(e, ip, ds, STREAM_PARAM_UP, seg[c].dst, seg[c].src, seg[c].bytes, 1, name);
         im->event_record(ds->lev[k][l - st->b], ds->d, STREAM_PARAM_UP);
     }
 }
@@ -163,6 +182,7 @@ void transfer_grads_prepare(Engine* e, DevState* ds, const Stage* st, int k, int
         return;
     }
     for (int l = st->b; l < st->e; l++) {
+        if (tt->grad_numel[l] == 0) continue;  // (LoRA: a frozen prefix or postfix)
         im->stream_wait(ds->d, STREAM_PARAM_UP, e->grad_ev[t % e->n_hgrad][l]);
         jobs_label(e, ip, ds, STREAM_PARAM_UP, "partial grads %s", st->name);
         im->copy_h2d(ds->d, STREAM_PARAM_UP, ds->gslot[k] + st->g_off[l - st->b],

@@ -5,13 +5,20 @@
  *    finite-difference check of linear ops), dropout (mask rate, scale, its own backward, the
  *    same mask for any row chunking);
  *  - the tensor table: adapters named by their PEFT keys, the only trainable tensors, gradient
- *    and AdamW slabs of the adapters only, the HF view without them; MoE refused;
+ *    and AdamW slabs of the adapters only, the HF view without them; MoE: attention adapters
+ *    only (finite-difference checked, and through the engine), the other targets refused;
  *  - the model: finite-difference checks of every A and B gradient (LLaMA and tied Qwen3, with
  *    and without dropout), B = 0 gives the base's loss to the bit, the merged base gives the
  *    adapted loss, recompute and the chunked MLP give the same results;
  *  - PEFT directories: a round trip, and one-line refusals of a mismatched config or tensors;
  *  - the CLI: flag validation, training (the base untouched), --dump-state with the adapters'
  *    gradients only, --export-lora / --lora-init, bit-exact --resume, --merge-lora;
+ *  - the RoundPipe engine on emulated devices: sync mode bit-identical to plain LoRA training
+ *    (1-3 devices, stage and layer grain, rounds, several stages, gated uploads, row chunks),
+ *    gradient downloads of the adapters only, the delayed optimizer and split rounds against
+ *    references, and through the CLI the plain run's records and a bit-exact delayed --resume;
+ *    the frozen base held once (host memory model, the Store's release of its fp32 base) and
+ *    the partitioner's costs without the base's weight gradients;
  *  - parity with PEFT (dev/parity/make_lora_fixtures.py), skipped while the fixtures are absent.
  */
 #include <math.h>
@@ -21,6 +28,9 @@
 
 #include "../checkpoint.h"
 #include "../common.h"
+#include "../device.h"
+#include "../engine.h"
+#include "../partition.h"
 #include "../lora.h"
 #include "../model.h"
 #include "../ops.h"
@@ -197,7 +207,7 @@ static void test_lora_table(TestCtx* t) {
     CHECK(t, same, "full fine-tuning: every tensor trainable, state at the parameter offsets");
     model_free(&m);
     model_free(&base);
-    // MoE: not yet
+    // MoE: all-linear not yet (attention adapters only: lora_gradcheck_moe_attention)
     ModelConfig mc;
     config_from_preset(&mc, "test-qwen3moe", err);
     Model mm;
@@ -270,9 +280,19 @@ static double fix_grads(Fix* f) {
     return plain_forward_backward(f->p, f->tokens, f->B, f->T, (float)(1.0 / N)) / N;
 }
 
+static void lora_gradcheck_model(TestCtx* t, const ModelConfig* cfg, const LoraSpec* spec_in);
+
 static void lora_gradcheck(TestCtx* t, ModelFamily fam, int tied, float dropout, int rslora) {
-    ModelConfig c = small_config(fam, tied);
-    LoraSpec l = spec(3, 5.0f, LORA_ALL_LINEAR, dropout, rslora);
+    const ModelConfig c = small_config(fam, tied);
+    const LoraSpec l = spec(3, 5.0f, LORA_ALL_LINEAR, dropout, rslora);
+    lora_gradcheck_model(t, &c, &l);
+}
+
+static void lora_gradcheck_model(TestCtx* t, const ModelConfig* cfg, const LoraSpec* spec_in) {
+    const ModelConfig c = *cfg;
+    const LoraSpec l = *spec_in;
+    const ModelFamily fam = c.family;
+    const float dropout = l.dropout;
     Fix f;
     fix_init(&f, &c, &l, 0, 0);
     fix_grads(&f);
@@ -330,6 +350,23 @@ static void test_lora_gradcheck_qwen3_tied_rslora(TestCtx* t) {
     lora_gradcheck(t, FAMILY_QWEN3, 1, 0, 1);
 }
 static void test_lora_gradcheck_dropout(TestCtx* t) { lora_gradcheck(t, FAMILY_QWEN3, 0, 0.3f, 0); }
+// MoE models: attention adapters (their blocks have no dense MLP), the aux loss on; the MLP,
+// router and expert targets refused in one line
+static void test_lora_gradcheck_moe_attention(TestCtx* t) {
+    char err[ERR_LEN];
+    const char* presets[] = {"test-qwen3moe", "test-gptoss"};
+    for (int k = 0; k < 2; k++) {
+        ModelConfig c;
+        config_from_preset(&c, presets[k], err);
+        const LoraSpec l = spec(3, 5.0f, LORA_BIT(LORA_Q) | LORA_BIT(LORA_K) | LORA_BIT(LORA_V) |
+                                             LORA_BIT(LORA_O), 0.1f, 0);
+        lora_gradcheck_model(t, &c, &l);
+        Model m;
+        const LoraSpec all = spec(3, 5.0f, LORA_ALL_LINEAR, 0.0f, 0);
+        CHECK(t, model_init_lora(&m, &c, 0, &all, err) != 0 && strstr(err, "attention adapters"),
+              "%s all-linear: refused in one line: %s", presets[k], err);
+    }
+}
 
 static float* lora_grads_copy(const Fix* f, int64_t* n_out) {
     int64_t n = 0;
@@ -515,7 +552,7 @@ static void test_lora_cli_flags(TestCtx* t) {
     } cases[] = {
         {"--lora-alpha 16", "needs --lora-r"},
         {"--export-lora x", "needs --lora-r"},
-        {"--lora-r 4 --device cpu:2", "--device cpu"},
+        {"--lora-r 4 --device cuda", "awaits validation on a GPU"},
         {"--lora-r 4 --merge-lora", "--export-hf"},
         {"--lora-r 4 --lora-targets q,foo", "unknown module"},
         {"--lora-r 4 --lora-targets experts", "not supported yet"},
@@ -683,6 +720,452 @@ static void test_lora_cli_resume(TestCtx* t) {
     size_t na, nb;
     char* xa = test_read_file(fa, &na);
     char* xb = test_read_file(fb, &nb);
+    CHECK(t, na > 0 && na == nb && memcmp(xa, xb, na) == 0, "byte-identical adapters at step 6");
+    free(xa);
+    free(xb);
+}
+
+// ----------------------------------------------------------------------------
+// through the RoundPipe engine (emulated CPU devices), against the plain trainer
+// (test_engine.c's engine-vs-plain cases with adapters on the frozen base)
+
+#define ENG_STEPS 4
+
+typedef struct LoraRun {
+    double loss[ENG_STEPS];
+    float* params;      // every parameter slab after the last step, concatenated
+    int64_t n_params;
+    uint64_t grad_down; // bytes the devices' gradient streams downloaded
+    int64_t gated;
+    int S;
+} LoraRun;
+
+typedef struct LoraCase {
+    int N, M, M_R, sync, delays;
+    RecomputeGrain grain;
+    double budget;    // device bytes for the stages (small: several stages)
+    int slow_opt_us;  // a slow optimizer: gated uploads
+    int row_chunks;
+    int split;        // split rounds
+    int host_single;
+} LoraCase;
+
+static ModelConfig lora_engine_config(int tied) {
+    char err[ERR_LEN];
+    ModelConfig c;
+    config_from_preset(&c, tied ? "test-qwen3" : "test-llama", err);
+    c.V = 53;
+    c.C = 32;
+    c.L = 5;
+    c.H = 4;
+    c.KVH = 2;
+    c.HD = 8;
+    c.F = 48;
+    return c;
+}
+
+static AdamWHyper lora_hyper(void) { return (AdamWHyper){3e-2f, 0.9f, 0.95f, 1e-8f, 0.1f}; }
+static LrSchedule lora_sched(void) {
+    return (LrSchedule){LR_COSINE, 3e-2f, 1, ENG_STEPS, 0.1f, 0.2f};
+}
+
+static int32_t* lora_batches(int B, int T, uint32_t seed, int V) {
+    Rng r;
+    rng_seed(&r, seed);
+    int32_t* tok = malloc_check((size_t)ENG_STEPS * B * (T + 1) * sizeof(int32_t));
+    for (int i = 0; i < ENG_STEPS * B * (T + 1); i++) tok[i] = (int32_t)rng_below(&r, (uint64_t)V);
+    return tok;
+}
+
+// The plain trainer's run (testing.c's reference; rounds > 1: split rounds' sums).
+static void lora_reference(LoraRun* run, const ModelConfig* c, const LoraSpec* l, int B, int T,
+                           int M, const int32_t* tokens, int delayed, int rounds) {
+    void* ctx = ops_cpu_create(1);
+    RefTrain r = {.c = c, .ops = &ops_cpu, .ctx = ctx, .B = B, .T = T, .M = M,
+                  .steps = ENG_STEPS, .delayed = delayed, .rounds = rounds,
+                  .hyper = lora_hyper(), .sched = lora_sched(), .init_seed = 7,
+                  .init_scale = 0.2f, .lora = l};
+    test_reference_train(&r, tokens, run->loss, &run->params, &run->n_params);
+    ops_cpu_destroy(ctx);
+}
+
+// The same run through the engine on devices of impl (emulated CPU devices: lora_engine);
+// round_bf16: the initial weights rounded to bf16 (GPU comparisons); release: the engine gives
+// the Store's fp32 base back as it makes its bf16 copy (bf16 devices). -1 after a failed CHECK.
+static int lora_engine_on(TestCtx* t, const DeviceImpl* impl, LoraRun* run, const ModelConfig* c,
+                          const LoraSpec* l, int B, int T, const LoraCase* lc,
+                          const int32_t* tokens, int round_bf16, int release) {
+    char err[ERR_LEN];
+    memset(run, 0, sizeof *run);
+    Model m;
+    Store s;
+    if (model_init_lora(&m, c, 0, l, err) != 0) fatal("lora_engine: %s", err);
+    store_create(&s, &m.tt);
+    store_init_random(&s, 7, 0.2f);
+    lora_init_random(&m, &s, 7);
+    for (int k = 0; round_bf16 && k < m.tt.n_layers; k++)
+        for (int64_t i = 0; i < m.tt.param_numel[k]; i++)
+            s.param[k][i] = bf16_to_f32(f32_to_bf16(s.param[k][i]));
+    DeviceOptions dopt = {.threads = 1, .delay_seed = 99, .max_delay_us = lc->delays ? 50 : 0};
+    DeviceSet devs;
+    device_set_open(&devs, impl, lc->N, &dopt);
+    EngineOptions eo = {.B = B, .T = T, .M = lc->M, .M_R = lc->M_R, .grain = lc->grain,
+                        .sync = lc->sync, .device_budget = lc->budget, .opt_threads = 1,
+                        .host_single = lc->host_single, .fake_optimizer_us = lc->slow_opt_us,
+                        .row_chunks = lc->row_chunks > 0 ? lc->row_chunks : 1, .trace_path = "",
+                        .split_rounds = lc->split, .seed = 7, .release_frozen = release,
+                        .hyper = lora_hyper(), .sched = lora_sched(), .grad_clip = 1.0f};
+    if (lc->budget > 0)
+        eo.device_budget +=
+            (double)engine_fixed_device_bytes(&m, impl->ops(devs.dev[0])->act_bytes, &eo);
+    Engine* e = engine_create(&m, &s, &devs, &eo, err);
+    CHECK(t, e != NULL, "engine_create: %s", err);
+    if (e) {
+        const int pipelined = (lc->N + lc->M + lc->sync) % 2 == 0;
+        for (int step = 0; step < ENG_STEPS; step++) {
+            const int32_t* batch = tokens + (size_t)step * B * (T + 1);
+            if (pipelined) {
+                engine_submit(e, batch);
+                if (step > 0) run->loss[step - 1] = engine_collect(e).loss;
+            } else {
+                run->loss[step] = engine_step(e, batch).loss;
+            }
+        }
+        if (pipelined) run->loss[ENG_STEPS - 1] = engine_collect(e).loss;
+        engine_synchronize(e);
+        run->S = engine_plan(e)->n_fwd + engine_plan(e)->n_bwd;
+        run->gated = engine_gated_stages(e);
+        for (int g = 0; g < lc->N; g++) {
+            DeviceStats st;
+            impl->stats(devs.dev[g], &st);
+            run->grad_down += st.bytes[STREAM_GRAD_DOWN];
+        }
+        engine_free(e);
+        if (release) store_release_frozen(&s);  // (as the trainer: then the adapters only)
+        // every slab (the base untouched, the adapters trained), or after a release the
+        // adapters alone
+        for (int l2 = 0; l2 < m.tt.n_layers; l2++)
+            run->n_params += release ? m.tt.state_numel[l2] : m.tt.param_numel[l2];
+        run->params = malloc_check((size_t)(run->n_params > 0 ? run->n_params : 1) *
+                                   sizeof(float));
+        int64_t o = 0;
+        for (int l2 = 0; l2 < m.tt.n_layers; l2++) {
+            const int64_t skip = release ? m.tt.param_numel[l2] - m.tt.state_numel[l2] : 0;
+            memcpy(run->params + o, s.param[l2] + skip,
+                   (size_t)(m.tt.param_numel[l2] - skip) * sizeof(float));
+            o += m.tt.param_numel[l2] - skip;
+        }
+    }
+    device_set_close(&devs);
+    store_free(&s);
+    model_free(&m);
+    return e ? 0 : -1;
+}
+
+static int lora_engine(TestCtx* t, LoraRun* run, const ModelConfig* c, const LoraSpec* l, int B,
+                       int T, const LoraCase* lc, const int32_t* tokens) {
+    return lora_engine_on(t, &device_cpu_impl, run, c, l, B, T, lc, tokens, 0, 0);
+}
+
+static int lora_runs_identical(const LoraRun* a, const LoraRun* b) {
+    for (int i = 0; i < ENG_STEPS; i++)
+        if (a->loss[i] != b->loss[i]) return 0;
+    return a->n_params == b->n_params &&
+           memcmp(a->params, b->params, (size_t)a->n_params * sizeof(float)) == 0;
+}
+
+// Bytes of the adapters' gradients (every layer's gradient slab: the adapters only).
+static uint64_t lora_grad_bytes(const ModelConfig* c, const LoraSpec* l) {
+    char err[ERR_LEN];
+    Model m;
+    if (model_init_lora(&m, c, 0, l, err) != 0) fatal("lora_grad_bytes: %s", err);
+    uint64_t n = 0;
+    for (int k = 0; k < m.tt.n_layers; k++) n += (uint64_t)m.tt.grad_numel[k];
+    model_free(&m);
+    return n * sizeof(float);
+}
+
+// Sync mode: losses and every weight (the adapters trained, the base untouched) bit-identical to
+// plain LoRA training on 1-3 devices, stage and layer grain, rounds, several stages, one set of
+// host checkpoints, a slow optimizer, row chunks; the gradient downloads carry the adapters only.
+static void test_lora_engine_sync_matches_plain(TestCtx* t) {
+    const int B = 8, T = 12;
+    for (int tied = 0; tied <= 1; tied++) {
+        ModelConfig c = lora_engine_config(tied);
+        // dropout (its masks: the plain trainer's per micro-batch) and rsLoRA on the tied model
+        const LoraSpec l = tied ? spec(4, 16, LORA_ALL_LINEAR, 0.1f, 1)
+                                : spec(2, 8, LORA_BIT(LORA_Q) | LORA_BIT(LORA_V) |
+                                                 LORA_BIT(LORA_O) | LORA_BIT(LORA_DOWN), 0.2f, 0);
+        const uint64_t gbytes = lora_grad_bytes(&c, &l);
+        int32_t* tokens = lora_batches(B, T, 3 + tied, c.V);
+        LoraRun ref;
+        lora_reference(&ref, &c, &l, B, T, 4, tokens, 0, 0);
+        const LoraCase cases[] = {
+            {1, 4, 4, 1, 0, RECOMPUTE_STAGE, 0, 0, 0, 0, 0},
+            {1, 4, 2, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 0, 0},
+            {2, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 0, 0, 0, 0},
+            {2, 4, 4, 1, 1, RECOMPUTE_STAGE, 0, 0, 0, 0, 0},
+            {3, 4, 4, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0, 0, 0},
+            {3, 4, 2, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0, 0, 1},
+            {2, 4, 1, 1, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0, 0, 0},
+            {3, 4, 4, 1, 1, RECOMPUTE_STAGE, 2.4e5, 20000, 0, 0, 0},
+        };
+        for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+            LoraRun r;
+            if (lora_engine(t, &r, &c, &l, B, T, &cases[k], tokens) != 0) continue;
+            CHECK(t, lora_runs_identical(&r, &ref),
+                  "tied %d case %zu (N %d, M_R %d, grain %d, S %d): loss %.9g/%.9g, plain "
+                  "%.9g/%.9g, weights %s",
+                  tied, k, cases[k].N, cases[k].M_R, cases[k].grain, r.S, r.loss[0],
+                  r.loss[ENG_STEPS - 1], ref.loss[0], ref.loss[ENG_STEPS - 1],
+                  r.n_params == ref.n_params &&
+                          memcmp(r.params, ref.params, (size_t)r.n_params * sizeof(float)) == 0
+                      ? "equal" : "differ");
+            if (cases[k].budget > 0) CHECK(t, r.S >= 3, "case %zu: S %d", k, r.S);
+            // every round downloads the adapters' gradients, nothing of the base
+            const uint64_t rounds = (uint64_t)(cases[k].M / cases[k].M_R);
+            CHECK(t, r.grad_down == ENG_STEPS * rounds * gbytes,
+                  "case %zu: %llu gradient bytes downloaded, the adapters' are %llu per round", k,
+                  (unsigned long long)r.grad_down, (unsigned long long)gbytes);
+            free(r.params);
+        }
+        // row chunks: two micro-batches of two chunks each sum as four micro-batches (without
+        // dropout: a chunk of micro-batch 0 keeps micro-batch 0's masks, not micro-batch 1's)
+        const LoraSpec l0 = spec(4, 8, LORA_ALL_LINEAR, 0.0f, 0);
+        LoraRun ref0;
+        lora_reference(&ref0, &c, &l0, B, T, 4, tokens, 0, 0);
+        const LoraCase chunked[] = {{1, 2, 2, 1, 0, RECOMPUTE_STAGE, 0, 0, 2, 0, 0},
+                                    {3, 2, 1, 1, 1, RECOMPUTE_LAYER, 3.2e5, 0, 2, 0, 0}};
+        for (size_t k = 0; k < 2; k++) {
+            LoraRun r;
+            if (lora_engine(t, &r, &c, &l0, B, T, &chunked[k], tokens) != 0) continue;
+            CHECK(t, lora_runs_identical(&r, &ref0), "tied %d row chunks case %zu: loss %.9g vs "
+                  "%.9g", tied, k, r.loss[ENG_STEPS - 1], ref0.loss[ENG_STEPS - 1]);
+            free(r.params);
+        }
+        free(ref0.params);
+        free(ref.params);
+        free(tokens);
+    }
+}
+
+// MoE models with attention adapters (Qwen3-MoE, GPT-OSS): sync mode bit-identical to plain.
+static void test_lora_engine_moe_attention(TestCtx* t) {
+    char err[ERR_LEN];
+    const int B = 4, T = 8;
+    const char* presets[] = {"test-qwen3moe", "test-gptoss"};
+    const LoraSpec l = spec(4, 8, LORA_BIT(LORA_Q) | LORA_BIT(LORA_K) | LORA_BIT(LORA_V) |
+                                      LORA_BIT(LORA_O), 0.1f, 0);
+    for (int k = 0; k < 2; k++) {
+        ModelConfig c;
+        config_from_preset(&c, presets[k], err);
+        int32_t* tokens = lora_batches(B, T, 5 + k, c.V);
+        LoraRun ref;
+        lora_reference(&ref, &c, &l, B, T, 2, tokens, 0, 0);
+        const LoraCase cases[] = {{1, 2, 2, 1, 0, RECOMPUTE_STAGE, 0, 0, 0, 0, 0},
+                                  {2, 2, 2, 1, 1, RECOMPUTE_LAYER, 3.0e6, 0, 0, 0, 0}};
+        for (size_t j = 0; j < 2; j++) {
+            LoraRun r;
+            if (lora_engine(t, &r, &c, &l, B, T, &cases[j], tokens) != 0) continue;
+            CHECK(t, lora_runs_identical(&r, &ref), "%s case %zu (S %d): loss %.9g vs plain %.9g",
+                  presets[k], j, r.S, r.loss[ENG_STEPS - 1], ref.loss[ENG_STEPS - 1]);
+            free(r.params);
+        }
+        free(ref.params);
+        free(tokens);
+    }
+}
+
+// The delayed optimizer (steps the adapters only): equal to a reference that applies AdamW one
+// step late, with gated uploads; split rounds equal a reference that sums the rounds the same way.
+static void test_lora_engine_delayed(TestCtx* t) {
+    const int B = 8, T = 12;
+    for (int tied = 0; tied <= 1; tied++) {
+        ModelConfig c = lora_engine_config(tied);
+        const LoraSpec l = spec(4, 8, LORA_ALL_LINEAR, 0.1f, 0);
+        int32_t* tokens = lora_batches(B, T, 11 + tied, c.V);
+        LoraRun ref;
+        lora_reference(&ref, &c, &l, B, T, 4, tokens, 1, 0);
+        const LoraCase cases[] = {
+            {1, 4, 4, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 0, 0},
+            {2, 4, 4, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 0, 0},
+            {3, 4, 2, 0, 1, RECOMPUTE_LAYER, 2.4e5, 0, 0, 0, 1},
+            {2, 4, 4, 0, 1, RECOMPUTE_STAGE, 0, 20000, 0, 0, 0},
+            {2, 4, 2, 0, 1, RECOMPUTE_STAGE, 2.4e5, 20000, 0, 0, 0},
+        };
+        for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+            LoraRun r;
+            if (lora_engine(t, &r, &c, &l, B, T, &cases[k], tokens) != 0) continue;
+            if (cases[k].slow_opt_us > 0)
+                CHECK(t, r.gated > 0, "case %zu: a slow optimizer but no gated upload", k);
+            CHECK(t, lora_runs_identical(&r, &ref),
+                  "delayed tied %d case %zu (N %d, S %d): loss %.9g %.9g vs reference %.9g %.9g",
+                  tied, k, cases[k].N, r.S, r.loss[0], r.loss[ENG_STEPS - 1], ref.loss[0],
+                  ref.loss[ENG_STEPS - 1]);
+            free(r.params);
+        }
+        free(ref.params);
+        // split rounds: two devices, one round each at once
+        LoraRun sref, run;
+        lora_reference(&sref, &c, &l, B, T, 2, tokens, 1, 2);
+        const LoraCase split = {2, 2, 2, 0, 1, RECOMPUTE_STAGE, 0, 0, 0, 1, 0};
+        if (lora_engine(t, &run, &c, &l, B, T, &split, tokens) == 0) {
+            CHECK(t, lora_runs_identical(&run, &sref), "split rounds tied %d: loss %.9g vs %.9g",
+                  tied, run.loss[ENG_STEPS - 1], sref.loss[ENG_STEPS - 1]);
+            free(run.params);
+        }
+        free(sref.params);
+        free(tokens);
+    }
+}
+
+// The frozen base costs no optimizer memory and is held once: the engine's masters double only
+// the adapters (fp32 devices read the Store's base, bf16 devices hold one bf16 copy), the Store
+// can give its fp32 base back (the adapters stay), and the plan's costs drop the base's weight
+// gradients.
+static void test_lora_engine_memory(TestCtx* t) {
+    char err[ERR_LEN];
+    const ModelConfig c = lora_engine_config(1);
+    const LoraSpec l = spec(4, 8, LORA_ALL_LINEAR, 0.0f, 0);
+    Model full, m;
+    if (model_init(&full, &c, 0, err) != 0 || model_init_lora(&m, &c, 0, &l, err) != 0)
+        fatal("test_lora_engine_memory: %s", err);
+    double adapters = 0, frozen = 0;
+    for (int k = 0; k < m.tt.n; k++) {
+        if (m.tt.t[k].tied_to >= 0) continue;
+        if (m.tt.t[k].trainable) adapters += (double)m.tt.t[k].numel;
+        else frozen += (double)m.tt.t[k].numel;
+    }
+    const EngineOptions eo = {.B = 8, .T = 12, .M = 4, .sync = 1};
+    const double pad = 64.0 * m.tt.n_layers;  // (every layer has a frozen part)
+    for (int ab = 2; ab <= 4; ab += 2) {
+        const EngineHostMemory h = engine_host_memory(&m, ab, 1, &eo);
+        const double base = ab == 4 ? 0.0 : ab * frozen + pad;
+        CHECK(t, h.base == base && h.masters == 2.0 * (ab * adapters + pad) + base,
+              "ab %d: masters %.0f (base %.0f), expected 2 x %.0f adapter bytes + the base once "
+              "(%.0f)", ab, h.masters, h.base, ab * adapters, base);
+        CHECK(t, h.store_frozen == 4.0 * frozen, "the Store's fp32 base %.0f", h.store_frozen);
+        const EngineHostMemory hf = engine_host_memory(&full, ab, 1, &eo);
+        CHECK(t, hf.base == 0 && hf.store_frozen == 0, "full training: no frozen base");
+    }
+    // the Store gives its fp32 base back; the adapters keep their values
+    Store s;
+    store_create(&s, &m.tt);
+    store_init_random(&s, 7, 0.2f);
+    lora_init_random(&m, &s, 7);
+    for (int k = 0; k < m.tt.n; k++)  // (B = 0 at init: give the B tensors values too)
+        if (m.tt.t[k].kind == TK_LORA_B)
+            for (int64_t j = 0; j < m.tt.t[k].numel; j++) store_param(&s, k)[j] = 0.5f + (float)j;
+    float* before = malloc_check((size_t)adapters * sizeof(float));
+    int64_t o = 0;
+    for (int k = 0; k < m.tt.n; k++)
+        if (m.tt.t[k].trainable) {
+            memcpy(before + o, store_param(&s, k), (size_t)m.tt.t[k].numel * sizeof(float));
+            o += m.tt.t[k].numel;
+        }
+    store_release_frozen(&s);
+    CHECK(t, s.frozen_released, "released");
+    o = 0;
+    int same = 1;
+    for (int k = 0; k < m.tt.n; k++)
+        if (m.tt.t[k].trainable) {
+            same &= memcmp(before + o, store_param(&s, k),
+                           (size_t)m.tt.t[k].numel * sizeof(float)) == 0;
+            o += m.tt.t[k].numel;
+        }
+    CHECK(t, same, "the adapters survive the base's release");
+    free(before);
+    store_free(&s);
+    // costs: a block's backward without the base's weight gradients is cheaper, its forward a
+    // little dearer (the adapters); the frozen head's backward 2x its forward, the embedding none
+    const int n = c.L + 2;
+    double* f0 = malloc_check((size_t)n * 4 * sizeof(double));
+    double *b0 = f0 + n, *f1 = f0 + 2 * n, *b1 = f0 + 3 * n;
+    partition_estimate_costs(&c, 128, 1024, 0, f0, b0);
+    partition_estimate_costs_lora(&c, &l, 128, 1024, 0, f1, b1);
+    for (int k = 1; k < n - 1; k++)
+        CHECK(t, f1[k] > f0[k] && b1[k] < b0[k] && b1[k] > f1[k],
+              "block %d: fwd %.4g -> %.4g, bwd %.4g -> %.4g", k - 1, f0[k], f1[k], b0[k], b1[k]);
+    CHECK(t, b1[n - 1] == 2.0 * f1[n - 1] && b1[0] == f1[0], "head %.4g, embedding %.4g",
+          b1[n - 1], b1[0]);
+    free(f0);
+    model_free(&m);
+    model_free(&full);
+}
+
+// The CLI: --device cpu:2 --sync 1 logs the plain run's records and exports its adapters; a
+// delayed engine run resumed from its step-3 checkpoint (pending weights: the adapters only)
+// logs the straight run's records and ends with byte-identical adapters.
+static void test_lora_engine_cli(TestCtx* t) {
+    char args[4096], la[1024], lb[1024], ea[1024], eb[1024], fa[1200], fb[1200];
+    const char* common = "--val '' --sample-tokens 0 --threads 1 --lora-r 4 --lora-targets "
+                         "q,v,o,down --lora-dropout 0.1 --lr 1e-2 -m 2";
+    test_path(t, la, sizeof la, "lora_eng_plain.jsonl");
+    test_path(t, lb, sizeof lb, "lora_eng_sync.jsonl");
+    test_path(t, ea, sizeof ea, "lora_eng_plain_export");
+    test_path(t, eb, sizeof eb, "lora_eng_sync_export");
+    snprintf(args, sizeof args, "%s --steps 4 --log '%s' --export-lora '%s'", common, la, ea);
+    CHECK(t, test_run_cli(t, "eplain", args) == 0, "plain LoRA run");
+    snprintf(args, sizeof args, "%s --steps 4 --log '%s' --export-lora '%s' --device cpu:2 "
+             "--sync 1 --device-mem 6M", common, lb, eb);
+    CHECK(t, test_run_cli(t, "esync", args) == 0, "engine LoRA run");
+    char* a = test_read_file(la, NULL);
+    char* b = test_read_file(lb, NULL);
+    for (int s = 1; s <= 4; s++) {
+        char x[512], y[512];
+        const int hx = log_record(a, s, x, sizeof x), hy = log_record(b, s, y, sizeof y);
+        CHECK(t, hx && hy && strcmp(x, y) == 0, "step %d: plain '%s' vs engine '%s'", s,
+              hx ? x : "-", hy ? y : "-");
+    }
+    free(a);
+    free(b);
+    snprintf(fa, sizeof fa, "%s/adapter_model.safetensors", ea);
+    snprintf(fb, sizeof fb, "%s/adapter_model.safetensors", eb);
+    size_t na, nb;
+    char* xa = test_read_file(fa, &na);
+    char* xb = test_read_file(fb, &nb);
+    CHECK(t, na > 0 && na == nb && memcmp(xa, xb, na) == 0, "byte-identical exported adapters");
+    free(xa);
+    free(xb);
+
+    // delayed update (the default), resumed
+    char oa[1024], ob[1024], l1[1024], l2[1024], l3[1024];
+    test_path(t, oa, sizeof oa, "lora_eng_ra");
+    test_path(t, ob, sizeof ob, "lora_eng_rb");
+    test_path(t, l1, sizeof l1, "lora_eng_ra.jsonl");
+    test_path(t, l2, sizeof l2, "lora_eng_rb1.jsonl");
+    test_path(t, l3, sizeof l3, "lora_eng_rb2.jsonl");
+    const char* eng = "--device cpu:2 --device-mem 6M";
+    snprintf(args, sizeof args, "%s %s --steps 6 --save-every 6 --out '%s' --log '%s'", common,
+             eng, oa, l1);
+    CHECK(t, test_run_cli(t, "estraight", args) == 0, "straight engine run");
+    snprintf(args, sizeof args, "%s %s --steps 3 --save-every 3 --out '%s' --log '%s'", common,
+             eng, ob, l2);
+    CHECK(t, test_run_cli(t, "efirst", args) == 0, "first part");
+    snprintf(args, sizeof args, "%s %s --steps 6 --save-every 3 --out '%s' --log '%s' --resume",
+             common, eng, ob, l3);
+    CHECK(t, test_run_cli(t, "esecond", args) == 0, "resumed part");
+    char* so = test_read_output(t, "esecond", "out");
+    CHECK(t, so && !strstr(so, "no pending weights"), "the checkpoint has pending weights: %s",
+          so ? so : "");
+    free(so);
+    a = test_read_file(l1, NULL);
+    char* b1 = test_read_file(l2, NULL);
+    char* b2 = test_read_file(l3, NULL);
+    for (int s = 1; s <= 6; s++) {
+        char x[512], y[512];
+        const int hx = log_record(a, s, x, sizeof x);
+        const int hy = log_record(s <= 3 ? b1 : b2, s, y, sizeof y);
+        CHECK(t, hx && hy && strcmp(x, y) == 0, "resume step %d: '%s' vs '%s'", s, hx ? x : "-",
+              hy ? y : "-");
+    }
+    free(a);
+    free(b1);
+    free(b2);
+    snprintf(fa, sizeof fa, "%s/step_6/adapter_model.safetensors", oa);
+    snprintf(fb, sizeof fb, "%s/step_6/adapter_model.safetensors", ob);
+    xa = test_read_file(fa, &na);
+    xb = test_read_file(fb, &nb);
     CHECK(t, na > 0 && na == nb && memcmp(xa, xb, na) == 0, "byte-identical adapters at step 6");
     free(xa);
     free(xb);
@@ -903,6 +1386,71 @@ static void test_lora_gpu_ops(TestCtx* t) { test_skip(t, "built without CUDA"); 
 static void test_lora_gpu_model(TestCtx* t) { test_skip(t, "built without CUDA"); }
 #endif
 
+// LoRA through the engine on GPUs (bf16 compute; the base held once, in bf16): close to the
+// emulated fp32 devices from the same bf16 weights, in sync and delayed mode, and with the
+// Store's fp32 base given back during the engine's start-up (release_frozen) bit-identical to
+// keeping it; only the adapters' gradients are downloaded.
+static void test_lora_gpu_engine(TestCtx* t) {
+#ifdef HAVE_CUDA
+    if (cuda_device_count() == 0) {
+        test_skip(t, "no GPU: cudaGetDeviceCount found no CUDA device");
+        return;
+    }
+    const int B = 8, T = 16, N = cuda_device_count() >= 2 ? 2 : 1;
+    ModelConfig c = lora_engine_config(1);
+    c.C = 64;
+    c.H = 4;
+    c.KVH = 2;
+    c.HD = 16;
+    c.F = 128;
+    const LoraSpec l = spec(8, 16.0f, LORA_ALL_LINEAR, 0.1f, 0);
+    const uint64_t gbytes = lora_grad_bytes(&c, &l);
+    int32_t* tokens = lora_batches(B, T, 41, c.V);
+    for (int sync = 1; sync >= 0; sync--) {
+        const LoraCase lc = {N, 4, 4, sync, 0, RECOMPUTE_STAGE, 0, 0, 0, 0, 0};
+        const LoraCase lc_stages = {N, 4, 2, sync, 0, RECOMPUTE_LAYER, 1.2e6, 0, 0, 0, 0};
+        LoraRun cpu, gpu, gpu_rel, gpu_st;
+        if (lora_engine_on(t, &device_cpu_impl, &cpu, &c, &l, B, T, &lc, tokens, 1, 0) != 0)
+            continue;
+        if (lora_engine_on(t, &device_cuda_impl, &gpu, &c, &l, B, T, &lc, tokens, 1, 0) == 0) {
+            for (int k = 0; k < ENG_STEPS; k++)
+                CHECK(t, fabs(gpu.loss[k] - cpu.loss[k]) <= 2e-2 * fabs(cpu.loss[k]),
+                      "sync %d step %d: GPU loss %.6f vs emulated %.6f", sync, k, gpu.loss[k],
+                      cpu.loss[k]);
+            const double e = rel_l2_error(gpu.params, cpu.params, (size_t)cpu.n_params);
+            CHECK(t, e <= 1e-2, "sync %d: weights after training, relative L2 error %.3g", sync,
+                  e);
+            CHECK(t, gpu.grad_down == ENG_STEPS * gbytes, "sync %d: %llu gradient bytes "
+                  "downloaded, the adapters' %llu per step", sync,
+                  (unsigned long long)gpu.grad_down, (unsigned long long)gbytes);
+            printf("  sync %d: loss %.6f vs %.6f (emulated), weights error %.3g\n", sync,
+                   gpu.loss[ENG_STEPS - 1], cpu.loss[ENG_STEPS - 1], e);
+            if (lora_engine_on(t, &device_cuda_impl, &gpu_rel, &c, &l, B, T, &lc, tokens, 1, 1) ==
+                0) {
+                int same = 1;
+                for (int k = 0; k < ENG_STEPS; k++) same &= gpu_rel.loss[k] == gpu.loss[k];
+                CHECK(t, same, "sync %d: the released fp32 base changes the losses", sync);
+                free(gpu_rel.params);
+            }
+            free(gpu.params);
+        }
+        if (lora_engine_on(t, &device_cuda_impl, &gpu_st, &c, &l, B, T, &lc_stages, tokens, 1,
+                           0) == 0) {
+            CHECK(t, gpu_st.S >= 3, "sync %d: several stages (S %d)", sync, gpu_st.S);
+            for (int k = 0; k < ENG_STEPS; k++)
+                CHECK(t, fabs(gpu_st.loss[k] - cpu.loss[k]) <= 2e-2 * fabs(cpu.loss[k]),
+                      "sync %d stages step %d: GPU loss %.6f vs emulated %.6f", sync, k,
+                      gpu_st.loss[k], cpu.loss[k]);
+            free(gpu_st.params);
+        }
+        free(cpu.params);
+    }
+    free(tokens);
+#else
+    test_skip(t, "built without CUDA");
+#endif
+}
+
 const TestCase tests_lora[] = {
     {"lora_ops_cols", test_lora_ops_cols},
     {"lora_ops_dropout", test_lora_ops_dropout},
@@ -910,14 +1458,21 @@ const TestCase tests_lora[] = {
     {"lora_gradcheck_llama", test_lora_gradcheck_llama},
     {"lora_gradcheck_qwen3_tied_rslora", test_lora_gradcheck_qwen3_tied_rslora},
     {"lora_gradcheck_dropout", test_lora_gradcheck_dropout},
+    {"lora_gradcheck_moe_attention", test_lora_gradcheck_moe_attention},
     {"lora_model_consistency", test_lora_model_consistency},
     {"lora_peft_files", test_lora_peft_files},
     {"lora_cli_flags", test_lora_cli_flags},
     {"lora_cli_train", test_lora_cli_train},
     {"lora_cli_resume", test_lora_cli_resume},
     {"lora_cli_merge", test_lora_cli_merge},
+    {"lora_engine_sync_matches_plain", test_lora_engine_sync_matches_plain},
+    {"lora_engine_moe_attention", test_lora_engine_moe_attention},
+    {"lora_engine_delayed", test_lora_engine_delayed},
+    {"lora_engine_cli", test_lora_engine_cli},
+    {"lora_engine_memory", test_lora_engine_memory},
     {"lora_gpu_ops", test_lora_gpu_ops},
     {"lora_gpu_model", test_lora_gpu_model},
+    {"lora_gpu_engine", test_lora_gpu_engine},
     {"lora_parity_qwen3", test_lora_parity_qwen3},
     {"lora_parity_llama", test_lora_parity_llama},
     {NULL, NULL},

@@ -11,6 +11,7 @@
 #include "../checkpoint.h"
 #include "../common.h"
 #include "../loader.h"
+#include "../lora.h"
 #include "../model.h"
 #include "../plain.h"
 #include "../store.h"
@@ -84,15 +85,17 @@ void test_reference_train(const RefTrain* r, const int32_t* tokens, double* loss
                           int64_t* n_params) {
     char err[ERR_LEN];
     Model m;
-    if (model_init(&m, r->c, 0, err) != 0) fatal("test_reference_train: %s", err);
+    if (model_init_lora(&m, r->c, 0, r->lora, err) != 0) fatal("test_reference_train: %s", err);
     m.mlp_chunk = r->mlp_chunk;
     Store s, w_own;
     store_create(&s, &m.tt);
     store_init_random(&s, r->init_seed, r->init_scale);
+    if (r->lora) lora_init_random(&m, &s, r->init_seed);
     Store* w = &s;
     if (r->delayed) {
         store_create(&w_own, &m.tt);
         store_init_random(&w_own, r->init_seed, r->init_scale);
+        if (r->lora) lora_init_random(&m, &w_own, r->init_seed);
         w = &w_own;
     }
     const int Bm = r->B / r->M;
@@ -111,12 +114,15 @@ void test_reference_train(const RefTrain* r, const int32_t* tokens, double* loss
         double sum = 0;
         for (int round = 0; round < R; round++) {
             store_zero_grads(w);
-            for (int mb = round * M_R; mb < (round + 1) * M_R; mb++)
+            for (int mb = round * M_R; mb < (round + 1) * M_R; mb++) {
+                p->ws->lora_seed = lora_dropout_seed(r->init_seed, step, mb);
                 sum += plain_forward_backward(p, batch + (size_t)mb * Bm * (r->T + 1), Bm, r->T,
                                               1.0f / ((float)r->B * (float)r->T));
+            }
             plain_sync_grads(p);
             store_fold_tied_grads(w);
             for (int l = 0; R > 1 && l < m.tt.n_layers; l++) {
+                if (m.tt.grad_numel[l] == 0) continue;  // (LoRA: a frozen prefix or postfix)
                 if (round == 0) {
                     memcpy(total[l], w->grad[l], (size_t)m.tt.grad_numel[l] * sizeof(float));
                 } else {
@@ -125,11 +131,13 @@ void test_reference_train(const RefTrain* r, const int32_t* tokens, double* loss
             }
         }
         for (int l = 0; R > 1 && l < m.tt.n_layers; l++)
-            memcpy(w->grad[l], total[l], (size_t)m.tt.grad_numel[l] * sizeof(float));
+            if (m.tt.grad_numel[l] > 0)
+                memcpy(w->grad[l], total[l], (size_t)m.tt.grad_numel[l] * sizeof(float));
         loss[step] = sum / ((double)r->B * r->T);
         if (r->delayed) {
             for (int l = 0; l < m.tt.n_layers; l++) {
-                memcpy(s.grad[l], w->grad[l], (size_t)m.tt.grad_numel[l] * sizeof(float));
+                if (m.tt.grad_numel[l] > 0)
+                    memcpy(s.grad[l], w->grad[l], (size_t)m.tt.grad_numel[l] * sizeof(float));
                 // the next iteration computes with θ_step (the weights before this step)
                 memcpy(w->param[l], s.param[l], (size_t)m.tt.param_numel[l] * sizeof(float));
             }

@@ -121,6 +121,9 @@ typedef struct RefTrain {
     LrSchedule sched;
     uint32_t init_seed;
     float init_scale;
+    const LoraSpec* lora;  // LoRA adapters on the frozen base (NULL: full training), initialised
+                           // by lora_init_random(init_seed), with the trainer's dropout masks
+                           // (lora_dropout_seed(init_seed, step, micro-batch))
 } RefTrain;
 // loss[steps]; with params non-NULL also every parameter slab after the last step, concatenated
 // (malloc'd), and their count.
