@@ -19,7 +19,9 @@
 #include "llmc/args.h"
 #include "llmc/checkpoint.h"
 #include "llmc/common.h"
+#include "llmc/config.h"
 #include "llmc/dataloader.h"
+#include "llmc/dp.h"
 #include "llmc/engine.h"
 #include "llmc/interrupt.h"
 #include "llmc/log.h"
@@ -88,6 +90,36 @@ static EngineOptions engine_options(const TrainArgs* a, int use_cuda, int n_devi
     return eo;
 }
 
+// --plan --world W: the traffic of W such nodes and what their compute hides (llmc/dp.h), from
+// --step-ms or the model FLOPs at the MFU measured on one GPU. host_bytes: one node's estimate.
+static void plan_data_parallel(const TrainArgs* a, const Model* m, int N, double host_bytes) {
+    const int use_cuda = a->device == DEVICE_CUDA;
+    const int engine_run = N > 0;
+    char source[128] = "";
+    double step_s = 0.0;
+    if (a->step_ms > 0) {
+        step_s = a->step_ms / 1000.0;
+        snprintf(source, sizeof source, "--step-ms");
+    } else if (use_cuda) {
+        const double flops = config_flops_per_token(&m->cfg, a->seq) * a->batch * a->seq;
+        step_s = flops / (LOG_PEAK_FLOPS_PER_GPU * DP_PLAN_MFU * (N > 0 ? N : 1));
+        snprintf(source, sizeof source, "the model FLOPs at %.0f%% MFU on %d GPU(s)",
+                 100.0 * DP_PLAN_MFU, N > 0 ? N : 1);
+    }
+    // rounds per step: only the last one's backward completes gradients (plain training: every
+    // micro-batch is a round of its own)
+    int rounds = a->micro_batches;
+    if (engine_run)
+        rounds = a->split_rounds > 0 ? 1
+                 : a->round_micro_batches > 0 ? a->micro_batches / a->round_micro_batches : 1;
+    const int delayed = engine_run && !a->sync;
+    const DpPlanInput in = {.m = m, .world = a->dist_world, .net_gbps = a->net_gbps,
+                            .step_s = step_s, .rounds = rounds, .sync = !delayed,
+                            .host_bytes = host_bytes,
+                            .grad_sets = 1 + delayed + (a->split_rounds > 0 ? N - 1 : 0)};
+    dp_plan_print(&in, source, stdout);
+}
+
 // Before anything big is allocated: the plan's choices that depend on its shape (they may set
 // a->split_rounds and model->mlp_chunk), then the host memory the run needs against what this
 // machine has (llmc/memory.h): a run that does not fit is refused here, exit 2, unless
@@ -126,6 +158,7 @@ static int plan_and_check_memory(TrainArgs* a, Model* model, int N) {
         if (lim.bytes > 0 && rm.total > lim.bytes)
             printf("warning: more than this machine reports as available (--host-checkpoints "
                    "single, --sync 1 or more micro-batches need less)\n");
+        if (a->dist_world > 1) plan_data_parallel(a, model, N, rm.total);
         return 1;
     }
     if (memory_check_run(a, model, N, &eo, &lim, err) != 0) {
