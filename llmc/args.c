@@ -223,8 +223,8 @@ void args_usage(FILE* f) {
         "                         evenly, no --round is given and host memory has room\n"
         "      --no-split-rounds  never split rounds (the paper's schedule)\n"
         "\n"
-        "data parallel (several processes; not wired into training yet: a world size over 1\n"
-        "is refused, except by --plan)\n"
+        "data parallel (plain training, W processes over NCCL, each with a GPU for it: --batch\n"
+        "is global, rank r takes sequences r, r+W, ...; ZeRO-1 optimizer; rank 0 logs and saves)\n"
         "      --dist-init URL    tcp://HOST:PORT where rank 0 hands out the communicator's id\n"
         "                         (default: MASTER_ADDR and MASTER_PORT from the environment)\n"
         "      --rank R           this process's rank (default: RANK, else SLURM_PROCID, else 0)\n"
@@ -744,10 +744,29 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         fprintf(stderr, "train_roundpipe: error: %s (see --help)\n", err);
         return 2;
     }
+    // data parallel trains on the plain path (llmc/dp.h) over NCCL; the engine's is not built
     if (dc.world > 1) {
-        fprintf(stderr, "train_roundpipe: error: data parallel is not wired into training yet "
-                "(world size %d from %s; run a single process)\n", dc.world, dc.source);
+        const char* why = NULL;
+        if (a->n_devices > 0 || a->device == DEVICE_CUDA)
+            why = "trains on the plain path (--device cpu) for now: the RoundPipe engine does not "
+                  "reduce gradients across ranks yet";
+        else if (a->dump_state[0])
+            why = "does not write --dump-state (run it in a single process)";
+        if (why) {
+            fprintf(stderr, "train_roundpipe: error: data parallel %s (world size %d from %s)\n",
+                    why, dc.world, dc.source);
+            return 2;
+        }
+        if (dp_check_batch(a->batch, a->micro_batches, dc.world, err) != 0) {
+            fprintf(stderr, "train_roundpipe: error: data parallel: %s\n", err);
+            return 2;
+        }
+#ifndef HAVE_CUDA
+        fprintf(stderr, "train_roundpipe: error: data parallel between processes runs over NCCL: "
+                "this binary was built without CUDA (rebuild with nvcc; world size %d from %s)\n",
+                dc.world, dc.source);
         return 2;
+#endif
     }
     return check_lora(a);
 }

@@ -222,7 +222,8 @@ int dp_check_batch(int B, int M, int world, char* err) {
                            "B / W sequences of the global batch)", B, world);
     if (M % world != 0)
         return errorf(err, "--micro-batches %d does not divide by the world size %d (each rank "
-                           "runs M / W of them)", M, world);
+                           "runs M / W of them: give --micro-batches %d or a multiple)", M, world,
+                      world);
     return 0;
 }
 

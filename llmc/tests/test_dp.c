@@ -5,16 +5,25 @@
  * rows r, r + W, ... in M / W micro-batches, its gradients accumulated on their own, the W groups
  * added in rank order with comm_reference_sum, then one AdamW step over the whole model):
  * losses, norms, weights and, after dp_gather_state, AdamW's m and v bit for bit, on 1-4 ranks.
- * A rank that dies makes the others fail with a message naming it. And --plan --world W.
+ * A rank that dies makes the others fail with a message naming it. Through the trainer
+ * (trainer_attach_comm): one rank with a communicator trains as plain training does, bit for
+ * bit; two ranks agree with each other and stay close to one; a checkpoint of two ranks (AdamW's
+ * state gathered, rank 0 writing) resumes bit-exactly with two. And --plan --world W.
  *
  * Rank threads only record; CHECKs run on the test's thread after pthread_join.
  */
+#include <fcntl.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "../adamw.h"
+#include "../args.h"
+#include "../checkpoint.h"
+#include "../dataloader.h"
 #include "../comm.h"
 #include "../common.h"
 #include "../config.h"
@@ -25,6 +34,7 @@
 #include "../rng.h"
 #include "../store.h"
 #include "../threads.h"
+#include "../trainer.h"
 #include "testing.h"
 
 #define DP_MAX_W 4
@@ -334,6 +344,151 @@ static void test_dp_rank_failure(TestCtx* t) {
 }
 
 // ----------------------------------------------------------------------------
+// through the trainer
+
+#define DPT_STEPS 4
+
+typedef struct DpTrainerRank {
+    CommEmulWorld* w;    // NULL: no communicator (plain training)
+    const Model* m;
+    const char* shard;
+    const char* out;     // checkpoints
+    int rank, world;
+    int first, last;     // steps first..last; first > 1 resumes from out's step first-1
+    int save_at;         // save a checkpoint after this step (0: none)
+    double loss[DPT_STEPS], norm[DPT_STEPS], lr[DPT_STEPS];
+    float* params;
+    size_t n;
+    int rc;
+    char err[ERR_LEN];
+} DpTrainerRank;
+
+static void* dp_trainer_rank_main(void* arg) {
+    DpTrainerRank* k = arg;
+    TrainArgs a;
+    args_defaults(&a);
+    a.model = "test-qwen3";
+    a.train = k->shard;
+    a.val = "";
+    a.out = k->out;
+    a.batch = 4;
+    a.seq = 16;
+    a.micro_batches = 2;
+    a.steps = DPT_STEPS;
+    a.warmup = 2;
+    a.threads = 1;
+    a.sample_tokens = 0;
+    char* args_json = args_to_json(&a);
+    Store s;
+    store_create(&s, &k->m->tt);
+    store_init_random(&s, 7, 0.02f);
+    TrainState ts;
+    train_state_init(&ts, a.seed);
+    DataLoader train;
+    k->rc = dataloader_open(&train, k->shard, a.batch, a.seq, 0, a.seed, k->m->cfg.V, k->err);
+    if (k->rc == 0 && k->first > 1) {
+        char dir[1200];
+        snprintf(dir, sizeof dir, "%s/step_%d", k->out, k->first - 1);
+        k->rc = checkpoint_load_state(dir, k->m, &s, &ts, args_json, k->err);
+        if (k->rc == 0) k->rc = dataloader_state_restore(&train, ts.train_loader, k->err);
+    }
+    Comm* c = NULL;
+    if (k->rc == 0 && k->w) {
+        CommInit in = {.rank = k->rank, .world = k->world, .timeout_s = 10.0, .local = k->w};
+        c = comm_emul_impl.init(&in, k->err);
+        if (!c) k->rc = -1;
+    }
+    Trainer tr;
+    if (k->rc == 0) k->rc = trainer_create(&tr, &a, k->m, &s, &ts, 0, NULL, k->err);
+    if (k->rc == 0 && c) k->rc = trainer_attach_comm(&tr, c, k->err);
+    for (int step = k->first; k->rc == 0 && step <= k->last; step++) {
+        const StepStats st = trainer_step(&tr, &train, step, 1);
+        k->loss[step - 1] = st.loss;
+        k->norm[step - 1] = st.norm;
+        k->lr[step - 1] = st.lr;
+        if (step == k->save_at)
+            k->rc = trainer_save_checkpoint(&tr, &train, step, args_json, k->err);
+    }
+    if (k->rc == 0) {
+        k->rc = trainer_finish(&tr, k->err);
+        k->params = flat_copy(&s, 0, &k->n);
+        trainer_free(&tr);
+    }
+    comm_destroy(c);
+    dataloader_close(&train);
+    train_state_free(&ts);
+    store_free(&s);
+    free(args_json);
+    return NULL;
+}
+
+// W ranks (threads) of one run; comm 0: one rank without a communicator.
+static void dp_trainer_run(const Model* m, const char* shard, const char* out, int W, int comm,
+                           int first, int last, int save_at, DpTrainerRank* ranks) {
+    CommEmulWorld* w = comm ? comm_emul_world_create(W) : NULL;
+    pthread_t th[DP_MAX_W];
+    fflush(stdout);  // the trainers print their device lines: not into the test report
+    const int saved = dup(1), devnull = open("/dev/null", O_WRONLY);
+    if (saved >= 0 && devnull >= 0) dup2(devnull, 1);
+    for (int r = 0; r < W; r++) {
+        ranks[r] = (DpTrainerRank){.w = w, .m = m, .shard = shard, .out = out, .rank = r,
+                                   .world = W, .first = first, .last = last, .save_at = save_at};
+        pthread_check(pthread_create(&th[r], NULL, dp_trainer_rank_main, &ranks[r]));
+    }
+    for (int r = 0; r < W; r++) pthread_check(pthread_join(th[r], NULL));
+    fflush(stdout);
+    if (saved >= 0) {
+        dup2(saved, 1);
+        close(saved);
+    }
+    if (devnull >= 0) close(devnull);
+    if (w) comm_emul_world_destroy(w);
+}
+
+static int dp_same(const DpTrainerRank* x, const DpTrainerRank* y, int from) {
+    for (int i = from - 1; i < DPT_STEPS; i++)
+        if (x->loss[i] != y->loss[i] || x->norm[i] != y->norm[i] || x->lr[i] != y->lr[i]) return 0;
+    return x->n == y->n && x->params && y->params &&
+           memcmp(x->params, y->params, x->n * sizeof(float)) == 0;
+}
+
+static void test_dp_trainer(TestCtx* t) {
+    char err[ERR_LEN], shard[1024], out[1024];
+    ModelConfig c;
+    Model m;
+    CHECK(t, config_from_preset(&c, "test-qwen3", err) == 0, "%s", err);
+    CHECK(t, model_init(&m, &c, 0, err) == 0, "%s", err);
+    enum { NTOK = 3000 };
+    uint32_t* toks = malloc_check(NTOK * sizeof(uint32_t));
+    for (int i = 0; i < NTOK; i++) toks[i] = (uint32_t)((i * 7 + i / 13) % 61);
+    test_path(t, shard, sizeof shard, "dp_trainer.bin");
+    CHECK(t, shard_write(shard, toks, NTOK, 2, err) == 0, "%s", err);
+    free(toks);
+    test_path(t, out, sizeof out, "dp_ckpt");
+    mkdir(out, 0755);
+    DpTrainerRank plain[1], one[1], two[2], first[2], resumed[2];
+    dp_trainer_run(&m, shard, out, 1, 0, 1, DPT_STEPS, 0, plain);
+    dp_trainer_run(&m, shard, out, 1, 1, 1, DPT_STEPS, 0, one);
+    dp_trainer_run(&m, shard, out, 2, 1, 1, DPT_STEPS, 0, two);
+    dp_trainer_run(&m, shard, out, 2, 1, 1, 2, 2, first);
+    dp_trainer_run(&m, shard, out, 2, 1, 3, DPT_STEPS, 0, resumed);
+    DpTrainerRank* all[] = {plain, one, two, two + 1, first, first + 1, resumed, resumed + 1};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        CHECK(t, all[i]->rc == 0, "run %zu rank %d: %s", i, all[i]->rank, all[i]->err);
+    CHECK(t, dp_same(plain, one, 1), "one rank with a communicator trains as plain training");
+    CHECK(t, dp_same(&two[0], &two[1], 1), "the two ranks agree on losses and weights");
+    for (int i = 0; i < DPT_STEPS; i++)
+        CHECK(t, fabs(two[0].loss[i] - plain[0].loss[i]) < 1e-5 * fabs(plain[0].loss[i]),
+              "step %d: two ranks %.9g, one %.9g", i + 1, two[0].loss[i], plain[0].loss[i]);
+    CHECK(t, plain[0].loss[DPT_STEPS - 1] < plain[0].loss[0], "the loss falls");
+    for (int r = 0; r < 2; r++)
+        CHECK(t, dp_same(&resumed[r], &two[r], 3), "rank %d: resumed from the checkpoint of two "
+              "ranks, steps 3-%d bit-identical to the straight run", r, DPT_STEPS);
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) free(all[i]->params);
+    model_free(&m);
+}
+
+// ----------------------------------------------------------------------------
 // --plan --world W
 
 static void test_dp_plan(TestCtx* t) {
@@ -387,6 +542,7 @@ const TestCase tests_dp[] = {
     {"dp_layout", test_dp_layout},
     {"dp_sync_losses", test_dp_sync_losses},
     {"dp_rank_failure", test_dp_rank_failure},
+    {"dp_trainer", test_dp_trainer},
     {"dp_plan", test_dp_plan},
     {NULL, NULL},
 };
