@@ -16,7 +16,8 @@
  * synchronous optimizer the tail, the CPU step of the shard and the wait of the next round's
  * forward for its weights (all-gathered in forward order, overlapping that forward) add to the
  * step; with the one-step-delayed update the next iteration is already running, so the traffic
- * costs time only when the link is busier than the step is long.
+ * costs time only when the link is busier than the step is long. Every layer's collective is a
+ * ring of W - 1 steps, each paying DP_PLAN_HOP_LATENCY_S besides its bytes at the link's rate.
  */
 #include "dp.h"
 
