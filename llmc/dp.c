@@ -13,6 +13,7 @@
 
 #include "alloc.h"
 #include "common.h"
+#include "crc32c.h"
 
 // ----------------------------------------------------------------------------
 // the layout
@@ -187,6 +188,27 @@ AdamWUpdate dp_step(DpLayout* d, Comm* c, ThreadPool* pool, const AdamWHyper* h,
     if (gather_field(d, c, DP_PARAM, err) != 0) return u;
     *failed = 0;
     return u;
+}
+
+int dp_check_same_weights(DpLayout* d, Comm* c, char* err) {
+    // one CRC-32C per rank of all its trainable weights, gathered as fp32 bits
+    uint32_t crc = 0;
+    for (int i = 0; i < d->n_tensors; i++)
+        crc = crc32c_update(crc, d->t[i].param, d->t[i].n * sizeof(float));
+    uint32_t* all = malloc_check((size_t)d->world * sizeof(uint32_t));
+    all[d->rank] = crc;
+    if (comm_all_gather(c, all + d->rank, all, 1, COMM_F32, NULL) != 0) {
+        free(all);
+        return comm_failed(c, "the all-gather of the weights' checksums", err);
+    }
+    int bad = -1;
+    for (int r = 1; r < d->world && bad < 0; r++)
+        if (all[r] != all[0]) bad = r;
+    free(all);
+    if (bad >= 0)
+        return errorf(err, "data parallel: rank %d starts from other weights than rank 0 (start "
+                           "every rank with the same --model, --seed and --resume)", bad);
+    return 0;
 }
 
 int dp_gather_state(DpLayout* d, Comm* c, char* err) {

@@ -124,6 +124,10 @@ void dp_layout_free(DpLayout* d);
 AdamWUpdate dp_step(DpLayout* d, Comm* c, ThreadPool* pool, const AdamWHyper* h,
                     const LrSchedule* sched, float grad_clip, int64_t step, int* failed,
                     char* err);
+// Collective: whether every rank starts from the same weights (nothing is broadcast: every rank
+// loads the same --model, --seed or --resume checkpoint). 0, or -1 with err naming the first rank
+// whose weights differ from rank 0's (or the collective's failure).
+int dp_check_same_weights(DpLayout* d, Comm* c, char* err);
 // Make m and v whole on every rank (all-gathers of the shards): before a checkpoint. 0 or -1.
 int dp_gather_state(DpLayout* d, Comm* c, char* err);
 // The global loss: every rank's double `local` added in rank order (an all-gather of the

@@ -236,6 +236,12 @@ int trainer_attach_comm(Trainer* t, Comm* c, char* err) {
         t->dp = NULL;
         return -1;
     }
+    if (dp_check_same_weights(t->dp, c, err) != 0) {
+        dp_layout_free(t->dp);
+        free(t->dp);
+        t->dp = NULL;
+        return -1;
+    }
     t->comm = c;
     t->dp_rows = malloc_named((size_t)(a->batch / c->world) * (a->seq + 1) * sizeof(int32_t),
                               "this rank's rows of the batch");

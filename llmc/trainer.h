@@ -86,8 +86,9 @@ int trainer_needs_plain(const TrainArgs* a, int use_engine);
 
 // Data parallel on the plain path (llmc/dp.h): from now on every step trains this rank's rows of
 // the global batch and steps its ZeRO-1 shard over c (which the caller keeps and destroys after
-// trainer_free); checkpoints gather AdamW's state first and only rank 0 writes them. -1 with err
-// for the engine, LoRA, mixture-of-experts models, or a batch that does not split over the ranks.
+// trainer_free); checkpoints gather AdamW's state first and only rank 0 writes them. Collective
+// (it checks that every rank starts from rank 0's weights). -1 with err for the engine, LoRA,
+// mixture-of-experts models, a batch that does not split over the ranks, or other weights.
 int trainer_attach_comm(Trainer* t, Comm* c, char* err);
 
 // Optimizer step `step` of the run on the next batches of `train`: its loss, gradient norm and
