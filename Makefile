@@ -159,7 +159,7 @@ clean:
 # (TRAIN_ROUNDPIPE_BIN, which test_run_cli honours): a leak or an overflow in a run fails its test.
 SAN_CC ?= $(CC)
 SAN_OPTFLAGS ?= -O1 -g -fno-omit-frame-pointer
-TSAN_SUITES ?= device engine comm_
+TSAN_SUITES ?= device engine comm_ dp_trainer dp_rank_failure
 ASAN_SUITES ?=
 TSAN_BUILD := build-tsan
 ASAN_BUILD := build-asan

@@ -53,6 +53,7 @@
     X(resume)      \
     X(checksum)    \
     X(comm)        \
+    X(dp)          \
     X(memory)      \
     X(train)       \
     X(grpo)        \

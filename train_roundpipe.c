@@ -19,7 +19,11 @@
 #include "llmc/args.h"
 #include "llmc/checkpoint.h"
 #include "llmc/common.h"
+#include "llmc/config.h"
+#include "llmc/comm.h"
 #include "llmc/dataloader.h"
+#include "llmc/dist.h"
+#include "llmc/dp.h"
 #include "llmc/engine.h"
 #include "llmc/grpo.h"
 #include "llmc/interrupt.h"
@@ -114,6 +118,36 @@ static void print_lora_host_memory(const TrainArgs* a, const Model* m, int act_b
     printf("\n");
 }
 
+// --plan --world W: the traffic of W such nodes and what their compute hides (llmc/dp.h), from
+// --step-ms or the model FLOPs at the MFU measured on one GPU. host_bytes: one node's estimate.
+static void plan_data_parallel(const TrainArgs* a, const Model* m, int N, double host_bytes) {
+    const int use_cuda = a->device == DEVICE_CUDA;
+    const int engine_run = N > 0;
+    char source[128] = "";
+    double step_s = 0.0;
+    if (a->step_ms > 0) {
+        step_s = a->step_ms / 1000.0;
+        snprintf(source, sizeof source, "--step-ms");
+    } else if (use_cuda) {
+        const double flops = config_flops_per_token(&m->cfg, a->seq) * a->batch * a->seq;
+        step_s = flops / (LOG_PEAK_FLOPS_PER_GPU * DP_PLAN_MFU * (N > 0 ? N : 1));
+        snprintf(source, sizeof source, "the model FLOPs at %.0f%% MFU on %d GPU(s)",
+                 100.0 * DP_PLAN_MFU, N > 0 ? N : 1);
+    }
+    // rounds per step: only the last one's backward completes gradients (plain training: every
+    // micro-batch is a round of its own)
+    int rounds = a->micro_batches;
+    if (engine_run)
+        rounds = a->split_rounds > 0 ? 1
+                 : a->round_micro_batches > 0 ? a->micro_batches / a->round_micro_batches : 1;
+    const int delayed = engine_run && !a->sync;
+    const DpPlanInput in = {.m = m, .world = a->dist_world, .net_gbps = a->net_gbps,
+                            .step_s = step_s, .rounds = rounds, .sync = !delayed,
+                            .host_bytes = host_bytes,
+                            .grad_sets = 1 + delayed + (a->split_rounds > 0 ? N - 1 : 0)};
+    dp_plan_print(&in, source, stdout);
+}
+
 // Before anything big is allocated: the plan's choices that depend on its shape (they may set
 // a->split_rounds and model->mlp_chunk), then the host memory the run needs against what this
 // machine has (llmc/memory.h): a run that does not fit is refused here, exit 2, unless
@@ -153,6 +187,7 @@ static int plan_and_check_memory(TrainArgs* a, Model* model, int N) {
         if (lim.bytes > 0 && rm.total > lim.bytes)
             printf("warning: more than this machine reports as available (--host-checkpoints "
                    "single, --sync 1 or more micro-batches need less)\n");
+        if (a->dist_world > 1) plan_data_parallel(a, model, N, rm.total);
         return 1;
     }
     if (memory_check_run(a, model, N, &eo, &lim, err) != 0) {
@@ -161,6 +196,44 @@ static int plan_and_check_memory(TrainArgs* a, Model* model, int N) {
         exit(2);
     }
     return 0;
+}
+
+// ----------------------------------------------------------------------------
+// data parallel (llmc/dp.h): who this process is, and its communicator
+
+static void resolve_dist(const TrainArgs* a, DistConfig* d) {
+    char err[ERR_LEN];
+    const DistFlags f = {.init = a->dist_init, .rank = a->dist_rank, .world = a->dist_world,
+                         .timeout_s = a->dist_timeout};
+    if (a->plan_only) {  // --plan --world W projects W ranks without being one of them
+        memset(d, 0, sizeof *d);
+        d->world = 1;
+        return;
+    }
+    if (dist_config_resolve(d, &f, dist_getenv, NULL, err) != 0) fatal("%s", err);
+}
+
+// W > 1: the rendezvous with rank 0, this rank's NCCL communicator on its GPU (LOCAL_RANK; the
+// plain path's collectives are staged through it), and the trainer's ZeRO-1 shard.
+static Comm* open_data_parallel(const DistConfig* d, Trainer* tr) {
+#ifdef HAVE_CUDA
+    char err[ERR_LEN];
+    CommToken token;
+    if (dist_rendezvous(d, &comm_nccl_impl, &token, err) != 0) fatal("%s", err);
+    const CommInit in = {.rank = d->rank, .world = d->world, .timeout_s = d->timeout_s,
+                         .token = token, .gpu = d->local_rank};
+    Comm* c = comm_nccl_impl.init(&in, err);
+    if (!c) fatal("data parallel: %s", err);
+    if (trainer_attach_comm(tr, c, err) != 0) fatal("%s", err);
+    const size_t shard = tr->dp->lo[d->rank + 1] - tr->dp->lo[d->rank];
+    printf("data parallel: rank %d of %d (NCCL on GPU %d), %d of the %d sequences of each batch, "
+           "AdamW on %zu of the %zu parameters (ZeRO-1)\n", d->rank, d->world, d->local_rank,
+           tr->a->batch / d->world, tr->a->batch, shard, tr->dp->n);
+    return c;
+#else
+    (void)tr;
+    fatal("data parallel: world size %d needs NCCL: this binary was built without CUDA", d->world);
+#endif
 }
 
 // ----------------------------------------------------------------------------
@@ -310,8 +383,13 @@ int main(int argc, char** argv) {
         return 2;
     }
 #endif
+    // data parallel: ranks other than 0 read what rank 0 reads and write nothing
+    DistConfig dist;
+    resolve_dist(&a, &dist);
+    const int rank0 = dist.rank == 0;
     Outputs outs;
-    if (check_outputs(&outs, &a) != 0) return 2;
+    if (rank0 && check_outputs(&outs, &a) != 0) return 2;
+    if (!rank0) outputs_init(&outs);
     const int dump = a.dump_state[0] != '\0';
 
     // 2. model: configuration, the plan, the weights (a --resume checkpoint, the source's, or a
@@ -362,10 +440,11 @@ int main(int argc, char** argv) {
     Trainer tr;
     if (trainer_create(&tr, &a, &model, &store, &ts, N, engine_options, err) != 0)
         fatal("%s", err);
+    Comm* comm = dist.world > 1 ? open_data_parallel(&dist, &tr) : NULL;
 
     // 4. data
     DataLoader train, val;
-    const int have_val = a.val[0] != '\0' && !dump && !a.rl.on;  // (RL: held-out accuracy)
+    const int have_val = a.val[0] != '\0' && !dump && !a.rl.on && rank0;  // (RL: held-out accuracy)
     if (dataloader_open(&train, a.train, a.batch, a.seq, dump ? 0 : a.shuffle, a.seed,
                         model.cfg.V, err) != 0)
         fatal("--train: %s", err);
@@ -395,7 +474,8 @@ int main(int argc, char** argv) {
     // 5. training: step, log, checkpoint, evaluate (a signal: the steps in flight finish); with
     // --rl grpo the GRPO loop instead (train_rl)
     StepLog lg;
-    if (log_open(&lg, a.log, ts.resumed ? (long long)ts.step : -1, err) != 0) fatal("%s", err);
+    if (log_open(&lg, rank0 ? a.log : "", ts.resumed ? (long long)ts.step : -1, err) != 0)
+        fatal("%s", err);
     if (have_val) log_eval(&lg, (int)ts.step, trainer_evaluate(&tr, &val));
     const int start = (int)ts.step;
     int done = start, saved = -1;  // the last step trained, the last checkpoint's step
@@ -412,7 +492,7 @@ int main(int argc, char** argv) {
         const StepStats st =
             trainer_step(&tr, &train, step, save || eval || step == a.steps || stopping);
         done = step;
-        log_step(&lg, &st);
+        if (rank0) log_step(&lg, &st);
         interrupt_test_hook(step);
         if (save && trainer_save_checkpoint(&tr, &train, step, args_json, err) != 0)
             fatal("%s", err);
@@ -427,15 +507,16 @@ int main(int argc, char** argv) {
     log_close(&lg);
 
     // 6. sample and export (interrupted: the exports of what was trained, no sample)
-    if (a.sample_tokens > 0 && !sig)
+    if (a.sample_tokens > 0 && !sig && rank0)
         sample_print(tr.plain, a.seq, a.sample_tokens, a.prompt, a.temperature, a.seed, src.tok);
-    if (!sig || done > start) export_model(&a, &model, &store, &src);
+    if ((!sig || done > start) && rank0) export_model(&a, &model, &store, &src);
 
     checkpoint_close_source(&src);
     free(args_json);
     dataloader_close(&train);
     if (have_val) dataloader_close(&val);
     trainer_free(&tr);
+    comm_destroy(comm);
     store_free(&store);
     model_free(&model);
     outputs_release(&outs);

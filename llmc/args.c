@@ -15,6 +15,7 @@
 #include "common.h"
 #include "config.h"
 #include "dist.h"
+#include "dp.h"
 #include "json.h"
 #include "lora.h"
 
@@ -76,6 +77,8 @@ void args_defaults(TrainArgs* a) {
     a->dist_rank = -1;
     a->dist_world = 0;
     a->dist_timeout = (float)DIST_DEFAULT_TIMEOUT_S;
+    a->net_gbps = 100.0f;
+    a->step_ms = 0.0f;
     a->lora_r = 0;
     a->lora_alpha = 8.0f;  // PEFT's LoraConfig default
     a->lora_targets = LORA_ALL_LINEAR;
@@ -221,8 +224,8 @@ void args_usage(FILE* f) {
         "                         evenly, no --round is given and host memory has room\n"
         "      --no-split-rounds  never split rounds (the paper's schedule)\n"
         "\n"
-        "data parallel (several processes; not wired into training yet: a world size over 1\n"
-        "is refused)\n"
+        "data parallel (plain training, W processes over NCCL, each with a GPU for it: --batch\n"
+        "is global, rank r takes sequences r, r+W, ...; ZeRO-1 optimizer; rank 0 logs and saves)\n"
         "      --dist-init URL    tcp://HOST:PORT where rank 0 hands out the communicator's id\n"
         "                         (default: MASTER_ADDR and MASTER_PORT from the environment)\n"
         "      --rank R           this process's rank (default: RANK, else SLURM_PROCID, else 0)\n"
@@ -230,6 +233,10 @@ void args_usage(FILE* f) {
         "                         else 1)\n"
         "      --dist-timeout S   seconds any rendezvous or collective waits for a missing\n"
         "                         rank before failing with its name (default %g)\n"
+        "      --net-gbps G       with --plan --world W: each node's network bandwidth in Gbit/s\n"
+        "                         for the gradient and weight traffic (default %g)\n"
+        "      --step-ms MS       with --plan --world W: the measured single-node step time to\n"
+        "                         project from (default: the model FLOPs at %g%% MFU per GPU)\n"
         "  -h, --help             this text\n"
         "\n"
         "tokenizing text (a mode of its own: no model, no training)\n"
@@ -254,7 +261,7 @@ void args_usage(FILE* f) {
         (double)d.decay_frac, (double)d.weight_decay, d.decay_embeddings, (double)d.beta1,
         (double)d.beta2, (double)d.eps, (double)d.grad_clip, d.eval_every, d.eval_batches,
         d.sample_tokens, (double)d.temperature, d.threads, (double)d.lora_alpha,
-        d.profile_steps, (double)d.dist_timeout);
+        d.profile_steps, (double)d.dist_timeout, (double)d.net_gbps, 100.0 * DP_PLAN_MFU);
     rl_args_usage(f);
 }
 
@@ -365,7 +372,7 @@ enum {
     OPT_DECAY_EMB, OPT_INIT_STD, OPT_TEMPERATURE, OPT_ROUND, OPT_ROW_CHUNKS, OPT_RECOMPUTE, OPT_SYNC, OPT_PLAN,
     OPT_DEVICE_MEM, OPT_DELAY, OPT_TRACE, OPT_PROFILE_OPS, OPT_SPLIT_ROUNDS, OPT_NO_SPLIT_ROUNDS, OPT_PROFILE_STEPS, OPT_MLP_CHUNK, OPT_HOST_CKPT, OPT_SAVE_EVERY, OPT_KEEP, OPT_RESUME, OPT_EXPORT_HF,
     OPT_EXPORT_GGUF, OPT_EXPORT_DTYPE, OPT_EXPORT_SHARD, OPT_LAYERS,
-    OPT_ALLOW_OVERCOMMIT, OPT_DIST_INIT, OPT_RANK, OPT_WORLD, OPT_DIST_TIMEOUT,
+    OPT_ALLOW_OVERCOMMIT, OPT_DIST_INIT, OPT_RANK, OPT_WORLD, OPT_DIST_TIMEOUT, OPT_NET_GBPS, OPT_STEP_MS,
     OPT_LORA_R, OPT_LORA_ALPHA, OPT_LORA_TARGETS, OPT_LORA_DROPOUT,
     OPT_RSLORA, OPT_LORA_INIT, OPT_EXPORT_LORA, OPT_MERGE_LORA
 };
@@ -507,6 +514,8 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         {"rank", required_argument, 0, OPT_RANK},
         {"world", required_argument, 0, OPT_WORLD},
         {"dist-timeout", required_argument, 0, OPT_DIST_TIMEOUT},
+        {"net-gbps", required_argument, 0, OPT_NET_GBPS},
+        {"step-ms", required_argument, 0, OPT_STEP_MS},
         {"lora-r", required_argument, 0, OPT_LORA_R},
         {"lora-alpha", required_argument, 0, OPT_LORA_ALPHA},
         {"lora-targets", required_argument, 0, OPT_LORA_TARGETS},
@@ -628,6 +637,8 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
             case OPT_DIST_TIMEOUT:
                 rc = float_in("--dist-timeout", v, 0.0, 86400.0, 1, &a->dist_timeout);
                 break;
+            case OPT_NET_GBPS: rc = float_in("--net-gbps", v, 0.0, 1e6, 1, &a->net_gbps); break;
+            case OPT_STEP_MS: rc = float_in("--step-ms", v, 0.0, 1e9, 1, &a->step_ms); break;
             case OPT_LORA_R: rc = int_in("--lora-r", v, 0, 65536, &a->lora_r); break;
             case OPT_LORA_ALPHA:
                 rc = float_in("--lora-alpha", v, 0.0, 1e6, 1, &a->lora_alpha);
@@ -731,6 +742,9 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
     if (!*a->train) return bad("--train", a->train, "must not be empty");
     // data parallel: the flags and the launcher's environment must describe one valid rank; more
     // than one is refused until the trainer uses them (llmc/comm.h, llmc/dist.h are ready)
+    // --plan projects a world size (--world W, llmc/dp.h) without being one of its ranks: no rank,
+    // rendezvous address or environment needed
+    if (a->plan_only) return check_lora(a);
     DistFlags df = {.init = a->dist_init, .rank = a->dist_rank, .world = a->dist_world,
                     .timeout_s = a->dist_timeout};
     DistConfig dc;
@@ -739,10 +753,31 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         fprintf(stderr, "train_roundpipe: error: %s (see --help)\n", err);
         return 2;
     }
+    // data parallel trains on the plain path (llmc/dp.h) over NCCL; the engine's is not built
     if (dc.world > 1) {
-        fprintf(stderr, "train_roundpipe: error: data parallel is not wired into training yet "
-                "(world size %d from %s; run a single process)\n", dc.world, dc.source);
+        const char* why = NULL;
+        if (a->n_devices > 0 || a->device == DEVICE_CUDA)
+            why = "trains on the plain path (--device cpu) for now: the RoundPipe engine does not "
+                  "reduce gradients across ranks yet";
+        else if (a->dump_state[0])
+            why = "does not write --dump-state (run it in a single process)";
+        else if (a->rl.on)
+            why = "does not run --rl yet (GRPO trains in a single process for now)";
+        if (why) {
+            fprintf(stderr, "train_roundpipe: error: data parallel %s (world size %d from %s)\n",
+                    why, dc.world, dc.source);
+            return 2;
+        }
+        if (dp_check_batch(a->batch, a->micro_batches, dc.world, err) != 0) {
+            fprintf(stderr, "train_roundpipe: error: data parallel: %s\n", err);
+            return 2;
+        }
+#ifndef HAVE_CUDA
+        fprintf(stderr, "train_roundpipe: error: data parallel between processes runs over NCCL: "
+                "this binary was built without CUDA (rebuild with nvcc; world size %d from %s)\n",
+                dc.world, dc.source);
         return 2;
+#endif
     }
     if (check_lora(a) != 0) return 2;
     return rl_args_check(&a->rl, a->n_devices > 0 || a->device == DEVICE_CUDA, a->temperature,

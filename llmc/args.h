@@ -76,6 +76,8 @@ typedef struct TrainArgs {
     int dist_rank;           // --rank R (-1 = from the environment)
     int dist_world;          // --world W (0 = from the environment, else 1)
     float dist_timeout;      // --dist-timeout S: every rendezvous and collective wait (seconds)
+    float net_gbps;          // --net-gbps G: --plan's network bandwidth per node (Gbit/s)
+    float step_ms;           // --step-ms MS: --plan's single-node step time (0: from the FLOPs)
     // LoRA on a frozen base (lora.h)
     int lora_r;              // rank, 0 = off
     float lora_alpha;

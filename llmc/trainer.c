@@ -222,7 +222,37 @@ int trainer_create(Trainer* t, const TrainArgs* a, const Model* m, Store* s, Tra
     return 0;
 }
 
+int trainer_attach_comm(Trainer* t, Comm* c, char* err) {
+    const TrainArgs* a = t->a;
+    if (t->eng)
+        return errorf(err, "data parallel trains on the plain path (--device cpu) for now: the "
+                           "RoundPipe engine does not reduce gradients across ranks yet");
+    if (t->m->tt.lora.r > 0) return errorf(err, "data parallel does not train LoRA adapters yet");
+    if (t->m->n_moe > 0)
+        return errorf(err, "data parallel does not train mixture-of-experts models yet");
+    if (dp_check_batch(a->batch, a->micro_batches, c->world, err) != 0) return -1;
+    t->dp = malloc_named(sizeof(DpLayout), "the data-parallel layout");
+    if (dp_layout_create(t->dp, t->s, c->world, c->rank, err) != 0) {
+        free(t->dp);
+        t->dp = NULL;
+        return -1;
+    }
+    if (dp_check_same_weights(t->dp, c, err) != 0) {
+        dp_layout_free(t->dp);
+        free(t->dp);
+        t->dp = NULL;
+        return -1;
+    }
+    t->comm = c;
+    t->dp_rows = malloc_named((size_t)(a->batch / c->world) * (a->seq + 1) * sizeof(int32_t),
+                              "this rank's rows of the batch");
+    return 0;
+}
+
 void trainer_free(Trainer* t) {
+    if (t->dp) dp_layout_free(t->dp);
+    free(t->dp);
+    free(t->dp_rows);
     free(t->opt);
     free(t->tokens);
     if (t->eng) {
@@ -282,7 +312,32 @@ static void engine_train_step(Trainer* t, DataLoader* train, int stop_after, Ste
     t->plain_stale = 1;
 }
 
+// Data parallel (dp.h): this rank's rows, the global loss, the ZeRO-1 step over the ranks. A
+// failed collective (a rank that died or hung) ends the run with the comm's message naming it.
+static void dp_train_step(Trainer* t, DataLoader* train, int step, StepStats* st) {
+    const TrainArgs* a = t->a;
+    char err[ERR_LEN];
+    next_batch(train, t->tokens);
+    const double local = dp_rank_gradients(t->plain, t->tokens, a->batch, a->seq, a->micro_batches,
+                                           t->comm->world, t->comm->rank, t->dp_rows);
+    double sum = 0.0;
+    if (dp_sum_double(t->comm, local, &sum, err) != 0) fatal("%s", err);
+    int failed = 0;
+    const AdamWUpdate u = dp_step(t->dp, t->comm, t->pool, &t->hyper, &t->sched, a->grad_clip,
+                                  step, &failed, err);
+    if (failed) fatal("%s", err);
+    st->loss = sum / ((double)a->batch * a->seq);
+    st->norm = u.norm;
+    st->lr = u.hyper.lr;
+    t->s->step = step;
+    plain_sync_params(t->plain);
+}
+
 static void plain_train_step(Trainer* t, DataLoader* train, int step, StepStats* st) {
+    if (t->dp) {
+        dp_train_step(t, train, step, st);
+        return;
+    }
     next_batch(train, t->tokens);
     st->loss = plain_batch_gradients(t, t->tokens, st);
     const AdamWUpdate u =
@@ -387,6 +442,9 @@ int trainer_in_flight(const Trainer* t) { return t->eng ? (int)engine_in_flight(
 int trainer_save_checkpoint(Trainer* t, const DataLoader* train, int step, const char* args_json,
                             char* err) {
     TrainState* ts = t->ts;
+    // data parallel: m and v whole on every rank (the single-process checkpoint), rank 0 writes
+    if (t->dp && dp_gather_state(t->dp, t->comm, err) != 0) return -1;
+    if (t->comm && t->comm->rank != 0) return 0;
     if (t->eng) engine_synchronize(t->eng);
     ts->step = step;
     dataloader_state_save(train, ts->train_loader);

@@ -24,8 +24,10 @@
 #include "adamw.h"
 #include "args.h"
 #include "checkpoint.h"
+#include "comm.h"
 #include "dataloader.h"
 #include "device.h"
+#include "dp.h"
 #include "engine.h"
 #include "log.h"
 #include "model.h"
@@ -61,6 +63,9 @@ typedef struct Trainer {
     Engine* eng;        // NULL for plain training
     int cpus[TRAINER_MAX_CPUS];  // the engine's optimizer CPUs (the engine keeps a pointer)
     int32_t* tokens;    // (B, T+1) the batch being submitted or evaluated
+    Comm* comm;         // data parallel on the plain path (dp.h): this rank's communicator
+    DpLayout* dp;       // its ZeRO-1 shard (NULL: one process)
+    int32_t* dp_rows;   // (B/W, T+1) this rank's rows of the batch
     int drained;        // nothing in flight: the next step's clock starts when it is called
     int64_t n_collected;  // steps collected so far by this trainer
     double t_last;      // when the last step was collected
@@ -83,6 +88,13 @@ int trainer_needs_plain(const TrainArgs* a, int use_engine);
 // back (store_release_frozen): the host holds the base once, in bf16, and the adapters' fp32
 // state. (--out then holds the config and the adapters, as the checkpoints do.)
 int trainer_releases_frozen(const TrainArgs* a, const Model* m, int use_engine);
+
+// Data parallel on the plain path (llmc/dp.h): from now on every step trains this rank's rows of
+// the global batch and steps its ZeRO-1 shard over c (which the caller keeps and destroys after
+// trainer_free); checkpoints gather AdamW's state first and only rank 0 writes them. Collective
+// (it checks that every rank starts from rank 0's weights). -1 with err for the engine, LoRA,
+// mixture-of-experts models, a batch that does not split over the ranks, or other weights.
+int trainer_attach_comm(Trainer* t, Comm* c, char* err);
 
 // Optimizer step `step` of the run on the next batches of `train`: its loss, gradient norm and
 // lr (with the delayed update those of the step applying the previous iteration's gradient),

@@ -11,7 +11,7 @@
  * mismatched ops, abort and poll, a missing rank at init, a stream whose peer never comes.
  * Launch: flags and torchrun/Slurm environments (and every error), the TCP rendezvous over
  * localhost (threads as ranks) with a missing peer, a wrong world size, a rank twice, no rank 0;
- * and the trainer's refusal of a world size over 1.
+ * and the trainer's flags: the engine's refusal of a world size over 1, the plain path's checks.
  *
  * Results are gathered per rank and checked on the test's thread (CHECK is not thread-safe);
  * data written by rank threads is read after pthread_join, so `make tsan` checks the emulation's
@@ -720,24 +720,41 @@ static void test_comm_dist_rendezvous_config(TestCtx* t) {
 // the trainer's flags
 
 static void test_comm_cli_flags(TestCtx* t) {
-    int rc = test_run_cli(t, "dp_world", "--world 2 --rank 0 --dist-init tcp://127.0.0.1:29511");
+    // data parallel trains on the plain path only: the engine refuses a world size over 1
+    int rc = test_run_cli(t, "dp_world",
+                          "--world 2 --rank 0 --dist-init tcp://127.0.0.1:29511 --device cpu:2");
     char* e = test_read_output(t, "dp_world", "err");
-    CHECK(t, rc == 2 && strstr(e, "data parallel is not wired into training yet") &&
-             strchr(e, '\n') == e + strlen(e) - 1, "world 2 refused in one line: rc %d '%s'", rc,
-          e);
+    CHECK(t, rc == 2 && strstr(e, "the RoundPipe engine does not reduce gradients") &&
+             strchr(e, '\n') == e + strlen(e) - 1, "world 2 on the engine refused in one line: "
+          "rc %d '%s'", rc, e);
     free(e);
     setenv("WORLD_SIZE", "2", 1);
     setenv("RANK", "1", 1);
     setenv("MASTER_ADDR", "127.0.0.1", 1);
     setenv("MASTER_PORT", "29511", 1);
-    rc = test_run_cli(t, "dp_env", "--steps 1");
+    rc = test_run_cli(t, "dp_env", "--steps 1 --device cpu:2");
     unsetenv("WORLD_SIZE");
     unsetenv("RANK");
     unsetenv("MASTER_ADDR");
     unsetenv("MASTER_PORT");
     e = test_read_output(t, "dp_env", "err");
-    CHECK(t, rc == 2 && strstr(e, "not wired into training yet") && strstr(e, "WORLD_SIZE"),
-          "torchrun environment refused: rc %d '%s'", rc, e);
+    CHECK(t, rc == 2 && strstr(e, "RoundPipe engine") && strstr(e, "WORLD_SIZE"),
+          "torchrun environment on the engine refused: rc %d '%s'", rc, e);
+    free(e);
+    // the plain path: a batch that does not split over the ranks is refused up front; a rank
+    // whose rank 0 never comes fails within --dist-timeout naming it (CUDA builds: NCCL), or the
+    // build without CUDA says it has no NCCL
+    rc = test_run_cli(t, "dp_split", "--world 3 --rank 1 --dist-init tcp://127.0.0.1:9 --batch 16");
+    e = test_read_output(t, "dp_split", "err");
+    CHECK(t, rc == 2 && strstr(e, "--batch 16 does not divide by the world size 3"),
+          "batch split refused: rc %d '%s'", rc, e);
+    free(e);
+    rc = test_run_cli(t, "dp_norank0", "--world 2 --rank 1 --dist-init tcp://127.0.0.1:9 "
+                      "--dist-timeout 1 --steps 1 --micro-batches 2");
+    e = test_read_output(t, "dp_norank0", "err");
+    CHECK(t, rc != 0 && strchr(e, '\n') == e + strlen(e) - 1 &&
+             (strstr(e, "rank 1 could not connect to rank 0") || strstr(e, "without CUDA")),
+          "no rank 0: one line: rc %d '%s'", rc, e);
     free(e);
     const struct {
         const char* args;
