@@ -442,13 +442,46 @@ static const BlockLayout* block_layout(const Model* m, int block) {
     return &m->layout[block];
 }
 
+// The block after its attention, on n rows whose activations are kept in a: output projection,
+// residual + RMSNorm, then the MLP or the experts, and the second residual into x_out. Shared by
+// the training forward and the generator's decode step (model_block_decode).
+static void block_forward_after_attention(const Model* m, Workspace* ws, BlockActs* a, int block,
+                                          const void* slab, const void* x_in, void* x_out,
+                                          int n) {
+    const Ops* ops = ws->ops;
+    void* ctx = ws->ctx;
+    const ModelConfig* c = &m->cfg;
+    const BlockLayout* bl = block_layout(m, block);
+    const int C = c->C, F = c->F, QD = c->H * c->HD;
+    ops->matmul_forward(ctx, ws->proj, a->att, at(ws, slab, bl->wo), opt_at(ws, slab, bl->bo), n,
+                        QD, C);
+    lora_forward(m, ws, block, LORA_BIT(LORA_O), slab, a->att, ws->proj, n, 0);
+    ops->residual_rmsnorm_forward(ctx, a->h, a->ln2, a->rstd2, x_in, ws->proj,
+                                  at(ws, slab, bl->mlp_norm), n, C, c->norm_eps);
+    if (bl->moe) {
+        // x' = h + MoE(ln2); the block's aux statistics go to its slot of ws->moe_stats
+        MoeWeights w = moe_weights(ws, bl, slab);
+        float* stats = ws->moe_stats + (size_t)m->moe_slot[block] * 2 * c->E;
+        moe_forward(c, ops, ctx, &ws->moe, &a->moe, &w, a->ln2, ws->proj, stats, n);
+        ops->add(ctx, x_out, a->h, ws->proj, (size_t)n * C);
+        return;
+    }
+    // MLP: x' = h + down(silu(gate(ln2)) * up(ln2))
+    ops->matmul_forward(ctx, a->gu, a->ln2, at(ws, slab, bl->wgu), NULL, n, C, 2 * F);
+    lora_forward(m, ws, block, LORA_BIT(LORA_GATE) | LORA_BIT(LORA_UP), slab, a->ln2, a->gu, n, 0);
+    ops->swiglu_forward(ctx, a->act, a->gu, n, F);
+    ops->matmul_forward(ctx, ws->proj, a->act, at(ws, slab, bl->wdown), NULL, n, F, C);
+    lora_forward(m, ws, block, LORA_BIT(LORA_DOWN), slab, a->act, ws->proj, n, 0);
+    ops->add(ctx, x_out, a->h, ws->proj, (size_t)n * C);
+}
+
 void model_block_forward_at(const Model* m, Workspace* ws, BlockActs* a, int block,
                             const void* slab, const void* x_in, void* x_out, int B, int T) {
     const Ops* ops = ws->ops;
     void* ctx = ws->ctx;
     const ModelConfig* c = &m->cfg;
     const BlockLayout* bl = block_layout(m, block);
-    const int N = B * T, C = c->C, F = c->F, QD = c->H * c->HD;
+    const int N = B * T, C = c->C, F = c->F;
 
     // attention: h = x + o_proj(attn(rope(qk_norm(qkv_proj(rmsnorm(x))))))
     // (long sequences: ln1, qkv_raw, qkv, rstd_qk and h go to workspace scratch, not the saved set)
@@ -474,26 +507,7 @@ void model_block_forward_at(const Model* m, Workspace* ws, BlockActs* a, int blo
         ops->add(ctx, x_out, h, ws->proj, (size_t)N * C);
         return;
     }
-    ops->matmul_forward(ctx, ws->proj, a->att, at(ws, slab, bl->wo), opt_at(ws, slab, bl->bo), N,
-                        QD, C);
-    lora_forward(m, ws, block, LORA_BIT(LORA_O), slab, a->att, ws->proj, N, 0);
-    ops->residual_rmsnorm_forward(ctx, a->h, a->ln2, a->rstd2, x_in, ws->proj,
-                                  at(ws, slab, bl->mlp_norm), N, C, c->norm_eps);
-    if (bl->moe) {
-        // x' = h + MoE(ln2); the block's aux statistics go to its slot of ws->moe_stats
-        MoeWeights w = moe_weights(ws, bl, slab);
-        float* stats = ws->moe_stats + (size_t)m->moe_slot[block] * 2 * c->E;
-        moe_forward(c, ops, ctx, &ws->moe, &a->moe, &w, a->ln2, ws->proj, stats, N);
-        ops->add(ctx, x_out, a->h, ws->proj, (size_t)N * C);
-        return;
-    }
-    // MLP: x' = h + down(silu(gate(ln2)) * up(ln2))
-    ops->matmul_forward(ctx, a->gu, a->ln2, at(ws, slab, bl->wgu), NULL, N, C, 2 * F);
-    lora_forward(m, ws, block, LORA_BIT(LORA_GATE) | LORA_BIT(LORA_UP), slab, a->ln2, a->gu, N, 0);
-    ops->swiglu_forward(ctx, a->act, a->gu, N, F);
-    ops->matmul_forward(ctx, ws->proj, a->act, at(ws, slab, bl->wdown), NULL, N, F, C);
-    lora_forward(m, ws, block, LORA_BIT(LORA_DOWN), slab, a->act, ws->proj, N, 0);
-    ops->add(ctx, x_out, a->h, ws->proj, (size_t)N * C);
+    block_forward_after_attention(m, ws, a, block, slab, x_in, x_out, N);
 }
 
 void model_block_backward_at(const Model* m, Workspace* ws, const BlockActs* a, int block,
@@ -674,7 +688,7 @@ void model_block_decode_at(const Model* m, Workspace* ws, int block, const void*
     const ModelConfig* c = &m->cfg;
     const BlockLayout* bl = block_layout(m, block);
     BlockActs* a = &ws->acts[0];
-    const int n = r->n, C = c->C, F = c->F, QD = c->H * c->HD, KD = c->KVH * c->HD;
+    const int n = r->n, C = c->C, QD = c->H * c->HD, KD = c->KVH * c->HD;
     const int half = c->HD / 2, heads = c->H + c->KVH;
     if (ws->mlp_chunk > 0 || n > ws->B * ws->T)
         fatal("internal: decode of %d rows in a workspace of %d (mlp chunk %d)", n, ws->B * ws->T,
@@ -707,24 +721,7 @@ void model_block_decode_at(const Model* m, Workspace* ws, int block, const void*
                           opt_at(ws, slab, bl->sinks), n, r->maxT, c->H, c->KVH, c->HD,
                           bl->window);
     // the rest of the block is the forward's, on n rows
-    ops->matmul_forward(ctx, ws->proj, a->att, at(ws, slab, bl->wo), opt_at(ws, slab, bl->bo), n,
-                        QD, C);
-    lora_forward(m, ws, block, LORA_BIT(LORA_O), slab, a->att, ws->proj, n, 0);
-    ops->residual_rmsnorm_forward(ctx, a->h, a->ln2, a->rstd2, x_in, ws->proj,
-                                  at(ws, slab, bl->mlp_norm), n, C, c->norm_eps);
-    if (bl->moe) {
-        MoeWeights w = moe_weights(ws, bl, slab);
-        float* stats = ws->moe_stats + (size_t)m->moe_slot[block] * 2 * c->E;
-        moe_forward(c, ops, ctx, &ws->moe, &a->moe, &w, a->ln2, ws->proj, stats, n);
-        ops->add(ctx, x_out, a->h, ws->proj, (size_t)n * C);
-        return;
-    }
-    ops->matmul_forward(ctx, a->gu, a->ln2, at(ws, slab, bl->wgu), NULL, n, C, 2 * F);
-    lora_forward(m, ws, block, LORA_BIT(LORA_GATE) | LORA_BIT(LORA_UP), slab, a->ln2, a->gu, n, 0);
-    ops->swiglu_forward(ctx, a->act, a->gu, n, F);
-    ops->matmul_forward(ctx, ws->proj, a->act, at(ws, slab, bl->wdown), NULL, n, F, C);
-    lora_forward(m, ws, block, LORA_BIT(LORA_DOWN), slab, a->act, ws->proj, n, 0);
-    ops->add(ctx, x_out, a->h, ws->proj, (size_t)n * C);
+    block_forward_after_attention(m, ws, a, block, slab, x_in, x_out, n);
 }
 
 // ----------------------------------------------------------------------------
