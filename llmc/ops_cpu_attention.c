@@ -3,7 +3,9 @@
  * rows, causal grouped-query attention (flash-style blocks through the GEMM micro-kernel, with a
  * branch-free exp compiled per SIMD level like the kernel), and GPT-OSS attention with learned
  * sinks and sliding windows (a plain row-by-row reference: the models that need it are small on
- * the CPU). Forward and backward of each; the determinism rules of ops_cpu.c hold here too.
+ * the CPU). Forward and backward of each; the determinism rules of ops_cpu.c hold here too. It
+ * uses only the core (ops_cpu_core.c, through ops_cpu_internal.h); the table in ops_cpu.c points
+ * at its ops.
  */
 #include <math.h>
 #include <stdlib.h>

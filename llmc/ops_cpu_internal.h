@@ -1,8 +1,9 @@
 /*
- * ops_cpu_internal.h — private to the CPU backend (ops_cpu.c, ops_cpu_attention.c,
+ * ops_cpu_internal.h — private to the CPU backend (ops_cpu_core.c, ops_cpu.c, ops_cpu_attention.c,
  * ops_cpu_moe.c): the context, the task helpers every parallel loop uses, the fixed-order dot
- * product, the packed GEMM's shape and entry point, and the op functions the table in ops_cpu.c
- * points at. Nothing outside the backend includes it.
+ * product, the packed GEMM's shape and entry point and the SIMD picks (ops_cpu_core.c, the bottom
+ * every op file may use), and the op functions of the attention and MoE files that the table in
+ * ops_cpu.c (the top) points at. Nothing outside the backend includes it.
  */
 #ifndef LLMC_OPS_CPU_INTERNAL_H
 #define LLMC_OPS_CPU_INTERNAL_H
@@ -73,7 +74,7 @@ static inline float vec_dot(const float* a, const float* b, int n) {
 static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // ----------------------------------------------------------------------------
-// packed GEMM (ops_cpu.c): C (M, Nc) (+)= A (M, K) · B (K, Nc) (+ bias)
+// packed GEMM (ops_cpu_core.c): C (M, Nc) (+)= A (M, K) · B (K, Nc) (+ bias)
 
 #define GEMM_MR 8    // rows of a micro-tile (A panel height)
 #define GEMM_NR 32   // columns of a micro-tile (B panel width): two AVX-512 vectors
@@ -101,6 +102,10 @@ typedef struct Gemm {
 void ops_cpu_gemm_run(CpuCtx* cx, Gemm* g);
 // dbias (OC) += Σ_rows dout (N, OC), rows in order inside each column block.
 void ops_cpu_dbias(CpuCtx* cx, float* dbias, const float* dout, int N, int OC);
+// This CPU's SIMD level: 2 (AVX-512F), 1 (AVX2 + FMA) or 0 (portable); -DOPS_CPU_KERNEL forces one.
+int ops_cpu_simd_level(void);
+// The GEMM micro-kernel compiled for that SIMD level.
+GemmKernel ops_cpu_gemm_kernel_pick(int simd_level);
 
 // ----------------------------------------------------------------------------
 // attention and its input (ops_cpu_attention.c)

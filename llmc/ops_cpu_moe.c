@@ -4,7 +4,8 @@
  * counting-sort dispatch, gathers and combines summed in fixed k order, the router statistics of
  * the aux loss, a grouped matmul that runs the packed GEMM once per expert on its rows, and the
  * GPT-OSS clamped GLU. Forward and backward of each; the determinism rules of ops_cpu.c hold here
- * too.
+ * too. It uses only the core (ops_cpu_core.c, through ops_cpu_internal.h); the table in ops_cpu.c
+ * points at its ops.
  */
 #include <math.h>
 #include <stdlib.h>
