@@ -6,7 +6,7 @@
  * (qk-norm + RoPE, GPT-OSS sinks and sliding windows) in ops_cpu_attention.c, the
  * mixture-of-experts ops (routing, dispatch, gathers, the grouped matmul, combines, the GPT-OSS
  * clamped GLU) in ops_cpu_moe.c. At the bottom, ops_cpu_core.c: the packed GEMM, its SIMD
- * micro-kernels and the bias gradient; ops_cpu_internal.h declares what the files share.
+ * micro-kernels and the bias gradient; ops_cpu_core.h declares what the files share.
  *
  * ctx is a CpuCtx: a ThreadPool plus the SIMD kernels picked for this CPU. Buffers are plain
  * 64-byte aligned host memory; uploads and downloads are memcpy. Ops may be called from several
@@ -22,7 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "ops_cpu_internal.h"
+#include "ops_cpu_core.h"
 
 // ----------------------------------------------------------------------------
 // memory

@@ -4,14 +4,14 @@
  * branch-free exp compiled per SIMD level like the kernel), and GPT-OSS attention with learned
  * sinks and sliding windows (a plain row-by-row reference: the models that need it are small on
  * the CPU). Forward and backward of each; the determinism rules of ops_cpu.c hold here too. It
- * uses only the core (ops_cpu_core.c, through ops_cpu_internal.h); the table in ops_cpu.c points
+ * uses only the core (ops_cpu_core.c, through ops_cpu_core.h); the table in ops_cpu.c points
  * at its ops.
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "ops_cpu_internal.h"
+#include "ops_cpu_core.h"
 
 // ----------------------------------------------------------------------------
 // QK-norm + RoPE on packed qkv rows

@@ -2,7 +2,7 @@
  * ops_cpu_core.c — the CPU backend's infrastructure, below every op file (ops_cpu.c,
  * ops_cpu_attention.c, ops_cpu_moe.c): the GEMM register micro-kernels and the SIMD level that
  * picks them, the packed GEMM every matmul runs through, and the column-blocked bias gradient.
- * The context (CpuCtx) and the task runner (cpu_run) it uses are declared in ops_cpu_internal.h.
+ * The context (CpuCtx) and the task runner (cpu_run) it uses are declared in ops_cpu_core.h.
  * It calls no op file: the imports of the backend point down to here.
  *
  * Matmuls share one packed GEMM, C (+)= A·B with A and B given by strides: both operands are packed
@@ -17,7 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "ops_cpu_internal.h"
+#include "ops_cpu_core.h"
 
 // ----------------------------------------------------------------------------
 // GEMM micro-kernels: c (MR rows, stride ldc) (+)= Σ_k a[k] ⊗ b[k] over packed panels

@@ -4,14 +4,14 @@
  * counting-sort dispatch, gathers and combines summed in fixed k order, the router statistics of
  * the aux loss, a grouped matmul that runs the packed GEMM once per expert on its rows, and the
  * GPT-OSS clamped GLU. Forward and backward of each; the determinism rules of ops_cpu.c hold here
- * too. It uses only the core (ops_cpu_core.c, through ops_cpu_internal.h); the table in ops_cpu.c
+ * too. It uses only the core (ops_cpu_core.c, through ops_cpu_core.h); the table in ops_cpu.c
  * points at its ops.
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "ops_cpu_internal.h"
+#include "ops_cpu_core.h"
 
 // ----------------------------------------------------------------------------
 // mixture of experts: routing

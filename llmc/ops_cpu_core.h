@@ -1,12 +1,12 @@
 /*
- * ops_cpu_internal.h — private to the CPU backend (ops_cpu_core.c, ops_cpu.c, ops_cpu_attention.c,
+ * ops_cpu_core.h — private to the CPU backend (ops_cpu_core.c, ops_cpu.c, ops_cpu_attention.c,
  * ops_cpu_moe.c): the context, the task helpers every parallel loop uses, the fixed-order dot
  * product, the packed GEMM's shape and entry point and the SIMD picks (ops_cpu_core.c, the bottom
  * every op file may use), and the op functions of the attention and MoE files that the table in
  * ops_cpu.c (the top) points at. Nothing outside the backend includes it.
  */
-#ifndef LLMC_OPS_CPU_INTERNAL_H
-#define LLMC_OPS_CPU_INTERNAL_H
+#ifndef LLMC_OPS_CPU_CORE_H
+#define LLMC_OPS_CPU_CORE_H
 
 #include <math.h>
 #include <pthread.h>
@@ -171,4 +171,4 @@ void ops_cpu_gptoss_glu_forward(void* ctx, void* out, const void* gu, int R, int
 void ops_cpu_gptoss_glu_backward(void* ctx, void* dgu, const void* dout, const void* gu, int R,
                                  int F, float limit, float alpha);
 
-#endif  // LLMC_OPS_CPU_INTERNAL_H
+#endif  // LLMC_OPS_CPU_CORE_H
