@@ -277,23 +277,21 @@ static const char* VARIANTS =
     "  1  naive: one thread per element (per column for the partial-sum reduction)\n"
     "  2  production (kernels/elementwise.cu): grid-stride 16-byte vectors, scalar fallback\n";
 
+// The validation cases of variant v (lab_main runs them for every variant asked for).
+static void validate_variant(Lab* lab, int v, Rng* r) {
+    validate_swiglu(lab, v, r, 77, 1000);
+    validate_swiglu(lab, v, r, 33, 999);
+    validate_add(lab, v, r, 1000003, 0);
+    validate_add(lab, v, r, 4099, 1);
+    validate_add(lab, v, r, 4099, 2);
+    validate_reduce(lab, v, r, 512, 2048);
+    validate_reduce(lab, v, r, 7, 100);
+    if (v == 2) validate_convert(lab, r, 1000003);
+}
+
+// bench as lab_main's callback (the benchmark draws nothing from the lab's Rng).
+static void bench_lab(Lab* lab, Rng*) { bench(lab); }
+
 int main(int argc, char** argv) {
-    LabArgs args = lab_parse_args(argc, argv, "elementwise", VARIANTS, 2);
-    Lab lab = lab_init(&args);
-    Rng r;
-    rng_seed(&r, args.seed);
-    printf("validation\n");
-    for (int v = 1; v <= 2; v++) {
-        if (!lab_wants(&args, v)) continue;
-        validate_swiglu(&lab, v, &r, 77, 1000);
-        validate_swiglu(&lab, v, &r, 33, 999);
-        validate_add(&lab, v, &r, 1000003, 0);
-        validate_add(&lab, v, &r, 4099, 1);
-        validate_add(&lab, v, &r, 4099, 2);
-        validate_reduce(&lab, v, &r, 512, 2048);
-        validate_reduce(&lab, v, &r, 7, 100);
-        if (v == 2) validate_convert(&lab, &r, 1000003);
-    }
-    if (!args.validate_only) bench(&lab);
-    return lab_finish(&lab);
+    return lab_main(argc, argv, "elementwise", VARIANTS, 2, 2, validate_variant, bench_lab);
 }

@@ -209,18 +209,16 @@ static const char* VARIANTS =
     "  2  production: forward a warp per row (kernels/elementwise.cu); backward radix sort by id\n"
     "     and ordered segment sums (kernels/embedding.cu)\n";
 
+// The validation cases of variant v (lab_main runs them for every variant asked for).
+static void validate_variant(Lab* lab, int v, Rng* r) {
+    validate(lab, v, r, 4099, 1000, 5000, 1);
+    validate(lab, v, r, 2048, 100, 151936, 0);
+    if (v == 2) validate_bad_ids(lab, r);
+}
+
+// bench as lab_main's callback (the benchmark draws nothing from the lab's Rng).
+static void bench_lab(Lab* lab, Rng*) { bench(lab); }
+
 int main(int argc, char** argv) {
-    LabArgs args = lab_parse_args(argc, argv, "embedding", VARIANTS, 2);
-    Lab lab = lab_init(&args);
-    Rng r;
-    rng_seed(&r, args.seed);
-    printf("validation\n");
-    for (int v = 1; v <= 2; v++) {
-        if (!lab_wants(&args, v)) continue;
-        validate(&lab, v, &r, 4099, 1000, 5000, 1);
-        validate(&lab, v, &r, 2048, 100, 151936, 0);
-        if (v == 2) validate_bad_ids(&lab, &r);
-    }
-    if (!args.validate_only) bench(&lab);
-    return lab_finish(&lab);
+    return lab_main(argc, argv, "embedding", VARIANTS, 2, 2, validate_variant, bench_lab);
 }

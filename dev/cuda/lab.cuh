@@ -164,6 +164,25 @@ static inline int lab_finish(Lab* lab) {
     return lab->failures ? 3 : 0;
 }
 
+// A lab's main(): parse the flags, open the lab, run validate(lab, v, r) for each wanted variant
+// v in 1..n_validated (one Rng seeded from --seed, drawn from in variant order), then bench(lab,
+// r) unless --validate-only; the exit status is lab_finish's.
+static inline int lab_main(int argc, char** argv, const char* name, const char* variants,
+                           int n_variants, int n_validated, void (*validate)(Lab*, int, Rng*),
+                           void (*bench)(Lab*, Rng*)) {
+    LabArgs args = lab_parse_args(argc, argv, name, variants, n_variants);
+    Lab lab = lab_init(&args);
+    Rng r;
+    rng_seed(&r, args.seed);
+    printf("validation\n");
+    for (int v = 1; v <= n_validated; v++) {
+        if (!lab_wants(&args, v)) continue;
+        validate(&lab, v, &r);
+    }
+    if (!args.validate_only) bench(&lab, &r);
+    return lab_finish(&lab);
+}
+
 // ----------------------------------------------------------------------------
 // host data
 

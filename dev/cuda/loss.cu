@@ -240,18 +240,16 @@ static const char* VARIANTS =
     "  1  naive: a block per row, three passes (max, sum, gradient), expf\n"
     "  2  production (kernels/loss.cu): a block per row, online max/sum then gradient, __expf\n";
 
+// The validation cases of variant v (lab_main runs them for every variant asked for).
+static void validate_variant(Lab* lab, int v, Rng* r) {
+    validate(lab, v, r, 67, 151936);
+    validate(lab, v, r, 45, 1001);
+    if (v == 2) validate_bad_target(lab, r);
+}
+
+// bench as lab_main's callback (the benchmark draws nothing from the lab's Rng).
+static void bench_lab(Lab* lab, Rng*) { bench(lab); }
+
 int main(int argc, char** argv) {
-    LabArgs args = lab_parse_args(argc, argv, "loss", VARIANTS, 2);
-    Lab lab = lab_init(&args);
-    Rng r;
-    rng_seed(&r, args.seed);
-    printf("validation\n");
-    for (int v = 1; v <= 2; v++) {
-        if (!lab_wants(&args, v)) continue;
-        validate(&lab, v, &r, 67, 151936);
-        validate(&lab, v, &r, 45, 1001);
-        if (v == 2) validate_bad_target(&lab, &r);
-    }
-    if (!args.validate_only) bench(&lab);
-    return lab_finish(&lab);
+    return lab_main(argc, argv, "loss", VARIANTS, 2, 2, validate_variant, bench_lab);
 }

@@ -329,18 +329,16 @@ static const char* VARIANTS =
     "  2  production (kernels/matmul.cu): cuBLASLt, the heuristic's first algorithm, cached\n"
     "  3  cuBLASLt, the fastest of the heuristic's first 8 algorithms (benchmark only)\n";
 
+// The validation cases of variant v (lab_main runs them for every variant asked for).
+static void validate_variant(Lab* lab, int v, Rng* r) {
+    validate(lab, v, r, 77, 200, 136, 1, 1);
+    validate(lab, v, r, 50, 64, 40, 2, 0);
+    validate(lab, v, r, 1, 200, 136, 0, 1);
+}
+
+// bench as lab_main's callback (the benchmark draws nothing from the lab's Rng).
+static void bench_lab(Lab* lab, Rng*) { bench(lab); }
+
 int main(int argc, char** argv) {
-    LabArgs args = lab_parse_args(argc, argv, "matmul", VARIANTS, 3);
-    Lab lab = lab_init(&args);
-    Rng r;
-    rng_seed(&r, args.seed);
-    printf("validation\n");
-    for (int v = 1; v <= 2; v++) {
-        if (!lab_wants(&args, v)) continue;
-        validate(&lab, v, &r, 77, 200, 136, 1, 1);
-        validate(&lab, v, &r, 50, 64, 40, 2, 0);
-        validate(&lab, v, &r, 1, 200, 136, 0, 1);
-    }
-    if (!args.validate_only) bench(&lab);
-    return lab_finish(&lab);
+    return lab_main(argc, argv, "matmul", VARIANTS, 3, 2, validate_variant, bench_lab);
 }

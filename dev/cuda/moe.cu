@@ -552,27 +552,25 @@ static const char* VARIANTS =
     "  1  naive: a thread per row (routing), one thread (dispatch), a thread per element\n"
     "  2  production (kernels/moe.cu): warps per row, block-histogram dispatch, 16-byte rows\n";
 
-int main(int argc, char** argv) {
-    LabArgs args = lab_parse_args(argc, argv, "moe", VARIANTS, 2);
-    Lab lab = lab_init(&args);
-    Rng r;
-    rng_seed(&r, args.seed);
-    printf("validation\n");
-    for (int v = 1; v <= 2; v++) {
-        if (!lab_wants(&args, v)) continue;
-        for (int mode = 0; mode <= 2; mode++) {
-            validate_route(&lab, v, &r, 300, 128, 8, mode);
-            validate_route(&lab, v, &r, 257, 32, 4, mode);
-            validate_route(&lab, v, &r, 70, 60, 6, mode);
-            validate_route(&lab, v, &r, 40, 256, 8, mode);
-        }
-        validate_rows(&lab, v, &r, 300, 128, 8, 2048);  // 16-byte paths, 3 sort blocks
-        validate_rows(&lab, v, &r, 150, 32, 4, 2880);
-        validate_rows(&lab, v, &r, 77, 16, 3, 100);     // scalar paths
-        validate_rows(&lab, v, &r, 4000, 256, 8, 16);   // 32 sort blocks, E = 256
-        validate_glu(&lab, v, &r, 100, 2880);
-        validate_glu(&lab, v, &r, 33, 45);              // scalar path
+// The validation cases of variant v (lab_main runs them for every variant asked for).
+static void validate_variant(Lab* lab, int v, Rng* r) {
+    for (int mode = 0; mode <= 2; mode++) {
+        validate_route(lab, v, r, 300, 128, 8, mode);
+        validate_route(lab, v, r, 257, 32, 4, mode);
+        validate_route(lab, v, r, 70, 60, 6, mode);
+        validate_route(lab, v, r, 40, 256, 8, mode);
     }
-    if (!args.validate_only) bench(&lab);
-    return lab_finish(&lab);
+    validate_rows(lab, v, r, 300, 128, 8, 2048);  // 16-byte paths, 3 sort blocks
+    validate_rows(lab, v, r, 150, 32, 4, 2880);
+    validate_rows(lab, v, r, 77, 16, 3, 100);     // scalar paths
+    validate_rows(lab, v, r, 4000, 256, 8, 16);   // 32 sort blocks, E = 256
+    validate_glu(lab, v, r, 100, 2880);
+    validate_glu(lab, v, r, 33, 45);              // scalar path
+}
+
+// bench as lab_main's callback (the benchmark draws nothing from the lab's Rng).
+static void bench_lab(Lab* lab, Rng*) { bench(lab); }
+
+int main(int argc, char** argv) {
+    return lab_main(argc, argv, "moe", VARIANTS, 2, 2, validate_variant, bench_lab);
 }

@@ -288,26 +288,22 @@ static const char* VARIANTS =
     "  2  mma.sync m16n8k16 + ldmatrix + 4-stage cp.async ring, 128x128x32 tiles (sm_80+)\n"
     "  3  wgmma, warp-specialised, cp.async producer (sm_90a build on a 9.0 device)\n";
 
-int main(int argc, char** argv) {
-    LabArgs args = lab_parse_args(argc, argv, "moe_matmul", VARIANTS, MOE_MM_VARIANTS);
-    Lab lab = lab_init(&args);
-    Rng r;
-    rng_seed(&r, args.seed);
-    printf("validation\n");
-    for (int v = 1; v <= MOE_MM_VARIANTS; v++) {
-        if (!lab_wants(&args, v)) continue;
-        if (v == MOE_MM_WGMMA && !moe_wgmma_available()) {
-            printf("  skip variant 3: needs an sm_90a build on a compute capability 9.0 device\n");
-            continue;
-        }
-        for (int wio = 0; wio <= 1; wio++) {
-            validate(&lab, v, &r, 611, 9, 136, 200, wio, wio, 1);
-            validate(&lab, v, &r, 611, 9, 200, 136, wio, !wio, 0);
-            validate(&lab, v, &r, 1500, 6, 264, 392, wio, 1, 1);  // many k-tiles of dW
-            validate(&lab, v, &r, 300, 3, 8, 520, wio, 0, 1);     // K = 8: one partial k-tile
-            if (v == MOE_MM_NAIVE) validate(&lab, v, &r, 211, 5, 36, 22, wio, 1, 1);
-        }
+// The validation cases of variant v (lab_main runs them for every variant asked for).
+static void validate_variant(Lab* lab, int v, Rng* r) {
+    if (v == MOE_MM_WGMMA && !moe_wgmma_available()) {
+        printf("  skip variant 3: needs an sm_90a build on a compute capability 9.0 device\n");
+        return;
     }
-    if (!args.validate_only) bench(&lab, &r);
-    return lab_finish(&lab);
+    for (int wio = 0; wio <= 1; wio++) {
+        validate(lab, v, r, 611, 9, 136, 200, wio, wio, 1);
+        validate(lab, v, r, 611, 9, 200, 136, wio, !wio, 0);
+        validate(lab, v, r, 1500, 6, 264, 392, wio, 1, 1);  // many k-tiles of dW
+        validate(lab, v, r, 300, 3, 8, 520, wio, 0, 1);     // K = 8: one partial k-tile
+        if (v == MOE_MM_NAIVE) validate(lab, v, r, 211, 5, 36, 22, wio, 1, 1);
+    }
+}
+
+int main(int argc, char** argv) {
+    return lab_main(argc, argv, "moe_matmul", VARIANTS, MOE_MM_VARIANTS, MOE_MM_VARIANTS,
+                    validate_variant, bench);
 }

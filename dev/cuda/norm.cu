@@ -274,23 +274,21 @@ static const char* VARIANTS =
     "  2  production (kernels/norm.cu): a warp per row forward; row groups and ordered partial\n"
     "     sums backward\n";
 
+// The validation cases of variant v (lab_main runs them for every variant asked for).
+static void validate_variant(Lab* lab, int v, Rng* r) {
+    validate_forward(lab, v, r, 333, 2048, 0);
+    validate_forward(lab, v, r, 333, 2048, 1);
+    validate_forward(lab, v, r, 65, 1003, 0);
+    validate_forward(lab, v, r, 65, 1003, 2);
+    validate_backward(lab, v, r, 333, 2048, 1, 1);
+    validate_backward(lab, v, r, 333, 2048, 1, 0);
+    validate_backward(lab, v, r, 333, 2048, 0, 1);
+    validate_backward(lab, v, r, 65, 1003, 1, 1);
+}
+
+// bench as lab_main's callback (the benchmark draws nothing from the lab's Rng).
+static void bench_lab(Lab* lab, Rng*) { bench(lab); }
+
 int main(int argc, char** argv) {
-    LabArgs args = lab_parse_args(argc, argv, "norm", VARIANTS, 2);
-    Lab lab = lab_init(&args);
-    Rng r;
-    rng_seed(&r, args.seed);
-    printf("validation\n");
-    for (int v = 1; v <= 2; v++) {
-        if (!lab_wants(&args, v)) continue;
-        validate_forward(&lab, v, &r, 333, 2048, 0);
-        validate_forward(&lab, v, &r, 333, 2048, 1);
-        validate_forward(&lab, v, &r, 65, 1003, 0);
-        validate_forward(&lab, v, &r, 65, 1003, 2);
-        validate_backward(&lab, v, &r, 333, 2048, 1, 1);
-        validate_backward(&lab, v, &r, 333, 2048, 1, 0);
-        validate_backward(&lab, v, &r, 333, 2048, 0, 1);
-        validate_backward(&lab, v, &r, 65, 1003, 1, 1);
-    }
-    if (!args.validate_only) bench(&lab);
-    return lab_finish(&lab);
+    return lab_main(argc, argv, "norm", VARIANTS, 2, 2, validate_variant, bench_lab);
 }

@@ -381,18 +381,16 @@ static const char* VARIANTS =
     "  1  naive: one thread per (row, head); a block per norm-weight element for its gradient\n"
     "  2  production (kernels/rope.cu): a block per row (forward) or row group (backward)\n";
 
+// The validation cases of variant v (lab_main runs them for every variant asked for).
+static void validate_variant(Lab* lab, int v, Rng* r) {
+    validate(lab, v, r, RopeShape{3, 37, 4, 2, 128}, 1);
+    validate(lab, v, r, RopeShape{2, 29, 6, 2, 64}, 0);
+    validate(lab, v, r, RopeShape{2, 23, 3, 1, 36}, 1);
+}
+
+// bench as lab_main's callback (the benchmark draws nothing from the lab's Rng).
+static void bench_lab(Lab* lab, Rng*) { bench(lab); }
+
 int main(int argc, char** argv) {
-    LabArgs args = lab_parse_args(argc, argv, "rope", VARIANTS, 2);
-    Lab lab = lab_init(&args);
-    Rng r;
-    rng_seed(&r, args.seed);
-    printf("validation\n");
-    for (int v = 1; v <= 2; v++) {
-        if (!lab_wants(&args, v)) continue;
-        validate(&lab, v, &r, RopeShape{3, 37, 4, 2, 128}, 1);
-        validate(&lab, v, &r, RopeShape{2, 29, 6, 2, 64}, 0);
-        validate(&lab, v, &r, RopeShape{2, 23, 3, 1, 36}, 1);
-    }
-    if (!args.validate_only) bench(&lab);
-    return lab_finish(&lab);
+    return lab_main(argc, argv, "rope", VARIANTS, 2, 2, validate_variant, bench_lab);
 }

@@ -60,6 +60,8 @@ void* dev_bf16(Gpu* G, const float* host, size_t n);
 void* dev_bf16_pad(Gpu* G, const float* host, size_t n, int pad, void** base);
 // A device buffer holding a raw copy of `bytes` host bytes (fp32, int32).
 void* dev_raw(Gpu* G, const void* host, size_t bytes);
+// A device bf16 buffer of n NaNs (an output the op must overwrite).
+void* dev_nan_bf16(Gpu* G, size_t n);
 // n bf16 device values as floats (exact) / n fp32 device values / `bytes` raw device bytes.
 float* host_bf16(Gpu* G, const void* dev, size_t n);
 float* host_f32(Gpu* G, const void* dev, size_t n);
@@ -75,6 +77,16 @@ double check_rel(TestCtx* t, const char* what, const float* got, const float* wa
                  double tol);
 // 1 when two device buffers hold the same `bytes` bytes (bit-identical reruns).
 int same_device_bytes(Gpu* G, const void* a, const void* b, size_t bytes);
+
+// ----------------------------------------------------------------------------
+// shared op cases
+
+// matmul forward and backward, CUDA against CPU on the same bf16 inputs (x ~ N(0, 1), w ~ w_scale
+// N(0, 1), bias ~ N(0, 1) when with_bias; the tensor w from element w_offset of its allocation):
+// out and dinp (NaN pre-filled) within 1e-2, dw and dbias (accumulated onto random fp32) within
+// 1e-4 and 1e-5. what: the messages' prefix. Draws from G->rng: x, w, bias, dout, dw, dbias.
+void gpu_check_matmul(TestCtx* t, Gpu* G, const char* what, int N, int IC, int OC, int with_bias,
+                      float w_scale, int w_offset);
 
 #endif  // HAVE_CUDA
 

@@ -89,18 +89,6 @@ static int run_ok(TestCtx* t, const char* tag, const char* args) {
     return rc == 0;
 }
 
-// The log record of `step` up to its timing ("{"step":N,"loss":..,"lr":..,"norm":..").
-static int log_record(const char* log, int step, char* out, size_t cap) {
-    char key[48];
-    snprintf(key, sizeof key, "{\"step\":%d,\"loss\":", step);
-    const char* p = strstr(log, key);
-    const char* end = p ? strstr(p, ",\"ms\":") : NULL;
-    if (!end || (size_t)(end - p) >= cap) return 0;
-    memcpy(out, p, (size_t)(end - p));
-    out[end - p] = '\0';
-    return 1;
-}
-
 static int same_file(const char* a, const char* b) {
     size_t na, nb;
     char* x = test_read_file(a, &na);
@@ -251,9 +239,12 @@ static void fallback_case(TestCtx* t, const char* name, const char* run_args, in
     char* l1 = test_read_file(log1, NULL);
     char* l2 = test_read_file(log2, NULL);
     char a[512], b[512];
-    CHECK(t, log_record(l1, N, a, sizeof a) && log_record(l2, N, b, sizeof b) && strcmp(a, b) == 0,
+    CHECK(t,
+          test_log_record(l1, N, a, sizeof a) && test_log_record(l2, N, b, sizeof b) &&
+              strcmp(a, b) == 0,
           "%s: step %d '%s' vs '%s'", name, N, a, b);
-    CHECK(t, !log_record(l2, N - 1, b, sizeof b), "%s: the resumed run starts at step %d", name, N);
+    CHECK(t, !test_log_record(l2, N - 1, b, sizeof b), "%s: the resumed run starts at step %d",
+          name, N);
     free(l1);
     free(l2);
     for (int i = 0; i < 2; i++) {
@@ -330,7 +321,7 @@ static void test_checksum_resume_edges(TestCtx* t) {
     char* l2 = test_read_file(log2, NULL);
     char a[512], b[512];
     for (int s = 1; s <= 2; s++)
-        CHECK(t, log_record(l1, s, a, sizeof a) && log_record(l2, s, b, sizeof b) &&
+        CHECK(t, test_log_record(l1, s, a, sizeof a) && test_log_record(l2, s, b, sizeof b) &&
                      strcmp(a, b) == 0,
               "from scratch, step %d: '%s' vs '%s'", s, a, b);
     free(l1);

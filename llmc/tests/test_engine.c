@@ -39,20 +39,6 @@ typedef struct Run {
     int64_t device_folds;  // iterations whose tied gradient was folded on a device
 } Run;
 
-static ModelConfig engine_config(int tied) {
-    char err[ERR_LEN];
-    ModelConfig c;
-    config_from_preset(&c, tied ? "test-qwen3" : "test-llama", err);
-    c.V = 53;
-    c.C = 32;
-    c.L = 5;
-    c.H = 4;
-    c.KVH = 2;
-    c.HD = 8;
-    c.F = 48;
-    return c;
-}
-
 static int32_t* make_batches(int B, int T, uint32_t seed, int V) {
     Rng r;
     rng_seed(&r, seed);
@@ -221,7 +207,7 @@ static int runs_identical(const Run* a, const Run* b) {
 static void test_engine_sync_matches_plain(TestCtx* t) {
     const int B = 8, T = 12;
     for (int tied = 0; tied <= 1; tied++) {
-        ModelConfig c = engine_config(tied);
+        ModelConfig c = test_engine_config(tied);
         int32_t* tokens = make_batches(B, T, 3 + tied, c.V);
         Run ref;
         run_reference(&ref, &c, B, T, 4, tokens, 0);
@@ -284,7 +270,7 @@ static void test_engine_sync_matches_plain(TestCtx* t) {
 // stage and layer grain, with several stages, one micro-batch per round and split rounds.
 static void test_engine_long_sequence_mode(TestCtx* t) {
     const int B = 4, T = 12;
-    ModelConfig c = engine_config(1);
+    ModelConfig c = test_engine_config(1);
     int32_t* tokens = make_batches(B, T, 9, c.V);
     const int chunk = 5;  // 12 or 24 rows per micro-batch: uneven chunks
     for (int M = 1; M <= 2; M++) {
@@ -324,7 +310,7 @@ static void test_engine_long_sequence_mode(TestCtx* t) {
 
 static void test_engine_microbatch_counts(TestCtx* t) {
     const int B = 8, T = 12;
-    ModelConfig c = engine_config(0);
+    ModelConfig c = test_engine_config(0);
     int32_t* tokens = make_batches(B, T, 5, c.V);
     Run a, b;
     EngineCase ca = {2, 2, 2, 1, 0, RECOMPUTE_STAGE, 3.2e5, 0, 0, 0, 0, 0};
@@ -344,7 +330,7 @@ static void test_engine_microbatch_counts(TestCtx* t) {
 static void test_engine_async_delayed(TestCtx* t) {
     const int B = 8, T = 12;
     for (int tied = 0; tied <= 1; tied++) {
-        ModelConfig c = engine_config(tied);
+        ModelConfig c = test_engine_config(tied);
         int32_t* tokens = make_batches(B, T, 11 + tied, c.V);
         Run ref;
         run_reference(&ref, &c, B, T, 4, tokens, 1);
@@ -417,7 +403,7 @@ static double uniform_makespan(int S, int N, int M) {
 // fraction is exactly the paper's N(N-1) / (M*S + N(N-1)).
 static void test_engine_bubble_formula(TestCtx* t) {
     const int B = 8, T = 8, M = 4;
-    ModelConfig c = engine_config(0);
+    ModelConfig c = test_engine_config(0);
     int32_t* tokens = make_batches(B, T, 1, c.V);
     char err[ERR_LEN];
     for (int S_ = 4; S_ <= 12; S_ += 4) {
@@ -462,7 +448,7 @@ static void test_engine_bubble_formula(TestCtx* t) {
 static void test_engine_split_rounds(TestCtx* t) {
     const int B = 8, T = 12;
     for (int tied = 0; tied <= 1; tied++) {
-        ModelConfig c = engine_config(tied);
+        ModelConfig c = test_engine_config(tied);
         int32_t* tokens = make_batches(B, T, 21 + tied, c.V);
         const EngineCase cases[] = {
             {2, 4, 0, 1, 1, RECOMPUTE_STAGE, 0, 0, 0, 0, 0, 1},
@@ -496,7 +482,7 @@ static void test_engine_split_rounds(TestCtx* t) {
         free(tokens);
     }
     // refused: one device; a budget that forces several stages
-    ModelConfig c = engine_config(0);
+    ModelConfig c = test_engine_config(0);
     char err[ERR_LEN];
     DeviceOptions dopt = {.threads = 1};
     for (int k = 0; k < 2; k++) {
@@ -519,7 +505,7 @@ static void test_engine_split_rounds(TestCtx* t) {
 // and engine_wait_devices (which the trainer calls when nothing follows a step) waits for the rest.
 static void test_engine_wait_devices(TestCtx* t) {
     const int B = 8, T = 8, M = 4;
-    ModelConfig c = engine_config(0);
+    ModelConfig c = test_engine_config(0);
     int32_t* tokens = make_batches(B, T, 1, c.V);
     char err[ERR_LEN];
     DeviceOptions dopt = {.threads = 1};
@@ -560,7 +546,7 @@ static void test_engine_wait_devices(TestCtx* t) {
 // downloads waited for the step reading iteration t's: 23% bubble here, 31% at 95%.)
 static void test_engine_slow_optimizer_hidden(TestCtx* t) {
     const int B = 8, T = 8, M = 8;
-    ModelConfig c = engine_config(0);
+    ModelConfig c = test_engine_config(0);
     int32_t* tokens = make_batches(B, T, 1, c.V);
     char err[ERR_LEN];
     DeviceOptions dopt = {.threads = 1};
@@ -615,7 +601,7 @@ static double measure_period(Engine* e, const int32_t* tokens, int steps, int wa
 // them independent), so the period halves; one at a time it would not.
 static void test_engine_two_iterations_overlap(TestCtx* t) {
     const int B = 8, T = 8, M = 4, FAKE = 15000;
-    ModelConfig c = engine_config(1);
+    ModelConfig c = test_engine_config(1);
     int32_t* tokens = make_batches(B, T, 2, c.V);
     char err[ERR_LEN];
     DeviceOptions dopt = {.threads = 1};
@@ -653,7 +639,7 @@ static void test_engine_two_iterations_overlap(TestCtx* t) {
 // the forward follows the step and only the loss and backward wait for its end.
 static void test_engine_gated_uploads_hide_step(TestCtx* t) {
     const int B = 8, T = 8, M = 1, FAKE = 60000, STEP_US = 30000;
-    ModelConfig c = engine_config(1);
+    ModelConfig c = test_engine_config(1);
     int32_t* tokens = make_batches(B, T, 2, c.V);
     char err[ERR_LEN];
     DeviceOptions dopt = {.threads = 1};
@@ -689,7 +675,7 @@ static void test_engine_gated_uploads_hide_step(TestCtx* t) {
 // the step of t overlaps iteration t+1.
 static void test_engine_split_rounds_hide_step(TestCtx* t) {
     const int B = 8, T = 8, M = 4, FAKE = 10000, STEP_US = 16000;
-    ModelConfig c = engine_config(1);
+    ModelConfig c = test_engine_config(1);
     int32_t* tokens = make_batches(B, T, 2, c.V);
     char err[ERR_LEN];
     DeviceOptions dopt = {.threads = 1};
@@ -727,7 +713,7 @@ static void test_engine_split_rounds_hide_step(TestCtx* t) {
 // and does take several somewhere in a range of budgets.
 static void test_engine_row_chunks_chosen(TestCtx* t) {
     const int B = 16, T = 16, M = 2;
-    ModelConfig c = engine_config(0);
+    ModelConfig c = test_engine_config(0);
     char err[ERR_LEN];
     DeviceOptions dopt = {.threads = 1};
     Fixture fx;
@@ -775,7 +761,7 @@ static void test_engine_row_chunks_chosen(TestCtx* t) {
 // reference, on one device and on two taking every other iteration.
 static void test_engine_one_slot_set(TestCtx* t) {
     const int B = 8, T = 12, M = 4;
-    ModelConfig c = engine_config(1);
+    ModelConfig c = test_engine_config(1);
     int32_t* tokens = make_batches(B, T, 21, c.V);
     Run ref;
     run_reference(&ref, &c, B, T, M, tokens, 1);

@@ -284,68 +284,7 @@ static void matmul_case(TestCtx* t, Gpu* G, int N, int IC, int OC, int with_bias
     char what[128];
     snprintf(what, sizeof what, "matmul N=%d IC=%d OC=%d bias=%d woff=%d", N, IC, OC, with_bias,
              w_offset);
-    float* x = rand_bf16(G, (size_t)N * IC, 1.0f);
-    float* w = rand_bf16(G, (size_t)OC * IC, 0.1f);
-    float* bias = with_bias ? rand_bf16(G, (size_t)OC, 1.0f) : NULL;
-    float* out_c = malloc_check((size_t)N * OC * sizeof(float));
-    G->c->matmul_forward(G->cctx, out_c, x, w, bias, N, IC, OC);
-
-    void* d_x = dev_bf16(G, x, (size_t)N * IC);
-    void* d_wbuf;
-    void* d_w = dev_bf16_pad(G, w, (size_t)OC * IC, w_offset, &d_wbuf);
-    void* d_bias = bias ? dev_bf16(G, bias, (size_t)OC) : NULL;
-    float* nan_out = filled_floats((size_t)N * OC, NAN);
-    void* d_out = dev_bf16(G, nan_out, (size_t)N * OC);
-    G->g->matmul_forward(G->gctx, d_out, d_x, d_w, d_bias, N, IC, OC);
-    float* out_g = host_bf16(G, d_out, (size_t)N * OC);
-    check_rel(t, what, out_g, out_c, (size_t)N * OC, 1e-2);
-
-    // backward: dinp overwritten (NaN pre-fill), dw and dbias accumulate (random pre-fill)
-    float* dout = rand_bf16(G, (size_t)N * OC, 1.0f);
-    float* dinp_c = malloc_check((size_t)N * IC * sizeof(float));
-    float* dw_c = rand_floats(&G->rng, (size_t)OC * IC, 1.0f);
-    float* db_c = rand_floats(&G->rng, (size_t)OC, 1.0f);
-    void* d_dout = dev_bf16(G, dout, (size_t)N * OC);
-    float* nan_in = filled_floats((size_t)N * IC, NAN);
-    void* d_dinp = dev_bf16(G, nan_in, (size_t)N * IC);
-    void* d_dw = dev_raw(G, dw_c, (size_t)OC * IC * sizeof(float));
-    void* d_db = dev_raw(G, db_c, (size_t)OC * sizeof(float));
-    G->c->matmul_backward(G->cctx, dinp_c, dw_c, with_bias ? db_c : NULL, dout, x, w, N, IC, OC);
-    G->g->matmul_backward(G->gctx, d_dinp, d_dw, with_bias ? d_db : NULL, d_dout, d_x, d_w, N,
-                          IC, OC);
-    float* dinp_g = host_bf16(G, d_dinp, (size_t)N * IC);
-    float* dw_g = host_f32(G, d_dw, (size_t)OC * IC);
-    float* db_g = host_f32(G, d_db, (size_t)OC);
-    char w2[160];
-    snprintf(w2, sizeof w2, "%s dinp", what);
-    check_rel(t, w2, dinp_g, dinp_c, (size_t)N * IC, 1e-2);
-    snprintf(w2, sizeof w2, "%s dw", what);
-    check_rel(t, w2, dw_g, dw_c, (size_t)OC * IC, 1e-4);
-    snprintf(w2, sizeof w2, "%s dbias", what);
-    check_rel(t, w2, db_g, db_c, (size_t)OC, 1e-5);
-
-    free(x);
-    free(w);
-    free(bias);
-    free(out_c);
-    free(out_g);
-    free(nan_out);
-    free(nan_in);
-    free(dout);
-    free(dinp_c);
-    free(dw_c);
-    free(db_c);
-    free(dinp_g);
-    free(dw_g);
-    free(db_g);
-    gfree(G, d_x);
-    gfree(G, d_wbuf);
-    if (d_bias) gfree(G, d_bias);
-    gfree(G, d_out);
-    gfree(G, d_dout);
-    gfree(G, d_dinp);
-    gfree(G, d_dw);
-    gfree(G, d_db);
+    gpu_check_matmul(t, G, what, N, IC, OC, with_bias, 0.1f, w_offset);
 }
 
 static void test_gpu_matmul(TestCtx* t) {

@@ -31,13 +31,7 @@
 // ----------------------------------------------------------------------------
 // buffers and comparisons of these tests (the fixture: gpu_testing.h)
 
-// A device bf16 buffer of n NaNs / an fp32 or int32 buffer of 0xff bytes (NaN / -1).
-static void* dev_nan_bf16(Gpu* G, size_t n) {
-    float* h = filled_floats(n, NAN);
-    void* d = dev_bf16(G, h, n);
-    free(h);
-    return d;
-}
+// An fp32 or int32 device buffer of 0xff bytes (NaN / -1); bf16 NaNs: dev_nan_bf16.
 
 static void* dev_poison(Gpu* G, size_t bytes) {
     unsigned char* h = malloc_check(bytes > 0 ? bytes : 1);
@@ -433,56 +427,7 @@ static void test_gpu_moe_ops_glu(TestCtx* t) {
 static void router_matmul_case(TestCtx* t, Gpu* G, int N, int IC, int OC, int with_bias) {
     char what[160];
     snprintf(what, sizeof what, "router matmul N=%d IC=%d OC=%d bias=%d", N, IC, OC, with_bias);
-    float* x = rand_bf16(G, (size_t)N * IC, 1.0f);
-    float* w = rand_bf16(G, (size_t)OC * IC, 0.05f);
-    float* bias = with_bias ? rand_bf16(G, (size_t)OC, 1.0f) : NULL;
-    float* out_c = malloc_check((size_t)N * OC * sizeof(float));
-    G->c->matmul_forward(G->cctx, out_c, x, w, bias, N, IC, OC);
-    void* d_x = dev_bf16(G, x, (size_t)N * IC);
-    void* d_w = dev_bf16(G, w, (size_t)OC * IC);
-    void* d_bias = bias ? dev_bf16(G, bias, (size_t)OC) : NULL;
-    void* d_out = dev_nan_bf16(G, (size_t)N * OC);
-    G->g->matmul_forward(G->gctx, d_out, d_x, d_w, d_bias, N, IC, OC);
-    float* out_g = host_bf16(G, d_out, (size_t)N * OC);
-    check_rel(t, what, out_g, out_c, (size_t)N * OC, 1e-2);
-
-    float* dout = rand_bf16(G, (size_t)N * OC, 1.0f);
-    float* dinp_c = malloc_check((size_t)N * IC * sizeof(float));
-    float* dw_c = rand_floats(&G->rng, (size_t)OC * IC, 1.0f);
-    float* db_c = rand_floats(&G->rng, (size_t)OC, 1.0f);
-    void* d_dout = dev_bf16(G, dout, (size_t)N * OC);
-    void* d_dinp = dev_nan_bf16(G, (size_t)N * IC);
-    void* d_dw = dev_raw(G, dw_c, (size_t)OC * IC * sizeof(float));
-    void* d_db = dev_raw(G, db_c, (size_t)OC * sizeof(float));
-    G->c->matmul_backward(G->cctx, dinp_c, dw_c, with_bias ? db_c : NULL, dout, x, w, N, IC, OC);
-    G->g->matmul_backward(G->gctx, d_dinp, d_dw, with_bias ? d_db : NULL, d_dout, d_x, d_w, N,
-                          IC, OC);
-    float* dinp_g = host_bf16(G, d_dinp, (size_t)N * IC);
-    float* dw_g = host_raw(G, d_dw, (size_t)OC * IC * sizeof(float));
-    float* db_g = host_raw(G, d_db, (size_t)OC * sizeof(float));
-    char w2[200];
-    snprintf(w2, sizeof w2, "%s dinp", what);
-    check_rel(t, w2, dinp_g, dinp_c, (size_t)N * IC, 1e-2);
-    snprintf(w2, sizeof w2, "%s dw", what);
-    check_rel(t, w2, dw_g, dw_c, (size_t)OC * IC, 1e-4);
-    snprintf(w2, sizeof w2, "%s dbias", what);
-    check_rel(t, w2, db_g, db_c, (size_t)OC, 1e-5);
-
-    free(x);
-    free(w);
-    free(bias);
-    free(out_c);
-    free(out_g);
-    free(dout);
-    free(dinp_c);
-    free(dw_c);
-    free(db_c);
-    free(dinp_g);
-    free(dw_g);
-    free(db_g);
-    void* bufs[] = {d_x, d_w, d_out, d_dout, d_dinp, d_dw, d_db};
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) gfree(G, bufs[i]);
-    if (d_bias) gfree(G, d_bias);
+    gpu_check_matmul(t, G, what, N, IC, OC, with_bias, 0.05f, 0);
 }
 
 static void test_gpu_moe_ops_router_matmul(TestCtx* t) {

@@ -280,6 +280,9 @@ static double fix_grads(Fix* f) {
     return plain_forward_backward(f->p, f->tokens, f->B, f->T, (float)(1.0 / N)) / N;
 }
 
+// fix_grads as test_central_difference's callback.
+static double fix_grads_probe(void* f) { return fix_grads(f); }
+
 static void lora_gradcheck_model(TestCtx* t, const ModelConfig* cfg, const LoraSpec* spec_in);
 
 static void lora_gradcheck(TestCtx* t, ModelFamily fam, int tied, float dropout, int rslora) {
@@ -311,34 +314,15 @@ static void lora_gradcheck_model(TestCtx* t, const ModelConfig* cfg, const LoraS
         float* p = store_param(&f.s, i);
         float* g = malloc_check((size_t)n * sizeof(float));
         memcpy(g, store_grad(&f.s, i), (size_t)n * sizeof(float));
-        double gnorm = 0;
-        for (int64_t j = 0; j < n; j++) gnorm += (double)g[j] * g[j];
-        gnorm = sqrt(gnorm);
+        const double gnorm = test_gradient_norm(g, n);
         CHECK(t, gnorm > 0 && isfinite(gnorm), "%s: gradient norm %g", d->name, gnorm);
-        double* dir = malloc_check((size_t)n * sizeof(double));
-        double dn = 0, analytic = 0;
-        for (int64_t j = 0; j < n; j++) {
-            dir[j] = g[j] / gnorm + 0.5 * rng_normal(&r) / sqrt((double)n);
-            dn += dir[j] * dir[j];
-        }
-        for (int64_t j = 0; j < n; j++) {
-            dir[j] /= sqrt(dn);
-            analytic += dir[j] * g[j];
-        }
-        float* saved = malloc_check((size_t)n * sizeof(float));
-        memcpy(saved, p, (size_t)n * sizeof(float));
-        const double eps = 1e-3;
-        for (int64_t j = 0; j < n; j++) p[j] = (float)(saved[j] + eps * dir[j]);
-        double lp = fix_grads(&f);
-        for (int64_t j = 0; j < n; j++) p[j] = (float)(saved[j] - eps * dir[j]);
-        double lm = fix_grads(&f);
-        memcpy(p, saved, (size_t)n * sizeof(float));
-        double fd = (lp - lm) / (2 * eps);
+        double analytic;
+        double* dir = test_probe_direction(&r, g, n, gnorm, &analytic);
+        double fd = test_central_difference(p, dir, n, 1e-3, fix_grads_probe, &f);
         CHECK(t, fabs(fd - analytic) <= 1e-2 * fabs(analytic) + 2e-5,
               "%s %s (dropout %g): finite difference %.7g vs analytic %.7g",
               family_names[fam], d->name, (double)dropout, fd, analytic);
         free(dir);
-        free(saved);
         free(g);
     }
     free(g_all);
@@ -571,19 +555,6 @@ static void test_lora_cli_flags(TestCtx* t) {
     }
 }
 
-// The deterministic head of a step's log record (test_resume.c's helper).
-static int log_record(const char* log, int step, char* out, size_t cap) {
-    char key[48];
-    snprintf(key, sizeof key, "{\"step\":%d,\"loss\":", step);
-    const char* p = strstr(log, key);
-    if (!p) return 0;
-    const char* end = strstr(p, ",\"ms\":");
-    if (!end || (size_t)(end - p) >= cap) return 0;
-    memcpy(out, p, (size_t)(end - p));
-    out[end - p] = '\0';
-    return 1;
-}
-
 static void test_lora_cli_train(TestCtx* t) {
     char args[4096], out[1024], exp[1024], dump[1024], path[1200], err[ERR_LEN];
     test_path(t, out, sizeof out, "lora_run");
@@ -706,8 +677,8 @@ static void test_lora_cli_resume(TestCtx* t) {
     char* b2 = test_read_file(lb2, NULL);
     for (int s = 1; s <= 6; s++) {
         char x[512], y[512];
-        int hx = log_record(a, s, x, sizeof x);
-        int hy = log_record(s <= 3 ? b1 : b2, s, y, sizeof y);
+        int hx = test_log_record(a, s, x, sizeof x);
+        int hy = test_log_record(s <= 3 ? b1 : b2, s, y, sizeof y);
         CHECK(t, hx && hy && strcmp(x, y) == 0, "step %d: '%s' vs '%s'", s, hx ? x : "-",
               hy ? y : "-");
     }
@@ -749,20 +720,6 @@ typedef struct LoraCase {
     int split;        // split rounds
     int host_single;
 } LoraCase;
-
-static ModelConfig lora_engine_config(int tied) {
-    char err[ERR_LEN];
-    ModelConfig c;
-    config_from_preset(&c, tied ? "test-qwen3" : "test-llama", err);
-    c.V = 53;
-    c.C = 32;
-    c.L = 5;
-    c.H = 4;
-    c.KVH = 2;
-    c.HD = 8;
-    c.F = 48;
-    return c;
-}
 
 static AdamWHyper lora_hyper(void) { return (AdamWHyper){3e-2f, 0.9f, 0.95f, 1e-8f, 0.1f}; }
 static LrSchedule lora_sched(void) {
@@ -891,7 +848,7 @@ static uint64_t lora_grad_bytes(const ModelConfig* c, const LoraSpec* l) {
 static void test_lora_engine_sync_matches_plain(TestCtx* t) {
     const int B = 8, T = 12;
     for (int tied = 0; tied <= 1; tied++) {
-        ModelConfig c = lora_engine_config(tied);
+        ModelConfig c = test_engine_config(tied);
         // dropout (its masks: the plain trainer's per micro-batch) and rsLoRA on the tied model
         const LoraSpec l = tied ? spec(4, 16, LORA_ALL_LINEAR, 0.1f, 1)
                                 : spec(2, 8, LORA_BIT(LORA_Q) | LORA_BIT(LORA_V) |
@@ -981,7 +938,7 @@ static void test_lora_engine_moe_attention(TestCtx* t) {
 static void test_lora_engine_delayed(TestCtx* t) {
     const int B = 8, T = 12;
     for (int tied = 0; tied <= 1; tied++) {
-        ModelConfig c = lora_engine_config(tied);
+        ModelConfig c = test_engine_config(tied);
         const LoraSpec l = spec(4, 8, LORA_ALL_LINEAR, 0.1f, 0);
         int32_t* tokens = lora_batches(B, T, 11 + tied, c.V);
         LoraRun ref;
@@ -1025,7 +982,7 @@ static void test_lora_engine_delayed(TestCtx* t) {
 // gradients.
 static void test_lora_engine_memory(TestCtx* t) {
     char err[ERR_LEN];
-    const ModelConfig c = lora_engine_config(1);
+    const ModelConfig c = test_engine_config(1);
     const LoraSpec l = spec(4, 8, LORA_ALL_LINEAR, 0.0f, 0);
     Model full, m;
     if (model_init(&full, &c, 0, err) != 0 || model_init_lora(&m, &c, 0, &l, err) != 0)
@@ -1113,7 +1070,7 @@ static void test_lora_engine_cli(TestCtx* t) {
     char* b = test_read_file(lb, NULL);
     for (int s = 1; s <= 4; s++) {
         char x[512], y[512];
-        const int hx = log_record(a, s, x, sizeof x), hy = log_record(b, s, y, sizeof y);
+        const int hx = test_log_record(a, s, x, sizeof x), hy = test_log_record(b, s, y, sizeof y);
         CHECK(t, hx && hy && strcmp(x, y) == 0, "step %d: plain '%s' vs engine '%s'", s,
               hx ? x : "-", hy ? y : "-");
     }
@@ -1154,8 +1111,8 @@ static void test_lora_engine_cli(TestCtx* t) {
     char* b2 = test_read_file(l3, NULL);
     for (int s = 1; s <= 6; s++) {
         char x[512], y[512];
-        const int hx = log_record(a, s, x, sizeof x);
-        const int hy = log_record(s <= 3 ? b1 : b2, s, y, sizeof y);
+        const int hx = test_log_record(a, s, x, sizeof x);
+        const int hy = test_log_record(s <= 3 ? b1 : b2, s, y, sizeof y);
         CHECK(t, hx && hy && strcmp(x, y) == 0, "resume step %d: '%s' vs '%s'", s, hx ? x : "-",
               hy ? y : "-");
     }
@@ -1277,7 +1234,7 @@ static void test_lora_parity_llama(TestCtx* t) { lora_parity(t, "lora_llama"); }
 #ifdef HAVE_CUDA
 #include "../../kernels/kernels.h"
 
-static float bf16_value(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+#include "gpu_testing.h"
 
 // The three LoRA ops on both backends: the column ops within bf16 rounding, the dropout with the
 // same mask.
@@ -1397,7 +1354,7 @@ static void test_lora_gpu_engine(TestCtx* t) {
         return;
     }
     const int B = 8, T = 16, N = cuda_device_count() >= 2 ? 2 : 1;
-    ModelConfig c = lora_engine_config(1);
+    ModelConfig c = test_engine_config(1);
     c.C = 64;
     c.H = 4;
     c.KVH = 2;

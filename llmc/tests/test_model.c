@@ -92,6 +92,9 @@ static double fixture_loss(Fixture* f) {
     return plain_forward_loss(f->p, f->tokens, f->B, f->T) / ((double)f->B * f->T);
 }
 
+// fixture_loss as test_central_difference's callback.
+static double fixture_loss_probe(void* f) { return fixture_loss(f); }
+
 // For every tensor: the directional derivative along d (mostly along the gradient, plus noise)
 // by central differences must match g·d.
 static void gradcheck(TestCtx* t, ModelFamily fam, int tied) {
@@ -107,35 +110,15 @@ static void gradcheck(TestCtx* t, ModelFamily fam, int tied) {
         const int64_t n = d->numel;
         float* p = store_param(&f.s, i);
         const float* g = store_grad(&f.s, i);
-        double gnorm = 0;
-        for (int64_t j = 0; j < n; j++) gnorm += (double)g[j] * g[j];
-        gnorm = sqrt(gnorm);
+        const double gnorm = test_gradient_norm(g, n);
         CHECK(t, gnorm > 0 && isfinite(gnorm), "%s: gradient norm %g", d->name, gnorm);
-        double* dir = malloc_check((size_t)n * sizeof(double));
-        double dn = 0;
-        for (int64_t j = 0; j < n; j++) {
-            dir[j] = g[j] / gnorm + 0.5 * rng_normal(&r) / sqrt((double)n);
-            dn += dir[j] * dir[j];
-        }
-        double analytic = 0;
-        for (int64_t j = 0; j < n; j++) {
-            dir[j] /= sqrt(dn);
-            analytic += dir[j] * g[j];
-        }
-        float* saved = malloc_check((size_t)n * sizeof(float));
-        memcpy(saved, p, (size_t)n * sizeof(float));
-        const double eps = 1e-2;
-        for (int64_t j = 0; j < n; j++) p[j] = (float)(saved[j] + eps * dir[j]);
-        double lp = fixture_loss(&f);
-        for (int64_t j = 0; j < n; j++) p[j] = (float)(saved[j] - eps * dir[j]);
-        double lm = fixture_loss(&f);
-        memcpy(p, saved, (size_t)n * sizeof(float));
-        double fd = (lp - lm) / (2 * eps);
+        double analytic;
+        double* dir = test_probe_direction(&r, g, n, gnorm, &analytic);
+        double fd = test_central_difference(p, dir, n, 1e-2, fixture_loss_probe, &f);
         CHECK(t, fabs(fd - analytic) <= 1e-2 * fabs(analytic) + 2e-5,
               "%s %s: finite difference %.7g vs analytic %.7g", family_names[fam], d->name, fd,
               analytic);
         free(dir);
-        free(saved);
     }
     fixture_free(&f);
 }

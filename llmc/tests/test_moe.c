@@ -794,20 +794,10 @@ static void moe_gradcheck(TestCtx* t, const ModelConfig* c, const char* what) {
         const int64_t n = d->numel;
         float* p = store_param(&f.s, i);
         const float* g = store_grad(&f.s, i);
-        double gnorm = 0;
-        for (int64_t j = 0; j < n; j++) gnorm += (double)g[j] * g[j];
-        gnorm = sqrt(gnorm);
+        const double gnorm = test_gradient_norm(g, n);
         CHECK(t, gnorm > 0 && isfinite(gnorm), "%s %s: gradient norm %g", what, d->name, gnorm);
-        double* dir = malloc_check((size_t)n * sizeof(double));
-        double dn = 0, analytic = 0;
-        for (int64_t j = 0; j < n; j++) {
-            dir[j] = g[j] / gnorm + 0.5 * rng_normal(&r) / sqrt((double)n);
-            dn += dir[j] * dir[j];
-        }
-        for (int64_t j = 0; j < n; j++) {
-            dir[j] /= sqrt(dn);
-            analytic += dir[j] * g[j];
-        }
+        double analytic;
+        double* dir = test_probe_direction(&r, g, n, gnorm, &analytic);
         float* saved = malloc_check((size_t)n * sizeof(float));
         memcpy(saved, p, (size_t)n * sizeof(float));
         probes++;

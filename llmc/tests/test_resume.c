@@ -36,25 +36,12 @@ static int same_bytes(const char* a, const char* b) {
     return same;
 }
 
-// The deterministic head of the log record of `step` ("{"step":N,"loss":..,"lr":..,"norm":..")
-// into out; 0 if the log has no such record.
-static int log_record(const char* log, int step, char* out, size_t cap) {
-    char key[48];
-    snprintf(key, sizeof key, "{\"step\":%d,\"loss\":", step);
-    const char* p = strstr(log, key);
-    if (!p) return 0;
-    const char* end = strstr(p, ",\"ms\":");
-    if (!end || (size_t)(end - p) >= cap) return 0;
-    memcpy(out, p, (size_t)(end - p));
-    out[end - p] = '\0';
-    return 1;
-}
-
 static void compare_logs(TestCtx* t, const char* log_a, const char* log_b, int from, int to,
                          const char* what) {
     for (int s = from; s <= to; s++) {
         char a[512], b[512];
-        int ha = log_record(log_a, s, a, sizeof a), hb = log_record(log_b, s, b, sizeof b);
+        int ha = test_log_record(log_a, s, a, sizeof a);
+        int hb = test_log_record(log_b, s, b, sizeof b);
         CHECK(t, ha && hb && strcmp(a, b) == 0, "%s step %d: '%s' vs '%s'", what, s, ha ? a : "-",
               hb ? b : "-");
     }
@@ -106,8 +93,8 @@ static void resume_case(TestCtx* t, const char* name, const char* model_args, in
     compare_logs(t, la, lb1, 1, k, name);
     compare_logs(t, la, lb2, k + 1, N, name);
     char rec[512];
-    CHECK(t, !log_record(lb2, k, rec, sizeof rec), "%s: the resumed log starts after step %d", name,
-          k);
+    CHECK(t, !test_log_record(lb2, k, rec, sizeof rec),
+          "%s: the resumed log starts after step %d", name, k);
     free(la);
     free(lb1);
     free(lb2);

@@ -1,6 +1,7 @@
 /*
  * testing.c — helpers shared by the test suites: skipping, driving ./train_roundpipe end to end,
- * and the plain reference trainer the engine suites compare with. (No suite here: the runner
+ * the plain reference trainer the engine suites compare with, finite-difference gradient probes,
+ * log records and the engine suites' small model. (No suite here: the runner
  * lists suites explicitly.)
  */
 #include <stdarg.h>
@@ -305,3 +306,69 @@ void check_close(TestCtx* t, const char* what, const float* got, const double* w
           "%s: relative L2 error %.3g, worst %.3g (tol %.3g)", what, rel, rel_worst, tol);
 }
 
+
+// ----------------------------------------------------------------------------
+// finite-difference gradient checks
+
+double test_gradient_norm(const float* g, int64_t n) {
+    double gnorm = 0;
+    for (int64_t j = 0; j < n; j++) gnorm += (double)g[j] * g[j];
+    return sqrt(gnorm);
+}
+
+double* test_probe_direction(Rng* r, const float* g, int64_t n, double gnorm, double* analytic) {
+    double* dir = malloc_check((size_t)n * sizeof(double));
+    double dn = 0, a = 0;
+    for (int64_t j = 0; j < n; j++) {
+        dir[j] = g[j] / gnorm + 0.5 * rng_normal(r) / sqrt((double)n);
+        dn += dir[j] * dir[j];
+    }
+    for (int64_t j = 0; j < n; j++) {
+        dir[j] /= sqrt(dn);
+        a += dir[j] * g[j];
+    }
+    *analytic = a;
+    return dir;
+}
+
+double test_central_difference(float* p, const double* dir, int64_t n, double eps,
+                               double (*loss)(void* ctx), void* ctx) {
+    float* saved = malloc_check((size_t)n * sizeof(float));
+    memcpy(saved, p, (size_t)n * sizeof(float));
+    for (int64_t j = 0; j < n; j++) p[j] = (float)(saved[j] + eps * dir[j]);
+    double lp = loss(ctx);
+    for (int64_t j = 0; j < n; j++) p[j] = (float)(saved[j] - eps * dir[j]);
+    double lm = loss(ctx);
+    memcpy(p, saved, (size_t)n * sizeof(float));
+    free(saved);
+    return (lp - lm) / (2 * eps);
+}
+
+// ----------------------------------------------------------------------------
+// log records and the engine suites' model
+
+int test_log_record(const char* log, int step, char* out, size_t cap) {
+    char key[48];
+    snprintf(key, sizeof key, "{\"step\":%d,\"loss\":", step);
+    const char* p = strstr(log, key);
+    if (!p) return 0;
+    const char* end = strstr(p, ",\"ms\":");
+    if (!end || (size_t)(end - p) >= cap) return 0;
+    memcpy(out, p, (size_t)(end - p));
+    out[end - p] = '\0';
+    return 1;
+}
+
+ModelConfig test_engine_config(int tied) {
+    char err[ERR_LEN];
+    ModelConfig c;
+    config_from_preset(&c, tied ? "test-qwen3" : "test-llama", err);
+    c.V = 53;
+    c.C = 32;
+    c.L = 5;
+    c.H = 4;
+    c.KVH = 2;
+    c.HD = 8;
+    c.F = 48;
+    return c;
+}

@@ -168,4 +168,23 @@ double dot_d(const double* a, const double* b, size_t n);
 void check_close(TestCtx* t, const char* what, const float* got, const double* want, size_t n,
                  double tol);
 
+// Finite-difference gradient checks (test_model.c, test_lora.c, test_moe.c).
+// |g| in double.
+double test_gradient_norm(const float* g, int64_t n);
+// A unit probe direction (n doubles): mostly along g (|g| = gnorm) plus 0.5 N(0, 1/n) noise drawn
+// from r, n draws in order; *analytic = direction . g.
+double* test_probe_direction(Rng* r, const float* g, int64_t n, double gnorm, double* analytic);
+// The central difference (loss(p + eps dir) - loss(p - eps dir)) / (2 eps), p rounded to fp32 at
+// each probe and restored bit-exactly afterwards.
+double test_central_difference(float* p, const double* dir, int64_t n, double eps,
+                               double (*loss)(void* ctx), void* ctx);
+
+// Log and model helpers for the trainer and engine suites.
+// The deterministic head of the log record of `step` ("{"step":N,"loss":..,"lr":..,"norm":..",
+// up to its timing) into out; 0 if the log has no such record or it does not fit in cap.
+int test_log_record(const char* log, int step, char* out, size_t cap);
+// The engine suites' small model: test-qwen3 (tied) or test-llama, V 53, C 32, L 5, H 4, KVH 2,
+// HD 8, F 48 (several stages, GQA).
+ModelConfig test_engine_config(int tied);
+
 #endif  // LLMC_TESTS_TESTING_H
