@@ -536,6 +536,40 @@ static void test_lora_peft_files(TestCtx* t) {
     store_free(&s2);
     model_free(&m2);
 
+    // Qwen3-MoE: the routers under PEFT's mlp.gate (target_modules "gate"), the dense block's MLP
+    {
+        ModelConfig mc;
+        config_from_preset(&mc, "test-qwen3moe", err);
+        const LoraSpec lm = spec(4, 16.0f, LORA_BIT(LORA_Q) | LORA_BIT(LORA_DOWN) |
+                                               LORA_BIT(LORA_ROUTER), 0, 0);
+        Fix f;
+        char mdir[1024];
+        fix_init(&f, &mc, &lm, 0, 0);
+        test_path(t, mdir, sizeof mdir, "peft_moe");
+        CHECK(t, lora_save_peft(mdir, &f.m, &f.s, "my/moe", NULL, err) == 0, "%s", err);
+        snprintf(path, sizeof path, "%s/adapter_config.json", mdir);
+        char* js = test_read_file(path, NULL);
+        CHECK(t, strstr(js, "\"gate\"") && strstr(js, "\"down_proj\"") &&
+                     !strstr(js, "\"gate_proj\""), "MoE adapter_config.json: %s", js);
+        free(js);
+        Model mm;
+        Store ms;
+        CHECK(t, model_init_lora(&mm, &mc, 0, &lm, err) == 0, "%s", err);
+        store_create(&ms, &mm.tt);
+        CHECK(t, lora_load_peft(mdir, &mm, &ms, err) == 0, "MoE load: %s", err);
+        int same_moe = 1, routers = 0;
+        for (int i = 0; i < mm.tt.n; i++) {
+            if (mm.tt.t[i].lora_target < 0) continue;
+            routers += strstr(mm.tt.t[i].hf_name, ".mlp.gate.lora_") != NULL;
+            same_moe &= memcmp(store_param(&ms, i), store_param(&f.s, i),
+                               (size_t)mm.tt.t[i].numel * sizeof(float)) == 0;
+        }
+        CHECK(t, same_moe && routers == 2 * 2, "MoE round trip (%d router tensors)", routers);
+        store_free(&ms);
+        model_free(&mm);
+        fix_free(&f);
+    }
+
     // mismatches: one line each
     struct {
         LoraSpec l;
@@ -1003,14 +1037,17 @@ static void test_lora_engine_sync_matches_plain(TestCtx* t) {
     }
 }
 
-// MoE models with attention adapters (Qwen3-MoE, GPT-OSS): sync mode bit-identical to plain.
-static void test_lora_engine_moe_attention(TestCtx* t) {
+// MoE models (Qwen3-MoE: attention, the dense block's MLP and the routers; GPT-OSS: attention):
+// sync mode bit-identical to plain.
+static void test_lora_engine_moe(TestCtx* t) {
     char err[ERR_LEN];
     const int B = 4, T = 8;
     const char* presets[] = {"test-qwen3moe", "test-gptoss"};
-    const LoraSpec l = spec(4, 8, LORA_BIT(LORA_Q) | LORA_BIT(LORA_K) | LORA_BIT(LORA_V) |
-                                      LORA_BIT(LORA_O), 0.1f, 0);
+    const unsigned attention = LORA_BIT(LORA_Q) | LORA_BIT(LORA_K) | LORA_BIT(LORA_V) |
+                               LORA_BIT(LORA_O);
     for (int k = 0; k < 2; k++) {
+        const LoraSpec l = spec(4, 8, k == 0 ? LORA_ALL_LINEAR & ~LORA_EXPERTS_BIT : attention,
+                                0.1f, 0);
         ModelConfig c;
         config_from_preset(&c, presets[k], err);
         int32_t* tokens = lora_batches(B, T, 5 + k, c.V);
@@ -1520,7 +1557,7 @@ const TestCase tests_lora[] = {
     {"lora_cli_resume", test_lora_cli_resume},
     {"lora_cli_merge", test_lora_cli_merge},
     {"lora_engine_sync_matches_plain", test_lora_engine_sync_matches_plain},
-    {"lora_engine_moe_attention", test_lora_engine_moe_attention},
+    {"lora_engine_moe", test_lora_engine_moe},
     {"lora_engine_delayed", test_lora_engine_delayed},
     {"lora_engine_cli", test_lora_engine_cli},
     {"lora_engine_memory", test_lora_engine_memory},
