@@ -182,7 +182,7 @@ void args_usage(FILE* f) {
         "      --lora-r R         adapter rank; 0 = off, full fine-tuning (default 0)\n"
         "      --lora-alpha A     scale alpha / r (default %g)\n"
         "      --lora-targets L   all-linear (every linear but the LM head) or a comma list of\n"
-        "                         q, k, v, o, gate, up, down (default all-linear)\n"
+        "                         q, k, v, o, gate, up, down, router (default all-linear)\n"
         "      --lora-dropout P   dropout on the adapters' input while training, seeded from\n"
         "                         --seed (default 0)\n"
         "      --rslora           scale alpha / sqrt(r) (rank-stabilised LoRA)\n"
@@ -452,9 +452,9 @@ static int check_lora(const TrainArgs* a) {
     if (a->device == DEVICE_CUDA && !a->plan_only)
         return bad("--lora-r", v, "LoRA trains with --device cpu and cpu:N for now: the GPU path "
                    "is written but awaits validation on a GPU (--plan shows its plan)");
-    if (a->lora_targets & (LORA_ROUTER_BIT | LORA_EXPERTS_BIT))
-        return bad("--lora-targets", a->lora_targets_arg, "router and experts adapters (MoE "
-                   "models) are not supported yet");
+    if (a->lora_targets != LORA_ALL_LINEAR && (a->lora_targets & LORA_EXPERTS_BIT))
+        return bad("--lora-targets", a->lora_targets_arg, "per-expert adapters (MoE models) are "
+                   "not supported yet");
     if (a->merge_lora && !*a->export_hf && !*a->export_gguf)
         return bad("--merge-lora", "", "merges the adapters into the --export-hf / --export-gguf "
                    "weights: give one of them");

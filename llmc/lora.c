@@ -16,7 +16,8 @@
 // ----------------------------------------------------------------------------
 // targets and scale
 
-static const char* const short_names[LORA_N_TARGETS] = {"q", "k", "v", "o", "gate", "up", "down"};
+static const char* const short_names[LORA_N_TARGETS] = {"q",    "k",  "v",    "o",
+                                                        "gate", "up", "down", "router"};
 
 int lora_parse_targets(const char* s, unsigned* targets, char* err) {
     *targets = 0;
@@ -37,7 +38,6 @@ int lora_parse_targets(const char* s, unsigned* targets, char* err) {
                 found = 1;
             }
         }
-        if (!found && strcmp(tok, "router") == 0) *targets |= LORA_ROUTER_BIT, found = 1;
         if (!found && strcmp(tok, "experts") == 0) *targets |= LORA_EXPERTS_BIT, found = 1;
         if (!found)
             return errorf(err, "unknown module '%s' (expected all-linear or a comma list of q, k, "
@@ -56,6 +56,7 @@ void lora_targets_string(unsigned targets, char* buf, size_t cap) {
         if (w < 0 || (size_t)w >= cap - len) return;
         len += (size_t)w;
     }
+    if (targets & LORA_EXPERTS_BIT) snprintf(buf + len, cap - len, "%sexperts", len ? "," : "");
 }
 
 float lora_scale(const LoraSpec* l) {
@@ -89,6 +90,7 @@ static LoraSite lora_site(const Model* m, LoraTarget tg) {
     case LORA_O: return (LoraSite){QD, C, 0, C};
     case LORA_GATE: return (LoraSite){C, 2 * F, 0, F};
     case LORA_UP: return (LoraSite){C, 2 * F, F, F};
+    case LORA_ROUTER: return (LoraSite){C, c->E, 0, c->E};
     default: return (LoraSite){F, C, 0, C};  // LORA_DOWN
     }
 }
@@ -99,6 +101,7 @@ static int64_t widest(const Model* m) {
     int64_t w = c->C;
     if ((int64_t)c->H * c->HD > w) w = (int64_t)c->H * c->HD;
     if (c->F > w) w = c->F;
+    if (c->E > w) w = c->E;
     return w;
 }
 
@@ -138,10 +141,13 @@ static inline void* byte_at(const Workspace* ws, const void* p, int64_t i) {
     return (char*)p + (size_t)i * (size_t)ws->ops->act_bytes;
 }
 
-// The dropout mask's seed of one adapter in this micro-batch.
+// The dropout mask's seed of one adapter in this micro-batch (the dense targets' keys as before
+// the router came; the router's a range of its own).
 static uint64_t site_seed(const Workspace* ws, int block, LoraTarget tg) {
-    uint64_t z = ws->lora_seed ^ (((uint64_t)block * LORA_N_TARGETS + (uint64_t)tg + 1) *
-                                  0xd1b54a32d192ed03ull);
+    const uint64_t key = tg < LORA_N_DENSE_TARGETS
+                             ? (uint64_t)block * LORA_N_DENSE_TARGETS + (uint64_t)tg + 1
+                             : (1ull << 40) + (uint64_t)block * LORA_N_TARGETS + (uint64_t)tg;
+    uint64_t z = ws->lora_seed ^ (key * 0xd1b54a32d192ed03ull);
     z = (z ^ (z >> 33)) * 0xff51afd7ed558ccdull;
     return z ^ (z >> 33);
 }
@@ -240,8 +246,8 @@ void lora_init_random(const Model* m, Store* s, uint32_t seed) {
 }
 
 static TensorKind base_kind(LoraTarget tg) {
-    static const TensorKind kinds[LORA_N_TARGETS] = {TK_WQ,     TK_WK,   TK_WV,    TK_WO,
-                                                     TK_W_GATE, TK_W_UP, TK_W_DOWN};
+    static const TensorKind kinds[LORA_N_TARGETS] = {TK_WQ,     TK_WK,   TK_WV,     TK_WO,
+                                                     TK_W_GATE, TK_W_UP, TK_W_DOWN, TK_ROUTER};
     return kinds[tg];
 }
 

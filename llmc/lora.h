@@ -28,9 +28,8 @@
 #include "store.h"
 #include "tensor.h"
 
-// --lora-targets names beyond LoraTarget that belong to MoE blocks (refused for now).
-#define LORA_ROUTER_BIT (1u << 16)
-#define LORA_EXPERTS_BIT (1u << 17)
+// --lora-targets names that belong to MoE blocks (the experts are refused for now).
+#define LORA_ROUTER_BIT LORA_BIT(LORA_ROUTER)
 
 // "all-linear" or a comma list of q,k,v,o,gate,up,down (PEFT's q_proj ... down_proj also
 // accepted), router, experts. 0, or -1 with a one-line err.

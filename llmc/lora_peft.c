@@ -144,7 +144,7 @@ static int config_targets(const JsonValue* v, unsigned* targets, const char* pat
             if (strcmp(e->str, lora_target_name((LoraTarget)tg)) == 0) found = tg;
         if (found < 0)
             return errorf(err, "%s: target module %s%s%s is not supported (q_proj, k_proj, "
-                               "v_proj, o_proj, gate_proj, up_proj, down_proj)", path,
+                               "v_proj, o_proj, gate_proj, up_proj, down_proj, gate: an MoE router)", path,
                           e->type == JSON_STRING ? "'" : "",
                           e->type == JSON_STRING ? e->str : "(not a string)",
                           e->type == JSON_STRING ? "'" : "");
@@ -162,7 +162,8 @@ static int check_default(const JsonValue* root, const char* key, const char* pat
     return errorf(err, "%s: %s is set; this trainer supports plain LoRA adapters only", path, key);
 }
 
-static int check_config(const JsonValue* root, const LoraSpec* l, const char* path, char* err) {
+static int check_config(const JsonValue* root, const Model* m, const char* path, char* err) {
+    const LoraSpec* l = &m->tt.lora;
     const char* s = NULL;
     if (json_get_string(root, "peft_type", &s) != 1 || strcmp(s, "LORA") != 0)
         return errorf(err, "%s: peft_type is not \"LORA\"", path);
@@ -195,7 +196,11 @@ static int check_config(const JsonValue* root, const LoraSpec* l, const char* pa
                       rs ? "true" : "false", l->rslora ? "has" : "has no");
     unsigned targets = 0;
     if (config_targets(json_get(root, "target_modules"), &targets, path, err) != 0) return -1;
-    if (targets != (l->targets & LORA_ALL_LINEAR)) {
+    // all-linear: the linears this model has (as the table narrowed --lora-targets)
+    if (targets == LORA_ALL_LINEAR &&
+        lora_targets_for_model(&m->cfg, targets, &targets, err) != 0)
+        return -1;
+    if (targets != l->targets) {
         char have[128], want[128];
         lora_targets_string(targets, have, sizeof have);
         lora_targets_string(l->targets, want, sizeof want);
@@ -218,7 +223,7 @@ int lora_load_peft(const char* dir, const Model* m, Store* s, char* err) {
         return errorf(err, "%s: %s", path, jerr);
     }
     free(text);
-    int rc = check_config(&doc.root, &m->tt.lora, path, err);
+    int rc = check_config(&doc.root, m, path, err);
     json_free(&doc);
     if (rc != 0) return -1;
     snprintf(path, sizeof path, "%s/adapter_model.safetensors", dir);

@@ -430,10 +430,38 @@ static void attention_residual_forward(const Model* m, Workspace* ws, const Bloc
     ops->add(ws->ctx, h, x_in, ws->proj, (size_t)N * c->C);
 }
 
-static MoeWeights moe_weights(const Workspace* ws, const BlockLayout* bl, const void* slab) {
+// The router's LoRA adapter, called by moe.c between the router's matmul and the routing.
+typedef struct RouterLora {
+    const Model* m;
+    Workspace* ws;
+    int block;
+    const void* slab;
+    float* gslab;
+} RouterLora;
+
+static void router_lora_forward(void* arg, const void* x, void* logits, int N) {
+    const RouterLora* r = arg;
+    lora_forward(r->m, r->ws, r->block, LORA_BIT(LORA_ROUTER), r->slab, x, logits, N, 0);
+}
+
+static void router_lora_backward(void* arg, const void* x, const void* dlogits, void* dx, int N) {
+    const RouterLora* r = arg;
+    lora_backward(r->m, r->ws, r->block, LORA_BIT(LORA_ROUTER), r->slab, r->gslab, x, dlogits,
+                  dx, N, 0);
+}
+
+// The block's expert weights; with a router adapter, its hooks on rl (filled here).
+static MoeWeights moe_weights(const Workspace* ws, const BlockLayout* bl, const void* slab,
+                              RouterLora* rl) {
     MoeWeights w = {opt_at(ws, slab, bl->router),   opt_at(ws, slab, bl->router_bias),
                     opt_at(ws, slab, bl->exp_gu),   opt_at(ws, slab, bl->exp_gu_bias),
-                    opt_at(ws, slab, bl->exp_down), opt_at(ws, slab, bl->exp_down_bias)};
+                    opt_at(ws, slab, bl->exp_down), opt_at(ws, slab, bl->exp_down_bias),
+                    NULL, NULL, NULL};
+    if (rl->m->tt.lora.r > 0 && bl->lora_a[LORA_ROUTER] >= 0) {
+        w.router_adapter = router_lora_forward;
+        w.router_adapter_backward = router_lora_backward;
+        w.adapter_arg = rl;
+    }
     return w;
 }
 
@@ -460,7 +488,8 @@ static void block_forward_after_attention(const Model* m, Workspace* ws, BlockAc
                                   at(ws, slab, bl->mlp_norm), n, C, c->norm_eps);
     if (bl->moe) {
         // x' = h + MoE(ln2); the block's aux statistics go to its slot of ws->moe_stats
-        MoeWeights w = moe_weights(ws, bl, slab);
+        RouterLora rl = {m, ws, block, slab, NULL};
+        MoeWeights w = moe_weights(ws, bl, slab, &rl);
         float* stats = ws->moe_stats + (size_t)m->moe_slot[block] * 2 * c->E;
         moe_forward(c, ops, ctx, &ws->moe, &a->moe, &w, a->ln2, ws->proj, stats, n);
         ops->add(ctx, x_out, a->h, ws->proj, (size_t)n * C);
@@ -550,7 +579,8 @@ void model_block_backward_at(const Model* m, Workspace* ws, const BlockActs* a, 
         }
     } else {
         if (bl->moe) {
-            MoeWeights w = moe_weights(ws, bl, slab);
+            RouterLora rl = {m, ws, block, slab, gslab};
+            MoeWeights w = moe_weights(ws, bl, slab, &rl);
             MoeGrads g = {opt_grad(gslab, gl->router),   opt_grad(gslab, gl->router_bias),
                           opt_grad(gslab, gl->exp_gu),   opt_grad(gslab, gl->exp_gu_bias),
                           opt_grad(gslab, gl->exp_down), opt_grad(gslab, gl->exp_down_bias)};

@@ -92,6 +92,7 @@ void moe_forward(const ModelConfig* c, const Ops* ops, void* ctx, MoeScratch* s,
     const int C = c->C, E = c->E, K = c->K, F = c->F_expert, R = N * K, oss = is_oss(c);
     // router (HF: the logits in the activation dtype, the softmax in fp32 inside the route op)
     ops->matmul_forward(ctx, a->logits, x, w->router, w->router_bias, N, C, E);
+    if (w->router_adapter) w->router_adapter(w->adapter_arg, x, a->logits, N);
     ops->moe_route_forward(ctx, a->idx, a->weights, a->logits, N, E, K, route_mode(c));
     ops->moe_dispatch(ctx, a->offsets, a->src, a->dst, a->idx, N, E, K);
     if (stats) ops->moe_router_stats(ctx, stats, a->logits, a->offsets, N, E);
@@ -132,6 +133,8 @@ void moe_backward(const ModelConfig* c, const Ops* ops, void* ctx, MoeScratch* s
                             aux_scale, N, E, K, route_mode(c));
     ops->matmul_backward(ctx, s->dx_router, g->router, g->router_bias, s->dlogits, x, w->router,
                          N, C, E);
+    if (w->router_adapter_backward)
+        w->router_adapter_backward(w->adapter_arg, x, s->dlogits, s->dx_router, N);
     ops->add(ctx, dx, dx, s->dx_router, (size_t)N * C);
 }
 

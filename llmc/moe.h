@@ -56,9 +56,15 @@ typedef struct MoeScratch {
 } MoeScratch;
 
 // Pointers into a block's parameter slab (compute dtype) / fp32 gradient slab; biases NULL for
-// Qwen3-MoE.
+// Qwen3-MoE. router_adapter (NULL: none) adds a LoRA branch to the router's logits (N, E) in the
+// forward; router_adapter_backward runs its backward from the logits' gradient, adding its input
+// gradient into dx (N, C). arg: the caller's context for both.
 typedef struct MoeWeights {
     const void *router, *router_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    void (*router_adapter)(void* arg, const void* x, void* logits, int N);
+    void (*router_adapter_backward)(void* arg, const void* x, const void* dlogits, void* dx,
+                                    int N);
+    void* adapter_arg;
 } MoeWeights;
 typedef struct MoeGrads {
     float *router, *router_bias, *gate_up, *gate_up_bias, *down, *down_bias;

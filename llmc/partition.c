@@ -497,7 +497,8 @@ void partition_estimate_costs_lora(const ModelConfig* cfg, const LoraSpec* lora,
         double ad_fwd = 0.0, ad_bwd = 0.0;
         for (int tg = 0; tg < LORA_N_TARGETS; tg++) {
             if (!(lora->targets & LORA_BIT(tg))) continue;
-            if (tg >= LORA_GATE && layer_is_moe(cfg, b)) continue;  // (no dense MLP there)
+            // (MoE blocks: no dense MLP, a router; dense blocks: no router)
+            if ((tg == LORA_ROUTER) != layer_is_moe(cfg, b) && tg >= LORA_GATE) continue;
             int64_t in, out;
             lora_target_dims(cfg, (LoraTarget)tg, &in, &out);
             ad_fwd += 2.0 * lora->r * (double)(in + out) * tok;

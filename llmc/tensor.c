@@ -183,7 +183,7 @@ static void build_hf_view(TensorTable* tt, const ModelConfig* c) {
 
 static const char* const lora_names[LORA_N_TARGETS] = {"q_proj",    "k_proj",  "v_proj",
                                                        "o_proj",    "gate_proj", "up_proj",
-                                                       "down_proj"};
+                                                       "down_proj", "gate"};
 
 const char* lora_target_name(LoraTarget target) {
     return target >= 0 && target < LORA_N_TARGETS ? lora_names[target] : "?";
@@ -195,16 +195,70 @@ const char* lora_target_parent(LoraTarget target) {
 
 void lora_target_dims(const ModelConfig* c, LoraTarget target, int64_t* in, int64_t* out) {
     const int64_t C = c->C, F = c->F, QD = (int64_t)c->H * c->HD, KVD = (int64_t)c->KVH * c->HD;
-    const int64_t ins[LORA_N_TARGETS] = {C, C, C, QD, C, C, F};
-    const int64_t outs[LORA_N_TARGETS] = {QD, KVD, KVD, C, F, F, C};
+    const int64_t ins[LORA_N_TARGETS] = {C, C, C, QD, C, C, F, C};
+    const int64_t outs[LORA_N_TARGETS] = {QD, KVD, KVD, C, F, F, C, c->E};
     *in = ins[target];
     *out = outs[target];
+}
+
+// Whether block l has the linear tg adapts (MoE blocks: no dense MLP; dense blocks: no router).
+static int block_has_target(const ModelConfig* c, int l, int tg) {
+    const int moe = config_block_is_moe(c, l);
+    if (tg == LORA_ROUTER) return moe;
+    if (tg >= LORA_GATE) return !moe;
+    return 1;
+}
+
+// The family's rule: all-linear as PEFT means it there; router / experts where they are no
+// nn.Linear, or not adapted yet, refused.
+static int family_targets(const ModelConfig* c, unsigned targets, unsigned* out, char* err) {
+    const unsigned moe_bits = LORA_BIT(LORA_ROUTER) | LORA_EXPERTS_BIT;
+    const int all = targets == LORA_ALL_LINEAR;
+    *out = targets;
+    if (!config_is_moe(c)) {
+        if (all) *out &= ~moe_bits;
+        else if (targets & moe_bits)
+            return errorf(err, "LoRA: router and experts are modules of mixture-of-experts blocks; "
+                               "family %s has none", family_names[c->family]);
+        return 0;
+    }
+    if (c->family == FAMILY_GPTOSS) {
+        // GptOssTopKRouter and the fused expert parameters are no nn.Linear: PEFT's classic LoRA
+        // cannot adapt them (only its target_parameters can), so all-linear leaves them out
+        if (all) *out &= ~moe_bits;
+        else if (targets & moe_bits)
+            return errorf(err, "LoRA on gpt-oss: its router and experts are not nn.Linear modules "
+                               "(PEFT adapts them only through target_parameters), so LoRA takes "
+                               "its attention (q, k, v, o) only");
+        return 0;
+    }
+    if (targets & LORA_EXPERTS_BIT)
+        return errorf(err, "LoRA on mixture-of-experts models: per-expert adapters are not "
+                           "supported yet (%s; --lora-targets q,k,v,o,gate,up,down,router adapts "
+                           "the rest)", all ? "all-linear includes the experts" : "experts");
+    return 0;
+}
+
+// The targets narrowed to the linears some block of the model has (an MoE model without a dense
+// block has no gate_proj / up_proj / down_proj), so the PEFT config names only modules it adapts.
+static unsigned targets_present(const ModelConfig* c, unsigned targets) {
+    unsigned have = 0;
+    for (int l = 0; l < c->L; l++)
+        for (int tg = 0; tg < LORA_N_TARGETS; tg++)
+            if (block_has_target(c, l, tg)) have |= LORA_BIT(tg);
+    return targets & have;
+}
+
+int lora_targets_for_model(const ModelConfig* c, unsigned targets, unsigned* out, char* err) {
+    if (family_targets(c, targets, out, err) != 0) return -1;
+    *out = targets_present(c, *out);
+    return 0;
 }
 
 // Block l's adapters, A then B per target in target order, after the block's own tensors.
 static void add_lora_tensors(Builder* b, const ModelConfig* c, const LoraSpec* lora, int l) {
     for (int tg = 0; tg < LORA_N_TARGETS; tg++) {
-        if (!(lora->targets & LORA_BIT(tg))) continue;
+        if (!(lora->targets & LORA_BIT(tg)) || !block_has_target(c, l, tg)) continue;
         int64_t in, out;
         lora_target_dims(c, (LoraTarget)tg, &in, &out);
         for (int k = 0; k < 2; k++) {
@@ -246,17 +300,16 @@ int tensor_table_build_lora(TensorTable* tt, const ModelConfig* c, int decay_emb
     if (c->family < 0 || c->family >= FAMILY_COUNT)
         return errorf(err, "tensor table: unknown model family");
     const int use_lora = lora && lora->r > 0;
-    // MoE blocks have no dense MLP: adapters on their attention only (per-expert and router
-    // adapters: not yet)
-    const unsigned attention = LORA_BIT(LORA_Q) | LORA_BIT(LORA_K) | LORA_BIT(LORA_V) |
-                               LORA_BIT(LORA_O);
-    if (use_lora && config_is_moe(c) && (lora->targets & ~attention))
-        return errorf(err, "LoRA on mixture-of-experts models (family %s): attention adapters "
-                           "only so far (--lora-targets q,k,v,o; gate, up, down, router and "
-                           "experts: not yet)", family_names[c->family]);
-    if (use_lora && (lora->targets & LORA_ALL_LINEAR) == 0)
-        return errorf(err, "LoRA: no target module");
-    if (use_lora) tt->lora = *lora;
+    // the targets this model has (MoE blocks: no dense MLP, the router; dense blocks: no router)
+    LoraSpec spec_model = {0};
+    if (use_lora) {
+        spec_model = *lora;
+        if (lora_targets_for_model(c, lora->targets, &spec_model.targets, err) != 0) return -1;
+        if (spec_model.targets == 0)
+            return errorf(err, "LoRA: no target module (this model has none of them)");
+        lora = &spec_model;
+        tt->lora = spec_model;
+    }
     const int L = c->L;
     tt->n_layers = L + 2;
     Builder b = {.tt = tt};

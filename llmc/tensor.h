@@ -75,7 +75,8 @@ typedef enum {
 } TensorKind;
 
 // The linears LoRA can adapt, in PEFT's module names: q_proj, k_proj, v_proj, o_proj, gate_proj,
-// up_proj, down_proj (router and experts belong to MoE blocks: not yet).
+// up_proj, down_proj (a dense MLP's), gate (an MoE block's router, nn.Linear (E, C)). The experts
+// (LORA_EXPERTS_BIT) are not adapted yet.
 typedef enum {
     LORA_Q = 0,
     LORA_K,
@@ -84,11 +85,17 @@ typedef enum {
     LORA_GATE,
     LORA_UP,
     LORA_DOWN,
+    LORA_ROUTER,
     LORA_N_TARGETS
 } LoraTarget;
 
 #define LORA_BIT(target) (1u << (target))
-#define LORA_ALL_LINEAR ((1u << LORA_N_TARGETS) - 1u)
+#define LORA_EXPERTS_BIT (1u << 17)
+// PEFT's all-linear: every linear but the LM head. The tensor table keeps the bits the model has
+// (lora_targets_for_model): a dense model drops router and experts.
+#define LORA_ALL_LINEAR (((1u << LORA_N_TARGETS) - 1u) | LORA_EXPERTS_BIT)
+// The dense targets' count: the dropout masks' seeds of q .. down hash it (unchanged by router).
+#define LORA_N_DENSE_TARGETS 7
 
 // A LoRA configuration (r = 0: none). scale = alpha / r, or alpha / sqrt(r) with rslora.
 typedef struct LoraSpec {
@@ -165,6 +172,9 @@ int tensor_table_find_hf_tensor(const TensorTable* tt, const char* name);
 int tensor_table_index(const TensorTable* tt, TensorKind kind, int block);
 // Index of block `block`'s LoRA A (b = 0) or B (b = 1) tensor of `target`; -1 if absent.
 int tensor_table_lora_index(const TensorTable* tt, int block, LoraTarget target, int b);
+// The targets a model of this configuration takes (all-linear narrowed to its linears), or -1
+// with a one-line err (router / experts on a model whose family has none as nn.Linear).
+int lora_targets_for_model(const ModelConfig* c, unsigned targets, unsigned* out, char* err);
 // PEFT's module name of a target ("q_proj") and its place in the block ("self_attn", "mlp").
 const char* lora_target_name(LoraTarget target);
 const char* lora_target_parent(LoraTarget target);
