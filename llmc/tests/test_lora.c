@@ -133,20 +133,6 @@ static void test_lora_ops_dropout(TestCtx* t) {
 // ----------------------------------------------------------------------------
 // the tensor table
 
-static ModelConfig small_config(ModelFamily fam, int tied) {
-    char err[ERR_LEN];
-    ModelConfig c;
-    config_from_preset(&c, fam == FAMILY_LLAMA ? "test-llama" : "test-qwen3", err);
-    c.V = 37;
-    c.C = 24;
-    c.L = 2;
-    c.H = 4;
-    c.KVH = 2;
-    c.HD = 8;
-    c.F = 40;
-    c.tied_embeddings = tied;
-    return c;
-}
 
 static LoraSpec spec(int r, float alpha, unsigned targets, float dropout, int rslora) {
     LoraSpec l = {.r = r, .alpha = alpha, .rslora = rslora, .dropout = dropout,
@@ -156,7 +142,7 @@ static LoraSpec spec(int r, float alpha, unsigned targets, float dropout, int rs
 
 static void test_lora_table(TestCtx* t) {
     char err[ERR_LEN];
-    ModelConfig c = small_config(FAMILY_QWEN3, 1);
+    ModelConfig c = test_small_config(FAMILY_QWEN3, 1);
     LoraSpec l = spec(4, 8, LORA_ALL_LINEAR, 0, 0);
     Model m, base;
     CHECK(t, model_init_lora(&m, &c, 0, &l, err) == 0, "%s", err);
@@ -286,7 +272,7 @@ static double fix_grads_probe(void* f) { return fix_grads(f); }
 static void lora_gradcheck_model(TestCtx* t, const ModelConfig* cfg, const LoraSpec* spec_in);
 
 static void lora_gradcheck(TestCtx* t, ModelFamily fam, int tied, float dropout, int rslora) {
-    const ModelConfig c = small_config(fam, tied);
+    const ModelConfig c = test_small_config(fam, tied);
     const LoraSpec l = spec(3, 5.0f, LORA_ALL_LINEAR, dropout, rslora);
     lora_gradcheck_model(t, &c, &l);
 }
@@ -393,7 +379,7 @@ static void test_lora_gradcheck_moe(TestCtx* t) {
         }
     }
     // a dense model: all-linear drops router and experts, naming them is refused
-    ModelConfig c = small_config(FAMILY_LLAMA, 0);
+    ModelConfig c = test_small_config(FAMILY_LLAMA, 0);
     Model m;
     const LoraSpec all = spec(3, 5.0f, LORA_ALL_LINEAR, 0.0f, 0);
     const LoraSpec router = spec(3, 5.0f, LORA_BIT(LORA_Q) | LORA_BIT(LORA_ROUTER), 0.0f, 0);
@@ -423,7 +409,7 @@ static float* lora_grads_copy(const Fix* f, int64_t* n_out) {
 // B = 0 (PEFT's init): the base's loss to the bit. The merged base: the adapted loss. Recompute
 // and the chunked MLP: the same loss and gradients.
 static void test_lora_model_consistency(TestCtx* t) {
-    ModelConfig c = small_config(FAMILY_LLAMA, 0);
+    ModelConfig c = test_small_config(FAMILY_LLAMA, 0);
     LoraSpec l = spec(4, 8.0f, LORA_ALL_LINEAR, 0.2f, 0);
     Fix a, b, ch;
     fix_init(&a, &c, &l, 0, 0);
@@ -491,7 +477,7 @@ static void test_lora_model_consistency(TestCtx* t) {
 
 static void test_lora_peft_files(TestCtx* t) {
     char err[ERR_LEN], dir[1024], path[1200];
-    ModelConfig c = small_config(FAMILY_QWEN3, 1);
+    ModelConfig c = test_small_config(FAMILY_QWEN3, 1);
     LoraSpec l = spec(4, 16.0f, LORA_BIT(LORA_Q) | LORA_BIT(LORA_V) | LORA_BIT(LORA_DOWN), 0, 0);
     Fix a;
     fix_init(&a, &c, &l, 0, 0);
@@ -1392,7 +1378,7 @@ static void test_lora_gpu_model(TestCtx* t) {
         return;
     }
     for (int fam = 0; fam < 2; fam++) {
-        ModelConfig c = small_config(fam ? FAMILY_QWEN3 : FAMILY_LLAMA, fam);
+        ModelConfig c = test_small_config(fam ? FAMILY_QWEN3 : FAMILY_LLAMA, fam);
         c.C = 64;
         c.H = 4;
         c.KVH = 2;

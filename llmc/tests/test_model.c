@@ -16,21 +16,6 @@
 #include "../store.h"
 #include "testing.h"
 
-// A model small enough for finite differences, with GQA (H=4, KVH=2) and HD != C/H.
-static ModelConfig small_config(ModelFamily fam, int tied) {
-    char err[ERR_LEN];
-    ModelConfig c;
-    config_from_preset(&c, fam == FAMILY_LLAMA ? "test-llama" : "test-qwen3", err);
-    c.V = 37;
-    c.C = 24;
-    c.L = 2;
-    c.H = 4;
-    c.KVH = 2;
-    c.HD = 8;
-    c.F = 40;
-    c.tied_embeddings = tied;
-    return c;
-}
 
 typedef struct Fixture {
     Model m;
@@ -98,7 +83,7 @@ static double fixture_loss_probe(void* f) { return fixture_loss(f); }
 // For every tensor: the directional derivative along d (mostly along the gradient, plus noise)
 // by central differences must match g·d.
 static void gradcheck(TestCtx* t, ModelFamily fam, int tied) {
-    ModelConfig c = small_config(fam, tied);
+    ModelConfig c = test_small_config(fam, tied);
     Fixture f;
     fixture_init(&f, &c, 2, 7, t->n_threads, 0, 11);
     fixture_grads(&f);
@@ -141,7 +126,7 @@ static float* grads_copy(const Fixture* f, int64_t* n_out) {
 }
 
 static void test_model_recompute_and_threads(TestCtx* t) {
-    ModelConfig c = small_config(FAMILY_QWEN3, 0);
+    ModelConfig c = test_small_config(FAMILY_QWEN3, 0);
     Fixture a, b, d;
     fixture_init(&a, &c, 3, 9, 1, 0, 5);
     fixture_init(&b, &c, 3, 9, 1, 1, 5);
@@ -164,7 +149,7 @@ static void test_model_recompute_and_threads(TestCtx* t) {
 }
 
 static void test_model_microbatch_split(TestCtx* t) {
-    ModelConfig c = small_config(FAMILY_LLAMA, 1);
+    ModelConfig c = test_small_config(FAMILY_LLAMA, 1);
     Fixture f;
     fixture_init(&f, &c, 4, 6, t->n_threads, 0, 21);
     double whole = fixture_grads(&f);
@@ -187,7 +172,7 @@ static void test_model_microbatch_split(TestCtx* t) {
 }
 
 static void test_model_overfit_batch(TestCtx* t) {
-    ModelConfig c = small_config(FAMILY_QWEN3, 1);
+    ModelConfig c = test_small_config(FAMILY_QWEN3, 1);
     Fixture f;
     fixture_init(&f, &c, 2, 12, t->n_threads, 0, 3);
     AdamWTensor opt[64];
@@ -212,7 +197,7 @@ static void test_model_overfit_batch(TestCtx* t) {
 // chunks, with and without recompute.
 static void test_model_chunked_mlp(TestCtx* t) {
     for (int fam = 0; fam < 2; fam++) {
-        ModelConfig c = small_config(fam ? FAMILY_QWEN3 : FAMILY_LLAMA, fam);
+        ModelConfig c = test_small_config(fam ? FAMILY_QWEN3 : FAMILY_LLAMA, fam);
         Fixture a, b;
         fixture_init(&a, &c, 3, 9, t->n_threads, 0, 13);
         fixture_init_chunked(&b, &c, 3, 9, t->n_threads, fam, 13, 5);  // 27 rows: 5 x 5 + 2

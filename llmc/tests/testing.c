@@ -359,6 +359,21 @@ int test_log_record(const char* log, int step, char* out, size_t cap) {
     return 1;
 }
 
+ModelConfig test_small_config(ModelFamily fam, int tied) {
+    char err[ERR_LEN];
+    ModelConfig c;
+    config_from_preset(&c, fam == FAMILY_LLAMA ? "test-llama" : "test-qwen3", err);
+    c.V = 37;
+    c.C = 24;
+    c.L = 2;
+    c.H = 4;
+    c.KVH = 2;
+    c.HD = 8;
+    c.F = 40;
+    c.tied_embeddings = tied;
+    return c;
+}
+
 ModelConfig test_engine_config(int tied) {
     char err[ERR_LEN];
     ModelConfig c;
