@@ -330,19 +330,27 @@ struct Shape {
     int64_t out_cols() const { return (int64_t)H * HD; }
 };
 
-// One query row (b, h, i): out, lse, D = sum_j P_ij dP_ij, and dq. p, dp: scratch of T doubles.
-static void ref_query_row(const Shape& s, const uint16_t* qkv, const uint16_t* dout, int b, int h,
-                          int i, double* p, double* dp, float* out_row, double* lse_out,
-                          double* D_out, float* dq_row) {
+// fp64 reference of one query row (b, h, i) with window (0: causal) and sink (NaN: none): out,
+// lse, D = sum_j P_ij dP_ij, dq, and the row's sink-gradient term -P_sink D. p, dp: T doubles.
+// D_given (optional): the row's D from the output the backward is given (the kernels compute D
+// from their own bf16 output, not the exact one: in a row whose weight sits mostly on one key or
+// on the sink, dP - D cancels and that rounding dominates the gradient), used instead of the
+// exact D for dq and the sink term.
+static void ref_query_row(const Shape& s, int window, double sink, const uint16_t* qkv,
+                          const uint16_t* dout, int b, int h, int i, double* p, double* dp,
+                          float* out_row, double* lse_out, double* D_out, float* dq_row,
+                          double* dsink_term, const double* D_given) {
     const int HD = s.HD, kvh = h / (s.H / s.KVH);
     const int64_t QKV = s.qkv_cols(), OC = s.out_cols();
     const double scale = 1.0 / std::sqrt((double)HD);
+    const bool has_sink = !std::isnan(sink);
+    const int j0 = window > 0 ? std::max(0, i - window + 1) : 0;
     const uint16_t* q = qkv + ((int64_t)b * s.T + i) * QKV + (int64_t)h * HD;
     const uint16_t* dy = dout + ((int64_t)b * s.T + i) * OC + (int64_t)h * HD;
     std::vector<double> qd(HD), dyd(HD), acc(HD, 0.0);
     for (int d = 0; d < HD; d++) qd[d] = bf16_to_float(q[d]), dyd[d] = bf16_to_float(dy[d]);
-    double mx = -INFINITY;
-    for (int j = 0; j <= i; j++) {
+    double mx = has_sink ? sink : -INFINITY;
+    for (int j = j0; j <= i; j++) {
         const uint16_t* k = qkv + ((int64_t)b * s.T + j) * QKV + (int64_t)(s.H + kvh) * HD;
         const uint16_t* v = k + (int64_t)s.KVH * HD;
         double sk = 0.0, sv = 0.0;
@@ -354,10 +362,10 @@ static void ref_query_row(const Shape& s, const uint16_t* qkv, const uint16_t* d
         dp[j] = sv;
         mx = std::max(mx, p[j]);
     }
-    double l = 0.0;
-    for (int j = 0; j <= i; j++) l += (p[j] = std::exp(p[j] - mx));
+    double l = has_sink ? std::exp(sink - mx) : 0.0;
+    for (int j = j0; j <= i; j++) l += (p[j] = std::exp(p[j] - mx));
     double D = 0.0;
-    for (int j = 0; j <= i; j++) {
+    for (int j = j0; j <= i; j++) {
         p[j] /= l;
         D += p[j] * dp[j];
         const uint16_t* v =
@@ -366,9 +374,11 @@ static void ref_query_row(const Shape& s, const uint16_t* qkv, const uint16_t* d
     }
     for (int d = 0; d < HD; d++) out_row[d] = (float)acc[d];
     *lse_out = mx + std::log(l);
+    if (D_given) D = *D_given;
     *D_out = D;
+    *dsink_term = has_sink ? -std::exp(sink - *lse_out) * D : 0.0;
     std::fill(acc.begin(), acc.end(), 0.0);
-    for (int j = 0; j <= i; j++) {
+    for (int j = j0; j <= i; j++) {
         const double ds = p[j] * (dp[j] - D);
         const uint16_t* k = qkv + ((int64_t)b * s.T + j) * QKV + (int64_t)(s.H + kvh) * HD;
         for (int d = 0; d < HD; d++) acc[d] += ds * bf16_to_float(k[d]);
@@ -376,20 +386,21 @@ static void ref_query_row(const Shape& s, const uint16_t* qkv, const uint16_t* d
     for (int d = 0; d < HD; d++) dq_row[d] = (float)(acc[d] * scale);
 }
 
-// One key row (b, kvh, j): dk and dv summed over the query heads of the group and queries i >= j,
-// given lse and D per (b, h, i).
-static void ref_key_row(const Shape& s, const uint16_t* qkv, const uint16_t* dout,
-                        const double* lse, const double* Dv, int b, int kvh, int j, float* dk_row,
-                        float* dv_row) {
+// One key row (b, kvh, j): dk, dv over the group's query heads and the queries i with
+// j <= i < j + window (window 0: to T), given lse (sinks included) and D per (b, h, i).
+static void ref_key_row(const Shape& s, int window, const uint16_t* qkv,
+                        const uint16_t* dout, const double* lse, const double* Dv, int b,
+                        int kvh, int j, float* dk_row, float* dv_row) {
     const int HD = s.HD, group = s.H / s.KVH;
     const int64_t QKV = s.qkv_cols(), OC = s.out_cols();
     const double scale = 1.0 / std::sqrt((double)HD);
+    const int i_end = window > 0 ? std::min(s.T, j + window) : s.T;
     const uint16_t* k = qkv + ((int64_t)b * s.T + j) * QKV + (int64_t)(s.H + kvh) * HD;
     const uint16_t* v = k + (int64_t)s.KVH * HD;
     std::vector<double> kd(HD), vd(HD), dk(HD, 0.0), dv(HD, 0.0);
     for (int d = 0; d < HD; d++) kd[d] = bf16_to_float(k[d]), vd[d] = bf16_to_float(v[d]);
     for (int h = kvh * group; h < (kvh + 1) * group; h++)
-        for (int i = j; i < s.T; i++) {
+        for (int i = j; i < i_end; i++) {
             const uint16_t* q = qkv + ((int64_t)b * s.T + i) * QKV + (int64_t)h * HD;
             const uint16_t* dy = dout + ((int64_t)b * s.T + i) * OC + (int64_t)h * HD;
             double sk = 0.0, sv = 0.0;
@@ -415,28 +426,44 @@ struct Reference {
     std::vector<float> dqkv;  // (B*T, QKV)
 };
 
-static void ref_attention(const Shape& s, const std::vector<uint16_t>& qkv,
-                          const std::vector<uint16_t>& dout, Reference& r) {
-    const int64_t rows = (int64_t)s.B * s.T;
+// The whole reference with window (0: causal); sinks: H values or empty (none). dsinks (H) from zero. out_given
+// (optional, bf16 (B*T, H*HD)): the backward's D from this output (ref_query_row).
+static void ref_attention(const Shape& s, int window, const std::vector<float>& sinks,
+                          const std::vector<uint16_t>& qkv,
+                          const std::vector<uint16_t>& dout, Reference& r,
+                          std::vector<double>& dsinks,
+                          const std::vector<uint16_t>* out_given = nullptr) {
+    const int64_t rows = (int64_t)s.B * s.T, n_lse = (int64_t)s.B * s.H * s.T;
     r.out.assign(rows * s.out_cols(), 0.0f);
-    r.lse.assign((int64_t)s.B * s.H * s.T, 0.0);
-    r.D.assign((int64_t)s.B * s.H * s.T, 0.0);
+    r.lse.assign(n_lse, 0.0);
+    r.D.assign(n_lse, 0.0);
     r.dqkv.assign(rows * s.qkv_cols(), 0.0f);
-    parallel_for((int64_t)s.B * s.H * s.T, [&](int64_t idx) {
+    std::vector<double> term(n_lse, 0.0);
+    parallel_for(n_lse, [&](int64_t idx) {
         const int i = (int)(idx % s.T), h = (int)(idx / s.T % s.H), b = (int)(idx / s.T / s.H);
         std::vector<double> p(s.T), dp(s.T);
         const int64_t row = (int64_t)b * s.T + i;
-        ref_query_row(s, qkv.data(), dout.data(), b, h, i, p.data(), dp.data(),
+        const double sink = sinks.empty() ? NAN : (double)sinks[h];
+        double Dg = 0.0;
+        if (out_given) {
+            const int64_t o = row * s.out_cols() + (int64_t)h * s.HD;
+            for (int d = 0; d < s.HD; d++)
+                Dg += (double)bf16_to_float(dout[o + d]) * bf16_to_float((*out_given)[o + d]);
+        }
+        ref_query_row(s, window, sink, qkv.data(), dout.data(), b, h, i, p.data(), dp.data(),
                       &r.out[row * s.out_cols() + (int64_t)h * s.HD], &r.lse[idx], &r.D[idx],
-                      &r.dqkv[row * s.qkv_cols() + (int64_t)h * s.HD]);
+                      &r.dqkv[row * s.qkv_cols() + (int64_t)h * s.HD], &term[idx],
+                      out_given ? &Dg : nullptr);
     });
     parallel_for((int64_t)s.B * s.KVH * s.T, [&](int64_t idx) {
         const int j = (int)(idx % s.T), g = (int)(idx / s.T % s.KVH),
                   b = (int)(idx / s.T / s.KVH);
         float* row = &r.dqkv[((int64_t)b * s.T + j) * s.qkv_cols()];
-        ref_key_row(s, qkv.data(), dout.data(), r.lse.data(), r.D.data(), b, g, j,
+        ref_key_row(s, window, qkv.data(), dout.data(), r.lse.data(), r.D.data(), b, g, j,
                     row + (int64_t)(s.H + g) * s.HD, row + (int64_t)(s.H + s.KVH + g) * s.HD);
     });
+    dsinks.assign(s.H, 0.0);
+    for (int64_t idx = 0; idx < n_lse; idx++) dsinks[idx / s.T % s.H] += term[idx];
 }
 
 // ----------------------------------------------------------------------------
@@ -691,7 +718,8 @@ static int validate_case(const Shape& s, uint64_t seed, const LabOptions& opt,
     fill_random(qkv, seed * 2 + 1);
     fill_random(dout, seed * 2 + 2);
     Reference ref;
-    ref_attention(s, qkv, dout, ref);
+    std::vector<double> no_dsinks;
+    ref_attention(s, 0, {}, qkv, dout, ref, no_dsinks);
 
     DeviceCase c = case_alloc(s);
     lab_check(cudaMemcpy(c.qkv, qkv.data(), qkv.size() * 2, cudaMemcpyHostToDevice));
@@ -1034,13 +1062,14 @@ static int validate_big(const LabOptions& opt, FILE* log) {
         std::vector<double> p(s.T), dp(s.T);
         double rD;
         float* r = &ref_q[(size_t)idx * 2 * s.HD];
-        ref_query_row(s1, qkv.data(), dout.data(), 0, h, i, p.data(), dp.data(), r, &ref_lse[idx],
-                      &rD, r + s.HD);
+        double no_sink_term;
+        ref_query_row(s1, 0, NAN, qkv.data(), dout.data(), 0, h, i, p.data(), dp.data(), r,
+                      &ref_lse[idx], &rD, r + s.HD, &no_sink_term, nullptr);
     });
     parallel_for(n_keys * key_groups, [&](int64_t idx) {
         const int j = keys[idx / key_groups], g = (int)(idx % key_groups) * 3;
         float* r = &ref_k[(size_t)idx * 2 * s.HD];
-        ref_key_row(s1, qkv.data(), dout.data(), lse.data(), D.data(), 0, g, j, r, r + s.HD);
+        ref_key_row(s1, 0, qkv.data(), dout.data(), lse.data(), D.data(), 0, g, j, r, r + s.HD);
     });
     ErrAcc eo, el, eq, ek, ev;
     for (int idx = 0; idx < n_rows * row_heads; idx++) {
@@ -1385,136 +1414,7 @@ static void bench_backward_passes(const LabOptions& opt, FILE* log, const Shape&
 //     of 26,624 rows): causal without sinks (the old path), causal with sinks, window 128 with
 //     sinks. TFLOP/s over the pairs (query, key) actually visible, and the speed-up over causal.
 
-// fp64 reference of one query row (b, h, i) with window (0: none) and sink (NaN: none): out,
-// lse, D = sum_j P_ij dP_ij, dq, and the row's sink-gradient term -P_sink D. p, dp: T doubles.
-// D_given (optional): the row's D from the output the backward is given (the kernels compute D
-// from their own bf16 output, not the exact one: in a row whose weight sits mostly on one key or
-// on the sink, dP - D cancels and that rounding dominates the gradient), used instead of the
-// exact D for dq and the sink term.
-static void sink_ref_query_row(const Shape& s, int window, double sink, const uint16_t* qkv,
-                               const uint16_t* dout, int b, int h, int i, double* p, double* dp,
-                               float* out_row, double* lse_out, double* D_out, float* dq_row,
-                               double* dsink_term, const double* D_given) {
-    const int HD = s.HD, kvh = h / (s.H / s.KVH);
-    const int64_t QKV = s.qkv_cols(), OC = s.out_cols();
-    const double scale = 1.0 / std::sqrt((double)HD);
-    const bool has_sink = !std::isnan(sink);
-    const int j0 = window > 0 ? std::max(0, i - window + 1) : 0;
-    const uint16_t* q = qkv + ((int64_t)b * s.T + i) * QKV + (int64_t)h * HD;
-    const uint16_t* dy = dout + ((int64_t)b * s.T + i) * OC + (int64_t)h * HD;
-    std::vector<double> qd(HD), dyd(HD), acc(HD, 0.0);
-    for (int d = 0; d < HD; d++) qd[d] = bf16_to_float(q[d]), dyd[d] = bf16_to_float(dy[d]);
-    double mx = has_sink ? sink : -INFINITY;
-    for (int j = j0; j <= i; j++) {
-        const uint16_t* k = qkv + ((int64_t)b * s.T + j) * QKV + (int64_t)(s.H + kvh) * HD;
-        const uint16_t* v = k + (int64_t)s.KVH * HD;
-        double sk = 0.0, sv = 0.0;
-        for (int d = 0; d < HD; d++) {
-            sk += qd[d] * bf16_to_float(k[d]);
-            sv += dyd[d] * bf16_to_float(v[d]);
-        }
-        p[j] = sk * scale;
-        dp[j] = sv;
-        mx = std::max(mx, p[j]);
-    }
-    double l = has_sink ? std::exp(sink - mx) : 0.0;
-    for (int j = j0; j <= i; j++) l += (p[j] = std::exp(p[j] - mx));
-    double D = 0.0;
-    for (int j = j0; j <= i; j++) {
-        p[j] /= l;
-        D += p[j] * dp[j];
-        const uint16_t* v =
-            qkv + ((int64_t)b * s.T + j) * QKV + (int64_t)(s.H + s.KVH + kvh) * HD;
-        for (int d = 0; d < HD; d++) acc[d] += p[j] * bf16_to_float(v[d]);
-    }
-    for (int d = 0; d < HD; d++) out_row[d] = (float)acc[d];
-    *lse_out = mx + std::log(l);
-    if (D_given) D = *D_given;
-    *D_out = D;
-    *dsink_term = has_sink ? -std::exp(sink - *lse_out) * D : 0.0;
-    std::fill(acc.begin(), acc.end(), 0.0);
-    for (int j = j0; j <= i; j++) {
-        const double ds = p[j] * (dp[j] - D);
-        const uint16_t* k = qkv + ((int64_t)b * s.T + j) * QKV + (int64_t)(s.H + kvh) * HD;
-        for (int d = 0; d < HD; d++) acc[d] += ds * bf16_to_float(k[d]);
-    }
-    for (int d = 0; d < HD; d++) dq_row[d] = (float)(acc[d] * scale);
-}
 
-// One key row (b, kvh, j): dk, dv over the group's query heads and the queries i with
-// j <= i < j + window (window 0: to T), given lse (sinks included) and D per (b, h, i).
-static void sink_ref_key_row(const Shape& s, int window, const uint16_t* qkv,
-                             const uint16_t* dout, const double* lse, const double* Dv, int b,
-                             int kvh, int j, float* dk_row, float* dv_row) {
-    const int HD = s.HD, group = s.H / s.KVH;
-    const int64_t QKV = s.qkv_cols(), OC = s.out_cols();
-    const double scale = 1.0 / std::sqrt((double)HD);
-    const int i_end = window > 0 ? std::min(s.T, j + window) : s.T;
-    const uint16_t* k = qkv + ((int64_t)b * s.T + j) * QKV + (int64_t)(s.H + kvh) * HD;
-    const uint16_t* v = k + (int64_t)s.KVH * HD;
-    std::vector<double> kd(HD), vd(HD), dk(HD, 0.0), dv(HD, 0.0);
-    for (int d = 0; d < HD; d++) kd[d] = bf16_to_float(k[d]), vd[d] = bf16_to_float(v[d]);
-    for (int h = kvh * group; h < (kvh + 1) * group; h++)
-        for (int i = j; i < i_end; i++) {
-            const uint16_t* q = qkv + ((int64_t)b * s.T + i) * QKV + (int64_t)h * HD;
-            const uint16_t* dy = dout + ((int64_t)b * s.T + i) * OC + (int64_t)h * HD;
-            double sk = 0.0, sv = 0.0;
-            for (int d = 0; d < HD; d++) {
-                sk += bf16_to_float(q[d]) * kd[d];
-                sv += bf16_to_float(dy[d]) * vd[d];
-            }
-            const int64_t r = ((int64_t)b * s.H + h) * s.T + i;
-            const double P = std::exp(sk * scale - lse[r]);
-            const double ds = P * (sv - Dv[r]);
-            for (int d = 0; d < HD; d++) {
-                dk[d] += ds * bf16_to_float(q[d]);
-                dv[d] += P * bf16_to_float(dy[d]);
-            }
-        }
-    for (int d = 0; d < HD; d++) dk_row[d] = (float)(dk[d] * scale), dv_row[d] = (float)dv[d];
-}
-
-// The whole reference; sinks: H values or empty (none). dsinks (H) from zero. out_given
-// (optional, bf16 (B*T, H*HD)): the backward's D from this output (sink_ref_query_row).
-static void sink_ref_attention(const Shape& s, int window, const std::vector<float>& sinks,
-                               const std::vector<uint16_t>& qkv,
-                               const std::vector<uint16_t>& dout, Reference& r,
-                               std::vector<double>& dsinks,
-                               const std::vector<uint16_t>* out_given = nullptr) {
-    const int64_t rows = (int64_t)s.B * s.T, n_lse = (int64_t)s.B * s.H * s.T;
-    r.out.assign(rows * s.out_cols(), 0.0f);
-    r.lse.assign(n_lse, 0.0);
-    r.D.assign(n_lse, 0.0);
-    r.dqkv.assign(rows * s.qkv_cols(), 0.0f);
-    std::vector<double> term(n_lse, 0.0);
-    parallel_for(n_lse, [&](int64_t idx) {
-        const int i = (int)(idx % s.T), h = (int)(idx / s.T % s.H), b = (int)(idx / s.T / s.H);
-        std::vector<double> p(s.T), dp(s.T);
-        const int64_t row = (int64_t)b * s.T + i;
-        const double sink = sinks.empty() ? NAN : (double)sinks[h];
-        double Dg = 0.0;
-        if (out_given) {
-            const int64_t o = row * s.out_cols() + (int64_t)h * s.HD;
-            for (int d = 0; d < s.HD; d++)
-                Dg += (double)bf16_to_float(dout[o + d]) * bf16_to_float((*out_given)[o + d]);
-        }
-        sink_ref_query_row(s, window, sink, qkv.data(), dout.data(), b, h, i, p.data(),
-                           dp.data(), &r.out[row * s.out_cols() + (int64_t)h * s.HD],
-                           &r.lse[idx], &r.D[idx],
-                           &r.dqkv[row * s.qkv_cols() + (int64_t)h * s.HD], &term[idx],
-                           out_given ? &Dg : nullptr);
-    });
-    parallel_for((int64_t)s.B * s.KVH * s.T, [&](int64_t idx) {
-        const int j = (int)(idx % s.T), g = (int)(idx / s.T % s.KVH),
-                  b = (int)(idx / s.T / s.KVH);
-        float* row = &r.dqkv[((int64_t)b * s.T + j) * s.qkv_cols()];
-        sink_ref_key_row(s, window, qkv.data(), dout.data(), r.lse.data(), r.D.data(), b, g, j,
-                         row + (int64_t)(s.H + g) * s.HD,
-                         row + (int64_t)(s.H + s.KVH + g) * s.HD);
-    });
-    dsinks.assign(s.H, 0.0);
-    for (int64_t idx = 0; idx < n_lse; idx++) dsinks[idx / s.T % s.H] += term[idx];
-}
 
 // A way to run the sink attention: forward, and backward (dsinks += from the workspace's D).
 typedef void (*SinkForwardFn)(void* out, float* lse, const void* qkv, const void* sinks, int B,
@@ -1602,7 +1502,7 @@ static int sink_validate_case(const SinkCaseSpec& k, uint64_t seed, FILE* log) {
         }
     Reference ref;
     std::vector<double> ref_ds;
-    sink_ref_attention(s, k.window, sinks, qkv, dout, ref, ref_ds);
+    ref_attention(s, k.window, sinks, qkv, dout, ref, ref_ds);
 
     DeviceCase c = case_alloc(s);
     bf16* d_sinks = nullptr;
@@ -1642,7 +1542,7 @@ static int sink_validate_case(const SinkCaseSpec& k, uint64_t seed, FILE* log) {
             // the backward against the reference given this variant's own output (its D)
             Reference rb;
             std::vector<double> rb_ds;
-            sink_ref_attention(s, k.window, sinks, qkv, dout, rb, rb_ds, &out[0]);
+            ref_attention(s, k.window, sinks, qkv, dout, rb, rb_ds, &out[0]);
             errors_backward(s, dqkv[0], rb.dqkv, e);
             for (int h = 0; h < s.H; h++) eds.add(ds[0][h], rb_ds[h]);
         }
