@@ -127,8 +127,20 @@ int lora_load_weights(const char* path, const Model* m, Store* s, char* err) {
     return rc;
 }
 
-// target_modules: a list of PEFT module names (or "all-linear") into a LoraTarget set.
-static int config_targets(const JsonValue* v, unsigned* targets, const char* path, char* err) {
+// PEFT's rule for a target_modules list: an entry names the module whose full path equals it or
+// ends with "." + entry ("q_proj" and "model.layers.0.self_attn.q_proj" both name layer 0's q
+// projection; peft writes all-linear as the list of full paths). Each target must then be adapted
+// in every block that has it, or in none: per-layer target lists are refused.
+static int entry_matches(const char* entry, const char* module) {
+    const size_t le = strlen(entry), lm = strlen(module);
+    if (le > lm) return 0;
+    if (strcmp(module + (lm - le), entry) != 0) return 0;
+    return le == lm || module[lm - le - 1] == '.';
+}
+
+// target_modules: "all-linear" or a list of PEFT module names into a LoraTarget set.
+static int config_targets(const JsonValue* v, const ModelConfig* c, unsigned* targets,
+                          const char* path, char* err) {
     *targets = 0;
     if (v && v->type == JSON_STRING && strcmp(v->str, "all-linear") == 0) {
         *targets = LORA_ALL_LINEAR;
@@ -137,18 +149,47 @@ static int config_targets(const JsonValue* v, unsigned* targets, const char* pat
     if (!v || v->type != JSON_ARRAY)
         return errorf(err, "%s: target_modules must be a list of module names (a regular "
                            "expression is not supported)", path);
+    int covered[LORA_N_TARGETS] = {0}, present[LORA_N_TARGETS] = {0}, first_missing[LORA_N_TARGETS];
+    for (int tg = 0; tg < LORA_N_TARGETS; tg++) first_missing[tg] = -1;
+    for (size_t k = 0; k < v->n; k++)
+        if (v->items[k].type != JSON_STRING)
+            return errorf(err, "%s: target_modules[%zu] is not a string", path, k);
     for (size_t k = 0; k < v->n; k++) {
-        const JsonValue* e = &v->items[k];
-        int found = -1;
-        for (int tg = 0; tg < LORA_N_TARGETS && e->type == JSON_STRING; tg++)
-            if (strcmp(e->str, lora_target_name((LoraTarget)tg)) == 0) found = tg;
-        if (found < 0)
-            return errorf(err, "%s: target module %s%s%s is not supported (q_proj, k_proj, "
-                               "v_proj, o_proj, gate_proj, up_proj, down_proj, gate: an MoE router)", path,
-                          e->type == JSON_STRING ? "'" : "",
-                          e->type == JSON_STRING ? e->str : "(not a string)",
-                          e->type == JSON_STRING ? "'" : "");
-        *targets |= LORA_BIT(found);
+        const char* e = v->items[k].str;
+        int hits = 0;
+        for (int l = 0; l < c->L; l++)
+            for (int tg = 0; tg < LORA_N_TARGETS; tg++) {
+                if (!lora_block_has_target(c, l, tg)) continue;
+                char module[128];
+                snprintf(module, sizeof module, "model.layers.%d.%s.%s", l,
+                         lora_target_parent((LoraTarget)tg), lora_target_name((LoraTarget)tg));
+                hits += entry_matches(e, module);
+            }
+        if (hits == 0)
+            return errorf(err, "%s: target module '%s' names no linear this trainer adapts in "
+                               "this model (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+                               "down_proj, gate: an MoE router)", path, e);
+    }
+    for (int l = 0; l < c->L; l++)
+        for (int tg = 0; tg < LORA_N_TARGETS; tg++) {
+            if (!lora_block_has_target(c, l, tg)) continue;
+            char module[128];
+            snprintf(module, sizeof module, "model.layers.%d.%s.%s", l,
+                     lora_target_parent((LoraTarget)tg), lora_target_name((LoraTarget)tg));
+            int hit = 0;
+            for (size_t k = 0; k < v->n && !hit; k++) hit = entry_matches(v->items[k].str, module);
+            present[tg]++;
+            covered[tg] += hit;
+            if (!hit && first_missing[tg] < 0) first_missing[tg] = l;
+        }
+    for (int tg = 0; tg < LORA_N_TARGETS; tg++) {
+        if (covered[tg] == 0) continue;
+        if (covered[tg] != present[tg])
+            return errorf(err, "%s: target_modules adapt %s in %d of the %d blocks that have it "
+                               "(not in layer %d); per-layer targets are not supported", path,
+                          lora_target_name((LoraTarget)tg), covered[tg], present[tg],
+                          first_missing[tg]);
+        *targets |= LORA_BIT(tg);
     }
     return 0;
 }
@@ -195,7 +236,7 @@ static int check_config(const JsonValue* root, const Model* m, const char* path,
         return errorf(err, "%s: the adapter has use_rslora %s but this run %s --rslora", path,
                       rs ? "true" : "false", l->rslora ? "has" : "has no");
     unsigned targets = 0;
-    if (config_targets(json_get(root, "target_modules"), &targets, path, err) != 0) return -1;
+    if (config_targets(json_get(root, "target_modules"), &m->cfg, &targets, path, err) != 0) return -1;
     // all-linear: the linears this model has (as the table narrowed --lora-targets)
     if (targets == LORA_ALL_LINEAR &&
         lora_targets_for_model(&m->cfg, targets, &targets, err) != 0)

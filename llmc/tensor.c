@@ -202,7 +202,7 @@ void lora_target_dims(const ModelConfig* c, LoraTarget target, int64_t* in, int6
 }
 
 // Whether block l has the linear tg adapts (MoE blocks: no dense MLP; dense blocks: no router).
-static int block_has_target(const ModelConfig* c, int l, int tg) {
+int lora_block_has_target(const ModelConfig* c, int l, int tg) {
     const int moe = config_block_is_moe(c, l);
     if (tg == LORA_ROUTER) return moe;
     if (tg >= LORA_GATE) return !moe;
@@ -245,7 +245,7 @@ static unsigned targets_present(const ModelConfig* c, unsigned targets) {
     unsigned have = 0;
     for (int l = 0; l < c->L; l++)
         for (int tg = 0; tg < LORA_N_TARGETS; tg++)
-            if (block_has_target(c, l, tg)) have |= LORA_BIT(tg);
+            if (lora_block_has_target(c, l, tg)) have |= LORA_BIT(tg);
     return targets & have;
 }
 
@@ -258,7 +258,7 @@ int lora_targets_for_model(const ModelConfig* c, unsigned targets, unsigned* out
 // Block l's adapters, A then B per target in target order, after the block's own tensors.
 static void add_lora_tensors(Builder* b, const ModelConfig* c, const LoraSpec* lora, int l) {
     for (int tg = 0; tg < LORA_N_TARGETS; tg++) {
-        if (!(lora->targets & LORA_BIT(tg)) || !block_has_target(c, l, tg)) continue;
+        if (!(lora->targets & LORA_BIT(tg)) || !lora_block_has_target(c, l, tg)) continue;
         int64_t in, out;
         lora_target_dims(c, (LoraTarget)tg, &in, &out);
         for (int k = 0; k < 2; k++) {

@@ -178,6 +178,9 @@ int lora_targets_for_model(const ModelConfig* c, unsigned targets, unsigned* out
 // PEFT's module name of a target ("q_proj") and its place in the block ("self_attn", "mlp").
 const char* lora_target_name(LoraTarget target);
 const char* lora_target_parent(LoraTarget target);
+// Whether block l of this configuration has the linear `target` (the router only in MoE blocks,
+// gate / up / down only in dense-MLP blocks).
+int lora_block_has_target(const ModelConfig* c, int l, int target);
 // (in, out) features of a target's linear in model c.
 void lora_target_dims(const ModelConfig* c, LoraTarget target, int64_t* in, int64_t* out);
 const char* tensor_kind_name(TensorKind k);

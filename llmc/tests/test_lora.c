@@ -559,6 +559,54 @@ static void test_lora_peft_files(TestCtx* t) {
         store_free(&s2);
         model_free(&m2);
     }
+    // target_modules as peft writes them: full module paths (its all-linear), suffixes; a target
+    // adapted in some layers only, or an entry naming no adapted linear, refused in one line
+    {
+        snprintf(path, sizeof path, "%s/adapter_config.json", dir);
+        char* orig = test_read_file(path, NULL);
+        char* lo = strstr(orig, "\"target_modules\": [");
+        char* hi = lo ? strchr(lo, ']') : NULL;
+        CHECK(t, lo && hi, "target_modules in %s", orig);
+        char full[2048] = "";
+        for (int b = 0; b < c.L; b++) {
+            char one[256];
+            snprintf(one, sizeof one, "%s\"model.layers.%d.self_attn.q_proj\", "
+                     "\"model.layers.%d.self_attn.v_proj\", \"model.layers.%d.mlp.down_proj\"",
+                     b ? ", " : "", b, b, b);
+            strcat(full, one);
+        }
+        struct {
+            const char* list;
+            const char* must;  // NULL: loads
+        } tm[] = {
+            {full, NULL},
+            {"\"self_attn.q_proj\", \"v_proj\", \"mlp.down_proj\"", NULL},
+            {"\"model.layers.0.self_attn.q_proj\", \"v_proj\", \"down_proj\"", "per-layer"},
+            {"\"q_proj\", \"v_proj\", \"down_proj\", \"lm_head\"", "'lm_head' names no linear"},
+            {"\"q_proj\", \"v_proj\", \"down_proj\", 7", "target_modules[3] is not a string"},
+        };
+        for (size_t k = 0; lo && hi && k < sizeof tm / sizeof tm[0]; k++) {
+            FILE* f = fopen(path, "wb");
+            CHECK(t, f != NULL, "%s", path);
+            if (!f) break;
+            fprintf(f, "%.*s\"target_modules\": [%s%s", (int)(lo - orig), orig, tm[k].list, hi);
+            fclose(f);
+            CHECK(t, model_init_lora(&m2, &c, 0, &l, err) == 0, "%s", err);
+            store_create(&s2, &m2.tt);
+            const int rc = lora_load_peft(dir, &m2, &s2, err);
+            if (!tm[k].must)
+                CHECK(t, rc == 0, "target_modules case %zu loads: %s", k, err);
+            else
+                CHECK(t, rc != 0 && strstr(err, tm[k].must) && !strchr(err, '\n'),
+                      "target_modules case %zu refused naming '%s': %s", k, tm[k].must,
+                      rc ? err : "(loaded)");
+            store_free(&s2);
+            model_free(&m2);
+        }
+        FILE* f = fopen(path, "wb");  // the saved config back, for the cases below
+        CHECK(t, f && fputs(orig, f) >= 0 && fclose(f) == 0, "%s", path);
+        free(orig);
+    }
     // a missing tensor, an extra tensor, a wrong shape
     for (int k = 0; k < 3; k++) {
         StWriter w;
