@@ -439,19 +439,13 @@ static const char* closest_flag(const struct option* opts, const char* flag) {
     return best;
 }
 
-// The LoRA flags together: every other --lora-* flag needs --lora-r; LoRA trains on the CPU
-// (plain and the engine's emulated devices) for now, GPUs only plan.
+// The LoRA flags together: every other --lora-* flag needs --lora-r.
 static int check_lora(const TrainArgs* a) {
     if (a->lora_r == 0) {
         if (a->lora_flag)
             return bad(a->lora_flag, "", "needs --lora-r R (LoRA is off without a rank)");
         return 0;
     }
-    char v[32];
-    snprintf(v, sizeof v, "%d", a->lora_r);
-    if (a->device == DEVICE_CUDA && !a->plan_only)
-        return bad("--lora-r", v, "LoRA trains with --device cpu and cpu:N for now: the GPU path "
-                   "is written but awaits validation on a GPU (--plan shows its plan)");
     if (a->lora_targets != LORA_ALL_LINEAR && (a->lora_targets & LORA_EXPERTS_BIT))
         return bad("--lora-targets", a->lora_targets_arg, "per-expert adapters (MoE models) are "
                    "not supported yet");

@@ -176,9 +176,6 @@ int trainer_create(Trainer* t, const TrainArgs* a, const Model* m, Store* s, Tra
     const int use_engine = n_devices > 0;
     const int N = use_engine ? n_devices : 1;
     // (mixture-of-experts models on a backend without MoE ops: workspace_create says so)
-    if (t->use_cuda && m->tt.lora.r > 0)
-        return errorf(err, "LoRA on GPUs awaits validation on a GPU: train with --device cpu or "
-                           "cpu:N for now (--plan shows the GPU plan)");
     // The plain path also serves evaluation, sampling and --dump-state: on GPU 0 when training
     // on GPUs.
     t->ops = &ops_cpu;

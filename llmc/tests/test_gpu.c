@@ -1209,16 +1209,6 @@ static float* params_flat(const Model* m, const Store* s) {
     return out;
 }
 
-// ||a - b|| over n floats, in double.
-static double l2_dist(const float* a, const float* b, size_t n) {
-    double sum = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        const double d = (double)a[i] - (double)b[i];
-        sum += d * d;
-    }
-    return sqrt(sum);
-}
-
 typedef struct TrainRun {
     int ok;                     // the engine was made and ran every step
     PartitionPlan plan;         // the plan it ran

@@ -658,7 +658,6 @@ static void test_lora_cli_flags(TestCtx* t) {
     } cases[] = {
         {"--lora-alpha 16", "needs --lora-r"},
         {"--export-lora x", "needs --lora-r"},
-        {"--lora-r 4 --device cuda", "awaits validation on a GPU"},
         {"--lora-r 4 --merge-lora", "--export-hf"},
         {"--lora-r 4 --lora-targets q,foo", "unknown module"},
         {"--lora-r 4 --lora-targets experts", "not supported yet"},
@@ -827,6 +826,7 @@ static void test_lora_cli_resume(TestCtx* t) {
 typedef struct LoraRun {
     double loss[ENG_STEPS];
     float* params;      // every parameter slab after the last step, concatenated
+    float* params0;     // the same before the first step (engine runs without release; or NULL)
     int64_t n_params;
     uint64_t grad_down; // bytes the devices' gradient streams downloaded
     int64_t gated;
@@ -859,6 +859,7 @@ static int32_t* lora_batches(int B, int T, uint32_t seed, int V) {
 // The plain trainer's run (testing.c's reference; rounds > 1: split rounds' sums).
 static void lora_reference(LoraRun* run, const ModelConfig* c, const LoraSpec* l, int B, int T,
                            int M, const int32_t* tokens, int delayed, int rounds) {
+    memset(run, 0, sizeof *run);
     void* ctx = ops_cpu_create(1);
     RefTrain r = {.c = c, .ops = &ops_cpu, .ctx = ctx, .B = B, .T = T, .M = M,
                   .steps = ENG_STEPS, .delayed = delayed, .rounds = rounds,
@@ -885,6 +886,13 @@ static int lora_engine_on(TestCtx* t, const DeviceImpl* impl, LoraRun* run, cons
     for (int k = 0; round_bf16 && k < m.tt.n_layers; k++)
         for (int64_t i = 0; i < m.tt.param_numel[k]; i++)
             s.param[k][i] = bf16_to_f32(f32_to_bf16(s.param[k][i]));
+    if (!release) {  // the initial weights, in the layout of run->params
+        int64_t n0 = 0;
+        for (int l2 = 0; l2 < m.tt.n_layers; l2++) n0 += m.tt.param_numel[l2];
+        run->params0 = malloc_check((size_t)(n0 > 0 ? n0 : 1) * sizeof(float));
+        for (int l2 = 0, o = 0; l2 < m.tt.n_layers; o += (int)m.tt.param_numel[l2], l2++)
+            memcpy(run->params0 + o, s.param[l2], (size_t)m.tt.param_numel[l2] * sizeof(float));
+    }
     DeviceOptions dopt = {.threads = 1, .delay_seed = 99, .max_delay_us = lc->delays ? 50 : 0};
     DeviceSet devs;
     device_set_open(&devs, impl, lc->N, &dopt);
@@ -1007,6 +1015,7 @@ static void test_lora_engine_sync_matches_plain(TestCtx* t) {
                   "case %zu: %llu gradient bytes downloaded, the adapters' are %llu per round", k,
                   (unsigned long long)r.grad_down, (unsigned long long)gbytes);
             free(r.params);
+            free(r.params0);
         }
         // row chunks: two micro-batches of two chunks each sum as four micro-batches (without
         // dropout: a chunk of micro-batch 0 keeps micro-batch 0's masks, not micro-batch 1's)
@@ -1021,9 +1030,12 @@ static void test_lora_engine_sync_matches_plain(TestCtx* t) {
             CHECK(t, lora_runs_identical(&r, &ref0), "tied %d row chunks case %zu: loss %.9g vs "
                   "%.9g", tied, k, r.loss[ENG_STEPS - 1], ref0.loss[ENG_STEPS - 1]);
             free(r.params);
+            free(r.params0);
         }
         free(ref0.params);
+        free(ref0.params0);
         free(ref.params);
+        free(ref.params0);
         free(tokens);
     }
 }
@@ -1052,8 +1064,10 @@ static void test_lora_engine_moe(TestCtx* t) {
             CHECK(t, lora_runs_identical(&r, &ref), "%s case %zu (S %d): loss %.9g vs plain %.9g",
                   presets[k], j, r.S, r.loss[ENG_STEPS - 1], ref.loss[ENG_STEPS - 1]);
             free(r.params);
+            free(r.params0);
         }
         free(ref.params);
+        free(ref.params0);
         free(tokens);
     }
 }
@@ -1085,8 +1099,10 @@ static void test_lora_engine_delayed(TestCtx* t) {
                   tied, k, cases[k].N, r.S, r.loss[0], r.loss[ENG_STEPS - 1], ref.loss[0],
                   ref.loss[ENG_STEPS - 1]);
             free(r.params);
+            free(r.params0);
         }
         free(ref.params);
+        free(ref.params0);
         // split rounds: two devices, one round each at once
         LoraRun sref, run;
         lora_reference(&sref, &c, &l, B, T, 2, tokens, 1, 2);
@@ -1095,8 +1111,10 @@ static void test_lora_engine_delayed(TestCtx* t) {
             CHECK(t, lora_runs_identical(&run, &sref), "split rounds tied %d: loss %.9g vs %.9g",
                   tied, run.loss[ENG_STEPS - 1], sref.loss[ENG_STEPS - 1]);
             free(run.params);
+            free(run.params0);
         }
         free(sref.params);
+        free(sref.params0);
         free(tokens);
     }
 }
@@ -1418,8 +1436,32 @@ static void test_lora_gpu_ops(TestCtx* t) {
     ops_cpu_destroy(c);
 }
 
+// One batch of fixture f on the GPU's plain path: its loss, and every gradient slab (the adapters'
+// only on a LoRA model; every tensor's on a dense one) into *g (n floats).
+static double gpu_fix_grads(Fix* f, float** g, int64_t* n) {
+    void* ctx = ops_cuda_create(0, NULL);
+    Plain* p = plain_create(&f->m, &f->s, &ops_cuda, ctx, f->B, f->T, 0);
+    p->ws->lora_seed = 77;  // fix_init's
+    store_zero_grads(&f->s);
+    const double N = (double)f->B * f->T;
+    const double loss = plain_forward_backward(p, f->tokens, f->B, f->T, (float)(1.0 / N)) / N;
+    plain_sync_grads(p);
+    *g = lora_grads_copy(f, n);
+    plain_free(p);
+    ops_cuda_destroy(ctx);
+    return loss;
+}
+
+// A fixture's weights rounded to bf16, so both backends compute from the same weights.
+static void fix_round_bf16(Fix* f) {
+    for (int k = 0; k < f->m.tt.n_layers; k++)
+        for (int64_t i = 0; i < f->m.tt.param_numel[k]; i++)
+            f->s.param[k][i] = bf16_value(f->s.param[k][i]);
+}
+
 // One batch of a LoRA model (all-linear, dropout, random B) on the GPU's plain path against the
-// CPU: the loss and the adapters' gradients within bf16 tolerances, no base gradient.
+// CPU: the loss, and the adapters' gradients within the bf16 noise of the same model trained in
+// full (every tensor's gradient, GPU vs CPU: the tiny model's bf16 rounding), no base gradient.
 static void test_lora_gpu_model(TestCtx* t) {
     if (cuda_device_count() == 0) {
         test_skip(t, "no GPU: cudaGetDeviceCount found no CUDA device");
@@ -1432,32 +1474,40 @@ static void test_lora_gpu_model(TestCtx* t) {
         c.KVH = 2;
         c.HD = 16;
         c.F = 128;
+        // the noise floor: full fine-tuning of the same configuration
+        const LoraSpec none = spec(0, 8.0f, LORA_ALL_LINEAR, 0.0f, 0);
+        Fix d;
+        fix_init(&d, &c, &none, 0, 0);
+        fix_round_bf16(&d);
+        fix_grads(&d);
+        int64_t nd;
+        float* dc = lora_grads_copy(&d, &nd);
+        float* dg;
+        gpu_fix_grads(&d, &dg, &nd);
+        const double floor = rel_l2_error(dg, dc, (size_t)nd);
+        free(dc);
+        free(dg);
+        fix_free(&d);
+
         LoraSpec l = spec(8, 16.0f, LORA_ALL_LINEAR, 0.1f, 0);
         Fix a;
         fix_init(&a, &c, &l, 0, 0);
-        for (int k = 0; k < a.m.tt.n_layers; k++)  // the same (bf16) weights on both backends
-            for (int64_t i = 0; i < a.m.tt.param_numel[k]; i++)
-                a.s.param[k][i] = bf16_value(a.s.param[k][i]);
+        fix_round_bf16(&a);
         const double lc = fix_grads(&a);
         int64_t n;
         float* gc = lora_grads_copy(&a, &n);
-        void* g = ops_cuda_create(0, NULL);
-        Plain* p = plain_create(&a.m, &a.s, &ops_cuda, g, a.B, a.T, 0);
-        p->ws->lora_seed = 77;  // fix_init's
-        store_zero_grads(&a.s);
-        const double N = (double)a.B * a.T;
-        const double lg = plain_forward_backward(p, a.tokens, a.B, a.T, (float)(1.0 / N)) / N;
-        plain_sync_grads(p);
-        float* gg = lora_grads_copy(&a, &n);
+        float* gg;
+        const double lg = gpu_fix_grads(&a, &gg, &n);
         CHECK(t, fabs(lg - lc) <= 2e-2 * fabs(lc), "%s: GPU loss %.6f vs CPU %.6f",
               family_names[c.family], lg, lc);
         const double e = rel_l2_error(gg, gc, (size_t)n);
-        CHECK(t, e <= 5e-2, "%s: adapter gradients relative L2 error %.3g",
-              family_names[c.family], e);
-        printf("  %s: loss %.6f vs %.6f, adapter gradient error %.3g\n", family_names[c.family], lg,
-               lc, e);
-        plain_free(p);
-        ops_cuda_destroy(g);
+        const double tol = fmax(5e-2, 2.0 * floor);
+        CHECK(t, e <= tol, "%s: adapter gradients relative L2 error %.3g (tol %.3g: twice the "
+              "full model's %.3g, at least 0.05)", family_names[c.family], e, tol, floor);
+        CHECK(t, floor <= 0.1, "%s: full fine-tuning's GPU gradients are %.3g off the CPU's",
+              family_names[c.family], floor);
+        printf("  %s: loss %.6f vs %.6f, adapter gradient error %.3g (full fine-tuning's "
+               "gradients: %.3g)\n", family_names[c.family], lg, lc, e, floor);
         free(gc);
         free(gg);
         fix_free(&a);
@@ -1490,7 +1540,9 @@ static void test_lora_gpu_engine(TestCtx* t) {
     int32_t* tokens = lora_batches(B, T, 41, c.V);
     for (int sync = 1; sync >= 0; sync--) {
         const LoraCase lc = {N, 4, 4, sync, 0, RECOMPUTE_STAGE, 0, 0, 0, 0, 0};
-        const LoraCase lc_stages = {N, 4, 2, sync, 0, RECOMPUTE_LAYER, 1.2e6, 0, 0, 0, 0};
+        // (bf16 weights and activations: half the emulated fp32 devices' 1.2e6-byte budget that
+        // gives them several stages)
+        const LoraCase lc_stages = {N, 4, 2, sync, 0, RECOMPUTE_LAYER, 0.6e6, 0, 0, 0, 0};
         LoraRun cpu, gpu, gpu_rel, gpu_st;
         if (lora_engine_on(t, &device_cpu_impl, &cpu, &c, &l, B, T, &lc, tokens, 1, 0) != 0)
             continue;
@@ -1499,9 +1551,14 @@ static void test_lora_gpu_engine(TestCtx* t) {
                 CHECK(t, fabs(gpu.loss[k] - cpu.loss[k]) <= 2e-2 * fabs(cpu.loss[k]),
                       "sync %d step %d: GPU loss %.6f vs emulated %.6f", sync, k, gpu.loss[k],
                       cpu.loss[k]);
-            const double e = rel_l2_error(gpu.params, cpu.params, (size_t)cpu.n_params);
-            CHECK(t, e <= 1e-2, "sync %d: weights after training, relative L2 error %.3g", sync,
-                  e);
+            // as test_gpu's training test: the distance between the GPU's and the emulated
+            // devices' weights against the distance training moved them (bf16 gradients steer
+            // AdamW's sign-like first steps: a relative error of the whole vector says little)
+            const double change = l2_dist(cpu.params, cpu.params0, (size_t)cpu.n_params);
+            const double e = l2_dist(gpu.params, cpu.params, (size_t)cpu.n_params) /
+                             (change > 0 ? change : 1.0);
+            CHECK(t, change > 0 && e <= 0.1, "sync %d: weights after training, ||w_gpu - w_cpu|| "
+                  "/ ||w_cpu - w_0|| = %.3g (tol 0.1)", sync, e);
             CHECK(t, gpu.grad_down == ENG_STEPS * gbytes, "sync %d: %llu gradient bytes "
                   "downloaded, the adapters' %llu per step", sync,
                   (unsigned long long)gpu.grad_down, (unsigned long long)gbytes);
@@ -1513,8 +1570,10 @@ static void test_lora_gpu_engine(TestCtx* t) {
                 for (int k = 0; k < ENG_STEPS; k++) same &= gpu_rel.loss[k] == gpu.loss[k];
                 CHECK(t, same, "sync %d: the released fp32 base changes the losses", sync);
                 free(gpu_rel.params);
+                free(gpu_rel.params0);
             }
             free(gpu.params);
+            free(gpu.params0);
         }
         if (lora_engine_on(t, &device_cuda_impl, &gpu_st, &c, &l, B, T, &lc_stages, tokens, 1,
                            0) == 0) {
@@ -1524,8 +1583,10 @@ static void test_lora_gpu_engine(TestCtx* t) {
                       "sync %d stages step %d: GPU loss %.6f vs emulated %.6f", sync, k,
                       gpu_st.loss[k], cpu.loss[k]);
             free(gpu_st.params);
+            free(gpu_st.params0);
         }
         free(cpu.params);
+        free(cpu.params0);
     }
     free(tokens);
 #else

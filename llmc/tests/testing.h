@@ -84,6 +84,16 @@ static inline double rel_l2_error(const float* a, const float* b, size_t n) {
     return sqrt(num) / (den > 0 ? sqrt(den) : 1e-30);
 }
 
+// ||a - b|| of two float arrays, in double.
+static inline double l2_dist(const float* a, const float* b, size_t n) {
+    double sum = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        const double d = (double)a[i] - (double)b[i];
+        sum += d * d;
+    }
+    return sqrt(sum);
+}
+
 // Build "tmpdir/name" into buf (cap bytes) and return buf.
 static inline const char* test_path(const TestCtx* t, char* buf, size_t cap, const char* name) {
     snprintf(buf, cap, "%s/%s", t->tmpdir, name);
