@@ -190,10 +190,6 @@ void cuda_swiglu_forward(CudaCtx* cx, bf16* out, const bf16* gu, int N, int F);
 void cuda_swiglu_backward(CudaCtx* cx, bf16* dgu, const bf16* dout, const bf16* gu, int N, int F);
 void cuda_add(CudaCtx* cx, bf16* out, const bf16* a, const bf16* b, size_t n);
 void cuda_add_f32(CudaCtx* cx, float* dst, const float* src, size_t n);
-void cuda_add_cols_scaled(CudaCtx* cx, bf16* out, const bf16* src, float scale, int N, int ld,
-                          int c0, int w);
-void cuda_get_cols_scaled(CudaCtx* cx, bf16* dst, const bf16* src, float scale, int N, int ld,
-                          int c0, int w);
 void cuda_dropout(CudaCtx* cx, bf16* out, const bf16* inp, float p, uint64_t seed, int64_t row0,
                   int N, int C);
 // dst (C) += Σ_p partial (n_parts, C), parts summed in an order fixed by n_parts.
@@ -214,6 +210,11 @@ void cuda_matmul_forward(CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w,
                          int N, int IC, int OC);
 void cuda_matmul_backward(CudaCtx* cx, bf16* dinp, float* dw, float* dbias, const bf16* dout,
                           const bf16* inp, const bf16* w, int N, int IC, int OC);
+void cuda_matmul_cols_add(CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w, float scale,
+                          int N, int IC, int OC, int ld, int c0);
+void cuda_matmul_cols_backward(CudaCtx* cx, bf16* dinp, int accumulate, float* dw,
+                               const bf16* dout, const bf16* inp, const bf16* w, float scale,
+                               int N, int IC, int OC, int ld, int c0);
 void cuda_matmul_plans_free(CudaCtx* cx);
 
 // rope.cu

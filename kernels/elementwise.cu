@@ -225,29 +225,7 @@ void cuda_add_f32(CudaCtx* cx, float* dst, const float* src, size_t n) {
 }
 
 // ----------------------------------------------------------------------------
-// LoRA: a scaled column range of a fused output (add into it, read out of it), dropout
-// (ops.h). Scalar grid-stride kernels: the adapter's products are (N, r) and (N, out) with small
-// r, so these passes are a few percent of a block's traffic.
-
-__global__ void add_cols_scaled_kernel(bf16* out, const bf16* __restrict__ src, float scale,
-                                       size_t n, int ld, int c0, int w) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        const size_t row = i / (size_t)w, col = i % (size_t)w;
-        bf16* o = out + row * (size_t)ld + c0 + col;
-        const float d = scale * __bfloat162float(src[i]);
-        *o = __float2bfloat16_rn(__bfloat162float(*o) + d);
-    }
-}
-
-__global__ void get_cols_scaled_kernel(bf16* __restrict__ dst, const bf16* __restrict__ src,
-                                       float scale, size_t n, int ld, int c0, int w) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        const size_t row = i / (size_t)w, col = i % (size_t)w;
-        dst[i] = __float2bfloat16_rn(scale * __bfloat162float(src[row * (size_t)ld + c0 + col]));
-    }
-}
+// LoRA's dropout (ops.h).
 
 // lora_dropout_hash of ops.h, for the device (the same integer math: the same mask as the CPU).
 __device__ __forceinline__ uint32_t dropout_hash(uint64_t seed, uint64_t i) {
@@ -266,24 +244,6 @@ __global__ void dropout_kernel(bf16* out, const bf16* inp, float inv_keep, uint3
         const int keep = dropout_hash(seed, first + i) >= threshold;
         out[i] = __float2bfloat16_rn(keep ? __bfloat162float(inp[i]) * inv_keep : 0.0f);
     }
-}
-
-void cuda_add_cols_scaled(CudaCtx* cx, bf16* out, const bf16* src, float scale, int N, int ld,
-                          int c0, int w) {
-    const size_t n = (size_t)N * (size_t)w;
-    if (n == 0) return;
-    add_cols_scaled_kernel<<<stride_grid(cx, n, 256), 256, 0, cx->stream>>>(out, src, scale, n, ld,
-                                                                            c0, w);
-    cuda_check_launch();
-}
-
-void cuda_get_cols_scaled(CudaCtx* cx, bf16* dst, const bf16* src, float scale, int N, int ld,
-                          int c0, int w) {
-    const size_t n = (size_t)N * (size_t)w;
-    if (n == 0) return;
-    get_cols_scaled_kernel<<<stride_grid(cx, n, 256), 256, 0, cx->stream>>>(dst, src, scale, n, ld,
-                                                                            c0, w);
-    cuda_check_launch();
 }
 
 void cuda_dropout(CudaCtx* cx, bf16* out, const bf16* inp, float p, uint64_t seed, int64_t row0,

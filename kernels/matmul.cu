@@ -127,7 +127,7 @@ static MatmulPlan* plan_get(CudaCtx* cx, const MatmulKey* key) {
 // D (m, n) = alpha op(A) op(B) + beta D (column-major), with the plan for this problem.
 static void lt_matmul(CudaCtx* cx, int transa, int transb, int m, int n, int k, const bf16* A,
                       int lda, const bf16* B, int ldb, void* D, int ldc, int out_f32,
-                      const bf16* bias, float beta) {
+                      const bf16* bias, float beta, float alpha) {
     MatmulKey key;
     memset(&key, 0, sizeof key);  // padding bytes take part in the memcmp
     key.transa = transa;
@@ -149,7 +149,6 @@ static void lt_matmul(CudaCtx* cx, int transa, int transb, int m, int n, int k, 
     if (bias)
         cublas_check(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                     &bias, sizeof bias));
-    const float alpha = 1.0f;
     cublas_check(cublasLtMatmul(cx->lt, p->desc, &alpha, A, p->a, B, p->b, &beta, D, p->d, D,
                                 p->d, &p->algo, cx->lt_workspace, LT_WORKSPACE_BYTES,
                                 cx->stream));
@@ -187,7 +186,8 @@ void cuda_matmul_forward(CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w,
                          int N, int IC, int OC) {
     if (N <= 0 || OC <= 0) return;
     int fused_bias = bias != NULL && is_aligned16(bias);
-    lt_matmul(cx, 1, 0, OC, N, IC, w, IC, inp, IC, out, OC, 0, fused_bias ? bias : NULL, 0.0f);
+    lt_matmul(cx, 1, 0, OC, N, IC, w, IC, inp, IC, out, OC, 0, fused_bias ? bias : NULL, 0.0f,
+              1.0f);
     if (bias && !fused_bias) {
         add_bias_kernel<<<grid_size((size_t)N * OC, 256) < 4096 ? grid_size((size_t)N * OC, 256)
                                                                  : 4096,
@@ -199,8 +199,8 @@ void cuda_matmul_forward(CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w,
 void cuda_matmul_backward(CudaCtx* cx, bf16* dinp, float* dw, float* dbias, const bf16* dout,
                           const bf16* inp, const bf16* w, int N, int IC, int OC) {
     if (N <= 0) return;
-    if (dinp) lt_matmul(cx, 0, 0, IC, N, OC, w, IC, dout, OC, dinp, IC, 0, NULL, 0.0f);
-    if (dw) lt_matmul(cx, 0, 1, IC, OC, N, inp, IC, dout, OC, dw, IC, 1, NULL, 1.0f);
+    if (dinp) lt_matmul(cx, 0, 0, IC, N, OC, w, IC, dout, OC, dinp, IC, 0, NULL, 0.0f, 1.0f);
+    if (dw) lt_matmul(cx, 0, 1, IC, OC, N, inp, IC, dout, OC, dw, IC, 1, NULL, 1.0f, 1.0f);
     if (dbias) {
         int chunks = N < DBIAS_CHUNKS ? N : DBIAS_CHUNKS;
         int rows = (N + chunks - 1) / chunks;
@@ -212,4 +212,27 @@ void cuda_matmul_backward(CudaCtx* cx, bf16* dinp, float* dw, float* dbias, cons
         cuda_check_launch();
         cuda_reduce_partials(cx, dbias, partial, chunks, OC);
     }
+}
+
+// ----------------------------------------------------------------------------
+// LoRA's column-range products (ops.h): the same three products on a column range of a fused
+// output, with the scale as cuBLASLt's alpha and the range as a pointer offset and a leading
+// dimension, so no (N, OC) copy is made: the forward accumulates into its columns of out
+// (beta = 1, bf16 C = D), the backward reads its columns of dout in place.
+
+void cuda_matmul_cols_add(CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w, float scale,
+                          int N, int IC, int OC, int ld, int c0) {
+    if (N <= 0 || OC <= 0) return;
+    lt_matmul(cx, 1, 0, OC, N, IC, w, IC, inp, IC, out + c0, ld, 0, NULL, 1.0f, scale);
+}
+
+void cuda_matmul_cols_backward(CudaCtx* cx, bf16* dinp, int accumulate, float* dw,
+                               const bf16* dout, const bf16* inp, const bf16* w, float scale,
+                               int N, int IC, int OC, int ld, int c0) {
+    if (N <= 0) return;
+    const bf16* g = dout + c0;
+    if (dinp)
+        lt_matmul(cx, 0, 0, IC, N, OC, w, IC, g, ld, dinp, IC, 0, NULL, accumulate ? 1.0f : 0.0f,
+                  scale);
+    if (dw) lt_matmul(cx, 0, 1, IC, OC, N, inp, IC, g, ld, dw, IC, 1, NULL, 1.0f, scale);
 }

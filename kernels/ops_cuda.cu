@@ -481,19 +481,23 @@ static void op_add_f32(void* ctx, float* dst, const float* src, size_t n) {
     prof_end(cx);
 }
 
-static void op_add_cols_scaled(void* ctx, void* out, const void* src, float scale, int N, int ld,
-                               int c0, int w) {
+static void op_matmul_cols_add(void* ctx, void* out, const void* inp, const void* w, float scale,
+                              int N, int IC, int OC, int ld, int c0) {
     CudaCtx* cx = ctx_enter(ctx);
-    prof_begin(cx, 0, 6.0 * N * w, "add cols N=%d ld=%d w=%d", N, ld, w);
-    cuda_add_cols_scaled(cx, (bf16*)out, (const bf16*)src, scale, N, ld, c0, w);
+    prof_begin(cx, 2.0 * N * IC * OC, 0, "lora fwd N=%d IC=%d OC=%d", N, IC, OC);
+    cuda_matmul_cols_add(cx, (bf16*)out, (const bf16*)inp, (const bf16*)w, scale, N, IC, OC, ld,
+                         c0);
     prof_end(cx);
 }
 
-static void op_get_cols_scaled(void* ctx, void* dst, const void* src, float scale, int N, int ld,
-                               int c0, int w) {
+static void op_matmul_cols_backward(void* ctx, void* dinp, int accumulate, float* dw,
+                                    const void* dout, const void* inp, const void* w, float scale,
+                                    int N, int IC, int OC, int ld, int c0) {
     CudaCtx* cx = ctx_enter(ctx);
-    prof_begin(cx, 0, 4.0 * N * w, "get cols N=%d ld=%d w=%d", N, ld, w);
-    cuda_get_cols_scaled(cx, (bf16*)dst, (const bf16*)src, scale, N, ld, c0, w);
+    prof_begin(cx, 2.0 * N * IC * OC * ((dinp ? 1 : 0) + (dw ? 1 : 0)), 0,
+               "lora bwd N=%d IC=%d OC=%d", N, IC, OC);
+    cuda_matmul_cols_backward(cx, (bf16*)dinp, accumulate, dw, (const bf16*)dout,
+                              (const bf16*)inp, (const bf16*)w, scale, N, IC, OC, ld, c0);
     prof_end(cx);
 }
 
@@ -672,7 +676,7 @@ extern "C" const Ops ops_cuda = {
     .moe_combine_forward = op_moe_combine_forward,
     .moe_combine_backward = op_moe_combine_backward,
     .moe_router_stats = op_moe_router_stats,
-    .add_cols_scaled = op_add_cols_scaled,
-    .get_cols_scaled = op_get_cols_scaled,
+    .matmul_cols_add = op_matmul_cols_add,
+    .matmul_cols_backward = op_matmul_cols_backward,
     .dropout = op_dropout,
 };

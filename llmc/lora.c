@@ -172,12 +172,11 @@ void lora_forward(const Model* m, Workspace* ws, int block, unsigned mask, const
         if (!(mask & LORA_BIT(tg)) || bl->lora_a[tg] < 0) continue;
         const LoraSite st = lora_site(m, (LoraTarget)tg);
         const void* xa = branch_input(m, ws, block, (LoraTarget)tg, x, n, st.in, row0);
-        // t = drop(x)·Aᵀ (n, r); tmp = t·Bᵀ (n, w); y[:, c0:c0+w] += scale · tmp
+        // t = drop(x)·Aᵀ (n, r); y[:, c0:c0+w] += scale · t·Bᵀ
         ops->matmul_forward(ws->ctx, ws->lora_t, xa, byte_at(ws, slab, bl->lora_a[tg]), NULL, n,
                             st.in, r);
-        ops->matmul_forward(ws->ctx, ws->lora_tmp, ws->lora_t, byte_at(ws, slab, bl->lora_b[tg]),
-                            NULL, n, r, st.w);
-        ops->add_cols_scaled(ws->ctx, y, ws->lora_tmp, m->lora_scale, n, st.ld, st.c0, st.w);
+        ops->matmul_cols_add(ws->ctx, y, ws->lora_t, byte_at(ws, slab, bl->lora_b[tg]),
+                             m->lora_scale, n, r, st.w, st.ld, st.c0);
     }
 }
 
@@ -199,17 +198,20 @@ void lora_backward(const Model* m, Workspace* ws, int block, unsigned mask, cons
         // t = drop(x)·Aᵀ again (the same mask: the same bits as the forward's)
         const void* xa = branch_input(m, ws, block, (LoraTarget)tg, x, n, st.in, row0);
         ops->matmul_forward(ws->ctx, ws->lora_t, xa, A, NULL, n, st.in, r);
-        // g = scale · dy[:, c0:c0+w] (n, w); dt = g·B (n, r); dB += gᵀ·t
-        ops->get_cols_scaled(ws->ctx, ws->lora_tmp, dy, m->lora_scale, n, st.ld, st.c0, st.w);
-        ops->matmul_backward(ws->ctx, ws->lora_dt, dB, NULL, ws->lora_tmp, ws->lora_t, Bw, n, r,
-                             st.w);
-        // tmp = dt·A (n, in); dA += dtᵀ·drop(x)
-        ops->matmul_backward(ws->ctx, ws->lora_tmp, dA, NULL, ws->lora_dt, xa, A, n, st.in, r);
-        // dx += drop(tmp): the dropout is linear, its backward the same mask
-        if (ws->lora_train && p > 0)
+        // g = scale · dy[:, c0:c0+w] (n, w), read in place; dt = g·B (n, r); dB += gᵀ·t
+        ops->matmul_cols_backward(ws->ctx, ws->lora_dt, 0, dB, dy, ws->lora_t, Bw, m->lora_scale,
+                                  n, r, st.w, st.ld, st.c0);
+        // dx += drop(dt·A): the dropout is linear, its backward the same mask; dA += dtᵀ·drop(x)
+        if (ws->lora_train && p > 0) {
+            ops->matmul_cols_backward(ws->ctx, ws->lora_tmp, 0, dA, ws->lora_dt, xa, A, 1.0f, n,
+                                      st.in, r, r, 0);
             ops->dropout(ws->ctx, ws->lora_tmp, ws->lora_tmp, p, site_seed(ws, block,
                          (LoraTarget)tg), ws->lora_row0 + row0, n, st.in);
-        ops->add(ws->ctx, dx, dx, ws->lora_tmp, (size_t)n * (size_t)st.in);
+            ops->add(ws->ctx, dx, dx, ws->lora_tmp, (size_t)n * (size_t)st.in);
+        } else {
+            ops->matmul_cols_backward(ws->ctx, dx, 1, dA, ws->lora_dt, xa, A, 1.0f, n, st.in, r,
+                                      r, 0);
+        }
     }
 }
 

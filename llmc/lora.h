@@ -10,8 +10,8 @@
  *     backward  dB += (s·dy)ᵀ·t ;  dt = (s·dy)·B ;  dA += dtᵀ·drop(x) ;  dx += drop(dt·A)
  * The backward recomputes t (an (n, in) x (in, r) product) rather than keeping it. The q, k, v
  * (and gate, up) adapters are separate PEFT modules on our fused (QKV, C) (and (2F, C)) linears:
- * each adds its product into its column range of the fused output (ops->add_cols_scaled) and
- * reads its range of the output gradient (ops->get_cols_scaled).
+ * each adds its product into its column range of the fused output (ops->matmul_cols_add) and
+ * reads its range of the output gradient in place (ops->matmul_cols_backward).
  *
  * The dropout mask is a hash of (the workspace's seed, block, target, element), so a recomputed
  * forward and the backward see the mask the forward used, on every backend and row chunking.

@@ -130,7 +130,7 @@ typedef struct Workspace {
     void* lora_xd;       // (N, max in) drop(x) (only with dropout)
     void* lora_t;        // (N, r) drop(x)·Aᵀ
     void* lora_dt;       // (N, r) its gradient
-    void* lora_tmp;      // (N, max(in, out)) t·Bᵀ, the scaled output gradient, dt·A
+    void* lora_tmp;      // (N, max(in, out)) dt·A before its dropout (training with dropout)
     int lora_train;      // apply the dropout (training forward and backward; 0: evaluation)
     uint64_t lora_seed;  // the dropout masks' seed of this micro-batch (set by the trainer)
     int64_t lora_row0;   // the rows' first token within the micro-batch (the masks' key: an

@@ -217,14 +217,15 @@ typedef struct Ops {
     void (*moe_router_stats)(void* ctx, float* stats, const void* logits, const int32_t* offsets,
                              int n, int E);
 
-    // ---- LoRA (lora.h): an adapter's product into a column range of a fused output ----
-    // out (N, ld) columns [c0, c0 + w) += scale · src (N, w) (the scaled product in fp32, then the
-    // add, one rounding each).
-    void (*add_cols_scaled)(void* ctx, void* out, const void* src, float scale, int N, int ld,
-                            int c0, int w);
-    // dst (N, w) = scale · src (N, ld) columns [c0, c0 + w) (overwritten).
-    void (*get_cols_scaled)(void* ctx, void* dst, const void* src, float scale, int N, int ld,
-                            int c0, int w);
+    // ---- LoRA (lora.h): an adapter's products on a column range of a fused output ----
+    // out (N, ld) columns [c0, c0 + OC) += scale · inp (N, IC) · w (OC, IC)ᵀ.
+    void (*matmul_cols_add)(void* ctx, void* out, const void* inp, const void* w, float scale,
+                            int N, int IC, int OC, int ld, int c0);
+    // With g = scale · dout (N, ld) columns [c0, c0 + OC): dinp (N, IC) = g · w (accumulate: +=;
+    // NULL skips) and dw (OC, IC) += gᵀ · inp.
+    void (*matmul_cols_backward)(void* ctx, void* dinp, int accumulate, float* dw,
+                                 const void* dout, const void* inp, const void* w, float scale,
+                                 int N, int IC, int OC, int ld, int c0);
     // Inverted dropout with a counter-based mask: out (N, C) = inp · keep / (1 - p), where
     // element (i, j) is kept iff lora_dropout_hash(seed, (row0 + i) · C + j) >= p · 2^32 (the same
     // mask on every backend, for any row chunking). It is its own backward (the same call on the

@@ -343,11 +343,16 @@ static void add_cols_task(void* arg, int64_t task) {
     }
 }
 
-static void cpu_add_cols_scaled(void* ctx, void* out, const void* src, float scale, int N, int ld,
-                                int c0, int w) {
-    ColsArgs a = {.dst = out, .src = src, .scale = scale, .N = N, .ld = ld, .c0 = c0, .w = w,
-                  .rows_per_task = rows_per_task((size_t)w)};
+// The column-range products as the plain ops compose them (the product in fp32, then the scaled
+// add, one rounding each).
+static void cpu_matmul_cols_add(void* ctx, void* out, const void* inp, const void* w, float scale,
+                                int N, int IC, int OC, int ld, int c0) {
+    float* tmp = malloc_check((size_t)N * (size_t)OC * sizeof(float) + 1);
+    cpu_matmul_forward(ctx, tmp, inp, w, NULL, N, IC, OC);
+    ColsArgs a = {.dst = out, .src = tmp, .scale = scale, .N = N, .ld = ld, .c0 = c0, .w = OC,
+                  .rows_per_task = rows_per_task((size_t)OC)};
     cpu_run(ctx, task_count(N, a.rows_per_task), add_cols_task, &a);
+    free(tmp);
 }
 
 static void get_cols_task(void* arg, int64_t task) {
@@ -360,11 +365,24 @@ static void get_cols_task(void* arg, int64_t task) {
     }
 }
 
-static void cpu_get_cols_scaled(void* ctx, void* dst, const void* src, float scale, int N, int ld,
-                                int c0, int w) {
-    ColsArgs a = {.dst = dst, .src = src, .scale = scale, .N = N, .ld = ld, .c0 = c0, .w = w,
-                  .rows_per_task = rows_per_task((size_t)w)};
-    cpu_run(ctx, task_count(N, a.rows_per_task), get_cols_task, &a);
+static void cpu_matmul_cols_backward(void* ctx, void* dinp, int accumulate, float* dw,
+                                     const void* dout, const void* inp, const void* w, float scale,
+                                     int N, int IC, int OC, int ld, int c0) {
+    // g = scale · dout's columns (dout itself when that is the identity)
+    const int whole = scale == 1.0f && ld == OC && c0 == 0;
+    float* g = whole ? NULL : malloc_check((size_t)N * (size_t)OC * sizeof(float) + 1);
+    if (!whole) {
+        ColsArgs a = {.dst = g, .src = dout, .scale = scale, .N = N, .ld = ld, .c0 = c0, .w = OC,
+                      .rows_per_task = rows_per_task((size_t)OC)};
+        cpu_run(ctx, task_count(N, a.rows_per_task), get_cols_task, &a);
+    }
+    const void* gg = whole ? dout : (const void*)g;
+    float* tmp = dinp && accumulate ? malloc_check((size_t)N * (size_t)IC * sizeof(float) + 1)
+                                    : NULL;
+    cpu_matmul_backward(ctx, tmp ? tmp : dinp, dw, NULL, gg, inp, w, N, IC, OC);
+    if (tmp) cpu_add(ctx, dinp, dinp, tmp, (size_t)N * (size_t)IC);
+    free(tmp);
+    free(g);
 }
 
 static void dropout_task(void* arg, int64_t task) {
@@ -582,8 +600,8 @@ const Ops ops_cpu = {
     .moe_combine_forward = ops_cpu_moe_combine_forward,
     .moe_combine_backward = ops_cpu_moe_combine_backward,
     .moe_router_stats = ops_cpu_moe_router_stats,
-    .add_cols_scaled = cpu_add_cols_scaled,
-    .get_cols_scaled = cpu_get_cols_scaled,
+    .matmul_cols_add = cpu_matmul_cols_add,
+    .matmul_cols_backward = cpu_matmul_cols_backward,
     .dropout = cpu_dropout,
 };
 
