@@ -29,6 +29,7 @@
 #include "llmc/interrupt.h"
 #include "llmc/log.h"
 #include "llmc/lora.h"
+#include "llmc/quant.h"
 #include "llmc/memory.h"
 #include "llmc/model.h"
 #include "llmc/outputs.h"
@@ -415,6 +416,17 @@ int main(int argc, char** argv) {
                100.0 * (double)model.tt.trainable_params / (double)model.tt.total_params,
                (long long)model.tt.total_params);
     }
+    // --base-dtype: which frozen tensors are held in a block format (before the plan: it counts
+    // their bytes); keep reads the GGUF's own types
+    const GgufFile* base_gguf = src.kind == SOURCE_GGUF && src.has_weights ? &src.gguf : NULL;
+    if (quant_table_set(&model.tt, (BaseDtype)a.base_dtype, base_gguf, &model.cfg, err) != 0)
+        fatal("%s", err);
+    if (quant_table_count(&model.tt) > 0)
+        printf("LoRA base: %d tensors held as ggml blocks (--base-dtype %s): the frozen base "
+               "%.3f GiB instead of %.3f GiB in bf16\n", quant_table_count(&model.tt),
+               quant_base_dtype_name((BaseDtype)a.base_dtype),
+               quant_head_bytes(&model.tt, 2) / (1 << 30),
+               store_frozen_bytes(&model.tt) / 2 / (1 << 30));
     if (a.seq > model.cfg.max_pos && model.cfg.max_pos > 0)
         printf("warning: --seq %d exceeds max_position_embeddings %d\n", a.seq, model.cfg.max_pos);
     const int N = resolve_devices(&a);
@@ -433,6 +445,7 @@ int main(int argc, char** argv) {
                               .seed = a.seed, .init_std = a.init_std, .lora_init = a.lora_init};
     if (checkpoint_init_weights(&init, &src, &model, &store, &ts, args_json, err) != 0)
         fatal("%s", err);
+    quant_store_base(&store, base_gguf, &model.cfg);  // (the base's blocks; none for bf16)
 
     // 3. the trainer: plain training on the CPU, or the RoundPipe engine over the N devices (its
     // threads start with SIGINT/SIGTERM blocked: only this thread handles them)

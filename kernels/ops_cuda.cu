@@ -19,6 +19,7 @@
 
 #include "attention.h"
 #include "common.cuh"
+#include "dequant.h"
 #include "kernels.h"
 #include "moe.cuh"
 #include "moe_matmul.h"
@@ -481,6 +482,13 @@ static void op_add_f32(void* ctx, float* dst, const float* src, size_t n) {
     prof_end(cx);
 }
 
+static void op_dequantize(void* ctx, void* out, const void* blocks, int type, size_t n) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 2.0 * n, "dequantize type=%d n=%zu", type, n);
+    cuda_dequantize(cx->stream, cx->n_sms, DEQUANT_AUTO, out, blocks, type, n);
+    prof_end(cx);
+}
+
 static void op_add_cols_scaled(void* ctx, void* out, const void* src, float scale, int N, int ld,
                                int c0, int w) {
     CudaCtx* cx = ctx_enter(ctx);
@@ -673,6 +681,7 @@ extern "C" const Ops ops_cuda = {
     .moe_combine_backward = op_moe_combine_backward,
     .moe_router_stats = op_moe_router_stats,
     .add_cols_scaled = op_add_cols_scaled,
+    .dequantize = op_dequantize,
     .get_cols_scaled = op_get_cols_scaled,
     .dropout = op_dropout,
 };

@@ -117,6 +117,9 @@ void store_free(Store* s) {
         free(s->m[l]);
         free(s->v[l]);
     }
+    if (s->qblocks)
+        for (int i = 0; i < s->tt->n; i++) free(s->qblocks[i]);
+    free(s->qblocks);
     free(s->param);
     free(s->grad);
     free(s->m);

@@ -29,6 +29,8 @@ typedef struct Store {
     float** v;      // (n_layers) AdamW second moments
     int64_t step;   // optimizer steps taken
     int frozen_released;  // store_release_frozen: the frozen base's fp32 values are gone
+    uint8_t** qblocks;    // (tt->n) the blocks of each tensor held in a block format
+                          // (TensorDesc.qtype, quant.h), NULL for the others; NULL: none
 } Store;
 
 void store_create(Store* s, const TensorTable* tt);

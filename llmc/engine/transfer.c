@@ -64,14 +64,45 @@ static void lpt_assign(Piece* pieces, int n, int n_bins, int* bin_of) {
 }
 
 
+// The most copies one layer's upload makes (a quantised head: one per tensor, quant.h).
+#define LAYER_COPIES_MAX 64
+
+// A quantised base's head of layer l (e->quant): its frozen tensors in [from, to) one copy
+// each, the quantised ones' blocks to the layer's staging area qdst, the others to dst, from
+// base[l] where they lie back to back as uploaded (protocol.c's pack_layer_head).
+static int head_copies(const Engine* e, int l, int64_t from, int64_t to, char* dst, char* qdst,
+                       Piece* seg) {
+    const TensorTable* tt = &e->m->tt;
+    const char* src = e->base[l];
+    size_t qoff = 0;
+    int n = 0;
+    for (int i = tt->first[l]; i < tt->first[l] + tt->count[l]; i++) {
+        const TensorDesc* d = &tt->t[i];
+        if (d->owner_layer != l || d->tied_to >= 0 || d->trainable) continue;
+        const size_t bytes = quant_tensor_bytes(d, e->ab);
+        if (d->param_offset >= from && d->param_offset + d->numel <= to) {
+            if (n == LAYER_COPIES_MAX) fatal("internal: layer %d uploads in too many pieces", l);
+            seg[n++] = d->qtype ? (Piece){qdst + qoff, src, bytes}
+                                : (Piece){dst + (size_t)(d->param_offset - from) * e->ab, src, bytes};
+        } else if (d->param_offset < to && d->param_offset + d->numel > from) {
+            fatal("internal: a quantised layer's upload splits tensor %s", d->name);
+        }
+        if (d->qtype) qoff += bytes;
+        src += bytes;
+    }
+    return n;
+}
+
 // Elements [from, to) of layer l's slab from iteration parity ip's weights to dst: the frozen
 // head from the one base copy, the trainable tail from the parity's master. Returns the copies
-// (0 to 2) in seg.
+// in seg (0 to 2; a quantised head: one per tensor, its blocks to qdst).
 static int layer_range_copies(const Engine* e, int ip, int l, int64_t from, int64_t to, char* dst,
-                              Piece seg[2]) {
+                              char* qdst, Piece* seg) {
     const int64_t off = e->train_off[l];
     int n = 0;
-    if (from < off && from < to)
+    if (from < off && from < to && e->quant)
+        n = head_copies(e, l, from, imin64(to, off), dst, qdst, seg);
+    else if (from < off && from < to)
         seg[n++] = (Piece){dst, (const char*)e->base[l] + (size_t)from * e->ab,
                            (size_t)(imin64(to, off) - from) * e->ab};
     if (to > off) {
@@ -83,19 +114,65 @@ static int layer_range_copies(const Engine* e, int ip, int l, int64_t from, int6
     return n;
 }
 
+// Where layer l's blocks go in staging slot k (a quantised base): after the stage's shallower
+// layers' blocks.
+static char* slot_layer_blocks(const Engine* e, const DevState* ds, const Stage* st, int k, int l) {
+    if (!e->quant) return NULL;
+    size_t off = 0;
+    for (int j = st->b; j < l; j++) off += quant_layer_block_bytes(&e->m->tt, j);
+    return (char*)ds->qslot[k] + off;
+}
+
 // Where layer l of a stage goes in parameter slot k, from iteration parity ip's weights (l ==
-// st->e: the copy of the embedding that a stage carrying a tied head holds as its head), as 0 to
-// 2 copies in seg (layer_range_copies).
+// st->e: the copy of the embedding that a stage carrying a tied head holds as its head), as
+// copies in seg (layer_range_copies).
 static int slot_layer_copies(const Engine* e, const DevState* ds, const Stage* st, int k, int ip,
-                             int l, Piece seg[2]) {
+                             int l, Piece* seg) {
     const TensorTable* tt = &e->m->tt;
     if (l < st->e)
         return layer_range_copies(e, ip, l, 0, tt->param_numel[l],
-                                  (char*)ds->pslot[k] + (size_t)st->p_off[l - st->b] * e->ab, seg);
+                                  (char*)ds->pslot[k] + (size_t)st->p_off[l - st->b] * e->ab,
+                                  slot_layer_blocks(e, ds, st, k, l), seg);
     if (st->head_off < 0) return 0;
     const int64_t head = tt->t[tensor_table_index(tt, TK_LM_HEAD, -1)].numel;
     return layer_range_copies(e, ip, 0, 0, head,
-                              (char*)ds->pslot[k] + (size_t)st->head_off * e->ab, seg);
+                              (char*)ds->pslot[k] + (size_t)st->head_off * e->ab, NULL, seg);
+}
+
+// ----------------------------------------------------------------------------
+// a quantised base: dequantisation on the device (quant.h)
+
+// Compute-stream work: layer `from`'s quantised tensors from the staging slot into the parameter
+// slot (MbJob.pslot: the slot, .gslot unused, .to: the staging slot index).
+static void dequant_layer_fn(void* arg) {
+    const MbJob* j = arg;
+    const Engine* e = j->e;
+    const TensorTable* tt = &e->m->tt;
+    const int l = j->from;
+    const char* q = slot_layer_blocks(e, j->ds, j->st, j->to, l);
+    char* dst = (char*)j->pslot + (size_t)j->st->p_off[l - j->st->b] * e->ab;
+    for (int i = tt->first[l]; i < tt->first[l] + tt->count[l]; i++) {
+        const TensorDesc* d = &tt->t[i];
+        if (!d->qtype || d->owner_layer != l) continue;
+        j->ds->ops->dequantize(j->ds->ctx, dst + (size_t)d->param_offset * e->ab, q, d->qtype,
+                               (size_t)d->numel);
+        q += quant_tensor_bytes(d, 0);
+    }
+}
+
+void transfer_params_dequant(Engine* e, DevState* ds, const Stage* st, int k, int64_t t, int gated) {
+    if (!e->quant) return;
+    const int ip = (int)(t % 2);
+    for (int l = st->b; l < st->e; l++) {
+        if (quant_layer_block_bytes(&e->m->tt, l) == 0) continue;
+        // (the compute stream runs it before the stage's first micro-batch: behind the layer's
+        // own upload when gated, the whole stage's otherwise)
+        e->impl->stream_wait(ds->d, STREAM_COMPUTE, gated ? ds->lev[k][l - st->b] : ds->param_done);
+        MbJob* j = jobs_new(e, ip);
+        *j = (MbJob){.e = e, .ds = ds, .st = st, .pslot = ds->pslot[k], .from = l, .to = k, .t = t};
+        jobs_label(e, ip, ds, STREAM_COMPUTE, "dequant %s layer %d", st->name, l);
+        e->impl->submit(ds->d, STREAM_COMPUTE, dequant_layer_fn, j);
+    }
 }
 
 // One copy on stream s in pieces of at most PIECE_MAX_BYTES, each labelled `name` in traces.
@@ -118,7 +195,7 @@ void transfer_params_up(Engine* e, DevState* ds, const Stage* st, int k, int64_t
     int cap = 16, n = 0;
     Piece* pieces = malloc_check((size_t)cap * sizeof(Piece));
     for (int l = st->b; l <= st->e; l++) {
-        Piece seg[2];
+        Piece seg[LAYER_COPIES_MAX + 1];
         const int n_seg = slot_layer_copies(e, ds, st, k, ip, l, seg);
         for (int c = 0; c < n_seg; c++)
             pieces_add(&pieces, &n, &cap, seg[c].dst, seg[c].src, seg[c].bytes);
@@ -153,7 +230,7 @@ void transfer_params_up_gated(Engine* e, DevState* ds, const Stage* st, int k, i
     if (ds->n_marks > 0) im->stream_wait(ds->d, STREAM_PARAM_UP, ds->marks[ds->n_marks - 1]);
     for (int l = st->b; l <= st->e; l++) {
         const int owner = l < st->e ? l : 0;  // the tied head is a copy of layer 0's embedding
-        Piece seg[2];
+        Piece seg[LAYER_COPIES_MAX + 1];
         const int n_seg = slot_layer_copies(e, ds, st, k, ip, l, seg);
         if (l == st->e && !n_seg) break;  // no tied head
         if (!protocol_layer_ready(e, owner, t)) {
