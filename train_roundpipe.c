@@ -28,6 +28,7 @@
 #include "llmc/grpo.h"
 #include "llmc/interrupt.h"
 #include "llmc/log.h"
+#include "llmc/loader.h"
 #include "llmc/lora.h"
 #include "llmc/quant.h"
 #include "llmc/memory.h"
@@ -104,11 +105,20 @@ static void print_lora_host_memory(const TrainArgs* a, const Model* m, int act_b
     const EngineHostMemory h = engine_host_memory(m, act_bytes, N > 0 ? N : 1, eo);
     const int released = trainer_releases_frozen(a, m, 1);
     const double gib = 1 << 30;
-    const double base = act_bytes == 2 ? h.base : h.store_frozen;
+    if (a->mmap_base) {
+        const double adapters = h.store - h.store_frozen + (h.masters - h.base) + h.grads;
+        printf("LoRA host memory: the frozen base mapped from %s (--mmap-base: read through the "
+               "page cache on each upload, none of it held) + the adapters %.3f GiB\n", a->model,
+               adapters / (1 << 30));
+        return;
+    }
+    const int blocks = quant_table_count(&m->tt) > 0;  // (--base-dtype: the engine's copy)
+    const double base = act_bytes == 2 || blocks ? h.base : h.store_frozen;
     const double adapters = h.store - h.store_frozen + (h.masters - h.base) + h.grads;
     printf("LoRA host memory: the frozen base %.2f GiB (%s, one copy) + the adapters %.3f GiB "
            "(fp32 weights, gradients, AdamW m and v; two %s masters)", base / gib,
-           act_bytes == 2 ? "bf16" : "fp32", adapters / gib, act_bytes == 2 ? "bf16" : "fp32");
+           blocks ? "ggml blocks" : act_bytes == 2 ? "bf16" : "fp32", adapters / gib,
+           act_bytes == 2 ? "bf16" : "fp32");
     if (act_bytes == 2 && released)
         printf("; at start-up the loader's fp32 base (%.2f GiB), given back page by page as the "
                "engine makes its bf16 copy", h.store_frozen / gib);
@@ -438,14 +448,26 @@ int main(int argc, char** argv) {
     // the tokenizer (tokenizer.json beside the model, or the GGUF's) for the prompt and exports
     if (checkpoint_load_tokenizer(&src, err) != 0) fatal("%s", err);
     Store store;
-    store_create(&store, &model.tt);
+    if (a.mmap_base) {  // the base stays in the mapped checkpoint (its slabs' heads untouched)
+        if (!src.has_weights)
+            fatal("--mmap-base: %s has no checkpoint to map (a preset or config.json is a random "
+                  "init held in memory)", a.model);
+        store_create_unfrozen(&store, &model.tt);
+        if (loader_map_base(&store, src.kind == SOURCE_GGUF ? NULL : &src.ck, base_gguf,
+                            &model.cfg, err) != 0)
+            fatal("%s", err);
+    } else {
+        store_create(&store, &model.tt);
+    }
     char* args_json = args_to_json(&a);
     TrainState ts;
     const InitOptions init = {.model = a.model, .out_dir = a.out, .resume = a.resume,
-                              .seed = a.seed, .init_std = a.init_std, .lora_init = a.lora_init};
+                              .seed = a.seed, .init_std = a.init_std, .lora_init = a.lora_init,
+                              .keep_source = a.mmap_base || a.base_dtype == BASE_DTYPE_KEEP};
     if (checkpoint_init_weights(&init, &src, &model, &store, &ts, args_json, err) != 0)
         fatal("%s", err);
     quant_store_base(&store, base_gguf, &model.cfg);  // (the base's blocks; none for bf16)
+    if (!a.mmap_base) checkpoint_release_weights(&src);  // (--mmap-base: read on every upload)
 
     // 3. the trainer: plain training on the CPU, or the RoundPipe engine over the N devices (its
     // threads start with SIGINT/SIGTERM blocked: only this thread handles them)

@@ -21,7 +21,7 @@
 #include "dequant.h"
 
 // ggml type codes (llmc/gguf.h's GgmlType)
-static constexpr int GGML_TYPE_Q8_0 = 8, GGML_TYPE_Q4_K = 12, GGML_TYPE_MXFP4 = 39;
+static constexpr int DQ_Q8_0 = 8, DQ_Q4_K = 12, DQ_MXFP4 = 39;
 
 // ----------------------------------------------------------------------------
 // per-element decoding (shared by both variants)
@@ -57,10 +57,10 @@ __global__ void dequant_naive_kernel(bf16* __restrict__ out, const uint8_t* __re
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
         float y;
-        if (type == GGML_TYPE_Q8_0) {
+        if (type == DQ_Q8_0) {
             const uint8_t* b = blocks + (i / 32) * 34;
             y = __fmul_rn((float)(int8_t)b[2 + i % 32], dq_f16(b));
-        } else if (type == GGML_TYPE_MXFP4) {
+        } else if (type == DQ_MXFP4) {
             const uint8_t* b = blocks + (i / 32) * 17;
             const int j = (int)(i % 32);
             const int q = j < 16 ? (b[1 + j] & 0x0F) : (b[1 + j - 16] >> 4);
@@ -98,12 +98,12 @@ __global__ void dequant_subblock_kernel(bf16* __restrict__ out, const uint8_t* _
     for (size_t t = blockIdx.x * (size_t)blockDim.x + threadIdx.x; t < n_sub;
          t += (size_t)gridDim.x * blockDim.x) {
         float y[32];
-        if (type == GGML_TYPE_Q8_0) {
+        if (type == DQ_Q8_0) {
             const uint8_t* b = blocks + t * 34;
             const float d = dq_f16(b);
 #pragma unroll
             for (int j = 0; j < 32; j++) y[j] = __fmul_rn((float)(int8_t)b[2 + j], d);
-        } else if (type == GGML_TYPE_MXFP4) {
+        } else if (type == DQ_MXFP4) {
             const uint8_t* b = blocks + t * 17;
             const float d = dq_e8m0_half(b[0]);
 #pragma unroll
@@ -148,9 +148,9 @@ static unsigned dq_grid(int n_sms, size_t items, int block) {
 
 extern "C" void cuda_dequantize(void* stream, int n_sms, int variant, void* out, const void* blocks,
                                 int type, size_t n) {
-    if (type != GGML_TYPE_Q8_0 && type != GGML_TYPE_Q4_K && type != GGML_TYPE_MXFP4)
+    if (type != DQ_Q8_0 && type != DQ_Q4_K && type != DQ_MXFP4)
         fatal("cuda_dequantize: ggml type %d has no GPU dequantiser (Q8_0, Q4_K, MXFP4)", type);
-    if (n % (type == GGML_TYPE_Q4_K ? 256 : 32) != 0)
+    if (n % (type == DQ_Q4_K ? 256 : 32) != 0)
         fatal("cuda_dequantize: %zu elements are not whole blocks", n);
     if (n == 0) return;
     cudaStream_t s = (cudaStream_t)stream;

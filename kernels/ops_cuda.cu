@@ -681,7 +681,7 @@ extern "C" const Ops ops_cuda = {
     .moe_combine_backward = op_moe_combine_backward,
     .moe_router_stats = op_moe_router_stats,
     .add_cols_scaled = op_add_cols_scaled,
-    .dequantize = op_dequantize,
     .get_cols_scaled = op_get_cols_scaled,
     .dropout = op_dropout,
+    .dequantize = op_dequantize,
 };

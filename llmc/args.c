@@ -199,6 +199,10 @@ void args_usage(FILE* f) {
         "                         uploads: bf16, q8_0, q4_k, mxfp4 (ggml's block formats,\n"
         "                         quantised on load and dequantised on the device per stage)\n"
         "                         or keep (a GGUF's own Q8_0/Q4_K/MXFP4 tensors) (default bf16)\n"
+        "      --mmap-base        read the frozen base from the memory-mapped checkpoint on each\n"
+        "                         upload (through pinned staging buffers) instead of holding it\n"
+        "                         in host memory: bases larger than the host train (the engine\n"
+        "                         only; safetensors F32/F16/BF16, GGUF F32/F16/BF16 or keep)\n"
         "\n"
         "RoundPipe engine (--device cpu:N)\n"
         "      --round M_R        micro-batches per round, M %% M_R == 0, 0 = all (default 0)\n"
@@ -382,7 +386,7 @@ enum {
     OPT_EXPORT_GGUF, OPT_EXPORT_DTYPE, OPT_EXPORT_SHARD, OPT_LAYERS,
     OPT_ALLOW_OVERCOMMIT, OPT_DIST_INIT, OPT_RANK, OPT_WORLD, OPT_DIST_TIMEOUT, OPT_NET_GBPS, OPT_STEP_MS,
     OPT_LORA_R, OPT_LORA_ALPHA, OPT_LORA_TARGETS, OPT_LORA_DROPOUT,
-    OPT_RSLORA, OPT_LORA_INIT, OPT_EXPORT_LORA, OPT_MERGE_LORA, OPT_BASE_DTYPE
+    OPT_RSLORA, OPT_LORA_INIT, OPT_EXPORT_LORA, OPT_MERGE_LORA, OPT_BASE_DTYPE, OPT_MMAP_BASE
 };
 
 // "512M", "80G", "1e9": bytes with an optional K/M/G/T suffix (powers of 1024). -1: not a
@@ -456,6 +460,9 @@ static int check_lora(const TrainArgs* a) {
         if (a->base_dtype_arg && a->base_dtype != BASE_DTYPE_BF16)
             return bad("--base-dtype", a->base_dtype_arg, "holds a frozen base in a block format: "
                        "LoRA runs only (give --lora-r R; full fine-tuning trains every weight)");
+        if (a->mmap_base)
+            return bad("--mmap-base", "", "maps a frozen base: LoRA runs only (give --lora-r R; "
+                       "full fine-tuning updates every weight)");
         return 0;
     }
     char v[32];
@@ -469,6 +476,15 @@ static int check_lora(const TrainArgs* a) {
     if (a->merge_lora && !*a->export_hf && !*a->export_gguf)
         return bad("--merge-lora", "", "merges the adapters into the --export-hf / --export-gguf "
                    "weights: give one of them");
+    if (a->mmap_base && a->n_devices == 0 && a->device != DEVICE_CUDA)
+        return bad("--mmap-base", "", "the base is read on upload: it needs the RoundPipe engine "
+                   "(--device cpu:N or cuda); the plain trainer reads it from host memory");
+    if (a->mmap_base && !a->plan_only &&
+        (a->val[0] || a->sample_tokens > 0 || a->dump_state[0] || a->export_hf[0] ||
+         a->export_gguf[0] || a->merge_lora))
+        return bad("--mmap-base", "", "--val, --sample-tokens, --dump-state and the HF / GGUF "
+                   "exports read the base from host memory, which a mapped base is not in (give "
+                   "--val '' --sample-tokens 0, no exports)");
     if (*a->lora_init && !dir_exists(a->lora_init))
         return bad("--lora-init", a->lora_init, "no such directory (a PEFT adapter directory)");
     return 0;
@@ -536,6 +552,7 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         {"export-lora", required_argument, 0, OPT_EXPORT_LORA},
         {"merge-lora", no_argument, 0, OPT_MERGE_LORA},
         {"base-dtype", required_argument, 0, OPT_BASE_DTYPE},
+        {"mmap-base", no_argument, 0, OPT_MMAP_BASE},
         {"help", no_argument, 0, 'h'},
         RL_ARGS_OPTIONS,
         {0, 0, 0, 0}};
@@ -692,6 +709,7 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
                 a->base_dtype_arg = v;
                 break;
             }
+            case OPT_MMAP_BASE: a->mmap_base = 1; break;
             case OPT_EXPORT_HF: a->export_hf = v; break;
             case OPT_EXPORT_GGUF: a->export_gguf = v; break;
             case OPT_EXPORT_DTYPE:
@@ -851,6 +869,7 @@ char* args_to_json(const TrainArgs* a) {
                 a->lora_r, (double)a->lora_alpha, targets, (double)a->lora_dropout, a->rslora);
         if (a->base_dtype != BASE_DTYPE_BF16)
             fprintf(m, ",\n  \"base-dtype\": \"%s\"", quant_base_dtype_name(a->base_dtype));
+        if (a->mmap_base) fputs(",\n  \"mmap-base\": 1", m);
     }
     rl_args_json(m, &a->rl);  // (absent without --rl)
     fputs("\n}\n", m);

@@ -375,18 +375,19 @@ static void quant_tensor_task(void* arg, int64_t k) {
 void quant_store_base(Store* s, const GgufFile* gguf, const ModelConfig* cfg) {
     const TensorTable* tt = s->tt;
     const int n = quant_table_count(tt);
-    if (n == 0) return;
+    if (n == 0 || s->frozen_released) return;  // (--mmap-base: every frozen tensor is mapped)
     if (!s->qblocks) s->qblocks = calloc_check((size_t)tt->n, sizeof(uint8_t*));
     QuantJob q = {s, gguf, cfg, malloc_check((size_t)n * sizeof(int))};
     int k = 0;
     for (int i = 0; i < tt->n; i++) {
         if (!tt->t[i].qtype) continue;
+        if (s->map_src && s->map_src[i]) continue;  // (--mmap-base: uploaded from the mapping)
         free(s->qblocks[i]);
         s->qblocks[i] = NULL;
         q.tensors[k++] = i;
     }
     ThreadPool* pool = threadpool_create(0);
-    threadpool_run(pool, n, quant_tensor_task, &q);
+    threadpool_run(pool, k, quant_tensor_task, &q);
     threadpool_destroy(pool);
     free(q.tensors);
 }

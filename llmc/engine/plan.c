@@ -473,7 +473,7 @@ void engine_print_plan(const Engine* e, FILE* f) {
     print_bytes(f, " + saved activations ", db.acts);
     print_bytes(f, " + scratch ", db.scratch);
     print_bytes(f, " + hand-off buffers ", db.handoff);
-    if (e->quant) {  // (--base-dtype: what the stages' uploads carry per step)
+    if (quant_table_count(&e->m->tt) > 0) {  // (--base-dtype: what the stages' uploads carry)
         const TensorTable* tt = &e->m->tt;
         double up = 0, plain = 0;
         for (int si = 0; si < e->plan.n_fwd + e->plan.n_bwd; si++) {

@@ -131,6 +131,7 @@ static void pack_layer_head(Engine* e, int l) {
     for (int i = tt->first[l]; i < tt->first[l] + tt->count[l]; i++) {
         const TensorDesc* d = &tt->t[i];
         if (d->owner_layer != l || d->tied_to >= 0 || d->trainable) continue;
+        if (e->s->map_src && e->s->map_src[i]) continue;  // (--mmap-base: uploaded from the map)
         const float* src = e->s->param[l] + d->param_offset;
         if (d->qtype) {
             memcpy(dst, e->s->qblocks[i], quant_tensor_bytes(d, 0));
@@ -142,7 +143,7 @@ static void pack_layer_head(Engine* e, int l) {
         }
         dst += quant_tensor_bytes(d, e->ab);
     }
-    if (!e->opt.release_frozen) return;
+    if (!e->opt.release_frozen || e->s->map_src) return;
     // (on GPUs the engine's copy is the only one the run reads: the Store's goes, fp32 and blocks)
     store_release_range(e->s, l, 0, e->train_off[l]);
     for (int i = tt->first[l]; i < tt->first[l] + tt->count[l]; i++)

@@ -381,6 +381,80 @@ static void test_quant_cli_train(TestCtx* t) {
     free(so);
 }
 
+// --mmap-base: the base read from the mapped checkpoint on every upload gives the losses of the
+// run that holds it (a bf16 safetensors export of the default model; sync and delayed, resumed);
+// --plan's host line; refusals.
+static void test_quant_cli_mmap(TestCtx* t) {
+    char args[8192], m[1024], la[1024], lb[1024], ob[1024], lc[1024];
+    test_path(t, m, sizeof m, "q_bf16_model");
+    snprintf(args, sizeof args, "--steps 0 --val '' --sample-tokens 0 --export-hf '%s' "
+             "--export-dtype bf16", m);
+    CHECK(t, test_run_cli(t, "qexport", args) == 0, "a bf16 checkpoint");
+    test_path(t, la, sizeof la, "q_held.jsonl");
+    test_path(t, lb, sizeof lb, "q_mapped.jsonl");
+    test_path(t, lc, sizeof lc, "q_mapped2.jsonl");
+    test_path(t, ob, sizeof ob, "q_mapped_out");
+    for (int sync = 1; sync >= 0; sync--) {
+        char common[2048];
+        snprintf(common, sizeof common, "--model '%s' --val '' --sample-tokens 0 --threads 1 "
+                 "--lora-r 4 --lora-dropout 0.1 --lr 1e-2 -m 2 --device cpu:2 --device-mem 6M "
+                 "--sync %d --steps 4", m, sync);
+        snprintf(args, sizeof args, "%s --log '%s'", common, la);
+        CHECK(t, test_run_cli(t, "qheld", args) == 0, "the base held (sync %d)", sync);
+        if (sync) {
+            snprintf(args, sizeof args, "%s --mmap-base --log '%s'", common, lb);
+            CHECK(t, test_run_cli(t, "qmapped", args) == 0, "the base mapped");
+        } else {  // (in two parts: a resumed run maps it again)
+            snprintf(args, sizeof args, "%s --mmap-base --log '%s' --out '%s' --save-every 2 "
+                     "--steps 2", common, lb, ob);
+            CHECK(t, test_run_cli(t, "qmapped", args) == 0, "the base mapped, first part");
+            snprintf(args, sizeof args, "%s --mmap-base --log '%s' --out '%s' --save-every 2 "
+                     "--resume", common, lc, ob);
+            CHECK(t, test_run_cli(t, "qmapped2", args) == 0, "the base mapped, resumed");
+        }
+        char* a = test_read_file(la, NULL);
+        char* b = test_read_file(lb, NULL);
+        char* c = test_read_file(lc, NULL);
+        for (int s = 1; s <= 4; s++) {
+            char x[512], y[512];
+            const int hx = test_log_record(a, s, x, sizeof x);
+            const int hy = test_log_record(sync || s <= 2 ? b : c, s, y, sizeof y);
+            // (the records' timings differ: the losses and norms are what must agree)
+            char* cx = strstr(x, ",\"ms\"");
+            char* cy = strstr(y, ",\"ms\"");
+            if (cx) *cx = 0;
+            if (cy) *cy = 0;
+            CHECK(t, hx && hy && strcmp(x, y) == 0, "sync %d step %d: held '%s' vs mapped '%s'",
+                  sync, s, hx ? x : "-", hy ? y : "-");
+        }
+        free(a);
+        free(b);
+        free(c);
+    }
+    snprintf(args, sizeof args, "--model '%s' --lora-r 4 --plan --device cpu:2 --mmap-base", m);
+    CHECK(t, test_run_cli(t, "qmplan", args) == 0, "--plan --mmap-base");
+    char* so = test_read_output(t, "qmplan", "out");
+    CHECK(t, strstr(so, "the frozen base mapped from"), "--plan's host line: %s", so);
+    free(so);
+    struct {
+        const char* args;
+        const char* must;
+    } cases[] = {
+        {"--mmap-base", "LoRA runs only"},
+        {"--lora-r 4 --mmap-base", "needs the RoundPipe engine"},
+        {"--lora-r 4 --mmap-base --device cpu:2 --val data/tiny_val.bin", "--val '' --sample-tokens 0"},
+        {"--lora-r 4 --mmap-base --device cpu:2", "no checkpoint to map"},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        snprintf(args, sizeof args, "--steps 1 --val '' --sample-tokens 0 %s", cases[k].args);
+        int rc = test_run_cli(t, "qmflags", args);
+        char* err = test_read_output(t, "qmflags", "err");
+        CHECK(t, rc != 0 && one_error_line(err, cases[k].must), "'%s': exit %d, '%s' (want '%s')",
+              cases[k].args, rc, err, cases[k].must);
+        free(err);
+    }
+}
+
 // ----------------------------------------------------------------------------
 // the GPU's dequantiser against the CPU's (bf16 of the same fp32 values: exact)
 
@@ -439,6 +513,7 @@ const TestCase tests_quant[] = {
     {"quant_engine_matches_dequantised", test_quant_engine_matches_dequantised},
     {"quant_cli_refusals", test_quant_cli_refusals},
     {"quant_cli_train", test_quant_cli_train},
+    {"quant_cli_mmap", test_quant_cli_mmap},
     {"gpu_quant_dequant", test_quant_gpu_dequant},
     {NULL, NULL},
 };
