@@ -38,7 +38,9 @@ static void load_task(void* arg, int64_t task) {
     const TensorTable* tt = job->s->tt;
     if (job->gguf) {
         const TensorDesc* d = &tt->t[i];
-        if (d->tied_to >= 0 || (job->s->map_src && job->s->map_src[i])) return;  // (mapped)
+        // (tied: the owner's; LoRA adapters: not the base's; --mmap-base: read on upload)
+        if (d->tied_to >= 0 || d->lora_target >= 0 || (job->s->map_src && job->s->map_src[i]))
+            return;
         job->rc[i] =
             gguf_read_hf_tensor(job->gguf, job->cfg, d, store_param(job->s, i), job->err[i]);
         return;
@@ -58,7 +60,8 @@ static void load_task(void* arg, int64_t task) {
 // The fp32 bytes task i writes into the Store (for the progress line).
 static double load_task_bytes(const LoadJob* job, int i) {
     const TensorTable* tt = job->s->tt;
-    if (job->gguf) return tt->t[i].tied_to >= 0 ? 0.0 : 4.0 * (double)tt->t[i].numel;
+    if (job->gguf)
+        return tt->t[i].tied_to >= 0 || tt->t[i].lora_target >= 0 ? 0.0 : 4.0 * (double)tt->t[i].numel;
     return 4.0 * (double)tt->hf[i].numel;
 }
 static double load_bytes_range(const LoadJob* job, int first, int count) {
@@ -212,7 +215,7 @@ int loader_load_gguf(Store* s, const GgufFile* f, const ModelConfig* cfg, int* n
         if (strcmp(have, "rope_freqs.weight") == 0) continue;
         int used = 0;
         for (int i = 0; i < tt->n && !used; i++) {
-            if (tt->t[i].tied_to >= 0) continue;
+            if (tt->t[i].tied_to >= 0 || tt->t[i].lora_target >= 0) continue;
             const int n = gguf_tensor_parts(cfg, &tt->t[i], parts);
             for (int p = 0; p < n && !used; p++) used = strcmp(parts[p].name, have) == 0;
         }

@@ -11,6 +11,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "../checkpoint.h"
 #include "../common.h"
 #include "../device.h"
 #include "../engine.h"
@@ -150,6 +151,69 @@ static void test_quant_table(TestCtx* t) {
     BaseDtype bd;
     CHECK(t, quant_parse_base_dtype("Q4_K", &bd, err) == 0 && bd == BASE_DTYPE_Q4_K, "parse");
     CHECK(t, quant_parse_base_dtype("q3_k", &bd, err) != 0 && strstr(err, "unknown"), "%s", err);
+}
+
+// keep: a GGUF's Q8_0 tensors become the Store's blocks byte for byte (the fixture's q/k/v/o/
+// gate/up/down), and the run trains on the values the loader gives (the same losses as without
+// --base-dtype)
+static void test_quant_keep_gguf(TestCtx* t) {
+    char err[ERR_LEN];
+    const char* path = "dev/gguf/fixtures/qwen3_q8_0.gguf";
+    if (access(path, F_OK) != 0) {
+        test_skip(t, "no fixture dev/gguf/fixtures/qwen3_q8_0.gguf");
+        return;
+    }
+    ModelSource src;
+    CHECK(t, checkpoint_resolve_model(&src, path, err) == 0, "%s", err);
+    Model m;
+    const LoraSpec l = all_linear();
+    CHECK(t, model_init_lora(&m, &src.cfg, 0, &l, err) == 0, "%s", err);
+    CHECK(t, quant_table_set(&m.tt, BASE_DTYPE_KEEP, &src.gguf, &src.cfg, err) == 0, "%s", err);
+    Store s;
+    store_create(&s, &m.tt);
+    CHECK(t, checkpoint_load_weights(&src, &s, NULL, err) == 0, "%s", err);
+    quant_store_base(&s, &src.gguf, &src.cfg);
+    int n = 0, same = 0;
+    for (int i = 0; i < m.tt.n; i++) {
+        const TensorDesc* d = &m.tt.t[i];
+        if (!d->qtype) continue;
+        GgufPart parts[2];
+        gguf_tensor_parts(&src.cfg, d, parts);
+        const GgufTensor* g = gguf_find_tensor(&src.gguf, parts[0].name);
+        n++;
+        same += g && s.qblocks[i] && g->type == GGML_TYPE_Q8_0 &&
+                memcmp(s.qblocks[i], g->data, quant_tensor_bytes(d, 0)) == 0;
+    }
+    CHECK(t, n == 7 * src.cfg.L && same == n, "%d of %d kept tensors are the file's blocks", same,
+          n);
+    store_free(&s);
+    model_free(&m);
+    checkpoint_close_source(&src);
+
+    char args[4096], la[1024], lb[1024];
+    test_path(t, la, sizeof la, "q_keep.jsonl");
+    test_path(t, lb, sizeof lb, "q_nokeep.jsonl");
+    const char* common = "--model dev/gguf/fixtures/qwen3_q8_0.gguf --lora-r 4 --steps 2 --val '' "
+                         "--sample-tokens 0 --threads 1 -m 2 --device cpu:2 --sync 1 --seq 16 "
+                         "--batch 4";
+    snprintf(args, sizeof args, "%s --base-dtype keep --log '%s'", common, la);
+    CHECK(t, test_run_cli(t, "qkeep", args) == 0, "keep run");
+    snprintf(args, sizeof args, "%s --log '%s'", common, lb);
+    CHECK(t, test_run_cli(t, "qnokeep", args) == 0, "bf16 run");
+    char* a = test_read_file(la, NULL);
+    char* b = test_read_file(lb, NULL);
+    for (int k = 1; k <= 2; k++) {
+        char x[512], y[512];
+        const int hx = test_log_record(a, k, x, sizeof x), hy = test_log_record(b, k, y, sizeof y);
+        char* cx = strstr(x, ",\"ms\"");
+        char* cy = strstr(y, ",\"ms\"");
+        if (cx) *cx = 0;
+        if (cy) *cy = 0;
+        CHECK(t, hx && hy && strcmp(x, y) == 0, "step %d: keep '%s' vs '%s'", k, hx ? x : "-",
+              hy ? y : "-");
+    }
+    free(a);
+    free(b);
 }
 
 // ----------------------------------------------------------------------------
@@ -510,6 +574,7 @@ static void test_quant_gpu_dequant(TestCtx* t) { test_skip(t, "built without CUD
 const TestCase tests_quant[] = {
     {"quant_blocks", test_quant_blocks},
     {"quant_table", test_quant_table},
+    {"quant_keep_gguf", test_quant_keep_gguf},
     {"quant_engine_matches_dequantised", test_quant_engine_matches_dequantised},
     {"quant_cli_refusals", test_quant_cli_refusals},
     {"quant_cli_train", test_quant_cli_train},
