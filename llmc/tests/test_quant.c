@@ -230,9 +230,10 @@ typedef struct QRun {
 
 // quant: --base-dtype's type for the run (0: none, on the Store `values` gives); values (may be
 // NULL): the fp32 weights to start from instead of the seeded init (every slab, concatenated).
-static int q_engine(TestCtx* t, QRun* run, const ModelConfig* c, const LoraSpec* l, BaseDtype bd,
-                    const float* values, int N, double budget, int sync, const int32_t* tokens,
-                    int B, int T, float** values_out) {
+static int q_engine_on(TestCtx* t, const DeviceImpl* impl, int release, QRun* run,
+                       const ModelConfig* c, const LoraSpec* l, BaseDtype bd, const float* values,
+                       int N, double budget, int sync, const int32_t* tokens, int B, int T,
+                       float** values_out) {
     char err[ERR_LEN];
     memset(run, 0, sizeof *run);
     Model m;
@@ -260,14 +261,16 @@ static int q_engine(TestCtx* t, QRun* run, const ModelConfig* c, const LoraSpec*
     }
     DeviceOptions dopt = {.threads = 1, .delay_seed = 5, .max_delay_us = 30};
     DeviceSet devs;
-    device_set_open(&devs, &device_cpu_impl, N, &dopt);
+    device_set_open(&devs, impl, N, &dopt);
     EngineOptions eo = {.B = B, .T = T, .M = 2, .M_R = 2, .grain = RECOMPUTE_STAGE, .sync = sync,
                         .device_budget = budget, .opt_threads = 1, .row_chunks = 1,
-                        .trace_path = "", .seed = 7,
+                        .trace_path = "", .seed = 7, .release_frozen = release,
                         .hyper = (AdamWHyper){3e-2f, 0.9f, 0.95f, 1e-8f, 0.1f},
                         .sched = (LrSchedule){LR_COSINE, 3e-2f, 1, Q_STEPS, 0.1f, 0.2f},
                         .grad_clip = 1.0f};
-    if (budget > 0) eo.device_budget += (double)engine_fixed_device_bytes(&m, 4, &eo);
+    if (budget > 0)
+        eo.device_budget +=
+            (double)engine_fixed_device_bytes(&m, impl->ops(devs.dev[0])->act_bytes, &eo);
     Engine* e = engine_create(&m, &s, &devs, &eo, err);
     CHECK(t, e != NULL, "engine_create: %s", err);
     if (e) {
@@ -276,22 +279,49 @@ static int q_engine(TestCtx* t, QRun* run, const ModelConfig* c, const LoraSpec*
         engine_synchronize(e);
         for (int g = 0; g < N; g++) {
             DeviceStats st;
-            device_cpu_impl.stats(devs.dev[g], &st);
+            impl->stats(devs.dev[g], &st);
             run->param_up += st.bytes[STREAM_PARAM_UP];
         }
         engine_free(e);
-        for (int k = 0; k < m.tt.n_layers; k++) run->n_params += m.tt.param_numel[k];
-        run->params = malloc_check((size_t)run->n_params * sizeof(float));
+        // every slab (after a release: the adapters alone)
+        for (int k = 0; k < m.tt.n_layers; k++)
+            run->n_params += release ? m.tt.state_numel[k] : m.tt.param_numel[k];
+        run->params = malloc_check((size_t)(run->n_params ? run->n_params : 1) * sizeof(float));
         o = 0;
         for (int k = 0; k < m.tt.n_layers; k++) {
-            memcpy(run->params + o, s.param[k], (size_t)m.tt.param_numel[k] * sizeof(float));
-            o += m.tt.param_numel[k];
+            const int64_t skip = release ? m.tt.param_numel[k] - m.tt.state_numel[k] : 0;
+            memcpy(run->params + o, s.param[k] + skip,
+                   (size_t)(m.tt.param_numel[k] - skip) * sizeof(float));
+            o += m.tt.param_numel[k] - skip;
         }
     }
     device_set_close(&devs);
     store_free(&s);
     model_free(&m);
     return e ? 0 : -1;
+}
+
+static int q_engine(TestCtx* t, QRun* run, const ModelConfig* c, const LoraSpec* l, BaseDtype bd,
+                    const float* values, int N, double budget, int sync, const int32_t* tokens,
+                    int B, int T, float** values_out) {
+    return q_engine_on(t, &device_cpu_impl, 0, run, c, l, bd, values, N, budget, sync, tokens, B,
+                       T, values_out);
+}
+
+// A config whose linears' widths take a format's blocks (Q4_K: 256).
+static ModelConfig q_config(BaseDtype bd) {
+    ModelConfig c = test_engine_config(1);
+    if (bd == BASE_DTYPE_Q4_K) {
+        c.C = 256;
+        c.H = 4;
+        c.KVH = 2;
+        c.HD = 64;
+        c.F = 256;
+        c.L = 3;
+    } else {
+        c.F = 64;
+    }
+    return c;
 }
 
 // q8_0, q4_k and mxfp4 bases: the engine's run (blocks uploaded, dequantised on the device) is
@@ -301,17 +331,7 @@ static void test_quant_engine_matches_dequantised(TestCtx* t) {
     const int B = 4, T = 8;
     const BaseDtype dtypes[3] = {BASE_DTYPE_Q8_0, BASE_DTYPE_Q4_K, BASE_DTYPE_MXFP4};
     for (int k = 0; k < 3; k++) {
-        ModelConfig c = test_engine_config(1);
-        if (dtypes[k] == BASE_DTYPE_Q4_K) {  // (widths of 256)
-            c.C = 256;
-            c.H = 4;
-            c.KVH = 2;
-            c.HD = 64;
-            c.F = 256;
-            c.L = 3;
-        } else {
-            c.F = 64;
-        }
+        const ModelConfig c = q_config(dtypes[k]);
         const LoraSpec l = all_linear();
         int32_t* tokens = malloc_check((size_t)Q_STEPS * B * (T + 1) * sizeof(int32_t));
         Rng r;
@@ -495,6 +515,27 @@ static void test_quant_cli_mmap(TestCtx* t) {
         free(b);
         free(c);
     }
+    // a GGUF (F32 tensors, Qwen3: no layout change on load)
+    const char* gg = "--model dev/gguf/fixtures/qwen3_f32.gguf --lora-r 4 --steps 2 --val '' "
+                     "--sample-tokens 0 --threads 1 -m 2 --device cpu:2 --sync 1 --seq 16 --batch 4";
+    snprintf(args, sizeof args, "%s --log '%s'", gg, la);
+    CHECK(t, test_run_cli(t, "qgheld", args) == 0, "GGUF, the base held");
+    snprintf(args, sizeof args, "%s --mmap-base --log '%s'", gg, lb);
+    CHECK(t, test_run_cli(t, "qgmapped", args) == 0, "GGUF, the base mapped");
+    char* ga = test_read_file(la, NULL);
+    char* gb = test_read_file(lb, NULL);
+    for (int s = 1; s <= 2; s++) {
+        char x[512], y[512];
+        const int hx = test_log_record(ga, s, x, sizeof x), hy = test_log_record(gb, s, y, sizeof y);
+        char* cx = strstr(x, ",\"ms\"");
+        char* cy = strstr(y, ",\"ms\"");
+        if (cx) *cx = 0;
+        if (cy) *cy = 0;
+        CHECK(t, hx && hy && strcmp(x, y) == 0, "GGUF step %d: held '%s' vs mapped '%s'", s,
+              hx ? x : "-", hy ? y : "-");
+    }
+    free(ga);
+    free(gb);
     snprintf(args, sizeof args, "--model '%s' --lora-r 4 --plan --device cpu:2 --mmap-base", m);
     CHECK(t, test_run_cli(t, "qmplan", args) == 0, "--plan --mmap-base");
     char* so = test_read_output(t, "qmplan", "out");
@@ -508,6 +549,8 @@ static void test_quant_cli_mmap(TestCtx* t) {
         {"--lora-r 4 --mmap-base", "needs the RoundPipe engine"},
         {"--lora-r 4 --mmap-base --device cpu:2 --val data/tiny_val.bin", "--val '' --sample-tokens 0"},
         {"--lora-r 4 --mmap-base --device cpu:2", "no checkpoint to map"},
+        {"--lora-r 4 --mmap-base --device cpu:2 --model dev/gguf/fixtures/llama_bf16.gguf",
+         "needs a layout change on load"},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         snprintf(args, sizeof args, "--steps 1 --val '' --sample-tokens 0 %s", cases[k].args);
@@ -525,6 +568,55 @@ static void test_quant_cli_mmap(TestCtx* t) {
 #ifdef HAVE_CUDA
 #include "../../kernels/dequant.h"
 #include "../../kernels/kernels.h"
+
+// The engine on GPUs: a quantised base (blocks up, kernels/dequant.cu) trains as the bf16 base
+// holding the dequantised weights (the same bf16 bits on the device: losses equal up to the
+// GPU's own run-to-run differences), and releasing the Store's base changes nothing.
+static void test_quant_gpu_engine(TestCtx* t) {
+    if (cuda_device_count() == 0) {
+        test_skip(t, "no GPU: cudaGetDeviceCount found no CUDA device");
+        return;
+    }
+    const int B = 4, T = 8;
+    const BaseDtype dtypes[3] = {BASE_DTYPE_Q8_0, BASE_DTYPE_Q4_K, BASE_DTYPE_MXFP4};
+    for (int k = 0; k < 3; k++) {
+        const ModelConfig c = q_config(dtypes[k]);
+        const LoraSpec l = all_linear();
+        int32_t* tokens = malloc_check((size_t)Q_STEPS * B * (T + 1) * sizeof(int32_t));
+        Rng r;
+        rng_seed(&r, 31 + k);
+        for (int i = 0; i < Q_STEPS * B * (T + 1); i++) tokens[i] = (int32_t)rng_below(&r, c.V);
+        QRun a, b, rel;
+        float* deq = NULL;
+        const char* name = quant_base_dtype_name(dtypes[k]);
+        if (q_engine_on(t, &device_cuda_impl, 0, &a, &c, &l, dtypes[k], NULL, 1, 0, 1, tokens, B, T,
+                        &deq) == 0) {
+            if (q_engine_on(t, &device_cuda_impl, 0, &b, &c, &l, BASE_DTYPE_BF16, deq, 1, 0, 1,
+                            tokens, B, T, NULL) == 0) {
+                for (int s = 0; s < Q_STEPS; s++)
+                    CHECK(t, fabs(a.loss[s] - b.loss[s]) <= 1e-5 * fabs(b.loss[s]),
+                          "%s step %d: loss %.7f vs %.7f on the dequantised bf16 base", name, s,
+                          a.loss[s], b.loss[s]);
+                CHECK(t, a.param_up < b.param_up, "%s: %llu parameter bytes up vs %llu", name,
+                      (unsigned long long)a.param_up, (unsigned long long)b.param_up);
+                printf("  %s: loss %.6f (dequantised bf16 base %.6f), parameter bytes up %llu vs "
+                       "%llu\n", name, a.loss[Q_STEPS - 1], b.loss[Q_STEPS - 1],
+                       (unsigned long long)a.param_up, (unsigned long long)b.param_up);
+                free(b.params);
+            }
+            if (q_engine_on(t, &device_cuda_impl, 1, &rel, &c, &l, dtypes[k], NULL, 1, 0, 1, tokens,
+                            B, T, NULL) == 0) {
+                int same = 1;
+                for (int s = 0; s < Q_STEPS; s++) same &= rel.loss[s] == a.loss[s];
+                CHECK(t, same, "%s: releasing the Store's base changes the losses", name);
+                free(rel.params);
+            }
+            free(a.params);
+        }
+        free(deq);
+        free(tokens);
+    }
+}
 
 static void test_quant_gpu_dequant(TestCtx* t) {
     if (cuda_device_count() == 0) {
@@ -569,6 +661,7 @@ static void test_quant_gpu_dequant(TestCtx* t) {
 }
 #else
 static void test_quant_gpu_dequant(TestCtx* t) { test_skip(t, "built without CUDA"); }
+static void test_quant_gpu_engine(TestCtx* t) { test_skip(t, "built without CUDA"); }
 #endif
 
 const TestCase tests_quant[] = {
@@ -580,5 +673,6 @@ const TestCase tests_quant[] = {
     {"quant_cli_train", test_quant_cli_train},
     {"quant_cli_mmap", test_quant_cli_mmap},
     {"gpu_quant_dequant", test_quant_gpu_dequant},
+    {"gpu_quant_engine", test_quant_gpu_engine},
     {NULL, NULL},
 };
