@@ -17,6 +17,8 @@
  * once, the 32 outputs written as four 16-byte stores (out 16-byte aligned; else variant 1).
  * Memory-bound: the lab (dev/cuda/dequant.cu) reports GB/s of blocks read + bf16 written.
  */
+#include <cuda_fp16.h>
+
 #include "common.cuh"
 #include "dequant.h"
 
