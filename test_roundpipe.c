@@ -39,6 +39,7 @@
     X(model)       \
     X(moe)         \
     X(lora)        \
+    X(quant)       \
     X(parity)      \
     X(gpu)         \
     X(gpu_sink)    \

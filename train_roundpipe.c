@@ -28,7 +28,9 @@
 #include "llmc/grpo.h"
 #include "llmc/interrupt.h"
 #include "llmc/log.h"
+#include "llmc/loader.h"
 #include "llmc/lora.h"
+#include "llmc/quant.h"
 #include "llmc/memory.h"
 #include "llmc/model.h"
 #include "llmc/outputs.h"
@@ -103,11 +105,20 @@ static void print_lora_host_memory(const TrainArgs* a, const Model* m, int act_b
     const EngineHostMemory h = engine_host_memory(m, act_bytes, N > 0 ? N : 1, eo);
     const int released = trainer_releases_frozen(a, m, 1);
     const double gib = 1 << 30;
-    const double base = act_bytes == 2 ? h.base : h.store_frozen;
+    if (a->mmap_base) {
+        const double adapters = h.store - h.store_frozen + (h.masters - h.base) + h.grads;
+        printf("LoRA host memory: the frozen base mapped from %s (--mmap-base: read through the "
+               "page cache on each upload, none of it held) + the adapters %.3f GiB\n", a->model,
+               adapters / (1 << 30));
+        return;
+    }
+    const int blocks = quant_table_count(&m->tt) > 0;  // (--base-dtype: the engine's copy)
+    const double base = act_bytes == 2 || blocks ? h.base : h.store_frozen;
     const double adapters = h.store - h.store_frozen + (h.masters - h.base) + h.grads;
     printf("LoRA host memory: the frozen base %.2f GiB (%s, one copy) + the adapters %.3f GiB "
            "(fp32 weights, gradients, AdamW m and v; two %s masters)", base / gib,
-           act_bytes == 2 ? "bf16" : "fp32", adapters / gib, act_bytes == 2 ? "bf16" : "fp32");
+           blocks ? "ggml blocks" : act_bytes == 2 ? "bf16" : "fp32", adapters / gib,
+           act_bytes == 2 ? "bf16" : "fp32");
     if (act_bytes == 2 && released)
         printf("; at start-up the loader's fp32 base (%.2f GiB), given back page by page as the "
                "engine makes its bf16 copy", h.store_frozen / gib);
@@ -415,6 +426,17 @@ int main(int argc, char** argv) {
                100.0 * (double)model.tt.trainable_params / (double)model.tt.total_params,
                (long long)model.tt.total_params);
     }
+    // --base-dtype: which frozen tensors are held in a block format (before the plan: it counts
+    // their bytes); keep reads the GGUF's own types
+    const GgufFile* base_gguf = src.kind == SOURCE_GGUF && src.has_weights ? &src.gguf : NULL;
+    if (quant_table_set(&model.tt, (BaseDtype)a.base_dtype, base_gguf, &model.cfg, err) != 0)
+        fatal("%s", err);
+    if (quant_table_count(&model.tt) > 0)
+        printf("LoRA base: %d tensors held as ggml blocks (--base-dtype %s): the frozen base "
+               "%.3f GiB instead of %.3f GiB in bf16\n", quant_table_count(&model.tt),
+               quant_base_dtype_name((BaseDtype)a.base_dtype),
+               quant_head_bytes(&model.tt, 2) / (1 << 30),
+               store_frozen_bytes(&model.tt) / 2 / (1 << 30));
     if (a.seq > model.cfg.max_pos && model.cfg.max_pos > 0)
         printf("warning: --seq %d exceeds max_position_embeddings %d\n", a.seq, model.cfg.max_pos);
     const int N = resolve_devices(&a);
@@ -426,13 +448,26 @@ int main(int argc, char** argv) {
     // the tokenizer (tokenizer.json beside the model, or the GGUF's) for the prompt and exports
     if (checkpoint_load_tokenizer(&src, err) != 0) fatal("%s", err);
     Store store;
-    store_create(&store, &model.tt);
+    if (a.mmap_base) {  // the base stays in the mapped checkpoint (its slabs' heads untouched)
+        if (!src.has_weights)
+            fatal("--mmap-base: %s has no checkpoint to map (a preset or config.json is a random "
+                  "init held in memory)", a.model);
+        store_create_unfrozen(&store, &model.tt);
+        if (loader_map_base(&store, src.kind == SOURCE_GGUF ? NULL : &src.ck, base_gguf,
+                            &model.cfg, err) != 0)
+            fatal("%s", err);
+    } else {
+        store_create(&store, &model.tt);
+    }
     char* args_json = args_to_json(&a);
     TrainState ts;
     const InitOptions init = {.model = a.model, .out_dir = a.out, .resume = a.resume,
-                              .seed = a.seed, .init_std = a.init_std, .lora_init = a.lora_init};
+                              .seed = a.seed, .init_std = a.init_std, .lora_init = a.lora_init,
+                              .keep_source = a.mmap_base || a.base_dtype == BASE_DTYPE_KEEP};
     if (checkpoint_init_weights(&init, &src, &model, &store, &ts, args_json, err) != 0)
         fatal("%s", err);
+    quant_store_base(&store, base_gguf, &model.cfg);  // (the base's blocks; none for bf16)
+    if (!a.mmap_base) checkpoint_release_weights(&src);  // (--mmap-base: read on every upload)
 
     // 3. the trainer: plain training on the CPU, or the RoundPipe engine over the N devices (its
     // threads start with SIGINT/SIGTERM blocked: only this thread handles them)

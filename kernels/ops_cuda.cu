@@ -19,6 +19,7 @@
 
 #include "attention.h"
 #include "common.cuh"
+#include "dequant.h"
 #include "kernels.h"
 #include "moe.cuh"
 #include "moe_matmul.h"
@@ -481,6 +482,13 @@ static void op_add_f32(void* ctx, float* dst, const float* src, size_t n) {
     prof_end(cx);
 }
 
+static void op_dequantize(void* ctx, void* out, const void* blocks, int type, size_t n) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 2.0 * n, "dequantize type=%d n=%zu", type, n);
+    cuda_dequantize(cx->stream, cx->n_sms, DEQUANT_AUTO, out, blocks, type, n);
+    prof_end(cx);
+}
+
 static void op_matmul_cols_add(void* ctx, void* out, const void* inp, const void* w, float scale,
                               int N, int IC, int OC, int ld, int c0) {
     CudaCtx* cx = ctx_enter(ctx);
@@ -679,4 +687,5 @@ extern "C" const Ops ops_cuda = {
     .matmul_cols_add = op_matmul_cols_add,
     .matmul_cols_backward = op_matmul_cols_backward,
     .dropout = op_dropout,
+    .dequantize = op_dequantize,
 };

@@ -18,6 +18,7 @@
 #include "dp.h"
 #include "json.h"
 #include "lora.h"
+#include "quant.h"
 
 void args_defaults(TrainArgs* a) {
     memset(a, 0, sizeof *a);
@@ -89,6 +90,9 @@ void args_defaults(TrainArgs* a) {
     a->export_lora = "";
     a->merge_lora = 0;
     a->lora_flag = NULL;
+    a->base_dtype = BASE_DTYPE_BF16;
+    a->base_dtype_arg = NULL;
+    a->mmap_base = 0;
 }
 
 void args_usage(FILE* f) {
@@ -191,6 +195,14 @@ void args_usage(FILE* f) {
         "                         and use_rslora must match the flags\n"
         "      --export-lora DIR  at the end, write the adapters as a PEFT adapter directory\n"
         "      --merge-lora       the --export-hf / --export-gguf weights are W + scale*B*A\n"
+        "      --base-dtype D     the frozen base's linears and experts on the host and in\n"
+        "                         uploads: bf16, q8_0, q4_k, mxfp4 (ggml's block formats,\n"
+        "                         quantised on load and dequantised on the device per stage)\n"
+        "                         or keep (a GGUF's own Q8_0/Q4_K/MXFP4 tensors) (default bf16)\n"
+        "      --mmap-base        read the frozen base from the memory-mapped checkpoint on each\n"
+        "                         upload (through pinned staging buffers) instead of holding it\n"
+        "                         in host memory: bases larger than the host train (the engine\n"
+        "                         only; safetensors F32/F16/BF16, GGUF F32/F16/BF16 or keep)\n"
         "\n"
         "RoundPipe engine (--device cpu:N)\n"
         "      --round M_R        micro-batches per round, M %% M_R == 0, 0 = all (default 0)\n"
@@ -374,7 +386,7 @@ enum {
     OPT_EXPORT_GGUF, OPT_EXPORT_DTYPE, OPT_EXPORT_SHARD, OPT_LAYERS,
     OPT_ALLOW_OVERCOMMIT, OPT_DIST_INIT, OPT_RANK, OPT_WORLD, OPT_DIST_TIMEOUT, OPT_NET_GBPS, OPT_STEP_MS,
     OPT_LORA_R, OPT_LORA_ALPHA, OPT_LORA_TARGETS, OPT_LORA_DROPOUT,
-    OPT_RSLORA, OPT_LORA_INIT, OPT_EXPORT_LORA, OPT_MERGE_LORA
+    OPT_RSLORA, OPT_LORA_INIT, OPT_EXPORT_LORA, OPT_MERGE_LORA, OPT_BASE_DTYPE, OPT_MMAP_BASE
 };
 
 // "512M", "80G", "1e9": bytes with an optional K/M/G/T suffix (powers of 1024). -1: not a
@@ -444,6 +456,12 @@ static int check_lora(const TrainArgs* a) {
     if (a->lora_r == 0) {
         if (a->lora_flag)
             return bad(a->lora_flag, "", "needs --lora-r R (LoRA is off without a rank)");
+        if (a->base_dtype_arg && a->base_dtype != BASE_DTYPE_BF16)
+            return bad("--base-dtype", a->base_dtype_arg, "holds a frozen base in a block format: "
+                       "LoRA runs only (give --lora-r R; full fine-tuning trains every weight)");
+        if (a->mmap_base)
+            return bad("--mmap-base", "", "maps a frozen base: LoRA runs only (give --lora-r R; "
+                       "full fine-tuning updates every weight)");
         return 0;
     }
     if (a->lora_targets != LORA_ALL_LINEAR && (a->lora_targets & LORA_EXPERTS_BIT))
@@ -452,6 +470,15 @@ static int check_lora(const TrainArgs* a) {
     if (a->merge_lora && !*a->export_hf && !*a->export_gguf)
         return bad("--merge-lora", "", "merges the adapters into the --export-hf / --export-gguf "
                    "weights: give one of them");
+    if (a->mmap_base && a->n_devices == 0 && a->device != DEVICE_CUDA)
+        return bad("--mmap-base", "", "the base is read on upload: it needs the RoundPipe engine "
+                   "(--device cpu:N or cuda); the plain trainer reads it from host memory");
+    if (a->mmap_base && !a->plan_only &&
+        (a->val[0] || a->sample_tokens > 0 || a->dump_state[0] || a->export_hf[0] ||
+         a->export_gguf[0] || a->merge_lora))
+        return bad("--mmap-base", "", "--val, --sample-tokens, --dump-state and the HF / GGUF "
+                   "exports read the base from host memory, which a mapped base is not in (give "
+                   "--val '' --sample-tokens 0, no exports)");
     if (*a->lora_init && !dir_exists(a->lora_init))
         return bad("--lora-init", a->lora_init, "no such directory (a PEFT adapter directory)");
     return 0;
@@ -518,6 +545,8 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         {"lora-init", required_argument, 0, OPT_LORA_INIT},
         {"export-lora", required_argument, 0, OPT_EXPORT_LORA},
         {"merge-lora", no_argument, 0, OPT_MERGE_LORA},
+        {"base-dtype", required_argument, 0, OPT_BASE_DTYPE},
+        {"mmap-base", no_argument, 0, OPT_MMAP_BASE},
         {"help", no_argument, 0, 'h'},
         RL_ARGS_OPTIONS,
         {0, 0, 0, 0}};
@@ -665,6 +694,16 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
                 a->merge_lora = 1;
                 if (!a->lora_flag) a->lora_flag = "--merge-lora";
                 break;
+            case OPT_BASE_DTYPE: {
+                char why[ERR_LEN];
+                BaseDtype bd;
+                if (quant_parse_base_dtype(v, &bd, why) != 0)
+                    rc = bad("--base-dtype", v, "unknown (use bf16, q8_0, q4_k, mxfp4 or keep)");
+                a->base_dtype = bd;
+                a->base_dtype_arg = v;
+                break;
+            }
+            case OPT_MMAP_BASE: a->mmap_base = 1; break;
             case OPT_EXPORT_HF: a->export_hf = v; break;
             case OPT_EXPORT_GGUF: a->export_gguf = v; break;
             case OPT_EXPORT_DTYPE:
@@ -822,6 +861,9 @@ char* args_to_json(const TrainArgs* a) {
         fprintf(m, ",\n  \"lora-r\": %d,\n  \"lora-alpha\": %.9g,\n  \"lora-targets\": \"%s\""
                    ",\n  \"lora-dropout\": %.9g,\n  \"rslora\": %d",
                 a->lora_r, (double)a->lora_alpha, targets, (double)a->lora_dropout, a->rslora);
+        if (a->base_dtype != BASE_DTYPE_BF16)
+            fprintf(m, ",\n  \"base-dtype\": \"%s\"", quant_base_dtype_name(a->base_dtype));
+        if (a->mmap_base) fputs(",\n  \"mmap-base\": 1", m);
     }
     rl_args_json(m, &a->rl);  // (absent without --rl)
     fputs("\n}\n", m);

@@ -89,6 +89,9 @@ typedef struct TrainArgs {
     const char* export_lora; // PEFT adapter directory written at the end ("" = none)
     int merge_lora;          // the HF / GGUF exports carry W + scale·B·A
     const char* lora_flag;   // the first --lora-* flag other than --lora-r given (validation)
+    int base_dtype;          // --base-dtype: BaseDtype (quant.h), the frozen base's host format
+    const char* base_dtype_arg;
+    int mmap_base;           // --mmap-base: the base read from the mapped checkpoint
     RlArgs rl;               // reinforcement learning (--rl grpo; rl_args.h)
 } TrainArgs;
 

@@ -892,6 +892,6 @@ int checkpoint_init_weights(const InitOptions* o, ModelSource* src, const Model*
             lora_init_random(m, s, o->seed);
         }
     }
-    checkpoint_release_weights(src);
+    if (!o->keep_source) checkpoint_release_weights(src);
     return rc;
 }

@@ -107,6 +107,8 @@ typedef struct InitOptions {
     float init_std;       // random init: matrices and embeddings ~ N(0, init_std)
     const char* lora_init;  // LoRA: a PEFT adapter directory to start from (NULL / "": PEFT's
                             // init, seeded by seed)
+    int keep_source;        // leave the source's weight files open (--mmap-base reads them on
+                            // every upload; --base-dtype keep takes a GGUF's blocks after loading)
 } InitOptions;
 
 // The start of a run: with o->resume and a complete checkpoint in o->out_dir, the weights and

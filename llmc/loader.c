@@ -38,12 +38,15 @@ static void load_task(void* arg, int64_t task) {
     const TensorTable* tt = job->s->tt;
     if (job->gguf) {
         const TensorDesc* d = &tt->t[i];
-        if (d->tied_to >= 0) return;
+        // (tied: the owner's; LoRA adapters: not the base's; --mmap-base: read on upload)
+        if (d->tied_to >= 0 || d->lora_target >= 0 || (job->s->map_src && job->s->map_src[i]))
+            return;
         job->rc[i] =
             gguf_read_hf_tensor(job->gguf, job->cfg, d, store_param(job->s, i), job->err[i]);
         return;
     }
     const HfTensor* v = &tt->hf[i];
+    if (job->s->map_src && job->s->map_src[v->index]) return;  // (--mmap-base: read on upload)
     float* out = store_param(job->s, v->index) + v->offset;
     if (job->st[i]) {
         job->rc[i] = st_tensor_to_f32(job->st[i], out, v->numel, job->err[i]);
@@ -57,7 +60,8 @@ static void load_task(void* arg, int64_t task) {
 // The fp32 bytes task i writes into the Store (for the progress line).
 static double load_task_bytes(const LoadJob* job, int i) {
     const TensorTable* tt = job->s->tt;
-    if (job->gguf) return tt->t[i].tied_to >= 0 ? 0.0 : 4.0 * (double)tt->t[i].numel;
+    if (job->gguf)
+        return tt->t[i].tied_to >= 0 || tt->t[i].lora_target >= 0 ? 0.0 : 4.0 * (double)tt->t[i].numel;
     return 4.0 * (double)tt->hf[i].numel;
 }
 static double load_bytes_range(const LoadJob* job, int first, int count) {
@@ -175,6 +179,9 @@ int loader_load_safetensors(Store* s, const StCheckpoint* ck, int* n_unused, cha
                 continue;
         }
         int head = tensor_table_index(tt, TK_LM_HEAD, -1);
+        if (strcmp(name, "lm_head.weight") == 0 && head >= 0 && tt->t[head].tied_to >= 0 &&
+            s->map_src && s->map_src[tt->t[head].tied_to])
+            continue;  // (--mmap-base: the embedding is not in memory to compare with)
         if (strcmp(name, "lm_head.weight") == 0 && head >= 0 && tt->t[head].tied_to >= 0) {
             const TensorDesc* d = &tt->t[head];
             float* tmp = malloc_check((size_t)d->numel * sizeof(float));
@@ -208,12 +215,77 @@ int loader_load_gguf(Store* s, const GgufFile* f, const ModelConfig* cfg, int* n
         if (strcmp(have, "rope_freqs.weight") == 0) continue;
         int used = 0;
         for (int i = 0; i < tt->n && !used; i++) {
-            if (tt->t[i].tied_to >= 0) continue;
+            if (tt->t[i].tied_to >= 0 || tt->t[i].lora_target >= 0) continue;
             const int n = gguf_tensor_parts(cfg, &tt->t[i], parts);
             for (int p = 0; p < n && !used; p++) used = strcmp(parts[p].name, have) == 0;
         }
         unused += !used;
     }
     if (n_unused) *n_unused = unused;
+    return 0;
+}
+
+// ----------------------------------------------------------------------------
+// --mmap-base
+
+// The ggml type of a safetensors dtype the upload converts (F32, F16, BF16), or -1.
+static int st_ggml_type(StDtype dt) {
+    return dt == ST_F32 ? GGML_TYPE_F32 : dt == ST_F16 ? GGML_TYPE_F16
+                                        : dt == ST_BF16 ? GGML_TYPE_BF16 : -1;
+}
+
+// Where the checkpoint holds frozen tensor i as the table lays it out (NULL + err if nowhere).
+static const void* map_one(const Store* s, const StCheckpoint* ck, const GgufFile* gguf,
+                           const ModelConfig* cfg, int i, int* type, char* err) {
+    const TensorTable* tt = s->tt;
+    const TensorDesc* d = &tt->t[i];
+    const int want_blocks = d->qtype;
+    if (gguf) {
+        GgufPart parts[2];
+        const int whole = gguf_tensor_parts(cfg, d, parts) == 1 && !gguf_parts_rearranged(cfg, d) &&
+                          !(cfg->family == FAMILY_LLAMA && (d->kind == TK_WQ || d->kind == TK_WK));
+        const GgufTensor* t = gguf_find_tensor(gguf, parts[0].name);
+        if (!t) {
+            errorf(err, "%s: no tensor '%s'", gguf->path, parts[0].name);
+            return NULL;
+        }
+        *type = (int)t->type;
+        const int plain = *type == GGML_TYPE_F32 || *type == GGML_TYPE_F16 || *type == GGML_TYPE_BF16;
+        if (whole && t->numel == d->numel && (want_blocks ? *type == want_blocks : plain))
+            return t->data;
+        errorf(err, "--mmap-base: %s is %s in %s%s: a mapped base is uploaded as stored (F32, F16 "
+               "or BF16; a GGUF's Q8_0 / Q4_K / MXFP4 blocks with --base-dtype keep)", parts[0].name,
+               ggml_type_name(*type) ? ggml_type_name(*type) : "?", gguf->path,
+               whole ? "" : " (and needs a layout change on load)");
+        return NULL;
+    }
+    int views = 0, v = -1;
+    for (int k = 0; k < tt->n_hf; k++)
+        if (tt->hf[k].index == i) {
+            views++;
+            v = k;
+        }
+    const StTensor* st = views == 1 ? st_checkpoint_find(ck, tt->hf[v].name) : NULL;
+    *type = st ? st_ggml_type(st->dtype) : -1;
+    if (st && st->numel == d->numel && *type >= 0 && !want_blocks) return st->data;
+    errorf(err, "--mmap-base: %s is %s in the checkpoint: a mapped safetensors base is uploaded "
+           "as stored (F32, F16 or BF16 tensors of the table's layout, --base-dtype bf16)",
+           views == 1 ? tt->hf[v].name : d->hf_name,
+           !st ? "not one tensor" : want_blocks ? "not in ggml blocks" : st_dtype_name(st->dtype));
+    return NULL;
+}
+
+int loader_map_base(Store* s, const StCheckpoint* ck, const GgufFile* gguf,
+                    const ModelConfig* cfg, char* err) {
+    const TensorTable* tt = s->tt;
+    s->map_src = calloc_check((size_t)tt->n, sizeof(void*));
+    s->map_type = calloc_check((size_t)tt->n, sizeof(int));
+    for (int i = 0; i < tt->n; i++) {
+        const TensorDesc* d = &tt->t[i];
+        if (d->trainable || d->tied_to >= 0) continue;
+        s->map_src[i] = map_one(s, ck, gguf, cfg, i, &s->map_type[i], err);
+        if (!s->map_src[i]) return -1;
+    }
+    s->frozen_released = 1;
     return 0;
 }

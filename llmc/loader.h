@@ -26,4 +26,14 @@ int loader_load_safetensors(Store* s, const StCheckpoint* ck, int* n_unused, cha
 int loader_load_gguf(Store* s, const GgufFile* f, const ModelConfig* cfg, int* n_unused,
                      char* err);
 
+// --mmap-base: point the Store's map_src / map_type at every frozen tensor where the open
+// checkpoint (ck or gguf, the other NULL) holds it as the table lays it out (one tensor of its
+// shape; safetensors F32 / F16 / BF16; GGUF F32 / F16 / BF16, or the tensor's own block type
+// when --base-dtype keeps it), and mark them released: the loader then skips them and the
+// engine uploads them from the mapping. -1 with a one-line err for a frozen tensor that needs a
+// conversion the upload cannot make (a layout change on load: LLaMA's permuted q/k, fused or
+// split experts, MXFP4 pairs; another dtype; a block format the checkpoint does not have).
+int loader_map_base(Store* s, const StCheckpoint* ck, const GgufFile* gguf,
+                    const ModelConfig* cfg, char* err);
+
 #endif  // LLMC_LOADER_H

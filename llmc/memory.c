@@ -14,6 +14,7 @@
 #include "checkpoint.h"
 #include "common.h"
 #include "plain.h"
+#include "quant.h"
 #include "threads.h"
 #include "trace.h"
 #include "trainer.h"
@@ -245,6 +246,8 @@ RunMemory memory_estimate(const TrainArgs* a, const Model* m, int n_devices,
     const int Bm = (a->batch + a->micro_batches - 1) / a->micro_batches;  // the largest
     const int T = a->seq;
     r.state = store_bytes(&m->tt);
+    // --base-dtype: the Store's blocks of the quantised base beside its fp32 values (quant.h)
+    for (int l = 0; l < m->tt.n_layers; l++) r.state += (double)quant_layer_block_bytes(&m->tt, l);
     // the plain path (plain training; with the engine evaluation, sampling, --dump-state): its
     // buffers are host memory on the CPU backend, the store's slabs its own (aliased)
     if (trainer_needs_plain(a, engine) && !gpus)
@@ -257,6 +260,15 @@ RunMemory memory_estimate(const TrainArgs* a, const Model* m, int n_devices,
         // LoRA on GPUs: the engine's bf16 base takes the place of the Store's fp32 one, page by
         // page as it converts them (the peak is the fp32 base the loader fills)
         if (trainer_releases_frozen(a, m, engine)) r.state -= h.base;
+        // --mmap-base: no copy of the base in host memory at all (the Store's fp32 head is never
+        // touched, the engine's copy holds nothing of it; the page cache holds what the
+        // uploads read, reclaimable)
+        if (a->mmap_base) {
+            r.state -= store_frozen_bytes(&m->tt);
+            for (int l = 0; l < m->tt.n_layers; l++)
+                r.state -= (double)quant_layer_block_bytes(&m->tt, l);
+            if (!trainer_releases_frozen(a, m, engine)) r.state -= h.base;
+        }
         // resuming the delayed update: its pending weights stay until the engine has copied them
         if (a->resume && !a->sync) {
             for (int l = 0; l < m->tt.n_layers; l++)  // (the trainable tensors': LoRA's adapters)

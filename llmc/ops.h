@@ -232,6 +232,11 @@ typedef struct Ops {
     // output gradient). out may alias inp.
     void (*dropout)(void* ctx, void* out, const void* inp, float p, uint64_t seed, int64_t row0,
                     int N, int C);
+
+    // ---- a frozen base held in ggml blocks (quant.h) ----
+    // out (n) compute dtype = the n elements of blocks (a device buffer) of ggml type `type`
+    // (GGML_TYPE_Q8_0, _Q4_K, _MXFP4; n a multiple of its block), as ggml's dequantize_row_*.
+    void (*dequantize)(void* ctx, void* out, const void* blocks, int type, size_t n);
 } Ops;
 
 // The dropout mask's hash (splitmix64 finaliser of seed + (i + 1)·golden), its top 32 bits.

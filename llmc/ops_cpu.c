@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gguf.h"
 #include "ops_cpu_core.h"
 
 // ----------------------------------------------------------------------------
@@ -408,6 +409,34 @@ static void cpu_dropout(void* ctx, void* out, const void* inp, float p, uint64_t
 }
 
 // ----------------------------------------------------------------------------
+// a frozen base in ggml blocks: dequantisation on use (ggml_dequantize, the loader's own)
+
+#define DEQUANT_TASK 65536  // elements per task (a multiple of every block size)
+
+typedef struct DequantArgs {
+    float* out;
+    const uint8_t* blocks;
+    int type, block, block_bytes;
+    size_t n;
+} DequantArgs;
+
+static void dequant_task(void* arg, int64_t task) {
+    const DequantArgs* a = arg;
+    const size_t b = (size_t)task * DEQUANT_TASK;
+    const size_t n = a->n - b < DEQUANT_TASK ? a->n - b : DEQUANT_TASK;
+    ggml_dequantize(a->type, a->blocks + b / (size_t)a->block * (size_t)a->block_bytes, a->out + b,
+                    (int64_t)n);
+}
+
+static void cpu_dequantize(void* ctx, void* out, const void* blocks, int type, size_t n) {
+    DequantArgs a = {.out = out, .blocks = blocks, .type = type, .n = n};
+    a.block = ggml_type_block(type, &a.block_bytes);
+    if (a.block == 0 || n % (size_t)a.block != 0 || !ggml_type_can_dequantize(type))
+        fatal("internal: dequantize of %zu elements of ggml type %d", n, type);
+    cpu_run(ctx, task_count((int64_t)n, DEQUANT_TASK), dequant_task, &a);
+}
+
+// ----------------------------------------------------------------------------
 // softmax cross-entropy
 
 typedef struct XentArgs {
@@ -603,5 +632,6 @@ const Ops ops_cpu = {
     .matmul_cols_add = cpu_matmul_cols_add,
     .matmul_cols_backward = cpu_matmul_cols_backward,
     .dropout = cpu_dropout,
+    .dequantize = cpu_dequantize,
 };
 

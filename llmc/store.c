@@ -77,7 +77,16 @@ void store_release_frozen(Store* s) {
     s->frozen_released = 1;
 }
 
-void store_create(Store* s, const TensorTable* tt) {
+static void store_create_ex(Store* s, const TensorTable* tt, int skip_frozen);
+
+void store_create(Store* s, const TensorTable* tt) { store_create_ex(s, tt, 0); }
+
+void store_create_unfrozen(Store* s, const TensorTable* tt) {
+    store_create_ex(s, tt, 1);
+    s->frozen_released = 1;
+}
+
+static void store_create_ex(Store* s, const TensorTable* tt, int skip_frozen) {
     memset(s, 0, sizeof *s);
     s->tt = tt;
     s->n_layers = tt->n_layers;
@@ -96,6 +105,11 @@ void store_create(Store* s, const TensorTable* tt) {
         float* slabs[4] = {s->param[l], s->grad[l], s->m[l], s->v[l]};
         int64_t numel[4] = {tt->param_numel[l], tt->grad_numel[l], tt->state_numel[l],
                             tt->state_numel[l]};
+        if (skip_frozen && slabs[0]) {  // (the trainable tail only)
+            const int64_t head = tt->param_numel[l] - tt->state_numel[l];
+            slabs[0] += head;
+            numel[0] -= head;
+        }
         for (int k = 0; k < 4; k++) {
             z.slabs[4 * l + k] = slabs[k];
             z.numel[4 * l + k] = slabs[k] ? numel[k] : 0;
@@ -117,6 +131,11 @@ void store_free(Store* s) {
         free(s->m[l]);
         free(s->v[l]);
     }
+    if (s->qblocks)
+        for (int i = 0; i < s->tt->n; i++) free(s->qblocks[i]);
+    free(s->qblocks);
+    free(s->map_src);
+    free(s->map_type);
     free(s->param);
     free(s->grad);
     free(s->m);

@@ -29,9 +29,19 @@ typedef struct Store {
     float** v;      // (n_layers) AdamW second moments
     int64_t step;   // optimizer steps taken
     int frozen_released;  // store_release_frozen: the frozen base's fp32 values are gone
+    uint8_t** qblocks;    // (tt->n) the blocks of each tensor held in a block format
+                          // (TensorDesc.qtype, quant.h), NULL for the others; NULL: none
+    // --mmap-base (loader_map_base): where each frozen tensor lies in the mapped checkpoint, and
+    // its ggml type there (F32, F16, BF16 or a block type); NULL: every tensor is held here. A
+    // mapped tensor has no fp32 values in its slab (frozen_released is set).
+    const void** map_src;  // (tt->n)
+    int* map_type;         // (tt->n)
 } Store;
 
 void store_create(Store* s, const TensorTable* tt);
+// The same, leaving the frozen heads of the parameter slabs untouched (--mmap-base: their pages
+// are never written, so never committed; the base is read from the mapped checkpoint).
+void store_create_unfrozen(Store* s, const TensorTable* tt);
 // Host bytes store_create allocates for tt: the fp32 weights, m, v and gradient slabs.
 double store_bytes(const TensorTable* tt);
 // Of which the frozen tensors' fp32 weights (LoRA's base: each slab's head, the adapters last).

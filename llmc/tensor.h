@@ -124,6 +124,8 @@ typedef struct TensorDesc {
     int trainable;           // the optimizer updates it (with LoRA: the adapters only)
     int64_t state_offset;    // element offset in the owner layer's AdamW m / v slabs (-1: frozen)
     int lora_target;         // TK_LORA_A / TK_LORA_B: the LoraTarget adapted; -1 otherwise
+    int qtype;               // storage format of a frozen tensor (--base-dtype, quant.h): a ggml
+                             // block type, or 0 = the compute dtype
 } TensorDesc;
 
 // One tensor of an HF checkpoint of the model: elements [offset, offset + numel) of table tensor

@@ -400,6 +400,7 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
         transfer_grads_prepare(e, ds, st, gk, round, t);
     }
     im->event_record(ds->param_done, d, STREAM_PARAM_UP);
+    transfer_params_dequant(e, ds, st, pk, t, gated);  // (a quantised base, quant.h)
 
     for (int r = 0; r < e->M_R; r++) {
         const int i = round * e->M_R + r;  // micro-batch index within the iteration

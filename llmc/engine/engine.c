@@ -133,9 +133,13 @@ static void plan_resources_create(Engine* e) {
         for (int k = 0; k < 2; k++) {
             if (k < e->slot_sets) {
                 ds->pslot[k] = dev_alloc(e, ds, (size_t)max_p * e->ab);
+                if (e->quant) ds->qslot[k] = dev_alloc(e, ds, plan_stage_block_bytes(e, &e->plan));
+                if (e->s->map_src) ds->stage[k] = e->impl->host_alloc(STAGE_BYTES);
                 ds->gslot[k] = dev_alloc(e, ds, (size_t)max_g * sizeof(float));
             } else {  // one slot set: the index never reaches 1 (pnext, gnext)
                 ds->pslot[k] = ds->pslot[0];
+                ds->qslot[k] = ds->qslot[0];
+                ds->stage[k] = ds->stage[0];
                 ds->gslot[k] = ds->gslot[0];
             }
             ds->pslot_free[k] = e->impl->event_create(ds->d);
@@ -194,7 +198,11 @@ static void plan_resources_free(Engine* e) {
             if (k < e->slot_sets) {
                 im->free(ds->d, ds->pslot[k]);
                 im->free(ds->d, ds->gslot[k]);
+                if (ds->qslot[k]) im->free(ds->d, ds->qslot[k]);
+                if (ds->stage[k]) im->host_free(ds->stage[k]);
             }
+            ds->qslot[k] = NULL;
+            ds->stage[k] = NULL;
             im->event_destroy(ds->pslot_free[k]);
             im->event_destroy(ds->gslot_free[k]);
             if (!(k == 1 && e->M_R == 1)) {  // parity 1 shares parity 0's buffers then
@@ -305,12 +313,15 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
     const size_t tok = (size_t)e->Bm * e->T;
     e->train_off = calloc_check((size_t)NL, sizeof(int64_t));
     e->base = calloc_check((size_t)NL, sizeof(void*));
-    e->base_owned = e->ab != sizeof(float);
+    // (a quantised base, quant.h: the engine's copy holds the head as uploaded, on fp32 devices
+    // too; a mapped base, --mmap-base: the tensors the mapping does not hold)
+    if (s->map_src) e->quant = 1;
+    e->base_owned = e->ab != sizeof(float) || e->quant;
     for (int l = 0; l < NL; l++) {
         e->train_off[l] = tt->param_numel[l] - tt->state_numel[l];
         if (e->train_off[l] == 0) continue;
         if (e->base_owned) {
-            e->base[l] = e->impl->host_alloc((size_t)e->train_off[l] * e->ab + 64);
+            e->base[l] = e->impl->host_alloc(transfer_head_held_bytes(e, l) + 64);
         } else {
             e->base[l] = s->param[l];
             e->impl->host_register(s->param[l], (size_t)e->train_off[l] * sizeof(float));

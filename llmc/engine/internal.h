@@ -63,6 +63,7 @@
 
 #include "../common.h"
 #include "../engine.h"
+#include "../quant.h"
 #include "../trace.h"
 
 // ----------------------------------------------------------------------------
@@ -83,7 +84,11 @@ typedef struct Stage {
 typedef struct Piece {
     void* dst;
     const void* src;
-    size_t bytes;
+    size_t bytes;           // bytes written to dst
+    // --mmap-base: src is a tensor of the mapped checkpoint (pageable), src_type its ggml type:
+    // the copy goes through the device's pinned staging buffers, converted to the upload format
+    int staged;
+    int src_type;
 } Piece;
 
 // A backward stage's gradient download, deferred into the activation windows of the next stage
@@ -108,6 +113,12 @@ typedef struct DevState {
     void* ctx;
     Workspace* ws;
     void* pslot[2];
+    void* stage[2];         // --mmap-base: pinned staging buffers (STAGE_BYTES each) the mapped
+                            // base goes through on its way up, used in turn (transfer.c)
+    int stage_next;
+    void* qslot[2];         // [slot] the stage's quantised base tensors as uploaded, in their
+                            // blocks, dequantised into pslot on the compute stream (quant.h;
+                            // NULL without --base-dtype)
     DevEvent* pslot_free[2];
     int pnext;
     float* gslot[2];
@@ -170,6 +181,8 @@ typedef struct MbJob {
     int from, to;
     int64_t t;      // protocol_param_fence_fn: wait until param_ready[from] >= t
     uint64_t lora_seed;  // LoRA: the dropout masks' seed of this micro-batch (lora_dropout_seed)
+    Piece piece;    // --mmap-base: a staging fill (transfer.c: piece.src -> piece.dst, `from`
+                    // elements or bytes on)
 } MbJob;
 
 typedef struct JobBlock {
@@ -215,6 +228,9 @@ struct Engine {
                             // changes): the Store's own fp32 slab on fp32 devices, a bf16 copy on
                             // bf16 devices; NULL where a layer has none
     int base_owned;         // base[l] are the engine's allocations (bf16), not the Store's slabs
+    int quant;              // some frozen tensors are held in a block format (quant.h): base[l]
+                            // then holds each head tensor as uploaded, its blocks or ab bytes
+                            // per element, back to back (quant_layer_head_bytes)
     int* need_x;            // (NL+1) boundary b needs host x buffers
     int* need_dx;
     void*** hx[2];          // [iteration parity][boundary][micro-batch]
@@ -328,6 +344,8 @@ int plan_init(Engine* e, const Model* m, int act_bytes, int n_devices, const Eng
               char* err);
 // Bytes of one residual-stream buffer of the largest micro-batch (B_m x T x C, compute dtype).
 size_t plan_x_buffer_bytes(const Engine* e);
+// Bytes of the largest stage's quantised blocks (the staging slots, quant.h; 0 without).
+size_t plan_stage_block_bytes(const Engine* e, const PartitionPlan* plan);
 // What each device allocates for a plan, and the sizes engine.c allocates with (any out pointer
 // may be NULL): the largest stage's parameter and gradient elements, the activation sets, the
 // longest stage.
@@ -383,6 +401,14 @@ void dispatch_iteration(Engine* e, int64_t t);
 // activation-upload marks, or (gated) layer by layer behind the optimizer's per-layer fences.
 void transfer_params_up(Engine* e, DevState* ds, const Stage* st, int k, int64_t t);
 void transfer_params_up_gated(Engine* e, DevState* ds, const Stage* st, int k, int64_t t);
+// The stage's quantised tensors from staging slot k into parameter slot k, on the compute stream
+// behind their upload (gated: each layer behind its own). No-op without --base-dtype.
+void transfer_params_dequant(Engine* e, DevState* ds, const Stage* st, int k, int64_t t, int gated);
+// Bytes of layer l's frozen head in the engine's base copy (the mapped tensors of --mmap-base
+// are not in it).
+size_t transfer_head_held_bytes(const Engine* e, int l);
+// --mmap-base: the pinned staging buffers' size (each of the two per device).
+#define STAGE_BYTES ((size_t)32 << 20)
 // Gradient slot k of a backward stage: zeroed, or the host's partial sum of earlier rounds.
 void transfer_grads_prepare(Engine* e, DevState* ds, const Stage* st, int k, int round, int64_t t);
 // Micro-batch i (the r-th of its round) of stage st: activations up before its compute, down after.

@@ -72,7 +72,8 @@ static void layer_bytes(const Engine* e, double* fb, double* bb, double* ub) {
     const double xbuf = (double)parity_count(e) * (double)plan_x_buffer_bytes(e);
     for (int l = 0; l < e->NL; l++) {
         const int block = l >= 1 && l < e->NL - 1;
-        fb[l] = (double)tt->param_numel[l] * (double)e->ab + xbuf / 2;
+        fb[l] = (double)tt->param_numel[l] * (double)e->ab + xbuf / 2 +
+                (double)quant_layer_block_bytes(tt, l);  // (a quantised base's staging)
         if (l == e->NL - 1 && tt->t[head].tied_to >= 0) fb[l] += (double)tt->t[head].numel * e->ab;
         bb[l] = fb[l] + (double)tt->grad_numel[l] * sizeof(float);
         if (block) bb[l] += acts / 2;
@@ -80,6 +81,19 @@ static void layer_bytes(const Engine* e, double* fb, double* bb, double* ub) {
         // the recompute)
         ub[l] = bb[l] + (block && e->opt.grain == RECOMPUTE_LAYER ? set / 2 : 0.0);
     }
+}
+
+size_t plan_stage_block_bytes(const Engine* e, const PartitionPlan* plan) {
+    const TensorTable* tt = &e->m->tt;
+    size_t max_q = 0;
+    for (int i = 0; i < plan->n_fwd + plan->n_bwd; i++) {
+        SlotInfo si;
+        partition_slot(plan, i, &si);
+        size_t q = 0;
+        for (int l = si.range.begin; l < si.range.end; l++) q += quant_layer_block_bytes(tt, l);
+        if (q > max_q) max_q = q;
+    }
+    return max_q;
 }
 
 // What each device allocates for the plan (the same numbers engine.c's plan_resources_create
@@ -116,7 +130,9 @@ EngineDeviceBytes plan_device_bytes(const Engine* e, const PartitionPlan* plan,
     const int acts = e->opt.grain == RECOMPUTE_LAYER ? fused_sets : imax(fused_sets, max_bwd);
     const size_t tok = (size_t)e->Bm * e->T;
     EngineDeviceBytes b;
-    const size_t slot = (size_t)max_p * e->ab + (size_t)max_g * sizeof(float);
+    // (a quantised base: its blocks' staging beside the slot, quant.h)
+    const size_t slot = (size_t)max_p * e->ab + (size_t)max_g * sizeof(float) +
+                        plan_stage_block_bytes(e, plan);
     b.slot_sets = 2;
     b.slots = 2 * slot;
     b.acts = (size_t)acts * workspace_act_set_bytes(e->m, (int)e->ab, e->Bc, e->T);
@@ -310,6 +326,7 @@ int plan_init(Engine* e, const Model* m, int act_bytes, int n_devices, const Eng
                       "micro-batches)", opt->row_chunks);
     e->moe_floats = m->n_moe > 0 ? m->n_moe * 2 * m->cfg.E + m->cfg.E : 0;
     e->ab = (size_t)act_bytes;
+    e->quant = quant_table_count(&m->tt) > 0;
     // size-based (FLOP) cost estimates until profiled times exist
     // (per row-chunk count below: whether the MLP is chunked depends on the chunk's tokens)
     e->cost_fwd = calloc_check((size_t)e->NL, sizeof(double));
@@ -456,6 +473,23 @@ void engine_print_plan(const Engine* e, FILE* f) {
     print_bytes(f, " + saved activations ", db.acts);
     print_bytes(f, " + scratch ", db.scratch);
     print_bytes(f, " + hand-off buffers ", db.handoff);
+    if (quant_table_count(&e->m->tt) > 0) {  // (--base-dtype: what the stages' uploads carry)
+        const TensorTable* tt = &e->m->tt;
+        double up = 0, plain = 0;
+        for (int si = 0; si < e->plan.n_fwd + e->plan.n_bwd; si++) {
+            SlotInfo slot;
+            partition_slot(&e->plan, si, &slot);
+            for (int l = slot.range.begin; l < slot.range.end; l++) {
+                const double tail = (double)(tt->param_numel[l] - tt->state_numel[l]);
+                up += (double)quant_layer_head_bytes(tt, l, e->ab) + (double)tt->state_numel[l] * e->ab;
+                plain += (tail + (double)tt->state_numel[l]) * e->ab;
+            }
+        }
+        print_bytes(f, "\nparameter uploads per round: ", (size_t)up);
+        print_bytes(f, " (the base as ggml blocks; ", (size_t)plain);
+        fprintf(f, " in the compute dtype), staging for the blocks per slot ");
+        print_bytes(f, "", plan_stage_block_bytes(e, &e->plan));
+    }
     print_bytes(f, "\nhost activation checkpoints: ", plan_host_act_bytes(e, &e->plan));
     fprintf(f, " (%s)\n", e->opt.host_single ? "one set" : "two sets: --host-checkpoints double");
     free(fb);
@@ -558,7 +592,11 @@ EngineHostMemory engine_host_memory(const Model* m, int act_bytes, int n_devices
     // master[2] of the trainable tails, and one copy of the frozen base for both (engine_create):
     // fp32 devices read the Store's own slabs, bf16 devices a bf16 copy
     h.masters = 2.0 * (act_bytes * tails + 64.0 * tt->n_layers);
-    h.base = act_bytes == (int)sizeof(float) ? 0.0 : act_bytes * frozen + 64.0 * frozen_layers;
+    // (a quantised base, quant.h: its tensors as blocks, the rest in the compute dtype, on fp32
+    // devices too)
+    h.base = quant_table_count(tt) > 0 ? quant_head_bytes(tt, (size_t)act_bytes) + 64.0 * frozen_layers
+             : act_bytes == (int)sizeof(float) ? 0.0
+                                               : act_bytes * frozen + 64.0 * frozen_layers;
     h.masters += h.base;
     h.store_frozen = store_frozen_bytes(tt);
     h.grads = plan_host_grad_sets(opt) > 1 ? 4.0 * grads : 0.0;  // hgrad[1] (engine_create)

@@ -123,6 +123,36 @@ typedef struct MasterInit {
     int64_t* head_chunks;  // (NL) of which the frozen head's
 } MasterInit;
 
+// A quantised base (quant.h): layer l's frozen head as uploaded, into base[l] in one task: each
+// tensor's blocks from the Store, the others converted to the compute dtype, back to back.
+static void pack_layer_head(Engine* e, int l) {
+    const TensorTable* tt = &e->m->tt;
+    char* dst = e->base[l];
+    for (int i = tt->first[l]; i < tt->first[l] + tt->count[l]; i++) {
+        const TensorDesc* d = &tt->t[i];
+        if (d->owner_layer != l || d->tied_to >= 0 || d->trainable) continue;
+        if (e->s->map_src && e->s->map_src[i]) continue;  // (--mmap-base: uploaded from the map)
+        const float* src = e->s->param[l] + d->param_offset;
+        if (d->qtype) {
+            memcpy(dst, e->s->qblocks[i], quant_tensor_bytes(d, 0));
+        } else if (e->ab == 4) {
+            memcpy(dst, src, (size_t)d->numel * sizeof(float));
+        } else {
+            uint16_t* h = (uint16_t*)dst;
+            for (int64_t j = 0; j < d->numel; j++) h[j] = f32_to_bf16(src[j]);
+        }
+        dst += quant_tensor_bytes(d, e->ab);
+    }
+    if (!e->opt.release_frozen || e->s->map_src) return;
+    // (on GPUs the engine's copy is the only one the run reads: the Store's goes, fp32 and blocks)
+    store_release_range(e->s, l, 0, e->train_off[l]);
+    for (int i = tt->first[l]; i < tt->first[l] + tt->count[l]; i++)
+        if (tt->t[i].qtype && tt->t[i].owner_layer == l) {
+            free(e->s->qblocks[i]);
+            e->s->qblocks[i] = NULL;
+        }
+}
+
 // Chunk c of the layers' slabs: the frozen head's chunks of a layer come first, converted once
 // into the base's bf16 copy (fp32 devices read the Store's slab itself), then its trainable
 // tail's, into both masters.
@@ -132,6 +162,10 @@ static void master_init_chunk(void* arg, int64_t c) {
     int l = 0;
     while (mi->first[l + 1] <= c) l++;
     const int64_t k = c - mi->first[l], off = e->train_off[l];
+    if (k < mi->head_chunks[l] && e->quant) {
+        pack_layer_head(e, l);
+        return;
+    }
     if (k < mi->head_chunks[l]) {
         const int64_t b = k * MASTER_CHUNK, n = imin64(off - b, MASTER_CHUNK);
         if (e->ab == 2) {
@@ -163,7 +197,7 @@ void protocol_masters_init(Engine* e) {
     int64_t* head_chunks = calloc_check((size_t)NL, sizeof(int64_t));
     for (int l = 0; l < NL; l++) {
         const int64_t off = e->train_off[l], tail = e->m->tt.param_numel[l] - off;
-        head_chunks[l] = (off + MASTER_CHUNK - 1) / MASTER_CHUNK;
+        head_chunks[l] = e->quant ? off > 0 : (off + MASTER_CHUNK - 1) / MASTER_CHUNK;
         mi.first[l + 1] = mi.first[l] + head_chunks[l] + (tail + MASTER_CHUNK - 1) / MASTER_CHUNK;
     }
     mi.head_chunks = head_chunks;

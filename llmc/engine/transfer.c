@@ -45,7 +45,7 @@ static void pieces_add(Piece** pieces, int* n, int* cap, void* dst, const void* 
     for (size_t off = 0; off < bytes; off += PIECE_MAX_BYTES) {
         if (*n == *cap) *pieces = realloc_check(*pieces, (size_t)(*cap *= 2) * sizeof(Piece));
         size_t len = bytes - off < PIECE_MAX_BYTES ? bytes - off : PIECE_MAX_BYTES;
-        (*pieces)[(*n)++] = (Piece){(char*)dst + off, (const char*)src + off, len};
+        (*pieces)[(*n)++] = (Piece){(char*)dst + off, (const char*)src + off, len, 0, 0};
     }
 }
 
@@ -64,38 +64,191 @@ static void lpt_assign(Piece* pieces, int n, int n_bins, int* bin_of) {
 }
 
 
-// Elements [from, to) of layer l's slab from iteration parity ip's weights to dst: the frozen
-// head from the one base copy, the trainable tail from the parity's master. Returns the copies
-// (0 to 2) in seg.
-static int layer_range_copies(const Engine* e, int ip, int l, int64_t from, int64_t to, char* dst,
-                              Piece seg[2]) {
-    const int64_t off = e->train_off[l];
+// The most copies one layer's upload makes (a quantised head: one per tensor, quant.h).
+#define LAYER_COPIES_MAX 64
+
+// A quantised base's head of layer l (e->quant): its frozen tensors in [from, to) one copy
+// each, the quantised ones' blocks to the layer's staging area qdst, the others to dst, from
+// base[l] where they lie back to back as uploaded (protocol.c's pack_layer_head).
+static int head_copies(const Engine* e, int l, int64_t from, int64_t to, char* dst, char* qdst,
+                       Piece* seg) {
+    const TensorTable* tt = &e->m->tt;
+    const char* src = e->base[l];
+    size_t qoff = 0;
     int n = 0;
-    if (from < off && from < to)
-        seg[n++] = (Piece){dst, (const char*)e->base[l] + (size_t)from * e->ab,
-                           (size_t)(imin64(to, off) - from) * e->ab};
-    if (to > off) {
-        const int64_t b = from > off ? from : off;
-        seg[n++] = (Piece){dst + (size_t)(b - from) * e->ab,
-                           (const char*)e->master[ip][l] + (size_t)(b - off) * e->ab,
-                           (size_t)(to - b) * e->ab};
+    for (int i = tt->first[l]; i < tt->first[l] + tt->count[l]; i++) {
+        const TensorDesc* d = &tt->t[i];
+        if (d->owner_layer != l || d->tied_to >= 0 || d->trainable) continue;
+        const size_t bytes = quant_tensor_bytes(d, e->ab);
+        // (--mmap-base: from the mapped checkpoint, through the staging buffers)
+        const void* mapped = e->s->map_src ? e->s->map_src[i] : NULL;
+        if (d->param_offset >= from && d->param_offset + d->numel <= to) {
+            if (n == LAYER_COPIES_MAX) fatal("internal: layer %d uploads in too many pieces", l);
+            seg[n] = d->qtype ? (Piece){qdst + qoff, src, bytes, 0, 0}
+                              : (Piece){dst + (size_t)(d->param_offset - from) * e->ab, src, bytes,
+                                        0, 0};
+            if (mapped) {
+                seg[n].src = mapped;
+                seg[n].staged = 1;
+                seg[n].src_type = e->s->map_type[i];
+            }
+            n++;
+        } else if (d->param_offset < to && d->param_offset + d->numel > from) {
+            fatal("internal: a quantised layer's upload splits tensor %s", d->name);
+        }
+        if (d->qtype) qoff += bytes;
+        if (!mapped) src += bytes;
     }
     return n;
 }
 
+size_t transfer_head_held_bytes(const Engine* e, int l) {
+    const TensorTable* tt = &e->m->tt;
+    size_t bytes = 0;
+    for (int i = tt->first[l]; i < tt->first[l] + tt->count[l]; i++) {
+        const TensorDesc* d = &tt->t[i];
+        if (d->owner_layer != l || d->tied_to >= 0 || d->trainable) continue;
+        if (!(e->s->map_src && e->s->map_src[i])) bytes += quant_tensor_bytes(d, e->ab);
+    }
+    return bytes;
+}
+
+// ----------------------------------------------------------------------------
+// --mmap-base: pageable sources through pinned staging buffers
+
+// Host work on the parameter stream: a chunk of a mapped tensor into a staging buffer, in the
+// upload format (blocks as they are; F32 / F16 / BF16 elements to the compute dtype). It runs
+// after the stream's earlier work, so after the copy that last read this staging buffer.
+static void stage_fill_fn(void* arg) {
+    const MbJob* j = arg;
+    const Piece* p = &j->piece;
+    const int64_t n = j->from;  // elements (bytes for blocks)
+    if (p->src_type != GGML_TYPE_F32 && p->src_type != GGML_TYPE_F16 &&
+        p->src_type != GGML_TYPE_BF16) {
+        memcpy(p->dst, p->src, (size_t)n);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t* s = (const uint8_t*)p->src;
+        const float x = p->src_type == GGML_TYPE_F32    ? ((const float*)p->src)[i]
+                        : p->src_type == GGML_TYPE_BF16 ? bf16_to_f32(load_le16(s + 2 * i))
+                                                        : f16_to_f32(load_le16(s + 2 * i));
+        if (j->e->ab == 4) ((float*)p->dst)[i] = x;
+        else ((uint16_t*)p->dst)[i] = f32_to_bf16(x);
+    }
+}
+
+// One piece on stream s: a direct copy, or a staged one in chunks of at most STAGE_BYTES.
+static void upload_piece(Engine* e, int ip, DevState* ds, StreamKind s, const Piece* p,
+                         const char* name) {
+    const DeviceImpl* im = e->impl;
+    if (!p->staged) {
+        jobs_label(e, ip, ds, s, "%s", name);
+        im->copy_h2d(ds->d, s, p->dst, p->src, p->bytes);
+        return;
+    }
+    int bb = 0;
+    const int blocks = p->src_type != GGML_TYPE_F32 && p->src_type != GGML_TYPE_F16 &&
+                       p->src_type != GGML_TYPE_BF16;
+    if (blocks) ggml_type_block(p->src_type, &bb);
+    const size_t unit = blocks ? (size_t)bb : e->ab;  // upload bytes per chunk unit
+    const size_t src_unit = blocks ? (size_t)bb : (p->src_type == GGML_TYPE_F32 ? 4u : 2u);
+    const size_t per = STAGE_BYTES / unit;  // units per chunk
+    const size_t units = p->bytes / unit;
+    for (size_t u = 0; u < units; u += per) {
+        const size_t k = units - u < per ? units - u : per;
+        void* buf = ds->stage[ds->stage_next];
+        ds->stage_next = ds->stage[1] && ds->stage[1] != ds->stage[0] ? 1 - ds->stage_next : 0;
+        MbJob* j = jobs_new(e, ip);
+        *j = (MbJob){.e = e, .ds = ds, .from = (int)(blocks ? k * unit : k)};
+        j->piece = (Piece){buf, (const char*)p->src + u * src_unit, k * unit, 1, p->src_type};
+        jobs_label(e, ip, ds, s, "stage %s", name);
+        im->host_fn(ds->d, s, stage_fill_fn, j);
+        jobs_label(e, ip, ds, s, "%s", name);
+        im->copy_h2d(ds->d, s, (char*)p->dst + u * unit, buf, k * unit);
+    }
+}
+
+// Elements [from, to) of layer l's slab from iteration parity ip's weights to dst: the frozen
+// head from the one base copy, the trainable tail from the parity's master. Returns the copies
+// in seg (0 to 2; a quantised head: one per tensor, its blocks to qdst).
+static int layer_range_copies(const Engine* e, int ip, int l, int64_t from, int64_t to, char* dst,
+                              char* qdst, Piece* seg) {
+    const int64_t off = e->train_off[l];
+    int n = 0;
+    if (from < off && from < to && e->quant)
+        n = head_copies(e, l, from, imin64(to, off), dst, qdst, seg);
+    else if (from < off && from < to)
+        seg[n++] = (Piece){dst, (const char*)e->base[l] + (size_t)from * e->ab,
+                           (size_t)(imin64(to, off) - from) * e->ab, 0, 0};
+    if (to > off) {
+        const int64_t b = from > off ? from : off;
+        seg[n++] = (Piece){dst + (size_t)(b - from) * e->ab,
+                           (const char*)e->master[ip][l] + (size_t)(b - off) * e->ab,
+                           (size_t)(to - b) * e->ab, 0, 0};
+    }
+    return n;
+}
+
+// Where layer l's blocks go in staging slot k (a quantised base): after the stage's shallower
+// layers' blocks.
+static char* slot_layer_blocks(const Engine* e, const DevState* ds, const Stage* st, int k, int l) {
+    if (!e->quant) return NULL;
+    size_t off = 0;
+    for (int j = st->b; j < l; j++) off += quant_layer_block_bytes(&e->m->tt, j);
+    return (char*)ds->qslot[k] + off;
+}
+
 // Where layer l of a stage goes in parameter slot k, from iteration parity ip's weights (l ==
-// st->e: the copy of the embedding that a stage carrying a tied head holds as its head), as 0 to
-// 2 copies in seg (layer_range_copies).
+// st->e: the copy of the embedding that a stage carrying a tied head holds as its head), as
+// copies in seg (layer_range_copies).
 static int slot_layer_copies(const Engine* e, const DevState* ds, const Stage* st, int k, int ip,
-                             int l, Piece seg[2]) {
+                             int l, Piece* seg) {
     const TensorTable* tt = &e->m->tt;
     if (l < st->e)
         return layer_range_copies(e, ip, l, 0, tt->param_numel[l],
-                                  (char*)ds->pslot[k] + (size_t)st->p_off[l - st->b] * e->ab, seg);
+                                  (char*)ds->pslot[k] + (size_t)st->p_off[l - st->b] * e->ab,
+                                  slot_layer_blocks(e, ds, st, k, l), seg);
     if (st->head_off < 0) return 0;
     const int64_t head = tt->t[tensor_table_index(tt, TK_LM_HEAD, -1)].numel;
     return layer_range_copies(e, ip, 0, 0, head,
-                              (char*)ds->pslot[k] + (size_t)st->head_off * e->ab, seg);
+                              (char*)ds->pslot[k] + (size_t)st->head_off * e->ab, NULL, seg);
+}
+
+// ----------------------------------------------------------------------------
+// a quantised base: dequantisation on the device (quant.h)
+
+// Compute-stream work: layer `from`'s quantised tensors from the staging slot into the parameter
+// slot (MbJob.pslot: the slot, .gslot unused, .to: the staging slot index).
+static void dequant_layer_fn(void* arg) {
+    const MbJob* j = arg;
+    const Engine* e = j->e;
+    const TensorTable* tt = &e->m->tt;
+    const int l = j->from;
+    const char* q = slot_layer_blocks(e, j->ds, j->st, j->to, l);
+    char* dst = (char*)j->pslot + (size_t)j->st->p_off[l - j->st->b] * e->ab;
+    for (int i = tt->first[l]; i < tt->first[l] + tt->count[l]; i++) {
+        const TensorDesc* d = &tt->t[i];
+        if (!d->qtype || d->owner_layer != l) continue;
+        j->ds->ops->dequantize(j->ds->ctx, dst + (size_t)d->param_offset * e->ab, q, d->qtype,
+                               (size_t)d->numel);
+        q += quant_tensor_bytes(d, 0);
+    }
+}
+
+void transfer_params_dequant(Engine* e, DevState* ds, const Stage* st, int k, int64_t t, int gated) {
+    if (!e->quant) return;
+    const int ip = (int)(t % 2);
+    for (int l = st->b; l < st->e; l++) {
+        if (quant_layer_block_bytes(&e->m->tt, l) == 0) continue;
+        // (the compute stream runs it before the stage's first micro-batch: behind the layer's
+        // own upload when gated, the whole stage's otherwise)
+        e->impl->stream_wait(ds->d, STREAM_COMPUTE, gated ? ds->lev[k][l - st->b] : ds->param_done);
+        MbJob* j = jobs_new(e, ip);
+        *j = (MbJob){.e = e, .ds = ds, .st = st, .pslot = ds->pslot[k], .from = l, .to = k, .t = t};
+        jobs_label(e, ip, ds, STREAM_COMPUTE, "dequant %s layer %d", st->name, l);
+        e->impl->submit(ds->d, STREAM_COMPUTE, dequant_layer_fn, j);
+    }
 }
 
 // One copy on stream s in pieces of at most PIECE_MAX_BYTES, each labelled `name` in traces.
@@ -118,10 +271,17 @@ void transfer_params_up(Engine* e, DevState* ds, const Stage* st, int k, int64_t
     int cap = 16, n = 0;
     Piece* pieces = malloc_check((size_t)cap * sizeof(Piece));
     for (int l = st->b; l <= st->e; l++) {
-        Piece seg[2];
+        Piece seg[LAYER_COPIES_MAX + 1];
         const int n_seg = slot_layer_copies(e, ds, st, k, ip, l, seg);
-        for (int c = 0; c < n_seg; c++)
-            pieces_add(&pieces, &n, &cap, seg[c].dst, seg[c].src, seg[c].bytes);
+        for (int c = 0; c < n_seg; c++) {
+            if (!seg[c].staged) {
+                pieces_add(&pieces, &n, &cap, seg[c].dst, seg[c].src, seg[c].bytes);
+                continue;
+            }
+            // (staged: chunked by upload_piece)
+            if (n == cap) pieces = realloc_check(pieces, (size_t)(cap *= 2) * sizeof(Piece));
+            pieces[n++] = seg[c];
+        }
     }
     int n_bins = ds->n_marks > 0 ? ds->n_marks : 1;
     int* bin_of = malloc_check((size_t)(n ? n : 1) * sizeof(int));
@@ -130,11 +290,10 @@ void transfer_params_up(Engine* e, DevState* ds, const Stage* st, int k, int64_t
     im->stream_wait(ds->d, STREAM_PARAM_UP, ds->pslot_free[k]);
     for (int b = 0; b < n_bins; b++) {
         if (ds->n_marks > 0) im->stream_wait(ds->d, STREAM_PARAM_UP, ds->marks[b]);
+        char name[40];
+        snprintf(name, sizeof name, "params %s [%d]", st->name, b);
         for (int i = 0; i < n; i++)
-            if (bin_of[i] == b) {
-                jobs_label(e, ip, ds, STREAM_PARAM_UP, "params %s [%d]", st->name, b);
-                im->copy_h2d(ds->d, STREAM_PARAM_UP, pieces[i].dst, pieces[i].src, pieces[i].bytes);
-            }
+            if (bin_of[i] == b) upload_piece(e, ip, ds, STREAM_PARAM_UP, &pieces[i], name);
     }
     free(bin_of);
     free(pieces);
@@ -153,7 +312,7 @@ void transfer_params_up_gated(Engine* e, DevState* ds, const Stage* st, int k, i
     if (ds->n_marks > 0) im->stream_wait(ds->d, STREAM_PARAM_UP, ds->marks[ds->n_marks - 1]);
     for (int l = st->b; l <= st->e; l++) {
         const int owner = l < st->e ? l : 0;  // the tied head is a copy of layer 0's embedding
-        Piece seg[2];
+        Piece seg[LAYER_COPIES_MAX + 1];
         const int n_seg = slot_layer_copies(e, ds, st, k, ip, l, seg);
         if (l == st->e && !n_seg) break;  // no tied head
         if (!protocol_layer_ready(e, owner, t)) {
@@ -163,8 +322,10 @@ void transfer_params_up_gated(Engine* e, DevState* ds, const Stage* st, int k, i
         }
         char name[40];
         snprintf(name, sizeof name, "params %s layer %d", st->name, l);
-        for (int c = 0; c < n_seg; c++)
-            copy_pieces(e, ip, ds, STREAM_PARAM_UP, seg[c].dst, seg[c].src, seg[c].bytes, 1, name);
+        for (int c = 0; c < n_seg; c++) {
+            if (seg[c].staged) upload_piece(e, ip, ds, STREAM_PARAM_UP, &seg[c], name);
+            else copy_pieces(e, ip, ds, STREAM_PARAM_UP, seg[c].dst, seg[c].src, seg[c].bytes, 1, name);
+        }
         im->event_record(ds->lev[k][l - st->b], ds->d, STREAM_PARAM_UP);
     }
 }

@@ -1,0 +1,678 @@
+/*
+ * test_quant.c — the frozen base in a block format (quant.h, --base-dtype): ggml's quantisers
+ * against gguf-py's blocks, the table's marks and refusals, LoRA training on a q8_0 / q4_k /
+ * mxfp4 base through the engine (emulated devices: the blocks uploaded and dequantised on the
+ * device) bit-identical to the same run on the dequantised weights, the CLI (plain = engine,
+ * resume, --plan's bytes, one-line refusals), and the GPU dequantiser against the CPU's
+ * (skipped without a GPU).
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "../checkpoint.h"
+#include "../common.h"
+#include "../device.h"
+#include "../engine.h"
+#include "../gguf.h"
+#include "../lora.h"
+#include "../model.h"
+#include "../ops.h"
+#include "../quant.h"
+#include "../rng.h"
+#include "../store.h"
+#include "testing.h"
+
+// ----------------------------------------------------------------------------
+// the quantisers
+
+// x[i] = ((i * 7919) % 2001 - 1000) / 137 in fp32 (one correctly rounded division: numpy gives
+// the same bits), block 1 zero, block 2 scaled by 0.01: the inputs of the fixture below.
+static void fixture_input(float* x) {
+    for (int i = 0; i < 128; i++) {
+        x[i] = (float)((i * 7919) % 2001 - 1000) / 137.0f;
+        if (i >= 32 && i < 64) x[i] = 0.0f;
+        if (i >= 64 && i < 96) x[i] *= 0.01f;
+    }
+}
+
+// gguf-py 0.17's quants.quantize of fixture_input (Q8_0, MXFP4; it has no Q4_K quantiser).
+static const char* const fixture_q8_0 =
+    "5b2b81746a5f54493e34291e1308fef3e8ddd2c8bdb2a79c92877a6f655a4f44392f0000000000000000000000"
+    "0000000000000000000000000000000000000000000000a410c8bdb2a79c91867d72675c51463b30251a0f04f9"
+    "eee4d9cec3b8ada2978c81782e2b6e63584d42372c21150afff4e9ded3c8bdb2a79c91867f74695e53483d3227"
+    "1b";
+static const char* const fixture_mxfp4 =
+    "7fdfd7e7e7f6f6f6f574737271606a5b5c0000000000000000000000000000000000792c1c0d0d9eaebec6c6d6"
+    "d5d5e5e4e3637fe7e7e6f6f6f57474727160695b5c4d3d";
+
+static int hex_equal(const uint8_t* b, size_t n, const char* hex) {
+    if (strlen(hex) != 2 * n) return 0;
+    for (size_t i = 0; i < n; i++) {
+        unsigned v;
+        if (sscanf(hex + 2 * i, "%2x", &v) != 1 || v != b[i]) return 0;
+    }
+    return 1;
+}
+
+static void test_quant_blocks(TestCtx* t) {
+    float x[128];
+    fixture_input(x);
+    uint8_t q8[4 * 34], mx[4 * 17];
+    quant_quantize(GGML_TYPE_Q8_0, x, q8, 128);
+    quant_quantize(GGML_TYPE_MXFP4, x, mx, 128);
+    CHECK(t, hex_equal(q8, sizeof q8, fixture_q8_0), "Q8_0 blocks = gguf-py's");
+    CHECK(t, hex_equal(mx, sizeof mx, fixture_mxfp4), "MXFP4 blocks = gguf-py's");
+
+    // every format on random rows: the dequantised values near the inputs, zeros exact, and
+    // quantising the dequantised values again gives the same blocks (Q8_0, MXFP4: their scale
+    // comes back from the block's largest element)
+    Rng r;
+    rng_seed(&r, 11);
+    const int n = 4096;
+    float* w = malloc_check(n * sizeof(float));
+    float* y = malloc_check(n * sizeof(float));
+    uint8_t* b = malloc_check((size_t)n * 2);
+    uint8_t* b2 = malloc_check((size_t)n * 2);
+    const int types[3] = {GGML_TYPE_Q8_0, GGML_TYPE_Q4_K, GGML_TYPE_MXFP4};
+    const double tol[3] = {0.01, 0.08, 0.2};  // relative rms error
+    for (int k = 0; k < 3; k++) {
+        for (int i = 0; i < n; i++) w[i] = 0.05f * rng_normal(&r) * (1.0f + (float)(i / 256));
+        for (int i = 256; i < 512; i++) w[i] = 0.0f;
+        quant_quantize(types[k], w, b, n);
+        quant_dequantize(types[k], b, y, n);
+        double num = 0, den = 0;
+        int zeros = 1;
+        for (int i = 0; i < n; i++) {
+            num += (double)(y[i] - w[i]) * (y[i] - w[i]);
+            den += (double)w[i] * w[i];
+            if (i >= 256 && i < 512) zeros &= y[i] == 0.0f;
+        }
+        CHECK(t, sqrt(num / den) < tol[k] && zeros, "%s: relative rms error %.4f (< %.2f), zeros %d",
+              quant_type_name(types[k]), sqrt(num / den), tol[k], zeros);
+        if (types[k] != GGML_TYPE_Q4_K) {
+            quant_quantize(types[k], y, b2, n);
+            CHECK(t, memcmp(b, b2, ggml_type_bytes(types[k], n)) == 0, "%s: a fixed point",
+                  quant_type_name(types[k]));
+        }
+    }
+    free(w);
+    free(y);
+    free(b);
+    free(b2);
+}
+
+// ----------------------------------------------------------------------------
+// the table
+
+static LoraSpec all_linear(void) {
+    return (LoraSpec){.r = 4, .alpha = 8, .targets = LORA_ALL_LINEAR};
+}
+
+static void test_quant_table(TestCtx* t) {
+    char err[ERR_LEN];
+    ModelConfig c = test_engine_config(0);
+    c.F = 64;  // (the down projection's width: a multiple of 32)
+    LoraSpec l = all_linear();
+    l.targets = LORA_BIT(LORA_Q) | LORA_BIT(LORA_DOWN);
+    Model m;
+    CHECK(t, model_init_lora(&m, &c, 0, &l, err) == 0, "%s", err);
+    CHECK(t, quant_table_set(&m.tt, BASE_DTYPE_Q8_0, NULL, &c, err) == 0, "%s", err);
+    int wq = 0, wdown = 0, other = 0;
+    for (int i = 0; i < m.tt.n; i++) {
+        const TensorDesc* d = &m.tt.t[i];
+        if (!d->qtype) continue;
+        wq += d->kind == TK_WQ;
+        wdown += d->kind == TK_W_DOWN;
+        other += d->kind != TK_WQ && d->kind != TK_W_DOWN;
+    }
+    CHECK(t, wq == c.L && wdown == c.L && other == 0, "q and down marked (%d, %d), nothing else "
+          "(%d)", wq, wdown, other);
+    // the head as held: blocks for the marked tensors, bf16 for the rest
+    const int lq = tensor_table_index(&m.tt, TK_WQ, 0);
+    const size_t q_bytes = (size_t)ggml_type_bytes(GGML_TYPE_Q8_0, m.tt.t[lq].numel);
+    CHECK(t, q_bytes == (size_t)m.tt.t[lq].numel / 32 * 34, "Q8_0 bytes");
+    CHECK(t, quant_layer_head_bytes(&m.tt, 1, 2) <
+                 (size_t)(m.tt.param_numel[1] - m.tt.state_numel[1]) * 2, "the head shrinks");
+    CHECK(t, quant_layer_block_bytes(&m.tt, 0) == 0, "no blocks in the prefix");
+    // q4_k: C = 32 is not a multiple of 256
+    CHECK(t, quant_table_set(&m.tt, BASE_DTYPE_Q4_K, NULL, &c, err) != 0 &&
+                 strstr(err, "not a multiple of q4_k's 256-element blocks"), "%s", err);
+    CHECK(t, quant_table_set(&m.tt, BASE_DTYPE_KEEP, NULL, &c, err) != 0 &&
+                 strstr(err, "not a GGUF file"), "%s", err);
+    model_free(&m);
+    // without LoRA
+    CHECK(t, model_init_lora(&m, &c, 0, NULL, err) == 0, "%s", err);
+    CHECK(t, quant_table_set(&m.tt, BASE_DTYPE_MXFP4, NULL, &c, err) != 0 &&
+                 strstr(err, "LoRA runs"), "%s", err);
+    CHECK(t, quant_table_set(&m.tt, BASE_DTYPE_BF16, NULL, &c, err) == 0, "bf16 is always fine");
+    model_free(&m);
+    BaseDtype bd;
+    CHECK(t, quant_parse_base_dtype("Q4_K", &bd, err) == 0 && bd == BASE_DTYPE_Q4_K, "parse");
+    CHECK(t, quant_parse_base_dtype("q3_k", &bd, err) != 0 && strstr(err, "unknown"), "%s", err);
+}
+
+// keep: a GGUF's Q8_0 tensors become the Store's blocks byte for byte (the fixture's q/k/v/o/
+// gate/up/down), and the run trains on the values the loader gives (the same losses as without
+// --base-dtype)
+static void test_quant_keep_gguf(TestCtx* t) {
+    char err[ERR_LEN];
+    const char* path = "dev/gguf/fixtures/qwen3_q8_0.gguf";
+    if (access(path, F_OK) != 0) {
+        test_skip(t, "no fixture dev/gguf/fixtures/qwen3_q8_0.gguf");
+        return;
+    }
+    ModelSource src;
+    CHECK(t, checkpoint_resolve_model(&src, path, err) == 0, "%s", err);
+    Model m;
+    const LoraSpec l = all_linear();
+    CHECK(t, model_init_lora(&m, &src.cfg, 0, &l, err) == 0, "%s", err);
+    CHECK(t, quant_table_set(&m.tt, BASE_DTYPE_KEEP, &src.gguf, &src.cfg, err) == 0, "%s", err);
+    Store s;
+    store_create(&s, &m.tt);
+    CHECK(t, checkpoint_load_weights(&src, &s, NULL, err) == 0, "%s", err);
+    quant_store_base(&s, &src.gguf, &src.cfg);
+    int n = 0, same = 0;
+    for (int i = 0; i < m.tt.n; i++) {
+        const TensorDesc* d = &m.tt.t[i];
+        if (!d->qtype) continue;
+        GgufPart parts[2];
+        gguf_tensor_parts(&src.cfg, d, parts);
+        const GgufTensor* g = gguf_find_tensor(&src.gguf, parts[0].name);
+        n++;
+        same += g && s.qblocks[i] && g->type == GGML_TYPE_Q8_0 &&
+                memcmp(s.qblocks[i], g->data, quant_tensor_bytes(d, 0)) == 0;
+    }
+    CHECK(t, n == 7 * src.cfg.L && same == n, "%d of %d kept tensors are the file's blocks", same,
+          n);
+    store_free(&s);
+    model_free(&m);
+    checkpoint_close_source(&src);
+
+    char args[4096], la[1024], lb[1024];
+    test_path(t, la, sizeof la, "q_keep.jsonl");
+    test_path(t, lb, sizeof lb, "q_nokeep.jsonl");
+    const char* common = "--model dev/gguf/fixtures/qwen3_q8_0.gguf --lora-r 4 --steps 2 --val '' "
+                         "--sample-tokens 0 --threads 1 -m 2 --device cpu:2 --sync 1 --seq 16 "
+                         "--batch 4";
+    snprintf(args, sizeof args, "%s --base-dtype keep --log '%s'", common, la);
+    CHECK(t, test_run_cli(t, "qkeep", args) == 0, "keep run");
+    snprintf(args, sizeof args, "%s --log '%s'", common, lb);
+    CHECK(t, test_run_cli(t, "qnokeep", args) == 0, "bf16 run");
+    char* a = test_read_file(la, NULL);
+    char* b = test_read_file(lb, NULL);
+    for (int k = 1; k <= 2; k++) {
+        char x[512], y[512];
+        const int hx = test_log_record(a, k, x, sizeof x), hy = test_log_record(b, k, y, sizeof y);
+        char* cx = strstr(x, ",\"ms\"");
+        char* cy = strstr(y, ",\"ms\"");
+        if (cx) *cx = 0;
+        if (cy) *cy = 0;
+        CHECK(t, hx && hy && strcmp(x, y) == 0, "step %d: keep '%s' vs '%s'", k, hx ? x : "-",
+              hy ? y : "-");
+    }
+    free(a);
+    free(b);
+}
+
+// ----------------------------------------------------------------------------
+// LoRA training through the engine (emulated devices) on a quantised base
+
+#define Q_STEPS 3
+
+typedef struct QRun {
+    double loss[Q_STEPS];
+    float* params;  // every slab after the last step
+    int64_t n_params;
+    uint64_t param_up;  // bytes on the devices' parameter streams
+} QRun;
+
+// quant: --base-dtype's type for the run (0: none, on the Store `values` gives); values (may be
+// NULL): the fp32 weights to start from instead of the seeded init (every slab, concatenated).
+static int q_engine_on(TestCtx* t, const DeviceImpl* impl, int release, QRun* run,
+                       const ModelConfig* c, const LoraSpec* l, BaseDtype bd, const float* values,
+                       int N, double budget, int sync, const int32_t* tokens, int B, int T,
+                       float** values_out) {
+    char err[ERR_LEN];
+    memset(run, 0, sizeof *run);
+    Model m;
+    Store s;
+    if (model_init_lora(&m, c, 0, l, err) != 0) fatal("q_engine: %s", err);
+    if (quant_table_set(&m.tt, bd, NULL, c, err) != 0) fatal("q_engine: %s", err);
+    store_create(&s, &m.tt);
+    store_init_random(&s, 7, 0.2f);
+    lora_init_random(&m, &s, 7);
+    int64_t o = 0;
+    for (int k = 0; values && k < m.tt.n_layers; k++) {
+        memcpy(s.param[k], values + o, (size_t)m.tt.param_numel[k] * sizeof(float));
+        o += m.tt.param_numel[k];
+    }
+    quant_store_base(&s, NULL, c);
+    if (values_out) {  // the dequantised start (the reference run's weights)
+        int64_t n = 0;
+        for (int k = 0; k < m.tt.n_layers; k++) n += m.tt.param_numel[k];
+        *values_out = malloc_check((size_t)n * sizeof(float));
+        o = 0;
+        for (int k = 0; k < m.tt.n_layers; k++) {
+            memcpy(*values_out + o, s.param[k], (size_t)m.tt.param_numel[k] * sizeof(float));
+            o += m.tt.param_numel[k];
+        }
+    }
+    DeviceOptions dopt = {.threads = 1, .delay_seed = 5, .max_delay_us = 30};
+    DeviceSet devs;
+    device_set_open(&devs, impl, N, &dopt);
+    EngineOptions eo = {.B = B, .T = T, .M = 2, .M_R = 2, .grain = RECOMPUTE_STAGE, .sync = sync,
+                        .device_budget = budget, .opt_threads = 1, .row_chunks = 1,
+                        .trace_path = "", .seed = 7, .release_frozen = release,
+                        .hyper = (AdamWHyper){3e-2f, 0.9f, 0.95f, 1e-8f, 0.1f},
+                        .sched = (LrSchedule){LR_COSINE, 3e-2f, 1, Q_STEPS, 0.1f, 0.2f},
+                        .grad_clip = 1.0f};
+    if (budget > 0)
+        eo.device_budget +=
+            (double)engine_fixed_device_bytes(&m, impl->ops(devs.dev[0])->act_bytes, &eo);
+    Engine* e = engine_create(&m, &s, &devs, &eo, err);
+    CHECK(t, e != NULL, "engine_create: %s", err);
+    if (e) {
+        for (int step = 0; step < Q_STEPS; step++)
+            run->loss[step] = engine_step(e, tokens + (size_t)step * B * (T + 1)).loss;
+        engine_synchronize(e);
+        for (int g = 0; g < N; g++) {
+            DeviceStats st;
+            impl->stats(devs.dev[g], &st);
+            run->param_up += st.bytes[STREAM_PARAM_UP];
+        }
+        engine_free(e);
+        // every slab (after a release: the adapters alone)
+        for (int k = 0; k < m.tt.n_layers; k++)
+            run->n_params += release ? m.tt.state_numel[k] : m.tt.param_numel[k];
+        run->params = malloc_check((size_t)(run->n_params ? run->n_params : 1) * sizeof(float));
+        o = 0;
+        for (int k = 0; k < m.tt.n_layers; k++) {
+            const int64_t skip = release ? m.tt.param_numel[k] - m.tt.state_numel[k] : 0;
+            memcpy(run->params + o, s.param[k] + skip,
+                   (size_t)(m.tt.param_numel[k] - skip) * sizeof(float));
+            o += m.tt.param_numel[k] - skip;
+        }
+    }
+    device_set_close(&devs);
+    store_free(&s);
+    model_free(&m);
+    return e ? 0 : -1;
+}
+
+static int q_engine(TestCtx* t, QRun* run, const ModelConfig* c, const LoraSpec* l, BaseDtype bd,
+                    const float* values, int N, double budget, int sync, const int32_t* tokens,
+                    int B, int T, float** values_out) {
+    return q_engine_on(t, &device_cpu_impl, 0, run, c, l, bd, values, N, budget, sync, tokens, B,
+                       T, values_out);
+}
+
+// A config whose linears' widths take a format's blocks (Q4_K: 256).
+static ModelConfig q_config(BaseDtype bd) {
+    ModelConfig c = test_engine_config(1);
+    if (bd == BASE_DTYPE_Q4_K) {
+        c.C = 256;
+        c.H = 4;
+        c.KVH = 2;
+        c.HD = 64;
+        c.F = 256;
+        c.L = 3;
+    } else {
+        c.F = 64;
+    }
+    return c;
+}
+
+// q8_0, q4_k and mxfp4 bases: the engine's run (blocks uploaded, dequantised on the device) is
+// bit for bit the run on the dequantised weights held in fp32, on one and on three devices
+// (several stages), sync and one-step-delayed; the parameter streams carry fewer bytes.
+static void test_quant_engine_matches_dequantised(TestCtx* t) {
+    const int B = 4, T = 8;
+    const BaseDtype dtypes[3] = {BASE_DTYPE_Q8_0, BASE_DTYPE_Q4_K, BASE_DTYPE_MXFP4};
+    for (int k = 0; k < 3; k++) {
+        const ModelConfig c = q_config(dtypes[k]);
+        const LoraSpec l = all_linear();
+        int32_t* tokens = malloc_check((size_t)Q_STEPS * B * (T + 1) * sizeof(int32_t));
+        Rng r;
+        rng_seed(&r, 21 + k);
+        for (int i = 0; i < Q_STEPS * B * (T + 1); i++) tokens[i] = (int32_t)rng_below(&r, c.V);
+        const struct { int N; double budget; int sync; } cases[] = {{1, 0, 1}, {3, 2.0e5, 1},
+                                                                    {2, 0, 0}};
+        for (size_t j = 0; j < sizeof cases / sizeof cases[0]; j++) {
+            const double budget = cases[j].budget * (dtypes[k] == BASE_DTYPE_Q4_K ? 30 : 1);
+            QRun a, b;
+            float* deq = NULL;
+            if (q_engine(t, &a, &c, &l, dtypes[k], NULL, cases[j].N, budget, cases[j].sync, tokens,
+                         B, T, &deq) != 0)
+                continue;
+            if (q_engine(t, &b, &c, &l, BASE_DTYPE_BF16, deq, cases[j].N, budget, cases[j].sync,
+                         tokens, B, T, NULL) == 0) {
+                int same = a.n_params == b.n_params &&
+                           memcmp(a.params, b.params, (size_t)a.n_params * sizeof(float)) == 0;
+                for (int s = 0; s < Q_STEPS; s++) same &= a.loss[s] == b.loss[s];
+                CHECK(t, same, "%s case %zu: losses %.9g %.9g %.9g vs the dequantised weights' "
+                      "%.9g %.9g %.9g", quant_base_dtype_name(dtypes[k]), j, a.loss[0], a.loss[1],
+                      a.loss[2], b.loss[0], b.loss[1], b.loss[2]);
+                CHECK(t, a.param_up < b.param_up, "%s case %zu: %llu parameter bytes up vs %llu",
+                      quant_base_dtype_name(dtypes[k]), j, (unsigned long long)a.param_up,
+                      (unsigned long long)b.param_up);
+                CHECK(t, isfinite(a.loss[0]) && isfinite(a.loss[Q_STEPS - 1]), "%s: finite losses",
+                      quant_base_dtype_name(dtypes[k]));
+                free(b.params);
+            }
+            free(a.params);
+            free(deq);
+        }
+        free(tokens);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// the CLI
+
+static int one_error_line(const char* err, const char* must) {
+    size_t n = strlen(err);
+    return n > 0 && strchr(err, '\n') == err + n - 1 && strstr(err, "error") && strstr(err, must);
+}
+
+static void test_quant_cli_refusals(TestCtx* t) {
+    struct {
+        const char* args;
+        const char* must;
+    } cases[] = {
+        {"--base-dtype q8_0", "LoRA runs only"},
+        {"--lora-r 4 --base-dtype q5_k", "unknown"},
+        {"--lora-r 4 --base-dtype q4_k", "not a multiple of q4_k's 256-element blocks"},
+        {"--lora-r 4 --base-dtype keep", "not a GGUF file"},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        char args[512];
+        snprintf(args, sizeof args, "--steps 1 --val '' --sample-tokens 0 %s", cases[k].args);
+        int rc = test_run_cli(t, "qflags", args);
+        char* err = test_read_output(t, "qflags", "err");
+        CHECK(t, rc != 0 && one_error_line(err, cases[k].must), "'%s': exit %d, '%s' (want '%s')",
+              cases[k].args, rc, err, cases[k].must);
+        free(err);
+    }
+}
+
+// Plain and engine (sync) runs on a q8_0 base log the same losses; a resumed engine run (the
+// one-step-delayed default) the straight run's; --plan counts the blocks.
+static void test_quant_cli_train(TestCtx* t) {
+    char args[4096], la[1024], lb[1024], oa[1024], ob[1024], l1[1024], l2[1024], l3[1024];
+    const char* common = "--val '' --sample-tokens 0 --threads 1 --lora-r 4 --lora-dropout 0.1 "
+                         "--lr 1e-2 -m 2 --base-dtype q8_0";
+    test_path(t, la, sizeof la, "q_plain.jsonl");
+    test_path(t, lb, sizeof lb, "q_sync.jsonl");
+    snprintf(args, sizeof args, "%s --steps 3 --log '%s'", common, la);
+    CHECK(t, test_run_cli(t, "qplain", args) == 0, "plain run on a q8_0 base");
+    char* so = test_read_output(t, "qplain", "out");
+    CHECK(t, strstr(so, "held as ggml blocks (--base-dtype q8_0)"), "the base line: %s", so);
+    free(so);
+    snprintf(args, sizeof args, "%s --steps 3 --log '%s' --device cpu:2 --sync 1 --device-mem 6M",
+             common, lb);
+    CHECK(t, test_run_cli(t, "qsync", args) == 0, "engine run on a q8_0 base");
+    so = test_read_output(t, "qsync", "out");
+    CHECK(t, strstr(so, "parameter uploads per round: "), "the plan's upload line: %s", so);
+    free(so);
+    char* a = test_read_file(la, NULL);
+    char* b = test_read_file(lb, NULL);
+    for (int s = 1; s <= 3; s++) {
+        char x[512], y[512];
+        const int hx = test_log_record(a, s, x, sizeof x), hy = test_log_record(b, s, y, sizeof y);
+        CHECK(t, hx && hy && strcmp(x, y) == 0, "step %d: plain '%s' vs engine '%s'", s,
+              hx ? x : "-", hy ? y : "-");
+    }
+    free(a);
+    free(b);
+
+    test_path(t, oa, sizeof oa, "q_ra");
+    test_path(t, ob, sizeof ob, "q_rb");
+    test_path(t, l1, sizeof l1, "q_ra.jsonl");
+    test_path(t, l2, sizeof l2, "q_rb1.jsonl");
+    test_path(t, l3, sizeof l3, "q_rb2.jsonl");
+    const char* eng = "--device cpu:2 --device-mem 6M";
+    snprintf(args, sizeof args, "%s %s --steps 4 --save-every 4 --out '%s' --log '%s'", common,
+             eng, oa, l1);
+    CHECK(t, test_run_cli(t, "qstraight", args) == 0, "straight run");
+    snprintf(args, sizeof args, "%s %s --steps 2 --save-every 2 --out '%s' --log '%s'", common,
+             eng, ob, l2);
+    CHECK(t, test_run_cli(t, "qfirst", args) == 0, "first part");
+    snprintf(args, sizeof args, "%s %s --steps 4 --save-every 2 --out '%s' --log '%s' --resume",
+             common, eng, ob, l3);
+    CHECK(t, test_run_cli(t, "qsecond", args) == 0, "resumed part");
+    a = test_read_file(l1, NULL);
+    char* b1 = test_read_file(l2, NULL);
+    char* b2 = test_read_file(l3, NULL);
+    for (int s = 1; s <= 4; s++) {
+        char x[512], y[512];
+        const int hx = test_log_record(a, s, x, sizeof x);
+        const int hy = test_log_record(s <= 2 ? b1 : b2, s, y, sizeof y);
+        CHECK(t, hx && hy && strcmp(x, y) == 0, "resume step %d: '%s' vs '%s'", s, hx ? x : "-",
+              hy ? y : "-");
+    }
+    free(a);
+    free(b1);
+    free(b2);
+
+    // --plan: the base's host bytes as blocks (tiny: 4 blocks of 7 linears in q8_0)
+    snprintf(args, sizeof args, "--lora-r 4 --plan --device cpu:2 --base-dtype mxfp4");
+    CHECK(t, test_run_cli(t, "qplan", args) == 0, "--plan");
+    so = test_read_output(t, "qplan", "out");
+    CHECK(t, strstr(so, "parameter uploads per round: ") && strstr(so, "(the base as ggml blocks"),
+          "--plan's upload line: %s", so);
+    free(so);
+}
+
+// --mmap-base: the base read from the mapped checkpoint on every upload gives the losses of the
+// run that holds it (a bf16 safetensors export of the default model; sync and delayed, resumed);
+// --plan's host line; refusals.
+static void test_quant_cli_mmap(TestCtx* t) {
+    char args[8192], m[1024], la[1024], lb[1024], ob[1024], lc[1024];
+    test_path(t, m, sizeof m, "q_bf16_model");
+    snprintf(args, sizeof args, "--steps 0 --val '' --sample-tokens 0 --export-hf '%s' "
+             "--export-dtype bf16", m);
+    CHECK(t, test_run_cli(t, "qexport", args) == 0, "a bf16 checkpoint");
+    test_path(t, la, sizeof la, "q_held.jsonl");
+    test_path(t, lb, sizeof lb, "q_mapped.jsonl");
+    test_path(t, lc, sizeof lc, "q_mapped2.jsonl");
+    test_path(t, ob, sizeof ob, "q_mapped_out");
+    for (int sync = 1; sync >= 0; sync--) {
+        char common[2048];
+        snprintf(common, sizeof common, "--model '%s' --val '' --sample-tokens 0 --threads 1 "
+                 "--lora-r 4 --lora-dropout 0.1 --lr 1e-2 -m 2 --device cpu:2 --device-mem 6M "
+                 "--sync %d --steps 4", m, sync);
+        snprintf(args, sizeof args, "%s --log '%s'", common, la);
+        CHECK(t, test_run_cli(t, "qheld", args) == 0, "the base held (sync %d)", sync);
+        if (sync) {
+            snprintf(args, sizeof args, "%s --mmap-base --log '%s'", common, lb);
+            CHECK(t, test_run_cli(t, "qmapped", args) == 0, "the base mapped");
+        } else {  // (in two parts: a resumed run maps it again)
+            snprintf(args, sizeof args, "%s --mmap-base --log '%s' --out '%s' --save-every 2 "
+                     "--steps 2", common, lb, ob);
+            CHECK(t, test_run_cli(t, "qmapped", args) == 0, "the base mapped, first part");
+            snprintf(args, sizeof args, "%s --mmap-base --log '%s' --out '%s' --save-every 2 "
+                     "--resume", common, lc, ob);
+            CHECK(t, test_run_cli(t, "qmapped2", args) == 0, "the base mapped, resumed");
+        }
+        char* a = test_read_file(la, NULL);
+        char* b = test_read_file(lb, NULL);
+        char* c = test_read_file(lc, NULL);
+        for (int s = 1; s <= 4; s++) {
+            char x[512], y[512];
+            const int hx = test_log_record(a, s, x, sizeof x);
+            const int hy = test_log_record(sync || s <= 2 ? b : c, s, y, sizeof y);
+            // (the records' timings differ: the losses and norms are what must agree)
+            char* cx = strstr(x, ",\"ms\"");
+            char* cy = strstr(y, ",\"ms\"");
+            if (cx) *cx = 0;
+            if (cy) *cy = 0;
+            CHECK(t, hx && hy && strcmp(x, y) == 0, "sync %d step %d: held '%s' vs mapped '%s'",
+                  sync, s, hx ? x : "-", hy ? y : "-");
+        }
+        free(a);
+        free(b);
+        free(c);
+    }
+    // a GGUF (F32 tensors, Qwen3: no layout change on load)
+    const char* gg = "--model dev/gguf/fixtures/qwen3_f32.gguf --lora-r 4 --steps 2 --val '' "
+                     "--sample-tokens 0 --threads 1 -m 2 --device cpu:2 --sync 1 --seq 16 --batch 4";
+    snprintf(args, sizeof args, "%s --log '%s'", gg, la);
+    CHECK(t, test_run_cli(t, "qgheld", args) == 0, "GGUF, the base held");
+    snprintf(args, sizeof args, "%s --mmap-base --log '%s'", gg, lb);
+    CHECK(t, test_run_cli(t, "qgmapped", args) == 0, "GGUF, the base mapped");
+    char* ga = test_read_file(la, NULL);
+    char* gb = test_read_file(lb, NULL);
+    for (int s = 1; s <= 2; s++) {
+        char x[512], y[512];
+        const int hx = test_log_record(ga, s, x, sizeof x), hy = test_log_record(gb, s, y, sizeof y);
+        char* cx = strstr(x, ",\"ms\"");
+        char* cy = strstr(y, ",\"ms\"");
+        if (cx) *cx = 0;
+        if (cy) *cy = 0;
+        CHECK(t, hx && hy && strcmp(x, y) == 0, "GGUF step %d: held '%s' vs mapped '%s'", s,
+              hx ? x : "-", hy ? y : "-");
+    }
+    free(ga);
+    free(gb);
+    snprintf(args, sizeof args, "--model '%s' --lora-r 4 --plan --device cpu:2 --mmap-base", m);
+    CHECK(t, test_run_cli(t, "qmplan", args) == 0, "--plan --mmap-base");
+    char* so = test_read_output(t, "qmplan", "out");
+    CHECK(t, strstr(so, "the frozen base mapped from"), "--plan's host line: %s", so);
+    free(so);
+    struct {
+        const char* args;
+        const char* must;
+    } cases[] = {
+        {"--mmap-base", "LoRA runs only"},
+        {"--lora-r 4 --mmap-base", "needs the RoundPipe engine"},
+        {"--lora-r 4 --mmap-base --device cpu:2 --val data/tiny_val.bin", "--val '' --sample-tokens 0"},
+        {"--lora-r 4 --mmap-base --device cpu:2", "no checkpoint to map"},
+        {"--lora-r 4 --mmap-base --device cpu:2 --model dev/gguf/fixtures/llama_bf16.gguf",
+         "needs a layout change on load"},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        snprintf(args, sizeof args, "--steps 1 --val '' --sample-tokens 0 %s", cases[k].args);
+        int rc = test_run_cli(t, "qmflags", args);
+        char* err = test_read_output(t, "qmflags", "err");
+        CHECK(t, rc != 0 && one_error_line(err, cases[k].must), "'%s': exit %d, '%s' (want '%s')",
+              cases[k].args, rc, err, cases[k].must);
+        free(err);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// the GPU's dequantiser against the CPU's (bf16 of the same fp32 values: exact)
+
+#ifdef HAVE_CUDA
+#include "../../kernels/dequant.h"
+#include "../../kernels/kernels.h"
+
+// The engine on GPUs: a quantised base (blocks up, kernels/dequant.cu) trains as the bf16 base
+// holding the dequantised weights (the same bf16 bits on the device: losses equal up to the
+// GPU's own run-to-run differences), and releasing the Store's base changes nothing.
+static void test_quant_gpu_engine(TestCtx* t) {
+    if (cuda_device_count() == 0) {
+        test_skip(t, "no GPU: cudaGetDeviceCount found no CUDA device");
+        return;
+    }
+    const int B = 4, T = 8;
+    const BaseDtype dtypes[3] = {BASE_DTYPE_Q8_0, BASE_DTYPE_Q4_K, BASE_DTYPE_MXFP4};
+    for (int k = 0; k < 3; k++) {
+        const ModelConfig c = q_config(dtypes[k]);
+        const LoraSpec l = all_linear();
+        int32_t* tokens = malloc_check((size_t)Q_STEPS * B * (T + 1) * sizeof(int32_t));
+        Rng r;
+        rng_seed(&r, 31 + k);
+        for (int i = 0; i < Q_STEPS * B * (T + 1); i++) tokens[i] = (int32_t)rng_below(&r, c.V);
+        QRun a, b, rel;
+        float* deq = NULL;
+        const char* name = quant_base_dtype_name(dtypes[k]);
+        if (q_engine_on(t, &device_cuda_impl, 0, &a, &c, &l, dtypes[k], NULL, 1, 0, 1, tokens, B, T,
+                        &deq) == 0) {
+            if (q_engine_on(t, &device_cuda_impl, 0, &b, &c, &l, BASE_DTYPE_BF16, deq, 1, 0, 1,
+                            tokens, B, T, NULL) == 0) {
+                for (int s = 0; s < Q_STEPS; s++)
+                    CHECK(t, fabs(a.loss[s] - b.loss[s]) <= 1e-5 * fabs(b.loss[s]),
+                          "%s step %d: loss %.7f vs %.7f on the dequantised bf16 base", name, s,
+                          a.loss[s], b.loss[s]);
+                CHECK(t, a.param_up < b.param_up, "%s: %llu parameter bytes up vs %llu", name,
+                      (unsigned long long)a.param_up, (unsigned long long)b.param_up);
+                printf("  %s: loss %.6f (dequantised bf16 base %.6f), parameter bytes up %llu vs "
+                       "%llu\n", name, a.loss[Q_STEPS - 1], b.loss[Q_STEPS - 1],
+                       (unsigned long long)a.param_up, (unsigned long long)b.param_up);
+                free(b.params);
+            }
+            if (q_engine_on(t, &device_cuda_impl, 1, &rel, &c, &l, dtypes[k], NULL, 1, 0, 1, tokens,
+                            B, T, NULL) == 0) {
+                int same = 1;
+                for (int s = 0; s < Q_STEPS; s++) same &= rel.loss[s] == a.loss[s];
+                CHECK(t, same, "%s: releasing the Store's base changes the losses", name);
+                free(rel.params);
+            }
+            free(a.params);
+        }
+        free(deq);
+        free(tokens);
+    }
+}
+
+static void test_quant_gpu_dequant(TestCtx* t) {
+    if (cuda_device_count() == 0) {
+        test_skip(t, "no GPU: cudaGetDeviceCount found no CUDA device");
+        return;
+    }
+    void* g = ops_cuda_create(0, NULL);
+    Rng r;
+    rng_seed(&r, 17);
+    const size_t n = 256 * 1000;
+    float* w = malloc_check(n * sizeof(float));
+    float* want = malloc_check(n * sizeof(float));
+    float* got = malloc_check(n * sizeof(float));
+    uint8_t* b = malloc_check(n * 2);
+    const int types[3] = {GGML_TYPE_Q8_0, GGML_TYPE_Q4_K, GGML_TYPE_MXFP4};
+    void* dout = ops_cuda.alloc(g, n * 2 + 16);
+    void* dblk = ops_cuda.alloc(g, n * 2);
+    for (int k = 0; k < 3; k++) {
+        for (size_t i = 0; i < n; i++) w[i] = 0.02f * rng_normal(&r) * (1.0f + (float)(i % 7));
+        quant_quantize(types[k], w, b, (int64_t)n);
+        quant_dequantize(types[k], b, want, (int64_t)n);
+        const size_t bytes = ggml_type_bytes(types[k], (int64_t)n);
+        ops_cuda.upload(g, dblk, b, bytes);
+        // the op (aligned: the vector variant) and an output at an odd bf16 offset (scalar)
+        for (int off = 0; off < 2; off++) {
+            void* o = (char*)dout + 2 * off;
+            ops_cuda.dequantize(g, o, dblk, types[k], n);
+            ops_cuda.download_f32(g, got, o, n);
+            size_t bad = 0;
+            for (size_t i = 0; i < n; i++) bad += got[i] != bf16_to_f32(f32_to_bf16(want[i]));
+            CHECK(t, bad == 0, "%s (output offset %d): %zu of %zu elements differ from "
+                  "bf16(the CPU's)", quant_type_name(types[k]), off, bad, n);
+        }
+    }
+    ops_cuda.free(g, dout);
+    ops_cuda.free(g, dblk);
+    ops_cuda_destroy(g);
+    free(w);
+    free(want);
+    free(got);
+    free(b);
+}
+#else
+static void test_quant_gpu_dequant(TestCtx* t) { test_skip(t, "built without CUDA"); }
+static void test_quant_gpu_engine(TestCtx* t) { test_skip(t, "built without CUDA"); }
+#endif
+
+const TestCase tests_quant[] = {
+    {"quant_blocks", test_quant_blocks},
+    {"quant_table", test_quant_table},
+    {"quant_keep_gguf", test_quant_keep_gguf},
+    {"quant_engine_matches_dequantised", test_quant_engine_matches_dequantised},
+    {"quant_cli_refusals", test_quant_cli_refusals},
+    {"quant_cli_train", test_quant_cli_train},
+    {"quant_cli_mmap", test_quant_cli_mmap},
+    {"gpu_quant_dequant", test_quant_gpu_dequant},
+    {"gpu_quant_engine", test_quant_gpu_engine},
+    {NULL, NULL},
+};
