@@ -452,9 +452,6 @@ static int check_lora(const TrainArgs* a) {
     if (a->device == DEVICE_CUDA && !a->plan_only)
         return bad("--lora-r", v, "LoRA trains with --device cpu and cpu:N for now: the GPU path "
                    "is written but awaits validation on a GPU (--plan shows its plan)");
-    if (a->lora_targets != LORA_ALL_LINEAR && (a->lora_targets & LORA_EXPERTS_BIT))
-        return bad("--lora-targets", a->lora_targets_arg, "per-expert adapters (MoE models) are "
-                   "not supported yet");
     if (a->merge_lora && !*a->export_hf && !*a->export_gguf)
         return bad("--merge-lora", "", "merges the adapters into the --export-hf / --export-gguf "
                    "weights: give one of them");

@@ -58,13 +58,20 @@ typedef struct MoeScratch {
 // Pointers into a block's parameter slab (compute dtype) / fp32 gradient slab; biases NULL for
 // Qwen3-MoE. router_adapter (NULL: none) adds a LoRA branch to the router's logits (N, E) in the
 // forward; router_adapter_backward runs its backward from the logits' gradient, adding its input
-// gradient into dx (N, C). arg: the caller's context for both.
+// gradient into dx (N, C). expert_adapter (NULL: none) adds the per-expert LoRA branch of
+// projection proj (0: gate/up, 1: down) to its output out (R, OC) from its input inp (R, IC), on
+// the dispatched rows (offsets); expert_adapter_backward accumulates its input gradient into dinp
+// (R, IC) from dout (R, OC). arg: the caller's context for all of them.
 typedef struct MoeWeights {
     const void *router, *router_bias, *gate_up, *gate_up_bias, *down, *down_bias;
     void (*router_adapter)(void* arg, const void* x, void* logits, int N);
     void (*router_adapter_backward)(void* arg, const void* x, const void* dlogits, void* dx,
                                     int N);
     void* adapter_arg;
+    void (*expert_adapter)(void* arg, int proj, const void* inp, void* out,
+                           const int32_t* offsets, int R);
+    void (*expert_adapter_backward)(void* arg, int proj, const void* inp, const void* dout,
+                                    void* dinp, const int32_t* offsets, int R);
 } MoeWeights;
 typedef struct MoeGrads {
     float *router, *router_bias, *gate_up, *gate_up_bias, *down, *down_bias;
