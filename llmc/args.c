@@ -182,10 +182,14 @@ void args_usage(FILE* f) {
         "      --lora-r R         adapter rank; 0 = off, full fine-tuning (default 0)\n"
         "      --lora-alpha A     scale alpha / r (default %g)\n"
         "      --lora-targets L   all-linear (every linear but the LM head) or a comma list of\n"
-        "                         q, k, v, o, gate, up, down, router (default all-linear)\n"
+        "                         q, k, v, o, gate, up, down, router, experts (default\n"
+        "                         all-linear; on Qwen3-MoE: attention, router, experts)\n"
         "      --lora-dropout P   dropout on the adapters' input while training, seeded from\n"
         "                         --seed (default 0)\n"
         "      --rslora           scale alpha / sqrt(r) (rank-stabilised LoRA)\n"
+        "      --lora-gate-up-rank N  the experts' fused gate/up adapter rank, alpha scaled\n"
+        "                         with it (default: 2r on Qwen3-MoE as PEFT's all-linear, r on\n"
+        "                         GPT-OSS; r on Qwen3-MoE is PEFT's target_parameters form)\n"
         "      --lora-init DIR    start from a PEFT adapter directory (adapter_config.json,\n"
         "                         adapter_model.safetensors); its r, lora_alpha, target_modules\n"
         "                         and use_rslora must match the flags\n"
@@ -374,7 +378,7 @@ enum {
     OPT_EXPORT_GGUF, OPT_EXPORT_DTYPE, OPT_EXPORT_SHARD, OPT_LAYERS,
     OPT_ALLOW_OVERCOMMIT, OPT_DIST_INIT, OPT_RANK, OPT_WORLD, OPT_DIST_TIMEOUT, OPT_NET_GBPS, OPT_STEP_MS,
     OPT_LORA_R, OPT_LORA_ALPHA, OPT_LORA_TARGETS, OPT_LORA_DROPOUT,
-    OPT_RSLORA, OPT_LORA_INIT, OPT_EXPORT_LORA, OPT_MERGE_LORA
+    OPT_RSLORA, OPT_LORA_INIT, OPT_EXPORT_LORA, OPT_MERGE_LORA, OPT_LORA_GATE_UP_RANK
 };
 
 // "512M", "80G", "1e9": bytes with an optional K/M/G/T suffix (powers of 1024). -1: not a
@@ -518,6 +522,7 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         {"lora-targets", required_argument, 0, OPT_LORA_TARGETS},
         {"lora-dropout", required_argument, 0, OPT_LORA_DROPOUT},
         {"rslora", no_argument, 0, OPT_RSLORA},
+        {"lora-gate-up-rank", required_argument, 0, OPT_LORA_GATE_UP_RANK},
         {"lora-init", required_argument, 0, OPT_LORA_INIT},
         {"export-lora", required_argument, 0, OPT_EXPORT_LORA},
         {"merge-lora", no_argument, 0, OPT_MERGE_LORA},
@@ -655,6 +660,10 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
             case OPT_RSLORA:
                 a->rslora = 1;
                 if (!a->lora_flag) a->lora_flag = "--rslora";
+                break;
+            case OPT_LORA_GATE_UP_RANK:
+                rc = int_in("--lora-gate-up-rank", v, 1, 65536, &a->lora_gate_up_r);
+                if (!a->lora_flag) a->lora_flag = "--lora-gate-up-rank";
                 break;
             case OPT_LORA_INIT:
                 a->lora_init = v;
@@ -825,6 +834,7 @@ char* args_to_json(const TrainArgs* a) {
         fprintf(m, ",\n  \"lora-r\": %d,\n  \"lora-alpha\": %.9g,\n  \"lora-targets\": \"%s\""
                    ",\n  \"lora-dropout\": %.9g,\n  \"rslora\": %d",
                 a->lora_r, (double)a->lora_alpha, targets, (double)a->lora_dropout, a->rslora);
+        if (a->lora_gate_up_r > 0) fprintf(m, ",\n  \"lora-gate-up-rank\": %d", a->lora_gate_up_r);
     }
     rl_args_json(m, &a->rl);  // (absent without --rl)
     fputs("\n}\n", m);

@@ -251,22 +251,26 @@ static int names_param(const char* name, const char* leaf) {
 }
 
 // rank_pattern / alpha_pattern: empty, or one key for the experts' gate_up_proj (a regular
-// expression ending in gate_up_proj) with the rank / alpha it has here (tensor.h).
-static int check_pattern(const JsonValue* v, const char* key, double want, int experts,
-                         const char* path, char* err) {
-    const int need = experts && want >= 0;
+// expression ending in gate_up_proj) with the rank / alpha it has here (tensor.h); want < 0: the
+// run has none (no experts, or their gate_up at r).
+static int check_pattern(const JsonValue* v, const char* key, double want, const char* path,
+                         char* err) {
     if (!v || v->type == JSON_NULL || (v->type == JSON_OBJECT && v->n == 0)) {
-        if (need)
-            return errorf(err, "%s: no %s for the experts' gate_up_proj (PEFT's conversion of "
-                               "gate_proj + up_proj sets it to twice the value)", path, key);
+        if (want >= 0)
+            return errorf(err, "%s: no %s for the experts' gate_up_proj (this run has it at %g, "
+                               "as PEFT's conversion of gate_proj + up_proj writes; pass "
+                               "--lora-gate-up-rank with the adapter's r)", path, key, want);
         return 0;
     }
-    if (v->type != JSON_OBJECT || v->n != 1 || v->items[0].type != JSON_NUMBER ||
-        strlen(v->keys[0]) < 12 || strcmp(v->keys[0] + strlen(v->keys[0]) - 12, "gate_up_proj") ||
-        !need || v->items[0].number != want)
-        return errorf(err, "%s: %s is set; this trainer supports per-module ranks and alphas "
-                           "only for the experts' gate_up_proj on Qwen3-MoE (%s: %g)", path, key,
-                      experts ? "expected" : "no experts adapted", want);
+    const size_t klen = v->type == JSON_OBJECT && v->n == 1 ? strlen(v->keys[0]) : 0;
+    if (klen < 12 || strcmp(v->keys[0] + klen - 12, "gate_up_proj") != 0 ||
+        v->items[0].type != JSON_NUMBER)
+        return errorf(err, "%s: %s is set; this trainer supports a per-module rank and alpha "
+                           "only for the experts' gate_up_proj", path, key);
+    if (v->items[0].number != want)
+        return errorf(err, "%s: %s gives the experts' gate_up_proj %g, this run %g (pass "
+                           "--lora-gate-up-rank with the adapter's rank)", path, key,
+                      v->items[0].number, want >= 0 ? want : 0.0);
     return 0;
 }
 
@@ -294,11 +298,11 @@ static int config_parameters(const JsonValue* root, const Model* m, unsigned* ta
     const LoraSpec* l = &m->tt.lora;
     const int gu_r = lora_target_rank(&m->cfg, l, LORA_EXP_GATE_UP);
     const int experts = ex != 0 && gu_r != l->r;
-    if (check_pattern(json_get(root, "rank_pattern"), "rank_pattern", experts ? gu_r : -1,
-                      experts, path, err) != 0 ||
+    if (check_pattern(json_get(root, "rank_pattern"), "rank_pattern", experts ? gu_r : -1, path,
+                      err) != 0 ||
         check_pattern(json_get(root, "alpha_pattern"), "alpha_pattern",
                       experts ? (double)lora_target_alpha(&m->cfg, l, LORA_EXP_GATE_UP) : -1,
-                      experts, path, err) != 0)
+                      path, err) != 0)
         return -1;
     return 0;
 }

@@ -212,16 +212,16 @@ int lora_target_is_expert(LoraTarget target) {
 // gate_proj + up_proj (and "all-linear", which names them) become target_parameters gate_up_proj
 // with rank_pattern {".*\.gate_up_proj": 2r} and alpha_pattern {".*\.gate_up_proj": 2·alpha};
 // GPT-OSS has no conversion: gate_up_proj at r, as target_parameters give it.
-static int gate_up_doubled(const ModelConfig* c, LoraTarget target) {
-    return target == LORA_EXP_GATE_UP && c->family == FAMILY_QWEN3MOE;
-}
-
+// --lora-gate-up-rank overrides (PEFT's target_parameters with a rank_pattern).
 int lora_target_rank(const ModelConfig* c, const LoraSpec* l, LoraTarget target) {
-    return gate_up_doubled(c, target) ? 2 * l->r : l->r;
+    if (target != LORA_EXP_GATE_UP) return l->r;
+    if (l->gate_up_r > 0) return l->gate_up_r;
+    return c->family == FAMILY_QWEN3MOE ? 2 * l->r : l->r;
 }
 
 float lora_target_alpha(const ModelConfig* c, const LoraSpec* l, LoraTarget target) {
-    return gate_up_doubled(c, target) ? 2.0f * l->alpha : l->alpha;
+    const int rank = lora_target_rank(c, l, target);
+    return rank == l->r ? l->alpha : (float)((double)l->alpha * rank / l->r);
 }
 
 // Whether block l has the linear tg adapts (MoE blocks: no dense MLP; dense blocks: no router).

@@ -80,7 +80,8 @@ typedef enum {
 // which PEFT adapts through target_parameters (lora.ParamWrapper), one adapter per expert:
 //   gate_up  A (E, rg, C), B (E, 2F, rg)     rg = 2r on Qwen3-MoE (PEFT's v4 -> v5 conversion of
 //   down     A (E, r, F),  B (E, C, r)       gate_proj + up_proj: rank_pattern 2r, alpha 2·alpha),
-//                                            r on GPT-OSS (target_parameters as given)
+//                                            r on GPT-OSS (target_parameters as given), or
+//                                            --lora-gate-up-rank (alpha · rg / r)
 // in the table's layout (each expert's A and B contiguous, the grouped matmul's (E, OC, IC)); the
 // PEFT files hold A as (rg·E, in) (the same bytes) and B as (out, rg·E) with column k·E + e
 // (lora_peft.c converts).
@@ -118,6 +119,7 @@ typedef struct LoraSpec {
     int rslora;
     float dropout;      // on the adapter branch's input, while training
     unsigned targets;   // LORA_BIT(LoraTarget) set
+    int gate_up_r;      // the experts' gate_up adapter rank; 0: the family's (see above)
 } LoraSpec;
 
 typedef struct TensorDesc {
@@ -194,7 +196,9 @@ const char* lora_target_name(LoraTarget target);
 const char* lora_target_parent(LoraTarget target);
 // (in, out) features of a target's linear in model c (the experts: of one expert).
 void lora_target_dims(const ModelConfig* c, LoraTarget target, int64_t* in, int64_t* out);
-// A target's rank and alpha (the expert gate_up on Qwen3-MoE: 2r and 2·alpha, see above).
+// A target's rank and alpha: r and alpha, except the experts' gate_up: l->gate_up_r (0: 2r on
+// Qwen3-MoE, r on GPT-OSS, see above) and alpha scaled with it (alpha / r kept, as PEFT's
+// conversion does).
 int lora_target_rank(const ModelConfig* c, const LoraSpec* l, LoraTarget target);
 float lora_target_alpha(const ModelConfig* c, const LoraSpec* l, LoraTarget target);
 // 1 for the expert targets (per-expert adapters through the grouped matmul).

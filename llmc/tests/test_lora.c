@@ -686,6 +686,29 @@ static void test_lora_peft_files(TestCtx* t) {
         store_free(&ms);
         model_free(&mm);
         fix_free(&f);
+        // --lora-gate-up-rank r: PEFT's target_parameters form, no patterns; the 2r file refused
+        LoraSpec lr = lm;
+        lr.gate_up_r = lm.r;
+        fix_init(&f, &mc, &lr, 0, 0);
+        const int ia = tensor_table_lora_index(&f.m.tt, 0, LORA_EXP_GATE_UP, 0);
+        CHECK(t, ia >= 0 && f.m.tt.t[ia].shape[1] == 4, "gate_up rank r");
+        char rdir[1024];
+        test_path(t, rdir, sizeof rdir, "peft_experts_r");
+        CHECK(t, lora_save_peft(rdir, &f.m, &f.s, "my/moe", NULL, err) == 0, "%s", err);
+        snprintf(path, sizeof path, "%s/adapter_config.json", rdir);
+        js = test_read_file(path, NULL);
+        CHECK(t, strstr(js, "\"rank_pattern\": {}") && strstr(js, "\"alpha_pattern\": {}") &&
+                     strstr(js, "\"target_parameters\""), "rank r config: %s", js);
+        free(js);
+        CHECK(t, model_init_lora(&mm, &mc, 0, &lr, err) == 0, "%s", err);
+        store_create(&ms, &mm.tt);
+        CHECK(t, lora_load_peft(rdir, &mm, &ms, err) == 0, "rank r load: %s", err);
+        int rc = lora_load_peft(mdir, &mm, &ms, err);
+        CHECK(t, rc != 0 && strstr(err, "--lora-gate-up-rank"), "the 2r adapter into rank r: %s",
+              rc ? err : "(loaded)");
+        store_free(&ms);
+        model_free(&mm);
+        fix_free(&f);
     }
 
     // mismatches: one line each
