@@ -1597,9 +1597,72 @@ static void test_lora_gpu_model(TestCtx* t) {
         fix_free(&a);
     }
 }
+// The experts' per-expert adapters on the GPU (the grouped matmul with the rank as the narrow
+// side: N = r for t = x·Aᵀ, K = r for t·Bᵀ) against the CPU from the same bf16 weights: Qwen3-MoE
+// all-linear (gate_up at 2r = 16) and GPT-OSS's experts (its (E, in, out) base layout).
+static void test_lora_gpu_moe(TestCtx* t) {
+    if (cuda_device_count() == 0) {
+        test_skip(t, "no GPU: cudaGetDeviceCount found no CUDA device");
+        return;
+    }
+    char err[ERR_LEN];
+    const char* presets[] = {"test-qwen3moe", "test-gptoss"};
+    const unsigned targets[] = {LORA_ALL_LINEAR, LORA_BIT(LORA_Q) | LORA_EXPERTS_BIT};
+    for (int k = 0; k < 2; k++) {
+        ModelConfig c;
+        config_from_preset(&c, presets[k], err);
+        const LoraSpec l = spec(8, 16.0f, targets[k], 0.0f, 0);
+        Fix a;
+        fix_init(&a, &c, &l, 0, 0);
+        for (int j = 0; j < a.m.tt.n_layers; j++)  // the same (bf16) weights on both backends
+            for (int64_t i = 0; i < a.m.tt.param_numel[j]; i++)
+                a.s.param[j][i] = bf16_value(a.s.param[j][i]);
+        const double lc = fix_grads(&a);
+        int64_t n;
+        float* gc = lora_grads_copy(&a, &n);
+        void* g = ops_cuda_create(0, NULL);
+        Plain* p = plain_create(&a.m, &a.s, &ops_cuda, g, a.B, a.T, 0);
+        p->ws->lora_seed = 77;
+        store_zero_grads(&a.s);
+        const double N = (double)a.B * a.T;
+        const double lg = plain_forward_backward(p, a.tokens, a.B, a.T, (float)(1.0 / N)) / N;
+        plain_sync_grads(p);
+        float* gg = lora_grads_copy(&a, &n);
+        CHECK(t, fabs(lg - lc) <= 2e-2 * fabs(lc), "%s: GPU loss %.6f vs CPU %.6f", presets[k],
+              lg, lc);
+        const double e = rel_l2_error(gg, gc, (size_t)n);
+        CHECK(t, e <= 5e-2, "%s: adapter gradients relative L2 error %.3g", presets[k], e);
+        // the experts' own gradients (the grouped products), alone
+        double num = 0, den = 0;
+        for (int i = 0; i < a.m.tt.n; i++) {
+            const TensorDesc* d = &a.m.tt.t[i];
+            if (d->lora_target < 0 || !lora_target_is_expert((LoraTarget)d->lora_target)) continue;
+            const float* x = store_grad(&a.s, i);
+            int64_t off = 0;  // the tensor's place in the copies (lora_grads_copy's order)
+            for (int j = 0; j < i; j++)
+                if (a.m.tt.t[j].lora_target >= 0 && a.m.tt.t[j].tied_to < 0) off += a.m.tt.t[j].numel;
+            for (int64_t q = 0; q < d->numel; q++) {
+                const double df = (double)x[q] - (double)gc[off + q];
+                num += df * df;
+                den += (double)gc[off + q] * gc[off + q];
+            }
+        }
+        const double ee = den > 0 ? sqrt(num / den) : 1.0;
+        CHECK(t, den > 0 && ee <= 5e-2, "%s: expert adapter gradients relative L2 error %.3g",
+              presets[k], ee);
+        printf("  %s: loss %.6f vs %.6f, adapter gradient error %.3g (experts %.3g)\n",
+               presets[k], lg, lc, e, ee);
+        plain_free(p);
+        ops_cuda_destroy(g);
+        free(gc);
+        free(gg);
+        fix_free(&a);
+    }
+}
 #else
 static void test_lora_gpu_ops(TestCtx* t) { test_skip(t, "built without CUDA"); }
 static void test_lora_gpu_model(TestCtx* t) { test_skip(t, "built without CUDA"); }
+static void test_lora_gpu_moe(TestCtx* t) { test_skip(t, "built without CUDA"); }
 #endif
 
 // LoRA through the engine on GPUs (bf16 compute; the base held once, in bf16): close to the
@@ -1689,6 +1752,7 @@ const TestCase tests_lora[] = {
     {"lora_engine_memory", test_lora_engine_memory},
     {"lora_gpu_ops", test_lora_gpu_ops},
     {"lora_gpu_model", test_lora_gpu_model},
+    {"lora_gpu_moe", test_lora_gpu_moe},
     {"lora_gpu_engine", test_lora_gpu_engine},
     {"lora_parity_qwen3", test_lora_parity_qwen3},
     {"lora_parity_llama", test_lora_parity_llama},
