@@ -13,7 +13,9 @@
  *     o  = h·W_d[e] (+ b_d[e])
  *     y  = Σ_k w_k · o_(row, k)                   in k order: deterministic, no atomics
  * Backward: the same steps in reverse; the routing weights' gradient dw_k = <dy, o_k> is the only
- * path from the loss to the router besides the aux loss.
+ * path from the loss to the router besides the aux loss. LoRA hooks in (MoeWeights): the router's
+ * adapter adds to the logits before the routing, the experts' adapters (lora.h) add to gu and o
+ * on the dispatched rows right after each grouped projection, so everything after sees them.
  *
  * Aux loss (HF load_balancing_loss_func over one forward call): with the router logits of all L'
  * MoE blocks of a micro-batch stacked into R' = L'·N rows, P = softmax, counts_e = rows routed to e
