@@ -410,7 +410,8 @@ int main(int argc, char** argv) {
     if (a.layers > 0 && config_truncate_layers(&src.cfg, a.layers, err) != 0) fatal("%s", err);
     Model model;
     const LoraSpec lora = {.r = a.lora_r, .alpha = a.lora_alpha, .rslora = a.rslora,
-                           .dropout = a.lora_dropout, .targets = a.lora_targets};
+                           .dropout = a.lora_dropout, .targets = a.lora_targets,
+                           .gate_up_r = a.lora_gate_up_r};
     if (model_init_lora(&model, &src.cfg, a.decay_embeddings, &lora, err) != 0)
         fatal("%s: %s", a.model, err);
     model.mlp_chunk = a.mlp_chunk > 0 ? a.mlp_chunk : 0;  // auto is resolved with the plan

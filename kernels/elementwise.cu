@@ -174,6 +174,19 @@ __global__ void add_kernel(bf16* out, const bf16* a, const bf16* b, size_t n_vec
     }
 }
 
+// out may alias inp (each element read, then written, by one thread).
+__global__ void scale_kernel(bf16* out, const bf16* inp, float s, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        out[i] = __float2bfloat16_rn(s * __bfloat162float(inp[i]));
+}
+
+void cuda_scale(CudaCtx* cx, bf16* out, const bf16* inp, float s, size_t n) {
+    if (n == 0) return;
+    scale_kernel<<<stride_grid(cx, n, 256), 256, 0, cx->stream>>>(out, inp, s, n);
+    cuda_check_launch();
+}
+
 void cuda_add(CudaCtx* cx, bf16* out, const bf16* a, const bf16* b, size_t n) {
     if (n == 0) return;
     size_t head = 0;

@@ -475,6 +475,13 @@ static void op_add(void* ctx, void* out, const void* a, const void* b, size_t n)
     prof_end(cx);
 }
 
+static void op_scale(void* ctx, void* out, const void* inp, float s, size_t n) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 4.0 * (double)n, "scale n=%zu", n);
+    cuda_scale(cx, (bf16*)out, (const bf16*)inp, s, n);
+    prof_end(cx);
+}
+
 static void op_add_f32(void* ctx, float* dst, const float* src, size_t n) {
     CudaCtx* cx = ctx_enter(ctx);
     prof_begin(cx, 0, 12.0 * (double)n, "add f32 n=%zu", n);
@@ -668,6 +675,7 @@ extern "C" const Ops ops_cuda = {
     .swiglu_forward = op_swiglu_forward,
     .swiglu_backward = op_swiglu_backward,
     .add = op_add,
+    .scale = op_scale,
     .add_f32 = op_add_f32,
     .crossentropy_forward_backward = op_crossentropy_forward_backward,
     .attention_sink_forward = op_attention_sink_forward,

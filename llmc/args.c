@@ -186,10 +186,14 @@ void args_usage(FILE* f) {
         "      --lora-r R         adapter rank; 0 = off, full fine-tuning (default 0)\n"
         "      --lora-alpha A     scale alpha / r (default %g)\n"
         "      --lora-targets L   all-linear (every linear but the LM head) or a comma list of\n"
-        "                         q, k, v, o, gate, up, down, router (default all-linear)\n"
+        "                         q, k, v, o, gate, up, down, router, experts (default\n"
+        "                         all-linear; on Qwen3-MoE: attention, router, experts)\n"
         "      --lora-dropout P   dropout on the adapters' input while training, seeded from\n"
         "                         --seed (default 0)\n"
         "      --rslora           scale alpha / sqrt(r) (rank-stabilised LoRA)\n"
+        "      --lora-gate-up-rank N  the experts' fused gate/up adapter rank, alpha scaled\n"
+        "                         with it (default: 2r on Qwen3-MoE as PEFT's all-linear, r on\n"
+        "                         GPT-OSS; r on Qwen3-MoE is PEFT's target_parameters form)\n"
         "      --lora-init DIR    start from a PEFT adapter directory (adapter_config.json,\n"
         "                         adapter_model.safetensors); its r, lora_alpha, target_modules\n"
         "                         and use_rslora must match the flags\n"
@@ -386,7 +390,8 @@ enum {
     OPT_EXPORT_GGUF, OPT_EXPORT_DTYPE, OPT_EXPORT_SHARD, OPT_LAYERS,
     OPT_ALLOW_OVERCOMMIT, OPT_DIST_INIT, OPT_RANK, OPT_WORLD, OPT_DIST_TIMEOUT, OPT_NET_GBPS, OPT_STEP_MS,
     OPT_LORA_R, OPT_LORA_ALPHA, OPT_LORA_TARGETS, OPT_LORA_DROPOUT,
-    OPT_RSLORA, OPT_LORA_INIT, OPT_EXPORT_LORA, OPT_MERGE_LORA, OPT_BASE_DTYPE, OPT_MMAP_BASE
+    OPT_RSLORA, OPT_LORA_INIT, OPT_EXPORT_LORA, OPT_MERGE_LORA, OPT_BASE_DTYPE, OPT_MMAP_BASE,
+    OPT_LORA_GATE_UP_RANK
 };
 
 // "512M", "80G", "1e9": bytes with an optional K/M/G/T suffix (powers of 1024). -1: not a
@@ -464,9 +469,6 @@ static int check_lora(const TrainArgs* a) {
                        "full fine-tuning updates every weight)");
         return 0;
     }
-    if (a->lora_targets != LORA_ALL_LINEAR && (a->lora_targets & LORA_EXPERTS_BIT))
-        return bad("--lora-targets", a->lora_targets_arg, "per-expert adapters (MoE models) are "
-                   "not supported yet");
     if (a->merge_lora && !*a->export_hf && !*a->export_gguf)
         return bad("--merge-lora", "", "merges the adapters into the --export-hf / --export-gguf "
                    "weights: give one of them");
@@ -542,6 +544,7 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         {"lora-targets", required_argument, 0, OPT_LORA_TARGETS},
         {"lora-dropout", required_argument, 0, OPT_LORA_DROPOUT},
         {"rslora", no_argument, 0, OPT_RSLORA},
+        {"lora-gate-up-rank", required_argument, 0, OPT_LORA_GATE_UP_RANK},
         {"lora-init", required_argument, 0, OPT_LORA_INIT},
         {"export-lora", required_argument, 0, OPT_EXPORT_LORA},
         {"merge-lora", no_argument, 0, OPT_MERGE_LORA},
@@ -681,6 +684,10 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
             case OPT_RSLORA:
                 a->rslora = 1;
                 if (!a->lora_flag) a->lora_flag = "--rslora";
+                break;
+            case OPT_LORA_GATE_UP_RANK:
+                rc = int_in("--lora-gate-up-rank", v, 1, 65536, &a->lora_gate_up_r);
+                if (!a->lora_flag) a->lora_flag = "--lora-gate-up-rank";
                 break;
             case OPT_LORA_INIT:
                 a->lora_init = v;
@@ -864,6 +871,7 @@ char* args_to_json(const TrainArgs* a) {
         if (a->base_dtype != BASE_DTYPE_BF16)
             fprintf(m, ",\n  \"base-dtype\": \"%s\"", quant_base_dtype_name(a->base_dtype));
         if (a->mmap_base) fputs(",\n  \"mmap-base\": 1", m);
+        if (a->lora_gate_up_r > 0) fprintf(m, ",\n  \"lora-gate-up-rank\": %d", a->lora_gate_up_r);
     }
     rl_args_json(m, &a->rl);  // (absent without --rl)
     fputs("\n}\n", m);

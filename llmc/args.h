@@ -85,6 +85,7 @@ typedef struct TrainArgs {
     const char* lora_targets_arg;  // --lora-targets as given
     float lora_dropout;
     int rslora;              // scale alpha / sqrt(r)
+    int lora_gate_up_r;      // the experts' gate_up adapter rank (0: the family's, tensor.h)
     const char* lora_init;   // PEFT adapter directory to start from ("" = PEFT's init)
     const char* export_lora; // PEFT adapter directory written at the end ("" = none)
     int merge_lora;          // the HF / GGUF exports carry W + scale·B·A

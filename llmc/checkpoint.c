@@ -250,18 +250,23 @@ static int dump_lora_state(const char* path, const Model* m, const Store* s, flo
     int64_t one = 1;
     st_writer_add(&w, "loss", ST_F32, 1, &one, &loss);
     char** names = calloc_check((size_t)m->tt.n, sizeof(char*));
+    float** grads = calloc_check((size_t)m->tt.n, sizeof(float*));  // in PEFT's layout
     for (int i = 0; i < m->tt.n; i++) {
         const TensorDesc* d = &m->tt.t[i];
         if (d->lora_target < 0) continue;
         size_t len = strlen(d->hf_name) + 6;
         names[i] = malloc_check(len);
         snprintf(names[i], len, "grad.%s", d->hf_name);
-        st_writer_add(&w, names[i], ST_F32, d->ndim, d->shape, store_grad(s, i));
+        int64_t shape[2];
+        grads[i] = malloc_check((size_t)d->numel * sizeof(float));
+        lora_to_peft(m, i, store_grad(s, i), grads[i], shape);
+        st_writer_add(&w, names[i], ST_F32, 2, shape, grads[i]);
     }
     int rc = st_writer_write(&w, path, err);
     st_writer_free(&w);
-    for (int i = 0; i < m->tt.n; i++) free(names[i]);
+    for (int i = 0; i < m->tt.n; i++) free(names[i]), free(grads[i]);
     free(names);
+    free(grads);
     return rc;
 }
 

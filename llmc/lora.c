@@ -16,8 +16,9 @@
 // ----------------------------------------------------------------------------
 // targets and scale
 
-static const char* const short_names[LORA_N_TARGETS] = {"q",    "k",  "v",    "o",
-                                                        "gate", "up", "down", "router"};
+// The flag's names of the linears (the experts are one name, "experts", for both projections).
+static const char* const short_names[LORA_EXP_GATE_UP] = {"q",    "k",  "v",    "o",
+                                                          "gate", "up", "down", "router"};
 
 int lora_parse_targets(const char* s, unsigned* targets, char* err) {
     *targets = 0;
@@ -31,7 +32,7 @@ int lora_parse_targets(const char* s, unsigned* targets, char* err) {
     char* save = NULL;
     for (char* tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
         int found = 0;
-        for (int tg = 0; tg < LORA_N_TARGETS && !found; tg++) {
+        for (int tg = 0; tg < LORA_EXP_GATE_UP && !found; tg++) {
             if (strcmp(tok, short_names[tg]) == 0 ||
                 strcmp(tok, lora_target_name((LoraTarget)tg)) == 0) {
                 *targets |= LORA_BIT(tg);
@@ -50,7 +51,7 @@ int lora_parse_targets(const char* s, unsigned* targets, char* err) {
 void lora_targets_string(unsigned targets, char* buf, size_t cap) {
     size_t len = 0;
     buf[0] = '\0';
-    for (int tg = 0; tg < LORA_N_TARGETS; tg++) {
+    for (int tg = 0; tg < LORA_EXP_GATE_UP; tg++) {
         if (!(targets & LORA_BIT(tg))) continue;
         int w = snprintf(buf + len, cap - len, "%s%s", len ? "," : "", short_names[tg]);
         if (w < 0 || (size_t)w >= cap - len) return;
@@ -59,10 +60,20 @@ void lora_targets_string(unsigned targets, char* buf, size_t cap) {
     if (targets & LORA_EXPERTS_BIT) snprintf(buf + len, cap - len, "%sexperts", len ? "," : "");
 }
 
-float lora_scale(const LoraSpec* l) {
-    if (l->r <= 0) return 0.0f;
-    return l->rslora ? (float)((double)l->alpha / sqrt((double)l->r))
-                     : (float)((double)l->alpha / (double)l->r);
+// alpha / r (rsLoRA: alpha / sqrt(r)) in double, rounded once.
+static float scale_of(int r, float alpha, int rslora) {
+    if (r <= 0) return 0.0f;
+    return rslora ? (float)((double)alpha / sqrt((double)r)) : (float)((double)alpha / (double)r);
+}
+
+float lora_scale(const LoraSpec* l) { return scale_of(l->r, l->alpha, l->rslora); }
+
+// A target's scale: PEFT's scaling of its module (the expert gate_up on Qwen3-MoE has rank 2r and
+// alpha 2·alpha, tensor.h: the same alpha / r, but not the same alpha / sqrt(r)).
+static float target_scale(const Model* m, LoraTarget tg) {
+    const LoraSpec* l = &m->tt.lora;
+    return scale_of(lora_target_rank(&m->cfg, l, tg), lora_target_alpha(&m->cfg, l, tg),
+                    l->rslora);
 }
 
 uint64_t lora_dropout_seed(uint32_t seed, int64_t done, int mb) {
@@ -106,14 +117,30 @@ static int64_t widest(const Model* m) {
 }
 
 // ----------------------------------------------------------------------------
-// scratch
+// scratch: t and dt (rows, rank), tmp (rows, widest), drop(x) (rows, widest) with dropout. The
+// expert adapters run on the R = n·K routed rows: t, dt (R, 2r at most), tmp (R, max(2F, C)).
+
+static void scratch_elems(const Model* m, int64_t n, size_t* t_elems, size_t* tmp_elems) {
+    const LoraSpec* l = &m->tt.lora;
+    const ModelConfig* c = &m->cfg;
+    *t_elems = (size_t)n * (size_t)l->r;
+    *tmp_elems = (size_t)n * (size_t)widest(m);
+    if (!(l->targets & LORA_EXPERTS_BIT)) return;
+    const size_t R = (size_t)n * (size_t)c->K;
+    const size_t rank = (size_t)lora_target_rank(c, l, LORA_EXP_GATE_UP);
+    const size_t w = (size_t)(2 * c->F_expert > c->C ? 2 * c->F_expert : c->C);
+    if (R * rank > *t_elems) *t_elems = R * rank;
+    if (R * w > *tmp_elems) *tmp_elems = R * w;
+}
 
 size_t lora_scratch_bytes(const Model* m, size_t act_bytes, int64_t n) {
     const LoraSpec* l = &m->tt.lora;
     if (l->r <= 0) return 0;
     const size_t w = (size_t)widest(m), rows = (size_t)n;
-    size_t bytes = 2 * rows * (size_t)l->r * act_bytes + rows * w * act_bytes;  // t, dt, tmp
-    if (l->dropout > 0) bytes += rows * w * act_bytes;                          // drop(x)
+    size_t t_elems, tmp_elems;
+    scratch_elems(m, n, &t_elems, &tmp_elems);
+    size_t bytes = (2 * t_elems + tmp_elems) * act_bytes;  // t, dt, tmp
+    if (l->dropout > 0) bytes += rows * w * act_bytes;     // drop(x)
     return bytes;
 }
 
@@ -121,9 +148,11 @@ void lora_scratch_alloc(const Model* m, Workspace* ws, int64_t n) {
     const LoraSpec* l = &m->tt.lora;
     if (l->r <= 0) return;
     const size_t ab = (size_t)ws->ops->act_bytes, w = (size_t)widest(m), rows = (size_t)n;
-    ws->lora_t = ws->ops->alloc(ws->ctx, rows * (size_t)l->r * ab);
-    ws->lora_dt = ws->ops->alloc(ws->ctx, rows * (size_t)l->r * ab);
-    ws->lora_tmp = ws->ops->alloc(ws->ctx, rows * w * ab);
+    size_t t_elems, tmp_elems;
+    scratch_elems(m, n, &t_elems, &tmp_elems);
+    ws->lora_t = ws->ops->alloc(ws->ctx, t_elems * ab);
+    ws->lora_dt = ws->ops->alloc(ws->ctx, t_elems * ab);
+    ws->lora_tmp = ws->ops->alloc(ws->ctx, tmp_elems * ab);
     if (l->dropout > 0) ws->lora_xd = ws->ops->alloc(ws->ctx, rows * w * ab);
 }
 
@@ -146,7 +175,8 @@ static inline void* byte_at(const Workspace* ws, const void* p, int64_t i) {
 static uint64_t site_seed(const Workspace* ws, int block, LoraTarget tg) {
     const uint64_t key = tg < LORA_N_DENSE_TARGETS
                              ? (uint64_t)block * LORA_N_DENSE_TARGETS + (uint64_t)tg + 1
-                             : (1ull << 40) + (uint64_t)block * LORA_N_TARGETS + (uint64_t)tg;
+                             : (1ull << 40) + (uint64_t)block * LORA_ROUTER_SEED_STRIDE +
+                                   (uint64_t)tg;
     uint64_t z = ws->lora_seed ^ (key * 0xd1b54a32d192ed03ull);
     z = (z ^ (z >> 33)) * 0xff51afd7ed558ccdull;
     return z ^ (z >> 33);
@@ -215,6 +245,52 @@ void lora_backward(const Model* m, Workspace* ws, int block, unsigned mask, cons
     }
 }
 
+// The expert adapters: the same products per expert, on the rows routed to it (offsets), through
+// the grouped matmul (A as (E, rank, in), B as (E, out, rank): nn.Linear's layout per expert).
+// No dropout (tensor_table_build_lora refuses it with expert targets, as PEFT does).
+
+void lora_expert_forward(const Model* m, Workspace* ws, int block, LoraTarget tg,
+                         const void* slab, const void* x, void* y, const int32_t* offsets, int R) {
+    const BlockLayout* bl = &m->layout[block];
+    if (m->tt.lora.r <= 0 || bl->lora_a[tg] < 0) return;
+    const Ops* ops = ws->ops;
+    const int E = m->cfg.E, r = lora_target_rank(&m->cfg, &m->tt.lora, tg);
+    int64_t in64, out64;
+    lora_target_dims(&m->cfg, tg, &in64, &out64);
+    const int in = (int)in64, out = (int)out64;
+    // t = x_e·A_eᵀ (R, r); tmp = scale · t_e·B_eᵀ (R, out); y += tmp
+    ops->moe_matmul_forward(ws->ctx, ws->lora_t, x, byte_at(ws, slab, bl->lora_a[tg]), NULL,
+                            offsets, R, E, in, r, 0);
+    ops->moe_matmul_forward(ws->ctx, ws->lora_tmp, ws->lora_t, byte_at(ws, slab, bl->lora_b[tg]),
+                            NULL, offsets, R, E, r, out, 0);
+    ops->scale(ws->ctx, ws->lora_tmp, ws->lora_tmp, target_scale(m, tg), (size_t)R * out);
+    ops->add(ws->ctx, y, y, ws->lora_tmp, (size_t)R * out);
+}
+
+void lora_expert_backward(const Model* m, Workspace* ws, int block, LoraTarget tg,
+                          const void* slab, float* gslab, const void* x, const void* dy, void* dx,
+                          const int32_t* offsets, int R) {
+    const BlockLayout* bl = &m->layout[block];
+    if (m->tt.lora.r <= 0 || bl->lora_a[tg] < 0) return;
+    const BlockLayout* gl = &m->glayout[block];
+    const Ops* ops = ws->ops;
+    const int E = m->cfg.E, r = lora_target_rank(&m->cfg, &m->tt.lora, tg);
+    int64_t in64, out64;
+    lora_target_dims(&m->cfg, tg, &in64, &out64);
+    const int in = (int)in64, out = (int)out64;
+    const void* A = byte_at(ws, slab, bl->lora_a[tg]);
+    const void* Bw = byte_at(ws, slab, bl->lora_b[tg]);
+    // t = x_e·A_eᵀ again; g = scale · dy (R, out); dt = g_e·B_e (R, r); dB_e += g_eᵀ·t_e
+    ops->moe_matmul_forward(ws->ctx, ws->lora_t, x, A, NULL, offsets, R, E, in, r, 0);
+    ops->scale(ws->ctx, ws->lora_tmp, dy, target_scale(m, tg), (size_t)R * out);
+    ops->moe_matmul_backward(ws->ctx, ws->lora_dt, gslab + gl->lora_b[tg], NULL, ws->lora_tmp,
+                             ws->lora_t, Bw, offsets, R, E, r, out, 0);
+    // tmp = dt_e·A_e (R, in); dA_e += dt_eᵀ·x_e; dx += tmp
+    ops->moe_matmul_backward(ws->ctx, ws->lora_tmp, gslab + gl->lora_a[tg], NULL, ws->lora_dt, x,
+                             A, offsets, R, E, in, r, 0);
+    ops->add(ws->ctx, dx, dx, ws->lora_tmp, (size_t)R * (size_t)in);
+}
+
 // ----------------------------------------------------------------------------
 // init and merge
 
@@ -238,8 +314,9 @@ void lora_init_random(const Model* m, Store* s, uint32_t seed) {
             continue;
         }
         // nn.Linear's kaiming_uniform_(a = sqrt(5)): gain sqrt(2 / (1 + 5)), bound
-        // gain · sqrt(3 / fan_in) = 1 / sqrt(fan_in)
-        const double bound = 1.0 / sqrt((double)d->shape[1]);
+        // gain · sqrt(3 / fan_in) = 1 / sqrt(fan_in); the experts' A is one nn.Linear
+        // (in, rank·E) in PEFT's ParamWrapper: the same fan_in
+        const double bound = 1.0 / sqrt((double)d->shape[d->ndim - 1]);
         Rng rng;
         rng_seed(&rng, mix32(seed ^ mix32(0x10a5u + (uint32_t)i * 0x9e3779b9u)));
         for (int64_t j = 0; j < d->numel; j++)
@@ -248,9 +325,41 @@ void lora_init_random(const Model* m, Store* s, uint32_t seed) {
 }
 
 static TensorKind base_kind(LoraTarget tg) {
-    static const TensorKind kinds[LORA_N_TARGETS] = {TK_WQ,     TK_WK,   TK_WV,     TK_WO,
-                                                     TK_W_GATE, TK_W_UP, TK_W_DOWN, TK_ROUTER};
+    static const TensorKind kinds[LORA_N_TARGETS] = {
+        TK_WQ,     TK_WK,     TK_WV,          TK_WO,      TK_W_GATE,
+        TK_W_UP,   TK_W_DOWN, TK_ROUTER,      TK_EXP_GATE_UP, TK_EXP_DOWN};
     return kinds[tg];
+}
+
+// W_e += scale · B_e·A_e for every expert e, as PEFT's ParamWrapper.get_delta_weight (the einsum
+// over the rank, then scaled): W (E, out, in) (Qwen3-MoE, nn.Linear) or (E, in, out) (GPT-OSS,
+// is_transposed: the delta "e i o").
+static void merge_experts(const Model* m, LoraTarget tg, const float* A, const float* B,
+                          float* W) {
+    const int E = m->cfg.E, r = lora_target_rank(&m->cfg, &m->tt.lora, tg);
+    const int in_out = m->cfg.family == FAMILY_GPTOSS;
+    const float scale = target_scale(m, tg);
+    int64_t in, out;
+    lora_target_dims(&m->cfg, tg, &in, &out);
+    double* row = malloc_check((size_t)in * sizeof(double));
+    for (int e = 0; e < E; e++) {
+        const float* Ae = A + (int64_t)e * r * in;   // (r, in)
+        const float* Be = B + (int64_t)e * out * r;  // (out, r)
+        float* We = W + (int64_t)e * out * in;
+        for (int64_t o = 0; o < out; o++) {
+            for (int64_t j = 0; j < in; j++) row[j] = 0.0;
+            for (int k = 0; k < r; k++) {
+                const double b = (double)Be[o * r + k];
+                const float* a = Ae + (int64_t)k * in;
+                for (int64_t j = 0; j < in; j++) row[j] += b * (double)a[j];
+            }
+            for (int64_t j = 0; j < in; j++) {
+                float* w = in_out ? &We[j * out + o] : &We[o * in + j];
+                *w += (float)row[j] * scale;
+            }
+        }
+    }
+    free(row);
 }
 
 void lora_merge(const Model* m, Store* s) {
@@ -263,6 +372,11 @@ void lora_merge(const Model* m, Store* s) {
             const int ib = tensor_table_lora_index(tt, l, (LoraTarget)tg, 1);
             const int iw = tensor_table_index(tt, base_kind((LoraTarget)tg), l);
             if (ia < 0 || ib < 0 || iw < 0) continue;
+            if (lora_target_is_expert((LoraTarget)tg)) {
+                merge_experts(m, (LoraTarget)tg, store_param(s, ia), store_param(s, ib),
+                              store_param(s, iw));
+                continue;
+            }
             const int64_t out = tt->t[iw].shape[0], in = tt->t[iw].shape[1];
             const float* A = store_param(s, ia);  // (r, in)
             const float* B = store_param(s, ib);  // (out, r)

@@ -13,6 +13,14 @@
  * each adds its product into its column range of the fused output (ops->matmul_cols_add) and
  * reads its range of the output gradient in place (ops->matmul_cols_backward).
  *
+ * The experts of an MoE block (PEFT's target_parameters gate_up_proj and down_proj, tensor.h) get
+ * one adapter per expert, A_e (rank, in) and B_e (out, rank), acting on exactly the rows routed to
+ * e: moe.c calls lora_expert_forward after each grouped projection with the dispatched rows, and
+ * the adapters' products run through the same grouped matmul (ops->moe_matmul_*) as the experts:
+ *     gu_e += s_gu · (x_e·A_gu,eᵀ)·B_gu,eᵀ ;  out_e += s_d · (h_e·A_d,eᵀ)·B_d,eᵀ
+ * with the backward as above per expert. PEFT's ParamWrapper adds s·B_e·A_e to W_e instead (the
+ * same function: each routed row goes through W_e + s·B_e·A_e); it refuses dropout, so do we.
+ *
  * The dropout mask is a hash of (the workspace's seed, block, target, element), so a recomputed
  * forward and the backward see the mask the forward used, on every backend and row chunking.
  * The tensors live in the tensor table (tensor.h): A and B per targeted module per block, the
@@ -28,7 +36,7 @@
 #include "store.h"
 #include "tensor.h"
 
-// --lora-targets names that belong to MoE blocks (the experts are refused for now).
+// --lora-targets names that belong to MoE blocks (router; experts: LORA_EXPERTS_BIT, tensor.h).
 #define LORA_ROUTER_BIT LORA_BIT(LORA_ROUTER)
 
 // "all-linear" or a comma list of q,k,v,o,gate,up,down (PEFT's q_proj ... down_proj also
@@ -60,6 +68,15 @@ void lora_forward(const Model* m, Workspace* ws, int block, unsigned mask, const
 // gradient slab), dx (n, in) += their input gradient. dy (n, fused width): the output's gradient.
 void lora_backward(const Model* m, Workspace* ws, int block, unsigned mask, const void* slab,
                    float* gslab, const void* x, const void* dy, void* dx, int n, int64_t row0);
+// The expert adapters of target tg (LORA_EXP_GATE_UP or LORA_EXP_DOWN; no-ops without it) on the
+// R dispatched rows (expert e's at offsets[e] .. offsets[e+1]): y (R, out) += each expert's
+// s·x_e·A_eᵀ·B_eᵀ from x (R, in); the backward accumulates dA, dB into gslab and dx (R, in) += the
+// input gradient from dy (R, out).
+void lora_expert_forward(const Model* m, Workspace* ws, int block, LoraTarget tg,
+                         const void* slab, const void* x, void* y, const int32_t* offsets, int R);
+void lora_expert_backward(const Model* m, Workspace* ws, int block, LoraTarget tg,
+                          const void* slab, float* gslab, const void* x, const void* dy, void* dx,
+                          const int32_t* offsets, int R);
 
 // ----------------------------------------------------------------------------
 // weights
@@ -67,7 +84,8 @@ void lora_backward(const Model* m, Workspace* ws, int block, unsigned mask, cons
 // PEFT's init: A ~ U(-1/sqrt(in), 1/sqrt(in)) (nn.Linear's kaiming_uniform(a = sqrt(5))), B = 0,
 // each tensor from its own generator seeded by (seed, tensor).
 void lora_init_random(const Model* m, Store* s, uint32_t seed);
-// W += s · B·A for every adapter (the --merge-lora exports; the base then carries them).
+// W += s · B·A for every adapter, per expert for the expert adapters (the --merge-lora exports;
+// the base then carries them).
 void lora_merge(const Model* m, Store* s);
 
 // ----------------------------------------------------------------------------
@@ -90,5 +108,9 @@ int lora_save_peft(const char* dir, const Model* m, const Store* s, const char* 
 int lora_load_peft(const char* dir, const Model* m, Store* s, char* err);
 // Only the adapter weights of dir/adapter_model.safetensors (no config check: a checkpoint).
 int lora_load_weights(const char* path, const Model* m, Store* s, char* err);
+// Adapter tensor i in its PEFT file layout: dst (numel) from src (the table's layout) and shape
+// (2-D, PEFT's). The identity except for the experts' B: (E, out, rank) in the table, (out,
+// rank·E) with column k·E + e in PEFT (ParamWrapper reshapes lora_B.weight to (out, rank, E)).
+void lora_to_peft(const Model* m, int i, const float* src, float* dst, int64_t shape[2]);
 
 #endif  // LLMC_LORA_H

@@ -450,16 +450,37 @@ static void router_lora_backward(void* arg, const void* x, const void* dlogits, 
                   dx, N, 0);
 }
 
-// The block's expert weights; with a router adapter, its hooks on rl (filled here).
+// The experts' LoRA adapters, called by moe.c after each grouped projection (proj 0: gate/up,
+// 1: down) on the dispatched rows.
+static void expert_lora_forward(void* arg, int proj, const void* inp, void* out,
+                                const int32_t* offsets, int R) {
+    const RouterLora* r = arg;
+    lora_expert_forward(r->m, r->ws, r->block, proj ? LORA_EXP_DOWN : LORA_EXP_GATE_UP, r->slab,
+                        inp, out, offsets, R);
+}
+
+static void expert_lora_backward(void* arg, int proj, const void* inp, const void* dout,
+                                 void* dinp, const int32_t* offsets, int R) {
+    const RouterLora* r = arg;
+    lora_expert_backward(r->m, r->ws, r->block, proj ? LORA_EXP_DOWN : LORA_EXP_GATE_UP, r->slab,
+                         r->gslab, inp, dout, dinp, offsets, R);
+}
+
+// The block's expert weights; with router or expert adapters, their hooks on rl (filled here).
 static MoeWeights moe_weights(const Workspace* ws, const BlockLayout* bl, const void* slab,
                               RouterLora* rl) {
     MoeWeights w = {opt_at(ws, slab, bl->router),   opt_at(ws, slab, bl->router_bias),
                     opt_at(ws, slab, bl->exp_gu),   opt_at(ws, slab, bl->exp_gu_bias),
                     opt_at(ws, slab, bl->exp_down), opt_at(ws, slab, bl->exp_down_bias),
-                    NULL, NULL, NULL};
+                    NULL, NULL, NULL, NULL, NULL};
     if (rl->m->tt.lora.r > 0 && bl->lora_a[LORA_ROUTER] >= 0) {
         w.router_adapter = router_lora_forward;
         w.router_adapter_backward = router_lora_backward;
+        w.adapter_arg = rl;
+    }
+    if (rl->m->tt.lora.r > 0 && bl->lora_a[LORA_EXP_GATE_UP] >= 0) {
+        w.expert_adapter = expert_lora_forward;
+        w.expert_adapter_backward = expert_lora_backward;
         w.adapter_arg = rl;
     }
     return w;

@@ -100,12 +100,14 @@ void moe_forward(const ModelConfig* c, const Ops* ops, void* ctx, MoeScratch* s,
     ops->moe_gather(ctx, s->xp, x, a->src, N, K, C);
     ops->moe_matmul_forward(ctx, a->gu, s->xp, w->gate_up, w->gate_up_bias, a->offsets, R, E, C,
                             2 * F, oss);
+    if (w->expert_adapter) w->expert_adapter(w->adapter_arg, 0, s->xp, a->gu, a->offsets, R);
     if (oss)
         ops->gptoss_glu_forward(ctx, a->act, a->gu, R, F, c->swiglu_limit, GPTOSS_ALPHA);
     else
         ops->swiglu_forward(ctx, a->act, a->gu, R, F);
     ops->moe_matmul_forward(ctx, a->out, a->act, w->down, w->down_bias, a->offsets, R, E, F, C,
                             oss);
+    if (w->expert_adapter) w->expert_adapter(w->adapter_arg, 1, a->act, a->out, a->offsets, R);
     ops->moe_combine_forward(ctx, y, a->out, a->weights, a->dst, N, K, C);
 }
 
@@ -118,6 +120,8 @@ void moe_backward(const ModelConfig* c, const Ops* ops, void* ctx, MoeScratch* s
     // down projection, activation, gate/up projection (its input re-gathered from x)
     ops->moe_matmul_backward(ctx, s->dact, g->down, g->down_bias, s->dy, a->act, w->down,
                              a->offsets, R, E, F, C, oss);
+    if (w->expert_adapter_backward)
+        w->expert_adapter_backward(w->adapter_arg, 1, a->act, s->dy, s->dact, a->offsets, R);
     if (oss)
         ops->gptoss_glu_backward(ctx, s->dgu, s->dact, a->gu, R, F, c->swiglu_limit,
                                  GPTOSS_ALPHA);
@@ -127,6 +131,8 @@ void moe_backward(const ModelConfig* c, const Ops* ops, void* ctx, MoeScratch* s
     // dy is dead once the down projection's backward has run: it takes the inputs' gradient
     ops->moe_matmul_backward(ctx, s->dy, g->gate_up, g->gate_up_bias, s->dgu, s->xp, w->gate_up,
                              a->offsets, R, E, C, 2 * F, oss);
+    if (w->expert_adapter_backward)
+        w->expert_adapter_backward(w->adapter_arg, 0, s->xp, s->dgu, s->dy, a->offsets, R);
     ops->moe_gather_backward(ctx, dx, s->dy, a->dst, N, K, C);
     // router: the routing weights' gradient (and the aux loss's) through the routing and W_r
     ops->moe_route_backward(ctx, s->dlogits, s->dweights, a->logits, a->idx, a->weights, counts,

@@ -13,7 +13,9 @@
  *     o  = h·W_d[e] (+ b_d[e])
  *     y  = Σ_k w_k · o_(row, k)                   in k order: deterministic, no atomics
  * Backward: the same steps in reverse; the routing weights' gradient dw_k = <dy, o_k> is the only
- * path from the loss to the router besides the aux loss.
+ * path from the loss to the router besides the aux loss. LoRA hooks in (MoeWeights): the router's
+ * adapter adds to the logits before the routing, the experts' adapters (lora.h) add to gu and o
+ * on the dispatched rows right after each grouped projection, so everything after sees them.
  *
  * Aux loss (HF load_balancing_loss_func over one forward call): with the router logits of all L'
  * MoE blocks of a micro-batch stacked into R' = L'·N rows, P = softmax, counts_e = rows routed to e
@@ -58,13 +60,20 @@ typedef struct MoeScratch {
 // Pointers into a block's parameter slab (compute dtype) / fp32 gradient slab; biases NULL for
 // Qwen3-MoE. router_adapter (NULL: none) adds a LoRA branch to the router's logits (N, E) in the
 // forward; router_adapter_backward runs its backward from the logits' gradient, adding its input
-// gradient into dx (N, C). arg: the caller's context for both.
+// gradient into dx (N, C). expert_adapter (NULL: none) adds the per-expert LoRA branch of
+// projection proj (0: gate/up, 1: down) to its output out (R, OC) from its input inp (R, IC), on
+// the dispatched rows (offsets); expert_adapter_backward accumulates its input gradient into dinp
+// (R, IC) from dout (R, OC). arg: the caller's context for all of them.
 typedef struct MoeWeights {
     const void *router, *router_bias, *gate_up, *gate_up_bias, *down, *down_bias;
     void (*router_adapter)(void* arg, const void* x, void* logits, int N);
     void (*router_adapter_backward)(void* arg, const void* x, const void* dlogits, void* dx,
                                     int N);
     void* adapter_arg;
+    void (*expert_adapter)(void* arg, int proj, const void* inp, void* out,
+                           const int32_t* offsets, int R);
+    void (*expert_adapter_backward)(void* arg, int proj, const void* inp, const void* dout,
+                                    void* dinp, const int32_t* offsets, int R);
 } MoeWeights;
 typedef struct MoeGrads {
     float *router, *router_bias, *gate_up, *gate_up_bias, *down, *down_bias;

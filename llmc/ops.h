@@ -113,6 +113,8 @@ typedef struct Ops {
     // ---- elementwise ----
     // out = a + b (n elements; out may alias a or b).
     void (*add)(void* ctx, void* out, const void* a, const void* b, size_t n);
+    // out = s · inp (n elements; out may alias inp).
+    void (*scale)(void* ctx, void* out, const void* inp, float s, size_t n);
     // dst += src in fp32 on both backends (gradient buffers: a tied head's into its owner's).
     void (*add_f32)(void* ctx, float* dst, const float* src, size_t n);
 

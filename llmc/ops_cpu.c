@@ -314,6 +314,24 @@ static void cpu_add(void* ctx, void* out, const void* a, const void* b, size_t n
     cpu_run(ctx, task_count((int64_t)n, ADD_CHUNK), add_task, &d);
 }
 
+typedef struct ScaleArgs {
+    float* out;
+    const float* inp;
+    float s;
+    size_t n;
+} ScaleArgs;
+
+static void scale_task(void* arg, int64_t task) {
+    const ScaleArgs* d = arg;
+    size_t i0 = (size_t)task * ADD_CHUNK, i1 = i0 + ADD_CHUNK < d->n ? i0 + ADD_CHUNK : d->n;
+    for (size_t i = i0; i < i1; i++) d->out[i] = d->s * d->inp[i];
+}
+
+static void cpu_scale(void* ctx, void* out, const void* inp, float s, size_t n) {
+    ScaleArgs d = {.out = out, .inp = inp, .s = s, .n = n};
+    cpu_run(ctx, task_count((int64_t)n, ADD_CHUNK), scale_task, &d);
+}
+
 static void cpu_add_f32(void* ctx, float* dst, const float* src, size_t n) {
     cpu_add(ctx, dst, dst, src, n);  // fp32 activations: the same single rounding per element
 }
@@ -611,6 +629,7 @@ const Ops ops_cpu = {
     .swiglu_forward = cpu_swiglu_forward,
     .swiglu_backward = cpu_swiglu_backward,
     .add = cpu_add,
+    .scale = cpu_scale,
     .add_f32 = cpu_add_f32,
     .crossentropy_forward_backward = cpu_crossentropy_forward_backward,
     .attention_decode = ops_cpu_attention_decode,

@@ -497,12 +497,16 @@ void partition_estimate_costs_lora(const ModelConfig* cfg, const LoraSpec* lora,
         double ad_fwd = 0.0, ad_bwd = 0.0;
         for (int tg = 0; tg < LORA_N_TARGETS; tg++) {
             if (!(lora->targets & LORA_BIT(tg))) continue;
-            // (MoE blocks: no dense MLP, a router; dense blocks: no router)
-            if ((tg == LORA_ROUTER) != layer_is_moe(cfg, b) && tg >= LORA_GATE) continue;
+            // (MoE blocks: no dense MLP, a router and experts; dense blocks: neither)
+            const int expert = lora_target_is_expert((LoraTarget)tg);
+            if ((tg == LORA_ROUTER || expert) != layer_is_moe(cfg, b) && tg >= LORA_GATE) continue;
             int64_t in, out;
             lora_target_dims(cfg, (LoraTarget)tg, &in, &out);
-            ad_fwd += 2.0 * lora->r * (double)(in + out) * tok;
-            ad_bwd += 2.0 * lora->r * (double)(3 * in + 2 * out) * tok;
+            // the experts' adapters run on the K routed copies of each row, at their rank
+            const double rows = expert ? (double)cfg->K * tok : tok;
+            const double r = lora_target_rank(cfg, lora, (LoraTarget)tg);
+            ad_fwd += 2.0 * r * (double)(in + out) * rows;
+            ad_bwd += 2.0 * r * (double)(3 * in + 2 * out) * rows;
         }
         fwd_cost[1 + b] += ad_fwd;
         bwd_cost[1 + b] = fwd_cost[1 + b] + mm + 2.0 * att + ad_bwd;

@@ -1,6 +1,6 @@
 /*
  * tensor.c — builds the tensor descriptor table of a model and its HF view (see tensor.h for the
- * layout rules).
+ * layout rules), with the LoRA adapters' tensors and their PEFT keys when LoRA is on.
  */
 #include "tensor.h"
 
@@ -181,9 +181,10 @@ static void build_hf_view(TensorTable* tt, const ModelConfig* c) {
 // ----------------------------------------------------------------------------
 // LoRA targets
 
-static const char* const lora_names[LORA_N_TARGETS] = {"q_proj",    "k_proj",  "v_proj",
-                                                       "o_proj",    "gate_proj", "up_proj",
-                                                       "down_proj", "gate"};
+// PEFT's names: target_modules for the linears, target_parameters for the experts.
+static const char* const lora_names[LORA_N_TARGETS] = {
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate",
+    "gate_up_proj", "down_proj"};
 
 const char* lora_target_name(LoraTarget target) {
     return target >= 0 && target < LORA_N_TARGETS ? lora_names[target] : "?";
@@ -195,16 +196,38 @@ const char* lora_target_parent(LoraTarget target) {
 
 void lora_target_dims(const ModelConfig* c, LoraTarget target, int64_t* in, int64_t* out) {
     const int64_t C = c->C, F = c->F, QD = (int64_t)c->H * c->HD, KVD = (int64_t)c->KVH * c->HD;
-    const int64_t ins[LORA_N_TARGETS] = {C, C, C, QD, C, C, F, C};
-    const int64_t outs[LORA_N_TARGETS] = {QD, KVD, KVD, C, F, F, C, c->E};
+    const int64_t Fe = c->F_expert;
+    const int64_t ins[LORA_N_TARGETS] = {C, C, C, QD, C, C, F, C, C, Fe};
+    const int64_t outs[LORA_N_TARGETS] = {QD, KVD, KVD, C, F, F, C, c->E, 2 * Fe, C};
     *in = ins[target];
     *out = outs[target];
+}
+
+int lora_target_is_expert(LoraTarget target) {
+    return target == LORA_EXP_GATE_UP || target == LORA_EXP_DOWN;
+}
+
+// PEFT 0.21 on transformers 5 (peft/utils/transformers_weight_conversion.py,
+// _convert_peft_config_moe): Qwen3-MoE is a "qwen2_moe" conversion model, so target_modules
+// gate_proj + up_proj (and "all-linear", which names them) become target_parameters gate_up_proj
+// with rank_pattern {".*\.gate_up_proj": 2r} and alpha_pattern {".*\.gate_up_proj": 2·alpha};
+// GPT-OSS has no conversion: gate_up_proj at r, as target_parameters give it.
+// --lora-gate-up-rank overrides (PEFT's target_parameters with a rank_pattern).
+int lora_target_rank(const ModelConfig* c, const LoraSpec* l, LoraTarget target) {
+    if (target != LORA_EXP_GATE_UP) return l->r;
+    if (l->gate_up_r > 0) return l->gate_up_r;
+    return c->family == FAMILY_QWEN3MOE ? 2 * l->r : l->r;
+}
+
+float lora_target_alpha(const ModelConfig* c, const LoraSpec* l, LoraTarget target) {
+    const int rank = lora_target_rank(c, l, target);
+    return rank == l->r ? l->alpha : (float)((double)l->alpha * rank / l->r);
 }
 
 // Whether block l has the linear tg adapts (MoE blocks: no dense MLP; dense blocks: no router).
 int lora_block_has_target(const ModelConfig* c, int l, int tg) {
     const int moe = config_block_is_moe(c, l);
-    if (tg == LORA_ROUTER) return moe;
+    if (tg == LORA_ROUTER || lora_target_is_expert((LoraTarget)tg)) return moe;
     if (tg >= LORA_GATE) return !moe;
     return 1;
 }
@@ -222,20 +245,25 @@ static int family_targets(const ModelConfig* c, unsigned targets, unsigned* out,
                                "family %s has none", family_names[c->family]);
         return 0;
     }
-    if (c->family == FAMILY_GPTOSS) {
-        // GptOssTopKRouter and the fused expert parameters are no nn.Linear: PEFT's classic LoRA
-        // cannot adapt them (only its target_parameters can), so all-linear leaves them out
-        if (all) *out &= ~moe_bits;
-        else if (targets & moe_bits)
-            return errorf(err, "LoRA on gpt-oss: its router and experts are not nn.Linear modules "
-                               "(PEFT adapts them only through target_parameters), so LoRA takes "
-                               "its attention (q, k, v, o) only");
-        return 0;
+    if (c->family == FAMILY_QWEN3MOE && all) {
+        // PEFT 0.21 on transformers 5 resolves all-linear on Qwen3-MoE to the attention's
+        // linears plus the v4 names gate, gate_proj, up_proj, down_proj, which its conversion
+        // (_convert_peft_config_moe) turns into target_parameters gate.weight, gate_up_proj,
+        // down_proj and drops from target_modules: the experts and the router are adapted, a
+        // dense block's MLP (mlp_only_layers) is not
+        *out &= ~(LORA_BIT(LORA_GATE) | LORA_BIT(LORA_UP) | LORA_BIT(LORA_DOWN));
     }
-    if (targets & LORA_EXPERTS_BIT)
-        return errorf(err, "LoRA on mixture-of-experts models: per-expert adapters are not "
-                           "supported yet (%s; --lora-targets q,k,v,o,gate,up,down,router adapts "
-                           "the rest)", all ? "all-linear includes the experts" : "experts");
+    if (c->family == FAMILY_GPTOSS) {
+        // GptOssTopKRouter and the fused expert parameters are no nn.Linear and GPT-OSS has no
+        // v4 -> v5 conversion: PEFT's all-linear leaves them out. The experts take adapters when
+        // named (target_parameters gate_up_proj, down_proj); the router (weight and bias of a
+        // custom module) is not supported.
+        if (all) *out &= ~moe_bits;
+        else if (targets & LORA_BIT(LORA_ROUTER))
+            return errorf(err, "LoRA on gpt-oss: its router is not an nn.Linear module (PEFT "
+                               "adapts it only through target_parameters), so LoRA takes its "
+                               "attention (q, k, v, o) and experts only");
+    }
     return 0;
 }
 
@@ -255,19 +283,42 @@ int lora_targets_for_model(const ModelConfig* c, unsigned targets, unsigned* out
     return 0;
 }
 
-// Block l's adapters, A then B per target in target order, after the block's own tensors.
+// The PEFT key's module path of an adapter in block l: the linear's, or for the experts the
+// ParamWrapper's. PEFT wraps the experts module once per targeted parameter, in the module's
+// parameter order (gate_up_proj, then down_proj; tuners_utils.py _inject_parameters), each wrapper
+// around the previous: down_proj's is the outer one (mlp.experts), gate_up_proj's the inner one
+// (mlp.experts.base_layer), as transformers_weight_conversion.py's build_peft_weight_mapping names
+// them.
+static void lora_module_path(char* buf, size_t cap, int l, LoraTarget tg) {
+    if (tg == LORA_EXP_GATE_UP)
+        snprintf(buf, cap, "model.layers.%d.mlp.experts.base_layer", l);
+    else if (tg == LORA_EXP_DOWN)
+        snprintf(buf, cap, "model.layers.%d.mlp.experts", l);
+    else
+        snprintf(buf, cap, "model.layers.%d.%s.%s", l, lora_target_parent(tg), lora_names[tg]);
+}
+
+// Block l's adapters, A then B per target in target order, after the block's own tensors. The
+// expert adapters are 3-D, (E, rank, in) and (E, out, rank) (tensor.h).
 static void add_lora_tensors(Builder* b, const ModelConfig* c, const LoraSpec* lora, int l) {
     for (int tg = 0; tg < LORA_N_TARGETS; tg++) {
         if (!(lora->targets & LORA_BIT(tg)) || !lora_block_has_target(c, l, tg)) continue;
         int64_t in, out;
         lora_target_dims(c, (LoraTarget)tg, &in, &out);
+        const int r = lora_target_rank(c, lora, (LoraTarget)tg);
+        const int expert = lora_target_is_expert((LoraTarget)tg);
         for (int k = 0; k < 2; k++) {
-            TensorDesc* d = builder_add(b, k ? TK_LORA_B : TK_LORA_A, l + 1, l, 2,
-                                        k ? out : lora->r, k ? lora->r : in, 0);
-            char ours[64], peft[96];
-            snprintf(ours, sizeof ours, "layers.%d.%s.lora_%c", l, lora_names[tg], k ? 'B' : 'A');
-            snprintf(peft, sizeof peft, "base_model.model.model.layers.%d.%s.%s.lora_%c.weight", l,
-                     lora_target_parent((LoraTarget)tg), lora_names[tg], k ? 'B' : 'A');
+            const int64_t d0 = k ? out : r, d1 = k ? r : in;
+            TensorDesc* d = expert ? builder_add(b, k ? TK_LORA_B : TK_LORA_A, l + 1, l, 3, c->E,
+                                                 d0, d1)
+                                   : builder_add(b, k ? TK_LORA_B : TK_LORA_A, l + 1, l, 2, d0,
+                                                 d1, 0);
+            char ours[64], path[80], peft[128];
+            snprintf(ours, sizeof ours, "layers.%d.%s%s.lora_%c", l, expert ? "experts." : "",
+                     lora_names[tg], k ? 'B' : 'A');
+            lora_module_path(path, sizeof path, l, (LoraTarget)tg);
+            snprintf(peft, sizeof peft, "base_model.model.%s.lora_%c.weight", path,
+                     k ? 'B' : 'A');
             set_names(d, ours, peft, "");
             d->lora_target = tg;
             d->decay = 1;  // as every matrix: AdamW's weight decay applies to the adapters
@@ -307,6 +358,13 @@ int tensor_table_build_lora(TensorTable* tt, const ModelConfig* c, int decay_emb
         if (lora_targets_for_model(c, lora->targets, &spec_model.targets, err) != 0) return -1;
         if (spec_model.targets == 0)
             return errorf(err, "LoRA: no target module (this model has none of them)");
+        // PEFT's ParamWrapper refuses lora_dropout (lora/layer.py: the delta is added to the
+        // weight, so x cannot be dropped on the branch alone): no reference, and an export PEFT
+        // could not load
+        if ((spec_model.targets & LORA_EXPERTS_BIT) && lora->dropout > 0)
+            return errorf(err, "LoRA dropout on the experts: PEFT adapts them through "
+                               "target_parameters, which does not work with lora_dropout != 0 "
+                               "(drop the experts from --lora-targets or the dropout)");
         lora = &spec_model;
         tt->lora = spec_model;
     }

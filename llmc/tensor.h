@@ -75,8 +75,16 @@ typedef enum {
 } TensorKind;
 
 // The linears LoRA can adapt, in PEFT's module names: q_proj, k_proj, v_proj, o_proj, gate_proj,
-// up_proj, down_proj (a dense MLP's), gate (an MoE block's router, nn.Linear (E, C)). The experts
-// (LORA_EXPERTS_BIT) are not adapted yet.
+// up_proj, down_proj (a dense MLP's), gate (an MoE block's router, nn.Linear (E, C)), and the
+// experts of an MoE block: their fused gate_up_proj (E, 2F, C) and down_proj (E, C, F) parameters,
+// which PEFT adapts through target_parameters (lora.ParamWrapper), one adapter per expert:
+//   gate_up  A (E, rg, C), B (E, 2F, rg)     rg = 2r on Qwen3-MoE (PEFT's v4 -> v5 conversion of
+//   down     A (E, r, F),  B (E, C, r)       gate_proj + up_proj: rank_pattern 2r, alpha 2·alpha),
+//                                            r on GPT-OSS (target_parameters as given), or
+//                                            --lora-gate-up-rank (alpha · rg / r)
+// in the table's layout (each expert's A and B contiguous, the grouped matmul's (E, OC, IC)); the
+// PEFT files hold A as (rg·E, in) (the same bytes) and B as (out, rg·E) with column k·E + e
+// (lora_peft.c converts).
 typedef enum {
     LORA_Q = 0,
     LORA_K,
@@ -86,16 +94,23 @@ typedef enum {
     LORA_UP,
     LORA_DOWN,
     LORA_ROUTER,
+    LORA_EXP_GATE_UP,
+    LORA_EXP_DOWN,
     LORA_N_TARGETS
 } LoraTarget;
 
 #define LORA_BIT(target) (1u << (target))
-#define LORA_EXPERTS_BIT (1u << 17)
+// --lora-targets experts: both expert projections (they are adapted together, as PEFT's
+// conversion of gate_proj, up_proj, down_proj does).
+#define LORA_EXPERTS_BIT (LORA_BIT(LORA_EXP_GATE_UP) | LORA_BIT(LORA_EXP_DOWN))
 // PEFT's all-linear: every linear but the LM head. The tensor table keeps the bits the model has
-// (lora_targets_for_model): a dense model drops router and experts.
-#define LORA_ALL_LINEAR (((1u << LORA_N_TARGETS) - 1u) | LORA_EXPERTS_BIT)
+// (lora_targets_for_model): a dense model drops router and experts, GPT-OSS both (no nn.Linear
+// there, and no v4 -> v5 conversion that would name them).
+#define LORA_ALL_LINEAR ((1u << LORA_N_TARGETS) - 1u)
 // The dense targets' count: the dropout masks' seeds of q .. down hash it (unchanged by router).
 #define LORA_N_DENSE_TARGETS 7
+// The router's masks' key stride (the value of LORA_N_TARGETS when the router came).
+#define LORA_ROUTER_SEED_STRIDE 8
 
 // A LoRA configuration (r = 0: none). scale = alpha / r, or alpha / sqrt(r) with rslora.
 typedef struct LoraSpec {
@@ -104,6 +119,7 @@ typedef struct LoraSpec {
     int rslora;
     float dropout;      // on the adapter branch's input, while training
     unsigned targets;   // LORA_BIT(LoraTarget) set
+    int gate_up_r;      // the experts' gate_up adapter rank; 0: the family's (see above)
 } LoraSpec;
 
 typedef struct TensorDesc {
@@ -114,7 +130,7 @@ typedef struct TensorDesc {
     char hf_name[96];        // "model.layers.3.self_attn.q_proj.weight"
     char gguf_name[64];      // "blk.3.attn_q.weight"
     int ndim;                // 1, 2 or 3
-    int64_t shape[4];        // HF (row-major) shape
+    int64_t shape[4];        // HF (row-major) shape (expert adapters: the table's, see above)
     int64_t numel;
     int64_t param_offset;    // element offset in the owner layer's parameter slab (-1 when tied)
     int64_t grad_offset;     // element offset in `layer`'s gradient slab
@@ -160,8 +176,8 @@ typedef struct TensorTable {
 // Build the table for a config. decay_embeddings: also decay the token embedding (and therefore
 // a tied head); norms never decay. Returns -1 with err for unsupported families.
 int tensor_table_build(TensorTable* tt, const ModelConfig* cfg, int decay_embeddings, char* err);
-// The same with LoRA adapters (lora NULL or r = 0: none): any target on dense models, attention
-// targets only (q, k, v, o) on mixture-of-experts families (-1 with err for the others).
+// The same with LoRA adapters (lora NULL or r = 0: none): the targets the model has
+// (lora_targets_for_model; -1 with err for those its family cannot take).
 int tensor_table_build_lora(TensorTable* tt, const ModelConfig* cfg, int decay_embeddings,
                             const LoraSpec* lora, char* err);
 void tensor_table_free(TensorTable* tt);
@@ -183,8 +199,15 @@ const char* lora_target_parent(LoraTarget target);
 // Whether block l of this configuration has the linear `target` (the router only in MoE blocks,
 // gate / up / down only in dense-MLP blocks).
 int lora_block_has_target(const ModelConfig* c, int l, int target);
-// (in, out) features of a target's linear in model c.
+// (in, out) features of a target's linear in model c (the experts: of one expert).
 void lora_target_dims(const ModelConfig* c, LoraTarget target, int64_t* in, int64_t* out);
+// A target's rank and alpha: r and alpha, except the experts' gate_up: l->gate_up_r (0: 2r on
+// Qwen3-MoE, r on GPT-OSS, see above) and alpha scaled with it (alpha / r kept, as PEFT's
+// conversion does).
+int lora_target_rank(const ModelConfig* c, const LoraSpec* l, LoraTarget target);
+float lora_target_alpha(const ModelConfig* c, const LoraSpec* l, LoraTarget target);
+// 1 for the expert targets (per-expert adapters through the grouped matmul).
+int lora_target_is_expert(LoraTarget target);
 const char* tensor_kind_name(TensorKind k);
 
 #endif  // LLMC_TENSOR_H

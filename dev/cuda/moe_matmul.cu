@@ -18,7 +18,8 @@
  *      warpgroups of 64 x 256), 128 x 256 x 64 tiles, 4-stage mbarrier ring
  * Validation, every variant x product x layout: random imbalanced row counts with empty experts
  * (first, last, in a row), sizes multiples of 8 but not of the tiles, one case with many k-tiles;
- * variant 1 also on sizes that are not multiples of 8. bf16 outputs TOL_BF16, fp32 gradients
+ * variant 1 also on sizes that are not multiples of 8; the LoRA adapters' shapes (the rank 8, 32,
+ * 64 as OC, then as IC). bf16 outputs TOL_BF16, fp32 gradients
  * (pre-filled with random values: they accumulate) TOL_F32 against sums in double; the dW and
  * dbias slices of experts without rows must come back bit-identical; dinp/out pre-filled with
  * NaN.
@@ -300,6 +301,13 @@ static void validate_variant(Lab* lab, int v, Rng* r) {
         validate(lab, v, r, 1500, 6, 264, 392, wio, 1, 1);  // many k-tiles of dW
         validate(lab, v, r, 300, 3, 8, 520, wio, 0, 1);     // K = 8: one partial k-tile
         if (v == MOE_MM_NAIVE) validate(lab, v, r, 211, 5, 36, 22, wio, 1, 1);
+    }
+    // the per-expert LoRA adapters (llmc/lora.c): the rank as the narrow side, nn.Linear layout,
+    // no bias: t = x·Aᵀ (OC = r, one partial n-tile), y = t·Bᵀ (IC = r, one partial k-tile)
+    const int ranks[] = {8, 32, 64};
+    for (int k = 0; k < 3; k++) {
+        validate(lab, v, r, 611, 9, 264, ranks[k], 0, 0, 1);
+        validate(lab, v, r, 611, 9, ranks[k], 392, 0, 0, 1);
     }
 }
 

@@ -22,6 +22,17 @@ fixtures/lora_<name>/:
                                        --train tokens.bin --batch B --seq T the trainer's first batch
 
 The adapters: qwen3 r 4, alpha 8, all-linear; llama r 8, alpha 16, q/v/o/up/down with rsLoRA.
+
+A third fixture, lora_qwen3moe (test lora_parity_qwen3moe): the tiny Qwen3-MoE of
+make_moe_fixtures.py (8 experts, top-2, a dense middle block, the aux loss on) with r 4, alpha 8,
+all-linear, rsLoRA. On transformers 5 its experts are fused 3-D parameters: PEFT turns all-linear
+into target_modules q/k/v/o_proj plus target_parameters gate.weight (the router), gate_up_proj
+(rank 2r, alpha 2 alpha through rank_pattern / alpha_pattern) and down_proj, one ParamWrapper per
+parameter on mlp.experts (keys mlp.experts.base_layer.lora_A/B and mlp.experts.lora_A/B, lora_A
+(rank*E, in), lora_B (out, rank*E)); the dense block's MLP gets no adapter. The script prints the
+adapter_config.json PEFT wrote and checks those keys and shapes. Its loss is cross-entropy +
+router_aux_loss_coef * aux (as make_moe_fixtures.py and the C trainer), with every routing
+decision at least MIN_ROUTE_GAP from a tie in the adapted router logits.
 lora_dropout 0 (PEFT's dropout draws from torch's generator: not reproducible in C).
 Loss = mean over all B*T positions of cross_entropy(logits.float(), targets), inputs =
 tokens[:, :T], targets = tokens[:, 1:] (as make_fixtures.py).
@@ -31,6 +42,7 @@ Usage:
         writes the fixtures
     python3 dev/parity/make_lora_fixtures.py --peft-loss ADAPTER_DIR --fixture lora_qwen3
                                              [--expect LOSS]
+        (--fixture lora_qwen3moe: the MoE loss, with the aux term)
         PEFT's loss (and the loss of the fixture's own adapter) of ADAPTER_DIR on the fixture's
         base and batch; with --expect, exit 1 unless |PEFT - LOSS| <= 1e-5 * |LOSS|. Compare with
         ours: ./train_roundpipe --model FIX --lora-r R --lora-alpha A [--lora-targets L]
@@ -72,6 +84,140 @@ ADAPTERS = {
 def peft_key(name):
     # "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight" -> saved key
     return name.replace(".default", "")
+
+
+# ----------------------------------------------------------------------------
+# the Qwen3-MoE fixture (per-expert adapters through target_parameters)
+
+MOE_ADAPTER = dict(r=4, lora_alpha=8, target_modules="all-linear", use_rslora=True,
+                   flag="all-linear")
+MIN_ROUTE_GAP = 1e-3  # top-K margin of every routing decision in the adapted router logits
+MOE_SEED_TRIES = 8
+
+
+def moe_loss(model, inputs, targets):
+    """(loss, logits): cross-entropy + router_aux_loss_coef * aux, as the C trainer's MoE loss."""
+    out = model(input_ids=inputs.long(), output_router_logits=True)
+    logits = out.logits.float()
+    v = logits.shape[-1]
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, v), targets.long().reshape(-1))
+    assert out.aux_loss is not None, "no aux_loss: output_router_logits was not honoured"
+    return ce + model.config.router_aux_loss_coef * out.aux_loss.to(ce.dtype), logits
+
+
+def router_gap(pm, inputs, n_experts, top_k):
+    """The smallest top-K margin of the adapted router logits over all tokens and MoE blocks."""
+    gaps = []
+
+    def hook(module, args, output):
+        outs = output if isinstance(output, (tuple, list)) else (output,)
+        logits = next(o for o in outs if torch.is_tensor(o) and o.shape[-1] == n_experts)
+        srt = logits.detach().reshape(-1, n_experts).double().sort(dim=-1, descending=True).values
+        gaps.append((srt[:, top_k - 1] - srt[:, top_k]).min().item())
+
+    handles = [m.register_forward_hook(hook) for n, m in pm.named_modules()
+               if n.endswith("mlp.gate")]
+    assert handles, "no router module (mlp.gate) found"
+    with torch.no_grad():
+        pm(input_ids=inputs.long(), output_router_logits=True)
+    for h in handles:
+        h.remove()
+    return min(gaps)
+
+
+def check_moe_adapter(adapter_dir, cfg, r):
+    """The keys and shapes PEFT wrote for the experts (the C side reads exactly these)."""
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        ac = json.load(f)
+    print(f"  adapter_config.json: {ac}")
+    E, C, Fe = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    want = {"base_layer.lora_A": (2 * r * E, C), "base_layer.lora_B": (2 * Fe, 2 * r * E),
+            "lora_A": (r * E, Fe), "lora_B": (C, r * E)}
+    with safe_open(os.path.join(adapter_dir, "adapter_model.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+        n = 0
+        for k in keys:
+            if ".mlp.experts." not in k:
+                continue
+            tail = k.split(".mlp.experts.", 1)[1][:-len(".weight")]
+            shape = tuple(f.get_slice(k).get_shape())
+            assert tail in want and shape == want[tail], (k, shape, want.get(tail))
+            n += 1
+    assert n > 0, "no expert adapter in the file: PEFT did not adapt the experts"
+    print(f"  {n} expert adapter tensors with the expected keys and shapes")
+
+
+def make_moe_fixture(out_root):
+    import make_moe_fixtures as mm  # noqa: E402 -- the tiny Qwen3-MoE and its helpers
+
+    spec = mm.qwen3moe_spec()
+    cfg = spec["cfg"]
+    ad = MOE_ADAPTER
+    name = "lora_qwen3moe"
+    print(f"== {name}: r {ad['r']}, alpha {ad['lora_alpha']}, {ad['target_modules']}, "
+          f"rslora {ad['use_rslora']}")
+    out = os.path.join(out_root, name)
+    os.makedirs(out, exist_ok=True)
+    gen = torch.Generator().manual_seed(spec["seed"] + 2)
+    tokens = torch.randint(0, cfg.vocab_size, (mm.B, mm.T + 1), generator=gen,
+                           dtype=torch.int64).to(torch.int32)
+    inputs, targets = tokens[:, :mm.T], tokens[:, 1:]
+    pm = None
+    for k in range(MOE_SEED_TRIES):
+        seed = spec["seed"] + 1000 * k
+        model = mm.build_model(spec, seed)
+        model.save_pretrained(out)
+        torch.manual_seed(seed + 3)
+        lc = LoraConfig(r=ad["r"], lora_alpha=ad["lora_alpha"],
+                        target_modules=ad["target_modules"], lora_dropout=0.0, bias="none",
+                        task_type="CAUSAL_LM", use_rslora=ad["use_rslora"])
+        cand = get_peft_model(model, lc)
+        bgen = torch.Generator().manual_seed(seed + 4)
+        with torch.no_grad():
+            for n, p in cand.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=bgen) * B_STD)
+        gap = router_gap(cand, inputs, cfg.num_experts, cfg.num_experts_per_tok)
+        if gap >= MIN_ROUTE_GAP:
+            pm = cand
+            print(f"  seed {seed}: top-{cfg.num_experts_per_tok} margin {gap:.2e}")
+            break
+        print(f"  seed {seed}: top-K margin {gap:.2e} < {MIN_ROUTE_GAP}: next seed")
+    assert pm is not None, f"no seed of {MOE_SEED_TRIES} gives routing margins >= {MIN_ROUTE_GAP}"
+    stale = os.path.join(out, "generation_config.json")
+    if os.path.exists(stale):
+        os.remove(stale)
+    trainable = [n for n, p in pm.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable), trainable
+    pm.train()
+    pm.save_pretrained(os.path.join(out, "adapter"))
+    check_moe_adapter(os.path.join(out, "adapter"), cfg, ad["r"])
+
+    pm.zero_grad(set_to_none=True)
+    loss, logits = moe_loss(pm, inputs, targets)
+    loss.backward()
+    grads = {"grad." + peft_key(n): p.grad.detach().clone().contiguous()
+             for n, p in pm.named_parameters() if p.requires_grad}
+    print(f"  loss {loss.item():.7f}, {len(grads)} adapter gradients")
+    with safe_open(os.path.join(out, "adapter", "adapter_model.safetensors"), framework="pt") as f:
+        saved = set(f.keys())
+    assert saved == {k[len("grad."):] for k in grads}, sorted(saved ^ {k[5:] for k in grads})
+
+    tensors = {"tokens": tokens.contiguous(), "loss": loss.detach().reshape(1).float(),
+               "logits": logits.detach().contiguous()}
+    tensors.update(grads)
+    meta = {"model": name, "B": str(mm.B), "T": str(mm.T), "lora_r": str(ad["r"]),
+            "lora_alpha": repr(float(ad["lora_alpha"])), "lora_targets": ad["flag"],
+            "use_rslora": "true" if ad["use_rslora"] else "false", "lora_dropout": "0.0",
+            "b_std": repr(B_STD), "aux_coef": repr(cfg.router_aux_loss_coef),
+            "torch_version": torch.__version__,
+            "transformers_version": transformers.__version__, "peft_version": peft.__version__}
+    save_file(tensors, os.path.join(out, "expected.safetensors"), metadata=meta)
+    write_shard(os.path.join(out, "tokens.bin"), tokens)
+    again = peft_loss(out, os.path.join(out, "adapter"), inputs, targets)
+    assert abs(again - loss.item()) <= 1e-6 * abs(loss.item()), (again, loss.item())
+    for fn in sorted(os.listdir(out)):
+        print(f"  {fn}")
 
 
 def write_shard(path, tokens):
@@ -157,9 +303,15 @@ def make_fixture(spec, out_root):
 def peft_loss(base_dir, adapter_dir, inputs, targets):
     base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, attn_implementation="eager",
                                                              dtype=torch.float32)
+    moe = getattr(base.config, "model_type", "") == "qwen3_moe"
+    if moe:
+        import make_moe_fixtures as mm  # noqa: E402
+        mm.force_eager_experts(base)
     pm = PeftModel.from_pretrained(base, adapter_dir)
     pm.eval()
     with torch.no_grad():
+        if moe:
+            return moe_loss(pm, inputs, targets)[0].item()
         return compute_loss(pm, inputs, targets).item()
 
 
@@ -167,7 +319,7 @@ def check_export(adapter_dir, fixture_dir, expect):
     with safe_open(os.path.join(fixture_dir, "expected.safetensors"), framework="pt") as f:
         tokens = f.get_tensor("tokens")
         ref = f.get_tensor("loss").item()
-    inputs, targets = tokens[:, :T], tokens[:, 1:]
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
     got = peft_loss(fixture_dir, adapter_dir, inputs, targets)
     print(f"PEFT loss of {adapter_dir} on {fixture_dir}'s batch: {got:.7f} (the fixture's own "
           f"adapter: {ref:.7f})")
@@ -196,6 +348,7 @@ def main():
         sys.exit(check_export(args.peft_loss, fix, args.expect))
     for spec in (qwen3_spec(), llama_spec()):
         make_fixture(spec, args.out)
+    make_moe_fixture(args.out)
 
 
 if __name__ == "__main__":

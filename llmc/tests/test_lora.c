@@ -122,6 +122,12 @@ static void test_lora_ops_cols(TestCtx* t) {
         CHECK(t, max_rel_d(dw, rw, (size_t)OC * IC) <= 1e-6, "matmul_cols_backward dw: %.3g",
               max_rel_d(dw, rw, (size_t)OC * IC));
     }
+    // scale (the expert adapters' forward and backward): out = s · inp, in place too
+    memcpy(dinp, dinp0, (size_t)N * IC * sizeof(float));
+    ops_cpu.scale(ctx, dinp, dinp, scale, (size_t)N * IC);
+    int scaled = 1;
+    for (int i = 0; i < N * IC; i++) scaled &= dinp[i] == scale * dinp0[i];
+    CHECK(t, scaled, "scale: out = s * inp");
     // the whole-width identity case (scale 1, ld = OC, c0 = 0) reads dout in place
     memset(dw, 0, (size_t)OC * IC * sizeof(float));
     ops_cpu.matmul_cols_backward(ctx, dinp, 0, dw, dout, inp, w, 1.0f, N, IC, OC, OC, 0);
@@ -247,12 +253,53 @@ static void test_lora_table(TestCtx* t) {
     CHECK(t, same, "full fine-tuning: every tensor trainable, state at the parameter offsets");
     model_free(&m);
     model_free(&base);
-    // MoE: all-linear takes the experts, not yet (lora_gradcheck_moe)
+    // Qwen3-MoE: all-linear takes the experts (PEFT's conversion: gate_up at 2r, down at r), in
+    // the table's layout A (E, rank, in), B (E, out, rank), under PEFT's ParamWrapper keys
     ModelConfig mc;
     config_from_preset(&mc, "test-qwen3moe", err);
     Model mm;
-    CHECK(t, model_init_lora(&mm, &mc, 0, &l, err) != 0 && strstr(err, "per-expert"),
-          "MoE refused: %s", err);
+    CHECK(t, model_init_lora(&mm, &mc, 0, &l, err) == 0, "MoE all-linear: %s", err);
+    // PEFT's all-linear there: attention, router, experts; not the dense block's MLP (its
+    // conversion turns gate_proj, up_proj, down_proj into the experts' parameters)
+    CHECK(t, mm.tt.lora.targets == (LORA_ALL_LINEAR & ~(LORA_BIT(LORA_GATE) | LORA_BIT(LORA_UP) |
+                                                         LORA_BIT(LORA_DOWN))),
+          "MoE all-linear targets %#x", mm.tt.lora.targets);
+    int n_expert = 0;
+    for (int b = 0; b < mc.L; b++) {
+        const int moe = config_block_is_moe(&mc, b);
+        const int ia = tensor_table_lora_index(&mm.tt, b, LORA_EXP_GATE_UP, 0);
+        const int ib = tensor_table_lora_index(&mm.tt, b, LORA_EXP_GATE_UP, 1);
+        const int da = tensor_table_lora_index(&mm.tt, b, LORA_EXP_DOWN, 0);
+        const int db = tensor_table_lora_index(&mm.tt, b, LORA_EXP_DOWN, 1);
+        CHECK(t, (ia >= 0 && ib >= 0 && da >= 0 && db >= 0) == moe, "block %d experts (moe %d)",
+              b, moe);
+        if (ia < 0 || ib < 0 || da < 0 || db < 0) continue;
+        n_expert++;
+        const TensorDesc *a = &mm.tt.t[ia], *bb = &mm.tt.t[ib], *d = &mm.tt.t[da],
+                         *e = &mm.tt.t[db];
+        char want[4][128];
+        snprintf(want[0], 128, "base_model.model.model.layers.%d.mlp.experts.base_layer.lora_A"
+                 ".weight", b);
+        snprintf(want[1], 128, "base_model.model.model.layers.%d.mlp.experts.base_layer.lora_B"
+                 ".weight", b);
+        snprintf(want[2], 128, "base_model.model.model.layers.%d.mlp.experts.lora_A.weight", b);
+        snprintf(want[3], 128, "base_model.model.model.layers.%d.mlp.experts.lora_B.weight", b);
+        CHECK(t, !strcmp(a->hf_name, want[0]) && !strcmp(bb->hf_name, want[1]) &&
+                     !strcmp(d->hf_name, want[2]) && !strcmp(e->hf_name, want[3]),
+              "expert PEFT keys: %s %s %s %s", a->hf_name, bb->hf_name, d->hf_name, e->hf_name);
+        CHECK(t, a->ndim == 3 && a->shape[0] == mc.E && a->shape[1] == 8 && a->shape[2] == mc.C &&
+                     bb->shape[0] == mc.E && bb->shape[1] == 2 * mc.F_expert && bb->shape[2] == 8 &&
+                     d->shape[1] == 4 && d->shape[2] == mc.F_expert && e->shape[1] == mc.C &&
+                     e->shape[2] == 4 && a->trainable && a->grad_offset >= 0,
+              "expert adapter shapes (gate_up rank 2r = 8, down rank r = 4)");
+    }
+    CHECK(t, n_expert > 0, "expert adapters in %d blocks", n_expert);
+    model_free(&mm);
+    // with dropout: refused (PEFT's ParamWrapper refuses lora_dropout)
+    LoraSpec ld = spec(4, 8, LORA_ALL_LINEAR, 0.1f, 0);
+    CHECK(t, model_init_lora(&mm, &mc, 0, &ld, err) != 0 && strstr(err, "dropout") &&
+                 !strchr(err, '\n'),
+          "MoE experts with dropout refused: %s", err);
     unsigned tg = 0;
     CHECK(t, lora_parse_targets("q,v,down", &tg, err) == 0 &&
                  tg == (LORA_BIT(LORA_Q) | LORA_BIT(LORA_V) | LORA_BIT(LORA_DOWN)),
@@ -375,8 +422,9 @@ static void test_lora_gradcheck_qwen3_tied_rslora(TestCtx* t) {
 }
 static void test_lora_gradcheck_dropout(TestCtx* t) { lora_gradcheck(t, FAMILY_QWEN3, 0, 0.3f, 0); }
 // MoE models: Qwen3-MoE's attention, its dense block's MLP and the MoE blocks' routers (the aux
-// loss on); all-linear (which takes the experts) and experts refused in one line. GPT-OSS: its
-// attention (all-linear = attention: its router and experts are no nn.Linear), router refused.
+// loss on), then all-linear with the experts' per-expert adapters (rsLoRA: gate_up's own scale).
+// GPT-OSS: its attention (all-linear = attention: its router and experts are no nn.Linear), its
+// experts when named; router refused.
 static void test_lora_gradcheck_moe(TestCtx* t) {
     char err[ERR_LEN];
     const char* presets[] = {"test-qwen3moe", "test-gptoss"};
@@ -419,11 +467,16 @@ static void test_lora_gradcheck_moe(TestCtx* t) {
             CHECK(t, routers > 0 && dense_mlp > 0, "routers %d, dense MLPs %d", routers,
                   dense_mlp);
             model_free(&m);
-            CHECK(t, model_init_lora(&m, &c, 0, &all, err) != 0 && strstr(err, "per-expert"),
-                  "%s all-linear: refused in one line: %s", presets[k], err);
-            CHECK(t, model_init_lora(&m, &c, 0, &experts, err) != 0 && strstr(err, "per-expert"),
-                  "%s experts: refused in one line: %s", presets[k], err);
+            const LoraSpec all_rs = spec(3, 5.0f, LORA_ALL_LINEAR, 0.0f, 1);
+            lora_gradcheck_model(t, &c, &all_rs);
         } else {
+            // (the experts alone: with q, k adapters too a probe step flips a top-k choice)
+            const LoraSpec experts_only = spec(3, 5.0f, LORA_EXPERTS_BIT, 0.0f, 0);
+            lora_gradcheck_model(t, &c, &experts_only);
+            CHECK(t, model_init_lora(&m, &c, 0, &experts, err) == 0 &&
+                         m.tt.lora.targets == (attention | LORA_EXPERTS_BIT),
+                  "%s attention and experts: %s", presets[k], err);
+            model_free(&m);
             CHECK(t, model_init_lora(&m, &c, 0, &all, err) == 0 &&
                          m.tt.lora.targets == attention,
                   "%s all-linear: the attention (%s)", presets[k], err);
@@ -444,6 +497,33 @@ static void test_lora_gradcheck_moe(TestCtx* t) {
     model_free(&m);
     CHECK(t, model_init_lora(&m, &c, 0, &router, err) != 0 && strstr(err, "has none"),
           "dense router: refused: %s", err);
+}
+
+// --merge-lora with the experts: the base with s·B_e·A_e merged into every expert's weight (both
+// layouts: Qwen3-MoE (E, out, in), GPT-OSS (E, in, out)) and the adapters zeroed gives the loss of
+// base + adapters.
+static void test_lora_merge_experts(TestCtx* t) {
+    char err[ERR_LEN];
+    const char* presets[] = {"test-qwen3moe", "test-gptoss"};
+    const unsigned targets[] = {LORA_ALL_LINEAR, LORA_BIT(LORA_Q) | LORA_EXPERTS_BIT};
+    for (int k = 0; k < 2; k++) {
+        ModelConfig c;
+        config_from_preset(&c, presets[k], err);
+        const LoraSpec l = spec(4, 8.0f, targets[k], 0.0f, k);
+        Fix f;
+        fix_init(&f, &c, &l, 0, 0);
+        const double with = fix_grads(&f);
+        lora_merge(&f.m, &f.s);
+        for (int i = 0; i < f.m.tt.n; i++)
+            if (f.m.tt.t[i].kind == TK_LORA_B)
+                memset(store_param(&f.s, i), 0, (size_t)f.m.tt.t[i].numel * sizeof(float));
+        plain_free(f.p);
+        f.p = plain_create(&f.m, &f.s, &ops_cpu, f.ctx, f.B, f.T, 0);
+        const double merged = fix_grads(&f);
+        CHECK(t, fabs(merged - with) <= 1e-5 * fabs(with), "%s: merged loss %.9g vs adapters %.9g",
+              presets[k], merged, with);
+        fix_free(&f);
+    }
 }
 
 static float* lora_grads_copy(const Fix* f, int64_t* n_out) {
@@ -594,6 +674,103 @@ static void test_lora_peft_files(TestCtx* t) {
         fix_free(&f);
     }
 
+    // Qwen3-MoE all-linear with the experts: target_parameters, the gate_up rank and alpha
+    // patterns, the experts' B in PEFT's (out, rank·E) layout, column k·E + e
+    {
+        ModelConfig mc;
+        config_from_preset(&mc, "test-qwen3moe", err);
+        const LoraSpec lm = spec(4, 16.0f, LORA_ALL_LINEAR, 0, 0);
+        Fix f;
+        char mdir[1024];
+        fix_init(&f, &mc, &lm, 0, 0);
+        test_path(t, mdir, sizeof mdir, "peft_experts");
+        CHECK(t, lora_save_peft(mdir, &f.m, &f.s, "my/moe", NULL, err) == 0, "%s", err);
+        snprintf(path, sizeof path, "%s/adapter_config.json", mdir);
+        char* js = test_read_file(path, NULL);
+        CHECK(t, strstr(js, "\"target_parameters\": [\n    \"gate_up_proj\",\n    \"down_proj\"") &&
+                     strstr(js, "\"rank_pattern\": {\n    \".*\\\\.gate_up_proj\": 8\n  }") &&
+                     strstr(js, "\"alpha_pattern\": {\n    \".*\\\\.gate_up_proj\": 32\n  }"),
+              "experts adapter_config.json: %s", js);
+        StFile sf;
+        snprintf(path, sizeof path, "%s/adapter_model.safetensors", mdir);
+        CHECK(t, st_open(&sf, path, err) == 0, "%s", err);
+        const int b0 = 0;
+        int ib = tensor_table_lora_index(&f.m.tt, b0, LORA_EXP_GATE_UP, 1);
+        if (ib < 0) ib = tensor_table_lora_index(&f.m.tt, 1, LORA_EXP_GATE_UP, 1);
+        const TensorDesc* d = &f.m.tt.t[ib];
+        const StTensor* st = st_find(&sf, d->hf_name);
+        CHECK(t, st && st->ndim == 2 && st->shape[0] == d->shape[1] &&
+                     st->shape[1] == d->shape[2] * d->shape[0],
+              "%s: PEFT shape (out, rank·E)", d->hf_name);
+        if (st && st->ndim == 2) {
+            float* fb = malloc_check((size_t)d->numel * sizeof(float));
+            st_tensor_to_f32(st, fb, d->numel, err);
+            const int64_t E = d->shape[0], out = d->shape[1], rk = d->shape[2];
+            const float* ours = store_param(&f.s, ib);
+            int same = 1;
+            for (int64_t e = 0; e < E; e++)
+                for (int64_t o = 0; o < out; o++)
+                    for (int64_t k = 0; k < rk; k++)
+                        same &= fb[o * rk * E + k * E + e] == ours[(e * out + o) * rk + k];
+            CHECK(t, same, "expert B: PEFT column k·E + e is B_e[o][k]");
+            free(fb);
+        }
+        st_close(&sf);
+        Model mm;
+        Store ms;
+        CHECK(t, model_init_lora(&mm, &mc, 0, &lm, err) == 0, "%s", err);
+        store_create(&ms, &mm.tt);
+        CHECK(t, lora_load_peft(mdir, &mm, &ms, err) == 0, "experts load: %s", err);
+        int same_all = 1, n_exp = 0;
+        for (int i = 0; i < mm.tt.n; i++) {
+            if (mm.tt.t[i].lora_target < 0) continue;
+            n_exp += mm.tt.t[i].ndim == 3;
+            same_all &= memcmp(store_param(&ms, i), store_param(&f.s, i),
+                               (size_t)mm.tt.t[i].numel * sizeof(float)) == 0;
+        }
+        CHECK(t, same_all && n_exp > 0, "experts round trip (%d expert tensors)", n_exp);
+        // a config without the gate_up rank pattern is not what PEFT writes for these adapters
+        snprintf(path, sizeof path, "%s/adapter_config.json", mdir);
+        char* edited = test_read_file(path, NULL);
+        char* rp = strstr(edited, "\"rank_pattern\": {");
+        if (rp) {
+            char* close = strchr(rp, '}');
+            memmove(rp + 17, close, strlen(close) + 1);
+            CHECK(t, file_write_atomic(path, edited, strlen(edited), err) == 0, "%s", err);
+            int rc = lora_load_peft(mdir, &mm, &ms, err);
+            CHECK(t, rc != 0 && strstr(err, "rank_pattern") && !strchr(err, '\n'),
+                  "no rank_pattern refused: %s", rc ? err : "(loaded)");
+        }
+        free(edited);
+        free(js);
+        store_free(&ms);
+        model_free(&mm);
+        fix_free(&f);
+        // --lora-gate-up-rank r: PEFT's target_parameters form, no patterns; the 2r file refused
+        LoraSpec lr = lm;
+        lr.gate_up_r = lm.r;
+        fix_init(&f, &mc, &lr, 0, 0);
+        const int ia = tensor_table_lora_index(&f.m.tt, 0, LORA_EXP_GATE_UP, 0);
+        CHECK(t, ia >= 0 && f.m.tt.t[ia].shape[1] == 4, "gate_up rank r");
+        char rdir[1024];
+        test_path(t, rdir, sizeof rdir, "peft_experts_r");
+        CHECK(t, lora_save_peft(rdir, &f.m, &f.s, "my/moe", NULL, err) == 0, "%s", err);
+        snprintf(path, sizeof path, "%s/adapter_config.json", rdir);
+        js = test_read_file(path, NULL);
+        CHECK(t, strstr(js, "\"rank_pattern\": {}") && strstr(js, "\"alpha_pattern\": {}") &&
+                     strstr(js, "\"target_parameters\""), "rank r config: %s", js);
+        free(js);
+        CHECK(t, model_init_lora(&mm, &mc, 0, &lr, err) == 0, "%s", err);
+        store_create(&ms, &mm.tt);
+        CHECK(t, lora_load_peft(rdir, &mm, &ms, err) == 0, "rank r load: %s", err);
+        int rc = lora_load_peft(mdir, &mm, &ms, err);
+        CHECK(t, rc != 0 && strstr(err, "--lora-gate-up-rank"), "the 2r adapter into rank r: %s",
+              rc ? err : "(loaded)");
+        store_free(&ms);
+        model_free(&mm);
+        fix_free(&f);
+    }
+
     // mismatches: one line each
     struct {
         LoraSpec l;
@@ -714,7 +891,6 @@ static void test_lora_cli_flags(TestCtx* t) {
         {"--export-lora x", "needs --lora-r"},
         {"--lora-r 4 --merge-lora", "--export-hf"},
         {"--lora-r 4 --lora-targets q,foo", "unknown module"},
-        {"--lora-r 4 --lora-targets experts", "not supported yet"},
         {"--lora-r 4 --lora-dropout 1", "too large"},
         {"--lora-r -1", "too small"},
         {"--lora-r 4 --lora-init /nonexistent/adapter", "no such directory"},
@@ -1094,17 +1270,19 @@ static void test_lora_engine_sync_matches_plain(TestCtx* t) {
     }
 }
 
-// MoE models (Qwen3-MoE: attention, the dense block's MLP and the routers; GPT-OSS: attention):
-// sync mode bit-identical to plain.
+// MoE models (Qwen3-MoE: attention, the dense block's MLP and the routers with dropout, then
+// all-linear with the experts' adapters; GPT-OSS: attention, then attention and experts): sync
+// mode bit-identical to plain.
 static void test_lora_engine_moe(TestCtx* t) {
     char err[ERR_LEN];
     const int B = 4, T = 8;
-    const char* presets[] = {"test-qwen3moe", "test-gptoss"};
+    const char* presets[] = {"test-qwen3moe", "test-gptoss", "test-qwen3moe", "test-gptoss"};
     const unsigned attention = LORA_BIT(LORA_Q) | LORA_BIT(LORA_K) | LORA_BIT(LORA_V) |
                                LORA_BIT(LORA_O);
-    for (int k = 0; k < 2; k++) {
-        const LoraSpec l = spec(4, 8, k == 0 ? LORA_ALL_LINEAR & ~LORA_EXPERTS_BIT : attention,
-                                0.1f, 0);
+    const unsigned targets[] = {LORA_ALL_LINEAR & ~LORA_EXPERTS_BIT, attention, LORA_ALL_LINEAR,
+                                attention | LORA_EXPERTS_BIT};
+    for (int k = 0; k < 4; k++) {
+        const LoraSpec l = spec(4, 8, targets[k], k < 2 ? 0.1f : 0.0f, 0);
         ModelConfig c;
         config_from_preset(&c, presets[k], err);
         int32_t* tokens = lora_batches(B, T, 5 + k, c.V);
@@ -1393,8 +1571,15 @@ static void lora_parity(TestCtx* t, const char* name) {
             CHECK(t, g && g->numel == d->numel, "%s: %s in the fixture", name, key);
             if (!g || g->numel != d->numel) continue;
             float* ref = malloc_check((size_t)d->numel * sizeof(float));
+            float* mine = malloc_check((size_t)d->numel * sizeof(float));
+            int64_t shape[2];
             st_tensor_to_f32(g, ref, d->numel, err);
-            const double e = rel_l2_error(store_grad(&s, i), ref, (size_t)d->numel);
+            lora_to_peft(&m, i, store_grad(&s, i), mine, shape);  // the experts' B: PEFT's layout
+            CHECK(t, g->ndim == 2 && g->shape[0] == shape[0] && g->shape[1] == shape[1],
+                  "%s: %s has PEFT's shape [%lld, %lld]", name, key, (long long)shape[0],
+                  (long long)shape[1]);
+            const double e = rel_l2_error(mine, ref, (size_t)d->numel);
+            free(mine);
             CHECK(t, e <= 1e-4, "%s: %s relative L2 error %.3g", name, key, e);
             n_grads++;
             free(ref);
@@ -1424,6 +1609,9 @@ done:
 
 static void test_lora_parity_qwen3(TestCtx* t) { lora_parity(t, "lora_qwen3"); }
 static void test_lora_parity_llama(TestCtx* t) { lora_parity(t, "lora_llama"); }
+// Qwen3-MoE all-linear with rsLoRA: attention, routers and per-expert adapters as PEFT 0.21 on
+// transformers 5 makes them (target_parameters, gate_up at 2r), the loss with the aux term.
+static void test_lora_parity_qwen3moe(TestCtx* t) { lora_parity(t, "lora_qwen3moe"); }
 
 // ----------------------------------------------------------------------------
 // the CUDA backend against the CPU (bf16 tolerances; skipped without a GPU)
@@ -1504,6 +1692,16 @@ static void test_lora_gpu_ops(TestCtx* t) {
         ops_cuda.free(g, dwt);
         ops_cuda.free(g, ddw);
         ops_cuda.free(g, ddx);
+    }
+    // scale
+    ops_cuda.upload_f32(g, dy, y, ny);
+    ops_cuda.scale(g, dy, dy, 0.37f, ny);
+    ops_cuda.download_f32(g, got, dy, ny);
+    {
+        float* want = malloc_check(ny * sizeof(float));
+        ops_cpu.scale(c, want, y, 0.37f, ny);
+        CHECK(t, rel_l2_error(got, want, ny) <= 4e-3, "scale: %.3g", rel_l2_error(got, want, ny));
+        free(want);
     }
     // dropout: the same mask (row chunks too)
     for (size_t i = 0; i < ny; i++) y[i] = bf16_value(y[i]) + (y[i] == 0.0f ? 1.0f : 0.0f);
@@ -1606,9 +1804,72 @@ static void test_lora_gpu_model(TestCtx* t) {
         fix_free(&a);
     }
 }
+// The experts' per-expert adapters on the GPU (the grouped matmul with the rank as the narrow
+// side: N = r for t = x·Aᵀ, K = r for t·Bᵀ) against the CPU from the same bf16 weights: Qwen3-MoE
+// all-linear (gate_up at 2r = 16) and GPT-OSS's experts (its (E, in, out) base layout).
+static void test_lora_gpu_moe(TestCtx* t) {
+    if (cuda_device_count() == 0) {
+        test_skip(t, "no GPU: cudaGetDeviceCount found no CUDA device");
+        return;
+    }
+    char err[ERR_LEN];
+    const char* presets[] = {"test-qwen3moe", "test-gptoss"};
+    const unsigned targets[] = {LORA_ALL_LINEAR, LORA_BIT(LORA_Q) | LORA_EXPERTS_BIT};
+    for (int k = 0; k < 2; k++) {
+        ModelConfig c;
+        config_from_preset(&c, presets[k], err);
+        const LoraSpec l = spec(8, 16.0f, targets[k], 0.0f, 0);
+        Fix a;
+        fix_init(&a, &c, &l, 0, 0);
+        for (int j = 0; j < a.m.tt.n_layers; j++)  // the same (bf16) weights on both backends
+            for (int64_t i = 0; i < a.m.tt.param_numel[j]; i++)
+                a.s.param[j][i] = bf16_value(a.s.param[j][i]);
+        const double lc = fix_grads(&a);
+        int64_t n;
+        float* gc = lora_grads_copy(&a, &n);
+        void* g = ops_cuda_create(0, NULL);
+        Plain* p = plain_create(&a.m, &a.s, &ops_cuda, g, a.B, a.T, 0);
+        p->ws->lora_seed = 77;
+        store_zero_grads(&a.s);
+        const double N = (double)a.B * a.T;
+        const double lg = plain_forward_backward(p, a.tokens, a.B, a.T, (float)(1.0 / N)) / N;
+        plain_sync_grads(p);
+        float* gg = lora_grads_copy(&a, &n);
+        CHECK(t, fabs(lg - lc) <= 2e-2 * fabs(lc), "%s: GPU loss %.6f vs CPU %.6f", presets[k],
+              lg, lc);
+        const double e = rel_l2_error(gg, gc, (size_t)n);
+        CHECK(t, e <= 5e-2, "%s: adapter gradients relative L2 error %.3g", presets[k], e);
+        // the experts' own gradients (the grouped products), alone
+        double num = 0, den = 0;
+        for (int i = 0; i < a.m.tt.n; i++) {
+            const TensorDesc* d = &a.m.tt.t[i];
+            if (d->lora_target < 0 || !lora_target_is_expert((LoraTarget)d->lora_target)) continue;
+            const float* x = store_grad(&a.s, i);
+            int64_t off = 0;  // the tensor's place in the copies (lora_grads_copy's order)
+            for (int j = 0; j < i; j++)
+                if (a.m.tt.t[j].lora_target >= 0 && a.m.tt.t[j].tied_to < 0) off += a.m.tt.t[j].numel;
+            for (int64_t q = 0; q < d->numel; q++) {
+                const double df = (double)x[q] - (double)gc[off + q];
+                num += df * df;
+                den += (double)gc[off + q] * gc[off + q];
+            }
+        }
+        const double ee = den > 0 ? sqrt(num / den) : 1.0;
+        CHECK(t, den > 0 && ee <= 5e-2, "%s: expert adapter gradients relative L2 error %.3g",
+              presets[k], ee);
+        printf("  %s: loss %.6f vs %.6f, adapter gradient error %.3g (experts %.3g)\n",
+               presets[k], lg, lc, e, ee);
+        plain_free(p);
+        ops_cuda_destroy(g);
+        free(gc);
+        free(gg);
+        fix_free(&a);
+    }
+}
 #else
 static void test_lora_gpu_ops(TestCtx* t) { test_skip(t, "built without CUDA"); }
 static void test_lora_gpu_model(TestCtx* t) { test_skip(t, "built without CUDA"); }
+static void test_lora_gpu_moe(TestCtx* t) { test_skip(t, "built without CUDA"); }
 #endif
 
 // LoRA through the engine on GPUs (bf16 compute; the base held once, in bf16): close to the
@@ -1697,6 +1958,7 @@ const TestCase tests_lora[] = {
     {"lora_gradcheck_qwen3_tied_rslora", test_lora_gradcheck_qwen3_tied_rslora},
     {"lora_gradcheck_dropout", test_lora_gradcheck_dropout},
     {"lora_gradcheck_moe", test_lora_gradcheck_moe},
+    {"lora_merge_experts", test_lora_merge_experts},
     {"lora_model_consistency", test_lora_model_consistency},
     {"lora_peft_files", test_lora_peft_files},
     {"lora_cli_flags", test_lora_cli_flags},
@@ -1710,8 +1972,10 @@ const TestCase tests_lora[] = {
     {"lora_engine_memory", test_lora_engine_memory},
     {"lora_gpu_ops", test_lora_gpu_ops},
     {"lora_gpu_model", test_lora_gpu_model},
+    {"lora_gpu_moe", test_lora_gpu_moe},
     {"lora_gpu_engine", test_lora_gpu_engine},
     {"lora_parity_qwen3", test_lora_parity_qwen3},
     {"lora_parity_llama", test_lora_parity_llama},
+    {"lora_parity_qwen3moe", test_lora_parity_qwen3moe},
     {NULL, NULL},
 };
