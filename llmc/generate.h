@@ -72,6 +72,12 @@ typedef struct Generator {
     int32_t* d_slot;     // (S) device
     int32_t* d_len;      // (S) device
     int32_t *h_ids, *h_pos, *h_slot, *h_len, *h_row;  // host staging (S or maxT)
+    // backend sampling (ops->sample_tokens, without top-k / top-p): one upload and one download
+    // per decode step
+    int32_t* h_step;     // (5, S) host: [ids | slots | lens | positions | uniforms (fp32 bits)]
+    int32_t* d_step;     // (5, S) device copy
+    int32_t* h_out;      // (3, S) host: [tokens | log-probs (S, 2) fp32]
+    int32_t* d_out;      // (3, S) device
     float* logits;       // (S, V) host
     int64_t* order;      // (V) top-k / top-p scratch
     double* probs;       // (V)
@@ -79,6 +85,8 @@ typedef struct Generator {
     int64_t n_decoded;   // tokens decoded (rows x steps)
 } Generator;
 
+// 1 when the decode steps sample on the backend (ops->sample_tokens, no top-k / top-p).
+int gen_samples_on_backend(const Generator* g);
 // Bytes the generator allocates on the backend: KV cache, workspaces, buffers (and its own
 // weight copy when own_weights).
 size_t gen_bytes(const Model* m, int act_bytes, const GenOptions* o, int own_weights);

@@ -149,6 +149,25 @@ typedef struct Ops {
                                     int n, int V, float inv_temp, float clip_low, float clip_high,
                                     float kl_beta, int compute_grad);
 
+    // The decode step's q/k-norm + RoPE with the KV-cache append (NULL: the model runs
+    // qknorm_rope_forward per row and copies): out (n, QKV) = qknorm_rope_forward of row i as a
+    // one-token sequence at position pos[i] (cos/sin (maxT, HD/2) tables of every position), and
+    // its rotated k and its v written to kc, vc (slots, maxT, KVH*HD) at (slot[i], pos[i]).
+    // pos, slot (n) int32 backend buffers. No rstd is kept (no backward).
+    void (*decode_rope_append)(void* ctx, void* out, void* kc, void* vc, const void* inp,
+                               const void* q_norm_w, const void* k_norm_w, const float* cos,
+                               const float* sin, const int32_t* pos, const int32_t* slot, int n,
+                               int maxT, int H, int KVH, int HD, float eps);
+    // Sampling on the backend (NULL: the host samples, generate.c gen_sample): row i of logits
+    // (n, V) draws tokens[i] from softmax(logits_i / temperature) by the inverse-CDF walk in
+    // vocabulary order with the uniform u[i] in [0, 1) (the host's per-sequence RNG draws it, so
+    // both give the same token unless two cumulative sums straddle u·Σ within rounding);
+    // temperature <= 0: the first argmax. logp (n, 2) fp32: [the token's log-prob under the
+    // distribution it was drawn from, under the full tempered softmax] (0 when greedy). No top-k
+    // or top-p: the host samples those. tokens, logp, u are backend buffers.
+    void (*sample_tokens)(void* ctx, int32_t* tokens, float* logp, const void* logits,
+                          const float* u, int n, int V, float temperature);
+
     // ---- attention with sinks and sliding windows (GPT-OSS) ----
     // As attention_forward, with key j visible to query t iff j <= t and (window == 0 or
     // j > t - window), and, when sinks (H) is non-NULL, one more logit s_h per head in the softmax
