@@ -163,6 +163,19 @@ void gen_load_weights(Generator* g, const Store* s, int64_t version) {
     g->version = version;
 }
 
+size_t gen_copy_weights(Generator* g, void* const* slabs, int64_t version) {
+    if (!g->own) fatal("internal: gen_copy_weights on a generator that borrows its weights");
+    size_t bytes = 0;
+    for (int l = 0; l < g->n_layers; l++) {
+        if (!g->own[l]) continue;
+        const size_t b = (size_t)g->m->tt.param_numel[l] * g->ops->act_bytes;
+        g->ops->copy(g->ctx, g->own[l], slabs[l], b);
+        bytes += b;
+    }
+    g->version = version;
+    return bytes;
+}
+
 void gen_borrow_weights(Generator* g, void* const* slabs, int64_t version) {
     for (int l = 0; l < g->n_layers; l++) g->w[l] = slabs[l];
     g->version = version;

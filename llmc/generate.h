@@ -98,6 +98,9 @@ void gen_free(Generator* g);
 // The store's parameters into the generator's own weights, as `version` (the KV caches hold
 // nothing between gen_run calls, so none outlives the weights it was computed with).
 void gen_load_weights(Generator* g, const Store* s, int64_t version);
+// The device slabs `slabs` (the plain path's compute-dtype weights on the same backend) copied
+// into the generator's own weights, as `version` (device to device). Returns the bytes copied.
+size_t gen_copy_weights(Generator* g, void* const* slabs, int64_t version);
 // Use these device slabs (the plain path's) as the weights (no copy).
 void gen_borrow_weights(Generator* g, void* const* slabs, int64_t version);
 // Generate for n sequences in groups of `group` consecutive sequences sharing one prompt (their

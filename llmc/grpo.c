@@ -400,7 +400,18 @@ StepStats grpo_train(Grpo* g, Trainer* tr, int step) {
 
 void grpo_sync(Grpo* g, int64_t version) {
     const double t0 = time_now_s();
-    gen_load_weights(&g->gen, g->s, version);
+    if (g->p->aliased) {
+        // the CPU: the store's fp32 weights are the plain path's
+        gen_load_weights(&g->gen, g->s, version);
+        g->st.sync_bytes = 0.0;
+        for (int l = 0; l < g->m->tt.n_layers; l++)
+            g->st.sync_bytes += (double)g->m->tt.param_numel[l] * g->p->ops->act_bytes;
+    } else {
+        // a GPU: the trainer's step ended by uploading the new weights to its device slabs
+        // (plain_sync_params), so the generator's copy is a device-to-device copy of those
+        g->st.sync_bytes = (double)gen_copy_weights(&g->gen, g->p->dparam, version);
+        g->p->ops->synchronize(g->p->ctx);
+    }
     g->st.sync_s = time_now_s() - t0;
 }
 
@@ -457,6 +468,10 @@ void grpo_log_step(const Grpo* g, StepLog* lg, const StepStats* s) {
            st->clip_frac, st->kl, st->answer_len, (long long)st->version,
            st->staleness ? " (1 behind)" : "", st->rollout_s * 1e3, st->gen_tok_s,
            st->train_s * 1e3, st->sync_s * 1e3, s->norm, s->lr);
+    if (!g->p->aliased && st->sync_s > 0)  // (the CPU's step line stays as it was)
+        printf("  weight sync: %.1f MB in %.2f ms (%.1f GB/s), rollout %.0f tokens/s\n",
+               st->sync_bytes / 1e6, st->sync_s * 1e3, st->sync_bytes / st->sync_s / 1e9,
+               st->gen_tok_s);
     if (st->masked || st->skipped_groups || st->regenerated)
         printf("  %d answers without a reward (masked), %d of %d groups skipped (equal "
                "rewards)%s\n",
@@ -479,6 +494,7 @@ void grpo_log_step(const Grpo* g, StepLog* lg, const StepStats* s) {
     json_num(lg->f, "train_ms", st->train_s * 1e3);
     json_num(lg->f, "sync_ms", st->sync_s * 1e3);
     json_num(lg->f, "gen_tok_s", st->gen_tok_s);
+    json_num(lg->f, "sync_bytes", st->sync_bytes);
     fprintf(lg->f, "}\n");
     fflush(lg->f);
 }

@@ -122,8 +122,9 @@ int rl_args_check(const RlArgs* r, int engine, float temperature, int seq, int l
         return 0;
     }
     if (engine)
-        return rl_bad("--rl", "grpo", "trains with --device cpu (plain training) for now: the "
-                      "RoundPipe engine does not run the policy loss yet");
+        return rl_bad("--rl", "grpo", "trains with --device cpu (plain training) or --device "
+                      "cuda (one GPU, colocated) for now: the RoundPipe engine does not run the "
+                      "policy loss yet");
     if (lora) return rl_bad("--rl", "grpo", "LoRA adapters are not supported with --rl yet");
     snprintf(v, sizeof v, "%g", (double)temperature);
     if (temperature <= 0.0f)
