@@ -110,11 +110,12 @@ void cuda_decode_rope_append(CudaCtx* cx, bf16* out, bf16* kc, bf16* vc, const b
 // ----------------------------------------------------------------------------
 // decode attention: split-K partials, then the ordered combine
 
-// EPL consecutive head-dim elements per lane (lane * EPL ...), zero past HD.
+// EPL consecutive head-dim elements per lane (lane * EPL ...), zero past HD. vec: one 8-byte
+// access per lane (EPL 4, every head 8-byte aligned: the launcher checks).
 template <int EPL>
-__device__ __forceinline__ void load_lane(const bf16* p, int lane, int HD, float* f) {
+__device__ __forceinline__ void load_lane(const bf16* p, int lane, int HD, int vec, float* f) {
     const int d0 = lane * EPL;
-    if (EPL == 4 && d0 + 4 <= HD) {  // 8-byte access (rows of 8-byte aligned heads)
+    if (EPL == 4 && vec && d0 + 4 <= HD) {
         uint2 u = *reinterpret_cast<const uint2*>(p + d0);
         const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
         float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
@@ -140,7 +141,7 @@ __global__ void decode_attention_partial_kernel(float* __restrict__ part_m,
                                                 const int32_t* __restrict__ slot,
                                                 const int32_t* __restrict__ len, int maxT, int H,
                                                 int KVH, int HD, int window, int chunks,
-                                                float scale) {
+                                                float scale, int vec) {
     __shared__ float s_m[DEC_WARPS][DEC_MAX_GROUP], s_l[DEC_WARPS][DEC_MAX_GROUP];
     extern __shared__ float s_o[];  // (DEC_WARPS, group, HD)
     const int i = blockIdx.x, g = blockIdx.y, c = blockIdx.z;
@@ -160,7 +161,8 @@ __global__ void decode_attention_partial_kernel(float* __restrict__ part_m,
 #pragma unroll
     for (int h = 0; h < GM; h++) {
         if (h >= group) break;
-        load_lane<EPL>(qkv + (size_t)i * QKV + (size_t)(g * group + h) * HD, lane, HD, q[h]);
+        load_lane<EPL>(qkv + (size_t)i * QKV + (size_t)(g * group + h) * HD, lane, HD, vec,
+                       q[h]);
 #pragma unroll
         for (int e = 0; e < EPL; e++) {
             q[h][e] *= scale;
@@ -175,11 +177,15 @@ __global__ void decode_attention_partial_kernel(float* __restrict__ part_m,
         float k[DEC_UNROLL][EPL], v[DEC_UNROLL][EPL];
         const int nk = min(DEC_UNROLL, j1 - j);
 #pragma unroll
-        for (int u = 0; u < DEC_UNROLL; u++)
+        for (int u = 0; u < DEC_UNROLL; u++) {
             if (u < nk) {
-                load_lane<EPL>(kb + (size_t)(j + u) * KD, lane, HD, k[u]);
-                load_lane<EPL>(vb + (size_t)(j + u) * KD, lane, HD, v[u]);
+                load_lane<EPL>(kb + (size_t)(j + u) * KD, lane, HD, vec, k[u]);
+                load_lane<EPL>(vb + (size_t)(j + u) * KD, lane, HD, vec, v[u]);
+            } else {  // past the chunk: weight 0, and 0 · v must not meet garbage (NaN)
+#pragma unroll
+                for (int e = 0; e < EPL; e++) k[u][e] = v[u][e] = 0.0f;
             }
+        }
 #pragma unroll
         for (int h = 0; h < GM; h++) {
             if (h >= group) break;
@@ -272,9 +278,13 @@ static void launch_partial_gm(CudaCtx* cx, float* pm, float* pl, float* po, cons
                            int n, int maxT, int H, int KVH, int HD, int window, int chunks) {
     const dim3 grid(n, KVH, chunks);
     const size_t smem = (size_t)DEC_WARPS * (H / KVH) * HD * sizeof(float);
+    // 8-byte lane loads: HD a multiple of 4 (then every head and row is 8-byte aligned when the
+    // buffers are)
+    const int vec = HD % 4 == 0 && ((uintptr_t)qkv & 7) == 0 && ((uintptr_t)kc & 7) == 0 &&
+                    ((uintptr_t)vc & 7) == 0;
     decode_attention_partial_kernel<EPL, GM><<<grid, DEC_WARPS * 32, smem, cx->stream>>>(
         pm, pl, po, qkv, kc, vc, slot, len, maxT, H, KVH, HD, window, chunks,
-        1.0f / sqrtf((float)HD));
+        1.0f / sqrtf((float)HD), vec);
     cuda_check_launch();
 }
 
@@ -313,16 +323,13 @@ void cuda_attention_decode(CudaCtx* cx, bf16* out, const bf16* qkv, const bf16* 
     float* pm = (float*)cuda_scratch(cx, SCRATCH_ATTN, cuda_attention_decode_scratch_bytes(n, maxT, H, HD));
     float* pl = pm + np;
     float* po = pl + np;
-    // 8-byte lane loads need 8-byte aligned heads: HD and the row strides multiples of 4
-    const int v4 = HD == 128 && ((uintptr_t)qkv & 7) == 0 && ((uintptr_t)kc & 7) == 0 &&
-                   ((uintptr_t)vc & 7) == 0;
     if (HD <= 32)
         launch_partial<1>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H, KVH, HD, window,
                           chunks);
     else if (HD <= 64)
         launch_partial<2>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H, KVH, HD, window,
                           chunks);
-    else if (HD <= 128 && (v4 || HD < 128))
+    else if (HD <= 128)
         launch_partial<4>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H, KVH, HD, window,
                           chunks);
     else

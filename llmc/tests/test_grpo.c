@@ -822,8 +822,20 @@ static void test_grpo_gpu_generate(TestCtx* t) {
                 gen_free(&g);
             }
             if (!temp) {
-                CHECK(t, memcmp(toks[0], toks[1], sizeof toks[0]) == 0,
-                      "%s: greedy tokens differ between the CPU and the GPU", presets[k]);
+                // the same greedy tokens, unless the first difference is a near-tie of the
+                // CPU's logits (bf16 weights may flip an argmax whose margin is in their noise)
+                float* logits = malloc_check((size_t)V * sizeof(float));
+                for (int i = 0; i < S; i++) {
+                    int j = seqs[0][i].prompt_len;
+                    while (j < maxT && toks[0][i][j] == toks[1][i][j]) j++;
+                    if (j == maxT) continue;
+                    plain_logits_last(p, toks[0][i], j, logits);
+                    const double gap = fabs(logits[toks[0][i][j]] - logits[toks[1][i][j]]);
+                    CHECK(t, gap < 0.02, "%s: seq %d: greedy token %d differs (CPU %d, GPU %d) "
+                          "by a logit margin of %.3g", presets[k], i, j, toks[0][i][j],
+                          toks[1][i][j], gap);
+                }
+                free(logits);
                 continue;
             }
             // sampled on the GPU: each token's log-prob against a CPU forward over its prefix
