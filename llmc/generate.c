@@ -331,6 +331,28 @@ static void prefill_group(Generator* g, GenSeq* seqs, int first, int group) {
     }
     model_postfix_logits_last(m, ws, weight_of(g, TK_FINAL_NORM), weight_of(g, TK_LM_HEAD),
                               g->x[cur], ws->logits, 1, P);
+    if (gen_samples_on_backend(g)) {
+        // the group's first tokens on the backend: the logits row once per sequence (the decode
+        // workspace's rows), each sequence's uniform from its own RNG, as on the host
+        const int S = g->o.max_seqs;
+        float* u = (float*)(g->h_step + 4 * S);
+        for (int j = 0; j < group; j++) {
+            GenSeq* s = &seqs[first + j];
+            u[j] = seq_active(g, s) && g->o.temperature > 0.0f ? rng_uniform(&s->rng) : 0.0f;
+            ops->copy(g->ctx, (char*)g->ws_dec->logits + (size_t)j * c->V * ab, ws->logits,
+                      (size_t)c->V * ab);
+        }
+        ops->upload(g->ctx, g->d_step + 4 * S, u, (size_t)group * sizeof(float));
+        ops->sample_tokens(g->ctx, g->d_out, (float*)(g->d_out + S), g->ws_dec->logits,
+                           (const float*)(g->d_step + 4 * S), group, c->V, g->o.temperature);
+        ops->download(g->ctx, g->h_out, g->d_out, (size_t)3 * S * sizeof(int32_t));
+        const float* lp = (const float*)(g->h_out + S);
+        for (int j = 0; j < group; j++) {
+            GenSeq* s = &seqs[first + j];
+            if (seq_active(g, s)) seq_push(s, g->h_out[j], lp[2 * j], lp[2 * j + 1]);
+        }
+        return;
+    }
     ops->download_f32(g->ctx, g->logits, ws->logits, (size_t)c->V);
     for (int j = 0; j < group; j++) {
         GenSeq* s = &seqs[first + j];
