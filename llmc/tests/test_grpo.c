@@ -684,7 +684,7 @@ static void test_grpo_gpu_sample(TestCtx* t) {
             const float temperature = temp ? 0.8f : 0.0f;
             Generator g = {.m = &m, .o = {.temperature = temperature, .top_k = 0, .top_p = 1.0f}};
             g.probs = malloc_check((size_t)V * 16);
-            Rng rr[64];
+            Rng* rr = malloc_check((size_t)n * sizeof(Rng));
             for (int i = 0; i < n; i++) {
                 rng_seed(&rr[i], 900 + i);
                 Rng copy = rr[i];
@@ -709,6 +709,7 @@ static void test_grpo_gpu_sample(TestCtx* t) {
                   (double)temperature, worst);
             free(tok);
             free(lp);
+            free(rr);
             free(g.probs);
             gfree(&G, d_u);
         }
