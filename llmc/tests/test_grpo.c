@@ -397,14 +397,14 @@ static void log_field(const char* log, int step, const char* key, char* out, siz
 // accuracy by at least 0.5 (measured: 0.00 -> 1.00 for both; the training batches' accuracy
 // climbs 0.02 -> 0.89 on-policy and 0.02 -> 0.84 off-policy, where the ratio is off 1). A run
 // stopped after step 10 and resumed from its checkpoint logs step 20 exactly as the straight run.
-static void test_grpo_cli_learns(TestCtx* t) {
-    char task[512], pre[512], args[4096], rdir[512];
-    test_path(t, task, sizeof task, "grpo_task.jsonl");
-    test_path(t, pre, sizeof pre, "grpo_pre");
-    test_path(t, rdir, sizeof rdir, "grpo_resume");
+// The task file and the pre-trained model of the learning tests (task, pre: their paths). 0 ok.
+static int grpo_learns_setup(TestCtx* t, char* task, char* pre) {
+    char args[4096];
+    test_path(t, task, 512, "grpo_task.jsonl");
+    test_path(t, pre, 512, "grpo_pre");
     FILE* f = fopen(task, "w");
     CHECK(t, f != NULL, "cannot write %s", task);
-    if (!f) return;
+    if (!f) return -1;
     Rng r;
     rng_seed(&r, 77);
     for (int i = 0; i < 200; i++) {
@@ -416,10 +416,19 @@ static void test_grpo_cli_learns(TestCtx* t) {
              "--threads 2 --lr 3e-3 --warmup 10 --out '%s'", pre);
     int rc = test_run_cli(t, "grpo_pre", args);
     CHECK(t, rc == 0, "pre-training exited %d", rc);
-    if (rc != 0) return;
-    const char* common = "--rl grpo --rl-prompts 8 --rl-group 8 --batch 64 --seq 16 --rl-eval 60 "
-                         "--temperature 1 --lr 1e-3 --warmup 3 --schedule constant "
-                         "--rl-max-tokens 1 --sample-tokens 0 --threads 2";
+    return rc == 0 ? 0 : -1;
+}
+
+static const char* const GRPO_LEARNS_FLAGS =
+    "--rl grpo --rl-prompts 8 --rl-group 8 --batch 64 --seq 16 --rl-eval 60 --temperature 1 "
+    "--lr 1e-3 --warmup 3 --schedule constant --rl-max-tokens 1 --sample-tokens 0 --threads 2";
+
+static void test_grpo_cli_learns(TestCtx* t) {
+    char task[512], pre[512], args[4096], rdir[512];
+    test_path(t, rdir, sizeof rdir, "grpo_resume");
+    if (grpo_learns_setup(t, task, pre) != 0) return;
+    int rc;
+    const char* common = GRPO_LEARNS_FLAGS;
     for (int off = 0; off < 2; off++) {
         char tag[32], log[512];
         snprintf(tag, sizeof tag, "grpo_off%d", off);
@@ -862,9 +871,35 @@ static void test_grpo_gpu_generate(TestCtx* t) {
     gpu_close(&G);
 }
 
+// --rl grpo --device cuda (colocated on one GPU) learns the task of grpo_cli_learns as the CPU
+// run does, on-policy and one step off, and logs its weight sync.
+static void test_grpo_gpu_cli_learns(TestCtx* t) {
+    Gpu G;
+    if (!gpu_open(t, &G, 61)) return;
+    gpu_close(&G);  // (only asked whether there is a GPU: the runs below are processes of their own)
+    char task[512], pre[512], args[4096];
+    if (grpo_learns_setup(t, task, pre) != 0) return;
+    for (int off = 0; off < 2; off++) {
+        char tag[32];
+        snprintf(tag, sizeof tag, "grpo_gpu_off%d", off);
+        snprintf(args, sizeof args, "--model '%s' --rl-task '%s' %s --device cuda --steps 20 "
+                 "--off-policy %d", pre, task, GRPO_LEARNS_FLAGS, off);
+        const int rc = test_run_cli(t, tag, args);
+        char* out = test_read_output(t, tag, "out");
+        double first = 0, last = 0;
+        const int n = heldout_accuracies(out, &first, &last);
+        CHECK(t, rc == 0 && n == 2, "%s: exit %d, %d accuracy lines", tag, rc, n);
+        CHECK(t, last - first >= 0.5, "%s: held-out accuracy %.3f -> %.3f (want +0.5)", tag,
+              first, last);
+        CHECK(t, strstr(out, "weight sync: ") != NULL, "%s: no weight-sync line", tag);
+        free(out);
+    }
+}
+
 #else  // no CUDA in this build
 
 static void grpo_gpu_skipped(TestCtx* t) { test_skip(t, "built without CUDA"); }
+static void test_grpo_gpu_cli_learns(TestCtx* t) { grpo_gpu_skipped(t); }
 static void test_grpo_gpu_decode_attention(TestCtx* t) { grpo_gpu_skipped(t); }
 static void test_grpo_gpu_decode_rope_append(TestCtx* t) { grpo_gpu_skipped(t); }
 static void test_grpo_gpu_sample(TestCtx* t) { grpo_gpu_skipped(t); }
@@ -879,6 +914,7 @@ const TestCase tests_grpo[] = {
     {"grpo_gpu_sample", test_grpo_gpu_sample},
     {"grpo_gpu_policy_op", test_grpo_gpu_policy_op},
     {"grpo_gpu_generate", test_grpo_gpu_generate},
+    {"grpo_gpu_cli_learns", test_grpo_gpu_cli_learns},
     {"grpo_decode_attention_matches_full", test_grpo_decode_attention_matches_full},
     {"grpo_generate_matches_forward", test_grpo_generate_matches_forward},
     {"grpo_sample_topk_topp", test_grpo_sample_topk_topp},
