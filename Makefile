@@ -133,7 +133,7 @@ endif
 # on its own: dev/cuda/run_attention.sh). Each lab includes its family's production source
 # kernels/<family>.cu, so it links every other kernels/ object and the host library, never that
 # one. Binaries go to dev/cuda/build/; dev/cuda/run_labs.sh runs them all on a GPU.
-DEV_CUDA_LABS := norm rope elementwise embedding loss matmul moe moe_matmul dequant
+DEV_CUDA_LABS := norm rope elementwise embedding loss matmul moe moe_matmul dequant decode
 DEV_CUDA_DIR := dev/cuda/build
 DEV_CUDA_BINS := $(patsubst %,$(DEV_CUDA_DIR)/%,$(DEV_CUDA_LABS))
 ifeq ($(USE_CUDA),1)

@@ -167,7 +167,8 @@ static void plan_data_parallel(const TrainArgs* a, const Model* m, int N, double
 static int plan_and_check_memory(TrainArgs* a, Model* model, int N) {
     char err[ERR_LEN];
     const int use_cuda = a->device == DEVICE_CUDA;
-    const int engine_run = a->n_devices > 0 || use_cuda;
+    // (--rl grpo trains on the plain path, on GPU 0 with --device cuda)
+    const int engine_run = (a->n_devices > 0 || use_cuda) && !a->rl.on;
     const int act_bytes = use_cuda ? 2 : 4;  // the engine devices' compute dtype
     HostLimit lim;
     if (memory_host_limit("", &lim, err) != 0) fatal("%s", err);
@@ -341,8 +342,14 @@ static int train_rl(const TrainArgs* a, Trainer* tr, const Model* model, Store* 
     char err[ERR_LEN];
     HostLimit lim;
     if (memory_host_limit("", &lim, err) != 0) fatal("%s", err);
+    double budget = lim.bytes;  // the generator's KV cache and weights: host memory on the CPU,
+#ifdef HAVE_CUDA                // what the trainer left free on the GPU with --device cuda
+    size_t free_b = 0, total_b = 0;
+    if (a->device == DEVICE_CUDA && cuda_device_memory(0, &free_b, &total_b) == 0)
+        budget = 0.95 * (double)free_b;
+#endif
     Grpo grpo;
-    if (grpo_create(&grpo, a, model, store, tr->plain, tok, start, lim.bytes, err) != 0)
+    if (grpo_create(&grpo, a, model, store, tr->plain, tok, start, budget, err) != 0)
         fatal("--rl: %s", err);
     const RlArgs* r = &a->rl;
     printf("GRPO: %d prompts x %d answers of up to %d tokens per step (task %s, reward %s), "
@@ -440,7 +447,9 @@ int main(int argc, char** argv) {
                store_frozen_bytes(&model.tt) / 2 / (1 << 30));
     if (a.seq > model.cfg.max_pos && model.cfg.max_pos > 0)
         printf("warning: --seq %d exceeds max_position_embeddings %d\n", a.seq, model.cfg.max_pos);
-    const int N = resolve_devices(&a);
+    // --rl grpo: plain training (N = 0), on GPU 0 with --device cuda, colocated with generation
+    int N = resolve_devices(&a);
+    if (a.rl.on) N = 0;
     if (plan_and_check_memory(&a, &model, N)) {  // --plan
         model_free(&model);
         checkpoint_close_source(&src);

@@ -190,6 +190,7 @@ void cuda_swiglu_forward(CudaCtx* cx, bf16* out, const bf16* gu, int N, int F);
 void cuda_swiglu_backward(CudaCtx* cx, bf16* dgu, const bf16* dout, const bf16* gu, int N, int F);
 void cuda_add(CudaCtx* cx, bf16* out, const bf16* a, const bf16* b, size_t n);
 void cuda_scale(CudaCtx* cx, bf16* out, const bf16* inp, float s, size_t n);
+void cuda_copy_cols(CudaCtx* cx, bf16* dst, const bf16* src, int N, int ld, int c0, int w);
 void cuda_add_f32(CudaCtx* cx, float* dst, const float* src, size_t n);
 void cuda_dropout(CudaCtx* cx, bf16* out, const bf16* inp, float p, uint64_t seed, int64_t row0,
                   int N, int C);

@@ -187,6 +187,20 @@ void cuda_scale(CudaCtx* cx, bf16* out, const bf16* inp, float s, size_t n) {
     cuda_check_launch();
 }
 
+// dst (N, w) = src (N, ld) columns [c0, c0 + w): one block row per source row.
+__global__ void copy_cols_kernel(bf16* __restrict__ dst, const bf16* __restrict__ src, int N,
+                                 int ld, int c0, int w) {
+    for (int row = blockIdx.x; row < N; row += gridDim.x)
+        for (int j = threadIdx.x; j < w; j += blockDim.x)
+            dst[(size_t)row * w + j] = src[(size_t)row * ld + c0 + j];
+}
+
+void cuda_copy_cols(CudaCtx* cx, bf16* dst, const bf16* src, int N, int ld, int c0, int w) {
+    if (N <= 0 || w <= 0) return;
+    copy_cols_kernel<<<N < 65535 ? N : 65535, 256, 0, cx->stream>>>(dst, src, N, ld, c0, w);
+    cuda_check_launch();
+}
+
 void cuda_add(CudaCtx* cx, bf16* out, const bf16* a, const bf16* b, size_t n) {
     if (n == 0) return;
     size_t head = 0;

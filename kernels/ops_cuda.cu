@@ -19,6 +19,7 @@
 
 #include "attention.h"
 #include "common.cuh"
+#include "decode.h"
 #include "dequant.h"
 #include "kernels.h"
 #include "moe.cuh"
@@ -482,6 +483,13 @@ static void op_scale(void* ctx, void* out, const void* inp, float s, size_t n) {
     prof_end(cx);
 }
 
+static void op_copy_cols(void* ctx, void* dst, const void* src, int N, int ld, int c0, int w) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 4.0 * N * w, "copy cols N=%d ld=%d w=%d", N, ld, w);
+    cuda_copy_cols(cx, (bf16*)dst, (const bf16*)src, N, ld, c0, w);
+    prof_end(cx);
+}
+
 static void op_add_f32(void* ctx, float* dst, const float* src, size_t n) {
     CudaCtx* cx = ctx_enter(ctx);
     prof_begin(cx, 0, 12.0 * (double)n, "add f32 n=%zu", n);
@@ -532,6 +540,54 @@ static void op_crossentropy_forward_backward(void* ctx, void* logits, float* los
                compute_grad ? " fwd+bwd" : " fwd", n, V);
     cuda_crossentropy_forward_backward(cx, (bf16*)logits, losses, targets, n, V, grad_scale,
                                        compute_grad);
+    prof_end(cx);
+}
+
+// ---- generation and the policy-gradient objective (decode.cu, policy.cu) ----
+
+static void op_decode_rope_append(void* ctx, void* out, void* kc, void* vc, const void* inp,
+                                  const void* q_norm_w, const void* k_norm_w, const float* cos,
+                                  const float* sin, const int32_t* pos, const int32_t* slot, int n,
+                                  int maxT, int H, int KVH, int HD, float eps) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 2.0 * n * (H + 3 * KVH) * HD * 2, "decode rope+append n=%d", n);
+    cuda_decode_rope_append(cx, (bf16*)out, (bf16*)kc, (bf16*)vc, (const bf16*)inp,
+                            (const bf16*)q_norm_w, (const bf16*)k_norm_w, cos, sin, pos, slot, n,
+                            maxT, H, KVH, HD, eps);
+    prof_end(cx);
+}
+
+static void op_attention_decode(void* ctx, void* out, const void* qkv, const void* kc,
+                                const void* vc, const int32_t* slot, const int32_t* len,
+                                const void* sinks, int n, int maxT, int H, int KVH, int HD,
+                                int window) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 0, "attention decode n=%d maxT=%d H=%d KVH=%d HD=%d", n, maxT, H, KVH, HD);
+    cuda_attention_decode(cx, (bf16*)out, (const bf16*)qkv, (const bf16*)kc, (const bf16*)vc,
+                          slot, len, (const bf16*)sinks, n, maxT, H, KVH, HD, window);
+    prof_end(cx);
+}
+
+static void op_sample_tokens(void* ctx, int32_t* tokens, float* logp, const void* logits,
+                             const float* u, int n, int V, float temperature) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 2.0 * n * V, "sample n=%d V=%d", n, V);
+    cuda_sample_tokens(cx, tokens, logp, (const bf16*)logits, u, n, V, temperature);
+    prof_end(cx);
+}
+
+static void op_policy_forward_backward(void* ctx, void* logits, float* logp, float* losses,
+                                       const int32_t* targets, const float* old_logp,
+                                       const float* ref_logp, const float* adv,
+                                       const float* weight, int n, int V, float inv_temp,
+                                       float clip_low, float clip_high, float kl_beta,
+                                       int compute_grad) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, (compute_grad ? 4.0 : 2.0) * n * V, "policy loss%s n=%d V=%d",
+               compute_grad ? " fwd+bwd" : " fwd", n, V);
+    cuda_policy_forward_backward(cx, (bf16*)logits, logp, losses, targets, old_logp, ref_logp,
+                                 adv, weight, n, V, inv_temp, clip_low, clip_high, kl_beta,
+                                 compute_grad);
     prof_end(cx);
 }
 
@@ -676,8 +732,13 @@ extern "C" const Ops ops_cuda = {
     .swiglu_backward = op_swiglu_backward,
     .add = op_add,
     .scale = op_scale,
+    .copy_cols = op_copy_cols,
     .add_f32 = op_add_f32,
     .crossentropy_forward_backward = op_crossentropy_forward_backward,
+    .attention_decode = op_attention_decode,
+    .policy_forward_backward = op_policy_forward_backward,
+    .decode_rope_append = op_decode_rope_append,
+    .sample_tokens = op_sample_tokens,
     .attention_sink_forward = op_attention_sink_forward,
     .attention_sink_backward = op_attention_sink_backward,
     .moe_route_forward = op_moe_route_forward,

@@ -38,6 +38,7 @@ size_t gen_bytes(const Model* m, int act_bytes, const GenOptions* o, int own_wei
     b += workspace_bytes(m, act_bytes, 1, o->max_len, 1);
     b += workspace_bytes(m, act_bytes, o->max_seqs, 1, 1);
     b += 2 * rows * (size_t)m->cfg.C * act_bytes + rows * 4 + 2 * (size_t)o->max_seqs * 4;
+    b += 8 * (size_t)o->max_seqs * 4;  // the backend sampler's step buffers
     b += (size_t)o->max_seqs * m->cfg.V * sizeof(float);
     if (own_weights) b += weight_bytes(m, act_bytes);
     return b;
@@ -112,6 +113,12 @@ int gen_create(Generator* g, const Model* m, const Ops* ops, void* ctx, const Ge
     g->h_len = calloc_check((size_t)S, sizeof(int32_t));
     g->h_row = calloc_check((size_t)S, sizeof(int32_t));
     g->logits = malloc_check((size_t)S * c->V * sizeof(float));
+    if (ops->sample_tokens) {
+        g->h_step = calloc_check((size_t)5 * S, sizeof(int32_t));
+        g->h_out = calloc_check((size_t)3 * S, sizeof(int32_t));
+        g->d_step = ops->alloc(ctx, (size_t)5 * S * sizeof(int32_t));
+        g->d_out = ops->alloc(ctx, (size_t)3 * S * sizeof(int32_t));
+    }
     g->probs = malloc_check((size_t)c->V * sizeof(ProbIdx));
     return 0;
 }
@@ -127,9 +134,11 @@ void gen_free(Generator* g) {
     }
     for (int i = 0; i < 2; i++)
         if (g->x[i]) ops->free(g->ctx, g->x[i]);
-    void* dev[] = {g->d_ids, g->d_slot, g->d_len};
-    for (int i = 0; i < 3; i++)
+    void* dev[] = {g->d_ids, g->d_slot, g->d_len, g->d_step, g->d_out};
+    for (int i = 0; i < 5; i++)
         if (dev[i]) ops->free(g->ctx, dev[i]);
+    free(g->h_step);
+    free(g->h_out);
     if (g->ws_pre) workspace_free(g->ws_pre);
     if (g->ws_dec) workspace_free(g->ws_dec);
     free(g->own);
@@ -152,6 +161,19 @@ void gen_load_weights(Generator* g, const Store* s, int64_t version) {
         if (g->own[l])
             g->ops->upload_f32(g->ctx, g->own[l], s->param[l], (size_t)g->m->tt.param_numel[l]);
     g->version = version;
+}
+
+size_t gen_copy_weights(Generator* g, void* const* slabs, int64_t version) {
+    if (!g->own) fatal("internal: gen_copy_weights on a generator that borrows its weights");
+    size_t bytes = 0;
+    for (int l = 0; l < g->n_layers; l++) {
+        if (!g->own[l]) continue;
+        const size_t b = (size_t)g->m->tt.param_numel[l] * g->ops->act_bytes;
+        g->ops->copy(g->ctx, g->own[l], slabs[l], b);
+        bytes += b;
+    }
+    g->version = version;
+    return bytes;
 }
 
 void gen_borrow_weights(Generator* g, void* const* slabs, int64_t version) {
@@ -248,15 +270,24 @@ static int seq_active(const Generator* g, const GenSeq* s) {
     return !s->stopped && s->len < s->prompt_len + s->max_new && s->len < g->o.max_len;
 }
 
-// One sampled token appended to s (its log-probs at its position).
-static void seq_append(Generator* g, GenSeq* s, const float* logits) {
-    float lp, lpf;
-    const int tok = gen_sample(g, logits, &s->rng, &lp, &lpf);
+// Token tok with its log-probs appended to s.
+static void seq_push(GenSeq* s, int tok, float lp, float lpf) {
     s->tokens[s->len] = tok;
     s->logp[s->len] = lp;
     s->logp_full[s->len] = lpf;
     s->len++;
     if (tok == s->stop_a || tok == s->stop_b) s->stopped = 1;
+}
+
+// One token sampled on the host appended to s (its log-probs at its position).
+static void seq_append(Generator* g, GenSeq* s, const float* logits) {
+    float lp, lpf;
+    const int tok = gen_sample(g, logits, &s->rng, &lp, &lpf);
+    seq_push(s, tok, lp, lpf);
+}
+
+int gen_samples_on_backend(const Generator* g) {
+    return g->ops->sample_tokens && g->o.top_k <= 0 && g->o.top_p >= 1.0f;
 }
 
 // The group's prompt through the model's forward into cache slot `first`, its keys and values
@@ -281,11 +312,10 @@ static void prefill_group(Generator* g, GenSeq* seqs, int first, int group) {
         const char* qkv = model_block_qkv(ws, &ws->acts[0]);
         char* kc = (char*)g->kc[l] + (size_t)first * maxT * KD * ab;
         char* vc = (char*)g->vc[l] + (size_t)first * maxT * KD * ab;
-        for (int t = 0; t < P; t++) {
-            const char* row = qkv + (size_t)t * m->QKV * ab;
-            ops->copy(g->ctx, kc + (size_t)t * KD * ab, row + (size_t)QD * ab, KD * ab);
-            ops->copy(g->ctx, vc + (size_t)t * KD * ab, row + (size_t)(QD + KD) * ab, KD * ab);
-        }
+        // the k and v columns of the P rows in one op each (a GPU would otherwise issue two
+        // copies per position)
+        ops->copy_cols(g->ctx, kc, qkv, P, m->QKV, QD, KD);
+        ops->copy_cols(g->ctx, vc, qkv, P, m->QKV, QD + KD, KD);
         for (int j = 1; j < group; j++) {
             const size_t off = (size_t)(first + j) * maxT * KD * ab;
             ops->copy(g->ctx, (char*)g->kc[l] + off, kc, (size_t)P * KD * ab);
@@ -294,6 +324,28 @@ static void prefill_group(Generator* g, GenSeq* seqs, int first, int group) {
     }
     model_postfix_logits_last(m, ws, weight_of(g, TK_FINAL_NORM), weight_of(g, TK_LM_HEAD),
                               g->x[cur], ws->logits, 1, P);
+    if (gen_samples_on_backend(g)) {
+        // the group's first tokens on the backend: the logits row once per sequence (the decode
+        // workspace's rows), each sequence's uniform from its own RNG, as on the host
+        const int S = g->o.max_seqs;
+        float* u = (float*)(g->h_step + 4 * S);
+        for (int j = 0; j < group; j++) {
+            GenSeq* s = &seqs[first + j];
+            u[j] = seq_active(g, s) && g->o.temperature > 0.0f ? rng_uniform(&s->rng) : 0.0f;
+            ops->copy(g->ctx, (char*)g->ws_dec->logits + (size_t)j * c->V * ab, ws->logits,
+                      (size_t)c->V * ab);
+        }
+        ops->upload(g->ctx, g->d_step + 4 * S, u, (size_t)group * sizeof(float));
+        ops->sample_tokens(g->ctx, g->d_out, (float*)(g->d_out + S), g->ws_dec->logits,
+                           (const float*)(g->d_step + 4 * S), group, c->V, g->o.temperature);
+        ops->download(g->ctx, g->h_out, g->d_out, (size_t)3 * S * sizeof(int32_t));
+        const float* lp = (const float*)(g->h_out + S);
+        for (int j = 0; j < group; j++) {
+            GenSeq* s = &seqs[first + j];
+            if (seq_active(g, s)) seq_push(s, g->h_out[j], lp[2 * j], lp[2 * j + 1]);
+        }
+        return;
+    }
     ops->download_f32(g->ctx, g->logits, ws->logits, (size_t)c->V);
     for (int j = 0; j < group; j++) {
         GenSeq* s = &seqs[first + j];
@@ -301,8 +353,65 @@ static void prefill_group(Generator* g, GenSeq* seqs, int first, int group) {
     }
 }
 
+// One decode step of every active sequence with the sampler on the backend: the step's rows
+// (ids, slots, lengths, positions and each sequence's uniform draw from its own RNG, the one the
+// host sampler would take) in one upload, the logits of all rows in one LM-head matmul, the
+// tokens and log-probs in one download. 0 when no sequence is left.
+static int decode_step_backend(Generator* g, GenSeq* seqs, int n_seqs) {
+    const Model* m = g->m;
+    const Ops* ops = g->ops;
+    const ModelConfig* c = &m->cfg;
+    Workspace* ws = g->ws_dec;
+    const int S = g->o.max_seqs;
+    int32_t* ids = g->h_step;
+    int32_t* slot = g->h_step + S;
+    int32_t* len = g->h_step + 2 * S;
+    int32_t* pos = g->h_step + 3 * S;
+    float* u = (float*)(g->h_step + 4 * S);
+    int n = 0;
+    for (int i = 0; i < n_seqs; i++) {
+        GenSeq* s = &seqs[i];
+        if (!seq_active(g, s)) continue;
+        g->h_row[n] = i;
+        ids[n] = s->tokens[s->len - 1];  // its newest token, not yet in the cache
+        pos[n] = s->len - 1;
+        slot[n] = i;
+        len[n] = s->len;
+        u[n] = g->o.temperature > 0.0f ? rng_uniform(&s->rng) : 0.0f;  // greedy draws nothing
+        n++;
+    }
+    if (n == 0) return 0;
+    ops->upload(g->ctx, g->d_step, g->h_step, (size_t)5 * S * sizeof(int32_t));
+    const DecodeRows r = {.n = n, .pos = pos, .slot = slot, .d_slot = g->d_step + S,
+                          .d_len = g->d_step + 2 * S, .d_pos = g->d_step + 3 * S,
+                          .rope_cos = g->ws_pre->rope_cos, .rope_sin = g->ws_pre->rope_sin,
+                          .maxT = g->o.max_len};
+    ws->lora_train = 0;
+    model_prefix_forward(m, ws, g->x[0], g->d_step, weight_of(g, TK_EMBED), n, 1);
+    int cur = 0;
+    for (int l = 0; l < c->L; l++) {
+        model_block_decode_at(m, ws, l, g->w[l + 1], g->kc[l], g->vc[l], &r, g->x[cur],
+                              g->x[1 - cur]);
+        cur = 1 - cur;
+    }
+    // model_postfix_logits_last's final norm and head, for the n rows in one matmul
+    ops->rmsnorm_forward(g->ctx, ws->xf, ws->rstdf, g->x[cur], weight_of(g, TK_FINAL_NORM), n,
+                         c->C, c->norm_eps);
+    ops->matmul_forward(g->ctx, ws->logits, ws->xf, weight_of(g, TK_LM_HEAD), NULL, n, c->C,
+                        c->V);
+    ops->sample_tokens(g->ctx, g->d_out, (float*)(g->d_out + S), ws->logits,
+                       (const float*)(g->d_step + 4 * S), n, c->V, g->o.temperature);
+    ops->download(g->ctx, g->h_out, g->d_out, (size_t)3 * S * sizeof(int32_t));
+    const float* lp = (const float*)(g->h_out + S);
+    for (int k = 0; k < n; k++)
+        seq_push(&seqs[g->h_row[k]], g->h_out[k], lp[2 * k], lp[2 * k + 1]);
+    g->n_decoded += n;
+    return n;
+}
+
 // One decode step of every active sequence; 0 when none is left.
 static int decode_step(Generator* g, GenSeq* seqs, int n_seqs) {
+    if (gen_samples_on_backend(g)) return decode_step_backend(g, seqs, n_seqs);
     const Model* m = g->m;
     const Ops* ops = g->ops;
     const ModelConfig* c = &m->cfg;

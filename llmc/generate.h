@@ -72,6 +72,12 @@ typedef struct Generator {
     int32_t* d_slot;     // (S) device
     int32_t* d_len;      // (S) device
     int32_t *h_ids, *h_pos, *h_slot, *h_len, *h_row;  // host staging (S or maxT)
+    // backend sampling (ops->sample_tokens, without top-k / top-p): one upload and one download
+    // per decode step
+    int32_t* h_step;     // (5, S) host: [ids | slots | lens | positions | uniforms (fp32 bits)]
+    int32_t* d_step;     // (5, S) device copy
+    int32_t* h_out;      // (3, S) host: [tokens | log-probs (S, 2) fp32]
+    int32_t* d_out;      // (3, S) device
     float* logits;       // (S, V) host
     int64_t* order;      // (V) top-k / top-p scratch
     double* probs;       // (V)
@@ -79,6 +85,8 @@ typedef struct Generator {
     int64_t n_decoded;   // tokens decoded (rows x steps)
 } Generator;
 
+// 1 when the decode steps sample on the backend (ops->sample_tokens, no top-k / top-p).
+int gen_samples_on_backend(const Generator* g);
 // Bytes the generator allocates on the backend: KV cache, workspaces, buffers (and its own
 // weight copy when own_weights).
 size_t gen_bytes(const Model* m, int act_bytes, const GenOptions* o, int own_weights);
@@ -90,6 +98,9 @@ void gen_free(Generator* g);
 // The store's parameters into the generator's own weights, as `version` (the KV caches hold
 // nothing between gen_run calls, so none outlives the weights it was computed with).
 void gen_load_weights(Generator* g, const Store* s, int64_t version);
+// The device slabs `slabs` (the plain path's compute-dtype weights on the same backend) copied
+// into the generator's own weights, as `version` (device to device). Returns the bytes copied.
+size_t gen_copy_weights(Generator* g, void* const* slabs, int64_t version);
 // Use these device slabs (the plain path's) as the weights (no copy).
 void gen_borrow_weights(Generator* g, void* const* slabs, int64_t version);
 // Generate for n sequences in groups of `group` consecutive sequences sharing one prompt (their

@@ -137,9 +137,10 @@ int grpo_create(Grpo* g, const TrainArgs* a, const Model* m, Store* s, Plain* p,
     g->maxT = a->seq;
     const RlArgs* r = g->r;
     const int n = r->prompts * r->group;
-    if (!tok && m->cfg.V != 256) {
+    if (!tok && m->cfg.V != 256 && !r->ignore_eos) {
         snprintf(err, ERR_LEN, "--rl needs text prompts: the model has no tokenizer and is not "
-                 "byte-level (vocabulary %d)", m->cfg.V);
+                 "byte-level (vocabulary %d); --rl-ignore-eos 1 reads them as byte ids "
+                 "(benchmarks)", m->cfg.V);
         return -1;
     }
     if (rl_task_open(&g->task, r->task, r->eval, a->seed, err) != 0) return -1;
@@ -151,6 +152,7 @@ int grpo_create(Grpo* g, const TrainArgs* a, const Model* m, Store* s, Plain* p,
     }
     gen_load_weights(&g->gen, s, version);
     rl_stop_tokens(&m->cfg, tok, &g->stop_a, &g->stop_b);
+    if (r->ignore_eos) g->stop_a = g->stop_b = -1;  // every answer runs to its budget
     reward_cmd_init(&g->rc, r->reward_cmd, r->reward_timeout);
     for (int i = 0; i < 2; i++) batch_alloc(&g->batch[i], r->prompts, r->group, g->maxT);
     if (r->kl_beta > 0.0f) {
@@ -263,6 +265,7 @@ static void fill_batch(Grpo* g, GrpoBatch* b, int step) {
 void grpo_rollout(Grpo* g, int step) {
     const RlArgs* r = g->r;
     const double decoded0 = (double)g->gen.n_decoded, t0 = time_now_s();
+    const double t_decode0 = g->gen.t_decode;
     GrpoStats* st = &g->st;
     memset(st, 0, sizeof *st);
     // the batch generated for this step during the previous one (off-policy), if any
@@ -282,6 +285,8 @@ void grpo_rollout(Grpo* g, int step) {
     st->rollout_s = time_now_s() - t0;
     const double decoded = (double)g->gen.n_decoded - decoded0;
     st->gen_tok_s = st->rollout_s > 0 ? decoded / st->rollout_s : 0.0;
+    const double t_dec = g->gen.t_decode - t_decode0;
+    st->decode_tok_s = t_dec > 0 ? decoded / t_dec : 0.0;
 }
 
 // ----------------------------------------------------------------------------
@@ -400,7 +405,18 @@ StepStats grpo_train(Grpo* g, Trainer* tr, int step) {
 
 void grpo_sync(Grpo* g, int64_t version) {
     const double t0 = time_now_s();
-    gen_load_weights(&g->gen, g->s, version);
+    if (g->p->aliased) {
+        // the CPU: the store's fp32 weights are the plain path's
+        gen_load_weights(&g->gen, g->s, version);
+        g->st.sync_bytes = 0.0;
+        for (int l = 0; l < g->m->tt.n_layers; l++)
+            g->st.sync_bytes += (double)g->m->tt.param_numel[l] * g->p->ops->act_bytes;
+    } else {
+        // a GPU: the trainer's step ended by uploading the new weights to its device slabs
+        // (plain_sync_params), so the generator's copy is a device-to-device copy of those
+        g->st.sync_bytes = (double)gen_copy_weights(&g->gen, g->p->dparam, version);
+        g->p->ops->synchronize(g->p->ctx);
+    }
     g->st.sync_s = time_now_s() - t0;
 }
 
@@ -457,6 +473,10 @@ void grpo_log_step(const Grpo* g, StepLog* lg, const StepStats* s) {
            st->clip_frac, st->kl, st->answer_len, (long long)st->version,
            st->staleness ? " (1 behind)" : "", st->rollout_s * 1e3, st->gen_tok_s,
            st->train_s * 1e3, st->sync_s * 1e3, s->norm, s->lr);
+    if (!g->p->aliased && st->sync_s > 0)  // (the CPU's step line stays as it was)
+        printf("  weight sync: %.1f MB in %.2f ms (%.1f GB/s); decode %.0f tokens/s\n",
+               st->sync_bytes / 1e6, st->sync_s * 1e3, st->sync_bytes / st->sync_s / 1e9,
+               st->decode_tok_s);
     if (st->masked || st->skipped_groups || st->regenerated)
         printf("  %d answers without a reward (masked), %d of %d groups skipped (equal "
                "rewards)%s\n",
@@ -479,6 +499,8 @@ void grpo_log_step(const Grpo* g, StepLog* lg, const StepStats* s) {
     json_num(lg->f, "train_ms", st->train_s * 1e3);
     json_num(lg->f, "sync_ms", st->sync_s * 1e3);
     json_num(lg->f, "gen_tok_s", st->gen_tok_s);
+    json_num(lg->f, "sync_bytes", st->sync_bytes);
+    json_num(lg->f, "decode_tok_s", st->decode_tok_s);
     fprintf(lg->f, "}\n");
     fflush(lg->f);
 }

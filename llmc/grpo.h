@@ -71,6 +71,8 @@ typedef struct GrpoStats {
     int staleness;         // trained weights' version - the batch's
     int regenerated;       // the pending batch was too stale and was generated again
     double rollout_s, train_s, sync_s, gen_tok_s;
+    double sync_bytes;     // the weights moved into the generator
+    double decode_tok_s;   // tokens per second of the decode steps alone (no prefill, rewards)
 } GrpoStats;
 
 typedef struct Grpo {

@@ -752,7 +752,13 @@ void model_block_decode_at(const Model* m, Workspace* ws, int block, const void*
                         opt_at(ws, slab, bl->bqkv), n, C, m->QKV);
     lora_forward(m, ws, block, LORA_BIT(LORA_Q) | LORA_BIT(LORA_K) | LORA_BIT(LORA_V), slab,
                  a->ln1, a->qkv_raw, n, 0);
-    for (int i = 0; i < n; i++) {
+    if (ops->decode_rope_append && r->d_pos) {
+        // one fused op for every row (a GPU step would otherwise launch 3 ops per row)
+        ops->decode_rope_append(ctx, a->qkv, kc, vc, a->qkv_raw, opt_at(ws, slab, bl->q_norm),
+                                opt_at(ws, slab, bl->k_norm), r->rope_cos, r->rope_sin, r->d_pos,
+                                r->d_slot, n, r->maxT, c->H, c->KVH, c->HD, c->norm_eps);
+    }
+    for (int i = 0; i < n && !(ops->decode_rope_append && r->d_pos); i++) {
         const int64_t row = (int64_t)i * m->QKV;
         ops->qknorm_rope_forward(ctx, at(ws, a->qkv, row),
                                  a->rstd_qk ? a->rstd_qk + (size_t)i * heads : NULL,

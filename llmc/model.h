@@ -221,6 +221,7 @@ typedef struct DecodeRows {
     const int32_t* slot;      // (n) host: each row's KV-cache slot
     const int32_t* d_slot;    // (n) device: the same slots, for the decode attention
     const int32_t* d_len;     // (n) device: pos + 1, the keys each row attends to
+    const int32_t* d_pos;     // (n) device: the positions (ops->decode_rope_append; else unused)
     const float* rope_cos;    // (maxT, HD/2) device RoPE tables covering every position
     const float* rope_sin;
     int maxT;                 // positions per cache slot

@@ -115,6 +115,8 @@ typedef struct Ops {
     void (*add)(void* ctx, void* out, const void* a, const void* b, size_t n);
     // out = s · inp (n elements; out may alias inp).
     void (*scale)(void* ctx, void* out, const void* inp, float s, size_t n);
+    // dst (N, w) = src (N, ld) columns [c0, c0 + w) (a strided copy: the prefill's keys and values).
+    void (*copy_cols)(void* ctx, void* dst, const void* src, int N, int ld, int c0, int w);
     // dst += src in fp32 on both backends (gradient buffers: a tied head's into its owner's).
     void (*add_f32)(void* ctx, float* dst, const float* src, size_t n);
 
@@ -150,6 +152,25 @@ typedef struct Ops {
                                     const float* ref_logp, const float* adv, const float* weight,
                                     int n, int V, float inv_temp, float clip_low, float clip_high,
                                     float kl_beta, int compute_grad);
+
+    // The decode step's q/k-norm + RoPE with the KV-cache append (NULL: the model runs
+    // qknorm_rope_forward per row and copies): out (n, QKV) = qknorm_rope_forward of row i as a
+    // one-token sequence at position pos[i] (cos/sin (maxT, HD/2) tables of every position), and
+    // its rotated k and its v written to kc, vc (slots, maxT, KVH*HD) at (slot[i], pos[i]).
+    // pos, slot (n) int32 backend buffers. No rstd is kept (no backward).
+    void (*decode_rope_append)(void* ctx, void* out, void* kc, void* vc, const void* inp,
+                               const void* q_norm_w, const void* k_norm_w, const float* cos,
+                               const float* sin, const int32_t* pos, const int32_t* slot, int n,
+                               int maxT, int H, int KVH, int HD, float eps);
+    // Sampling on the backend (NULL: the host samples, generate.c gen_sample): row i of logits
+    // (n, V) draws tokens[i] from softmax(logits_i / temperature) by the inverse-CDF walk in
+    // vocabulary order with the uniform u[i] in [0, 1) (the host's per-sequence RNG draws it, so
+    // both give the same token unless two cumulative sums straddle u·Σ within rounding);
+    // temperature <= 0: the first argmax. logp (n, 2) fp32: [the token's log-prob under the
+    // distribution it was drawn from, under the full tempered softmax] (0 when greedy). No top-k
+    // or top-p: the host samples those. tokens, logp, u are backend buffers.
+    void (*sample_tokens)(void* ctx, int32_t* tokens, float* logp, const void* logits,
+                          const float* u, int n, int V, float temperature);
 
     // ---- attention with sinks and sliding windows (GPT-OSS) ----
     // As attention_forward, with key j visible to query t iff j <= t and (window == 0 or

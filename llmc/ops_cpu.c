@@ -384,6 +384,12 @@ static void get_cols_task(void* arg, int64_t task) {
     }
 }
 
+static void cpu_copy_cols(void* ctx, void* dst, const void* src, int N, int ld, int c0, int w) {
+    ColsArgs a = {.dst = dst, .src = src, .scale = 1.0f, .N = N, .ld = ld, .c0 = c0, .w = w,
+                  .rows_per_task = rows_per_task((size_t)w)};
+    cpu_run(ctx, task_count(N, a.rows_per_task), get_cols_task, &a);  // (1 · x is exact)
+}
+
 static void cpu_matmul_cols_backward(void* ctx, void* dinp, int accumulate, float* dw,
                                      const void* dout, const void* inp, const void* w, float scale,
                                      int N, int IC, int OC, int ld, int c0) {
@@ -630,6 +636,7 @@ const Ops ops_cpu = {
     .swiglu_backward = cpu_swiglu_backward,
     .add = cpu_add,
     .scale = cpu_scale,
+    .copy_cols = cpu_copy_cols,
     .add_f32 = cpu_add_f32,
     .crossentropy_forward_backward = cpu_crossentropy_forward_backward,
     .attention_decode = ops_cpu_attention_decode,

@@ -111,6 +111,7 @@ int rl_args_set(RlArgs* r, int c, const char* v) {
             if (rc == 0 && r->top_p <= 0.0f) return rl_bad("--top-p", v, "must be above 0");
             return rc;
         }
+        case 19: return rl_int("--rl-ignore-eos", v, 0, 1, &r->ignore_eos);
     }
     return rl_bad("--rl", v, "internal: unknown RL flag");
 }
@@ -122,8 +123,9 @@ int rl_args_check(const RlArgs* r, int engine, float temperature, int seq, int l
         return 0;
     }
     if (engine)
-        return rl_bad("--rl", "grpo", "trains with --device cpu (plain training) for now: the "
-                      "RoundPipe engine does not run the policy loss yet");
+        return rl_bad("--rl", "grpo", "trains with --device cpu (plain training) or --device "
+                      "cuda (one GPU, colocated) for now: the RoundPipe engine does not run the "
+                      "policy loss yet");
     if (lora) return rl_bad("--rl", "grpo", "LoRA adapters are not supported with --rl yet");
     snprintf(v, sizeof v, "%g", (double)temperature);
     if (temperature <= 0.0f)
@@ -176,7 +178,10 @@ void rl_args_usage(FILE* f) {
         "      --max-staleness K  a batch more than K versions behind is generated again\n"
         "                         (default 1)\n"
         "      --top-k K, --top-p P  sampling cut-offs (default 0 = off, 1 = off); the ratio\n"
-        "                         uses the untruncated tempered softmax on both sides\n");
+        "                         uses the untruncated tempered softmax on both sides\n"
+        "      --rl-ignore-eos 0|1  1: no stop token, every answer runs to --rl-max-tokens, and a\n"
+        "                         model without a tokenizer reads its prompts as byte ids\n"
+        "                         (speed benchmarks on random weights) (default 0)\n");
 }
 
 void rl_args_json(FILE* m, const RlArgs* r) {
@@ -193,4 +198,5 @@ void rl_args_json(FILE* m, const RlArgs* r) {
             r->prompts, r->group, r->max_tokens, rl_adv_std_name(r->adv_std),
             (double)r->clip_low, (double)r->clip_high, rl_loss_agg_name(r->loss_agg),
             (double)r->kl_beta, r->off_policy, r->max_staleness, r->top_k, (double)r->top_p);
+    if (r->ignore_eos) fputs(",\n  \"rl-ignore-eos\": 1", m);  // (absent when off, as before)
 }

@@ -32,6 +32,7 @@ typedef struct RlArgs {
     int max_staleness;       // batches more versions behind than this are generated again
     int top_k;               // sampling: 0 = off
     float top_p;             // sampling: 1 = off
+    int ignore_eos;          // --rl-ignore-eos 1: answers run to --rl-max-tokens (benchmarks)
 } RlArgs;
 
 #define RL_OPT_BASE 3000
@@ -54,8 +55,9 @@ typedef struct RlArgs {
     {"off-policy", required_argument, 0, RL_OPT_BASE + 15},                                     \
     {"max-staleness", required_argument, 0, RL_OPT_BASE + 16},                                  \
     {"top-k", required_argument, 0, RL_OPT_BASE + 17},                                          \
-    {"top-p", required_argument, 0, RL_OPT_BASE + 18}
-#define RL_OPT_COUNT 19
+    {"top-p", required_argument, 0, RL_OPT_BASE + 18},                                          \
+    {"rl-ignore-eos", required_argument, 0, RL_OPT_BASE + 19}
+#define RL_OPT_COUNT 20
 
 void rl_args_defaults(RlArgs* r);
 // 1 when getopt's code c is one of the RL flags.

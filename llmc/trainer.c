@@ -196,6 +196,10 @@ int trainer_create(Trainer* t, const TrainArgs* a, const Model* m, Store* s, Tra
         if (create_engine(t, N, n_opt_cpus, engine_options, err) != 0) return -1;
         // (the engine has made its bf16 copy of the base, releasing the fp32 one as it went)
         if (trainer_releases_frozen(a, m, use_engine)) store_release_frozen(s);
+    } else if (t->use_cuda) {  // (--rl grpo: the plain path on GPU 0, AdamW on the host)
+        printf("device cuda (GPU 0, plain path; AdamW on %d CPU threads), batch %d x %d tokens in "
+               "%d micro-batch(es)%s\n", t->pool->n_threads, a->batch, a->seq, a->micro_batches,
+               recompute ? ", recomputing activations" : "");
     } else {
         printf("device cpu (%d threads), batch %d x %d tokens in %d micro-batch(es)%s\n",
                t->pool->n_threads, a->batch, a->seq, a->micro_batches,

@@ -6,7 +6,7 @@
 #   dev/cuda/run_labs.sh [--validate-only] [--build] [--seed S] [--out DIR] [LAB ...]
 #
 #   LAB              norm rope elementwise embedding loss matmul moe moe_matmul dequant
-#                    (default: all)
+#                    decode (default: all)
 #   --validate-only  the validations only (seconds)
 #   --build          run `make dev-cuda` first even when every binary exists (make rebuilds what
 #                    is out of date); without it the labs are built only when a binary is missing
@@ -20,7 +20,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."  # the repository root
 
-ALL_LABS="norm rope elementwise embedding loss matmul moe moe_matmul dequant"
+ALL_LABS="norm rope elementwise embedding loss matmul moe moe_matmul dequant decode"
 BIN_DIR=dev/cuda/build
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 

@@ -1,7 +1,9 @@
 /*
  * test_grpo.c — GRPO on the CPU: the decode attention against the full attention, the
  * generation engine against a forward per token, the policy-gradient op against finite
- * differences and a reference written out here, and (CLI) runs of --rl grpo that learn.
+ * differences and a reference written out here, and (CLI) runs of --rl grpo that learn. With a
+ * GPU: the CUDA decode attention, rope + cache append, sampler and policy op against the CPU
+ * ops, and generation on the CUDA backend against the CPU's (skipped without a GPU).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -16,6 +18,9 @@
 #include "../rng.h"
 #include "../store.h"
 #include "testing.h"
+#ifdef HAVE_CUDA
+#include "gpu_testing.h"
+#endif
 
 static void fill_normal(float* x, size_t n, Rng* r, float scale) {
     for (size_t i = 0; i < n; i++) x[i] = rng_normal(r) * scale;
@@ -392,14 +397,14 @@ static void log_field(const char* log, int step, const char* key, char* out, siz
 // accuracy by at least 0.5 (measured: 0.00 -> 1.00 for both; the training batches' accuracy
 // climbs 0.02 -> 0.89 on-policy and 0.02 -> 0.84 off-policy, where the ratio is off 1). A run
 // stopped after step 10 and resumed from its checkpoint logs step 20 exactly as the straight run.
-static void test_grpo_cli_learns(TestCtx* t) {
-    char task[512], pre[512], args[4096], rdir[512];
-    test_path(t, task, sizeof task, "grpo_task.jsonl");
-    test_path(t, pre, sizeof pre, "grpo_pre");
-    test_path(t, rdir, sizeof rdir, "grpo_resume");
+// The task file and the pre-trained model of the learning tests (task, pre: their paths). 0 ok.
+static int grpo_learns_setup(TestCtx* t, char* task, char* pre) {
+    char args[4096];
+    test_path(t, task, 512, "grpo_task.jsonl");
+    test_path(t, pre, 512, "grpo_pre");
     FILE* f = fopen(task, "w");
     CHECK(t, f != NULL, "cannot write %s", task);
-    if (!f) return;
+    if (!f) return -1;
     Rng r;
     rng_seed(&r, 77);
     for (int i = 0; i < 200; i++) {
@@ -411,10 +416,19 @@ static void test_grpo_cli_learns(TestCtx* t) {
              "--threads 2 --lr 3e-3 --warmup 10 --out '%s'", pre);
     int rc = test_run_cli(t, "grpo_pre", args);
     CHECK(t, rc == 0, "pre-training exited %d", rc);
-    if (rc != 0) return;
-    const char* common = "--rl grpo --rl-prompts 8 --rl-group 8 --batch 64 --seq 16 --rl-eval 60 "
-                         "--temperature 1 --lr 1e-3 --warmup 3 --schedule constant "
-                         "--rl-max-tokens 1 --sample-tokens 0 --threads 2";
+    return rc == 0 ? 0 : -1;
+}
+
+static const char* const GRPO_LEARNS_FLAGS =
+    "--rl grpo --rl-prompts 8 --rl-group 8 --batch 64 --seq 16 --rl-eval 60 --temperature 1 "
+    "--lr 1e-3 --warmup 3 --schedule constant --rl-max-tokens 1 --sample-tokens 0 --threads 2";
+
+static void test_grpo_cli_learns(TestCtx* t) {
+    char task[512], pre[512], args[4096], rdir[512];
+    test_path(t, rdir, sizeof rdir, "grpo_resume");
+    if (grpo_learns_setup(t, task, pre) != 0) return;
+    int rc;
+    const char* common = GRPO_LEARNS_FLAGS;
     for (int off = 0; off < 2; off++) {
         char tag[32], log[512];
         snprintf(tag, sizeof tag, "grpo_off%d", off);
@@ -524,7 +538,383 @@ static void test_grpo_refusals(TestCtx* t) {
     }
 }
 
+// ----------------------------------------------------------------------------
+// the CUDA backend against the CPU (skipped without a GPU)
+
+#ifdef HAVE_CUDA
+
+// Decode attention on random bf16 inputs: rows of several lengths (one key, inside the first
+// split-K chunk, across chunks) in shuffled slots, with and without sinks and a window.
+static void gpu_decode_attention_case(TestCtx* t, Gpu* G, int H, int KVH, int HD, int maxT,
+                                      int window, int with_sinks) {
+    const int n = 6, slots = 7, QKV = (H + 2 * KVH) * HD, KD = KVH * HD;
+    const int lens[6] = {1, 2, 17, maxT / 2 + 3, maxT - 1, maxT};
+    int32_t slot[6], len[6];
+    for (int i = 0; i < n; i++) {
+        slot[i] = (5 * i + 3) % slots;
+        len[i] = lens[i];
+    }
+    float* qkv = rand_bf16(G, (size_t)n * QKV, 1.0f);
+    float* kc = rand_bf16(G, (size_t)slots * maxT * KD, 1.0f);
+    float* vc = rand_bf16(G, (size_t)slots * maxT * KD, 1.0f);
+    float* sinks = with_sinks ? rand_bf16(G, (size_t)H, 2.0f) : NULL;
+    float* want = malloc_check((size_t)n * H * HD * sizeof(float));
+    G->c->attention_decode(G->cctx, want, qkv, kc, vc, slot, len, sinks, n, maxT, H, KVH, HD,
+                           window);
+    void* d_qkv = dev_bf16(G, qkv, (size_t)n * QKV);
+    void* d_kc = dev_bf16(G, kc, (size_t)slots * maxT * KD);
+    void* d_vc = dev_bf16(G, vc, (size_t)slots * maxT * KD);
+    void* d_s = sinks ? dev_bf16(G, sinks, (size_t)H) : NULL;
+    void* d_slot = dev_raw(G, slot, sizeof slot);
+    void* d_len = dev_raw(G, len, sizeof len);
+    void* d_out = dev_nan_bf16(G, (size_t)n * H * HD);
+    void* d_out2 = dev_nan_bf16(G, (size_t)n * H * HD);
+    G->g->attention_decode(G->gctx, d_out, d_qkv, d_kc, d_vc, d_slot, d_len, d_s, n, maxT, H, KVH,
+                           HD, window);
+    G->g->attention_decode(G->gctx, d_out2, d_qkv, d_kc, d_vc, d_slot, d_len, d_s, n, maxT, H,
+                           KVH, HD, window);
+    float* got = host_bf16(G, d_out, (size_t)n * H * HD);
+    char what[160];
+    snprintf(what, sizeof what, "decode attention H=%d KVH=%d HD=%d maxT=%d window=%d%s", H, KVH,
+             HD, maxT, window, with_sinks ? " sinks" : "");
+    check_rel(t, what, got, want, (size_t)n * H * HD, 1e-2);
+    CHECK(t, same_device_bytes(G, d_out, d_out2, (size_t)n * H * HD * 2), "%s: not repeatable",
+          what);
+    free(qkv);
+    free(kc);
+    free(vc);
+    free(sinks);
+    free(want);
+    free(got);
+    void* bufs[] = {d_qkv, d_kc, d_vc, d_s, d_slot, d_len, d_out, d_out2};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        if (bufs[i]) gfree(G, bufs[i]);
+}
+
+static void test_grpo_gpu_decode_attention(TestCtx* t) {
+    Gpu G;
+    if (!gpu_open(t, &G, 41)) return;
+    gpu_decode_attention_case(t, &G, 16, 8, 128, 600, 0, 0);  // Qwen3-1.7B heads, 3 chunks
+    gpu_decode_attention_case(t, &G, 16, 8, 128, 600, 0, 1);
+    gpu_decode_attention_case(t, &G, 8, 2, 64, 300, 100, 1);  // group 4, window, sinks
+    gpu_decode_attention_case(t, &G, 4, 1, 16, 40, 0, 0);     // test-qwen3's heads
+    gpu_decode_attention_case(t, &G, 6, 2, 12, 33, 5, 0);     // HD not a multiple of 4
+    gpu_close(&G);
+}
+
+// The fused q/k-norm + RoPE + cache append against the CPU's per-row qknorm_rope_forward and
+// copies, rows at scattered positions and slots, with and without the norms.
+static void test_grpo_gpu_decode_rope_append(TestCtx* t) {
+    Gpu G;
+    if (!gpu_open(t, &G, 43)) return;
+    for (int norm = 0; norm < 2; norm++) {
+        const int n = 5, H = 16, KVH = 8, HD = 128, maxT = 64, slots = 6, half = HD / 2;
+        const int QKV = (H + 2 * KVH) * HD, QD = H * HD, KD = KVH * HD;
+        int32_t pos[5] = {0, 7, 63, 31, 1}, slot[5] = {2, 0, 5, 3, 1};
+        float* inp = rand_bf16(&G, (size_t)n * QKV, 1.0f);
+        float* qw = norm ? rand_bf16(&G, (size_t)HD, 1.0f) : NULL;
+        float* kw = norm ? rand_bf16(&G, (size_t)HD, 1.0f) : NULL;
+        float* cs = malloc_check((size_t)maxT * half * sizeof(float));
+        float* sn = malloc_check((size_t)maxT * half * sizeof(float));
+        for (int p = 0; p < maxT; p++)
+            for (int i = 0; i < half; i++) {
+                const double f = p * pow(1e6, -2.0 * i / HD);
+                cs[(size_t)p * half + i] = (float)cos(f);
+                sn[(size_t)p * half + i] = (float)sin(f);
+            }
+        float* want = malloc_check((size_t)n * QKV * sizeof(float));
+        float* kc_w = calloc_check((size_t)slots * maxT * KD, sizeof(float));
+        float* vc_w = calloc_check((size_t)slots * maxT * KD, sizeof(float));
+        for (int i = 0; i < n; i++) {
+            float* o = want + (size_t)i * QKV;
+            G.c->qknorm_rope_forward(G.cctx, o, NULL, inp + (size_t)i * QKV, qw, kw,
+                                     cs + (size_t)pos[i] * half, sn + (size_t)pos[i] * half, 1, 1,
+                                     H, KVH, HD, 1e-6f);
+            const size_t at = ((size_t)slot[i] * maxT + pos[i]) * KD;
+            memcpy(kc_w + at, o + QD, KD * sizeof(float));
+            memcpy(vc_w + at, o + QD + KD, KD * sizeof(float));
+        }
+        void* d_in = dev_bf16(&G, inp, (size_t)n * QKV);
+        void* d_qw = qw ? dev_bf16(&G, qw, HD) : NULL;
+        void* d_kw = kw ? dev_bf16(&G, kw, HD) : NULL;
+        void* d_cs = dev_raw(&G, cs, (size_t)maxT * half * sizeof(float));
+        void* d_sn = dev_raw(&G, sn, (size_t)maxT * half * sizeof(float));
+        void* d_pos = dev_raw(&G, pos, sizeof pos);
+        void* d_slot = dev_raw(&G, slot, sizeof slot);
+        void* d_out = dev_nan_bf16(&G, (size_t)n * QKV);
+        void* d_kc = G.g->alloc(G.gctx, (size_t)slots * maxT * KD * 2);
+        void* d_vc = G.g->alloc(G.gctx, (size_t)slots * maxT * KD * 2);
+        G.g->decode_rope_append(G.gctx, d_out, d_kc, d_vc, d_in, d_qw, d_kw, d_cs, d_sn, d_pos,
+                                d_slot, n, maxT, H, KVH, HD, 1e-6f);
+        float* got = host_bf16(&G, d_out, (size_t)n * QKV);
+        float* kc_g = host_bf16(&G, d_kc, (size_t)slots * maxT * KD);
+        float* vc_g = host_bf16(&G, d_vc, (size_t)slots * maxT * KD);
+        check_rel(t, norm ? "rope+append out (qk-norm)" : "rope+append out", got, want,
+                  (size_t)n * QKV, 1e-2);
+        check_rel(t, "rope+append key cache", kc_g, kc_w, (size_t)slots * maxT * KD, 1e-2);
+        check_rel(t, "rope+append value cache", vc_g, vc_w, (size_t)slots * maxT * KD, 1e-2);
+        free(inp);
+        free(qw);
+        free(kw);
+        free(cs);
+        free(sn);
+        free(want);
+        free(kc_w);
+        free(vc_w);
+        free(got);
+        free(kc_g);
+        free(vc_g);
+        void* bufs[] = {d_in, d_qw, d_kw, d_cs, d_sn, d_pos, d_slot, d_out, d_kc, d_vc};
+        for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+            if (bufs[i]) gfree(&G, bufs[i]);
+    }
+    gpu_close(&G);
+}
+
+// The backend sampler against gen_sample on the same (bf16) logits and the same per-row
+// uniforms: the same tokens, and log-probs within fp32 rounding; greedy: the first argmax.
+static void test_grpo_gpu_sample(TestCtx* t) {
+    Gpu G;
+    if (!gpu_open(t, &G, 47)) return;
+    const int n = 64;
+    const int Vs[2] = {1000, 151936};
+    for (int k = 0; k < 2; k++) {
+        const int V = Vs[k];
+        Model m;
+        memset(&m, 0, sizeof m);
+        m.cfg.V = V;
+        float* logits = rand_bf16(&G, (size_t)n * V, 2.0f);
+        for (int i = 0; i < 4; i++) logits[(size_t)i * V + 3 * i] = 12.0f;  // peaked rows
+        void* d_logits = dev_bf16(&G, logits, (size_t)n * V);
+        int32_t* d_tok = G.g->alloc(G.gctx, (size_t)n * sizeof(int32_t));
+        float* d_lp = G.g->alloc(G.gctx, (size_t)n * 2 * sizeof(float));
+        float* u = malloc_check((size_t)n * sizeof(float));
+        for (int temp = 0; temp < 2; temp++) {
+            const float temperature = temp ? 0.8f : 0.0f;
+            Generator g = {.m = &m, .o = {.temperature = temperature, .top_k = 0, .top_p = 1.0f}};
+            g.probs = malloc_check((size_t)V * 16);
+            Rng* rr = malloc_check((size_t)n * sizeof(Rng));
+            for (int i = 0; i < n; i++) {
+                rng_seed(&rr[i], 900 + i);
+                Rng copy = rr[i];
+                u[i] = temperature > 0 ? rng_uniform(&copy) : 0.0f;
+            }
+            float* d_u = dev_raw(&G, u, (size_t)n * sizeof(float));
+            G.g->sample_tokens(G.gctx, d_tok, d_lp, d_logits, d_u, n, V, temperature);
+            int32_t* tok = host_raw(&G, d_tok, (size_t)n * sizeof(int32_t));
+            float* lp = host_f32(&G, d_lp, (size_t)n * 2);
+            int same = 0;
+            double worst = 0.0;
+            for (int i = 0; i < n; i++) {
+                float l1, l2;
+                const int want = gen_sample(&g, logits + (size_t)i * V, &rr[i], &l1, &l2);
+                same += tok[i] == want;
+                worst = fmax(worst, fabs((double)lp[2 * i] - l1));
+                worst = fmax(worst, fabs((double)lp[2 * i + 1] - l2));
+            }
+            CHECK(t, same == n, "V %d temperature %g: %d of %d tokens as the CPU sampler's", V,
+                  (double)temperature, same, n);
+            CHECK(t, worst < 1e-4, "V %d temperature %g: log-probs off by %.3g", V,
+                  (double)temperature, worst);
+            free(tok);
+            free(lp);
+            free(rr);
+            free(g.probs);
+            gfree(&G, d_u);
+        }
+        free(logits);
+        free(u);
+        gfree(&G, d_logits);
+        gfree(&G, d_tok);
+        gfree(&G, d_lp);
+    }
+    gpu_close(&G);
+}
+
+// The policy-gradient op on the GPU against the CPU op: log-probs, losses and the gradient
+// written over the logits, with ignored targets, clipped tokens both ways and the KL term.
+static void test_grpo_gpu_policy_op(TestCtx* t) {
+    Gpu G;
+    if (!gpu_open(t, &G, 53)) return;
+    const int n = 8, V = 5003;
+    float* z = rand_bf16(&G, (size_t)n * V, 2.0f);
+    int32_t y[8] = {5, -1, 17, 4000, 0, 5002, 99, 1234};
+    float old[8], ref[8], adv[8], w[8], lp_c[8], loss_c[8];
+    const float inv_temp = 1.0f / 0.9f;
+    for (int pass = 0; pass < 2; pass++) {
+        // pass 0: the CPU's log-probs, to place old_logp inside and outside the clip range
+        for (int i = 0; i < n; i++) {
+            const double shift[8] = {0.0, 0.0, 0.5, -0.5, 0.1, -0.1, 0.3, -0.02};
+            old[i] = pass ? lp_c[i] + (float)shift[i] : 0.0f;
+            ref[i] = pass ? lp_c[i] - 0.2f : 0.0f;
+            adv[i] = i % 2 ? -1.0f : 0.7f;
+            w[i] = 0.25f;
+        }
+        float* zc = malloc_check((size_t)n * V * sizeof(float));
+        memcpy(zc, z, (size_t)n * V * sizeof(float));
+        G.c->policy_forward_backward(G.cctx, zc, lp_c, loss_c, y, old, pass ? ref : NULL, adv, w,
+                                     n, V, inv_temp, 0.2f, 0.28f, pass ? 0.05f : 0.0f, 1);
+        if (pass) {
+            void* d_z = dev_bf16(&G, z, (size_t)n * V);
+            void* d_y = dev_raw(&G, y, sizeof y);
+            void* d_old = dev_raw(&G, old, sizeof old);
+            void* d_ref = dev_raw(&G, ref, sizeof ref);
+            void* d_adv = dev_raw(&G, adv, sizeof adv);
+            void* d_w = dev_raw(&G, w, sizeof w);
+            float* d_lp = G.g->alloc(G.gctx, sizeof old);
+            float* d_loss = G.g->alloc(G.gctx, sizeof old);
+            G.g->policy_forward_backward(G.gctx, d_z, d_lp, d_loss, d_y, d_old, d_ref, d_adv,
+                                         d_w, n, V, inv_temp, 0.2f, 0.28f, 0.05f, 1);
+            float* lp_g = host_f32(&G, d_lp, n);
+            float* loss_g = host_f32(&G, d_loss, n);
+            float* zg = host_bf16(&G, d_z, (size_t)n * V);
+            double worst = 0.0;
+            for (int i = 0; i < n; i++) worst = fmax(worst, fabs((double)lp_g[i] - lp_c[i]));
+            CHECK(t, worst < 1e-4, "policy op log-probs off by %.3g", worst);
+            check_rel(t, "policy op losses", loss_g, loss_c, n, 1e-4);
+            check_rel(t, "policy op gradient", zg, zc, (size_t)n * V, 1e-2);
+            int zero = 1;
+            for (int v = 0; v < V; v++) zero &= zg[(size_t)1 * V + v] == 0.0f;
+            CHECK(t, zero && lp_g[1] == 0.0f && loss_g[1] == 0.0f, "ignored target not zero");
+            free(lp_g);
+            free(loss_g);
+            free(zg);
+            void* bufs[] = {d_z, d_y, d_old, d_ref, d_adv, d_w, d_lp, d_loss};
+            for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) gfree(&G, bufs[i]);
+        }
+        free(zc);
+    }
+    free(z);
+    gpu_close(&G);
+}
+
+// Generation on the CUDA backend against the CPU: the same greedy tokens on tiny models, and
+// sampled tokens whose log-probs match a CPU forward over their prefix within bf16 tolerance.
+static void test_grpo_gpu_generate(TestCtx* t) {
+    Gpu G;
+    if (!gpu_open(t, &G, 59)) return;
+    const char* presets[] = {"test-llama", "test-qwen3", "test-gptoss"};
+    for (size_t k = 0; k < sizeof presets / sizeof presets[0]; k++) {
+        ModelConfig cfg;
+        char err[ERR_LEN];
+        Model m;
+        if (config_from_preset(&cfg, presets[k], err) != 0 || model_init(&m, &cfg, 0, err) != 0) {
+            CHECK(t, 0, "%s: %s", presets[k], err);
+            continue;
+        }
+        Store s;
+        store_create(&s, &m.tt);
+        store_init_random(&s, 11, 0.3f);
+        const int maxT = 24, V = cfg.V, S = 4;
+        Plain* p = plain_create(&m, &s, G.c, G.cctx, 1, maxT, 0);
+        int32_t toks[2][4][24];
+        float lp[2][4][48];
+        GenSeq seqs[2][4];
+        for (int temp = 0; temp < 2; temp++) {
+            const GenOptions go = {.max_seqs = S, .max_len = maxT, .temperature = temp ? 0.9f : 0.0f,
+                                   .top_k = 0, .top_p = 1.0f};
+            for (int b = 0; b < 2; b++) {  // b 0: CPU, 1: CUDA
+                Generator g;
+                const Ops* ops = b ? G.g : G.c;
+                CHECK(t, gen_create(&g, &m, ops, b ? G.gctx : G.cctx, &go, 1, err) == 0, "%s", err);
+                gen_load_weights(&g, &s, 1);
+                for (int i = 0; i < S; i++) {
+                    const int P = i < 2 ? 3 : 6;
+                    for (int j = 0; j < P; j++) toks[b][i][j] = (7 * (i / 2) + 5 * j + 1) % V;
+                    seqs[b][i] = (GenSeq){.tokens = toks[b][i], .logp = lp[b][i],
+                                          .logp_full = lp[b][i] + 24, .prompt_len = P,
+                                          .max_new = 20, .stop_a = -1, .stop_b = -1};
+                    rng_seed(&seqs[b][i].rng, 300 + i);
+                }
+                gen_run(&g, seqs[b], S, 2);
+                CHECK(t, b == 0 || gen_samples_on_backend(&g), "the CUDA generator samples on "
+                      "the host");
+                gen_free(&g);
+            }
+            if (!temp) {
+                // the same greedy tokens, unless the first difference is a near-tie of the
+                // CPU's logits (bf16 weights may flip an argmax whose margin is in their noise)
+                float* logits = malloc_check((size_t)V * sizeof(float));
+                for (int i = 0; i < S; i++) {
+                    int j = seqs[0][i].prompt_len;
+                    while (j < maxT && toks[0][i][j] == toks[1][i][j]) j++;
+                    if (j == maxT) continue;
+                    plain_logits_last(p, toks[0][i], j, logits);
+                    const double gap = fabs(logits[toks[0][i][j]] - logits[toks[1][i][j]]);
+                    CHECK(t, gap < 0.02, "%s: seq %d: greedy token %d differs (CPU %d, GPU %d) "
+                          "by a logit margin of %.3g", presets[k], i, j, toks[0][i][j],
+                          toks[1][i][j], gap);
+                }
+                free(logits);
+                continue;
+            }
+            // sampled on the GPU: each token's log-prob against a CPU forward over its prefix
+            float* logits = malloc_check((size_t)V * sizeof(float));
+            double worst = 0.0;
+            for (int i = 0; i < S; i++) {
+                const GenSeq* q = &seqs[1][i];
+                CHECK(t, q->len == maxT, "%s: seq %d len %d", presets[k], i, q->len);
+                for (int j = q->prompt_len; j < q->len; j++) {
+                    plain_logits_last(p, q->tokens, j, logits);
+                    worst = fmax(worst, fabs(ref_logp(logits, V, 0.9f, q->tokens[j]) -
+                                             q->logp_full[j]));
+                }
+            }
+            CHECK(t, worst < 0.1, "%s: GPU log-probs vs a CPU forward: max |diff| %.3g",
+                  presets[k], worst);
+            free(logits);
+        }
+        plain_free(p);
+        store_free(&s);
+        model_free(&m);
+    }
+    gpu_close(&G);
+}
+
+// --rl grpo --device cuda (colocated on one GPU) learns the task of grpo_cli_learns as the CPU
+// run does, on-policy and one step off, and logs its weight sync.
+static void test_grpo_gpu_cli_learns(TestCtx* t) {
+    Gpu G;
+    if (!gpu_open(t, &G, 61)) return;
+    gpu_close(&G);  // (only asked whether there is a GPU: the runs below are processes of their own)
+    char task[512], pre[512], args[4096];
+    if (grpo_learns_setup(t, task, pre) != 0) return;
+    for (int off = 0; off < 2; off++) {
+        char tag[32];
+        snprintf(tag, sizeof tag, "grpo_gpu_off%d", off);
+        snprintf(args, sizeof args, "--model '%s' --rl-task '%s' %s --device cuda --steps 20 "
+                 "--off-policy %d", pre, task, GRPO_LEARNS_FLAGS, off);
+        const int rc = test_run_cli(t, tag, args);
+        char* out = test_read_output(t, tag, "out");
+        double first = 0, last = 0;
+        const int n = heldout_accuracies(out, &first, &last);
+        CHECK(t, rc == 0 && n == 2, "%s: exit %d, %d accuracy lines", tag, rc, n);
+        CHECK(t, last - first >= 0.5, "%s: held-out accuracy %.3f -> %.3f (want +0.5)", tag,
+              first, last);
+        CHECK(t, strstr(out, "weight sync: ") != NULL, "%s: no weight-sync line", tag);
+        free(out);
+    }
+}
+
+#else  // no CUDA in this build
+
+static void grpo_gpu_skipped(TestCtx* t) { test_skip(t, "built without CUDA"); }
+static void test_grpo_gpu_cli_learns(TestCtx* t) { grpo_gpu_skipped(t); }
+static void test_grpo_gpu_decode_attention(TestCtx* t) { grpo_gpu_skipped(t); }
+static void test_grpo_gpu_decode_rope_append(TestCtx* t) { grpo_gpu_skipped(t); }
+static void test_grpo_gpu_sample(TestCtx* t) { grpo_gpu_skipped(t); }
+static void test_grpo_gpu_policy_op(TestCtx* t) { grpo_gpu_skipped(t); }
+static void test_grpo_gpu_generate(TestCtx* t) { grpo_gpu_skipped(t); }
+
+#endif  // HAVE_CUDA
+
 const TestCase tests_grpo[] = {
+    {"grpo_gpu_decode_attention", test_grpo_gpu_decode_attention},
+    {"grpo_gpu_decode_rope_append", test_grpo_gpu_decode_rope_append},
+    {"grpo_gpu_sample", test_grpo_gpu_sample},
+    {"grpo_gpu_policy_op", test_grpo_gpu_policy_op},
+    {"grpo_gpu_generate", test_grpo_gpu_generate},
+    {"grpo_gpu_cli_learns", test_grpo_gpu_cli_learns},
     {"grpo_decode_attention_matches_full", test_grpo_decode_attention_matches_full},
     {"grpo_generate_matches_forward", test_grpo_generate_matches_forward},
     {"grpo_sample_topk_topp", test_grpo_sample_topk_topp},

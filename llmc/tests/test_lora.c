@@ -1703,6 +1703,16 @@ static void test_lora_gpu_ops(TestCtx* t) {
         CHECK(t, rel_l2_error(got, want, ny) <= 4e-3, "scale: %.3g", rel_l2_error(got, want, ny));
         free(want);
     }
+    // copy_cols (exact: a copy)
+    ops_cuda.upload_f32(g, dy, y, ny);
+    ops_cuda.copy_cols(g, du, dy, N, ld, c0, w);
+    ops_cuda.download_f32(g, got, du, nu);
+    {
+        float* want = malloc_check(nu * sizeof(float));
+        ops_cpu.copy_cols(c, want, y, N, ld, c0, w);
+        CHECK(t, memcmp(got, want, nu * sizeof(float)) == 0, "copy_cols: the CPU's values");
+        free(want);
+    }
     // dropout: the same mask (row chunks too)
     for (size_t i = 0; i < ny; i++) y[i] = bf16_value(y[i]) + (y[i] == 0.0f ? 1.0f : 0.0f);
     ops_cuda.upload_f32(g, dy, y, ny);

@@ -931,6 +931,21 @@ static void test_ops_add(TestCtx* t) {
     float* a3 = copy_floats(a, n);
     ops_cpu.add_f32(ctx, a3, b, n);
     CHECK(t, all_equal_bits(a3, want, n * sizeof(float)), "add_f32 dst += src");
+    // scale (out = s · inp, in place) and copy_cols (a column range of N rows of width ld)
+    float* a4 = copy_floats(a, n);
+    ops_cpu.scale(ctx, a4, a4, 0.37f, n);
+    int scaled = 1;
+    for (size_t i = 0; i < n; i++) scaled &= a4[i] == 0.37f * a[i];
+    CHECK(t, scaled, "scale out = s * inp (in place)");
+    const int N = 301, ld = 500, c0 = 123, w = 77;
+    float* cols = filled_floats((size_t)N * w, NAN);
+    ops_cpu.copy_cols(ctx, cols, a, N, ld, c0, w);
+    int copied = 1;
+    for (int i = 0; i < N; i++)
+        for (int j = 0; j < w; j++) copied &= cols[(size_t)i * w + j] == a[(size_t)i * ld + c0 + j];
+    CHECK(t, copied, "copy_cols dst = src[:, c0:c0+w]");
+    free(a4);
+    free(cols);
     free(a3);
     free(a), free(b), free(want), free(out), free(a2), free(b2);
     ops_cpu_destroy(ctx);

@@ -1,0 +1,324 @@
+/*
+ * dev/cuda/decode.cu — decode lab (kernels/decode.cu): the generation step's attention (one query
+ * row per sequence against its bf16 KV cache, GQA, optional sinks and sliding window), the
+ * rope + KV-cache append at each row's position, and the sampler.
+ *
+ *   make dev-cuda && dev/cuda/build/decode [--validate-only] [--variant K] [--seed S]
+ *
+ * Variants (decode attention):
+ *   1  naive: one block per (row, query head), one pass over all of the row's keys; a thread
+ *      per head-dim element, the logits of the row in shared memory (softmax in fp32).
+ *   2  production (kernels/decode.cu, included below): split-K over chunks of DEC_CHUNK keys,
+ *      one block per (row, kv head, chunk) holding the kv head's query group, warps over keys
+ *      DEC_UNROLL at a time with an online softmax, then the chunks merged in order.
+ * Validation on fresh random bf16 inputs against an fp64 reference: rows of lengths 1 .. maxT
+ * (inside one chunk, across chunks) in shuffled cache slots; (H, KVH, HD) = (16, 8, 128) (Qwen3-
+ * 1.7B), (8, 2, 64) with sinks and a window, (6, 2, 12) (HD not a multiple of 4); the output
+ * within TOL_BF16; the production variant run twice must give the same bits. Also the rope +
+ * append (TOL_BF16 against an fp64 rotation of the bf16 inputs, cache slots checked) and the
+ * sampler (greedy: the first argmax; tempered: the token of an fp64 inverse-CDF walk with the
+ * same uniform, and its log-prob within 1e-4).
+ * Benchmark: 128 sequences (8 prompts x 16 answers), H 16, KVH 8, HD 128, every row at the same
+ * length L in {128, 512, 1024, 4096}: GB/s over the keys and values read (the bytes that bound
+ * it), per layer. Then the sampler at V = 151936 (Qwen3) for 128 rows.
+ */
+#include "../../kernels/decode.cu"
+#include "lab.cuh"
+
+// ----------------------------------------------------------------------------
+// fp64 references
+
+typedef struct DecShape {
+    int n, maxT, H, KVH, HD, window, sinks;
+} DecShape;
+
+// out (n, H*HD): row i's query head h over keys first .. len-1 of slot[i] (sink: one more logit).
+static void decode_attention_ref(std::vector<float>& out, const std::vector<float>& qkv,
+                                 const std::vector<float>& kc, const std::vector<float>& vc,
+                                 const std::vector<int32_t>& slot, const std::vector<int32_t>& len,
+                                 const float* sinks, DecShape s) {
+    const int QKV = (s.H + 2 * s.KVH) * s.HD, KD = s.KVH * s.HD, group = s.H / s.KVH;
+    out.assign((size_t)s.n * s.H * s.HD, 0.0f);
+    std::vector<double> a(s.maxT);
+    for (int i = 0; i < s.n; i++)
+        for (int h = 0; h < s.H; h++) {
+            const int g = h / group, L = len[i];
+            const int first = s.window > 0 && L > s.window ? L - s.window : 0;
+            const float* q = &qkv[(size_t)i * QKV + (size_t)h * s.HD];
+            double mx = sinks ? sinks[h] : -INFINITY;
+            for (int j = first; j < L; j++) {
+                const float* k = &kc[((size_t)slot[i] * s.maxT + j) * KD + (size_t)g * s.HD];
+                double d = 0.0;
+                for (int e = 0; e < s.HD; e++) d += (double)q[e] * k[e];
+                a[j] = d / sqrt((double)s.HD);
+                mx = std::max(mx, a[j]);
+            }
+            double den = sinks ? exp(sinks[h] - mx) : 0.0;
+            std::vector<double> o(s.HD, 0.0);
+            for (int j = first; j < L; j++) {
+                const double p = exp(a[j] - mx);
+                den += p;
+                const float* v = &vc[((size_t)slot[i] * s.maxT + j) * KD + (size_t)g * s.HD];
+                for (int e = 0; e < s.HD; e++) o[e] += p * v[e];
+            }
+            for (int e = 0; e < s.HD; e++)
+                out[((size_t)i * s.H + h) * s.HD + e] = (float)(o[e] / den);
+        }
+}
+
+// ----------------------------------------------------------------------------
+// variant 1: one block per (row, query head), one pass
+
+__global__ void decode_attention_naive_kernel(bf16* out, const bf16* qkv, const bf16* kc,
+                                              const bf16* vc, const int32_t* slot,
+                                              const int32_t* len, const bf16* sinks, int maxT,
+                                              int H, int KVH, int HD, int window) {
+    extern __shared__ float s_a[];  // (maxT) the row's logits
+    const int i = blockIdx.x, h = blockIdx.y, g = h / (H / KVH);
+    const int QKV = (H + 2 * KVH) * HD, KD = KVH * HD, L = len[i];
+    const int first = window > 0 && L > window ? L - window : 0;
+    const bf16* q = qkv + (size_t)i * QKV + (size_t)h * HD;
+    const bf16* kb = kc + (size_t)slot[i] * maxT * KD + (size_t)g * HD;
+    const bf16* vb = vc + (size_t)slot[i] * maxT * KD + (size_t)g * HD;
+    const float scale = 1.0f / sqrtf((float)HD);
+    for (int j = first + threadIdx.x; j < L; j += blockDim.x) {
+        float d = 0.0f;
+        for (int e = 0; e < HD; e++)
+            d += __bfloat162float(q[e]) * __bfloat162float(kb[(size_t)j * KD + e]);
+        s_a[j] = d * scale;
+    }
+    __syncthreads();
+    float mx = sinks ? __bfloat162float(sinks[h]) : -INFINITY;
+    for (int j = first; j < L; j++) mx = fmaxf(mx, s_a[j]);
+    float den = sinks ? expf(__bfloat162float(sinks[h]) - mx) : 0.0f;
+    for (int j = first; j < L; j++) den += expf(s_a[j] - mx);
+    for (int e = threadIdx.x; e < HD; e += blockDim.x) {
+        float o = 0.0f;
+        for (int j = first; j < L; j++)
+            o += expf(s_a[j] - mx) * __bfloat162float(vb[(size_t)j * KD + e]);
+        out[((size_t)i * H + h) * HD + e] = __float2bfloat16_rn(o / den);
+    }
+}
+
+static void decode_attention(int variant, CudaCtx* cx, bf16* out, const bf16* qkv, const bf16* kc,
+                             const bf16* vc, const int32_t* slot, const int32_t* len,
+                             const bf16* sinks, DecShape s) {
+    if (variant == 1) {
+        decode_attention_naive_kernel<<<dim3(s.n, s.H), 128, (size_t)s.maxT * 4, cx->stream>>>(
+            out, qkv, kc, vc, slot, len, sinks, s.maxT, s.H, s.KVH, s.HD, s.window);
+        cuda_check_launch();
+    } else {
+        cuda_attention_decode(cx, out, qkv, kc, vc, slot, len, sinks, s.n, s.maxT, s.H, s.KVH,
+                              s.HD, s.window);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// validation
+
+static void validate_attention(Lab* lab, int v, Rng* r, DecShape s) {
+    const int QKV = (s.H + 2 * s.KVH) * s.HD, KD = s.KVH * s.HD, slots = s.n + 2;
+    std::vector<int32_t> slot(s.n), len(s.n);
+    for (int i = 0; i < s.n; i++) {
+        slot[i] = (7 * i + 3) % slots;
+        len[i] = 1 + (int)rng_below(r, (uint64_t)s.maxT);
+    }
+    len[0] = 1;
+    len[s.n - 1] = s.maxT;
+    std::vector<float> qkv = rand_bf16(r, (size_t)s.n * QKV, 2.0f);
+    std::vector<float> kc = rand_bf16(r, (size_t)slots * s.maxT * KD, 2.0f);
+    std::vector<float> vc = rand_bf16(r, (size_t)slots * s.maxT * KD, 1.0f);
+    std::vector<float> sk = rand_bf16(r, (size_t)s.H, 2.0f);
+    std::vector<float> want;
+    decode_attention_ref(want, qkv, kc, vc, slot, len, s.sinks ? sk.data() : NULL, s);
+    bf16 *d_qkv = dev_upload_bf16(qkv), *d_kc = dev_upload_bf16(kc), *d_vc = dev_upload_bf16(vc);
+    bf16* d_sk = s.sinks ? dev_upload_bf16(sk) : NULL;
+    int32_t *d_slot = dev_upload(slot), *d_len = dev_upload(len);
+    const size_t no = (size_t)s.n * s.H * s.HD;
+    bf16* d_out = dev_alloc<bf16>(no);
+    bf16* d_out2 = dev_alloc<bf16>(no);
+    dev_poison(d_out, no * 2);
+    decode_attention(v, lab->cx, d_out, d_qkv, d_kc, d_vc, d_slot, d_len, d_sk, s);
+    decode_attention(v, lab->cx, d_out2, d_qkv, d_kc, d_vc, d_slot, d_len, d_sk, s);
+    std::vector<float> got = dev_download_bf16(d_out, no), got2 = dev_download_bf16(d_out2, no);
+    char what[160];
+    snprintf(what, sizeof what, "v%d attention n=%d maxT=%d H=%d KVH=%d HD=%d w=%d%s", v, s.n,
+             s.maxT, s.H, s.KVH, s.HD, s.window, s.sinks ? " sinks" : "");
+    lab_check(lab, what, got.data(), want.data(), no, TOL_BF16);
+    if (v == 2)
+        lab_check_true(lab, "  the same bits twice",
+                       memcmp(got.data(), got2.data(), no * sizeof(float)) == 0);
+    void* bufs[] = {d_qkv, d_kc, d_vc, d_sk, d_slot, d_len, d_out, d_out2};
+    for (void* p : bufs)
+        if (p) cuda_check(cudaFree(p));
+}
+
+// The rope + append against an fp64 rotation of the bf16 inputs (no q/k norm: its roundings are
+// rope.cu's lab's subject; here the position lookup and the cache writes are).
+static void validate_rope_append(Lab* lab, Rng* r) {
+    const int n = 5, H = 16, KVH = 8, HD = 128, maxT = 50, slots = 7, half = HD / 2;
+    const int QKV = (H + 2 * KVH) * HD, QD = H * HD, KD = KVH * HD;
+    std::vector<int32_t> pos = {0, 49, 13, 7, 1}, slot = {6, 0, 3, 2, 5};
+    std::vector<float> x = rand_bf16(r, (size_t)n * QKV, 2.0f), cs(maxT * half), sn(maxT * half);
+    for (int p = 0; p < maxT; p++)
+        for (int i = 0; i < half; i++) {
+            const double f = p * pow(1e6, -2.0 * i / HD);
+            cs[p * half + i] = (float)cos(f);
+            sn[p * half + i] = (float)sin(f);
+        }
+    std::vector<float> want((size_t)n * QKV), kw((size_t)slots * maxT * KD, 0.0f),
+        vw((size_t)slots * maxT * KD, 0.0f);
+    for (int i = 0; i < n; i++) {
+        const float* in = &x[(size_t)i * QKV];
+        float* o = &want[(size_t)i * QKV];
+        for (int hh = 0; hh < H + KVH; hh++)
+            for (int k = 0; k < half; k++) {
+                const double c = bf16r(cs[pos[i] * half + k]), s = bf16r(sn[pos[i] * half + k]);
+                const double x1 = in[hh * HD + k], x2 = in[hh * HD + k + half];
+                o[hh * HD + k] = (float)(x1 * c - x2 * s);
+                o[hh * HD + k + half] = (float)(x2 * c + x1 * s);
+            }
+        for (int e = QD + KD; e < QKV; e++) o[e] = in[e];
+        const size_t at = ((size_t)slot[i] * maxT + pos[i]) * KD;
+        for (int e = 0; e < KD; e++) {
+            kw[at + e] = o[QD + e];
+            vw[at + e] = o[QD + KD + e];
+        }
+    }
+    bf16* d_x = dev_upload_bf16(x);
+    float *d_cs = dev_upload(cs), *d_sn = dev_upload(sn);
+    int32_t *d_pos = dev_upload(pos), *d_slot = dev_upload(slot);
+    bf16* d_o = dev_alloc<bf16>((size_t)n * QKV);
+    bf16* d_k = dev_alloc<bf16>((size_t)slots * maxT * KD);
+    bf16* d_v = dev_alloc<bf16>((size_t)slots * maxT * KD);
+    dev_zero(d_k, (size_t)slots * maxT * KD * 2);
+    dev_zero(d_v, (size_t)slots * maxT * KD * 2);
+    cuda_decode_rope_append(lab->cx, d_o, d_k, d_v, d_x, NULL, NULL, d_cs, d_sn, d_pos, d_slot, n,
+                            maxT, H, KVH, HD, 1e-6f);
+    std::vector<float> o = dev_download_bf16(d_o, (size_t)n * QKV);
+    std::vector<float> k = dev_download_bf16(d_k, (size_t)slots * maxT * KD);
+    std::vector<float> v = dev_download_bf16(d_v, (size_t)slots * maxT * KD);
+    lab_check(lab, "rope+append rows", o.data(), want.data(), o.size(), TOL_BF16);
+    lab_check(lab, "rope+append key cache", k.data(), kw.data(), k.size(), TOL_BF16);
+    lab_check(lab, "rope+append value cache", v.data(), vw.data(), v.size(), TOL_EXACT);
+    void* bufs[] = {d_x, d_cs, d_sn, d_pos, d_slot, d_o, d_k, d_v};
+    for (void* p : bufs) cuda_check(cudaFree(p));
+}
+
+// The sampler: greedy = the first argmax; tempered = the fp64 walk's token with the same uniform.
+static void validate_sampler(Lab* lab, Rng* r) {
+    const int n = 32, V = 50000;
+    std::vector<float> z = rand_bf16(r, (size_t)n * V, 3.0f), u(n);
+    for (int i = 0; i < n; i++) u[i] = rng_uniform(r);
+    bf16* d_z = dev_upload_bf16(z);
+    float* d_u = dev_upload(u);
+    int32_t* d_tok = dev_alloc<int32_t>(n);
+    float* d_lp = dev_alloc<float>(2 * n);
+    for (int greedy = 1; greedy >= 0; greedy--) {
+        const float temperature = greedy ? 0.0f : 0.7f;
+        cuda_sample_tokens(lab->cx, d_tok, d_lp, d_z, d_u, n, V, temperature);
+        std::vector<int32_t> tok = dev_download(d_tok, n);
+        std::vector<float> lp = dev_download(d_lp, 2 * n);
+        int same = 0;
+        double worst = 0.0;
+        for (int i = 0; i < n; i++) {
+            const float* zi = &z[(size_t)i * V];
+            int best = 0;
+            for (int v = 1; v < V; v++)
+                if (zi[v] > zi[best]) best = v;
+            int want = best;
+            double lw = 0.0;
+            if (!greedy) {
+                double sum = 0.0;
+                for (int v = 0; v < V; v++) sum += exp((zi[v] - zi[best]) / (double)temperature);
+                double rr = u[i] * sum;
+                for (int v = 0; v < V; v++) {
+                    rr -= exp((zi[v] - zi[best]) / (double)temperature);
+                    if (rr <= 0.0) {
+                        want = v;
+                        break;
+                    }
+                }
+                lw = (zi[want] - zi[best]) / (double)temperature - log(sum);
+                worst = std::max(worst, fabs(lp[2 * i + 1] - lw));
+            }
+            same += tok[i] == want;
+        }
+        char what[96];
+        snprintf(what, sizeof what, "sampler %s: %d of %d tokens as the fp64 walk's, logp err %.1e",
+                 greedy ? "greedy" : "T=0.7", same, n, worst);
+        lab_check_true(lab, what, same == n && worst < 1e-4);
+    }
+    void* bufs[] = {d_z, d_u, d_tok, d_lp};
+    for (void* p : bufs) cuda_check(cudaFree(p));
+}
+
+// ----------------------------------------------------------------------------
+// benchmark
+
+static void bench(Lab* lab) {
+    const int n = 128, H = 16, KVH = 8, HD = 128, QKV = (H + 2 * KVH) * HD, KD = KVH * HD;
+    CudaCtx* cx = lab->cx;
+    printf("\nbenchmark (one layer of a decode step: 128 sequences, Qwen3-1.7B heads)\n");
+    lab_bench_header_bw();
+    for (int L : {128, 512, 1024, 4096}) {
+        const DecShape s = {n, L, H, KVH, HD, 0, 0};
+        bf16* qkv = dev_random<bf16>((size_t)n * QKV, 1.0f, 1);
+        bf16* kc = dev_random<bf16>((size_t)n * L * KD, 1.0f, 2);
+        bf16* vc = dev_random<bf16>((size_t)n * L * KD, 1.0f, 3);
+        std::vector<int32_t> slot(n), len(n, L);
+        for (int i = 0; i < n; i++) slot[i] = i;
+        int32_t *d_slot = dev_upload(slot), *d_len = dev_upload(len);
+        bf16* out = dev_alloc<bf16>((size_t)n * H * HD);
+        char shape[96];
+        snprintf(shape, sizeof shape, "n=128 L=%d H=16 KVH=8 HD=128", L);
+        const double bytes = 2.0 * n * L * KD * 2 + (double)n * (QKV + H * HD) * 2;
+        for (int v = 1; v <= 2; v++) {
+            if (!lab_wants(&lab->args, v)) continue;
+            if (v == 1 && (size_t)L * 4 > 48 * 1024) continue;  // the naive kernel's logits
+            const double ms = lab_time_ms(lab, [&] {
+                decode_attention(v, cx, out, qkv, kc, vc, d_slot, d_len, NULL, s);
+            });
+            lab_report_bw("decode attention", v, shape, "K and V once, q, out", bytes, ms);
+        }
+        void* bufs[] = {qkv, kc, vc, d_slot, d_len, out};
+        for (void* p : bufs) cuda_check(cudaFree(p));
+    }
+    const int V = 151936;
+    bf16* z = dev_random<bf16>((size_t)n * V, 4.0f, 4);
+    std::vector<float> u(n, 0.37f);
+    float* d_u = dev_upload(u);
+    int32_t* tok = dev_alloc<int32_t>(n);
+    float* lp = dev_alloc<float>(2 * n);
+    for (float temperature : {0.0f, 1.0f}) {
+        const double ms = lab_time_ms(lab, [&] {
+            cuda_sample_tokens(cx, tok, lp, z, d_u, n, V, temperature);
+        });
+        lab_report_bw(temperature > 0 ? "sampler (T=1)" : "sampler (greedy)", 2,
+                      "n=128 V=151936", "logits once", (double)n * V * 2, ms);
+    }
+    void* bufs[] = {z, d_u, tok, lp};
+    for (void* p : bufs) cuda_check(cudaFree(p));
+}
+
+// ----------------------------------------------------------------------------
+
+static const char* VARIANTS =
+    "  1  naive: one block per (row, query head), one pass over the row's keys\n"
+    "  2  production (kernels/decode.cu): split-K chunks per (row, kv head), ordered combine\n";
+
+static void validate_variant(Lab* lab, int v, Rng* r) {
+    validate_attention(lab, v, r, DecShape{9, 600, 16, 8, 128, 0, 0});
+    validate_attention(lab, v, r, DecShape{7, 300, 8, 2, 64, 100, 1});
+    validate_attention(lab, v, r, DecShape{5, 70, 6, 2, 12, 0, 1});
+    if (v == 2) {
+        validate_rope_append(lab, r);
+        validate_sampler(lab, r);
+    }
+}
+
+static void bench_lab(Lab* lab, Rng*) { bench(lab); }
+
+int main(int argc, char** argv) {
+    return lab_main(argc, argv, "decode", VARIANTS, 2, 2, validate_variant, bench_lab);
+}
