@@ -54,6 +54,7 @@
     X(checksum)    \
     X(comm)        \
     X(dp)          \
+    X(dp_engine)   \
     X(memory)      \
     X(train)       \
     X(grpo)        \

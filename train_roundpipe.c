@@ -213,9 +213,10 @@ static void resolve_dist(const TrainArgs* a, DistConfig* d) {
     if (dist_config_resolve(d, &f, dist_getenv, NULL, err) != 0) fatal("%s", err);
 }
 
-// W > 1: the rendezvous with rank 0, this rank's NCCL communicator on its GPU (LOCAL_RANK; the
-// plain path's collectives are staged through it), and the trainer's ZeRO-1 shard.
-static Comm* open_data_parallel(const DistConfig* d, Trainer* tr) {
+// W > 1: the rendezvous with rank 0 and this rank's NCCL communicator on its GPU (LOCAL_RANK;
+// the collectives are host buffers staged through it, from the plain path's step or the engine's
+// optimizer thread).
+static Comm* open_data_parallel(const DistConfig* d) {
 #ifdef HAVE_CUDA
     char err[ERR_LEN];
     CommToken token;
@@ -224,16 +225,21 @@ static Comm* open_data_parallel(const DistConfig* d, Trainer* tr) {
                          .token = token, .gpu = d->local_rank};
     Comm* c = comm_nccl_impl.init(&in, err);
     if (!c) fatal("data parallel: %s", err);
-    if (trainer_attach_comm(tr, c, err) != 0) fatal("%s", err);
-    const size_t shard = tr->dp->lo[d->rank + 1] - tr->dp->lo[d->rank];
-    printf("data parallel: rank %d of %d (NCCL on GPU %d), %d of the %d sequences of each batch, "
-           "AdamW on %zu of the %zu parameters (ZeRO-1)\n", d->rank, d->world, d->local_rank,
-           tr->a->batch / d->world, tr->a->batch, shard, tr->dp->n);
     return c;
 #else
-    (void)tr;
     fatal("data parallel: world size %d needs NCCL: this binary was built without CUDA", d->world);
 #endif
+}
+
+// The line every rank prints once its trainer holds the communicator.
+static void print_data_parallel(const DistConfig* d, const Trainer* tr) {
+    const long long shard = tr->dp ? (long long)(tr->dp->lo[d->rank + 1] - tr->dp->lo[d->rank])
+                                   : (long long)engine_shard_params(tr->eng);
+    const long long all = tr->dp ? (long long)tr->dp->n : (long long)tr->m->tt.trainable_params;
+    printf("data parallel: rank %d of %d (NCCL on GPU %d), %d of the %d sequences of each batch, "
+           "AdamW on %lld of the %lld parameters (ZeRO-1%s)\n", d->rank, d->world, d->local_rank,
+           tr->a->batch / d->world, tr->a->batch, shard, all,
+           tr->eng ? ", through the engine" : "");
 }
 
 // ----------------------------------------------------------------------------
@@ -438,9 +444,10 @@ int main(int argc, char** argv) {
     // threads start with SIGINT/SIGTERM blocked: only this thread handles them)
     interrupt_block();
     Trainer tr;
-    if (trainer_create(&tr, &a, &model, &store, &ts, N, engine_options, err) != 0)
+    Comm* comm = dist.world > 1 ? open_data_parallel(&dist) : NULL;
+    if (trainer_create_ranked(&tr, &a, &model, &store, &ts, N, engine_options, comm, err) != 0)
         fatal("%s", err);
-    Comm* comm = dist.world > 1 ? open_data_parallel(&dist, &tr) : NULL;
+    if (comm) print_data_parallel(&dist, &tr);
 
     // 4. data
     DataLoader train, val;

@@ -71,6 +71,24 @@ void store_release_range(Store* s, int l, int64_t from, int64_t to) {
               strerror(errno));
 }
 
+// The whole pages of x[from, to) back to the system.
+static void release_pages(float* x, int64_t from, int64_t to, const char* what) {
+    const long page = sysconf(_SC_PAGESIZE);
+    const uintptr_t pg = page > 0 ? (uintptr_t)page : 4096u;
+    const uintptr_t b = ((uintptr_t)(x + from) + pg - 1) / pg * pg;
+    const uintptr_t e = (uintptr_t)(x + to) / pg * pg;
+    if (e > b && madvise((void*)b, e - b, MADV_DONTNEED) != 0)
+        fatal("madvise(MADV_DONTNEED) on %s's %zu bytes: %s", what, (size_t)(e - b),
+              strerror(errno));
+}
+
+void store_release_state(Store* s, int l, int64_t from, int64_t to) {
+    if (to > s->tt->state_numel[l]) to = s->tt->state_numel[l];
+    if (from >= to || !s->m[l]) return;
+    release_pages(s->m[l], from, to, "AdamW's m");
+    release_pages(s->v[l], from, to, "AdamW's v");
+}
+
 void store_release_frozen(Store* s) {
     for (int l = 0; l < s->n_layers; l++)
         store_release_range(s, l, 0, s->tt->param_numel[l] - s->tt->state_numel[l]);
