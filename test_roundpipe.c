@@ -45,6 +45,7 @@
     X(gpu_moe)     \
     X(gpu_moe_matmul) \
     X(gpu_comm)    \
+    X(gpu_dp_engine) \
     X(device)      \
     X(partition)   \
     X(engine)      \

@@ -444,7 +444,11 @@ int main(int argc, char** argv) {
     // threads start with SIGINT/SIGTERM blocked: only this thread handles them)
     interrupt_block();
     Trainer tr;
-    Comm* comm = dist.world > 1 ? open_data_parallel(&dist) : NULL;
+    // (a launcher's world of one on GPUs, e.g. scripts/launch_local.sh 1: the same NCCL code
+    // path at world size 1, for checking it against the run without it)
+    const int ranked = dist.world > 1 || (strcmp(dist.source, "default") != 0 &&
+                                          a.device == DEVICE_CUDA);
+    Comm* comm = ranked ? open_data_parallel(&dist) : NULL;
     if (trainer_create_ranked(&tr, &a, &model, &store, &ts, N, engine_options, comm, err) != 0)
         fatal("%s", err);
     if (comm) print_data_parallel(&dist, &tr);

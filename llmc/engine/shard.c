@@ -354,7 +354,7 @@ int engine_gather_state(Engine* e, int root, int with_state, char* err) {
     engine_synchronize(e);
     Store* s = e->s;
     const int keep = root < 0 || root == d->rank;
-    for (int l = 0; l < e->NL && !d->failed; l++) {
+    for (int l = 0; l < e->NL && !shard_failed(e); l++) {
         const int64_t n = d->n[l], blk = d->block[l];
         if (n == 0) continue;
         float* fields[3] = {s->param[l], s->m[l], s->v[l]};
