@@ -144,7 +144,9 @@ static void plan_data_parallel(const TrainArgs* a, const Model* m, int N, double
     const DpPlanInput in = {.m = m, .world = a->dist_world, .net_gbps = a->net_gbps,
                             .step_s = step_s, .rounds = rounds, .sync = !delayed,
                             .host_bytes = host_bytes,
-                            .grad_sets = 1 + delayed + (a->split_rounds > 0 ? N - 1 : 0)};
+                            .grad_sets = 1 + delayed + (a->split_rounds > 0 ? N - 1 : 0),
+                            .built_sharded = !engine_run ? 0.0
+                                             : trainer_needs_plain(a, 1) ? 8.0 : 12.0};
     dp_plan_print(&in, source, stdout);
 }
 

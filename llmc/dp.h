@@ -62,6 +62,9 @@ typedef struct DpPlanInput {
     int sync;            // the synchronous optimizer (else the one-step-delayed update)
     double host_bytes;   // one node's host memory for the run without sharding
     int grad_sets;       // host fp32 gradient sets of the run (1; 2 with the delayed update, ...)
+    double built_sharded;  // host bytes per parameter this build keeps for 1/W only: the
+                           // engine's m and v (8), and its fp32 weights (+4) where no plain path
+                           // reads them; the plain path keeps its whole store (0)
 } DpPlanInput;
 
 typedef struct DpPlan {
@@ -82,7 +85,7 @@ typedef struct DpPlan {
     double efficiency_bf16;
     double host_saved;         // host bytes per rank ZeRO-1 saves
     double host_bytes_rank;    // host_bytes - host_saved
-    double host_built_saved;   // what this build's engine shards today: AdamW's m and v (8 B)
+    double host_built_saved;   // what this build shards today (built_sharded B per parameter)
     double host_built_rank;    // host_bytes - host_built_saved
 } DpPlan;
 

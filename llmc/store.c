@@ -82,11 +82,13 @@ static void release_pages(float* x, int64_t from, int64_t to, const char* what) 
               strerror(errno));
 }
 
-void store_release_state(Store* s, int l, int64_t from, int64_t to) {
+void store_release_state(Store* s, int l, int64_t from, int64_t to, int weights) {
     if (to > s->tt->state_numel[l]) to = s->tt->state_numel[l];
     if (from >= to || !s->m[l]) return;
     release_pages(s->m[l], from, to, "AdamW's m");
     release_pages(s->v[l], from, to, "AdamW's v");
+    if (weights && s->tt->param_numel[l] == s->tt->state_numel[l])
+        release_pages(s->param[l], from, to, "the fp32 weights");
 }
 
 void store_release_frozen(Store* s) {

@@ -47,9 +47,10 @@ void store_release_frozen(Store* s);
 // has its bf16 copy (EngineOptions.release_frozen), so the host never holds both in full.
 void store_release_range(Store* s, int l, int64_t from, int64_t to);
 // Data parallel (ZeRO-1 through the engine): give back the memory of AdamW's m and v of layer l's
-// elements [from, to) of its state slab (the whole pages inside; another rank's shard): the
-// allocation stays, reading them gives zeros, writing them takes memory again.
-void store_release_state(Store* s, int l, int64_t from, int64_t to);
+// elements [from, to) of its state slab (the whole pages inside; another rank's shard), and with
+// weights also of its fp32 weights there (full training: the same offsets): the allocation
+// stays, reading them gives zeros, writing them takes memory again.
+void store_release_state(Store* s, int l, int64_t from, int64_t to, int weights);
 void store_free(Store* s);
 
 // Parameter / gradient of tensor i of the table (the gradient NULL for a frozen tensor; the

@@ -123,6 +123,8 @@ static int create_engine(Trainer* t, int N, int n_opt_cpus, TrainerEngineOptions
         eo.global_B = a->batch;
         eo.comm = t->comm;
         eo.reduce_bf16 = a->dp_reduce_bf16;
+        // ZeRO-1 for the fp32 weights too, unless the plain path reads them between steps
+        eo.shard_weights = !trainer_needs_plain(a, 1);
     }
     eo.seed = a->seed;  // LoRA dropout: the plain trainer's masks
     eo.release_frozen = trainer_releases_frozen(a, t->m, 1);  // (LoRA on GPUs)

@@ -32,9 +32,10 @@
  *
  * Host memory (ZeRO-1): AdamW's m and v outside this rank's shard give their pages back when the
  * engine starts (store_release_state) and again after a checkpoint gathered them, so they take
- * 8 B / W per parameter instead of 8 B. The fp32 weights and the gradient sets stay whole (the
- * full gradient is downloaded, then reduce-scattered on the host; the plain path's evaluation
- * and the exports read the weights).
+ * 8 B / W per parameter instead of 8 B; so do the fp32 weights with opt.shard_weights (runs
+ * without a plain path for evaluation or sampling: 4 B / W instead of 4 B; the Store outside the
+ * shard then stays stale until engine_gather_state). The gradient sets stay whole (the full
+ * gradient is downloaded, then reduce-scattered on the host).
  *
  * Failures: the first failed collective's message (the comm's, naming the rank that died or hung)
  * is kept; the step goes on without collectives (every later op fails at once anyway), so no
@@ -152,14 +153,16 @@ int shard_init(Engine* e, char* err) {
     d->parts = calloc_check((size_t)d->W * (size_t)d->parts_block, sizeof(double));
     d->buf = malloc_named((size_t)max_wb * sizeof(float),
                           "the data-parallel collective buffer (the largest layer, fp32)");
-    // ZeRO-1: AdamW's m and v outside this rank's shard give their memory back (the Store
-    // allocated, zeroed or loaded them whole; nothing reads them until engine_gather_state)
-    engine_release_state(e);
     // every rank starts from the same weights (nothing is broadcast): their checksums compared
     uint32_t crc = 0;
     for (int i = 0; i < e->n_opt; i++)
         crc = crc32c_update(crc, e->opt_tensors[i].param, e->opt_tensors[i].n * sizeof(float));
-    return dp_check_same_crc(c, crc, err);
+    if (dp_check_same_crc(c, crc, err) != 0) return -1;
+    // ZeRO-1: AdamW's m and v (and with opt.shard_weights the fp32 weights) outside this rank's
+    // shard give their memory back (the Store allocated, zeroed or loaded them whole; the
+    // masters hold the weights; nothing reads the rest until engine_gather_state)
+    engine_release_state(e);
+    return 0;
 }
 
 void shard_free(Engine* e) {
@@ -232,6 +235,7 @@ void shard_reduce_layer(Engine* e, float** g, int l) {
     for (int p = d->first[l]; p < d->first[l + 1]; p++)
         d->piece[p].grad = g[l] + e->opt_goffset[d->src[p]] + d->at[p];
     const int64_t n = d->n[l], blk = d->block[l], len = d->len[l];
+    const double t0 = time_now_s();
     if (n > 0 && !shard_failed(e)) {
         const float* span = g[l] + d->lo[l];
         float* mine = g[l] + d->lo[l] + d->off[l];
@@ -256,6 +260,11 @@ void shard_reduce_layer(Engine* e, float** g, int l) {
             for (int64_t i = 0; rc == 0 && i < len; i++) mine[i] = bf16_to_f32(r[i]);
         }
         if (rc != 0) shard_fail(e, "the gradients' reduce-scatter");
+        if (e->trace) {  // (the optimizer's row of the trace: the overlap with the backward)
+            char name[48];
+            snprintf(name, sizeof name, "reduce-scatter layer %d", l);
+            trace_add(e->trace, name, e->N, STREAM_COUNT, t0, time_now_s());
+        }
     }
     double* sums = d->parts + (size_t)d->rank * d->parts_block +
                    d->parts_first[(size_t)d->rank * (e->NL + 1) + l];
@@ -318,21 +327,28 @@ void shard_apply_layer(Engine* e, const AdamWUpdate* u, int buf, int l) {
             return;
         }
         memcpy((float*)e->master[buf][l] + lo, b, (size_t)n * sizeof(float));
-        memcpy(param, b, (size_t)n * sizeof(float));
+        if (!e->opt.shard_weights) memcpy(param, b, (size_t)n * sizeof(float));
     } else {
         uint16_t* b = d->buf;
         uint16_t* mine = b + (size_t)d->rank * blk;
         uint16_t* master = (uint16_t*)e->master[buf][l] + lo;
         memcpy(mine, master + off, (size_t)len * sizeof(uint16_t));
         memset(mine + len, 0, (size_t)(blk - len) * sizeof(uint16_t));
+        const double t0 = time_now_s();
         if (comm_all_gather(d->c, mine, b, (size_t)blk, COMM_BF16, NULL) != 0) {
             shard_fail(e, "the all-gather of the updated weights");
             return;
         }
+        if (e->trace) {
+            char name[48];
+            snprintf(name, sizeof name, "all-gather layer %d", l);
+            trace_add(e->trace, name, e->N, STREAM_COUNT, t0, time_now_s());
+        }
         memcpy(master, b, (size_t)n * sizeof(uint16_t));
         // the Store outside the shard: the gathered values widened (exact: engine_gather_state)
-        for (int64_t i = 0; i < off; i++) param[i] = bf16_to_f32(b[i]);
-        for (int64_t i = off + len; i < n; i++) param[i] = bf16_to_f32(b[i]);
+        for (int64_t i = 0; i < off && !e->opt.shard_weights; i++) param[i] = bf16_to_f32(b[i]);
+        for (int64_t i = off + len; i < n && !e->opt.shard_weights; i++)
+            param[i] = bf16_to_f32(b[i]);
     }
 }
 
@@ -342,9 +358,10 @@ void shard_apply_layer(Engine* e, const AdamWUpdate* u, int buf, int l) {
 void engine_release_state(Engine* e) {
     EngineShard* d = e->dp;
     if (!d) return;
+    const int w = e->opt.shard_weights;
     for (int l = 0; l < e->NL; l++) {
-        store_release_state(e->s, l, 0, d->lo[l] + d->off[l]);
-        store_release_state(e->s, l, d->lo[l] + d->off[l] + d->len[l], e->m->tt.state_numel[l]);
+        store_release_state(e->s, l, 0, d->lo[l] + d->off[l], w);
+        store_release_state(e->s, l, d->lo[l] + d->off[l] + d->len[l], e->m->tt.state_numel[l], w);
     }
 }
 

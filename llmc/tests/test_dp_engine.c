@@ -9,7 +9,8 @@
  * gradients on the wire; the delayed update of one rank equals the engine without a
  * communicator, and W ranks agree; a rank that dies or hangs makes the others stop with a
  * message naming it, within the timeout; the ZeRO-1 shards cover the parameters once, and each
- * rank keeps AdamW's m and v in memory for its shard only (about 1/W of them, mincore).
+ * rank keeps AdamW's m and v (and with EngineOptions.shard_weights its fp32 weights) in memory for
+ * its shard only (about 1/W of them, mincore).
  *
  * Rank threads only record; CHECKs run on the test's thread after pthread_join.
  */
@@ -82,6 +83,7 @@ typedef struct DeRank {
     CommEmulWorld* w;   // NULL: no communicator (the engine alone, W = 1)
     const Model* m;
     int rank, world, N, sync, bf16;
+    int shard_weights;  // EngineOptions.shard_weights
     double budget;      // device bytes for the stages (0: unlimited, one stage)
     CommFault fault;
     uint64_t fault_op;
@@ -95,6 +97,7 @@ typedef struct DeRank {
     int64_t shard;      // engine_shard_params
     int steps;          // steps to run (0: DE_STEPS)
     double mv_bytes, mv_resident;  // AdamW's m and v slabs: allocated, resident after the steps
+    double w_bytes, w_resident;    // the fp32 weight slabs: the same
 } DeRank;
 
 // Bytes of [p, p + n) in memory now (mincore, whole pages).
@@ -135,7 +138,8 @@ static void* de_rank_main(void* arg) {
     EngineOptions eo = {.B = DE_B / k->world, .T = DE_T, .M = DE_M / k->world, .M_R = 0,
                         .sync = k->sync, .opt_threads = 1, .row_chunks = 1, .trace_path = "",
                         .hyper = de_hyper, .sched = de_sched, .grad_clip = de_clip, .comm = c,
-                        .global_B = DE_B, .reduce_bf16 = k->bf16};
+                        .global_B = DE_B, .reduce_bf16 = k->bf16,
+                        .shard_weights = k->shard_weights};
     if (k->budget > 0)
         eo.device_budget = k->budget + (double)engine_fixed_device_bytes(k->m, 4, &eo);
     Engine* e = engine_create(k->m, &s, &devs, &eo, k->err);
@@ -164,6 +168,8 @@ static void* de_rank_main(void* arg) {
             if (bytes == 0) continue;
             k->mv_bytes += 2.0 * (double)bytes;
             k->mv_resident += resident_bytes(s.m[l], bytes) + resident_bytes(s.v[l], bytes);
+            k->w_bytes += (double)bytes;
+            k->w_resident += resident_bytes(s.param[l], bytes);
         }
         if (!k->failed && engine_gather_state(e, -1, 1, k->err) != 0) k->failed = DE_STEPS + 1;
         k->secs = time_now_s() - t0;
@@ -334,8 +340,9 @@ static void test_dp_engine_sync(TestCtx* t) {
         de_reference(&m, W, 0, &ref);
         // one stage on one device; several stages over two devices (a small budget)
         for (int N = 1; N <= 2; N++) {
+            // (two devices: the fp32 weights sharded too, gathered back at the end)
             const DeRank proto = {.m = &m, .N = N, .sync = 1, .timeout_s = 60.0,
-                                  .budget = N == 2 ? 2.4e5 : 0};
+                                  .budget = N == 2 ? 2.4e5 : 0, .shard_weights = N == 2};
             DeRank ranks[DE_MAX_W];
             de_run(&proto, W, NULL, ranks);
             char what[48];
@@ -426,8 +433,9 @@ static void test_dp_engine_rank_failure(TestCtx* t) {
     model_free(&m);
 }
 
-// ZeRO-1's host memory: after the steps each rank holds AdamW's m and v for its shard only,
-// about 1/W of them (page rounding at each layer's shard edges).
+// ZeRO-1's host memory: after the steps each rank holds AdamW's m and v and the fp32 weights
+// (shard_weights) for its shard only, about 1/W of them (page rounding at each layer's shard
+// edges).
 static void test_dp_engine_memory(TestCtx* t) {
     char err[ERR_LEN];
     ModelConfig c = test_engine_config(1);
@@ -440,7 +448,8 @@ static void test_dp_engine_memory(TestCtx* t) {
     CHECK(t, model_init(&m, &c, 0, err) == 0, "%s", err);
     const long page = sysconf(_SC_PAGESIZE);
     for (int W = 1; W <= DE_MAX_W; W *= 2) {
-        const DeRank proto = {.m = &m, .N = 1, .sync = 1, .timeout_s = 60.0, .steps = 1};
+        const DeRank proto = {.m = &m, .N = 1, .sync = 1, .timeout_s = 60.0, .steps = 1,
+                              .shard_weights = 1};
         DeRank ranks[DE_MAX_W];
         de_run(&proto, W, NULL, ranks);
         for (int r = 0; r < W; r++) {
@@ -453,9 +462,16 @@ static void test_dp_engine_memory(TestCtx* t) {
             CHECK(t, k->mv_resident <= 1.25 * want + slack && k->mv_resident >= want - slack,
                   "W %d rank %d: m and v take %.0f of %.0f bytes (1/W: %.0f)", W, r,
                   k->mv_resident, k->mv_bytes, want);
+            const double want_w = k->w_bytes / W, slack_w = slack / 2;
+            CHECK(t, k->w_resident <= 1.25 * want_w + slack_w &&
+                         k->w_resident >= want_w - slack_w,
+                  "W %d rank %d: the fp32 weights take %.0f of %.0f bytes (1/W: %.0f)", W, r,
+                  k->w_resident, k->w_bytes, want_w);
             if (r == 0)
-                printf("       W=%d: AdamW m and v per rank %.2f MiB of %.2f MiB\n", W,
-                       k->mv_resident / (1 << 20), k->mv_bytes / (1 << 20));
+                printf("       W=%d: per rank AdamW m and v %.2f MiB of %.2f MiB, fp32 weights "
+                       "%.2f MiB of %.2f MiB\n", W, k->mv_resident / (1 << 20),
+                       k->mv_bytes / (1 << 20), k->w_resident / (1 << 20),
+                       k->w_bytes / (1 << 20));
             de_rank_free(&ranks[r]);
         }
     }
