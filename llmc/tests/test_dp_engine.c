@@ -7,7 +7,7 @@
  * the norm summed in the engine's shard order, dp_engine_norm_sq, then one AdamW step): sync-mode
  * losses, norms, weights and the gathered m and v bit for bit on 1-4 ranks, with fp32 and bf16
  * gradients on the wire; the delayed update of one rank equals the engine without a
- * communicator, and W ranks agree; a rank that dies or hangs makes the others stop with a
+ * communicator (also with split rounds), and W ranks agree; a rank that dies or hangs makes the others stop with a
  * message naming it, within the timeout; the ZeRO-1 shards cover the parameters once, and each
  * rank keeps AdamW's m and v (and with EngineOptions.shard_weights its fp32 weights) in memory for
  * its shard only (about 1/W of them, mincore).
@@ -84,6 +84,7 @@ typedef struct DeRank {
     const Model* m;
     int rank, world, N, sync, bf16;
     int shard_weights;  // EngineOptions.shard_weights
+    int split;          // EngineOptions.split_rounds
     double budget;      // device bytes for the stages (0: unlimited, one stage)
     CommFault fault;
     uint64_t fault_op;
@@ -139,7 +140,7 @@ static void* de_rank_main(void* arg) {
                         .sync = k->sync, .opt_threads = 1, .row_chunks = 1, .trace_path = "",
                         .hyper = de_hyper, .sched = de_sched, .grad_clip = de_clip, .comm = c,
                         .global_B = DE_B, .reduce_bf16 = k->bf16,
-                        .shard_weights = k->shard_weights};
+                        .shard_weights = k->shard_weights, .split_rounds = k->split};
     if (k->budget > 0)
         eo.device_budget = k->budget + (double)engine_fixed_device_bytes(k->m, 4, &eo);
     Engine* e = engine_create(k->m, &s, &devs, &eo, k->err);
@@ -400,6 +401,26 @@ static void test_dp_engine_delayed(TestCtx* t) {
         for (int r = 0; r < W; r++) de_rank_free(&ranks[r]);
     }
     de_rank_free(&alone);
+    // split rounds (one round per device at once, added in round order before the reduce): one
+    // rank with a communicator is the engine alone, bit for bit
+    DeRank split_alone = {.m = &m, .rank = 0, .world = 1, .N = 2, .sync = 0, .split = 1};
+    de_rank_main(&split_alone);
+    const DeRank proto = {.m = &m, .N = 2, .sync = 0, .timeout_s = 60.0, .split = 1};
+    DeRank split_one[1];
+    de_run(&proto, 1, NULL, split_one);
+    CHECK(t, split_alone.failed == 0 && split_one[0].failed == 0, "split rounds: %s %s",
+          split_alone.err, split_one[0].err);
+    if (!split_alone.failed && !split_one[0].failed) {
+        for (int s = 0; s < DE_STEPS; s++)
+            CHECK(t, split_one[0].loss[s] == split_alone.loss[s] &&
+                         split_one[0].norm[s] == split_alone.norm[s],
+                  "split rounds step %d: %.17g vs %.17g", s + 1, split_one[0].loss[s],
+                  split_alone.loss[s]);
+        CHECK(t, memcmp(split_one[0].flat[0], split_alone.flat[0],
+                        split_alone.n * sizeof(float)) == 0, "split rounds: the same weights");
+    }
+    de_rank_free(&split_alone);
+    de_rank_free(&split_one[0]);
     model_free(&m);
 }
 
