@@ -433,8 +433,22 @@ int main(int argc, char** argv) {
     }
     // the tokenizer (tokenizer.json beside the model, or the GGUF's) for the prompt and exports
     if (checkpoint_load_tokenizer(&src, err) != 0) fatal("%s", err);
+    // a rank of a data-parallel engine run zeroes AdamW's m and v for its ZeRO-1 shard only
+    // (docs/DISTRIBUTED.md §6); a launcher's world of one on GPUs opens NCCL too (the same code
+    // path at world size 1, for checking it against the run without it)
+    const int ranked = dist.world > 1 || (strcmp(dist.source, "default") != 0 &&
+                                          a.device == DEVICE_CUDA);
     Store store;
-    store_create(&store, &model.tt);
+    if (ranked && N > 0) {
+        int64_t* lo = malloc_check((size_t)model.tt.n_layers * sizeof(int64_t));
+        int64_t* hi = malloc_check((size_t)model.tt.n_layers * sizeof(int64_t));
+        dp_engine_state_ranges(&model.tt, dist.world, dist.rank, lo, hi);
+        store_create_shard(&store, &model.tt, lo, hi);
+        free(lo);
+        free(hi);
+    } else {
+        store_create(&store, &model.tt);
+    }
     char* args_json = args_to_json(&a);
     TrainState ts;
     const InitOptions init = {.model = a.model, .out_dir = a.out, .resume = a.resume,
@@ -446,10 +460,6 @@ int main(int argc, char** argv) {
     // threads start with SIGINT/SIGTERM blocked: only this thread handles them)
     interrupt_block();
     Trainer tr;
-    // (a launcher's world of one on GPUs, e.g. scripts/launch_local.sh 1: the same NCCL code
-    // path at world size 1, for checking it against the run without it)
-    const int ranked = dist.world > 1 || (strcmp(dist.source, "default") != 0 &&
-                                          a.device == DEVICE_CUDA);
     Comm* comm = ranked ? open_data_parallel(&dist) : NULL;
     if (trainer_create_ranked(&tr, &a, &model, &store, &ts, N, engine_options, comm, err) != 0)
         fatal("%s", err);

@@ -306,6 +306,25 @@ int dp_layer_shard(const AdamWTensor* t, const int64_t* goff, int n, int world, 
     return k;
 }
 
+void dp_engine_state_ranges(const TensorTable* tt, int world, int rank, int64_t* lo, int64_t* hi) {
+    // the optimizer's tensors of each layer in table order (as the engine groups them), at their
+    // gradient offsets (the same as their state offsets for full training; shard_init checks)
+    for (int l = 0; l < tt->n_layers; l++) {
+        int64_t a = -1, b = 0;
+        for (int i = 0; i < tt->n; i++) {
+            const TensorDesc* d = &tt->t[i];
+            if (d->tied_to >= 0 || !d->trainable || d->layer != l) continue;
+            if (a < 0) a = d->grad_offset;
+            b = d->grad_offset + d->numel;
+        }
+        if (a < 0) a = 0, b = 0;
+        size_t off, len;
+        comm_shard_range((size_t)(b - a), world, rank, &off, &len);
+        lo[l] = a + (int64_t)off;
+        hi[l] = lo[l] + (int64_t)len;
+    }
+}
+
 double dp_engine_norm_sq(ThreadPool* pool, const Store* s, int world) {
     const TensorTable* tt = s->tt;
     const size_t cap = (size_t)(tt->n > 0 ? tt->n : 1);

@@ -173,6 +173,9 @@ void dp_layer_span(const AdamWTensor* t, const int64_t* goff, int n, int64_t* lo
 // Returns the count (<= n).
 int dp_layer_shard(const AdamWTensor* t, const int64_t* goff, int n, int world, int rank,
                    AdamWTensor* out, int* src, int64_t* at);
+// Rank `rank`'s shard of every layer's state slab (m and v) as the engine lays it out:
+// [lo[l], hi[l]) for each of tt's n_layers layers (store_create_shard).
+void dp_engine_state_ranges(const TensorTable* tt, int world, int rank, int64_t* lo, int64_t* hi);
 // The squared norm W engine ranks compute for the gradients s holds (reduced and tied ones
 // folded): a single-process reference of the engine's clip.
 double dp_engine_norm_sq(ThreadPool* pool, const Store* s, int world);

@@ -97,7 +97,10 @@ void store_release_frozen(Store* s) {
     s->frozen_released = 1;
 }
 
-void store_create(Store* s, const TensorTable* tt) {
+void store_create(Store* s, const TensorTable* tt) { store_create_shard(s, tt, NULL, NULL); }
+
+void store_create_shard(Store* s, const TensorTable* tt, const int64_t* state_lo,
+                        const int64_t* state_hi) {
     memset(s, 0, sizeof *s);
     s->tt = tt;
     s->n_layers = tt->n_layers;
@@ -119,6 +122,10 @@ void store_create(Store* s, const TensorTable* tt) {
         for (int k = 0; k < 4; k++) {
             z.slabs[4 * l + k] = slabs[k];
             z.numel[4 * l + k] = slabs[k] ? numel[k] : 0;
+            if (state_lo && k >= 2 && slabs[k]) {  // m and v: the rank's shard only
+                z.slabs[4 * l + k] = slabs[k] + state_lo[l];
+                z.numel[4 * l + k] = state_hi[l] - state_lo[l];
+            }
         }
     }
     for (int i = 0; i < n; i++) z.first[i + 1] = z.first[i] + (z.numel[i] + ZERO_CHUNK - 1) / ZERO_CHUNK;

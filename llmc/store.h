@@ -32,6 +32,13 @@ typedef struct Store {
 } Store;
 
 void store_create(Store* s, const TensorTable* tt);
+// The same for one rank of a data-parallel engine run (ZeRO-1): AdamW's m and v of layer l are
+// zeroed only in [state_lo[l], state_hi[l]) (the rank's shard, dp_engine_state_ranges); the rest
+// of those slabs is never touched, so fresh pages there take no memory unless something writes
+// them (a resumed checkpoint's state, which the engine then gives back, as it does for recycled
+// ones).
+void store_create_shard(Store* s, const TensorTable* tt, const int64_t* state_lo,
+                        const int64_t* state_hi);
 // Host bytes store_create allocates for tt: the fp32 weights, m, v and gradient slabs.
 double store_bytes(const TensorTable* tt);
 // Of which the frozen tensors' fp32 weights (LoRA's base: each slab's head, the adapters last).

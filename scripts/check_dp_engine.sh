@@ -26,6 +26,7 @@ for sync in 1 0; do
     flags=(--model "$MODEL" --layers "$LAYERS" --device cuda:1 --train "$shard" --val ''
            --batch 8 --seq 512 --micro-batches 4 --steps "$STEPS" --warmup 2 --sync "$sync"
            --sample-tokens 0 --save-every 5 "$@")
+    rm -rf "$OUTDIR/alone$sync" "$OUTDIR/rank$sync"
     ./train_roundpipe "${flags[@]}" --out "$OUTDIR/alone$sync" --log "$OUTDIR/alone$sync.jsonl" \
         > "$OUTDIR/alone$sync.out" 2>&1 || { echo "plain run failed: $OUTDIR/alone$sync.out"; exit 1; }
     scripts/launch_local.sh 1 "${flags[@]}" --out "$OUTDIR/rank$sync" \

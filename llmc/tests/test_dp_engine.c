@@ -85,6 +85,7 @@ typedef struct DeRank {
     int rank, world, N, sync, bf16;
     int shard_weights;  // EngineOptions.shard_weights
     int split;          // EngineOptions.split_rounds
+    int shard_store;    // store_create_shard (m and v zeroed for the rank's shard only)
     double budget;      // device bytes for the stages (0: unlimited, one stage)
     CommFault fault;
     uint64_t fault_op;
@@ -130,7 +131,17 @@ static void* de_rank_main(void* arg) {
         if (k->fault != COMM_FAULT_NONE) comm_emul_inject(c, k->fault, k->fault_op);
     }
     Store s;
-    store_create(&s, &k->m->tt);
+    if (k->shard_store) {
+        const int NL = k->m->tt.n_layers;
+        int64_t* lo = malloc_check((size_t)NL * sizeof(int64_t));
+        int64_t* hi = malloc_check((size_t)NL * sizeof(int64_t));
+        dp_engine_state_ranges(&k->m->tt, k->world, k->rank, lo, hi);
+        store_create_shard(&s, &k->m->tt, lo, hi);
+        free(lo);
+        free(hi);
+    } else {
+        store_create(&s, &k->m->tt);
+    }
     store_init_random(&s, 7, 0.2f);
     DeviceSet devs;
     const DeviceOptions dopt = {.threads = 1, .delay_seed = 99u + (uint32_t)k->rank,
@@ -343,7 +354,8 @@ static void test_dp_engine_sync(TestCtx* t) {
         for (int N = 1; N <= 2; N++) {
             // (two devices: the fp32 weights sharded too, gathered back at the end)
             const DeRank proto = {.m = &m, .N = N, .sync = 1, .timeout_s = 60.0,
-                                  .budget = N == 2 ? 2.4e5 : 0, .shard_weights = N == 2};
+                                  .budget = N == 2 ? 2.4e5 : 0, .shard_weights = N == 2,
+                                  .shard_store = N == 2};
             DeRank ranks[DE_MAX_W];
             de_run(&proto, W, NULL, ranks);
             char what[48];
@@ -470,7 +482,7 @@ static void test_dp_engine_memory(TestCtx* t) {
     const long page = sysconf(_SC_PAGESIZE);
     for (int W = 1; W <= DE_MAX_W; W *= 2) {
         const DeRank proto = {.m = &m, .N = 1, .sync = 1, .timeout_s = 60.0, .steps = 1,
-                              .shard_weights = 1};
+                              .shard_weights = 1, .shard_store = 1};
         DeRank ranks[DE_MAX_W];
         de_run(&proto, W, NULL, ranks);
         for (int r = 0; r < W; r++) {
