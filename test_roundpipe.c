@@ -46,6 +46,7 @@
     X(gpu_moe)     \
     X(gpu_moe_matmul) \
     X(gpu_comm)    \
+    X(gpu_dp_engine) \
     X(device)      \
     X(partition)   \
     X(engine)      \
@@ -55,6 +56,7 @@
     X(checksum)    \
     X(comm)        \
     X(dp)          \
+    X(dp_engine)   \
     X(memory)      \
     X(train)       \
     X(grpo)        \

@@ -155,7 +155,9 @@ static void plan_data_parallel(const TrainArgs* a, const Model* m, int N, double
     const DpPlanInput in = {.m = m, .world = a->dist_world, .net_gbps = a->net_gbps,
                             .step_s = step_s, .rounds = rounds, .sync = !delayed,
                             .host_bytes = host_bytes,
-                            .grad_sets = 1 + delayed + (a->split_rounds > 0 ? N - 1 : 0)};
+                            .grad_sets = 1 + delayed + (a->split_rounds > 0 ? N - 1 : 0),
+                            .built_sharded = !engine_run ? 0.0
+                                             : trainer_needs_plain(a, 1) ? 8.0 : 12.0};
     dp_plan_print(&in, source, stdout);
 }
 
@@ -225,9 +227,10 @@ static void resolve_dist(const TrainArgs* a, DistConfig* d) {
     if (dist_config_resolve(d, &f, dist_getenv, NULL, err) != 0) fatal("%s", err);
 }
 
-// W > 1: the rendezvous with rank 0, this rank's NCCL communicator on its GPU (LOCAL_RANK; the
-// plain path's collectives are staged through it), and the trainer's ZeRO-1 shard.
-static Comm* open_data_parallel(const DistConfig* d, Trainer* tr) {
+// W > 1: the rendezvous with rank 0 and this rank's NCCL communicator on its GPU (LOCAL_RANK;
+// the collectives are host buffers staged through it, from the plain path's step or the engine's
+// optimizer thread).
+static Comm* open_data_parallel(const DistConfig* d) {
 #ifdef HAVE_CUDA
     char err[ERR_LEN];
     CommToken token;
@@ -236,16 +239,21 @@ static Comm* open_data_parallel(const DistConfig* d, Trainer* tr) {
                          .token = token, .gpu = d->local_rank};
     Comm* c = comm_nccl_impl.init(&in, err);
     if (!c) fatal("data parallel: %s", err);
-    if (trainer_attach_comm(tr, c, err) != 0) fatal("%s", err);
-    const size_t shard = tr->dp->lo[d->rank + 1] - tr->dp->lo[d->rank];
-    printf("data parallel: rank %d of %d (NCCL on GPU %d), %d of the %d sequences of each batch, "
-           "AdamW on %zu of the %zu parameters (ZeRO-1)\n", d->rank, d->world, d->local_rank,
-           tr->a->batch / d->world, tr->a->batch, shard, tr->dp->n);
     return c;
 #else
-    (void)tr;
     fatal("data parallel: world size %d needs NCCL: this binary was built without CUDA", d->world);
 #endif
+}
+
+// The line every rank prints once its trainer holds the communicator.
+static void print_data_parallel(const DistConfig* d, const Trainer* tr) {
+    const long long shard = tr->dp ? (long long)(tr->dp->lo[d->rank + 1] - tr->dp->lo[d->rank])
+                                   : (long long)engine_shard_params(tr->eng);
+    const long long all = tr->dp ? (long long)tr->dp->n : (long long)tr->m->tt.trainable_params;
+    printf("data parallel: rank %d of %d (NCCL on GPU %d), %d of the %d sequences of each batch, "
+           "AdamW on %lld of the %lld parameters (ZeRO-1%s)\n", d->rank, d->world, d->local_rank,
+           tr->a->batch / d->world, tr->a->batch, shard, all,
+           tr->eng ? ", through the engine" : "");
 }
 
 // ----------------------------------------------------------------------------
@@ -457,6 +465,11 @@ int main(int argc, char** argv) {
     }
     // the tokenizer (tokenizer.json beside the model, or the GGUF's) for the prompt and exports
     if (checkpoint_load_tokenizer(&src, err) != 0) fatal("%s", err);
+    // a rank of a data-parallel engine run zeroes AdamW's m and v for its ZeRO-1 shard only
+    // (docs/DISTRIBUTED.md §6); a launcher's world of one on GPUs opens NCCL too (the same code
+    // path at world size 1, for checking it against the run without it)
+    const int ranked = dist.world > 1 || (strcmp(dist.source, "default") != 0 &&
+                                          a.device == DEVICE_CUDA);
     Store store;
     if (a.mmap_base) {  // the base stays in the mapped checkpoint (its slabs' heads untouched)
         if (!src.has_weights)
@@ -466,6 +479,13 @@ int main(int argc, char** argv) {
         if (loader_map_base(&store, src.kind == SOURCE_GGUF ? NULL : &src.ck, base_gguf,
                             &model.cfg, err) != 0)
             fatal("%s", err);
+    } else if (ranked && N > 0) {  // (LoRA runs are refused with data parallel)
+        int64_t* lo = malloc_check((size_t)model.tt.n_layers * sizeof(int64_t));
+        int64_t* hi = malloc_check((size_t)model.tt.n_layers * sizeof(int64_t));
+        dp_engine_state_ranges(&model.tt, dist.world, dist.rank, lo, hi);
+        store_create_shard(&store, &model.tt, lo, hi);
+        free(lo);
+        free(hi);
     } else {
         store_create(&store, &model.tt);
     }
@@ -483,9 +503,10 @@ int main(int argc, char** argv) {
     // threads start with SIGINT/SIGTERM blocked: only this thread handles them)
     interrupt_block();
     Trainer tr;
-    if (trainer_create(&tr, &a, &model, &store, &ts, N, engine_options, err) != 0)
+    Comm* comm = ranked ? open_data_parallel(&dist) : NULL;
+    if (trainer_create_ranked(&tr, &a, &model, &store, &ts, N, engine_options, comm, err) != 0)
         fatal("%s", err);
-    Comm* comm = dist.world > 1 ? open_data_parallel(&dist, &tr) : NULL;
+    if (comm) print_data_parallel(&dist, &tr);
 
     // 4. data
     DataLoader train, val;

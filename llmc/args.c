@@ -240,8 +240,9 @@ void args_usage(FILE* f) {
         "                         evenly, no --round is given and host memory has room\n"
         "      --no-split-rounds  never split rounds (the paper's schedule)\n"
         "\n"
-        "data parallel (plain training, W processes over NCCL, each with a GPU for it: --batch\n"
-        "is global, rank r takes sequences r, r+W, ...; ZeRO-1 optimizer; rank 0 logs and saves)\n"
+        "data parallel (W processes over NCCL, each with a GPU for it; each trains plain or runs\n"
+        "the RoundPipe engine on its own devices: --batch and --micro-batches are global, rank r\n"
+        "takes sequences r, r+W, ...; ZeRO-1 optimizer; rank 0 logs and saves)\n"
         "      --dist-init URL    tcp://HOST:PORT where rank 0 hands out the communicator's id\n"
         "                         (default: MASTER_ADDR and MASTER_PORT from the environment)\n"
         "      --rank R           this process's rank (default: RANK, else SLURM_PROCID, else 0)\n"
@@ -249,6 +250,8 @@ void args_usage(FILE* f) {
         "                         else 1)\n"
         "      --dist-timeout S   seconds any rendezvous or collective waits for a missing\n"
         "                         rank before failing with its name (default %g)\n"
+        "      --dp-reduce-dtype D  fp32 (default) or bf16: the gradients' dtype on the wire\n"
+        "                         (the engine; bf16 halves the traffic, summed in fp32)\n"
         "      --net-gbps G       with --plan --world W: each node's network bandwidth in Gbit/s\n"
         "                         for the gradient and weight traffic (default %g)\n"
         "      --step-ms MS       with --plan --world W: the measured single-node step time to\n"
@@ -388,7 +391,7 @@ enum {
     OPT_DECAY_EMB, OPT_INIT_STD, OPT_TEMPERATURE, OPT_ROUND, OPT_ROW_CHUNKS, OPT_RECOMPUTE, OPT_SYNC, OPT_PLAN,
     OPT_DEVICE_MEM, OPT_DELAY, OPT_TRACE, OPT_PROFILE_OPS, OPT_SPLIT_ROUNDS, OPT_NO_SPLIT_ROUNDS, OPT_PROFILE_STEPS, OPT_MLP_CHUNK, OPT_HOST_CKPT, OPT_SAVE_EVERY, OPT_KEEP, OPT_RESUME, OPT_EXPORT_HF,
     OPT_EXPORT_GGUF, OPT_EXPORT_DTYPE, OPT_EXPORT_SHARD, OPT_LAYERS,
-    OPT_ALLOW_OVERCOMMIT, OPT_DIST_INIT, OPT_RANK, OPT_WORLD, OPT_DIST_TIMEOUT, OPT_NET_GBPS, OPT_STEP_MS,
+    OPT_ALLOW_OVERCOMMIT, OPT_DIST_INIT, OPT_RANK, OPT_WORLD, OPT_DIST_TIMEOUT, OPT_DP_REDUCE, OPT_NET_GBPS, OPT_STEP_MS,
     OPT_LORA_R, OPT_LORA_ALPHA, OPT_LORA_TARGETS, OPT_LORA_DROPOUT,
     OPT_RSLORA, OPT_LORA_INIT, OPT_EXPORT_LORA, OPT_MERGE_LORA, OPT_BASE_DTYPE, OPT_MMAP_BASE,
     OPT_LORA_GATE_UP_RANK
@@ -537,6 +540,7 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         {"rank", required_argument, 0, OPT_RANK},
         {"world", required_argument, 0, OPT_WORLD},
         {"dist-timeout", required_argument, 0, OPT_DIST_TIMEOUT},
+        {"dp-reduce-dtype", required_argument, 0, OPT_DP_REDUCE},
         {"net-gbps", required_argument, 0, OPT_NET_GBPS},
         {"step-ms", required_argument, 0, OPT_STEP_MS},
         {"lora-r", required_argument, 0, OPT_LORA_R},
@@ -663,6 +667,11 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
             case OPT_DIST_TIMEOUT:
                 rc = float_in("--dist-timeout", v, 0.0, 86400.0, 1, &a->dist_timeout);
                 break;
+            case OPT_DP_REDUCE:
+                if (strcmp(v, "fp32") == 0) a->dp_reduce_bf16 = 0;
+                else if (strcmp(v, "bf16") == 0) a->dp_reduce_bf16 = 1;
+                else rc = bad("--dp-reduce-dtype", v, "expected fp32 or bf16");
+                break;
             case OPT_NET_GBPS: rc = float_in("--net-gbps", v, 0.0, 1e6, 1, &a->net_gbps); break;
             case OPT_STEP_MS: rc = float_in("--step-ms", v, 0.0, 1e9, 1, &a->step_ms); break;
             case OPT_LORA_R: rc = int_in("--lora-r", v, 0, 65536, &a->lora_r); break;
@@ -780,8 +789,7 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
     }
     if (a->resume && !*a->out) return bad("--resume", "", "needs --out DIR holding the checkpoints");
     if (!*a->train) return bad("--train", a->train, "must not be empty");
-    // data parallel: the flags and the launcher's environment must describe one valid rank; more
-    // than one is refused until the trainer uses them (llmc/comm.h, llmc/dist.h are ready)
+    // data parallel: the flags and the launcher's environment must describe one valid rank
     // --plan projects a world size (--world W, llmc/dp.h) without being one of its ranks: no rank,
     // rendezvous address or environment needed
     if (a->plan_only) return check_lora(a);
@@ -793,13 +801,10 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         fprintf(stderr, "train_roundpipe: error: %s (see --help)\n", err);
         return 2;
     }
-    // data parallel trains on the plain path (llmc/dp.h) over NCCL; the engine's is not built
+    // data parallel over NCCL: plain training (llmc/dp.h) or the engine (docs/DISTRIBUTED.md §6)
     if (dc.world > 1) {
         const char* why = NULL;
-        if (a->n_devices > 0 || a->device == DEVICE_CUDA)
-            why = "trains on the plain path (--device cpu) for now: the RoundPipe engine does not "
-                  "reduce gradients across ranks yet";
-        else if (a->dump_state[0])
+        if (a->dump_state[0])
             why = "does not write --dump-state (run it in a single process)";
         else if (a->rl.on)
             why = "does not run --rl yet (GRPO trains in a single process for now)";

@@ -76,6 +76,7 @@ typedef struct TrainArgs {
     int dist_rank;           // --rank R (-1 = from the environment)
     int dist_world;          // --world W (0 = from the environment, else 1)
     float dist_timeout;      // --dist-timeout S: every rendezvous and collective wait (seconds)
+    int dp_reduce_bf16;      // --dp-reduce-dtype bf16: gradients on the wire in bf16 (else fp32)
     float net_gbps;          // --net-gbps G: --plan's network bandwidth per node (Gbit/s)
     float step_ms;           // --step-ms MS: --plan's single-node step time (0: from the FLOPs)
     // LoRA on a frozen base (lora.h)

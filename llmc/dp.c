@@ -191,18 +191,23 @@ AdamWUpdate dp_step(DpLayout* d, Comm* c, ThreadPool* pool, const AdamWHyper* h,
 }
 
 int dp_check_same_weights(DpLayout* d, Comm* c, char* err) {
-    // one CRC-32C per rank of all its trainable weights, gathered as fp32 bits
+    // one CRC-32C per rank of all its trainable weights
     uint32_t crc = 0;
     for (int i = 0; i < d->n_tensors; i++)
         crc = crc32c_update(crc, d->t[i].param, d->t[i].n * sizeof(float));
-    uint32_t* all = malloc_check((size_t)d->world * sizeof(uint32_t));
-    all[d->rank] = crc;
-    if (comm_all_gather(c, all + d->rank, all, 1, COMM_F32, NULL) != 0) {
+    return dp_check_same_crc(c, crc, err);
+}
+
+int dp_check_same_crc(Comm* c, uint32_t crc, char* err) {
+    // gathered as fp32 bits
+    uint32_t* all = malloc_check((size_t)c->world * sizeof(uint32_t));
+    all[c->rank] = crc;
+    if (comm_all_gather(c, all + c->rank, all, 1, COMM_F32, NULL) != 0) {
         free(all);
         return comm_failed(c, "the all-gather of the weights' checksums", err);
     }
     int bad = -1;
-    for (int r = 1; r < d->world && bad < 0; r++)
+    for (int r = 1; r < c->world && bad < 0; r++)
         if (all[r] != all[0]) bad = r;
     free(all);
     if (bad >= 0)
@@ -267,4 +272,94 @@ double dp_rank_gradients(Plain* p, const int32_t* tokens, int B, int T, int M, i
     plain_sync_grads(p);
     store_fold_tied_grads(p->s);
     return loss_sum;
+}
+
+// ----------------------------------------------------------------------------
+// the engine's shard layout
+
+void dp_layer_span(const AdamWTensor* t, const int64_t* goff, int n, int64_t* lo, int64_t* len) {
+    *lo = n > 0 ? goff[0] : 0;
+    *len = n > 0 ? goff[n - 1] + (int64_t)t[n - 1].n - goff[0] : 0;
+}
+
+int dp_layer_shard(const AdamWTensor* t, const int64_t* goff, int n, int world, int rank,
+                   AdamWTensor* out, int* src, int64_t* at) {
+    int64_t lo, len;
+    dp_layer_span(t, goff, n, &lo, &len);
+    size_t off, cnt;
+    comm_shard_range((size_t)len, world, rank, &off, &cnt);
+    const int64_t a0 = lo + (int64_t)off, b0 = a0 + (int64_t)cnt;
+    int k = 0;
+    for (int i = 0; i < n; i++) {
+        const int64_t ta = goff[i], tb = ta + (int64_t)t[i].n;
+        const int64_t a = ta > a0 ? ta : a0, b = tb < b0 ? tb : b0;
+        if (a >= b) continue;
+        const int64_t d = a - ta;
+        out[k] = (AdamWTensor){.param = t[i].param ? t[i].param + d : NULL,
+                               .grad = t[i].grad ? t[i].grad + d : NULL,
+                               .m = t[i].m ? t[i].m + d : NULL, .v = t[i].v ? t[i].v + d : NULL,
+                               .n = (size_t)(b - a), .decay = t[i].decay, .out_bf16 = NULL};
+        if (src) src[k] = i;
+        if (at) at[k] = d;
+        k++;
+    }
+    return k;
+}
+
+void dp_engine_state_ranges(const TensorTable* tt, int world, int rank, int64_t* lo, int64_t* hi) {
+    // the optimizer's tensors of each layer in table order (as the engine groups them), at their
+    // gradient offsets (the same as their state offsets for full training; shard_init checks)
+    for (int l = 0; l < tt->n_layers; l++) {
+        int64_t a = -1, b = 0;
+        for (int i = 0; i < tt->n; i++) {
+            const TensorDesc* d = &tt->t[i];
+            if (d->tied_to >= 0 || !d->trainable || d->layer != l) continue;
+            if (a < 0) a = d->grad_offset;
+            b = d->grad_offset + d->numel;
+        }
+        if (a < 0) a = 0, b = 0;
+        size_t off, len;
+        comm_shard_range((size_t)(b - a), world, rank, &off, &len);
+        lo[l] = a + (int64_t)off;
+        hi[l] = lo[l] + (int64_t)len;
+    }
+}
+
+double dp_engine_norm_sq(ThreadPool* pool, const Store* s, int world) {
+    const TensorTable* tt = s->tt;
+    const size_t cap = (size_t)(tt->n > 0 ? tt->n : 1);
+    AdamWTensor* t = malloc_check(cap * sizeof(AdamWTensor));
+    AdamWTensor* piece = malloc_check(cap * sizeof(AdamWTensor));
+    int64_t* goff = malloc_check(cap * sizeof(int64_t));
+    int* layer = malloc_check(cap * sizeof(int));
+    const int n_t = store_adamw_tensors(s, t);
+    // the optimizer's tensors in table order, which is layer order (as the engine groups them)
+    int k = 0;
+    for (int i = 0; i < tt->n && k < n_t; i++) {
+        const TensorDesc* d = &tt->t[i];
+        if (d->tied_to >= 0 || !d->trainable) continue;
+        goff[k] = d->grad_offset;
+        layer[k++] = d->layer;
+    }
+    double total = 0.0;
+    for (int first = 0; first < n_t;) {
+        int end = first;
+        while (end < n_t && layer[end] == layer[first]) end++;
+        for (int r = 0; r < world; r++) {
+            const int n_p = dp_layer_shard(t + first, goff + first, end - first, world, r, piece,
+                                           NULL, NULL);
+            const int64_t n_c = adamw_chunk_count(piece, n_p);
+            if (n_c == 0) continue;
+            double* sums = malloc_check((size_t)n_c * sizeof(double));
+            adamw_grad_norm_sq_parts(pool, piece, n_p, sums);
+            for (int64_t c = 0; c < n_c; c++) total += sums[c];  // one by one, in chunk order
+            free(sums);
+        }
+        first = end;
+    }
+    free(t);
+    free(piece);
+    free(goff);
+    free(layer);
+    return total;
 }

@@ -62,6 +62,9 @@ typedef struct DpPlanInput {
     int sync;            // the synchronous optimizer (else the one-step-delayed update)
     double host_bytes;   // one node's host memory for the run without sharding
     int grad_sets;       // host fp32 gradient sets of the run (1; 2 with the delayed update, ...)
+    double built_sharded;  // host bytes per parameter this build keeps for 1/W only: the
+                           // engine's m and v (8), and its fp32 weights (+4) where no plain path
+                           // reads them; the plain path keeps its whole store (0)
 } DpPlanInput;
 
 typedef struct DpPlan {
@@ -82,6 +85,8 @@ typedef struct DpPlan {
     double efficiency_bf16;
     double host_saved;         // host bytes per rank ZeRO-1 saves
     double host_bytes_rank;    // host_bytes - host_saved
+    double host_built_saved;   // what this build shards today (built_sharded B per parameter)
+    double host_built_rank;    // host_bytes - host_built_saved
 } DpPlan;
 
 // The estimate (docs/PERFORMANCE.md §7 has the formulas). step_s <= 0: traffic and memory only.
@@ -128,6 +133,9 @@ AdamWUpdate dp_step(DpLayout* d, Comm* c, ThreadPool* pool, const AdamWHyper* h,
 // loads the same --model, --seed or --resume checkpoint). 0, or -1 with err naming the first rank
 // whose weights differ from rank 0's (or the collective's failure).
 int dp_check_same_weights(DpLayout* d, Comm* c, char* err);
+// The same check for a checksum the caller computed (the engine: of its Store's trainable
+// weights). Collective; 0, or -1 with err.
+int dp_check_same_crc(Comm* c, uint32_t crc, char* err);
 // Make m and v whole on every rank (all-gathers of the shards): before a checkpoint. 0 or -1.
 int dp_gather_state(DpLayout* d, Comm* c, char* err);
 // The global loss: every rank's double `local` added in rank order (an all-gather of the
@@ -146,5 +154,30 @@ double dp_rank_gradients(Plain* p, const int32_t* tokens, int B, int T, int M, i
 // Whether a global batch of B sequences in M micro-batches splits over world ranks. 0 or -1
 // with err naming the flag.
 int dp_check_batch(int B, int M, int world, char* err);
+
+// ----------------------------------------------------------------------------
+// the engine's shard layout (engine/shard.c; docs/DISTRIBUTED.md §6)
+//
+// Per layer of the layer sequence: the layer's optimizer tensors t[0..n) (full training: the
+// tensors it owns, in table order) lie end to end in its gradient slab at the offsets goff[]
+// (ascending; the same offsets in its parameter slab), spanning [goff[0], goff[n-1] + t[n-1].n).
+// Rank r owns comm_shard_range of that span (blocks of ceil(span / W), zero-padded to W blocks in
+// the collectives), cut into pieces at the tensors' boundaries. The global squared norm is the
+// pieces' AdamW chunk sums added layer by layer, inside a layer rank by rank, each rank's in
+// chunk order (with W = 1 the engine's own order).
+
+// Layer span [*lo, *lo + *len) of the tensors t[0..n) at offsets goff.
+void dp_layer_span(const AdamWTensor* t, const int64_t* goff, int n, int64_t* lo, int64_t* len);
+// Rank `rank`'s pieces of them into out (param, grad, m, v advanced; NULL stays NULL; out_bf16
+// NULL), each piece's tensor index into src and first element into at (either may be NULL).
+// Returns the count (<= n).
+int dp_layer_shard(const AdamWTensor* t, const int64_t* goff, int n, int world, int rank,
+                   AdamWTensor* out, int* src, int64_t* at);
+// Rank `rank`'s shard of every layer's state slab (m and v) as the engine lays it out:
+// [lo[l], hi[l]) for each of tt's n_layers layers (store_create_shard).
+void dp_engine_state_ranges(const TensorTable* tt, int world, int rank, int64_t* lo, int64_t* hi);
+// The squared norm W engine ranks compute for the gradients s holds (reduced and tied ones
+// folded): a single-process reference of the engine's clip.
+double dp_engine_norm_sq(ThreadPool* pool, const Store* s, int world);
 
 #endif  // LLMC_DP_H

@@ -111,6 +111,10 @@ DpPlan dp_plan_estimate(const DpPlanInput* in) {
     // trainable parameters are kept for 1/W of them; the compute-dtype copies stay whole
     p.host_saved = p.params * (12.0 + 4.0 * in->grad_sets) * ring;
     p.host_bytes_rank = in->host_bytes - p.host_saved;
+    // as built (engine/shard.c): the engine's m and v, and its fp32 weights where no plain path
+    // reads them, for 1/W; the gradient sets whole (downloaded whole, reduce-scattered on the host)
+    p.host_built_saved = p.params * in->built_sharded * ring;
+    p.host_built_rank = in->host_bytes - p.host_built_saved;
     p.opt_s = p.params / W / DP_PLAN_ADAMW_PARAMS_PER_S;
     if (in->step_s <= 0 || in->world <= 1) {
         p.efficiency = p.efficiency_bf16 = 1.0;
@@ -168,4 +172,12 @@ void dp_plan_print(const DpPlanInput* in, const char* step_source, FILE* f) {
     fprintf(f, "  host memory per rank with ZeRO-1: %.2f GiB (%.2f GiB less: fp32 master weights, "
                "AdamW m and v and %d gradient set(s) kept for 1/%d of the parameters)\n",
             p.host_bytes_rank / GiB, p.host_saved / GiB, in->grad_sets, in->world);
+    fprintf(f, "  host memory per rank as this build runs it: %.2f GiB (%.2f GiB less: %s)\n",
+            p.host_built_rank / GiB, p.host_built_saved / GiB,
+            in->built_sharded >= 12.0 ? "fp32 weights, AdamW m and v for 1/W; the gradient sets "
+                                        "stay whole for now"
+            : in->built_sharded >= 8.0 ? "AdamW m and v for 1/W; the fp32 weights stay whole for "
+                                         "the plain path's evaluation or sampling, the gradient "
+                                         "sets for now"
+                                       : "the plain path keeps its whole store");
 }

@@ -40,6 +40,7 @@
 #include <stdio.h>
 
 #include "adamw.h"
+#include "comm.h"
 #include "device.h"
 #include "model.h"
 #include "partition.h"
@@ -100,6 +101,19 @@ typedef struct EngineOptions {
     int fake_compute_us;     // tests only: a stage's micro-batch sleeps this long instead of
                              // computing (uniform stage times, to measure the schedule's bubble)
     int fake_optimizer_us;   // tests only: every optimizer step takes this much longer
+    // data parallel (docs/DISTRIBUTED.md §6): this rank's communicator (NULL: one process). B and
+    // M are then this rank's share (B/W sequences in M/W micro-batches); every gradient is scaled
+    // by 1 / (global_B · T) and the optimizer thread reduce-scatters each layer's gradient over
+    // the ranks as soon as its download is done (while the backward of the layers below goes
+    // on), steps AdamW on this rank's shard (ZeRO-1) and all-gathers the updated weights. Full
+    // training of dense models only.
+    Comm* comm;
+    int global_B;            // the global batch (0 = B)
+    int reduce_bf16;         // the gradients travel in bf16 (summed in fp32), else fp32
+    int shard_weights;       // the Store's fp32 weights outside this rank's shard give their
+                             // memory back too (only where nothing reads them between steps: no
+                             // plain path for evaluation or sampling); engine_gather_state brings
+                             // them back for checkpoints and exports
     // optimizer
     AdamWHyper hyper;
     LrSchedule sched;
@@ -121,6 +135,10 @@ typedef struct EngineStepResult {
     // the aux loss is on, else ce_sum / (B·T).
     double ce_sum, aux_sum;
     const double* load;
+    // data parallel: loss is the global batch's (every rank's sum, added in rank order); error
+    // (engine memory, NULL when all went well) is the first failed collective's message, naming
+    // the rank that died or hung: the run must end (the weights are not consistent any more)
+    const char* error;
 } EngineStepResult;
 
 typedef struct Engine Engine;
@@ -271,6 +289,15 @@ int64_t engine_gated_stages(const Engine* e);
 int64_t engine_device_folds(const Engine* e);
 // Row chunks per micro-batch (EngineOptions.row_chunks, or the one chosen).
 int engine_row_chunks(const Engine* e);
+// Data parallel: make the Store's exact fp32 weights (and with with_state AdamW's m and v) whole
+// on rank root (-1: every rank) by all-gathers of the shards, for a checkpoint or the exports.
+// Collective (every rank calls it at the same point); the engine synchronises first. 0, or -1
+// with err (a failed collective). engine_release_state gives the memory of m and v outside the
+// rank's shard back again (after the checkpoint is written).
+int engine_gather_state(Engine* e, int root, int with_state, char* err);
+void engine_release_state(Engine* e);
+// Data parallel: this rank's AdamW shard (parameters), and all of them.
+int64_t engine_shard_params(const Engine* e);
 // Write the Chrome trace (opt.trace_path) of everything so far; no-op without a trace path.
 int engine_write_trace(Engine* e, char* err);
 

@@ -71,22 +71,49 @@ void store_release_range(Store* s, int l, int64_t from, int64_t to) {
               strerror(errno));
 }
 
+// The whole pages of x[from, to) back to the system.
+static void release_pages(float* x, int64_t from, int64_t to, const char* what) {
+    const long page = sysconf(_SC_PAGESIZE);
+    const uintptr_t pg = page > 0 ? (uintptr_t)page : 4096u;
+    const uintptr_t b = ((uintptr_t)(x + from) + pg - 1) / pg * pg;
+    const uintptr_t e = (uintptr_t)(x + to) / pg * pg;
+    if (e > b && madvise((void*)b, e - b, MADV_DONTNEED) != 0)
+        fatal("madvise(MADV_DONTNEED) on %s's %zu bytes: %s", what, (size_t)(e - b),
+              strerror(errno));
+}
+
+void store_release_state(Store* s, int l, int64_t from, int64_t to, int weights) {
+    if (to > s->tt->state_numel[l]) to = s->tt->state_numel[l];
+    if (from >= to || !s->m[l]) return;
+    release_pages(s->m[l], from, to, "AdamW's m");
+    release_pages(s->v[l], from, to, "AdamW's v");
+    if (weights && s->tt->param_numel[l] == s->tt->state_numel[l])
+        release_pages(s->param[l], from, to, "the fp32 weights");
+}
+
 void store_release_frozen(Store* s) {
     for (int l = 0; l < s->n_layers; l++)
         store_release_range(s, l, 0, s->tt->param_numel[l] - s->tt->state_numel[l]);
     s->frozen_released = 1;
 }
 
-static void store_create_ex(Store* s, const TensorTable* tt, int skip_frozen);
+static void store_create_ex(Store* s, const TensorTable* tt, int skip_frozen,
+                            const int64_t* state_lo, const int64_t* state_hi);
 
-void store_create(Store* s, const TensorTable* tt) { store_create_ex(s, tt, 0); }
+void store_create(Store* s, const TensorTable* tt) { store_create_ex(s, tt, 0, NULL, NULL); }
 
 void store_create_unfrozen(Store* s, const TensorTable* tt) {
-    store_create_ex(s, tt, 1);
+    store_create_ex(s, tt, 1, NULL, NULL);
     s->frozen_released = 1;
 }
 
-static void store_create_ex(Store* s, const TensorTable* tt, int skip_frozen) {
+void store_create_shard(Store* s, const TensorTable* tt, const int64_t* state_lo,
+                        const int64_t* state_hi) {
+    store_create_ex(s, tt, 0, state_lo, state_hi);
+}
+
+static void store_create_ex(Store* s, const TensorTable* tt, int skip_frozen,
+                            const int64_t* state_lo, const int64_t* state_hi) {
     memset(s, 0, sizeof *s);
     s->tt = tt;
     s->n_layers = tt->n_layers;
@@ -113,6 +140,10 @@ static void store_create_ex(Store* s, const TensorTable* tt, int skip_frozen) {
         for (int k = 0; k < 4; k++) {
             z.slabs[4 * l + k] = slabs[k];
             z.numel[4 * l + k] = slabs[k] ? numel[k] : 0;
+            if (state_lo && k >= 2 && slabs[k]) {  // m and v: the rank's shard only
+                z.slabs[4 * l + k] = slabs[k] + state_lo[l];
+                z.numel[4 * l + k] = state_hi[l] - state_lo[l];
+            }
         }
     }
     for (int i = 0; i < n; i++) z.first[i + 1] = z.first[i] + (z.numel[i] + ZERO_CHUNK - 1) / ZERO_CHUNK;

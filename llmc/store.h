@@ -42,6 +42,13 @@ void store_create(Store* s, const TensorTable* tt);
 // The same, leaving the frozen heads of the parameter slabs untouched (--mmap-base: their pages
 // are never written, so never committed; the base is read from the mapped checkpoint).
 void store_create_unfrozen(Store* s, const TensorTable* tt);
+// The same for one rank of a data-parallel engine run (ZeRO-1): AdamW's m and v of layer l are
+// zeroed only in [state_lo[l], state_hi[l]) (the rank's shard, dp_engine_state_ranges); the rest
+// of those slabs is never touched, so fresh pages there take no memory unless something writes
+// them (a resumed checkpoint's state, which the engine then gives back, as it does for recycled
+// ones).
+void store_create_shard(Store* s, const TensorTable* tt, const int64_t* state_lo,
+                        const int64_t* state_hi);
 // Host bytes store_create allocates for tt: the fp32 weights, m, v and gradient slabs.
 double store_bytes(const TensorTable* tt);
 // Of which the frozen tensors' fp32 weights (LoRA's base: each slab's head, the adapters last).
@@ -56,6 +63,11 @@ void store_release_frozen(Store* s);
 // without marking the Store: for the engine, which releases each part of the base as soon as it
 // has its bf16 copy (EngineOptions.release_frozen), so the host never holds both in full.
 void store_release_range(Store* s, int l, int64_t from, int64_t to);
+// Data parallel (ZeRO-1 through the engine): give back the memory of AdamW's m and v of layer l's
+// elements [from, to) of its state slab (the whole pages inside; another rank's shard), and with
+// weights also of its fp32 weights there (full training: the same offsets): the allocation
+// stays, reading them gives zeros, writing them takes memory again.
+void store_release_state(Store* s, int l, int64_t from, int64_t to, int weights);
 void store_free(Store* s);
 
 // Parameter / gradient of tensor i of the table (the gradient NULL for a frozen tensor; the

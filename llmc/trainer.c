@@ -111,6 +111,21 @@ static int create_engine(Trainer* t, int N, int n_opt_cpus, TrainerEngineOptions
 #endif
     device_set_open(&t->devs, impl, N, &dopt);
     EngineOptions eo = engine_options(a, t->use_cuda, N, ts->step);
+    if (t->comm) {
+        // data parallel through the engine: this rank's share of the global batch (its rows,
+        // dp_take_rows, in M / W micro-batches), the gradients scaled by the global batch's
+        // tokens and reduced over the ranks layer by layer (docs/DISTRIBUTED.md §6)
+        const int W = t->comm->world;
+        if (dp_check_batch(a->batch, a->micro_batches, W, err) != 0) return -1;
+        eo.B = a->batch / W;
+        eo.M = a->micro_batches / W;
+        if (eo.M_R == a->micro_batches) eo.M_R = 0;  // (one round)
+        eo.global_B = a->batch;
+        eo.comm = t->comm;
+        eo.reduce_bf16 = a->dp_reduce_bf16;
+        // ZeRO-1 for the fp32 weights too, unless the plain path reads them between steps
+        eo.shard_weights = !trainer_needs_plain(a, 1);
+    }
     eo.seed = a->seed;  // LoRA dropout: the plain trainer's masks
     eo.release_frozen = trainer_releases_frozen(a, t->m, 1);  // (LoRA on GPUs)
     if (n_opt_cpus > 0) {
@@ -166,7 +181,14 @@ int trainer_releases_frozen(const TrainArgs* a, const Model* m, int use_engine) 
 
 int trainer_create(Trainer* t, const TrainArgs* a, const Model* m, Store* s, TrainState* ts,
                    int n_devices, TrainerEngineOptionsFn engine_options, char* err) {
+    return trainer_create_ranked(t, a, m, s, ts, n_devices, engine_options, NULL, err);
+}
+
+int trainer_create_ranked(Trainer* t, const TrainArgs* a, const Model* m, Store* s,
+                          TrainState* ts, int n_devices, TrainerEngineOptionsFn engine_options,
+                          Comm* comm, char* err) {
     memset(t, 0, sizeof *t);
+    if (comm && n_devices > 0) t->comm = comm;  // the engine's (plain: trainer_attach_comm)
     t->a = a;
     t->m = m;
     t->s = s;
@@ -220,14 +242,18 @@ int trainer_create(Trainer* t, const TrainArgs* a, const Model* m, Store* s, Tra
     log_meter_init(&t->meter, t->eng ? t->devs.n : 1, (double)a->batch * a->seq,
                    config_flops_per_token(&m->cfg, a->seq),
                    t->use_cuda ? LOG_PEAK_FLOPS_PER_GPU * N : 0.0);
+    if (comm && !use_engine) return trainer_attach_comm(t, comm, err);
+    if (t->comm)
+        t->dp_rows = malloc_named((size_t)(a->batch / comm->world) * (a->seq + 1) *
+                                      sizeof(int32_t), "this rank's rows of the batch");
     return 0;
 }
 
 int trainer_attach_comm(Trainer* t, Comm* c, char* err) {
     const TrainArgs* a = t->a;
     if (t->eng)
-        return errorf(err, "data parallel trains on the plain path (--device cpu) for now: the "
-                           "RoundPipe engine does not reduce gradients across ranks yet");
+        return errorf(err, "data parallel through the engine: the communicator goes to "
+                           "trainer_create_ranked (internal error)");
     if (t->m->tt.lora.r > 0) return errorf(err, "data parallel does not train LoRA adapters yet");
     if (t->m->n_moe > 0)
         return errorf(err, "data parallel does not train mixture-of-experts models yet");
@@ -278,6 +304,17 @@ static void next_batch(DataLoader* dl, int32_t* tokens) {
     if (dataloader_next_batch(dl, tokens, err) != 0) fatal("%s", err);
 }
 
+// The next batch into the engine: all of it, or with data parallelism this rank's rows.
+static void engine_submit_next(Trainer* t, DataLoader* train) {
+    next_batch(train, t->tokens);
+    if (!t->comm) {
+        engine_submit(t->eng, t->tokens);
+        return;
+    }
+    dp_take_rows(t->tokens, t->a->batch, t->a->seq, t->comm->world, t->comm->rank, t->dp_rows);
+    engine_submit(t->eng, t->dp_rows);
+}
+
 // The engine keeps up to two iterations in flight: this step's is submitted if nothing is (the
 // first step, or the first after a stop), the next one unless the run stops after this step.
 // The norm and lr are those of a fixed optimizer step (with the delayed update, the step
@@ -285,15 +322,10 @@ static void next_batch(DataLoader* dl, int32_t* tokens) {
 static void engine_train_step(Trainer* t, DataLoader* train, int stop_after, StepStats* st) {
     Engine* eng = t->eng;
     int replans = engine_replans(eng);
-    if (engine_in_flight(eng) == 0) {
-        next_batch(train, t->tokens);
-        engine_submit(eng, t->tokens);
-    }
-    if (!stop_after) {
-        next_batch(train, t->tokens);
-        engine_submit(eng, t->tokens);
-    }
+    if (engine_in_flight(eng) == 0) engine_submit_next(t, train);
+    if (!stop_after) engine_submit_next(t, train);
     EngineStepResult r = engine_collect(eng);
+    if (r.error) fatal("%s", r.error);  // data parallel: a rank died or hung
     if (engine_replans(eng) != replans) {
         printf("re-planned from the measured stage times:\n");
         engine_print_plan(eng, stdout);
@@ -445,6 +477,7 @@ int trainer_save_checkpoint(Trainer* t, const DataLoader* train, int step, const
     TrainState* ts = t->ts;
     // data parallel: m and v whole on every rank (the single-process checkpoint), rank 0 writes
     if (t->dp && dp_gather_state(t->dp, t->comm, err) != 0) return -1;
+    if (t->eng && t->comm && engine_gather_state(t->eng, 0, 1, err) != 0) return -1;
     if (t->comm && t->comm->rank != 0) return 0;
     if (t->eng) engine_synchronize(t->eng);
     ts->step = step;
@@ -462,6 +495,7 @@ int trainer_save_checkpoint(Trainer* t, const DataLoader* train, int step, const
         engine_last_update(t->eng, &ts->pending_norm, &ts->pending_lr);
     }
     int rc = checkpoint_save_state(t->a->out, t->a->keep, t->m, t->s, ts, args_json, err);
+    if (t->eng && t->comm) engine_release_state(t->eng);  // (ZeRO-1: m and v back to the shard)
     free(next);
     ts->pending = NULL;
     ts->pending_bytes = 0;
@@ -471,6 +505,8 @@ int trainer_save_checkpoint(Trainer* t, const DataLoader* train, int step, const
 int trainer_finish(Trainer* t, char* err) {
     if (!t->eng) return 0;
     engine_synchronize(t->eng);
+    // data parallel: the exact fp32 weights (and m, v) on every rank, for rank 0's exports
+    if (t->comm && engine_gather_state(t->eng, 0, 0, err) != 0) return -1;
     if (t->plain) plain_sync_params(t->plain);
     t->plain_stale = 0;
     if (engine_write_trace(t->eng, err) != 0) return -1;

@@ -63,8 +63,8 @@ typedef struct Trainer {
     Engine* eng;        // NULL for plain training
     int cpus[TRAINER_MAX_CPUS];  // the engine's optimizer CPUs (the engine keeps a pointer)
     int32_t* tokens;    // (B, T+1) the batch being submitted or evaluated
-    Comm* comm;         // data parallel on the plain path (dp.h): this rank's communicator
-    DpLayout* dp;       // its ZeRO-1 shard (NULL: one process)
+    Comm* comm;         // data parallel (dp.h): this rank's communicator (NULL: one process)
+    DpLayout* dp;       // the plain path's ZeRO-1 shard (NULL: one process, or the engine's)
     int32_t* dp_rows;   // (B/W, T+1) this rank's rows of the batch
     int drained;        // nothing in flight: the next step's clock starts when it is called
     int64_t n_collected;  // steps collected so far by this trainer
@@ -79,6 +79,13 @@ typedef struct Trainer {
 // and the device line. -1 with err when the engine cannot be built.
 int trainer_create(Trainer* t, const TrainArgs* a, const Model* m, Store* s, TrainState* ts,
                    int n_devices, TrainerEngineOptionsFn engine_options, char* err);
+// The same as one rank of a data-parallel run over comm (NULL: one process): the engine
+// reduces over the ranks (EngineOptions.comm: each rank runs M / W micro-batches of its B / W
+// rows of every batch), plain training attaches comm as trainer_attach_comm does. Collective
+// (every rank's weights are compared). The caller keeps comm and destroys it after trainer_free.
+int trainer_create_ranked(Trainer* t, const TrainArgs* a, const Model* m, Store* s,
+                          TrainState* ts, int n_devices, TrainerEngineOptionsFn engine_options,
+                          Comm* comm, char* err);
 void trainer_free(Trainer* t);
 // Whether trainer_create builds the plain path (plain training; with the engine only for
 // evaluation, sampling or --dump-state): for the run's memory estimate.

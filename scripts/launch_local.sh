@@ -13,9 +13,12 @@
 # (SIGTERM, then SIGKILL 10 s later) and the script exits with that rank's status; with every
 # rank done it exits 0. Ctrl-C stops all ranks. Exit status 2: bad usage.
 #
-# Example (two emulated ranks; note the trainer refuses W > 1 until data parallel is wired into
-# training, with exit status 2):
-#   scripts/launch_local.sh 2 --device cpu --steps 10
+# Examples (every rank needs a GPU for NCCL, GPU LOCAL_RANK; a world of one on GPUs opens NCCL
+# too, the same code path, for checking it against the run without it: scripts/check_dp_engine.sh;
+# note that the engine's own devices are GPUs 0..N-1 in every rank for now, so several engine
+# ranks on one machine share them):
+#   scripts/launch_local.sh 1 --device cuda:1 --steps 10      one rank, the engine on GPU 0
+#   scripts/launch_local.sh 2 --device cpu --steps 10         two ranks training plain
 set -uo pipefail
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }

@@ -226,8 +226,10 @@ static void run_microbatch(void* arg) {
         nanosleep(&ts, NULL);
         return;
     }
-    // the gradient of every micro-batch is scaled by 1 / (tokens of the step)
-    const float grad_scale = 1.0f / ((float)e->opt.B * (float)e->T);
+    // the gradient of every micro-batch is scaled by 1 / (tokens of the step: of the global
+    // batch with data parallelism)
+    const int B = e->opt.global_B > 0 ? e->opt.global_B : e->opt.B;
+    const float grad_scale = 1.0f / ((float)B * (float)e->T);
     if (e->m->n_moe > 0) moe_bind(e, j, grad_scale);
     // LoRA: the plain trainer's dropout masks for this micro-batch (the workspace is the
     // device's, used by one job at a time on its compute stream)

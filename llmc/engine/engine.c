@@ -409,6 +409,12 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
 
     // the protocol's flags and the optimizer thread, last: the thread may run from here on
     protocol_init(e);
+    // data parallel: the shard layout, and every rank's weights compared (collective; the
+    // optimizer thread has no step yet, so the communicator is the controller's for now)
+    if (opt->comm && shard_init(e, err) != 0) {
+        engine_free(e);
+        return NULL;
+    }
     for (int g = 0; g < e->N; g++) {
         DeviceStats st;
         e->impl->stats(e->dev[g].d, &st);
@@ -518,6 +524,14 @@ EngineStepResult engine_collect(Engine* e) {
     }
     if (e->moe_floats > 0) res.load = e->moe_load;
     res.loss = sum / ((double)e->opt.B * T);
+    if (e->dp) {
+        // data parallel: the global loss, which the step of this iteration's gradient gathers
+        // with the norm's parts (the same bits on every rank)
+        double n1, l1;
+        protocol_wait_step(e, t + 1, &n1, &l1);
+        res.loss = shard_loss(e, t) / ((double)e->opt.global_B * T);
+        res.error = shard_error(e);
+    }
     // The step reported with this iteration, the same one whatever the timing (so logs are
     // reproducible): sync, the step of this iteration's gradient (the next iteration waits for it
     // anyway); delayed, step t, the one applying the previous iteration's gradient, which ran
@@ -586,6 +600,7 @@ void engine_free(Engine* e) {
     if (!e) return;
     engine_synchronize(e);
     protocol_free(e);  // stops the optimizer thread
+    shard_free(e);
     const DeviceImpl* im = e->impl;
     const int NL = e->NL;
     if (e->trace) {

@@ -10,6 +10,9 @@
  *   transfer.c  parameter uploads (LPT chunks, gated per layer), activation hand-offs, gradient
  *               downloads (deferred LPT bins, per layer)
  *   protocol.c  the per-layer fences (the five ordering rules) and the optimizer thread
+ *   shard.c     data parallel: the ZeRO-1 shard of each layer, the per-layer reduce-scatter, the
+ *               global norm and loss, the all-gather of the updated weights (docs/DISTRIBUTED.md
+ *               §6; the optimizer thread calls it, host collectives only)
  *   jobs.c      the micro-batch closures and trace labels (the bottom: no events, no flags)
  *   engine.c    create / submit / collect / synchronize / free: allocation and the glue
  *
@@ -312,6 +315,8 @@ struct Engine {
     int64_t folded_iter[4]; // per host gradient set: the last iteration whose tied gradient was
                             // folded on the device (the optimizer then skips its own fold)
     double t_last_step;
+    // ---- data parallel (shard.c; NULL for one process)
+    struct EngineShard* dp;
 };
 
 // Sequences in micro-batch i: the batch is split as evenly as possible (the first B % M
@@ -363,6 +368,28 @@ void plan_profile_collect(Engine* e, int ip);
 // Once enough iterations are profiled: plan again with the measured costs and freeze the plan.
 // 1 with the new plan in *plan when it differs from e->plan (the caller rebuilds the buffers).
 int plan_replan(Engine* e, PartitionPlan* plan);
+
+// ----------------------------------------------------------------------------
+// shard.c: data parallel over opt.comm (docs/DISTRIBUTED.md §6). The optimizer thread calls the
+// step's parts in this order on every rank, so the collectives form one sequence.
+
+// The layout and buffers (after protocol_init's optimizer tables) and the check that every rank
+// starts from the same weights (collective). 0, or -1 with err.
+int shard_init(Engine* e, char* err);
+void shard_free(Engine* e);
+// Step k: layer l's gradient in set g reduce-scattered over the ranks (this rank's shard of the
+// layer's optimizer range replaced by the sum), and its shard's chunk sums of squares.
+void shard_reduce_layer(Engine* e, float** g, int l);
+// Step k, every layer reduced: the global squared norm (the ranks' chunk sums, layer by layer in
+// rank order) and the global loss of iteration k-1 (kept for engine_collect).
+double shard_norm_sq(Engine* e, int64_t k);
+// Step k: AdamW on this rank's shard of layer l, the updated weights into master[buf] (and the
+// Store) on every rank by an all-gather.
+void shard_apply_layer(Engine* e, const AdamWUpdate* u, int buf, int l);
+// Iteration t's global loss sum (after step t+1) and the first failure's message (NULL: none);
+// under mu.
+double shard_loss(Engine* e, int64_t t);
+const char* shard_error(Engine* e);
 
 // ----------------------------------------------------------------------------
 // jobs.c: closures and trace labels (under every other engine file)

@@ -288,6 +288,7 @@ int plan_init(Engine* e, const Model* m, int act_bytes, int n_devices, const Eng
               char* err) {
     e->m = m;
     e->opt = *opt;
+    if (e->opt.global_B <= 0) e->opt.global_B = e->opt.B;  // (data parallel: the global batch)
     e->NL = m->tt.n_layers;
     e->N = n_devices;
     e->M = opt->M;

@@ -14,6 +14,10 @@
  *      n_hgrad: protocol_fence_grads (and protocol_fence_split for split rounds' sets);
  *   5. steps run one at a time in order on the optimizer thread.
  *
+ * Data parallel (opt.comm, shard.c): each layer's gradient is reduce-scattered over the ranks
+ * as it arrives, the norm adds every rank's parts, AdamW steps this rank's shard and the updated
+ * weights are all-gathered into master[buf], all on this thread, in the same order on every rank.
+ *
  * Owns: the flags under mu (param_ready, grad_consumed, grad_recorded, split_summed, folded_iter,
  * steps_queued, steps_done, shutdown, norm_hist, lr_hist), the optimizer thread, its AdamW tables
  * and norm parts. Buffers it touches: the Store (fp32 weights, m, v; the gradient set of the
@@ -276,7 +280,12 @@ static void optimizer_step(Engine* e, int64_t k) {
             pthread_check(pthread_cond_broadcast(&e->cv));
             pthread_check(pthread_mutex_unlock(&e->mu));
         }
-        if (!e->fold_owner[l] || dev_folded) layer_norm_parts(e, l);
+        // data parallel: the layer's reduce-scatter over the ranks now, while the devices
+        // still run the backward of the layers below
+        if (!e->fold_owner[l] || dev_folded) {
+            if (e->dp) shard_reduce_layer(e, g, l);
+            else layer_norm_parts(e, l);
+        }
     }
     double t_start = time_now_s();
     if (e->trace) {
@@ -296,19 +305,28 @@ static void optimizer_step(Engine* e, int64_t k) {
         FoldArgs fa = {g[o->layer] + o->grad_offset, g[d->layer] + d->grad_offset, d->numel};
         threadpool_run(e->pool, (d->numel + FOLD_CHUNK - 1) / FOLD_CHUNK, fold_chunk, &fa);
     }
-    for (int l = 0; l < NL && !dev_folded; l++)
-        if (e->fold_owner[l]) layer_norm_parts(e, l);
-    // the step's norm (the chunk sums in order), clip factor and lr, for the run's step number
-    const AdamWUpdate u =
-        adamw_update_begin(&e->opt.hyper, &e->opt.sched, e->opt.grad_clip, e->opt.start_step + k,
-                           adamw_norm_sq_total(e->norm_parts, e->norm_first[NL]));
+    for (int l = 0; l < NL && !dev_folded; l++) {
+        if (!e->fold_owner[l]) continue;
+        if (e->dp) shard_reduce_layer(e, g, l);
+        else layer_norm_parts(e, l);
+    }
+    // the step's norm (the chunk sums in order; data parallel: every rank's), clip factor and
+    // lr, for the run's step number
+    const double norm_sq =
+        e->dp ? shard_norm_sq(e, k) : adamw_norm_sq_total(e->norm_parts, e->norm_first[NL]);
+    const AdamWUpdate u = adamw_update_begin(&e->opt.hyper, &e->opt.sched, e->opt.grad_clip,
+                                             e->opt.start_step + k, norm_sq);
     const int buf = (int)((k + e->delay) % 2);
     // Shallow layers first: the next iteration's first forward stages need their weights first.
     // (Gradients never gate this order: with the delayed optimizer they are double-buffered, in
     // sync mode the next iteration starts after the step anyway.)
     for (int l = 0; l < NL; l++) {
         int first = e->layer_first_opt[l], count = e->layer_first_opt[l + 1] - first;
-        if (e->ab == 2) {
+        if (e->dp) {
+            // data parallel: this rank's shard, then every rank's into master[buf]
+            shard_apply_layer(e, &u, buf, l);
+            count = 0;
+        } else if (e->ab == 2) {
             // bf16 devices: the step writes the bf16 master copy in the same pass
             for (int i = first; i < first + count; i++)
                 e->opt_tensors[i].out_bf16 = (uint16_t*)e->master[buf][l] + e->opt_offset[i];
@@ -319,7 +337,7 @@ static void optimizer_step(Engine* e, int64_t k) {
             struct timespec ts = {(time_t)(us / 1000000), (long)(us % 1000000) * 1000};
             nanosleep(&ts, NULL);
         }
-        if (e->ab != 2) write_master(e, buf, l);
+        if (e->ab != 2 && !e->dp) write_master(e, buf, l);
         pthread_check(pthread_mutex_lock(&e->mu));
         e->param_ready[l] = k + e->delay;
         e->grad_consumed[l] = k - 1;

@@ -1,0 +1,393 @@
+/*
+ * shard.c — data parallel through the engine (docs/DISTRIBUTED.md §6): W ranks, each a RoundPipe
+ * engine on its own devices, reduce each layer's gradient over the ranks as soon as this rank's
+ * last backward of the layer has been downloaded (the optimizer thread takes the layers deepest
+ * first, while the devices still run the backward of the layers below), step AdamW on this
+ * rank's shard of every layer (ZeRO-1) and all-gather the updated compute-dtype weights into the
+ * master buffer every rank uploads from.
+ *
+ * The layout (dp.h: dp_layer_shard). Layer l's optimizer tensors lie end to end in its gradient
+ * slab and, at the same offsets, in its parameter slab, master buffers and m / v slabs: the span
+ * [lo[l], lo[l] + n[l]) (a tied head's gradient sits after them in the postfix, is folded into
+ * the embedding's before the embedding's layer is reduced, and never travels). Rank r owns
+ * comm_shard_range(n[l], W, r) of the span: one reduce-scatter and one all-gather per layer over
+ * the span zero-padded to W blocks of ceil(n / W). This rank's shard, cut at the tensors'
+ * boundaries, is its pieces: AdamW views whose param, m and v point into the Store, grad into the
+ * step's gradient set, out_bf16 into the step's master buffer.
+ *
+ * The step, on the optimizer thread (protocol.c calls the parts in this order on every rank, so
+ * the collectives form one sequence; all of them host buffers, CommStream NULL):
+ *   1. per layer as it arrives: the reduce-scatter of the span (fp32, or bf16 on the wire with
+ *      opt.reduce_bf16, summed in fp32), the shard's AdamW chunk sums of squares;
+ *   2. one all-gather of every rank's chunk sums and its sum of per-token losses (doubles as
+ *      pairs of fp32); the norm adds the chunk sums layer by layer, in a layer rank by rank, each
+ *      rank's in chunk order (W = 1: the engine's own order, bit for bit), the loss the ranks'
+ *      sums in rank order: the same bits on every rank, so every rank clips alike;
+ *   3. per layer, shallow first: AdamW on the shard, the all-gather of the updated weights in the
+ *      compute dtype into master[buf]. On fp32 devices the gathered weights are the Store's fp32
+ *      weights too; on bf16 devices the Store keeps its exact fp32 shard and, outside it, the
+ *      gathered bf16 values widened (what a bf16 evaluation computes with anyway);
+ *      engine_gather_state makes the fp32 weights exact, and m and v whole, on the rank that
+ *      writes a checkpoint or the exports.
+ *
+ * Host memory (ZeRO-1): AdamW's m and v outside this rank's shard give their pages back when the
+ * engine starts (store_release_state) and again after a checkpoint gathered them, so they take
+ * 8 B / W per parameter instead of 8 B; so do the fp32 weights with opt.shard_weights (runs
+ * without a plain path for evaluation or sampling: 4 B / W instead of 4 B; the Store outside the
+ * shard then stays stale until engine_gather_state). The gradient sets stay whole (the full
+ * gradient is downloaded, then reduce-scattered on the host).
+ *
+ * Failures: the first failed collective's message (the comm's, naming the rank that died or hung)
+ * is kept; the step goes on without collectives (every later op fails at once anyway), so no
+ * fence waits forever, and engine_collect hands the message to the caller, which ends the run.
+ *
+ * Owns: e->dp. Buffers it touches: the step's gradient set (each layer's span), the Store's fp32
+ * weights, m and v, master[buf], the step iteration's host losses (read). Events: it synchronises
+ * on loss_ev of the step's iteration; records none.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "../alloc.h"
+#include "../crc32c.h"
+#include "../dp.h"
+#include "internal.h"
+
+typedef struct EngineShard {
+    Comm* c;
+    int W, rank;
+    CommDtype wire;         // the gradients on the wire (fp32, or bf16 summed in fp32)
+    int64_t* lo;            // (NL) layer l's span in its slabs: [lo, lo + n)
+    int64_t* n;
+    int64_t* block;         // (NL) comm_shard_block(n, W)
+    int64_t* off;           // (NL) this rank's shard of the span: [lo + off, lo + off + len)
+    int64_t* len;
+    AdamWTensor* piece;     // this rank's shard in pieces of the optimizer's tensors, by layer
+    int* first;             // (NL + 1) layer l's pieces are [first[l], first[l + 1])
+    int* src;               // (pieces) the optimizer tensor (e->opt_tensors) of each piece
+    int64_t* at;            // (pieces) its first element within that tensor
+    int64_t* parts_first;   // (W * (NL + 1)) rank r's chunk sums of layer l begin at
+                            // parts[r * parts_block + parts_first[r * (NL + 1) + l]]
+    int64_t parts_block;    // each rank's slot in parts: its chunk sums, then its loss sum
+    double* parts;          // (W * parts_block)
+    void* buf;              // (max over l of W * block) fp32: the collectives' buffer
+    int64_t shard_params;   // sum over l of len
+    // under e->mu
+    double loss[4];         // [k % 4] the global loss sum of step k's iteration (k - 1)
+    int failed;
+    char err[ERR_LEN];
+} EngineShard;
+
+// ----------------------------------------------------------------------------
+// set-up
+
+// Layer l's optimizer tensors and their gradient-slab offsets (protocol.c groups them by layer).
+static int layer_pieces(const Engine* e, int l, int rank, AdamWTensor* out, int* src,
+                        int64_t* at) {
+    const int first = e->layer_first_opt[l];
+    const int n = dp_layer_shard(e->opt_tensors + first, e->opt_goffset + first,
+                                 e->layer_first_opt[l + 1] - first, e->dp->W, rank, out, src, at);
+    for (int p = 0; src && p < n; p++) src[p] += first;
+    return n;
+}
+
+int shard_init(Engine* e, char* err) {
+    Comm* c = e->opt.comm;
+    const Model* m = e->m;
+    const int NL = e->NL;
+    if (m->tt.lora.r > 0) return errorf(err, "data parallel does not train LoRA adapters yet");
+    if (m->n_moe > 0)
+        return errorf(err, "data parallel does not train mixture-of-experts models yet");
+    for (int i = 0; i < e->n_opt; i++) {
+        const int l = e->opt_layer[i];
+        const AdamWTensor* t = &e->opt_tensors[i];
+        if (e->opt_offset[i] != e->opt_goffset[i] || e->train_off[l] != 0 ||
+            t->param != e->s->param[l] + e->opt_goffset[i] ||
+            t->m != e->s->m[l] + e->opt_goffset[i] || t->v != e->s->v[l] + e->opt_goffset[i])
+            return errorf(err, "data parallel: a tensor's weights and gradient are laid out "
+                               "differently (internal error)");
+    }
+    EngineShard* d = calloc_check(1, sizeof(EngineShard));
+    e->dp = d;
+    d->c = c;
+    d->W = c->world;
+    d->rank = c->rank;
+    d->wire = e->opt.reduce_bf16 ? COMM_BF16 : COMM_F32;
+    d->lo = calloc_check((size_t)NL, sizeof(int64_t));
+    d->n = calloc_check((size_t)NL, sizeof(int64_t));
+    d->block = calloc_check((size_t)NL, sizeof(int64_t));
+    d->off = calloc_check((size_t)NL, sizeof(int64_t));
+    d->len = calloc_check((size_t)NL, sizeof(int64_t));
+    const size_t cap = (size_t)(e->n_opt > 0 ? e->n_opt : 1);
+    d->piece = calloc_check(cap, sizeof(AdamWTensor));
+    d->src = calloc_check(cap, sizeof(int));
+    d->at = calloc_check(cap, sizeof(int64_t));
+    d->first = calloc_check((size_t)NL + 1, sizeof(int));
+    d->parts_first = calloc_check((size_t)d->W * (NL + 1), sizeof(int64_t));
+    AdamWTensor* tmp = calloc_check(cap, sizeof(AdamWTensor));
+    int64_t max_wb = 1;
+    for (int l = 0; l < NL; l++) {
+        const int first = e->layer_first_opt[l];
+        dp_layer_span(e->opt_tensors + first, e->opt_goffset + first,
+                      e->layer_first_opt[l + 1] - first, &d->lo[l], &d->n[l]);
+        d->block[l] = (int64_t)comm_shard_block((size_t)d->n[l], d->W);
+        size_t off, len;
+        comm_shard_range((size_t)d->n[l], d->W, d->rank, &off, &len);
+        d->off[l] = (int64_t)off;
+        d->len[l] = (int64_t)len;
+        d->shard_params += d->len[l];
+        if (d->W * d->block[l] > max_wb) max_wb = d->W * d->block[l];
+        d->first[l + 1] = d->first[l] + layer_pieces(e, l, d->rank, d->piece + d->first[l],
+                                                     d->src + d->first[l], d->at + d->first[l]);
+    }
+    // every rank's chunk sums per layer (the norm adds them in layer, then rank order)
+    int64_t most = 0;
+    for (int r = 0; r < d->W; r++) {
+        int64_t* pf = d->parts_first + (size_t)r * (NL + 1);
+        for (int l = 0; l < NL; l++)
+            pf[l + 1] = pf[l] + adamw_chunk_count(tmp, layer_pieces(e, l, r, tmp, NULL, NULL));
+        if (pf[NL] > most) most = pf[NL];
+    }
+    free(tmp);
+    d->parts_block = most + 1;
+    d->parts = calloc_check((size_t)d->W * (size_t)d->parts_block, sizeof(double));
+    d->buf = malloc_named((size_t)max_wb * sizeof(float),
+                          "the data-parallel collective buffer (the largest layer, fp32)");
+    // every rank starts from the same weights (nothing is broadcast): their checksums compared
+    uint32_t crc = 0;
+    for (int i = 0; i < e->n_opt; i++)
+        crc = crc32c_update(crc, e->opt_tensors[i].param, e->opt_tensors[i].n * sizeof(float));
+    if (dp_check_same_crc(c, crc, err) != 0) return -1;
+    // ZeRO-1: AdamW's m and v (and with opt.shard_weights the fp32 weights) outside this rank's
+    // shard give their memory back (the Store allocated, zeroed or loaded them whole; the
+    // masters hold the weights; nothing reads the rest until engine_gather_state)
+    engine_release_state(e);
+    return 0;
+}
+
+void shard_free(Engine* e) {
+    EngineShard* d = e->dp;
+    if (!d) return;
+    free(d->lo);
+    free(d->n);
+    free(d->block);
+    free(d->off);
+    free(d->len);
+    free(d->piece);
+    free(d->first);
+    free(d->src);
+    free(d->at);
+    free(d->parts_first);
+    free(d->parts);
+    free(d->buf);
+    free(d);
+    e->dp = NULL;
+}
+
+int64_t engine_shard_params(const Engine* e) {
+    return e->dp ? e->dp->shard_params : (int64_t)e->m->tt.trainable_params;
+}
+
+// ----------------------------------------------------------------------------
+// failures
+
+// Keep the first failure (the comm's message names the rank); later collectives are skipped.
+static void shard_fail(Engine* e, const char* what) {
+    EngineShard* d = e->dp;
+    char buf[ERR_LEN];
+    const char* msg = comm_error(d->c, buf, sizeof buf);
+    pthread_check(pthread_mutex_lock(&e->mu));
+    if (!d->failed) {
+        d->failed = 1;
+        snprintf(d->err, sizeof d->err, "data parallel: %s failed: %s", what,
+                 msg ? msg : "(no message)");
+    }
+    pthread_check(pthread_mutex_unlock(&e->mu));
+}
+
+// Only the optimizer thread (or the controller while the engine is synchronized) sets it.
+static int shard_failed(Engine* e) {
+    pthread_check(pthread_mutex_lock(&e->mu));
+    const int f = e->dp->failed;
+    pthread_check(pthread_mutex_unlock(&e->mu));
+    return f;
+}
+
+const char* shard_error(Engine* e) {
+    pthread_check(pthread_mutex_lock(&e->mu));
+    const char* msg = e->dp->failed ? e->dp->err : NULL;
+    pthread_check(pthread_mutex_unlock(&e->mu));
+    return msg;
+}
+
+double shard_loss(Engine* e, int64_t t) {
+    pthread_check(pthread_mutex_lock(&e->mu));
+    const double sum = e->dp->loss[(t + 1) % 4];
+    pthread_check(pthread_mutex_unlock(&e->mu));
+    return sum;
+}
+
+// ----------------------------------------------------------------------------
+// the step (optimizer thread)
+
+void shard_reduce_layer(Engine* e, float** g, int l) {
+    EngineShard* d = e->dp;
+    for (int p = d->first[l]; p < d->first[l + 1]; p++)
+        d->piece[p].grad = g[l] + e->opt_goffset[d->src[p]] + d->at[p];
+    const int64_t n = d->n[l], blk = d->block[l], len = d->len[l];
+    const double t0 = time_now_s();
+    if (n > 0 && !shard_failed(e)) {
+        const float* span = g[l] + d->lo[l];
+        float* mine = g[l] + d->lo[l] + d->off[l];
+        const size_t padded = (size_t)d->W * (size_t)blk;
+        int rc;
+        if (d->wire == COMM_F32) {
+            float* b = d->buf;
+            memcpy(b, span, (size_t)n * sizeof(float));
+            memset(b + n, 0, (padded - (size_t)n) * sizeof(float));
+            rc = comm_reduce_scatter(d->c, b, b + (size_t)d->rank * blk, (size_t)blk, COMM_F32,
+                                     NULL);
+            if (rc == 0) memcpy(mine, b + (size_t)d->rank * blk, (size_t)len * sizeof(float));
+        } else {
+            // bf16 on the wire (rounded once here), summed in fp32 (the emulation; NCCL rounds
+            // after every addition, docs/DISTRIBUTED.md §4)
+            uint16_t* b = d->buf;
+            for (int64_t i = 0; i < n; i++) b[i] = f32_to_bf16(span[i]);
+            memset(b + n, 0, (padded - (size_t)n) * sizeof(uint16_t));
+            rc = comm_reduce_scatter(d->c, b, b + (size_t)d->rank * blk, (size_t)blk, COMM_BF16,
+                                     NULL);
+            const uint16_t* r = b + (size_t)d->rank * blk;
+            for (int64_t i = 0; rc == 0 && i < len; i++) mine[i] = bf16_to_f32(r[i]);
+        }
+        if (rc != 0) shard_fail(e, "the gradients' reduce-scatter");
+        if (e->trace) {  // (the optimizer's row of the trace: the overlap with the backward)
+            char name[48];
+            snprintf(name, sizeof name, "reduce-scatter layer %d", l);
+            trace_add(e->trace, name, e->N, STREAM_COUNT, t0, time_now_s());
+        }
+    }
+    double* sums = d->parts + (size_t)d->rank * d->parts_block +
+                   d->parts_first[(size_t)d->rank * (e->NL + 1) + l];
+    adamw_grad_norm_sq_parts(e->pool, d->piece + d->first[l], d->first[l + 1] - d->first[l],
+                             sums);
+}
+
+double shard_norm_sq(Engine* e, int64_t k) {
+    EngineShard* d = e->dp;
+    const int NL = e->NL;
+    // iteration k-1's sum of per-token losses, in engine_collect's order
+    const int ip = (int)((k - 1) % 2);
+    double local = 0.0;
+    for (int i = 0; i < e->M; i++) {
+        e->impl->event_synchronize(e->loss_ev[ip][i]);
+        const size_t tok = (size_t)mb_rows(e, i) * e->T;
+        for (size_t x = 0; x < tok; x++) local += e->hloss[ip][i][x];
+    }
+    double* mine = d->parts + (size_t)d->rank * d->parts_block;
+    mine[d->parts_block - 1] = local;
+    if (!shard_failed(e)) {
+        // (doubles as pairs of fp32: an all-gather copies bits exactly)
+        const size_t n_f = (size_t)d->parts_block * (sizeof(double) / sizeof(float));
+        if (comm_all_gather(d->c, mine, d->parts, n_f, COMM_F32, NULL) != 0)
+            shard_fail(e, "the all-gather of the gradient norm's parts and the loss");
+    }
+    double norm_sq = 0.0, loss = 0.0;
+    for (int l = 0; l < NL; l++)
+        for (int r = 0; r < d->W; r++) {
+            const int64_t* pf = d->parts_first + (size_t)r * (NL + 1);
+            for (int64_t c = pf[l]; c < pf[l + 1]; c++)
+                norm_sq += d->parts[(size_t)r * d->parts_block + c];
+        }
+    for (int r = 0; r < d->W; r++) loss += d->parts[(size_t)r * d->parts_block + d->parts_block - 1];
+    pthread_check(pthread_mutex_lock(&e->mu));
+    d->loss[k % 4] = loss;
+    pthread_check(pthread_mutex_unlock(&e->mu));
+    return norm_sq;
+}
+
+void shard_apply_layer(Engine* e, const AdamWUpdate* u, int buf, int l) {
+    EngineShard* d = e->dp;
+    const int first = d->first[l], count = d->first[l + 1] - first;
+    for (int p = first; p < first + count; p++)
+        d->piece[p].out_bf16 = e->ab == 2 ? (uint16_t*)e->master[buf][l] +
+                                                e->opt_offset[d->src[p]] + d->at[p]
+                                          : NULL;
+    if (count > 0) adamw_update_apply(e->pool, u, d->piece + first, count);
+    const int64_t n = d->n[l], blk = d->block[l], lo = d->lo[l], off = d->off[l], len = d->len[l];
+    if (n == 0 || shard_failed(e)) return;
+    float* param = e->s->param[l] + lo;
+    if (e->ab == 4) {
+        // fp32 devices: the updated fp32 weights are the masters and the Store's
+        float* b = d->buf;
+        float* mine = b + (size_t)d->rank * blk;
+        memcpy(mine, param + off, (size_t)len * sizeof(float));
+        memset(mine + len, 0, (size_t)(blk - len) * sizeof(float));
+        if (comm_all_gather(d->c, mine, b, (size_t)blk, COMM_F32, NULL) != 0) {
+            shard_fail(e, "the all-gather of the updated weights");
+            return;
+        }
+        memcpy((float*)e->master[buf][l] + lo, b, (size_t)n * sizeof(float));
+        if (!e->opt.shard_weights) memcpy(param, b, (size_t)n * sizeof(float));
+    } else {
+        uint16_t* b = d->buf;
+        uint16_t* mine = b + (size_t)d->rank * blk;
+        uint16_t* master = (uint16_t*)e->master[buf][l] + lo;
+        memcpy(mine, master + off, (size_t)len * sizeof(uint16_t));
+        memset(mine + len, 0, (size_t)(blk - len) * sizeof(uint16_t));
+        const double t0 = time_now_s();
+        if (comm_all_gather(d->c, mine, b, (size_t)blk, COMM_BF16, NULL) != 0) {
+            shard_fail(e, "the all-gather of the updated weights");
+            return;
+        }
+        if (e->trace) {
+            char name[48];
+            snprintf(name, sizeof name, "all-gather layer %d", l);
+            trace_add(e->trace, name, e->N, STREAM_COUNT, t0, time_now_s());
+        }
+        memcpy(master, b, (size_t)n * sizeof(uint16_t));
+        // the Store outside the shard: the gathered values widened (exact: engine_gather_state)
+        for (int64_t i = 0; i < off && !e->opt.shard_weights; i++) param[i] = bf16_to_f32(b[i]);
+        for (int64_t i = off + len; i < n && !e->opt.shard_weights; i++)
+            param[i] = bf16_to_f32(b[i]);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// the whole state on every rank (controller, the engine synchronized)
+
+void engine_release_state(Engine* e) {
+    EngineShard* d = e->dp;
+    if (!d) return;
+    const int w = e->opt.shard_weights;
+    for (int l = 0; l < e->NL; l++) {
+        store_release_state(e->s, l, 0, d->lo[l] + d->off[l], w);
+        store_release_state(e->s, l, d->lo[l] + d->off[l] + d->len[l], e->m->tt.state_numel[l], w);
+    }
+}
+
+int engine_gather_state(Engine* e, int root, int with_state, char* err) {
+    EngineShard* d = e->dp;
+    if (!d) return 0;
+    engine_synchronize(e);
+    Store* s = e->s;
+    const int keep = root < 0 || root == d->rank;
+    for (int l = 0; l < e->NL && !shard_failed(e); l++) {
+        const int64_t n = d->n[l], blk = d->block[l];
+        if (n == 0) continue;
+        float* fields[3] = {s->param[l], s->m[l], s->v[l]};
+        for (int f = 0; f < (with_state ? 3 : 1); f++) {
+            float* x = fields[f] + d->lo[l];
+            float* b = d->buf;
+            float* mine = b + (size_t)d->rank * blk;
+            memcpy(mine, x + d->off[l], (size_t)d->len[l] * sizeof(float));
+            memset(mine + d->len[l], 0, (size_t)(blk - d->len[l]) * sizeof(float));
+            if (comm_all_gather(d->c, mine, b, (size_t)blk, COMM_F32, NULL) != 0) {
+                shard_fail(e, "the all-gather of the weights and AdamW's state");
+                break;
+            }
+            if (keep) memcpy(x, b, (size_t)n * sizeof(float));
+        }
+    }
+    const char* msg = shard_error(e);
+    return msg ? errorf(err, "%s", msg) : 0;
+}

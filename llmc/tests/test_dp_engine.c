@@ -1,0 +1,690 @@
+/*
+ * test_dp_engine.c — data parallel through the RoundPipe engine (docs/DISTRIBUTED.md §6; suite
+ * `dp_engine`): W emulated ranks (threads of this process over comm_emul), each an engine on its
+ * own 1 or 2 emulated CPU devices, against a single-process run that groups the micro-batches
+ * the same way (rank r's rows r, r + W, ... in M / W micro-batches, its gradients accumulated on
+ * their own with the tied head folded, the W groups added in rank order with comm_reference_sum,
+ * the norm summed in the engine's shard order, dp_engine_norm_sq, then one AdamW step): sync-mode
+ * losses, norms, weights and the gathered m and v bit for bit on 1-4 ranks, with fp32 and bf16
+ * gradients on the wire; the delayed update of one rank equals the engine without a
+ * communicator (also with split rounds), and W ranks agree; a rank that dies or hangs makes the others stop with a
+ * message naming it, within the timeout; the ZeRO-1 shards cover the parameters once, and each
+ * rank keeps AdamW's m and v (and with EngineOptions.shard_weights its fp32 weights) in memory for
+ * its shard only (about 1/W of them, mincore).
+ *
+ * Rank threads only record; CHECKs run on the test's thread after pthread_join.
+ */
+#include <fcntl.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "../adamw.h"
+#include "../args.h"
+#include "../checkpoint.h"
+#include "../comm.h"
+#include "../common.h"
+#include "../dataloader.h"
+#include "../device.h"
+#include "../dp.h"
+#include "../engine.h"
+#include "../model.h"
+#include "../ops.h"
+#include "../plain.h"
+#include "../rng.h"
+#include "../store.h"
+#include "../threads.h"
+#include "../trainer.h"
+#include "testing.h"
+
+#define DE_MAX_W 4
+#define DE_STEPS 3
+#define DE_B 12  // divides by 1, 2, 3 and 4
+#define DE_M 12
+#define DE_T 8
+
+static const AdamWHyper de_hyper = {1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f};
+static const LrSchedule de_sched = {LR_COSINE, 1e-2f, 1, DE_STEPS, 0.1f, 0.0f};
+static const float de_clip = 0.5f;  // small enough to clip: the norm must agree exactly
+
+// The run's batches: the same on every rank (every rank reads the global batch).
+static void de_batch(const ModelConfig* c, int step, int32_t* tokens) {
+    Rng r;
+    rng_seed(&r, 2000u + (uint32_t)step);
+    for (int i = 0; i < DE_B * (DE_T + 1); i++) tokens[i] = (int32_t)rng_below(&r, (uint64_t)c->V);
+}
+
+// The optimizer's tensors of a store end to end: field 0 weights, 1 m, 2 v (malloc'd).
+static float* de_flat(const Store* s, int field, size_t* n_out) {
+    AdamWTensor* t = malloc_check((size_t)s->tt->n * sizeof(AdamWTensor));
+    const int nt = store_adamw_tensors(s, t);
+    size_t n = 0;
+    for (int i = 0; i < nt; i++) n += t[i].n;
+    float* out = malloc_check((n > 0 ? n : 1) * sizeof(float));
+    size_t o = 0;
+    for (int i = 0; i < nt; i++) {
+        const float* x = field == 0 ? t[i].param : field == 1 ? t[i].m : t[i].v;
+        memcpy(out + o, x, t[i].n * sizeof(float));
+        o += t[i].n;
+    }
+    free(t);
+    *n_out = n;
+    return out;
+}
+
+// ----------------------------------------------------------------------------
+// the ranks
+
+typedef struct DeRank {
+    CommEmulWorld* w;   // NULL: no communicator (the engine alone, W = 1)
+    const Model* m;
+    int rank, world, N, sync, bf16;
+    int shard_weights;  // EngineOptions.shard_weights
+    int split;          // EngineOptions.split_rounds
+    int shard_store;    // store_create_shard (m and v zeroed for the rank's shard only)
+    double budget;      // device bytes for the stages (0: unlimited, one stage)
+    CommFault fault;
+    uint64_t fault_op;
+    double timeout_s;
+    double loss[DE_STEPS], norm[DE_STEPS];
+    int failed;         // the step that failed (1-based; -1 set-up), 0 none
+    char err[ERR_LEN];
+    double secs;        // until the failure (or the end)
+    float* flat[3];     // weights, m, v after engine_gather_state
+    size_t n;
+    int64_t shard;      // engine_shard_params
+    int steps;          // steps to run (0: DE_STEPS)
+    double mv_bytes, mv_resident;  // AdamW's m and v slabs: allocated, resident after the steps
+    double w_bytes, w_resident;    // the fp32 weight slabs: the same
+} DeRank;
+
+// Bytes of [p, p + n) in memory now (mincore, whole pages).
+static double resident_bytes(const void* p, size_t n) {
+    const long page = sysconf(_SC_PAGESIZE);
+    const uintptr_t pg = page > 0 ? (uintptr_t)page : 4096u;
+    const uintptr_t b = (uintptr_t)p / pg * pg, e = ((uintptr_t)p + n + pg - 1) / pg * pg;
+    const size_t n_pages = (e - b) / pg;
+    unsigned char* in = malloc_check(n_pages > 0 ? n_pages : 1);
+    if (mincore((void*)b, e - b, in) != 0) fatal("mincore failed");
+    size_t count = 0;
+    for (size_t i = 0; i < n_pages; i++) count += in[i] & 1;
+    free(in);
+    return (double)count * (double)pg;
+}
+
+static void* de_rank_main(void* arg) {
+    DeRank* k = arg;
+    const double t0 = time_now_s();
+    Comm* c = NULL;
+    if (k->w) {
+        CommInit in = {.rank = k->rank, .world = k->world, .timeout_s = k->timeout_s,
+                       .local = k->w};
+        c = comm_emul_impl.init(&in, k->err);
+        if (!c) {
+            k->failed = -1;
+            return NULL;
+        }
+        if (k->fault != COMM_FAULT_NONE) comm_emul_inject(c, k->fault, k->fault_op);
+    }
+    Store s;
+    if (k->shard_store) {
+        const int NL = k->m->tt.n_layers;
+        int64_t* lo = malloc_check((size_t)NL * sizeof(int64_t));
+        int64_t* hi = malloc_check((size_t)NL * sizeof(int64_t));
+        dp_engine_state_ranges(&k->m->tt, k->world, k->rank, lo, hi);
+        store_create_shard(&s, &k->m->tt, lo, hi);
+        free(lo);
+        free(hi);
+    } else {
+        store_create(&s, &k->m->tt);
+    }
+    store_init_random(&s, 7, 0.2f);
+    DeviceSet devs;
+    const DeviceOptions dopt = {.threads = 1, .delay_seed = 99u + (uint32_t)k->rank,
+                                .max_delay_us = 20};
+    device_set_open(&devs, &device_cpu_impl, k->N, &dopt);
+    EngineOptions eo = {.B = DE_B / k->world, .T = DE_T, .M = DE_M / k->world, .M_R = 0,
+                        .sync = k->sync, .opt_threads = 1, .row_chunks = 1, .trace_path = "",
+                        .hyper = de_hyper, .sched = de_sched, .grad_clip = de_clip, .comm = c,
+                        .global_B = DE_B, .reduce_bf16 = k->bf16,
+                        .shard_weights = k->shard_weights, .split_rounds = k->split};
+    if (k->budget > 0)
+        eo.device_budget = k->budget + (double)engine_fixed_device_bytes(k->m, 4, &eo);
+    Engine* e = engine_create(k->m, &s, &devs, &eo, k->err);
+    if (!e) {
+        k->failed = -1;
+    } else {
+        k->shard = engine_shard_params(e);
+        int32_t* tokens = malloc_check((size_t)DE_B * (DE_T + 1) * sizeof(int32_t));
+        int32_t* rows = malloc_check((size_t)DE_B * (DE_T + 1) * sizeof(int32_t));
+        const int steps = k->steps > 0 ? k->steps : DE_STEPS;
+        for (int step = 1; step <= steps; step++) {
+            de_batch(&k->m->cfg, step, tokens);
+            dp_take_rows(tokens, DE_B, DE_T, k->world, k->rank, rows);
+            const EngineStepResult r = engine_step(e, rows);
+            if (r.error) {
+                k->failed = step;
+                snprintf(k->err, sizeof k->err, "%s", r.error);
+                break;
+            }
+            k->loss[step - 1] = r.loss;
+            k->norm[step - 1] = r.norm;
+        }
+        engine_synchronize(e);
+        for (int l = 0; l < k->m->tt.n_layers; l++) {
+            const size_t bytes = (size_t)k->m->tt.state_numel[l] * sizeof(float);
+            if (bytes == 0) continue;
+            k->mv_bytes += 2.0 * (double)bytes;
+            k->mv_resident += resident_bytes(s.m[l], bytes) + resident_bytes(s.v[l], bytes);
+            k->w_bytes += (double)bytes;
+            k->w_resident += resident_bytes(s.param[l], bytes);
+        }
+        if (!k->failed && engine_gather_state(e, -1, 1, k->err) != 0) k->failed = DE_STEPS + 1;
+        k->secs = time_now_s() - t0;
+        if (!k->failed)
+            for (int f = 0; f < 3; f++) k->flat[f] = de_flat(&s, f, &k->n);
+        free(tokens);
+        free(rows);
+        engine_free(e);
+    }
+    device_set_close(&devs);
+    store_free(&s);
+    comm_destroy(c);
+    return NULL;
+}
+
+// W ranks as threads; proto sets everything but the world, the rank and the communicator.
+static void de_run(const DeRank* proto, int W, const CommFault* faults, DeRank* ranks) {
+    CommEmulWorld* w = comm_emul_world_create(W);
+    pthread_t th[DE_MAX_W];
+    for (int r = 0; r < W; r++) {
+        ranks[r] = *proto;
+        ranks[r].w = w;
+        ranks[r].rank = r;
+        ranks[r].world = W;
+        ranks[r].fault = faults ? faults[r] : COMM_FAULT_NONE;
+        pthread_check(pthread_create(&th[r], NULL, de_rank_main, &ranks[r]));
+    }
+    for (int r = 0; r < W; r++) pthread_check(pthread_join(th[r], NULL));
+    comm_emul_world_destroy(w);
+}
+
+static void de_rank_free(DeRank* k) {
+    for (int f = 0; f < 3; f++) free(k->flat[f]);
+}
+
+// ----------------------------------------------------------------------------
+// the single-process grouping
+
+typedef struct DeReference {
+    double loss[DE_STEPS], norm[DE_STEPS];
+    float* flat[3];
+    size_t n;
+} DeReference;
+
+static void de_reference(const Model* m, int W, int bf16, DeReference* ref) {
+    Store s;
+    store_create(&s, &m->tt);
+    store_init_random(&s, 7, 0.2f);
+    void* ctx = ops_cpu_create(1);
+    const int Br = DE_B / W, Mr = DE_M / W;
+    Plain* p = plain_create(m, &s, &ops_cpu, ctx, (Br + Mr - 1) / Mr, DE_T, 0);
+    ThreadPool* pool = threadpool_create(1);
+    AdamWTensor* t = malloc_check((size_t)m->tt.n * sizeof(AdamWTensor));
+    const int nt = store_adamw_tensors(&s, t);
+    size_t n = 0;
+    for (int i = 0; i < nt; i++) n += t[i].n;
+    float* groups[DE_MAX_W];
+    uint16_t* groups16[DE_MAX_W];
+    for (int r = 0; r < W; r++) {
+        groups[r] = malloc_check(n * sizeof(float));
+        groups16[r] = malloc_check(n * sizeof(uint16_t));
+    }
+    float* sum = malloc_check(n * sizeof(float));
+    uint16_t* sum16 = malloc_check(n * sizeof(uint16_t));
+    int32_t* tokens = malloc_check((size_t)DE_B * (DE_T + 1) * sizeof(int32_t));
+    int32_t* rows = malloc_check((size_t)DE_B * (DE_T + 1) * sizeof(int32_t));
+    const size_t row = (size_t)DE_T + 1;
+    for (int step = 1; step <= DE_STEPS; step++) {
+        de_batch(&m->cfg, step, tokens);
+        double loss = 0.0;
+        for (int r = 0; r < W; r++) {
+            // rank r: its rows in its micro-batches, every per-token loss summed in order (as
+            // engine_collect sums them), its gradient accumulated from zero, the head folded
+            dp_take_rows(tokens, DE_B, DE_T, W, r, rows);
+            store_zero_grads(&s);
+            double local = 0.0;
+            int first = 0;
+            for (int mb = 0; mb < Mr; mb++) {
+                const int rows_mb = Br / Mr + (mb < Br % Mr ? 1 : 0);
+                plain_forward_backward(p, rows + (size_t)first * row, rows_mb, DE_T,
+                                       1.0f / ((float)DE_B * (float)DE_T));
+                for (int x = 0; x < rows_mb * DE_T; x++) local += p->losses_host[x];
+                first += rows_mb;
+            }
+            plain_sync_grads(p);
+            store_fold_tied_grads(&s);
+            loss += local;
+            size_t o = 0;
+            for (int i = 0; i < nt; i++) {
+                memcpy(groups[r] + o, t[i].grad, t[i].n * sizeof(float));
+                o += t[i].n;
+            }
+            for (size_t i = 0; bf16 && i < n; i++) groups16[r][i] = f32_to_bf16(groups[r][i]);
+        }
+        if (bf16) {
+            comm_reference_sum((const void* const*)groups16, W, n, COMM_BF16, sum16);
+            for (size_t i = 0; i < n; i++) sum[i] = bf16_to_f32(sum16[i]);
+        } else {
+            comm_reference_sum((const void* const*)groups, W, n, COMM_F32, sum);
+        }
+        size_t o = 0;
+        for (int i = 0; i < nt; i++) {
+            memcpy((float*)t[i].grad, sum + o, t[i].n * sizeof(float));
+            o += t[i].n;
+        }
+        const AdamWUpdate u = adamw_update_begin(&de_hyper, &de_sched, de_clip, step,
+                                                 dp_engine_norm_sq(pool, &s, W));
+        adamw_update_apply(pool, &u, t, nt);
+        plain_sync_params(p);
+        ref->loss[step - 1] = loss / ((double)DE_B * DE_T);
+        ref->norm[step - 1] = u.norm;
+    }
+    for (int f = 0; f < 3; f++) ref->flat[f] = de_flat(&s, f, &ref->n);
+    for (int r = 0; r < W; r++) {
+        free(groups[r]);
+        free(groups16[r]);
+    }
+    free(sum);
+    free(sum16);
+    free(tokens);
+    free(rows);
+    free(t);
+    threadpool_destroy(pool);
+    plain_free(p);
+    ops_cpu_destroy(ctx);
+    store_free(&s);
+}
+
+static void de_reference_free(DeReference* ref) {
+    for (int f = 0; f < 3; f++) free(ref->flat[f]);
+}
+
+static void de_model(TestCtx* t, Model* m) {
+    char err[ERR_LEN];
+    const ModelConfig c = test_engine_config(1);  // tied: the head's fold before the reduce
+    CHECK(t, model_init(m, &c, 0, err) == 0, "%s", err);
+}
+
+// Every rank's record against the reference, bit for bit.
+static void de_check_ranks(TestCtx* t, const char* what, const DeRank* ranks, int W,
+                           const DeReference* ref) {
+    for (int r = 0; r < W; r++) {
+        const DeRank* k = &ranks[r];
+        CHECK(t, k->failed == 0, "%s rank %d failed at step %d: %s", what, r, k->failed, k->err);
+        if (k->failed) continue;
+        for (int s = 0; s < DE_STEPS; s++) {
+            CHECK(t, k->loss[s] == ref->loss[s], "%s rank %d step %d: loss %.17g, the "
+                  "single-process grouping %.17g", what, r, s + 1, k->loss[s], ref->loss[s]);
+            CHECK(t, k->norm[s] == ref->norm[s], "%s rank %d step %d: norm %.17g vs %.17g", what,
+                  r, s + 1, k->norm[s], ref->norm[s]);
+        }
+        CHECK(t, k->n == ref->n && memcmp(k->flat[0], ref->flat[0], ref->n * sizeof(float)) == 0,
+              "%s rank %d: the sharded weights equal the unsharded ones", what, r);
+        CHECK(t, k->n == ref->n && memcmp(k->flat[1], ref->flat[1], ref->n * sizeof(float)) == 0 &&
+                 memcmp(k->flat[2], ref->flat[2], ref->n * sizeof(float)) == 0,
+              "%s rank %d: AdamW's m and v gathered equal the unsharded ones", what, r);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// the tests
+
+static void test_dp_engine_sync(TestCtx* t) {
+    Model m;
+    de_model(t, &m);
+    for (int W = 1; W <= DE_MAX_W; W++) {
+        DeReference ref;
+        de_reference(&m, W, 0, &ref);
+        // one stage on one device; several stages over two devices (a small budget)
+        for (int N = 1; N <= 2; N++) {
+            // (two devices: the fp32 weights sharded too, gathered back at the end)
+            const DeRank proto = {.m = &m, .N = N, .sync = 1, .timeout_s = 60.0,
+                                  .budget = N == 2 ? 2.4e5 : 0, .shard_weights = N == 2,
+                                  .shard_store = N == 2};
+            DeRank ranks[DE_MAX_W];
+            de_run(&proto, W, NULL, ranks);
+            char what[48];
+            snprintf(what, sizeof what, "W %d N %d", W, N);
+            de_check_ranks(t, what, ranks, W, &ref);
+            // ZeRO-1: the shards cover the parameters once
+            int64_t total = 0;
+            for (int r = 0; r < W; r++) total += ranks[r].shard;
+            CHECK(t, total == m.tt.trainable_params, "%s: the shards hold %lld of %lld "
+                  "parameters", what, (long long)total, (long long)m.tt.trainable_params);
+            for (int r = 0; r < W; r++) de_rank_free(&ranks[r]);
+        }
+        de_reference_free(&ref);
+    }
+    // bf16 on the wire (summed in fp32, rounded once): the same grouping in bf16
+    DeReference ref;
+    de_reference(&m, 3, 1, &ref);
+    const DeRank proto = {.m = &m, .N = 2, .sync = 1, .bf16 = 1, .timeout_s = 60.0};
+    DeRank ranks[3];
+    de_run(&proto, 3, NULL, ranks);
+    de_check_ranks(t, "bf16 W 3", ranks, 3, &ref);
+    for (int r = 0; r < 3; r++) de_rank_free(&ranks[r]);
+    de_reference_free(&ref);
+    model_free(&m);
+}
+
+// The delayed update: one rank with a communicator trains as the engine alone, bit for bit; W
+// ranks agree with each other.
+static void test_dp_engine_delayed(TestCtx* t) {
+    Model m;
+    de_model(t, &m);
+    DeRank alone = {.m = &m, .rank = 0, .world = 1, .N = 2, .sync = 0, .budget = 2.4e5};
+    de_rank_main(&alone);
+    CHECK(t, alone.failed == 0, "the engine alone: %s", alone.err);
+    for (int W = 1; W <= 2 && !alone.failed; W++) {
+        const DeRank proto = {.m = &m, .N = 2, .sync = 0, .timeout_s = 60.0, .budget = 2.4e5};
+        DeRank ranks[2];
+        de_run(&proto, W, NULL, ranks);
+        for (int r = 0; r < W; r++) {
+            CHECK(t, ranks[r].failed == 0, "W %d rank %d: %s", W, r, ranks[r].err);
+            if (ranks[r].failed) continue;
+            const DeRank* want = W == 1 ? &alone : &ranks[0];
+            for (int s = 0; s < DE_STEPS; s++)
+                CHECK(t, ranks[r].loss[s] == want->loss[s] && ranks[r].norm[s] == want->norm[s],
+                      "W %d rank %d step %d: loss %.17g norm %.17g, expected %.17g %.17g", W, r,
+                      s + 1, ranks[r].loss[s], ranks[r].norm[s], want->loss[s], want->norm[s]);
+            CHECK(t, memcmp(ranks[r].flat[0], want->flat[0], want->n * sizeof(float)) == 0,
+                  "W %d rank %d: the same weights", W, r);
+        }
+        if (W == 2)  // (the grouping changes the sums' order, not the mathematics)
+            CHECK(t, fabs(ranks[0].loss[DE_STEPS - 1] - alone.loss[DE_STEPS - 1]) <
+                         1e-4 * fabs(alone.loss[DE_STEPS - 1]),
+                  "two ranks close to one: %.9g vs %.9g", ranks[0].loss[DE_STEPS - 1],
+                  alone.loss[DE_STEPS - 1]);
+        for (int r = 0; r < W; r++) de_rank_free(&ranks[r]);
+    }
+    de_rank_free(&alone);
+    // split rounds (one round per device at once, added in round order before the reduce): one
+    // rank with a communicator is the engine alone, bit for bit
+    DeRank split_alone = {.m = &m, .rank = 0, .world = 1, .N = 2, .sync = 0, .split = 1};
+    de_rank_main(&split_alone);
+    const DeRank proto = {.m = &m, .N = 2, .sync = 0, .timeout_s = 60.0, .split = 1};
+    DeRank split_one[1];
+    de_run(&proto, 1, NULL, split_one);
+    CHECK(t, split_alone.failed == 0 && split_one[0].failed == 0, "split rounds: %s %s",
+          split_alone.err, split_one[0].err);
+    if (!split_alone.failed && !split_one[0].failed) {
+        for (int s = 0; s < DE_STEPS; s++)
+            CHECK(t, split_one[0].loss[s] == split_alone.loss[s] &&
+                         split_one[0].norm[s] == split_alone.norm[s],
+                  "split rounds step %d: %.17g vs %.17g", s + 1, split_one[0].loss[s],
+                  split_alone.loss[s]);
+        CHECK(t, memcmp(split_one[0].flat[0], split_alone.flat[0],
+                        split_alone.n * sizeof(float)) == 0, "split rounds: the same weights");
+    }
+    de_rank_free(&split_alone);
+    de_rank_free(&split_one[0]);
+    model_free(&m);
+}
+
+// A rank that dies, or hangs, in the middle of a step: the others stop with a message naming
+// it (at once, or within the timeout), and nothing hangs.
+static void test_dp_engine_rank_failure(TestCtx* t) {
+    Model m;
+    de_model(t, &m);
+    for (int hang = 0; hang <= 1; hang++) {
+        const CommFault faults[3] = {COMM_FAULT_NONE, hang ? COMM_FAULT_HANG : COMM_FAULT_DIE,
+                                     COMM_FAULT_NONE};
+        // op 0 is the weights' check, then step 1's per-layer reduce-scatters: op 3 is inside
+        // step 1's backward
+        const DeRank proto = {.m = &m, .N = 2, .sync = 1, .timeout_s = hang ? 1.0 : 60.0,
+                              .fault_op = 3};
+        DeRank ranks[3];
+        const double t0 = time_now_s();
+        de_run(&proto, 3, faults, ranks);
+        const double secs = time_now_s() - t0;
+        for (int r = 0; r < 3; r++) {
+            CHECK(t, ranks[r].failed == 1, "%s: rank %d stopped at step 1 (got %d: %s)",
+                  hang ? "hang" : "die", r, ranks[r].failed, ranks[r].err);
+            if (r != 1)
+                CHECK(t, strstr(ranks[r].err, "rank 1") && strstr(ranks[r].err, "data parallel"),
+                      "%s: rank %d names rank 1: '%s'", hang ? "hang" : "die", r, ranks[r].err);
+            de_rank_free(&ranks[r]);
+        }
+        CHECK(t, secs < (hang ? 20.0 : 30.0), "%s: the others stop %s (%.2f s)",
+              hang ? "hang" : "die", hang ? "within the 1 s timeout" : "at once", secs);
+    }
+    model_free(&m);
+}
+
+// ZeRO-1's host memory: after the steps each rank holds AdamW's m and v and the fp32 weights
+// (shard_weights) for its shard only, about 1/W of them (page rounding at each layer's shard
+// edges).
+static void test_dp_engine_memory(TestCtx* t) {
+    char err[ERR_LEN];
+    ModelConfig c = test_engine_config(1);
+    c.C = 128;  // slabs of many pages, so that page rounding is small beside a shard
+    c.F = 384;
+    c.HD = 32;
+    c.L = 2;
+    c.V = 256;
+    Model m;
+    CHECK(t, model_init(&m, &c, 0, err) == 0, "%s", err);
+    const long page = sysconf(_SC_PAGESIZE);
+    for (int W = 1; W <= DE_MAX_W; W *= 2) {
+        const DeRank proto = {.m = &m, .N = 1, .sync = 1, .timeout_s = 60.0, .steps = 1,
+                              .shard_weights = 1, .shard_store = 1};
+        DeRank ranks[DE_MAX_W];
+        de_run(&proto, W, NULL, ranks);
+        for (int r = 0; r < W; r++) {
+            const DeRank* k = &ranks[r];
+            CHECK(t, k->failed == 0, "W %d rank %d: %s", W, r, k->err);
+            // two slabs (m, v) per layer, each shard's two edges on partial pages; a page the
+            // allocator or transparent huge pages bring back near a slab's edge (other ranks'
+            // threads allocate beside it): a quarter more at most
+            const double want = k->mv_bytes / W, slack = 4.0 * (double)page * (m.tt.n_layers + 1);
+            CHECK(t, k->mv_resident <= 1.25 * want + slack && k->mv_resident >= want - slack,
+                  "W %d rank %d: m and v take %.0f of %.0f bytes (1/W: %.0f)", W, r,
+                  k->mv_resident, k->mv_bytes, want);
+            const double want_w = k->w_bytes / W, slack_w = slack / 2;
+            CHECK(t, k->w_resident <= 1.25 * want_w + slack_w &&
+                         k->w_resident >= want_w - slack_w,
+                  "W %d rank %d: the fp32 weights take %.0f of %.0f bytes (1/W: %.0f)", W, r,
+                  k->w_resident, k->w_bytes, want_w);
+            if (r == 0)
+                printf("       W=%d: per rank AdamW m and v %.2f MiB of %.2f MiB, fp32 weights "
+                       "%.2f MiB of %.2f MiB\n", W, k->mv_resident / (1 << 20),
+                       k->mv_bytes / (1 << 20), k->w_resident / (1 << 20),
+                       k->w_bytes / (1 << 20));
+            de_rank_free(&ranks[r]);
+        }
+    }
+    model_free(&m);
+}
+
+// ----------------------------------------------------------------------------
+// through the trainer: checkpoints and resume
+
+#define DT_STEPS 4
+
+typedef struct DeTrainerRank {
+    CommEmulWorld* w;
+    const Model* m;
+    const char* shard;
+    const char* out;
+    int rank, world, sync;
+    int first, last;  // steps first..last; first > 1 resumes from out's step first-1
+    int save_at;      // save a checkpoint after this step (0: none)
+    double loss[DT_STEPS], norm[DT_STEPS];
+    float* params;
+    size_t n;
+    int rc;
+    char err[ERR_LEN];
+} DeTrainerRank;
+
+// The trainer's engine options from its flags (train_roundpipe's, for emulated devices).
+static EngineOptions de_engine_options(const TrainArgs* a, int use_cuda, int n_devices,
+                                       int64_t start_step) {
+    (void)use_cuda;
+    (void)n_devices;
+    return (EngineOptions){.B = a->batch, .T = a->seq, .M = a->micro_batches,
+                           .M_R = a->round_micro_batches, .row_chunks = 1, .sync = a->sync,
+                           .opt_threads = 1, .trace_path = "", .start_step = start_step,
+                           .hyper = {a->lr, a->beta1, a->beta2, a->eps, a->weight_decay},
+                           .sched = {a->schedule, a->lr, a->warmup, a->steps, a->min_lr_frac,
+                                     a->decay_frac},
+                           .grad_clip = a->grad_clip};
+}
+
+static void* de_trainer_rank_main(void* arg) {
+    DeTrainerRank* k = arg;
+    TrainArgs a;
+    args_defaults(&a);
+    a.model = "test-qwen3";
+    a.train = k->shard;
+    a.val = "";
+    a.out = k->out;
+    a.batch = 4;
+    a.seq = 16;
+    a.micro_batches = 4;
+    a.steps = DT_STEPS;
+    a.warmup = 2;
+    a.threads = 1;
+    a.sync = k->sync;
+    a.sample_tokens = 0;
+    a.n_devices = 2;
+    char* args_json = args_to_json(&a);
+    Store s;
+    store_create(&s, &k->m->tt);
+    store_init_random(&s, 7, 0.02f);
+    TrainState ts;
+    train_state_init(&ts, a.seed);
+    DataLoader train;
+    k->rc = dataloader_open(&train, k->shard, a.batch, a.seq, 0, a.seed, k->m->cfg.V, k->err);
+    if (k->rc == 0 && k->first > 1) {
+        char dir[1200];
+        snprintf(dir, sizeof dir, "%s/step_%d", k->out, k->first - 1);
+        k->rc = checkpoint_load_state(dir, k->m, &s, &ts, args_json, k->err);
+        ts.resumed = 1;  // (as checkpoint_init_weights marks it: the pending weights are used)
+        if (k->rc == 0) k->rc = dataloader_state_restore(&train, ts.train_loader, k->err);
+    }
+    Comm* c = NULL;
+    if (k->rc == 0 && k->w) {
+        CommInit in = {.rank = k->rank, .world = k->world, .timeout_s = 30.0, .local = k->w};
+        c = comm_emul_impl.init(&in, k->err);
+        if (!c) k->rc = -1;
+    }
+    Trainer tr;
+    int created = 0;
+    if (k->rc == 0)
+        k->rc = trainer_create_ranked(&tr, &a, k->m, &s, &ts, 2, de_engine_options, c, k->err);
+    if (k->rc == 0) created = 1;
+    for (int step = k->first; k->rc == 0 && step <= k->last; step++) {
+        const StepStats st = trainer_step(&tr, &train, step, step == k->save_at || step == k->last);
+        k->loss[step - 1] = st.loss;
+        k->norm[step - 1] = st.norm;
+        if (step == k->save_at)
+            k->rc = trainer_save_checkpoint(&tr, &train, step, args_json, k->err);
+    }
+    if (k->rc == 0) {
+        k->rc = trainer_finish(&tr, k->err);
+        if (k->rank == 0) k->params = de_flat(&s, 0, &k->n);
+    }
+    if (created) trainer_free(&tr);
+    comm_destroy(c);
+    dataloader_close(&train);
+    train_state_free(&ts);
+    store_free(&s);
+    free(args_json);
+    return NULL;
+}
+
+static void de_trainer_run(const Model* m, const char* shard, const char* out, int W, int sync,
+                           int first, int last, int save_at, DeTrainerRank* ranks) {
+    CommEmulWorld* w = comm_emul_world_create(W);
+    pthread_t th[DE_MAX_W];
+    fflush(stdout);  // the trainers print their plans and device lines: not into the report
+    const int saved = dup(1), devnull = open("/dev/null", O_WRONLY);
+    if (saved >= 0 && devnull >= 0) dup2(devnull, 1);
+    for (int r = 0; r < W; r++) {
+        ranks[r] = (DeTrainerRank){.w = w, .m = m, .shard = shard, .out = out, .rank = r,
+                                   .world = W, .sync = sync, .first = first, .last = last,
+                                   .save_at = save_at};
+        pthread_check(pthread_create(&th[r], NULL, de_trainer_rank_main, &ranks[r]));
+    }
+    for (int r = 0; r < W; r++) pthread_check(pthread_join(th[r], NULL));
+    fflush(stdout);
+    if (saved >= 0) {
+        dup2(saved, 1);
+        close(saved);
+    }
+    if (devnull >= 0) close(devnull);
+    comm_emul_world_destroy(w);
+}
+
+// Checkpoints of W ranks (AdamW's state gathered on rank 0, which writes them) resume
+// bit-exactly with the same W, in sync mode and with the delayed update (its pending weights
+// are every rank's full master copy), and resume with another W.
+static void test_dp_engine_resume(TestCtx* t) {
+    char err[ERR_LEN], shard[1024], out[1024];
+    ModelConfig c;
+    Model m;
+    CHECK(t, config_from_preset(&c, "test-qwen3", err) == 0, "%s", err);
+    CHECK(t, model_init(&m, &c, 0, err) == 0, "%s", err);
+    enum { NTOK = 3000 };
+    uint32_t* toks = malloc_check(NTOK * sizeof(uint32_t));
+    for (int i = 0; i < NTOK; i++) toks[i] = (uint32_t)((i * 7 + i / 13) % 61);
+    test_path(t, shard, sizeof shard, "dp_engine.bin");
+    CHECK(t, shard_write(shard, toks, NTOK, 2, err) == 0, "%s", err);
+    free(toks);
+    for (int sync = 1; sync >= 0; sync--) {
+        char name[32];
+        snprintf(name, sizeof name, "dp_engine_ckpt%d", sync);
+        test_path(t, out, sizeof out, name);
+        mkdir(out, 0755);
+        DeTrainerRank two[2], first[2], resumed[2], four[4];
+        de_trainer_run(&m, shard, out, 2, sync, 1, DT_STEPS, 0, two);
+        de_trainer_run(&m, shard, out, 2, sync, 1, 2, 2, first);
+        de_trainer_run(&m, shard, out, 2, sync, 3, DT_STEPS, 0, resumed);
+        de_trainer_run(&m, shard, out, 4, sync, 3, DT_STEPS, 0, four);
+        DeTrainerRank* all[] = {two, two + 1, first, first + 1, resumed, resumed + 1,
+                                four, four + 1, four + 2, four + 3};
+        for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+            CHECK(t, all[i]->rc == 0, "sync %d run %zu rank %d: %s", sync, i, all[i]->rank,
+                  all[i]->err);
+        for (int s = 2; s < DT_STEPS; s++) {
+            CHECK(t, resumed[0].loss[s] == two[0].loss[s] && resumed[0].norm[s] == two[0].norm[s],
+                  "sync %d step %d: resumed with two ranks %.17g (norm %.17g), straight %.17g "
+                  "(%.17g)", sync, s + 1, resumed[0].loss[s], resumed[0].norm[s], two[0].loss[s],
+                  two[0].norm[s]);
+            CHECK(t, resumed[1].loss[s] == resumed[0].loss[s], "sync %d step %d: the ranks agree",
+                  sync, s + 1);
+            CHECK(t, fabs(four[0].loss[s] - two[0].loss[s]) < 1e-4 * fabs(two[0].loss[s]),
+                  "sync %d step %d: resumed with four ranks %.9g, two %.9g", sync, s + 1,
+                  four[0].loss[s], two[0].loss[s]);
+        }
+        CHECK(t, resumed[0].params && two[0].params && resumed[0].n == two[0].n &&
+                 memcmp(resumed[0].params, two[0].params, two[0].n * sizeof(float)) == 0,
+              "sync %d: the resumed run's final weights equal the straight run's", sync);
+        for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) free(all[i]->params);
+    }
+    model_free(&m);
+}
+
+const TestCase tests_dp_engine[] = {
+    {"dp_engine_sync", test_dp_engine_sync},
+    {"dp_engine_delayed", test_dp_engine_delayed},
+    {"dp_engine_rank_failure", test_dp_engine_rank_failure},
+    {"dp_engine_memory", test_dp_engine_memory},
+    {"dp_engine_resume", test_dp_engine_resume},
+    {NULL, NULL},
+};
