@@ -807,6 +807,8 @@ static void test_grpo_gpu_generate(TestCtx* t) {
         store_init_random(&s, 11, 0.3f);
         const int maxT = 24, V = cfg.V, S = 4;
         Plain* p = plain_create(&m, &s, G.c, G.cctx, 1, maxT, 0);
+        Plain* pg = plain_create(&m, &s, G.g, G.gctx, 1, maxT, 0);  // the same bf16 weights
+        plain_sync_params(pg);
         int32_t toks[2][4][24];
         float lp[2][4][48];
         GenSeq seqs[2][4];
@@ -831,40 +833,54 @@ static void test_grpo_gpu_generate(TestCtx* t) {
                       "the host");
                 gen_free(&g);
             }
+            float* logits = malloc_check((size_t)V * sizeof(float));
+            float* glogits = malloc_check((size_t)V * sizeof(float));
             if (!temp) {
-                // the same greedy tokens, unless the first difference is a near-tie of the
-                // CPU's logits (bf16 weights may flip an argmax whose margin is in their noise)
-                float* logits = malloc_check((size_t)V * sizeof(float));
+                // the same greedy tokens, unless the first difference is a near-tie: a CPU margin
+                // within the backends' own logit difference at that prefix (the GPU's training
+                // forward, bf16 weights, against the CPU's fp32 one)
                 for (int i = 0; i < S; i++) {
                     int j = seqs[0][i].prompt_len;
-                    while (j < maxT && toks[0][i][j] == toks[1][i][j]) j++;
-                    if (j == maxT) continue;
+                    while (j < seqs[0][i].len && toks[0][i][j] == toks[1][i][j]) j++;
+                    if (j == seqs[0][i].len) continue;
                     plain_logits_last(p, toks[0][i], j, logits);
+                    plain_logits_last(pg, toks[0][i], j, glogits);
+                    double noise = 0.0;
+                    for (int v = 0; v < V; v++) noise = fmax(noise, fabs(logits[v] - glogits[v]));
                     const double gap = fabs(logits[toks[0][i][j]] - logits[toks[1][i][j]]);
-                    CHECK(t, gap < 0.02, "%s: seq %d: greedy token %d differs (CPU %d, GPU %d) "
-                          "by a logit margin of %.3g", presets[k], i, j, toks[0][i][j],
-                          toks[1][i][j], gap);
+                    CHECK(t, gap <= 2.0 * noise, "%s: seq %d: greedy token %d differs (CPU %d, GPU "
+                          "%d) by a logit margin of %.3g, beyond the backends' logit difference "
+                          "%.3g", presets[k], i, j, toks[0][i][j], toks[1][i][j], gap, noise);
                 }
-                free(logits);
-                continue;
-            }
-            // sampled on the GPU: each token's log-prob against a CPU forward over its prefix
-            float* logits = malloc_check((size_t)V * sizeof(float));
-            double worst = 0.0;
-            for (int i = 0; i < S; i++) {
-                const GenSeq* q = &seqs[1][i];
-                CHECK(t, q->len == maxT, "%s: seq %d len %d", presets[k], i, q->len);
-                for (int j = q->prompt_len; j < q->len; j++) {
-                    plain_logits_last(p, q->tokens, j, logits);
-                    worst = fmax(worst, fabs(ref_logp(logits, V, 0.9f, q->tokens[j]) -
-                                             q->logp_full[j]));
+            } else {
+                // sampled on the GPU: each token's log-prob against the GPU's training forward
+                // over its prefix (the same bf16 weights; the decode kernels, the KV cache and
+                // the sampler against the training kernels), and the CPU's for the record
+                double worst = 0.0, worst_cpu = 0.0;
+                for (int i = 0; i < S; i++) {
+                    const GenSeq* q = &seqs[1][i];
+                    const int want = q->prompt_len + 20 < maxT ? q->prompt_len + 20 : maxT;
+                    CHECK(t, q->len == want, "%s: seq %d len %d, not %d", presets[k], i, q->len,
+                          want);
+                    for (int j = q->prompt_len; j < q->len; j++) {
+                        plain_logits_last(pg, q->tokens, j, glogits);
+                        plain_logits_last(p, q->tokens, j, logits);
+                        worst = fmax(worst, fabs(ref_logp(glogits, V, 0.9f, q->tokens[j]) -
+                                                 q->logp_full[j]));
+                        worst_cpu = fmax(worst_cpu, fabs(ref_logp(logits, V, 0.9f, q->tokens[j]) -
+                                                         q->logp_full[j]));
+                    }
                 }
+                CHECK(t, worst < 0.05, "%s: generator log-probs vs the GPU's training forward: "
+                      "max |diff| %.3g", presets[k], worst);
+                printf("  %s: sampled log-probs vs the GPU's training forward %.3g, vs the CPU's "
+                       "fp32 forward %.3g\n", presets[k], worst, worst_cpu);
             }
-            CHECK(t, worst < 0.1, "%s: GPU log-probs vs a CPU forward: max |diff| %.3g",
-                  presets[k], worst);
             free(logits);
+            free(glogits);
         }
         plain_free(p);
+        plain_free(pg);
         store_free(&s);
         model_free(&m);
     }
