@@ -27,6 +27,7 @@
 
 #include "common.cuh"
 #include "decode.h"
+#include "rope.cuh"
 
 #define DEC_CHUNK 256     // keys per split-K chunk
 #define DEC_WARPS 4       // warps per attention block
@@ -61,30 +62,12 @@ __global__ void decode_rope_append_kernel(bf16* __restrict__ out, bf16* __restri
         vc[cache_at + e] = v;
     }
     __syncthreads();
-    if (qw || kw) {
-        const int lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
-        for (int hh = threadIdx.x >> 5; hh < heads; hh += n_warps) {
-            if ((hh < H ? qw : kw) == NULL) continue;
-            float ss = 0.0f;
-            for (int i = lane; i < HD; i += 32) ss += sx[hh * HD + i] * sx[hh * HD + i];
-            ss = warp_sum(ss);
-            if (lane == 0) srs[hh] = 1.0f / sqrtf(ss / (float)HD + eps);
-        }
-        __syncthreads();
-    }
+    qk_row_rstd(sx, srs, NULL, qw, kw, H, heads, HD, eps);
     for (int p = threadIdx.x; p < heads * half; p += blockDim.x) {
         const int hh = p / half, i = p % half;
-        const bf16* w = hh < H ? qw : kw;
-        float x1 = sx[hh * HD + i], x2 = sx[hh * HD + i + half];
-        if (w) {
-            const float rs = srs[hh];
-            x1 = bf16_round(__bfloat162float(w[i]) * bf16_round(x1 * rs));
-            x2 = bf16_round(__bfloat162float(w[i + half]) * bf16_round(x2 * rs));
-        }
-        const float c = bf16_round(cosb[(size_t)t * half + i]);
-        const float s = bf16_round(sinb[(size_t)t * half + i]);
-        const bf16 y1 = __float2bfloat16_rn(x1 * c - x2 * s);
-        const bf16 y2 = __float2bfloat16_rn(x2 * c + x1 * s);
+        bf16 y1, y2;
+        qk_row_rope_pair(sx, srs, qw, kw, cosb + (size_t)t * half, sinb + (size_t)t * half, H, HD,
+                         hh, i, &y1, &y2);
         o[hh * HD + i] = y1;
         o[hh * HD + i + half] = y2;
         if (hh >= H) {

@@ -18,6 +18,7 @@
  * head order. Per-block partials are then reduced in block order: no atomics.
  */
 #include "common.cuh"
+#include "rope.cuh"
 
 #define ROPE_THREADS 256
 #define ROPE_BWD_BLOCKS 1024  // enough blocks to hide the per-row barriers (about 8 per SM)
@@ -49,33 +50,11 @@ __global__ void qknorm_rope_forward_kernel(bf16* __restrict__ out, float* __rest
         for (int e = QK + threadIdx.x; e < QKV; e += blockDim.x) o[e] = in[e];
     }
     __syncthreads();
-    if (qw || kw) {
-        const int lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
-        for (int hh = threadIdx.x >> 5; hh < heads; hh += n_warps) {
-            if ((hh < H ? qw : kw) == NULL) continue;
-            float ss = 0.0f;
-            for (int i = lane; i < HD; i += 32) ss += sx[hh * HD + i] * sx[hh * HD + i];
-            ss = warp_sum(ss);
-            float rs = 1.0f / sqrtf(ss / (float)HD + eps);
-            if (lane == 0) {
-                srs[hh] = rs;
-                if (rstd) rstd[(size_t)row * heads + hh] = rs;
-            }
-        }
-        __syncthreads();
-    }
+    qk_row_rstd(sx, srs, rstd ? rstd + (size_t)row * heads : NULL, qw, kw, H, heads, HD, eps);
     for (int p = threadIdx.x; p < heads * half; p += blockDim.x) {
         const int hh = p / half, i = p % half;
-        const bf16* w = hh < H ? qw : kw;
-        float x1 = sx[hh * HD + i], x2 = sx[hh * HD + i + half];
-        if (w) {
-            float rs = srs[hh];
-            x1 = bf16_round(__bfloat162float(w[i]) * bf16_round(x1 * rs));
-            x2 = bf16_round(__bfloat162float(w[i + half]) * bf16_round(x2 * rs));
-        }
-        float c = bf16_round(cosb[(size_t)t * half + i]), s = bf16_round(sinb[(size_t)t * half + i]);
-        o[hh * HD + i] = __float2bfloat16_rn(x1 * c - x2 * s);
-        o[hh * HD + i + half] = __float2bfloat16_rn(x2 * c + x1 * s);
+        qk_row_rope_pair(sx, srs, qw, kw, cosb + (size_t)t * half, sinb + (size_t)t * half, H, HD,
+                         hh, i, &o[hh * HD + i], &o[hh * HD + i + half]);
     }
 }
 

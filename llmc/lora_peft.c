@@ -48,9 +48,9 @@ static void peft_shape(const TensorDesc* d, int64_t shape[2]) {
     }
 }
 
-void lora_to_peft(const Model* m, int i, const float* src, float* dst, int64_t shape[2]) {
-    const TensorDesc* d = &m->tt.t[i];
-    peft_shape(d, shape);
+// An expert B between the table's (E, out, r) and PEFT's (out, r·E) with column k·E + e; other
+// tensors copied.
+static void permute_b(const TensorDesc* d, const float* src, float* dst, int to_peft) {
     if (!is_expert_b(d)) {
         memcpy(dst, src, (size_t)d->numel * sizeof(float));
         return;
@@ -58,21 +58,24 @@ void lora_to_peft(const Model* m, int i, const float* src, float* dst, int64_t s
     const int64_t E = d->shape[0], out = d->shape[1], r = d->shape[2];
     for (int64_t e = 0; e < E; e++)
         for (int64_t o = 0; o < out; o++)
-            for (int64_t k = 0; k < r; k++)
-                dst[o * r * E + k * E + e] = src[(e * out + o) * r + k];
+            for (int64_t k = 0; k < r; k++) {
+                const int64_t table = (e * out + o) * r + k, peft = o * r * E + k * E + e;
+                if (to_peft)
+                    dst[peft] = src[table];
+                else
+                    dst[table] = src[peft];
+            }
+}
+
+void lora_to_peft(const Model* m, int i, const float* src, float* dst, int64_t shape[2]) {
+    const TensorDesc* d = &m->tt.t[i];
+    peft_shape(d, shape);
+    permute_b(d, src, dst, 1);
 }
 
 // The inverse: PEFT's layout src into the table's dst.
 static void lora_from_peft(const TensorDesc* d, const float* src, float* dst) {
-    if (!is_expert_b(d)) {
-        memcpy(dst, src, (size_t)d->numel * sizeof(float));
-        return;
-    }
-    const int64_t E = d->shape[0], out = d->shape[1], r = d->shape[2];
-    for (int64_t e = 0; e < E; e++)
-        for (int64_t o = 0; o < out; o++)
-            for (int64_t k = 0; k < r; k++)
-                dst[(e * out + o) * r + k] = src[o * r * E + k * E + e];
+    permute_b(d, src, dst, 0);
 }
 
 // ----------------------------------------------------------------------------
