@@ -171,7 +171,7 @@ static int create_engine(Trainer* t, int N, int n_opt_cpus, TrainerEngineOptions
 // Engine runs only need the plain path for evaluation, sampling or --dump-state: on a GPU it
 // holds a whole copy of the model, so it is made only when something will use it.
 int trainer_needs_plain(const TrainArgs* a, int use_engine) {
-    return !use_engine || a->val[0] || a->sample_tokens > 0 || a->dump_state[0];
+    return !use_engine || a->val[0] || a->sample_tokens > 0 || a->dump_state[0] || a->rl.on;
 }
 
 int trainer_releases_frozen(const TrainArgs* a, const Model* m, int use_engine) {
@@ -428,6 +428,39 @@ StepStats trainer_step_with(Trainer* t, int step, TrainerGradFn fn, void* arg) {
     st.lr = u.hyper.lr;
     t->s->step = step;
     plain_sync_params(t->plain);
+    t->n_collected++;
+    if (!isfinite(st.loss)) fatal_nonfinite_loss(t, step);
+    t->t_last = time_now_s();
+    t->drained = 1;
+    log_meter_record(&t->meter, &st, t->t_last - t0);
+    st.host_mib = log_host_rss_mib();
+    return st;
+}
+
+StepStats trainer_step_engine_loss(Trainer* t, int step, const int32_t* tokens,
+                                   const EngineLoss* loss, const float** logp) {
+    if (!t->eng || engine_in_flight(t->eng) > 0)
+        fatal("internal: trainer_step_engine_loss needs the engine with nothing in flight");
+    const double t0 = time_now_s();
+    StepStats st = {.step = step, .steps = t->a->steps, .mfu = -1, .bubble = -1, .dev_mib = -1};
+    engine_submit_loss(t->eng, tokens, loss);
+    const EngineStepResult r = engine_collect(t->eng);
+    *logp = r.logp;
+    st.loss = r.loss;
+    st.norm = r.norm;
+    st.lr = r.lr;
+    st.no_update = r.norm_step == 0;  // the delayed update's first iteration: no step yet
+    st.bubble = r.bubble;
+    // the step of this iteration's gradient applied (delayed: queued during it) before the
+    // caller reads the Store's weights
+    engine_synchronize(t->eng);
+    st.dev_mib = 0;
+    for (int g = 0; g < t->devs.n; g++) {
+        DeviceStats ds;
+        t->devs.impl->stats(t->devs.dev[g], &ds);
+        st.dev_mib += (double)ds.mem_in_use / (1 << 20);
+    }
+    t->plain_stale = 1;
     t->n_collected++;
     if (!isfinite(st.loss)) fatal_nonfinite_loss(t, step);
     t->t_last = time_now_s();
