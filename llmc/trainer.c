@@ -155,16 +155,17 @@ static int create_engine(Trainer* t, int N, int n_opt_cpus, TrainerEngineOptions
                "an uninterrupted run)\n");
     train_state_free(ts);  // the pending weights are in the engine's buffers now
     engine_print_plan(t->eng, stdout);
-    const int M_R = a->round_micro_batches > 0 ? a->round_micro_batches : a->micro_batches;
+    // (--rl: the engine's batch is the step's answers, eo.M micro-batches of --batch rows)
+    const int M = a->rl.on ? eo.M : a->micro_batches, B = a->rl.on ? eo.B : a->batch;
+    const int M_R = a->round_micro_batches > 0 ? a->round_micro_batches : M;
     if (M_R < N && a->split_rounds <= 0)
         printf("warning: %d micro-batches per round < %d devices: some devices idle every round "
                "(RoundPipe needs M_R >= N)\n", M_R, N);
     if (t->use_cuda)
-        printf("device cuda:%d, batch %d x %d tokens in %d micro-batch(es)\n", N, a->batch,
-               a->seq, a->micro_batches);
+        printf("device cuda:%d, batch %d x %d tokens in %d micro-batch(es)\n", N, B, a->seq, M);
     else
         printf("device cpu:%d (emulated, %d threads each), batch %d x %d tokens in %d "
-               "micro-batch(es)\n", N, dopt.threads, a->batch, a->seq, a->micro_batches);
+               "micro-batch(es)\n", N, dopt.threads, B, a->seq, M);
     return 0;
 }
 
