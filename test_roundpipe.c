@@ -57,6 +57,7 @@
     X(comm)        \
     X(dp)          \
     X(dp_engine)   \
+    X(grpo_engine) \
     X(memory)      \
     X(train)       \
     X(grpo)        \

@@ -79,6 +79,13 @@ static EngineOptions engine_options(const TrainArgs* a, int use_cuda, int n_devi
                         .sched = {a->schedule, a->lr, a->warmup, a->steps, a->min_lr_frac,
                                   a->decay_frac},
                         .grad_clip = a->grad_clip};
+    if (a->rl.on) {
+        // GRPO (llmc/grpo.h): a step's batch is every answer, in micro-batches of --batch rows
+        // (rl_args_check: --batch divides them), the policy objective in the loss head
+        eo.B = a->rl.prompts * a->rl.group;
+        eo.M = eo.B / a->batch;
+        eo.policy = 1;
+    }
     // On GPUs the optimizer's pool leaves a core to each GPU's issue thread and one to the
     // controller (they feed the launch queues; a pool thread sharing their core stalls a step)
     if (use_cuda && a->threads == 0)
@@ -86,8 +93,11 @@ static EngineOptions engine_options(const TrainArgs* a, int use_cuda, int n_devi
 #ifdef HAVE_CUDA
     if (use_cuda && eo.device_budget <= 0) {
         size_t free_b = 0, total_b = 0;
+        // (--rl: GPU 0 also holds the generator's weights and KV cache, and the plain path's
+        // weights for the KL reference: the engine plans with half of what is free)
         if (cuda_device_memory(0, &free_b, &total_b) == 0)
-            eo.device_budget = engine_default_device_budget((double)free_b);
+            eo.device_budget =
+                engine_default_device_budget((double)free_b * (a->rl.on ? 0.5 : 1.0));
     }
 #else
     (void)use_cuda;
@@ -169,8 +179,8 @@ static void plan_data_parallel(const TrainArgs* a, const Model* m, int N, double
 static int plan_and_check_memory(TrainArgs* a, Model* model, int N) {
     char err[ERR_LEN];
     const int use_cuda = a->device == DEVICE_CUDA;
-    // (--rl grpo trains on the plain path, on GPU 0 with --device cuda)
-    const int engine_run = (a->n_devices > 0 || use_cuda) && !a->rl.on;
+    // (--rl grpo trains on the engine too, but for experts: then on the plain path, N = 0)
+    const int engine_run = (a->n_devices > 0 || use_cuda) && (!a->rl.on || N > 0);
     const int act_bytes = use_cuda ? 2 : 4;  // the engine devices' compute dtype
     HostLimit lim;
     if (memory_host_limit("", &lim, err) != 0) fatal("%s", err);
@@ -455,9 +465,14 @@ int main(int argc, char** argv) {
                store_frozen_bytes(&model.tt) / 2 / (1 << 30));
     if (a.seq > model.cfg.max_pos && model.cfg.max_pos > 0)
         printf("warning: --seq %d exceeds max_position_embeddings %d\n", a.seq, model.cfg.max_pos);
-    // --rl grpo: plain training (N = 0), on GPU 0 with --device cuda, colocated with generation
+    // --rl grpo: through the engine with --device cuda / cpu:N, colocated with generation (GPU 0);
+    // a mixture-of-experts model trains on the plain path (N = 0), on GPU 0 with --device cuda
     int N = resolve_devices(&a);
-    if (a.rl.on) N = 0;
+    if (a.rl.on && model.n_moe > 0 && N > 0) {
+        printf("note: --rl with experts trains on the plain path (the engine's policy objective "
+               "is built for dense models)\n");
+        N = 0;
+    }
     if (plan_and_check_memory(&a, &model, N)) {  // --plan
         model_free(&model);
         checkpoint_close_source(&src);

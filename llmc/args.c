@@ -825,9 +825,9 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
 #endif
     }
     if (check_lora(a) != 0) return 2;
-    // (--rl on --device cuda: plain training on one GPU, colocated with the generator)
-    const int engine = a->device == DEVICE_CUDA ? a->n_devices > 1 : a->n_devices > 0;
-    return rl_args_check(&a->rl, engine, a->temperature, a->seq, a->lora_r > 0);
+    // (--rl on --device cuda or cpu:N: through the RoundPipe engine, micro-batches of --batch rows)
+    const int engine = a->device == DEVICE_CUDA || a->n_devices > 0;
+    return rl_args_check(&a->rl, engine ? a->batch : 0, a->temperature, a->seq, a->lora_r > 0);
 }
 
 // ----------------------------------------------------------------------------

@@ -114,6 +114,10 @@ typedef struct EngineOptions {
                              // memory back too (only where nothing reads them between steps: no
                              // plain path for evaluation or sampling); engine_gather_state brings
                              // them back for checkpoints and exports
+    int policy;              // 1: iterations may carry the policy-gradient objective instead of
+                             // the cross-entropy (engine_submit_loss): its per-token inputs and
+                             // log-probs get buffers on the devices and the host (20 B per token
+                             // of a micro-batch, per parity). Dense models on one process
     // optimizer
     AdamWHyper hyper;
     LrSchedule sched;
@@ -139,7 +143,29 @@ typedef struct EngineStepResult {
     // (engine memory, NULL when all went well) is the first failed collective's message, naming
     // the rank that died or hung: the run must end (the weights are not consistent any more)
     const char* error;
+    // the policy objective (engine_submit_loss): loss is then the sum of the per-token objectives
+    // (their weights carry the normalisation), summed micro-batch by micro-batch as the plain
+    // path sums them; logp (B, T) each target's log-prob under the weights the iteration computed
+    // with (0 where there is no target and in rows not computed), engine memory valid until the
+    // next engine_collect. NULL for the cross-entropy.
+    const float* logp;
 } EngineStepResult;
+
+// The loss head's objective of one iteration when it is not the cross-entropy on the next tokens:
+// the clipped policy-gradient objective (model.h PolicyLoss, ops.h policy_forward_backward), its
+// per-token inputs handed in with the tokens as host arrays (B, T) aligned with the tokens' rows
+// (copied at submission, like the tokens). Gradients are not scaled: the weights carry the
+// normalisation (EngineOptions.global_B plays no part).
+typedef struct EngineLoss {
+    const int32_t* targets;  // (B, T) the token position j is trained to predict (< 0: none),
+                             // instead of the tokens' next column
+    const float *old_logp, *ref_logp, *adv, *weight;  // (B, T); ref_logp NULL: no KL term
+    float inv_temp, clip_low, clip_high, kl_beta;
+    int rows;                // rows of the batch that carry data, the first ones (B: all; 0:
+                             // none): the rest are not computed (no loss, no gradient), so a
+                             // micro-batch of none costs its transfers only, and the sums are the
+                             // plain path's over the same rows
+} EngineLoss;
 
 typedef struct Engine Engine;
 
@@ -252,6 +278,9 @@ int engine_resolve_split_rounds(const Model* m, int requested, int gpus, int act
 // returns once everything is enqueued (the per-layer fences may make it wait for an earlier
 // optimizer step). Fatal with two iterations already in flight.
 void engine_submit(Engine* e, const int32_t* tokens);
+// engine_submit with the loss head's objective of this iteration (NULL: the cross-entropy);
+// the engine must have been created with EngineOptions.policy.
+void engine_submit_loss(Engine* e, const int32_t* tokens, const EngineLoss* loss);
 // Wait for the oldest uncollected iteration's losses and its reported step; fatal with none.
 // The losses are known before the iteration's work is over (a stage plan's backward stages run
 // after the fused stage): the time between two collections is the iteration period only while

@@ -172,6 +172,11 @@ int grpo_create(Grpo* g, const TrainArgs* a, const Model* m, Store* s, Plain* p,
     float** df[] = {&g->d_old, &g->d_adv, &g->d_w, &g->d_ref, &g->d_logp, &g->d_loss};
     for (size_t i = 0; i < sizeof df / sizeof df[0]; i++)
         *df[i] = p->ops->alloc(p->ctx, N * sizeof(float));
+    const size_t NT = (size_t)n * g->maxT;
+    g->e_tok = calloc_check((size_t)n * (g->maxT + 1), sizeof(int32_t));
+    g->e_tgt = calloc_check(NT, sizeof(int32_t));
+    float** ef[] = {&g->e_old, &g->e_adv, &g->e_w, &g->e_ref};
+    for (size_t i = 0; i < sizeof ef / sizeof ef[0]; i++) *ef[i] = calloc_check(NT, sizeof(float));
     return 0;
 }
 
@@ -192,6 +197,12 @@ void grpo_free(Grpo* g) {
     free(g->h_w);
     free(g->h_ref);
     free(g->h_logp);
+    free(g->e_tok);
+    free(g->e_tgt);
+    free(g->e_old);
+    free(g->e_adv);
+    free(g->e_w);
+    free(g->e_ref);
     gen_free(&g->gen);
     rl_task_free(&g->task);
     memset(g, 0, sizeof *g);
@@ -292,62 +303,95 @@ void grpo_rollout(Grpo* g, int step) {
 // ----------------------------------------------------------------------------
 // the policy step
 
-// One micro-batch of rows[0..nb) of batch b: packed, the reference's log-probs (KL), then the
-// objective's forward and backward; the statistics into g->st. Returns the summed objective.
-static double policy_micro_batch(Grpo* g, const GrpoBatch* b, const int* rows, int nb) {
-    Plain* p = g->p;
-    const Ops* ops = p->ops;
-    const RlArgs* r = g->r;
+// Rows rows[0..nb) of batch b packed for the policy objective: row k's tokens as inputs (ids,
+// ids_stride apart), position j predicting token j+1, trained where that token is part of the
+// answer (tgt, old, adv, w: T apart).
+static void pack_rows(const Grpo* g, const GrpoBatch* b, const int* rows, int nb, int ids_stride,
+                      int32_t* ids, int32_t* tgt, float* old, float* adv, float* w) {
     const int T = g->maxT;
-    const size_t N = (size_t)nb * T;
-    // row k: the sequence's tokens as inputs; position j predicts token j+1, trained where
-    // that token is part of the answer
     for (int k = 0; k < nb; k++) {
         const GenSeq* q = &b->seqs[rows[k]];
         for (int j = 0; j < T; j++) {
             const size_t o = (size_t)k * T + j;
             const int answer = j + 1 >= q->prompt_len && j + 1 < q->len;
-            g->h_ids[o] = j < q->len ? q->tokens[j] : 0;
-            g->h_tgt[o] = answer ? q->tokens[j + 1] : -1;
-            g->h_old[o] = answer ? q->logp_full[j + 1] : 0.0f;
-            g->h_adv[o] = answer ? b->adv[rows[k]] : 0.0f;
-            g->h_w[o] = answer ? b->weight[rows[k]] : 0.0f;
+            ids[(size_t)k * ids_stride + j] = j < q->len ? q->tokens[j] : 0;
+            tgt[o] = answer ? q->tokens[j + 1] : -1;
+            old[o] = answer ? q->logp_full[j + 1] : 0.0f;
+            adv[o] = answer ? b->adv[rows[k]] : 0.0f;
+            w[o] = answer ? b->weight[rows[k]] : 0.0f;
         }
     }
-    ops->upload(p->ctx, g->d_old, g->h_old, N * sizeof(float));
-    ops->upload(p->ctx, g->d_adv, g->h_adv, N * sizeof(float));
-    ops->upload(p->ctx, g->d_w, g->h_w, N * sizeof(float));
-    PolicyLoss pl = {.old_logp = g->d_old, .adv = g->d_adv, .weight = g->d_w,
-                     .inv_temp = 1.0f / g->a->temperature, .clip_low = r->clip_low,
-                     .clip_high = r->clip_high, .kl_beta = 0.0f};
-    if (g->ref) {
-        // the reference's log-probs: a forward with the initial weights in the plain path's
-        // place (its slab table swapped for the call; no gradient)
-        void** own = p->dparam;
-        p->dparam = g->ref;
-        plain_policy_forward_backward(p, g->h_ids, g->h_tgt, &pl, g->d_ref, g->d_loss, 0, nb, T);
-        p->dparam = own;
-        pl.ref_logp = g->d_ref;
-        pl.kl_beta = r->kl_beta;
-        ops->download(p->ctx, g->h_ref, g->d_ref, N * sizeof(float));
-    }
-    const double loss =
-        plain_policy_forward_backward(p, g->h_ids, g->h_tgt, &pl, g->d_logp, g->d_loss, 1, nb, T);
-    ops->download(p->ctx, g->h_logp, g->d_logp, N * sizeof(float));
+}
+
+// The step's statistics of N packed tokens (the trained ones: tgt >= 0) from their log-probs
+// under the trained weights (and the reference's with --kl-beta) into g->st.
+static void add_token_stats(Grpo* g, const int32_t* tgt, const float* logp, const float* old,
+                            const float* adv, const float* ref, size_t N) {
+    const RlArgs* r = g->r;
     GrpoStats* st = &g->st;
     for (size_t o = 0; o < N; o++) {
-        if (g->h_tgt[o] < 0) continue;
-        const double lp = g->h_logp[o], ratio = exp(lp - g->h_old[o]), A = g->h_adv[o];
+        if (tgt[o] < 0) continue;
+        const double lp = logp[o], ratio = exp(lp - old[o]), A = adv[o];
         st->ratio_mean += ratio;
         st->clip_frac +=
             (A > 0 && ratio > 1.0 + r->clip_high) || (A < 0 && ratio < 1.0 - r->clip_low);
-        if (g->ref) {
-            const double d = g->h_ref[o] - lp;
+        if (ref) {
+            const double d = ref[o] - lp;
             st->kl += exp(d) - d - 1.0;
         }
         st->trained_tokens++;
     }
+}
+
+// The policy objective's scalars and the packed micro-batch's device inputs.
+static PolicyLoss policy_of(const Grpo* g) {
+    return (PolicyLoss){.old_logp = g->d_old, .adv = g->d_adv, .weight = g->d_w,
+                        .inv_temp = 1.0f / g->a->temperature, .clip_low = g->r->clip_low,
+                        .clip_high = g->r->clip_high, .kl_beta = 0.0f};
+}
+
+// The reference's log-probs of the packed micro-batch in g->h_ids / h_tgt (nb rows, its
+// inputs uploaded): a forward with the initial weights in the plain path's place (its slab table
+// swapped for the call; no gradient), into g->d_ref and g->h_ref.
+static void reference_logp(Grpo* g, const PolicyLoss* pl, int nb) {
+    Plain* p = g->p;
+    void** own = p->dparam;
+    p->dparam = g->ref;
+    plain_policy_forward_backward(p, g->h_ids, g->h_tgt, pl, g->d_ref, g->d_loss, 0, nb, g->maxT);
+    p->dparam = own;
+    p->ops->download(p->ctx, g->h_ref, g->d_ref, (size_t)nb * g->maxT * sizeof(float));
+}
+
+// One micro-batch of rows[0..nb) of batch b on the plain path: packed, the reference's log-probs
+// (KL), then the objective's forward and backward; the statistics into g->st. Returns the summed
+// objective.
+static double policy_micro_batch(Grpo* g, const GrpoBatch* b, const int* rows, int nb) {
+    Plain* p = g->p;
+    const Ops* ops = p->ops;
+    const size_t N = (size_t)nb * g->maxT;
+    pack_rows(g, b, rows, nb, g->maxT, g->h_ids, g->h_tgt, g->h_old, g->h_adv, g->h_w);
+    ops->upload(p->ctx, g->d_old, g->h_old, N * sizeof(float));
+    ops->upload(p->ctx, g->d_adv, g->h_adv, N * sizeof(float));
+    ops->upload(p->ctx, g->d_w, g->h_w, N * sizeof(float));
+    PolicyLoss pl = policy_of(g);
+    if (g->ref) {
+        reference_logp(g, &pl, nb);
+        pl.ref_logp = g->d_ref;
+        pl.kl_beta = g->r->kl_beta;
+    }
+    const double loss = plain_policy_forward_backward(p, g->h_ids, g->h_tgt, &pl, g->d_logp,
+                                                      g->d_loss, 1, nb, g->maxT);
+    ops->download(p->ctx, g->h_logp, g->d_logp, N * sizeof(float));
+    add_token_stats(g, g->h_tgt, g->h_logp, g->h_old, g->h_adv, g->ref ? g->h_ref : NULL, N);
     return loss;
+}
+
+// The rows of batch b that train (skipped groups cost nothing), in order; returns their count.
+static int trained_rows(const GrpoBatch* b, int* rows) {
+    int n = 0;
+    for (int i = 0; i < b->n; i++)
+        if (b->weight[i] != 0.0f) rows[n++] = i;
+    return n;
 }
 
 static double policy_gradients(void* arg, Plain* p) {
@@ -355,14 +399,58 @@ static double policy_gradients(void* arg, Plain* p) {
     Grpo* g = arg;
     const GrpoBatch* b = &g->batch[g->cur];
     int* rows = malloc_check((size_t)b->n * sizeof(int));
-    int n_rows = 0;
-    for (int i = 0; i < b->n; i++)
-        if (b->weight[i] != 0.0f) rows[n_rows++] = i;  // skipped groups cost nothing
+    const int n_rows = trained_rows(b, rows);
     double loss = 0.0;
     for (int r0 = 0; r0 < n_rows; r0 += g->a->batch)
         loss += policy_micro_batch(g, b, rows + r0, imin(g->a->batch, n_rows - r0));
     free(rows);
     return loss;
+}
+
+// The step through the RoundPipe engine: the trained rows packed first as the engine's batch
+// (micro-batches of --batch rows, as the plain path's; the rows after them are not computed),
+// the reference's log-probs on the plain path micro-batch by micro-batch, then the objective
+// in the engine's loss head (EngineLoss), its log-probs back for the statistics.
+static StepStats policy_step_engine(Grpo* g, Trainer* tr, int step) {
+    const GrpoBatch* b = &g->batch[g->cur];
+    const int T = g->maxT, n = b->n;
+    const size_t NT = (size_t)n * T;
+    int* rows = malloc_check((size_t)n * sizeof(int));
+    const int n_rows = trained_rows(b, rows);
+    memset(g->e_tok, 0, (size_t)n * (T + 1) * sizeof(int32_t));
+    for (size_t o = 0; o < NT; o++) g->e_tgt[o] = -1;
+    memset(g->e_old, 0, NT * sizeof(float));
+    memset(g->e_adv, 0, NT * sizeof(float));
+    memset(g->e_w, 0, NT * sizeof(float));
+    memset(g->e_ref, 0, NT * sizeof(float));
+    pack_rows(g, b, rows, n_rows, T + 1, g->e_tok, g->e_tgt, g->e_old, g->e_adv, g->e_w);
+    free(rows);
+    const PolicyLoss pl = policy_of(g);
+    for (int r0 = 0; g->ref && r0 < n_rows; r0 += g->a->batch) {
+        const int nb = imin(g->a->batch, n_rows - r0);
+        const size_t at = (size_t)r0 * T, N = (size_t)nb * T;
+        for (int k = 0; k < nb; k++)
+            memcpy(g->h_ids + (size_t)k * T, g->e_tok + (size_t)(r0 + k) * (T + 1),
+                   (size_t)T * sizeof(int32_t));
+        memcpy(g->h_tgt, g->e_tgt + at, N * sizeof(int32_t));
+        // (the objective's inputs of the plain call: its value is not used)
+        const Ops* ops = g->p->ops;
+        ops->upload(g->p->ctx, g->d_old, g->e_old + at, N * sizeof(float));
+        ops->upload(g->p->ctx, g->d_adv, g->e_adv + at, N * sizeof(float));
+        ops->upload(g->p->ctx, g->d_w, g->e_w + at, N * sizeof(float));
+        reference_logp(g, &pl, nb);
+        memcpy(g->e_ref + at, g->h_ref, N * sizeof(float));
+    }
+    const EngineLoss loss = {.targets = g->e_tgt, .old_logp = g->e_old,
+                             .ref_logp = g->ref ? g->e_ref : NULL, .adv = g->e_adv,
+                             .weight = g->e_w, .inv_temp = pl.inv_temp, .clip_low = pl.clip_low,
+                             .clip_high = pl.clip_high, .kl_beta = g->ref ? g->r->kl_beta : 0.0f,
+                             .rows = n_rows};
+    const float* logp = NULL;
+    StepStats s = trainer_step_engine_loss(tr, step, g->e_tok, &loss, &logp);
+    add_token_stats(g, g->e_tgt, logp, g->e_old, g->e_adv, g->ref ? g->e_ref : NULL,
+                    (size_t)n_rows * T);
+    return s;
 }
 
 StepStats grpo_train(Grpo* g, Trainer* tr, int step) {
@@ -390,7 +478,9 @@ StepStats grpo_train(Grpo* g, Trainer* tr, int step) {
     st->version = b->version;
     st->staleness = (int)(g->gen.version - b->version);
     const double t0 = time_now_s();
-    StepStats s = trainer_step_with(tr, step, policy_gradients, g);
+    g->eng = tr->eng;
+    StepStats s = tr->eng ? policy_step_engine(g, tr, step)
+                          : trainer_step_with(tr, step, policy_gradients, g);
     st->train_s = time_now_s() - t0;
     if (st->trained_tokens > 0) {
         st->ratio_mean /= (double)st->trained_tokens;
@@ -405,7 +495,30 @@ StepStats grpo_train(Grpo* g, Trainer* tr, int step) {
 
 void grpo_sync(Grpo* g, int64_t version) {
     const double t0 = time_now_s();
-    if (g->p->aliased) {
+    const Model* m = g->m;
+    int full = g->gen.own != NULL;  // the masters hold whole slabs (full training)
+    for (int l = 0; l < m->tt.n_layers; l++) full &= m->tt.state_numel[l] == m->tt.param_numel[l];
+    if (g->eng && !g->p->aliased && g->a->sync && full &&
+        engine_weight_bytes(g->eng) == g->gen.ops->act_bytes) {
+        // the engine's compute-dtype masters of the weights the next iteration computes with
+        // (with --sync 1 the Store's latest, in the devices' dtype): one host-to-device copy
+        g->st.sync_bytes = 0.0;
+        for (int l = 0; l < m->tt.n_layers; l++) {
+            if (!g->gen.own[l]) continue;
+            const size_t b = (size_t)m->tt.param_numel[l] * g->gen.ops->act_bytes;
+            g->gen.ops->upload(g->gen.ctx, g->gen.own[l], engine_next_weights(g->eng, l), b);
+            g->st.sync_bytes += (double)b;
+        }
+        g->gen.version = version;
+        g->gen.ops->synchronize(g->gen.ctx);
+    } else if (g->eng && !g->p->aliased) {
+        // the Store's fp32 weights (every applied update), converted on the upload
+        gen_load_weights(&g->gen, g->s, version);
+        g->st.sync_bytes = 0.0;
+        for (int l = 0; l < m->tt.n_layers; l++)
+            g->st.sync_bytes += (double)m->tt.param_numel[l] * sizeof(float);
+        g->gen.ops->synchronize(g->gen.ctx);
+    } else if (g->p->aliased) {
         // the CPU: the store's fp32 weights are the plain path's
         gen_load_weights(&g->gen, g->s, version);
         g->st.sync_bytes = 0.0;

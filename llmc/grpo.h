@@ -94,6 +94,11 @@ typedef struct Grpo {
     int32_t *h_ids, *h_tgt;
     float *h_old, *h_adv, *h_w, *h_ref, *h_logp;
     float *d_old, *d_adv, *d_w, *d_ref, *d_logp, *d_loss;
+    // the step through the RoundPipe engine (the trainer has one): the whole batch packed as
+    // the engine's rows, host (n, T+1) tokens and (n, T) per-token inputs (EngineLoss)
+    Engine* eng;           // the trainer's engine of the last step (NULL: plain training)
+    int32_t *e_tok, *e_tgt;
+    float *e_old, *e_adv, *e_w, *e_ref;
     GrpoStats st;          // of the last step
 } Grpo;
 
@@ -104,9 +109,17 @@ int grpo_create(Grpo* g, const TrainArgs* a, const Model* m, Store* s, Plain* p,
 void grpo_free(Grpo* g);
 // Step `step`'s rollout(s): the batch it trains on (and, off-policy, the next step's).
 void grpo_rollout(Grpo* g, int step);
-// Step `step` trained on the current batch (through trainer_step_with).
+// Step `step` trained on the current batch: through trainer_step_with on the plain path, or with
+// the trainer's engine through its loss head (trainer_step_engine_loss: the trained rows first,
+// in micro-batches of --batch rows as the plain path's; EngineOptions B = prompts x group,
+// M = B / --batch, policy = 1), bit-identical to the plain path with --sync 1 on emulated devices.
+// With the delayed update the gradient of step t is taken at the weights before step t-1 (one
+// version older than the rollout's on-policy): the ratio corrects for it as for --off-policy.
 StepStats grpo_train(Grpo* g, Trainer* tr, int step);
-// The trained weights into the generator as version `version`.
+// The trained weights into the generator as version `version`: on the CPU (plain, emulated
+// devices) the Store's; on a GPU the plain path's device slabs (device to device) or, through the
+// engine, its compute-dtype masters uploaded from the host (--sync 1; the Store's fp32 weights,
+// converted on upload, with the delayed update, whose masters are one step behind).
 void grpo_sync(Grpo* g, int64_t version);
 // Exact-match accuracy of greedy answers to the held-out problems (the generator's weights).
 double grpo_evaluate(Grpo* g);

@@ -116,16 +116,19 @@ int rl_args_set(RlArgs* r, int c, const char* v) {
     return rl_bad("--rl", v, "internal: unknown RL flag");
 }
 
-int rl_args_check(const RlArgs* r, int engine, float temperature, int seq, int lora) {
+int rl_args_check(const RlArgs* r, int engine_batch, float temperature, int seq, int lora) {
     char v[64];
     if (!r->on) {
         if (*r->reward_cmd) return rl_bad("--reward-cmd", r->reward_cmd, "needs --rl grpo");
         return 0;
     }
-    if (engine)
-        return rl_bad("--rl", "grpo", "trains with --device cpu (plain training) or --device "
-                      "cuda (one GPU, colocated) for now: the RoundPipe engine does not run the "
-                      "policy loss yet");
+    if (engine_batch > 0 && (r->prompts * r->group) % engine_batch != 0) {
+        // the engine's batch is every answer of a step, in micro-batches of --batch rows
+        snprintf(v, sizeof v, "%d", engine_batch);
+        return rl_bad("--batch", v, "--rl through the RoundPipe engine (--device cuda or cpu:N) "
+                      "splits the step's answers (--rl-prompts x --rl-group) into micro-batches "
+                      "of --batch rows: it must divide them");
+    }
     if (lora) return rl_bad("--rl", "grpo", "LoRA adapters are not supported with --rl yet");
     snprintf(v, sizeof v, "%g", (double)temperature);
     if (temperature <= 0.0f)
@@ -146,7 +149,8 @@ int rl_args_check(const RlArgs* r, int engine, float temperature, int seq, int l
 void rl_args_usage(FILE* f) {
     fprintf(f,
         "\n"
-        "reinforcement learning (GRPO; plain training on the CPU for now)\n"
+        "reinforcement learning (GRPO: plain training with --device cpu, the RoundPipe engine\n"
+        "with --device cuda or cpu:N)\n"
         "      --rl grpo          train with GRPO instead of next-token prediction: per step\n"
         "                         --rl-group answers to each of --rl-prompts prompts, scored,\n"
         "                         the clipped policy-gradient loss, an optimizer step\n"

@@ -64,8 +64,10 @@ void rl_args_defaults(RlArgs* r);
 int rl_args_owns(int c);
 // Set flag c from value v: 0, or 2 after one error line on stderr.
 int rl_args_set(RlArgs* r, int c, const char* v);
-// The RL flags against the run's: 0, or 2 after one error line. engine: --device cpu:N / cuda.
-int rl_args_check(const RlArgs* r, int engine, float temperature, int seq, int lora);
+// The RL flags against the run's: 0, or 2 after one error line. engine_batch: --batch when the
+// step goes through the RoundPipe engine (--device cpu:N / cuda; it must divide the answers of a
+// step), else 0.
+int rl_args_check(const RlArgs* r, int engine_batch, float temperature, int seq, int lora);
 void rl_args_usage(FILE* f);
 // ",\n  \"rl\": ..." keys of args.json (nothing when --rl is off).
 void rl_args_json(FILE* m, const RlArgs* r);

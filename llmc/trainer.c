@@ -155,23 +155,24 @@ static int create_engine(Trainer* t, int N, int n_opt_cpus, TrainerEngineOptions
                "an uninterrupted run)\n");
     train_state_free(ts);  // the pending weights are in the engine's buffers now
     engine_print_plan(t->eng, stdout);
-    const int M_R = a->round_micro_batches > 0 ? a->round_micro_batches : a->micro_batches;
+    // (--rl: the engine's batch is the step's answers, eo.M micro-batches of --batch rows)
+    const int M = a->rl.on ? eo.M : a->micro_batches, B = a->rl.on ? eo.B : a->batch;
+    const int M_R = a->round_micro_batches > 0 ? a->round_micro_batches : M;
     if (M_R < N && a->split_rounds <= 0)
         printf("warning: %d micro-batches per round < %d devices: some devices idle every round "
                "(RoundPipe needs M_R >= N)\n", M_R, N);
     if (t->use_cuda)
-        printf("device cuda:%d, batch %d x %d tokens in %d micro-batch(es)\n", N, a->batch,
-               a->seq, a->micro_batches);
+        printf("device cuda:%d, batch %d x %d tokens in %d micro-batch(es)\n", N, B, a->seq, M);
     else
         printf("device cpu:%d (emulated, %d threads each), batch %d x %d tokens in %d "
-               "micro-batch(es)\n", N, dopt.threads, a->batch, a->seq, a->micro_batches);
+               "micro-batch(es)\n", N, dopt.threads, B, a->seq, M);
     return 0;
 }
 
 // Engine runs only need the plain path for evaluation, sampling or --dump-state: on a GPU it
 // holds a whole copy of the model, so it is made only when something will use it.
 int trainer_needs_plain(const TrainArgs* a, int use_engine) {
-    return !use_engine || a->val[0] || a->sample_tokens > 0 || a->dump_state[0];
+    return !use_engine || a->val[0] || a->sample_tokens > 0 || a->dump_state[0] || a->rl.on;
 }
 
 int trainer_releases_frozen(const TrainArgs* a, const Model* m, int use_engine) {
@@ -428,6 +429,39 @@ StepStats trainer_step_with(Trainer* t, int step, TrainerGradFn fn, void* arg) {
     st.lr = u.hyper.lr;
     t->s->step = step;
     plain_sync_params(t->plain);
+    t->n_collected++;
+    if (!isfinite(st.loss)) fatal_nonfinite_loss(t, step);
+    t->t_last = time_now_s();
+    t->drained = 1;
+    log_meter_record(&t->meter, &st, t->t_last - t0);
+    st.host_mib = log_host_rss_mib();
+    return st;
+}
+
+StepStats trainer_step_engine_loss(Trainer* t, int step, const int32_t* tokens,
+                                   const EngineLoss* loss, const float** logp) {
+    if (!t->eng || engine_in_flight(t->eng) > 0)
+        fatal("internal: trainer_step_engine_loss needs the engine with nothing in flight");
+    const double t0 = time_now_s();
+    StepStats st = {.step = step, .steps = t->a->steps, .mfu = -1, .bubble = -1, .dev_mib = -1};
+    engine_submit_loss(t->eng, tokens, loss);
+    const EngineStepResult r = engine_collect(t->eng);
+    *logp = r.logp;
+    st.loss = r.loss;
+    st.norm = r.norm;
+    st.lr = r.lr;
+    st.no_update = r.norm_step == 0;  // the delayed update's first iteration: no step yet
+    st.bubble = r.bubble;
+    // the step of this iteration's gradient applied (delayed: queued during it) before the
+    // caller reads the Store's weights
+    engine_synchronize(t->eng);
+    st.dev_mib = 0;
+    for (int g = 0; g < t->devs.n; g++) {
+        DeviceStats ds;
+        t->devs.impl->stats(t->devs.dev[g], &ds);
+        st.dev_mib += (double)ds.mem_in_use / (1 << 20);
+    }
+    t->plain_stale = 1;
     t->n_collected++;
     if (!isfinite(st.loss)) fatal_nonfinite_loss(t, step);
     t->t_last = time_now_s();

@@ -88,7 +88,8 @@ int trainer_create_ranked(Trainer* t, const TrainArgs* a, const Model* m, Store*
                           Comm* comm, char* err);
 void trainer_free(Trainer* t);
 // Whether trainer_create builds the plain path (plain training; with the engine only for
-// evaluation, sampling or --dump-state): for the run's memory estimate.
+// evaluation, sampling, --dump-state or --rl: the generator's backend and the KL reference): for
+// the run's memory estimate.
 int trainer_needs_plain(const TrainArgs* a, int use_engine);
 // LoRA through the engine on GPUs: the engine holds the frozen base in bf16, and nothing reads
 // the Store's fp32 copy any more (no plain path, no HF / GGUF export), so the trainer gives it
@@ -114,6 +115,13 @@ StepStats trainer_step(Trainer* t, DataLoader* train, int step, int stop_after);
 // the statistics as trainer_step. Plain training only.
 typedef double (*TrainerGradFn)(void* arg, Plain* p);
 StepStats trainer_step_with(Trainer* t, int step, TrainerGradFn fn, void* arg);
+// A step whose objective goes through the engine's loss head (engine_submit_loss: GRPO's policy
+// objective) on tokens (B, T+1) of the engine's B rows: submitted, collected and synchronised
+// (nothing stays in flight; the Store holds every update applied so far), its statistics as
+// trainer_step's; *logp the iteration's log-probs (EngineStepResult.logp, valid until the next
+// step). The engine only.
+StepStats trainer_step_engine_loss(Trainer* t, int step, const int32_t* tokens,
+                                   const EngineLoss* loss, const float** logp);
 // The mean loss over up to --eval-batches batches of val, from its start, with the weights of
 // every step applied so far.
 double trainer_evaluate(Trainer* t, DataLoader* val);

@@ -7,8 +7,11 @@
 # the policy loss in micro-batches of BATCH sequences, STEPS GRPO steps of which the first WARMUP
 # are not counted. From the trainer's JSON-lines log, per timed step: decode tokens/s (the decode
 # steps alone), the step's time split into rollout (prefill, decode, rewards), train (the policy
-# loss forward/backward on the GPU, the gradients down, AdamW on the host, the weights up) and
-# sync (the new weights into the generator's buffer, device to device), and the sync's GB/s.
+# loss through the RoundPipe engine: bf16 weights streamed up, its forward/backward in micro-batches
+# of BATCH rows, fp32 gradients down, AdamW on the host; EXTRA="--sync 1" for the synchronous
+# update) and sync (the new weights into the generator's buffer: the engine's bf16 masters with
+# --sync 1, else the Store's fp32 weights converted on the upload), and the sync's GB/s. On a
+# machine with several GPUs --device cuda uses them all: CUDA_VISIBLE_DEVICES=0 for one.
 # Prints one table and appends it, with the machine and the date, to docs/PERF.md.
 #
 #   scripts/bench_grpo.sh

@@ -213,6 +213,7 @@ static void run_microbatch(void* arg) {
         if (e->opt.fake_compute_us == 0) fold_on_device(e, j);
         return;
     }
+    if (j->B <= 0) return;  // rows not computed (EngineLoss.rows): no loss, no gradient
     if (e->opt.fake_compute_us > 0) {
         // split jobs: forward layers share the half of the time that is not the rest (all of it
         // in a forward stage)
@@ -263,14 +264,34 @@ static void run_microbatch(void* arg) {
         model_moe_aux(e->m, ds->ws, j->B, e->T, grad_scale);
         // (LoRA: the frozen norm and head have no gradient: NULL)
         const int64_t g_norm = tt->t[i_norm].grad_offset, g_head = tt->t[i_head].grad_offset;
-        model_postfix_forward_backward(e->m, ds->ws, norm_w, postfix_head(e, j),
-                                       g_norm >= 0 ? g + g_norm : NULL,
-                                       g_head >= 0 ? g + g_head : NULL,
-                                       xrows(e, j, ds->xs[j->p][last - st->b]),
-                                       xrows(e, j, ds->dres[j->p]),
-                                       trows(e, j, ds->targets[j->p], sizeof(int32_t)),
-                                       trows(e, j, ds->losses[j->p], sizeof(float)), grad_scale,
-                                       1, j->B, e->T);
+        if (e->pol_on[j->ip]) {
+            // the policy objective: its per-token inputs next to the targets (DevState.pol),
+            // the log-probs written into the fifth run for the download
+            const EngineLoss* lp = &e->pol_par[j->ip];
+            const size_t S = e->pol_stride, r0 = (size_t)j->row0 * e->T;
+            float* pb = ds->pol[j->p];
+            const PolicyLoss pl = {.old_logp = pb + r0,
+                                   .ref_logp = lp->ref_logp ? pb + S + r0 : NULL,
+                                   .adv = pb + 2 * S + r0, .weight = pb + 3 * S + r0,
+                                   .inv_temp = lp->inv_temp, .clip_low = lp->clip_low,
+                                   .clip_high = lp->clip_high, .kl_beta = lp->kl_beta};
+            model_postfix_policy(e->m, ds->ws, norm_w, postfix_head(e, j),
+                                 g_norm >= 0 ? g + g_norm : NULL, g_head >= 0 ? g + g_head : NULL,
+                                 xrows(e, j, ds->xs[j->p][last - st->b]),
+                                 xrows(e, j, ds->dres[j->p]),
+                                 trows(e, j, ds->targets[j->p], sizeof(int32_t)), &pl,
+                                 pb + 4 * S + r0, trows(e, j, ds->losses[j->p], sizeof(float)), 1,
+                                 j->B, e->T);
+        } else {
+            model_postfix_forward_backward(e->m, ds->ws, norm_w, postfix_head(e, j),
+                                           g_norm >= 0 ? g + g_norm : NULL,
+                                           g_head >= 0 ? g + g_head : NULL,
+                                           xrows(e, j, ds->xs[j->p][last - st->b]),
+                                           xrows(e, j, ds->dres[j->p]),
+                                           trows(e, j, ds->targets[j->p], sizeof(int32_t)),
+                                           trows(e, j, ds->losses[j->p], sizeof(float)),
+                                           grad_scale, 1, j->B, e->T);
+        }
         if (j->phase != MB_PHASE_LOSS) backward_layers(e, j, st->b, last);
         return;
     }
@@ -424,8 +445,10 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
         // most the smallest micro-batch)
         for (int c = 0; c < e->K; c++) {
             const int r0 = c * Bi / e->K, r1 = (c + 1) * Bi / e->K;
+            // (rows past act_rows are not computed: EngineLoss.rows; B 0 skips the compute)
+            const int rows = imax(0, imin(r1, e->act_rows[ip][i]) - r0);
             const MbJob base = {.e = e, .ds = ds, .st = st, .i = i, .p = p, .ip = ip,
-                                .B = r1 - r0, .row0 = r0, .pslot = ds->pslot[pk],
+                                .B = rows, .row0 = r0, .pslot = ds->pslot[pk],
                                 .gslot = gk >= 0 ? ds->gslot[gk] : NULL, .t = t,
                                 .lora_seed = lora_dropout_seed(e->opt.seed,
                                                                e->opt.start_step + t, i)};

@@ -6,10 +6,11 @@
  * event map), then plan.c, dispatch.c, transfer.c and protocol.c.
  *
  * Owns: the allocation and release of every buffer and event in the Engine struct (the other
- * files only use them), the tokens' split into micro-batches (hids, htgt), the losses' sum (hloss
- * after loss_ev; MoE models: plus each micro-batch's aux from hmoe, with the step's CE, aux and
- * expert loads), the iteration bookkeeping (iter, collected, prof_iter) and the per-iteration
- * end events iter_end, which it records on every stream and waits on before iteration t + 2
+ * files only use them), the tokens' split into micro-batches (hids, htgt; with the policy
+ * objective its per-token inputs into hpol and the rows computed, act_rows), the losses' sum
+ * (hloss after loss_ev; the policy objective's log-probs from hpol into logp_out; MoE models:
+ * plus each micro-batch's aux from hmoe, with the step's CE, aux and expert loads), the
+ * iteration bookkeeping (iter, collected, prof_iter) and the per-iteration end events iter_end, which it records on every stream and waits on before iteration t + 2
  * reuses parity t % 2's host buffers and closures. The bubble accounting (busy_last,
  * t_last_step).
  */
@@ -152,6 +153,7 @@ static void plan_resources_create(Engine* e) {
                 ds->ids[1] = ds->ids[0];
                 ds->targets[1] = ds->targets[0];
                 ds->losses[1] = ds->losses[0];
+                ds->pol[1] = ds->pol[0];
             } else {
                 ds->xs[k] = calloc_check((size_t)max_len + 1, sizeof(void*));
                 for (int j = 0; j <= max_len; j++) ds->xs[k][j] = dev_alloc(e, ds, x_bytes);
@@ -159,6 +161,7 @@ static void plan_resources_create(Engine* e) {
                 ds->ids[k] = dev_alloc(e, ds, tok * sizeof(int32_t));
                 ds->targets[k] = dev_alloc(e, ds, tok * sizeof(int32_t));
                 ds->losses[k] = dev_alloc(e, ds, tok * sizeof(float));
+                ds->pol[k] = e->opt.policy ? dev_alloc(e, ds, 5 * tok * sizeof(float)) : NULL;
             }
             if (e->moe_floats > 0)  // (one micro-batch per round: parity 1 is parity 0)
                 ds->moe[k] = k == 1 && e->M_R == 1
@@ -212,6 +215,7 @@ static void plan_resources_free(Engine* e) {
                 im->free(ds->d, ds->ids[k]);
                 im->free(ds->d, ds->targets[k]);
                 im->free(ds->d, ds->losses[k]);
+                if (ds->pol[k]) im->free(ds->d, ds->pol[k]);
                 if (e->moe_floats > 0) im->free(ds->d, ds->moe[k]);
             }
             im->event_destroy(ds->up_done[k]);
@@ -290,6 +294,12 @@ static void plan_resources_free(Engine* e) {
 
 Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOptions* opt,
                       char* err) {
+    if (opt->policy && (m->n_moe > 0 || opt->comm)) {
+        snprintf(err, ERR_LEN, "the policy objective through the engine is built for dense "
+                 "models on one process (%s)", m->n_moe > 0 ? "this model has experts"
+                                                        : "data parallel");
+        return NULL;
+    }
     Engine* e = calloc_check(1, sizeof(Engine));
     e->s = s;
     e->devs = devs;
@@ -341,6 +351,15 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
             e->htgt[b][i] = e->impl->host_alloc(tok * sizeof(int32_t));
             e->hloss[b][i] = e->impl->host_alloc(tok * sizeof(float));
         }
+        e->act_rows[b] = calloc_check((size_t)e->M, sizeof(int));
+        for (int i = 0; i < e->M; i++) e->act_rows[b][i] = mb_rows(e, i);
+        if (opt->policy) {
+            e->hpol[b] = calloc_check((size_t)e->M, sizeof(float*));
+            for (int i = 0; i < e->M; i++) {
+                e->hpol[b][i] = e->impl->host_alloc(5 * tok * sizeof(float));
+                memset(e->hpol[b][i], 0, 5 * tok * sizeof(float));
+            }
+        }
         if (e->moe_floats > 0) {
             e->hmoe[b] = calloc_check((size_t)e->M, sizeof(float*));
             for (int i = 0; i < e->M; i++) {
@@ -350,6 +369,8 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
         }
     }
     if (e->moe_floats > 0) e->moe_load = calloc_check((size_t)m->cfg.E, sizeof(double));
+    e->pol_stride = tok;
+    if (opt->policy) e->logp_out = calloc_check((size_t)opt->B * e->T, sizeof(float));
     protocol_masters_init(e);
     if (opt->first_weights) {
         // a resumed delayed run: iteration 0 computes with the weights one step behind the Store
@@ -453,7 +474,30 @@ static void maybe_replan(Engine* e) {
     e->replans++;
 }
 
-void engine_submit(Engine* e, const int32_t* tokens) {
+void engine_submit(Engine* e, const int32_t* tokens) { engine_submit_loss(e, tokens, NULL); }
+
+// The policy objective's per-token inputs of iteration parity ip into its micro-batches' host
+// buffers (five pol_stride runs: old, ref, adv, weight, then the log-probs coming back), and the
+// rows each micro-batch computes.
+static void stage_policy(Engine* e, int ip, const EngineLoss* loss) {
+    const int T = e->T;
+    const size_t S = e->pol_stride;
+    const int rows = imax(0, imin(loss->rows, e->opt.B));
+    e->pol_par[ip] = *loss;
+    for (int i = 0; i < e->M; i++) {
+        const int first = mb_first_row(e, i), n = mb_rows(e, i);
+        e->act_rows[ip][i] = imax(0, imin(n, rows - first));
+        const size_t at = (size_t)first * T, cnt = (size_t)n * T;
+        float* h = e->hpol[ip][i];
+        memcpy(e->htgt[ip][i], loss->targets + at, cnt * sizeof(int32_t));
+        memcpy(h, loss->old_logp + at, cnt * sizeof(float));
+        if (loss->ref_logp) memcpy(h + S, loss->ref_logp + at, cnt * sizeof(float));
+        memcpy(h + 2 * S, loss->adv + at, cnt * sizeof(float));
+        memcpy(h + 3 * S, loss->weight + at, cnt * sizeof(float));
+    }
+}
+
+void engine_submit_loss(Engine* e, const int32_t* tokens, const EngineLoss* loss) {
     const int64_t t = e->iter;
     const int ip = (int)(t % 2);
     const int T = e->T;
@@ -467,8 +511,17 @@ void engine_submit(Engine* e, const int32_t* tokens) {
         for (int b = 0; b < mb_rows(e, i); b++) {
             const int32_t* row = tokens + ((size_t)mb_first_row(e, i) + b) * (T + 1);
             memcpy(e->hids[ip][i] + (size_t)b * T, row, (size_t)T * sizeof(int32_t));
-            memcpy(e->htgt[ip][i] + (size_t)b * T, row + 1, (size_t)T * sizeof(int32_t));
+            if (!loss)  // (the objective's own targets: stage_policy)
+                memcpy(e->htgt[ip][i] + (size_t)b * T, row + 1, (size_t)T * sizeof(int32_t));
         }
+    }
+    if (loss && !e->opt.policy)
+        fatal("internal: engine_submit_loss with an objective on an engine without opt.policy");
+    e->pol_on[ip] = loss != NULL;
+    if (loss) {
+        stage_policy(e, ip, loss);
+    } else {
+        for (int i = 0; i < e->M; i++) e->act_rows[ip][i] = mb_rows(e, i);
     }
     dispatch_iteration(e, t);
     e->prof_iter[ip] = t;
@@ -513,7 +566,23 @@ EngineStepResult engine_collect(Engine* e) {
     EngineStepResult res;
     memset(&res, 0, sizeof res);
     double sum = 0.0;
-    for (int i = 0; i < e->M; i++) {
+    if (e->pol_on[ip]) {
+        // the policy objective: each micro-batch's sum over its computed rows, then their sum
+        // (the plain path's order), and the log-probs back in batch order
+        memset(e->logp_out, 0, (size_t)e->opt.B * T * sizeof(float));
+        for (int i = 0; i < e->M; i++) {
+            e->impl->event_synchronize(e->loss_ev[ip][i]);
+            const size_t tok = (size_t)e->act_rows[ip][i] * T;
+            double mb = 0.0;
+            for (size_t k = 0; k < tok; k++) mb += e->hloss[ip][i][k];
+            sum += mb;
+            memcpy(e->logp_out + (size_t)mb_first_row(e, i) * T,
+                   e->hpol[ip][i] + 4 * e->pol_stride, tok * sizeof(float));
+        }
+        res.loss = sum;
+        res.logp = e->logp_out;
+    }
+    for (int i = 0; i < e->M && !e->pol_on[ip]; i++) {
         e->impl->event_synchronize(e->loss_ev[ip][i]);
         const size_t tok = (size_t)mb_rows(e, i) * T;
         if (e->moe_floats > 0) {
@@ -523,7 +592,7 @@ EngineStepResult engine_collect(Engine* e) {
         for (size_t k = 0; k < tok; k++) sum += e->hloss[ip][i][k];
     }
     if (e->moe_floats > 0) res.load = e->moe_load;
-    res.loss = sum / ((double)e->opt.B * T);
+    if (!e->pol_on[ip]) res.loss = sum / ((double)e->opt.B * T);
     if (e->dp) {
         // data parallel: the global loss, which the step of this iteration's gradient gathers
         // with the norm's parts (the same bits on every rank)
@@ -639,7 +708,10 @@ void engine_free(Engine* e) {
             im->host_free(e->htgt[b][i]);
             im->host_free(e->hloss[b][i]);
             if (e->hmoe[b]) im->host_free(e->hmoe[b][i]);
+            if (e->hpol[b]) im->host_free(e->hpol[b][i]);
         }
+        free(e->hpol[b]);
+        free(e->act_rows[b]);
         free(e->hmoe[b]);
         free(e->hids[b]);
         free(e->htgt[b]);
@@ -654,6 +726,7 @@ void engine_free(Engine* e) {
         free(e->grad_ev[b]);
     }
     free(e->moe_load);
+    free(e->logp_out);
     free(e->cost_fwd);
     free(e->cost_bwd);
     cost_profile_free(&e->profile);

@@ -132,6 +132,8 @@ typedef struct DevState {
     int32_t* ids[2];
     int32_t* targets[2];
     float* losses[2];
+    float* pol[2];          // [parity] the policy objective's per-token buffers (Engine.pol_stride
+                            // floats each: old, ref, adv, weight, logp; NULL without opt.policy)
     DevEvent* up_done[2];
     DevEvent* comp_done[2];
     DevEvent* down_done[2];
@@ -245,6 +247,17 @@ struct Engine {
     int32_t** hids[2];      // [iteration parity][micro-batch]
     int32_t** htgt[2];
     float** hloss[2];
+    // the loss head's objective per iteration parity (engine_submit_loss): pol_on[ip] with its
+    // scalars in pol_par[ip]; hpol[ip][i] micro-batch i's per-token inputs and the log-probs
+    // downloaded (five pol_stride runs, as DevState.pol); act_rows[ip][i] the rows of
+    // micro-batch i that are computed (mb_rows for the cross-entropy). Written by the controller
+    // at submission (after the parity's previous iteration is done), read by the jobs.
+    int pol_on[2];
+    EngineLoss pol_par[2];
+    float** hpol[2];
+    int* act_rows[2];
+    size_t pol_stride;      // tokens of the largest micro-batch
+    float* logp_out;        // (B, T) the collected iteration's log-probs (EngineStepResult.logp)
     // MoE models (docs/ROUNDPIPE.md §4.5): per micro-batch, the same layout as DevState.moe: each
     // forward stage downloads its blocks' statistics rows, the fused stage uploads the rows before
     // its own, runs the aux loss (model_moe_aux) and downloads its rows and the counts, which each

@@ -32,6 +32,12 @@ static size_t moe_handoff_bytes(const Engine* e) {
     return n_moe > 0 ? ((size_t)n_moe * 2 * E + (size_t)E) * sizeof(float) : 0;
 }
 
+// The policy objective (EngineOptions.policy): one micro-batch's per-token inputs and log-probs
+// (DevState.pol: five floats per token), per parity.
+static size_t pol_handoff_bytes(const Engine* e) {
+    return e->opt.policy ? 5 * (size_t)e->Bm * e->T * sizeof(float) : 0;
+}
+
 static size_t scratch_bytes(const Engine* e) {
     const size_t tok = (size_t)e->Bc * e->T;  // the compute works on one row chunk at a time
     const size_t kernels = e->ab == 2 ? tok * (16 + 4 * (size_t)e->m->cfg.H) + ((size_t)64 << 20) : 0;
@@ -49,7 +55,8 @@ static size_t fixed_device_bytes(const Engine* e) {
     const size_t tok = (size_t)e->Bm * e->T;
     return scratch_bytes(e) +
            parity_count(e) * (2 * plan_x_buffer_bytes(e) +
-                              tok * (2 * sizeof(int32_t) + sizeof(float)) + moe_handoff_bytes(e));
+                              tok * (2 * sizeof(int32_t) + sizeof(float)) + moe_handoff_bytes(e) +
+                              pol_handoff_bytes(e));
 }
 
 // Bytes a forward / backward stage needs per layer on a device: parameters (the fused stage
@@ -139,7 +146,7 @@ EngineDeviceBytes plan_device_bytes(const Engine* e, const PartitionPlan* plan,
     b.scratch = scratch_bytes(e);
     b.handoff = parity_count(e) * ((size_t)(max_len + 2) * plan_x_buffer_bytes(e) +
                                    tok * (2 * sizeof(int32_t) + sizeof(float)) +
-                                   moe_handoff_bytes(e));
+                                   moe_handoff_bytes(e) + pol_handoff_bytes(e));
     b.total = b.slots + b.acts + b.scratch + b.handoff;
     // The whole model in one stage: the second slot set only prefetches that same stage for a
     // later iteration (on several devices its weights wait for the optimizer anyway; on one the
@@ -605,7 +612,7 @@ EngineHostMemory engine_host_memory(const Model* m, int act_bytes, int n_devices
     // hids, htgt, hloss: two iteration parities of every micro-batch's tokens, targets, losses
     const int M = opt->M > 0 ? opt->M : 1;
     h.staging = 2.0 * M * (double)((opt->B + M - 1) / M) * opt->T *
-                (2 * sizeof(int32_t) + sizeof(float));
+                (2 * sizeof(int32_t) + sizeof(float) + (opt->policy ? 5 * sizeof(float) : 0));
     h.fixed = h.store;
     h.fixed += h.masters + h.grads + h.staging;
     if (opt->split_rounds) h.fixed += h.split_extra;

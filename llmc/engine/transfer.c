@@ -16,8 +16,8 @@
  *
  * Buffers it touches: device slots and activation buffers (as copy source or target), host
  * master[ip] and base (the trainable tail and the frozen head of each layer's slab: LoRA's base
- * is one copy for both parities), hids and htgt (read), hx / hdx / hmoe (both), hloss, hgrad /
- * hsplit (written).
+ * is one copy for both parities), hids, htgt and the policy objective's inputs in hpol (read),
+ * hx / hdx / hmoe (both), hloss, hpol's log-probs, hgrad / hsplit (written).
  * Events it records: lev[k][l], up_done[p], marks[r], down_done[p], x_ev / dx_ev / loss_ev,
  * x_free / dx_free, grads_ready, grad_ev / split_ev, gslot_free[k]; its copies wait on
  * pslot_free, gslot_free, comp_done, down_done, the running stage's marks, grads_ready, gev, and
@@ -380,6 +380,10 @@ void transfer_acts_up(Engine* e, DevState* ds, const Stage* st, int i, int r, in
     }
     if (st->kind == SLOT_FUSED)
         im->copy_h2d(d, STREAM_ACT_UP, ds->targets[p], e->htgt[ip][i], tok_bytes);
+    // the policy objective's per-token inputs (four runs: old, ref, adv, weight)
+    if (st->kind == SLOT_FUSED && e->pol_on[ip])
+        im->copy_h2d(d, STREAM_ACT_UP, ds->pol[p], e->hpol[ip][i],
+                     4 * e->pol_stride * sizeof(float));
     // MoE: the aux statistics rows of the forward stages' blocks, which the fused stage's aux loss
     // needs (each forward stage downloaded its rows before recording its output boundary's x_ev,
     // so the x_ev wait above covers them all)
@@ -453,6 +457,9 @@ void transfer_acts_down(Engine* e, DevState* ds, const Stage* st, int i, int r, 
         if (st->kind == SLOT_FUSED) {
             im->copy_d2h(d, STREAM_ACT_DOWN, e->hloss[ip][i], ds->losses[p],
                          (size_t)Bi * e->T * sizeof(float));
+            if (e->pol_on[ip])  // the log-probs (the fifth run)
+                im->copy_d2h(d, STREAM_ACT_DOWN, e->hpol[ip][i] + 4 * e->pol_stride,
+                             ds->pol[p] + 4 * e->pol_stride, (size_t)Bi * e->T * sizeof(float));
             im->event_record(e->loss_ev[ip][i], d, STREAM_ACT_DOWN);
         }
         if (st->b > 0) {

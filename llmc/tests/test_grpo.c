@@ -520,7 +520,7 @@ static void test_grpo_refusals(TestCtx* t) {
     ops_cpu_destroy(ctx);
     model_free(&m);
     const char* bad[][2] = {
-        {"--rl grpo --device cpu:2", "plain training"},
+        {"--rl grpo --device cpu:2 --rl-prompts 3 --rl-group 3 --batch 2", "must divide them"},
         {"--rl grpo --temperature 0", "must be above 0"},
         {"--rl grpo --seq 8 --rl-max-tokens 8", "must fit --seq"},
         {"--rl ppo", "expected grpo"},
