@@ -296,6 +296,11 @@ int engine_row_chunks(const Engine* e);
 // rank's shard back again (after the checkpoint is written).
 int engine_gather_state(Engine* e, int root, int with_state, char* err);
 void engine_release_state(Engine* e);
+// Data parallel, a checkpoint streamed (checkpoint_save_state_gathered): layer l's fp32 weights
+// (field 0), m (1) or v (2) complete on rank root, whose pages outside its shard of the layer
+// gathered before go back (root holds one layer more than its shard). Collective, in the same
+// order on every rank; call engine_synchronize first and engine_release_state after the last.
+int engine_gather_layer(Engine* e, int field, int l, int root, char* err);
 // Data parallel: this rank's AdamW shard (parameters), and all of them.
 int64_t engine_shard_params(const Engine* e);
 // Write the Chrome trace (opt.trace_path) of everything so far; no-op without a trace path.
