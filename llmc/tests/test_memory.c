@@ -444,6 +444,7 @@ static void test_memory_cli(TestCtx* t) {
     free(saved);
 }
 
+#ifdef HAVE_CUDA  // (data parallel on the command line needs NCCL)
 // A size as format_bytes writes it ("1.50 GiB", "358.2 MiB", ...) after `key`, in bytes; -1 if
 // absent.
 static double bytes_after(const char* text, const char* key) {
@@ -458,6 +459,7 @@ static double bytes_after(const char* text, const char* key) {
                                                       : 1.0;
     return v * unit;
 }
+#endif
 
 // Data parallel through the engine (a->dist_world ranks): the estimate is what rank 0 holds with
 // ZeRO-1 (docs/DISTRIBUTED.md §6): AdamW's m and v for its shard; the fp32 weights for its shard
