@@ -112,8 +112,9 @@ typedef struct EngineOptions {
     int reduce_bf16;         // the gradients travel in bf16 (summed in fp32), else fp32
     int shard_weights;       // the Store's fp32 weights outside this rank's shard give their
                              // memory back too (only where nothing reads them between steps: no
-                             // plain path for evaluation or sampling); engine_gather_state brings
-                             // them back for checkpoints and exports
+                             // plain path for evaluation or sampling); engine_gather_layer brings
+                             // them back one layer at a time for checkpoints, engine_gather_state
+                             // whole for the exports
     // optimizer
     AdamWHyper hyper;
     LrSchedule sched;

@@ -30,19 +30,22 @@
  *      engine_gather_state makes the fp32 weights exact, and m and v whole, on the rank that
  *      writes a checkpoint or the exports.
  *
- * Host memory (ZeRO-1): AdamW's m and v outside this rank's shard give their pages back when the
- * engine starts (store_release_state) and again after a checkpoint gathered them, so they take
- * 8 B / W per parameter instead of 8 B; so do the fp32 weights with opt.shard_weights (runs
- * without a plain path for evaluation or sampling: 4 B / W instead of 4 B; the Store outside the
- * shard then stays stale until engine_gather_state). The gradient sets stay whole (the full
- * gradient is downloaded, then reduce-scattered on the host).
+ * Host memory (ZeRO-1): AdamW's m and v outside this rank's shard give their pages back as soon
+ * as the engine has made its masters (shard_release_early, before the gradient sets beyond the
+ * Store's are allocated), so they take 8 B / W per parameter instead of 8 B; so do the fp32
+ * weights with opt.shard_weights (runs without a plain path for evaluation or sampling: 4 B / W
+ * instead of 4 B; the Store outside the shard then stays stale until engine_gather_state). A
+ * checkpoint is streamed: engine_gather_layer brings one layer's weights, m or v onto the
+ * writing rank as it is written and gives the one before back, so that rank holds one layer
+ * more, never the whole state. The gradient sets stay whole (the full gradient is downloaded,
+ * then reduce-scattered on the host). llmc/memory.c counts all of this for the start-up check.
  *
  * Failures: the first failed collective's message (the comm's, naming the rank that died or hung)
  * is kept; the step goes on without collectives (every later op fails at once anyway), so no
  * fence waits forever, and engine_collect hands the message to the caller, which ends the run.
  *
- * Owns: e->dp. Buffers it touches: the step's gradient set (each layer's span), the Store's fp32
- * weights, m and v, master[buf], the step iteration's host losses (read). Events: it synchronises
+ * Owns: e->dp, e->dp_crc. Buffers it touches: the step's gradient set (each layer's span), the
+ * Store's fp32 weights, m and v, master[buf], the step iteration's host losses (read). Events: it synchronises
  * on loss_ev of the step's iteration; records none.
  */
 #include <stdlib.h>
