@@ -141,7 +141,8 @@ static void print_lora_host_memory(const TrainArgs* a, const Model* m, int act_b
 
 // --plan --world W: the traffic of W such nodes and what their compute hides (llmc/dp.h), from
 // --step-ms or the model FLOPs at the MFU measured on one GPU. host_bytes: one node's estimate.
-static void plan_data_parallel(const TrainArgs* a, const Model* m, int N, double host_bytes) {
+static void plan_data_parallel(const TrainArgs* a, const Model* m, int N, double host_bytes,
+                               double rank_bytes) {
     const int use_cuda = a->device == DEVICE_CUDA;
     const int engine_run = N > 0;
     char source[128] = "";
@@ -167,7 +168,8 @@ static void plan_data_parallel(const TrainArgs* a, const Model* m, int N, double
                             .host_bytes = host_bytes,
                             .grad_sets = 1 + delayed + (a->split_rounds > 0 ? N - 1 : 0),
                             .built_sharded = !engine_run ? 0.0
-                                             : trainer_needs_plain(a, 1) ? 8.0 : 12.0};
+                                             : trainer_needs_plain(a, 1) ? 8.0 : 12.0,
+                            .host_rank_bytes = rank_bytes};
     dp_plan_print(&in, source, stdout);
 }
 
@@ -175,8 +177,9 @@ static void plan_data_parallel(const TrainArgs* a, const Model* m, int N, double
 // a->split_rounds and model->mlp_chunk), then the host memory the run needs against what this
 // machine has (llmc/memory.h): a run that does not fit is refused here, exit 2, unless
 // --allow-overcommit. With --plan the plan itself, then 1 (the run is over). N: the devices (0:
-// plain training).
-static int plan_and_check_memory(TrainArgs* a, Model* model, int N) {
+// plain training). world: this run's data-parallel world size (--plan: --world W), whose rank 0
+// the check counts (its ZeRO-1 shard; llmc/memory.h).
+static int plan_and_check_memory(TrainArgs* a, Model* model, int N, int world) {
     char err[ERR_LEN];
     const int use_cuda = a->device == DEVICE_CUDA;
     // (--rl grpo trains on the engine too, but for experts: then on the plain path, N = 0)
@@ -203,7 +206,9 @@ static int plan_and_check_memory(TrainArgs* a, Model* model, int N) {
             plan_hint_append(err, model, act_bytes, N > 0 ? N : 1, &peo);  // which budget is enough
             fatal("%s", err);
         }
-        const RunMemory rm = memory_estimate(a, model, N, &peo);
+        TrainArgs one = *a;  // (one node: the plan's own figure)
+        one.dist_world = 1;
+        const RunMemory rm = memory_estimate(&one, model, N, &peo);
         if (model->tt.lora.r > 0) print_lora_host_memory(a, model, act_bytes, N, &peo);
         printf("host memory for this plan: %.2f GiB", rm.total / (1 << 30));
         if (lim.bytes > 0) printf(" (available: %.2f GiB, %s)", lim.bytes / (1 << 30), lim.source);
@@ -211,10 +216,13 @@ static int plan_and_check_memory(TrainArgs* a, Model* model, int N) {
         if (lim.bytes > 0 && rm.total > lim.bytes)
             printf("warning: more than this machine reports as available (--host-checkpoints "
                    "single, --sync 1 or more micro-batches need less)\n");
-        if (a->dist_world > 1) plan_data_parallel(a, model, N, rm.total);
+        if (a->dist_world > 1)
+            plan_data_parallel(a, model, N, rm.total, memory_estimate(a, model, N, &peo).total);
         return 1;
     }
-    if (memory_check_run(a, model, N, &eo, &lim, err) != 0) {
+    TrainArgs ranked = *a;  // (what rank 0 of the world holds)
+    ranked.dist_world = world;
+    if (memory_check_run(&ranked, model, N, &eo, &lim, err) != 0) {
         fflush(stdout);
         fprintf(stderr, "train_roundpipe: error: %s\n", err);
         exit(2);
@@ -473,7 +481,7 @@ int main(int argc, char** argv) {
                "is built for dense models)\n");
         N = 0;
     }
-    if (plan_and_check_memory(&a, &model, N)) {  // --plan
+    if (plan_and_check_memory(&a, &model, N, dist.world)) {  // --plan
         model_free(&model);
         checkpoint_close_source(&src);
         return 0;

@@ -217,25 +217,84 @@ static int write_buffer(const char* dir, const char* name, const char* data, siz
 }
 
 // model.safetensors and config.json of dir; cf (may be NULL) records their checksums.
-static int save_hf(const char* dir, const Model* m, const Store* s, CkptFiles* cf, char* err) {
-    if (mkdir_p(dir, err) != 0) return -1;
+// A data-parallel checkpoint (CkptGather): the layer and field of each tensor a writer was given
+// (in the order added), and the one the Store holds complete now.
+typedef struct GatherHook {
+    const CkptGather* g;
+    int* field;  // 0 the fp32 weights, 1 AdamW m, 2 v; -1: none (step, loader, rng)
+    int* layer;
+    int cur_field, cur_layer;
+} GatherHook;
+
+static void gather_hook_init(GatherHook* h, const CkptGather* g, int cap) {
+    h->g = g;
+    h->field = malloc_check((size_t)(cap > 0 ? cap : 1) * sizeof(int));
+    h->layer = malloc_check((size_t)(cap > 0 ? cap : 1) * sizeof(int));
+    h->cur_field = h->cur_layer = -1;
+}
+
+static void gather_hook_free(GatherHook* h) {
+    free(h->field);
+    free(h->layer);
+}
+
+// Before a tensor's bytes are written: its layer and field gathered when they change (the
+// writer's file order, the same on every rank: the gathers are collectives).
+static int gather_before(void* ctx, int index, char* err) {
+    GatherHook* h = ctx;
+    const int f = h->field[index], l = h->layer[index];
+    if (f < 0 || (f == h->cur_field && l == h->cur_layer)) return 0;
+    h->cur_field = f;
+    h->cur_layer = l;
+    return h->g->layer(h->g->ctx, f, l, err);
+}
+
+// Write (or, for a rank that does not write, g && !g->writer, only visit) w: its gathers run in
+// file order either way.
+static int writer_finish(StWriter* w, const char* path, GatherHook* h, char* err) {
+    if (h && h->g) {
+        w->before = gather_before;
+        w->before_ctx = h;
+        if (!h->g->writer) return st_writer_visit(w, err);
+    }
+    return st_writer_write(w, path, err);
+}
+
+static int save_hf_gathered(const char* dir, const Model* m, const Store* s, CkptFiles* cf,
+                            const CkptGather* g, char* err) {
+    const int writes = !g || g->writer;
+    if (writes && mkdir_p(dir, err) != 0) return -1;
     char path[4096];
     StWriter w;
     st_writer_init(&w);
     st_writer_meta(&w, "format", "pt");
+    GatherHook h;
+    gather_hook_init(&h, g, m->tt.n_hf);
     for (int j = 0; j < m->tt.n_hf; j++) {  // the HF view: the layout the model came in
         const HfTensor* v = &m->tt.hf[j];
-        st_writer_add(&w, v->name, ST_F32, v->ndim, v->shape, store_param(s, v->index) + v->offset);
+        const TensorDesc* d = &m->tt.t[v->index];
+        h.field[j] = 0;
+        h.layer[j] = d->owner_layer;
+        // (store_param would refuse a released frozen base; there is none with data parallel)
+        const float* x = writes ? store_param(s, v->index) + v->offset
+                                : s->param[d->owner_layer] + d->param_offset + v->offset;
+        st_writer_add(&w, v->name, ST_F32, v->ndim, v->shape, x);
     }
     snprintf(path, sizeof path, "%s/model.safetensors", dir);
-    int rc = st_writer_write(&w, path, err);
-    if (rc == 0) files_add(cf, "model.safetensors", w.file_bytes, w.file_crc32c);
+    int rc = writer_finish(&w, path, g ? &h : NULL, err);
+    if (rc == 0 && writes) files_add(cf, "model.safetensors", w.file_bytes, w.file_crc32c);
     st_writer_free(&w);
+    gather_hook_free(&h);
     if (rc != 0) return -1;
+    if (!writes) return 0;
     char* json = config_to_hf_json(&m->cfg);
     rc = write_buffer(dir, "config.json", json, strlen(json), cf, err);
     free(json);
     return rc;
+}
+
+static int save_hf(const char* dir, const Model* m, const Store* s, CkptFiles* cf, char* err) {
+    return save_hf_gathered(dir, m, s, cf, NULL, err);
 }
 
 int checkpoint_save_hf(const char* dir, const Model* m, const Store* s, char* err) {
@@ -458,9 +517,12 @@ static int read_pending(const char* step_dir, const Model* m, TrainState* ts, ch
 }
 
 static int write_train_state(const char* path, const Model* m, const Store* s, const TrainState* ts,
-                             CkptFiles* cf, char* err) {
+                             CkptFiles* cf, const CkptGather* g, char* err) {
     StWriter w;
     st_writer_init(&w);
+    GatherHook h;
+    gather_hook_init(&h, g, 2 * m->tt.n + 6);
+    for (int i = 0; i < 6; i++) h.field[i] = -1;  // (step, loader, rng)
     st_writer_meta(&w, "format", "train_roundpipe-state");
     int64_t one = 1, n_dl = DATALOADER_STATE_BYTES, n_mt = 624;
     int32_t rng_index = ts->rng.index, rng_has_spare = ts->rng.has_spare;
@@ -475,13 +537,19 @@ static int write_train_state(const char* path, const Model* m, const Store* s, c
         const TensorDesc* d = &m->tt.t[i];
         if (d->tied_to >= 0 || !d->trainable) continue;
         snprintf(name, sizeof name, "m.%s", d->hf_name);
+        h.field[w.n] = 1;
+        h.layer[w.n] = d->owner_layer;
         st_writer_add(&w, name, ST_F32, d->ndim, d->shape, s->m[d->owner_layer] + d->state_offset);
         snprintf(name, sizeof name, "v.%s", d->hf_name);
+        h.field[w.n] = 2;
+        h.layer[w.n] = d->owner_layer;
         st_writer_add(&w, name, ST_F32, d->ndim, d->shape, s->v[d->owner_layer] + d->state_offset);
     }
-    int rc = st_writer_write(&w, path, err);
-    if (rc == 0) files_add(cf, "train_state.safetensors", w.file_bytes, w.file_crc32c);
+    int rc = writer_finish(&w, path, g ? &h : NULL, err);
+    if (rc == 0 && (!g || g->writer))
+        files_add(cf, "train_state.safetensors", w.file_bytes, w.file_crc32c);
     st_writer_free(&w);
+    gather_hook_free(&h);
     return rc;
 }
 
@@ -506,7 +574,20 @@ static int apply_retention(const char* dir, int keep, char* err) {
 
 int checkpoint_save_state(const char* dir, int keep, const Model* m, const Store* s,
                           const TrainState* ts, const char* args_json, char* err) {
+    return checkpoint_save_state_gathered(dir, keep, m, s, ts, args_json, NULL, err);
+}
+
+int checkpoint_save_state_gathered(const char* dir, int keep, const Model* m, const Store* s,
+                                   const TrainState* ts, const char* args_json,
+                                   const CkptGather* g, char* err) {
     char tmp[4096], final[4096], path[4200];
+    if (g && !g->writer) {
+        // a rank that does not write: the same gathers in the same order as the writer's files
+        if (save_hf_gathered("", m, s, NULL, g, err) != 0) return -1;
+        return write_train_state("", m, s, ts, NULL, g, err);
+    }
+    if (g && m->tt.lora.r > 0) return errorf(err, "a gathered checkpoint of LoRA adapters "
+                                                  "(internal error: data parallel refuses LoRA)");
     if (snprintf(tmp, sizeof tmp, "%s/step_%lld.tmp", dir, (long long)ts->step) >= (int)sizeof tmp)
         return errorf(err, "%s: path too long", dir);
     snprintf(final, sizeof final, "%s/step_%lld", dir, (long long)ts->step);
@@ -523,11 +604,11 @@ int checkpoint_save_state(const char* dir, int keep, const Model* m, const Store
         LoraFile lf[2];
         if (rc != 0 || lora_save_peft(tmp, m, s, "", lf, err) != 0) return -1;
         for (int k = 0; k < 2; k++) files_add(&cf, lf[k].name, lf[k].bytes, lf[k].crc);
-    } else if (save_hf(tmp, m, s, &cf, err) != 0) {
+    } else if (save_hf_gathered(tmp, m, s, &cf, g, err) != 0) {
         return -1;
     }
     snprintf(path, sizeof path, "%s/train_state.safetensors", tmp);
-    if (write_train_state(path, m, s, ts, &cf, err) != 0) return -1;
+    if (write_train_state(path, m, s, ts, &cf, g, err) != 0) return -1;
     if (write_buffer(tmp, "args.json", args_json, strlen(args_json), &cf, err) != 0) return -1;
     if (ts->pending_bytes) {
         snprintf(path, sizeof path, "%s/pending_weights.safetensors", tmp);
@@ -721,7 +802,22 @@ static int read_train_state(const char* path, const Model* m, Store* s, TrainSta
             snprintf(name, sizeof name, "%c.%s", which ? 'v' : 'm', d->hf_name);
             const StTensor* t = state_tensor(&f, name, ST_F32, d->numel, err);
             float* dst = (which ? s->v : s->m)[d->owner_layer] + d->state_offset;
-            if (!t || st_tensor_to_f32(t, dst, d->numel, err) != 0) goto done;
+            if (!t) goto done;
+            if (s->state_lo) {
+                // a rank's Store (ZeRO-1): its shard of the state only, so the rest of the
+                // slabs is never touched (state_tensor checked F32: the bytes are the values)
+                const int l = d->owner_layer;
+                const int64_t end = d->state_offset + d->numel;
+                const int64_t a = s->state_lo[l] > d->state_offset ? s->state_lo[l]
+                                                                   : d->state_offset;
+                const int64_t b = s->state_hi[l] < end ? s->state_hi[l] : end;
+                if (b > a)
+                    memcpy((which ? s->v : s->m)[l] + a,
+                           t->data + (size_t)(a - d->state_offset) * sizeof(float),
+                           (size_t)(b - a) * sizeof(float));
+            } else if (st_tensor_to_f32(t, dst, d->numel, err) != 0) {
+                goto done;
+            }
         }
     }
     s->step = ts->step;

@@ -137,6 +137,22 @@ int checkpoint_init_weights(const InitOptions* o, ModelSource* src, const Model*
 // written. Then only the newest `keep` complete checkpoints stay (keep 0: all).
 int checkpoint_save_state(const char* dir, int keep, const Model* m, const Store* s,
                           const TrainState* ts, const char* args_json, char* err);
+// Data parallel (ZeRO-1: each rank holds the fp32 weights, m and v of its shard only): the
+// checkpoint written from layers gathered one at a time, so the writing rank holds one layer
+// more than its shard, never the whole state. layer(ctx, field, l, err) makes layer l's fp32
+// weights (field 0), AdamW m (1) or v (2) complete in the writer's Store (and may give the
+// previous layer's back); it is called before their tensors are written, in the files' order,
+// on every rank (the ranks with writer 0 write nothing and only take part: the gathers are
+// collectives). 0, or -1 with err.
+typedef struct CkptGather {
+    int (*layer)(void* ctx, int field, int l, char* err);
+    void* ctx;
+    int writer;
+} CkptGather;
+// checkpoint_save_state with g (NULL: checkpoint_save_state itself); the files are the same.
+int checkpoint_save_state_gathered(const char* dir, int keep, const Model* m, const Store* s,
+                                   const TrainState* ts, const char* args_json,
+                                   const CkptGather* g, char* err);
 // The newest complete checkpoint (step_<N> holding DONE) in dir: 1 and its path and step,
 // 0 if there is none (or dir does not exist), -1 on an error.
 int checkpoint_find_latest(const char* dir, char* path, size_t cap, int64_t* step, char* err);

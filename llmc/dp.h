@@ -65,6 +65,9 @@ typedef struct DpPlanInput {
     double built_sharded;  // host bytes per parameter this build keeps for 1/W only: the
                            // engine's m and v (8), and its fp32 weights (+4) where no plain path
                            // reads them; the plain path keeps its whole store (0)
+    double host_rank_bytes;  // rank 0's host memory as this build runs it: memory_estimate with
+                             // the world size, the figure the run's start-up check compares
+                             // (0: host_bytes less built_sharded B per parameter for 1/W)
 } DpPlanInput;
 
 typedef struct DpPlan {
@@ -86,7 +89,7 @@ typedef struct DpPlan {
     double host_saved;         // host bytes per rank ZeRO-1 saves
     double host_bytes_rank;    // host_bytes - host_saved
     double host_built_saved;   // what this build shards today (built_sharded B per parameter)
-    double host_built_rank;    // host_bytes - host_built_saved
+    double host_built_rank;    // in->host_rank_bytes (else host_bytes - host_built_saved)
 } DpPlan;
 
 // The estimate (docs/PERFORMANCE.md §7 has the formulas). step_s <= 0: traffic and memory only.

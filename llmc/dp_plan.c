@@ -115,6 +115,10 @@ DpPlan dp_plan_estimate(const DpPlanInput* in) {
     // reads them, for 1/W; the gradient sets whole (downloaded whole, reduce-scattered on the host)
     p.host_built_saved = p.params * in->built_sharded * ring;
     p.host_built_rank = in->host_bytes - p.host_built_saved;
+    if (in->host_rank_bytes > 0) {
+        p.host_built_rank = in->host_rank_bytes;
+        p.host_built_saved = in->host_bytes - in->host_rank_bytes;
+    }
     p.opt_s = p.params / W / DP_PLAN_ADAMW_PARAMS_PER_S;
     if (in->step_s <= 0 || in->world <= 1) {
         p.efficiency = p.efficiency_bf16 = 1.0;
@@ -172,12 +176,20 @@ void dp_plan_print(const DpPlanInput* in, const char* step_source, FILE* f) {
     fprintf(f, "  host memory per rank with ZeRO-1: %.2f GiB (%.2f GiB less: fp32 master weights, "
                "AdamW m and v and %d gradient set(s) kept for 1/%d of the parameters)\n",
             p.host_bytes_rank / GiB, p.host_saved / GiB, in->grad_sets, in->world);
-    fprintf(f, "  host memory per rank as this build runs it: %.2f GiB (%.2f GiB less: %s)\n",
-            p.host_built_rank / GiB, p.host_built_saved / GiB,
-            in->built_sharded >= 12.0 ? "fp32 weights, AdamW m and v for 1/W; the gradient sets "
-                                        "stay whole for now"
+    fprintf(f, "  host memory per rank as this build runs it: %.2f GiB (%.2f GiB %s: %s)\n",
+            p.host_built_rank / GiB, fabs(p.host_built_saved) / GiB,
+            p.host_built_saved >= 0 ? "less" : "more",
+            in->built_sharded >= 12.0 ? "fp32 weights, AdamW m and v for 1/W, the fp32 weights "
+                                        "whole at start-up beyond the extra gradient sets and "
+                                        "while --out or the exports write; the gradient sets and "
+                                        "the compute-dtype masters stay whole"
             : in->built_sharded >= 8.0 ? "AdamW m and v for 1/W; the fp32 weights stay whole for "
-                                         "the plain path's evaluation or sampling, the gradient "
-                                         "sets for now"
-                                       : "the plain path keeps its whole store");
+                                         "the plain path's evaluation or sampling (--val '' "
+                                         "--sample-tokens 0 shards them), the gradient sets and "
+                                         "the compute-dtype masters for now"
+                                       : "the plain path keeps its whole store, its packed "
+                                         "gradients and gathered weights");
+    if (in->host_rank_bytes > 0)
+        fprintf(f, "  (the start-up check of each rank compares this figure, rank 0's, with "
+                   "the memory available)\n");
 }

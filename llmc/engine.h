@@ -112,8 +112,9 @@ typedef struct EngineOptions {
     int reduce_bf16;         // the gradients travel in bf16 (summed in fp32), else fp32
     int shard_weights;       // the Store's fp32 weights outside this rank's shard give their
                              // memory back too (only where nothing reads them between steps: no
-                             // plain path for evaluation or sampling); engine_gather_state brings
-                             // them back for checkpoints and exports
+                             // plain path for evaluation or sampling); engine_gather_layer brings
+                             // them back one layer at a time for checkpoints, engine_gather_state
+                             // whole for the exports
     int policy;              // 1: iterations may carry the policy-gradient objective instead of
                              // the cross-entropy (engine_submit_loss): its per-token inputs and
                              // log-probs get buffers on the devices and the host (20 B per token
@@ -325,6 +326,11 @@ int engine_row_chunks(const Engine* e);
 // rank's shard back again (after the checkpoint is written).
 int engine_gather_state(Engine* e, int root, int with_state, char* err);
 void engine_release_state(Engine* e);
+// Data parallel, a checkpoint streamed (checkpoint_save_state_gathered): layer l's fp32 weights
+// (field 0), m (1) or v (2) complete on rank root, whose pages outside its shard of the layer
+// gathered before go back (root holds one layer more than its shard). Collective, in the same
+// order on every rank; call engine_synchronize first and engine_release_state after the last.
+int engine_gather_layer(Engine* e, int field, int l, int root, char* err);
 // Data parallel: this rank's AdamW shard (parameters), and all of them.
 int64_t engine_shard_params(const Engine* e);
 // Write the Chrome trace (opt.trace_path) of everything so far; no-op without a trace path.

@@ -13,6 +13,7 @@
 
 #include "checkpoint.h"
 #include "common.h"
+#include "dp.h"
 #include "plain.h"
 #include "quant.h"
 #include "threads.h"
@@ -237,6 +238,44 @@ int memory_host_limit(const char* root, HostLimit* out, char* err) {
 // ----------------------------------------------------------------------------
 // the estimate
 
+// Data parallel over W = a->dist_world ranks through the engine (ZeRO-1, docs/DISTRIBUTED.md
+// §6): what rank 0 (the largest shard, and the rank that writes) holds beyond or instead of the
+// whole Store that memory_estimate counts, h the engine's host buffers. AdamW's m and v are the
+// shard's only from the start (store_create_shard; a resumed checkpoint's are read into the
+// shard only). The fp32 weights (with eo->shard_weights) are whole until the engine has made its
+// masters from them and the shard's only from then on (shard_release_early), before the gradient
+// sets beyond the Store's are allocated: at start-up they count whole only beyond those sets;
+// they are whole again on rank 0 while --out or the exports write (trainer_finish gathers them).
+// A checkpoint gathers one layer's weights, m or v at a time onto rank 0 (streamed); the
+// collectives' buffer is the largest layer. Negative: less than the whole Store. (The fp32
+// weights are sharded when no plain path reads them, as trainer.c sets shard_weights.)
+static double dp_engine_rank_bytes(const TrainArgs* a, const Model* m, const EngineOptions* eo,
+                                   const EngineHostMemory* h) {
+    const TensorTable* tt = &m->tt;
+    const int W = a->dist_world;
+    int64_t* lo = malloc_check((size_t)tt->n_layers * sizeof(int64_t));
+    int64_t* hi = malloc_check((size_t)tt->n_layers * sizeof(int64_t));
+    dp_engine_state_ranges(tt, W, 0, lo, hi);
+    double all = 0.0, shard = 0.0, layer_max = 0.0;
+    for (int l = 0; l < tt->n_layers; l++) {
+        all += (double)tt->state_numel[l];
+        shard += (double)(hi[l] - lo[l]);
+        if ((double)tt->state_numel[l] > layer_max) layer_max = (double)tt->state_numel[l];
+    }
+    free(lo);
+    free(hi);
+    const double others = all - shard;  // the other ranks' elements
+    double bytes = -8.0 * others;        // m and v
+    if (!trainer_needs_plain(a, 1)) {  // (the trainer's EngineOptions.shard_weights)
+        const double later = h->grads + (eo->split_rounds ? h->split_extra : 0.0);
+        const double startup = fmax(0.0, 4.0 * others - later);
+        const int writes = a->out[0] || a->export_hf[0] || a->export_gguf[0];
+        bytes += -4.0 * others + fmax(startup, writes ? 4.0 * others : 0.0);
+    }
+    if (a->save_every > 0 || a->out[0]) bytes += 4.0 * layer_max;  // (a checkpoint's layer)
+    return bytes + 4.0 * layer_max;                                  // (the collectives' buffer)
+}
+
 RunMemory memory_estimate(const TrainArgs* a, const Model* m, int n_devices,
                           const EngineOptions* eo) {
     RunMemory r;
@@ -275,6 +314,7 @@ RunMemory memory_estimate(const TrainArgs* a, const Model* m, int n_devices,
                 r.state += (double)m->tt.state_numel[l] * ab;
         }
         r.activations += h.staging;
+        if (a->dist_world > 1) r.state += dp_engine_rank_bytes(a, m, eo, &h);
         EnginePlanMemory pm;
         char err[ERR_LEN];
         if (engine_plan_memory(m, ab, n_devices, eo, &pm, err) == 0) {
@@ -292,6 +332,9 @@ RunMemory memory_estimate(const TrainArgs* a, const Model* m, int n_devices,
             r.activations += h.checkpoints_max;
         }
     }
+    // the plain path's data parallel (dp.c): the whole Store on every rank, and the packed
+    // gradients and the gathered weights, each the model's size (padded to W blocks)
+    if (!engine && a->dist_world > 1) r.state += 8.0 * (double)m->tt.trainable_params;
     r.activations += 2.0 * a->batch * (T + 1.0) * sizeof(int32_t);  // the batch, twice
     if (engine && a->trace[0]) r.activations += (double)trace_max_bytes(ENGINE_TRACE_EVENTS);
     r.exports = checkpoint_export_bytes(m, a->export_hf[0] != '\0', a->export_dtype,
@@ -421,6 +464,9 @@ int memory_check_run(const TrainArgs* a, Model* m, int n_devices, const EngineOp
     format_bytes(r.program, prog, sizeof prog);
     printf("host memory: about %s = %s of weights, optimizer state and gradients + %s of "
            "activations, scratch and buffers + %s for the program", total, state, acts, prog);
+    if (n_devices > 0 && a->dist_world > 1)
+        printf(" on rank 0 of %d (ZeRO-1: AdamW's state and the fp32 weights for its shard)",
+               a->dist_world);
     if (lim->bytes > 0) printf(" (available: %s, %s)", avail, lim->source);
     printf("\n");
     // (no plan fits the devices: engine_create says so, which matters more)

@@ -65,6 +65,10 @@ typedef struct RunMemory {
 
 // The estimate for the run `a` of model m on n_devices devices (0: plain training on the CPU) with
 // the engine's options eo (resolved: m->mlp_chunk and eo->split_rounds set; unused when plain).
+// a->dist_world > 1: what rank 0 of that many data-parallel ranks holds (the engine: AdamW's m
+// and v, and the fp32 weights where no plain path reads them, for its ZeRO-1 shard; the gradient
+// sets and compute-dtype masters whole; the start-up's and the final write's whole fp32 weights;
+// docs/DISTRIBUTED.md §6); the caller sets it to the resolved world size.
 RunMemory memory_estimate(const TrainArgs* a, const Model* m, int n_devices,
                           const EngineOptions* eo);
 

@@ -786,8 +786,10 @@ int st_writer_write(StWriter* w, const char* path, char* err) {
         rc = atomic_file_write(&af, len8, 8, err);
         if (rc == 0) rc = atomic_file_write(&af, header, header_len, err);
         // Stream tensors straight from the caller's buffers: no copy of a multi-GB file.
-        for (int i = 0; i < w->n && rc == 0; i++)
-            rc = atomic_file_write(&af, order[i]->data, (size_t)order[i]->nbytes, err);
+        for (int i = 0; i < w->n && rc == 0; i++) {
+            if (w->before) rc = w->before(w->before_ctx, (int)(order[i] - w->t), err);
+            if (rc == 0) rc = atomic_file_write(&af, order[i]->data, (size_t)order[i]->nbytes, err);
+        }
         w->file_bytes = af.bytes;  // (the commit releases af)
         w->file_crc32c = af.crc32c;
         if (rc == 0)
@@ -796,6 +798,17 @@ int st_writer_write(StWriter* w, const char* path, char* err) {
             atomic_file_abort(&af);
     }
     free(header);
+    free(order);
+    return rc;
+}
+
+int st_writer_visit(StWriter* w, char* err) {
+    StWriterTensor** order = malloc_check((size_t)(w->n > 0 ? w->n : 1) * sizeof(*order));
+    for (int i = 0; i < w->n; i++) order[i] = &w->t[i];
+    qsort(order, (size_t)w->n, sizeof(*order), st_compare_writer_ptr_names);
+    int rc = 0;
+    for (int i = 0; i < w->n && rc == 0 && w->before; i++)
+        rc = w->before(w->before_ctx, (int)(order[i] - w->t), err);
     free(order);
     return rc;
 }

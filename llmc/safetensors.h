@@ -90,6 +90,11 @@ typedef struct StWriter {
     char** meta_vals;
     uint64_t file_bytes;    // after a successful st_writer_write: the file's size
     uint32_t file_crc32c;   // and its CRC-32C (computed while writing, for checkpoint DONE files)
+    // Optional: called before each tensor's bytes are written, in file order, with the tensor's
+    // index in the order added, for a caller that fills the data only then (a data-parallel
+    // checkpoint gathers one layer at a time); non-zero stops the write (err set).
+    int (*before)(void* ctx, int index, char* err);
+    void* before_ctx;
 } StWriter;
 
 void st_writer_init(StWriter* w);
@@ -99,6 +104,9 @@ void st_writer_meta(StWriter* w, const char* key, const char* value);
 // Write the file atomically (path.tmp, fsync, rename). Header padded with spaces to a multiple
 // of 8; tensors in name order. Returns -1 with err on failure or duplicate names.
 int st_writer_write(StWriter* w, const char* path, char* err);
+// The same calls of w->before, in the same order, writing nothing (the ranks that take part in
+// a gather but do not write). 0, or the first non-zero return.
+int st_writer_visit(StWriter* w, char* err);
 void st_writer_free(StWriter* w);
 
 #endif  // LLMC_SAFETENSORS_H

@@ -110,6 +110,11 @@ void store_create_unfrozen(Store* s, const TensorTable* tt) {
 void store_create_shard(Store* s, const TensorTable* tt, const int64_t* state_lo,
                         const int64_t* state_hi) {
     store_create_ex(s, tt, 0, state_lo, state_hi);
+    const size_t bytes = (size_t)(tt->n_layers > 0 ? tt->n_layers : 1) * sizeof(int64_t);
+    s->state_lo = malloc_check(bytes);
+    s->state_hi = malloc_check(bytes);
+    memcpy(s->state_lo, state_lo, (size_t)tt->n_layers * sizeof(int64_t));
+    memcpy(s->state_hi, state_hi, (size_t)tt->n_layers * sizeof(int64_t));
 }
 
 static void store_create_ex(Store* s, const TensorTable* tt, int skip_frozen,
@@ -167,6 +172,8 @@ void store_free(Store* s) {
     free(s->qblocks);
     free(s->map_src);
     free(s->map_type);
+    free(s->state_lo);
+    free(s->state_hi);
     free(s->param);
     free(s->grad);
     free(s->m);

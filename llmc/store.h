@@ -36,6 +36,10 @@ typedef struct Store {
     // mapped tensor has no fp32 values in its slab (frozen_released is set).
     const void** map_src;  // (tt->n)
     int* map_type;         // (tt->n)
+    // store_create_shard: layer l's AdamW m and v are this rank's in [state_lo[l], state_hi[l])
+    // only (a checkpoint's state is loaded there only); NULL: everywhere
+    int64_t* state_lo;  // (n_layers)
+    int64_t* state_hi;  // (n_layers)
 } Store;
 
 void store_create(Store* s, const TensorTable* tt);
@@ -45,8 +49,8 @@ void store_create_unfrozen(Store* s, const TensorTable* tt);
 // The same for one rank of a data-parallel engine run (ZeRO-1): AdamW's m and v of layer l are
 // zeroed only in [state_lo[l], state_hi[l]) (the rank's shard, dp_engine_state_ranges); the rest
 // of those slabs is never touched, so fresh pages there take no memory unless something writes
-// them (a resumed checkpoint's state, which the engine then gives back, as it does for recycled
-// ones).
+// them (recycled pages, which the engine gives back). The ranges are kept (state_lo, state_hi):
+// checkpoint_load_state reads a checkpoint's m and v into them only.
 void store_create_shard(Store* s, const TensorTable* tt, const int64_t* state_lo,
                         const int64_t* state_hi);
 // Host bytes store_create allocates for tt: the fp32 weights, m, v and gradient slabs.

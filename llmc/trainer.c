@@ -506,13 +506,21 @@ double trainer_batch_gradients(Trainer* t, DataLoader* train) {
 
 int trainer_in_flight(const Trainer* t) { return t->eng ? (int)engine_in_flight(t->eng) : 0; }
 
+// A data-parallel engine checkpoint: layer l's field complete on rank 0 as it is written.
+static int gather_checkpoint_layer(void* ctx, int field, int l, char* err) {
+    return engine_gather_layer(ctx, field, l, 0, err);
+}
+
 int trainer_save_checkpoint(Trainer* t, const DataLoader* train, int step, const char* args_json,
                             char* err) {
     TrainState* ts = t->ts;
-    // data parallel: m and v whole on every rank (the single-process checkpoint), rank 0 writes
+    // data parallel, plain path: m and v whole on every rank (the single-process checkpoint),
+    // rank 0 writes
     if (t->dp && dp_gather_state(t->dp, t->comm, err) != 0) return -1;
-    if (t->eng && t->comm && engine_gather_state(t->eng, 0, 1, err) != 0) return -1;
-    if (t->comm && t->comm->rank != 0) return 0;
+    // through the engine (ZeRO-1): rank 0 writes the same files, each layer gathered onto it as
+    // it is written (every rank takes part), so it never holds the whole state
+    const int streamed = t->eng && t->comm;
+    if (t->comm && t->comm->rank != 0 && !streamed) return 0;
     if (t->eng) engine_synchronize(t->eng);
     ts->step = step;
     dataloader_state_save(train, ts->train_loader);
@@ -528,8 +536,11 @@ int trainer_save_checkpoint(Trainer* t, const DataLoader* train, int step, const
         ts->pending_owned = 0;
         engine_last_update(t->eng, &ts->pending_norm, &ts->pending_lr);
     }
-    int rc = checkpoint_save_state(t->a->out, t->a->keep, t->m, t->s, ts, args_json, err);
-    if (t->eng && t->comm) engine_release_state(t->eng);  // (ZeRO-1: m and v back to the shard)
+    const CkptGather g = {.layer = gather_checkpoint_layer, .ctx = t->eng,
+                          .writer = streamed && t->comm->rank == 0};
+    int rc = checkpoint_save_state_gathered(t->a->out, t->a->keep, t->m, t->s, ts, args_json,
+                                            streamed ? &g : NULL, err);
+    if (streamed) engine_release_state(t->eng);  // (ZeRO-1: the last layer back to the shard)
     free(next);
     ts->pending = NULL;
     ts->pending_bytes = 0;
@@ -539,8 +550,14 @@ int trainer_save_checkpoint(Trainer* t, const DataLoader* train, int step, const
 int trainer_finish(Trainer* t, char* err) {
     if (!t->eng) return 0;
     engine_synchronize(t->eng);
-    // data parallel: the exact fp32 weights (and m, v) on every rank, for rank 0's exports
-    if (t->comm && engine_gather_state(t->eng, 0, 0, err) != 0) return -1;
+    // data parallel: the exact fp32 weights on rank 0, for what it writes (--out, the exports)
+    // and the plain path; sharded and nothing to write, they stay sharded (llmc/memory.c counts
+    // the gathered copy)
+    const TrainArgs* a = t->a;
+    const int writes = a->out[0] || a->export_hf[0] || a->export_gguf[0];
+    if (t->comm && (writes || trainer_needs_plain(a, 1)) &&
+        engine_gather_state(t->eng, 0, 0, err) != 0)
+        return -1;
     if (t->plain) plain_sync_params(t->plain);
     t->plain_stale = 0;
     if (engine_write_trace(t->eng, err) != 0) return -1;

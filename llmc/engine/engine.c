@@ -378,6 +378,9 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
             memcpy(e->master[0][l], opt->first_weights[l],
                    (size_t)(tt->param_numel[l] - e->train_off[l]) * e->ab);
     }
+    // data parallel (ZeRO-1): the masters hold the weights now; what lies outside this rank's
+    // shard goes before the gradient sets take their memory (the start-up peak)
+    if (opt->comm) shard_release_early(e);
     // the gradient accumulators are copy targets and sources: pin them
     e->n_hgrad = plan_host_grad_sets(&e->opt);
     e->hgrad[0] = s->grad;

@@ -330,6 +330,8 @@ struct Engine {
     double t_last_step;
     // ---- data parallel (shard.c; NULL for one process)
     struct EngineShard* dp;
+    uint32_t dp_crc;        // the trainable fp32 weights' CRC-32C, taken by shard_release_early
+    int dp_crc_set;         // before their pages outside the shard went (shard_init compares it)
 };
 
 // Sequences in micro-batch i: the batch is split as evenly as possible (the first B % M
@@ -388,6 +390,10 @@ int plan_replan(Engine* e, PartitionPlan* plan);
 
 // The layout and buffers (after protocol_init's optimizer tables) and the check that every rank
 // starts from the same weights (collective). 0, or -1 with err.
+// Data parallel, right after the masters are made (before the gradient sets are allocated): the
+// fp32 weights' checksum, then the pages of the fp32 weights (with opt.shard_weights) and of m
+// and v outside this rank's shard back to the system, so the start-up peak holds them once.
+void shard_release_early(Engine* e);
 int shard_init(Engine* e, char* err);
 void shard_free(Engine* e);
 // Step k: layer l's gradient in set g reduce-scattered over the ranks (this rank's shard of the

@@ -30,19 +30,22 @@
  *      engine_gather_state makes the fp32 weights exact, and m and v whole, on the rank that
  *      writes a checkpoint or the exports.
  *
- * Host memory (ZeRO-1): AdamW's m and v outside this rank's shard give their pages back when the
- * engine starts (store_release_state) and again after a checkpoint gathered them, so they take
- * 8 B / W per parameter instead of 8 B; so do the fp32 weights with opt.shard_weights (runs
- * without a plain path for evaluation or sampling: 4 B / W instead of 4 B; the Store outside the
- * shard then stays stale until engine_gather_state). The gradient sets stay whole (the full
- * gradient is downloaded, then reduce-scattered on the host).
+ * Host memory (ZeRO-1): AdamW's m and v outside this rank's shard give their pages back as soon
+ * as the engine has made its masters (shard_release_early, before the gradient sets beyond the
+ * Store's are allocated), so they take 8 B / W per parameter instead of 8 B; so do the fp32
+ * weights with opt.shard_weights (runs without a plain path for evaluation or sampling: 4 B / W
+ * instead of 4 B; the Store outside the shard then stays stale until engine_gather_state). A
+ * checkpoint is streamed: engine_gather_layer brings one layer's weights, m or v onto the
+ * writing rank as it is written and gives the one before back, so that rank holds one layer
+ * more, never the whole state. The gradient sets stay whole (the full gradient is downloaded,
+ * then reduce-scattered on the host). llmc/memory.c counts all of this for the start-up check.
  *
  * Failures: the first failed collective's message (the comm's, naming the rank that died or hung)
  * is kept; the step goes on without collectives (every later op fails at once anyway), so no
  * fence waits forever, and engine_collect hands the message to the caller, which ends the run.
  *
- * Owns: e->dp. Buffers it touches: the step's gradient set (each layer's span), the Store's fp32
- * weights, m and v, master[buf], the step iteration's host losses (read). Events: it synchronises
+ * Owns: e->dp, e->dp_crc. Buffers it touches: the step's gradient set (each layer's span), the
+ * Store's fp32 weights, m and v, master[buf], the step iteration's host losses (read). Events: it synchronises
  * on loss_ev of the step's iteration; records none.
  */
 #include <stdlib.h>
@@ -72,6 +75,8 @@ typedef struct EngineShard {
     double* parts;          // (W * parts_block)
     void* buf;              // (max over l of W * block) fp32: the collectives' buffer
     int64_t shard_params;   // sum over l of len
+    int gathered;           // engine_gather_layer: the layer whose pages outside the shard the
+                            // writing rank holds now (-1: none)
     // under e->mu
     double loss[4];         // [k % 4] the global loss sum of step k's iteration (k - 1)
     int failed;
@@ -112,6 +117,7 @@ int shard_init(Engine* e, char* err) {
     d->c = c;
     d->W = c->world;
     d->rank = c->rank;
+    d->gathered = -1;
     d->wire = e->opt.reduce_bf16 ? COMM_BF16 : COMM_F32;
     d->lo = calloc_check((size_t)NL, sizeof(int64_t));
     d->n = calloc_check((size_t)NL, sizeof(int64_t));
@@ -154,8 +160,9 @@ int shard_init(Engine* e, char* err) {
     d->buf = malloc_named((size_t)max_wb * sizeof(float),
                           "the data-parallel collective buffer (the largest layer, fp32)");
     // every rank starts from the same weights (nothing is broadcast): their checksums compared
-    uint32_t crc = 0;
-    for (int i = 0; i < e->n_opt; i++)
+    // (taken before the pages outside the shard went: shard_release_early)
+    uint32_t crc = e->dp_crc;
+    for (int i = 0; i < e->n_opt && !e->dp_crc_set; i++)
         crc = crc32c_update(crc, e->opt_tensors[i].param, e->opt_tensors[i].n * sizeof(float));
     if (dp_check_same_crc(c, crc, err) != 0) return -1;
     // ZeRO-1: AdamW's m and v (and with opt.shard_weights the fp32 weights) outside this rank's
@@ -163,6 +170,30 @@ int shard_init(Engine* e, char* err) {
     // masters hold the weights; nothing reads the rest until engine_gather_state)
     engine_release_state(e);
     return 0;
+}
+
+void shard_release_early(Engine* e) {
+    const TensorTable* tt = &e->m->tt;
+    const Comm* c = e->opt.comm;
+    // the checksum shard_init compares, over the optimizer's tensors in its order (the same list
+    // protocol_init makes)
+    AdamWTensor* t = malloc_check((size_t)(tt->n > 0 ? tt->n : 1) * sizeof(AdamWTensor));
+    const int n = store_adamw_tensors(e->s, t);
+    uint32_t crc = 0;
+    for (int i = 0; i < n; i++) crc = crc32c_update(crc, t[i].param, t[i].n * sizeof(float));
+    free(t);
+    e->dp_crc = crc;
+    e->dp_crc_set = 1;
+    if (tt->lora.r > 0 || e->m->n_moe > 0) return;  // (refused by shard_init)
+    int64_t* lo = malloc_check((size_t)tt->n_layers * sizeof(int64_t));
+    int64_t* hi = malloc_check((size_t)tt->n_layers * sizeof(int64_t));
+    dp_engine_state_ranges(tt, c->world, c->rank, lo, hi);  // (shard_init's shard, checked there)
+    for (int l = 0; l < tt->n_layers; l++) {
+        store_release_state(e->s, l, 0, lo[l], e->opt.shard_weights);
+        store_release_state(e->s, l, hi[l], tt->state_numel[l], e->opt.shard_weights);
+    }
+    free(lo);
+    free(hi);
 }
 
 void shard_free(Engine* e) {
@@ -355,39 +386,62 @@ void shard_apply_layer(Engine* e, const AdamWUpdate* u, int buf, int l) {
 // ----------------------------------------------------------------------------
 // the whole state on every rank (controller, the engine synchronized)
 
+// Layer l's pages of m and v (and with opt.shard_weights of the fp32 weights) outside the shard.
+static void release_layer(Engine* e, int l) {
+    const EngineShard* d = e->dp;
+    const int w = e->opt.shard_weights;
+    store_release_state(e->s, l, 0, d->lo[l] + d->off[l], w);
+    store_release_state(e->s, l, d->lo[l] + d->off[l] + d->len[l], e->m->tt.state_numel[l], w);
+}
+
 void engine_release_state(Engine* e) {
     EngineShard* d = e->dp;
     if (!d) return;
-    const int w = e->opt.shard_weights;
-    for (int l = 0; l < e->NL; l++) {
-        store_release_state(e->s, l, 0, d->lo[l] + d->off[l], w);
-        store_release_state(e->s, l, d->lo[l] + d->off[l] + d->len[l], e->m->tt.state_numel[l], w);
+    for (int l = 0; l < e->NL; l++) release_layer(e, l);
+    d->gathered = -1;
+}
+
+// Field f of layer l (0 the fp32 weights, 1 m, 2 v) over its span, all-gathered; kept in the
+// Store with keep. -1 once a collective failed (shard_error has the message).
+static int gather_field(Engine* e, int l, int f, int keep) {
+    EngineShard* d = e->dp;
+    const int64_t n = d->n[l], blk = d->block[l];
+    if (shard_failed(e)) return -1;
+    if (n == 0) return 0;
+    float* fields[3] = {e->s->param[l], e->s->m[l], e->s->v[l]};
+    float* x = fields[f] + d->lo[l];
+    float* b = d->buf;
+    float* mine = b + (size_t)d->rank * blk;
+    memcpy(mine, x + d->off[l], (size_t)d->len[l] * sizeof(float));
+    memset(mine + d->len[l], 0, (size_t)(blk - d->len[l]) * sizeof(float));
+    if (comm_all_gather(d->c, mine, b, (size_t)blk, COMM_F32, NULL) != 0) {
+        shard_fail(e, "the all-gather of the weights and AdamW's state");
+        return -1;
     }
+    if (keep) memcpy(x, b, (size_t)n * sizeof(float));
+    return 0;
 }
 
 int engine_gather_state(Engine* e, int root, int with_state, char* err) {
     EngineShard* d = e->dp;
     if (!d) return 0;
     engine_synchronize(e);
-    Store* s = e->s;
     const int keep = root < 0 || root == d->rank;
-    for (int l = 0; l < e->NL && !shard_failed(e); l++) {
-        const int64_t n = d->n[l], blk = d->block[l];
-        if (n == 0) continue;
-        float* fields[3] = {s->param[l], s->m[l], s->v[l]};
-        for (int f = 0; f < (with_state ? 3 : 1); f++) {
-            float* x = fields[f] + d->lo[l];
-            float* b = d->buf;
-            float* mine = b + (size_t)d->rank * blk;
-            memcpy(mine, x + d->off[l], (size_t)d->len[l] * sizeof(float));
-            memset(mine + d->len[l], 0, (size_t)(blk - d->len[l]) * sizeof(float));
-            if (comm_all_gather(d->c, mine, b, (size_t)blk, COMM_F32, NULL) != 0) {
-                shard_fail(e, "the all-gather of the weights and AdamW's state");
-                break;
-            }
-            if (keep) memcpy(x, b, (size_t)n * sizeof(float));
-        }
-    }
+    for (int l = 0; l < e->NL; l++)
+        for (int f = 0; f < (with_state ? 3 : 1); f++)
+            if (gather_field(e, l, f, keep) != 0) break;
+    const char* msg = shard_error(e);
+    return msg ? errorf(err, "%s", msg) : 0;
+}
+
+int engine_gather_layer(Engine* e, int field, int l, int root, char* err) {
+    EngineShard* d = e->dp;
+    if (!d) return 0;
+    const int keep = root == d->rank;
+    // the layer gathered before goes back to its shard: the writer holds one layer more
+    if (keep && d->gathered >= 0 && d->gathered != l) release_layer(e, d->gathered);
+    d->gathered = l;
+    gather_field(e, l, field, keep);
     const char* msg = shard_error(e);
     return msg ? errorf(err, "%s", msg) : 0;
 }

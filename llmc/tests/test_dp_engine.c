@@ -100,6 +100,9 @@ typedef struct DeRank {
     int steps;          // steps to run (0: DE_STEPS)
     double mv_bytes, mv_resident;  // AdamW's m and v slabs: allocated, resident after the steps
     double w_bytes, w_resident;    // the fp32 weight slabs: the same
+    const char* ckpt;   // non-NULL: after the steps, a checkpoint streamed layer by layer into
+                        // ckpt/streamed, then one of the whole gathered state into ckpt/whole
+    double ckpt_peak;   // rank 0: the most of m, v and the fp32 weights resident while streaming
 } DeRank;
 
 // Bytes of [p, p + n) in memory now (mincore, whole pages).
@@ -114,6 +117,56 @@ static double resident_bytes(const void* p, size_t n) {
     for (size_t i = 0; i < n_pages; i++) count += in[i] & 1;
     free(in);
     return (double)count * (double)pg;
+}
+
+// A streamed checkpoint's gathers (CkptGather), rank 0 measuring what it holds after each.
+typedef struct DeGather {
+    Engine* e;
+    DeRank* k;
+    const Store* s;
+} DeGather;
+
+// m, v and the fp32 weights of s resident now.
+static double de_state_resident(const Store* s) {
+    double b = 0.0;
+    for (int l = 0; l < s->n_layers; l++) {
+        const size_t bytes = (size_t)s->tt->state_numel[l] * sizeof(float);
+        if (bytes > 0)
+            b += resident_bytes(s->m[l], bytes) + resident_bytes(s->v[l], bytes) +
+                 resident_bytes(s->param[l], bytes);
+    }
+    return b;
+}
+
+static int de_gather_layer(void* ctx, int field, int l, char* err) {
+    DeGather* g = ctx;
+    const int rc = engine_gather_layer(g->e, field, l, 0, err);
+    if (g->k->rank == 0) {
+        const double r = de_state_resident(g->s);
+        if (r > g->k->ckpt_peak) g->k->ckpt_peak = r;
+    }
+    return rc;
+}
+
+// After the steps: the streamed checkpoint, then the whole state gathered onto rank 0 and written
+// as before (the files must be the same).
+static int de_checkpoints(DeRank* k, Engine* e, const Store* s) {
+    TrainState ts;
+    train_state_init(&ts, 1);
+    ts.step = k->steps > 0 ? k->steps : DE_STEPS;
+    char dir[1200];
+    snprintf(dir, sizeof dir, "%s/streamed", k->ckpt);
+    DeGather dg = {e, k, s};
+    const CkptGather g = {.layer = de_gather_layer, .ctx = &dg, .writer = k->rank == 0};
+    engine_synchronize(e);
+    int rc = checkpoint_save_state_gathered(dir, 0, k->m, s, &ts, "{}", &g, k->err);
+    engine_release_state(e);
+    if (rc == 0) rc = engine_gather_state(e, 0, 1, k->err);
+    snprintf(dir, sizeof dir, "%s/whole", k->ckpt);
+    if (rc == 0 && k->rank == 0) rc = checkpoint_save_state(dir, 0, k->m, s, &ts, "{}", k->err);
+    engine_release_state(e);
+    train_state_free(&ts);
+    return rc;
 }
 
 static void* de_rank_main(void* arg) {
@@ -183,6 +236,7 @@ static void* de_rank_main(void* arg) {
             k->w_bytes += (double)bytes;
             k->w_resident += resident_bytes(s.param[l], bytes);
         }
+        if (!k->failed && k->ckpt && de_checkpoints(k, e, &s) != 0) k->failed = DE_STEPS + 1;
         if (!k->failed && engine_gather_state(e, -1, 1, k->err) != 0) k->failed = DE_STEPS + 1;
         k->secs = time_now_s() - t0;
         if (!k->failed)
@@ -511,6 +565,105 @@ static void test_dp_engine_memory(TestCtx* t) {
     model_free(&m);
 }
 
+// A checkpoint of W ranks streamed layer by layer (checkpoint_save_state_gathered): the same files
+// as the whole state gathered onto rank 0, while rank 0 holds its shard and about one layer more
+// (never the whole state); read back into a rank's Store (store_create_shard), AdamW's m and v
+// land in its shard only, equal to the checkpoint's there.
+static void test_dp_engine_checkpoint_stream(TestCtx* t) {
+    char err[ERR_LEN];
+    ModelConfig c = test_engine_config(1);
+    c.C = 128;  // slabs of many pages (as dp_engine_memory)
+    c.F = 384;
+    c.HD = 32;
+    c.L = 4;
+    c.V = 256;
+    Model m;
+    CHECK(t, model_init(&m, &c, 0, err) == 0, "%s", err);
+    const long page = sysconf(_SC_PAGESIZE);
+    double all = 0.0, layer_max = 0.0;
+    for (int l = 0; l < m.tt.n_layers; l++) {
+        all += 12.0 * (double)m.tt.state_numel[l];
+        layer_max = fmax(layer_max, 4.0 * (double)m.tt.state_numel[l]);
+    }
+    for (int W = 2; W <= DE_MAX_W; W *= 2) {
+        char dir[1024], a[1200], b[1200];
+        char name[32];
+        snprintf(name, sizeof name, "dp_stream%d", W);
+        test_path(t, dir, sizeof dir, name);
+        mkdir(dir, 0755);
+        const DeRank proto = {.m = &m, .N = 1, .sync = 1, .timeout_s = 60.0, .steps = 2,
+                              .shard_weights = 1, .shard_store = 1, .ckpt = dir};
+        DeRank ranks[DE_MAX_W];
+        de_run(&proto, W, NULL, ranks);
+        for (int r = 0; r < W; r++) CHECK(t, ranks[r].failed == 0, "W %d rank %d: %s", W, r,
+                                          ranks[r].err);
+        // rank 0's shard (the largest) and one layer, with page slack: not the whole state
+        const double bound = 1.25 * all / W + 1.1 * layer_max +
+                             6.0 * (double)page * (m.tt.n_layers + 1);
+        CHECK(t, ranks[0].ckpt_peak > 0 && ranks[0].ckpt_peak <= bound && bound < all,
+              "W %d: rank 0 held %.0f bytes of m, v and weights while writing (bound %.0f, the "
+              "whole state %.0f)", W, ranks[0].ckpt_peak, bound, all);
+        printf("       W=%d: rank 0 held at most %.2f MiB of the %.2f MiB of fp32 weights, m "
+               "and v while streaming a checkpoint\n", W, ranks[0].ckpt_peak / (1 << 20),
+               all / (1 << 20));
+        static const char* const files[] = {"model.safetensors", "train_state.safetensors"};
+        for (int f = 0; f < 2; f++) {
+            snprintf(a, sizeof a, "%s/streamed/step_2/%s", dir, files[f]);
+            snprintf(b, sizeof b, "%s/whole/step_2/%s", dir, files[f]);
+            size_t na = 0, nb = 0;
+            char* x = file_read_all(a, 1u << 30, &na, err);
+            char* y = file_read_all(b, 1u << 30, &nb, err);
+            CHECK(t, x && y && na == nb && memcmp(x, y, na) == 0,
+                  "W %d: %s streamed (%zu bytes) equals the whole gather's (%zu)", W, files[f],
+                  na, nb);
+            free(x);
+            free(y);
+        }
+        // read back into each rank's shard: m and v there only, equal to the whole reading's
+        snprintf(a, sizeof a, "%s/streamed/step_2", dir);
+        Store whole;
+        store_create(&whole, &m.tt);
+        TrainState ts;
+        train_state_init(&ts, 1);
+        CHECK(t, checkpoint_load_state(a, &m, &whole, &ts, "{}", err) == 0, "%s", err);
+        Store shards[DE_MAX_W];  // (all alive at once: a freed one's pages would be recycled)
+        for (int r = 0; r < W; r++) {
+            int64_t lo[64], hi[64];
+            dp_engine_state_ranges(&m.tt, W, r, lo, hi);
+            Store s;
+            store_create_shard(&s, &m.tt, lo, hi);
+            // (pages the allocator recycled from earlier stores hold memory outside the shard
+            // already: give them back, so what is resident after the load is what it touched)
+            for (int l = 0; l < m.tt.n_layers; l++) {
+                store_release_state(&s, l, 0, lo[l], 0);
+                store_release_state(&s, l, hi[l], m.tt.state_numel[l], 0);
+            }
+            shards[r] = s;
+            CHECK(t, checkpoint_load_state(a, &m, &s, &ts, "{}", err) == 0, "%s", err);
+            double mv = 0.0, mv_all = 0.0;
+            int same = 1;
+            for (int l = 0; l < m.tt.n_layers; l++) {
+                const size_t bytes = (size_t)m.tt.state_numel[l] * sizeof(float);
+                if (bytes == 0) continue;
+                mv += resident_bytes(s.m[l], bytes) + resident_bytes(s.v[l], bytes);
+                mv_all += 2.0 * (double)bytes;
+                const size_t n = (size_t)(hi[l] - lo[l]) * sizeof(float);
+                same &= memcmp(s.m[l] + lo[l], whole.m[l] + lo[l], n) == 0 &&
+                        memcmp(s.v[l] + lo[l], whole.v[l] + lo[l], n) == 0;
+            }
+            const double slack = 4.0 * (double)page * (m.tt.n_layers + 1);
+            CHECK(t, same && mv <= 1.25 * mv_all / W + slack,
+                  "W %d rank %d: m and v read into the shard (equal %d), %.0f of %.0f bytes "
+                  "resident", W, r, same, mv, mv_all);
+        }
+        for (int r = 0; r < W; r++) store_free(&shards[r]);
+        train_state_free(&ts);
+        store_free(&whole);
+        for (int r = 0; r < W; r++) de_rank_free(&ranks[r]);
+    }
+    model_free(&m);
+}
+
 // ----------------------------------------------------------------------------
 // through the trainer: checkpoints and resume
 
@@ -685,6 +838,7 @@ const TestCase tests_dp_engine[] = {
     {"dp_engine_delayed", test_dp_engine_delayed},
     {"dp_engine_rank_failure", test_dp_engine_rank_failure},
     {"dp_engine_memory", test_dp_engine_memory},
+    {"dp_engine_checkpoint_stream", test_dp_engine_checkpoint_stream},
     {"dp_engine_resume", test_dp_engine_resume},
     {NULL, NULL},
 };

@@ -15,6 +15,7 @@
  *    line and exit 2, a normal run starts, --allow-overcommit starts a run that does not fit.
  */
 #include <malloc.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
@@ -22,6 +23,7 @@
 
 #include "../args.h"
 #include "../common.h"
+#include "../dp.h"
 #include "../engine.h"
 #include "../memory.h"
 #include "../plain.h"
@@ -442,10 +444,113 @@ static void test_memory_cli(TestCtx* t) {
     free(saved);
 }
 
+#ifdef HAVE_CUDA  // (data parallel on the command line needs NCCL)
+// A size as format_bytes writes it ("1.50 GiB", "358.2 MiB", ...) after `key`, in bytes; -1 if
+// absent.
+static double bytes_after(const char* text, const char* key) {
+    const char* p = strstr(text, key);
+    if (!p) return -1;
+    char* end;
+    const double v = strtod(p + strlen(key), &end);
+    while (*end == ' ') end++;
+    const double unit = strncmp(end, "GiB", 3) == 0   ? 1073741824.0
+                        : strncmp(end, "MiB", 3) == 0 ? 1048576.0
+                        : strncmp(end, "KiB", 3) == 0 ? 1024.0
+                                                      : 1.0;
+    return v * unit;
+}
+#endif
+
+// Data parallel through the engine (a->dist_world ranks): the estimate is what rank 0 holds with
+// ZeRO-1 (docs/DISTRIBUTED.md §6): AdamW's m and v for its shard; the fp32 weights for its shard
+// when no plain path reads them, whole at start-up only beyond the delayed update's second
+// gradient set, and whole again when --out writes them; plus the collectives' buffer (the
+// largest layer) and, with checkpoints, one streamed layer. A run that fits only thanks to that
+// passes the check; --plan --world W prints the figure the run's check compares.
+static void test_memory_dp_rank(TestCtx* t) {
+    char err[ERR_LEN];
+    ModelConfig c;
+    Model m;
+    CHECK(t, config_from_preset(&c, "tiny", err) == 0 && model_init(&m, &c, 0, err) == 0, "%s",
+          err);
+    const int W = 4;
+    int64_t lo[64], hi[64];
+    dp_engine_state_ranges(&m.tt, W, 0, lo, hi);
+    double others = 0.0, layer_max = 0.0;
+    for (int l = 0; l < m.tt.n_layers; l++) {
+        others += (double)(m.tt.state_numel[l] - (hi[l] - lo[l]));
+        layer_max = fmax(layer_max, 4.0 * (double)m.tt.state_numel[l]);
+    }
+    Shape se = {"engine", "tiny", 4, 64, 4, 2, 0, 0, 0, 12e6, 0};
+    for (int sync = 0; sync <= 1; sync++)
+        for (int plain = 0; plain <= 1; plain++)
+            for (int out = 0; out <= 1; out++) {
+                se.sync = sync;
+                TrainArgs a = shape_args(&se);
+                EngineOptions eo = shape_engine_options(&se);
+                if (plain) a.val = "data/tiny_val.bin";  // (the plain path reads the weights)
+                if (out) a.out = "somewhere";
+                const double whole = memory_estimate(&a, &m, 2, &eo).total;
+                a.dist_world = W;
+                const double rank = memory_estimate(&a, &m, 2, &eo).total;
+                // m and v: 8 B per element of the others' shards; the fp32 weights 4 B, less
+                // the start-up's whole copy (sync: no second gradient set to come after it) or
+                // the final write's; the collectives' buffer; --out: a checkpoint's layer
+                double want = 8.0 * others;
+                if (!plain) want += 4.0 * others - (sync || out ? 4.0 * others : 0.0);
+                want -= layer_max * (out ? 2.0 : 1.0);
+                CHECK(t, fabs((whole - rank) - want) < 1.0,
+                      "sync %d plain %d out %d: rank 0 holds %.0f bytes less than one process, "
+                      "expected %.0f", sync, plain, out, whole - rank, want);
+                if (sync || plain || out) continue;
+                // between the two: one process is refused, rank 0 of four starts
+                const double limit = (whole + rank) / 2;
+                CHECK(t, check_quietly(&a, &m, 2, &eo, limit, 1, err) == 0, "rank 0 fits: %s",
+                      err);
+                a.dist_world = 1;
+                CHECK(t, check_quietly(&a, &m, 2, &eo, limit, 1, err) == -1 &&
+                             strstr(err, "not enough host memory"),
+                      "one process does not fit: %s", err);
+            }
+    model_free(&m);
+#ifdef HAVE_CUDA
+    // the CLI: the plan's per-rank figure is the one the run's start-up check compares (the run
+    // is refused there, before its rendezvous)
+    const char* env = getenv(MEMORY_LIMIT_ENV);
+    char* saved = env ? strndup_check(env, strlen(env)) : NULL;
+    const char* flags = "--device cpu:2 --world 4 --batch 4 --micro-batches 4 --val '' "
+                        "--sample-tokens 0 --steps 1";
+    char args[512];
+    snprintf(args, sizeof args, "%s --plan", flags);
+    int rc = test_run_cli(t, "mem_dp_plan", args);
+    char* o = test_read_output(t, "mem_dp_plan", "out");
+    const double planned = bytes_after(o, "host memory per rank as this build runs it: ");
+    const double node = bytes_after(o, "host memory for this plan: ");
+    CHECK(t, rc == 0 && planned > 0 && node > planned, "--plan --world 4: exit %d: %s", rc, o);
+    free(o);
+    setenv(MEMORY_LIMIT_ENV, "1M", 1);
+    snprintf(args, sizeof args, "%s --rank 0 --dist-init tcp://127.0.0.1:9", flags);
+    rc = test_run_cli(t, "mem_dp_run", args);
+    char* e = test_read_output(t, "mem_dp_run", "err");
+    o = test_read_output(t, "mem_dp_run", "out");
+    const double checked = bytes_after(e, "this run needs about ");
+    CHECK(t, rc == 2 && strstr(o, "on rank 0 of 4 (ZeRO-1") &&
+                 fabs(checked - planned) < 0.006 * 1073741824.0,
+          "rank 0 of 4: the check's %.0f bytes, the plan's %.0f: exit %d: %s", checked, planned,
+          rc, e);
+    free(e);
+    free(o);
+    if (saved) setenv(MEMORY_LIMIT_ENV, saved, 1);
+    else unsetenv(MEMORY_LIMIT_ENV);
+    free(saved);
+#endif
+}
+
 const TestCase tests_memory[] = {
     {"memory_limit", test_memory_limit},
     {"memory_estimate_vs_rss", test_memory_estimate_vs_rss},
     {"memory_refusal_message", test_memory_refusal_message},
     {"memory_cli", test_memory_cli},
+    {"memory_dp_rank", test_memory_dp_rank},
     {NULL, NULL},
 };
