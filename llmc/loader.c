@@ -2,7 +2,9 @@
  * loader.c — checkpoint files (safetensors, GGUF) -> the host layer store: names and shapes
  * checked in table order first, then one conversion task per tensor on a thread pool.
  * Safetensors load through the table's HF view (tensor.h): one task per checkpoint tensor, so
- * per-expert, fused and MXFP4 expert layouts land in the same slabs.
+ * per-expert, fused and MXFP4 expert layouts land in the same slabs. A streamed base
+ * (Store.base_streamed): a block-format tensor's values go to a buffer of the task's own and from
+ * there into its blocks, never into the slab.
  */
 #include "loader.h"
 

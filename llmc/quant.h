@@ -10,7 +10,9 @@
  * and dequantised on the device (ops->dequantize) into the stage's parameter slot, in the
  * compute dtype. The Store's fp32 slab holds the dequantised values of those blocks (what every
  * path computes with: the plain trainer, exports, --dump-state), so a run on a q4_k base is the
- * run on the weights dequant(quant(W)), bit for bit on the CPU.
+ * run on the weights dequant(quant(W)), bit for bit on the CPU. A streamed base
+ * (store_create_streamed: the engine, nothing reading the base in fp32) has the blocks alone:
+ * the random init and the loader quantise each tensor as they make it (the same blocks).
  *
  * Which tensors: the frozen linear weights that adapters sit on (q, k, v, o, gate, up, down of
  * the targets) and the MoE experts. Norms, embeddings, the LM head, biases, routers that carry no

@@ -1,7 +1,8 @@
 /*
  * store.c — host layer store: allocation (zeroed in parallel), seeded random init, parameter and
  * gradient addressing, tied-gradient folding, the optimizer's view of the slabs. Filling the
- * store from checkpoint files is loader.c's job.
+ * store from checkpoint files is loader.c's job. A streamed base's block-format tensors are
+ * generated a chunk at a time and quantised into their blocks (quant.h), never into the slabs.
  */
 #include "store.h"
 
