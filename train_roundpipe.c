@@ -119,11 +119,11 @@ static void print_lora_host_memory(const TrainArgs* a, const Model* m, int act_b
            "(fp32 weights, gradients, AdamW m and v; two %s masters)", base / gib,
            blocks ? "ggml blocks" : act_bytes == 2 ? "bf16" : "fp32", adapters / gib,
            act_bytes == 2 ? "bf16" : "fp32");
+    int from_file = 0;
+    const double staging = memory_stream_staging(a, m, &from_file);
     if (trainer_streams_base(a, m, 1))
         printf("; no fp32 base: the %s quantises each tensor as it makes it (staging %.2f GiB)",
-               memory_stream_staging(a, m) > 4.0 * (1 << 20) * threads_online_cpus()
-                   ? "loader" : "random init",
-               memory_stream_staging(a, m) / gib);
+               from_file ? "loader" : "random init", staging / gib);
     else if (blocks && act_bytes == 2 && released)
         printf("; at start-up the loader's fp32 base (%.2f GiB), given back page by page as the "
                "engine makes its copy (--val '' --sample-tokens 0 and no HF / GGUF export: "

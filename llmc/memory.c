@@ -237,13 +237,14 @@ int memory_host_limit(const char* root, HostLimit* out, char* err) {
 // ----------------------------------------------------------------------------
 // the estimate
 
-double memory_stream_staging(const TrainArgs* a, const Model* m) {
+double memory_stream_staging(const TrainArgs* a, const Model* m, int* from_file) {
     // (a preset, a config.json or the default model: the seeded random init; else a checkpoint)
     ModelConfig c;
     char err[ERR_LEN];
     const size_t n = strlen(a->model);
     const int random_init = !a->model[0] || config_from_preset(&c, a->model, err) == 0 ||
                             (n >= 5 && strcmp(a->model + n - 5, ".json") == 0);
+    if (from_file) *from_file = !random_init;
     return quant_stream_staging_bytes(&m->tt, threads_online_cpus(), !random_init);
 }
 
@@ -283,7 +284,7 @@ RunMemory memory_estimate(const TrainArgs* a, const Model* m, int n_devices,
         // init's or the loader's staging instead
         if (trainer_streams_base(a, m, engine)) {
             r.state -= quant_fp32_bytes(&m->tt);
-            r.activations += memory_stream_staging(a, m);
+            r.activations += memory_stream_staging(a, m, NULL);
         }
         // resuming the delayed update: its pending weights stay until the engine has copied them
         if (a->resume && !a->sync) {
