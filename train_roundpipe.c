@@ -129,7 +129,20 @@ static void print_lora_host_memory(const TrainArgs* a, const Model* m, int act_b
            "(fp32 weights, gradients, AdamW m and v; two %s masters)", base / gib,
            blocks ? "ggml blocks" : act_bytes == 2 ? "bf16" : "fp32", adapters / gib,
            act_bytes == 2 ? "bf16" : "fp32");
-    if (act_bytes == 2 && released)
+    int from_file = 0;
+    const double staging = memory_stream_staging(a, m, &from_file);
+    if (trainer_streams_base(a, m, 1))
+        printf("; no fp32 base: the %s quantises each tensor as it makes it (staging %.2f GiB)",
+               from_file ? "loader" : "random init", staging / gib);
+    else if (blocks && act_bytes == 2 && released)
+        printf("; at start-up the loader's fp32 base (%.2f GiB), given back page by page as the "
+               "engine makes its copy (--val '' --sample-tokens 0 and no HF / GGUF export: "
+               "never held)", h.store_frozen / gib);
+    else if (blocks && !released)
+        printf("; plus the Store's fp32 base (%.2f GiB), which --val, --sample-tokens, "
+               "--dump-state and HF/GGUF exports read (--val '' --sample-tokens 0 and no HF / "
+               "GGUF export drop it)", h.store_frozen / gib);
+    else if (act_bytes == 2 && released)
         printf("; at start-up the loader's fp32 base (%.2f GiB), given back page by page as the "
                "engine makes its bf16 copy", h.store_frozen / gib);
     else if (act_bytes == 2)
@@ -280,7 +293,7 @@ static void print_data_parallel(const DistConfig* d, const Trainer* tr) {
 static void export_model(const TrainArgs* a, const Model* m, Store* s, const ModelSource* src) {
     char err[ERR_LEN];
     const int lora = m->tt.lora.r > 0;
-    if (a->out[0] && s->frozen_released) {
+    if (a->out[0] && (s->frozen_released || s->base_streamed)) {
         // (LoRA on GPUs: the Store gave its fp32 base back; the base stays at --model)
         if (lora_save_peft(a->out, m, s, a->model, NULL, err) != 0) fatal("%s", err);
         printf("saved the LoRA adapters to %s (the frozen base stays at %s)\n", a->out,
@@ -502,6 +515,9 @@ int main(int argc, char** argv) {
         if (loader_map_base(&store, src.kind == SOURCE_GGUF ? NULL : &src.ck, base_gguf,
                             &model.cfg, err) != 0)
             fatal("%s", err);
+    } else if (trainer_streams_base(&a, &model, N > 0)) {
+        // a block-format base nothing reads in fp32: quantised as the init / loader makes it
+        store_create_streamed(&store, &model.tt);
     } else if (ranked && N > 0) {  // (LoRA runs are refused with data parallel)
         int64_t* lo = malloc_check((size_t)model.tt.n_layers * sizeof(int64_t));
         int64_t* hi = malloc_check((size_t)model.tt.n_layers * sizeof(int64_t));

@@ -2,7 +2,9 @@
  * loader.c — checkpoint files (safetensors, GGUF) -> the host layer store: names and shapes
  * checked in table order first, then one conversion task per tensor on a thread pool.
  * Safetensors load through the table's HF view (tensor.h): one task per checkpoint tensor, so
- * per-expert, fused and MXFP4 expert layouts land in the same slabs.
+ * per-expert, fused and MXFP4 expert layouts land in the same slabs. A streamed base
+ * (Store.base_streamed): a block-format tensor's values go to a buffer of the task's own and from
+ * there into its blocks, never into the slab.
  */
 #include "loader.h"
 
@@ -13,6 +15,7 @@
 #include "common.h"
 #include "mxfp4.h"
 #include "progress.h"
+#include "quant.h"
 #include "threads.h"
 
 // ----------------------------------------------------------------------------
@@ -32,6 +35,25 @@ typedef struct LoadJob {
     int* rc;                 // per task, 0 = loaded
 } LoadJob;
 
+// A streamed base (store_create_streamed): a block-format tensor's elements [from, from + n) of
+// fp32 values w into its blocks (whole blocks: a view of whole rows; rows are whole blocks).
+static int stream_blocks(const LoadJob* job, int i, const float* w, int64_t from, int64_t n,
+                         char* err) {
+    const TensorDesc* d = &job->s->tt->t[i];
+    if (from == 0 && n == d->numel) {  // (keep: the GGUF's own blocks where they are the same)
+        quant_tensor_blocks(d, w, job->s->qblocks[i], job->gguf, job->cfg);
+        return 0;
+    }
+    int bytes = 0;
+    const int block = ggml_type_block(d->qtype, &bytes);
+    if (from % block != 0 || n % block != 0)
+        return errorf(err, "%s: a checkpoint part of %lld elements at %lld is not whole %s blocks "
+                      "(give --val or an export to hold the base in fp32)", d->name, (long long)n,
+                      (long long)from, quant_type_name(d->qtype));
+    quant_quantize(d->qtype, w, job->s->qblocks[i] + (size_t)(from / block) * (size_t)bytes, n);
+    return 0;
+}
+
 static void load_task(void* arg, int64_t task) {
     LoadJob* job = arg;
     const int i = (int)task;
@@ -41,13 +63,22 @@ static void load_task(void* arg, int64_t task) {
         // (tied: the owner's; LoRA adapters: not the base's; --mmap-base: read on upload)
         if (d->tied_to >= 0 || d->lora_target >= 0 || (job->s->map_src && job->s->map_src[i]))
             return;
+        if (job->s->base_streamed && d->qtype) {  // (one tensor's fp32 values at a time)
+            float* w = malloc_check((size_t)d->numel * sizeof(float));
+            job->rc[i] = gguf_read_hf_tensor(job->gguf, job->cfg, d, w, job->err[i]);
+            if (job->rc[i] == 0) job->rc[i] = stream_blocks(job, i, w, 0, d->numel, job->err[i]);
+            free(w);
+            return;
+        }
         job->rc[i] =
             gguf_read_hf_tensor(job->gguf, job->cfg, d, store_param(job->s, i), job->err[i]);
         return;
     }
     const HfTensor* v = &tt->hf[i];
     if (job->s->map_src && job->s->map_src[v->index]) return;  // (--mmap-base: read on upload)
-    float* out = store_param(job->s, v->index) + v->offset;
+    const int streamed = job->s->base_streamed && tt->t[v->index].qtype;
+    float* out = streamed ? malloc_check((size_t)v->numel * sizeof(float))
+                          : store_param(job->s, v->index) + v->offset;
     if (job->st[i]) {
         job->rc[i] = st_tensor_to_f32(job->st[i], out, v->numel, job->err[i]);
     } else {  // GPT-OSS experts in MXFP4: [E, rows, G, 16] blocks of the [E, cols, rows] tensor
@@ -55,6 +86,10 @@ static void load_task(void* arg, int64_t task) {
                            job->err[i]);
         job->rc[i] = r == 1 ? 0 : -1;
     }
+    if (!streamed) return;
+    if (job->rc[i] == 0)
+        job->rc[i] = stream_blocks(job, v->index, out, v->offset, v->numel, job->err[i]);
+    free(out);
 }
 
 // The fp32 bytes task i writes into the Store (for the progress line).

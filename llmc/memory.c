@@ -276,6 +276,17 @@ static double dp_engine_rank_bytes(const TrainArgs* a, const Model* m, const Eng
     return bytes + 4.0 * layer_max;                                  // (the collectives' buffer)
 }
 
+double memory_stream_staging(const TrainArgs* a, const Model* m, int* from_file) {
+    // (a preset, a config.json or the default model: the seeded random init; else a checkpoint)
+    ModelConfig c;
+    char err[ERR_LEN];
+    const size_t n = strlen(a->model);
+    const int random_init = !a->model[0] || config_from_preset(&c, a->model, err) == 0 ||
+                            (n >= 5 && strcmp(a->model + n - 5, ".json") == 0);
+    if (from_file) *from_file = !random_init;
+    return quant_stream_staging_bytes(&m->tt, threads_online_cpus(), !random_init);
+}
+
 RunMemory memory_estimate(const TrainArgs* a, const Model* m, int n_devices,
                           const EngineOptions* eo) {
     RunMemory r;
@@ -307,6 +318,12 @@ RunMemory memory_estimate(const TrainArgs* a, const Model* m, int n_devices,
             for (int l = 0; l < m->tt.n_layers; l++)
                 r.state -= (double)quant_layer_block_bytes(&m->tt, l);
             if (!trainer_releases_frozen(a, m, engine)) r.state -= h.base;
+        }
+        // a streamed base (trainer_streams_base): the block-format tensors never in fp32, the
+        // init's or the loader's staging instead
+        if (trainer_streams_base(a, m, engine)) {
+            r.state -= quant_fp32_bytes(&m->tt);
+            r.activations += memory_stream_staging(a, m, NULL);
         }
         // resuming the delayed update: its pending weights stay until the engine has copied them
         if (a->resume && !a->sync) {

@@ -63,6 +63,10 @@ typedef struct RunMemory {
                          // its activation memory is then the plan-independent upper bound
 } RunMemory;
 
+// A streamed base (trainer_streams_base): the fp32 staging its init or load holds at once (the
+// loader's and the init's threads: every CPU); *from_file (may be NULL): loaded, not the init.
+double memory_stream_staging(const TrainArgs* a, const Model* m, int* from_file);
+
 // The estimate for the run `a` of model m on n_devices devices (0: plain training on the CPU) with
 // the engine's options eo (resolved: m->mlp_chunk and eo->split_rounds set; unused when plain).
 // a->dist_world > 1: what rank 0 of that many data-parallel ranks holds (the engine: AdamW's m

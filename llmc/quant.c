@@ -347,11 +347,12 @@ typedef struct QuantJob {
 
 // keep: the GGUF's blocks of d as they are, when they are d's elements in d's order (the
 // loader's fp32 values are exactly their dequantisation); 0 if not.
-static int take_gguf_blocks(const QuantJob* q, const TensorDesc* d, const float* w, uint8_t* out) {
+static int take_gguf_blocks(const GgufFile* gguf, const ModelConfig* cfg, const TensorDesc* d,
+                            const float* w, uint8_t* out) {
     GgufPart parts[2];
-    if (!q->gguf || gguf_tensor_parts(q->cfg, d, parts) != 1 || gguf_parts_rearranged(q->cfg, d))
+    if (!gguf || gguf_tensor_parts(cfg, d, parts) != 1 || gguf_parts_rearranged(cfg, d))
         return 0;
-    const GgufTensor* t = gguf_find_tensor(q->gguf, parts[0].name);
+    const GgufTensor* t = gguf_find_tensor(gguf, parts[0].name);
     if (!t || (int)t->type != d->qtype || t->numel != d->numel) return 0;
     float* check = malloc_check((size_t)d->numel * sizeof(float));
     quant_dequantize(d->qtype, t->data, check, d->numel);
@@ -361,13 +362,18 @@ static int take_gguf_blocks(const QuantJob* q, const TensorDesc* d, const float*
     return same;
 }
 
+void quant_tensor_blocks(const TensorDesc* d, const float* w, uint8_t* blocks,
+                         const GgufFile* gguf, const ModelConfig* cfg) {
+    if (!take_gguf_blocks(gguf, cfg, d, w, blocks)) quant_quantize(d->qtype, w, blocks, d->numel);
+}
+
 static void quant_tensor_task(void* arg, int64_t k) {
     const QuantJob* q = arg;
     const int i = q->tensors[k];
     const TensorDesc* d = &q->s->tt->t[i];
     float* w = store_param(q->s, i);
     uint8_t* blocks = malloc_check(quant_tensor_bytes(d, 0));
-    if (!take_gguf_blocks(q, d, w, blocks)) quant_quantize(d->qtype, w, blocks, d->numel);
+    quant_tensor_blocks(d, w, blocks, q->gguf, q->cfg);
     quant_dequantize(d->qtype, blocks, w, d->numel);
     q->s->qblocks[i] = blocks;
 }
@@ -376,6 +382,7 @@ void quant_store_base(Store* s, const GgufFile* gguf, const ModelConfig* cfg) {
     const TensorTable* tt = s->tt;
     const int n = quant_table_count(tt);
     if (n == 0 || s->frozen_released) return;  // (--mmap-base: every frozen tensor is mapped)
+    if (s->base_streamed) return;  // (the init and the loader made the blocks: no fp32 values)
     if (!s->qblocks) s->qblocks = calloc_check((size_t)tt->n, sizeof(uint8_t*));
     QuantJob q = {s, gguf, cfg, malloc_check((size_t)n * sizeof(int))};
     int k = 0;
@@ -390,4 +397,24 @@ void quant_store_base(Store* s, const GgufFile* gguf, const ModelConfig* cfg) {
     threadpool_run(pool, k, quant_tensor_task, &q);
     threadpool_destroy(pool);
     free(q.tensors);
+}
+
+// ----------------------------------------------------------------------------
+// a streamed base (store_create_streamed)
+
+double quant_fp32_bytes(const TensorTable* tt) {
+    double bytes = 0.0;
+    for (int i = 0; i < tt->n; i++)
+        if (tt->t[i].qtype) bytes += 4.0 * (double)tt->t[i].numel;
+    return bytes;
+}
+
+double quant_stream_staging_bytes(const TensorTable* tt, int threads, int from_file) {
+    double largest = 0.0;
+    for (int i = 0; i < tt->n; i++)
+        if (tt->t[i].qtype && (double)tt->t[i].numel > largest) largest = (double)tt->t[i].numel;
+    // the random init: one chunk of store.c's 2^20 elements per thread; a load: one tensor's
+    // fp32 values per thread (a GGUF reads a whole tensor; a safetensors part is at most that)
+    if (!from_file && largest > (double)(1 << 20)) largest = (double)(1 << 20);
+    return (threads > 0 ? threads : 1) * 4.0 * largest;
 }

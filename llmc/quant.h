@@ -10,7 +10,9 @@
  * and dequantised on the device (ops->dequantize) into the stage's parameter slot, in the
  * compute dtype. The Store's fp32 slab holds the dequantised values of those blocks (what every
  * path computes with: the plain trainer, exports, --dump-state), so a run on a q4_k base is the
- * run on the weights dequant(quant(W)), bit for bit on the CPU.
+ * run on the weights dequant(quant(W)), bit for bit on the CPU. A streamed base
+ * (store_create_streamed: the engine, nothing reading the base in fp32) has the blocks alone:
+ * the random init and the loader quantise each tensor as they make it (the same blocks).
  *
  * Which tensors: the frozen linear weights that adapters sit on (q, k, v, o, gate, up, down of
  * the targets) and the MoE experts. Norms, embeddings, the LM head, biases, routers that carry no
@@ -73,9 +75,25 @@ void quant_quantize(int type, const float* x, uint8_t* y, int64_t n);
 // n elements of blocks y -> fp32 x (ggml_dequantize).
 void quant_dequantize(int type, const uint8_t* y, float* x, int64_t n);
 
+// Tensor d's blocks from all of its fp32 values w: the GGUF's own blocks where keep finds them
+// there (as quant_store_base does; gguf NULL: quantised), else ggml's quantiser.
+void quant_tensor_blocks(const TensorDesc* d, const float* w, uint8_t* blocks,
+                         const GgufFile* gguf, const ModelConfig* cfg);
+
 // Quantise every marked tensor of the Store (in parallel, one task per tensor) into
 // s->qblocks[i] and write the dequantised values back into its fp32 slab. keep: a GGUF tensor
 // already in the target type and layout gives its blocks as they are (gguf NULL: quantise all).
+// A streamed Store (store_create_streamed: the init and the loader made the blocks) is left as it
+// is.
 void quant_store_base(struct Store* s, const GgufFile* gguf, const ModelConfig* cfg);
+
+// ----------------------------------------------------------------------------
+// a streamed base (store_create_streamed: the block-format tensors never held in fp32)
+
+// The fp32 bytes the block-format tensors would take (what a streamed base does not hold).
+double quant_fp32_bytes(const TensorTable* tt);
+// The fp32 staging the streamed init or load holds at once with `threads` threads: one chunk
+// of the random init each, or (from_file) one tensor's values each.
+double quant_stream_staging_bytes(const TensorTable* tt, int threads, int from_file);
 
 #endif  // LLMC_QUANT_H

@@ -1,7 +1,8 @@
 /*
  * store.c — host layer store: allocation (zeroed in parallel), seeded random init, parameter and
  * gradient addressing, tied-gradient folding, the optimizer's view of the slabs. Filling the
- * store from checkpoint files is loader.c's job.
+ * store from checkpoint files is loader.c's job. A streamed base's block-format tensors are
+ * generated a chunk at a time and quantised into their blocks (quant.h), never into the slabs.
  */
 #include "store.h"
 
@@ -15,6 +16,7 @@
 #include <unistd.h>
 
 #include "common.h"
+#include "quant.h"
 #include "rng.h"
 
 static float* slab_alloc(int64_t n) {
@@ -107,6 +109,14 @@ void store_create_unfrozen(Store* s, const TensorTable* tt) {
     s->frozen_released = 1;
 }
 
+void store_create_streamed(Store* s, const TensorTable* tt) {
+    store_create_ex(s, tt, 1, NULL, NULL);
+    s->qblocks = calloc_check((size_t)tt->n, sizeof(uint8_t*));
+    for (int i = 0; i < tt->n; i++)
+        if (tt->t[i].qtype) s->qblocks[i] = malloc_check(quant_tensor_bytes(&tt->t[i], 0));
+    s->base_streamed = 1;
+}
+
 void store_create_shard(Store* s, const TensorTable* tt, const int64_t* state_lo,
                         const int64_t* state_hi) {
     store_create_ex(s, tt, 0, state_lo, state_hi);
@@ -185,6 +195,9 @@ float* store_param(const Store* s, int i) {
     const TensorDesc* d = &s->tt->t[i];
     if (s->frozen_released && !s->tt->t[d->tied_to >= 0 ? d->tied_to : i].trainable)
         fatal("internal: %s's fp32 weights were released (store_release_frozen)", d->name);
+    if (s->base_streamed && d->qtype)
+        fatal("internal: %s is held as %s blocks only (a streamed base has no fp32 values)",
+              d->name, quant_type_name(d->qtype));
     return s->param[d->owner_layer] + d->param_offset;
 }
 
@@ -224,7 +237,9 @@ static void init_chunk(void* arg, int64_t c) {
     const TensorDesc* d = &job->s->tt->t[i];
     const int64_t b = job->chunk_begin[c];
     const int64_t n = d->numel - b < INIT_CHUNK ? d->numel - b : INIT_CHUNK;
-    float* p = store_param(job->s, i) + b;
+    // a streamed base: the chunk's values into a buffer of their own, then into their blocks
+    const int streamed = job->s->base_streamed && d->qtype;
+    float* p = streamed ? malloc_check((size_t)n * sizeof(float)) : store_param(job->s, i) + b;
     // As HF's _init_weights: norms 1, linear and expert biases 0 (GPT-OSS), everything else
     // normal(0, std), GPT-OSS's sinks and router bias included. (Biases of 1 would add one
     // constant vector to every token's hidden state, and the router would send every token to
@@ -246,6 +261,12 @@ static void init_chunk(void* arg, int64_t c) {
     const uint32_t key = (uint32_t)job->chunk_key[c];
     rng_seed(&rng, mix32(job->seed ^ mix32(key * 0x9e3779b9u ^ mix32((uint32_t)(b / INIT_CHUNK)))));
     for (int64_t j = 0; j < n; j++) p[j] = job->std * rng_normal(&rng);
+    if (!streamed) return;
+    // (INIT_CHUNK is a multiple of every format's block, so chunk b starts block b / block)
+    int bytes = 0;
+    const int block = ggml_type_block(d->qtype, &bytes);
+    quant_quantize(d->qtype, p, job->s->qblocks[i] + (size_t)(b / block) * (size_t)bytes, n);
+    free(p);
 }
 
 void store_init_random(Store* s, uint32_t seed, float std) {

@@ -40,12 +40,22 @@ typedef struct Store {
     // only (a checkpoint's state is loaded there only); NULL: everywhere
     int64_t* state_lo;  // (n_layers)
     int64_t* state_hi;  // (n_layers)
+    // store_create_streamed: the block-format tensors (TensorDesc.qtype) were never held in fp32:
+    // the random init and the loader quantise each one into its blocks as they produce it, and
+    // their part of the frozen heads is never written (its pages never committed). Reading one
+    // (store_param) is fatal; the other frozen tensors (norms, embeddings, LM head) are fp32 here.
+    int base_streamed;
 } Store;
 
 void store_create(Store* s, const TensorTable* tt);
 // The same, leaving the frozen heads of the parameter slabs untouched (--mmap-base: their pages
 // are never written, so never committed; the base is read from the mapped checkpoint).
 void store_create_unfrozen(Store* s, const TensorTable* tt);
+// The same for a block-format base that never exists in fp32 (LoRA with --base-dtype on the
+// engine, nothing reading the fp32 base: trainer_streams_base): the frozen heads are not zeroed
+// (store_init_random and the loader write every frozen tensor that is not in blocks), each
+// block-format tensor gets its (unwritten) blocks, and base_streamed is set.
+void store_create_streamed(Store* s, const TensorTable* tt);
 // The same for one rank of a data-parallel engine run (ZeRO-1): AdamW's m and v of layer l are
 // zeroed only in [state_lo[l], state_hi[l]) (the rank's shard, dp_engine_state_ranges); the rest
 // of those slabs is never touched, so fresh pages there take no memory unless something writes
@@ -81,7 +91,10 @@ float* store_grad(const Store* s, int i);
 
 // Seeded random init (HF style): matrices and embeddings ~ N(0, std), norms = 1; GPT-OSS: linear
 // and expert biases = 0, sinks and the router bias ~ N(0, std). LoRA adapters are left to
-// lora_init_random; the base gets the same values with or without them.
+// lora_init_random; the base gets the same values with or without them. A streamed base
+// (base_streamed): each block-format tensor's values are generated a chunk at a time into a
+// bounded buffer and quantised into its blocks there (the same values, so the same blocks as
+// quant_store_base makes of the fp32 init: quantisation is per block, chunks are whole blocks).
 void store_init_random(Store* s, uint32_t seed, float std);
 
 void store_zero_grads(Store* s);

@@ -14,6 +14,7 @@
 #include "config.h"
 #include "lora.h"
 #include "plan_hint.h"
+#include "quant.h"
 #ifdef HAVE_CUDA
 #include "../kernels/kernels.h"
 #endif
@@ -177,6 +178,11 @@ int trainer_needs_plain(const TrainArgs* a, int use_engine) {
 
 int trainer_releases_frozen(const TrainArgs* a, const Model* m, int use_engine) {
     return use_engine && a->device == DEVICE_CUDA && m->tt.lora.r > 0 &&
+           !trainer_needs_plain(a, use_engine) && !a->export_hf[0] && !a->export_gguf[0];
+}
+
+int trainer_streams_base(const TrainArgs* a, const Model* m, int use_engine) {
+    return use_engine && m->tt.lora.r > 0 && quant_table_count(&m->tt) > 0 && !a->mmap_base &&
            !trainer_needs_plain(a, use_engine) && !a->export_hf[0] && !a->export_gguf[0];
 }
 

@@ -330,7 +330,11 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
     for (int l = 0; l < NL; l++) {
         e->train_off[l] = tt->param_numel[l] - tt->state_numel[l];
         if (e->train_off[l] == 0) continue;
-        if (e->base_owned) {
+        if (e->base_owned && e->quant && opt->release_frozen && !s->map_src) {
+            // (pack_layer_head allocates it as it packs the layer and gives the Store's copy
+            // back: the host never holds two copies of a quantised base)
+            e->base[l] = NULL;
+        } else if (e->base_owned) {
             e->base[l] = e->impl->host_alloc(transfer_head_held_bytes(e, l) + 64);
         } else {
             e->base[l] = s->param[l];

@@ -131,6 +131,7 @@ typedef struct MasterInit {
 // tensor's blocks from the Store, the others converted to the compute dtype, back to back.
 static void pack_layer_head(Engine* e, int l) {
     const TensorTable* tt = &e->m->tt;
+    if (!e->base[l]) e->base[l] = e->impl->host_alloc(transfer_head_held_bytes(e, l) + 64);
     char* dst = e->base[l];
     for (int i = tt->first[l]; i < tt->first[l] + tt->count[l]; i++) {
         const TensorDesc* d = &tt->t[i];

@@ -7,8 +7,10 @@
  * (skipped without a GPU).
  */
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "../checkpoint.h"
@@ -228,9 +230,15 @@ typedef struct QRun {
     uint64_t param_up;  // bytes on the devices' parameter streams
 } QRun;
 
+// mode: Q_RELEASE gives the Store's base back (EngineOptions.release_frozen, as on GPUs);
+// Q_STREAMED creates the Store streamed (store_create_streamed: the blocks made by the init, no
+// fp32 values; values must be NULL). Either way run->params are the adapters alone.
+#define Q_RELEASE 1
+#define Q_STREAMED 2
+
 // quant: --base-dtype's type for the run (0: none, on the Store `values` gives); values (may be
 // NULL): the fp32 weights to start from instead of the seeded init (every slab, concatenated).
-static int q_engine_on(TestCtx* t, const DeviceImpl* impl, int release, QRun* run,
+static int q_engine_on(TestCtx* t, const DeviceImpl* impl, int mode, QRun* run,
                        const ModelConfig* c, const LoraSpec* l, BaseDtype bd, const float* values,
                        int N, double budget, int sync, const int32_t* tokens, int B, int T,
                        float** values_out) {
@@ -240,7 +248,11 @@ static int q_engine_on(TestCtx* t, const DeviceImpl* impl, int release, QRun* ru
     Store s;
     if (model_init_lora(&m, c, 0, l, err) != 0) fatal("q_engine: %s", err);
     if (quant_table_set(&m.tt, bd, NULL, c, err) != 0) fatal("q_engine: %s", err);
-    store_create(&s, &m.tt);
+    const int release = (mode & Q_RELEASE) != 0, streamed = (mode & Q_STREAMED) != 0;
+    if (streamed)
+        store_create_streamed(&s, &m.tt);
+    else
+        store_create(&s, &m.tt);
     store_init_random(&s, 7, 0.2f);
     lora_init_random(&m, &s, 7);
     int64_t o = 0;
@@ -249,7 +261,7 @@ static int q_engine_on(TestCtx* t, const DeviceImpl* impl, int release, QRun* ru
         o += m.tt.param_numel[k];
     }
     quant_store_base(&s, NULL, c);
-    if (values_out) {  // the dequantised start (the reference run's weights)
+    if (values_out && !streamed) {  // the dequantised start (the reference run's weights)
         int64_t n = 0;
         for (int k = 0; k < m.tt.n_layers; k++) n += m.tt.param_numel[k];
         *values_out = malloc_check((size_t)n * sizeof(float));
@@ -283,13 +295,14 @@ static int q_engine_on(TestCtx* t, const DeviceImpl* impl, int release, QRun* ru
             run->param_up += st.bytes[STREAM_PARAM_UP];
         }
         engine_free(e);
-        // every slab (after a release: the adapters alone)
+        // every slab (after a release or streamed: the adapters alone)
+        const int tails = release || streamed;
         for (int k = 0; k < m.tt.n_layers; k++)
-            run->n_params += release ? m.tt.state_numel[k] : m.tt.param_numel[k];
+            run->n_params += tails ? m.tt.state_numel[k] : m.tt.param_numel[k];
         run->params = malloc_check((size_t)(run->n_params ? run->n_params : 1) * sizeof(float));
         o = 0;
         for (int k = 0; k < m.tt.n_layers; k++) {
-            const int64_t skip = release ? m.tt.param_numel[k] - m.tt.state_numel[k] : 0;
+            const int64_t skip = tails ? m.tt.param_numel[k] - m.tt.state_numel[k] : 0;
             memcpy(run->params + o, s.param[k] + skip,
                    (size_t)(m.tt.param_numel[k] - skip) * sizeof(float));
             o += m.tt.param_numel[k] - skip;
@@ -366,6 +379,154 @@ static void test_quant_engine_matches_dequantised(TestCtx* t) {
         }
         free(tokens);
     }
+}
+
+// ----------------------------------------------------------------------------
+// a streamed base (store_create_streamed)
+
+// The streamed init makes the blocks quant_store_base makes of the fp32 init, byte for byte,
+// and the same fp32 values for the frozen tensors it holds in fp32; the engine's runs on the
+// two Stores (one and three devices, sync and one-step-delayed) give bit-identical losses and
+// adapters, for q8_0, q4_k and mxfp4.
+static void test_quant_streamed_engine(TestCtx* t) {
+    char err[ERR_LEN];
+    const int B = 4, T = 8;
+    const BaseDtype dtypes[3] = {BASE_DTYPE_Q8_0, BASE_DTYPE_Q4_K, BASE_DTYPE_MXFP4};
+    for (int k = 0; k < 3; k++) {
+        const char* name = quant_base_dtype_name(dtypes[k]);
+        const ModelConfig c = q_config(dtypes[k]);
+        const LoraSpec l = all_linear();
+        Model m;
+        CHECK(t, model_init_lora(&m, &c, 0, &l, err) == 0, "%s", err);
+        CHECK(t, quant_table_set(&m.tt, dtypes[k], NULL, &c, err) == 0, "%s", err);
+        Store a, b;
+        store_create(&a, &m.tt);
+        store_init_random(&a, 7, 0.2f);
+        quant_store_base(&a, NULL, &c);
+        store_create_streamed(&b, &m.tt);
+        store_init_random(&b, 7, 0.2f);
+        quant_store_base(&b, NULL, &c);  // (a streamed Store: nothing to do)
+        int n_q = 0, same_q = 0, n_f = 0, same_f = 0;
+        for (int i = 0; i < m.tt.n; i++) {
+            const TensorDesc* d = &m.tt.t[i];
+            if (d->trainable || d->tied_to >= 0) continue;
+            if (d->qtype) {
+                n_q++;
+                same_q += memcmp(a.qblocks[i], b.qblocks[i], quant_tensor_bytes(d, 0)) == 0;
+            } else {
+                n_f++;
+                same_f += memcmp(store_param(&a, i), store_param(&b, i),
+                                 (size_t)d->numel * sizeof(float)) == 0;
+            }
+        }
+        CHECK(t, n_q > 0 && same_q == n_q, "%s: %d of %d tensors' blocks as the fp32 init's", name,
+              same_q, n_q);
+        CHECK(t, n_f > 0 && same_f == n_f, "%s: %d of %d fp32 frozen tensors as the fp32 init's",
+              name, same_f, n_f);
+        store_free(&a);
+        store_free(&b);
+        model_free(&m);
+
+        int32_t* tokens = malloc_check((size_t)Q_STEPS * B * (T + 1) * sizeof(int32_t));
+        Rng r;
+        rng_seed(&r, 41 + k);
+        for (int i = 0; i < Q_STEPS * B * (T + 1); i++) tokens[i] = (int32_t)rng_below(&r, c.V);
+        const struct { int N; double budget; int sync; } cases[] = {{1, 0, 1}, {3, 2.0e5, 1},
+                                                                    {2, 0, 0}, {3, 2.0e5, 0}};
+        for (size_t j = 0; j < sizeof cases / sizeof cases[0]; j++) {
+            const double budget = cases[j].budget * (dtypes[k] == BASE_DTYPE_Q4_K ? 30 : 1);
+            QRun x, y;
+            if (q_engine_on(t, &device_cpu_impl, 0, &x, &c, &l, dtypes[k], NULL, cases[j].N,
+                            budget, cases[j].sync, tokens, B, T, NULL) != 0)
+                continue;
+            if (q_engine_on(t, &device_cpu_impl, Q_STREAMED, &y, &c, &l, dtypes[k], NULL,
+                            cases[j].N, budget, cases[j].sync, tokens, B, T, NULL) == 0) {
+                // (x holds every slab, y the adapters: compare the adapters, the slabs' tails)
+                int64_t o = 0, p = 0;
+                int same = 1;
+                Model mm;
+                model_init_lora(&mm, &c, 0, &l, err);
+                for (int L = 0; L < mm.tt.n_layers; L++) {
+                    const int64_t head = mm.tt.param_numel[L] - mm.tt.state_numel[L];
+                    same &= memcmp(x.params + o + head, y.params + p,
+                                   (size_t)mm.tt.state_numel[L] * sizeof(float)) == 0;
+                    o += mm.tt.param_numel[L];
+                    p += mm.tt.state_numel[L];
+                }
+                model_free(&mm);
+                for (int s = 0; s < Q_STEPS; s++) same &= x.loss[s] == y.loss[s];
+                CHECK(t, same && p == y.n_params, "%s case %zu: streamed losses %.9g %.9g %.9g vs "
+                      "%.9g %.9g %.9g (or adapters differ)", name, j, y.loss[0], y.loss[1],
+                      y.loss[2], x.loss[0], x.loss[1], x.loss[2]);
+                CHECK(t, x.param_up == y.param_up, "%s case %zu: %llu parameter bytes up vs %llu",
+                      name, j, (unsigned long long)y.param_up, (unsigned long long)x.param_up);
+                free(y.params);
+            }
+            free(x.params);
+        }
+        free(tokens);
+    }
+}
+
+// Bytes of [p, p + n) in memory now (mincore, whole pages).
+static double q_resident_bytes(const void* p, size_t n) {
+    const long page = sysconf(_SC_PAGESIZE);
+    const uintptr_t pg = page > 0 ? (uintptr_t)page : 4096u;
+    const uintptr_t b = (uintptr_t)p / pg * pg, e = ((uintptr_t)p + n + pg - 1) / pg * pg;
+    const size_t n_pages = (e - b) / pg;
+    unsigned char* in = malloc_check(n_pages > 0 ? n_pages : 1);
+    if (mincore((void*)b, e - b, in) != 0) fatal("mincore failed");
+    size_t count = 0;
+    for (size_t i = 0; i < n_pages; i++) count += in[i] & 1;
+    free(in);
+    return (double)count * (double)pg;
+}
+
+// A streamed init never touches the block-format tensors' part of the frozen heads: their pages
+// stay out of memory (mincore), where the fp32 init's Store has all of them; layers of 60 MiB
+// (slabs that big are fresh mappings, never recycled heap pages).
+static void test_quant_streamed_pages(TestCtx* t) {
+    char err[ERR_LEN];
+    ModelConfig c = q_config(BASE_DTYPE_Q4_K);
+    c.C = 1024;
+    c.H = 8;
+    c.KVH = 4;
+    c.HD = 128;
+    c.F = 2048;
+    c.L = 1;
+    const LoraSpec l = all_linear();
+    Model m;
+    CHECK(t, model_init_lora(&m, &c, 0, &l, err) == 0, "%s", err);
+    CHECK(t, quant_table_set(&m.tt, BASE_DTYPE_Q4_K, NULL, &c, err) == 0, "%s", err);
+    for (int streamed = 0; streamed < 2; streamed++) {
+        Store s;
+        if (streamed)
+            store_create_streamed(&s, &m.tt);
+        else
+            store_create(&s, &m.tt);
+        store_init_random(&s, 7, 0.2f);
+        quant_store_base(&s, NULL, &c);
+        double bytes = 0.0, resident = 0.0;
+        for (int i = 0; i < m.tt.n; i++) {
+            const TensorDesc* d = &m.tt.t[i];
+            if (!d->qtype) continue;
+            // (the tensor's range less 2 MiB at each end: writing a neighbour may bring in the
+            // transparent huge page it shares with it)
+            const size_t edge = (size_t)2 << 20, n = (size_t)d->numel * sizeof(float);
+            if (n <= 2 * edge) continue;
+            const char* p = (const char*)(s.param[d->owner_layer] + d->param_offset);
+            bytes += (double)(n - 2 * edge);
+            resident += q_resident_bytes(p + edge, n - 2 * edge);
+        }
+        if (streamed)
+            CHECK(t, bytes > 10e6 && resident < 0.01 * bytes, "streamed: %.0f of the %.0f fp32 "
+                  "bytes of the block-format tensors in memory", resident, bytes);
+        else
+            CHECK(t, resident > 0.9 * bytes, "the fp32 init: only %.0f of %.0f bytes in memory",
+                  resident, bytes);
+        store_free(&s);
+    }
+    model_free(&m);
 }
 
 // ----------------------------------------------------------------------------
@@ -562,6 +723,79 @@ static void test_quant_cli_mmap(TestCtx* t) {
     }
 }
 
+// The step records of two logs agree (the timings aside) for steps 1..n.
+static void q_same_steps(TestCtx* t, const char* la, const char* lb, int n, const char* what) {
+    char* a = test_read_file(la, NULL);
+    char* b = test_read_file(lb, NULL);
+    for (int s = 1; s <= n; s++) {
+        char x[512] = "", y[512] = "";
+        const int hx = a && test_log_record(a, s, x, sizeof x);
+        const int hy = b && test_log_record(b, s, y, sizeof y);
+        char* cx = strstr(x, ",\"ms\"");
+        char* cy = strstr(y, ",\"ms\"");
+        if (cx) *cx = 0;
+        if (cy) *cy = 0;
+        CHECK(t, hx && hy && strcmp(x, y) == 0, "%s step %d: '%s' vs '%s'", what, s,
+              hx ? x : "-", hy ? y : "-");
+    }
+    free(a);
+    free(b);
+}
+
+// The CLI streams a block-format base on the engine when nothing reads it in fp32 (--val '',
+// --sample-tokens 0, no HF / GGUF export) and holds it in fp32 otherwise (--val): the same
+// losses either way, from the random init (q8_0 sync, mxfp4 delayed) and from a
+// safetensors checkpoint; --plan says which; --out holds the adapters.
+static void test_quant_cli_streamed(TestCtx* t) {
+    char args[8192], la[1024], lb[1024], m[1024], o[1024];
+    test_path(t, la, sizeof la, "q_held_fp32.jsonl");
+    test_path(t, lb, sizeof lb, "q_streamed.jsonl");
+    test_path(t, m, sizeof m, "q_st_model");
+    test_path(t, o, sizeof o, "q_st_out");
+    const char* dts[2] = {"q8_0", "mxfp4"};
+    for (int k = 0; k < 2; k++) {
+        const int sync = k == 0;  // (q8_0 sync, mxfp4 one-step-delayed)
+        char common[1024], what[64];
+        snprintf(common, sizeof common, "--sample-tokens 0 --threads 1 --lora-r 4 "
+                 "--lora-dropout 0.1 --lr 1e-2 -m 2 --device cpu:2 --device-mem 6M --steps 3 "
+                 "--eval-every 0 --base-dtype %s --sync %d", dts[k], sync);
+        snprintf(args, sizeof args, "%s --val data/tiny_val.bin --log '%s'", common, la);
+        CHECK(t, test_run_cli(t, "qsheld", args) == 0, "%s sync %d: the fp32 base held",
+              dts[k], sync);
+        snprintf(args, sizeof args, "%s --val '' --log '%s' --out '%s'", common, lb, o);
+        CHECK(t, test_run_cli(t, "qsstream", args) == 0, "%s sync %d: streamed", dts[k], sync);
+        snprintf(what, sizeof what, "%s sync %d", dts[k], sync);
+        q_same_steps(t, la, lb, 3, what);
+        char* so = test_read_output(t, "qsstream", "out");
+        CHECK(t, strstr(so, "saved the LoRA adapters"), "--out of a streamed base: %s", so);
+        free(so);
+    }
+    // from a safetensors checkpoint (the loader quantises each part as it converts it)
+    snprintf(args, sizeof args, "--steps 0 --val '' --sample-tokens 0 --export-hf '%s'", m);
+    CHECK(t, test_run_cli(t, "qsexport", args) == 0, "a checkpoint");
+    char common[2048];
+    snprintf(common, sizeof common, "--model '%s' --sample-tokens 0 --threads 1 --lora-r 4 --lr "
+             "1e-2 -m 2 --device cpu:2 --device-mem 6M --steps 3 --eval-every 0 --base-dtype "
+             "q8_0", m);
+    snprintf(args, sizeof args, "%s --val data/tiny_val.bin --log '%s'", common, la);
+    CHECK(t, test_run_cli(t, "qsheld", args) == 0, "safetensors: the fp32 base held");
+    snprintf(args, sizeof args, "%s --val '' --log '%s'", common, lb);
+    CHECK(t, test_run_cli(t, "qsstream", args) == 0, "safetensors: streamed");
+    q_same_steps(t, la, lb, 3, "safetensors");
+    // --plan
+    const char* plan = "--lora-r 4 --plan --device cpu:2 --base-dtype q8_0 --sample-tokens 0";
+    snprintf(args, sizeof args, "%s --val ''", plan);
+    CHECK(t, test_run_cli(t, "qsplan", args) == 0, "--plan, streamed");
+    char* so = test_read_output(t, "qsplan", "out");
+    CHECK(t, strstr(so, "no fp32 base: the random init quantises each tensor"), "%s", so);
+    free(so);
+    snprintf(args, sizeof args, "%s --val data/tiny_val.bin", plan);
+    CHECK(t, test_run_cli(t, "qsplan", args) == 0, "--plan, held");
+    so = test_read_output(t, "qsplan", "out");
+    CHECK(t, strstr(so, "plus the Store's fp32 base"), "%s", so);
+    free(so);
+}
+
 // ----------------------------------------------------------------------------
 // the GPU's dequantiser against the CPU's (bf16 of the same fp32 values: exact)
 
@@ -609,6 +843,15 @@ static void test_quant_gpu_engine(TestCtx* t) {
                 int same = 1;
                 for (int s = 0; s < Q_STEPS; s++) same &= rel.loss[s] == a.loss[s];
                 CHECK(t, same, "%s: releasing the Store's base changes the losses", name);
+                QRun st;
+                if (q_engine_on(t, &device_cuda_impl, Q_RELEASE | Q_STREAMED, &st, &c, &l,
+                                dtypes[k], NULL, 1, 0, 1, tokens, B, T, NULL) == 0) {
+                    same = st.n_params == rel.n_params &&
+                           memcmp(st.params, rel.params, (size_t)st.n_params * 4) == 0;
+                    for (int s = 0; s < Q_STEPS; s++) same &= st.loss[s] == a.loss[s];
+                    CHECK(t, same, "%s: the streamed base changes the losses or adapters", name);
+                    free(st.params);
+                }
                 free(rel.params);
             }
             free(a.params);
@@ -669,6 +912,9 @@ const TestCase tests_quant[] = {
     {"quant_table", test_quant_table},
     {"quant_keep_gguf", test_quant_keep_gguf},
     {"quant_engine_matches_dequantised", test_quant_engine_matches_dequantised},
+    {"quant_streamed_engine", test_quant_streamed_engine},
+    {"quant_streamed_pages", test_quant_streamed_pages},
+    {"quant_cli_streamed", test_quant_cli_streamed},
     {"quant_cli_refusals", test_quant_cli_refusals},
     {"quant_cli_train", test_quant_cli_train},
     {"quant_cli_mmap", test_quant_cli_mmap},
