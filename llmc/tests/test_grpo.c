@@ -491,7 +491,9 @@ static const char* const GRPO_ARITH_FLAGS =
     "--temperature 1 --warmup 3 --schedule constant --steps 60 --sample-tokens 0 --threads 2";
 #define GRPO_ARITH_MARGIN 0.40
 
-static void test_grpo_cli_learns_arith(TestCtx* t) {
+// The three runs of the arithmetic learning test; device: more flags ("" on the CPU), prefix: the
+// runs' tags.
+static void grpo_arith_runs(TestCtx* t, const char* device, const char* prefix) {
     char task[512], model[1024], args[4096];
     snprintf(model, sizeof model, "%s/llmc/tests/fixtures/grpo_arith", t->exe_dir);
     test_path(t, task, sizeof task, "grpo_arith.jsonl");
@@ -514,28 +516,32 @@ static void test_grpo_cli_learns_arith(TestCtx* t) {
     fclose(f);
     // on-policy, one step off, and the control: on-policy with a learning rate too small to act
     const struct { const char* tag; int off; const char* lr; int learns; } runs[] = {
-        {"grpo_arith_off0", 0, "5e-5", 1},
-        {"grpo_arith_off1", 1, "5e-5", 1},
-        {"grpo_arith_still", 0, "1e-9", 0},
+        {"off0", 0, "5e-5", 1},
+        {"off1", 1, "5e-5", 1},
+        {"still", 0, "1e-9", 0},
     };
     for (size_t k = 0; k < sizeof runs / sizeof runs[0]; k++) {
-        snprintf(args, sizeof args, "--model '%s' --rl-task '%s' %s --off-policy %d --lr %s",
-                 model, task, GRPO_ARITH_FLAGS, runs[k].off, runs[k].lr);
-        const int rc = test_run_cli(t, runs[k].tag, args);
-        char* out = test_read_output(t, runs[k].tag, "out");
+        char tag[64];
+        snprintf(tag, sizeof tag, "%s_%s", prefix, runs[k].tag);
+        snprintf(args, sizeof args, "--model '%s' --rl-task '%s' %s %s --off-policy %d --lr %s",
+                 model, task, GRPO_ARITH_FLAGS, device, runs[k].off, runs[k].lr);
+        const int rc = test_run_cli(t, tag, args);
+        char* out = test_read_output(t, tag, "out");
         double first = 0, last = 0;
         const int n = heldout_accuracies(out, &first, &last);
-        CHECK(t, rc == 0 && n == 2, "%s: exit %d, %d accuracy lines", runs[k].tag, rc, n);
+        CHECK(t, rc == 0 && n == 2, "%s: exit %d, %d accuracy lines", tag, rc, n);
         if (runs[k].learns)
             CHECK(t, last - first >= GRPO_ARITH_MARGIN, "%s: held-out accuracy %.3f -> %.3f "
-                  "(want +%.2f)", runs[k].tag, first, last, GRPO_ARITH_MARGIN);
+                  "(want +%.2f)", tag, first, last, GRPO_ARITH_MARGIN);
         else
             CHECK(t, last - first < GRPO_ARITH_MARGIN, "%s: held-out accuracy %.3f -> %.3f with "
-                  "lr 1e-9: the margin says nothing", runs[k].tag, first, last);
-        printf("       %s: held-out accuracy %.3f -> %.3f\n", runs[k].tag, first, last);
+                  "lr 1e-9: the margin says nothing", tag, first, last);
+        printf("       %s: held-out accuracy %.3f -> %.3f\n", tag, first, last);
         free(out);
     }
 }
+
+static void test_grpo_cli_learns_arith(TestCtx* t) { grpo_arith_runs(t, "", "grpo_arith"); }
 
 // --reward-cmd: the command's NaN answers mask their answers (the mean is over the scored
 // ones: 0.5, not the 0.333 that counting them as 0 would give), {"reward": x} lines are read, and
@@ -977,10 +983,20 @@ static void test_grpo_gpu_cli_learns(TestCtx* t) {
     }
 }
 
+// --rl grpo --device cuda learns the arithmetic of grpo_cli_learns_arith by the same margin, on-
+// and one step off-policy (generation and the policy loss on bf16 weights).
+static void test_grpo_gpu_cli_learns_arith(TestCtx* t) {
+    Gpu G;
+    if (!gpu_open(t, &G, 62)) return;
+    gpu_close(&G);  // (only asked whether there is a GPU: the runs below are processes of their own)
+    grpo_arith_runs(t, "--device cuda", "grpo_gpu_arith");
+}
+
 #else  // no CUDA in this build
 
 static void grpo_gpu_skipped(TestCtx* t) { test_skip(t, "built without CUDA"); }
 static void test_grpo_gpu_cli_learns(TestCtx* t) { grpo_gpu_skipped(t); }
+static void test_grpo_gpu_cli_learns_arith(TestCtx* t) { grpo_gpu_skipped(t); }
 static void test_grpo_gpu_decode_attention(TestCtx* t) { grpo_gpu_skipped(t); }
 static void test_grpo_gpu_decode_rope_append(TestCtx* t) { grpo_gpu_skipped(t); }
 static void test_grpo_gpu_sample(TestCtx* t) { grpo_gpu_skipped(t); }
@@ -996,6 +1012,7 @@ const TestCase tests_grpo[] = {
     {"grpo_gpu_policy_op", test_grpo_gpu_policy_op},
     {"grpo_gpu_generate", test_grpo_gpu_generate},
     {"grpo_gpu_cli_learns", test_grpo_gpu_cli_learns},
+    {"grpo_gpu_cli_learns_arith", test_grpo_gpu_cli_learns_arith},
     {"grpo_decode_attention_matches_full", test_grpo_decode_attention_matches_full},
     {"grpo_generate_matches_forward", test_grpo_generate_matches_forward},
     {"grpo_sample_topk_topp", test_grpo_sample_topk_topp},
