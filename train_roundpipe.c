@@ -535,7 +535,7 @@ int main(int argc, char** argv) {
                               .keep_source = a.mmap_base || a.base_dtype == BASE_DTYPE_KEEP};
     if (checkpoint_init_weights(&init, &src, &model, &store, &ts, args_json, err) != 0)
         fatal("%s", err);
-    quant_store_base(&store, base_gguf, &model.cfg);  // (the base's blocks; none for bf16)
+    store_quantize_base(&store, base_gguf, &model.cfg);  // (the base's blocks; none for bf16)
     if (!a.mmap_base) checkpoint_release_weights(&src);  // (--mmap-base: read on every upload)
 
     // 3. the trainer: plain training on the CPU, or the RoundPipe engine over the N devices (its

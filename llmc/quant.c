@@ -1,6 +1,6 @@
 /*
  * quant.c — the frozen base in a block format (quant.h): --base-dtype, which tensors are held
- * quantised, ggml's reference quantisers (Q8_0, Q4_K, MXFP4), the Store's block copy, and the
+ * quantised, ggml's reference quantisers (Q8_0, Q4_K, MXFP4), and the
  * byte counts of a layer's frozen head as held and uploaded.
  */
 #include "quant.h"
@@ -338,13 +338,6 @@ void quant_dequantize(int type, const uint8_t* y, float* x, int64_t n) {
 // ----------------------------------------------------------------------------
 // the Store's blocks
 
-typedef struct QuantJob {
-    Store* s;
-    const GgufFile* gguf;
-    const ModelConfig* cfg;
-    int* tensors;  // the marked tensors' indices
-} QuantJob;
-
 // keep: the GGUF's blocks of d as they are, when they are d's elements in d's order (the
 // loader's fp32 values are exactly their dequantisation); 0 if not.
 static int take_gguf_blocks(const GgufFile* gguf, const ModelConfig* cfg, const TensorDesc* d,
@@ -365,38 +358,6 @@ static int take_gguf_blocks(const GgufFile* gguf, const ModelConfig* cfg, const 
 void quant_tensor_blocks(const TensorDesc* d, const float* w, uint8_t* blocks,
                          const GgufFile* gguf, const ModelConfig* cfg) {
     if (!take_gguf_blocks(gguf, cfg, d, w, blocks)) quant_quantize(d->qtype, w, blocks, d->numel);
-}
-
-static void quant_tensor_task(void* arg, int64_t k) {
-    const QuantJob* q = arg;
-    const int i = q->tensors[k];
-    const TensorDesc* d = &q->s->tt->t[i];
-    float* w = store_param(q->s, i);
-    uint8_t* blocks = malloc_check(quant_tensor_bytes(d, 0));
-    quant_tensor_blocks(d, w, blocks, q->gguf, q->cfg);
-    quant_dequantize(d->qtype, blocks, w, d->numel);
-    q->s->qblocks[i] = blocks;
-}
-
-void quant_store_base(Store* s, const GgufFile* gguf, const ModelConfig* cfg) {
-    const TensorTable* tt = s->tt;
-    const int n = quant_table_count(tt);
-    if (n == 0 || s->frozen_released) return;  // (--mmap-base: every frozen tensor is mapped)
-    if (s->base_streamed) return;  // (the init and the loader made the blocks: no fp32 values)
-    if (!s->qblocks) s->qblocks = calloc_check((size_t)tt->n, sizeof(uint8_t*));
-    QuantJob q = {s, gguf, cfg, malloc_check((size_t)n * sizeof(int))};
-    int k = 0;
-    for (int i = 0; i < tt->n; i++) {
-        if (!tt->t[i].qtype) continue;
-        if (s->map_src && s->map_src[i]) continue;  // (--mmap-base: uploaded from the mapping)
-        free(s->qblocks[i]);
-        s->qblocks[i] = NULL;
-        q.tensors[k++] = i;
-    }
-    ThreadPool* pool = threadpool_create(0);
-    threadpool_run(pool, k, quant_tensor_task, &q);
-    threadpool_destroy(pool);
-    free(q.tensors);
 }
 
 // ----------------------------------------------------------------------------

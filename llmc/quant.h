@@ -28,8 +28,6 @@
 #include "gguf.h"
 #include "tensor.h"
 
-struct Store;
-
 // --base-dtype
 typedef enum {
     BASE_DTYPE_BF16 = 0,  // the compute dtype (no block format): today's behaviour
@@ -76,16 +74,10 @@ void quant_quantize(int type, const float* x, uint8_t* y, int64_t n);
 void quant_dequantize(int type, const uint8_t* y, float* x, int64_t n);
 
 // Tensor d's blocks from all of its fp32 values w: the GGUF's own blocks where keep finds them
-// there (as quant_store_base does; gguf NULL: quantised), else ggml's quantiser.
+// there (as store_quantize_base does; gguf NULL: quantised), else ggml's quantiser.
 void quant_tensor_blocks(const TensorDesc* d, const float* w, uint8_t* blocks,
                          const GgufFile* gguf, const ModelConfig* cfg);
 
-// Quantise every marked tensor of the Store (in parallel, one task per tensor) into
-// s->qblocks[i] and write the dequantised values back into its fp32 slab. keep: a GGUF tensor
-// already in the target type and layout gives its blocks as they are (gguf NULL: quantise all).
-// A streamed Store (store_create_streamed: the init and the loader made the blocks) is left as it
-// is.
-void quant_store_base(struct Store* s, const GgufFile* gguf, const ModelConfig* cfg);
 
 // ----------------------------------------------------------------------------
 // a streamed base (store_create_streamed: the block-format tensors never held in fp32)

@@ -332,3 +332,45 @@ int store_adamw_tensors(const Store* s, AdamWTensor* out) {
     }
     return n;
 }
+
+// ----------------------------------------------------------------------------
+// a block-format base (quant.h) from the fp32 init or load
+
+typedef struct QuantJob {
+    Store* s;
+    const GgufFile* gguf;
+    const ModelConfig* cfg;
+    int* tensors;  // the marked tensors' indices
+} QuantJob;
+
+static void quant_tensor_task(void* arg, int64_t k) {
+    const QuantJob* q = arg;
+    const int i = q->tensors[k];
+    const TensorDesc* d = &q->s->tt->t[i];
+    float* w = store_param(q->s, i);
+    uint8_t* blocks = malloc_check(quant_tensor_bytes(d, 0));
+    quant_tensor_blocks(d, w, blocks, q->gguf, q->cfg);
+    quant_dequantize(d->qtype, blocks, w, d->numel);
+    q->s->qblocks[i] = blocks;
+}
+
+void store_quantize_base(Store* s, const GgufFile* gguf, const ModelConfig* cfg) {
+    const TensorTable* tt = s->tt;
+    const int n = quant_table_count(tt);
+    if (n == 0 || s->frozen_released) return;  // (--mmap-base: every frozen tensor is mapped)
+    if (s->base_streamed) return;  // (the init and the loader made the blocks: no fp32 values)
+    if (!s->qblocks) s->qblocks = calloc_check((size_t)tt->n, sizeof(uint8_t*));
+    QuantJob q = {s, gguf, cfg, malloc_check((size_t)n * sizeof(int))};
+    int k = 0;
+    for (int i = 0; i < tt->n; i++) {
+        if (!tt->t[i].qtype) continue;
+        if (s->map_src && s->map_src[i]) continue;  // (--mmap-base: uploaded from the mapping)
+        free(s->qblocks[i]);
+        s->qblocks[i] = NULL;
+        q.tensors[k++] = i;
+    }
+    ThreadPool* pool = threadpool_create(0);
+    threadpool_run(pool, k, quant_tensor_task, &q);
+    threadpool_destroy(pool);
+    free(q.tensors);
+}

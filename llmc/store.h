@@ -17,6 +17,7 @@
 
 #include "adamw.h"
 #include "config.h"
+#include "gguf.h"
 #include "tensor.h"
 #include "threads.h"
 
@@ -94,7 +95,7 @@ float* store_grad(const Store* s, int i);
 // lora_init_random; the base gets the same values with or without them. A streamed base
 // (base_streamed): each block-format tensor's values are generated a chunk at a time into a
 // bounded buffer and quantised into its blocks there (the same values, so the same blocks as
-// quant_store_base makes of the fp32 init: quantisation is per block, chunks are whole blocks).
+// store_quantize_base makes of the fp32 init: quantisation is per block, chunks are whole blocks).
 void store_init_random(Store* s, uint32_t seed, float std);
 
 void store_zero_grads(Store* s);
@@ -102,5 +103,12 @@ void store_zero_grads(Store* s);
 void store_fold_tied_grads(Store* s);
 // Fill out[] with one AdamWTensor per owned trainable tensor; returns the count (<= tt->n).
 int store_adamw_tensors(const Store* s, AdamWTensor* out);
+
+// Quantise every marked tensor of the Store (in parallel, one task per tensor) into
+// s->qblocks[i] and write the dequantised values back into its fp32 slab. keep: a GGUF tensor
+// already in the target type and layout gives its blocks as they are (gguf NULL: quantise all).
+// A streamed Store (store_create_streamed: the init and the loader made the blocks) is left as it
+// is.
+void store_quantize_base(Store* s, const GgufFile* gguf, const ModelConfig* cfg);
 
 #endif  // LLMC_STORE_H

@@ -335,7 +335,7 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
             // back: the host never holds two copies of a quantised base)
             e->base[l] = NULL;
         } else if (e->base_owned) {
-            e->base[l] = e->impl->host_alloc(transfer_head_held_bytes(e, l) + 64);
+            e->base[l] = e->impl->host_alloc(protocol_head_held_bytes(e, l) + 64);
         } else {
             e->base[l] = s->param[l];
             e->impl->host_register(s->param[l], (size_t)e->train_off[l] * sizeof(float));
@@ -661,6 +661,11 @@ void engine_synchronize(Engine* e) {
     int older = (int)((e->iter) % 2);
     plan_profile_collect(e, older);
     plan_profile_collect(e, 1 - older);
+}
+
+int engine_gather_state(Engine* e, int root, int with_state, char* err) {
+    engine_synchronize(e);  // (every queued step done: the shards hold their final values)
+    return shard_gather_state(e, root, with_state, err);
 }
 
 int engine_write_trace(Engine* e, char* err) {

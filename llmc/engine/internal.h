@@ -409,6 +409,8 @@ void shard_apply_layer(Engine* e, const AdamWUpdate* u, int buf, int l);
 // under mu.
 double shard_loss(Engine* e, int64_t t);
 const char* shard_error(Engine* e);
+// engine_gather_state's collectives, once the engine is idle (engine.c synchronises first).
+int shard_gather_state(Engine* e, int root, int with_state, char* err);
 
 // ----------------------------------------------------------------------------
 // jobs.c: closures and trace labels (under every other engine file)
@@ -450,9 +452,6 @@ void transfer_params_up_gated(Engine* e, DevState* ds, const Stage* st, int k, i
 // The stage's quantised tensors from staging slot k into parameter slot k, on the compute stream
 // behind their upload (gated: each layer behind its own). No-op without --base-dtype.
 void transfer_params_dequant(Engine* e, DevState* ds, const Stage* st, int k, int64_t t, int gated);
-// Bytes of layer l's frozen head in the engine's base copy (the mapped tensors of --mmap-base
-// are not in it).
-size_t transfer_head_held_bytes(const Engine* e, int l);
 // --mmap-base: the pinned staging buffers' size (each of the two per device).
 #define STAGE_BYTES ((size_t)32 << 20)
 // Gradient slot k of a backward stage: zeroed, or the host's partial sum of earlier rounds.
@@ -474,6 +473,10 @@ void transfer_grads_done(Engine* e, DevState* ds, const Stage* st, int gk, int64
 
 // ----------------------------------------------------------------------------
 // protocol.c: per-layer fences and the optimizer thread
+
+// Bytes of layer l's frozen head in the engine's base copy (the mapped tensors of --mmap-base
+// are not in it).
+size_t protocol_head_held_bytes(const Engine* e, int l);
 
 // Rule 2: whether a stage's layers (and a tied head's source) hold iteration t's weights now;
 // whether one layer does; wait for a whole stage on the controller (sync mode); wait for layer

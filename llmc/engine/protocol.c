@@ -127,11 +127,23 @@ typedef struct MasterInit {
     int64_t* head_chunks;  // (NL) of which the frozen head's
 } MasterInit;
 
+// Bytes of layer l's frozen head as the base copy holds it (internal.h).
+size_t protocol_head_held_bytes(const Engine* e, int l) {
+    const TensorTable* tt = &e->m->tt;
+    size_t bytes = 0;
+    for (int i = tt->first[l]; i < tt->first[l] + tt->count[l]; i++) {
+        const TensorDesc* d = &tt->t[i];
+        if (d->owner_layer != l || d->tied_to >= 0 || d->trainable) continue;
+        if (!(e->s->map_src && e->s->map_src[i])) bytes += quant_tensor_bytes(d, e->ab);
+    }
+    return bytes;
+}
+
 // A quantised base (quant.h): layer l's frozen head as uploaded, into base[l] in one task: each
 // tensor's blocks from the Store, the others converted to the compute dtype, back to back.
 static void pack_layer_head(Engine* e, int l) {
     const TensorTable* tt = &e->m->tt;
-    if (!e->base[l]) e->base[l] = e->impl->host_alloc(transfer_head_held_bytes(e, l) + 64);
+    if (!e->base[l]) e->base[l] = e->impl->host_alloc(protocol_head_held_bytes(e, l) + 64);
     char* dst = e->base[l];
     for (int i = tt->first[l]; i < tt->first[l] + tt->count[l]; i++) {
         const TensorDesc* d = &tt->t[i];

@@ -422,10 +422,9 @@ static int gather_field(Engine* e, int l, int f, int keep) {
     return 0;
 }
 
-int engine_gather_state(Engine* e, int root, int with_state, char* err) {
+int shard_gather_state(Engine* e, int root, int with_state, char* err) {
     EngineShard* d = e->dp;
     if (!d) return 0;
-    engine_synchronize(e);
     const int keep = root < 0 || root == d->rank;
     for (int l = 0; l < e->NL; l++)
         for (int f = 0; f < (with_state ? 3 : 1); f++)

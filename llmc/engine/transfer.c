@@ -102,16 +102,6 @@ static int head_copies(const Engine* e, int l, int64_t from, int64_t to, char* d
     return n;
 }
 
-size_t transfer_head_held_bytes(const Engine* e, int l) {
-    const TensorTable* tt = &e->m->tt;
-    size_t bytes = 0;
-    for (int i = tt->first[l]; i < tt->first[l] + tt->count[l]; i++) {
-        const TensorDesc* d = &tt->t[i];
-        if (d->owner_layer != l || d->tied_to >= 0 || d->trainable) continue;
-        if (!(e->s->map_src && e->s->map_src[i])) bytes += quant_tensor_bytes(d, e->ab);
-    }
-    return bytes;
-}
 
 // ----------------------------------------------------------------------------
 // --mmap-base: pageable sources through pinned staging buffers

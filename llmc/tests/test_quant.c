@@ -174,7 +174,7 @@ static void test_quant_keep_gguf(TestCtx* t) {
     Store s;
     store_create(&s, &m.tt);
     CHECK(t, checkpoint_load_weights(&src, &s, NULL, err) == 0, "%s", err);
-    quant_store_base(&s, &src.gguf, &src.cfg);
+    store_quantize_base(&s, &src.gguf, &src.cfg);
     int n = 0, same = 0;
     for (int i = 0; i < m.tt.n; i++) {
         const TensorDesc* d = &m.tt.t[i];
@@ -260,7 +260,7 @@ static int q_engine_on(TestCtx* t, const DeviceImpl* impl, int mode, QRun* run,
         memcpy(s.param[k], values + o, (size_t)m.tt.param_numel[k] * sizeof(float));
         o += m.tt.param_numel[k];
     }
-    quant_store_base(&s, NULL, c);
+    store_quantize_base(&s, NULL, c);
     if (values_out && !streamed) {  // the dequantised start (the reference run's weights)
         int64_t n = 0;
         for (int k = 0; k < m.tt.n_layers; k++) n += m.tt.param_numel[k];
@@ -384,7 +384,7 @@ static void test_quant_engine_matches_dequantised(TestCtx* t) {
 // ----------------------------------------------------------------------------
 // a streamed base (store_create_streamed)
 
-// The streamed init makes the blocks quant_store_base makes of the fp32 init, byte for byte,
+// The streamed init makes the blocks store_quantize_base makes of the fp32 init, byte for byte,
 // and the same fp32 values for the frozen tensors it holds in fp32; the engine's runs on the
 // two Stores (one and three devices, sync and one-step-delayed) give bit-identical losses and
 // adapters, for q8_0, q4_k and mxfp4.
@@ -402,10 +402,10 @@ static void test_quant_streamed_engine(TestCtx* t) {
         Store a, b;
         store_create(&a, &m.tt);
         store_init_random(&a, 7, 0.2f);
-        quant_store_base(&a, NULL, &c);
+        store_quantize_base(&a, NULL, &c);
         store_create_streamed(&b, &m.tt);
         store_init_random(&b, 7, 0.2f);
-        quant_store_base(&b, NULL, &c);  // (a streamed Store: nothing to do)
+        store_quantize_base(&b, NULL, &c);  // (a streamed Store: nothing to do)
         int n_q = 0, same_q = 0, n_f = 0, same_f = 0;
         for (int i = 0; i < m.tt.n; i++) {
             const TensorDesc* d = &m.tt.t[i];
@@ -505,7 +505,7 @@ static void test_quant_streamed_pages(TestCtx* t) {
         else
             store_create(&s, &m.tt);
         store_init_random(&s, 7, 0.2f);
-        quant_store_base(&s, NULL, &c);
+        store_quantize_base(&s, NULL, &c);
         double bytes = 0.0, resident = 0.0;
         for (int i = 0; i < m.tt.n; i++) {
             const TensorDesc* d = &m.tt.t[i];
