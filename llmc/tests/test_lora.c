@@ -877,11 +877,6 @@ static void test_lora_peft_files(TestCtx* t) {
 // ----------------------------------------------------------------------------
 // the CLI
 
-static int one_error_line(const char* err, const char* must) {
-    size_t n = strlen(err);
-    return n > 0 && strchr(err, '\n') == err + n - 1 && strstr(err, "error") && strstr(err, must);
-}
-
 static void test_lora_cli_flags(TestCtx* t) {
     struct {
         const char* args;
@@ -900,8 +895,8 @@ static void test_lora_cli_flags(TestCtx* t) {
         snprintf(args, sizeof args, "--steps 1 --val '' --sample-tokens 0 %s", cases[k].args);
         int rc = test_run_cli(t, "flags", args);
         char* err = test_read_output(t, "flags", "err");
-        CHECK(t, rc == 2 && one_error_line(err, cases[k].must), "'%s': exit %d, '%s' (want '%s')",
-              cases[k].args, rc, err, cases[k].must);
+        CHECK(t, rc == 2 && test_one_error_line(err, cases[k].must),
+              "'%s': exit %d, '%s' (want '%s')", cases[k].args, rc, err, cases[k].must);
         free(err);
     }
 }

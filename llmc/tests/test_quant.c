@@ -532,11 +532,6 @@ static void test_quant_streamed_pages(TestCtx* t) {
 // ----------------------------------------------------------------------------
 // the CLI
 
-static int one_error_line(const char* err, const char* must) {
-    size_t n = strlen(err);
-    return n > 0 && strchr(err, '\n') == err + n - 1 && strstr(err, "error") && strstr(err, must);
-}
-
 static void test_quant_cli_refusals(TestCtx* t) {
     struct {
         const char* args;
@@ -552,8 +547,8 @@ static void test_quant_cli_refusals(TestCtx* t) {
         snprintf(args, sizeof args, "--steps 1 --val '' --sample-tokens 0 %s", cases[k].args);
         int rc = test_run_cli(t, "qflags", args);
         char* err = test_read_output(t, "qflags", "err");
-        CHECK(t, rc != 0 && one_error_line(err, cases[k].must), "'%s': exit %d, '%s' (want '%s')",
-              cases[k].args, rc, err, cases[k].must);
+        CHECK(t, rc != 0 && test_one_error_line(err, cases[k].must),
+              "'%s': exit %d, '%s' (want '%s')", cases[k].args, rc, err, cases[k].must);
         free(err);
     }
 }
@@ -717,8 +712,8 @@ static void test_quant_cli_mmap(TestCtx* t) {
         snprintf(args, sizeof args, "--steps 1 --val '' --sample-tokens 0 %s", cases[k].args);
         int rc = test_run_cli(t, "qmflags", args);
         char* err = test_read_output(t, "qmflags", "err");
-        CHECK(t, rc != 0 && one_error_line(err, cases[k].must), "'%s': exit %d, '%s' (want '%s')",
-              cases[k].args, rc, err, cases[k].must);
+        CHECK(t, rc != 0 && test_one_error_line(err, cases[k].must),
+              "'%s': exit %d, '%s' (want '%s')", cases[k].args, rc, err, cases[k].must);
         free(err);
     }
 }

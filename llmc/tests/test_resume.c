@@ -47,11 +47,6 @@ static void compare_logs(TestCtx* t, const char* log_a, const char* log_b, int f
     }
 }
 
-static int one_error_line(const char* err, const char* must) {
-    size_t n = strlen(err);
-    return n > 0 && strchr(err, '\n') == err + n - 1 && strstr(err, "error") && strstr(err, must);
-}
-
 // ----------------------------------------------------------------------------
 // bit-exact resume
 
@@ -302,13 +297,13 @@ static void test_resume_refusals(TestCtx* t) {
              out);
     rc = test_run_cli(t, "batch_changed", args);
     char* e = test_read_output(t, "batch_changed", "err");
-    CHECK(t, rc == 1 && one_error_line(e, "batch size"), "changed batch: exit %d %s", rc, e);
+    CHECK(t, rc == 1 && test_one_error_line(e, "batch size"), "changed batch: exit %d %s", rc, e);
     free(e);
     // a different model
     snprintf(args, sizeof args, "%s --model test-qwen3 --steps 6 --out '%s' --resume", common, out);
     rc = test_run_cli(t, "model_changed", args);
     e = test_read_output(t, "model_changed", "err");
-    CHECK(t, rc == 1 && one_error_line(e, "vocab_size is 256, this run's model has 96"),
+    CHECK(t, rc == 1 && test_one_error_line(e, "vocab_size is 256, this run's model has 96"),
           "changed model: exit %d %s", rc, e);
     free(e);
     // a corrupted (truncated) state file of a checkpoint whose DONE records no checksums (an
@@ -323,7 +318,7 @@ static void test_resume_refusals(TestCtx* t) {
     snprintf(args, sizeof args, "%s --steps 6 --out '%s' --resume", common, out);
     rc = test_run_cli(t, "corrupt", args);
     e = test_read_output(t, "corrupt", "err");
-    CHECK(t, rc == 1 && one_error_line(e, path), "corrupt state: exit %d %s", rc, e);
+    CHECK(t, rc == 1 && test_one_error_line(e, path), "corrupt state: exit %d %s", rc, e);
     free(e);
 
     // the delayed engine's pending weights: a truncated file is refused
@@ -345,7 +340,7 @@ static void test_resume_refusals(TestCtx* t) {
              common, out);
     rc = test_run_cli(t, "pending_corrupt", args);
     e = test_read_output(t, "pending_corrupt", "err");
-    CHECK(t, rc == 1 && one_error_line(e, "pending_weights.safetensors"),
+    CHECK(t, rc == 1 && test_one_error_line(e, "pending_weights.safetensors"),
           "corrupt pending weights: exit %d %s", rc, e);
     free(e);
 }

@@ -387,3 +387,8 @@ ModelConfig test_engine_config(int tied) {
     c.F = 48;
     return c;
 }
+
+int test_one_error_line(const char* err, const char* must) {
+    size_t n = strlen(err);
+    return n > 0 && strchr(err, '\n') == err + n - 1 && strstr(err, "error") && strstr(err, must);
+}

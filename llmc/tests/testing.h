@@ -111,6 +111,8 @@ int test_run_cli(TestCtx* t, const char* tag, const char* args);
 char* test_read_file(const char* path, size_t* len);
 // tmpdir/<tag>.<ext> of a test_run_cli run.
 char* test_read_output(TestCtx* t, const char* tag, const char* ext);
+// err is one line (a trailing newline, no other), names an error and contains must.
+int test_one_error_line(const char* err, const char* must);
 
 // ---- the reference trainer (testing.c) ----
 // Plain (non-pipelined) training of c's model on ops/ctx: each step runs M micro-batches of
