@@ -390,6 +390,13 @@ static int train_rl(const TrainArgs* a, Trainer* tr, const Model* model, Store* 
     Grpo grpo;
     if (grpo_create(&grpo, a, model, store, tr->plain, tok, start, budget, err) != 0)
         fatal("--rl: %s", err);
+    // resumed one step off-policy: the answers generated ahead for step start + 1, as saved (an
+    // on-policy run generates its own)
+    TrainState* ts = tr->ts;
+    if (ts->rl_state_bytes && a->rl.off_policy &&
+        grpo_state_restore(&grpo, ts->rl_state, ts->rl_state_bytes, start, err) != 0)
+        fatal("--resume: %s", err);
+    train_state_free_rl(ts);
     const RlArgs* r = &a->rl;
     printf("GRPO: %d prompts x %d answers of up to %d tokens per step (task %s, reward %s), "
            "temperature %g, adv-std %s, clip %g/%g, loss %s, kl-beta %g, %s\n", r->prompts,
@@ -408,7 +415,15 @@ static int train_rl(const TrainArgs* a, Trainer* tr, const Model* model, Store* 
         done = step;
         interrupt_test_hook(step);
         if (a->save_every > 0 && (step % a->save_every == 0 || step == a->steps)) {
-            if (trainer_save_checkpoint(tr, train, step, args_json, err) != 0) fatal("%s", err);
+            size_t bytes = 0;
+            void* rl_state = grpo_state_pack(&grpo, step, &bytes);
+            ts->rl_state = rl_state;
+            ts->rl_state_bytes = bytes;
+            const int rc = trainer_save_checkpoint(tr, train, step, args_json, err);
+            ts->rl_state = NULL;
+            ts->rl_state_bytes = 0;
+            free(rl_state);
+            if (rc != 0) fatal("%s", err);
             *saved = step;
         }
         if (r->eval_every > 0 && step % r->eval_every == 0 && step != a->steps)

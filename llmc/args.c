@@ -57,7 +57,7 @@ void args_defaults(TrainArgs* a) {
     rl_args_defaults(&a->rl);
     a->round_micro_batches = 0;
     a->recompute_layer = 0;
-    a->sync = 0;
+    a->sync = -1;  // unset: resolved after the flags (the delayed update, or 1 for on-policy GRPO)
     a->split_rounds = -1;  // auto: the trainer decides once the plan is known
     a->plan_only = 0;
     a->device_mem = 0;
@@ -182,7 +182,7 @@ void args_usage(FILE* f) {
         "                         the machine has available (MemAvailable, the cgroup limit):\n"
         "                         a warning instead of the refusal (exit 2)\n"
         "\n"
-        "LoRA (adapters on a frozen base; --device cpu and cpu:N for now, cuda only --plan)\n"
+        "LoRA (adapters on a frozen base; --device cpu, cpu:N, cuda and cuda:N)\n"
         "      --lora-r R         adapter rank; 0 = off, full fine-tuning (default 0)\n"
         "      --lora-alpha A     scale alpha / r (default %g)\n"
         "      --lora-targets L   all-linear (every linear but the LM head) or a comma list of\n"
@@ -215,7 +215,8 @@ void args_usage(FILE* f) {
         "                         stage); auto = the fewest (<= 8) within 3%% of the cheapest\n"
         "                         plan (default auto)\n"
         "      --recompute G      stage | layer: what the backward recomputes from (default stage)\n"
-        "      --sync 0|1         1: synchronous optimizer; 0: one-step-delayed update (default 0)\n"
+        "      --sync 0|1         1: synchronous optimizer; 0: one-step-delayed update (default 0;\n"
+        "                         1 for on-policy --rl grpo, whose next rollout needs this update)\n"
         "      --device-mem BYTES device memory for parameter stages, e.g. 512M or 80G\n"
         "                         (default: unlimited for emulated devices)\n"
         "      --plan             print the partition, predicted bubble and memory, then exit\n"
@@ -756,6 +757,18 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
     if (optind < argc)
         return bad(argv[optind], "", "unexpected argument (every value follows its flag)");
     // cross-flag checks
+    // --sync: the delayed update applies step t's gradient during step t + 1, so iteration t + 1
+    // computes with the weights before it. On-policy GRPO generates step t + 1's answers with
+    // step t's update applied: the delayed update would take its gradient at older weights than
+    // the answers' (ratios off 1 at every step; measured: it stops learning). --off-policy 1 is
+    // the delayed update's natural schedule: its trainer computes with the weights its answers
+    // were generated with.
+    const int rl_engine = a->rl.on && (a->n_devices > 0 || a->device == DEVICE_CUDA);
+    if (a->sync < 0) a->sync = a->rl.on && !a->rl.off_policy ? 1 : 0;
+    else if (a->sync == 0 && rl_engine && !a->rl.off_policy)
+        return bad("--sync", "0", "on-policy --rl grpo needs the synchronous update (its next "
+                   "rollout uses this step's update, which the delayed one applies a step late): "
+                   "leave --sync out, or use --off-policy 1");
     if (a->micro_batches > a->batch) {
         char v[64];
         snprintf(v, sizeof v, "%d", a->micro_batches);

@@ -437,6 +437,13 @@ void train_state_free(TrainState* ts) {
     ts->pending_owned = 0;
 }
 
+void train_state_free_rl(TrainState* ts) {
+    if (ts->rl_state_owned) free((void*)ts->rl_state);
+    ts->rl_state = NULL;
+    ts->rl_state_bytes = 0;
+    ts->rl_state_owned = 0;
+}
+
 static int write_pending(const char* path, const Model* m, const TrainState* ts, CkptFiles* cf,
                          char* err) {
     StWriter w;
@@ -614,6 +621,9 @@ int checkpoint_save_state_gathered(const char* dir, int keep, const Model* m, co
         snprintf(path, sizeof path, "%s/pending_weights.safetensors", tmp);
         if (write_pending(path, m, ts, &cf, err) != 0) return -1;
     }
+    if (ts->rl_state_bytes &&
+        write_buffer(tmp, "rl_state.bin", ts->rl_state, ts->rl_state_bytes, &cf, err) != 0)
+        return -1;
     if (fsync_dir(tmp, err) != 0) return -1;
     // an older checkpoint of the same step (a re-run into the same --out) is replaced
     if (remove_flat_dir(final, err) != 0) return -1;
@@ -907,6 +917,15 @@ int checkpoint_load_state(const char* step_dir, const Model* m, Store* s, TrainS
     snprintf(path, sizeof path, "%s/train_state.safetensors", step_dir);
     if (read_train_state(path, m, s, ts, err) != 0) return -1;
     if (read_pending(step_dir, m, ts, err) != 0) return -1;
+    snprintf(path, sizeof path, "%s/rl_state.bin", step_dir);
+    if (file_exists(path)) {
+        size_t len = 0;
+        char* buf = file_read_all(path, (size_t)1 << 34, &len, err);
+        if (!buf) return -1;
+        ts->rl_state = buf;
+        ts->rl_state_bytes = len;
+        ts->rl_state_owned = 1;
+    }
     int64_t named = parse_step_name(strrchr(step_dir, '/') ? strrchr(step_dir, '/') + 1 : step_dir);
     if (named >= 0 && named != ts->step)
         return errorf(err, "%s: holds step %lld but the directory is named for step %lld", path,

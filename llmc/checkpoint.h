@@ -92,10 +92,18 @@ typedef struct TrainState {
     void** pending;
     int pending_owned;
     double pending_norm, pending_lr;
+    // Reinforcement learning's state beyond the weights (rl_state.bin, opaque here: llmc/grpo.c
+    // writes and reads it): the rollout generated ahead for the next step, which a resumed
+    // one-step-off-policy run trains on as the straight run would. Saved when rl_state_bytes > 0;
+    // loaded into an owned buffer (rl_state_owned) when the checkpoint has one.
+    const void* rl_state;
+    size_t rl_state_bytes;
+    int rl_state_owned;
 } TrainState;
 
 void train_state_init(TrainState* ts, uint32_t seed);
 void train_state_free(TrainState* ts);  // the loaded pending weights
+void train_state_free_rl(TrainState* ts);  // the loaded RL state (rl_state)
 
 // Where the start of a run takes its weights from (the run's --model, --out, --resume, --seed
 // and --init-std).

@@ -291,8 +291,11 @@ void grpo_rollout(Grpo* g, int step) {
         fill_batch(g, b, step);
     }
     // one step off: the next step's batch with the weights before this step's update (with
-    // separate rollout GPUs it is generated while this step trains)
-    if (r->off_policy && step < g->a->steps) fill_batch(g, &g->batch[1 - g->cur], step + 1);
+    // separate rollout GPUs it is generated while this step trains); after the last step too
+    // when it ends in a checkpoint, which keeps the batch (grpo_state_pack), so a run resumed
+    // from it with more --steps trains on the answers the straight run would
+    if (r->off_policy && (step < g->a->steps || g->a->save_every > 0))
+        fill_batch(g, &g->batch[1 - g->cur], step + 1);
     st->rollout_s = time_now_s() - t0;
     const double decoded = (double)g->gen.n_decoded - decoded0;
     st->gen_tok_s = st->rollout_s > 0 ? decoded / st->rollout_s : 0.0;
@@ -625,4 +628,125 @@ void grpo_log_eval(StepLog* lg, int step, double accuracy, int n) {
     json_num(lg->f, "heldout_accuracy", accuracy);
     fprintf(lg->f, "}\n");
     fflush(lg->f);
+}
+
+// ----------------------------------------------------------------------------
+// the checkpoint's RL state: the rollout generated ahead (one step off-policy)
+
+#define GRPO_STATE_MAGIC "RPGRPO01"
+
+// rl_state.bin: the magic, then int64 for_step and version, int32 n and maxT; per answer int32
+// len, prompt_len, stopped, correct and a double reward; then the tokens (n, maxT) int32 and the
+// log-probs (n, 2 maxT) float, in this machine's byte order (checkpoints are read where they are
+// written; the DONE marker's checksum guards the bytes).
+typedef struct GrpoStateHead {
+    char magic[8];
+    int64_t for_step, version;
+    int32_t n, maxT;
+} GrpoStateHead;
+
+typedef struct GrpoStateSeq {
+    int32_t len, prompt_len, stopped, correct;
+    double reward;
+} GrpoStateSeq;
+
+// The ready batch generated for step `step` + 1, if any.
+static const GrpoBatch* batch_ahead(const Grpo* g, int64_t step) {
+    for (int i = 0; i < 2; i++)
+        if (g->batch[i].ready && g->batch[i].for_step == step + 1) return &g->batch[i];
+    return NULL;
+}
+
+void* grpo_state_pack(const Grpo* g, int64_t step, size_t* bytes) {
+    *bytes = 0;
+    const GrpoBatch* b = batch_ahead(g, step);
+    if (!b) return NULL;
+    const size_t n = (size_t)b->n, T = (size_t)g->maxT;
+    const size_t total = sizeof(GrpoStateHead) + n * sizeof(GrpoStateSeq) +
+                         n * T * sizeof(int32_t) + n * 2 * T * sizeof(float);
+    char* buf = calloc_check(total, 1);
+    GrpoStateHead h = {.for_step = b->for_step, .version = b->version, .n = b->n,
+                       .maxT = g->maxT};
+    memcpy(h.magic, GRPO_STATE_MAGIC, sizeof h.magic);
+    memcpy(buf, &h, sizeof h);
+    char* p = buf + sizeof h;
+    for (size_t i = 0; i < n; i++, p += sizeof(GrpoStateSeq)) {
+        const GenSeq* q = &b->seqs[i];
+        const GrpoStateSeq s = {.len = q->len, .prompt_len = q->prompt_len,
+                                .stopped = q->stopped, .correct = b->correct[i],
+                                .reward = b->reward[i]};
+        memcpy(p, &s, sizeof s);
+    }
+    memcpy(p, b->tokens, n * T * sizeof(int32_t));
+    p += n * T * sizeof(int32_t);
+    memcpy(p, b->logp, n * 2 * T * sizeof(float));
+    *bytes = total;
+    return buf;
+}
+
+int grpo_state_restore(Grpo* g, const void* buf, size_t bytes, int64_t step, char* err) {
+    const char* what = "the checkpoint's rl_state.bin";
+    GrpoStateHead h;
+    if (bytes < sizeof h) return errorf(err, "%s: %zu bytes, shorter than its header", what, bytes);
+    memcpy(&h, buf, sizeof h);
+    if (memcmp(h.magic, GRPO_STATE_MAGIC, sizeof h.magic) != 0)
+        return errorf(err, "%s: not a GRPO rollout (bad magic)", what);
+    const int P = g->r->prompts, G = g->r->group;
+    if (h.n != P * G || h.maxT != g->maxT)
+        return errorf(err, "%s: a rollout of %d answers x %d positions; this run makes %d x %d "
+                      "(--rl-prompts, --rl-group and --seq must be the checkpoint's)", what,
+                      (int)h.n, (int)h.maxT, P * G, g->maxT);
+    if (h.for_step != step + 1 || h.version < 0 || h.version > step)
+        return errorf(err, "%s: a rollout for step %lld by weights v%lld, not one for step %lld",
+                      what, (long long)h.for_step, (long long)h.version, (long long)step + 1);
+    const size_t n = (size_t)h.n, T = (size_t)h.maxT;
+    if (bytes != sizeof h + n * sizeof(GrpoStateSeq) + n * T * sizeof(int32_t) +
+                     n * 2 * T * sizeof(float))
+        return errorf(err, "%s: %zu bytes, not the size its header gives", what, bytes);
+    GrpoBatch* b = &g->batch[1 - g->cur];
+    const char* p = (const char*)buf + sizeof h;
+    const char* toks = p + n * sizeof(GrpoStateSeq);
+    memcpy(b->tokens, toks, n * T * sizeof(int32_t));
+    memcpy(b->logp, toks + n * T * sizeof(int32_t), n * 2 * T * sizeof(float));
+    char prompt[4096], answer[1024], text[4096];
+    for (int k = 0; k < P; k++) {
+        rl_task_train_problem(&g->task, h.for_step, k, prompt, sizeof prompt, answer,
+                              sizeof answer);
+        free(b->prompts[k]);
+        free(b->answers[k]);
+        b->prompts[k] = strndup_check(prompt, strlen(prompt));
+        b->answers[k] = strndup_check(answer, strlen(answer));
+    }
+    for (size_t i = 0; i < n; i++, p += sizeof(GrpoStateSeq)) {
+        GrpoStateSeq s;
+        memcpy(&s, p, sizeof s);
+        GenSeq* q = &b->seqs[i];
+        if (s.prompt_len < 1 || s.len < s.prompt_len || s.len > h.maxT ||
+            s.len - s.prompt_len > g->r->max_tokens || (s.stopped != 0 && s.stopped != 1))
+            return errorf(err, "%s: answer %zu has %d tokens after a prompt of %d (budget %d, "
+                          "%d positions)", what, i, (int)s.len, (int)s.prompt_len,
+                          g->r->max_tokens, (int)h.maxT);
+        for (int j = 0; j < s.len; j++)
+            if (q->tokens[j] < 0 || q->tokens[j] >= g->m->cfg.V)
+                return errorf(err, "%s: answer %zu holds token %d outside the vocabulary", what,
+                              i, (int)q->tokens[j]);
+        q->prompt_len = s.prompt_len;
+        q->len = s.len;
+        q->stopped = s.stopped;
+        q->max_new = g->r->max_tokens;
+        q->stop_a = g->stop_a;
+        q->stop_b = g->stop_b;
+        q->version = h.version;
+        b->correct[i] = s.correct != 0;
+        b->reward[i] = s.reward;
+        rl_decode_answer(&g->m->cfg, g->tok, q->tokens + q->prompt_len, q->len - q->prompt_len,
+                         g->stop_a, g->stop_b, text, sizeof text);
+        free(b->completions[i]);
+        b->completions[i] = strndup_check(text, strlen(text));
+    }
+    b->version = h.version;
+    b->for_step = h.for_step;
+    b->ready = 1;
+    b->rollout_s = 0.0;
+    return 0;
 }

@@ -123,6 +123,13 @@ StepStats grpo_train(Grpo* g, Trainer* tr, int step);
 void grpo_sync(Grpo* g, int64_t version);
 // Exact-match accuracy of greedy answers to the held-out problems (the generator's weights).
 double grpo_evaluate(Grpo* g);
+
+// The checkpoint's RL state after step `step` (TrainState.rl_state): the rollout generated ahead
+// for step + 1 (one step off-policy), packed into a malloc'd buffer (NULL, *bytes 0: none), and
+// put back on resume so the resumed run trains on the answers the straight run generated (their
+// weights are gone by then). grpo_state_restore validates what it reads: -1 with err.
+void* grpo_state_pack(const Grpo* g, int64_t step, size_t* bytes);
+int grpo_state_restore(Grpo* g, const void* buf, size_t bytes, int64_t step, char* err);
 // The step line and its JSON record.
 void grpo_log_step(const Grpo* g, StepLog* lg, const StepStats* st);
 void grpo_log_eval(StepLog* lg, int step, double accuracy, int n);

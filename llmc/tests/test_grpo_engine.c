@@ -366,27 +366,38 @@ static void test_grpo_engine_cli_matches_plain(TestCtx* t) {
     free(plain);
 }
 
-// Resumed from a checkpoint after step 2, an engine run logs steps 3-4 as the straight run
-// (sync and the delayed update, whose pending weights the checkpoint keeps).
+// Resumed from a checkpoint after step 2, a run logs steps 3-4 as the straight run: on the engine
+// on-policy with the synchronous update, and one step off with the delayed update (whose pending
+// weights the checkpoint keeps; on-policy GRPO refuses the delayed update); on the plain path one
+// step off. One step off, the checkpoint keeps the answers generated ahead for step 3
+// (rl_state.bin): their weights are gone by then.
 static void test_grpo_engine_cli_resume(TestCtx* t) {
     char script[512], args[4096];
     if (reward_script(t, script, sizeof script) != 0) return;
-    for (int sync = 0; sync <= 1; sync++) {
-        char la[512], lb[512], dir[512], tag[64];
-        test_path(t, la, sizeof la, sync ? "gr_s_a.jsonl" : "gr_d_a.jsonl");
-        test_path(t, lb, sizeof lb, sync ? "gr_s_b.jsonl" : "gr_d_b.jsonl");
-        test_path(t, dir, sizeof dir, sync ? "gr_s_ck" : "gr_d_ck");
-        snprintf(tag, sizeof tag, "grpo_engine_resume%d", sync);
-        snprintf(args, sizeof args, "%s --steps 4 --reward-cmd 'sh %s' --log '%s' --device cpu:2 "
-                 "--sync %d", GRPO_ENGINE_FLAGS, script, la, sync);
+    const struct { const char* name; const char* flags; } runs[] = {
+        {"sync", "--device cpu:2 --sync 1 --off-policy 0"},
+        {"delayed", "--device cpu:2 --sync 0 --off-policy 1"},
+        {"plain", "--off-policy 1"},
+    };
+    for (size_t k = 0; k < sizeof runs / sizeof runs[0]; k++) {
+        char la[512], lb[512], dir[512], tag[64], name[96];
+        snprintf(tag, sizeof tag, "grpo_resume_%s", runs[k].name);
+        snprintf(name, sizeof name, "%s_a.jsonl", tag);
+        test_path(t, la, sizeof la, name);
+        snprintf(name, sizeof name, "%s_b.jsonl", tag);
+        test_path(t, lb, sizeof lb, name);
+        snprintf(name, sizeof name, "%s_ck", tag);
+        test_path(t, dir, sizeof dir, name);
+        snprintf(args, sizeof args, "%s --steps 4 --reward-cmd 'sh %s' --log '%s' %s",
+                 GRPO_ENGINE_FLAGS, script, la, runs[k].flags);
         int rc = test_run_cli(t, tag, args);
         CHECK(t, rc == 0, "%s: straight run exited %d", tag, rc);
         snprintf(args, sizeof args, "%s --steps 2 --save-every 2 --out '%s' --reward-cmd 'sh %s' "
-                 "--device cpu:2 --sync %d", GRPO_ENGINE_FLAGS, dir, script, sync);
+                 "%s", GRPO_ENGINE_FLAGS, dir, script, runs[k].flags);
         rc = test_run_cli(t, tag, args);
         CHECK(t, rc == 0, "%s: first half exited %d", tag, rc);
         snprintf(args, sizeof args, "%s --steps 4 --resume --out '%s' --reward-cmd 'sh %s' "
-                 "--log '%s' --device cpu:2 --sync %d", GRPO_ENGINE_FLAGS, dir, script, lb, sync);
+                 "--log '%s' %s", GRPO_ENGINE_FLAGS, dir, script, lb, runs[k].flags);
         rc = test_run_cli(t, tag, args);
         char* out = test_read_output(t, tag, "out");
         CHECK(t, rc == 0, "%s: resumed half exited %d: %s", tag, rc, out ? out : "");
