@@ -176,9 +176,10 @@ __device__ __forceinline__ float dq_byte_as_float(uint32_t u, int k, float minus
 // 8 bytes at p (any alignment) from shared memory: three aligned words, two funnel shifts. The
 // third word may lie past the data (the tile buffer has a spare chunk); shift 0 ignores it.
 __device__ __forceinline__ uint2 dq_smem_bytes8(const uint8_t* p) {
-    const uint32_t* w = reinterpret_cast<const uint32_t*>(reinterpret_cast<uintptr_t>(p) & ~(uintptr_t)3);
-    const uint32_t sh = 8u * (uint32_t)(reinterpret_cast<uintptr_t>(p) & 3);
-    return make_uint2(__funnelshift_r(w[0], w[1], sh), __funnelshift_r(w[1], w[2], sh));
+    const uint32_t mis = (uint32_t)(reinterpret_cast<uintptr_t>(p) & 3);
+    // (pointer arithmetic, not a cast from an integer: the loads stay ld.shared)
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(p - mis);
+    return make_uint2(__funnelshift_r(w[0], w[1], 8 * mis), __funnelshift_r(w[1], w[2], 8 * mis));
 }
 
 // kvalues[q] * d for the nibbles at bits sh..sh+3 of each byte of w (elements of 4 bytes).
@@ -213,18 +214,22 @@ __device__ __forceinline__ void dq_tile_load(uint4 (&v)[NL], const uint8_t* p, i
 #pragma unroll
             for (int j = 0; j < 16; j++)
                 if (c + j >= lo && c + j < hi)
-                    w[j / 4] |= (uint32_t)*reinterpret_cast<const uint8_t*>(c + j) << (8 * (j % 4));
+                    w[j / 4] |= (uint32_t)__ldg(reinterpret_cast<const uint8_t*>(c + j)) << (8 * (j % 4));
             v[k] = make_uint4(w[0], w[1], w[2], w[3]);
         }
     }
 }
 
 // 8 floats as bf16 in one 16-byte store
+__device__ __forceinline__ uint32_t dq_bf16x2_bits(float lo, float hi) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+}
+// (__stwb: one 16-byte store instruction for sure; a plain uint4 assignment came out of the
+// compiler as four 4-byte stores in one of the unrolled rounds)
 __device__ __forceinline__ void dq_store8(bf16* out, const float* y) {
-    __nv_bfloat162 h[4];
-#pragma unroll
-    for (int k = 0; k < 4; k++) h[k] = __floats2bfloat162_rn(y[2 * k], y[2 * k + 1]);
-    *reinterpret_cast<uint4*>(out) = *reinterpret_cast<uint4*>(h);
+    __stwb(reinterpret_cast<uint4*>(out), make_uint4(dq_bf16x2_bits(y[0], y[1]), dq_bf16x2_bits(y[2], y[3]),
+                                                  dq_bf16x2_bits(y[4], y[5]), dq_bf16x2_bits(y[6], y[7])));
 }
 
 // Q8_0 or MXFP4 (TYPE): nb blocks -> out (16-byte aligned), a warp per 32-block tile.
@@ -280,40 +285,56 @@ __global__ void __launch_bounds__(32 * DQ_TILE_WARPS, DQ_TILE_MIN_CTAS)
 
 static constexpr int DQ_Q4K_PER_WARP = 2;  // Q4_K blocks a warp decodes per round
 
-// Q4_K: nb blocks -> out (16-byte aligned), a warp per block; ALIGNED: blocks 16-byte aligned
-// (then so is every block: 144 = 9 x 16), else byte loads.
+// Q4_K block b's header (d, dmin as f16, scales[12]) and the 8 quant bytes at qoff.
+template <bool ALIGNED>
+__device__ __forceinline__ void dq_q4k_load(const uint8_t* b, int qoff, uint4* h, uint2* q) {
+    if (ALIGNED) {
+        *h = __ldg(reinterpret_cast<const uint4*>(b));
+        *q = __ldg(reinterpret_cast<const uint2*>(b + qoff));
+    } else {
+        uint32_t w[6] = {0, 0, 0, 0, 0, 0};
+#pragma unroll
+        for (int j = 0; j < 16; j++) w[j / 4] |= (uint32_t)__ldg(b + j) << (8 * (j % 4));
+#pragma unroll
+        for (int j = 0; j < 8; j++) w[4 + j / 4] |= (uint32_t)__ldg(b + qoff + j) << (8 * (j % 4));
+        *h = make_uint4(w[0], w[1], w[2], w[3]);
+        *q = make_uint2(w[4], w[5]);
+    }
+}
+
+// Q4_K: nb blocks -> out (16-byte aligned), a warp per DQ_Q4K_PER_WARP blocks a round, the next
+// round's loads in flight while this one is decoded; ALIGNED: blocks 16-byte aligned (then so is
+// every block: 144 = 9 x 16), else byte loads.
 template <bool ALIGNED>
 __global__ void __launch_bounds__(32 * DQ_TILE_WARPS, DQ_TILE_MIN_CTAS)
     dequant_q4k_warp_kernel(bf16* __restrict__ out, const uint8_t* __restrict__ blocks, size_t nb) {
+    constexpr int P = DQ_Q4K_PER_WARP;
     const int c = threadIdx.x & 31, s = c / 4;  // lane: elements 8 c .. of sub-block s
     const int qoff = 16 + 32 * (s / 2) + 8 * (c % 4), sh = 4 * (s & 1);
-    const size_t stride = (size_t)gridDim.x * DQ_TILE_WARPS * DQ_Q4K_PER_WARP;
-    for (size_t t0 = (blockIdx.x * (size_t)DQ_TILE_WARPS + (threadIdx.x >> 5)) * DQ_Q4K_PER_WARP;
-         t0 < nb; t0 += stride) {
-        uint4 h[DQ_Q4K_PER_WARP];  // d, dmin (f16), scales[12]
-        uint2 q[DQ_Q4K_PER_WARP];  // the lane's 8 quant bytes
+    const size_t stride = (size_t)gridDim.x * DQ_TILE_WARPS * P;
+    size_t t0 = (blockIdx.x * (size_t)DQ_TILE_WARPS + (threadIdx.x >> 5)) * P;
+    uint4 h[P];
+    uint2 q[P];
 #pragma unroll
-        for (int u = 0; u < DQ_Q4K_PER_WARP; u++) {  // all loads first: they fly together
-            if (t0 + u >= nb) break;
-            const uint8_t* b = blocks + (t0 + u) * 144;
-            if (ALIGNED) {
-                h[u] = __ldg(reinterpret_cast<const uint4*>(b));
-                q[u] = __ldg(reinterpret_cast<const uint2*>(b + qoff));
-            } else {
-                uint32_t w[6] = {0, 0, 0, 0, 0, 0};
+    for (int u = 0; u < P; u++) {
+        h[u] = make_uint4(0, 0, 0, 0);
+        q[u] = make_uint2(0, 0);
+        if (t0 + u < nb) dq_q4k_load<ALIGNED>(blocks + (t0 + u) * 144, qoff, &h[u], &q[u]);
+    }
+    for (; t0 < nb; t0 += stride) {
+        uint4 hc[P];
+        uint2 qc[P];
 #pragma unroll
-                for (int j = 0; j < 16; j++) w[j / 4] |= (uint32_t)b[j] << (8 * (j % 4));
-#pragma unroll
-                for (int j = 0; j < 8; j++) w[4 + j / 4] |= (uint32_t)b[qoff + j] << (8 * (j % 4));
-                h[u] = make_uint4(w[0], w[1], w[2], w[3]);
-                q[u] = make_uint2(w[4], w[5]);
-            }
+        for (int u = 0; u < P; u++) {
+            hc[u] = h[u];
+            qc[u] = q[u];
+            if (t0 + stride + u < nb) dq_q4k_load<ALIGNED>(blocks + (t0 + stride + u) * 144, qoff, &h[u], &q[u]);
         }
 #pragma unroll
-        for (int u = 0; u < DQ_Q4K_PER_WARP; u++) {
+        for (int u = 0; u < P; u++) {
             if (t0 + u >= nb) break;
             // get_scale_min_k4 on the words of scales[0..3], [4..7], [8..11]
-            const uint32_t s0 = h[u].y, s1 = h[u].z, s2 = h[u].w, k8 = 8 * (s & 3);
+            const uint32_t s0 = hc[u].y, s1 = hc[u].z, s2 = hc[u].w, k8 = 8 * (s & 3);
             int sc, m;
             if (s < 4) {
                 sc = (int)((s0 >> k8) & 63);
@@ -322,12 +343,12 @@ __global__ void __launch_bounds__(32 * DQ_TILE_WARPS, DQ_TILE_MIN_CTAS)
                 sc = (int)(((s2 >> k8) & 0x0F) | (((s0 >> k8) >> 6 & 3) << 4));
                 m = (int)(((s2 >> k8) >> 4 & 0x0F) | (((s1 >> k8) >> 6 & 3) << 4));
             }
-            const float d = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(h[u].x & 0xFFFF))), (float)sc);
-            const float dm = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(h[u].x >> 16))), (float)m);
+            const float d = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(hc[u].x & 0xFFFF))), (float)sc);
+            const float dm = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(hc[u].x >> 16))), (float)m);
             float y[8];
 #pragma unroll
             for (int k = 0; k < 8; k++) {
-                const uint32_t nib = ((k < 4 ? q[u].x : q[u].y) >> sh) & 0x0F0F0F0Fu;
+                const uint32_t nib = ((k < 4 ? qc[u].x : qc[u].y) >> sh) & 0x0F0F0F0Fu;
                 y[k] = __fsub_rn(__fmul_rn(d, dq_byte_as_float(nib, k & 3, 8388608.0f)), dm);
             }
             dq_store8(out + (t0 + u) * 256 + 8 * c, y);
