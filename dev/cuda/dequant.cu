@@ -179,7 +179,9 @@ static void validate(Lab* lab, int v, Rng* r) {
 static void bench(Lab* lab, Rng* r) {
     (void)r;
     const size_t n = 2048ull * 2048 * 2 + 1024ull * 2048 * 2 + 6144ull * 2048 * 3;  // 50.3 M
-    printf("benchmark: one Qwen3-1.7B block's linears, %zu elements\n", n);
+    printf("benchmark: one Qwen3-1.7B block's linears, %zu elements; \"+5 B\": the blocks 5 bytes "
+           "past a 16-byte boundary (a staging slot after another tensor's 17-byte blocks)\n", n);
+    lab_report_copy(lab, 2 * n);
     lab_bench_header_bw();
     bf16* out = dev_alloc<bf16>(n);
     for (int k = 0; k < 3; k++) {
@@ -187,17 +189,19 @@ static void bench(Lab* lab, Rng* r) {
         Rng rb;
         rng_seed(&rb, 5);
         std::vector<uint8_t> b = random_blocks(&rb, type, n);
+        b.insert(b.begin(), 16, 0);  // the blocks at db + 16 (aligned) or db + 5
         uint8_t* db = dev_upload(b);
-        const double bytes = (double)b.size() + 2.0 * n;
+        const double bytes = (double)(b.size() - 16) + 2.0 * n;
         char counted[64];
-        snprintf(counted, sizeof counted, "%.2f B/elt in, 2 out", (double)b.size() / n);
-        for (int v = 1; v <= DEQUANT_VARIANTS; v++) {
-            if (!lab_wants(&lab->args, v)) continue;
-            const double ms = lab_time_ms(lab, [&] {
-                cuda_dequantize(lab->cx->stream, lab->cx->n_sms, v, out, db, type, n);
-            });
-            lab_report_bw(quant_type_name(type), v, "50.3M", counted, bytes, ms);
-        }
+        snprintf(counted, sizeof counted, "%.2f B/elt in, 2 out", (double)(b.size() - 16) / n);
+        for (int pad = 0; pad <= 5; pad += 5)
+            for (int v = 1; v <= DEQUANT_VARIANTS; v++) {
+                if (!lab_wants(&lab->args, v) || (pad && v == DEQUANT_NAIVE)) continue;
+                const double ms = lab_time_ms(lab, [&] {
+                    cuda_dequantize(lab->cx->stream, lab->cx->n_sms, v, out, db + (pad ? 5 : 16), type, n);
+                });
+                lab_report_bw(quant_type_name(type), v, pad ? "50.3M +5 B" : "50.3M", counted, bytes, ms);
+            }
         cuda_check(cudaFree(db));
     }
     cuda_check(cudaFree(out));
