@@ -156,9 +156,10 @@ __global__ void dequant_subblock_kernel(bf16* __restrict__ out, const uint8_t* _
 // loads (prefetching the next tile's chunks into registers while decoding this one), put them in
 // the warp's shared memory, then decode 8 elements per lane and store: lane `lane` of round s
 // writes chunk 32 s + lane of the tile's 2 KiB of bf16, so every store instruction covers 512
-// contiguous bytes. Q4_K (144-byte blocks, 16-byte aligned where the base is): a warp takes one
-// block per round, lane c its 8 elements 8c.., from one 16-byte header load (the same address in
-// every lane: one transaction) and one 8-byte load of its quant bytes.
+// contiguous bytes. Q4_K (144-byte blocks, 16-byte aligned where the base is): a warp takes two
+// blocks per round, lane c their elements 8c.., from one 16-byte header load each (the same
+// address in every lane: one transaction) and one 8-byte load of its quant bytes, the next
+// round's loads in flight meanwhile.
 //
 // E2M1 without a table: the code's exponent and mantissa bits placed at the fp32 exponent's low
 // two bits and the mantissa's top bit read as 2^-126 times the FP4 value (for exponent 0 a
@@ -167,8 +168,9 @@ __global__ void dequant_subblock_kernel(bf16* __restrict__ out, const uint8_t* _
 static constexpr int DQ_TILE_WARPS = 8;  // warps per CTA of the tile kernels
 static constexpr int DQ_TILE_MIN_CTAS = 6;  // CTAs per SM they are compiled for (<= 40 registers)
 
-// The element-pair ints of 4 bytes as floats, exactly, without I2F: byte k of u (0..255) made the
-// low mantissa byte of 2^23, then 2^23 (+ bias) subtracted.
+// Byte k of u (0..255) minus (minus - 2^23) as a float, exactly and without I2F: the byte made
+// the low mantissa byte of 2^23 (one PRMT), then `minus` subtracted (2^23, or 2^23 + 128 to
+// read the byte as an int8 whose sign bit was flipped).
 __device__ __forceinline__ float dq_byte_as_float(uint32_t u, int k, float minus) {
     return __fsub_rn(__uint_as_float(__byte_perm(u, 0x4B000000u, 0x7440u | (uint32_t)k)), minus);
 }
