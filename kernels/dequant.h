@@ -18,12 +18,13 @@
 extern "C" {
 #endif
 
-// Variants: 0 lets the launcher pick (2, or 1 where out is not 16-byte aligned).
+// Variants: 0 lets the launcher pick (3, or 1 where out is not 16-byte aligned).
 enum {
     DEQUANT_AUTO = 0,
     DEQUANT_NAIVE = 1,     // one thread per element, its block's header read per element
     DEQUANT_SUBBLOCK = 2,  // one thread per 32-element (sub-)block: header once, 4 x 16-byte stores
-    DEQUANT_VARIANTS = 2
+    DEQUANT_TILE = 3,      // a warp per tile of blocks: 16-byte loads, coalesced 16-byte stores
+    DEQUANT_VARIANTS = 3
 };
 
 // out (n) bf16 = blocks (n elements of ggml `type`: GGML_TYPE_Q8_0 = 8, Q4_K = 12, MXFP4 = 39;
