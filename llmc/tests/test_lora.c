@@ -1,11 +1,12 @@
 /*
  * test_lora.c — suite `lora`: LoRA adapters on a frozen base (lora.h).
  *
- *  - the ops: column-range add / read (against a reference, and each the other's adjoint: the
- *    finite-difference check of linear ops), dropout (mask rate, scale, its own backward, the
+ *  - the ops: column-range products, stored or added, on a strided input (against a reference,
+ *    and each the other's adjoint: the finite-difference check of linear ops), dropout (mask rate, scale, its own backward, the
  *    same mask for any row chunking);
  *  - the tensor table: adapters named by their PEFT keys, the only trainable tensors, gradient
- *    and AdamW slabs of the adapters only, the HF view without them; MoE: attention adapters
+ *    and AdamW slabs of the adapters only (each block's A's, then its B's), the HF view without
+ *    them; MoE: attention adapters
  *    only (finite-difference checked, and through the engine), the other targets refused;
  *  - the model: finite-difference checks of every A and B gradient (LLaMA and tied Qwen3, with
  *    and without dropout), B = 0 gives the base's loss to the bit, the merged base gives the
@@ -284,6 +285,25 @@ static void test_lora_table(TestCtx* t) {
           "PEFT key and shape of layers.0 down_proj lora_A");
     CHECK(t, store_bytes(tt) < store_bytes(&base.tt) / 2 + 1e6, "LoRA store %.0f bytes vs %.0f",
           store_bytes(tt), store_bytes(&base.tt));
+    // the slabs: every block's A's in target order, then its B's, packed (the table keeps A, B
+    // per target); the A's of q, k, v (and gate, up) one matrix in parameters, gradients and
+    // AdamW state alike (lora.c runs each group as one product)
+    int packed = 1;
+    for (int l2 = 0; l2 < c.L; l2++) {
+        int64_t p = -1, gr = -1, sto = -1;
+        for (int k = 0; k < 2; k++)
+            for (int tg = 0; tg < LORA_N_DENSE_TARGETS; tg++) {
+                const TensorDesc* d = &tt->t[tensor_table_lora_index(tt, l2, (LoraTarget)tg, k)];
+                if (p >= 0)
+                    packed &= d->param_offset == p && d->grad_offset == gr &&
+                              d->state_offset == sto;
+                p = d->param_offset + d->numel;
+                gr = d->grad_offset + d->numel;
+                sto = d->state_offset + d->numel;
+            }
+        packed &= p == tt->param_numel[l2 + 1] && gr == tt->grad_numel[l2 + 1];
+    }
+    CHECK(t, packed, "adapter slabs: each block's A's, then its B's, packed at the slab's end");
     // without LoRA every offset as before
     int same = 1;
     for (int k = 0; k < base.tt.n; k++) {
@@ -582,8 +602,40 @@ static float* lora_grads_copy(const Fix* f, int64_t* n_out) {
 
 // B = 0 (PEFT's init): the base's loss to the bit. The merged base: the adapted loss. Recompute
 // and the chunked MLP: the same loss and gradients.
+// Without dropout (adapters sharing an input as one product, t kept by the forward, adapters
+// covering their output written before the base's product), all-linear and q, v, down (no group
+// covers its output: added after the base's): the recompute as the kept activations to the bit,
+// the chunked MLP (t recomputed) within rounding.
+static void lora_consistency_fused(TestCtx* t, const ModelConfig* c, unsigned targets) {
+    LoraSpec l = spec(4, 8.0f, targets, 0.0f, 0);
+    Fix a, b, ch;
+    fix_init(&a, c, &l, 0, 0);
+    fix_init(&b, c, &l, 1, 0);
+    fix_init(&ch, c, &l, 0, 5);
+    const double la = fix_grads(&a), lb = fix_grads(&b), lc = fix_grads(&ch);
+    CHECK(t, la == lb, "targets %#x, recompute: loss %.9g vs %.9g", targets, la, lb);
+    CHECK(t, fabs(la - lc) <= 1e-6 * fabs(la), "targets %#x, chunked MLP: loss %.9g vs %.9g",
+          targets, la, lc);
+    int64_t n;
+    float* ga = lora_grads_copy(&a, &n);
+    float* gb = lora_grads_copy(&b, &n);
+    float* gc = lora_grads_copy(&ch, &n);
+    CHECK(t, memcmp(ga, gb, (size_t)n * sizeof(float)) == 0,
+          "targets %#x, recompute: the same gradients", targets);
+    const double e = rel_l2_error(gc, ga, (size_t)n);
+    CHECK(t, e <= 1e-5, "targets %#x, chunked MLP: gradient relative error %.3g", targets, e);
+    free(ga);
+    free(gb);
+    free(gc);
+    fix_free(&a);
+    fix_free(&b);
+    fix_free(&ch);
+}
+
 static void test_lora_model_consistency(TestCtx* t) {
     ModelConfig c = test_small_config(FAMILY_LLAMA, 0);
+    lora_consistency_fused(t, &c, LORA_ALL_LINEAR);
+    lora_consistency_fused(t, &c, LORA_BIT(LORA_Q) | LORA_BIT(LORA_V) | LORA_BIT(LORA_DOWN));
     LoraSpec l = spec(4, 8.0f, LORA_ALL_LINEAR, 0.2f, 0);
     Fix a, b, ch;
     fix_init(&a, &c, &l, 0, 0);
