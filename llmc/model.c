@@ -433,8 +433,9 @@ static void mlp_chunk_forward(const Model* m, Workspace* ws, const BlockLayout* 
 }
 
 // ln1 = RMSNorm(x) (rstd into rstd1), qkv_raw = ln1 · Wqkvᵀ (+ bqkv) (+ the adapters: their t
-// into lora_t, or NULL), qkv = RoPE(qk-norm(qkv_raw)) (its rstd into rstd_qk): the forward's ops, also run by the backward of a chunked block, which
-// keeps none of them (the same ops on the same inputs: the same bits).
+// into lora_t, or NULL), qkv = RoPE(qk-norm(qkv_raw)) (its rstd into rstd_qk): the forward's
+// ops, also run by the backward of a chunked block, which keeps none of them (the same ops on the
+// same inputs: the same bits).
 static void attention_input_forward(const Model* m, Workspace* ws, const BlockLayout* bl,
                                     int block, const void* slab, const void* x_in, void* ln1,
                                     float* rstd1, void* qkv_raw, void* qkv, float* rstd_qk,

@@ -2,8 +2,8 @@
  * test_lora.c — suite `lora`: LoRA adapters on a frozen base (lora.h).
  *
  *  - the ops: column-range products, stored or added, on a strided input (against a reference,
- *    and each the other's adjoint: the finite-difference check of linear ops), dropout (mask rate, scale, its own backward, the
- *    same mask for any row chunking);
+ *    and each the other's adjoint: the finite-difference check of linear ops), dropout (mask
+ *    rate, scale, its own backward, the same mask for any row chunking);
  *  - the tensor table: adapters named by their PEFT keys, the only trainable tensors, gradient
  *    and AdamW slabs of the adapters only (each block's A's, then its B's), the HF view without
  *    them; MoE: attention adapters
@@ -1885,28 +1885,35 @@ static void test_lora_gpu_model(TestCtx* t) {
         free(dg);
         fix_free(&d);
 
-        LoraSpec l = spec(8, 16.0f, LORA_ALL_LINEAR, 0.1f, 0);
-        Fix a;
-        fix_init(&a, &c, &l, 0, 0);
-        fix_round_bf16(&a);
-        const double lc = fix_grads(&a);
-        int64_t n;
-        float* gc = lora_grads_copy(&a, &n);
-        float* gg;
-        const double lg = gpu_fix_grads(&a, &gg, &n);
-        CHECK(t, fabs(lg - lc) <= 2e-2 * fabs(lc), "%s: GPU loss %.6f vs CPU %.6f",
-              family_names[c.family], lg, lc);
-        const double e = rel_l2_error(gg, gc, (size_t)n);
-        const double tol = fmax(5e-2, 2.0 * floor);
-        CHECK(t, e <= tol, "%s: adapter gradients relative L2 error %.3g (tol %.3g: twice the "
-              "full model's %.3g, at least 0.05)", family_names[c.family], e, tol, floor);
-        CHECK(t, floor <= 0.2, "%s: full fine-tuning's GPU gradients are %.3g off the CPU's",
-              family_names[c.family], floor);
-        printf("  %s: loss %.6f vs %.6f, adapter gradient error %.3g (full fine-tuning's "
-               "gradients: %.3g)\n", family_names[c.family], lg, lc, e, floor);
-        free(gc);
-        free(gg);
-        fix_free(&a);
+        // with dropout (adapter by adapter, after the base), and without (q, k, v and gate, up
+        // as one product each, t kept, written before the base's product adds onto them)
+        for (int dp = 0; dp < 2; dp++) {
+            LoraSpec l = spec(8, 16.0f, LORA_ALL_LINEAR, dp ? 0.0f : 0.1f, 0);
+            Fix a;
+            fix_init(&a, &c, &l, 0, 0);
+            fix_round_bf16(&a);
+            const double lc = fix_grads(&a);
+            int64_t n;
+            float* gc = lora_grads_copy(&a, &n);
+            float* gg;
+            const double lg = gpu_fix_grads(&a, &gg, &n);
+            CHECK(t, fabs(lg - lc) <= 2e-2 * fabs(lc),
+                  "%s (dropout %g): GPU loss %.6f vs CPU %.6f", family_names[c.family],
+                  (double)l.dropout, lg, lc);
+            const double e = rel_l2_error(gg, gc, (size_t)n);
+            const double tol = fmax(5e-2, 2.0 * floor);
+            CHECK(t, e <= tol, "%s (dropout %g): adapter gradients relative L2 error %.3g (tol "
+                  "%.3g: twice the full model's %.3g, at least 0.05)", family_names[c.family],
+                  (double)l.dropout, e, tol, floor);
+            CHECK(t, floor <= 0.2, "%s: full fine-tuning's GPU gradients are %.3g off the CPU's",
+                  family_names[c.family], floor);
+            printf("  %s (dropout %g): loss %.6f vs %.6f, adapter gradient error %.3g (full "
+                   "fine-tuning's gradients: %.3g)\n", family_names[c.family],
+                   (double)l.dropout, lg, lc, e, floor);
+            free(gc);
+            free(gg);
+            fix_free(&a);
+        }
     }
 }
 // The experts' per-expert adapters on the GPU (the grouped matmul with the rank as the narrow
