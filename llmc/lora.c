@@ -154,7 +154,8 @@ static LoraGroup lora_group(const Model* m, int block, unsigned mask) {
 
 // ----------------------------------------------------------------------------
 // scratch: t and dt (rows, the widest fused linear's k·r), tmp (rows, widest), drop(x) (rows,
-// widest) with dropout. The expert adapters run on the R = n·K routed rows: t, dt (R, 2r at most), tmp (R, max(2F, C)).
+// widest) with dropout. The expert adapters run on the R = n·K routed rows: t, dt (R, 2r at
+// most), tmp (R, max(2F, C)).
 
 // The widest t of one fused linear's adapters (k·r: q, k, v run as one; r each with dropout).
 static int64_t group_rank_max(const Model* m) {
