@@ -212,11 +212,11 @@ void cuda_matmul_forward(CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w,
                          int N, int IC, int OC);
 void cuda_matmul_backward(CudaCtx* cx, bf16* dinp, float* dw, float* dbias, const bf16* dout,
                           const bf16* inp, const bf16* w, int N, int IC, int OC);
-void cuda_matmul_cols_add(CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w, float scale,
-                          int N, int IC, int OC, int ld, int c0);
+void cuda_matmul_cols_forward(CudaCtx* cx, bf16* out, int accumulate, const bf16* inp, int ldi,
+                              const bf16* w, float scale, int N, int IC, int OC, int ld, int c0);
 void cuda_matmul_cols_backward(CudaCtx* cx, bf16* dinp, int accumulate, float* dw,
                                const bf16* dout, const bf16* inp, const bf16* w, float scale,
-                               int N, int IC, int OC, int ld, int c0);
+                               int N, int IC, int ldi, int OC, int ld, int c0);
 void cuda_matmul_plans_free(CudaCtx* cx);
 
 // rope.cu

@@ -215,24 +215,26 @@ void cuda_matmul_backward(CudaCtx* cx, bf16* dinp, float* dw, float* dbias, cons
 }
 
 // ----------------------------------------------------------------------------
-// LoRA's column-range products (ops.h): the same three products on a column range of a fused
-// output, with the scale as cuBLASLt's alpha and the range as a pointer offset and a leading
-// dimension, so no (N, OC) copy is made: the forward accumulates into its columns of out
-// (beta = 1, bf16 C = D), the backward reads its columns of dout in place.
+// LoRA's column-range products (ops.h): the same three products on a column range of fused rows,
+// with the scale as cuBLASLt's alpha and the ranges as pointer offsets and leading dimensions, so
+// no (N, OC) copy is made: the forward stores into (beta = 0) or accumulates onto (beta = 1, bf16
+// C = D) its columns of out, reading its input's columns in place (one adapter's part of a fused
+// t); the backward reads its columns of dout in place and writes or accumulates dinp's.
 
-void cuda_matmul_cols_add(CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w, float scale,
-                          int N, int IC, int OC, int ld, int c0) {
+void cuda_matmul_cols_forward(CudaCtx* cx, bf16* out, int accumulate, const bf16* inp, int ldi,
+                              const bf16* w, float scale, int N, int IC, int OC, int ld, int c0) {
     if (N <= 0 || OC <= 0) return;
-    lt_matmul(cx, 1, 0, OC, N, IC, w, IC, inp, IC, out + c0, ld, 0, NULL, 1.0f, scale);
+    lt_matmul(cx, 1, 0, OC, N, IC, w, IC, inp, ldi, out + c0, ld, 0, NULL,
+              accumulate ? 1.0f : 0.0f, scale);
 }
 
 void cuda_matmul_cols_backward(CudaCtx* cx, bf16* dinp, int accumulate, float* dw,
                                const bf16* dout, const bf16* inp, const bf16* w, float scale,
-                               int N, int IC, int OC, int ld, int c0) {
+                               int N, int IC, int ldi, int OC, int ld, int c0) {
     if (N <= 0) return;
     const bf16* g = dout + c0;
     if (dinp)
-        lt_matmul(cx, 0, 0, IC, N, OC, w, IC, g, ld, dinp, IC, 0, NULL, accumulate ? 1.0f : 0.0f,
+        lt_matmul(cx, 0, 0, IC, N, OC, w, IC, g, ld, dinp, ldi, 0, NULL, accumulate ? 1.0f : 0.0f,
                   scale);
-    if (dw) lt_matmul(cx, 0, 1, IC, OC, N, inp, IC, g, ld, dw, IC, 1, NULL, 1.0f, scale);
+    if (dw) lt_matmul(cx, 0, 1, IC, OC, N, inp, ldi, g, ld, dw, IC, 1, NULL, 1.0f, scale);
 }

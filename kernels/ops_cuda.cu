@@ -504,23 +504,25 @@ static void op_dequantize(void* ctx, void* out, const void* blocks, int type, si
     prof_end(cx);
 }
 
-static void op_matmul_cols_add(void* ctx, void* out, const void* inp, const void* w, float scale,
-                              int N, int IC, int OC, int ld, int c0) {
+static void op_matmul_cols_forward(void* ctx, void* out, int accumulate, const void* inp, int ldi,
+                                   const void* w, float scale, int N, int IC, int OC, int ld,
+                                   int c0) {
     CudaCtx* cx = ctx_enter(ctx);
-    prof_begin(cx, 2.0 * N * IC * OC, 0, "lora fwd N=%d IC=%d OC=%d", N, IC, OC);
-    cuda_matmul_cols_add(cx, (bf16*)out, (const bf16*)inp, (const bf16*)w, scale, N, IC, OC, ld,
-                         c0);
+    prof_begin(cx, 2.0 * N * IC * OC, 0, "cols fwd%s N=%d IC=%d OC=%d", accumulate ? " acc" : "",
+               N, IC, OC);
+    cuda_matmul_cols_forward(cx, (bf16*)out, accumulate, (const bf16*)inp, ldi, (const bf16*)w,
+                             scale, N, IC, OC, ld, c0);
     prof_end(cx);
 }
 
 static void op_matmul_cols_backward(void* ctx, void* dinp, int accumulate, float* dw,
                                     const void* dout, const void* inp, const void* w, float scale,
-                                    int N, int IC, int OC, int ld, int c0) {
+                                    int N, int IC, int ldi, int OC, int ld, int c0) {
     CudaCtx* cx = ctx_enter(ctx);
     prof_begin(cx, 2.0 * N * IC * OC * ((dinp ? 1 : 0) + (dw ? 1 : 0)), 0,
-               "lora bwd N=%d IC=%d OC=%d", N, IC, OC);
+               "cols bwd%s%s N=%d IC=%d OC=%d", dinp ? " dinp" : "", dw ? " dw" : "", N, IC, OC);
     cuda_matmul_cols_backward(cx, (bf16*)dinp, accumulate, dw, (const bf16*)dout,
-                              (const bf16*)inp, (const bf16*)w, scale, N, IC, OC, ld, c0);
+                              (const bf16*)inp, (const bf16*)w, scale, N, IC, ldi, OC, ld, c0);
     prof_end(cx);
 }
 
@@ -753,7 +755,7 @@ extern "C" const Ops ops_cuda = {
     .moe_combine_forward = op_moe_combine_forward,
     .moe_combine_backward = op_moe_combine_backward,
     .moe_router_stats = op_moe_router_stats,
-    .matmul_cols_add = op_matmul_cols_add,
+    .matmul_cols_forward = op_matmul_cols_forward,
     .matmul_cols_backward = op_matmul_cols_backward,
     .dropout = op_dropout,
     .dequantize = op_dequantize,

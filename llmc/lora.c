@@ -117,13 +117,66 @@ static int64_t widest(const Model* m) {
 }
 
 // ----------------------------------------------------------------------------
-// scratch: t and dt (rows, rank), tmp (rows, widest), drop(x) (rows, widest) with dropout. The
-// expert adapters run on the R = n·K routed rows: t, dt (R, 2r at most), tmp (R, max(2F, C)).
+// the adapters of one fused linear: the targets in a mask that the block has, sharing input x.
+// Without dropout they run as one: their A's are adjacent in the slab (tensor.c, lora_slab_pass),
+// one (k·r, in) matrix A_s, so t_s = x·A_sᵀ is one (n, k·r) product (one pass over x instead of k)
+// and so are dx += dt_s·A_s and dA_s += dt_sᵀ·x; each B still writes its own column range.
+
+typedef struct LoraGroup {
+    int n;                     // adapters, in target order
+    LoraTarget tg[LORA_N_DENSE_TARGETS];
+    int in, ld, rank;          // the shared input's width, the fused output's, t's (n · r)
+    int64_t a, ga;             // the first A in the parameter slab, its gradient in gslab
+} LoraGroup;
+
+static LoraGroup lora_group(const Model* m, int block, unsigned mask) {
+    const BlockLayout* bl = &m->layout[block];
+    const BlockLayout* gl = &m->glayout[block];
+    const int r = m->tt.lora.r;
+    LoraGroup g = {0};
+    for (int tg = 0; tg < LORA_N_TARGETS; tg++) {
+        if (!(mask & LORA_BIT(tg)) || bl->lora_a[tg] < 0 || lora_target_is_expert((LoraTarget)tg))
+            continue;
+        const LoraSite st = lora_site(m, (LoraTarget)tg);
+        if (g.n == 0) {
+            g.in = st.in, g.ld = st.ld, g.a = bl->lora_a[tg], g.ga = gl->lora_a[tg];
+        } else if (g.n == LORA_N_DENSE_TARGETS || st.in != g.in || st.ld != g.ld ||
+                   bl->lora_a[tg] != g.a + (int64_t)g.rank * g.in ||
+                   gl->lora_a[tg] != g.ga + (int64_t)g.rank * g.in) {
+            fatal("internal: LoRA adapters of block %d (mask %#x) do not share an input and "
+                  "adjacent A's", block, mask);
+        }
+        g.tg[g.n++] = (LoraTarget)tg;
+        g.rank += r;
+    }
+    return g;
+}
+
+// ----------------------------------------------------------------------------
+// scratch: t and dt (rows, the widest fused linear's k·r), tmp (rows, widest), drop(x) (rows,
+// widest) with dropout. The expert adapters run on the R = n·K routed rows: t, dt (R, 2r at
+// most), tmp (R, max(2F, C)).
+
+// The widest t of one fused linear's adapters (k·r: q, k, v run as one; r each with dropout).
+static int64_t group_rank_max(const Model* m) {
+    const LoraSpec* l = &m->tt.lora;
+    if (l->dropout > 0) return l->r;
+    const unsigned sites[] = {LORA_BIT(LORA_Q) | LORA_BIT(LORA_K) | LORA_BIT(LORA_V),
+                              LORA_BIT(LORA_O), LORA_BIT(LORA_GATE) | LORA_BIT(LORA_UP),
+                              LORA_BIT(LORA_DOWN), LORA_BIT(LORA_ROUTER)};
+    int64_t most = l->r;
+    for (int b = 0; b < m->cfg.L; b++)
+        for (size_t i = 0; i < sizeof sites / sizeof sites[0]; i++) {
+            const int64_t k = lora_group(m, b, sites[i]).rank;
+            if (k > most) most = k;
+        }
+    return most;
+}
 
 static void scratch_elems(const Model* m, int64_t n, size_t* t_elems, size_t* tmp_elems) {
     const LoraSpec* l = &m->tt.lora;
     const ModelConfig* c = &m->cfg;
-    *t_elems = (size_t)n * (size_t)l->r;
+    *t_elems = (size_t)n * (size_t)group_rank_max(m);
     *tmp_elems = (size_t)n * (size_t)widest(m);
     if (!(l->targets & LORA_EXPERTS_BIT)) return;
     const size_t R = (size_t)n * (size_t)c->K;
@@ -164,7 +217,7 @@ void lora_scratch_free(Workspace* ws) {
 }
 
 // ----------------------------------------------------------------------------
-// forward and backward
+// the branch's input (dropout), the adapters' coverage of their output, the kept t
 
 static inline void* byte_at(const Workspace* ws, const void* p, int64_t i) {
     return (char*)p + (size_t)i * (size_t)ws->ops->act_bytes;
@@ -192,57 +245,155 @@ static const void* branch_input(const Model* m, Workspace* ws, int block, LoraTa
     return ws->lora_xd;
 }
 
-void lora_forward(const Model* m, Workspace* ws, int block, unsigned mask, const void* slab,
-                  const void* x, void* y, int n, int64_t row0) {
+int lora_covers(const Model* m, int block, unsigned mask) {
+    if (m->tt.lora.r <= 0 || m->tt.lora.dropout > 0) return 0;
+    const LoraGroup g = lora_group(m, block, mask);
+    int width = 0;
+    for (int i = 0; i < g.n; i++) width += lora_site(m, g.tg[i]).w;
+    return g.n > 0 && width == g.ld;
+}
+
+// The dense targets' t a block's forward keeps for its backward (BlockActs.lora_t): each fused
+// linear's (n, k·r) in target order, one after the other. None with dropout (its per-adapter
+// inputs: the backward recomputes t from drop(x)).
+int64_t lora_saved_t_width(const Model* m) {
+    const LoraSpec* l = &m->tt.lora;
+    if (l->r <= 0 || l->dropout > 0) return 0;
+    int64_t most = 0;
+    for (int b = 0; b < m->cfg.L; b++) {
+        int64_t w = 0;
+        for (int tg = 0; tg < LORA_N_DENSE_TARGETS; tg++)
+            if (m->layout[b].lora_a[tg] >= 0) w += l->r;
+        if (w > most) most = w;
+    }
+    return most;
+}
+
+int64_t lora_saved_t_offset(const Model* m, int block, unsigned mask, int n) {
+    int64_t cols = 0;
+    for (int tg = 0; tg < LORA_N_DENSE_TARGETS && !(mask & LORA_BIT(tg)); tg++)
+        if (m->layout[block].lora_a[tg] >= 0) cols += m->tt.lora.r;
+    return cols * (int64_t)n;
+}
+
+// ----------------------------------------------------------------------------
+// with dropout: adapter by adapter (each drops its own elements of x), onto the base's output
+
+static void forward_dropout(const Model* m, Workspace* ws, int block, const LoraGroup* g,
+                            const void* slab, const void* x, void* y, int n, int64_t row0) {
     const int r = m->tt.lora.r;
-    if (r <= 0) return;
     const Ops* ops = ws->ops;
     const BlockLayout* bl = &m->layout[block];
-    for (int tg = 0; tg < LORA_N_TARGETS; tg++) {
-        if (!(mask & LORA_BIT(tg)) || bl->lora_a[tg] < 0) continue;
-        const LoraSite st = lora_site(m, (LoraTarget)tg);
-        const void* xa = branch_input(m, ws, block, (LoraTarget)tg, x, n, st.in, row0);
+    for (int i = 0; i < g->n; i++) {
+        const LoraTarget tg = g->tg[i];
+        const LoraSite st = lora_site(m, tg);
+        const void* xa = branch_input(m, ws, block, tg, x, n, st.in, row0);
         // t = drop(x)·Aᵀ (n, r); y[:, c0:c0+w] += scale · t·Bᵀ
         ops->matmul_forward(ws->ctx, ws->lora_t, xa, byte_at(ws, slab, bl->lora_a[tg]), NULL, n,
                             st.in, r);
-        ops->matmul_cols_add(ws->ctx, y, ws->lora_t, byte_at(ws, slab, bl->lora_b[tg]),
-                             m->lora_scale, n, r, st.w, st.ld, st.c0);
+        ops->matmul_cols_forward(ws->ctx, y, 1, ws->lora_t, r, byte_at(ws, slab, bl->lora_b[tg]),
+                                 m->lora_scale, n, r, st.w, st.ld, st.c0);
     }
 }
 
-void lora_backward(const Model* m, Workspace* ws, int block, unsigned mask, const void* slab,
-                   float* gslab, const void* x, const void* dy, void* dx, int n, int64_t row0) {
+static void backward_dropout(const Model* m, Workspace* ws, int block, const LoraGroup* g,
+                             const void* slab, float* gslab, const void* x, const void* dy,
+                             void* dx, int n, int64_t row0) {
     const int r = m->tt.lora.r;
-    if (r <= 0) return;
     const Ops* ops = ws->ops;
     const BlockLayout* bl = &m->layout[block];
     const BlockLayout* gl = &m->glayout[block];
     const float p = m->tt.lora.dropout;
-    for (int tg = 0; tg < LORA_N_TARGETS; tg++) {
-        if (!(mask & LORA_BIT(tg)) || bl->lora_a[tg] < 0) continue;
-        const LoraSite st = lora_site(m, (LoraTarget)tg);
+    for (int i = 0; i < g->n; i++) {
+        const LoraTarget tg = g->tg[i];
+        const LoraSite st = lora_site(m, tg);
         const void* A = byte_at(ws, slab, bl->lora_a[tg]);
         const void* Bw = byte_at(ws, slab, bl->lora_b[tg]);
         float* dA = gslab + gl->lora_a[tg];
         float* dB = gslab + gl->lora_b[tg];
         // t = drop(x)·Aᵀ again (the same mask: the same bits as the forward's)
-        const void* xa = branch_input(m, ws, block, (LoraTarget)tg, x, n, st.in, row0);
+        const void* xa = branch_input(m, ws, block, tg, x, n, st.in, row0);
         ops->matmul_forward(ws->ctx, ws->lora_t, xa, A, NULL, n, st.in, r);
         // g = scale · dy[:, c0:c0+w] (n, w), read in place; dt = g·B (n, r); dB += gᵀ·t
         ops->matmul_cols_backward(ws->ctx, ws->lora_dt, 0, dB, dy, ws->lora_t, Bw, m->lora_scale,
-                                  n, r, st.w, st.ld, st.c0);
+                                  n, r, r, st.w, st.ld, st.c0);
         // dx += drop(dt·A): the dropout is linear, its backward the same mask; dA += dtᵀ·drop(x)
         if (ws->lora_train && p > 0) {
             ops->matmul_cols_backward(ws->ctx, ws->lora_tmp, 0, dA, ws->lora_dt, xa, A, 1.0f, n,
-                                      st.in, r, r, 0);
-            ops->dropout(ws->ctx, ws->lora_tmp, ws->lora_tmp, p, site_seed(ws, block,
-                         (LoraTarget)tg), ws->lora_row0 + row0, n, st.in);
+                                      st.in, st.in, r, r, 0);
+            ops->dropout(ws->ctx, ws->lora_tmp, ws->lora_tmp, p, site_seed(ws, block, tg),
+                         ws->lora_row0 + row0, n, st.in);
             ops->add(ws->ctx, dx, dx, ws->lora_tmp, (size_t)n * (size_t)st.in);
         } else {
-            ops->matmul_cols_backward(ws->ctx, dx, 1, dA, ws->lora_dt, xa, A, 1.0f, n, st.in, r,
-                                      r, 0);
+            ops->matmul_cols_backward(ws->ctx, dx, 1, dA, ws->lora_dt, xa, A, 1.0f, n, st.in,
+                                      st.in, r, r, 0);
         }
     }
+}
+
+// ----------------------------------------------------------------------------
+// forward and backward
+
+void lora_forward(const Model* m, Workspace* ws, int block, unsigned mask, const void* slab,
+                  const void* x, void* y, int n, int64_t row0, int accumulate, void* t_keep) {
+    if (m->tt.lora.r <= 0) return;
+    const LoraGroup g = lora_group(m, block, mask);
+    if (g.n == 0) return;
+    if (m->tt.lora.dropout > 0) {
+        if (!accumulate) fatal("internal: LoRA with dropout adds onto the base's output");
+        forward_dropout(m, ws, block, &g, slab, x, y, n, row0);
+        return;
+    }
+    const Ops* ops = ws->ops;
+    const BlockLayout* bl = &m->layout[block];
+    const int r = m->tt.lora.r;
+    // t = x·A_sᵀ (n, k·r), kept for the backward when t_keep is given
+    void* t = t_keep ? t_keep : ws->lora_t;
+    ops->matmul_forward(ws->ctx, t, x, byte_at(ws, slab, g.a), NULL, n, g.in, g.rank);
+    // y[:, c0:c0+w] (+)= scale · t_i·B_iᵀ, t_i adapter i's r columns of t
+    for (int i = 0; i < g.n; i++) {
+        const LoraSite st = lora_site(m, g.tg[i]);
+        ops->matmul_cols_forward(ws->ctx, y, accumulate, byte_at(ws, t, (int64_t)i * r), g.rank,
+                                 byte_at(ws, slab, bl->lora_b[g.tg[i]]), m->lora_scale, n, r,
+                                 st.w, st.ld, st.c0);
+    }
+}
+
+void lora_backward(const Model* m, Workspace* ws, int block, unsigned mask, const void* slab,
+                   float* gslab, const void* x, const void* dy, void* dx, int n, int64_t row0,
+                   int accumulate, const void* t_kept) {
+    if (m->tt.lora.r <= 0) return;
+    const LoraGroup g = lora_group(m, block, mask);
+    if (g.n == 0) return;
+    if (m->tt.lora.dropout > 0) {
+        if (!accumulate) fatal("internal: LoRA with dropout adds onto the base's input gradient");
+        backward_dropout(m, ws, block, &g, slab, gslab, x, dy, dx, n, row0);
+        return;
+    }
+    const Ops* ops = ws->ops;
+    const BlockLayout* bl = &m->layout[block];
+    const BlockLayout* gl = &m->glayout[block];
+    const int r = m->tt.lora.r;
+    const void* A = byte_at(ws, slab, g.a);
+    // t = x·A_sᵀ: the forward's, or again
+    const void* t = t_kept;
+    if (!t) {
+        ops->matmul_forward(ws->ctx, ws->lora_t, x, A, NULL, n, g.in, g.rank);
+        t = ws->lora_t;
+    }
+    // per adapter: g_i = scale · dy[:, c0:c0+w] (n, w), read in place; dt_i = g_i·B_i into its r
+    // columns of dt (n, k·r); dB_i += g_iᵀ·t_i
+    for (int i = 0; i < g.n; i++) {
+        const LoraTarget tg = g.tg[i];
+        const LoraSite st = lora_site(m, tg);
+        ops->matmul_cols_backward(ws->ctx, byte_at(ws, ws->lora_dt, (int64_t)i * r), 0,
+                                  gslab + gl->lora_b[tg], dy, byte_at(ws, t, (int64_t)i * r),
+                                  byte_at(ws, slab, bl->lora_b[tg]), m->lora_scale, n, r, g.rank,
+                                  st.w, st.ld, st.c0);
+    }
+    // dx (+)= dt·A_s (one product over k·r); dA_s += dtᵀ·x
+    ops->matmul_cols_backward(ws->ctx, dx, accumulate, gslab + g.ga, ws->lora_dt, x, A, 1.0f, n,
+                              g.in, g.in, g.rank, g.rank, 0);
 }
 
 // The expert adapters: the same products per expert, on the rows routed to it (offsets), through

@@ -8,10 +8,17 @@
  * alpha / sqrt(r)) and, while training, inverted dropout on the branch's input only:
  *     forward   t = drop(x)·Aᵀ (n, r) ;  y += s · t·Bᵀ
  *     backward  dB += (s·dy)ᵀ·t ;  dt = (s·dy)·B ;  dA += dtᵀ·drop(x) ;  dx += drop(dt·A)
- * The backward recomputes t (an (n, in) x (in, r) product) rather than keeping it. The q, k, v
- * (and gate, up) adapters are separate PEFT modules on our fused (QKV, C) (and (2F, C)) linears:
- * each adds its product into its column range of the fused output (ops->matmul_cols_add) and
- * reads its range of the output gradient in place (ops->matmul_cols_backward).
+ * The q, k, v (and gate, up) adapters are separate PEFT modules on our fused (QKV, C) (and
+ * (2F, C)) linears: each writes its product into its column range of the fused output
+ * (ops->matmul_cols_forward) and reads its range of the output gradient in place
+ * (ops->matmul_cols_backward). Adapters that share their input run as one: their A's are adjacent
+ * in the slab (tensor.h), so t = x·[A_q; A_k; A_v]ᵀ is one (n, 3r) product, and dx += dt·A and
+ * dA += dtᵀ·x one each (with dropout each adapter has its own drop(x): adapter by adapter).
+ * Without dropout, when the adapters cover the whole fused output (lora_covers) the model runs
+ * them first, writing y = s·t·Bᵀ, and the base product adds onto it (y += x·Wᵀ; dx likewise):
+ * the base GEMM is compute-bound, so reading y there is free, where adding the adapters after it
+ * read y once more. The forward keeps t for the backward (BlockActs.lora_t) where the block keeps
+ * its activations; elsewhere the backward recomputes it.
  *
  * The experts of an MoE block (PEFT's target_parameters gate_up_proj and down_proj, tensor.h) get
  * one adapter per expert, A_e (rank, in) and B_e (out, rank), acting on exactly the rows routed to
@@ -59,15 +66,30 @@ size_t lora_scratch_bytes(const Model* m, size_t act_bytes, int64_t n);
 void lora_scratch_alloc(const Model* m, Workspace* ws, int64_t n);
 void lora_scratch_free(Workspace* ws);
 
-// y (n, the fused output's width) += each targeted adapter's s·drop(x)·Aᵀ·Bᵀ in its column
-// range, for the targets in `mask` (LORA_BIT set) that share input x. Rows are row0.. of the
-// micro-batch (the dropout mask's key). slab: block `block`'s parameter slab on the backend.
+// Whether the adapters in `mask` write every column of their fused output (LoRA on, no dropout,
+// and they cover its width): then the model runs lora_forward with accumulate 0 before the base
+// product, which adds onto it, and lora_backward likewise.
+int lora_covers(const Model* m, int block, unsigned mask);
+// Columns of the t a block's forward keeps for its backward (BlockActs.lora_t (N, width)): the
+// dense targets' r each, 0 without LoRA or with dropout (the backward recomputes t then).
+int64_t lora_saved_t_width(const Model* m);
+// Where the t of the adapters in mask starts in BlockActs.lora_t for n rows (elements): each
+// fused linear's (n, k·r) in target order.
+int64_t lora_saved_t_offset(const Model* m, int block, unsigned mask, int n);
+
+// y (n, the fused output's width) columns of each targeted adapter = s·drop(x)·Aᵀ·Bᵀ, added to
+// them when accumulate (else written: lora_covers), for the targets in `mask` (LORA_BIT set) that
+// share input x. Rows are row0.. of the micro-batch (the dropout mask's key). slab: block
+// `block`'s parameter slab on the backend. t_keep (n, k·r) or NULL: where to leave t = x·Aᵀ for
+// lora_backward (no dropout).
 void lora_forward(const Model* m, Workspace* ws, int block, unsigned mask, const void* slab,
-                  const void* x, void* y, int n, int64_t row0);
+                  const void* x, void* y, int n, int64_t row0, int accumulate, void* t_keep);
 // The adapters' backward for the same targets: dA, dB accumulated into gslab (the block's
-// gradient slab), dx (n, in) += their input gradient. dy (n, fused width): the output's gradient.
+// gradient slab), dx (n, in) = their input gradient, added to it when accumulate. dy (n, fused
+// width): the output's gradient. t_kept: the forward's t_keep of these rows, or NULL (recomputed).
 void lora_backward(const Model* m, Workspace* ws, int block, unsigned mask, const void* slab,
-                   float* gslab, const void* x, const void* dy, void* dx, int n, int64_t row0);
+                   float* gslab, const void* x, const void* dy, void* dx, int n, int64_t row0,
+                   int accumulate, const void* t_kept);
 // The expert adapters of target tg (LORA_EXP_GATE_UP or LORA_EXP_DOWN; no-ops without it) on the
 // R dispatched rows (expert e's at offsets[e] .. offsets[e+1]): y (R, out) += each expert's
 // s·x_e·A_eᵀ·B_eᵀ from x (R, in); the backward accumulates dA, dB into gslab and dx (R, in) += the

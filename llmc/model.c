@@ -136,6 +136,8 @@ static int mlp_chunk_rows(const Model* m, int B, int T) {
     return m->mlp_chunk > 0 && N > m->mlp_chunk ? m->mlp_chunk : 0;
 }
 
+#define ACT_SLOTS 13  // the buffers of one BlockActs set (its MoE part aside)
+
 static void acts_sizes(const Model* m, int B, int T, size_t act_bytes, size_t* sizes) {
     const ModelConfig* c = &m->cfg;
     const size_t N = (size_t)B * T, C = c->C, F = c->F;
@@ -156,12 +158,13 @@ static void acts_sizes(const Model* m, int B, int T, size_t act_bytes, size_t* s
     const int dense = m->n_moe < c->L;  // some block has the dense MLP
     sizes[10] = chunked || !dense ? 0 : N * 2 * F * act_bytes;    // gu
     sizes[11] = chunked || !dense ? 0 : N * F * act_bytes;        // act
+    sizes[12] = chunked ? 0 : N * (size_t)lora_saved_t_width(m) * act_bytes;  // lora_t
 }
 
 size_t workspace_act_set_bytes(const Model* m, int act_bytes, int B, int T) {
-    size_t sizes[12], total = 0;
+    size_t sizes[ACT_SLOTS], total = 0;
     acts_sizes(m, B, T, (size_t)act_bytes, sizes);
-    for (int i = 0; i < 12; i++) total += sizes[i];
+    for (int i = 0; i < ACT_SLOTS; i++) total += sizes[i];
     if (m->n_moe > 0) total += moe_acts_bytes(&m->cfg, (size_t)act_bytes, (int64_t)B * T);
     return total;
 }
@@ -261,14 +264,14 @@ Workspace* workspace_create(const Model* m, const Ops* ops, void* ctx, int B, in
 
     ws->n_acts = n_acts;
     ws->acts = calloc_check((size_t)n_acts, sizeof(BlockActs));
-    size_t sizes[12];
+    size_t sizes[ACT_SLOTS];
     acts_sizes(m, B, T, ab, sizes);
     for (int i = 0; i < n_acts; i++) {
         BlockActs* a = &ws->acts[i];
-        void** slots[12] = {&a->ln1, (void**)&a->rstd1, &a->qkv_raw, &a->qkv,
-                            (void**)&a->rstd_qk, &a->att, (void**)&a->lse, &a->h,
-                            &a->ln2, (void**)&a->rstd2, &a->gu, &a->act};
-        for (int j = 0; j < 12; j++) *slots[j] = sizes[j] ? ops->alloc(ctx, sizes[j]) : NULL;
+        void** slots[ACT_SLOTS] = {&a->ln1, (void**)&a->rstd1, &a->qkv_raw, &a->qkv,
+                                   (void**)&a->rstd_qk, &a->att, (void**)&a->lse, &a->h,
+                                   &a->ln2, (void**)&a->rstd2, &a->gu, &a->act, &a->lora_t};
+        for (int j = 0; j < ACT_SLOTS; j++) *slots[j] = sizes[j] ? ops->alloc(ctx, sizes[j]) : NULL;
         if (m->n_moe > 0) moe_acts_alloc(&a->moe, c, ops, ctx, (int64_t)N);
     }
     if (m->n_moe > 0) {
@@ -322,9 +325,9 @@ void workspace_free(Workspace* ws) {
     void* ctx = ws->ctx;
     for (int i = 0; i < ws->n_acts; i++) {
         BlockActs* a = &ws->acts[i];
-        void* ptrs[12] = {a->ln1, a->rstd1, a->qkv_raw, a->qkv, a->rstd_qk, a->att,
-                          a->lse, a->h, a->ln2, a->rstd2, a->gu, a->act};
-        for (int j = 0; j < 12; j++)
+        void* ptrs[ACT_SLOTS] = {a->ln1, a->rstd1, a->qkv_raw, a->qkv, a->rstd_qk, a->att,
+                                 a->lse, a->h, a->ln2, a->rstd2, a->gu, a->act, a->lora_t};
+        for (int j = 0; j < ACT_SLOTS; j++)
             if (ptrs[j]) ops->free(ctx, ptrs[j]);
         moe_acts_free(&a->moe, ops, ctx);
     }
@@ -362,6 +365,60 @@ void model_prefix_backward(const Model* m, Workspace* ws, float* dwte, const voi
 // ----------------------------------------------------------------------------
 // decoder block
 
+// Parameter pointer of a slab offset, NULL when the tensor is absent (-1).
+static const void* opt_at(const Workspace* ws, const void* slab, int64_t off) {
+    return off >= 0 ? at(ws, slab, off) : NULL;
+}
+
+static float* opt_grad(float* gslab, int64_t off) { return off >= 0 ? gslab + off : NULL; }
+
+// ----------------------------------------------------------------------------
+// a linear with its LoRA adapters (lora.h)
+
+#define LORA_QKV (LORA_BIT(LORA_Q) | LORA_BIT(LORA_K) | LORA_BIT(LORA_V))
+#define LORA_GATE_UP (LORA_BIT(LORA_GATE) | LORA_BIT(LORA_UP))
+
+// y (n, OC) = x (n, IC) · Wᵀ (+ bias) plus the adapters in mask (none: the plain product). When
+// they cover y (lora_covers) they write it first and the base product adds onto it: its GEMM is
+// compute-bound, so reading y there is free, where adding them after it would read and write y
+// once more. t: where the adapters keep their t for the backward, or NULL. row0: the rows' first
+// within the micro-batch (the dropout's key).
+static void linear_forward(const Model* m, Workspace* ws, int block, unsigned mask,
+                           const void* slab, void* y, const void* x, const void* w,
+                           const void* bias, int n, int IC, int OC, int64_t row0, void* t) {
+    const Ops* ops = ws->ops;
+    if (!bias && lora_covers(m, block, mask)) {
+        lora_forward(m, ws, block, mask, slab, x, y, n, row0, 0, t);
+        ops->matmul_cols_forward(ws->ctx, y, 1, x, IC, w, 1.0f, n, IC, OC, OC, 0);
+        return;
+    }
+    ops->matmul_forward(ws->ctx, y, x, w, bias, n, IC, OC);
+    lora_forward(m, ws, block, mask, slab, x, y, n, row0, 1, t);
+}
+
+// Its backward: dx (n, IC) = dy · W plus the adapters' input gradient, in linear_forward's order
+// (a frozen base: no dw, dbias); dw, dbias (NULL: frozen) accumulate. t: the forward's, or NULL.
+static void linear_backward(const Model* m, Workspace* ws, int block, unsigned mask,
+                            const void* slab, float* gslab, void* dx, float* dw, float* dbias,
+                            const void* dy, const void* x, const void* w, int n, int IC, int OC,
+                            int64_t row0, const void* t) {
+    const Ops* ops = ws->ops;
+    if (!dw && !dbias && lora_covers(m, block, mask)) {
+        lora_backward(m, ws, block, mask, slab, gslab, x, dy, dx, n, row0, 0, t);
+        ops->matmul_cols_backward(ws->ctx, dx, 1, NULL, dy, x, w, 1.0f, n, IC, IC, OC, OC, 0);
+        return;
+    }
+    ops->matmul_backward(ws->ctx, dx, dw, dbias, dy, x, w, n, IC, OC);
+    lora_backward(m, ws, block, mask, slab, gslab, x, dy, dx, n, row0, 1, t);
+}
+
+// Where the adapters in mask keep their t in a block's saved set for n rows (NULL: none kept,
+// the backward recomputes it).
+static void* lora_t_at(const Model* m, const Workspace* ws, const BlockActs* a, int block,
+                       unsigned mask, int n) {
+    return a && a->lora_t ? at(ws, a->lora_t, lora_saved_t_offset(m, block, mask, n)) : NULL;
+}
+
 // Rows [r0, r0+n) of the MLP's activations into the chunk scratch: ln2_c = RMSNorm(h), gu_c =
 // ln2_c · Wguᵀ, act_c = silu(gate) * up. The same ops on the same rows as the unchunked MLP.
 static void mlp_chunk_forward(const Model* m, Workspace* ws, const BlockLayout* bl, int block,
@@ -370,36 +427,26 @@ static void mlp_chunk_forward(const Model* m, Workspace* ws, const BlockLayout* 
     const ModelConfig* c = &m->cfg;
     ops->rmsnorm_forward(ws->ctx, ws->ln2_c, ws->rstd2_c, at(ws, h, (int64_t)r0 * c->C),
                          at(ws, slab, bl->mlp_norm), n, c->C, c->norm_eps);
-    ops->matmul_forward(ws->ctx, ws->gu_c, ws->ln2_c, at(ws, slab, bl->wgu), NULL, n, c->C,
-                        2 * c->F);
-    lora_forward(m, ws, block, LORA_BIT(LORA_GATE) | LORA_BIT(LORA_UP), slab, ws->ln2_c, ws->gu_c,
-                 n, r0);
+    linear_forward(m, ws, block, LORA_GATE_UP, slab, ws->gu_c, ws->ln2_c, at(ws, slab, bl->wgu),
+                   NULL, n, c->C, 2 * c->F, r0, NULL);
     ops->swiglu_forward(ws->ctx, ws->act_c, ws->gu_c, n, c->F);
 }
 
-// Parameter pointer of a slab offset, NULL when the tensor is absent (-1).
-static const void* opt_at(const Workspace* ws, const void* slab, int64_t off) {
-    return off >= 0 ? at(ws, slab, off) : NULL;
-}
-
-static float* opt_grad(float* gslab, int64_t off) { return off >= 0 ? gslab + off : NULL; }
-
-// ln1 = RMSNorm(x) (rstd into rstd1), qkv_raw = ln1 · Wqkvᵀ (+ bqkv), qkv = RoPE(qk-norm(qkv_raw))
-// (its rstd into rstd_qk): the forward's ops, also run by the backward of a chunked block, which
-// keeps none of them (the same ops on the same inputs: the same bits).
+// ln1 = RMSNorm(x) (rstd into rstd1), qkv_raw = ln1 · Wqkvᵀ (+ bqkv) (+ the adapters: their t
+// into lora_t, or NULL), qkv = RoPE(qk-norm(qkv_raw)) (its rstd into rstd_qk): the forward's
+// ops, also run by the backward of a chunked block, which keeps none of them (the same ops on the
+// same inputs: the same bits).
 static void attention_input_forward(const Model* m, Workspace* ws, const BlockLayout* bl,
                                     int block, const void* slab, const void* x_in, void* ln1,
-                                    float* rstd1, void* qkv_raw, void* qkv, float* rstd_qk, int B,
-                                    int T) {
+                                    float* rstd1, void* qkv_raw, void* qkv, float* rstd_qk,
+                                    void* lora_t, int B, int T) {
     const Ops* ops = ws->ops;
     const ModelConfig* c = &m->cfg;
     const int N = B * T;
     ops->rmsnorm_forward(ws->ctx, ln1, rstd1, x_in, at(ws, slab, bl->attn_norm), N, c->C,
                          c->norm_eps);
-    ops->matmul_forward(ws->ctx, qkv_raw, ln1, at(ws, slab, bl->wqkv), opt_at(ws, slab, bl->bqkv),
-                        N, c->C, m->QKV);
-    lora_forward(m, ws, block, LORA_BIT(LORA_Q) | LORA_BIT(LORA_K) | LORA_BIT(LORA_V), slab, ln1,
-                 qkv_raw, N, 0);
+    linear_forward(m, ws, block, LORA_QKV, slab, qkv_raw, ln1, at(ws, slab, bl->wqkv),
+                   opt_at(ws, slab, bl->bqkv), N, c->C, m->QKV, 0, lora_t);
     ops->qknorm_rope_forward(ws->ctx, qkv, rstd_qk, qkv_raw, opt_at(ws, slab, bl->q_norm),
                              opt_at(ws, slab, bl->k_norm), ws->rope_cos, ws->rope_sin, B, T, c->H,
                              c->KVH, c->HD, c->norm_eps);
@@ -424,9 +471,8 @@ static void attention_residual_forward(const Model* m, Workspace* ws, const Bloc
                                        const void* x_in, void* h, int N) {
     const Ops* ops = ws->ops;
     const ModelConfig* c = &m->cfg;
-    ops->matmul_forward(ws->ctx, ws->proj, att, at(ws, slab, bl->wo), opt_at(ws, slab, bl->bo), N,
-                        c->H * c->HD, c->C);
-    lora_forward(m, ws, block, LORA_BIT(LORA_O), slab, att, ws->proj, N, 0);
+    linear_forward(m, ws, block, LORA_BIT(LORA_O), slab, ws->proj, att, at(ws, slab, bl->wo),
+                   opt_at(ws, slab, bl->bo), N, c->H * c->HD, c->C, 0, NULL);
     ops->add(ws->ctx, h, x_in, ws->proj, (size_t)N * c->C);
 }
 
@@ -441,13 +487,13 @@ typedef struct RouterLora {
 
 static void router_lora_forward(void* arg, const void* x, void* logits, int N) {
     const RouterLora* r = arg;
-    lora_forward(r->m, r->ws, r->block, LORA_BIT(LORA_ROUTER), r->slab, x, logits, N, 0);
+    lora_forward(r->m, r->ws, r->block, LORA_BIT(LORA_ROUTER), r->slab, x, logits, N, 0, 1, NULL);
 }
 
 static void router_lora_backward(void* arg, const void* x, const void* dlogits, void* dx, int N) {
     const RouterLora* r = arg;
     lora_backward(r->m, r->ws, r->block, LORA_BIT(LORA_ROUTER), r->slab, r->gslab, x, dlogits,
-                  dx, N, 0);
+                  dx, N, 0, 1, NULL);
 }
 
 // The experts' LoRA adapters, called by moe.c after each grouped projection (proj 0: gate/up,
@@ -502,9 +548,9 @@ static void block_forward_after_attention(const Model* m, Workspace* ws, BlockAc
     const ModelConfig* c = &m->cfg;
     const BlockLayout* bl = block_layout(m, block);
     const int C = c->C, F = c->F, QD = c->H * c->HD;
-    ops->matmul_forward(ctx, ws->proj, a->att, at(ws, slab, bl->wo), opt_at(ws, slab, bl->bo), n,
-                        QD, C);
-    lora_forward(m, ws, block, LORA_BIT(LORA_O), slab, a->att, ws->proj, n, 0);
+    linear_forward(m, ws, block, LORA_BIT(LORA_O), slab, ws->proj, a->att, at(ws, slab, bl->wo),
+                   opt_at(ws, slab, bl->bo), n, QD, C, 0,
+                   lora_t_at(m, ws, a, block, LORA_BIT(LORA_O), n));
     ops->residual_rmsnorm_forward(ctx, a->h, a->ln2, a->rstd2, x_in, ws->proj,
                                   at(ws, slab, bl->mlp_norm), n, C, c->norm_eps);
     if (bl->moe) {
@@ -517,11 +563,12 @@ static void block_forward_after_attention(const Model* m, Workspace* ws, BlockAc
         return;
     }
     // MLP: x' = h + down(silu(gate(ln2)) * up(ln2))
-    ops->matmul_forward(ctx, a->gu, a->ln2, at(ws, slab, bl->wgu), NULL, n, C, 2 * F);
-    lora_forward(m, ws, block, LORA_BIT(LORA_GATE) | LORA_BIT(LORA_UP), slab, a->ln2, a->gu, n, 0);
+    linear_forward(m, ws, block, LORA_GATE_UP, slab, a->gu, a->ln2, at(ws, slab, bl->wgu), NULL,
+                   n, C, 2 * F, 0, lora_t_at(m, ws, a, block, LORA_GATE_UP, n));
     ops->swiglu_forward(ctx, a->act, a->gu, n, F);
-    ops->matmul_forward(ctx, ws->proj, a->act, at(ws, slab, bl->wdown), NULL, n, F, C);
-    lora_forward(m, ws, block, LORA_BIT(LORA_DOWN), slab, a->act, ws->proj, n, 0);
+    linear_forward(m, ws, block, LORA_BIT(LORA_DOWN), slab, ws->proj, a->act,
+                   at(ws, slab, bl->wdown), NULL, n, F, C, 0,
+                   lora_t_at(m, ws, a, block, LORA_BIT(LORA_DOWN), n));
     ops->add(ctx, x_out, a->h, ws->proj, (size_t)n * C);
 }
 
@@ -540,7 +587,8 @@ void model_block_forward_at(const Model* m, Workspace* ws, BlockActs* a, int blo
     void* qkv_raw = lean ? ws->qkv_raw_s : a->qkv_raw;
     void* qkv = lean ? ws->qkv_s : a->qkv;
     float* rstd_qk = lean ? ws->rstd_qk_s : a->rstd_qk;
-    attention_input_forward(m, ws, bl, block, slab, x_in, ln1, a->rstd1, qkv_raw, qkv, rstd_qk, B, T);
+    attention_input_forward(m, ws, bl, block, slab, x_in, ln1, a->rstd1, qkv_raw, qkv, rstd_qk,
+                            lora_t_at(m, ws, a, block, LORA_QKV, N), B, T);
     attention_core_forward(m, ws, bl, slab, a, qkv, B, T);
     if (lean) {
         // long sequences: h = x + attn, then the MLP chunk by chunk
@@ -549,10 +597,9 @@ void model_block_forward_at(const Model* m, Workspace* ws, BlockActs* a, int blo
         for (int r0 = 0; r0 < N; r0 += ws->mlp_chunk) {
             const int n = imin(ws->mlp_chunk, N - r0);
             mlp_chunk_forward(m, ws, bl, block, slab, h, r0, n);
-            ops->matmul_forward(ctx, at(ws, ws->proj, (int64_t)r0 * C), ws->act_c,
-                                at(ws, slab, bl->wdown), NULL, n, F, C);
-            lora_forward(m, ws, block, LORA_BIT(LORA_DOWN), slab, ws->act_c,
-                         at(ws, ws->proj, (int64_t)r0 * C), n, r0);
+            linear_forward(m, ws, block, LORA_BIT(LORA_DOWN), slab,
+                           at(ws, ws->proj, (int64_t)r0 * C), ws->act_c, at(ws, slab, bl->wdown),
+                           NULL, n, F, C, r0, NULL);
         }
         ops->add(ctx, x_out, h, ws->proj, (size_t)N * C);
         return;
@@ -569,7 +616,6 @@ void model_block_backward_at(const Model* m, Workspace* ws, const BlockActs* a, 
     const BlockLayout* bl = block_layout(m, block);
     const BlockLayout* gl = &m->glayout[block];  // gradient offsets (-1: frozen)
     const int N = B * T, C = c->C, F = c->F, HD = c->HD, QD = c->H * c->HD;
-    const unsigned gate_up = LORA_BIT(LORA_GATE) | LORA_BIT(LORA_UP);
     const void* q_norm = opt_at(ws, slab, bl->q_norm);
     const void* k_norm = opt_at(ws, slab, bl->k_norm);
     float* dq_norm = opt_grad(gslab, gl->q_norm);
@@ -585,15 +631,13 @@ void model_block_backward_at(const Model* m, Workspace* ws, const BlockActs* a, 
             const int n = imin(ws->mlp_chunk, N - r0);
             void* dres_c = at(ws, dres, (int64_t)r0 * C);
             mlp_chunk_forward(m, ws, bl, block, slab, h, r0, n);
-            ops->matmul_backward(ctx, ws->d_act, opt_grad(gslab, gl->wdown), NULL, dres_c,
-                                 ws->act_c, at(ws, slab, bl->wdown), n, F, C);
-            lora_backward(m, ws, block, LORA_BIT(LORA_DOWN), slab, gslab, ws->act_c, dres_c,
-                          ws->d_act, n, r0);
+            linear_backward(m, ws, block, LORA_BIT(LORA_DOWN), slab, gslab, ws->d_act,
+                            opt_grad(gslab, gl->wdown), NULL, dres_c, ws->act_c,
+                            at(ws, slab, bl->wdown), n, F, C, r0, NULL);
             ops->swiglu_backward(ctx, ws->d_gu, ws->d_act, ws->gu_c, n, F);
-            ops->matmul_backward(ctx, ws->d_ln, opt_grad(gslab, gl->wgu), NULL, ws->d_gu,
-                                 ws->ln2_c, at(ws, slab, bl->wgu), n, C, 2 * F);
-            lora_backward(m, ws, block, gate_up, slab, gslab, ws->ln2_c, ws->d_gu, ws->d_ln, n,
-                          r0);
+            linear_backward(m, ws, block, LORA_GATE_UP, slab, gslab, ws->d_ln,
+                            opt_grad(gslab, gl->wgu), NULL, ws->d_gu, ws->ln2_c,
+                            at(ws, slab, bl->wgu), n, C, 2 * F, r0, NULL);
             ops->rmsnorm_backward(ctx, dres_c, opt_grad(gslab, gl->mlp_norm), ws->d_ln,
                                   at(ws, h, (int64_t)r0 * C), at(ws, slab, bl->mlp_norm),
                                   ws->rstd2_c, n, C);
@@ -608,14 +652,15 @@ void model_block_backward_at(const Model* m, Workspace* ws, const BlockActs* a, 
             moe_backward(c, ops, ctx, &ws->moe, &a->moe, &w, &g, a->ln2, dres, ws->d_ln,
                          ws->moe_counts, ws->moe_aux_scale, N);
         } else {
-            ops->matmul_backward(ctx, ws->d_act, opt_grad(gslab, gl->wdown), NULL, dres, a->act,
-                                 at(ws, slab, bl->wdown), N, F, C);
-            lora_backward(m, ws, block, LORA_BIT(LORA_DOWN), slab, gslab, a->act, dres, ws->d_act,
-                          N, 0);
+            linear_backward(m, ws, block, LORA_BIT(LORA_DOWN), slab, gslab, ws->d_act,
+                            opt_grad(gslab, gl->wdown), NULL, dres, a->act,
+                            at(ws, slab, bl->wdown), N, F, C, 0,
+                            lora_t_at(m, ws, a, block, LORA_BIT(LORA_DOWN), N));
             ops->swiglu_backward(ctx, ws->d_gu, ws->d_act, a->gu, N, F);
-            ops->matmul_backward(ctx, ws->d_ln, opt_grad(gslab, gl->wgu), NULL, ws->d_gu, a->ln2,
-                                 at(ws, slab, bl->wgu), N, C, 2 * F);
-            lora_backward(m, ws, block, gate_up, slab, gslab, a->ln2, ws->d_gu, ws->d_ln, N, 0);
+            linear_backward(m, ws, block, LORA_GATE_UP, slab, gslab, ws->d_ln,
+                            opt_grad(gslab, gl->wgu), NULL, ws->d_gu, a->ln2,
+                            at(ws, slab, bl->wgu), N, C, 2 * F, 0,
+                            lora_t_at(m, ws, a, block, LORA_GATE_UP, N));
         }
         // rmsnorm_backward accumulates: dres becomes the full gradient of h
         ops->rmsnorm_backward(ctx, dres, opt_grad(gslab, gl->mlp_norm), ws->d_ln, a->h,
@@ -630,10 +675,10 @@ void model_block_backward_at(const Model* m, Workspace* ws, const BlockActs* a, 
     const float* rstd_qk = lean ? ws->rstd_qk_s : a->rstd_qk;
     if (lean)
         attention_input_forward(m, ws, bl, block, slab, x_in, ws->ln1_h, ws->rstd1_s, ws->qkv_raw_s,
-                                ws->qkv_s, ws->rstd_qk_s, B, T);
-    ops->matmul_backward(ctx, ws->d_att, opt_grad(gslab, gl->wo), opt_grad(gslab, gl->bo), dres,
-                         a->att, at(ws, slab, bl->wo), N, QD, C);
-    lora_backward(m, ws, block, LORA_BIT(LORA_O), slab, gslab, a->att, dres, ws->d_att, N, 0);
+                                ws->qkv_s, ws->rstd_qk_s, NULL, B, T);
+    linear_backward(m, ws, block, LORA_BIT(LORA_O), slab, gslab, ws->d_att, opt_grad(gslab, gl->wo),
+                    opt_grad(gslab, gl->bo), dres, a->att, at(ws, slab, bl->wo), N, QD, C, 0,
+                    lora_t_at(m, ws, a, block, LORA_BIT(LORA_O), N));
     if (bl->sinks >= 0 || bl->window > 0)
         ops->attention_sink_backward(ctx, ws->d_qkv, opt_grad(gslab, gl->sinks), ws->d_att, qkv,
                                      a->att, a->lse, opt_at(ws, slab, bl->sinks), B, T, c->H,
@@ -644,10 +689,9 @@ void model_block_backward_at(const Model* m, Workspace* ws, const BlockActs* a, 
     ops->qknorm_rope_backward(ctx, ws->d_qkv_raw, dq_norm, dk_norm, ws->d_qkv, qkv_raw, q_norm,
                               k_norm, rstd_qk, ws->rope_cos, ws->rope_sin, B, T, c->H, c->KVH,
                               HD);
-    ops->matmul_backward(ctx, ws->d_ln, opt_grad(gslab, gl->wqkv), opt_grad(gslab, gl->bqkv),
-                         ws->d_qkv_raw, ln1, at(ws, slab, bl->wqkv), N, C, m->QKV);
-    lora_backward(m, ws, block, LORA_BIT(LORA_Q) | LORA_BIT(LORA_K) | LORA_BIT(LORA_V), slab,
-                  gslab, ln1, ws->d_qkv_raw, ws->d_ln, N, 0);
+    linear_backward(m, ws, block, LORA_QKV, slab, gslab, ws->d_ln, opt_grad(gslab, gl->wqkv),
+                    opt_grad(gslab, gl->bqkv), ws->d_qkv_raw, ln1, at(ws, slab, bl->wqkv), N, C,
+                    m->QKV, 0, lora_t_at(m, ws, a, block, LORA_QKV, N));
     ops->rmsnorm_backward(ctx, dres, opt_grad(gslab, gl->attn_norm), ws->d_ln, x_in,
                           at(ws, slab, bl->attn_norm), a->rstd1, N, C);
 }
@@ -748,10 +792,8 @@ void model_block_decode_at(const Model* m, Workspace* ws, int block, const void*
     // one-token sequence whose tables start at that position)
     ops->rmsnorm_forward(ctx, a->ln1, a->rstd1, x_in, at(ws, slab, bl->attn_norm), n, C,
                          c->norm_eps);
-    ops->matmul_forward(ctx, a->qkv_raw, a->ln1, at(ws, slab, bl->wqkv),
-                        opt_at(ws, slab, bl->bqkv), n, C, m->QKV);
-    lora_forward(m, ws, block, LORA_BIT(LORA_Q) | LORA_BIT(LORA_K) | LORA_BIT(LORA_V), slab,
-                 a->ln1, a->qkv_raw, n, 0);
+    linear_forward(m, ws, block, LORA_QKV, slab, a->qkv_raw, a->ln1, at(ws, slab, bl->wqkv),
+                   opt_at(ws, slab, bl->bqkv), n, C, m->QKV, 0, NULL);
     if (ops->decode_rope_append && r->d_pos) {
         // one fused op for every row (a GPU step would otherwise launch 3 ops per row)
         ops->decode_rope_append(ctx, a->qkv, kc, vc, a->qkv_raw, opt_at(ws, slab, bl->q_norm),

@@ -81,6 +81,8 @@ typedef struct BlockActs {
     float* rstd2;    // (N)             } the backward recomputes them per chunk
     void* gu;        // (N, 2F) [gate | up]
     void* act;       // (N, F) silu(gate) * up
+    void* lora_t;    // (N, lora_saved_t_width) the adapters' t = x·Aᵀ (lora.h; NULL without LoRA,
+                     // with dropout or with a chunked MLP: the backward recomputes it)
     MoeActs moe;     // an MoE block's router, routing and expert activations (moe.h)
 } BlockActs;
 

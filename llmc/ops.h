@@ -240,15 +240,18 @@ typedef struct Ops {
     void (*moe_router_stats)(void* ctx, float* stats, const void* logits, const int32_t* offsets,
                              int n, int E);
 
-    // ---- LoRA (lora.h): an adapter's products on a column range of a fused output ----
-    // out (N, ld) columns [c0, c0 + OC) += scale · inp (N, IC) · w (OC, IC)ᵀ.
-    void (*matmul_cols_add)(void* ctx, void* out, const void* inp, const void* w, float scale,
-                            int N, int IC, int OC, int ld, int c0);
-    // With g = scale · dout (N, ld) columns [c0, c0 + OC): dinp (N, IC) = g · w (accumulate: +=;
-    // NULL skips) and dw (OC, IC) += gᵀ · inp.
+    // ---- LoRA (lora.h): an adapter's products on column ranges of fused rows ----
+    // out (N, ld) columns [c0, c0 + OC) = scale · inp · w (OC, IC)ᵀ, added to what they hold when
+    // accumulate (else overwritten; the other columns untouched). inp (N, IC) has its rows ldi
+    // apart (ldi >= IC: a column range of a wider buffer, as one adapter's part of a fused t).
+    void (*matmul_cols_forward)(void* ctx, void* out, int accumulate, const void* inp, int ldi,
+                                const void* w, float scale, int N, int IC, int OC, int ld, int c0);
+    // With g = scale · dout (N, ld) columns [c0, c0 + OC): dinp = g · w (accumulate: +=; NULL
+    // skips) and dw (OC, IC) += gᵀ · inp (NULL skips), where dinp and inp are (N, IC) with their
+    // rows ldi apart (ldi >= IC).
     void (*matmul_cols_backward)(void* ctx, void* dinp, int accumulate, float* dw,
                                  const void* dout, const void* inp, const void* w, float scale,
-                                 int N, int IC, int OC, int ld, int c0);
+                                 int N, int IC, int ldi, int OC, int ld, int c0);
     // Inverted dropout with a counter-based mask: out (N, C) = inp · keep / (1 - p), where
     // element (i, j) is kept iff lora_dropout_hash(seed, (row0 + i) · C + j) >= p · 2^32 (the same
     // mask on every backend, for any row chunking). It is its own backward (the same call on the

@@ -343,13 +343,15 @@ typedef struct ColsArgs {
     float* dst;
     const float* src;
     float scale, p, inv_keep;
+    int accumulate;  // put_cols: add (1) or store (0)
     uint32_t threshold;
     uint64_t seed;
     int64_t row0;
     int N, ld, c0, w, rows_per_task;
 } ColsArgs;
 
-static void add_cols_task(void* arg, int64_t task) {
+// dst (N, ld) columns [c0, c0 + w) = scale · src (N, w), added to what they hold when accumulate.
+static void put_cols_task(void* arg, int64_t task) {
     const ColsArgs* a = arg;
     int n0 = (int)task * a->rows_per_task, n1 = imin(a->N, n0 + a->rows_per_task);
     for (int n = n0; n < n1; n++) {
@@ -357,20 +359,30 @@ static void add_cols_task(void* arg, int64_t task) {
         const float* x = a->src + (size_t)n * a->w;
         for (int j = 0; j < a->w; j++) {
             float d = a->scale * x[j];
-            o[j] = o[j] + d;
+            o[j] = a->accumulate ? o[j] + d : d;
         }
     }
 }
 
+static void put_cols(void* ctx, float* dst, const float* src, float scale, int accumulate, int N,
+                     int ld, int c0, int w) {
+    ColsArgs a = {.dst = dst, .src = src, .scale = scale, .accumulate = accumulate, .N = N,
+                  .ld = ld, .c0 = c0, .w = w, .rows_per_task = rows_per_task((size_t)w)};
+    cpu_run(ctx, task_count(N, a.rows_per_task), put_cols_task, &a);
+}
+
 // The column-range products as the plain ops compose them (the product in fp32, then the scaled
-// add, one rounding each).
-static void cpu_matmul_cols_add(void* ctx, void* out, const void* inp, const void* w, float scale,
-                                int N, int IC, int OC, int ld, int c0) {
+// add or store, one rounding each: an adapter's product stored and the base's added onto it are
+// the same bits as the other way round).
+static void cpu_matmul_cols_forward(void* ctx, void* out, int accumulate, const void* inp, int ldi,
+                                    const void* w, float scale, int N, int IC, int OC, int ld,
+                                    int c0) {
     float* tmp = malloc_check((size_t)N * (size_t)OC * sizeof(float) + 1);
-    cpu_matmul_forward(ctx, tmp, inp, w, NULL, N, IC, OC);
-    ColsArgs a = {.dst = out, .src = tmp, .scale = scale, .N = N, .ld = ld, .c0 = c0, .w = OC,
-                  .rows_per_task = rows_per_task((size_t)OC)};
-    cpu_run(ctx, task_count(N, a.rows_per_task), add_cols_task, &a);
+    // tmp (N, OC) = inp · wᵀ: B[k][j] = w[j][k]
+    Gemm g = {.M = N, .Nc = OC, .K = IC, .a = inp, .a_rs = (size_t)ldi, .a_cs = 1, .b = w,
+              .b_rs = 1, .b_cs = (size_t)IC, .c = tmp, .ldc = OC, .accumulate = 0};
+    ops_cpu_gemm_run(ctx, &g);
+    put_cols(ctx, out, tmp, scale, accumulate, N, ld, c0, OC);
     free(tmp);
 }
 
@@ -392,7 +404,7 @@ static void cpu_copy_cols(void* ctx, void* dst, const void* src, int N, int ld, 
 
 static void cpu_matmul_cols_backward(void* ctx, void* dinp, int accumulate, float* dw,
                                      const void* dout, const void* inp, const void* w, float scale,
-                                     int N, int IC, int OC, int ld, int c0) {
+                                     int N, int IC, int ldi, int OC, int ld, int c0) {
     // g = scale · dout's columns (dout itself when that is the identity)
     const int whole = scale == 1.0f && ld == OC && c0 == 0;
     float* g = whole ? NULL : malloc_check((size_t)N * (size_t)OC * sizeof(float) + 1);
@@ -401,12 +413,21 @@ static void cpu_matmul_cols_backward(void* ctx, void* dinp, int accumulate, floa
                       .rows_per_task = rows_per_task((size_t)OC)};
         cpu_run(ctx, task_count(N, a.rows_per_task), get_cols_task, &a);
     }
-    const void* gg = whole ? dout : (const void*)g;
-    float* tmp = dinp && accumulate ? malloc_check((size_t)N * (size_t)IC * sizeof(float) + 1)
-                                    : NULL;
-    cpu_matmul_backward(ctx, tmp ? tmp : dinp, dw, NULL, gg, inp, w, N, IC, OC);
-    if (tmp) cpu_add(ctx, dinp, dinp, tmp, (size_t)N * (size_t)IC);
-    free(tmp);
+    const float* gg = whole ? dout : g;
+    if (dinp) {  // dinp (N, IC) (+)= g (N, OC) · w (OC, IC): the product, then one add
+        float* tmp = accumulate ? malloc_check((size_t)N * (size_t)IC * sizeof(float) + 1) : NULL;
+        Gemm p = {.M = N, .Nc = IC, .K = OC, .a = gg, .a_rs = (size_t)OC, .a_cs = 1, .b = w,
+                  .b_rs = (size_t)IC, .b_cs = 1, .c = tmp ? tmp : dinp,
+                  .ldc = tmp ? IC : ldi, .accumulate = 0};
+        ops_cpu_gemm_run(ctx, &p);
+        if (tmp) put_cols(ctx, dinp, tmp, 1.0f, 1, N, ldi, 0, IC);  // (1 · x is exact)
+        free(tmp);
+    }
+    if (dw) {  // dw (OC, IC) += gᵀ (OC, N) · inp (N, IC): A[i][k] = g[k][i]
+        Gemm p = {.M = OC, .Nc = IC, .K = N, .a = gg, .a_rs = 1, .a_cs = (size_t)OC, .b = inp,
+                  .b_rs = (size_t)ldi, .b_cs = 1, .c = dw, .ldc = IC, .accumulate = 1};
+        ops_cpu_gemm_run(ctx, &p);
+    }
     free(g);
 }
 
@@ -655,7 +676,7 @@ const Ops ops_cpu = {
     .moe_combine_forward = ops_cpu_moe_combine_forward,
     .moe_combine_backward = ops_cpu_moe_combine_backward,
     .moe_router_stats = ops_cpu_moe_router_stats,
-    .matmul_cols_add = cpu_matmul_cols_add,
+    .matmul_cols_forward = cpu_matmul_cols_forward,
     .matmul_cols_backward = cpu_matmul_cols_backward,
     .dropout = cpu_dropout,
     .dequantize = cpu_dequantize,

@@ -298,9 +298,19 @@ static void lora_module_path(char* buf, size_t cap, int l, LoraTarget tg) {
         snprintf(buf, cap, "model.layers.%d.%s.%s", l, lora_target_parent(tg), lora_names[tg]);
 }
 
-// Block l's adapters, A then B per target in target order, after the block's own tensors. The
-// expert adapters are 3-D, (E, rank, in) and (E, out, rank) (tensor.h).
+// An adapter's place in its block's slabs (parameters, gradients, AdamW state): every A (pass 0,
+// in target order), then every B (pass 1). The table keeps A, B per target (its order names the
+// init's generators and the optimizer's chunks, unchanged); the slabs put the A's of q, k, v (and
+// gate, up) next to each other, so the adapters of linears that share their input run as one
+// (3r, C) product and their gradients accumulate into one (3r, C) block (lora.c).
+static int lora_slab_pass(const TensorDesc* d) { return d->kind == TK_LORA_B; }
+
+// Block l's adapters, A then B per target in target order in the table, after the block's own
+// tensors. The expert adapters are 3-D, (E, rank, in) and (E, out, rank) (tensor.h). In the slab
+// (lora_slab_order) the A's come first, then the B's.
 static void add_lora_tensors(Builder* b, const ModelConfig* c, const LoraSpec* lora, int l) {
+    const int first = b->tt->n;
+    const int64_t start = b->param_fill[l + 1];
     for (int tg = 0; tg < LORA_N_TARGETS; tg++) {
         if (!(lora->targets & LORA_BIT(tg)) || !lora_block_has_target(c, l, tg)) continue;
         int64_t in, out;
@@ -324,21 +334,34 @@ static void add_lora_tensors(Builder* b, const ModelConfig* c, const LoraSpec* l
             d->decay = 1;  // as every matrix: AdamW's weight decay applies to the adapters
         }
     }
+    int64_t fill = start;
+    for (int pass = 0; pass < 2; pass++)
+        for (int i = first; i < b->tt->n; i++) {
+            TensorDesc* d = &b->tt->t[i];
+            if (lora_slab_pass(d) != pass) continue;
+            d->param_offset = d->state_offset = fill;
+            fill += d->numel;
+        }
 }
 
-// With adapters only they train: gradient slots and AdamW state for them alone, in table order.
+// With adapters only they train: gradient slots and AdamW state for them alone, in the slab's
+// order (each block's A's, then its B's: lora_slab_pass).
 static void freeze_base(TensorTable* tt, int64_t* grad_fill, int64_t* state_fill) {
     for (int l = 0; l < tt->n_layers; l++) grad_fill[l] = state_fill[l] = 0;
     for (int i = 0; i < tt->n; i++) {
         TensorDesc* d = &tt->t[i];
         d->trainable = d->lora_target >= 0;
         d->grad_offset = d->state_offset = -1;
-        if (!d->trainable) continue;
-        d->grad_offset = grad_fill[d->layer];
-        grad_fill[d->layer] += d->numel;
-        d->state_offset = state_fill[d->owner_layer];
-        state_fill[d->owner_layer] += d->numel;
     }
+    for (int pass = 0; pass < 2; pass++)
+        for (int i = 0; i < tt->n; i++) {
+            TensorDesc* d = &tt->t[i];
+            if (!d->trainable || lora_slab_pass(d) != pass) continue;
+            d->grad_offset = grad_fill[d->layer];
+            grad_fill[d->layer] += d->numel;
+            d->state_offset = state_fill[d->owner_layer];
+            state_fill[d->owner_layer] += d->numel;
+        }
 }
 
 int tensor_table_build(TensorTable* tt, const ModelConfig* c, int decay_embeddings, char* err) {

@@ -26,7 +26,9 @@
  * the HF export go through the view, so a model leaves in the layout it came in.
  *
  * LoRA (tensor_table_build_lora, lora.h): each adapted linear of a block gets two more tensors at
- * the end of the block's slab, A (r, in) and B (out, r), named by their PEFT keys
+ * the end of the block's slab, A (r, in) and B (out, r) (in the table A, B per linear; in the
+ * slabs every A of the block first, then every B: the A's of q, k, v are one (3r, C) matrix there,
+ * those of gate, up one (2r, C), and their gradients likewise), named by their PEFT keys
  * (base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight). They are the only
  * trainable tensors then: the base is frozen, with no gradient slot (grad_offset -1) and no AdamW
  * state (state_offset -1), so the gradient and m/v slabs hold the adapters only. The HF view

@@ -1,11 +1,12 @@
 /*
  * test_lora.c — suite `lora`: LoRA adapters on a frozen base (lora.h).
  *
- *  - the ops: column-range add / read (against a reference, and each the other's adjoint: the
- *    finite-difference check of linear ops), dropout (mask rate, scale, its own backward, the
- *    same mask for any row chunking);
+ *  - the ops: column-range products, stored or added, on a strided input (against a reference,
+ *    and each the other's adjoint: the finite-difference check of linear ops), dropout (mask
+ *    rate, scale, its own backward, the same mask for any row chunking);
  *  - the tensor table: adapters named by their PEFT keys, the only trainable tensors, gradient
- *    and AdamW slabs of the adapters only, the HF view without them; MoE: attention adapters
+ *    and AdamW slabs of the adapters only (each block's A's, then its B's), the HF view without
+ *    them; MoE: attention adapters
  *    only (finite-difference checked, and through the engine), the other targets refused;
  *  - the model: finite-difference checks of every A and B gradient (LLaMA and tied Qwen3, with
  *    and without dropout), B = 0 gives the base's loss to the bit, the merged base gives the
@@ -49,15 +50,17 @@ static double dot_f(const float* a, const float* b, size_t n) {
     return s;
 }
 
-// The column-range products in fp64 (ops.h): out[:, c0:c0+OC] += scale·inp·wᵀ; with g = scale ·
-// dout[:, c0:c0+OC]: dinp (+)= g·w, dw += gᵀ·inp.
+// The column-range products in fp64 (ops.h): out[:, c0:c0+OC] (+)= scale·inp·wᵀ (fwd_acc: +=);
+// with g = scale · dout[:, c0:c0+OC]: dinp (+)= g·w, dw += gᵀ·inp. inp, dinp contiguous (N, IC).
 static void cols_reference(double* out, double* dinp, double* dw, const float* y0,
                            const float* dinp0, const float* inp, const float* w, const float* dout,
-                           float scale, int N, int IC, int OC, int ld, int c0, int accumulate) {
+                           float scale, int N, int IC, int OC, int ld, int c0, int fwd_acc,
+                           int accumulate) {
     for (int n = 0; n < N; n++)
         for (int j = 0; j < ld; j++) {
-            double v = y0[n * ld + j];
-            if (j >= c0 && j < c0 + OC)
+            const int in_range = j >= c0 && j < c0 + OC;
+            double v = !in_range || fwd_acc ? y0[n * ld + j] : 0.0;
+            if (in_range)
                 for (int k = 0; k < IC; k++)
                     v += (double)scale * inp[n * IC + k] * w[(j - c0) * IC + k];
             out[n * ld + j] = v;
@@ -77,6 +80,12 @@ static void cols_reference(double* out, double* dinp, double* dw, const float* y
         }
 }
 
+// (N, IC) columns [ci, ci + IC) of a (N, ldi) buffer, or into it.
+static void strided_get(float* dst, const float* src, int N, int IC, int ldi, int ci) {
+    for (int n = 0; n < N; n++) memcpy(dst + (size_t)n * IC, src + (size_t)n * ldi + ci,
+                                       (size_t)IC * sizeof(float));
+}
+
 static double max_rel_d(const float* got, const double* want, size_t n) {
     double num = 0.0, den = 0.0;
     for (size_t i = 0; i < n; i++) {
@@ -86,60 +95,92 @@ static double max_rel_d(const float* got, const double* want, size_t n) {
     return sqrt(num) / (den > 0 ? sqrt(den) : 1e-30);
 }
 
+// The column-range products against the fp64 reference, with the input (and its gradient) a
+// column range of a wider buffer (one adapter's r columns of a fused t): the forward stored and
+// accumulated, the columns outside both ranges untouched, the backward with and without
+// accumulation; and the forward and backward each the other's adjoint (<y, dout> over the range =
+// <inp, dinp> = <w, dw>: the finite-difference check of a linear op, exact up to rounding).
 static void test_lora_ops_cols(TestCtx* t) {
     void* ctx = ops_cpu_create(t->n_threads);
     Rng r;
     rng_seed(&r, 5);
-    const int N = 13, IC = 6, OC = 11, ld = 29, c0 = 7;
+    const int N = 13, IC = 6, OC = 11, ld = 29, c0 = 7, ldi = 10, ci = 3;
     const float scale = 0.37f;
-    float* y = rand_floats(&r, (size_t)N * ld, 1.0f);
-    float* y0 = malloc_check((size_t)N * ld * sizeof(float));
-    memcpy(y0, y, (size_t)N * ld * sizeof(float));
-    float* inp = rand_floats(&r, (size_t)N * IC, 1.0f);
-    float* w = rand_floats(&r, (size_t)OC * IC, 1.0f);
-    float* dout = rand_floats(&r, (size_t)N * ld, 1.0f);
-    float* dinp0 = rand_floats(&r, (size_t)N * IC, 1.0f);
-    float* dinp = malloc_check((size_t)N * IC * sizeof(float));
-    float* dw = calloc_check((size_t)OC * IC, sizeof(float));
-    double* ry = malloc_check((size_t)N * ld * sizeof(double));
-    double* rd = malloc_check((size_t)N * IC * sizeof(double));
-    double* rw = malloc_check((size_t)OC * IC * sizeof(double));
-    ops_cpu.matmul_cols_add(ctx, y, inp, w, scale, N, IC, OC, ld, c0);
-    int untouched = 1;
-    for (int n = 0; n < N; n++)
-        for (int j = 0; j < ld; j++)
-            if (j < c0 || j >= c0 + OC) untouched &= y[n * ld + j] == y0[n * ld + j];
-    CHECK(t, untouched, "matmul_cols_add: the columns outside [c0, c0 + OC) untouched");
+    const size_t ny = (size_t)N * ld, nx = (size_t)N * IC, nw = (size_t)OC * IC;
+    float* y0 = rand_floats(&r, ny, 1.0f);
+    float* y = malloc_check(ny * sizeof(float));
+    float* inw = rand_floats(&r, (size_t)N * ldi, 1.0f);  // inp: columns [ci, ci + IC)
+    float* inp = malloc_check(nx * sizeof(float));
+    strided_get(inp, inw, N, IC, ldi, ci);
+    float* w = rand_floats(&r, nw, 1.0f);
+    float* dout = rand_floats(&r, ny, 1.0f);
+    float* dinpw0 = rand_floats(&r, (size_t)N * ldi, 1.0f);
+    float* dinpw = malloc_check((size_t)N * ldi * sizeof(float));
+    float* dinp0 = malloc_check(nx * sizeof(float));
+    float* dinp = malloc_check(nx * sizeof(float));
+    strided_get(dinp0, dinpw0, N, IC, ldi, ci);
+    float* dw = calloc_check(nw, sizeof(float));
+    double* ry = malloc_check(ny * sizeof(double));
+    double* rd = malloc_check(nx * sizeof(double));
+    double* rw = malloc_check(nw * sizeof(double));
     for (int acc = 0; acc < 2; acc++) {
-        memcpy(dinp, dinp0, (size_t)N * IC * sizeof(float));
-        memset(dw, 0, (size_t)OC * IC * sizeof(float));
-        ops_cpu.matmul_cols_backward(ctx, dinp, acc, dw, dout, inp, w, scale, N, IC, OC, ld, c0);
-        cols_reference(ry, rd, rw, y0, dinp0, inp, w, dout, scale, N, IC, OC, ld, c0, acc);
-        CHECK(t, max_rel_d(y, ry, (size_t)N * ld) <= 1e-6, "matmul_cols_add: %.3g",
-              max_rel_d(y, ry, (size_t)N * ld));
-        CHECK(t, max_rel_d(dinp, rd, (size_t)N * IC) <= 1e-6, "matmul_cols_backward dinp "
-              "(accumulate %d): %.3g", acc, max_rel_d(dinp, rd, (size_t)N * IC));
-        CHECK(t, max_rel_d(dw, rw, (size_t)OC * IC) <= 1e-6, "matmul_cols_backward dw: %.3g",
-              max_rel_d(dw, rw, (size_t)OC * IC));
+        memcpy(y, y0, ny * sizeof(float));
+        ops_cpu.matmul_cols_forward(ctx, y, acc, inw + ci, ldi, w, scale, N, IC, OC, ld, c0);
+        int untouched = 1;
+        for (int n = 0; n < N; n++)
+            for (int j = 0; j < ld; j++)
+                if (j < c0 || j >= c0 + OC) untouched &= y[n * ld + j] == y0[n * ld + j];
+        CHECK(t, untouched, "matmul_cols_forward: the columns outside [c0, c0 + OC) untouched");
+        memcpy(dinpw, dinpw0, (size_t)N * ldi * sizeof(float));
+        memset(dw, 0, nw * sizeof(float));
+        ops_cpu.matmul_cols_backward(ctx, dinpw + ci, acc, dw, dout, inw + ci, w, scale, N, IC, ldi,
+                                     OC, ld, c0);
+        strided_get(dinp, dinpw, N, IC, ldi, ci);
+        int outside = 1;
+        for (int n = 0; n < N; n++)
+            for (int k = 0; k < ldi; k++)
+                if (k < ci || k >= ci + IC) outside &= dinpw[n * ldi + k] == dinpw0[n * ldi + k];
+        CHECK(t, outside, "matmul_cols_backward: dinp's row stride kept, other columns untouched");
+        cols_reference(ry, rd, rw, y0, dinp0, inp, w, dout, scale, N, IC, OC, ld, c0, acc, acc);
+        CHECK(t, max_rel_d(y, ry, ny) <= 1e-6, "matmul_cols_forward (accumulate %d): %.3g", acc,
+              max_rel_d(y, ry, ny));
+        CHECK(t, max_rel_d(dinp, rd, nx) <= 1e-6, "matmul_cols_backward dinp "
+              "(accumulate %d): %.3g", acc, max_rel_d(dinp, rd, nx));
+        CHECK(t, max_rel_d(dw, rw, nw) <= 1e-6, "matmul_cols_backward dw: %.3g",
+              max_rel_d(dw, rw, nw));
+        if (acc) continue;
+        // adjoints: y's range (stored), dinp (overwritten) and dw from the same dout
+        double ydout = 0.0;
+        for (int n = 0; n < N; n++)
+            for (int j = c0; j < c0 + OC; j++) ydout += (double)y[n * ld + j] * dout[n * ld + j];
+        const double xd = dot_f(inp, dinp, nx), wd = dot_f(w, dw, nw);
+        CHECK(t, fabs(ydout - xd) <= 1e-5 * fabs(ydout) && fabs(ydout - wd) <= 1e-5 * fabs(ydout),
+              "matmul_cols adjoints: <y, dout> %.9g, <inp, dinp> %.9g, <w, dw> %.9g", ydout, xd,
+              wd);
     }
     // scale (the expert adapters' forward and backward): out = s · inp, in place too
-    memcpy(dinp, dinp0, (size_t)N * IC * sizeof(float));
-    ops_cpu.scale(ctx, dinp, dinp, scale, (size_t)N * IC);
+    memcpy(dinp, dinp0, nx * sizeof(float));
+    ops_cpu.scale(ctx, dinp, dinp, scale, nx);
     int scaled = 1;
-    for (int i = 0; i < N * IC; i++) scaled &= dinp[i] == scale * dinp0[i];
+    for (size_t i = 0; i < nx; i++) scaled &= dinp[i] == scale * dinp0[i];
     CHECK(t, scaled, "scale: out = s * inp");
-    // the whole-width identity case (scale 1, ld = OC, c0 = 0) reads dout in place
-    memset(dw, 0, (size_t)OC * IC * sizeof(float));
-    ops_cpu.matmul_cols_backward(ctx, dinp, 0, dw, dout, inp, w, 1.0f, N, IC, OC, OC, 0);
-    cols_reference(ry, rd, rw, y0, dinp0, inp, w, dout, 1.0f, N, IC, OC, OC, 0, 0);
-    CHECK(t, max_rel_d(dinp, rd, (size_t)N * IC) <= 1e-6 && max_rel_d(dw, rw, (size_t)OC * IC) <= 1e-6,
-          "matmul_cols_backward, whole width: %.3g %.3g", max_rel_d(dinp, rd, (size_t)N * IC),
-          max_rel_d(dw, rw, (size_t)OC * IC));
+    // the whole-width identity case (scale 1, ld = OC, c0 = 0) reads dout in place; with
+    // accumulate it is the base's input gradient added onto the adapters' (model.c)
+    memcpy(dinp, dinp0, nx * sizeof(float));
+    memset(dw, 0, nw * sizeof(float));
+    ops_cpu.matmul_cols_backward(ctx, dinp, 1, dw, dout, inp, w, 1.0f, N, IC, IC, OC, OC, 0);
+    cols_reference(ry, rd, rw, y0, dinp0, inp, w, dout, 1.0f, N, IC, OC, OC, 0, 1, 1);
+    CHECK(t, max_rel_d(dinp, rd, nx) <= 1e-6 && max_rel_d(dw, rw, nw) <= 1e-6,
+          "matmul_cols_backward, whole width: %.3g %.3g", max_rel_d(dinp, rd, nx),
+          max_rel_d(dw, rw, nw));
     free(y);
     free(y0);
+    free(inw);
     free(inp);
     free(w);
     free(dout);
+    free(dinpw0);
+    free(dinpw);
     free(dinp0);
     free(dinp);
     free(dw);
@@ -244,6 +285,25 @@ static void test_lora_table(TestCtx* t) {
           "PEFT key and shape of layers.0 down_proj lora_A");
     CHECK(t, store_bytes(tt) < store_bytes(&base.tt) / 2 + 1e6, "LoRA store %.0f bytes vs %.0f",
           store_bytes(tt), store_bytes(&base.tt));
+    // the slabs: every block's A's in target order, then its B's, packed (the table keeps A, B
+    // per target); the A's of q, k, v (and gate, up) one matrix in parameters, gradients and
+    // AdamW state alike (lora.c runs each group as one product)
+    int packed = 1;
+    for (int l2 = 0; l2 < c.L; l2++) {
+        int64_t p = -1, gr = -1, sto = -1;
+        for (int k = 0; k < 2; k++)
+            for (int tg = 0; tg < LORA_N_DENSE_TARGETS; tg++) {
+                const TensorDesc* d = &tt->t[tensor_table_lora_index(tt, l2, (LoraTarget)tg, k)];
+                if (p >= 0)
+                    packed &= d->param_offset == p && d->grad_offset == gr &&
+                              d->state_offset == sto;
+                p = d->param_offset + d->numel;
+                gr = d->grad_offset + d->numel;
+                sto = d->state_offset + d->numel;
+            }
+        packed &= p == tt->param_numel[l2 + 1] && gr == tt->grad_numel[l2 + 1];
+    }
+    CHECK(t, packed, "adapter slabs: each block's A's, then its B's, packed at the slab's end");
     // without LoRA every offset as before
     int same = 1;
     for (int k = 0; k < base.tt.n; k++) {
@@ -542,8 +602,40 @@ static float* lora_grads_copy(const Fix* f, int64_t* n_out) {
 
 // B = 0 (PEFT's init): the base's loss to the bit. The merged base: the adapted loss. Recompute
 // and the chunked MLP: the same loss and gradients.
+// Without dropout (adapters sharing an input as one product, t kept by the forward, adapters
+// covering their output written before the base's product), all-linear and q, v, down (no group
+// covers its output: added after the base's): the recompute as the kept activations to the bit,
+// the chunked MLP (t recomputed) within rounding.
+static void lora_consistency_fused(TestCtx* t, const ModelConfig* c, unsigned targets) {
+    LoraSpec l = spec(4, 8.0f, targets, 0.0f, 0);
+    Fix a, b, ch;
+    fix_init(&a, c, &l, 0, 0);
+    fix_init(&b, c, &l, 1, 0);
+    fix_init(&ch, c, &l, 0, 5);
+    const double la = fix_grads(&a), lb = fix_grads(&b), lc = fix_grads(&ch);
+    CHECK(t, la == lb, "targets %#x, recompute: loss %.9g vs %.9g", targets, la, lb);
+    CHECK(t, fabs(la - lc) <= 1e-6 * fabs(la), "targets %#x, chunked MLP: loss %.9g vs %.9g",
+          targets, la, lc);
+    int64_t n;
+    float* ga = lora_grads_copy(&a, &n);
+    float* gb = lora_grads_copy(&b, &n);
+    float* gc = lora_grads_copy(&ch, &n);
+    CHECK(t, memcmp(ga, gb, (size_t)n * sizeof(float)) == 0,
+          "targets %#x, recompute: the same gradients", targets);
+    const double e = rel_l2_error(gc, ga, (size_t)n);
+    CHECK(t, e <= 1e-5, "targets %#x, chunked MLP: gradient relative error %.3g", targets, e);
+    free(ga);
+    free(gb);
+    free(gc);
+    fix_free(&a);
+    fix_free(&b);
+    fix_free(&ch);
+}
+
 static void test_lora_model_consistency(TestCtx* t) {
     ModelConfig c = test_small_config(FAMILY_LLAMA, 0);
+    lora_consistency_fused(t, &c, LORA_ALL_LINEAR);
+    lora_consistency_fused(t, &c, LORA_BIT(LORA_Q) | LORA_BIT(LORA_V) | LORA_BIT(LORA_DOWN));
     LoraSpec l = spec(4, 8.0f, LORA_ALL_LINEAR, 0.2f, 0);
     Fix a, b, ch;
     fix_init(&a, &c, &l, 0, 0);
@@ -1648,12 +1740,18 @@ static void test_lora_gpu_ops(TestCtx* t) {
         ops_cuda.upload_f32(g, dx, x, (size_t)N * IC);
         ops_cuda.upload_f32(g, dwt, wt, (size_t)w * IC);
         ops_cuda.upload_f32(g, dy, y, ny);
-        ops_cuda.matmul_cols_add(g, dy, dx, dwt, 0.5f, N, IC, w, ld, c0);
-        ops_cuda.download_f32(g, got, dy, ny);
+        // stored, then accumulated (the model's two orders); and the input as 16 columns of a
+        // 32-wide buffer (an adapter's part of a fused t)
         float* want = malloc_check(ny * sizeof(float));
         memcpy(want, y, ny * sizeof(float));
-        ops_cpu.matmul_cols_add(c, want, x, wt, 0.5f, N, IC, w, ld, c0);
-        CHECK(t, rel_l2_error(got, want, ny) <= 4e-3, "matmul_cols_add: %.3g",
+        ops_cuda.matmul_cols_forward(g, dy, 0, dx, IC, dwt, 0.5f, N, IC, w, ld, c0);
+        ops_cpu.matmul_cols_forward(c, want, 0, x, IC, wt, 0.5f, N, IC, w, ld, c0);
+        ops_cuda.matmul_cols_forward(g, dy, 1, (const char*)dx + 16 * 2, IC, dwt, 0.5f, N, 16, w,
+                                     ld, c0);
+        // (w read as (w, 16): the first w·16 elements of wt on both)
+        ops_cpu.matmul_cols_forward(c, want, 1, x + 16, IC, wt, 0.5f, N, 16, w, ld, c0);
+        ops_cuda.download_f32(g, got, dy, ny);
+        CHECK(t, rel_l2_error(got, want, ny) <= 4e-3, "matmul_cols_forward: %.3g",
               rel_l2_error(got, want, ny));
         float* gx = malloc_check((size_t)N * IC * sizeof(float));
         float* cx0 = rand_floats(&r, (size_t)N * IC, 1.0f);
@@ -1664,12 +1762,14 @@ static void test_lora_gpu_ops(TestCtx* t) {
         for (int acc = 0; acc < 2; acc++) {
             ops_cuda.upload_f32(g, ddx, cx0, (size_t)N * IC);
             ops_cuda.zero(g, ddw, (size_t)w * IC * 4);
-            ops_cuda.matmul_cols_backward(g, ddx, acc, ddw, dy, dx, dwt, 2.0f, N, IC, w, ld, c0);
+            ops_cuda.matmul_cols_backward(g, ddx, acc, ddw, dy, dx, dwt, 2.0f, N, IC, IC, w, ld,
+                                          c0);
             ops_cuda.download_f32(g, gx, ddx, (size_t)N * IC);
             ops_cuda.download(g, gw, ddw, (size_t)w * IC * 4);
             memcpy(cx, cx0, (size_t)N * IC * sizeof(float));
             memset(cw, 0, (size_t)w * IC * sizeof(float));
-            ops_cpu.matmul_cols_backward(c, cx, acc, cw, want, x, wt, 2.0f, N, IC, w, ld, c0);
+            ops_cpu.matmul_cols_backward(c, cx, acc, cw, want, x, wt, 2.0f, N, IC, IC, w, ld,
+                                         c0);
             CHECK(t, rel_l2_error(gx, cx, (size_t)N * IC) <= 4e-3, "matmul_cols_backward dinp "
                   "(accumulate %d): %.3g", acc, rel_l2_error(gx, cx, (size_t)N * IC));
             CHECK(t, rel_l2_error(gw, cw, (size_t)w * IC) <= 4e-3, "matmul_cols_backward dw: "
@@ -1785,28 +1885,35 @@ static void test_lora_gpu_model(TestCtx* t) {
         free(dg);
         fix_free(&d);
 
-        LoraSpec l = spec(8, 16.0f, LORA_ALL_LINEAR, 0.1f, 0);
-        Fix a;
-        fix_init(&a, &c, &l, 0, 0);
-        fix_round_bf16(&a);
-        const double lc = fix_grads(&a);
-        int64_t n;
-        float* gc = lora_grads_copy(&a, &n);
-        float* gg;
-        const double lg = gpu_fix_grads(&a, &gg, &n);
-        CHECK(t, fabs(lg - lc) <= 2e-2 * fabs(lc), "%s: GPU loss %.6f vs CPU %.6f",
-              family_names[c.family], lg, lc);
-        const double e = rel_l2_error(gg, gc, (size_t)n);
-        const double tol = fmax(5e-2, 2.0 * floor);
-        CHECK(t, e <= tol, "%s: adapter gradients relative L2 error %.3g (tol %.3g: twice the "
-              "full model's %.3g, at least 0.05)", family_names[c.family], e, tol, floor);
-        CHECK(t, floor <= 0.2, "%s: full fine-tuning's GPU gradients are %.3g off the CPU's",
-              family_names[c.family], floor);
-        printf("  %s: loss %.6f vs %.6f, adapter gradient error %.3g (full fine-tuning's "
-               "gradients: %.3g)\n", family_names[c.family], lg, lc, e, floor);
-        free(gc);
-        free(gg);
-        fix_free(&a);
+        // with dropout (adapter by adapter, after the base), and without (q, k, v and gate, up
+        // as one product each, t kept, written before the base's product adds onto them)
+        for (int dp = 0; dp < 2; dp++) {
+            LoraSpec l = spec(8, 16.0f, LORA_ALL_LINEAR, dp ? 0.0f : 0.1f, 0);
+            Fix a;
+            fix_init(&a, &c, &l, 0, 0);
+            fix_round_bf16(&a);
+            const double lc = fix_grads(&a);
+            int64_t n;
+            float* gc = lora_grads_copy(&a, &n);
+            float* gg;
+            const double lg = gpu_fix_grads(&a, &gg, &n);
+            CHECK(t, fabs(lg - lc) <= 2e-2 * fabs(lc),
+                  "%s (dropout %g): GPU loss %.6f vs CPU %.6f", family_names[c.family],
+                  (double)l.dropout, lg, lc);
+            const double e = rel_l2_error(gg, gc, (size_t)n);
+            const double tol = fmax(5e-2, 2.0 * floor);
+            CHECK(t, e <= tol, "%s (dropout %g): adapter gradients relative L2 error %.3g (tol "
+                  "%.3g: twice the full model's %.3g, at least 0.05)", family_names[c.family],
+                  (double)l.dropout, e, tol, floor);
+            CHECK(t, floor <= 0.2, "%s: full fine-tuning's GPU gradients are %.3g off the CPU's",
+                  family_names[c.family], floor);
+            printf("  %s (dropout %g): loss %.6f vs %.6f, adapter gradient error %.3g (full "
+                   "fine-tuning's gradients: %.3g)\n", family_names[c.family],
+                   (double)l.dropout, lg, lc, e, floor);
+            free(gc);
+            free(gg);
+            fix_free(&a);
+        }
     }
 }
 // The experts' per-expert adapters on the GPU (the grouped matmul with the rank as the narrow
