@@ -125,26 +125,28 @@ static void print_lora_host_memory(const TrainArgs* a, const Model* m, int act_b
     const int blocks = quant_table_count(&m->tt) > 0;  // (--base-dtype: the engine's copy)
     const double base = act_bytes == 2 || blocks ? h.base : h.store_frozen;
     const double adapters = h.store - h.store_frozen + (h.masters - h.base) + h.grads;
+    const double n = (double)m->tt.trainable_params;
     printf("LoRA host memory: the frozen base %.2f GiB (%s, one copy) + the adapters %.3f GiB "
            "(fp32 weights, gradients, AdamW m and v; two %s masters)", base / gib,
            blocks ? "ggml blocks" : act_bytes == 2 ? "bf16" : "fp32", adapters / gib,
            act_bytes == 2 ? "bf16" : "fp32");
+    // per adapter parameter: what each part holds (the delayed update's second gradient set:
+    // the step of iteration t reads one while iteration t + 1 accumulates into the other)
+    printf(" = %.3f G parameters x (16 B fp32 weights, gradients, m, v + %d B masters%s)",
+           n / 1e9, 2 * act_bytes, h.grads > 0 ? " + 4 B the delayed update's second gradient set, "
+                                                 "--sync 1 drops it" : "");
     int from_file = 0;
     const double staging = memory_stream_staging(a, m, &from_file);
     if (trainer_streams_base(a, m, 1))
-        printf("; no fp32 base: the %s quantises each tensor as it makes it (staging %.2f GiB)",
-               from_file ? "loader" : "random init", staging / gib);
-    else if (blocks && act_bytes == 2 && released)
-        printf("; at start-up the loader's fp32 base (%.2f GiB), given back page by page as the "
-               "engine makes its copy (--val '' --sample-tokens 0 and no HF / GGUF export: "
-               "never held)", h.store_frozen / gib);
+        printf("; no fp32 base: the %s %s each tensor as it makes it (staging %.2f GiB)",
+               from_file ? "loader" : "random init",
+               !blocks ? "converts to bf16" : act_bytes == 2 ? "quantises (or converts to bf16)"
+                                                             : "quantises",
+               staging / gib);
     else if (blocks && !released)
         printf("; plus the Store's fp32 base (%.2f GiB), which --val, --sample-tokens, "
                "--dump-state and HF/GGUF exports read (--val '' --sample-tokens 0 and no HF / "
                "GGUF export drop it)", h.store_frozen / gib);
-    else if (act_bytes == 2 && released)
-        printf("; at start-up the loader's fp32 base (%.2f GiB), given back page by page as the "
-               "engine makes its bf16 copy", h.store_frozen / gib);
     else if (act_bytes == 2)
         printf("; plus the Store's fp32 base (%.2f GiB), which --val, --sample-tokens, "
                "--dump-state and HF/GGUF exports read (--val '' --sample-tokens 0 drops it)",
@@ -223,7 +225,12 @@ static int plan_and_check_memory(TrainArgs* a, Model* model, int N, int world) {
         one.dist_world = 1;
         const RunMemory rm = memory_estimate(&one, model, N, &peo);
         if (model->tt.lora.r > 0) print_lora_host_memory(a, model, act_bytes, N, &peo);
-        printf("host memory for this plan: %.2f GiB", rm.total / (1 << 30));
+        const double gib = 1 << 30;
+        printf("host memory for this plan: %.2f GiB (weights, optimizer state and gradients "
+               "%.2f + host activation checkpoints %.2f + other activations and buffers %.2f + "
+               "exports %.2f + the program %.2f)", rm.total / gib, rm.state / gib,
+               rm.checkpoints / gib, (rm.activations - rm.checkpoints) / gib, rm.exports / gib,
+               rm.program / gib);
         if (lim.bytes > 0) printf(" (available: %.2f GiB, %s)", lim.bytes / (1 << 30), lim.source);
         printf("\n");
         if (lim.bytes > 0 && rm.total > lim.bytes)
@@ -531,8 +538,9 @@ int main(int argc, char** argv) {
                             &model.cfg, err) != 0)
             fatal("%s", err);
     } else if (trainer_streams_base(&a, &model, N > 0)) {
-        // a block-format base nothing reads in fp32: quantised as the init / loader makes it
-        store_create_streamed(&store, &model.tt);
+        // a base nothing reads in fp32: quantised (or, on GPUs, made bf16) as the init / loader
+        // makes it
+        store_create_streamed(&store, &model.tt, a.device == DEVICE_CUDA);
     } else if (ranked && N > 0) {  // (LoRA runs are refused with data parallel)
         int64_t* lo = malloc_check((size_t)model.tt.n_layers * sizeof(int64_t));
         int64_t* hi = malloc_check((size_t)model.tt.n_layers * sizeof(int64_t));

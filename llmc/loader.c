@@ -3,8 +3,8 @@
  * checked in table order first, then one conversion task per tensor on a thread pool.
  * Safetensors load through the table's HF view (tensor.h): one task per checkpoint tensor, so
  * per-expert, fused and MXFP4 expert layouts land in the same slabs. A streamed base
- * (Store.base_streamed): a block-format tensor's values go to a buffer of the task's own and from
- * there into its blocks, never into the slab.
+ * (Store.base_streamed): a frozen tensor's values go to a buffer of the task's own and from
+ * there into its blocks or its bf16 copy (Store.base16), never into the slab.
  */
 #include "loader.h"
 
@@ -35,23 +35,16 @@ typedef struct LoadJob {
     int* rc;                 // per task, 0 = loaded
 } LoadJob;
 
-// A streamed base (store_create_streamed): a block-format tensor's elements [from, from + n) of
-// fp32 values w into its blocks (whole blocks: a view of whole rows; rows are whole blocks).
-static int stream_blocks(const LoadJob* job, int i, const float* w, int64_t from, int64_t n,
+// A streamed base (store_create_streamed): tensor i's elements [from, from + n) of fp32 values w
+// into its blocks (whole blocks: a view of whole rows; rows are whole blocks) or bf16.
+static int stream_values(const LoadJob* job, int i, const float* w, int64_t from, int64_t n,
                          char* err) {
     const TensorDesc* d = &job->s->tt->t[i];
-    if (from == 0 && n == d->numel) {  // (keep: the GGUF's own blocks where they are the same)
+    if (d->qtype && from == 0 && n == d->numel) {  // (keep: the GGUF's own blocks where the same)
         quant_tensor_blocks(d, w, job->s->qblocks[i], job->gguf, job->cfg);
         return 0;
     }
-    int bytes = 0;
-    const int block = ggml_type_block(d->qtype, &bytes);
-    if (from % block != 0 || n % block != 0)
-        return errorf(err, "%s: a checkpoint part of %lld elements at %lld is not whole %s blocks "
-                      "(give --val or an export to hold the base in fp32)", d->name, (long long)n,
-                      (long long)from, quant_type_name(d->qtype));
-    quant_quantize(d->qtype, w, job->s->qblocks[i] + (size_t)(from / block) * (size_t)bytes, n);
-    return 0;
+    return store_stream_values(job->s, i, w, from, n, err);
 }
 
 static void load_task(void* arg, int64_t task) {
@@ -63,10 +56,10 @@ static void load_task(void* arg, int64_t task) {
         // (tied: the owner's; LoRA adapters: not the base's; --mmap-base: read on upload)
         if (d->tied_to >= 0 || d->lora_target >= 0 || (job->s->map_src && job->s->map_src[i]))
             return;
-        if (job->s->base_streamed && d->qtype) {  // (one tensor's fp32 values at a time)
+        if (store_streams_tensor(job->s, i)) {  // (one tensor's fp32 values at a time)
             float* w = malloc_check((size_t)d->numel * sizeof(float));
             job->rc[i] = gguf_read_hf_tensor(job->gguf, job->cfg, d, w, job->err[i]);
-            if (job->rc[i] == 0) job->rc[i] = stream_blocks(job, i, w, 0, d->numel, job->err[i]);
+            if (job->rc[i] == 0) job->rc[i] = stream_values(job, i, w, 0, d->numel, job->err[i]);
             free(w);
             return;
         }
@@ -76,7 +69,7 @@ static void load_task(void* arg, int64_t task) {
     }
     const HfTensor* v = &tt->hf[i];
     if (job->s->map_src && job->s->map_src[v->index]) return;  // (--mmap-base: read on upload)
-    const int streamed = job->s->base_streamed && tt->t[v->index].qtype;
+    const int streamed = store_streams_tensor(job->s, v->index);
     float* out = streamed ? malloc_check((size_t)v->numel * sizeof(float))
                           : store_param(job->s, v->index) + v->offset;
     if (job->st[i]) {
@@ -88,7 +81,7 @@ static void load_task(void* arg, int64_t task) {
     }
     if (!streamed) return;
     if (job->rc[i] == 0)
-        job->rc[i] = stream_blocks(job, v->index, out, v->offset, v->numel, job->err[i]);
+        job->rc[i] = stream_values(job, v->index, out, v->offset, v->numel, job->err[i]);
     free(out);
 }
 
@@ -215,8 +208,9 @@ int loader_load_safetensors(Store* s, const StCheckpoint* ck, int* n_unused, cha
         }
         int head = tensor_table_index(tt, TK_LM_HEAD, -1);
         if (strcmp(name, "lm_head.weight") == 0 && head >= 0 && tt->t[head].tied_to >= 0 &&
-            s->map_src && s->map_src[tt->t[head].tied_to])
-            continue;  // (--mmap-base: the embedding is not in memory to compare with)
+            ((s->map_src && s->map_src[tt->t[head].tied_to]) ||
+             store_streams_tensor(s, tt->t[head].tied_to)))
+            continue;  // (--mmap-base, a streamed base: the embedding is not in fp32 to compare)
         if (strcmp(name, "lm_head.weight") == 0 && head >= 0 && tt->t[head].tied_to >= 0) {
             const TensorDesc* d = &tt->t[head];
             float* tmp = malloc_check((size_t)d->numel * sizeof(float));

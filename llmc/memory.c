@@ -284,7 +284,8 @@ double memory_stream_staging(const TrainArgs* a, const Model* m, int* from_file)
     const int random_init = !a->model[0] || config_from_preset(&c, a->model, err) == 0 ||
                             (n >= 5 && strcmp(a->model + n - 5, ".json") == 0);
     if (from_file) *from_file = !random_init;
-    return quant_stream_staging_bytes(&m->tt, threads_online_cpus(), !random_init);
+    return quant_stream_staging_bytes(&m->tt, threads_online_cpus(), !random_init,
+                                      a->device == DEVICE_CUDA);
 }
 
 RunMemory memory_estimate(const TrainArgs* a, const Model* m, int n_devices,
@@ -319,10 +320,14 @@ RunMemory memory_estimate(const TrainArgs* a, const Model* m, int n_devices,
                 r.state -= (double)quant_layer_block_bytes(&m->tt, l);
             if (!trainer_releases_frozen(a, m, engine)) r.state -= h.base;
         }
-        // a streamed base (trainer_streams_base): the block-format tensors never in fp32, the
-        // init's or the loader's staging instead
+        // a streamed base (trainer_streams_base): the block-format tensors never in fp32, on
+        // GPUs none of the base (the others in bf16, Store.base16, which the engine uploads from
+        // or packs a layer at a time), the init's or the loader's staging instead
         if (trainer_streams_base(a, m, engine)) {
             r.state -= quant_fp32_bytes(&m->tt);
+            if (gpus)
+                r.state -= store_frozen_bytes(&m->tt) - quant_fp32_bytes(&m->tt) -
+                           store_base16_bytes(&m->tt);
             r.activations += memory_stream_staging(a, m, NULL);
         }
         // resuming the delayed update: its pending weights stay until the engine has copied them
@@ -335,7 +340,8 @@ RunMemory memory_estimate(const TrainArgs* a, const Model* m, int n_devices,
         EnginePlanMemory pm;
         char err[ERR_LEN];
         if (engine_plan_memory(m, ab, n_devices, eo, &pm, err) == 0) {
-            r.activations += (double)pm.host_checkpoints;
+            r.checkpoints = (double)pm.host_checkpoints;
+            r.activations += r.checkpoints;
             // emulated devices allocate on the host, and their ops compute one row chunk at a
             // time with their own threads (trainer.c: create_engine)
             const int per_dev =
@@ -346,7 +352,8 @@ RunMemory memory_estimate(const TrainArgs* a, const Model* m, int n_devices,
                                  (double)model_cpu_op_temp_bytes(m, pm.Bc, T, per_dev));
         } else {
             r.plan_failed = 1;
-            r.activations += h.checkpoints_max;
+            r.checkpoints = h.checkpoints_max;
+            r.activations += r.checkpoints;
         }
     }
     // the plain path's data parallel (dp.c): the whole Store on every rank, and the packed

@@ -56,6 +56,8 @@ typedef struct RunMemory {
     double activations;  // activations, scratch, LM-head logits chunks, the ops' temporaries and
                          // the batch: the plain path's workspace, the host activation
                          // checkpoints, emulated devices' buffers
+    double checkpoints;  // of activations: the engine's host activation checkpoints (the plan's
+                         // boundaries, one or two iteration sets; --host-checkpoints)
     double exports;      // held while --export-hf / --export-gguf write, at the end
     double program;      // the program, its libraries and threads; the CUDA context per GPU
     double total;

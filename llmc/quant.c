@@ -370,10 +370,13 @@ double quant_fp32_bytes(const TensorTable* tt) {
     return bytes;
 }
 
-double quant_stream_staging_bytes(const TensorTable* tt, int threads, int from_file) {
+double quant_stream_staging_bytes(const TensorTable* tt, int threads, int from_file, int bf16) {
     double largest = 0.0;
-    for (int i = 0; i < tt->n; i++)
-        if (tt->t[i].qtype && (double)tt->t[i].numel > largest) largest = (double)tt->t[i].numel;
+    for (int i = 0; i < tt->n; i++) {
+        const TensorDesc* d = &tt->t[i];
+        const int streamed = d->qtype || (bf16 && !d->trainable && d->tied_to < 0);
+        if (streamed && (double)d->numel > largest) largest = (double)d->numel;
+    }
     // the random init: one chunk of store.c's 2^20 elements per thread; a load: one tensor's
     // fp32 values per thread (a GGUF reads a whole tensor; a safetensors part is at most that)
     if (!from_file && largest > (double)(1 << 20)) largest = (double)(1 << 20);

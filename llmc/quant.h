@@ -85,7 +85,8 @@ void quant_tensor_blocks(const TensorDesc* d, const float* w, uint8_t* blocks,
 // The fp32 bytes the block-format tensors would take (what a streamed base does not hold).
 double quant_fp32_bytes(const TensorTable* tt);
 // The fp32 staging the streamed init or load holds at once with `threads` threads: one chunk
-// of the random init each, or (from_file) one tensor's values each.
-double quant_stream_staging_bytes(const TensorTable* tt, int threads, int from_file);
+// of the random init each, or (from_file) one tensor's values each. bf16: every frozen tensor is
+// streamed (Store.base16), not only the block-format ones.
+double quant_stream_staging_bytes(const TensorTable* tt, int threads, int from_file, int bf16);
 
 #endif  // LLMC_QUANT_H

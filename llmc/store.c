@@ -109,12 +109,53 @@ void store_create_unfrozen(Store* s, const TensorTable* tt) {
     s->frozen_released = 1;
 }
 
-void store_create_streamed(Store* s, const TensorTable* tt) {
+void store_create_streamed(Store* s, const TensorTable* tt, int bf16) {
     store_create_ex(s, tt, 1, NULL, NULL);
     s->qblocks = calloc_check((size_t)tt->n, sizeof(uint8_t*));
     for (int i = 0; i < tt->n; i++)
         if (tt->t[i].qtype) s->qblocks[i] = malloc_check(quant_tensor_bytes(&tt->t[i], 0));
     s->base_streamed = 1;
+    if (!bf16) return;
+    // (not zeroed: the init and the loader write every frozen tensor; a block-format tensor's
+    // stretch is never written, so its pages are never committed)
+    s->base16 = calloc_check((size_t)tt->n_layers, sizeof(uint16_t*));
+    for (int l = 0; l < tt->n_layers; l++) {
+        const int64_t head = tt->param_numel[l] - tt->state_numel[l];
+        if (head > 0) s->base16[l] = huge_alloc_check((size_t)head * sizeof(uint16_t));
+    }
+}
+
+double store_base16_bytes(const TensorTable* tt) {
+    double bytes = 0.0;
+    for (int l = 0; l < tt->n_layers; l++)
+        for (int i = tt->first[l]; i < tt->first[l] + tt->count[l]; i++) {
+            const TensorDesc* d = &tt->t[i];
+            if (d->owner_layer == l && d->tied_to < 0 && !d->trainable && !d->qtype)
+                bytes += 2.0 * (double)d->numel;  // (the pages the blocks' stretches leave)
+        }
+    return bytes;
+}
+
+int store_streams_tensor(const Store* s, int i) {
+    const TensorDesc* d = &s->tt->t[i];
+    return s->base_streamed && d->tied_to < 0 && !d->trainable && (d->qtype || s->base16);
+}
+
+int store_stream_values(Store* s, int i, const float* w, int64_t from, int64_t n, char* err) {
+    const TensorDesc* d = &s->tt->t[i];
+    if (!d->qtype) {
+        uint16_t* dst = s->base16[d->owner_layer] + d->param_offset + from;
+        for (int64_t j = 0; j < n; j++) dst[j] = f32_to_bf16(w[j]);
+        return 0;
+    }
+    int bytes = 0;
+    const int block = ggml_type_block(d->qtype, &bytes);
+    if (from % block != 0 || n % block != 0)
+        return errorf(err, "%s: a checkpoint part of %lld elements at %lld is not whole %s blocks "
+                      "(give --val or an export to hold the base in fp32)", d->name, (long long)n,
+                      (long long)from, quant_type_name(d->qtype));
+    quant_quantize(d->qtype, w, s->qblocks[i] + (size_t)(from / block) * (size_t)bytes, n);
+    return 0;
 }
 
 void store_create_shard(Store* s, const TensorTable* tt, const int64_t* state_lo,
@@ -180,6 +221,9 @@ void store_free(Store* s) {
     if (s->qblocks)
         for (int i = 0; i < s->tt->n; i++) free(s->qblocks[i]);
     free(s->qblocks);
+    if (s->base16)
+        for (int l = 0; l < s->n_layers; l++) free(s->base16[l]);
+    free(s->base16);
     free(s->map_src);
     free(s->map_type);
     free(s->state_lo);
@@ -195,9 +239,9 @@ float* store_param(const Store* s, int i) {
     const TensorDesc* d = &s->tt->t[i];
     if (s->frozen_released && !s->tt->t[d->tied_to >= 0 ? d->tied_to : i].trainable)
         fatal("internal: %s's fp32 weights were released (store_release_frozen)", d->name);
-    if (s->base_streamed && d->qtype)
-        fatal("internal: %s is held as %s blocks only (a streamed base has no fp32 values)",
-              d->name, quant_type_name(d->qtype));
+    if (store_streams_tensor(s, d->tied_to >= 0 ? d->tied_to : i))
+        fatal("internal: %s is held as %s only (a streamed base has no fp32 values)", d->name,
+              d->qtype ? quant_type_name(d->qtype) : "bf16");
     return s->param[d->owner_layer] + d->param_offset;
 }
 
@@ -213,7 +257,7 @@ float* store_grad(const Store* s, int i) {
 #define INIT_CHUNK (1 << 20)
 
 typedef struct InitJob {
-    const Store* s;
+    Store* s;
     uint32_t seed;
     float std;
     int* chunk_tensor;       // (n_chunks) tensor index of each chunk
@@ -231,6 +275,15 @@ static uint32_t mix32(uint32_t x) {
     return x;
 }
 
+// Chunk c's n values ~ N(0, std) from its own generator.
+static void init_normal(const InitJob* job, int64_t c, float* p, int64_t n) {
+    Rng rng;
+    const uint32_t key = (uint32_t)job->chunk_key[c];
+    const int64_t b = job->chunk_begin[c];
+    rng_seed(&rng, mix32(job->seed ^ mix32(key * 0x9e3779b9u ^ mix32((uint32_t)(b / INIT_CHUNK)))));
+    for (int64_t j = 0; j < n; j++) p[j] = job->std * rng_normal(&rng);
+}
+
 static void init_chunk(void* arg, int64_t c) {
     const InitJob* job = arg;
     const int i = job->chunk_tensor[c];
@@ -238,7 +291,8 @@ static void init_chunk(void* arg, int64_t c) {
     const int64_t b = job->chunk_begin[c];
     const int64_t n = d->numel - b < INIT_CHUNK ? d->numel - b : INIT_CHUNK;
     // a streamed base: the chunk's values into a buffer of their own, then into their blocks
-    const int streamed = job->s->base_streamed && d->qtype;
+    // (or bf16)
+    const int streamed = store_streams_tensor(job->s, i);
     float* p = streamed ? malloc_check((size_t)n * sizeof(float)) : store_param(job->s, i) + b;
     // As HF's _init_weights: norms 1, linear and expert biases 0 (GPT-OSS), everything else
     // normal(0, std), GPT-OSS's sinks and router bias included. (Biases of 1 would add one
@@ -248,24 +302,21 @@ static void init_chunk(void* arg, int64_t c) {
     case TK_BQ: case TK_BK: case TK_BV: case TK_BO: case TK_EXP_GATE_UP_BIAS:
     case TK_EXP_DOWN_BIAS:
         memset(p, 0, (size_t)n * sizeof(float));
-        return;
+        break;
     case TK_SINKS: case TK_ROUTER_BIAS:
+        init_normal(job, c, p, n);
         break;
     default:
         if (d->ndim == 1) {
             for (int64_t j = 0; j < n; j++) p[j] = 1.0f;
-            return;
+        } else {
+            init_normal(job, c, p, n);
         }
     }
-    Rng rng;
-    const uint32_t key = (uint32_t)job->chunk_key[c];
-    rng_seed(&rng, mix32(job->seed ^ mix32(key * 0x9e3779b9u ^ mix32((uint32_t)(b / INIT_CHUNK)))));
-    for (int64_t j = 0; j < n; j++) p[j] = job->std * rng_normal(&rng);
     if (!streamed) return;
     // (INIT_CHUNK is a multiple of every format's block, so chunk b starts block b / block)
-    int bytes = 0;
-    const int block = ggml_type_block(d->qtype, &bytes);
-    quant_quantize(d->qtype, p, job->s->qblocks[i] + (size_t)(b / block) * (size_t)bytes, n);
+    char err[ERR_LEN];
+    if (store_stream_values(job->s, i, p, b, n, err) != 0) fatal("internal: %s", err);
     free(p);
 }
 

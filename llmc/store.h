@@ -44,19 +44,35 @@ typedef struct Store {
     // store_create_streamed: the block-format tensors (TensorDesc.qtype) were never held in fp32:
     // the random init and the loader quantise each one into its blocks as they produce it, and
     // their part of the frozen heads is never written (its pages never committed). Reading one
-    // (store_param) is fatal; the other frozen tensors (norms, embeddings, LM head) are fp32 here.
+    // (store_param) is fatal; the other frozen tensors (norms, embeddings, LM head) are fp32 here,
+    // or bf16 in base16.
     int base_streamed;
+    // store_create_streamed with bf16 (the engine on GPUs, whose compute dtype is bf16): the
+    // frozen tensors not held as blocks are held in bf16 only, at their fp32 offsets (element j of
+    // base16[l] is the bf16 of element j of layer l's frozen head; the blocks' stretches are
+    // never written): the engine uploads from this copy, so the host never holds the base in
+    // fp32 (LoRA on a bf16 base: 2 B per base parameter, not 4 and then 2). NULL: fp32 slabs.
+    uint16_t** base16;  // (n_layers) NULL for a layer without a frozen head
 } Store;
 
 void store_create(Store* s, const TensorTable* tt);
 // The same, leaving the frozen heads of the parameter slabs untouched (--mmap-base: their pages
 // are never written, so never committed; the base is read from the mapped checkpoint).
 void store_create_unfrozen(Store* s, const TensorTable* tt);
-// The same for a block-format base that never exists in fp32 (LoRA with --base-dtype on the
-// engine, nothing reading the fp32 base: trainer_streams_base): the frozen heads are not zeroed
-// (store_init_random and the loader write every frozen tensor that is not in blocks), each
-// block-format tensor gets its (unwritten) blocks, and base_streamed is set.
-void store_create_streamed(Store* s, const TensorTable* tt);
+// The same for a base that never exists in fp32 (LoRA on the engine, nothing reading the fp32
+// base: trainer_streams_base): the frozen heads are not zeroed (store_init_random and the loader
+// write every frozen tensor), each block-format tensor gets its (unwritten) blocks, and
+// base_streamed is set. bf16: the other frozen tensors are held in base16 (bf16) rather than in
+// the fp32 heads (the engine on bf16 devices).
+void store_create_streamed(Store* s, const TensorTable* tt, int bf16);
+// Bytes store_create_streamed(bf16 = 1) allocates for base16.
+double store_base16_bytes(const TensorTable* tt);
+// Tensor i is held streamed (blocks or base16), not in fp32: store_param of it is fatal, and
+// store_stream_values is how its values get in.
+int store_streams_tensor(const Store* s, int i);
+// Elements [from, from + n) of tensor i (store_streams_tensor) from their fp32 values w: into its
+// blocks (whole blocks only: -1 with a one-line err otherwise) or converted to bf16 into base16.
+int store_stream_values(Store* s, int i, const float* w, int64_t from, int64_t n, char* err);
 // The same for one rank of a data-parallel engine run (ZeRO-1): AdamW's m and v of layer l are
 // zeroed only in [state_lo[l], state_hi[l]) (the rank's shard, dp_engine_state_ranges); the rest
 // of those slabs is never touched, so fresh pages there take no memory unless something writes

@@ -182,7 +182,8 @@ int trainer_releases_frozen(const TrainArgs* a, const Model* m, int use_engine) 
 }
 
 int trainer_streams_base(const TrainArgs* a, const Model* m, int use_engine) {
-    return use_engine && m->tt.lora.r > 0 && quant_table_count(&m->tt) > 0 && !a->mmap_base &&
+    return use_engine && m->tt.lora.r > 0 &&
+           (quant_table_count(&m->tt) > 0 || a->device == DEVICE_CUDA) && !a->mmap_base &&
            !trainer_needs_plain(a, use_engine) && !a->export_hf[0] && !a->export_gguf[0];
 }
 

@@ -96,11 +96,11 @@ int trainer_needs_plain(const TrainArgs* a, int use_engine);
 // back (store_release_frozen): the host holds the base once, in bf16, and the adapters' fp32
 // state. (--out then holds the config and the adapters, as the checkpoints do.)
 int trainer_releases_frozen(const TrainArgs* a, const Model* m, int use_engine);
-// LoRA with a block-format base (--base-dtype) through the engine (GPUs or emulated devices),
-// nothing reading the fp32 base (no plain path, no HF / GGUF export; --mmap-base maps it
-// instead): the base is streamed (store_create_streamed), its block-format tensors never held
-// in fp32: the random init and the loader quantise them as they make them. (--out then holds
-// the config and the adapters.)
+// LoRA through the engine with a block-format base (--base-dtype; GPUs or emulated devices) or
+// on GPUs, nothing reading the fp32 base (no plain path, no HF / GGUF export; --mmap-base maps it
+// instead): the base is streamed (store_create_streamed, bf16 on GPUs), never held in fp32: the
+// random init and the loader quantise its block-format tensors and, on GPUs, convert the others
+// to bf16 as they make them. (--out then holds the config and the adapters.)
 int trainer_streams_base(const TrainArgs* a, const Model* m, int use_engine);
 
 // Data parallel on the plain path (llmc/dp.h): from now on every step trains this rank's rows of

@@ -326,7 +326,12 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
     // (a quantised base, quant.h: the engine's copy holds the head as uploaded, on fp32 devices
     // too; a mapped base, --mmap-base: the tensors the mapping does not hold)
     if (s->map_src) e->quant = 1;
-    e->base_owned = e->ab != sizeof(float) || e->quant;
+    if (s->base16 && e->ab != sizeof(uint16_t))
+        fatal("internal: a bf16 streamed base on devices that compute in %d-byte elements",
+              (int)e->ab);
+    // (a streamed bf16 base, Store.base16: the Store's copy is the engine's, as the fp32 slabs
+    // are on fp32 devices; with a quantised base pack_layer_head copies it)
+    e->base_owned = (e->ab != sizeof(float) || e->quant) && !(s->base16 && !e->quant);
     for (int l = 0; l < NL; l++) {
         e->train_off[l] = tt->param_numel[l] - tt->state_numel[l];
         if (e->train_off[l] == 0) continue;
@@ -337,8 +342,8 @@ Engine* engine_create(const Model* m, Store* s, DeviceSet* devs, const EngineOpt
         } else if (e->base_owned) {
             e->base[l] = e->impl->host_alloc(protocol_head_held_bytes(e, l) + 64);
         } else {
-            e->base[l] = s->param[l];
-            e->impl->host_register(s->param[l], (size_t)e->train_off[l] * sizeof(float));
+            e->base[l] = s->base16 ? (void*)s->base16[l] : (void*)s->param[l];
+            e->impl->host_register(e->base[l], (size_t)e->train_off[l] * e->ab);
         }
     }
     for (int b = 0; b < 2; b++) {

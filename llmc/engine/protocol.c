@@ -152,6 +152,8 @@ static void pack_layer_head(Engine* e, int l) {
         const float* src = e->s->param[l] + d->param_offset;
         if (d->qtype) {
             memcpy(dst, e->s->qblocks[i], quant_tensor_bytes(d, 0));
+        } else if (e->s->base16) {  // (a streamed base: bf16 already)
+            memcpy(dst, e->s->base16[l] + d->param_offset, (size_t)d->numel * sizeof(uint16_t));
         } else if (e->ab == 4) {
             memcpy(dst, src, (size_t)d->numel * sizeof(float));
         } else {
@@ -163,6 +165,10 @@ static void pack_layer_head(Engine* e, int l) {
     if (!e->opt.release_frozen || e->s->map_src) return;
     // (on GPUs the engine's copy is the only one the run reads: the Store's goes, fp32 and blocks)
     store_release_range(e->s, l, 0, e->train_off[l]);
+    if (e->s->base16) {
+        free(e->s->base16[l]);
+        e->s->base16[l] = NULL;
+    }
     for (int i = tt->first[l]; i < tt->first[l] + tt->count[l]; i++)
         if (tt->t[i].qtype && tt->t[i].owner_layer == l) {
             free(e->s->qblocks[i]);
@@ -214,7 +220,10 @@ void protocol_masters_init(Engine* e) {
     int64_t* head_chunks = calloc_check((size_t)NL, sizeof(int64_t));
     for (int l = 0; l < NL; l++) {
         const int64_t off = e->train_off[l], tail = e->m->tt.param_numel[l] - off;
-        head_chunks[l] = e->quant ? off > 0 : (off + MASTER_CHUNK - 1) / MASTER_CHUNK;
+        // (a streamed bf16 base: the Store's base16 is the copy, nothing to convert)
+        head_chunks[l] = e->quant ? off > 0
+                         : e->s->base16 ? 0
+                                        : (off + MASTER_CHUNK - 1) / MASTER_CHUNK;
         mi.first[l + 1] = mi.first[l] + head_chunks[l] + (tail + MASTER_CHUNK - 1) / MASTER_CHUNK;
     }
     mi.head_chunks = head_chunks;

@@ -235,6 +235,9 @@ typedef struct QRun {
 // fp32 values; values must be NULL). Either way run->params are the adapters alone.
 #define Q_RELEASE 1
 #define Q_STREAMED 2
+// Q_BF16 (with Q_STREAMED): the frozen tensors not in blocks are held in bf16 (Store.base16), as
+// a streamed base is on GPUs; only for devices that compute in bf16
+#define Q_BF16 4
 
 // quant: --base-dtype's type for the run (0: none, on the Store `values` gives); values (may be
 // NULL): the fp32 weights to start from instead of the seeded init (every slab, concatenated).
@@ -250,7 +253,7 @@ static int q_engine_on(TestCtx* t, const DeviceImpl* impl, int mode, QRun* run,
     if (quant_table_set(&m.tt, bd, NULL, c, err) != 0) fatal("q_engine: %s", err);
     const int release = (mode & Q_RELEASE) != 0, streamed = (mode & Q_STREAMED) != 0;
     if (streamed)
-        store_create_streamed(&s, &m.tt);
+        store_create_streamed(&s, &m.tt, (mode & Q_BF16) != 0);
     else
         store_create(&s, &m.tt);
     store_init_random(&s, 7, 0.2f);
@@ -403,7 +406,7 @@ static void test_quant_streamed_engine(TestCtx* t) {
         store_create(&a, &m.tt);
         store_init_random(&a, 7, 0.2f);
         store_quantize_base(&a, NULL, &c);
-        store_create_streamed(&b, &m.tt);
+        store_create_streamed(&b, &m.tt, 0);
         store_init_random(&b, 7, 0.2f);
         store_quantize_base(&b, NULL, &c);  // (a streamed Store: nothing to do)
         int n_q = 0, same_q = 0, n_f = 0, same_f = 0;
@@ -501,7 +504,7 @@ static void test_quant_streamed_pages(TestCtx* t) {
     for (int streamed = 0; streamed < 2; streamed++) {
         Store s;
         if (streamed)
-            store_create_streamed(&s, &m.tt);
+            store_create_streamed(&s, &m.tt, 0);
         else
             store_create(&s, &m.tt);
         store_init_random(&s, 7, 0.2f);
@@ -527,6 +530,64 @@ static void test_quant_streamed_pages(TestCtx* t) {
         store_free(&s);
     }
     model_free(&m);
+}
+
+// A streamed base held in bf16 (store_create_streamed with bf16, the GPUs' Store): every frozen
+// tensor not in blocks is in base16 as the bf16 of the fp32 init's values (what the engine's
+// conversion makes of them), the block-format tensors' blocks are the fp32 init's, and none of
+// the fp32 frozen heads is in memory; store_base16_bytes counts what base16 holds.
+static void test_quant_streamed_bf16(TestCtx* t) {
+    char err[ERR_LEN];
+    for (int q = 0; q < 2; q++) {  // a bf16 base, then a q8_0 one (its norms, embeddings in bf16)
+        ModelConfig c = q_config(BASE_DTYPE_Q8_0);
+        c.C = 1024;
+        c.H = 8;
+        c.KVH = 4;
+        c.HD = 128;
+        c.F = 4096;
+        c.L = 1;
+        const LoraSpec l = all_linear();
+        Model m;
+        CHECK(t, model_init_lora(&m, &c, 0, &l, err) == 0, "%s", err);
+        CHECK(t, quant_table_set(&m.tt, q ? BASE_DTYPE_Q8_0 : BASE_DTYPE_BF16, NULL, &c, err) == 0,
+              "%s", err);
+        Store a, b;
+        store_create(&a, &m.tt);
+        store_init_random(&a, 7, 0.2f);
+        store_quantize_base(&a, NULL, &c);
+        store_create_streamed(&b, &m.tt, 1);
+        store_init_random(&b, 7, 0.2f);
+        int64_t bad = 0, held = 0;
+        double bytes = 0.0, resident = 0.0;
+        for (int i = 0; i < m.tt.n; i++) {
+            const TensorDesc* d = &m.tt.t[i];
+            if (d->trainable || d->tied_to >= 0) continue;
+            CHECK(t, store_streams_tensor(&b, i), "%s is not streamed", d->name);
+            if (d->qtype) {
+                bad += memcmp(a.qblocks[i], b.qblocks[i], quant_tensor_bytes(d, 0)) != 0;
+            } else {
+                const float* x = a.param[d->owner_layer] + d->param_offset;
+                const uint16_t* y = b.base16[d->owner_layer] + d->param_offset;
+                for (int64_t j = 0; j < d->numel; j++) bad += y[j] != f32_to_bf16(x[j]);
+                held += d->numel;
+            }
+            const size_t edge = (size_t)2 << 20, n = (size_t)d->numel * sizeof(float);
+            if (n <= 2 * edge) continue;
+            const char* p = (const char*)(b.param[d->owner_layer] + d->param_offset);
+            bytes += (double)(n - 2 * edge);
+            resident += q_resident_bytes(p + edge, n - 2 * edge);
+        }
+        CHECK(t, bad == 0, "q %d: %lld values or blocks differ from the fp32 init's", q,
+              (long long)bad);
+        CHECK(t, held > 0 && store_base16_bytes(&m.tt) == 2.0 * (double)held,
+              "q %d: store_base16_bytes %.0f for %lld bf16 values", q, store_base16_bytes(&m.tt),
+              (long long)held);
+        CHECK(t, bytes > 10e6 && resident < 0.01 * bytes, "q %d: %.0f of the %.0f fp32 bytes of the frozen "
+              "tensors in memory", q, resident, bytes);
+        store_free(&a);
+        store_free(&b);
+        model_free(&m);
+    }
 }
 
 // ----------------------------------------------------------------------------
@@ -839,8 +900,8 @@ static void test_quant_gpu_engine(TestCtx* t) {
                 for (int s = 0; s < Q_STEPS; s++) same &= rel.loss[s] == a.loss[s];
                 CHECK(t, same, "%s: releasing the Store's base changes the losses", name);
                 QRun st;
-                if (q_engine_on(t, &device_cuda_impl, Q_RELEASE | Q_STREAMED, &st, &c, &l,
-                                dtypes[k], NULL, 1, 0, 1, tokens, B, T, NULL) == 0) {
+                if (q_engine_on(t, &device_cuda_impl, Q_RELEASE | Q_STREAMED | Q_BF16, &st, &c,
+                                &l, dtypes[k], NULL, 1, 0, 1, tokens, B, T, NULL) == 0) {
                     same = st.n_params == rel.n_params &&
                            memcmp(st.params, rel.params, (size_t)st.n_params * 4) == 0;
                     for (int s = 0; s < Q_STEPS; s++) same &= st.loss[s] == a.loss[s];
@@ -854,6 +915,36 @@ static void test_quant_gpu_engine(TestCtx* t) {
         free(deq);
         free(tokens);
     }
+    // a bf16 base streamed (Store.base16: never in fp32, the engine uploads from the Store's bf16
+    // copy) is the run whose engine converts the Store's fp32 base, sync and delayed, on one and
+    // on two GPUs (several stages)
+    const ModelConfig c = q_config(BASE_DTYPE_BF16);
+    const LoraSpec l = all_linear();
+    const int n_gpus = cuda_device_count() > 1 ? 2 : 1;
+    int32_t* tokens = malloc_check((size_t)Q_STEPS * B * (T + 1) * sizeof(int32_t));
+    Rng r;
+    rng_seed(&r, 37);
+    for (int i = 0; i < Q_STEPS * B * (T + 1); i++) tokens[i] = (int32_t)rng_below(&r, c.V);
+    for (int N = 1; N <= n_gpus; N++)
+        for (int sync = 1; sync >= 0; sync--) {
+            QRun rel, st;
+            if (q_engine_on(t, &device_cuda_impl, Q_RELEASE, &rel, &c, &l, BASE_DTYPE_BF16, NULL,
+                            N, 0, sync, tokens, B, T, NULL) != 0)
+                continue;
+            if (q_engine_on(t, &device_cuda_impl, Q_RELEASE | Q_STREAMED | Q_BF16, &st, &c, &l,
+                            BASE_DTYPE_BF16, NULL, N, 0, sync, tokens, B, T, NULL) == 0) {
+                int same = st.n_params == rel.n_params &&
+                           memcmp(st.params, rel.params, (size_t)st.n_params * 4) == 0;
+                for (int s = 0; s < Q_STEPS; s++) same &= st.loss[s] == rel.loss[s];
+                CHECK(t, same, "bf16 base, %d GPU(s), sync %d: the streamed base changes the "
+                      "losses or adapters", N, sync);
+                printf("  bf16 streamed, %d GPU(s), sync %d: loss %.6f (converted %.6f)\n", N, sync,
+                       st.loss[Q_STEPS - 1], rel.loss[Q_STEPS - 1]);
+                free(st.params);
+            }
+            free(rel.params);
+        }
+    free(tokens);
 }
 
 static void test_quant_gpu_dequant(TestCtx* t) {
@@ -897,9 +988,86 @@ static void test_quant_gpu_dequant(TestCtx* t) {
     free(got);
     free(b);
 }
+
+// On the GPU: --mmap-base (the base uploaded from the mapped checkpoint) gives the losses of the
+// run that holds it, streamed in bf16 (Store.base16, --val '') or in fp32 beside the engine's
+// bf16 copy (--val: the plain path reads it), sync and one-step-delayed (resumed: the base
+// mapped again), from a bf16 safetensors checkpoint; and a q8_0 base streamed on the GPU (its
+// blocks and the rest in bf16) gives the losses of the one held in fp32.
+static void test_quant_gpu_cli_mmap(TestCtx* t) {
+    if (cuda_device_count() == 0) {
+        test_skip(t, "no GPU: cudaGetDeviceCount found no CUDA device");
+        return;
+    }
+    char args[8192], m[1024], lh[1024], ls[1024], lm[1024], lm2[1024], o[1024];
+    test_path(t, m, sizeof m, "qg_bf16_model");
+    snprintf(args, sizeof args, "--steps 0 --val '' --sample-tokens 0 --export-hf '%s' "
+             "--export-dtype bf16", m);
+    CHECK(t, test_run_cli(t, "qgexport", args) == 0, "a bf16 checkpoint");
+    test_path(t, lh, sizeof lh, "qg_held.jsonl");
+    test_path(t, ls, sizeof ls, "qg_streamed.jsonl");
+    test_path(t, lm, sizeof lm, "qg_mapped.jsonl");
+    test_path(t, lm2, sizeof lm2, "qg_mapped2.jsonl");
+    test_path(t, o, sizeof o, "qg_mapped_out");
+    for (int sync = 1; sync >= 0; sync--) {
+        char common[2048], what[64];
+        snprintf(common, sizeof common, "--model '%s' --sample-tokens 0 --eval-every 0 --lora-r 4 "
+                 "--lora-dropout 0.1 --lr 1e-2 -m 2 --device cuda --sync %d --steps 4", m, sync);
+        snprintf(args, sizeof args, "%s --val data/tiny_val.bin --log '%s'", common, lh);
+        CHECK(t, test_run_cli(t, "qgheld", args) == 0, "sync %d: the fp32 base held", sync);
+        snprintf(args, sizeof args, "%s --val '' --log '%s'", common, ls);
+        CHECK(t, test_run_cli(t, "qgstream", args) == 0, "sync %d: the base streamed", sync);
+        char* so = test_read_output(t, "qgstream", "out");
+        CHECK(t, strstr(so, "loaded the base's weights"), "sync %d: %s", sync, so);
+        free(so);
+        if (sync) {
+            snprintf(args, sizeof args, "%s --val '' --mmap-base --log '%s'", common, lm);
+            CHECK(t, test_run_cli(t, "qgmapped", args) == 0, "the base mapped");
+        } else {  // (in two parts: the resumed run maps the base again)
+            snprintf(args, sizeof args, "%s --val '' --mmap-base --log '%s' --out '%s' "
+                     "--save-every 2 --steps 2", common, lm, o);
+            CHECK(t, test_run_cli(t, "qgmapped", args) == 0, "the base mapped, first part");
+            snprintf(args, sizeof args, "%s --val '' --mmap-base --log '%s' --out '%s' "
+                     "--save-every 2 --resume", common, lm2, o);
+            CHECK(t, test_run_cli(t, "qgmapped2", args) == 0, "the base mapped, resumed");
+        }
+        snprintf(what, sizeof what, "GPU sync %d, held vs streamed", sync);
+        q_same_steps(t, lh, ls, 4, what);
+        snprintf(what, sizeof what, "GPU sync %d, held vs mapped", sync);
+        q_same_steps(t, lh, lm, sync ? 4 : 2, what);
+        if (!sync) {
+            // (the resumed log's steps 3 and 4 against the held run's)
+            char* a = test_read_file(lh, NULL);
+            char* b = test_read_file(lm2, NULL);
+            for (int s = 3; s <= 4; s++) {
+                char x[512] = "", y[512] = "";
+                const int hx = a && test_log_record(a, s, x, sizeof x);
+                const int hy = b && test_log_record(b, s, y, sizeof y);
+                char* cx = strstr(x, ",\"ms\"");
+                char* cy = strstr(y, ",\"ms\"");
+                if (cx) *cx = 0;
+                if (cy) *cy = 0;
+                CHECK(t, hx && hy && strcmp(x, y) == 0, "GPU resumed step %d: held '%s' vs "
+                      "mapped '%s'", s, hx ? x : "-", hy ? y : "-");
+            }
+            free(a);
+            free(b);
+        }
+    }
+    // a q8_0 base on the GPU: held in fp32 (--val) and streamed (blocks + bf16)
+    char common[2048];
+    snprintf(common, sizeof common, "--model '%s' --sample-tokens 0 --eval-every 0 --lora-r 4 "
+             "--lr 1e-2 -m 2 --device cuda --steps 3 --base-dtype q8_0", m);
+    snprintf(args, sizeof args, "%s --val data/tiny_val.bin --log '%s'", common, lh);
+    CHECK(t, test_run_cli(t, "qgqheld", args) == 0, "q8_0: the fp32 base held");
+    snprintf(args, sizeof args, "%s --val '' --log '%s'", common, ls);
+    CHECK(t, test_run_cli(t, "qgqstream", args) == 0, "q8_0: streamed");
+    q_same_steps(t, lh, ls, 3, "GPU q8_0 held vs streamed");
+}
 #else
 static void test_quant_gpu_dequant(TestCtx* t) { test_skip(t, "built without CUDA"); }
 static void test_quant_gpu_engine(TestCtx* t) { test_skip(t, "built without CUDA"); }
+static void test_quant_gpu_cli_mmap(TestCtx* t) { test_skip(t, "built without CUDA"); }
 #endif
 
 const TestCase tests_quant[] = {
@@ -909,11 +1077,13 @@ const TestCase tests_quant[] = {
     {"quant_engine_matches_dequantised", test_quant_engine_matches_dequantised},
     {"quant_streamed_engine", test_quant_streamed_engine},
     {"quant_streamed_pages", test_quant_streamed_pages},
+    {"quant_streamed_bf16", test_quant_streamed_bf16},
     {"quant_cli_streamed", test_quant_cli_streamed},
     {"quant_cli_refusals", test_quant_cli_refusals},
     {"quant_cli_train", test_quant_cli_train},
     {"quant_cli_mmap", test_quant_cli_mmap},
     {"gpu_quant_dequant", test_quant_gpu_dequant},
     {"gpu_quant_engine", test_quant_gpu_engine},
+    {"gpu_quant_cli_mmap", test_quant_gpu_cli_mmap},
     {NULL, NULL},
 };
