@@ -496,20 +496,17 @@ StepStats grpo_train(Grpo* g, Trainer* tr, int step) {
 void grpo_sync(Grpo* g, int64_t version) {
     const double t0 = time_now_s();
     const Model* m = g->m;
-    int full = g->gen.own != NULL;  // the masters hold whole slabs (full training)
-    for (int l = 0; l < m->tt.n_layers; l++) full &= m->tt.state_numel[l] == m->tt.param_numel[l];
-    if (g->eng && !g->p->aliased && g->a->sync && full &&
-        engine_weight_bytes(g->eng) == g->gen.ops->act_bytes) {
-        // the engine's compute-dtype masters of the weights the next iteration computes with
-        // (with --sync 1 the Store's latest, in the devices' dtype): one host-to-device copy
-        g->st.sync_bytes = 0.0;
-        for (int l = 0; l < m->tt.n_layers; l++) {
-            if (!g->gen.own[l]) continue;
-            const size_t b = (size_t)m->tt.param_numel[l] * g->gen.ops->act_bytes;
-            g->gen.ops->upload(g->gen.ctx, g->gen.own[l], engine_next_weights(g->eng, l), b);
-            g->st.sync_bytes += (double)b;
-        }
-        g->gen.version = version;
+    if (g->eng && engine_weight_bytes(g->eng) == g->gen.ops->act_bytes) {
+        // the engine's compute-dtype masters of the last step applied (sync or delayed update:
+        // engine_latest_weights), i.e. the Store's fp32 weights of `version` rounded as the
+        // devices round them (f32_to_bf16, round to nearest even as the upload's conversion
+        // kernel): each weight crosses the bus once, 2 B per parameter, from pinned memory; only
+        // the trainable tails (the whole slabs for full training)
+        const void** src = malloc_check((size_t)m->tt.n_layers * sizeof(void*));
+        for (int l = 0; l < m->tt.n_layers; l++) src[l] = engine_latest_weights(g->eng, l);
+        g->st.sync_bytes =
+            (double)gen_upload_weights(&g->gen, src, m->tt.state_numel, version);
+        free(src);
         g->gen.ops->synchronize(g->gen.ctx);
     } else if (g->eng && !g->p->aliased) {
         // the Store's fp32 weights (every applied update), converted on the upload

@@ -116,10 +116,11 @@ void grpo_rollout(Grpo* g, int step);
 // With the delayed update the gradient of step t is taken at the weights before step t-1 (one
 // version older than the rollout's on-policy): the ratio corrects for it as for --off-policy.
 StepStats grpo_train(Grpo* g, Trainer* tr, int step);
-// The trained weights into the generator as version `version`: on the CPU (plain, emulated
-// devices) the Store's; on a GPU the plain path's device slabs (device to device) or, through the
-// engine, its compute-dtype masters uploaded from the host (--sync 1; the Store's fp32 weights,
-// converted on upload, with the delayed update, whose masters are one step behind).
+// The trained weights into the generator as version `version`: through the engine its
+// compute-dtype masters of the last step applied (engine_latest_weights: with the delayed update
+// the buffer one step ahead of the next iteration's), uploaded from pinned host memory, once, in
+// the compute dtype (bit for bit the Store's fp32 weights converted on the device); on the plain
+// path the Store's (CPU) or the plain path's device slabs (device to device).
 void grpo_sync(Grpo* g, int64_t version);
 // Exact-match accuracy of greedy answers to the held-out problems (the generator's weights).
 double grpo_evaluate(Grpo* g);

@@ -219,6 +219,20 @@ static int run_engine_policy(TestCtx* t, PolicyRun* run, const ModelConfig* c, i
             if (r.logp) memcpy(run->logp[step], r.logp, (size_t)B * T * sizeof(float));
         }
         engine_synchronize(e);
+        // the weight sync's source (grpo_sync): the masters of the last step applied hold the
+        // Store's weights bit for bit (fp32 devices: copies); with the delayed update the next
+        // iteration's are one step behind them
+        int latest_same = 1, next_differs = 0;
+        for (int l = 0; l < m.tt.n_layers; l++) {
+            const int64_t n = m.tt.state_numel[l], off = m.tt.param_numel[l] - n;
+            const size_t bytes = (size_t)n * sizeof(float);
+            latest_same &= memcmp(engine_latest_weights(e, l), s.param[l] + off, bytes) == 0;
+            next_differs |= memcmp(engine_next_weights(e, l), s.param[l] + off, bytes) != 0;
+        }
+        CHECK(t, latest_same, "N=%d sync %d: engine_latest_weights is not the Store's weights",
+              pc->N, pc->sync);
+        CHECK(t, next_differs == !pc->sync, "N=%d sync %d: the next iteration's weights %s the "
+              "Store's", pc->N, pc->sync, next_differs ? "differ from" : "equal");
         S = engine_plan(e)->n_fwd + engine_plan(e)->n_bwd;
         params_of(run, &m, &s);
         engine_free(e);
