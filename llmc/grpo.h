@@ -25,9 +25,11 @@
 #ifndef LLMC_GRPO_H
 #define LLMC_GRPO_H
 
+#include <pthread.h>
 #include <stdint.h>
 
 #include "args.h"
+#include "device.h"
 #include "generate.h"
 #include "log.h"
 #include "model.h"
@@ -36,6 +38,7 @@
 #include "store.h"
 #include "tokenizer.h"
 #include "trainer.h"
+#include "weightsync.h"
 
 // One rollout: P prompts x G answers.
 typedef struct GrpoBatch {
@@ -72,8 +75,19 @@ typedef struct GrpoStats {
     int regenerated;       // the pending batch was too stale and was generated again
     double rollout_s, train_s, sync_s, gen_tok_s;
     double sync_bytes;     // the weights moved into the generator
+    double bcast_bytes;    // split: the bytes each other rollout device received
     double decode_tok_s;   // tokens per second of the decode steps alone (no prefill, rewards)
 } GrpoStats;
+
+// --rollout-gpus K: where the rollout devices are (the split schedule).
+typedef struct GrpoSplit {
+    const DeviceImpl* impl;  // device_cpu_impl (--device cpu:N) or device_cuda_impl
+    int K;                   // rollout devices (0: colocated)
+    int first;               // the first one's index (after the N - K training devices)
+    DeviceOptions opt;       // as the training devices'
+    double budget;           // bytes each may give its generator (0: no limit)
+    double timeout_s;        // their communicator's
+} GrpoSplit;
 
 typedef struct Grpo {
     const TrainArgs* a;
@@ -100,12 +114,30 @@ typedef struct Grpo {
     int32_t *e_tok, *e_tgt;
     float *e_old, *e_adv, *e_w, *e_ref;
     GrpoStats st;          // of the last step
+    // the split schedule (--rollout-gpus K): K rollout devices, one generator each (gen on the
+    // first, xgen on the others), the answers divided among them by prompt; the new weights go
+    // to the first (one upload), then a broadcast to the others after the manifest exchange;
+    // with --off-policy 1 the next step's rollout runs on a thread while this step trains
+    int K;                 // 0: colocated (gen on the plain path's backend)
+    DeviceSet rdev;        // (K) the rollout devices
+    Generator* xgen;       // (K - 1)
+    WeightManifest* wman;  // (K) each rollout generator's layout
+    WeightManifest wsend;  // the sender's (the trainer's masters) layout
+    WeightBcast wb;
+    pthread_t bg;          // the rollout running while the step trains
+    int bg_on;
+    int bg_step;           // the step it generates for
+    double bg_s;           // its seconds
+    double bg_decoded;     // tokens it decoded
 } Grpo;
 
 // Build the generator (its memory checked against host_budget bytes, 0: none), the task, the
-// reference weights; the generator's weights = the store's, as `version`. -1 + err.
+// reference weights; the generator's weights = the store's, as `version`. With split->K > 0 one
+// generator per rollout device (each checked against split->budget), their communicator and the
+// manifest exchange. -1 + err.
 int grpo_create(Grpo* g, const TrainArgs* a, const Model* m, Store* s, Plain* p,
-                const Tokenizer* tok, int64_t version, double host_budget, char* err);
+                const Tokenizer* tok, int64_t version, double host_budget,
+                const GrpoSplit* split, char* err);
 void grpo_free(Grpo* g);
 // Step `step`'s rollout(s): the batch it trains on (and, off-policy, the next step's).
 void grpo_rollout(Grpo* g, int step);
@@ -122,6 +154,9 @@ StepStats grpo_train(Grpo* g, Trainer* tr, int step);
 // the compute dtype (bit for bit the Store's fp32 weights converted on the device); on the plain
 // path the Store's (CPU) or the plain path's device slabs (device to device).
 void grpo_sync(Grpo* g, int64_t version);
+// Split schedule: the weights of rollout device 0 broadcast to the others (after the manifest
+// exchange); the bytes each received (0 with one rollout device). Fatal on a communicator error.
+double grpo_broadcast(Grpo* g);
 // Exact-match accuracy of greedy answers to the held-out problems (the generator's weights).
 double grpo_evaluate(Grpo* g);
 // The step line and its JSON record.
