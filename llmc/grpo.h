@@ -15,6 +15,14 @@
  * the first after a resume: the pending batch is not in the checkpoint) has no batch from
  * before and generates its own.
  *
+ * The split schedule (--rollout-gpus K, GrpoSplit): K rollout devices of their own, one
+ * generator each (the prompts divided among them), while the engine trains on the others; one
+ * step off, the rollout of step t+1 runs on a thread during step t's training and grpo_sync waits
+ * for it (the batch boundary) before the weights change. The math is the colocated schedule's:
+ * with --sync 1 the same samples and losses. The sync uploads the engine's masters to rollout
+ * device 0, then broadcasts them to the others (weightsync.h: the manifest exchanged at
+ * creation, each tensor placed by name).
+ *
  * The objective per answer token (ops.h policy_forward_backward): advantages Â_i from the
  * group's rewards (NaN masks an answer; a group with fewer than two scored answers or all
  * scores equal is skipped: no gradient, not in the normalisation), the clipped ratio, the k3 KL
