@@ -11,6 +11,7 @@
  *
  * Everything below is a table of contents: the work happens in llmc/ (trainer.h for the step).
  */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -384,18 +385,34 @@ static void save_interrupted(Trainer* tr, const DataLoader* train, const TrainAr
 // trained (*saved: the last checkpoint's).
 static int train_rl(const TrainArgs* a, Trainer* tr, const Model* model, Store* store,
                     const Tokenizer* tok, const DataLoader* train, StepLog* lg,
-                    const char* args_json, int start, int* saved) {
+                    const char* args_json, int start, int* saved, int n_train) {
     char err[ERR_LEN];
     HostLimit lim;
     if (memory_host_limit("", &lim, err) != 0) fatal("%s", err);
     double budget = lim.bytes;  // the generator's KV cache and weights: host memory on the CPU,
-#ifdef HAVE_CUDA                // what the trainer left free on the GPU with --device cuda
+                                // what the trainer left free on the GPU with --device cuda
+    // --rollout-gpus K: the K devices after the n_train training ones generate
+    const int K = a->rl.rollout_gpus;
+    GrpoSplit split = {.impl = &device_cpu_impl, .K = K, .first = n_train,
+                       .budget = lim.bytes, .timeout_s = a->dist_timeout};
+    const int per_dev = a->threads > 0 ? a->threads : threads_online_cpus() / (n_train + K);
+    split.opt = (DeviceOptions){.threads = per_dev > 0 ? per_dev : 1, .delay_seed = a->seed,
+                                .max_delay_us = a->delay_us};
+#ifdef HAVE_CUDA
     size_t free_b = 0, total_b = 0;
     if (a->device == DEVICE_CUDA && cuda_device_memory(0, &free_b, &total_b) == 0)
         budget = 0.95 * (double)free_b;
+    if (a->device == DEVICE_CUDA && K > 0) {
+        split.impl = &device_cuda_impl;
+        split.budget = 0.0;  // the least free memory of the rollout GPUs
+        for (int k = 0; k < K; k++)
+            if (cuda_device_memory(n_train + k, &free_b, &total_b) == 0)
+                split.budget = k == 0 ? 0.95 * (double)free_b
+                                      : fmin(split.budget, 0.95 * (double)free_b);
+    }
 #endif
     Grpo grpo;
-    if (grpo_create(&grpo, a, model, store, tr->plain, tok, start, budget, err) != 0)
+    if (grpo_create(&grpo, a, model, store, tr->plain, tok, start, budget, &split, err) != 0)
         fatal("--rl: %s", err);
     // resumed one step off-policy: the answers generated ahead for step start + 1, as saved (an
     // on-policy run generates its own)
@@ -412,6 +429,11 @@ static int train_rl(const TrainArgs* a, Trainer* tr, const Model* model, Store* 
            rl_adv_std_name(r->adv_std), (double)r->clip_low, (double)r->clip_high,
            rl_loss_agg_name(r->loss_agg), (double)r->kl_beta,
            r->off_policy ? "one step off-policy" : "on-policy");
+    if (K > 0)
+        printf("GRPO split schedule: devices 0..%d train, %d..%d generate (%s)\n", n_train - 1,
+               n_train, n_train + K - 1,
+               r->off_policy ? "concurrently: the next step's answers while a step trains"
+                             : "in turn: on-policy");
     grpo_log_eval(lg, start, grpo_evaluate(&grpo), grpo.task.n_eval);
     int done = start;
     for (int step = start + 1; step <= a->steps && !interrupt_signal(); step++) {
@@ -516,6 +538,14 @@ int main(int argc, char** argv) {
                "is built for dense models)\n");
         N = 0;
     }
+    // --rl --rollout-gpus K: the last K devices generate, the others train (split schedule)
+    const int n_rollout = a.rl.on ? a.rl.rollout_gpus : 0;
+    if (n_rollout > 0 && N <= n_rollout)
+        fatal("--rollout-gpus %d: the split schedule needs at least one training device "
+              "besides the rollout ones, and this run has %d engine device(s)%s. HINT: fewer "
+              "rollout devices, or more devices (--device cpu:N / cuda:N)", n_rollout, N,
+              N == 0 ? " (it trains on the plain path)" : "");
+    N -= n_rollout;
     if (plan_and_check_memory(&a, &model, N, dist.world)) {  // --plan
         model_free(&model);
         checkpoint_close_source(&src);
@@ -608,7 +638,8 @@ int main(int argc, char** argv) {
     const int start = (int)ts.step;
     int done = start, saved = -1;  // the last step trained, the last checkpoint's step
     if (a.rl.on)
-        done = train_rl(&a, &tr, &model, &store, src.tok, &train, &lg, args_json, start, &saved);
+        done = train_rl(&a, &tr, &model, &store, src.tok, &train, &lg, args_json, start, &saved,
+                        N);
     for (int step = start + 1; step <= a.steps && !a.rl.on; step++) {
         const int stopping = interrupt_signal() != 0;
         if (stopping && trainer_in_flight(&tr) == 0) break;

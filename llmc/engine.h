@@ -304,6 +304,11 @@ int64_t engine_steps_done(const Engine* e);
 // with the delayed update one step behind the Store's. Valid after engine_synchronize; a
 // checkpoint keeps them so a resumed run (EngineOptions.first_weights) continues bit-exactly.
 const void* engine_next_weights(const Engine* e, int layer);
+// The trainable weights (compute dtype, as engine_next_weights) of the last optimizer step
+// applied: the Store's fp32 weights rounded as f32_to_bf16 (bf16 devices) or copied (fp32). In
+// sync mode the same as engine_next_weights; with the delayed update the other master buffer,
+// one step ahead of it. Valid after engine_synchronize (pinned host memory).
+const void* engine_latest_weights(Engine* e, int layer);
 // Bytes per element of those weights (the compute dtype).
 int engine_weight_bytes(const Engine* e);
 // The gradient norm and lr of the last optimizer step applied (0, 0 before any). Valid after

@@ -176,6 +176,23 @@ size_t gen_copy_weights(Generator* g, void* const* slabs, int64_t version) {
     return bytes;
 }
 
+size_t gen_upload_weights(Generator* g, const void* const* host, const int64_t* tail,
+                          int64_t version) {
+    if (!g->own) fatal("internal: gen_upload_weights on a generator that borrows its weights");
+    const size_t ab = (size_t)g->ops->act_bytes;
+    size_t bytes = 0;
+    for (int l = 0; l < g->n_layers; l++) {
+        if (!g->own[l]) continue;
+        const int64_t numel = g->m->tt.param_numel[l];
+        const int64_t n = tail ? tail[l] : numel;
+        if (n <= 0) continue;
+        g->ops->upload(g->ctx, (char*)g->own[l] + (size_t)(numel - n) * ab, host[l], (size_t)n * ab);
+        bytes += (size_t)n * ab;
+    }
+    g->version = version;
+    return bytes;
+}
+
 void gen_borrow_weights(Generator* g, void* const* slabs, int64_t version) {
     for (int l = 0; l < g->n_layers; l++) g->w[l] = slabs[l];
     g->version = version;

@@ -101,6 +101,12 @@ void gen_load_weights(Generator* g, const Store* s, int64_t version);
 // The device slabs `slabs` (the plain path's compute-dtype weights on the same backend) copied
 // into the generator's own weights, as `version` (device to device). Returns the bytes copied.
 size_t gen_copy_weights(Generator* g, void* const* slabs, int64_t version);
+// Host slabs already in the compute dtype (pinned for full speed: the engine's masters) uploaded
+// into the generator's own weights, as `version`: each weight crosses the bus once, 2 B per
+// parameter on bf16 devices. tail[l] > 0 uploads only the last tail[l] elements of layer l (the
+// rest never changes), tail NULL whole slabs. Returns the bytes uploaded.
+size_t gen_upload_weights(Generator* g, const void* const* host, const int64_t* tail,
+                          int64_t version);
 // Use these device slabs (the plain path's) as the weights (no copy).
 void gen_borrow_weights(Generator* g, void* const* slabs, int64_t version);
 // Generate for n sequences in groups of `group` consecutive sequences sharing one prompt (their

@@ -125,8 +125,88 @@ static void batch_free(GrpoBatch* b, int P) {
     memset(b, 0, sizeof *b);
 }
 
+// ----------------------------------------------------------------------------
+// the split schedule's rollout devices
+
+// Open the K rollout devices (indices split->first ..), a generator on each for its share of
+// the prompts (KV cache checked against split->budget), the trainer's weights in each as
+// `version`, their communicator and the manifest exchange. -1 + err.
+static int split_create(Grpo* g, const GrpoSplit* split, const GenOptions* go0, int64_t version,
+                        char* err) {
+    const RlArgs* r = g->r;
+    const int K = split->K;
+    if (K > r->prompts) {
+        snprintf(err, ERR_LEN, "--rollout-gpus %d: the answers are divided among the rollout "
+                 "devices by prompt, and there are %d (--rl-prompts): at most that many", K,
+                 r->prompts);
+        return -1;
+    }
+    g->K = K;
+    g->rdev.impl = split->impl;
+    g->rdev.dev = calloc_check((size_t)K, sizeof(Device*));
+    for (int k = 0; k < K; k++) {
+        g->rdev.dev[k] = split->impl->open(split->first + k, &split->opt);
+        if (!g->rdev.dev[k]) fatal("cannot open rollout device %s:%d", split->impl->name,
+                                   split->first + k);
+        g->rdev.n = k + 1;
+    }
+    GenOptions go = *go0;
+    go.max_seqs = (r->prompts + K - 1) / K * r->group;  // the largest share
+    go.max_bytes = split->budget;
+    g->xgen = calloc_check((size_t)(K > 1 ? K - 1 : 1), sizeof(Generator));
+    g->wman = calloc_check((size_t)K, sizeof(WeightManifest));
+    int* gpu = calloc_check((size_t)K, sizeof(int));
+    for (int k = 0; k < K; k++) {
+        Device* d = g->rdev.dev[k];
+        Generator* gen = k == 0 ? &g->gen : &g->xgen[k - 1];
+        char why[ERR_LEN];
+        if (gen_create(gen, g->m, split->impl->ops(d), split->impl->ops_ctx(d), &go, 1, why) !=
+            0) {
+            snprintf(err, ERR_LEN, "rollout device %s:%d: %.400s", split->impl->name,
+                     split->first + k, why);
+            free(gpu);
+            return -1;
+        }
+        gen_load_weights(gen, g->s, version);
+        weight_manifest_build(&g->wman[k], &g->m->tt, gen->ops->act_bytes);
+        gpu[k] = split->first + k;
+    }
+    // the sender's layout: the trainer's masters, in the devices' dtype
+    weight_manifest_build(&g->wsend, &g->m->tt, g->gen.ops->act_bytes);
+    int rc = weight_bcast_open(&g->wb, split->impl, g->rdev.dev, gpu, K, split->timeout_s, err);
+    free(gpu);
+    if (rc == 0) rc = weight_bcast_manifest(&g->wb, &g->wsend, g->wman, err);
+    return rc;
+}
+
+static void split_free(Grpo* g) {
+    if (g->bg_on) pthread_check(pthread_join(g->bg, NULL));
+    g->bg_on = 0;
+    weight_bcast_close(&g->wb);
+    for (int k = 1; g->xgen && k < g->K; k++) gen_free(&g->xgen[k - 1]);
+    free(g->xgen);
+    for (int k = 0; g->wman && k < g->K; k++) weight_manifest_free(&g->wman[k]);
+    free(g->wman);
+    weight_manifest_free(&g->wsend);
+    gen_free(&g->gen);  // (before its device closes)
+    if (g->rdev.dev) device_set_close(&g->rdev);
+}
+
+// The generator of rollout device k (the colocated one: k = 0).
+static Generator* gen_of(Grpo* g, int k) { return k == 0 ? &g->gen : &g->xgen[k - 1]; }
+
+// Tokens decoded and decode seconds of every generator.
+static void gen_counters(Grpo* g, double* decoded, double* t_decode) {
+    *decoded = *t_decode = 0.0;
+    for (int k = 0; k < (g->K > 0 ? g->K : 1); k++) {
+        *decoded += (double)gen_of(g, k)->n_decoded;
+        *t_decode = fmax(*t_decode, gen_of(g, k)->t_decode);  // (they decode concurrently)
+    }
+}
+
 int grpo_create(Grpo* g, const TrainArgs* a, const Model* m, Store* s, Plain* p,
-                const Tokenizer* tok, int64_t version, double host_budget, char* err) {
+                const Tokenizer* tok, int64_t version, double host_budget,
+                const GrpoSplit* split, char* err) {
     memset(g, 0, sizeof *g);
     g->a = a;
     g->r = &a->rl;
@@ -146,11 +226,19 @@ int grpo_create(Grpo* g, const TrainArgs* a, const Model* m, Store* s, Plain* p,
     if (rl_task_open(&g->task, r->task, r->eval, a->seed, err) != 0) return -1;
     const GenOptions go = {.max_seqs = n, .max_len = g->maxT, .temperature = a->temperature,
                            .top_k = r->top_k, .top_p = r->top_p, .max_bytes = host_budget};
-    if (gen_create(&g->gen, m, p->ops, p->ctx, &go, 1, err) != 0) {
-        rl_task_free(&g->task);
-        return -1;
+    if (split && split->K > 0) {
+        if (split_create(g, split, &go, version, err) != 0) {
+            split_free(g);
+            rl_task_free(&g->task);
+            return -1;
+        }
+    } else {
+        if (gen_create(&g->gen, m, p->ops, p->ctx, &go, 1, err) != 0) {
+            rl_task_free(&g->task);
+            return -1;
+        }
+        gen_load_weights(&g->gen, s, version);
     }
-    gen_load_weights(&g->gen, s, version);
     rl_stop_tokens(&m->cfg, tok, &g->stop_a, &g->stop_b);
     if (r->ignore_eos) g->stop_a = g->stop_b = -1;  // every answer runs to its budget
     reward_cmd_init(&g->rc, r->reward_cmd, r->reward_timeout);
@@ -182,6 +270,8 @@ int grpo_create(Grpo* g, const TrainArgs* a, const Model* m, Store* s, Plain* p,
 
 void grpo_free(Grpo* g) {
     if (!g->m) return;
+    if (g->bg_on) pthread_check(pthread_join(g->bg, NULL));  // (it uses the batches, rewards)
+    g->bg_on = 0;
     const Ops* ops = g->p->ops;
     reward_cmd_stop(&g->rc);
     for (int i = 0; i < 2; i++) batch_free(&g->batch[i], g->r->prompts);
@@ -203,7 +293,7 @@ void grpo_free(Grpo* g) {
     free(g->e_adv);
     free(g->e_w);
     free(g->e_ref);
-    gen_free(&g->gen);
+    split_free(g);  // (the colocated generator too)
     rl_task_free(&g->task);
     memset(g, 0, sizeof *g);
 }
@@ -218,6 +308,38 @@ static void set_prompt(const Grpo* g, GenSeq* seq, const char* prompt) {
         fatal("--rl: the prompt \"%.40s\" does not leave room for an answer in --seq %d", prompt,
               g->maxT);
     seq->prompt_len = n;
+}
+
+typedef struct ShareJob {
+    Generator* gen;
+    GenSeq* seqs;
+    int n, group;
+} ShareJob;
+
+static void* share_main(void* arg) {
+    ShareJob* j = arg;
+    gen_run(j->gen, j->seqs, j->n, j->group);
+    return NULL;
+}
+
+// The P prompts' answers (G each): colocated in one run; split, prompts [P k / K, P (k+1) / K)
+// on rollout device k, all devices at once (each sequence has its own sampler, seeded by its
+// index, so the division changes no answer).
+static void generate_shares(Grpo* g, GenSeq* seqs, int P, int G) {
+    if (g->K <= 1) {
+        gen_run(&g->gen, seqs, P * G, G);
+        return;
+    }
+    ShareJob* jobs = calloc_check((size_t)g->K, sizeof(ShareJob));
+    pthread_t* th = calloc_check((size_t)g->K, sizeof(pthread_t));
+    for (int k = 0; k < g->K; k++) {
+        const int p0 = (int)((int64_t)P * k / g->K), p1 = (int)((int64_t)P * (k + 1) / g->K);
+        jobs[k] = (ShareJob){gen_of(g, k), seqs + (size_t)p0 * G, (p1 - p0) * G, G};
+        pthread_check(pthread_create(&th[k], NULL, share_main, &jobs[k]));
+    }
+    for (int k = 0; k < g->K; k++) pthread_check(pthread_join(th[k], NULL));
+    free(jobs);
+    free(th);
 }
 
 // Generate and score batch b for step `step` with the generator's current weights.
@@ -241,7 +363,7 @@ static void fill_batch(Grpo* g, GrpoBatch* b, int step) {
             rng_seed(&q->rng, answer_seed(g->a->seed, step, k * G + j));
         }
     }
-    gen_run(&g->gen, b->seqs, b->n, G);
+    generate_shares(g, b->seqs, P, G);
     // the answers' text, then their rewards
     char text[4096];
     for (int i = 0; i < b->n; i++) {
@@ -273,10 +395,36 @@ static void fill_batch(Grpo* g, GrpoBatch* b, int step) {
     b->rollout_s = time_now_s() - t0;
 }
 
+static void* background_main(void* arg) {
+    Grpo* g = arg;
+    double d0, t0;
+    gen_counters(g, &d0, &t0);
+    const double s0 = time_now_s();
+    fill_batch(g, &g->batch[1 - g->cur], g->bg_step);
+    g->bg_s = time_now_s() - s0;
+    double d1, t1;
+    gen_counters(g, &d1, &t1);
+    g->bg_decoded = d1 - d0;
+    return NULL;
+}
+
+// The rollout running while the step trains, finished (the batch boundary: the weights may
+// change after it); its time and tokens into the step's statistics.
+static void background_join(Grpo* g) {
+    if (!g->bg_on) return;
+    pthread_check(pthread_join(g->bg, NULL));
+    g->bg_on = 0;
+    GrpoStats* st = &g->st;
+    const double fg_decoded = st->gen_tok_s * st->rollout_s;
+    st->rollout_s += g->bg_s;
+    st->gen_tok_s = st->rollout_s > 0 ? (fg_decoded + g->bg_decoded) / st->rollout_s : 0.0;
+}
+
 void grpo_rollout(Grpo* g, int step) {
     const RlArgs* r = g->r;
-    const double decoded0 = (double)g->gen.n_decoded, t0 = time_now_s();
-    const double t_decode0 = g->gen.t_decode;
+    double decoded0, t_decode0;
+    gen_counters(g, &decoded0, &t_decode0);
+    const double t0 = time_now_s();
     GrpoStats* st = &g->st;
     memset(st, 0, sizeof *st);
     // the batch generated for this step during the previous one (off-policy), if any
@@ -290,17 +438,26 @@ void grpo_rollout(Grpo* g, int step) {
         st->regenerated = have;
         fill_batch(g, b, step);
     }
-    // one step off: the next step's batch with the weights before this step's update (with
-    // separate rollout GPUs it is generated while this step trains); after the last step too
-    // when it ends in a checkpoint, which keeps the batch (grpo_state_pack), so a run resumed
-    // from it with more --steps trains on the answers the straight run would
-    if (r->off_policy && (step < g->a->steps || g->a->save_every > 0))
-        fill_batch(g, &g->batch[1 - g->cur], step + 1);
+    // one step off: the next step's batch with the weights before this step's update; with
+    // rollout devices of their own (--rollout-gpus) on a thread while this step trains
+    // (grpo_sync waits for it before the weights change). After the last step too when it ends
+    // in a checkpoint, which keeps the batch (grpo_state_pack), so a run resumed from it with
+    // more --steps trains on the answers the straight run would.
+    const int next = r->off_policy && (step < g->a->steps || g->a->save_every > 0);
+    if (next && g->K == 0) fill_batch(g, &g->batch[1 - g->cur], step + 1);
     st->rollout_s = time_now_s() - t0;
-    const double decoded = (double)g->gen.n_decoded - decoded0;
+    double decoded, t_decode;
+    gen_counters(g, &decoded, &t_decode);
+    decoded -= decoded0;
     st->gen_tok_s = st->rollout_s > 0 ? decoded / st->rollout_s : 0.0;
-    const double t_dec = g->gen.t_decode - t_decode0;
+    const double t_dec = t_decode - t_decode0;
     st->decode_tok_s = t_dec > 0 ? decoded / t_dec : 0.0;
+    if (next && g->K > 0) {
+        g->bg_step = step + 1;
+        g->batch[1 - g->cur].ready = 0;  // (not until the thread is joined)
+        pthread_check(pthread_create(&g->bg, NULL, background_main, g));
+        g->bg_on = 1;
+    }
 }
 
 // ----------------------------------------------------------------------------
@@ -496,24 +653,41 @@ StepStats grpo_train(Grpo* g, Trainer* tr, int step) {
     return s;
 }
 
+double grpo_broadcast(Grpo* g) {
+    if (g->K < 2) return 0.0;
+    void*** slabs = calloc_check((size_t)g->K, sizeof(void**));
+    for (int k = 0; k < g->K; k++) slabs[k] = gen_of(g, k)->own;
+    char err[ERR_LEN];
+    const int64_t bytes = weight_bcast_run(&g->wb, (void* const* const*)slabs, err);
+    free(slabs);
+    if (bytes < 0) fatal("--rollout-gpus: %s", err);
+    for (int k = 1; k < g->K; k++) gen_of(g, k)->version = g->gen.version;
+    return (double)bytes;
+}
+
 void grpo_sync(Grpo* g, int64_t version) {
+    background_join(g);  // generation went on with the old weights up to the batch boundary
     const double t0 = time_now_s();
     const Model* m = g->m;
-    int full = g->gen.own != NULL;  // the masters hold whole slabs (full training)
-    for (int l = 0; l < m->tt.n_layers; l++) full &= m->tt.state_numel[l] == m->tt.param_numel[l];
-    if (g->eng && !g->p->aliased && g->a->sync && full &&
-        engine_weight_bytes(g->eng) == g->gen.ops->act_bytes) {
-        // the engine's compute-dtype masters of the weights the next iteration computes with
-        // (with --sync 1 the Store's latest, in the devices' dtype): one host-to-device copy
-        g->st.sync_bytes = 0.0;
-        for (int l = 0; l < m->tt.n_layers; l++) {
-            if (!g->gen.own[l]) continue;
-            const size_t b = (size_t)m->tt.param_numel[l] * g->gen.ops->act_bytes;
-            g->gen.ops->upload(g->gen.ctx, g->gen.own[l], engine_next_weights(g->eng, l), b);
-            g->st.sync_bytes += (double)b;
-        }
-        g->gen.version = version;
+    if (g->eng && engine_weight_bytes(g->eng) == g->gen.ops->act_bytes) {
+        // the engine's compute-dtype masters of the last step applied (sync or delayed update:
+        // engine_latest_weights), i.e. the Store's fp32 weights of `version` rounded as the
+        // devices round them (f32_to_bf16, round to nearest even as the upload's conversion
+        // kernel): each weight crosses the bus once, 2 B per parameter, from pinned memory; only
+        // the trainable tails (the whole slabs for full training)
+        const void** src = malloc_check((size_t)m->tt.n_layers * sizeof(void*));
+        for (int l = 0; l < m->tt.n_layers; l++) src[l] = engine_latest_weights(g->eng, l);
+        g->st.sync_bytes =
+            (double)gen_upload_weights(&g->gen, src, m->tt.state_numel, version);
+        free(src);
         g->gen.ops->synchronize(g->gen.ctx);
+        // split: from the first rollout device to the others (its KV caches, like theirs,
+        // hold nothing of the old version: gen_run fills them afresh)
+        g->st.bcast_bytes = grpo_broadcast(g);
+    } else if (g->K > 0) {
+        fatal("internal: the split schedule syncs from the engine's masters (compute dtype %d "
+              "bytes, the rollout devices' %d)", g->eng ? engine_weight_bytes(g->eng) : 0,
+              g->gen.ops->act_bytes);
     } else if (g->eng && !g->p->aliased) {
         // the Store's fp32 weights (every applied update), converted on the upload
         gen_load_weights(&g->gen, g->s, version);
@@ -589,10 +763,15 @@ void grpo_log_step(const Grpo* g, StepLog* lg, const StepStats* s) {
            st->clip_frac, st->kl, st->answer_len, (long long)st->version,
            st->staleness ? " (1 behind)" : "", st->rollout_s * 1e3, st->gen_tok_s,
            st->train_s * 1e3, st->sync_s * 1e3, s->norm, s->lr);
-    if (!g->p->aliased && st->sync_s > 0)  // (the CPU's step line stays as it was)
-        printf("  weight sync: %.1f MB in %.2f ms (%.1f GB/s); decode %.0f tokens/s\n",
-               st->sync_bytes / 1e6, st->sync_s * 1e3, st->sync_bytes / st->sync_s / 1e9,
-               st->decode_tok_s);
+    if ((!g->p->aliased || g->K > 0) && st->sync_s > 0) {  // (the CPU's line stays as it was)
+        const double moved = st->sync_bytes + st->bcast_bytes * (g->K > 1 ? g->K - 1 : 0);
+        printf("  weight sync: %.1f MB in %.2f ms (%.1f GB/s)", st->sync_bytes / 1e6,
+               st->sync_s * 1e3, moved / st->sync_s / 1e9);
+        if (g->K > 1)
+            printf(", then %.1f MB broadcast to %d more rollout devices", st->bcast_bytes / 1e6,
+                   g->K - 1);
+        printf("; decode %.0f tokens/s\n", st->decode_tok_s);
+    }
     if (st->masked || st->skipped_groups || st->regenerated)
         printf("  %d answers without a reward (masked), %d of %d groups skipped (equal "
                "rewards)%s\n",
@@ -617,6 +796,7 @@ void grpo_log_step(const Grpo* g, StepLog* lg, const StepStats* s) {
     json_num(lg->f, "gen_tok_s", st->gen_tok_s);
     json_num(lg->f, "sync_bytes", st->sync_bytes);
     json_num(lg->f, "decode_tok_s", st->decode_tok_s);
+    if (g->K > 1) json_num(lg->f, "bcast_bytes", st->bcast_bytes);
     fprintf(lg->f, "}\n");
     fflush(lg->f);
 }

@@ -15,6 +15,14 @@
  * the first after a resume: the pending batch is not in the checkpoint) has no batch from
  * before and generates its own.
  *
+ * The split schedule (--rollout-gpus K, GrpoSplit): K rollout devices of their own, one
+ * generator each (the prompts divided among them), while the engine trains on the others; one
+ * step off, the rollout of step t+1 runs on a thread during step t's training and grpo_sync waits
+ * for it (the batch boundary) before the weights change. The math is the colocated schedule's:
+ * with --sync 1 the same samples and losses. The sync uploads the engine's masters to rollout
+ * device 0, then broadcasts them to the others (weightsync.h: the manifest exchanged at
+ * creation, each tensor placed by name).
+ *
  * The objective per answer token (ops.h policy_forward_backward): advantages Â_i from the
  * group's rewards (NaN masks an answer; a group with fewer than two scored answers or all
  * scores equal is skipped: no gradient, not in the normalisation), the clipped ratio, the k3 KL
@@ -25,9 +33,11 @@
 #ifndef LLMC_GRPO_H
 #define LLMC_GRPO_H
 
+#include <pthread.h>
 #include <stdint.h>
 
 #include "args.h"
+#include "device.h"
 #include "generate.h"
 #include "log.h"
 #include "model.h"
@@ -36,6 +46,7 @@
 #include "store.h"
 #include "tokenizer.h"
 #include "trainer.h"
+#include "weightsync.h"
 
 // One rollout: P prompts x G answers.
 typedef struct GrpoBatch {
@@ -72,8 +83,19 @@ typedef struct GrpoStats {
     int regenerated;       // the pending batch was too stale and was generated again
     double rollout_s, train_s, sync_s, gen_tok_s;
     double sync_bytes;     // the weights moved into the generator
+    double bcast_bytes;    // split: the bytes each other rollout device received
     double decode_tok_s;   // tokens per second of the decode steps alone (no prefill, rewards)
 } GrpoStats;
+
+// --rollout-gpus K: where the rollout devices are (the split schedule).
+typedef struct GrpoSplit {
+    const DeviceImpl* impl;  // device_cpu_impl (--device cpu:N) or device_cuda_impl
+    int K;                   // rollout devices (0: colocated)
+    int first;               // the first one's index (after the N - K training devices)
+    DeviceOptions opt;       // as the training devices'
+    double budget;           // bytes each may give its generator (0: no limit)
+    double timeout_s;        // their communicator's
+} GrpoSplit;
 
 typedef struct Grpo {
     const TrainArgs* a;
@@ -100,12 +122,30 @@ typedef struct Grpo {
     int32_t *e_tok, *e_tgt;
     float *e_old, *e_adv, *e_w, *e_ref;
     GrpoStats st;          // of the last step
+    // the split schedule (--rollout-gpus K): K rollout devices, one generator each (gen on the
+    // first, xgen on the others), the answers divided among them by prompt; the new weights go
+    // to the first (one upload), then a broadcast to the others after the manifest exchange;
+    // with --off-policy 1 the next step's rollout runs on a thread while this step trains
+    int K;                 // 0: colocated (gen on the plain path's backend)
+    DeviceSet rdev;        // (K) the rollout devices
+    Generator* xgen;       // (K - 1)
+    WeightManifest* wman;  // (K) each rollout generator's layout
+    WeightManifest wsend;  // the sender's (the trainer's masters) layout
+    WeightBcast wb;
+    pthread_t bg;          // the rollout running while the step trains
+    int bg_on;
+    int bg_step;           // the step it generates for
+    double bg_s;           // its seconds
+    double bg_decoded;     // tokens it decoded
 } Grpo;
 
 // Build the generator (its memory checked against host_budget bytes, 0: none), the task, the
-// reference weights; the generator's weights = the store's, as `version`. -1 + err.
+// reference weights; the generator's weights = the store's, as `version`. With split->K > 0 one
+// generator per rollout device (each checked against split->budget), their communicator and the
+// manifest exchange. -1 + err.
 int grpo_create(Grpo* g, const TrainArgs* a, const Model* m, Store* s, Plain* p,
-                const Tokenizer* tok, int64_t version, double host_budget, char* err);
+                const Tokenizer* tok, int64_t version, double host_budget,
+                const GrpoSplit* split, char* err);
 void grpo_free(Grpo* g);
 // Step `step`'s rollout(s): the batch it trains on (and, off-policy, the next step's).
 void grpo_rollout(Grpo* g, int step);
@@ -116,11 +156,15 @@ void grpo_rollout(Grpo* g, int step);
 // With the delayed update the gradient of step t is taken at the weights before step t-1 (one
 // version older than the rollout's on-policy): the ratio corrects for it as for --off-policy.
 StepStats grpo_train(Grpo* g, Trainer* tr, int step);
-// The trained weights into the generator as version `version`: on the CPU (plain, emulated
-// devices) the Store's; on a GPU the plain path's device slabs (device to device) or, through the
-// engine, its compute-dtype masters uploaded from the host (--sync 1; the Store's fp32 weights,
-// converted on upload, with the delayed update, whose masters are one step behind).
+// The trained weights into the generator as version `version`: through the engine its
+// compute-dtype masters of the last step applied (engine_latest_weights: with the delayed update
+// the buffer one step ahead of the next iteration's), uploaded from pinned host memory, once, in
+// the compute dtype (bit for bit the Store's fp32 weights converted on the device); on the plain
+// path the Store's (CPU) or the plain path's device slabs (device to device).
 void grpo_sync(Grpo* g, int64_t version);
+// Split schedule: the weights of rollout device 0 broadcast to the others (after the manifest
+// exchange); the bytes each received (0 with one rollout device). Fatal on a communicator error.
+double grpo_broadcast(Grpo* g);
 // Exact-match accuracy of greedy answers to the held-out problems (the generator's weights).
 double grpo_evaluate(Grpo* g);
 

@@ -112,6 +112,7 @@ int rl_args_set(RlArgs* r, int c, const char* v) {
             return rc;
         }
         case 19: return rl_int("--rl-ignore-eos", v, 0, 1, &r->ignore_eos);
+        case 20: return rl_int("--rollout-gpus", v, 0, 1 << 10, &r->rollout_gpus);
     }
     return rl_bad("--rl", v, "internal: unknown RL flag");
 }
@@ -130,6 +131,11 @@ int rl_args_check(const RlArgs* r, int engine_batch, float temperature, int seq,
                       "of --batch rows: it must divide them");
     }
     if (lora) return rl_bad("--rl", "grpo", "LoRA adapters are not supported with --rl yet");
+    if (r->rollout_gpus > 0 && engine_batch == 0) {
+        snprintf(v, sizeof v, "%d", r->rollout_gpus);
+        return rl_bad("--rollout-gpus", v, "the split schedule gives devices of the RoundPipe "
+                      "engine to generation: it needs --device cuda or cpu:N");
+    }
     snprintf(v, sizeof v, "%g", (double)temperature);
     if (temperature <= 0.0f)
         return rl_bad("--temperature", v, "--rl samples its answers: the temperature must be "
@@ -185,7 +191,11 @@ void rl_args_usage(FILE* f) {
         "                         uses the untruncated tempered softmax on both sides\n"
         "      --rl-ignore-eos 0|1  1: no stop token, every answer runs to --rl-max-tokens, and a\n"
         "                         model without a tokenizer reads its prompts as byte ids\n"
-        "                         (speed benchmarks on random weights) (default 0)\n");
+        "                         (speed benchmarks on random weights) (default 0)\n"
+        "      --rollout-gpus K   split schedule: the last K devices generate (the answers\n"
+        "                         divided among them by prompt), the others train, concurrently\n"
+        "                         with --off-policy 1; the weights go to the first rollout device\n"
+        "                         once, then a broadcast to the others (default 0: colocated)\n");
 }
 
 void rl_args_json(FILE* m, const RlArgs* r) {
@@ -203,4 +213,5 @@ void rl_args_json(FILE* m, const RlArgs* r) {
             (double)r->clip_low, (double)r->clip_high, rl_loss_agg_name(r->loss_agg),
             (double)r->kl_beta, r->off_policy, r->max_staleness, r->top_k, (double)r->top_p);
     if (r->ignore_eos) fputs(",\n  \"rl-ignore-eos\": 1", m);  // (absent when off, as before)
+    if (r->rollout_gpus) fprintf(m, ",\n  \"rollout-gpus\": %d", r->rollout_gpus);
 }

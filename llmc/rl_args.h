@@ -33,6 +33,8 @@ typedef struct RlArgs {
     int top_k;               // sampling: 0 = off
     float top_p;             // sampling: 1 = off
     int ignore_eos;          // --rl-ignore-eos 1: answers run to --rl-max-tokens (benchmarks)
+    int rollout_gpus;        // --rollout-gpus K: the last K devices generate while the others
+                             // train (split schedule); 0: colocated
 } RlArgs;
 
 #define RL_OPT_BASE 3000
@@ -56,8 +58,9 @@ typedef struct RlArgs {
     {"max-staleness", required_argument, 0, RL_OPT_BASE + 16},                                  \
     {"top-k", required_argument, 0, RL_OPT_BASE + 17},                                          \
     {"top-p", required_argument, 0, RL_OPT_BASE + 18},                                          \
-    {"rl-ignore-eos", required_argument, 0, RL_OPT_BASE + 19}
-#define RL_OPT_COUNT 20
+    {"rl-ignore-eos", required_argument, 0, RL_OPT_BASE + 19},                                  \
+    {"rollout-gpus", required_argument, 0, RL_OPT_BASE + 20}
+#define RL_OPT_COUNT 21
 
 void rl_args_defaults(RlArgs* r);
 // 1 when getopt's code c is one of the RL flags.

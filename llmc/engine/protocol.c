@@ -514,6 +514,14 @@ const void* engine_next_weights(const Engine* e, int layer) {
     return e->master[e->iter % 2][layer];  // the trainable tail (the frozen base never changes)
 }
 
+const void* engine_latest_weights(Engine* e, int layer) {
+    // step k wrote master[(k + delay) % 2] (the buffer of iteration k + delay)
+    pthread_check(pthread_mutex_lock(&e->mu));
+    const int64_t k = e->steps_done;
+    pthread_check(pthread_mutex_unlock(&e->mu));
+    return e->master[(k + e->delay) % 2][layer];
+}
+
 int engine_weight_bytes(const Engine* e) { return (int)e->ab; }
 
 void engine_last_update(Engine* e, double* norm, double* lr) {

@@ -972,6 +972,78 @@ static void test_grpo_gpu_generate(TestCtx* t) {
     gpu_close(&G);
 }
 
+// The weight sync's fast path (grpo_sync: the engine's bf16 masters, rounded on the host by
+// f32_to_bf16 as the optimizer writes them, uploaded as they are) gives the generator the bits of
+// the old path (the Store's fp32 weights converted on the device, upload_f32), ties to even,
+// subnormals, signed zeros and values that round up to the next binade included.
+static void test_grpo_gpu_sync_bits(TestCtx* t) {
+    Gpu G;
+    if (!gpu_open(t, &G, 67)) return;
+    ModelConfig cfg;
+    char err[ERR_LEN];
+    Model m;
+    if (config_from_preset(&cfg, "test-qwen3", err) != 0 || model_init(&m, &cfg, 0, err) != 0) {
+        CHECK(t, 0, "test-qwen3: %s", err);
+        gpu_close(&G);
+        return;
+    }
+    Store s;
+    store_create(&s, &m.tt);
+    store_init_random(&s, 13, 0.3f);
+    const uint32_t special[] = {0x3f808000u, 0x3f818000u, 0xbf808000u, 0x3f80ffffu, 0x00008000u,
+                                0x00018000u, 0x80000000u, 0x00000000u, 0x7f7fffffu, 0x007fffffu,
+                                0x3f7fffffu, 0xc2f78000u, 0x00000001u, 0x807f8000u};
+    const int n_special = (int)(sizeof special / sizeof special[0]);
+    for (int l = 0; l < m.tt.n_layers; l++)
+        for (int64_t i = 0; i < m.tt.param_numel[l]; i++) {
+            uint32_t u;
+            memcpy(&u, &s.param[l][i], 4);
+            if (i % 5 == 0) u = (u & 0xffff0000u) | 0x8000u;  // exact ties
+            if (i % 7 == 0) u = special[(i / 7) % n_special];
+            memcpy(&s.param[l][i], &u, 4);
+        }
+    const GenOptions go = {.max_seqs = 2, .max_len = 16, .temperature = 0.9f, .top_k = 0,
+                           .top_p = 1.0f};
+    Generator g;
+    CHECK(t, gen_create(&g, &m, G.g, G.gctx, &go, 1, err) == 0, "%s", err);
+    if (g.m) {
+        gen_load_weights(&g, &s, 3);
+        void** old = calloc_check((size_t)m.tt.n_layers, sizeof(void*));
+        void** host = calloc_check((size_t)m.tt.n_layers, sizeof(void*));
+        for (int l = 0; l < m.tt.n_layers; l++) {
+            const int64_t n = m.tt.param_numel[l];
+            if (n == 0) continue;
+            old[l] = host_raw(&G, g.own[l], (size_t)n * 2);
+            uint16_t* h = malloc_check((size_t)n * sizeof(uint16_t));
+            for (int64_t i = 0; i < n; i++) h[i] = f32_to_bf16(s.param[l][i]);
+            host[l] = h;
+            G.g->zero(G.gctx, g.own[l], (size_t)n * 2);
+        }
+        const size_t bytes = gen_upload_weights(&g, (const void* const*)host, m.tt.state_numel, 4);
+        size_t want = 0;
+        int same = 1;
+        for (int l = 0; l < m.tt.n_layers; l++) {
+            const int64_t n = m.tt.param_numel[l];
+            if (n == 0) continue;
+            want += (size_t)n * 2;
+            void* now = host_raw(&G, g.own[l], (size_t)n * 2);
+            same &= memcmp(now, old[l], (size_t)n * 2) == 0;
+            free(now);
+            free(old[l]);
+            free(host[l]);
+        }
+        CHECK(t, same, "the generator's weights after the fast sync differ from upload_f32's");
+        CHECK(t, bytes == want && g.version == 4, "uploaded %zu bytes (want %zu), version %lld",
+              bytes, want, (long long)g.version);
+        free(old);
+        free(host);
+        gen_free(&g);
+    }
+    store_free(&s);
+    model_free(&m);
+    gpu_close(&G);
+}
+
 // --rl grpo --device cuda (colocated on one GPU) learns the task of grpo_cli_learns as the CPU
 // run does, on-policy and one step off, and logs its weight sync.
 static void test_grpo_gpu_cli_learns(TestCtx* t) {
@@ -1016,6 +1088,7 @@ static void test_grpo_gpu_decode_rope_append(TestCtx* t) { grpo_gpu_skipped(t); 
 static void test_grpo_gpu_sample(TestCtx* t) { grpo_gpu_skipped(t); }
 static void test_grpo_gpu_policy_op(TestCtx* t) { grpo_gpu_skipped(t); }
 static void test_grpo_gpu_generate(TestCtx* t) { grpo_gpu_skipped(t); }
+static void test_grpo_gpu_sync_bits(TestCtx* t) { grpo_gpu_skipped(t); }
 
 #endif  // HAVE_CUDA
 
@@ -1025,6 +1098,7 @@ const TestCase tests_grpo[] = {
     {"grpo_gpu_sample", test_grpo_gpu_sample},
     {"grpo_gpu_policy_op", test_grpo_gpu_policy_op},
     {"grpo_gpu_generate", test_grpo_gpu_generate},
+    {"grpo_gpu_sync_bits", test_grpo_gpu_sync_bits},
     {"grpo_gpu_cli_learns", test_grpo_gpu_cli_learns},
     {"grpo_gpu_cli_learns_arith", test_grpo_gpu_cli_learns_arith},
     {"grpo_decode_attention_matches_full", test_grpo_decode_attention_matches_full},

@@ -23,6 +23,7 @@
 #include "../rng.h"
 #include "../store.h"
 #include "../threads.h"
+#include "../weightsync.h"
 #include "testing.h"
 
 #define PSTEPS 3
@@ -219,6 +220,20 @@ static int run_engine_policy(TestCtx* t, PolicyRun* run, const ModelConfig* c, i
             if (r.logp) memcpy(run->logp[step], r.logp, (size_t)B * T * sizeof(float));
         }
         engine_synchronize(e);
+        // the weight sync's source (grpo_sync): the masters of the last step applied hold the
+        // Store's weights bit for bit (fp32 devices: copies); with the delayed update the next
+        // iteration's are one step behind them
+        int latest_same = 1, next_differs = 0;
+        for (int l = 0; l < m.tt.n_layers; l++) {
+            const int64_t n = m.tt.state_numel[l], off = m.tt.param_numel[l] - n;
+            const size_t bytes = (size_t)n * sizeof(float);
+            latest_same &= memcmp(engine_latest_weights(e, l), s.param[l] + off, bytes) == 0;
+            next_differs |= memcmp(engine_next_weights(e, l), s.param[l] + off, bytes) != 0;
+        }
+        CHECK(t, latest_same, "N=%d sync %d: engine_latest_weights is not the Store's weights",
+              pc->N, pc->sync);
+        CHECK(t, next_differs == !pc->sync, "N=%d sync %d: the next iteration's weights %s the "
+              "Store's", pc->N, pc->sync, next_differs ? "differ from" : "equal");
         S = engine_plan(e)->n_fwd + engine_plan(e)->n_bwd;
         params_of(run, &m, &s);
         engine_free(e);
@@ -410,7 +425,208 @@ static void test_grpo_engine_cli_resume(TestCtx* t) {
     }
 }
 
+// ----------------------------------------------------------------------------
+// the split schedule (--rollout-gpus K)
+
+// The split schedule logs what the colocated run logs, step by step, where the math says it
+// must: --sync 1, on-policy and one step off (the rollout of step t+1 on v_{t-1} while step t
+// trains), one and two rollout devices (the answers divided by prompt: each has its own
+// sampler); the staleness stays within --max-staleness; the step line shows the sync and the
+// broadcast.
+static void test_grpo_engine_split_matches_colocated(TestCtx* t) {
+    char script[512], args[4096];
+    if (reward_script(t, script, sizeof script) != 0) return;
+    for (int off = 0; off <= 1; off++) {
+        char lc[512], tag[64];
+        test_path(t, lc, sizeof lc, off ? "gs_c1.jsonl" : "gs_c0.jsonl");
+        snprintf(tag, sizeof tag, "grpo_engine_split_col%d", off);
+        snprintf(args, sizeof args, "%s --steps 4 --kl-beta 0.05 --reward-cmd 'sh %s' --log '%s' "
+                 "--device cpu:1 --sync 1 --off-policy %d", GRPO_ENGINE_FLAGS, script, lc, off);
+        int rc = test_run_cli(t, tag, args);
+        CHECK(t, rc == 0, "%s: exited %d", tag, rc);
+        char* col = test_read_file(lc, NULL);
+        for (int K = 1; K <= 2; K++) {
+            char ls[512], name[80];
+            snprintf(tag, sizeof tag, "grpo_engine_split%d_%d", K, off);
+            snprintf(name, sizeof name, "%s.jsonl", tag);
+            test_path(t, ls, sizeof ls, name);
+            snprintf(args, sizeof args, "%s --steps 4 --kl-beta 0.05 --reward-cmd 'sh %s' "
+                     "--log '%s' --device cpu:%d --rollout-gpus %d --sync 1 --off-policy %d",
+                     GRPO_ENGINE_FLAGS, script, ls, K + 1, K, off);
+            rc = test_run_cli(t, tag, args);
+            char* out = test_read_output(t, tag, "out");
+            CHECK(t, rc == 0 && out && strstr(out, "split schedule") &&
+                         strstr(out, "weight sync:") &&
+                         (K == 1 || strstr(out, "broadcast to 1 more rollout devices")),
+                  "%s: exit %d: %s", tag, rc, out ? out : "");
+            free(out);
+            char* split = test_read_file(ls, NULL);
+            logs_equal(t, tag, col, split, 1, 4);
+            for (int s = 1; s <= 4; s++) {
+                char v[64];
+                log_value(split, s, "staleness", v, sizeof v);
+                CHECK(t, atoi(v) <= off, "%s: step %d staleness %s", tag, s, v);
+            }
+            free(split);
+        }
+        free(col);
+    }
+}
+
+// Resumed from a checkpoint after step 2, a split run logs steps 3-4 as the straight split run:
+// on-policy with the synchronous update, and one step off with the delayed update, whose
+// checkpoint keeps the batch the rollout devices generated ahead for step 3 (rl_state.bin).
+static void test_grpo_engine_split_resume(TestCtx* t) {
+    char script[512], args[4096];
+    if (reward_script(t, script, sizeof script) != 0) return;
+    for (int off = 0; off <= 1; off++) {
+        char la[512], lb[512], dir[512], split[128], tag[32];
+        test_path(t, la, sizeof la, off ? "gsr_a1.jsonl" : "gsr_a0.jsonl");
+        test_path(t, lb, sizeof lb, off ? "gsr_b1.jsonl" : "gsr_b0.jsonl");
+        test_path(t, dir, sizeof dir, off ? "gsr_ck1" : "gsr_ck0");
+        snprintf(split, sizeof split, "--device cpu:3 --rollout-gpus 2 --off-policy %d --sync %d",
+                 off, !off);
+        snprintf(tag, sizeof tag, "split resume, off %d", off);
+        snprintf(args, sizeof args, "%s --steps 4 --reward-cmd 'sh %s' --log '%s' %s",
+                 GRPO_ENGINE_FLAGS, script, la, split);
+        int rc = test_run_cli(t, "grpo_engine_split_resume", args);
+        CHECK(t, rc == 0, "off %d: straight run exited %d", off, rc);
+        snprintf(args, sizeof args, "%s --steps 2 --save-every 2 --out '%s' --reward-cmd 'sh %s' "
+                 "%s", GRPO_ENGINE_FLAGS, dir, script, split);
+        rc = test_run_cli(t, "grpo_engine_split_resume", args);
+        CHECK(t, rc == 0, "off %d: first half exited %d", off, rc);
+        snprintf(args, sizeof args, "%s --steps 4 --resume --out '%s' --reward-cmd 'sh %s' "
+                 "--log '%s' %s", GRPO_ENGINE_FLAGS, dir, script, lb, split);
+        rc = test_run_cli(t, "grpo_engine_split_resume", args);
+        CHECK(t, rc == 0, "off %d: resumed half exited %d", off, rc);
+        char* a = test_read_file(la, NULL);
+        char* b = test_read_file(lb, NULL);
+        logs_equal(t, tag, a, b, 3, 4);
+        free(a);
+        free(b);
+    }
+}
+
+// --rollout-gpus refusals: one clear line, a non-zero exit.
+static void test_grpo_engine_split_refusals(TestCtx* t) {
+    const char* bad[][2] = {
+        {"--rollout-gpus 1", "needs --device cuda or cpu:N"},
+        {"--rollout-gpus 2 --device cpu:2", "at least one training device"},
+        {"--rollout-gpus 5 --device cpu:6", "at most that many"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char args[1024];
+        snprintf(args, sizeof args, "%s --steps 1 %s", GRPO_ENGINE_FLAGS, bad[i][0]);
+        const int rc = test_run_cli(t, "grpo_split_bad", args);
+        char* e = test_read_output(t, "grpo_split_bad", "err");
+        CHECK(t, rc != 0 && e && test_one_error_line(e, bad[i][1]), "'%s': exit %d, %s",
+              bad[i][0], rc, e ? e : "");
+        free(e);
+    }
+}
+
+// The manifest: packed and unpacked unchanged; a receiver refuses a sender whose tensor differs
+// in shape or dtype, or is missing, naming it; the broadcast over emulated devices places each
+// tensor by name (a receiver whose layout lists the tensors in another order gets them where
+// its own manifest says).
+static void test_engine_weight_manifest_broadcast(TestCtx* t) {
+    const ModelConfig c = test_engine_config(0);
+    char err[ERR_LEN];
+    Model m;
+    if (model_init(&m, &c, 0, err) != 0) fatal("%s", err);
+    WeightManifest a, b;
+    weight_manifest_build(&a, &m.tt, 4);
+    void* packed = malloc_check(weight_manifest_bytes(&a));
+    weight_manifest_pack(&a, packed);
+    CHECK(t, weight_manifest_unpack(&b, packed, weight_manifest_bytes(&a), err) == 0, "%s", err);
+    CHECK(t, b.n == a.n && a.n > 4 && memcmp(a.e, b.e, (size_t)a.n * sizeof(WeightEntry)) == 0,
+          "the manifest changed on its way (%d vs %d tensors)", b.n, a.n);
+    CHECK(t, weight_manifest_check(&a, &b, err) == 0, "%s", err);
+    const int k = a.n / 2;
+    b.e[k].shape[0]++;
+    CHECK(t, weight_manifest_check(&a, &b, err) != 0 && strstr(err, a.e[k].name) &&
+                 strstr(err, "is sent as"), "a shape mismatch: %s", err);
+    b.e[k].shape[0]--;
+    b.e[k].dtype = 2;
+    CHECK(t, weight_manifest_check(&a, &b, err) != 0 && strstr(err, a.e[k].name) &&
+                 strstr(err, "bf16"), "a dtype mismatch: %s", err);
+    b.e[k].dtype = 4;
+    snprintf(b.e[k].name, sizeof b.e[k].name, "layers.99.nothing");
+    CHECK(t, weight_manifest_check(&a, &b, err) != 0 && strstr(err, a.e[k].name),
+          "a missing tensor: %s", err);
+    CHECK(t, weight_manifest_unpack(&b, packed, 3, err) != 0, "3 bytes taken for a manifest");
+    free(packed);
+    weight_manifest_free(&b);
+
+    // three emulated devices; in rank 2's layout the first two tensors of a block trade places
+    const int K = 3, NL = m.tt.n_layers;
+    DeviceSet devs;
+    device_set_open(&devs, &device_cpu_impl, K, NULL);
+    WeightManifest mine[3];
+    for (int r = 0; r < K; r++) weight_manifest_build(&mine[r], &m.tt, 4);
+    int sw = 0;
+    while (sw + 1 < a.n && mine[2].e[sw].layer != mine[2].e[sw + 1].layer) sw++;
+    CHECK(t, sw + 1 < a.n, "no slab with two tensors");
+    if (sw + 1 < a.n) {
+        WeightEntry* e0 = &mine[2].e[sw];
+        WeightEntry* e1 = &mine[2].e[sw + 1];
+        const int64_t off0 = e0->offset;
+        e1->offset = off0;
+        e0->offset = off0 + e1->numel;
+    }
+    void** slabs[3];
+    for (int r = 0; r < K; r++) {
+        slabs[r] = calloc_check((size_t)NL, sizeof(void*));
+        for (int l = 0; l < NL; l++) {
+            slabs[r][l] = calloc_check((size_t)(m.tt.param_numel[l] + 1), sizeof(float));
+            if (r == 0)
+                for (int64_t i = 0; i < m.tt.param_numel[l]; i++)
+                    ((float*)slabs[0][l])[i] = (float)(l * 100000 + i);
+        }
+    }
+    WeightBcast wb;
+    int rc = weight_bcast_open(&wb, &device_cpu_impl, devs.dev, NULL, K, 10.0, err);
+    CHECK(t, rc == 0, "weight_bcast_open: %s", err);
+    if (rc == 0) rc = weight_bcast_manifest(&wb, &a, mine, err);
+    CHECK(t, rc == 0, "weight_bcast_manifest: %s", err);
+    int64_t want = 0;
+    for (int i = 0; i < a.n; i++) want += a.e[i].numel * 4;
+    const int64_t got = rc == 0 ? weight_bcast_run(&wb, (void* const* const*)slabs, err) : -1;
+    CHECK(t, got == want, "broadcast %lld bytes, want %lld: %s", (long long)got,
+          (long long)want, err);
+    int placed = 1;
+    for (int r = 1; r < K && got > 0; r++)
+        for (int i = 0; i < a.n; i++) {
+            const WeightEntry* s = &a.e[i];
+            const WeightEntry* d = &mine[r].e[i];  // (built in the same order: same index)
+            placed &= memcmp((float*)slabs[r][d->layer] + d->offset,
+                             (float*)slabs[0][s->layer] + s->offset,
+                             (size_t)s->numel * sizeof(float)) == 0;
+        }
+    CHECK(t, placed, "a receiver's tensors are not where its manifest puts them");
+    weight_bcast_close(&wb);
+    // a receiver whose layout does not match refuses before any weight moves
+    mine[1].e[1].shape[0] += 1;
+    rc = weight_bcast_open(&wb, &device_cpu_impl, devs.dev, NULL, K, 10.0, err);
+    if (rc == 0) rc = weight_bcast_manifest(&wb, &a, mine, err);
+    CHECK(t, rc != 0 && strstr(err, "rollout device 1") && strstr(err, a.e[1].name),
+          "a mismatched receiver: %s", err);
+    weight_bcast_close(&wb);
+    for (int r = 0; r < K; r++) {
+        for (int l = 0; l < NL; l++) free(slabs[r][l]);
+        free(slabs[r]);
+        weight_manifest_free(&mine[r]);
+    }
+    device_set_close(&devs);
+    weight_manifest_free(&a);
+    model_free(&m);
+}
+
 const TestCase tests_grpo_engine[] = {
+    {"engine_weight_manifest_broadcast", test_engine_weight_manifest_broadcast},
+    {"grpo_engine_split_matches_colocated", test_grpo_engine_split_matches_colocated},
+    {"grpo_engine_split_resume", test_grpo_engine_split_resume},
+    {"grpo_engine_split_refusals", test_grpo_engine_split_refusals},
     {"engine_policy_matches_plain", test_engine_policy_matches_plain},
     {"grpo_engine_cli_matches_plain", test_grpo_engine_cli_matches_plain},
     {"grpo_engine_cli_resume", test_grpo_engine_cli_resume},
