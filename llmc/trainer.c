@@ -261,9 +261,11 @@ int trainer_attach_comm(Trainer* t, Comm* c, char* err) {
     if (t->eng)
         return errorf(err, "data parallel through the engine: the communicator goes to "
                            "trainer_create_ranked (internal error)");
-    if (t->m->tt.lora.r > 0) return errorf(err, "data parallel does not train LoRA adapters yet");
-    if (t->m->n_moe > 0)
-        return errorf(err, "data parallel does not train mixture-of-experts models yet");
+    // (the engine's data parallel trains both: docs/DISTRIBUTED.md §6)
+    if (t->m->tt.lora.r > 0 || t->m->n_moe > 0)
+        return errorf(err, "data parallel on the plain path (--device cpu) does not train %s: "
+                      "train through the engine (--device cpu:N or cuda)",
+                      t->m->n_moe > 0 ? "mixture-of-experts models" : "LoRA adapters");
     if (dp_check_batch(a->batch, a->micro_batches, c->world, err) != 0) return -1;
     t->dp = malloc_named(sizeof(DpLayout), "the data-parallel layout");
     if (dp_layout_create(t->dp, t->s, c->world, c->rank, err) != 0) {
