@@ -518,7 +518,7 @@ int main(int argc, char** argv) {
     } else if (trainer_streams_base(&a, &model, N > 0)) {
         // a block-format base nothing reads in fp32: quantised as the init / loader makes it
         store_create_streamed(&store, &model.tt);
-    } else if (ranked && N > 0) {  // (LoRA runs are refused with data parallel)
+    } else if (ranked && N > 0) {  // (LoRA: m and v of the adapters' shard)
         int64_t* lo = malloc_check((size_t)model.tt.n_layers * sizeof(int64_t));
         int64_t* hi = malloc_check((size_t)model.tt.n_layers * sizeof(int64_t));
         dp_engine_state_ranges(&model.tt, dist.world, dist.rank, lo, hi);

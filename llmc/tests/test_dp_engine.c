@@ -32,9 +32,11 @@
 #include "../device.h"
 #include "../dp.h"
 #include "../engine.h"
+#include "../lora.h"
 #include "../model.h"
 #include "../ops.h"
 #include "../plain.h"
+#include "../quant.h"
 #include "../rng.h"
 #include "../store.h"
 #include "../threads.h"
@@ -77,6 +79,28 @@ static float* de_flat(const Store* s, int field, size_t* n_out) {
     return out;
 }
 
+// The run's initial weights, the same on every rank. LoRA: A from lora_init_random and B random
+// too (PEFT's B = 0 would leave the first step's A gradient zero), and a block-format base
+// quantised (its dequantised values are the reference's weights).
+static void de_init_lora(const Model* m, Store* s) {
+    if (m->tt.lora.r <= 0) return;
+    lora_init_random(m, s, 8);
+    Rng r;
+    rng_seed(&r, 9);
+    for (int i = 0; i < m->tt.n; i++) {
+        const TensorDesc* d = &m->tt.t[i];
+        if (d->kind != TK_LORA_B) continue;
+        float* p = store_param(s, i);
+        for (int64_t j = 0; j < d->numel; j++) p[j] = 0.05f * rng_normal(&r);
+    }
+    store_quantize_base(s, NULL, &m->cfg);
+}
+
+static void de_init_store(const Model* m, Store* s) {
+    store_init_random(s, 7, 0.2f);
+    de_init_lora(m, s);
+}
+
 // ----------------------------------------------------------------------------
 // the ranks
 
@@ -102,6 +126,7 @@ typedef struct DeRank {
     int steps;          // steps to run (0: DE_STEPS)
     double mv_bytes, mv_resident;  // AdamW's m and v slabs: allocated, resident after the steps
     double w_bytes, w_resident;    // the fp32 weight slabs: the same
+    const char* export_dir;  // LoRA, non-NULL: rank 0 exports the adapters there (PEFT)
     const char* ckpt;   // non-NULL: after the steps, a checkpoint streamed layer by layer into
                         // ckpt/streamed, then one of the whole gathered state into ckpt/whole
     double ckpt_peak;   // rank 0: the most of m, v and the fp32 weights resident while streaming
@@ -197,7 +222,7 @@ static void* de_rank_main(void* arg) {
     } else {
         store_create(&s, &k->m->tt);
     }
-    store_init_random(&s, 7, 0.2f);
+    de_init_store(k->m, &s);
     DeviceSet devs;
     const DeviceOptions dopt = {.threads = 1, .delay_seed = 99u + (uint32_t)k->rank,
                                 .max_delay_us = 20};
@@ -244,6 +269,9 @@ static void* de_rank_main(void* arg) {
         }
         if (!k->failed && k->ckpt && de_checkpoints(k, e, &s) != 0) k->failed = DE_STEPS + 1;
         if (!k->failed && engine_gather_state(e, -1, 1, k->err) != 0) k->failed = DE_STEPS + 1;
+        if (!k->failed && k->export_dir && k->rank == 0 &&
+            lora_save_peft(k->export_dir, k->m, &s, "", NULL, k->err) != 0)
+            k->failed = DE_STEPS + 1;
         k->secs = time_now_s() - t0;
         if (!k->failed)
             for (int f = 0; f < 3; f++) k->flat[f] = de_flat(&s, f, &k->n);
@@ -287,10 +315,12 @@ typedef struct DeReference {
     size_t n;
 } DeReference;
 
-static void de_reference(const Model* m, int W, int bf16, DeReference* ref) {
+// The single-process grouping of W ranks' steps; LoRA with export_dir: its adapters exported there.
+static void de_reference_export(const Model* m, int W, int bf16, const char* export_dir,
+                                DeReference* ref) {
     Store s;
     store_create(&s, &m->tt);
-    store_init_random(&s, 7, 0.2f);
+    de_init_store(m, &s);
     void* ctx = ops_cpu_create(1);
     const int Br = DE_B / W, Mr = DE_M / W;
     Plain* p = plain_create(m, &s, &ops_cpu, ctx, (Br + Mr - 1) / Mr, DE_T, 0);
@@ -322,6 +352,8 @@ static void de_reference(const Model* m, int W, int bf16, DeReference* ref) {
             int first = 0;
             for (int mb = 0; mb < Mr; mb++) {
                 const int rows_mb = Br / Mr + (mb < Br % Mr ? 1 : 0);
+                // (LoRA's dropout masks: rank r's micro-batches after those of the ranks before)
+                p->ws->lora_seed = lora_dropout_seed(0, step - 1, r * Mr + mb);
                 const double obj = plain_forward_backward(p, rows + (size_t)first * row, rows_mb,
                                                           DE_T, 1.0f / ((float)DE_B * (float)DE_T));
                 first += rows_mb;
@@ -372,6 +404,8 @@ static void de_reference(const Model* m, int W, int bf16, DeReference* ref) {
         memcpy(ref->load[step - 1], load, sizeof load);
     }
     for (int f = 0; f < 3; f++) ref->flat[f] = de_flat(&s, f, &ref->n);
+    char err[ERR_LEN];
+    if (export_dir && lora_save_peft(export_dir, m, &s, "", NULL, err) != 0) fatal("%s", err);
     for (int r = 0; r < W; r++) {
         free(groups[r]);
         free(groups16[r]);
@@ -385,6 +419,10 @@ static void de_reference(const Model* m, int W, int bf16, DeReference* ref) {
     plain_free(p);
     ops_cpu_destroy(ctx);
     store_free(&s);
+}
+
+static void de_reference(const Model* m, int W, int bf16, DeReference* ref) {
+    de_reference_export(m, W, bf16, NULL, ref);
 }
 
 static void de_reference_free(DeReference* ref) {
@@ -620,6 +658,122 @@ static void test_dp_engine_moe_delayed(TestCtx* t) {
     }
 }
 
+// ----------------------------------------------------------------------------
+// LoRA
+
+// Adapters on every linear (r 4, alpha 8): kind 0 the dense tied model with dropout 0.1 (each
+// rank's masks those of its micro-batches in the single-process grouping), 1 the same on a q8_0
+// base (blocks uploaded and dequantised on the device; no dropout), 2 test-qwen3moe with adapters
+// on its experts and router (MoE refuses dropout).
+static void de_lora_model(TestCtx* t, Model* m, int kind) {
+    char err[ERR_LEN];
+    ModelConfig c = test_engine_config(1);
+    if (kind == 1) c.F = 64;  // (q8_0's blocks of 32)
+    if (kind == 2) {
+        CHECK(t, config_from_preset(&c, "test-qwen3moe", err) == 0, "%s", err);
+        c.L = 5;
+        c.output_router_logits = 1;
+    }
+    const LoraSpec l = {.r = 4, .alpha = 8, .targets = LORA_ALL_LINEAR,
+                        .dropout = kind == 0 ? 0.1f : 0.0f};
+    CHECK(t, model_init_lora(m, &c, 0, &l, err) == 0, "%s", err);
+    if (kind == 1) CHECK(t, quant_table_set(&m->tt, BASE_DTYPE_Q8_0, NULL, &c, err) == 0, "%s", err);
+}
+
+// Two files the same, byte for byte.
+static int de_same_file(const char* a, const char* b) {
+    char err[ERR_LEN];
+    size_t na = 0, nb = 0;
+    char* x = file_read_all(a, 1u << 30, &na, err);
+    char* y = file_read_all(b, 1u << 30, &nb, err);
+    const int same = x && y && na == nb && memcmp(x, y, na) == 0;
+    free(x);
+    free(y);
+    return same;
+}
+
+// LoRA: only the adapters are reduced, sharded (ZeRO-1: m and v of the adapters' shard) and
+// gathered; the frozen base (fp32, or q8_0 blocks) is every rank's own copy and never travels. Sync
+// mode on 1-4 ranks x 1-2 devices equals the single-process grouping bit for bit (losses, norms,
+// adapters, m and v), and rank 0's PEFT export of the adapters is the grouping's byte for byte.
+static void test_dp_engine_lora_sync(TestCtx* t) {
+    for (int kind = 0; kind < 3; kind++) {
+        Model m;
+        de_lora_model(t, &m, kind);
+        for (int W = 1; W <= DE_MAX_W; W++) {
+            char ref_dir[1024], rank_dir[1024], name[64];
+            snprintf(name, sizeof name, "dp_lora%d_ref%d", kind, W);
+            test_path(t, ref_dir, sizeof ref_dir, name);
+            DeReference ref;
+            de_reference_export(&m, W, 0, ref_dir, &ref);
+            for (int N = 1; N <= 2; N++) {
+                snprintf(name, sizeof name, "dp_lora%d_w%d_n%d", kind, W, N);
+                test_path(t, rank_dir, sizeof rank_dir, name);
+                const DeRank proto = {.m = &m, .N = N, .sync = 1, .timeout_s = 60.0,
+                                      .budget = N == 2 ? de_moe_budget(&m) : 0,
+                                      .shard_weights = N == 2, .shard_store = N == 2,
+                                      .export_dir = rank_dir};
+                DeRank ranks[DE_MAX_W];
+                de_run(&proto, W, NULL, ranks);
+                char what[160];
+                snprintf(what, sizeof what, "LoRA %d (%.64s) W %d N %d", kind, m.cfg.name, W, N);
+                de_check_ranks(t, what, ranks, W, &ref);
+                CHECK(t, ranks[0].shard > 0 && ranks[0].n == (size_t)m.tt.trainable_params,
+                      "%s: the adapters alone are sharded (%lld of %lld)", what,
+                      (long long)ranks[0].shard, (long long)m.tt.trainable_params);
+                static const char* const files[] = {"adapter_model.safetensors",
+                                                    "adapter_config.json"};
+                for (int f = 0; f < 2 && !ranks[0].failed; f++) {
+                    char a[1200], b[1200];
+                    snprintf(a, sizeof a, "%s/%s", rank_dir, files[f]);
+                    snprintf(b, sizeof b, "%s/%s", ref_dir, files[f]);
+                    CHECK(t, de_same_file(a, b), "%s: rank 0's %s is the single-process "
+                          "grouping's", what, files[f]);
+                }
+                for (int r = 0; r < W; r++) de_rank_free(&ranks[r]);
+            }
+            de_reference_free(&ref);
+        }
+        model_free(&m);
+    }
+}
+
+// LoRA with the delayed update: one rank with a communicator is the engine alone, bit for bit;
+// two ranks agree with each other.
+static void test_dp_engine_lora_delayed(TestCtx* t) {
+    for (int kind = 0; kind < 3; kind++) {
+        Model m;
+        de_lora_model(t, &m, kind);
+        const double budget = de_moe_budget(&m);
+        DeRank alone = {.m = &m, .rank = 0, .world = 1, .N = 2, .sync = 0, .budget = budget};
+        de_rank_main(&alone);
+        CHECK(t, alone.failed == 0, "LoRA %d: the engine alone: %s", kind, alone.err);
+        for (int W = 1; W <= 2 && !alone.failed; W++) {
+            const DeRank proto = {.m = &m, .N = 2, .sync = 0, .timeout_s = 60.0,
+                                  .budget = budget};
+            DeRank ranks[2];
+            de_run(&proto, W, NULL, ranks);
+            for (int r = 0; r < W; r++) {
+                CHECK(t, ranks[r].failed == 0, "LoRA %d W %d rank %d: %s", kind, W, r,
+                      ranks[r].err);
+                if (ranks[r].failed) continue;
+                const DeRank* want = W == 1 ? &alone : &ranks[0];
+                for (int s = 0; s < DE_STEPS; s++)
+                    CHECK(t, ranks[r].loss[s] == want->loss[s] &&
+                                 ranks[r].norm[s] == want->norm[s],
+                          "LoRA %d W %d rank %d step %d: loss %.17g norm %.17g, expected %.17g "
+                          "%.17g", kind, W, r, s + 1, ranks[r].loss[s], ranks[r].norm[s],
+                          want->loss[s], want->norm[s]);
+                CHECK(t, memcmp(ranks[r].flat[0], want->flat[0], want->n * sizeof(float)) == 0,
+                      "LoRA %d W %d rank %d: the same adapters", kind, W, r);
+            }
+            for (int r = 0; r < W; r++) de_rank_free(&ranks[r]);
+        }
+        de_rank_free(&alone);
+        model_free(&m);
+    }
+}
+
 // A rank that dies, or hangs, in the middle of a step: the others stop with a message naming
 // it (at once, or within the timeout), and nothing hangs.
 static void test_dp_engine_rank_failure(TestCtx* t) {
@@ -846,10 +1000,16 @@ static void* de_trainer_rank_main(void* arg) {
     a.sync = k->sync;
     a.sample_tokens = 0;
     a.n_devices = 2;
+    if (k->m->tt.lora.r > 0) {
+        a.lora_r = k->m->tt.lora.r;
+        a.lora_alpha = k->m->tt.lora.alpha;
+        a.lora_targets = k->m->tt.lora.targets;
+    }
     char* args_json = args_to_json(&a);
     Store s;
     store_create(&s, &k->m->tt);
     store_init_random(&s, 7, 0.02f);
+    de_init_lora(k->m, &s);
     TrainState ts;
     train_state_init(&ts, a.seed);
     DataLoader train;
@@ -920,12 +1080,13 @@ static void de_trainer_run(const Model* m, const char* shard, const char* out, i
 // Checkpoints of W ranks (AdamW's state gathered on rank 0, which writes them) resume
 // bit-exactly with the same W, in sync mode and with the delayed update (its pending weights
 // are every rank's full master copy), and resume with another W.
-static void de_resume(TestCtx* t, const char* preset) {
+static void de_resume(TestCtx* t, const char* preset, int lora) {
     char err[ERR_LEN], shard[1024], out[1024];
     ModelConfig c;
     Model m;
     CHECK(t, config_from_preset(&c, preset, err) == 0, "%s", err);
-    CHECK(t, model_init(&m, &c, 0, err) == 0, "%s", err);
+    const LoraSpec l = {.r = 4, .alpha = 8, .targets = LORA_ALL_LINEAR};
+    CHECK(t, model_init_lora(&m, &c, 0, lora ? &l : NULL, err) == 0, "%s", err);
     enum { NTOK = 3000 };
     uint32_t* toks = malloc_check(NTOK * sizeof(uint32_t));
     for (int i = 0; i < NTOK; i++) toks[i] = (uint32_t)((i * 7 + i / 13) % 61);
@@ -934,7 +1095,7 @@ static void de_resume(TestCtx* t, const char* preset) {
     free(toks);
     for (int sync = 1; sync >= 0; sync--) {
         char name[64];
-        snprintf(name, sizeof name, "dp_engine_ckpt%d_%.24s", sync, preset);
+        snprintf(name, sizeof name, "dp_engine_ckpt%d_%.24s%s", sync, preset, lora ? "_lora" : "");
         test_path(t, out, sizeof out, name);
         mkdir(out, 0755);
         DeTrainerRank two[2], first[2], resumed[2], four[4];
@@ -947,6 +1108,14 @@ static void de_resume(TestCtx* t, const char* preset) {
         for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
             CHECK(t, all[i]->rc == 0, "sync %d run %zu rank %d: %s", sync, i, all[i]->rank,
                   all[i]->err);
+        if (lora) {  // the adapters alone, as one process writes them (no copy of the base)
+            char a[1200], b[1200];
+            snprintf(a, sizeof a, "%s/step_2/adapter_model.safetensors", out);
+            snprintf(b, sizeof b, "%s/step_2/model.safetensors", out);
+            CHECK(t, access(a, F_OK) == 0 && access(b, F_OK) != 0,
+                  "%s sync %d: the checkpoint holds the adapters (PEFT), not the base", preset,
+                  sync);
+        }
         for (int s = 2; s < DT_STEPS; s++) {
             CHECK(t, resumed[0].loss[s] == two[0].loss[s] && resumed[0].norm[s] == two[0].norm[s],
                   "sync %d step %d: resumed with two ranks %.17g (norm %.17g), straight %.17g "
@@ -973,13 +1142,20 @@ static void de_resume(TestCtx* t, const char* preset) {
     model_free(&m);
 }
 
-static void test_dp_engine_resume(TestCtx* t) { de_resume(t, "test-qwen3"); }
+static void test_dp_engine_resume(TestCtx* t) { de_resume(t, "test-qwen3", 0); }
 
 // MoE models through the trainer: the same resume (each family), the step line's aux loss and
 // expert load spread those of the global batch on every rank.
 static void test_dp_engine_moe_resume(TestCtx* t) {
-    de_resume(t, "test-qwen3moe");
-    de_resume(t, "test-gptoss");
+    de_resume(t, "test-qwen3moe", 0);
+    de_resume(t, "test-gptoss", 0);
+}
+
+// LoRA through the trainer: checkpoints of the adapters alone (gathered whole onto rank 0, the
+// single-process PEFT files) resume bit-exactly with the same world size, and with another.
+static void test_dp_engine_lora_resume(TestCtx* t) {
+    de_resume(t, "test-qwen3", 1);
+    de_resume(t, "test-qwen3moe", 1);
 }
 
 const TestCase tests_dp_engine[] = {
@@ -992,5 +1168,8 @@ const TestCase tests_dp_engine[] = {
     {"dp_engine_moe_sync", test_dp_engine_moe_sync},
     {"dp_engine_moe_delayed", test_dp_engine_moe_delayed},
     {"dp_engine_moe_resume", test_dp_engine_moe_resume},
+    {"dp_engine_lora_sync", test_dp_engine_lora_sync},
+    {"dp_engine_lora_delayed", test_dp_engine_lora_delayed},
+    {"dp_engine_lora_resume", test_dp_engine_lora_resume},
     {NULL, NULL},
 };
