@@ -7,9 +7,11 @@
  * master buffer every rank uploads from.
  *
  * The layout (dp.h: dp_layer_shard). Layer l's optimizer tensors lie end to end in its gradient
- * slab and, at the same offsets, in its parameter slab, master buffers and m / v slabs: the span
- * [lo[l], lo[l] + n[l]) (a tied head's gradient sits after them in the postfix, is folded into
- * the embedding's before the embedding's layer is reduced, and never travels). Rank r owns
+ * slab and, at the same offsets, in its master buffers (the trainable tail), its m / v slabs and
+ * its parameter slab from train_off[l]: the span [lo[l], lo[l] + n[l]) (a tied head's gradient
+ * sits after them in the postfix, is folded into the embedding's before the embedding's layer is
+ * reduced, and never travels). With LoRA the tensors are the layer's adapters, after its frozen
+ * head: the base is every rank's own and never travels (docs/DISTRIBUTED.md §6.2). Rank r owns
  * comm_shard_range(n[l], W, r) of the span: one reduce-scatter and one all-gather per layer over
  * the span zero-padded to W blocks of ceil(n / W). This rank's shard, cut at the tensors'
  * boundaries, is its pieces: AdamW views whose param, m and v point into the Store, grad into the
@@ -19,10 +21,12 @@
  * the collectives form one sequence; all of them host buffers, CommStream NULL):
  *   1. per layer as it arrives: the reduce-scatter of the span (fp32, or bf16 on the wire with
  *      opt.reduce_bf16, summed in fp32), the shard's AdamW chunk sums of squares;
- *   2. one all-gather of every rank's chunk sums and its sum of per-token losses (doubles as
- *      pairs of fp32); the norm adds the chunk sums layer by layer, in a layer rank by rank, each
- *      rank's in chunk order (W = 1: the engine's own order, bit for bit), the loss the ranks'
- *      sums in rank order: the same bits on every rank, so every rank clips alike;
+ *   2. one all-gather of every rank's chunk sums and its sums (doubles as pairs of fp32): its
+ *      objective (per-token losses; MoE models: plus each micro-batch's weighted aux loss) and,
+ *      for MoE models, its CE, aux x tokens and tokens per expert (docs/DISTRIBUTED.md §6.1);
+ *      the norm adds the chunk sums layer by layer, in a layer rank by rank, each rank's in
+ *      chunk order (W = 1: the engine's own order, bit for bit), every sum the ranks' in rank
+ *      order: the same bits on every rank, so every rank clips alike;
  *   3. per layer, shallow first: AdamW on the shard, the all-gather of the updated weights in the
  *      compute dtype into master[buf]. On fp32 devices the gathered weights are the Store's fp32
  *      weights too; on bf16 devices the Store keeps its exact fp32 shard and, outside it, the
@@ -45,8 +49,9 @@
  * fence waits forever, and engine_collect hands the message to the caller, which ends the run.
  *
  * Owns: e->dp, e->dp_crc. Buffers it touches: the step's gradient set (each layer's span), the
- * Store's fp32 weights, m and v, master[buf], the step iteration's host losses (read). Events: it synchronises
- * on loss_ev of the step's iteration; records none.
+ * Store's fp32 weights (the trainable part), m and v, master[buf], the step iteration's host
+ * losses and MoE statistics (read). Events: it synchronises on loss_ev of the step's iteration;
+ * records none.
  */
 #include <stdlib.h>
 #include <string.h>

@@ -10,7 +10,10 @@
  * communicator (also with split rounds), and W ranks agree; a rank that dies or hangs makes the others stop with a
  * message naming it, within the timeout; the ZeRO-1 shards cover the parameters once, and each
  * rank keeps AdamW's m and v (and with EngineOptions.shard_weights its fp32 weights) in memory for
- * its shard only (about 1/W of them, mincore).
+ * its shard only (about 1/W of them, mincore). The same for mixture-of-experts models (each
+ * micro-batch's aux loss its own, the step's CE, aux and expert loads the global batch's) and
+ * LoRA (the adapters alone reduced and sharded; dropout, a q8_0 base, expert adapters; rank 0's
+ * PEFT export); checkpoints and resume through the trainer for all three.
  *
  * Rank threads only record; CHECKs run on the test's thread after pthread_join.
  */
