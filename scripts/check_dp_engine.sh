@@ -8,6 +8,8 @@
 # sync mode and with the delayed update.
 #
 #   scripts/check_dp_engine.sh [EXTRA FLAGS...]
+#   e.g. MODEL=qwen3-30b-a3b LAYERS=2 scripts/check_dp_engine.sh     (mixture of experts)
+#        scripts/check_dp_engine.sh --lora-r 16                        (LoRA adapters)
 #   Environment: MODEL (default qwen3-1.7b), LAYERS (4), STEPS (10), OUTDIR (out/dp_engine),
 #   MASTER_PORT (29531; given only to the launched run: the plain run must not see half of a
 #   rendezvous, it refuses MASTER_PORT without MASTER_ADDR, and runs with the distributed
