@@ -380,7 +380,8 @@ double shard_norm_sq(Engine* e, int64_t k) {
     double* g = d->sums[k % 4];
     for (int j = 0; j < d->n_sums; j++) {
         g[j] = 0.0;
-        for (int r = 0; r < d->W; r++) g[j] += d->parts[(size_t)r * d->parts_block + d->sums_at + j];
+        for (int r = 0; r < d->W; r++)
+            g[j] += d->parts[(size_t)r * d->parts_block + d->sums_at + j];
     }
     pthread_check(pthread_mutex_unlock(&e->mu));
     return norm_sq;

@@ -688,7 +688,8 @@ static void de_lora_model(TestCtx* t, Model* m, int kind) {
     const LoraSpec l = {.r = 4, .alpha = 8, .targets = LORA_ALL_LINEAR,
                         .dropout = kind == 0 ? 0.1f : 0.0f};
     CHECK(t, model_init_lora(m, &c, 0, &l, err) == 0, "%s", err);
-    if (kind == 1) CHECK(t, quant_table_set(&m->tt, BASE_DTYPE_Q8_0, NULL, &c, err) == 0, "%s", err);
+    if (kind == 1)
+        CHECK(t, quant_table_set(&m->tt, BASE_DTYPE_Q8_0, NULL, &c, err) == 0, "%s", err);
 }
 
 // Two files the same, byte for byte.
