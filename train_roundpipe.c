@@ -569,9 +569,9 @@ int main(int argc, char** argv) {
             fatal("%s", err);
     } else if (trainer_streams_base(&a, &model, N > 0)) {
         // a base nothing reads in fp32: quantised (or, on GPUs, made bf16) as the init / loader
-        // makes it
+        // makes it (with data parallel the adapters' m and v stay whole: they are small)
         store_create_streamed(&store, &model.tt, a.device == DEVICE_CUDA);
-    } else if (ranked && N > 0) {  // (LoRA runs are refused with data parallel)
+    } else if (ranked && N > 0) {  // (LoRA: m and v of the adapters' shard)
         int64_t* lo = malloc_check((size_t)model.tt.n_layers * sizeof(int64_t));
         int64_t* hi = malloc_check((size_t)model.tt.n_layers * sizeof(int64_t));
         dp_engine_state_ranges(&model.tt, dist.world, dist.rank, lo, hi);

@@ -275,7 +275,8 @@ static int save_hf_gathered(const char* dir, const Model* m, const Store* s, Ckp
         const TensorDesc* d = &m->tt.t[v->index];
         h.field[j] = 0;
         h.layer[j] = d->owner_layer;
-        // (store_param would refuse a released frozen base; there is none with data parallel)
+        // (store_param would refuse a released frozen base; a streamed checkpoint is full
+        // training's: LoRA's adapters are gathered whole and written as one process writes them)
         const float* x = writes ? store_param(s, v->index) + v->offset
                                 : s->param[d->owner_layer] + d->param_offset + v->offset;
         st_writer_add(&w, v->name, ST_F32, v->ndim, v->shape, x);
@@ -593,8 +594,11 @@ int checkpoint_save_state_gathered(const char* dir, int keep, const Model* m, co
         if (save_hf_gathered("", m, s, NULL, g, err) != 0) return -1;
         return write_train_state("", m, s, ts, NULL, g, err);
     }
-    if (g && m->tt.lora.r > 0) return errorf(err, "a gathered checkpoint of LoRA adapters "
-                                                  "(internal error: data parallel refuses LoRA)");
+    // (data parallel gathers LoRA's adapters and their m and v whole onto the writer first: the
+    // PEFT files are not written layer by layer)
+    if (g && m->tt.lora.r > 0)
+        return errorf(err, "a checkpoint of LoRA adapters streamed layer by layer (internal "
+                           "error: data parallel gathers the adapters whole before writing)");
     if (snprintf(tmp, sizeof tmp, "%s/step_%lld.tmp", dir, (long long)ts->step) >= (int)sizeof tmp)
         return errorf(err, "%s: path too long", dir);
     snprintf(final, sizeof final, "%s/step_%lld", dir, (long long)ts->step);

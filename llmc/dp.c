@@ -308,7 +308,8 @@ int dp_layer_shard(const AdamWTensor* t, const int64_t* goff, int n, int world, 
 
 void dp_engine_state_ranges(const TensorTable* tt, int world, int rank, int64_t* lo, int64_t* hi) {
     // the optimizer's tensors of each layer in table order (as the engine groups them), at their
-    // gradient offsets (the same as their state offsets for full training; shard_init checks)
+    // gradient offsets (the same as their state offsets, for full training and LoRA's adapters;
+    // shard_init checks)
     for (int l = 0; l < tt->n_layers; l++) {
         int64_t a = -1, b = 0;
         for (int i = 0; i < tt->n; i++) {

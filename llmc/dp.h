@@ -162,8 +162,9 @@ int dp_check_batch(int B, int M, int world, char* err);
 // the engine's shard layout (engine/shard.c; docs/DISTRIBUTED.md §6)
 //
 // Per layer of the layer sequence: the layer's optimizer tensors t[0..n) (full training: the
-// tensors it owns, in table order) lie end to end in its gradient slab at the offsets goff[]
-// (ascending; the same offsets in its parameter slab), spanning [goff[0], goff[n-1] + t[n-1].n).
+// tensors it owns; LoRA: its adapters; in table order) lie end to end in its gradient slab at the
+// offsets goff[] (ascending; the same offsets in its parameter slab after the frozen head),
+// spanning [goff[0], goff[n-1] + t[n-1].n).
 // Rank r owns comm_shard_range of that span (blocks of ceil(span / W), zero-padded to W blocks in
 // the collectives), cut into pieces at the tensors' boundaries. The global squared norm is the
 // pieces' AdamW chunk sums added layer by layer, inside a layer rank by rank, each rank's in

@@ -262,9 +262,11 @@ int trainer_attach_comm(Trainer* t, Comm* c, char* err) {
     if (t->eng)
         return errorf(err, "data parallel through the engine: the communicator goes to "
                            "trainer_create_ranked (internal error)");
-    if (t->m->tt.lora.r > 0) return errorf(err, "data parallel does not train LoRA adapters yet");
-    if (t->m->n_moe > 0)
-        return errorf(err, "data parallel does not train mixture-of-experts models yet");
+    // (the engine's data parallel trains both: docs/DISTRIBUTED.md §6)
+    if (t->m->tt.lora.r > 0 || t->m->n_moe > 0)
+        return errorf(err, "data parallel on the plain path (--device cpu) does not train %s: "
+                      "train through the engine (--device cpu:N or cuda)",
+                      t->m->n_moe > 0 ? "mixture-of-experts models" : "LoRA adapters");
     if (dp_check_batch(a->batch, a->micro_batches, c->world, err) != 0) return -1;
     t->dp = malloc_named(sizeof(DpLayout), "the data-parallel layout");
     if (dp_layout_create(t->dp, t->s, c->world, c->rank, err) != 0) {
@@ -525,9 +527,15 @@ int trainer_save_checkpoint(Trainer* t, const DataLoader* train, int step, const
     // rank 0 writes
     if (t->dp && dp_gather_state(t->dp, t->comm, err) != 0) return -1;
     // through the engine (ZeRO-1): rank 0 writes the same files, each layer gathered onto it as
-    // it is written (every rank takes part), so it never holds the whole state
-    const int streamed = t->eng && t->comm;
-    if (t->comm && t->comm->rank != 0 && !streamed) return 0;
+    // it is written (every rank takes part), so it never holds the whole state; LoRA's adapters
+    // (a PEFT directory, not in layer order, and small) are gathered whole onto rank 0 first
+    const int lora_dp = t->eng && t->comm && t->m->tt.lora.r > 0;
+    const int streamed = t->eng && t->comm && !lora_dp;
+    if (lora_dp && engine_gather_state(t->eng, 0, 1, err) != 0) return -1;
+    if (t->comm && t->comm->rank != 0 && !streamed) {
+        if (lora_dp) engine_release_state(t->eng);
+        return 0;
+    }
     if (t->eng) engine_synchronize(t->eng);
     ts->step = step;
     dataloader_state_save(train, ts->train_loader);
@@ -547,7 +555,8 @@ int trainer_save_checkpoint(Trainer* t, const DataLoader* train, int step, const
                           .writer = streamed && t->comm->rank == 0};
     int rc = checkpoint_save_state_gathered(t->a->out, t->a->keep, t->m, t->s, ts, args_json,
                                             streamed ? &g : NULL, err);
-    if (streamed) engine_release_state(t->eng);  // (ZeRO-1: the last layer back to the shard)
+    // (ZeRO-1: the last layer, or LoRA's whole state, back to the shard)
+    if (streamed || lora_dp) engine_release_state(t->eng);
     free(next);
     ts->pending = NULL;
     ts->pending_bytes = 0;
@@ -561,7 +570,7 @@ int trainer_finish(Trainer* t, char* err) {
     // and the plain path; sharded and nothing to write, they stay sharded (llmc/memory.c counts
     // the gathered copy)
     const TrainArgs* a = t->a;
-    const int writes = a->out[0] || a->export_hf[0] || a->export_gguf[0];
+    const int writes = a->out[0] || a->export_hf[0] || a->export_gguf[0] || a->export_lora[0];
     if (t->comm && (writes || trainer_needs_plain(a, 1)) &&
         engine_gather_state(t->eng, 0, 0, err) != 0)
         return -1;

@@ -8,15 +8,19 @@
 # sync mode and with the delayed update.
 #
 #   scripts/check_dp_engine.sh [EXTRA FLAGS...]
+#   e.g. MODEL=qwen3-30b-a3b LAYERS=2 scripts/check_dp_engine.sh     (mixture of experts)
+#        scripts/check_dp_engine.sh --lora-r 16                        (LoRA adapters)
 #   Environment: MODEL (default qwen3-1.7b), LAYERS (4), STEPS (10), OUTDIR (out/dp_engine),
-#   MASTER_PORT (29531).
+#   MASTER_PORT (29531; given only to the launched run: the plain run must not see half of a
+#   rendezvous, it refuses MASTER_PORT without MASTER_ADDR, and runs with the distributed
+#   variables of the caller's environment removed).
 # Exit status 0 when every pair of runs agrees, 1 otherwise.
 set -uo pipefail
 MODEL=${MODEL:-qwen3-1.7b}
 LAYERS=${LAYERS:-4}
 STEPS=${STEPS:-10}
 OUTDIR=${OUTDIR:-out/dp_engine}
-export MASTER_PORT=${MASTER_PORT:-29531}
+PORT=${MASTER_PORT:-29531}
 mkdir -p "$OUTDIR"
 shard="$OUTDIR/random_151936.bin"
 [ -f "$shard" ] || python3 scripts/make_random_shard.py "$shard" --vocab 151936 \
@@ -27,9 +31,13 @@ for sync in 1 0; do
            --batch 8 --seq 512 --micro-batches 4 --steps "$STEPS" --warmup 2 --sync "$sync"
            --sample-tokens 0 --save-every 5 "$@")
     rm -rf "$OUTDIR/alone$sync" "$OUTDIR/rank$sync"
-    ./train_roundpipe "${flags[@]}" --out "$OUTDIR/alone$sync" --log "$OUTDIR/alone$sync.jsonl" \
-        > "$OUTDIR/alone$sync.out" 2>&1 || { echo "plain run failed: $OUTDIR/alone$sync.out"; exit 1; }
-    scripts/launch_local.sh 1 "${flags[@]}" --out "$OUTDIR/rank$sync" \
+    env -u MASTER_ADDR -u MASTER_PORT -u RANK -u WORLD_SIZE -u LOCAL_RANK -u LOCAL_WORLD_SIZE \
+        -u SLURM_PROCID -u SLURM_NTASKS -u SLURM_LOCALID \
+        ./train_roundpipe "${flags[@]}" --out "$OUTDIR/alone$sync" \
+        --log "$OUTDIR/alone$sync.jsonl" > "$OUTDIR/alone$sync.out" 2>&1 ||
+        { echo "plain run failed: $OUTDIR/alone$sync.out"; exit 1; }
+    MASTER_ADDR=${MASTER_ADDR:-127.0.0.1} MASTER_PORT=$PORT \
+        scripts/launch_local.sh 1 "${flags[@]}" --out "$OUTDIR/rank$sync" \
         --log "$OUTDIR/rank$sync.jsonl" > "$OUTDIR/rank$sync.out" 2>&1 ||
         { echo "one-rank run failed: $OUTDIR/rank$sync.out"; exit 1; }
     grep -q "data parallel: rank 0 of 1 (NCCL" "$OUTDIR/rank$sync.out" ||

@@ -385,6 +385,13 @@ static void enqueue_chunk(Engine* e, const MbJob* base, int pk, int gk, int firs
 // One slot: stage st of round `round` of iteration t on device g (job_idx: the slot's index within
 // the iteration, round * S + si). The stage's parameters and gradient slot, then per micro-batch:
 // activations up, compute, activations down.
+// Micro-batch i's index for LoRA's dropout masks: with data parallelism its index in the
+// single-process grouping (rank r's micro-batches follow those of the ranks before it), so that
+// the ranks draw different masks; i itself in a run of one process.
+static int mb_global(const Engine* e, int i) {
+    return e->opt.comm ? e->opt.comm->rank * e->M + i : i;
+}
+
 static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int round, int job_idx) {
     DevState* ds = &e->dev[g];
     const DeviceImpl* im = e->impl;
@@ -451,7 +458,8 @@ static void enqueue_stage(Engine* e, const Stage* st, int g, int64_t t, int roun
                                 .B = rows, .row0 = r0, .pslot = ds->pslot[pk],
                                 .gslot = gk >= 0 ? ds->gslot[gk] : NULL, .t = t,
                                 .lora_seed = lora_dropout_seed(e->opt.seed,
-                                                               e->opt.start_step + t, i)};
+                                                               e->opt.start_step + t,
+                                                               mb_global(e, i))};
             enqueue_chunk(e, &base, pk, gk, r == 0 && c == 0 && split,
                           r == e->M_R - 1 && c == e->K - 1 && layer_grads);
         }

@@ -345,6 +345,11 @@ static inline int mb_first_row(const Engine* e, int i) {
     return i * (e->opt.B / e->M) + imin(i, e->opt.B % e->M);
 }
 
+// MoE models: micro-batch i of iteration parity ip, its device work collected (loss_ev): its share
+// of the objective (returned), its CE sum, its aux x tokens and its tokens per expert (counts, E).
+double engine_moe_objective(const Engine* e, int ip, int i, double* ce_sum, double* aux_tokens,
+                            float* counts);
+
 // MoE models: the first aux-statistics row of layer entry l (the MoE blocks before it: a stage
 // [b, e) owns rows [engine_moe_row(b), engine_moe_row(e)), contiguous because rows follow the
 // block order).
@@ -408,6 +413,9 @@ void shard_apply_layer(Engine* e, const AdamWUpdate* u, int buf, int l);
 // Iteration t's global loss sum (after step t+1) and the first failure's message (NULL: none);
 // under mu.
 double shard_loss(Engine* e, int64_t t);
+// MoE models: iteration t's global CE sum, aux x tokens and tokens per expert (every rank's, added
+// in rank order) into res (res->load: engine memory, until the next engine_collect).
+void shard_moe_stats(Engine* e, int64_t t, EngineStepResult* res);
 const char* shard_error(Engine* e);
 // engine_gather_state's collectives, once the engine is idle (engine.c synchronises first).
 int shard_gather_state(Engine* e, int root, int with_state, char* err);

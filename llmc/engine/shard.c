@@ -7,9 +7,11 @@
  * master buffer every rank uploads from.
  *
  * The layout (dp.h: dp_layer_shard). Layer l's optimizer tensors lie end to end in its gradient
- * slab and, at the same offsets, in its parameter slab, master buffers and m / v slabs: the span
- * [lo[l], lo[l] + n[l]) (a tied head's gradient sits after them in the postfix, is folded into
- * the embedding's before the embedding's layer is reduced, and never travels). Rank r owns
+ * slab and, at the same offsets, in its master buffers (the trainable tail), its m / v slabs and
+ * its parameter slab from train_off[l]: the span [lo[l], lo[l] + n[l]) (a tied head's gradient
+ * sits after them in the postfix, is folded into the embedding's before the embedding's layer is
+ * reduced, and never travels). With LoRA the tensors are the layer's adapters, after its frozen
+ * head: the base is every rank's own and never travels (docs/DISTRIBUTED.md §6.2). Rank r owns
  * comm_shard_range(n[l], W, r) of the span: one reduce-scatter and one all-gather per layer over
  * the span zero-padded to W blocks of ceil(n / W). This rank's shard, cut at the tensors'
  * boundaries, is its pieces: AdamW views whose param, m and v point into the Store, grad into the
@@ -19,10 +21,12 @@
  * the collectives form one sequence; all of them host buffers, CommStream NULL):
  *   1. per layer as it arrives: the reduce-scatter of the span (fp32, or bf16 on the wire with
  *      opt.reduce_bf16, summed in fp32), the shard's AdamW chunk sums of squares;
- *   2. one all-gather of every rank's chunk sums and its sum of per-token losses (doubles as
- *      pairs of fp32); the norm adds the chunk sums layer by layer, in a layer rank by rank, each
- *      rank's in chunk order (W = 1: the engine's own order, bit for bit), the loss the ranks'
- *      sums in rank order: the same bits on every rank, so every rank clips alike;
+ *   2. one all-gather of every rank's chunk sums and its sums (doubles as pairs of fp32): its
+ *      objective (per-token losses; MoE models: plus each micro-batch's weighted aux loss) and,
+ *      for MoE models, its CE, aux x tokens and tokens per expert (docs/DISTRIBUTED.md §6.1);
+ *      the norm adds the chunk sums layer by layer, in a layer rank by rank, each rank's in
+ *      chunk order (W = 1: the engine's own order, bit for bit), every sum the ranks' in rank
+ *      order: the same bits on every rank, so every rank clips alike;
  *   3. per layer, shallow first: AdamW on the shard, the all-gather of the updated weights in the
  *      compute dtype into master[buf]. On fp32 devices the gathered weights are the Store's fp32
  *      weights too; on bf16 devices the Store keeps its exact fp32 shard and, outside it, the
@@ -45,8 +49,9 @@
  * fence waits forever, and engine_collect hands the message to the caller, which ends the run.
  *
  * Owns: e->dp, e->dp_crc. Buffers it touches: the step's gradient set (each layer's span), the
- * Store's fp32 weights, m and v, master[buf], the step iteration's host losses (read). Events: it synchronises
- * on loss_ev of the step's iteration; records none.
+ * Store's fp32 weights (the trainable part), m and v, master[buf], the step iteration's host
+ * losses and MoE statistics (read). Events: it synchronises on loss_ev of the step's iteration;
+ * records none.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -55,6 +60,12 @@
 #include "../crc32c.h"
 #include "../dp.h"
 #include "internal.h"
+
+// The sums every rank adds to the norm's all-gather, each added over the ranks in rank order: the
+// iteration's objective (its per-token losses; MoE models: plus the weighted aux loss times the
+// micro-batches' tokens), and for MoE models the CE sum, the aux times tokens and the tokens per
+// expert (E of them), so that the step line reports the global batch's.
+enum { SHARD_SUM_LOSS, SHARD_SUM_CE, SHARD_SUM_AUX, SHARD_SUM_LOAD };
 
 typedef struct EngineShard {
     Comm* c;
@@ -71,14 +82,17 @@ typedef struct EngineShard {
     int64_t* at;            // (pieces) its first element within that tensor
     int64_t* parts_first;   // (W * (NL + 1)) rank r's chunk sums of layer l begin at
                             // parts[r * parts_block + parts_first[r * (NL + 1) + l]]
-    int64_t parts_block;    // each rank's slot in parts: its chunk sums, then its loss sum
+    int64_t parts_block;    // each rank's slot in parts: its chunk sums, then its sums
+    int64_t sums_at;        // where the sums (n_sums of them) begin in a slot
     double* parts;          // (W * parts_block)
     void* buf;              // (max over l of W * block) fp32: the collectives' buffer
     int64_t shard_params;   // sum over l of len
     int gathered;           // engine_gather_layer: the layer whose pages outside the shard the
                             // writing rank holds now (-1: none)
+    int n_sums;             // the sums each rank adds to the norm's all-gather (SHARD_SUM_*)
     // under e->mu
-    double loss[4];         // [k % 4] the global loss sum of step k's iteration (k - 1)
+    double* sums[4];        // [k % 4] (n_sums) the global sums of step k's iteration (k - 1)
+    double* load_out;       // (E) MoE models: the collected iteration's loads (engine_collect)
     int failed;
     char err[ERR_LEN];
 } EngineShard;
@@ -100,15 +114,16 @@ int shard_init(Engine* e, char* err) {
     Comm* c = e->opt.comm;
     const Model* m = e->m;
     const int NL = e->NL;
-    if (m->tt.lora.r > 0) return errorf(err, "data parallel does not train LoRA adapters yet");
-    if (m->n_moe > 0)
-        return errorf(err, "data parallel does not train mixture-of-experts models yet");
+    // A layer's optimizer tensors (all of them; LoRA: its adapters, after the frozen base in the
+    // parameter slab) lie at the same offsets in its gradient slab, its trainable tail (the
+    // masters; the Store's parameter slab from train_off) and its m / v slabs: one span per layer
+    // serves every collective. The frozen base is the same on every rank and never travels.
     for (int i = 0; i < e->n_opt; i++) {
         const int l = e->opt_layer[i];
         const AdamWTensor* t = &e->opt_tensors[i];
-        if (e->opt_offset[i] != e->opt_goffset[i] || e->train_off[l] != 0 ||
-            t->param != e->s->param[l] + e->opt_goffset[i] ||
-            t->m != e->s->m[l] + e->opt_goffset[i] || t->v != e->s->v[l] + e->opt_goffset[i])
+        const int64_t g = e->opt_goffset[i];
+        if (e->opt_offset[i] != g || t->param != e->s->param[l] + e->train_off[l] + g ||
+            t->m != e->s->m[l] + g || t->v != e->s->v[l] + g)
             return errorf(err, "data parallel: a tensor's weights and gradient are laid out "
                                "differently (internal error)");
     }
@@ -155,8 +170,12 @@ int shard_init(Engine* e, char* err) {
         if (pf[NL] > most) most = pf[NL];
     }
     free(tmp);
-    d->parts_block = most + 1;
+    d->n_sums = m->n_moe > 0 ? SHARD_SUM_LOAD + m->cfg.E : SHARD_SUM_LOSS + 1;
+    d->sums_at = most;
+    d->parts_block = most + d->n_sums;
     d->parts = calloc_check((size_t)d->W * (size_t)d->parts_block, sizeof(double));
+    for (int k = 0; k < 4; k++) d->sums[k] = calloc_check((size_t)d->n_sums, sizeof(double));
+    if (m->n_moe > 0) d->load_out = calloc_check((size_t)m->cfg.E, sizeof(double));
     d->buf = malloc_named((size_t)max_wb * sizeof(float),
                           "the data-parallel collective buffer (the largest layer, fp32)");
     // every rank starts from the same weights (nothing is broadcast): their checksums compared
@@ -184,7 +203,6 @@ void shard_release_early(Engine* e) {
     free(t);
     e->dp_crc = crc;
     e->dp_crc_set = 1;
-    if (tt->lora.r > 0 || e->m->n_moe > 0) return;  // (refused by shard_init)
     int64_t* lo = malloc_check((size_t)tt->n_layers * sizeof(int64_t));
     int64_t* hi = malloc_check((size_t)tt->n_layers * sizeof(int64_t));
     dp_engine_state_ranges(tt, c->world, c->rank, lo, hi);  // (shard_init's shard, checked there)
@@ -210,6 +228,8 @@ void shard_free(Engine* e) {
     free(d->at);
     free(d->parts_first);
     free(d->parts);
+    for (int k = 0; k < 4; k++) free(d->sums[k]);
+    free(d->load_out);
     free(d->buf);
     free(d);
     e->dp = NULL;
@@ -253,9 +273,21 @@ const char* shard_error(Engine* e) {
 
 double shard_loss(Engine* e, int64_t t) {
     pthread_check(pthread_mutex_lock(&e->mu));
-    const double sum = e->dp->loss[(t + 1) % 4];
+    const double sum = e->dp->sums[(t + 1) % 4][SHARD_SUM_LOSS];
     pthread_check(pthread_mutex_unlock(&e->mu));
     return sum;
+}
+
+void shard_moe_stats(Engine* e, int64_t t, EngineStepResult* res) {
+    EngineShard* d = e->dp;
+    if (d->n_sums <= SHARD_SUM_LOAD) return;
+    pthread_check(pthread_mutex_lock(&e->mu));
+    const double* g = d->sums[(t + 1) % 4];
+    res->ce_sum = g[SHARD_SUM_CE];
+    res->aux_sum = g[SHARD_SUM_AUX];
+    memcpy(d->load_out, g + SHARD_SUM_LOAD, (size_t)e->m->cfg.E * sizeof(double));
+    pthread_check(pthread_mutex_unlock(&e->mu));
+    res->load = d->load_out;
 }
 
 // ----------------------------------------------------------------------------
@@ -303,37 +335,63 @@ void shard_reduce_layer(Engine* e, float** g, int l) {
                              sums);
 }
 
+// This rank's sums of iteration k-1 (its micro-batches in engine_collect's order) into out.
+static void local_sums(Engine* e, int64_t k, double* out) {
+    const int n_sums = e->dp->n_sums, E = e->m->cfg.E;
+    const int ip = (int)((k - 1) % 2);
+    memset(out, 0, (size_t)n_sums * sizeof(double));
+    float* counts = n_sums > SHARD_SUM_LOAD ? malloc_check((size_t)E * sizeof(float)) : NULL;
+    for (int i = 0; i < e->M; i++) {
+        e->impl->event_synchronize(e->loss_ev[ip][i]);
+        if (counts) {
+            // MoE: the micro-batch's objective with its aux loss, as engine_collect adds it
+            double ce, aux_tokens;
+            out[SHARD_SUM_LOSS] += engine_moe_objective(e, ip, i, &ce, &aux_tokens, counts);
+            out[SHARD_SUM_CE] += ce;
+            out[SHARD_SUM_AUX] += aux_tokens;
+            for (int x = 0; x < E; x++) out[SHARD_SUM_LOAD + x] += counts[x];
+            continue;
+        }
+        const size_t tok = (size_t)mb_rows(e, i) * e->T;
+        for (size_t x = 0; x < tok; x++) out[SHARD_SUM_LOSS] += e->hloss[ip][i][x];
+    }
+    free(counts);
+}
+
 double shard_norm_sq(Engine* e, int64_t k) {
     EngineShard* d = e->dp;
     const int NL = e->NL;
-    // iteration k-1's sum of per-token losses, in engine_collect's order
-    const int ip = (int)((k - 1) % 2);
-    double local = 0.0;
-    for (int i = 0; i < e->M; i++) {
-        e->impl->event_synchronize(e->loss_ev[ip][i]);
-        const size_t tok = (size_t)mb_rows(e, i) * e->T;
-        for (size_t x = 0; x < tok; x++) local += e->hloss[ip][i][x];
-    }
     double* mine = d->parts + (size_t)d->rank * d->parts_block;
-    mine[d->parts_block - 1] = local;
+    local_sums(e, k, mine + d->sums_at);
     if (!shard_failed(e)) {
         // (doubles as pairs of fp32: an all-gather copies bits exactly)
         const size_t n_f = (size_t)d->parts_block * (sizeof(double) / sizeof(float));
         if (comm_all_gather(d->c, mine, d->parts, n_f, COMM_F32, NULL) != 0)
             shard_fail(e, "the all-gather of the gradient norm's parts and the loss");
     }
-    double norm_sq = 0.0, loss = 0.0;
+    double norm_sq = 0.0;
     for (int l = 0; l < NL; l++)
         for (int r = 0; r < d->W; r++) {
             const int64_t* pf = d->parts_first + (size_t)r * (NL + 1);
             for (int64_t c = pf[l]; c < pf[l + 1]; c++)
                 norm_sq += d->parts[(size_t)r * d->parts_block + c];
         }
-    for (int r = 0; r < d->W; r++) loss += d->parts[(size_t)r * d->parts_block + d->parts_block - 1];
     pthread_check(pthread_mutex_lock(&e->mu));
-    d->loss[k % 4] = loss;
+    double* g = d->sums[k % 4];
+    for (int j = 0; j < d->n_sums; j++) {
+        g[j] = 0.0;
+        for (int r = 0; r < d->W; r++)
+            g[j] += d->parts[(size_t)r * d->parts_block + d->sums_at + j];
+    }
     pthread_check(pthread_mutex_unlock(&e->mu));
     return norm_sq;
+}
+
+// Whether every rank keeps layer l's fp32 weights whole (updated outside its shard from the
+// all-gather): unless opt.shard_weights gives their pages back. LoRA's adapters (a layer with a
+// frozen head) stay whole: store_release_state keeps them, and they are few.
+static int keeps_weights(const Engine* e, int l) {
+    return !e->opt.shard_weights || e->train_off[l] > 0;
 }
 
 void shard_apply_layer(Engine* e, const AdamWUpdate* u, int buf, int l) {
@@ -346,7 +404,8 @@ void shard_apply_layer(Engine* e, const AdamWUpdate* u, int buf, int l) {
     if (count > 0) adamw_update_apply(e->pool, u, d->piece + first, count);
     const int64_t n = d->n[l], blk = d->block[l], lo = d->lo[l], off = d->off[l], len = d->len[l];
     if (n == 0 || shard_failed(e)) return;
-    float* param = e->s->param[l] + lo;
+    float* param = e->s->param[l] + e->train_off[l] + lo;
+    const int whole = keeps_weights(e, l);
     if (e->ab == 4) {
         // fp32 devices: the updated fp32 weights are the masters and the Store's
         float* b = d->buf;
@@ -358,7 +417,7 @@ void shard_apply_layer(Engine* e, const AdamWUpdate* u, int buf, int l) {
             return;
         }
         memcpy((float*)e->master[buf][l] + lo, b, (size_t)n * sizeof(float));
-        if (!e->opt.shard_weights) memcpy(param, b, (size_t)n * sizeof(float));
+        if (whole) memcpy(param, b, (size_t)n * sizeof(float));
     } else {
         uint16_t* b = d->buf;
         uint16_t* mine = b + (size_t)d->rank * blk;
@@ -377,8 +436,8 @@ void shard_apply_layer(Engine* e, const AdamWUpdate* u, int buf, int l) {
         }
         memcpy(master, b, (size_t)n * sizeof(uint16_t));
         // the Store outside the shard: the gathered values widened (exact: engine_gather_state)
-        for (int64_t i = 0; i < off && !e->opt.shard_weights; i++) param[i] = bf16_to_f32(b[i]);
-        for (int64_t i = off + len; i < n && !e->opt.shard_weights; i++)
+        for (int64_t i = 0; i < off && whole; i++) param[i] = bf16_to_f32(b[i]);
+        for (int64_t i = off + len; i < n && whole; i++)
             param[i] = bf16_to_f32(b[i]);
     }
 }
@@ -408,7 +467,7 @@ static int gather_field(Engine* e, int l, int f, int keep) {
     const int64_t n = d->n[l], blk = d->block[l];
     if (shard_failed(e)) return -1;
     if (n == 0) return 0;
-    float* fields[3] = {e->s->param[l], e->s->m[l], e->s->v[l]};
+    float* fields[3] = {e->s->param[l] + e->train_off[l], e->s->m[l], e->s->v[l]};
     float* x = fields[f] + d->lo[l];
     float* b = d->buf;
     float* mine = b + (size_t)d->rank * blk;

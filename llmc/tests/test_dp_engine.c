@@ -10,7 +10,10 @@
  * communicator (also with split rounds), and W ranks agree; a rank that dies or hangs makes the others stop with a
  * message naming it, within the timeout; the ZeRO-1 shards cover the parameters once, and each
  * rank keeps AdamW's m and v (and with EngineOptions.shard_weights its fp32 weights) in memory for
- * its shard only (about 1/W of them, mincore).
+ * its shard only (about 1/W of them, mincore). The same for mixture-of-experts models (each
+ * micro-batch's aux loss its own, the step's CE, aux and expert loads the global batch's) and
+ * LoRA (the adapters alone reduced and sharded; dropout, a q8_0 base, expert adapters; rank 0's
+ * PEFT export); checkpoints and resume through the trainer for all three.
  *
  * Rank threads only record; CHECKs run on the test's thread after pthread_join.
  */
@@ -32,9 +35,11 @@
 #include "../device.h"
 #include "../dp.h"
 #include "../engine.h"
+#include "../lora.h"
 #include "../model.h"
 #include "../ops.h"
 #include "../plain.h"
+#include "../quant.h"
 #include "../rng.h"
 #include "../store.h"
 #include "../threads.h"
@@ -46,6 +51,15 @@
 #define DE_B 12  // divides by 1, 2, 3 and 4
 #define DE_M 12
 #define DE_T 8
+#define DE_MAX_E 8  // the test MoE presets' experts
+// Under ThreadSanitizer (fifty-fold slower; `make tsan` runs the suites matching "engine") the
+// MoE and LoRA cases run W = 2 ranks on 2 devices of one model each: the same hand-offs, events
+// and collectives as the others.
+#if defined(__SANITIZE_THREAD__)
+#define DE_SAN 1
+#else
+#define DE_SAN 0
+#endif
 
 static const AdamWHyper de_hyper = {1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f};
 static const LrSchedule de_sched = {LR_COSINE, 1e-2f, 1, DE_STEPS, 0.1f, 0.0f};
@@ -76,6 +90,28 @@ static float* de_flat(const Store* s, int field, size_t* n_out) {
     return out;
 }
 
+// The run's initial weights, the same on every rank. LoRA: A from lora_init_random and B random
+// too (PEFT's B = 0 would leave the first step's A gradient zero), and a block-format base
+// quantised (its dequantised values are the reference's weights).
+static void de_init_lora(const Model* m, Store* s) {
+    if (m->tt.lora.r <= 0) return;
+    lora_init_random(m, s, 8);
+    Rng r;
+    rng_seed(&r, 9);
+    for (int i = 0; i < m->tt.n; i++) {
+        const TensorDesc* d = &m->tt.t[i];
+        if (d->kind != TK_LORA_B) continue;
+        float* p = store_param(s, i);
+        for (int64_t j = 0; j < d->numel; j++) p[j] = 0.05f * rng_normal(&r);
+    }
+    store_quantize_base(s, NULL, &m->cfg);
+}
+
+static void de_init_store(const Model* m, Store* s) {
+    store_init_random(s, 7, 0.2f);
+    de_init_lora(m, s);
+}
+
 // ----------------------------------------------------------------------------
 // the ranks
 
@@ -91,6 +127,7 @@ typedef struct DeRank {
     uint64_t fault_op;
     double timeout_s;
     double loss[DE_STEPS], norm[DE_STEPS];
+    double ce[DE_STEPS], aux[DE_STEPS], load[DE_STEPS][DE_MAX_E];  // MoE: the step's statistics
     int failed;         // the step that failed (1-based; -1 set-up), 0 none
     char err[ERR_LEN];
     double secs;        // until the failure (or the end)
@@ -100,6 +137,7 @@ typedef struct DeRank {
     int steps;          // steps to run (0: DE_STEPS)
     double mv_bytes, mv_resident;  // AdamW's m and v slabs: allocated, resident after the steps
     double w_bytes, w_resident;    // the fp32 weight slabs: the same
+    const char* export_dir;  // LoRA, non-NULL: rank 0 exports the adapters there (PEFT)
     const char* ckpt;   // non-NULL: after the steps, a checkpoint streamed layer by layer into
                         // ckpt/streamed, then one of the whole gathered state into ckpt/whole
     double ckpt_peak;   // rank 0: the most of m, v and the fp32 weights resident while streaming
@@ -195,7 +233,7 @@ static void* de_rank_main(void* arg) {
     } else {
         store_create(&s, &k->m->tt);
     }
-    store_init_random(&s, 7, 0.2f);
+    de_init_store(k->m, &s);
     DeviceSet devs;
     const DeviceOptions dopt = {.threads = 1, .delay_seed = 99u + (uint32_t)k->rank,
                                 .max_delay_us = 20};
@@ -226,6 +264,10 @@ static void* de_rank_main(void* arg) {
             }
             k->loss[step - 1] = r.loss;
             k->norm[step - 1] = r.norm;
+            k->ce[step - 1] = r.ce_sum;
+            k->aux[step - 1] = r.aux_sum;
+            for (int x = 0; r.load && x < k->m->cfg.E && x < DE_MAX_E; x++)
+                k->load[step - 1][x] = r.load[x];
         }
         engine_synchronize(e);
         for (int l = 0; l < k->m->tt.n_layers; l++) {
@@ -238,6 +280,9 @@ static void* de_rank_main(void* arg) {
         }
         if (!k->failed && k->ckpt && de_checkpoints(k, e, &s) != 0) k->failed = DE_STEPS + 1;
         if (!k->failed && engine_gather_state(e, -1, 1, k->err) != 0) k->failed = DE_STEPS + 1;
+        if (!k->failed && k->export_dir && k->rank == 0 &&
+            lora_save_peft(k->export_dir, k->m, &s, "", NULL, k->err) != 0)
+            k->failed = DE_STEPS + 1;
         k->secs = time_now_s() - t0;
         if (!k->failed)
             for (int f = 0; f < 3; f++) k->flat[f] = de_flat(&s, f, &k->n);
@@ -276,14 +321,17 @@ static void de_rank_free(DeRank* k) {
 
 typedef struct DeReference {
     double loss[DE_STEPS], norm[DE_STEPS];
+    double ce[DE_STEPS], aux[DE_STEPS], load[DE_STEPS][DE_MAX_E];  // MoE: every rank's, in order
     float* flat[3];
     size_t n;
 } DeReference;
 
-static void de_reference(const Model* m, int W, int bf16, DeReference* ref) {
+// The single-process grouping of W ranks' steps; LoRA with export_dir: its adapters exported there.
+static void de_reference_export(const Model* m, int W, int bf16, const char* export_dir,
+                                DeReference* ref) {
     Store s;
     store_create(&s, &m->tt);
-    store_init_random(&s, 7, 0.2f);
+    de_init_store(m, &s);
     void* ctx = ops_cpu_create(1);
     const int Br = DE_B / W, Mr = DE_M / W;
     Plain* p = plain_create(m, &s, &ops_cpu, ctx, (Br + Mr - 1) / Mr, DE_T, 0);
@@ -305,21 +353,36 @@ static void de_reference(const Model* m, int W, int bf16, DeReference* ref) {
     const size_t row = (size_t)DE_T + 1;
     for (int step = 1; step <= DE_STEPS; step++) {
         de_batch(&m->cfg, step, tokens);
-        double loss = 0.0;
+        double loss = 0.0, ce = 0.0, aux = 0.0, load[DE_MAX_E] = {0};
         for (int r = 0; r < W; r++) {
             // rank r: its rows in its micro-batches, every per-token loss summed in order (as
             // engine_collect sums them), its gradient accumulated from zero, the head folded
             dp_take_rows(tokens, DE_B, DE_T, W, r, rows);
             store_zero_grads(&s);
-            double local = 0.0;
+            double local = 0.0, local_ce = 0.0, local_aux = 0.0, local_load[DE_MAX_E] = {0};
             int first = 0;
             for (int mb = 0; mb < Mr; mb++) {
                 const int rows_mb = Br / Mr + (mb < Br % Mr ? 1 : 0);
-                plain_forward_backward(p, rows + (size_t)first * row, rows_mb, DE_T,
-                                       1.0f / ((float)DE_B * (float)DE_T));
-                for (int x = 0; x < rows_mb * DE_T; x++) local += p->losses_host[x];
+                // (LoRA's dropout masks: rank r's micro-batches after those of the ranks before)
+                p->ws->lora_seed = lora_dropout_seed(0, step - 1, r * Mr + mb);
+                const double obj = plain_forward_backward(p, rows + (size_t)first * row, rows_mb,
+                                                          DE_T, 1.0f / ((float)DE_B * (float)DE_T));
                 first += rows_mb;
+                if (m->n_moe == 0) {
+                    for (int x = 0; x < rows_mb * DE_T; x++) local += p->losses_host[x];
+                    continue;
+                }
+                // MoE: the micro-batch's objective with its aux loss (the aux couples its rows),
+                // its CE, aux x tokens and tokens per expert
+                local += obj;
+                local_ce += p->ce_sum;
+                local_aux += p->aux * (double)rows_mb * DE_T;
+                for (int x = 0; x < m->cfg.E && x < DE_MAX_E; x++)
+                    local_load[x] += p->ws->moe_counts_host[x];
             }
+            ce += local_ce;
+            aux += local_aux;
+            for (int x = 0; x < DE_MAX_E; x++) load[x] += local_load[x];
             plain_sync_grads(p);
             store_fold_tied_grads(&s);
             loss += local;
@@ -347,8 +410,13 @@ static void de_reference(const Model* m, int W, int bf16, DeReference* ref) {
         plain_sync_params(p);
         ref->loss[step - 1] = loss / ((double)DE_B * DE_T);
         ref->norm[step - 1] = u.norm;
+        ref->ce[step - 1] = ce;
+        ref->aux[step - 1] = aux;
+        memcpy(ref->load[step - 1], load, sizeof load);
     }
     for (int f = 0; f < 3; f++) ref->flat[f] = de_flat(&s, f, &ref->n);
+    char err[ERR_LEN];
+    if (export_dir && lora_save_peft(export_dir, m, &s, "", NULL, err) != 0) fatal("%s", err);
     for (int r = 0; r < W; r++) {
         free(groups[r]);
         free(groups16[r]);
@@ -362,6 +430,10 @@ static void de_reference(const Model* m, int W, int bf16, DeReference* ref) {
     plain_free(p);
     ops_cpu_destroy(ctx);
     store_free(&s);
+}
+
+static void de_reference(const Model* m, int W, int bf16, DeReference* ref) {
+    de_reference_export(m, W, bf16, NULL, ref);
 }
 
 static void de_reference_free(DeReference* ref) {
@@ -386,6 +458,15 @@ static void de_check_ranks(TestCtx* t, const char* what, const DeRank* ranks, in
                   "single-process grouping %.17g", what, r, s + 1, k->loss[s], ref->loss[s]);
             CHECK(t, k->norm[s] == ref->norm[s], "%s rank %d step %d: norm %.17g vs %.17g", what,
                   r, s + 1, k->norm[s], ref->norm[s]);
+            if (k->m->n_moe == 0) continue;
+            // MoE: the step's CE, aux and expert loads are the global batch's
+            int same_load = 1;
+            for (int x = 0; x < k->m->cfg.E && x < DE_MAX_E; x++)
+                same_load &= k->load[s][x] == ref->load[s][x];
+            CHECK(t, k->ce[s] == ref->ce[s] && k->aux[s] == ref->aux[s] && same_load,
+                  "%s rank %d step %d: CE %.17g aux %.17g (loads equal %d), the single-process "
+                  "grouping %.17g %.17g", what, r, s + 1, k->ce[s], k->aux[s], same_load,
+                  ref->ce[s], ref->aux[s]);
         }
         CHECK(t, k->n == ref->n && memcmp(k->flat[0], ref->flat[0], ref->n * sizeof(float)) == 0,
               "%s rank %d: the sharded weights equal the unsharded ones", what, r);
@@ -488,6 +569,221 @@ static void test_dp_engine_delayed(TestCtx* t) {
     de_rank_free(&split_alone);
     de_rank_free(&split_one[0]);
     model_free(&m);
+}
+
+// ----------------------------------------------------------------------------
+// mixture of experts
+
+// test-qwen3moe with 5 blocks (block 1 dense: mlp_only_layers) or test-gptoss with 4 (a 4-token
+// window < T in blocks 0 and 2), 8 experts, top-2, the aux loss on.
+static void de_moe_model(TestCtx* t, Model* m, int gptoss) {
+    char err[ERR_LEN];
+    ModelConfig c;
+    CHECK(t, config_from_preset(&c, gptoss ? "test-gptoss" : "test-qwen3moe", err) == 0, "%s",
+          err);
+    c.L = gptoss ? 4 : 5;
+    if (gptoss) c.sliding[2] = 1;
+    c.output_router_logits = 1;
+    CHECK(t, model_init(m, &c, 0, err) == 0, "%s", err);
+    CHECK(t, m->n_moe > 0 && c.E <= DE_MAX_E, "%s: %d MoE blocks of %d experts", c.name,
+          m->n_moe, c.E);
+}
+
+// A device budget of about half the model's 16 B per parameter: several stages over two devices.
+static double de_moe_budget(const Model* m) {
+    double x = 0.0;
+    for (int l = 0; l < m->tt.n_layers; l++) x += 16.0 * (double)m->tt.param_numel[l];
+    return 0.5 * x;
+}
+
+// MoE models: each rank's micro-batches carry their own aux loss (it couples a micro-batch's
+// rows, as in one process) and their expert counts; the loss is the ranks' objectives (CE plus the
+// weighted aux) added in rank order, and the step's CE, aux and expert loads the global batch's.
+// Sync mode on 1-4 ranks x 1-2 devices equals the single-process grouping bit for bit (losses,
+// norms, statistics, weights, m and v), for both families.
+static void test_dp_engine_moe_sync(TestCtx* t) {
+    for (int gptoss = 0; gptoss <= 1 - DE_SAN; gptoss++) {
+        Model m;
+        de_moe_model(t, &m, gptoss);
+        for (int W = 1 + DE_SAN; W <= (DE_SAN ? 2 : DE_MAX_W); W++) {
+            DeReference ref;
+            de_reference(&m, W, 0, &ref);
+            for (int N = 1 + DE_SAN; N <= 2; N++) {
+                const DeRank proto = {.m = &m, .N = N, .sync = 1, .timeout_s = 60.0,
+                                      .budget = N == 2 ? de_moe_budget(&m) : 0,
+                                      .shard_weights = N == 2, .shard_store = N == 2};
+                DeRank ranks[DE_MAX_W];
+                de_run(&proto, W, NULL, ranks);
+                char what[128];
+                snprintf(what, sizeof what, "%.64s W %d N %d", m.cfg.name, W, N);
+                de_check_ranks(t, what, ranks, W, &ref);
+                for (int r = 0; r < W; r++) de_rank_free(&ranks[r]);
+            }
+            de_reference_free(&ref);
+        }
+        model_free(&m);
+    }
+}
+
+// MoE models with the delayed update: one rank with a communicator is the engine alone, bit for
+// bit (statistics too); two ranks agree with each other.
+static void test_dp_engine_moe_delayed(TestCtx* t) {
+    for (int gptoss = 0; gptoss <= 1 - DE_SAN; gptoss++) {
+        Model m;
+        de_moe_model(t, &m, gptoss);
+        const double budget = de_moe_budget(&m);
+        DeRank alone = {.m = &m, .rank = 0, .world = 1, .N = 2, .sync = 0, .budget = budget};
+        de_rank_main(&alone);
+        CHECK(t, alone.failed == 0, "%s: the engine alone: %s", m.cfg.name, alone.err);
+        for (int W = 1; W <= 2 && !alone.failed; W++) {
+            const DeRank proto = {.m = &m, .N = 2, .sync = 0, .timeout_s = 60.0,
+                                  .budget = budget};
+            DeRank ranks[2];
+            de_run(&proto, W, NULL, ranks);
+            for (int r = 0; r < W; r++) {
+                CHECK(t, ranks[r].failed == 0, "%s W %d rank %d: %s", m.cfg.name, W, r,
+                      ranks[r].err);
+                if (ranks[r].failed) continue;
+                const DeRank* want = W == 1 ? &alone : &ranks[0];
+                for (int s = 0; s < DE_STEPS; s++)
+                    CHECK(t, ranks[r].loss[s] == want->loss[s] &&
+                                 ranks[r].norm[s] == want->norm[s] &&
+                                 ranks[r].ce[s] == want->ce[s] && ranks[r].aux[s] == want->aux[s] &&
+                                 memcmp(ranks[r].load[s], want->load[s], sizeof want->load[s]) == 0,
+                          "%s W %d rank %d step %d: loss %.17g norm %.17g aux %.17g, expected "
+                          "%.17g %.17g %.17g", m.cfg.name, W, r, s + 1, ranks[r].loss[s],
+                          ranks[r].norm[s], ranks[r].aux[s], want->loss[s], want->norm[s],
+                          want->aux[s]);
+                CHECK(t, memcmp(ranks[r].flat[0], want->flat[0], want->n * sizeof(float)) == 0,
+                      "%s W %d rank %d: the same weights", m.cfg.name, W, r);
+            }
+            if (W == 2)  // (another grouping of the same sums)
+                CHECK(t, fabs(ranks[0].loss[DE_STEPS - 1] - alone.loss[DE_STEPS - 1]) <
+                             1e-3 * fabs(alone.loss[DE_STEPS - 1]),
+                      "%s: two ranks close to one: %.9g vs %.9g", m.cfg.name,
+                      ranks[0].loss[DE_STEPS - 1], alone.loss[DE_STEPS - 1]);
+            for (int r = 0; r < W; r++) de_rank_free(&ranks[r]);
+        }
+        de_rank_free(&alone);
+        model_free(&m);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// LoRA
+
+// Adapters on every linear (r 4, alpha 8): kind 0 the dense tied model with dropout 0.1 (each
+// rank's masks those of its micro-batches in the single-process grouping), 1 the same on a q8_0
+// base (blocks uploaded and dequantised on the device; no dropout), 2 test-qwen3moe with adapters
+// on its experts and router (MoE refuses dropout).
+static void de_lora_model(TestCtx* t, Model* m, int kind) {
+    char err[ERR_LEN];
+    ModelConfig c = test_engine_config(1);
+    if (kind == 1) c.F = 64;  // (q8_0's blocks of 32)
+    if (kind == 2) {
+        CHECK(t, config_from_preset(&c, "test-qwen3moe", err) == 0, "%s", err);
+        c.L = 5;
+        c.output_router_logits = 1;
+    }
+    const LoraSpec l = {.r = 4, .alpha = 8, .targets = LORA_ALL_LINEAR,
+                        .dropout = kind == 0 ? 0.1f : 0.0f};
+    CHECK(t, model_init_lora(m, &c, 0, &l, err) == 0, "%s", err);
+    if (kind == 1)
+        CHECK(t, quant_table_set(&m->tt, BASE_DTYPE_Q8_0, NULL, &c, err) == 0, "%s", err);
+}
+
+// Two files the same, byte for byte.
+static int de_same_file(const char* a, const char* b) {
+    char err[ERR_LEN];
+    size_t na = 0, nb = 0;
+    char* x = file_read_all(a, 1u << 30, &na, err);
+    char* y = file_read_all(b, 1u << 30, &nb, err);
+    const int same = x && y && na == nb && memcmp(x, y, na) == 0;
+    free(x);
+    free(y);
+    return same;
+}
+
+// LoRA: only the adapters are reduced, sharded (ZeRO-1: m and v of the adapters' shard) and
+// gathered; the frozen base (fp32, or q8_0 blocks) is every rank's own copy and never travels. Sync
+// mode on 1-4 ranks x 1-2 devices equals the single-process grouping bit for bit (losses, norms,
+// adapters, m and v), and rank 0's PEFT export of the adapters is the grouping's byte for byte.
+static void test_dp_engine_lora_sync(TestCtx* t) {
+    for (int kind = 0; kind < (DE_SAN ? 1 : 3); kind++) {
+        Model m;
+        de_lora_model(t, &m, kind);
+        for (int W = 1 + DE_SAN; W <= (DE_SAN ? 2 : DE_MAX_W); W++) {
+            char ref_dir[1024], rank_dir[1024], name[64];
+            snprintf(name, sizeof name, "dp_lora%d_ref%d", kind, W);
+            test_path(t, ref_dir, sizeof ref_dir, name);
+            DeReference ref;
+            de_reference_export(&m, W, 0, ref_dir, &ref);
+            for (int N = 1 + DE_SAN; N <= 2; N++) {
+                snprintf(name, sizeof name, "dp_lora%d_w%d_n%d", kind, W, N);
+                test_path(t, rank_dir, sizeof rank_dir, name);
+                const DeRank proto = {.m = &m, .N = N, .sync = 1, .timeout_s = 60.0,
+                                      .budget = N == 2 ? de_moe_budget(&m) : 0,
+                                      .shard_weights = N == 2, .shard_store = N == 2,
+                                      .export_dir = rank_dir};
+                DeRank ranks[DE_MAX_W];
+                de_run(&proto, W, NULL, ranks);
+                char what[160];
+                snprintf(what, sizeof what, "LoRA %d (%.64s) W %d N %d", kind, m.cfg.name, W, N);
+                de_check_ranks(t, what, ranks, W, &ref);
+                CHECK(t, ranks[0].shard > 0 && ranks[0].n == (size_t)m.tt.trainable_params,
+                      "%s: the adapters alone are sharded (%lld of %lld)", what,
+                      (long long)ranks[0].shard, (long long)m.tt.trainable_params);
+                static const char* const files[] = {"adapter_model.safetensors",
+                                                    "adapter_config.json"};
+                for (int f = 0; f < 2 && !ranks[0].failed; f++) {
+                    char a[1200], b[1200];
+                    snprintf(a, sizeof a, "%s/%s", rank_dir, files[f]);
+                    snprintf(b, sizeof b, "%s/%s", ref_dir, files[f]);
+                    CHECK(t, de_same_file(a, b), "%s: rank 0's %s is the single-process "
+                          "grouping's", what, files[f]);
+                }
+                for (int r = 0; r < W; r++) de_rank_free(&ranks[r]);
+            }
+            de_reference_free(&ref);
+        }
+        model_free(&m);
+    }
+}
+
+// LoRA with the delayed update: one rank with a communicator is the engine alone, bit for bit;
+// two ranks agree with each other.
+static void test_dp_engine_lora_delayed(TestCtx* t) {
+    for (int kind = 0; kind < (DE_SAN ? 1 : 3); kind++) {
+        Model m;
+        de_lora_model(t, &m, kind);
+        const double budget = de_moe_budget(&m);
+        DeRank alone = {.m = &m, .rank = 0, .world = 1, .N = 2, .sync = 0, .budget = budget};
+        de_rank_main(&alone);
+        CHECK(t, alone.failed == 0, "LoRA %d: the engine alone: %s", kind, alone.err);
+        for (int W = 1; W <= 2 && !alone.failed; W++) {
+            const DeRank proto = {.m = &m, .N = 2, .sync = 0, .timeout_s = 60.0,
+                                  .budget = budget};
+            DeRank ranks[2];
+            de_run(&proto, W, NULL, ranks);
+            for (int r = 0; r < W; r++) {
+                CHECK(t, ranks[r].failed == 0, "LoRA %d W %d rank %d: %s", kind, W, r,
+                      ranks[r].err);
+                if (ranks[r].failed) continue;
+                const DeRank* want = W == 1 ? &alone : &ranks[0];
+                for (int s = 0; s < DE_STEPS; s++)
+                    CHECK(t, ranks[r].loss[s] == want->loss[s] &&
+                                 ranks[r].norm[s] == want->norm[s],
+                          "LoRA %d W %d rank %d step %d: loss %.17g norm %.17g, expected %.17g "
+                          "%.17g", kind, W, r, s + 1, ranks[r].loss[s], ranks[r].norm[s],
+                          want->loss[s], want->norm[s]);
+                CHECK(t, memcmp(ranks[r].flat[0], want->flat[0], want->n * sizeof(float)) == 0,
+                      "LoRA %d W %d rank %d: the same adapters", kind, W, r);
+            }
+            for (int r = 0; r < W; r++) de_rank_free(&ranks[r]);
+        }
+        de_rank_free(&alone);
+        model_free(&m);
+    }
 }
 
 // A rank that dies, or hangs, in the middle of a step: the others stop with a message naming
@@ -671,13 +967,14 @@ static void test_dp_engine_checkpoint_stream(TestCtx* t) {
 
 typedef struct DeTrainerRank {
     CommEmulWorld* w;
-    const Model* m;
+    const Model* m;     // made from the preset m->cfg.name
     const char* shard;
     const char* out;
     int rank, world, sync;
     int first, last;  // steps first..last; first > 1 resumes from out's step first-1
     int save_at;      // save a checkpoint after this step (0: none)
     double loss[DT_STEPS], norm[DT_STEPS];
+    double aux[DT_STEPS], spread[DT_STEPS];  // MoE: the step line's aux loss and load spread
     float* params;
     size_t n;
     int rc;
@@ -702,7 +999,7 @@ static void* de_trainer_rank_main(void* arg) {
     DeTrainerRank* k = arg;
     TrainArgs a;
     args_defaults(&a);
-    a.model = "test-qwen3";
+    a.model = k->m->cfg.name;
     a.train = k->shard;
     a.val = "";
     a.out = k->out;
@@ -715,10 +1012,16 @@ static void* de_trainer_rank_main(void* arg) {
     a.sync = k->sync;
     a.sample_tokens = 0;
     a.n_devices = 2;
+    if (k->m->tt.lora.r > 0) {
+        a.lora_r = k->m->tt.lora.r;
+        a.lora_alpha = k->m->tt.lora.alpha;
+        a.lora_targets = k->m->tt.lora.targets;
+    }
     char* args_json = args_to_json(&a);
     Store s;
     store_create(&s, &k->m->tt);
     store_init_random(&s, 7, 0.02f);
+    de_init_lora(k->m, &s);
     TrainState ts;
     train_state_init(&ts, a.seed);
     DataLoader train;
@@ -745,6 +1048,8 @@ static void* de_trainer_rank_main(void* arg) {
         const StepStats st = trainer_step(&tr, &train, step, step == k->save_at || step == k->last);
         k->loss[step - 1] = st.loss;
         k->norm[step - 1] = st.norm;
+        k->aux[step - 1] = st.aux;
+        k->spread[step - 1] = st.load_spread;
         if (step == k->save_at)
             k->rc = trainer_save_checkpoint(&tr, &train, step, args_json, k->err);
     }
@@ -787,12 +1092,13 @@ static void de_trainer_run(const Model* m, const char* shard, const char* out, i
 // Checkpoints of W ranks (AdamW's state gathered on rank 0, which writes them) resume
 // bit-exactly with the same W, in sync mode and with the delayed update (its pending weights
 // are every rank's full master copy), and resume with another W.
-static void test_dp_engine_resume(TestCtx* t) {
+static void de_resume(TestCtx* t, const char* preset, int lora) {
     char err[ERR_LEN], shard[1024], out[1024];
     ModelConfig c;
     Model m;
-    CHECK(t, config_from_preset(&c, "test-qwen3", err) == 0, "%s", err);
-    CHECK(t, model_init(&m, &c, 0, err) == 0, "%s", err);
+    CHECK(t, config_from_preset(&c, preset, err) == 0, "%s", err);
+    const LoraSpec l = {.r = 4, .alpha = 8, .targets = LORA_ALL_LINEAR};
+    CHECK(t, model_init_lora(&m, &c, 0, lora ? &l : NULL, err) == 0, "%s", err);
     enum { NTOK = 3000 };
     uint32_t* toks = malloc_check(NTOK * sizeof(uint32_t));
     for (int i = 0; i < NTOK; i++) toks[i] = (uint32_t)((i * 7 + i / 13) % 61);
@@ -800,8 +1106,8 @@ static void test_dp_engine_resume(TestCtx* t) {
     CHECK(t, shard_write(shard, toks, NTOK, 2, err) == 0, "%s", err);
     free(toks);
     for (int sync = 1; sync >= 0; sync--) {
-        char name[32];
-        snprintf(name, sizeof name, "dp_engine_ckpt%d", sync);
+        char name[64];
+        snprintf(name, sizeof name, "dp_engine_ckpt%d_%.24s%s", sync, preset, lora ? "_lora" : "");
         test_path(t, out, sizeof out, name);
         mkdir(out, 0755);
         DeTrainerRank two[2], first[2], resumed[2], four[4];
@@ -814,6 +1120,14 @@ static void test_dp_engine_resume(TestCtx* t) {
         for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
             CHECK(t, all[i]->rc == 0, "sync %d run %zu rank %d: %s", sync, i, all[i]->rank,
                   all[i]->err);
+        if (lora) {  // the adapters alone, as one process writes them (no copy of the base)
+            char a[1200], b[1200];
+            snprintf(a, sizeof a, "%s/step_2/adapter_model.safetensors", out);
+            snprintf(b, sizeof b, "%s/step_2/model.safetensors", out);
+            CHECK(t, access(a, F_OK) == 0 && access(b, F_OK) != 0,
+                  "%s sync %d: the checkpoint holds the adapters (PEFT), not the base", preset,
+                  sync);
+        }
         for (int s = 2; s < DT_STEPS; s++) {
             CHECK(t, resumed[0].loss[s] == two[0].loss[s] && resumed[0].norm[s] == two[0].norm[s],
                   "sync %d step %d: resumed with two ranks %.17g (norm %.17g), straight %.17g "
@@ -821,6 +1135,13 @@ static void test_dp_engine_resume(TestCtx* t) {
                   two[0].norm[s]);
             CHECK(t, resumed[1].loss[s] == resumed[0].loss[s], "sync %d step %d: the ranks agree",
                   sync, s + 1);
+            // MoE: the step line's aux loss and load spread (the global batch's) too
+            CHECK(t, resumed[0].aux[s] == two[0].aux[s] && resumed[1].aux[s] == two[0].aux[s] &&
+                     resumed[0].spread[s] == two[0].spread[s] &&
+                     (m.n_moe == 0 || (two[0].aux[s] > 0 && two[0].spread[s] >= 1.0)),
+                  "%s sync %d step %d: aux %.17g spread %.17g resumed, %.17g %.17g straight",
+                  preset, sync, s + 1, resumed[0].aux[s], resumed[0].spread[s], two[0].aux[s],
+                  two[0].spread[s]);
             CHECK(t, fabs(four[0].loss[s] - two[0].loss[s]) < 1e-4 * fabs(two[0].loss[s]),
                   "sync %d step %d: resumed with four ranks %.9g, two %.9g", sync, s + 1,
                   four[0].loss[s], two[0].loss[s]);
@@ -833,6 +1154,22 @@ static void test_dp_engine_resume(TestCtx* t) {
     model_free(&m);
 }
 
+static void test_dp_engine_resume(TestCtx* t) { de_resume(t, "test-qwen3", 0); }
+
+// MoE models through the trainer: the same resume (each family), the step line's aux loss and
+// expert load spread those of the global batch on every rank.
+static void test_dp_engine_moe_resume(TestCtx* t) {
+    de_resume(t, "test-qwen3moe", 0);
+    if (!DE_SAN) de_resume(t, "test-gptoss", 0);
+}
+
+// LoRA through the trainer: checkpoints of the adapters alone (gathered whole onto rank 0, the
+// single-process PEFT files) resume bit-exactly with the same world size, and with another.
+static void test_dp_engine_lora_resume(TestCtx* t) {
+    de_resume(t, "test-qwen3", 1);
+    if (!DE_SAN) de_resume(t, "test-qwen3moe", 1);
+}
+
 const TestCase tests_dp_engine[] = {
     {"dp_engine_sync", test_dp_engine_sync},
     {"dp_engine_delayed", test_dp_engine_delayed},
@@ -840,5 +1177,11 @@ const TestCase tests_dp_engine[] = {
     {"dp_engine_memory", test_dp_engine_memory},
     {"dp_engine_checkpoint_stream", test_dp_engine_checkpoint_stream},
     {"dp_engine_resume", test_dp_engine_resume},
+    {"dp_engine_moe_sync", test_dp_engine_moe_sync},
+    {"dp_engine_moe_delayed", test_dp_engine_moe_delayed},
+    {"dp_engine_moe_resume", test_dp_engine_moe_resume},
+    {"dp_engine_lora_sync", test_dp_engine_lora_sync},
+    {"dp_engine_lora_delayed", test_dp_engine_lora_delayed},
+    {"dp_engine_lora_resume", test_dp_engine_lora_resume},
     {NULL, NULL},
 };
