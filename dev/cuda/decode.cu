@@ -8,14 +8,16 @@
  * Variants (decode attention):
  *   1  naive: one block per (row, query head), one pass over all of the row's keys; a thread
  *      per head-dim element, the logits of the row in shared memory (softmax in fp32).
- *   2  production (kernels/decode.cu, included below): split-K over chunks of DEC_CHUNK keys,
- *      one block per (row, kv head, chunk) holding the kv head's query group, warps over keys
- *      DEC_UNROLL at a time with an online softmax, then the chunks merged in order.
- *   3  split-K over chunks of 128 keys; each warp reads whole key rows of its kv head with
- *      16-byte lane loads (HD/8 lanes per key, 256/HD keys per warp load), the next tile's keys
- *      and values in flight while the current tile is computed, every query head of the group
- *      from that one read, the softmax in the log2 domain; then the chunks merged in order.
+ *   2  the previous production kernel (kept here): split-K over chunks of 256 keys, one block per
+ *      (row, kv head, chunk) holding the kv head's query group, a lane per 4 head-dim elements
+ *      (8-byte loads), warps over keys 4 at a time with a full-warp sum per key and head.
+ *   3  production (kernels/decode.cu, included below): split-K over chunks of DEC_CHUNK = 128
+ *      keys; each warp reads whole key rows of its kv head with 16-byte lane loads (HD/8 lanes
+ *      per key, 256/HD keys per warp load), the next tile's keys and values in flight while the
+ *      current tile is computed, every query head of the group from that one read, the softmax
+ *      in the log2 domain; then the chunks merged in order.
  *   4  variant 3 with half the keys per tile (fewer registers, more warps resident per SM).
+ *   5  variant 3 with chunks of 256 keys (half the partials, half the blocks).
  * Validation on fresh random bf16 inputs against an fp64 reference: rows of lengths 1 .. maxT
  * (inside one chunk, across chunks, up to 4096) in shuffled cache slots; (H, KVH, HD) = (16, 8,
  * 128) (Qwen3-1.7B), (8, 2, 64) with sinks and a window, (64, 8, 64) (GPT-OSS-20B: group 8, with
@@ -23,8 +25,8 @@
  * multiple of 4); the output within TOL_BF16; the split-K variants run twice must give the same
  * bits, and a row run alone the bits it had in the batch. Also the rope +
  * append (TOL_BF16 against an fp64 rotation of the bf16 inputs, cache slots checked) and the
- * sampler (greedy: the first argmax; tempered: the token of an fp64 inverse-CDF walk with the
- * same uniform, and its log-prob within 1e-4).
+ * sampler at V = 50000 and 4099 (not a multiple of 8) (greedy: the first argmax; tempered: the
+ * token of an fp64 inverse-CDF walk with the same uniform, and its log-prob within 1e-4).
  * Benchmark: 128 sequences (8 prompts x 16 answers), H 16, KVH 8, HD 128, every row at the same
  * length L in {16, 128, 272, 512, 1024, 4096}, and LLaMA-8B's and GPT-OSS-20B's heads at 1024:
  * GB/s over the keys and values read (the bytes that bound it), per layer, next to a device copy.
@@ -109,74 +111,66 @@ __global__ void decode_attention_naive_kernel(bf16* out, const bf16* qkv, const 
 }
 
 // ----------------------------------------------------------------------------
-// variant 3: split-K chunks of DEC3_CHUNK keys; each warp loads whole key rows of its kv head
-// with 16-byte lane loads (LPK lanes per key, 32 / LPK keys per warp load), the next tile's
-// keys and values in flight while the current one is computed, every query head of the group
-// from the one read; softmax in the log2 domain (q pre-scaled by log2 e / sqrt(HD))
+// variant 2: the previous production kernel. Split-K over chunks of V2_CHUNK keys; in a block
+// each warp takes keys warp, warp + W, ..., V2_UNROLL at a time, one head-dim slice per lane
+// (8-byte loads) and a full-warp sum per key and head; the warps merge in index order.
 
-#define DEC3_CHUNK 128  // keys per split-K chunk (a function of the position only)
-#define DEC3_WARPS 4    // warps per block, each its own tiles of the chunk
+#define V2_CHUNK 256  // keys per split-K chunk
+#define V2_WARPS 4    // warps per attention block
+#define V2_UNROLL 4   // keys per warp per iteration
 
-// 8 consecutive head-dim elements d0 .. d0+7 of a bf16 row as one 16-byte word (zeros past HD).
-// vec: HD a multiple of 8 and the buffers 16-byte aligned (one access), else element by element.
-__device__ __forceinline__ uint4 dec3_load8(const bf16* p, int d0, int HD, int vec) {
-    if (vec) {
-        if (d0 < HD) return *reinterpret_cast<const uint4*>(p + d0);
-        return make_uint4(0u, 0u, 0u, 0u);
+// EPL consecutive head-dim elements per lane (lane * EPL ...), zero past HD. vec: one 8-byte
+// access per lane (EPL 4, every head 8-byte aligned: the launcher checks).
+template <int EPL>
+__device__ __forceinline__ void v2_load_lane(const bf16* p, int lane, int HD, int vec, float* f) {
+    const int d0 = lane * EPL;
+    if (EPL == 4 && vec && d0 + 4 <= HD) {
+        uint2 u = *reinterpret_cast<const uint2*>(p + d0);
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+        float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
+        f[0] = a.x;
+        f[1] = a.y;
+        f[2] = b.x;
+        f[3] = b.y;
+        return;
     }
-    uint32_t w[4];
 #pragma unroll
-    for (int k = 0; k < 4; k++) {
-        const bf16 zero = __float2bfloat16_rn(0.0f);
-        const int a = d0 + 2 * k;
-        const __nv_bfloat162 pair =
-            __halves2bfloat162(a < HD ? p[a] : zero, a + 1 < HD ? p[a + 1] : zero);
-        w[k] = *reinterpret_cast<const uint32_t*>(&pair);
-    }
-    return make_uint4(w[0], w[1], w[2], w[3]);
+    for (int e = 0; e < EPL; e++) f[e] = d0 + e < HD ? __bfloat162float(p[d0 + e]) : 0.0f;
 }
 
-__device__ __forceinline__ void dec3_unpack8(uint4 u, float* f) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-        const float2 t = __bfloat1622float2(h[k]);
-        f[2 * k] = t.x;
-        f[2 * k + 1] = t.y;
-    }
-}
-
-// Block (row i, kv head g, chunk c): keys [c·DEC3_CHUNK, ...) ∩ [first, len) of row i's slot for
-// the `group` query heads of g (group <= GM). Warp w takes tiles of TK = T · 32/LPK keys at
-// j0 + (w + k·DEC3_WARPS)·TK; lane = (key within a warp load) · LPK + (8-element segment). The
-// partials (m in log2 units): part_m, part_l (n, H, chunks), part_o (n, H, chunks, HD).
-template <int LPK, int GM, int T>
-__global__ void __launch_bounds__(DEC3_WARPS * 32)
-    dec3_partial_kernel(float* __restrict__ part_m, float* __restrict__ part_l,
-                        float* __restrict__ part_o, const bf16* __restrict__ qkv,
-                        const bf16* __restrict__ kc, const bf16* __restrict__ vc,
-                        const int32_t* __restrict__ slot, const int32_t* __restrict__ len,
-                        int maxT, int H, int KVH, int HD, int window, int chunks, float qscale,
-                        int vec) {
-    constexpr int KPW = 32 / LPK, TK = KPW * T;
-    __shared__ float s_m[DEC3_WARPS][GM], s_l[DEC3_WARPS][GM];
-    extern __shared__ float s_o[];  // (DEC3_WARPS, group, HD)
+// Block (row i, kv head g, chunk c): keys [c·V2_CHUNK, ...) ∩ [first, len) of row i's slot, for
+// the `group` query heads of g. part_m, part_l (n, H, chunks), part_o (n, H, chunks, HD).
+template <int EPL, int GM>
+__global__ void v2_partial_kernel(float* __restrict__ part_m, float* __restrict__ part_l,
+                                  float* __restrict__ part_o, const bf16* __restrict__ qkv,
+                                  const bf16* __restrict__ kc, const bf16* __restrict__ vc,
+                                  const int32_t* __restrict__ slot, const int32_t* __restrict__ len,
+                                  int maxT, int H, int KVH, int HD, int window, int chunks,
+                                  float scale, int vec) {
+    __shared__ float s_m[V2_WARPS][DEC_MAX_GROUP], s_l[V2_WARPS][DEC_MAX_GROUP];
+    extern __shared__ float s_o[];  // (V2_WARPS, group, HD)
     const int i = blockIdx.x, g = blockIdx.y, c = blockIdx.z;
     const int group = H / KVH, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int sub = lane / LPK, d0 = (lane % LPK) * 8;
     const int QKV = (H + 2 * KVH) * HD, KD = KVH * HD;
     const int L = len[i], first = window > 0 && L > window ? L - window : 0;
-    const int j0 = max(c * DEC3_CHUNK, first), j1 = min((c + 1) * DEC3_CHUNK, L);
-    if (j0 >= j1) return;  // the combine reads only the chunks holding keys
-    float q[GM][8], acc[GM][8], m[GM], l[GM];
+    const int j0 = max(c * V2_CHUNK, first), j1 = min((c + 1) * V2_CHUNK, L);
+    const size_t pbase = ((size_t)i * H + (size_t)g * group) * chunks + c;  // head h0, chunk c
+    if (j0 >= j1) {  // nothing of this row in the chunk: an empty partial
+        for (int h = threadIdx.x; h < group; h += blockDim.x) {
+            part_m[pbase + (size_t)h * chunks] = -INFINITY;
+            part_l[pbase + (size_t)h * chunks] = 0.0f;
+        }
+        return;
+    }
+    float q[GM][EPL], acc[GM][EPL], m[GM], l[GM];  // GM >= group: registers for its heads
 #pragma unroll
     for (int h = 0; h < GM; h++) {
         if (h >= group) break;
-        dec3_unpack8(dec3_load8(qkv + (size_t)i * QKV + (size_t)(g * group + h) * HD, d0, HD, vec),
-                     q[h]);
+        v2_load_lane<EPL>(qkv + (size_t)i * QKV + (size_t)(g * group + h) * HD, lane, HD, vec,
+                          q[h]);
 #pragma unroll
-        for (int e = 0; e < 8; e++) {
-            q[h][e] *= qscale;
+        for (int e = 0; e < EPL; e++) {
+            q[h][e] *= scale;
             acc[h][e] = 0.0f;
         }
         m[h] = -INFINITY;
@@ -184,115 +178,67 @@ __global__ void __launch_bounds__(DEC3_WARPS * 32)
     }
     const bf16* kb = kc + (size_t)slot[i] * maxT * KD + (size_t)g * HD;
     const bf16* vb = vc + (size_t)slot[i] * maxT * KD + (size_t)g * HD;
-    uint4 kr[T], vr[T];
-    int jt = j0 + warp * TK;
+    for (int j = j0 + warp * V2_UNROLL; j < j1; j += V2_WARPS * V2_UNROLL) {
+        float k[V2_UNROLL][EPL], v[V2_UNROLL][EPL];
+        const int nk = min(V2_UNROLL, j1 - j);
 #pragma unroll
-    for (int t = 0; t < T; t++) {
-        const int j = jt + t * KPW + sub;
-        kr[t] = j < j1 ? dec3_load8(kb + (size_t)j * KD, d0, HD, vec) : make_uint4(0, 0, 0, 0);
-        vr[t] = j < j1 ? dec3_load8(vb + (size_t)j * KD, d0, HD, vec) : make_uint4(0, 0, 0, 0);
-    }
-    for (; jt < j1; jt += DEC3_WARPS * TK) {
-        // the next tile's loads go out before this tile's math
-        uint4 kn[T], vn[T];
-        const int jn = jt + DEC3_WARPS * TK;
+        for (int u = 0; u < V2_UNROLL; u++) {
+            if (u < nk) {
+                v2_load_lane<EPL>(kb + (size_t)(j + u) * KD, lane, HD, vec, k[u]);
+                v2_load_lane<EPL>(vb + (size_t)(j + u) * KD, lane, HD, vec, v[u]);
+            } else {  // past the chunk: weight 0, and 0 · v must not meet garbage (NaN)
 #pragma unroll
-        for (int t = 0; t < T; t++) {
-            const int j = jn + t * KPW + sub;
-            kn[t] = j < j1 ? dec3_load8(kb + (size_t)j * KD, d0, HD, vec) : make_uint4(0, 0, 0, 0);
-            vn[t] = j < j1 ? dec3_load8(vb + (size_t)j * KD, d0, HD, vec) : make_uint4(0, 0, 0, 0);
+                for (int e = 0; e < EPL; e++) k[u][e] = v[u][e] = 0.0f;
+            }
         }
-        float s[T][GM];
 #pragma unroll
-        for (int t = 0; t < T; t++) {
-            float kf[8];
-            dec3_unpack8(kr[t], kf);
-            const int valid = jt + t * KPW + sub < j1;
+        for (int h = 0; h < GM; h++) {
+            if (h >= group) break;
+            float s[V2_UNROLL], mx = m[h];
 #pragma unroll
-            for (int h = 0; h < GM; h++) {
-                if (h >= group) break;
+            for (int u = 0; u < V2_UNROLL; u++) {
                 float d = 0.0f;
 #pragma unroll
-                for (int e = 0; e < 8; e++) d = fmaf(q[h][e], kf[e], d);
-#pragma unroll
-                for (int o = LPK / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-                s[t][h] = valid ? d : -INFINITY;
+                for (int e = 0; e < EPL; e++) d += q[h][e] * k[u][e];
+                s[u] = u < nk ? warp_sum(d) : -INFINITY;
+                mx = fmaxf(mx, s[u]);
             }
-        }
-#pragma unroll
-        for (int h = 0; h < GM; h++) {
-            if (h >= group) break;
-            float mx = m[h];
-#pragma unroll
-            for (int t = 0; t < T; t++) mx = fmaxf(mx, s[t][h]);
-            const float base = mx == -INFINITY ? 0.0f : mx;  // no key yet: every weight 0
-            const float corr = exp2f(m[h] - base);
+            const float corr = __expf(m[h] - mx);  // m = -inf at the start: 0
             l[h] *= corr;
 #pragma unroll
-            for (int e = 0; e < 8; e++) acc[h][e] *= corr;
+            for (int e = 0; e < EPL; e++) acc[h][e] *= corr;
+#pragma unroll
+            for (int u = 0; u < V2_UNROLL; u++) {
+                const float p = __expf(s[u] - mx);  // s = -inf past the chunk: 0
+                l[h] += p;
+#pragma unroll
+                for (int e = 0; e < EPL; e++) acc[h][e] += p * v[u][e];
+            }
             m[h] = mx;
-#pragma unroll
-            for (int t = 0; t < T; t++) s[t][h] = exp2f(s[t][h] - base);
-        }
-#pragma unroll
-        for (int t = 0; t < T; t++) {
-            float vf[8];
-            dec3_unpack8(vr[t], vf);
-#pragma unroll
-            for (int h = 0; h < GM; h++) {
-                if (h >= group) break;
-                l[h] += s[t][h];
-#pragma unroll
-                for (int e = 0; e < 8; e++) acc[h][e] = fmaf(s[t][h], vf[e], acc[h][e]);
-            }
-        }
-#pragma unroll
-        for (int t = 0; t < T; t++) {
-            kr[t] = kn[t];
-            vr[t] = vn[t];
         }
     }
-    // the warp's key groups merged by an xor butterfly (lanes of key group 0 keep the result)
+    // the warps' partial softmaxes merged in warp order
 #pragma unroll
-    for (int o = LPK; o < 32; o <<= 1) {
-#pragma unroll
-        for (int h = 0; h < GM; h++) {
-            if (h >= group) break;
-            const float mo = __shfl_xor_sync(0xffffffffu, m[h], o);
-            const float lo = __shfl_xor_sync(0xffffffffu, l[h], o);
-            const float M = fmaxf(m[h], mo);
-            const float fa = m[h] == -INFINITY ? 0.0f : exp2f(m[h] - M);
-            const float fb = mo == -INFINITY ? 0.0f : exp2f(mo - M);
-            l[h] = l[h] * fa + lo * fb;
-#pragma unroll
-            for (int e = 0; e < 8; e++)
-                acc[h][e] = acc[h][e] * fa + __shfl_xor_sync(0xffffffffu, acc[h][e], o) * fb;
-            m[h] = M;
+    for (int h = 0; h < GM; h++) {
+        if (h >= group) break;
+        if (lane == 0) {
+            s_m[warp][h] = m[h];
+            s_l[warp][h] = l[h];
         }
-    }
-    // then the warps in index order
-    if (sub == 0) {
 #pragma unroll
-        for (int h = 0; h < GM; h++) {
-            if (h >= group) break;
-            if (lane == 0) {
-                s_m[warp][h] = m[h];
-                s_l[warp][h] = l[h];
-            }
-#pragma unroll
-            for (int e = 0; e < 8; e++)
-                if (d0 + e < HD) s_o[((size_t)warp * group + h) * HD + d0 + e] = acc[h][e];
+        for (int e = 0; e < EPL; e++) {
+            const int d = lane * EPL + e;
+            if (d < HD) s_o[((size_t)warp * group + h) * HD + d] = acc[h][e];
         }
     }
     __syncthreads();
-    const size_t pbase = ((size_t)i * H + (size_t)g * group) * chunks + c;  // head h0, chunk c
     for (int x = threadIdx.x; x < group * HD; x += blockDim.x) {
         const int h = x / HD, d = x % HD;
         float M = -INFINITY;
-        for (int w = 0; w < DEC3_WARPS; w++) M = fmaxf(M, s_m[w][h]);
+        for (int w = 0; w < V2_WARPS; w++) M = fmaxf(M, s_m[w][h]);
         float sl = 0.0f, so = 0.0f;
-        for (int w = 0; w < DEC3_WARPS; w++) {
-            const float f = s_m[w][h] == -INFINITY ? 0.0f : exp2f(s_m[w][h] - M);
+        for (int w = 0; w < V2_WARPS; w++) {
+            const float f = s_m[w][h] == -INFINITY ? 0.0f : __expf(s_m[w][h] - M);
             sl += s_l[w][h] * f;
             so += s_o[((size_t)w * group + h) * HD + d] * f;
         }
@@ -305,28 +251,22 @@ __global__ void __launch_bounds__(DEC3_WARPS * 32)
     }
 }
 
-// Block (row i, head h): the chunks holding keys of the row merged in order, the sink logit
-// added, out = o / Σ.
-__global__ void dec3_combine_kernel(bf16* __restrict__ out, const float* __restrict__ part_m,
-                                    const float* __restrict__ part_l,
-                                    const float* __restrict__ part_o,
-                                    const bf16* __restrict__ sinks,
-                                    const int32_t* __restrict__ len, int H, int HD, int chunks,
-                                    int window) {
-    const float LOG2E = 1.4426950408889634f;
-    const int i = blockIdx.x, h = blockIdx.y, L = len[i];
-    const int first = window > 0 && L > window ? L - window : 0;
-    const int c0 = first / DEC3_CHUNK, c1 = min(chunks, (L + DEC3_CHUNK - 1) / DEC3_CHUNK);
+// Block (row i, head h): its chunks merged in order, the sink logit added, out = o / Σ.
+__global__ void v2_combine_kernel(bf16* __restrict__ out, const float* __restrict__ part_m,
+                                  const float* __restrict__ part_l,
+                                  const float* __restrict__ part_o, const bf16* __restrict__ sinks,
+                                  const int32_t* __restrict__ len, int H, int HD, int chunks) {
+    const int i = blockIdx.x, h = blockIdx.y;
+    const int used = min(chunks, (len[i] + V2_CHUNK - 1) / V2_CHUNK);
     const size_t pb = ((size_t)i * H + h) * chunks;
-    const float sink = sinks ? __bfloat162float(sinks[h]) * LOG2E : -INFINITY;
-    float M = sink;
-    for (int c = c0; c < c1; c++) M = fmaxf(M, part_m[pb + c]);
+    float M = sinks ? __bfloat162float(sinks[h]) : -INFINITY;
+    for (int c = 0; c < used; c++) M = fmaxf(M, part_m[pb + c]);
     for (int d = threadIdx.x; d < HD; d += blockDim.x) {
-        float den = sinks ? exp2f(sink - M) : 0.0f, o = 0.0f;
-        for (int c = c0; c < c1; c++) {
+        float den = sinks ? __expf(__bfloat162float(sinks[h]) - M) : 0.0f, o = 0.0f;
+        for (int c = 0; c < used; c++) {
             const float mc = part_m[pb + c];
             if (mc == -INFINITY) continue;
-            const float f = exp2f(mc - M);
+            const float f = __expf(mc - M);
             den += part_l[pb + c] * f;
             o += part_o[(pb + c) * HD + d] * f;
         }
@@ -334,77 +274,61 @@ __global__ void dec3_combine_kernel(bf16* __restrict__ out, const float* __restr
     }
 }
 
-// small: half the keys per tile (variant 4: fewer registers, more warps resident)
-template <int LPK, int GM>
-static void dec3_launch_partial(CudaCtx* cx, float* pm, float* pl, float* po, const bf16* qkv,
-                                const bf16* kc, const bf16* vc, const int32_t* slot,
-                                const int32_t* len, int n, int maxT, int H, int KVH, int HD,
-                                int window, int chunks, int vec, int small) {
-    constexpr int T = GM >= 8 ? 2 : 4;  // 8 heads: fewer keys per tile (registers)
+template <int EPL, int GM>
+static void v2_launch_partial_gm(CudaCtx* cx, float* pm, float* pl, float* po, const bf16* qkv,
+                                 const bf16* kc, const bf16* vc, const int32_t* slot,
+                                 const int32_t* len, int n, int maxT, int H, int KVH, int HD,
+                                 int window, int chunks) {
     const dim3 grid(n, KVH, chunks);
-    const size_t smem = (size_t)DEC3_WARPS * (H / KVH) * HD * sizeof(float);
-    const float qscale = 1.4426950408889634f / sqrtf((float)HD);
-    if (small)
-        dec3_partial_kernel<LPK, GM, T / 2><<<grid, DEC3_WARPS * 32, smem, cx->stream>>>(
-            pm, pl, po, qkv, kc, vc, slot, len, maxT, H, KVH, HD, window, chunks, qscale, vec);
-    else
-        dec3_partial_kernel<LPK, GM, T><<<grid, DEC3_WARPS * 32, smem, cx->stream>>>(
-            pm, pl, po, qkv, kc, vc, slot, len, maxT, H, KVH, HD, window, chunks, qscale, vec);
+    const size_t smem = (size_t)V2_WARPS * (H / KVH) * HD * sizeof(float);
+    // 8-byte lane loads: HD a multiple of 4 (then every head and row is 8-byte aligned when the
+    // buffers are)
+    const int vec = HD % 4 == 0 && ((uintptr_t)qkv & 7) == 0 && ((uintptr_t)kc & 7) == 0 &&
+                    ((uintptr_t)vc & 7) == 0;
+    v2_partial_kernel<EPL, GM><<<grid, V2_WARPS * 32, smem, cx->stream>>>(
+        pm, pl, po, qkv, kc, vc, slot, len, maxT, H, KVH, HD, window, chunks,
+        1.0f / sqrtf((float)HD), vec);
     cuda_check_launch();
 }
 
-template <int LPK>
-static void dec3_launch_group(CudaCtx* cx, float* pm, float* pl, float* po, const bf16* qkv,
+template <int EPL>
+static void v2_launch_partial(CudaCtx* cx, float* pm, float* pl, float* po, const bf16* qkv,
                               const bf16* kc, const bf16* vc, const int32_t* slot,
                               const int32_t* len, int n, int maxT, int H, int KVH, int HD,
-                              int window, int chunks, int vec, int small) {
-    const int group = H / KVH;
-    if (group <= 2)
-        dec3_launch_partial<LPK, 2>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H, KVH, HD,
-                                    window, chunks, vec, small);
-    else if (group <= 4)
-        dec3_launch_partial<LPK, 4>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H, KVH, HD,
-                                    window, chunks, vec, small);
+                              int window, int chunks) {
+    if (H / KVH <= 2)
+        v2_launch_partial_gm<EPL, 2>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H, KVH, HD,
+                                     window, chunks);
     else
-        dec3_launch_partial<LPK, 8>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H, KVH, HD,
-                                    window, chunks, vec, small);
+        v2_launch_partial_gm<EPL, DEC_MAX_GROUP>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H,
+                                                 KVH, HD, window, chunks);
 }
 
-static size_t dec3_scratch_bytes(int n, int maxT, int H, int HD) {
-    const size_t chunks = (size_t)(maxT + DEC3_CHUNK - 1) / DEC3_CHUNK;
-    return (size_t)n * H * chunks * (HD + 2) * sizeof(float);
-}
-
-static void dec3_attention(CudaCtx* cx, bf16* out, const bf16* qkv, const bf16* kc,
-                           const bf16* vc, const int32_t* slot, const int32_t* len,
-                           const bf16* sinks, int n, int maxT, int H, int KVH, int HD,
-                           int window, int small) {
+static void v2_attention_decode(CudaCtx* cx, bf16* out, const bf16* qkv, const bf16* kc,
+                                const bf16* vc, const int32_t* slot, const int32_t* len,
+                                const bf16* sinks, int n, int maxT, int H, int KVH, int HD,
+                                int window) {
     if (n <= 0) return;
-    if (!(KVH > 0 && H % KVH == 0 && H / KVH <= 8 && HD <= 256))
-        fatal("decode attention v3: %d query heads over %d kv heads of dim %d", H, KVH, HD);
-    const int chunks = (maxT + DEC3_CHUNK - 1) / DEC3_CHUNK;
+    const int chunks = (maxT + V2_CHUNK - 1) / V2_CHUNK;
     const size_t np = (size_t)n * H * chunks;
-    float* pm = (float*)cuda_scratch(cx, SCRATCH_ATTN, dec3_scratch_bytes(n, maxT, H, HD));
+    float* pm =
+        (float*)cuda_scratch(cx, SCRATCH_ATTN, (size_t)n * H * chunks * (HD + 2) * sizeof(float));
     float* pl = pm + np;
     float* po = pl + np;
-    const int vec = HD % 8 == 0 && is_aligned16(qkv) && is_aligned16(kc) && is_aligned16(vc);
-    if (HD <= 16)
-        dec3_launch_group<2>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H, KVH, HD, window,
-                             chunks, vec, small);
-    else if (HD <= 32)
-        dec3_launch_group<4>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H, KVH, HD, window,
-                             chunks, vec, small);
+    if (HD <= 32)
+        v2_launch_partial<1>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H, KVH, HD, window,
+                             chunks);
     else if (HD <= 64)
-        dec3_launch_group<8>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H, KVH, HD, window,
-                             chunks, vec, small);
+        v2_launch_partial<2>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H, KVH, HD, window,
+                             chunks);
     else if (HD <= 128)
-        dec3_launch_group<16>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H, KVH, HD, window,
-                              chunks, vec, small);
+        v2_launch_partial<4>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H, KVH, HD, window,
+                             chunks);
     else
-        dec3_launch_group<32>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H, KVH, HD, window,
-                              chunks, vec, small);
-    dec3_combine_kernel<<<dim3(n, H), HD <= 128 ? 128 : 256, 0, cx->stream>>>(
-        out, pm, pl, po, sinks, len, H, HD, chunks, window);
+        v2_launch_partial<8>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H, KVH, HD, window,
+                             chunks);
+    v2_combine_kernel<<<dim3(n, H), HD <= 128 ? 128 : 256, 0, cx->stream>>>(out, pm, pl, po, sinks,
+                                                                            len, H, HD, chunks);
     cuda_check_launch();
 }
 
@@ -415,12 +339,12 @@ static void decode_attention(int variant, CudaCtx* cx, bf16* out, const bf16* qk
         decode_attention_naive_kernel<<<dim3(s.n, s.H), 128, (size_t)s.maxT * 4, cx->stream>>>(
             out, qkv, kc, vc, slot, len, sinks, s.maxT, s.H, s.KVH, s.HD, s.window);
         cuda_check_launch();
-    } else if (variant >= 3) {
-        dec3_attention(cx, out, qkv, kc, vc, slot, len, sinks, s.n, s.maxT, s.H, s.KVH, s.HD,
-                       s.window, variant == 4);
-    } else {
-        cuda_attention_decode(cx, out, qkv, kc, vc, slot, len, sinks, s.n, s.maxT, s.H, s.KVH,
-                              s.HD, s.window);
+    } else if (variant == 2) {
+        v2_attention_decode(cx, out, qkv, kc, vc, slot, len, sinks, s.n, s.maxT, s.H, s.KVH, s.HD,
+                            s.window);
+    } else {  // 3: production; 4: half tiles; 5: 256-key chunks
+        attention_decode_with(cx, out, qkv, kc, vc, slot, len, sinks, s.n, s.maxT, s.H, s.KVH,
+                              s.HD, s.window, variant == 5 ? 256 : DEC_CHUNK, variant == 4);
     }
 }
 
@@ -527,8 +451,8 @@ static void validate_rope_append(Lab* lab, Rng* r) {
 }
 
 // The sampler: greedy = the first argmax; tempered = the fp64 walk's token with the same uniform.
-static void validate_sampler(Lab* lab, Rng* r) {
-    const int n = 32, V = 50000;
+static void validate_sampler(Lab* lab, Rng* r, int V) {
+    const int n = 32;
     std::vector<float> z = rand_bf16(r, (size_t)n * V, 3.0f), u(n);
     for (int i = 0; i < n; i++) u[i] = rng_uniform(r);
     bf16* d_z = dev_upload_bf16(z);
@@ -565,8 +489,9 @@ static void validate_sampler(Lab* lab, Rng* r) {
             }
             same += tok[i] == want;
         }
-        char what[96];
-        snprintf(what, sizeof what, "sampler %s: %d of %d tokens as the fp64 walk's, logp err %.1e",
+        char what[128];
+        snprintf(what, sizeof what,
+                 "sampler V=%d %s: %d of %d tokens as the fp64 walk's, logp err %.1e", V,
                  greedy ? "greedy" : "T=0.7", same, n, worst);
         lab_check_true(lab, what, same == n && worst < 1e-4);
     }
@@ -592,10 +517,9 @@ static void bench_attention(Lab* lab, int n, int L, int H, int KVH, int HD, cons
     char shape[128];
     snprintf(shape, sizeof shape, "%s n=%d L=%d H=%d KVH=%d HD=%d", model, n, L, H, KVH, HD);
     const double bytes = 2.0 * n * L * KD * 2 + (double)n * (QKV + H * HD) * 2;
-    for (int v = 1; v <= 4; v++) {
+    for (int v = 1; v <= 5; v++) {
         if (!lab_wants(&lab->args, v)) continue;
         if (v == 1 && (size_t)L * 4 > 48 * 1024) continue;  // the naive kernel's logits
-        if (v == 2 && !cuda_attention_decode_supports(H, KVH, HD)) continue;
         const double ms = lab_time_ms(lab, [&] {
             decode_attention(v, cx, out, qkv, kc, vc, d_slot, d_len, NULL, s);
         });
@@ -608,10 +532,11 @@ static void bench_attention(Lab* lab, int n, int L, int H, int KVH, int HD, cons
 static void bench(Lab* lab) {
     const int n = 128;
     CudaCtx* cx = lab->cx;
-    printf("\nbenchmark (one layer of a decode step: 128 sequences; GRPO's bench averages L ~ 270)\n");
+    printf("\nbenchmark (one layer of a decode step, 128 sequences; GRPO's bench: L ~ 270)\n");
     lab_bench_header_bw();
     lab_report_copy(lab, (size_t)256 << 20);
-    for (int L : {16, 128, 272, 512, 1024, 4096}) bench_attention(lab, n, L, 16, 8, 128, "qwen3-1.7b");
+    for (int L : {16, 128, 272, 512, 1024, 4096})
+        bench_attention(lab, n, L, 16, 8, 128, "qwen3-1.7b");
     bench_attention(lab, n, 1024, 32, 8, 128, "llama-8b");
     bench_attention(lab, n, 1024, 64, 8, 64, "gpt-oss-20b");
     const int V = 151936;
@@ -624,7 +549,7 @@ static void bench(Lab* lab) {
         const double ms = lab_time_ms(lab, [&] {
             cuda_sample_tokens(cx, tok, lp, z, d_u, n, V, temperature);
         });
-        lab_report_bw(temperature > 0 ? "sampler (T=1)" : "sampler (greedy)", 2,
+        lab_report_bw(temperature > 0 ? "sampler (T=1)" : "sampler (greedy)", 3,
                       "n=128 V=151936", "logits once", (double)n * V * 2, ms);
     }
     void* bufs[] = {z, d_u, tok, lp};
@@ -635,9 +560,11 @@ static void bench(Lab* lab) {
 
 static const char* VARIANTS =
     "  1  naive: one block per (row, query head), one pass over the row's keys\n"
-    "  2  production (kernels/decode.cu): split-K chunks per (row, kv head), ordered combine\n"
-    "  3  16-byte lane loads of whole key rows, next tile in flight, 128-key chunks\n"
-    "  4  variant 3 with half the keys per tile (fewer registers, more warps per SM)\n";
+    "  2  the previous production: 256-key split-K chunks, 8-byte lane loads, warp sums per key\n"
+    "  3  production (kernels/decode.cu): 16-byte lane loads of whole key rows, next tile in\n"
+    "     flight, 128-key split-K chunks, ordered combine\n"
+    "  4  variant 3 with half the keys per tile\n"
+    "  5  variant 3 with 256-key chunks\n";
 
 static void validate_variant(Lab* lab, int v, Rng* r) {
     validate_attention(lab, v, r, DecShape{9, 600, 16, 8, 128, 0, 0});    // Qwen3-1.7B
@@ -648,14 +575,15 @@ static void validate_variant(Lab* lab, int v, Rng* r) {
     validate_attention(lab, v, r, DecShape{4, 200, 4, 4, 256, 0, 1});     // group 1, HD 256
     validate_attention(lab, v, r, DecShape{4, 40, 4, 1, 16, 0, 0});       // test-qwen3's heads
     validate_attention(lab, v, r, DecShape{5, 70, 6, 2, 12, 0, 1});       // HD not a multiple of 4
-    if (v == 2) {
+    if (v == 3) {
         validate_rope_append(lab, r);
-        validate_sampler(lab, r);
+        validate_sampler(lab, r, 50000);  // 16-byte loads
+        validate_sampler(lab, r, 4099);   // V not a multiple of 8: element by element
     }
 }
 
 static void bench_lab(Lab* lab, Rng*) { bench(lab); }
 
 int main(int argc, char** argv) {
-    return lab_main(argc, argv, "decode", VARIANTS, 4, 4, validate_variant, bench_lab);
+    return lab_main(argc, argv, "decode", VARIANTS, 5, 5, validate_variant, bench_lab);
 }
