@@ -10,11 +10,16 @@
  * Decode attention, split-K over the keys: the keys of a row are cut into fixed chunks of
  * DEC_CHUNK positions (a function of the position only, never of the batch or the device), one
  * block per (row, kv head, chunk) holds the H/KVH query heads of its group, so every key and
- * value is read once per group (GQA). Inside a block each warp takes keys warp, warp + W, ...,
- * DEC_UNROLL at a time (loads in flight), with an online softmax per head in fp32; the warps
- * merge in index order. Each chunk leaves (max, sum, unnormalised output) in fp32 scratch; a
- * second kernel merges a row's chunks in chunk order, adds the sink logit, divides and rounds:
- * the same bits for the same inputs on every run, whatever else is in the batch.
+ * value is read once per group (GQA). The cache rows (slot, position, KVH·HD) put one kv head's
+ * HD elements of a key contiguous: HD/8 lanes read them with one 16-byte load each, so a warp
+ * load covers 256/HD whole keys (two for HD 128: two aligned 256-byte runs, every sector used).
+ * Each warp walks tiles of keys with the next tile's keys and values already in flight while the
+ * current tile is computed (a memory-bound kernel needs the bytes in flight, not more warps), an
+ * online softmax per head in fp32 in the log2 domain (q pre-scaled by log2 e / sqrt(HD)); its
+ * lane groups merge by an xor butterfly, the warps in index order. Each chunk leaves (max, sum,
+ * unnormalised output) in fp32 scratch; a second kernel merges a row's chunks in chunk order,
+ * adds the sink logit, divides and rounds: the same bits for the same inputs on every run,
+ * whatever else is in the batch.
  *
  * Sampler: one block per row. Pass 1 finds the max (and the first index holding it: greedy);
  * pass 2 sums expf((z - max) / temperature) per thread over a contiguous slice of the vocabulary
@@ -22,6 +27,9 @@
  * where the host's uniform draw u · Σ falls walks its tokens in vocabulary order: the CPU's
  * inverse-CDF walk (generate.c gen_sample), so both draw the same token from the same u unless
  * two cumulative sums straddle u · Σ within rounding. logp = (z_tok - max)/temperature - log Σ.
+ * A row of 8-aligned width is read with 16-byte loads (pass 1 strided over the block, several in
+ * flight; pass 2's slices are whole 8-token words), and the walk computes 8 terms at a time (the
+ * exps are independent; only the running subtraction is serial).
  */
 #include <math.h>
 
@@ -29,9 +37,8 @@
 #include "decode.h"
 #include "rope.cuh"
 
-#define DEC_CHUNK 256     // keys per split-K chunk
+#define DEC_CHUNK 128     // keys per split-K chunk (a function of the position only)
 #define DEC_WARPS 4       // warps per attention block
-#define DEC_UNROLL 4      // keys per warp per iteration
 #define DEC_MAX_GROUP 8   // query heads per kv head held by one block
 #define ROPE_APPEND_THREADS 256
 #define SAMPLE_THREADS 1024
@@ -93,234 +100,317 @@ void cuda_decode_rope_append(CudaCtx* cx, bf16* out, bf16* kc, bf16* vc, const b
 // ----------------------------------------------------------------------------
 // decode attention: split-K partials, then the ordered combine
 
-// EPL consecutive head-dim elements per lane (lane * EPL ...), zero past HD. vec: one 8-byte
-// access per lane (EPL 4, every head 8-byte aligned: the launcher checks).
-template <int EPL>
-__device__ __forceinline__ void load_lane(const bf16* p, int lane, int HD, int vec, float* f) {
-    const int d0 = lane * EPL;
-    if (EPL == 4 && vec && d0 + 4 <= HD) {
-        uint2 u = *reinterpret_cast<const uint2*>(p + d0);
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-        float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
-        f[0] = a.x;
-        f[1] = a.y;
-        f[2] = b.x;
-        f[3] = b.y;
-        return;
-    }
+// The launch's shape and buffers (one struct: the kernels take it by value).
+typedef struct DecAttn {
+    float* part_m;    // (n, H, chunks) running max of each partial, log2 units
+    float* part_l;    // (n, H, chunks) its sum of weights
+    float* part_o;    // (n, H, chunks, HD) its unnormalised output
+    const bf16* qkv;  // (n, QKV) post-RoPE q, k, v of each row
+    const bf16* kc;   // (slots, maxT, KVH*HD)
+    const bf16* vc;
+    const int32_t* slot;  // (n)
+    const int32_t* len;   // (n) keys of each row (its position + 1)
+    int maxT, H, KVH, HD, window, chunk, chunks;
+    float qscale;  // log2(e) / sqrt(HD): the logits in log2 units
+    int vec;       // HD a multiple of 8 and every buffer 16-byte aligned
+} DecAttn;
+
+// 8 consecutive head-dim elements d0 .. d0+7 of a bf16 row as one 16-byte word, zeros past HD
+// (vec: one access; else element by element).
+__device__ __forceinline__ uint4 dec_load8(const bf16* p, int d0, int HD, int vec) {
+    if (vec) return d0 < HD ? *reinterpret_cast<const uint4*>(p + d0) : make_uint4(0, 0, 0, 0);
+    uint32_t w[4];
 #pragma unroll
-    for (int e = 0; e < EPL; e++) f[e] = d0 + e < HD ? __bfloat162float(p[d0 + e]) : 0.0f;
+    for (int k = 0; k < 4; k++) {
+        const bf16 zero = __float2bfloat16_rn(0.0f);
+        const int a = d0 + 2 * k;
+        const __nv_bfloat162 pair =
+            __halves2bfloat162(a < HD ? p[a] : zero, a + 1 < HD ? p[a + 1] : zero);
+        w[k] = *reinterpret_cast<const uint32_t*>(&pair);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// Block (row i, kv head g, chunk c): keys [c·DEC_CHUNK, ...) ∩ [first, len) of row i's slot, for
-// the `group` query heads of g. part_m, part_l (n, H, chunks), part_o (n, H, chunks, HD).
-template <int EPL, int GM>
-__global__ void decode_attention_partial_kernel(float* __restrict__ part_m,
-                                                float* __restrict__ part_l,
-                                                float* __restrict__ part_o,
-                                                const bf16* __restrict__ qkv,
-                                                const bf16* __restrict__ kc,
-                                                const bf16* __restrict__ vc,
-                                                const int32_t* __restrict__ slot,
-                                                const int32_t* __restrict__ len, int maxT, int H,
-                                                int KVH, int HD, int window, int chunks,
-                                                float scale, int vec) {
-    __shared__ float s_m[DEC_WARPS][DEC_MAX_GROUP], s_l[DEC_WARPS][DEC_MAX_GROUP];
-    extern __shared__ float s_o[];  // (DEC_WARPS, group, HD)
-    const int i = blockIdx.x, g = blockIdx.y, c = blockIdx.z;
-    const int group = H / KVH, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int QKV = (H + 2 * KVH) * HD, KD = KVH * HD;
-    const int L = len[i], first = window > 0 && L > window ? L - window : 0;
-    const int j0 = max(c * DEC_CHUNK, first), j1 = min((c + 1) * DEC_CHUNK, L);
-    const size_t pbase = ((size_t)i * H + (size_t)g * group) * chunks + c;  // head h0, chunk c
-    if (j0 >= j1) {  // nothing of this row in the chunk: an empty partial
-        for (int h = threadIdx.x; h < group; h += blockDim.x) {
-            part_m[pbase + (size_t)h * chunks] = -INFINITY;
-            part_l[pbase + (size_t)h * chunks] = 0.0f;
-        }
-        return;
+__device__ __forceinline__ void dec_unpack8(uint4 u, float* f) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const float2 t = __bfloat1622float2(h[k]);
+        f[2 * k] = t.x;
+        f[2 * k + 1] = t.y;
     }
-    float q[GM][EPL], acc[GM][EPL], m[GM], l[GM];  // GM >= group: registers for its heads
+}
+
+// Block (row i, kv head g, chunk c): keys [c·chunk, (c+1)·chunk) ∩ [first, len) of row i's slot
+// for the `group` query heads of g (group <= GM). LPK lanes hold one key (8 head-dim elements
+// each), so a warp load covers KPW = 32/LPK whole keys; warp w takes tiles of TK = T·KPW keys at
+// j0 + (w + k·DEC_WARPS)·TK, the next tile's loads issued before the current tile's math. Each
+// group of LPK lanes keeps its own online softmax; the warp merges them by an xor butterfly, the
+// block its warps in index order, into the chunk's partial.
+template <int LPK, int GM, int T>
+__global__ void __launch_bounds__(DEC_WARPS * 32) decode_attention_partial_kernel(DecAttn a) {
+    constexpr int KPW = 32 / LPK, TK = KPW * T;
+    __shared__ float s_m[DEC_WARPS][GM], s_l[DEC_WARPS][GM];
+    extern __shared__ float s_o[];  // (DEC_WARPS, group, HD)
+    const int i = blockIdx.x, g = blockIdx.y, c = blockIdx.z, HD = a.HD;
+    const int group = a.H / a.KVH, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int sub = lane / LPK, d0 = (lane % LPK) * 8;  // key within a warp load, its elements
+    const int QKV = (a.H + 2 * a.KVH) * HD, KD = a.KVH * HD;
+    const int L = a.len[i], first = a.window > 0 && L > a.window ? L - a.window : 0;
+    const int j0 = max(c * a.chunk, first), j1 = min((c + 1) * a.chunk, L);
+    if (j0 >= j1) return;  // the combine reads only the chunks holding keys of the row
+    float q[GM][8], acc[GM][8], m[GM], l[GM];
 #pragma unroll
     for (int h = 0; h < GM; h++) {
         if (h >= group) break;
-        load_lane<EPL>(qkv + (size_t)i * QKV + (size_t)(g * group + h) * HD, lane, HD, vec,
-                       q[h]);
+        const bf16* qh = a.qkv + (size_t)i * QKV + (size_t)(g * group + h) * HD;
+        dec_unpack8(dec_load8(qh, d0, HD, a.vec), q[h]);
 #pragma unroll
-        for (int e = 0; e < EPL; e++) {
-            q[h][e] *= scale;
+        for (int e = 0; e < 8; e++) {
+            q[h][e] *= a.qscale;
             acc[h][e] = 0.0f;
         }
         m[h] = -INFINITY;
         l[h] = 0.0f;
     }
-    const bf16* kb = kc + (size_t)slot[i] * maxT * KD + (size_t)g * HD;
-    const bf16* vb = vc + (size_t)slot[i] * maxT * KD + (size_t)g * HD;
-    for (int j = j0 + warp * DEC_UNROLL; j < j1; j += DEC_WARPS * DEC_UNROLL) {
-        float k[DEC_UNROLL][EPL], v[DEC_UNROLL][EPL];
-        const int nk = min(DEC_UNROLL, j1 - j);
+    const size_t at = (size_t)a.slot[i] * a.maxT * KD + (size_t)g * HD;
+    const bf16* kb = a.kc + at;
+    const bf16* vb = a.vc + at;
+    uint4 kr[T], vr[T];  // the tile being computed
+    int jt = j0 + warp * TK;
 #pragma unroll
-        for (int u = 0; u < DEC_UNROLL; u++) {
-            if (u < nk) {
-                load_lane<EPL>(kb + (size_t)(j + u) * KD, lane, HD, vec, k[u]);
-                load_lane<EPL>(vb + (size_t)(j + u) * KD, lane, HD, vec, v[u]);
-            } else {  // past the chunk: weight 0, and 0 · v must not meet garbage (NaN)
+    for (int t = 0; t < T; t++) {
+        const int j = jt + t * KPW + sub;
+        kr[t] = j < j1 ? dec_load8(kb + (size_t)j * KD, d0, HD, a.vec) : make_uint4(0, 0, 0, 0);
+        vr[t] = j < j1 ? dec_load8(vb + (size_t)j * KD, d0, HD, a.vec) : make_uint4(0, 0, 0, 0);
+    }
+    for (; jt < j1; jt += DEC_WARPS * TK) {
+        uint4 kn[T], vn[T];  // the next tile, in flight during this one's math
+        const int jn = jt + DEC_WARPS * TK;
 #pragma unroll
-                for (int e = 0; e < EPL; e++) k[u][e] = v[u][e] = 0.0f;
+        for (int t = 0; t < T; t++) {
+            const int j = jn + t * KPW + sub;
+            kn[t] = j < j1 ? dec_load8(kb + (size_t)j * KD, d0, HD, a.vec) : make_uint4(0, 0, 0, 0);
+            vn[t] = j < j1 ? dec_load8(vb + (size_t)j * KD, d0, HD, a.vec) : make_uint4(0, 0, 0, 0);
+        }
+        float s[T][GM];  // logits, then weights (0 past the chunk: its k and v are zeros)
+#pragma unroll
+        for (int t = 0; t < T; t++) {
+            float kf[8];
+            dec_unpack8(kr[t], kf);
+            const int valid = jt + t * KPW + sub < j1;
+#pragma unroll
+            for (int h = 0; h < GM; h++) {
+                if (h >= group) break;
+                float d = 0.0f;
+#pragma unroll
+                for (int e = 0; e < 8; e++) d = fmaf(q[h][e], kf[e], d);
+#pragma unroll
+                for (int o = LPK / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+                s[t][h] = valid ? d : -INFINITY;
             }
         }
 #pragma unroll
         for (int h = 0; h < GM; h++) {
             if (h >= group) break;
-            float s[DEC_UNROLL], mx = m[h];
+            float mx = m[h];
 #pragma unroll
-            for (int u = 0; u < DEC_UNROLL; u++) {
-                float d = 0.0f;
-#pragma unroll
-                for (int e = 0; e < EPL; e++) d += q[h][e] * k[u][e];
-                s[u] = u < nk ? warp_sum(d) : -INFINITY;
-                mx = fmaxf(mx, s[u]);
-            }
-            const float corr = __expf(m[h] - mx);  // m = -inf at the start: 0
+            for (int t = 0; t < T; t++) mx = fmaxf(mx, s[t][h]);
+            const float base = mx == -INFINITY ? 0.0f : mx;  // no key yet: every weight 0
+            const float corr = exp2f(m[h] - base);
             l[h] *= corr;
 #pragma unroll
-            for (int e = 0; e < EPL; e++) acc[h][e] *= corr;
-#pragma unroll
-            for (int u = 0; u < DEC_UNROLL; u++) {
-                const float p = __expf(s[u] - mx);  // s = -inf past the chunk: 0
-                l[h] += p;
-#pragma unroll
-                for (int e = 0; e < EPL; e++) acc[h][e] += p * v[u][e];
-            }
+            for (int e = 0; e < 8; e++) acc[h][e] *= corr;
             m[h] = mx;
+#pragma unroll
+            for (int t = 0; t < T; t++) s[t][h] = exp2f(s[t][h] - base);
+        }
+#pragma unroll
+        for (int t = 0; t < T; t++) {
+            float vf[8];
+            dec_unpack8(vr[t], vf);
+#pragma unroll
+            for (int h = 0; h < GM; h++) {
+                if (h >= group) break;
+                l[h] += s[t][h];
+#pragma unroll
+                for (int e = 0; e < 8; e++) acc[h][e] = fmaf(s[t][h], vf[e], acc[h][e]);
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < T; t++) {
+            kr[t] = kn[t];
+            vr[t] = vn[t];
         }
     }
-    // the warps' partial softmaxes merged in warp order
+    // the warp's key groups merged by an xor butterfly (the lanes of key group 0 are read)
 #pragma unroll
-    for (int h = 0; h < GM; h++) {
-        if (h >= group) break;
-        if (lane == 0) {
-            s_m[warp][h] = m[h];
-            s_l[warp][h] = l[h];
+    for (int o = LPK; o < 32; o <<= 1) {
+#pragma unroll
+        for (int h = 0; h < GM; h++) {
+            if (h >= group) break;
+            const float mo = __shfl_xor_sync(0xffffffffu, m[h], o);
+            const float lo = __shfl_xor_sync(0xffffffffu, l[h], o);
+            const float M = fmaxf(m[h], mo);
+            const float fa = m[h] == -INFINITY ? 0.0f : exp2f(m[h] - M);
+            const float fb = mo == -INFINITY ? 0.0f : exp2f(mo - M);
+            l[h] = l[h] * fa + lo * fb;
+#pragma unroll
+            for (int e = 0; e < 8; e++)
+                acc[h][e] = acc[h][e] * fa + __shfl_xor_sync(0xffffffffu, acc[h][e], o) * fb;
+            m[h] = M;
         }
+    }
+    // then the warps in index order
+    if (sub == 0) {
 #pragma unroll
-        for (int e = 0; e < EPL; e++) {
-            const int d = lane * EPL + e;
-            if (d < HD) s_o[((size_t)warp * group + h) * HD + d] = acc[h][e];
+        for (int h = 0; h < GM; h++) {
+            if (h >= group) break;
+            if (lane == 0) {
+                s_m[warp][h] = m[h];
+                s_l[warp][h] = l[h];
+            }
+#pragma unroll
+            for (int e = 0; e < 8; e++)
+                if (d0 + e < HD) s_o[((size_t)warp * group + h) * HD + d0 + e] = acc[h][e];
         }
     }
     __syncthreads();
+    const size_t pbase = ((size_t)i * a.H + (size_t)g * group) * a.chunks + c;  // head h0, chunk c
     for (int x = threadIdx.x; x < group * HD; x += blockDim.x) {
         const int h = x / HD, d = x % HD;
         float M = -INFINITY;
         for (int w = 0; w < DEC_WARPS; w++) M = fmaxf(M, s_m[w][h]);
         float sl = 0.0f, so = 0.0f;
         for (int w = 0; w < DEC_WARPS; w++) {
-            const float f = s_m[w][h] == -INFINITY ? 0.0f : __expf(s_m[w][h] - M);
+            const float f = s_m[w][h] == -INFINITY ? 0.0f : exp2f(s_m[w][h] - M);
             sl += s_l[w][h] * f;
             so += s_o[((size_t)w * group + h) * HD + d] * f;
         }
-        const size_t pi = pbase + (size_t)h * chunks;
-        part_o[pi * HD + d] = so;
+        const size_t pi = pbase + (size_t)h * a.chunks;
+        a.part_o[pi * HD + d] = so;
         if (d == 0) {
-            part_m[pi] = M;
-            part_l[pi] = sl;
+            a.part_m[pi] = M;
+            a.part_l[pi] = sl;
         }
     }
 }
 
-// Block (row i, head h): its chunks merged in order, the sink logit added, out = o / Σ.
-__global__ void decode_attention_combine_kernel(bf16* __restrict__ out,
-                                                const float* __restrict__ part_m,
-                                                const float* __restrict__ part_l,
-                                                const float* __restrict__ part_o,
-                                                const bf16* __restrict__ sinks,
-                                                const int32_t* __restrict__ len, int H, int HD,
-                                                int chunks) {
-    const int i = blockIdx.x, h = blockIdx.y;
-    const int used = min(chunks, (len[i] + DEC_CHUNK - 1) / DEC_CHUNK);
-    const size_t pb = ((size_t)i * H + h) * chunks;
-    float M = sinks ? __bfloat162float(sinks[h]) : -INFINITY;
-    for (int c = 0; c < used; c++) M = fmaxf(M, part_m[pb + c]);
+// Block (row i, head h): the chunks holding keys of the row merged in order, the sink logit
+// added, out = o / Σ.
+__global__ void decode_attention_combine_kernel(bf16* __restrict__ out, DecAttn a,
+                                                const bf16* __restrict__ sinks) {
+    const float LOG2E = 1.4426950408889634f;
+    const int i = blockIdx.x, h = blockIdx.y, HD = a.HD, L = a.len[i];
+    const int first = a.window > 0 && L > a.window ? L - a.window : 0;
+    const int c0 = first / a.chunk, c1 = min(a.chunks, (L + a.chunk - 1) / a.chunk);
+    const size_t pb = ((size_t)i * a.H + h) * a.chunks;
+    const float sink = sinks ? __bfloat162float(sinks[h]) * LOG2E : -INFINITY;
+    float M = sink;
+    for (int c = c0; c < c1; c++) M = fmaxf(M, a.part_m[pb + c]);
     for (int d = threadIdx.x; d < HD; d += blockDim.x) {
-        float den = sinks ? __expf(__bfloat162float(sinks[h]) - M) : 0.0f, o = 0.0f;
-        for (int c = 0; c < used; c++) {
-            const float mc = part_m[pb + c];
-            if (mc == -INFINITY) continue;
-            const float f = __expf(mc - M);
-            den += part_l[pb + c] * f;
-            o += part_o[(pb + c) * HD + d] * f;
+        float den = sinks ? exp2f(sink - M) : 0.0f, o = 0.0f;
+        for (int c = c0; c < c1; c++) {
+            const float mc = a.part_m[pb + c];
+            if (mc == -INFINITY) continue;  // (every chunk read holds keys: only NaN inputs)
+            const float f = exp2f(mc - M);
+            den += a.part_l[pb + c] * f;
+            o += a.part_o[(pb + c) * HD + d] * f;
         }
-        out[((size_t)i * H + h) * HD + d] = __float2bfloat16_rn(den > 0.0f ? o / den : 0.0f);
+        out[((size_t)i * a.H + h) * HD + d] = __float2bfloat16_rn(den > 0.0f ? o / den : 0.0f);
     }
 }
 
-template <int EPL, int GM>
-static void launch_partial_gm(CudaCtx* cx, float* pm, float* pl, float* po, const bf16* qkv,
-                           const bf16* kc, const bf16* vc, const int32_t* slot, const int32_t* len,
-                           int n, int maxT, int H, int KVH, int HD, int window, int chunks) {
-    const dim3 grid(n, KVH, chunks);
-    const size_t smem = (size_t)DEC_WARPS * (H / KVH) * HD * sizeof(float);
-    // 8-byte lane loads: HD a multiple of 4 (then every head and row is 8-byte aligned when the
-    // buffers are)
-    const int vec = HD % 4 == 0 && ((uintptr_t)qkv & 7) == 0 && ((uintptr_t)kc & 7) == 0 &&
-                    ((uintptr_t)vc & 7) == 0;
-    decode_attention_partial_kernel<EPL, GM><<<grid, DEC_WARPS * 32, smem, cx->stream>>>(
-        pm, pl, po, qkv, kc, vc, slot, len, maxT, H, KVH, HD, window, chunks,
-        1.0f / sqrtf((float)HD), vec);
+// T keys per lane group per tile (GM = 8 heads: 2, for registers); half_tiles: half that (the
+// lab's variant 4).
+template <int LPK, int GM>
+static void launch_partial_gm(CudaCtx* cx, const DecAttn& a, int n, int half_tiles) {
+    constexpr int T = GM >= 8 ? 2 : 4;
+    const dim3 grid(n, a.KVH, a.chunks);
+    const size_t smem = (size_t)DEC_WARPS * (a.H / a.KVH) * a.HD * sizeof(float);
+    if (half_tiles)
+        decode_attention_partial_kernel<LPK, GM, T / 2>
+            <<<grid, DEC_WARPS * 32, smem, cx->stream>>>(a);
+    else
+        decode_attention_partial_kernel<LPK, GM, T><<<grid, DEC_WARPS * 32, smem, cx->stream>>>(a);
     cuda_check_launch();
 }
 
-template <int EPL>
-static void launch_partial(CudaCtx* cx, float* pm, float* pl, float* po, const bf16* qkv,
-                           const bf16* kc, const bf16* vc, const int32_t* slot, const int32_t* len,
-                           int n, int maxT, int H, int KVH, int HD, int window, int chunks) {
-    if (H / KVH <= 2)
-        launch_partial_gm<EPL, 2>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H, KVH, HD,
-                                  window, chunks);
+template <int LPK>
+static void launch_partial(CudaCtx* cx, const DecAttn& a, int n, int half_tiles) {
+    const int group = a.H / a.KVH;
+    if (group <= 2)
+        launch_partial_gm<LPK, 2>(cx, a, n, half_tiles);
+    else if (group <= 4)
+        launch_partial_gm<LPK, 4>(cx, a, n, half_tiles);
     else
-        launch_partial_gm<EPL, DEC_MAX_GROUP>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H,
-                                              KVH, HD, window, chunks);
+        launch_partial_gm<LPK, DEC_MAX_GROUP>(cx, a, n, half_tiles);
 }
 
-size_t cuda_attention_decode_scratch_bytes(int n, int maxT, int H, int HD) {
-    const size_t chunks = (size_t)(maxT + DEC_CHUNK - 1) / DEC_CHUNK;
+static size_t attention_decode_scratch(int n, int maxT, int H, int HD, int chunk) {
+    const size_t chunks = (size_t)(maxT + chunk - 1) / chunk;
     return (size_t)n * H * chunks * (HD + 2) * sizeof(float);
 }
 
+size_t cuda_attention_decode_scratch_bytes(int n, int maxT, int H, int HD) {
+    return attention_decode_scratch(n, maxT, H, HD, DEC_CHUNK);
+}
+
 int cuda_attention_decode_supports(int H, int KVH, int HD) {
-    return KVH > 0 && H % KVH == 0 && H / KVH <= DEC_MAX_GROUP && HD <= 256 &&
-           (size_t)DEC_WARPS * (H / KVH) * HD * sizeof(float) <= 48 * 1024;
+    return KVH > 0 && H % KVH == 0 && H / KVH <= DEC_MAX_GROUP && HD <= 256;
+}
+
+// The attention with a given chunk length and tile (the production's: DEC_CHUNK, full tiles;
+// the lab measures the others).
+static void attention_decode_with(CudaCtx* cx, bf16* out, const bf16* qkv, const bf16* kc,
+                                  const bf16* vc, const int32_t* slot, const int32_t* len,
+                                  const bf16* sinks, int n, int maxT, int H, int KVH, int HD,
+                                  int window, int chunk, int half_tiles) {
+    if (n <= 0) return;
+    if (!cuda_attention_decode_supports(H, KVH, HD))
+        fatal("decode attention: %d query heads over %d kv heads of dim %d is not supported "
+              "(at most %d query heads per kv head, head dim <= 256)", H, KVH, HD, DEC_MAX_GROUP);
+    DecAttn a;
+    a.chunk = chunk;
+    a.chunks = (maxT + chunk - 1) / chunk;
+    const size_t np = (size_t)n * H * a.chunks;
+    a.part_m = (float*)cuda_scratch(cx, SCRATCH_ATTN,
+                                    attention_decode_scratch(n, maxT, H, HD, chunk));
+    a.part_l = a.part_m + np;
+    a.part_o = a.part_l + np;
+    a.qkv = qkv;
+    a.kc = kc;
+    a.vc = vc;
+    a.slot = slot;
+    a.len = len;
+    a.maxT = maxT;
+    a.H = H;
+    a.KVH = KVH;
+    a.HD = HD;
+    a.window = window;
+    a.qscale = 1.4426950408889634f / sqrtf((float)HD);
+    a.vec = HD % 8 == 0 && is_aligned16(qkv) && is_aligned16(kc) && is_aligned16(vc);
+    if (HD <= 16)
+        launch_partial<2>(cx, a, n, half_tiles);
+    else if (HD <= 32)
+        launch_partial<4>(cx, a, n, half_tiles);
+    else if (HD <= 64)
+        launch_partial<8>(cx, a, n, half_tiles);
+    else if (HD <= 128)
+        launch_partial<16>(cx, a, n, half_tiles);
+    else
+        launch_partial<32>(cx, a, n, half_tiles);
+    decode_attention_combine_kernel<<<dim3(n, H), HD <= 128 ? 128 : 256, 0, cx->stream>>>(
+        out, a, sinks);
+    cuda_check_launch();
 }
 
 void cuda_attention_decode(CudaCtx* cx, bf16* out, const bf16* qkv, const bf16* kc,
                            const bf16* vc, const int32_t* slot, const int32_t* len,
                            const bf16* sinks, int n, int maxT, int H, int KVH, int HD,
                            int window) {
-    if (n <= 0) return;
-    if (!cuda_attention_decode_supports(H, KVH, HD))
-        fatal("decode attention: %d query heads over %d kv heads of dim %d is not supported "
-              "(at most %d query heads per kv head, head dim <= 256)", H, KVH, HD, DEC_MAX_GROUP);
-    const int chunks = (maxT + DEC_CHUNK - 1) / DEC_CHUNK;
-    const size_t np = (size_t)n * H * chunks;
-    float* pm = (float*)cuda_scratch(cx, SCRATCH_ATTN, cuda_attention_decode_scratch_bytes(n, maxT, H, HD));
-    float* pl = pm + np;
-    float* po = pl + np;
-    if (HD <= 32)
-        launch_partial<1>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H, KVH, HD, window,
-                          chunks);
-    else if (HD <= 64)
-        launch_partial<2>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H, KVH, HD, window,
-                          chunks);
-    else if (HD <= 128)
-        launch_partial<4>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H, KVH, HD, window,
-                          chunks);
-    else
-        launch_partial<8>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H, KVH, HD, window,
-                          chunks);
-    decode_attention_combine_kernel<<<dim3(n, H), HD <= 128 ? 128 : 256, 0, cx->stream>>>(
-        out, pm, pl, po, sinks, len, H, HD, chunks);
-    cuda_check_launch();
+    attention_decode_with(cx, out, qkv, kc, vc, slot, len, sinks, n, maxT, H, KVH, HD, window,
+                          DEC_CHUNK, 0);
 }
 
 // ----------------------------------------------------------------------------
@@ -340,22 +430,39 @@ __device__ __forceinline__ double warp_sum_f64(double v) {
     return v;
 }
 
+// The 8 logits of word k of row z (vec: one 16-byte load; else element by element, -inf past V).
+__device__ __forceinline__ void sample_load8(const bf16* z, int k, int V, int vec, float* f) {
+    if (vec) {
+        dec_unpack8(*reinterpret_cast<const uint4*>(z + 8 * k), f);
+        return;
+    }
+#pragma unroll
+    for (int e = 0; e < 8; e++) f[e] = 8 * k + e < V ? __bfloat162float(z[8 * k + e]) : -INFINITY;
+}
+
 // Row i: tokens[i] drawn with the uniform u[i]; logp[2i] its log-prob under the distribution it
 // was drawn from, logp[2i + 1] under the full tempered softmax (the same here: no truncation).
+// vec: V a multiple of 8 and logits 16-byte aligned.
 __global__ void sample_kernel(int32_t* __restrict__ tokens, float* __restrict__ logp,
                               const bf16* __restrict__ logits, const float* __restrict__ u, int V,
-                              float temperature) {
+                              float temperature, int vec) {
     __shared__ float s_v[32];
     __shared__ int s_i[32];
     __shared__ double s_d[32], s_f[32];
     __shared__ int s_pick;
     const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int n_warps = blockDim.x >> 5;
+    const int n_warps = blockDim.x >> 5, words = (V + 7) / 8;
     const bf16* z = logits + (size_t)row * V;
-    // pass 1: the max and its first index
+    // pass 1: the max and its first index (8-token words strided over the block)
     float bv = -INFINITY;
     int bi = V;
-    for (int v = tid; v < V; v += blockDim.x) argmax_merge(bv, bi, __bfloat162float(z[v]), v);
+#pragma unroll 4
+    for (int k = tid; k < words; k += blockDim.x) {
+        float f[8];
+        sample_load8(z, k, V, vec, f);
+#pragma unroll
+        for (int e = 0; e < 8; e++) argmax_merge(bv, bi, f[e], 8 * k + e);
+    }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         const float v2 = __shfl_xor_sync(0xffffffffu, bv, o);
@@ -378,17 +485,22 @@ __global__ void sample_kernel(int32_t* __restrict__ tokens, float* __restrict__ 
         }
         return;
     }
-    // pass 2: this thread's slice [v0, v1) of the vocabulary: the walk's terms
-    // exp((z - max) / temperature) in double (the CPU walk's), and the log-prob's
+    // pass 2: this thread's slice of whole words [w0, w1), tokens [8·w0, min(8·w1, V)): the
+    // walk's terms exp((z - max) / temperature) in double (the CPU walk's), and the log-prob's
     // expf((z - max) · (1 / temperature)) summed in double (ops.h policy_forward_backward's)
     const float mx = bv, inv = 1.0f / temperature;
-    const int per = (V + blockDim.x - 1) / blockDim.x, v0 = min(V, tid * per),
-              v1 = min(V, v0 + per);
+    const int per = (words + blockDim.x - 1) / blockDim.x, w0 = min(words, tid * per),
+              w1 = min(words, w0 + per), v0 = 8 * w0, v1 = min(V, 8 * w1);
     double part = 0.0, part_full = 0.0;
-    for (int v = v0; v < v1; v++) {
-        const float zv = __bfloat162float(z[v]);
-        part += exp((double)((zv - mx) / temperature));
-        part_full += (double)expf((zv - mx) * inv);
+    for (int k = w0; k < w1; k++) {
+        float f[8];
+        sample_load8(z, k, V, vec, f);
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            if (8 * k + e >= V) break;
+            part += exp((double)((f[e] - mx) / temperature));
+            part_full += (double)expf((f[e] - mx) * inv);
+        }
     }
     // inclusive scan of `part` over the threads: in the warp, then the warps' totals in order
     double incl = part;
@@ -418,10 +530,21 @@ __global__ void sample_kernel(int32_t* __restrict__ tokens, float* __restrict__ 
     if (s_pick != 0x7fffffff) {
         double rr = r - excl;
         tok = v1 - 1;
-        for (int v = v0; v < v1; v++) {
-            rr -= exp((double)((__bfloat162float(z[v]) - mx) / temperature));
-            if (rr <= 0.0) {
-                tok = v;
+        for (int k = w0; k < w1; k++) {
+            float f[8];
+            double t[8];
+            sample_load8(z, k, V, vec, f);
+#pragma unroll
+            for (int e = 0; e < 8; e++) t[e] = exp((double)((f[e] - mx) / temperature));
+            int hit = -1;
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                if (hit >= 0 || 8 * k + e >= V) continue;
+                rr -= t[e];
+                if (rr <= 0.0) hit = 8 * k + e;
+            }
+            if (hit >= 0) {
+                tok = hit;
                 break;
             }
         }
@@ -435,6 +558,8 @@ __global__ void sample_kernel(int32_t* __restrict__ tokens, float* __restrict__ 
 void cuda_sample_tokens(CudaCtx* cx, int32_t* tokens, float* logp, const bf16* logits,
                         const float* u, int n, int V, float temperature) {
     if (n <= 0) return;
-    sample_kernel<<<n, SAMPLE_THREADS, 0, cx->stream>>>(tokens, logp, logits, u, V, temperature);
+    const int vec = V % 8 == 0 && is_aligned16(logits);
+    sample_kernel<<<n, SAMPLE_THREADS, 0, cx->stream>>>(tokens, logp, logits, u, V, temperature,
+                                                        vec);
     cuda_check_launch();
 }

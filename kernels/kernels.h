@@ -40,6 +40,9 @@ int ops_cuda_device(void* ctx);
 // ops: the run gets slower, the per-op times do not.
 void ops_cuda_profile_enable(void* ctx);
 void ops_cuda_profile_report(void* ctx, FILE* f);
+// Ops::profile_phase: the ops issued from now on count toward phase `name` (NULL: none); the
+// report adds each phase's device span, its ops' time and the gaps between them.
+void ops_cuda_profile_phase(void* ctx, const char* name);
 
 // Number of CUDA devices; 0 when there is no GPU or no driver (never fatal).
 int cuda_device_count(void);

@@ -741,6 +741,7 @@ extern "C" const Ops ops_cuda = {
     .policy_forward_backward = op_policy_forward_backward,
     .decode_rope_append = op_decode_rope_append,
     .sample_tokens = op_sample_tokens,
+    .profile_phase = ops_cuda_profile_phase,
     .attention_sink_forward = op_attention_sink_forward,
     .attention_sink_backward = op_attention_sink_backward,
     .moe_route_forward = op_moe_route_forward,

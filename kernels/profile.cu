@@ -7,6 +7,11 @@
  * last recorded event, so the GPU may run dry for a moment: the per-op times stay exact, the
  * run's total time does not). Ops of one context are issued by one thread at a time (the device's
  * issue thread), so there is no locking. Off (cx->prof == NULL) it costs one branch per op.
+ *
+ * Phases (ops_cuda_profile_phase; the generator marks its prefill and the parts of a decode
+ * step): a pair of events around each call of a phase gives its device span, and the ops issued
+ * inside it add up to its op time; span - op time is the device idle inside the phase (launch
+ * gaps, host work the stream waited for).
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -19,6 +24,8 @@
 #define PROF_POOL 1024     // event pairs in flight before a harvest
 #define PROF_MAX_KEYS 256  // distinct op/shape keys (further shapes fold into "other")
 #define PROF_KEY_LEN 96
+#define PROF_PHASE_POOL 256  // phase event pairs in flight before a harvest
+#define PROF_MAX_PHASES 16
 
 typedef struct ProfEntry {
     char key[PROF_KEY_LEN];
@@ -27,13 +34,26 @@ typedef struct ProfEntry {
     double flop, bytes;  // per call, as passed (0: not counted)
 } ProfEntry;
 
+typedef struct ProfPhase {
+    char name[PROF_KEY_LEN];
+    long long calls;
+    double span_ms, op_ms;  // device span of its calls, and the ops' time inside them
+} ProfPhase;
+
 struct OpProfile {
     ProfEntry entries[PROF_MAX_KEYS];
     int n_entries;
     cudaEvent_t ev[PROF_POOL][2];
     int entry_of[PROF_POOL];
+    int phase_of[PROF_POOL];  // the phase open when the op began (-1: none)
     int n_pending;
     int open;  // prof_begin without its prof_end yet
+    ProfPhase phases[PROF_MAX_PHASES];
+    int n_phases;
+    int cur_phase;  // -1: none open
+    cudaEvent_t phase_ev[PROF_PHASE_POOL][2];
+    int phase_entry[PROF_PHASE_POOL];
+    int n_phase_pending;  // closed phase calls not yet harvested (an open one is at this index)
 };
 
 extern "C" void ops_cuda_profile_enable(void* ctx) {
@@ -43,6 +63,9 @@ extern "C" void ops_cuda_profile_enable(void* ctx) {
     OpProfile* p = (OpProfile*)calloc_check(1, sizeof(OpProfile));
     for (int i = 0; i < PROF_POOL; i++)
         for (int k = 0; k < 2; k++) cuda_check(cudaEventCreate(&p->ev[i][k]));
+    for (int i = 0; i < PROF_PHASE_POOL; i++)
+        for (int k = 0; k < 2; k++) cuda_check(cudaEventCreate(&p->phase_ev[i][k]));
+    p->cur_phase = -1;
     cx->prof = p;
 }
 
@@ -53,8 +76,46 @@ static void prof_harvest(OpProfile* p) {
         float ms = 0.0f;
         cuda_check(cudaEventElapsedTime(&ms, p->ev[i][0], p->ev[i][1]));
         p->entries[p->entry_of[i]].ms += ms;
+        if (p->phase_of[i] >= 0) p->phases[p->phase_of[i]].op_ms += ms;
     }
     p->n_pending = 0;
+}
+
+// The closed phase calls' spans (called only while no phase is open).
+static void prof_harvest_phases(OpProfile* p) {
+    if (p->n_phase_pending == 0) return;
+    cuda_check(cudaEventSynchronize(p->phase_ev[p->n_phase_pending - 1][1]));
+    for (int i = 0; i < p->n_phase_pending; i++) {
+        float ms = 0.0f;
+        cuda_check(cudaEventElapsedTime(&ms, p->phase_ev[i][0], p->phase_ev[i][1]));
+        p->phases[p->phase_entry[i]].span_ms += ms;
+    }
+    p->n_phase_pending = 0;
+}
+
+// Ends the open phase (if any), then opens `name` (NULL: none).
+extern "C" void ops_cuda_profile_phase(void* ctx, const char* name) {
+    CudaCtx* cx = (CudaCtx*)ctx;
+    OpProfile* p = cx->prof;
+    if (!p) return;
+    cuda_ctx_enter(cx);
+    if (p->cur_phase >= 0) {
+        cuda_check(cudaEventRecord(p->phase_ev[p->n_phase_pending][1], cx->stream));
+        p->n_phase_pending++;
+        p->cur_phase = -1;
+    }
+    if (!name) return;
+    if (p->n_phase_pending == PROF_PHASE_POOL) prof_harvest_phases(p);
+    int k = 0;
+    while (k < p->n_phases && strcmp(p->phases[k].name, name) != 0) k++;
+    if (k == p->n_phases) {
+        if (p->n_phases == PROF_MAX_PHASES) return;  // (more phases than any caller marks)
+        snprintf(p->phases[p->n_phases++].name, PROF_KEY_LEN, "%s", name);
+    }
+    p->phases[k].calls++;
+    p->phase_entry[p->n_phase_pending] = k;
+    cuda_check(cudaEventRecord(p->phase_ev[p->n_phase_pending][0], cx->stream));
+    p->cur_phase = k;
 }
 
 static int prof_find(const OpProfile* p, const char* key) {
@@ -93,6 +154,7 @@ void prof_begin(CudaCtx* cx, double flop, double bytes, const char* fmt, ...) {
     const int e = prof_entry(p, key, flop, bytes);
     p->entries[e].calls++;
     p->entry_of[p->n_pending] = e;
+    p->phase_of[p->n_pending] = p->cur_phase;
     cuda_check(cudaEventRecord(p->ev[p->n_pending][0], cx->stream));
     p->open = 1;
 }
@@ -116,6 +178,8 @@ extern "C" void ops_cuda_profile_report(void* ctx, FILE* f) {
     if (!p) return;
     cuda_ctx_enter(cx);
     prof_harvest(p);
+    ops_cuda_profile_phase(ctx, NULL);
+    prof_harvest_phases(p);
     ProfEntry* sorted = (ProfEntry*)malloc_check((size_t)(p->n_entries ? p->n_entries : 1) *
                                                  sizeof(ProfEntry));
     memcpy(sorted, p->entries, (size_t)p->n_entries * sizeof(ProfEntry));
@@ -166,6 +230,16 @@ extern "C" void ops_cuda_profile_report(void* ctx, FILE* f) {
                 total > 0 ? 100.0 * ops[k].ms / total : 0.0, ops[k].ms, ops[k].calls,
                 ops[k].calls ? 1e3 * ops[k].ms / (double)ops[k].calls : 0.0, tf, gb, ops[k].key);
     }
+    if (p->n_phases > 0)
+        fprintf(f, "  phases (device span of each call, the ops' time inside it, the gaps: the "
+                "device idle between them):\n"
+                "     calls   span ms    ops ms   gaps ms   us/call  phase\n");
+    for (int k = 0; k < p->n_phases; k++) {
+        const ProfPhase* ph = &p->phases[k];
+        fprintf(f, "  %8lld  %8.1f  %8.1f  %8.1f  %8.1f  %s\n", ph->calls, ph->span_ms, ph->op_ms,
+                ph->span_ms - ph->op_ms, ph->calls ? 1e3 * ph->span_ms / (double)ph->calls : 0.0,
+                ph->name);
+    }
     free(ops);
     free(sorted);
 }
@@ -175,6 +249,8 @@ void prof_destroy(CudaCtx* cx) {
     if (!p) return;
     for (int i = 0; i < PROF_POOL; i++)
         for (int k = 0; k < 2; k++) cuda_check(cudaEventDestroy(p->ev[i][k]));
+    for (int i = 0; i < PROF_PHASE_POOL; i++)
+        for (int k = 0; k < 2; k++) cuda_check(cudaEventDestroy(p->phase_ev[i][k]));
     free(p);
     cx->prof = NULL;
 }

@@ -303,6 +303,11 @@ static void seq_append(Generator* g, GenSeq* s, const float* logits) {
     seq_push(s, tok, lp, lpf);
 }
 
+// --profile-ops: the ops from here on belong to generator phase `name` (NULL: none).
+static void gen_phase(const Generator* g, const char* name) {
+    if (g->ops->profile_phase) g->ops->profile_phase(g->ctx, name);
+}
+
 int gen_samples_on_backend(const Generator* g) {
     return g->ops->sample_tokens && g->o.top_k <= 0 && g->o.top_p >= 1.0f;
 }
@@ -404,6 +409,7 @@ static int decode_step_backend(Generator* g, GenSeq* seqs, int n_seqs) {
                           .rope_cos = g->ws_pre->rope_cos, .rope_sin = g->ws_pre->rope_sin,
                           .maxT = g->o.max_len};
     ws->lora_train = 0;
+    gen_phase(g, "decode step: embedding + blocks");
     model_prefix_forward(m, ws, g->x[0], g->d_step, weight_of(g, TK_EMBED), n, 1);
     int cur = 0;
     for (int l = 0; l < c->L; l++) {
@@ -412,12 +418,14 @@ static int decode_step_backend(Generator* g, GenSeq* seqs, int n_seqs) {
         cur = 1 - cur;
     }
     // model_postfix_logits_last's final norm and head, for the n rows in one matmul
+    gen_phase(g, "decode step: final norm + head + sampler");
     ops->rmsnorm_forward(g->ctx, ws->xf, ws->rstdf, g->x[cur], weight_of(g, TK_FINAL_NORM), n,
                          c->C, c->norm_eps);
     ops->matmul_forward(g->ctx, ws->logits, ws->xf, weight_of(g, TK_LM_HEAD), NULL, n, c->C,
                         c->V);
     ops->sample_tokens(g->ctx, g->d_out, (float*)(g->d_out + S), ws->logits,
                        (const float*)(g->d_step + 4 * S), n, c->V, g->o.temperature);
+    gen_phase(g, NULL);
     ops->download(g->ctx, g->h_out, g->d_out, (size_t)3 * S * sizeof(int32_t));
     const float* lp = (const float*)(g->h_out + S);
     for (int k = 0; k < n; k++)
@@ -452,6 +460,7 @@ static int decode_step(Generator* g, GenSeq* seqs, int n_seqs) {
                           .d_len = g->d_len, .rope_cos = g->ws_pre->rope_cos,
                           .rope_sin = g->ws_pre->rope_sin, .maxT = g->o.max_len};
     ws->lora_train = 0;
+    gen_phase(g, "decode step: embedding + blocks");
     model_prefix_forward(m, ws, g->x[0], g->d_ids, weight_of(g, TK_EMBED), n, 1);
     int cur = 0;
     for (int l = 0; l < c->L; l++) {
@@ -459,8 +468,10 @@ static int decode_step(Generator* g, GenSeq* seqs, int n_seqs) {
                               g->x[1 - cur]);
         cur = 1 - cur;
     }
+    gen_phase(g, "decode step: final norm + head");
     model_postfix_logits_last(m, ws, weight_of(g, TK_FINAL_NORM), weight_of(g, TK_LM_HEAD),
                               g->x[cur], ws->logits, n, 1);
+    gen_phase(g, NULL);
     ops->download_f32(g->ctx, g->logits, ws->logits, (size_t)n * c->V);
     for (int k = 0; k < n; k++)
         seq_append(g, &seqs[g->h_row[k]], g->logits + (size_t)k * c->V);
@@ -478,7 +489,9 @@ void gen_run(Generator* g, GenSeq* seqs, int n, int group) {
         seqs[i].version = g->version;
     }
     double t0 = time_now_s();
+    gen_phase(g, "prefill (with its uploads and first tokens)");
     for (int first = 0; first < n; first += group) prefill_group(g, seqs, first, group);
+    gen_phase(g, NULL);
     double t1 = time_now_s();
     while (decode_step(g, seqs, n) > 0) {
     }

@@ -171,6 +171,9 @@ typedef struct Ops {
     // or top-p: the host samples those. tokens, logp, u are backend buffers.
     void (*sample_tokens)(void* ctx, int32_t* tokens, float* logp, const void* logits,
                           const float* u, int n, int V, float temperature);
+    // Op profile phases (NULL: the backend has none; a no-op unless --profile-ops): the ops issued
+    // from now on count toward phase `name` until the next call (NULL: no phase).
+    void (*profile_phase)(void* ctx, const char* name);
 
     // ---- attention with sinks and sliding windows (GPT-OSS) ----
     // As attention_forward, with key j visible to query t iff j <= t and (window == 0 or

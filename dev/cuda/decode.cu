@@ -8,19 +8,29 @@
  * Variants (decode attention):
  *   1  naive: one block per (row, query head), one pass over all of the row's keys; a thread
  *      per head-dim element, the logits of the row in shared memory (softmax in fp32).
- *   2  production (kernels/decode.cu, included below): split-K over chunks of DEC_CHUNK keys,
- *      one block per (row, kv head, chunk) holding the kv head's query group, warps over keys
- *      DEC_UNROLL at a time with an online softmax, then the chunks merged in order.
+ *   2  the previous production kernel (kept here): split-K over chunks of 256 keys, one block per
+ *      (row, kv head, chunk) holding the kv head's query group, a lane per 4 head-dim elements
+ *      (8-byte loads), warps over keys 4 at a time with a full-warp sum per key and head.
+ *   3  production (kernels/decode.cu, included below): split-K over chunks of DEC_CHUNK = 128
+ *      keys; each warp reads whole key rows of its kv head with 16-byte lane loads (HD/8 lanes
+ *      per key, 256/HD keys per warp load), the next tile's keys and values in flight while the
+ *      current tile is computed, every query head of the group from that one read, the softmax
+ *      in the log2 domain; then the chunks merged in order.
+ *   4  variant 3 with half the keys per tile (fewer registers, more warps resident per SM).
+ *   5  variant 3 with chunks of 256 keys (half the partials, half the blocks).
  * Validation on fresh random bf16 inputs against an fp64 reference: rows of lengths 1 .. maxT
- * (inside one chunk, across chunks) in shuffled cache slots; (H, KVH, HD) = (16, 8, 128) (Qwen3-
- * 1.7B), (8, 2, 64) with sinks and a window, (6, 2, 12) (HD not a multiple of 4); the output
- * within TOL_BF16; the production variant run twice must give the same bits. Also the rope +
+ * (inside one chunk, across chunks, up to 4096) in shuffled cache slots; (H, KVH, HD) = (16, 8,
+ * 128) (Qwen3-1.7B), (8, 2, 64) with sinks and a window, (64, 8, 64) (GPT-OSS-20B: group 8, with
+ * sinks and a window), (32, 8, 128) (LLaMA-8B), (4, 4, 256), (4, 1, 16), (6, 2, 12) (HD not a
+ * multiple of 4); the output within TOL_BF16; the split-K variants run twice must give the same
+ * bits, and a row run alone the bits it had in the batch. Also the rope +
  * append (TOL_BF16 against an fp64 rotation of the bf16 inputs, cache slots checked) and the
- * sampler (greedy: the first argmax; tempered: the token of an fp64 inverse-CDF walk with the
- * same uniform, and its log-prob within 1e-4).
+ * sampler at V = 50000 and 4099 (not a multiple of 8) (greedy: the first argmax; tempered: the
+ * token of an fp64 inverse-CDF walk with the same uniform, and its log-prob within 1e-4).
  * Benchmark: 128 sequences (8 prompts x 16 answers), H 16, KVH 8, HD 128, every row at the same
- * length L in {128, 512, 1024, 4096}: GB/s over the keys and values read (the bytes that bound
- * it), per layer. Then the sampler at V = 151936 (Qwen3) for 128 rows.
+ * length L in {16, 128, 272, 512, 1024, 4096}, and LLaMA-8B's and GPT-OSS-20B's heads at 1024:
+ * GB/s over the keys and values read (the bytes that bound it), per layer, next to a device copy.
+ * Then the sampler at V = 151936 (Qwen3) for 128 rows.
  */
 #include "../../kernels/decode.cu"
 #include "lab.cuh"
@@ -100,6 +110,228 @@ __global__ void decode_attention_naive_kernel(bf16* out, const bf16* qkv, const 
     }
 }
 
+// ----------------------------------------------------------------------------
+// variant 2: the previous production kernel. Split-K over chunks of V2_CHUNK keys; in a block
+// each warp takes keys warp, warp + W, ..., V2_UNROLL at a time, one head-dim slice per lane
+// (8-byte loads) and a full-warp sum per key and head; the warps merge in index order.
+
+#define V2_CHUNK 256  // keys per split-K chunk
+#define V2_WARPS 4    // warps per attention block
+#define V2_UNROLL 4   // keys per warp per iteration
+
+// EPL consecutive head-dim elements per lane (lane * EPL ...), zero past HD. vec: one 8-byte
+// access per lane (EPL 4, every head 8-byte aligned: the launcher checks).
+template <int EPL>
+__device__ __forceinline__ void v2_load_lane(const bf16* p, int lane, int HD, int vec, float* f) {
+    const int d0 = lane * EPL;
+    if (EPL == 4 && vec && d0 + 4 <= HD) {
+        uint2 u = *reinterpret_cast<const uint2*>(p + d0);
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+        float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
+        f[0] = a.x;
+        f[1] = a.y;
+        f[2] = b.x;
+        f[3] = b.y;
+        return;
+    }
+#pragma unroll
+    for (int e = 0; e < EPL; e++) f[e] = d0 + e < HD ? __bfloat162float(p[d0 + e]) : 0.0f;
+}
+
+// Block (row i, kv head g, chunk c): keys [c·V2_CHUNK, ...) ∩ [first, len) of row i's slot, for
+// the `group` query heads of g. part_m, part_l (n, H, chunks), part_o (n, H, chunks, HD).
+template <int EPL, int GM>
+__global__ void v2_partial_kernel(float* __restrict__ part_m, float* __restrict__ part_l,
+                                  float* __restrict__ part_o, const bf16* __restrict__ qkv,
+                                  const bf16* __restrict__ kc, const bf16* __restrict__ vc,
+                                  const int32_t* __restrict__ slot, const int32_t* __restrict__ len,
+                                  int maxT, int H, int KVH, int HD, int window, int chunks,
+                                  float scale, int vec) {
+    __shared__ float s_m[V2_WARPS][DEC_MAX_GROUP], s_l[V2_WARPS][DEC_MAX_GROUP];
+    extern __shared__ float s_o[];  // (V2_WARPS, group, HD)
+    const int i = blockIdx.x, g = blockIdx.y, c = blockIdx.z;
+    const int group = H / KVH, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int QKV = (H + 2 * KVH) * HD, KD = KVH * HD;
+    const int L = len[i], first = window > 0 && L > window ? L - window : 0;
+    const int j0 = max(c * V2_CHUNK, first), j1 = min((c + 1) * V2_CHUNK, L);
+    const size_t pbase = ((size_t)i * H + (size_t)g * group) * chunks + c;  // head h0, chunk c
+    if (j0 >= j1) {  // nothing of this row in the chunk: an empty partial
+        for (int h = threadIdx.x; h < group; h += blockDim.x) {
+            part_m[pbase + (size_t)h * chunks] = -INFINITY;
+            part_l[pbase + (size_t)h * chunks] = 0.0f;
+        }
+        return;
+    }
+    float q[GM][EPL], acc[GM][EPL], m[GM], l[GM];  // GM >= group: registers for its heads
+#pragma unroll
+    for (int h = 0; h < GM; h++) {
+        if (h >= group) break;
+        v2_load_lane<EPL>(qkv + (size_t)i * QKV + (size_t)(g * group + h) * HD, lane, HD, vec,
+                          q[h]);
+#pragma unroll
+        for (int e = 0; e < EPL; e++) {
+            q[h][e] *= scale;
+            acc[h][e] = 0.0f;
+        }
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    const bf16* kb = kc + (size_t)slot[i] * maxT * KD + (size_t)g * HD;
+    const bf16* vb = vc + (size_t)slot[i] * maxT * KD + (size_t)g * HD;
+    for (int j = j0 + warp * V2_UNROLL; j < j1; j += V2_WARPS * V2_UNROLL) {
+        float k[V2_UNROLL][EPL], v[V2_UNROLL][EPL];
+        const int nk = min(V2_UNROLL, j1 - j);
+#pragma unroll
+        for (int u = 0; u < V2_UNROLL; u++) {
+            if (u < nk) {
+                v2_load_lane<EPL>(kb + (size_t)(j + u) * KD, lane, HD, vec, k[u]);
+                v2_load_lane<EPL>(vb + (size_t)(j + u) * KD, lane, HD, vec, v[u]);
+            } else {  // past the chunk: weight 0, and 0 · v must not meet garbage (NaN)
+#pragma unroll
+                for (int e = 0; e < EPL; e++) k[u][e] = v[u][e] = 0.0f;
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < GM; h++) {
+            if (h >= group) break;
+            float s[V2_UNROLL], mx = m[h];
+#pragma unroll
+            for (int u = 0; u < V2_UNROLL; u++) {
+                float d = 0.0f;
+#pragma unroll
+                for (int e = 0; e < EPL; e++) d += q[h][e] * k[u][e];
+                s[u] = u < nk ? warp_sum(d) : -INFINITY;
+                mx = fmaxf(mx, s[u]);
+            }
+            const float corr = __expf(m[h] - mx);  // m = -inf at the start: 0
+            l[h] *= corr;
+#pragma unroll
+            for (int e = 0; e < EPL; e++) acc[h][e] *= corr;
+#pragma unroll
+            for (int u = 0; u < V2_UNROLL; u++) {
+                const float p = __expf(s[u] - mx);  // s = -inf past the chunk: 0
+                l[h] += p;
+#pragma unroll
+                for (int e = 0; e < EPL; e++) acc[h][e] += p * v[u][e];
+            }
+            m[h] = mx;
+        }
+    }
+    // the warps' partial softmaxes merged in warp order
+#pragma unroll
+    for (int h = 0; h < GM; h++) {
+        if (h >= group) break;
+        if (lane == 0) {
+            s_m[warp][h] = m[h];
+            s_l[warp][h] = l[h];
+        }
+#pragma unroll
+        for (int e = 0; e < EPL; e++) {
+            const int d = lane * EPL + e;
+            if (d < HD) s_o[((size_t)warp * group + h) * HD + d] = acc[h][e];
+        }
+    }
+    __syncthreads();
+    for (int x = threadIdx.x; x < group * HD; x += blockDim.x) {
+        const int h = x / HD, d = x % HD;
+        float M = -INFINITY;
+        for (int w = 0; w < V2_WARPS; w++) M = fmaxf(M, s_m[w][h]);
+        float sl = 0.0f, so = 0.0f;
+        for (int w = 0; w < V2_WARPS; w++) {
+            const float f = s_m[w][h] == -INFINITY ? 0.0f : __expf(s_m[w][h] - M);
+            sl += s_l[w][h] * f;
+            so += s_o[((size_t)w * group + h) * HD + d] * f;
+        }
+        const size_t pi = pbase + (size_t)h * chunks;
+        part_o[pi * HD + d] = so;
+        if (d == 0) {
+            part_m[pi] = M;
+            part_l[pi] = sl;
+        }
+    }
+}
+
+// Block (row i, head h): its chunks merged in order, the sink logit added, out = o / Σ.
+__global__ void v2_combine_kernel(bf16* __restrict__ out, const float* __restrict__ part_m,
+                                  const float* __restrict__ part_l,
+                                  const float* __restrict__ part_o, const bf16* __restrict__ sinks,
+                                  const int32_t* __restrict__ len, int H, int HD, int chunks) {
+    const int i = blockIdx.x, h = blockIdx.y;
+    const int used = min(chunks, (len[i] + V2_CHUNK - 1) / V2_CHUNK);
+    const size_t pb = ((size_t)i * H + h) * chunks;
+    float M = sinks ? __bfloat162float(sinks[h]) : -INFINITY;
+    for (int c = 0; c < used; c++) M = fmaxf(M, part_m[pb + c]);
+    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+        float den = sinks ? __expf(__bfloat162float(sinks[h]) - M) : 0.0f, o = 0.0f;
+        for (int c = 0; c < used; c++) {
+            const float mc = part_m[pb + c];
+            if (mc == -INFINITY) continue;
+            const float f = __expf(mc - M);
+            den += part_l[pb + c] * f;
+            o += part_o[(pb + c) * HD + d] * f;
+        }
+        out[((size_t)i * H + h) * HD + d] = __float2bfloat16_rn(den > 0.0f ? o / den : 0.0f);
+    }
+}
+
+template <int EPL, int GM>
+static void v2_launch_partial_gm(CudaCtx* cx, float* pm, float* pl, float* po, const bf16* qkv,
+                                 const bf16* kc, const bf16* vc, const int32_t* slot,
+                                 const int32_t* len, int n, int maxT, int H, int KVH, int HD,
+                                 int window, int chunks) {
+    const dim3 grid(n, KVH, chunks);
+    const size_t smem = (size_t)V2_WARPS * (H / KVH) * HD * sizeof(float);
+    // 8-byte lane loads: HD a multiple of 4 (then every head and row is 8-byte aligned when the
+    // buffers are)
+    const int vec = HD % 4 == 0 && ((uintptr_t)qkv & 7) == 0 && ((uintptr_t)kc & 7) == 0 &&
+                    ((uintptr_t)vc & 7) == 0;
+    v2_partial_kernel<EPL, GM><<<grid, V2_WARPS * 32, smem, cx->stream>>>(
+        pm, pl, po, qkv, kc, vc, slot, len, maxT, H, KVH, HD, window, chunks,
+        1.0f / sqrtf((float)HD), vec);
+    cuda_check_launch();
+}
+
+template <int EPL>
+static void v2_launch_partial(CudaCtx* cx, float* pm, float* pl, float* po, const bf16* qkv,
+                              const bf16* kc, const bf16* vc, const int32_t* slot,
+                              const int32_t* len, int n, int maxT, int H, int KVH, int HD,
+                              int window, int chunks) {
+    if (H / KVH <= 2)
+        v2_launch_partial_gm<EPL, 2>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H, KVH, HD,
+                                     window, chunks);
+    else
+        v2_launch_partial_gm<EPL, DEC_MAX_GROUP>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H,
+                                                 KVH, HD, window, chunks);
+}
+
+static void v2_attention_decode(CudaCtx* cx, bf16* out, const bf16* qkv, const bf16* kc,
+                                const bf16* vc, const int32_t* slot, const int32_t* len,
+                                const bf16* sinks, int n, int maxT, int H, int KVH, int HD,
+                                int window) {
+    if (n <= 0) return;
+    const int chunks = (maxT + V2_CHUNK - 1) / V2_CHUNK;
+    const size_t np = (size_t)n * H * chunks;
+    float* pm =
+        (float*)cuda_scratch(cx, SCRATCH_ATTN, (size_t)n * H * chunks * (HD + 2) * sizeof(float));
+    float* pl = pm + np;
+    float* po = pl + np;
+    if (HD <= 32)
+        v2_launch_partial<1>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H, KVH, HD, window,
+                             chunks);
+    else if (HD <= 64)
+        v2_launch_partial<2>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H, KVH, HD, window,
+                             chunks);
+    else if (HD <= 128)
+        v2_launch_partial<4>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H, KVH, HD, window,
+                             chunks);
+    else
+        v2_launch_partial<8>(cx, pm, pl, po, qkv, kc, vc, slot, len, n, maxT, H, KVH, HD, window,
+                             chunks);
+    v2_combine_kernel<<<dim3(n, H), HD <= 128 ? 128 : 256, 0, cx->stream>>>(out, pm, pl, po, sinks,
+                                                                            len, H, HD, chunks);
+    cuda_check_launch();
+}
+
 static void decode_attention(int variant, CudaCtx* cx, bf16* out, const bf16* qkv, const bf16* kc,
                              const bf16* vc, const int32_t* slot, const int32_t* len,
                              const bf16* sinks, DecShape s) {
@@ -107,9 +339,12 @@ static void decode_attention(int variant, CudaCtx* cx, bf16* out, const bf16* qk
         decode_attention_naive_kernel<<<dim3(s.n, s.H), 128, (size_t)s.maxT * 4, cx->stream>>>(
             out, qkv, kc, vc, slot, len, sinks, s.maxT, s.H, s.KVH, s.HD, s.window);
         cuda_check_launch();
-    } else {
-        cuda_attention_decode(cx, out, qkv, kc, vc, slot, len, sinks, s.n, s.maxT, s.H, s.KVH,
-                              s.HD, s.window);
+    } else if (variant == 2) {
+        v2_attention_decode(cx, out, qkv, kc, vc, slot, len, sinks, s.n, s.maxT, s.H, s.KVH, s.HD,
+                            s.window);
+    } else {  // 3: production; 4: half tiles; 5: 256-key chunks
+        attention_decode_with(cx, out, qkv, kc, vc, slot, len, sinks, s.n, s.maxT, s.H, s.KVH,
+                              s.HD, s.window, variant == 5 ? 256 : DEC_CHUNK, variant == 4);
     }
 }
 
@@ -145,9 +380,19 @@ static void validate_attention(Lab* lab, int v, Rng* r, DecShape s) {
     snprintf(what, sizeof what, "v%d attention n=%d maxT=%d H=%d KVH=%d HD=%d w=%d%s", v, s.n,
              s.maxT, s.H, s.KVH, s.HD, s.window, s.sinks ? " sinks" : "");
     lab_check(lab, what, got.data(), want.data(), no, TOL_BF16);
-    if (v == 2)
+    if (v >= 2) {
         lab_check_true(lab, "  the same bits twice",
                        memcmp(got.data(), got2.data(), no * sizeof(float)) == 0);
+        // the longest row alone: the same bits as in the batch (the splits depend on positions)
+        const size_t last = (size_t)(s.n - 1) * s.H * s.HD, nh = (size_t)s.H * s.HD;
+        DecShape one = s;
+        one.n = 1;
+        decode_attention(v, lab->cx, d_out2, d_qkv + (size_t)(s.n - 1) * QKV, d_kc, d_vc,
+                         d_slot + s.n - 1, d_len + s.n - 1, d_sk, one);
+        std::vector<float> alone = dev_download_bf16(d_out2, nh);
+        lab_check_true(lab, "  a row alone as in the batch",
+                       memcmp(alone.data(), got.data() + last, nh * sizeof(float)) == 0);
+    }
     void* bufs[] = {d_qkv, d_kc, d_vc, d_sk, d_slot, d_len, d_out, d_out2};
     for (void* p : bufs)
         if (p) cuda_check(cudaFree(p));
@@ -206,8 +451,8 @@ static void validate_rope_append(Lab* lab, Rng* r) {
 }
 
 // The sampler: greedy = the first argmax; tempered = the fp64 walk's token with the same uniform.
-static void validate_sampler(Lab* lab, Rng* r) {
-    const int n = 32, V = 50000;
+static void validate_sampler(Lab* lab, Rng* r, int V) {
+    const int n = 32;
     std::vector<float> z = rand_bf16(r, (size_t)n * V, 3.0f), u(n);
     for (int i = 0; i < n; i++) u[i] = rng_uniform(r);
     bf16* d_z = dev_upload_bf16(z);
@@ -244,8 +489,9 @@ static void validate_sampler(Lab* lab, Rng* r) {
             }
             same += tok[i] == want;
         }
-        char what[96];
-        snprintf(what, sizeof what, "sampler %s: %d of %d tokens as the fp64 walk's, logp err %.1e",
+        char what[128];
+        snprintf(what, sizeof what,
+                 "sampler V=%d %s: %d of %d tokens as the fp64 walk's, logp err %.1e", V,
                  greedy ? "greedy" : "T=0.7", same, n, worst);
         lab_check_true(lab, what, same == n && worst < 1e-4);
     }
@@ -256,34 +502,43 @@ static void validate_sampler(Lab* lab, Rng* r) {
 // ----------------------------------------------------------------------------
 // benchmark
 
-static void bench(Lab* lab) {
-    const int n = 128, H = 16, KVH = 8, HD = 128, QKV = (H + 2 * KVH) * HD, KD = KVH * HD;
+// One layer of a decode step: n rows all at length L, every row its own slot.
+static void bench_attention(Lab* lab, int n, int L, int H, int KVH, int HD, const char* model) {
+    const int QKV = (H + 2 * KVH) * HD, KD = KVH * HD;
     CudaCtx* cx = lab->cx;
-    printf("\nbenchmark (one layer of a decode step: 128 sequences, Qwen3-1.7B heads)\n");
-    lab_bench_header_bw();
-    for (int L : {128, 512, 1024, 4096}) {
-        const DecShape s = {n, L, H, KVH, HD, 0, 0};
-        bf16* qkv = dev_random<bf16>((size_t)n * QKV, 1.0f, 1);
-        bf16* kc = dev_random<bf16>((size_t)n * L * KD, 1.0f, 2);
-        bf16* vc = dev_random<bf16>((size_t)n * L * KD, 1.0f, 3);
-        std::vector<int32_t> slot(n), len(n, L);
-        for (int i = 0; i < n; i++) slot[i] = i;
-        int32_t *d_slot = dev_upload(slot), *d_len = dev_upload(len);
-        bf16* out = dev_alloc<bf16>((size_t)n * H * HD);
-        char shape[96];
-        snprintf(shape, sizeof shape, "n=128 L=%d H=16 KVH=8 HD=128", L);
-        const double bytes = 2.0 * n * L * KD * 2 + (double)n * (QKV + H * HD) * 2;
-        for (int v = 1; v <= 2; v++) {
-            if (!lab_wants(&lab->args, v)) continue;
-            if (v == 1 && (size_t)L * 4 > 48 * 1024) continue;  // the naive kernel's logits
-            const double ms = lab_time_ms(lab, [&] {
-                decode_attention(v, cx, out, qkv, kc, vc, d_slot, d_len, NULL, s);
-            });
-            lab_report_bw("decode attention", v, shape, "K and V once, q, out", bytes, ms);
-        }
-        void* bufs[] = {qkv, kc, vc, d_slot, d_len, out};
-        for (void* p : bufs) cuda_check(cudaFree(p));
+    const DecShape s = {n, L, H, KVH, HD, 0, 0};
+    bf16* qkv = dev_random<bf16>((size_t)n * QKV, 1.0f, 1);
+    bf16* kc = dev_random<bf16>((size_t)n * L * KD, 1.0f, 2);
+    bf16* vc = dev_random<bf16>((size_t)n * L * KD, 1.0f, 3);
+    std::vector<int32_t> slot(n), len(n, L);
+    for (int i = 0; i < n; i++) slot[i] = i;
+    int32_t *d_slot = dev_upload(slot), *d_len = dev_upload(len);
+    bf16* out = dev_alloc<bf16>((size_t)n * H * HD);
+    char shape[128];
+    snprintf(shape, sizeof shape, "%s n=%d L=%d H=%d KVH=%d HD=%d", model, n, L, H, KVH, HD);
+    const double bytes = 2.0 * n * L * KD * 2 + (double)n * (QKV + H * HD) * 2;
+    for (int v = 1; v <= 5; v++) {
+        if (!lab_wants(&lab->args, v)) continue;
+        if (v == 1 && (size_t)L * 4 > 48 * 1024) continue;  // the naive kernel's logits
+        const double ms = lab_time_ms(lab, [&] {
+            decode_attention(v, cx, out, qkv, kc, vc, d_slot, d_len, NULL, s);
+        });
+        lab_report_bw("decode attention", v, shape, "K and V once, q, out", bytes, ms);
     }
+    void* bufs[] = {qkv, kc, vc, d_slot, d_len, out};
+    for (void* p : bufs) cuda_check(cudaFree(p));
+}
+
+static void bench(Lab* lab) {
+    const int n = 128;
+    CudaCtx* cx = lab->cx;
+    printf("\nbenchmark (one layer of a decode step, 128 sequences; GRPO's bench: L ~ 270)\n");
+    lab_bench_header_bw();
+    lab_report_copy(lab, (size_t)256 << 20);
+    for (int L : {16, 128, 272, 512, 1024, 4096})
+        bench_attention(lab, n, L, 16, 8, 128, "qwen3-1.7b");
+    bench_attention(lab, n, 1024, 32, 8, 128, "llama-8b");
+    bench_attention(lab, n, 1024, 64, 8, 64, "gpt-oss-20b");
     const int V = 151936;
     bf16* z = dev_random<bf16>((size_t)n * V, 4.0f, 4);
     std::vector<float> u(n, 0.37f);
@@ -294,7 +549,7 @@ static void bench(Lab* lab) {
         const double ms = lab_time_ms(lab, [&] {
             cuda_sample_tokens(cx, tok, lp, z, d_u, n, V, temperature);
         });
-        lab_report_bw(temperature > 0 ? "sampler (T=1)" : "sampler (greedy)", 2,
+        lab_report_bw(temperature > 0 ? "sampler (T=1)" : "sampler (greedy)", 3,
                       "n=128 V=151936", "logits once", (double)n * V * 2, ms);
     }
     void* bufs[] = {z, d_u, tok, lp};
@@ -305,20 +560,30 @@ static void bench(Lab* lab) {
 
 static const char* VARIANTS =
     "  1  naive: one block per (row, query head), one pass over the row's keys\n"
-    "  2  production (kernels/decode.cu): split-K chunks per (row, kv head), ordered combine\n";
+    "  2  the previous production: 256-key split-K chunks, 8-byte lane loads, warp sums per key\n"
+    "  3  production (kernels/decode.cu): 16-byte lane loads of whole key rows, next tile in\n"
+    "     flight, 128-key split-K chunks, ordered combine\n"
+    "  4  variant 3 with half the keys per tile\n"
+    "  5  variant 3 with 256-key chunks\n";
 
 static void validate_variant(Lab* lab, int v, Rng* r) {
-    validate_attention(lab, v, r, DecShape{9, 600, 16, 8, 128, 0, 0});
-    validate_attention(lab, v, r, DecShape{7, 300, 8, 2, 64, 100, 1});
-    validate_attention(lab, v, r, DecShape{5, 70, 6, 2, 12, 0, 1});
-    if (v == 2) {
+    validate_attention(lab, v, r, DecShape{9, 600, 16, 8, 128, 0, 0});    // Qwen3-1.7B
+    validate_attention(lab, v, r, DecShape{6, 4096, 16, 8, 128, 0, 0});   // lengths 1 .. 4096
+    validate_attention(lab, v, r, DecShape{7, 300, 8, 2, 64, 100, 1});    // group 4, window, sinks
+    validate_attention(lab, v, r, DecShape{5, 1000, 64, 8, 64, 128, 1});  // GPT-OSS-20B: group 8
+    validate_attention(lab, v, r, DecShape{5, 700, 32, 8, 128, 0, 0});    // LLaMA-8B: group 4
+    validate_attention(lab, v, r, DecShape{4, 200, 4, 4, 256, 0, 1});     // group 1, HD 256
+    validate_attention(lab, v, r, DecShape{4, 40, 4, 1, 16, 0, 0});       // test-qwen3's heads
+    validate_attention(lab, v, r, DecShape{5, 70, 6, 2, 12, 0, 1});       // HD not a multiple of 4
+    if (v == 3) {
         validate_rope_append(lab, r);
-        validate_sampler(lab, r);
+        validate_sampler(lab, r, 50000);  // 16-byte loads
+        validate_sampler(lab, r, 4099);   // V not a multiple of 8: element by element
     }
 }
 
 static void bench_lab(Lab* lab, Rng*) { bench(lab); }
 
 int main(int argc, char** argv) {
-    return lab_main(argc, argv, "decode", VARIANTS, 2, 2, validate_variant, bench_lab);
+    return lab_main(argc, argv, "decode", VARIANTS, 5, 5, validate_variant, bench_lab);
 }
