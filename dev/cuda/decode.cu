@@ -11,12 +11,13 @@
  *   2  the previous production kernel (kept here): split-K over chunks of 256 keys, one block per
  *      (row, kv head, chunk) holding the kv head's query group, a lane per 4 head-dim elements
  *      (8-byte loads), warps over keys 4 at a time with a full-warp sum per key and head.
- *   3  production (kernels/decode.cu, included below): split-K over chunks of DEC_CHUNK = 128
- *      keys; each warp reads whole key rows of its kv head with 16-byte lane loads (HD/8 lanes
- *      per key, 256/HD keys per warp load), the next tile's keys and values in flight while the
- *      current tile is computed, every query head of the group from that one read, the softmax
- *      in the log2 domain; then the chunks merged in order.
- *   4  variant 3 with half the keys per tile (fewer registers, more warps resident per SM).
+ *   3  production at head dim < 128 (kernels/decode.cu, included below): split-K over chunks of
+ *      DEC_CHUNK = 128 keys; each warp reads whole key rows of its kv head with 16-byte lane
+ *      loads (HD/8 lanes per key, 256/HD keys per warp load), the next tile's keys and values
+ *      in flight while the current tile is computed, every query head of the group from that
+ *      one read, the softmax in the log2 domain; then the chunks merged in order.
+ *   4  variant 3 with half the keys per tile (fewer registers, more warps resident per SM):
+ *      production at head dim >= 128, where the H200 measured it faster.
  *   5  variant 3 with chunks of 256 keys (half the partials, half the blocks).
  * Validation on fresh random bf16 inputs against an fp64 reference: rows of lengths 1 .. maxT
  * (inside one chunk, across chunks, up to 4096) in shuffled cache slots; (H, KVH, HD) = (16, 8,
@@ -561,9 +562,9 @@ static void bench(Lab* lab) {
 static const char* VARIANTS =
     "  1  naive: one block per (row, query head), one pass over the row's keys\n"
     "  2  the previous production: 256-key split-K chunks, 8-byte lane loads, warp sums per key\n"
-    "  3  production (kernels/decode.cu): 16-byte lane loads of whole key rows, next tile in\n"
-    "     flight, 128-key split-K chunks, ordered combine\n"
-    "  4  variant 3 with half the keys per tile\n"
+    "  3  production below head dim 128 (kernels/decode.cu): 16-byte lane loads of whole key\n"
+    "     rows, next tile in flight, 128-key split-K chunks, ordered combine\n"
+    "  4  variant 3 with half the keys per tile (production at head dim >= 128)\n"
     "  5  variant 3 with 256-key chunks\n";
 
 static void validate_variant(Lab* lab, int v, Rng* r) {
