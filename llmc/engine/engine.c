@@ -547,32 +547,13 @@ void engine_submit_loss(Engine* e, const int32_t* tokens, const EngineLoss* loss
 
 int64_t engine_in_flight(const Engine* e) { return e->iter - e->collected; }
 
-// MoE models: micro-batch i's share of the iteration's objective, as the plain trainer sums it
-// (its CE sum, then plus the weighted aux loss times its tokens), its CE sum, its aux times its
-// tokens and its tokens per expert (counts, E). The aux comes from the statistics the fused stage
-// downloaded (loss_ev covers them) through the same moe_aux_loss that stage ran: the same bits.
-// (engine_collect, and shard.c's global sums on the optimizer thread: both only read.)
-double engine_moe_objective(const Engine* e, int ip, int i, double* ce_sum, double* aux_tokens,
-                            float* counts) {
-    const Model* m = e->m;
-    const int rows = mb_rows(e, i), N = rows * e->T;
-    double ce = 0.0;
-    for (int k = 0; k < N; k++) ce += e->hloss[ip][i][k];
-    double load_max, load_mean;
-    const double aux =
-        moe_aux_loss(&m->cfg, e->hmoe[ip][i], m->n_moe, N, counts, &load_max, &load_mean);
-    *ce_sum = ce;
-    *aux_tokens = aux * (double)rows * e->T;
-    return ce + model_aux_weight(m) * aux * (double)N;
-}
-
 // Micro-batch i's objective into *sum, its CE, aux and expert loads into res.
 static void collect_moe(Engine* e, int ip, int i, double* sum, EngineStepResult* res) {
     const int E = e->m->cfg.E;
     if (i == 0) memset(e->moe_load, 0, (size_t)E * sizeof(double));
     float* counts = malloc_check((size_t)E * sizeof(float));
     double ce, aux_tokens;
-    *sum += engine_moe_objective(e, ip, i, &ce, &aux_tokens, counts);
+    *sum += mb_moe_objective(e, ip, i, &ce, &aux_tokens, counts);
     res->ce_sum += ce;
     res->aux_sum += aux_tokens;
     for (int x = 0; x < E; x++) e->moe_load[x] += counts[x];

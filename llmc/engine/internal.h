@@ -66,6 +66,7 @@
 
 #include "../common.h"
 #include "../engine.h"
+#include "../moe.h"
 #include "../quant.h"
 #include "../trace.h"
 
@@ -345,10 +346,25 @@ static inline int mb_first_row(const Engine* e, int i) {
     return i * (e->opt.B / e->M) + imin(i, e->opt.B % e->M);
 }
 
-// MoE models: micro-batch i of iteration parity ip, its device work collected (loss_ev): its share
-// of the objective (returned), its CE sum, its aux x tokens and its tokens per expert (counts, E).
-double engine_moe_objective(const Engine* e, int ip, int i, double* ce_sum, double* aux_tokens,
-                            float* counts);
+// MoE models: micro-batch i's share of the iteration's objective, as the plain trainer sums it
+// (its CE sum, then plus the weighted aux loss times its tokens), its CE sum, its aux times its
+// tokens and its tokens per expert (counts, E), once its device work is collected (loss_ev). The
+// aux comes from the statistics the fused stage downloaded through the same moe_aux_loss that
+// stage ran: the same bits. (engine_collect, and shard.c's global sums on the optimizer thread:
+// both only read.)
+static inline double mb_moe_objective(const Engine* e, int ip, int i, double* ce_sum,
+                                      double* aux_tokens, float* counts) {
+    const Model* m = e->m;
+    const int rows = mb_rows(e, i), N = rows * e->T;
+    double ce = 0.0;
+    for (int k = 0; k < N; k++) ce += e->hloss[ip][i][k];
+    double load_max, load_mean;
+    const double aux =
+        moe_aux_loss(&m->cfg, e->hmoe[ip][i], m->n_moe, N, counts, &load_max, &load_mean);
+    *ce_sum = ce;
+    *aux_tokens = aux * (double)rows * e->T;
+    return ce + model_aux_weight(m) * aux * (double)N;
+}
 
 // MoE models: the first aux-statistics row of layer entry l (the MoE blocks before it: a stage
 // [b, e) owns rows [engine_moe_row(b), engine_moe_row(e)), contiguous because rows follow the

@@ -346,7 +346,7 @@ static void local_sums(Engine* e, int64_t k, double* out) {
         if (counts) {
             // MoE: the micro-batch's objective with its aux loss, as engine_collect adds it
             double ce, aux_tokens;
-            out[SHARD_SUM_LOSS] += engine_moe_objective(e, ip, i, &ce, &aux_tokens, counts);
+            out[SHARD_SUM_LOSS] += mb_moe_objective(e, ip, i, &ce, &aux_tokens, counts);
             out[SHARD_SUM_CE] += ce;
             out[SHARD_SUM_AUX] += aux_tokens;
             for (int x = 0; x < E; x++) out[SHARD_SUM_LOAD + x] += counts[x];

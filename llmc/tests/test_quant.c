@@ -485,18 +485,25 @@ static double q_resident_bytes(const void* p, size_t n) {
     return (double)count * (double)pg;
 }
 
+// One layer wide enough that its frozen slabs are fresh mappings (tens of MiB), whose pages the
+// streamed-base tests can watch; F: the MLP width.
+static ModelConfig q_paged_config(BaseDtype q, int F) {
+    ModelConfig c = q_config(q);
+    c.C = 1024;
+    c.H = 8;
+    c.KVH = 4;
+    c.HD = 128;
+    c.F = F;
+    c.L = 1;
+    return c;
+}
+
 // A streamed init never touches the block-format tensors' part of the frozen heads: their pages
 // stay out of memory (mincore), where the fp32 init's Store has all of them; layers of 60 MiB
 // (slabs that big are fresh mappings, never recycled heap pages).
 static void test_quant_streamed_pages(TestCtx* t) {
     char err[ERR_LEN];
-    ModelConfig c = q_config(BASE_DTYPE_Q4_K);
-    c.C = 1024;
-    c.H = 8;
-    c.KVH = 4;
-    c.HD = 128;
-    c.F = 2048;
-    c.L = 1;
+    ModelConfig c = q_paged_config(BASE_DTYPE_Q4_K, 2048);
     const LoraSpec l = all_linear();
     Model m;
     CHECK(t, model_init_lora(&m, &c, 0, &l, err) == 0, "%s", err);
@@ -539,13 +546,7 @@ static void test_quant_streamed_pages(TestCtx* t) {
 static void test_quant_streamed_bf16(TestCtx* t) {
     char err[ERR_LEN];
     for (int q = 0; q < 2; q++) {  // a bf16 base, then a q8_0 one (its norms, embeddings in bf16)
-        ModelConfig c = q_config(BASE_DTYPE_Q8_0);
-        c.C = 1024;
-        c.H = 8;
-        c.KVH = 4;
-        c.HD = 128;
-        c.F = 4096;
-        c.L = 1;
+        ModelConfig c = q_paged_config(BASE_DTYPE_Q8_0, 4096);
         const LoraSpec l = all_linear();
         Model m;
         CHECK(t, model_init_lora(&m, &c, 0, &l, err) == 0, "%s", err);
