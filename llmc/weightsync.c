@@ -258,6 +258,45 @@ int weight_bcast_manifest(WeightBcast* wb, const WeightManifest* sender, const W
     return rc;
 }
 
+// The bytes one broadcast of the weights moves to a receiver.
+static int64_t weight_manifest_payload(const WeightManifest* s) {
+    int64_t bytes = 0;
+    for (int j = 0; j < s->n; j++) bytes += s->e[j].numel * (int64_t)s->e[j].dtype;
+    return bytes;
+}
+
+// One rank's ops of a weight broadcast, enqueued on st: one op per tensor in the sender's order,
+// one group per sender layer (the same sequence on every rank). The root sends in place from
+// its slabs, laid out as the sender's manifest (it received the upload in it); a receiver's copy
+// lands where its own manifest puts that name (mine, place); a rank with neither (scratch set)
+// receives into scratch. ops holds s->n. 0, or -1 when the communicator refused an op.
+static int enqueue_tensors(Comm* c, const CommStream* st, const WeightManifest* s, int root,
+                           int is_root, const WeightManifest* mine, const int* place,
+                           void* const* slabs, void* scratch, CommOp* ops) {
+    int n = 0;
+    for (int j = 0; j < s->n; j++) {
+        const WeightEntry* e = &s->e[j];
+        const size_t ab = (size_t)e->dtype;
+        char* dst;
+        if (is_root) {
+            dst = (char*)slabs[e->layer] + (size_t)e->offset * ab;
+        } else if (scratch) {
+            dst = scratch;
+        } else {
+            const WeightEntry* m = &mine->e[place[j]];
+            dst = (char*)slabs[m->layer] + (size_t)m->offset * ab;
+        }
+        ops[n++] = (CommOp){.kind = COMM_BROADCAST, .dtype = ab == 2 ? COMM_BF16 : COMM_F32,
+                            .send = is_root ? dst : NULL, .recv = dst,
+                            .count = (size_t)e->numel, .root = root};
+        if (j + 1 == s->n || s->e[j + 1].layer != e->layer) {
+            if (comm_run(c, ops, n, st) != 0) return -1;
+            n = 0;
+        }
+    }
+    return 0;
+}
+
 int64_t weight_bcast_run(WeightBcast* wb, void* const* const* slabs, char* err) {
     if (wb->K < 2) return 0;
     if (!wb->ready) {
@@ -266,32 +305,14 @@ int64_t weight_bcast_run(WeightBcast* wb, void* const* const* slabs, char* err) 
     }
     const WeightManifest* s = &wb->sent;
     CommOp* ops = calloc_check((size_t)(s->n > 0 ? s->n : 1), sizeof(CommOp));
-    int64_t bytes = 0;
     int rc = 0;
     for (int k = 0; k < wb->K && rc == 0; k++) {
         const CommStream st = stream_of(wb, k);
-        // one op per tensor in the sender's order, one group per sender layer
-        int n = 0;
-        for (int j = 0; j < s->n && rc == 0; j++) {
-            const WeightEntry* e = &s->e[j];
-            const WeightEntry* m = &wb->mine[k].e[wb->place[k][j]];
-            const size_t ab = (size_t)e->dtype;
-            // the root sends in place from the sender's layout (it received the upload in it);
-            // a receiver's copy lands where its own manifest puts that name
-            char* src = (char*)slabs[0][e->layer] + (size_t)e->offset * ab;
-            ops[n++] = (CommOp){.kind = COMM_BROADCAST,
-                                .dtype = ab == 2 ? COMM_BF16 : COMM_F32,
-                                .send = k == 0 ? src : NULL,
-                                .recv = k == 0 ? src
-                                               : (char*)slabs[k][m->layer] + (size_t)m->offset * ab,
-                                .count = (size_t)e->numel, .root = 0};
-            if (k == 1) bytes += e->numel * (int64_t)ab;
-            if (j + 1 == s->n || s->e[j + 1].layer != e->layer) {
-                if (comm_run(wb->comm[k], ops, n, &st) != 0) rc = sync_rank(wb, k, err);
-                n = 0;
-            }
-        }
+        if (enqueue_tensors(wb->comm[k], &st, s, 0, k == 0, &wb->mine[k], wb->place[k], slabs[k],
+                            NULL, ops) != 0)
+            rc = sync_rank(wb, k, err);
     }
+    const int64_t bytes = weight_manifest_payload(s);
     for (int k = 0; k < wb->K; k++) {
         const int r = sync_rank(wb, k, rc ? NULL : err);
         if (rc == 0) rc = r;
@@ -314,4 +335,144 @@ void weight_bcast_close(WeightBcast* wb) {
     free(wb->comm);
     weight_manifest_free(&wb->sent);
     memset(wb, 0, sizeof *wb);
+}
+
+// ----------------------------------------------------------------------------
+// one rank of the broadcast across processes
+
+#define VERDICT_BYTES 384  // each rank's refusal (empty: accepted), all-gathered
+
+// Wait for this rank's ops: 0, or -1 + err with the communicator's message.
+static int rank_sync(WeightRank* wr, char* err) {
+    if (comm_sync(wr->comm, &wr->st) == 0) return 0;
+    char msg[ERR_LEN];
+    return errorf(err, "weight broadcast: %s",
+                  comm_error(wr->comm, msg, sizeof msg) ? msg : "failed");
+}
+
+// `bytes` (even) host bytes: the root's buf to every rank's buf, through device staging.
+static int rank_bcast_bytes(WeightRank* wr, void* buf, size_t bytes, char* err) {
+    const DeviceImpl* im = wr->st.impl;
+    Device* dev = wr->st.dev;
+    void* stage = im->host_alloc(bytes);
+    void* d = im->alloc(dev, bytes);
+    if (wr->comm->rank == wr->root) {
+        memcpy(stage, buf, bytes);
+        im->copy_h2d(dev, wr->st.stream, d, stage, bytes);
+    }
+    int rc = comm_broadcast(wr->comm, wr->comm->rank == wr->root ? d : NULL, d, bytes / 2,
+                            COMM_BF16, wr->root, &wr->st);
+    const int r = rank_sync(wr, err);
+    if (rc == 0) rc = r;
+    else if (r == 0) rc = errorf(err, "weight broadcast: the manifest's broadcast was refused");
+    if (rc == 0) {
+        im->copy_d2h(dev, wr->st.stream, stage, d, bytes);
+        im->synchronize(dev);
+        memcpy(buf, stage, bytes);
+    }
+    im->free(dev, d);
+    im->host_free(stage);
+    return rc;
+}
+
+// Every rank's verdict (mine: "" accepted, else the refusal) to every rank; the first refusal
+// in rank order becomes err on all of them. 0 when every rank accepted.
+static int rank_verdicts(WeightRank* wr, const char* mine, char* err) {
+    const DeviceImpl* im = wr->st.impl;
+    Device* dev = wr->st.dev;
+    const int W = wr->comm->world;
+    const size_t all = (size_t)W * VERDICT_BYTES;
+    char* stage = im->host_alloc(all);
+    memset(stage, 0, all);
+    snprintf(stage, VERDICT_BYTES, "%s", mine);
+    char* d = im->alloc(dev, all);
+    char* send = d + (size_t)wr->comm->rank * VERDICT_BYTES;
+    im->copy_h2d(dev, wr->st.stream, send, stage, VERDICT_BYTES);
+    int rc = comm_all_gather(wr->comm, send, d, VERDICT_BYTES / 2, COMM_BF16, &wr->st);
+    const int r = rank_sync(wr, err);
+    if (rc == 0) rc = r;
+    else if (r == 0) rc = errorf(err, "weight broadcast: the verdicts' all-gather was refused");
+    if (rc == 0) {
+        im->copy_d2h(dev, wr->st.stream, stage, d, all);
+        im->synchronize(dev);
+        for (int q = 0; q < W && rc == 0; q++) {
+            char* v = stage + (size_t)q * VERDICT_BYTES;
+            v[VERDICT_BYTES - 1] = '\0';
+            if (v[0]) rc = errorf(err, "weight manifest, rank %d: %s", q, v);
+        }
+    }
+    im->free(dev, d);
+    im->host_free(stage);
+    return rc;
+}
+
+int weight_rank_manifest(WeightRank* wr, Comm* c, const CommStream* st, int root, WeightRole role,
+                         const WeightManifest* mine, char* err) {
+    memset(wr, 0, sizeof *wr);
+    wr->comm = c;
+    wr->st = *st;
+    wr->root = root;
+    wr->role = role;
+    wr->mine = mine;
+    const int is_root = c->rank == root;
+    if (is_root != (role == WEIGHT_SEND) || (role != WEIGHT_PASS && !mine))
+        return errorf(err, "internal: weight broadcast rank %d: role %d with root %d", c->rank,
+                      (int)role, root);
+    // the size first (receivers allocate for it), then the records
+    uint64_t size[2] = {is_root ? (weight_manifest_bytes(mine) + 1) & ~(uint64_t)1 : 0, 0};
+    if (rank_bcast_bytes(wr, size, sizeof size, err) != 0) return -1;
+    char* packed = calloc_check((size_t)size[0] + 2, 1);
+    if (is_root) weight_manifest_pack(mine, packed);
+    if (rank_bcast_bytes(wr, packed, (size_t)size[0], err) != 0) {
+        free(packed);
+        return -1;
+    }
+    // this rank's verdict: a receiver checks the manifest against its own layout
+    char why[ERR_LEN] = "", verdict[VERDICT_BYTES] = "";
+    if (weight_manifest_unpack(&wr->sent, packed, (size_t)size[0], why) == 0 &&
+        role == WEIGHT_RECV && weight_manifest_check(mine, &wr->sent, why) == 0) {
+        wr->place = calloc_check((size_t)(wr->sent.n > 0 ? wr->sent.n : 1), sizeof(int));
+        weight_manifest_place(mine, &wr->sent, wr->place);
+    }  // the sender and the ranks passing through keep the manifest for the op sequence
+    if (why[0]) snprintf(verdict, sizeof verdict, "%s", why);
+    free(packed);
+    if (rank_verdicts(wr, verdict, err) != 0) {
+        weight_rank_close(wr);
+        return -1;
+    }
+    if (role == WEIGHT_PASS) {
+        size_t most = 2;
+        for (int j = 0; j < wr->sent.n; j++) {
+            const size_t b = (size_t)wr->sent.e[j].numel * (size_t)wr->sent.e[j].dtype;
+            if (b > most) most = b;
+        }
+        wr->scratch = st->impl->alloc(st->dev, most);
+    }
+    wr->ready = 1;
+    return 0;
+}
+
+int64_t weight_rank_run(WeightRank* wr, void* const* slabs, char* err) {
+    if (!wr->ready) {
+        errorf(err, "internal: weight broadcast before the manifest exchange");
+        return -1;
+    }
+    CommOp* ops = calloc_check((size_t)(wr->sent.n > 0 ? wr->sent.n : 1), sizeof(CommOp));
+    const int rc = enqueue_tensors(wr->comm, &wr->st, &wr->sent, wr->root,
+                                   wr->role == WEIGHT_SEND, wr->mine, wr->place, slabs,
+                                   wr->scratch, ops);
+    free(ops);
+    const int r = rank_sync(wr, err);
+    if (rc != 0 && r == 0) errorf(err, "weight broadcast: an op was refused");
+    return rc == 0 && r == 0 ? weight_manifest_payload(&wr->sent) : -1;
+}
+
+void weight_rank_close(WeightRank* wr) {
+    if (wr->scratch) {
+        (void)comm_sync(wr->comm, &wr->st);
+        wr->st.impl->free(wr->st.dev, wr->scratch);
+    }
+    free(wr->place);
+    weight_manifest_free(&wr->sent);
+    memset(wr, 0, sizeof *wr);
 }

@@ -15,6 +15,15 @@
  * threads (init is collective), every op is enqueued on the devices' compute streams (after the
  * upload that brought the weights to rank 0, before the next generation on each device), so the
  * CUDA path and the emulated one are the same code.
+ *
+ * Across processes (WeightRank): each process holds ONE rank of a communicator (dist.c's, or one
+ * made for the purpose) and calls the same steps for itself: the root (a trainer rank) sends its
+ * manifest, every receiving rank (a rollout rank) checks it and plans the placement, and a verdict
+ * all-gathered from every rank makes a refusal on any one of them the same one-line error on all
+ * of them (the sender learns that a receiver refused instead of waiting for it at the first
+ * weight). Ranks of the communicator that neither send nor receive (other trainer ranks, when it
+ * is the whole run's) take part in every op and receive into scratch. The per-tensor broadcast is
+ * the in-process one's (the same op sequence and placement by name).
  */
 #ifndef LLMC_WEIGHTSYNC_H
 #define LLMC_WEIGHTSYNC_H
@@ -81,5 +90,39 @@ int weight_bcast_manifest(WeightBcast* wb, const WeightManifest* sender, const W
 // err.
 int64_t weight_bcast_run(WeightBcast* wb, void* const* const* slabs, char* err);
 void weight_bcast_close(WeightBcast* wb);
+
+// ----------------------------------------------------------------------------
+// one rank of the broadcast across processes
+
+typedef enum {
+    WEIGHT_SEND = 0,  // the root: its slabs are laid out as the manifest it sends
+    WEIGHT_RECV,      // a rollout rank: checks the sender's manifest, places tensors by name
+    WEIGHT_PASS       // in the communicator, neither: joins every op, keeps nothing
+} WeightRole;
+
+typedef struct WeightRank {
+    Comm* comm;                  // borrowed
+    CommStream st;               // this rank's device stream (ops and staging)
+    int root;                    // the sending rank
+    WeightRole role;
+    const WeightManifest* mine;  // borrowed: SEND the manifest it sends, RECV its own; PASS NULL
+    WeightManifest sent;         // the sender's manifest, as received
+    int* place;                  // RECV: sender entry -> its own entry
+    void* scratch;               // PASS: device memory for the largest tensor
+    int ready;
+} WeightRank;
+
+// This rank's part of the manifest exchange over c (every rank of c calls it, with the same
+// root): the root sends `mine`, each receiver checks it against its own `mine`, then every rank
+// learns every rank's verdict. 0 on all ranks, or -1 on all ranks with the same err ("weight
+// manifest, rank R: ..." naming the first rank that refused and the tensor).
+int weight_rank_manifest(WeightRank* wr, Comm* c, const CommStream* st, int root, WeightRole role,
+                         const WeightManifest* mine, char* err);
+// This rank's part of one broadcast of the weights: the root's slabs (device memory of st's
+// device, by layer) to every receiver's slabs, each tensor placed by name; waits for it.
+// Returns the bytes a receiver gets, or -1 + err.
+int64_t weight_rank_run(WeightRank* wr, void* const* slabs, char* err);
+// Frees what the exchange made (not the communicator).
+void weight_rank_close(WeightRank* wr);
 
 #endif  // LLMC_WEIGHTSYNC_H

@@ -11,6 +11,7 @@
  *    a resumed engine run (sync and delayed) logs its last step as the straight run.
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -622,8 +623,128 @@ static void test_engine_weight_manifest_broadcast(TestCtx* t) {
     model_free(&m);
 }
 
+// ----------------------------------------------------------------------------
+// the broadcast across processes: one rank per thread, as rollout ranks of their own would be
+
+typedef struct XRank {
+    CommEmulWorld* world;
+    int rank, world_n;
+    WeightRole role;
+    Device* dev;
+    const WeightManifest* mine;
+    void** slabs;        // (n_layers) this rank's, device memory of dev
+    int64_t got;         // bytes received (-1: failed)
+    int manifest_rc;
+    char err[ERR_LEN];
+} XRank;
+
+static void* xrank_main(void* arg) {
+    XRank* x = arg;
+    x->got = -1;
+    CommInit in = {.rank = x->rank, .world = x->world_n, .timeout_s = 10.0, .local = x->world};
+    Comm* c = comm_emul_impl.init(&in, x->err);
+    if (!c) return NULL;
+    const CommStream st = {.impl = &device_cpu_impl, .dev = x->dev, .stream = STREAM_COMPUTE};
+    WeightRank wr;
+    x->manifest_rc = weight_rank_manifest(&wr, c, &st, 0, x->role, x->mine, x->err);
+    if (x->manifest_rc == 0) {
+        x->got = weight_rank_run(&wr, x->slabs, x->err);
+        weight_rank_close(&wr);
+    }
+    comm_destroy(c);
+    return NULL;
+}
+
+// Three ranks in one communicator: rank 0 sends (the trainer rank), rank 1 passes (another
+// trainer rank), rank 2 receives (a rollout rank) in a layout whose first two tensors of a slab
+// trade places. Every tensor lands where rank 2's manifest puts its name, rank 1's slabs stay
+// untouched; then rank 2's layout differs in a shape and every rank refuses with the same line
+// naming rank 2 and the tensor, before any weight moves.
+static void test_engine_weight_rank_broadcast(TestCtx* t) {
+    const ModelConfig c = test_engine_config(0);
+    char err[ERR_LEN];
+    Model m;
+    if (model_init(&m, &c, 0, err) != 0) fatal("%s", err);
+    const int W = 3, NL = m.tt.n_layers;
+    WeightManifest mine[3];
+    for (int r = 0; r < W; r++) weight_manifest_build(&mine[r], &m.tt, 4);
+    const WeightManifest* a = &mine[0];
+    int sw = 0;
+    while (sw + 1 < a->n && mine[2].e[sw].layer != mine[2].e[sw + 1].layer) sw++;
+    CHECK(t, sw + 1 < a->n, "no slab with two tensors");
+    if (sw + 1 < a->n) {
+        WeightEntry* e0 = &mine[2].e[sw];
+        WeightEntry* e1 = &mine[2].e[sw + 1];
+        const int64_t off0 = e0->offset;
+        e1->offset = off0;
+        e0->offset = off0 + e1->numel;
+    }
+    DeviceSet devs;
+    device_set_open(&devs, &device_cpu_impl, W, NULL);
+    void** slabs[3];
+    for (int r = 0; r < W; r++) {
+        slabs[r] = calloc_check((size_t)NL, sizeof(void*));
+        for (int l = 0; l < NL; l++) {
+            const size_t bytes = (size_t)(m.tt.param_numel[l] + 1) * sizeof(float);
+            slabs[r][l] = device_cpu_impl.alloc(devs.dev[r], bytes);
+            float* f = slabs[r][l];
+            for (int64_t i = 0; i <= m.tt.param_numel[l]; i++)
+                f[i] = r == 0 ? (float)(l * 100000 + i) : -1.0f;
+        }
+    }
+    int64_t want = 0;
+    for (int i = 0; i < a->n; i++) want += a->e[i].numel * 4;
+    for (int round = 0; round < 2; round++) {
+        if (round == 1) mine[2].e[1].shape[0] += 1;
+        CommEmulWorld* w = comm_emul_world_create(W);
+        XRank x[3];
+        pthread_t th[3];
+        const WeightRole roles[3] = {WEIGHT_SEND, WEIGHT_PASS, WEIGHT_RECV};
+        for (int r = 0; r < W; r++) {
+            x[r] = (XRank){.world = w, .rank = r, .world_n = W, .role = roles[r],
+                           .dev = devs.dev[r], .mine = roles[r] == WEIGHT_PASS ? NULL : &mine[r],
+                           .slabs = slabs[r]};
+            pthread_check(pthread_create(&th[r], NULL, xrank_main, &x[r]));
+        }
+        for (int r = 0; r < W; r++) pthread_check(pthread_join(th[r], NULL));
+        comm_emul_world_destroy(w);
+        if (round == 0) {
+            for (int r = 0; r < W; r++)
+                CHECK(t, x[r].got == want, "rank %d: %lld bytes, want %lld: %s", r,
+                      (long long)x[r].got, (long long)want, x[r].err);
+            int placed = 1, untouched = 1;
+            for (int i = 0; i < a->n; i++) {
+                const WeightEntry* s = &a->e[i];
+                const WeightEntry* d = &mine[2].e[i];  // (built in the same order: same index)
+                placed &= memcmp((float*)slabs[2][d->layer] + d->offset,
+                                 (float*)slabs[0][s->layer] + s->offset,
+                                 (size_t)s->numel * sizeof(float)) == 0;
+            }
+            for (int l = 0; l < NL; l++)
+                for (int64_t i = 0; i <= m.tt.param_numel[l]; i++)
+                    untouched &= ((float*)slabs[1][l])[i] == -1.0f;
+            CHECK(t, placed, "the rollout rank's tensors are not where its manifest puts them");
+            CHECK(t, untouched, "the passing rank's weights changed");
+        } else {
+            for (int r = 0; r < W; r++)
+                CHECK(t, x[r].manifest_rc != 0 && strstr(x[r].err, "rank 2") &&
+                             strstr(x[r].err, a->e[1].name) && !strchr(x[r].err, '\n') &&
+                             strcmp(x[r].err, x[0].err) == 0,
+                      "rank %d of a mismatched receiver: %s", r, x[r].err);
+        }
+    }
+    for (int r = 0; r < W; r++) {
+        for (int l = 0; l < NL; l++) device_cpu_impl.free(devs.dev[r], slabs[r][l]);
+        free(slabs[r]);
+        weight_manifest_free(&mine[r]);
+    }
+    device_set_close(&devs);
+    model_free(&m);
+}
+
 const TestCase tests_grpo_engine[] = {
     {"engine_weight_manifest_broadcast", test_engine_weight_manifest_broadcast},
+    {"engine_weight_rank_broadcast", test_engine_weight_rank_broadcast},
     {"grpo_engine_split_matches_colocated", test_grpo_engine_split_matches_colocated},
     {"grpo_engine_split_resume", test_grpo_engine_split_resume},
     {"grpo_engine_split_refusals", test_grpo_engine_split_refusals},
