@@ -61,20 +61,51 @@ static int stream_values(const LoadJob* job, int i, const float* w, int64_t from
 // blocks (one part, the Store's type, the values their dequantisation) the slices copy them too.
 // Read whole: small tensors, LLaMA's permuted q/k rows, two parts back to back; and, for its
 // message, any tensor whose slices fail (a missing part, another shape, a non-finite value).
-static int load_gguf_sliced(LoadJob* job, int i) {
-    const TensorDesc* d = &job->s->tt->t[i];
-    const ModelConfig* cfg = job->cfg;
-    if (8.0 * (double)d->numel <= job->slice_bytes || d->ndim < 2) return 0;
+// The slices of d as its layout allows (before the file's own checks): 1 with *U units (rows or
+// experts) of *unit elements, k a slice, when d is to be read in slices of slice_bytes; 0 whole.
+static int slice_plan(const TensorDesc* d, const ModelConfig* cfg, double slice_bytes,
+                      int64_t* U, int64_t* unit, int64_t* k) {
+    if (8.0 * (double)d->numel <= slice_bytes || d->ndim < 2) return 0;
     GgufPart parts[2];
     const int n = gguf_tensor_parts(cfg, d, parts);
     const int rearranged = gguf_parts_rearranged(cfg, d);
-    const int64_t U = d->shape[0];  // the units: rows, or experts
-    if (U < 2 || d->numel % U != 0) return 0;
-    if (rearranged ? U != cfg->E : n != 1 || d->kind == TK_WQ || d->kind == TK_WK) return 0;
-    const int64_t unit = d->numel / U;
+    *U = d->shape[0];
+    if (*U < 2 || d->numel % *U != 0) return 0;
+    if (rearranged ? *U != cfg->E : n != 1 || d->kind == TK_WQ || d->kind == TK_WK) return 0;
+    *unit = d->numel / *U;
+    int qbytes = 0;
+    if (d->qtype && *unit % ggml_type_block(d->qtype, &qbytes) != 0) return 0;
+    *k = (int64_t)(slice_bytes / (4.0 * (double)*unit * (rearranged ? 2 : 1)));
+    if (*k < 1) *k = 1;
+    if (*k > *U) *k = *U;
+    return 1;
+}
+
+double loader_gguf_staging_bytes(const TensorDesc* d, const ModelConfig* cfg,
+                                 double slice_bytes) {
+    int64_t U = 0, unit = 0, k = 0;
+    if (!slice_plan(d, cfg, slice_bytes, &U, &unit, &k)) {
+        // (gguf_read_hf_tensor's parts beside the values where they are rearranged, permuted
+        // or two; take_gguf_blocks' check where the GGUF's blocks may be kept)
+        GgufPart parts[2];
+        const int twice = gguf_tensor_parts(cfg, d, parts) != 1 ||
+                          gguf_parts_rearranged(cfg, d) || d->qtype ||
+                          (cfg->family == FAMILY_LLAMA && (d->kind == TK_WQ || d->kind == TK_WK));
+        return (twice ? 2.0 : 1.0) * 4.0 * (double)d->numel;
+    }
+    return (gguf_parts_rearranged(cfg, d) ? 2.0 : 1.0) * 4.0 * (double)(k * unit);
+}
+
+static int load_gguf_sliced(LoadJob* job, int i) {
+    const TensorDesc* d = &job->s->tt->t[i];
+    const ModelConfig* cfg = job->cfg;
+    int64_t U = 0, unit = 0, k = 0;
+    if (!slice_plan(d, cfg, job->slice_bytes, &U, &unit, &k)) return 0;
+    GgufPart parts[2];
+    const int n = gguf_tensor_parts(cfg, d, parts);
+    const int rearranged = gguf_parts_rearranged(cfg, d);
     int qbytes = 0;
     const int qblock = d->qtype ? ggml_type_block(d->qtype, &qbytes) : 1;
-    if (unit % qblock != 0) return 0;
     const GgufTensor* t[2] = {NULL, NULL};
     int64_t part_unit[2] = {0, 0};
     char scratch[ERR_LEN];
@@ -89,9 +120,6 @@ static int load_gguf_sliced(LoadJob* job, int i) {
     // (one part of the Store's own type: its blocks copied, as take_gguf_blocks does)
     const int keep = !rearranged && d->qtype && (int)t[0]->type == d->qtype &&
                      t[0]->numel == d->numel;
-    int64_t k = (int64_t)(job->slice_bytes / (4.0 * (double)unit * (rearranged ? 2 : 1)));
-    if (k < 1) k = 1;
-    if (k > U) k = U;
     float* w = malloc_check((size_t)(k * unit) * sizeof(float));
     float* packed = rearranged ? malloc_check((size_t)(k * unit) * sizeof(float)) : NULL;
     ModelConfig c = *cfg;

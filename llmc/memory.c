@@ -14,6 +14,7 @@
 #include "checkpoint.h"
 #include "common.h"
 #include "dp.h"
+#include "loader.h"
 #include "plain.h"
 #include "quant.h"
 #include "threads.h"
@@ -300,8 +301,17 @@ double memory_stream_staging(const TrainArgs* a, const Model* m, int* from_file)
     const int random_init = !a->model[0] || config_from_preset(&c, a->model, err) == 0 ||
                             (n >= 5 && strcmp(a->model + n - 5, ".json") == 0);
     if (from_file) *from_file = !random_init;
-    return quant_stream_staging_bytes(&m->tt, threads_online_cpus(), !random_init,
-                                      a->device == DEVICE_CUDA);
+    const int bf16 = a->device == DEVICE_CUDA;
+    if (random_init || !str_ends_with(a->model, ".gguf"))
+        return quant_stream_staging_bytes(&m->tt, threads_online_cpus(), !random_init, bf16);
+    // a GGUF: its large tensors read in slices (loader.c)
+    double largest = 0.0;
+    for (int i = 0; i < m->tt.n; i++) {
+        const TensorDesc* d = &m->tt.t[i];
+        if (d->qtype || (bf16 && !d->trainable && d->tied_to < 0))
+            largest = fmax(largest, loader_gguf_staging_bytes(d, &m->cfg, LOADER_SLICE_BYTES));
+    }
+    return threads_online_cpus() * largest;
 }
 
 RunMemory memory_estimate(const TrainArgs* a, const Model* m, int n_devices,

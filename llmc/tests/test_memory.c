@@ -25,9 +25,11 @@
 #include "../common.h"
 #include "../dp.h"
 #include "../engine.h"
+#include "../loader.h"
 #include "../memory.h"
 #include "../plain.h"
 #include "../rng.h"
+#include "../threads.h"
 #include "testing.h"
 
 // ----------------------------------------------------------------------------
@@ -590,11 +592,41 @@ static void test_memory_dp_rank(TestCtx* t) {
 #endif
 }
 
+// A streamed base loaded from a GGUF stages a slice per loader thread, not a whole tensor:
+// Qwen3-235B-A22B's expert tensors (6 GiB of fp32 each) count at most LOADER_SLICE_BYTES per
+// thread, where a preset's random init counts its chunks as before.
+static void test_memory_stream_staging_gguf(TestCtx* t) {
+    char err[ERR_LEN];
+    ModelConfig c;
+    Model m;
+    CHECK(t, config_from_preset(&c, "qwen3-235b-a22b", err) == 0, "%s", err);
+    const LoraSpec l = {.r = 8, .alpha = 16, .targets = LORA_ALL_LINEAR};
+    CHECK(t, model_init_lora(&m, &c, 0, &l, err) == 0, "%s", err);
+    double largest = 0.0;
+    for (int i = 0; i < m.tt.n; i++)
+        if (!m.tt.t[i].trainable) largest = fmax(largest, 4.0 * (double)m.tt.t[i].numel);
+    TrainArgs a;
+    args_defaults(&a);
+    a.device = DEVICE_CUDA;  // (every frozen tensor streamed into bf16)
+    a.model = "somewhere/qwen3-235b.gguf";
+    int from_file = 0;
+    const double cpus = threads_online_cpus();
+    const double gguf = memory_stream_staging(&a, &m, &from_file) / cpus;
+    CHECK(t, from_file && largest > 4e9 && gguf <= LOADER_SLICE_BYTES &&
+                 gguf > 0.5 * LOADER_SLICE_BYTES,
+          "a GGUF: %.0f bytes staged per thread (the largest tensor %.0f)", gguf, largest);
+    a.model = "qwen3-235b-a22b";
+    const double init = memory_stream_staging(&a, &m, &from_file) / cpus;
+    CHECK(t, !from_file && init == 4.0 * (1 << 20), "the random init: %.0f per thread", init);
+    model_free(&m);
+}
+
 const TestCase tests_memory[] = {
     {"memory_limit", test_memory_limit},
     {"memory_estimate_vs_rss", test_memory_estimate_vs_rss},
     {"memory_refusal_message", test_memory_refusal_message},
     {"memory_cli", test_memory_cli},
     {"memory_dp_rank", test_memory_dp_rank},
+    {"memory_stream_staging_gguf", test_memory_stream_staging_gguf},
     {NULL, NULL},
 };
