@@ -163,6 +163,10 @@ int ggml_dequantize(int type, const uint8_t* src, float* dst, int64_t n);
 // Whole tensor to fp32 in ggml order (n must equal numel). Refuses unsupported types by name and
 // non-finite values by element index.
 int gguf_tensor_to_f32(const GgufFile* f, const GgufTensor* t, float* out, int64_t n, char* err);
+// Elements [from, from + n) of t into out, the same checks and messages (an element's index is
+// the tensor's); from and n whole blocks of t's type (-1 with err otherwise).
+int gguf_tensor_range_to_f32(const GgufFile* f, const GgufTensor* t, int64_t from, int64_t n,
+                             float* out, char* err);
 
 // ----------------------------------------------------------------------------
 // architectures (gguf_arch.c)
@@ -199,6 +203,10 @@ typedef struct GgufPart {
 
 // d's parts (1 or 2) into parts; returns how many.
 int gguf_tensor_parts(const ModelConfig* cfg, const TensorDesc* d, GgufPart parts[2]);
+// Part p's tensor of f, its ne checked against the part's shape reversed; NULL with err (missing,
+// or another shape).
+const GgufTensor* gguf_part_tensor(const GgufFile* f, const GgufPart* p, const TensorDesc* d,
+                                   char* err);
 // 1 if d's values must be rearranged between its table layout and its parts' (the MoE cases
 // above); 0 if the single part's data is the table's.
 int gguf_parts_rearranged(const ModelConfig* cfg, const TensorDesc* d);

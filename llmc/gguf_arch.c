@@ -590,11 +590,13 @@ void gguf_parts_convert(const ModelConfig* cfg, const TensorDesc* d, float* tabl
 // ----------------------------------------------------------------------------
 // reading a descriptor
 
-// Part p's tensor into out (p->numel floats), its ne checked against the part's shape reversed.
-static int read_part(const GgufFile* f, const GgufPart* p, const TensorDesc* d, float* out,
-                     char* err) {
+const GgufTensor* gguf_part_tensor(const GgufFile* f, const GgufPart* p, const TensorDesc* d,
+                                   char* err) {
     const GgufTensor* t = gguf_find_tensor(f, p->name);
-    if (!t) return errorf(err, "%s: tensor '%s' (HF %s) is missing", f->path, p->name, d->hf_name);
+    if (!t) {
+        errorf(err, "%s: tensor '%s' (HF %s) is missing", f->path, p->name, d->hf_name);
+        return NULL;
+    }
     // ne is the HF shape reversed; trailing ne of 1 may be dropped by ggml's own writers
     int64_t want[GGUF_MAX_DIMS] = {1, 1, 1, 1};
     for (int k = 0; k < p->ndim && k < GGUF_MAX_DIMS; k++) want[k] = p->shape[p->ndim - 1 - k];
@@ -604,10 +606,18 @@ static int read_part(const GgufFile* f, const GgufPart* p, const TensorDesc* d, 
         char got[96], need[96];
         shape_text(t->ne, t->n_dims, got, sizeof got);
         shape_text(want, p->ndim, need, sizeof need);
-        return errorf(err, "%s: tensor '%s' has ne %s, the config needs ne %s (HF %s)", f->path,
-                      p->name, got, need, d->hf_name);
+        errorf(err, "%s: tensor '%s' has ne %s, the config needs ne %s (HF %s)", f->path,
+               p->name, got, need, d->hf_name);
+        return NULL;
     }
-    return gguf_tensor_to_f32(f, t, out, p->numel, err);
+    return t;
+}
+
+// Part p's tensor into out (p->numel floats), its ne checked against the part's shape reversed.
+static int read_part(const GgufFile* f, const GgufPart* p, const TensorDesc* d, float* out,
+                     char* err) {
+    const GgufTensor* t = gguf_part_tensor(f, p, d, err);
+    return t ? gguf_tensor_to_f32(f, t, out, p->numel, err) : -1;
 }
 
 int gguf_read_hf_tensor(const GgufFile* f, const ModelConfig* cfg, const TensorDesc* d, float* out,

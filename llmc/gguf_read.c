@@ -1,7 +1,8 @@
 /*
  * gguf_read.c — the GGUF v3 container: a bounded parse of the header, the metadata records and the
  * tensor infos (offsets, alignment and overlaps checked), lookups and typed getters, and the
- * tokenizer records kept verbatim for exports.
+ * tokenizer records kept verbatim for exports; a stretch of a tensor's elements in fp32
+ * (gguf_tensor_range_to_f32: a streamed base's loader reads large tensors in slices).
  *
  * Bounding rule: every count (keys, tensors, array elements) is first checked against the bytes
  * left divided by the smallest possible encoding of one item, and the arrays holding the parsed
@@ -13,6 +14,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -660,4 +662,30 @@ void gguf_tokenizer_extract(const GgufFile* f, GgufTokenizer* tok) {
 void gguf_tokenizer_free(GgufTokenizer* tok) {
     free(tok->records);
     memset(tok, 0, sizeof *tok);
+}
+
+// ----------------------------------------------------------------------------
+// a tensor's elements, in slices
+
+// (gguf_tensor_to_f32's checks and messages over a stretch of whole blocks: a streamed base
+// reads a large tensor a slice at a time, loader.c)
+int gguf_tensor_range_to_f32(const GgufFile* f, const GgufTensor* t, int64_t from, int64_t n,
+                             float* out, char* err) {
+    if (!ggml_type_can_dequantize(t->type))
+        return errorf(err,
+                      "%s: tensor '%s' has type %s, which this build cannot load (supported: "
+                      "%s)",
+                      f->path, t->name, ggml_type_name(t->type), ggml_supported_types());
+    int bytes = 0;
+    const int block = ggml_type_block(t->type, &bytes);
+    if (from < 0 || n < 0 || from + n > t->numel || from % block != 0 || n % block != 0)
+        return errorf(err, "%s: tensor '%s': elements [%lld, %lld) of %lld are not whole %s "
+                      "blocks", f->path, t->name, (long long)from, (long long)(from + n),
+                      (long long)t->numel, ggml_type_name(t->type));
+    ggml_dequantize(t->type, t->data + (size_t)(from / block) * (size_t)bytes, out, n);
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(out[i]))
+            return errorf(err, "%s: tensor '%s': element %lld is %s", f->path, t->name,
+                          (long long)(from + i), isnan(out[i]) ? "NaN" : "infinite");
+    return 0;
 }

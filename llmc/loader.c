@@ -4,7 +4,8 @@
  * Safetensors load through the table's HF view (tensor.h): one task per checkpoint tensor, so
  * per-expert, fused and MXFP4 expert layouts land in the same slabs. A streamed base
  * (Store.base_streamed): a frozen tensor's values go to a buffer of the task's own and from
- * there into its blocks or its bf16 copy (Store.base16), never into the slab.
+ * there into its blocks or its bf16 copy (Store.base16), never into the slab; a large GGUF tensor
+ * a slice of whole rows or experts at a time (load_gguf_sliced: LOADER_SLICE_BYTES per thread).
  */
 #include "loader.h"
 
@@ -33,6 +34,8 @@ typedef struct LoadJob {
     const ModelConfig* cfg;
     char (*err)[ERR_LEN];    // per task
     int* rc;                 // per task, 0 = loaded
+    double slice_bytes;      // GGUF, a streamed base: the fp32 staging per task (load_gguf_sliced)
+    char* sliced;            // GGUF: per table tensor, 1 when read in slices
 } LoadJob;
 
 // A streamed base (store_create_streamed): tensor i's elements [from, from + n) of fp32 values w
@@ -47,6 +50,112 @@ static int stream_values(const LoadJob* job, int i, const float* w, int64_t from
     return store_stream_values(job->s, i, w, from, n, err);
 }
 
+// A streamed GGUF tensor i whose whole read would stage more than job->slice_bytes, read and
+// stored a slice at a time: 1 when done so (job->rc[i] set), 0 when it is to be read whole. Its
+// whole read stages its fp32 values and, rearranged or kept as the GGUF's own blocks, as much
+// again (gguf_read_hf_tensor's parts, take_gguf_blocks' check in quant.c). A slice is whole rows
+// of a tensor in one part in the table's layout, or whole experts of an MoE tensor whose parts
+// are rearranged expert by expert (gguf_parts_convert on that many experts); each part's slice is
+// its own rows, so whole blocks of its type and of the Store's. The results are the whole read's
+// bit for bit: the blocks are quantised block by block, and where the whole read keeps the GGUF's
+// blocks (one part, the Store's type, the values their dequantisation) the slices copy them too.
+// Read whole: small tensors, LLaMA's permuted q/k rows, two parts back to back; and, for its
+// message, any tensor whose slices fail (a missing part, another shape, a non-finite value).
+// The slices of d as its layout allows (before the file's own checks): 1 with *U units (rows or
+// experts) of *unit elements, k a slice, when d is to be read in slices of slice_bytes; 0 whole.
+static int slice_plan(const TensorDesc* d, const ModelConfig* cfg, double slice_bytes,
+                      int64_t* U, int64_t* unit, int64_t* k) {
+    if (8.0 * (double)d->numel <= slice_bytes || d->ndim < 2) return 0;
+    GgufPart parts[2];
+    const int n = gguf_tensor_parts(cfg, d, parts);
+    const int rearranged = gguf_parts_rearranged(cfg, d);
+    *U = d->shape[0];
+    if (*U < 2 || d->numel % *U != 0) return 0;
+    if (rearranged ? *U != cfg->E : n != 1 || d->kind == TK_WQ || d->kind == TK_WK) return 0;
+    *unit = d->numel / *U;
+    int qbytes = 0;
+    if (d->qtype && *unit % ggml_type_block(d->qtype, &qbytes) != 0) return 0;
+    *k = (int64_t)(slice_bytes / (4.0 * (double)*unit * (rearranged ? 2 : 1)));
+    if (*k < 1) *k = 1;
+    if (*k > *U) *k = *U;
+    return 1;
+}
+
+double loader_gguf_staging_bytes(const TensorDesc* d, const ModelConfig* cfg,
+                                 double slice_bytes) {
+    int64_t U = 0, unit = 0, k = 0;
+    if (!slice_plan(d, cfg, slice_bytes, &U, &unit, &k)) {
+        // (gguf_read_hf_tensor's parts beside the values where they are rearranged, permuted
+        // or two; take_gguf_blocks' check where the GGUF's blocks may be kept)
+        GgufPart parts[2];
+        const int twice = gguf_tensor_parts(cfg, d, parts) != 1 ||
+                          gguf_parts_rearranged(cfg, d) || d->qtype ||
+                          (cfg->family == FAMILY_LLAMA && (d->kind == TK_WQ || d->kind == TK_WK));
+        return (twice ? 2.0 : 1.0) * 4.0 * (double)d->numel;
+    }
+    return (gguf_parts_rearranged(cfg, d) ? 2.0 : 1.0) * 4.0 * (double)(k * unit);
+}
+
+static int load_gguf_sliced(LoadJob* job, int i) {
+    const TensorDesc* d = &job->s->tt->t[i];
+    const ModelConfig* cfg = job->cfg;
+    int64_t U = 0, unit = 0, k = 0;
+    if (!slice_plan(d, cfg, job->slice_bytes, &U, &unit, &k)) return 0;
+    GgufPart parts[2];
+    const int n = gguf_tensor_parts(cfg, d, parts);
+    const int rearranged = gguf_parts_rearranged(cfg, d);
+    int qbytes = 0;
+    const int qblock = d->qtype ? ggml_type_block(d->qtype, &qbytes) : 1;
+    const GgufTensor* t[2] = {NULL, NULL};
+    int64_t part_unit[2] = {0, 0};
+    char scratch[ERR_LEN];
+    for (int p = 0; p < n; p++) {
+        t[p] = gguf_part_tensor(job->gguf, &parts[p], d, scratch);
+        int bytes = 0;
+        if (!t[p] || parts[p].numel % U != 0 || !ggml_type_can_dequantize(t[p]->type)) return 0;
+        part_unit[p] = parts[p].numel / U;
+        if (part_unit[p] % ggml_type_block(t[p]->type, &bytes) != 0) return 0;
+    }
+    if (part_unit[0] + part_unit[1] != unit) return 0;
+    // (one part of the Store's own type: its blocks copied, as take_gguf_blocks does)
+    const int keep = !rearranged && d->qtype && (int)t[0]->type == d->qtype &&
+                     t[0]->numel == d->numel;
+    float* w = malloc_check((size_t)(k * unit) * sizeof(float));
+    float* packed = rearranged ? malloc_check((size_t)(k * unit) * sizeof(float)) : NULL;
+    ModelConfig c = *cfg;
+    TensorDesc ds = *d;
+    int rc = 0;
+    for (int64_t u = 0; u < U && rc == 0; u += k) {
+        const int64_t kk = U - u < k ? U - u : k;
+        if (!rearranged) {
+            rc = gguf_tensor_range_to_f32(job->gguf, t[0], u * unit, kk * unit, w, job->err[i]);
+        } else {  // the parts' slices back to back, then the table's layout of kk experts
+            int64_t at = 0;
+            for (int p = 0; p < n && rc == 0; p++) {
+                rc = gguf_tensor_range_to_f32(job->gguf, t[p], u * part_unit[p],
+                                              kk * part_unit[p], packed + at, job->err[i]);
+                at += kk * part_unit[p];
+            }
+            c.E = (int)kk;
+            ds.numel = kk * unit;
+            if (rc == 0) gguf_parts_convert(&c, &ds, w, packed, 1);
+        }
+        if (rc == 0 && keep) {
+            const size_t at = (size_t)(u * unit / qblock) * (size_t)qbytes;
+            memcpy(job->s->qblocks[i] + at, t[0]->data + at,
+                   (size_t)(kk * unit / qblock) * (size_t)qbytes);
+        } else if (rc == 0) {
+            rc = store_stream_values(job->s, i, w, u * unit, kk * unit, job->err[i]);
+        }
+    }
+    free(w);
+    free(packed);
+    if (rc != 0) return 0;  // (the whole read says what is wrong)
+    job->rc[i] = 0;
+    job->sliced[i] = 1;
+    return 1;
+}
+
 static void load_task(void* arg, int64_t task) {
     LoadJob* job = arg;
     const int i = (int)task;
@@ -56,7 +165,8 @@ static void load_task(void* arg, int64_t task) {
         // (tied: the owner's; LoRA adapters: not the base's; --mmap-base: read on upload)
         if (d->tied_to >= 0 || d->lora_target >= 0 || (job->s->map_src && job->s->map_src[i]))
             return;
-        if (store_streams_tensor(job->s, i)) {  // (one tensor's fp32 values at a time)
+        if (store_streams_tensor(job->s, i)) {  // (one tensor's fp32 values, or a slice's)
+            if (load_gguf_sliced(job, i)) return;
             float* w = malloc_check((size_t)d->numel * sizeof(float));
             job->rc[i] = gguf_read_hf_tensor(job->gguf, job->cfg, d, w, job->err[i]);
             if (job->rc[i] == 0) job->rc[i] = stream_values(job, i, w, 0, d->numel, job->err[i]);
@@ -234,9 +344,20 @@ int loader_load_safetensors(Store* s, const StCheckpoint* ck, int* n_unused, cha
 
 int loader_load_gguf(Store* s, const GgufFile* f, const ModelConfig* cfg, int* n_unused,
                      char* err) {
+    return loader_load_gguf_sliced(s, f, cfg, LOADER_SLICE_BYTES, n_unused, NULL, err);
+}
+
+int loader_load_gguf_sliced(Store* s, const GgufFile* f, const ModelConfig* cfg,
+                            double slice_bytes, int* n_unused, int* n_sliced, char* err) {
     const TensorTable* tt = s->tt;
-    LoadJob job = {.s = s, .gguf = f, .cfg = cfg};
-    if (load_all(&job, tt->n, err) != 0) return -1;
+    LoadJob job = {.s = s, .gguf = f, .cfg = cfg, .slice_bytes = slice_bytes,
+                   .sliced = calloc_check((size_t)(tt->n > 0 ? tt->n : 1), 1)};
+    const int rc = load_all(&job, tt->n, err);
+    int count = 0;
+    for (int i = 0; i < tt->n; i++) count += job.sliced[i];
+    free(job.sliced);
+    if (n_sliced) *n_sliced = count;
+    if (rc != 0) return -1;
     int unused = 0;
     GgufPart parts[2];
     for (int64_t k = 0; k < f->n_tensors; k++) {

@@ -26,6 +26,19 @@ int loader_load_safetensors(Store* s, const StCheckpoint* ck, int* n_unused, cha
 int loader_load_gguf(Store* s, const GgufFile* f, const ModelConfig* cfg, int* n_unused,
                      char* err);
 
+// A streamed base (store_create_streamed) stages at most this much fp32 per loader thread for a
+// GGUF tensor that can be read in slices (whole rows or experts; loader.c: load_gguf_sliced),
+// rather than the whole tensor (one Qwen3-235B expert tensor: 6 GiB).
+#define LOADER_SLICE_BYTES (256.0 * 1048576.0)
+// The fp32 staging one loader thread holds for a streamed tensor d of a GGUF (the estimate's:
+// at most, where the file's types are unknown): its slice, else the whole tensor (twice over
+// where it is rearranged, permuted, in two parts or kept as the GGUF's blocks).
+double loader_gguf_staging_bytes(const TensorDesc* d, const ModelConfig* cfg, double slice_bytes);
+// loader_load_gguf with another slice size (tests: small slices against the whole reads);
+// *n_sliced (may be NULL): how many tensors were read in slices.
+int loader_load_gguf_sliced(Store* s, const GgufFile* f, const ModelConfig* cfg,
+                            double slice_bytes, int* n_unused, int* n_sliced, char* err);
+
 // --mmap-base: point the Store's map_src / map_type at every frozen tensor where the open
 // checkpoint (ck or gguf, the other NULL) holds it as the table lays it out (one tensor of its
 // shape; safetensors F32 / F16 / BF16; GGUF F32 / F16 / BF16, or the tensor's own block type

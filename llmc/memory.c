@@ -14,6 +14,7 @@
 #include "checkpoint.h"
 #include "common.h"
 #include "dp.h"
+#include "loader.h"
 #include "plain.h"
 #include "quant.h"
 #include "threads.h"
@@ -248,7 +249,10 @@ int memory_host_limit(const char* root, HostLimit* out, char* err) {
 // they are whole again on rank 0 while --out or the exports write (trainer_finish gathers them).
 // A checkpoint gathers one layer's weights, m or v at a time onto rank 0 (streamed); the
 // collectives' buffer is the largest layer. Negative: less than the whole Store. (The fp32
-// weights are sharded when no plain path reads them, as trainer.c sets shard_weights.)
+// weights are sharded when no plain path reads them, as trainer.c sets shard_weights, and only
+// in layers without a frozen head: store_release_state keeps LoRA's adapters whole on every
+// rank. LoRA's checkpoint gathers the adapters' whole state onto rank 0 at once, not layer by
+// layer: trainer.c, trainer_save.)
 static double dp_engine_rank_bytes(const TrainArgs* a, const Model* m, const EngineOptions* eo,
                                    const EngineHostMemory* h) {
     const TensorTable* tt = &m->tt;
@@ -256,24 +260,37 @@ static double dp_engine_rank_bytes(const TrainArgs* a, const Model* m, const Eng
     int64_t* lo = malloc_check((size_t)tt->n_layers * sizeof(int64_t));
     int64_t* hi = malloc_check((size_t)tt->n_layers * sizeof(int64_t));
     dp_engine_state_ranges(tt, W, 0, lo, hi);
-    double all = 0.0, shard = 0.0, layer_max = 0.0;
+    // others: the other ranks' elements of m and v; others_w: of the fp32 weights that can be
+    // sharded (a layer whose weights are all trainable)
+    double others = 0.0, others_w = 0.0, layer_max = 0.0;
     for (int l = 0; l < tt->n_layers; l++) {
-        all += (double)tt->state_numel[l];
-        shard += (double)(hi[l] - lo[l]);
+        const double o = (double)(tt->state_numel[l] - (hi[l] - lo[l]));
+        others += o;
+        if (tt->param_numel[l] == tt->state_numel[l]) others_w += o;
         if ((double)tt->state_numel[l] > layer_max) layer_max = (double)tt->state_numel[l];
     }
     free(lo);
     free(hi);
-    const double others = all - shard;  // the other ranks' elements
-    double bytes = -8.0 * others;        // m and v
-    if (!trainer_needs_plain(a, 1)) {  // (the trainer's EngineOptions.shard_weights)
-        const double later = h->grads + (eo->split_rounds ? h->split_extra : 0.0);
-        const double startup = fmax(0.0, 4.0 * others - later);
-        const int writes = a->out[0] || a->export_hf[0] || a->export_gguf[0];
-        bytes += -4.0 * others + fmax(startup, writes ? 4.0 * others : 0.0);
+    // m and v: the shard's only, except where the Store was made without a shard (--mmap-base,
+    // a streamed base: train_roundpipe.c), which holds them whole until the engine has made its
+    // masters, like the fp32 weights
+    const int mv_whole = a->mmap_base || trainer_streams_base(a, m, 1);
+    const int shard_weights = !trainer_needs_plain(a, 1);  // (the trainer's EngineOptions')
+    double bytes = -8.0 * others;
+    double startup = mv_whole ? 8.0 * others : 0.0, final = 0.0;
+    if (shard_weights) {
+        bytes -= 4.0 * others_w;
+        startup += 4.0 * others_w;
+        // (trainer_finish gathers the weights onto rank 0 for any of these)
+        if (a->out[0] || a->export_hf[0] || a->export_gguf[0] || a->export_lora[0])
+            final = 4.0 * others_w;
     }
-    if (a->save_every > 0 || a->out[0]) bytes += 4.0 * layer_max;  // (a checkpoint's layer)
-    return bytes + 4.0 * layer_max;                                  // (the collectives' buffer)
+    const double later = h->grads + (eo->split_rounds ? h->split_extra : 0.0);
+    bytes += fmax(fmax(0.0, startup - later), final);
+    if (a->save_every > 0 || a->out[0])  // a checkpoint: one layer, or LoRA's whole state
+        bytes += tt->lora.r > 0 ? 8.0 * others + (shard_weights ? 4.0 * others_w : 0.0)
+                                : 4.0 * layer_max;
+    return bytes + 4.0 * layer_max;  // (the collectives' buffer)
 }
 
 double memory_stream_staging(const TrainArgs* a, const Model* m, int* from_file) {
@@ -284,8 +301,17 @@ double memory_stream_staging(const TrainArgs* a, const Model* m, int* from_file)
     const int random_init = !a->model[0] || config_from_preset(&c, a->model, err) == 0 ||
                             (n >= 5 && strcmp(a->model + n - 5, ".json") == 0);
     if (from_file) *from_file = !random_init;
-    return quant_stream_staging_bytes(&m->tt, threads_online_cpus(), !random_init,
-                                      a->device == DEVICE_CUDA);
+    const int bf16 = a->device == DEVICE_CUDA;
+    if (random_init || !str_ends_with(a->model, ".gguf"))
+        return quant_stream_staging_bytes(&m->tt, threads_online_cpus(), !random_init, bf16);
+    // a GGUF: its large tensors read in slices (loader.c)
+    double largest = 0.0;
+    for (int i = 0; i < m->tt.n; i++) {
+        const TensorDesc* d = &m->tt.t[i];
+        if (d->qtype || (bf16 && !d->trainable && d->tied_to < 0))
+            largest = fmax(largest, loader_gguf_staging_bytes(d, &m->cfg, LOADER_SLICE_BYTES));
+    }
+    return threads_online_cpus() * largest;
 }
 
 RunMemory memory_estimate(const TrainArgs* a, const Model* m, int n_devices,

@@ -25,9 +25,11 @@
 #include "../common.h"
 #include "../dp.h"
 #include "../engine.h"
+#include "../loader.h"
 #include "../memory.h"
 #include "../plain.h"
 #include "../rng.h"
+#include "../threads.h"
 #include "testing.h"
 
 // ----------------------------------------------------------------------------
@@ -464,8 +466,10 @@ static double bytes_after(const char* text, const char* key) {
 // Data parallel through the engine (a->dist_world ranks): the estimate is what rank 0 holds with
 // ZeRO-1 (docs/DISTRIBUTED.md §6): AdamW's m and v for its shard; the fp32 weights for its shard
 // when no plain path reads them, whole at start-up only beyond the delayed update's second
-// gradient set, and whole again when --out writes them; plus the collectives' buffer (the
-// largest layer) and, with checkpoints, one streamed layer. A run that fits only thanks to that
+// gradient set, and whole again when --out or an export (--export-lora too) writes them; plus
+// the collectives' buffer (the largest layer) and, with checkpoints, one streamed layer. LoRA's
+// adapters: their fp32 weights whole on every rank, m and v sharded (gathered whole onto rank 0
+// for a checkpoint). A run that fits only thanks to that
 // passes the check; --plan --world W prints the figure the run's check compares.
 static void test_memory_dp_rank(TestCtx* t) {
     char err[ERR_LEN];
@@ -512,6 +516,48 @@ static void test_memory_dp_rank(TestCtx* t) {
                              strstr(err, "not enough host memory"),
                       "one process does not fit: %s", err);
             }
+    // --export-lora writes too: the fp32 weights gathered whole onto rank 0 at the end
+    {
+        se.sync = 0;
+        TrainArgs a = shape_args(&se);
+        EngineOptions eo = shape_engine_options(&se);
+        a.export_lora = "somewhere";
+        const double whole = memory_estimate(&a, &m, 2, &eo).total;
+        a.dist_world = W;
+        const double rank = memory_estimate(&a, &m, 2, &eo).total;
+        const double want = 8.0 * others - layer_max;
+        CHECK(t, fabs((whole - rank) - want) < 1.0,
+              "--export-lora: rank 0 holds %.0f bytes less than one process, expected %.0f",
+              whole - rank, want);
+    }
+    model_free(&m);
+    // LoRA: the adapters' fp32 weights stay whole on every rank (store_release_state keeps a
+    // layer with a frozen head), only their m and v are sharded; a checkpoint gathers the
+    // adapters' m and v whole onto rank 0 at once
+    const LoraSpec ls = {.r = 4, .alpha = 8, .targets = LORA_ALL_LINEAR};
+    CHECK(t, model_init_lora(&m, &c, 0, &ls, err) == 0, "%s", err);
+    dp_engine_state_ranges(&m.tt, W, 0, lo, hi);
+    double lora_others = 0.0, lora_max = 0.0;
+    for (int l = 0; l < m.tt.n_layers; l++) {
+        lora_others += (double)(m.tt.state_numel[l] - (hi[l] - lo[l]));
+        lora_max = fmax(lora_max, 4.0 * (double)m.tt.state_numel[l]);
+    }
+    CHECK(t, lora_others > 0, "the LoRA model's adapters are not sharded");
+    for (int sync = 0; sync <= 1; sync++)
+        for (int out = 0; out <= 1; out++) {
+            se.sync = sync;
+            TrainArgs a = shape_args(&se);
+            EngineOptions eo = shape_engine_options(&se);
+            a.lora_r = 4;
+            if (out) a.out = "somewhere";
+            const double whole = memory_estimate(&a, &m, 2, &eo).total;
+            a.dist_world = W;
+            const double rank = memory_estimate(&a, &m, 2, &eo).total;
+            const double want = (out ? 0.0 : 8.0 * lora_others) - lora_max;
+            CHECK(t, fabs((whole - rank) - want) < 1.0,
+                  "LoRA sync %d out %d: rank 0 holds %.0f bytes less than one process, "
+                  "expected %.0f", sync, out, whole - rank, want);
+        }
     model_free(&m);
 #ifdef HAVE_CUDA
     // the CLI: the plan's per-rank figure is the one the run's start-up check compares (the run
@@ -546,11 +592,41 @@ static void test_memory_dp_rank(TestCtx* t) {
 #endif
 }
 
+// A streamed base loaded from a GGUF stages a slice per loader thread, not a whole tensor:
+// Qwen3-235B-A22B's expert tensors (6 GiB of fp32 each) count at most LOADER_SLICE_BYTES per
+// thread, where a preset's random init counts its chunks as before.
+static void test_memory_stream_staging_gguf(TestCtx* t) {
+    char err[ERR_LEN];
+    ModelConfig c;
+    Model m;
+    CHECK(t, config_from_preset(&c, "qwen3-235b-a22b", err) == 0, "%s", err);
+    const LoraSpec l = {.r = 8, .alpha = 16, .targets = LORA_ALL_LINEAR};
+    CHECK(t, model_init_lora(&m, &c, 0, &l, err) == 0, "%s", err);
+    double largest = 0.0;
+    for (int i = 0; i < m.tt.n; i++)
+        if (!m.tt.t[i].trainable) largest = fmax(largest, 4.0 * (double)m.tt.t[i].numel);
+    TrainArgs a;
+    args_defaults(&a);
+    a.device = DEVICE_CUDA;  // (every frozen tensor streamed into bf16)
+    a.model = "somewhere/qwen3-235b.gguf";
+    int from_file = 0;
+    const double cpus = threads_online_cpus();
+    const double gguf = memory_stream_staging(&a, &m, &from_file) / cpus;
+    CHECK(t, from_file && largest > 4e9 && gguf <= LOADER_SLICE_BYTES &&
+                 gguf > 0.5 * LOADER_SLICE_BYTES,
+          "a GGUF: %.0f bytes staged per thread (the largest tensor %.0f)", gguf, largest);
+    a.model = "qwen3-235b-a22b";
+    const double init = memory_stream_staging(&a, &m, &from_file) / cpus;
+    CHECK(t, !from_file && init == 4.0 * (1 << 20), "the random init: %.0f per thread", init);
+    model_free(&m);
+}
+
 const TestCase tests_memory[] = {
     {"memory_limit", test_memory_limit},
     {"memory_estimate_vs_rss", test_memory_estimate_vs_rss},
     {"memory_refusal_message", test_memory_refusal_message},
     {"memory_cli", test_memory_cli},
     {"memory_dp_rank", test_memory_dp_rank},
+    {"memory_stream_staging_gguf", test_memory_stream_staging_gguf},
     {NULL, NULL},
 };
