@@ -2,7 +2,8 @@
  * test_roundpipe.c — the test suite runner (`make test`).
  *
  * Every suite lives in llmc/tests/test_<suite>.c and exports a NULL-terminated TestCase array.
- * The runner executes every test (or those whose name contains the filter argument) and prints
+ * The runner executes every test (or those whose name contains one of the filter arguments) and
+ * prints
  * one line per test:
  *   ok   <name>  <checks> <seconds>   passed (parts it could not run here listed as "skipped: ...")
  *   FAIL <name>  ...                  a CHECK failed, or it ran none and did not say it skipped
@@ -12,6 +13,7 @@
  *
  *   ./test_roundpipe              run everything
  *   ./test_roundpipe json         run the tests whose name contains "json" (none: an error)
+ *   ./test_roundpipe json rng     those whose name contains "json" or "rng" (each must match)
  *   ./test_roundpipe --list       list test names
  *   ./test_roundpipe --no-skip gpu  the GPU suite, failing when it cannot run (make test-gpu)
  *   ./test_roundpipe --partial    tolerate suites missing from a module-only build
@@ -72,8 +74,9 @@ typedef struct Suite {
 } Suite;
 
 int main(int argc, char** argv) {
-    const char* filter = NULL;
-    int list_only = 0, allow_partial = 0, no_skip = 0;
+    const char** filters = calloc((size_t)argc, sizeof(char*));  // the name filters (any may match)
+    int n_filters = 0, list_only = 0, allow_partial = 0, no_skip = 0;
+    if (!filters) fatal("out of memory for %d arguments", argc);
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--list") == 0) list_only = 1;
         else if (strcmp(argv[i], "--partial") == 0) allow_partial = 1;  // module-only builds
@@ -83,8 +86,10 @@ int main(int argc, char** argv) {
                     argv[i]);
             return 2;
         }
-        else filter = argv[i];
+        else filters[n_filters++] = argv[i];
     }
+    int* filter_hits = calloc((size_t)(n_filters > 0 ? n_filters : 1), sizeof(int));
+    if (!filter_hits) fatal("out of memory for %d filters", n_filters);
 #define SUITE_ENTRY(s) {#s, tests_##s},
     const Suite suites[] = {SUITES(SUITE_ENTRY)};
     const int n_suites = (int)(sizeof suites / sizeof suites[0]);
@@ -105,20 +110,22 @@ int main(int argc, char** argv) {
     int n_threads = threads_online_cpus();
     if (n_threads > 4) n_threads = 4;  // keep CPU tests representative of the 2-core CI machine
 
-    int passed = 0, failed = 0, skipped = 0, matched = 0;
+    int passed = 0, failed = 0, skipped = 0;
     char first_skip[400] = "";  // "<name>: <why>" of the first skipped test (for --no-skip)
     double t_start = time_now_s();
     for (int s = 0; s < n_suites; s++) {
         if (suites[s].cases == NULL) {
-            if (!allow_partial && !list_only && filter == NULL) {
+            if (!allow_partial && !list_only && n_filters == 0) {
                 printf("FAIL suite %s is missing from this build\n", suites[s].name);
                 failed++;
             }
             continue;
         }
         for (const TestCase* tc = suites[s].cases; tc->name != NULL; tc++) {
-            if (filter && strstr(tc->name, filter) == NULL) continue;
-            matched++;
+            int selected = n_filters == 0;
+            for (int f = 0; f < n_filters; f++)
+                if (strstr(tc->name, filters[f])) selected = ++filter_hits[f];
+            if (!selected) continue;
             if (list_only) {
                 printf("%s\n", tc->name);
                 continue;
@@ -157,10 +164,14 @@ int main(int argc, char** argv) {
     }
     // the verdicts beyond the counts come first: the counts stay the closing line
     int rc = failed == 0 ? 0 : 1;
-    if (filter && matched == 0) {
-        printf("FAIL no test name contains '%s' (./test_roundpipe --list lists them)\n", filter);
-        rc = 1;
-    }
+    for (int f = 0; f < n_filters; f++)
+        if (filter_hits[f] == 0) {
+            printf("FAIL no test name contains '%s' (./test_roundpipe --list lists them)\n",
+                   filters[f]);
+            rc = 1;
+        }
+    free(filter_hits);
+    free(filters);
     if (no_skip && skipped > 0) {
         printf("FAIL --no-skip: %d test(s) did not run here (%s)\n", skipped, first_skip);
         rc = 1;

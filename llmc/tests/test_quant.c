@@ -857,15 +857,22 @@ static void test_quant_cli_train(TestCtx* t) {
     free(so);
 }
 
+// The default model exported as a bf16 safetensors checkpoint into the test directory's `name`
+// (its path into m), by a run tagged `tag`: the mapped-base tests' --model.
+static void q_bf16_checkpoint(TestCtx* t, const char* name, const char* tag, char* m, size_t cap) {
+    char args[2048];
+    test_path(t, m, cap, name);
+    snprintf(args, sizeof args, "--steps 0 --val '' --sample-tokens 0 --export-hf '%s' "
+             "--export-dtype bf16", m);
+    CHECK(t, test_run_cli(t, tag, args) == 0, "a bf16 checkpoint");
+}
+
 // --mmap-base: the base read from the mapped checkpoint on every upload gives the losses of the
 // run that holds it (a bf16 safetensors export of the default model; sync and delayed, resumed);
 // --plan's host line; refusals.
 static void test_quant_cli_mmap(TestCtx* t) {
     char args[8192], m[1024], la[1024], lb[1024], ob[1024], lc[1024];
-    test_path(t, m, sizeof m, "q_bf16_model");
-    snprintf(args, sizeof args, "--steps 0 --val '' --sample-tokens 0 --export-hf '%s' "
-             "--export-dtype bf16", m);
-    CHECK(t, test_run_cli(t, "qexport", args) == 0, "a bf16 checkpoint");
+    q_bf16_checkpoint(t, "q_bf16_model", "qexport", m, sizeof m);
     test_path(t, la, sizeof la, "q_held.jsonl");
     test_path(t, lb, sizeof lb, "q_mapped.jsonl");
     test_path(t, lc, sizeof lc, "q_mapped2.jsonl");
@@ -1175,10 +1182,7 @@ static void test_quant_gpu_cli_mmap(TestCtx* t) {
         return;
     }
     char args[8192], m[1024], lh[1024], ls[1024], lm[1024], lm2[1024], o[1024];
-    test_path(t, m, sizeof m, "qg_bf16_model");
-    snprintf(args, sizeof args, "--steps 0 --val '' --sample-tokens 0 --export-hf '%s' "
-             "--export-dtype bf16", m);
-    CHECK(t, test_run_cli(t, "qgexport", args) == 0, "a bf16 checkpoint");
+    q_bf16_checkpoint(t, "qg_bf16_model", "qgexport", m, sizeof m);
     test_path(t, lh, sizeof lh, "qg_held.jsonl");
     test_path(t, ls, sizeof ls, "qg_streamed.jsonl");
     test_path(t, lm, sizeof lm, "qg_mapped.jsonl");
