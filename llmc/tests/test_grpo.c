@@ -370,26 +370,6 @@ static int heldout_accuracies(const char* out, double* first, double* last) {
     return n;
 }
 
-// The value of "key": in the JSON-lines log record of step `step` ("" when absent).
-static void log_field(const char* log, int step, const char* key, char* out, size_t cap) {
-    char want[64];
-    snprintf(want, sizeof want, "{\"step\":%d,\"loss\"", step);
-    out[0] = '\0';
-    const char* rec = NULL;
-    for (const char* s = log; (s = strstr(s, want)) != NULL; s++) rec = s;  // the last one
-    if (!rec) return;
-    char k[64];
-    snprintf(k, sizeof k, "\"%s\":", key);
-    const char* v = strstr(rec, k);
-    const char* end = strchr(rec, '\n');
-    if (!v || (end && v > end)) return;
-    v += strlen(k);
-    size_t n = strcspn(v, ",}");
-    if (n >= cap) n = cap - 1;
-    memcpy(out, v, n);
-    out[n] = '\0';
-}
-
 // The task: arithmetic prompts of the corpus's form whose answer is always "7" (the model must
 // learn to answer it after "=", at first a ~2% event); 60 of the 200 lines are held out. The
 // model: 150 steps of next-token training on the corpus (the format, not the task). Then 20
@@ -463,8 +443,8 @@ static void test_grpo_cli_learns(TestCtx* t) {
     const char* keys[] = {"loss", "reward", "norm", "ratio"};
     for (int k = 0; k < 4; k++) {
         char va[64], vb[64];
-        log_field(a, 20, keys[k], va, sizeof va);
-        log_field(b, 20, keys[k], vb, sizeof vb);
+        test_log_value(a, 20, keys[k], va, sizeof va);
+        test_log_value(b, 20, keys[k], vb, sizeof vb);
         CHECK(t, va[0] && strcmp(va, vb) == 0, "step 20 %s: straight %s, resumed %s", keys[k], va,
               vb);
     }

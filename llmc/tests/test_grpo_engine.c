@@ -301,25 +301,6 @@ static void test_engine_policy_matches_plain(TestCtx* t) {
 // ----------------------------------------------------------------------------
 // the CLI: --rl grpo through the engine
 
-// The value of "key" in the JSON-lines log record of step `step` ("" when absent).
-static void log_value(const char* log, int step, const char* key, char* out, size_t cap) {
-    char want[64];
-    snprintf(want, sizeof want, "{\"step\":%d,\"loss\"", step);
-    out[0] = '\0';
-    const char* rec = NULL;
-    for (const char* s = log; s && (s = strstr(s, want)) != NULL; s++) rec = s;  // the last one
-    if (!rec) return;
-    char k[64];
-    snprintf(k, sizeof k, "\"%s\":", key);
-    const char* v = strstr(rec, k);
-    const char* end = strchr(rec, '\n');
-    if (!v || (end && v > end)) return;
-    v += strlen(k);
-    size_t n = strcspn(v, ",}");
-    if (n >= cap) n = cap - 1;
-    memcpy(out, v, n);
-    out[n] = '\0';
-}
 
 // A reward command scoring each answer by its line's length (deterministic per answer, so
 // groups have spread and a resumed run's process scores as the straight one's did).
@@ -347,8 +328,8 @@ static void logs_equal(TestCtx* t, const char* what, const char* a, const char* 
     for (int s = from; s <= to; s++)
         for (size_t k = 0; k < sizeof LOG_KEYS / sizeof LOG_KEYS[0]; k++) {
             char va[64], vb[64];
-            log_value(a, s, LOG_KEYS[k], va, sizeof va);
-            log_value(b, s, LOG_KEYS[k], vb, sizeof vb);
+            test_log_value(a, s, LOG_KEYS[k], va, sizeof va);
+            test_log_value(b, s, LOG_KEYS[k], vb, sizeof vb);
             CHECK(t, strcmp(va, vb) == 0 && (k > 0 || va[0]), "%s: step %d %s: %s vs %s", what,
                   s, LOG_KEYS[k], va, vb);
         }
@@ -465,7 +446,7 @@ static void test_grpo_engine_split_matches_colocated(TestCtx* t) {
             logs_equal(t, tag, col, split, 1, 4);
             for (int s = 1; s <= 4; s++) {
                 char v[64];
-                log_value(split, s, "staleness", v, sizeof v);
+                test_log_value(split, s, "staleness", v, sizeof v);
                 CHECK(t, atoi(v) <= off, "%s: step %d staleness %s", tag, s, v);
             }
             free(split);

@@ -359,6 +359,25 @@ int test_log_record(const char* log, int step, char* out, size_t cap) {
     return 1;
 }
 
+void test_log_value(const char* log, int step, const char* key, char* out, size_t cap) {
+    char want[64];
+    snprintf(want, sizeof want, "{\"step\":%d,\"loss\"", step);
+    out[0] = '\0';
+    const char* rec = NULL;
+    for (const char* s = log; s && (s = strstr(s, want)) != NULL; s++) rec = s;  // the last one
+    if (!rec) return;
+    char k[64];
+    snprintf(k, sizeof k, "\"%s\":", key);
+    const char* v = strstr(rec, k);
+    const char* end = strchr(rec, '\n');
+    if (!v || (end && v > end)) return;
+    v += strlen(k);
+    size_t n = strcspn(v, ",}");
+    if (n >= cap) n = cap - 1;
+    memcpy(out, v, n);
+    out[n] = '\0';
+}
+
 ModelConfig test_small_config(ModelFamily fam, int tied) {
     char err[ERR_LEN];
     ModelConfig c;

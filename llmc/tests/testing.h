@@ -195,6 +195,9 @@ double test_central_difference(float* p, const double* dir, int64_t n, double ep
 // The deterministic head of the log record of `step` ("{"step":N,"loss":..,"lr":..,"norm":..",
 // up to its timing) into out; 0 if the log has no such record or it does not fit in cap.
 int test_log_record(const char* log, int step, char* out, size_t cap);
+// The value of "key" in the last JSON-lines log record of step `step` ("" when absent or log
+// is NULL), at most cap - 1 characters.
+void test_log_value(const char* log, int step, const char* key, char* out, size_t cap);
 // A LLaMA (fam FAMILY_LLAMA) or Qwen3 (otherwise) model small enough for finite differences, with
 // GQA (H=4, KVH=2) and HD != C/H; tied: the head shares the embedding.
 ModelConfig test_small_config(ModelFamily fam, int tied);
