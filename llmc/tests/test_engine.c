@@ -72,18 +72,6 @@ static void fixture_close(Fixture* f) {
     model_free(&f->m);
 }
 
-static void collect_params(Run* run, const Store* s, const Model* m) {
-    int64_t n = 0;
-    for (int l = 0; l < m->tt.n_layers; l++) n += m->tt.param_numel[l];
-    run->params = malloc_check((size_t)n * sizeof(float));
-    run->n_params = n;
-    int64_t o = 0;
-    for (int l = 0; l < m->tt.n_layers; l++) {
-        memcpy(run->params + o, s->param[l], (size_t)m->tt.param_numel[l] * sizeof(float));
-        o += m->tt.param_numel[l];
-    }
-}
-
 static AdamWHyper test_hyper(void) { return (AdamWHyper){3e-3f, 0.9f, 0.95f, 1e-8f, 0.1f}; }
 static LrSchedule test_sched(void) { return (LrSchedule){LR_COSINE, 3e-3f, 2, STEPS, 0.1f, 0.2f}; }
 
@@ -183,7 +171,7 @@ static int run_engine_chunked(TestCtx* t, Run* run, const ModelConfig* c, int B,
     if (ec->replan_after > 0)
         printf("       N=%d: re-planned %d time(s) from profiled times, now S=%d\n", ec->N,
                engine_replans(e), S);
-    collect_params(run, &fx.s, &fx.m);
+    run->params = test_params_copy(&fx.m, &fx.s, &run->n_params);
     run->gated = engine_gated_stages(e);
     run->device_folds = engine_device_folds(e);
     run->slot_sets = db.slot_sets;

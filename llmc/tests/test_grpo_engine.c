@@ -88,18 +88,6 @@ static void run_free(PolicyRun* r) {
 static AdamWHyper pol_hyper(void) { return (AdamWHyper){3e-3f, 0.9f, 0.95f, 1e-8f, 0.1f}; }
 static LrSchedule pol_sched(void) { return (LrSchedule){LR_COSINE, 3e-3f, 1, PSTEPS, 0.1f, 0.2f}; }
 
-static void params_of(PolicyRun* run, const Model* m, const Store* s) {
-    int64_t n = 0;
-    for (int l = 0; l < m->tt.n_layers; l++) n += m->tt.param_numel[l];
-    run->params = malloc_check((size_t)n * sizeof(float));
-    run->n_params = n;
-    int64_t o = 0;
-    for (int l = 0; l < m->tt.n_layers; l++) {
-        memcpy(run->params + o, s->param[l], (size_t)m->tt.param_numel[l] * sizeof(float));
-        o += m->tt.param_numel[l];
-    }
-}
-
 static PolicyLoss policy_scalars(int kl) {
     return (PolicyLoss){.inv_temp = 1.0f / 0.9f, .clip_low = 0.2f, .clip_high = 0.28f,
                         .kl_beta = kl ? 0.05f : 0.0f};
@@ -157,7 +145,7 @@ static void run_plain(PolicyRun* run, const ModelConfig* c, int B, int T, int M,
         adamw_update(pool, opt, n, &hyper, &sched, 1.0f, step + 1);
         run->loss[step] = sum;
     }
-    params_of(run, &m, &s);
+    run->params = test_params_copy(&m, &s, &run->n_params);
     for (int i = 0; i < 6; i++) ops_cpu.free(ctx, d[i]);
     free(ids);
     threadpool_destroy(pool);
@@ -236,7 +224,7 @@ static int run_engine_policy(TestCtx* t, PolicyRun* run, const ModelConfig* c, i
         CHECK(t, next_differs == !pc->sync, "N=%d sync %d: the next iteration's weights %s the "
               "Store's", pc->N, pc->sync, next_differs ? "differ from" : "equal");
         S = engine_plan(e)->n_fwd + engine_plan(e)->n_bwd;
-        params_of(run, &m, &s);
+        run->params = test_params_copy(&m, &s, &run->n_params);
         engine_free(e);
     }
     device_set_close(&devs);

@@ -378,6 +378,19 @@ void test_log_value(const char* log, int step, const char* key, char* out, size_
     out[n] = '\0';
 }
 
+float* test_params_copy(const Model* m, const Store* s, int64_t* n_out) {
+    int64_t n = 0;
+    for (int l = 0; l < m->tt.n_layers; l++) n += m->tt.param_numel[l];
+    float* out = malloc_check((size_t)(n > 0 ? n : 1) * sizeof(float));
+    int64_t o = 0;
+    for (int l = 0; l < m->tt.n_layers; l++) {
+        memcpy(out + o, s->param[l], (size_t)m->tt.param_numel[l] * sizeof(float));
+        o += m->tt.param_numel[l];
+    }
+    *n_out = n;
+    return out;
+}
+
 ModelConfig test_small_config(ModelFamily fam, int tied) {
     char err[ERR_LEN];
     ModelConfig c;
