@@ -143,20 +143,6 @@ typedef struct DeRank {
     double ckpt_peak;   // rank 0: the most of m, v and the fp32 weights resident while streaming
 } DeRank;
 
-// Bytes of [p, p + n) in memory now (mincore, whole pages).
-static double resident_bytes(const void* p, size_t n) {
-    const long page = sysconf(_SC_PAGESIZE);
-    const uintptr_t pg = page > 0 ? (uintptr_t)page : 4096u;
-    const uintptr_t b = (uintptr_t)p / pg * pg, e = ((uintptr_t)p + n + pg - 1) / pg * pg;
-    const size_t n_pages = (e - b) / pg;
-    unsigned char* in = malloc_check(n_pages > 0 ? n_pages : 1);
-    if (mincore((void*)b, e - b, in) != 0) fatal("mincore failed");
-    size_t count = 0;
-    for (size_t i = 0; i < n_pages; i++) count += in[i] & 1;
-    free(in);
-    return (double)count * (double)pg;
-}
-
 // A streamed checkpoint's gathers (CkptGather), rank 0 measuring what it holds after each.
 typedef struct DeGather {
     Engine* e;
@@ -170,8 +156,8 @@ static double de_state_resident(const Store* s) {
     for (int l = 0; l < s->n_layers; l++) {
         const size_t bytes = (size_t)s->tt->state_numel[l] * sizeof(float);
         if (bytes > 0)
-            b += resident_bytes(s->m[l], bytes) + resident_bytes(s->v[l], bytes) +
-                 resident_bytes(s->param[l], bytes);
+            b += test_resident_bytes(s->m[l], bytes) + test_resident_bytes(s->v[l], bytes) +
+                 test_resident_bytes(s->param[l], bytes);
     }
     return b;
 }
@@ -274,9 +260,9 @@ static void* de_rank_main(void* arg) {
             const size_t bytes = (size_t)k->m->tt.state_numel[l] * sizeof(float);
             if (bytes == 0) continue;
             k->mv_bytes += 2.0 * (double)bytes;
-            k->mv_resident += resident_bytes(s.m[l], bytes) + resident_bytes(s.v[l], bytes);
+            k->mv_resident += test_resident_bytes(s.m[l], bytes) + test_resident_bytes(s.v[l], bytes);
             k->w_bytes += (double)bytes;
-            k->w_resident += resident_bytes(s.param[l], bytes);
+            k->w_resident += test_resident_bytes(s.param[l], bytes);
         }
         if (!k->failed && k->ckpt && de_checkpoints(k, e, &s) != 0) k->failed = DE_STEPS + 1;
         if (!k->failed && engine_gather_state(e, -1, 1, k->err) != 0) k->failed = DE_STEPS + 1;
@@ -941,7 +927,7 @@ static void test_dp_engine_checkpoint_stream(TestCtx* t) {
             for (int l = 0; l < m.tt.n_layers; l++) {
                 const size_t bytes = (size_t)m.tt.state_numel[l] * sizeof(float);
                 if (bytes == 0) continue;
-                mv += resident_bytes(s.m[l], bytes) + resident_bytes(s.v[l], bytes);
+                mv += test_resident_bytes(s.m[l], bytes) + test_resident_bytes(s.v[l], bytes);
                 mv_all += 2.0 * (double)bytes;
                 const size_t n = (size_t)(hi[l] - lo[l]) * sizeof(float);
                 same &= memcmp(s.m[l] + lo[l], whole.m[l] + lo[l], n) == 0 &&

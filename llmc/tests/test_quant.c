@@ -645,20 +645,6 @@ static void test_quant_streamed_sliced_load(TestCtx* t) {
     checkpoint_close_source(&src);
 }
 
-// Bytes of [p, p + n) in memory now (mincore, whole pages).
-static double q_resident_bytes(const void* p, size_t n) {
-    const long page = sysconf(_SC_PAGESIZE);
-    const uintptr_t pg = page > 0 ? (uintptr_t)page : 4096u;
-    const uintptr_t b = (uintptr_t)p / pg * pg, e = ((uintptr_t)p + n + pg - 1) / pg * pg;
-    const size_t n_pages = (e - b) / pg;
-    unsigned char* in = malloc_check(n_pages > 0 ? n_pages : 1);
-    if (mincore((void*)b, e - b, in) != 0) fatal("mincore failed");
-    size_t count = 0;
-    for (size_t i = 0; i < n_pages; i++) count += in[i] & 1;
-    free(in);
-    return (double)count * (double)pg;
-}
-
 // One layer wide enough that its frozen slabs are fresh mappings (tens of MiB), whose pages the
 // streamed-base tests can watch; F: the MLP width.
 static ModelConfig q_paged_config(BaseDtype q, int F) {
@@ -700,7 +686,7 @@ static void test_quant_streamed_pages(TestCtx* t) {
             if (n <= 2 * edge) continue;
             const char* p = (const char*)(s.param[d->owner_layer] + d->param_offset);
             bytes += (double)(n - 2 * edge);
-            resident += q_resident_bytes(p + edge, n - 2 * edge);
+            resident += test_resident_bytes(p + edge, n - 2 * edge);
         }
         if (streamed)
             CHECK(t, bytes > 10e6 && resident < 0.01 * bytes, "streamed: %.0f of the %.0f fp32 "
@@ -750,7 +736,7 @@ static void test_quant_streamed_bf16(TestCtx* t) {
             if (n <= 2 * edge) continue;
             const char* p = (const char*)(b.param[d->owner_layer] + d->param_offset);
             bytes += (double)(n - 2 * edge);
-            resident += q_resident_bytes(p + edge, n - 2 * edge);
+            resident += test_resident_bytes(p + edge, n - 2 * edge);
         }
         CHECK(t, bad == 0, "q %d: %lld values or blocks differ from the fp32 init's", q,
               (long long)bad);

@@ -7,7 +7,9 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include "../checkpoint.h"
 #include "../common.h"
@@ -389,6 +391,19 @@ float* test_params_copy(const Model* m, const Store* s, int64_t* n_out) {
     }
     *n_out = n;
     return out;
+}
+
+double test_resident_bytes(const void* p, size_t n) {
+    const long page = sysconf(_SC_PAGESIZE);
+    const uintptr_t pg = page > 0 ? (uintptr_t)page : 4096u;
+    const uintptr_t b = (uintptr_t)p / pg * pg, e = ((uintptr_t)p + n + pg - 1) / pg * pg;
+    const size_t n_pages = (e - b) / pg;
+    unsigned char* in = malloc_check(n_pages > 0 ? n_pages : 1);
+    if (mincore((void*)b, e - b, in) != 0) fatal("mincore failed");
+    size_t count = 0;
+    for (size_t i = 0; i < n_pages; i++) count += in[i] & 1;
+    free(in);
+    return (double)count * (double)pg;
 }
 
 ModelConfig test_small_config(ModelFamily fam, int tied) {

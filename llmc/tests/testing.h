@@ -198,6 +198,8 @@ int test_log_record(const char* log, int step, char* out, size_t cap);
 // The value of "key" in the last JSON-lines log record of step `step` ("" when absent or log
 // is NULL), at most cap - 1 characters.
 void test_log_value(const char* log, int step, const char* key, char* out, size_t cap);
+// Bytes of [p, p + n) in memory now (mincore, whole pages).
+double test_resident_bytes(const void* p, size_t n);
 // Every layer's fp32 weights of the Store, in layer order, in one malloc'd array (*n_out floats).
 float* test_params_copy(const Model* m, const Store* s, int64_t* n_out);
 // A LLaMA (fam FAMILY_LLAMA) or Qwen3 (otherwise) model small enough for finite differences, with
