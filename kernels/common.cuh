@@ -82,6 +82,9 @@ typedef struct CudaCtx {
     int* d_error;               // device error word (CUDA_ERR_* bits)
     int* h_error;               // pinned host copy of it
     OpProfile* prof;            // NULL unless ops_cuda_profile_enable
+    uint64_t scratch_epoch;     // bumped whenever a scratch buffer moves (graphs recorded
+                                // before then read the old one: stale)
+    uint64_t capture_epoch;     // scratch_epoch when the recording in progress began
 } CudaCtx;
 
 #define LT_WORKSPACE_BYTES ((size_t)32 << 20)  // cuBLAS's recommendation for Hopper

@@ -13,10 +13,14 @@
  * value is read once per group (GQA). The cache rows (slot, position, KVH·HD) put one kv head's
  * HD elements of a key contiguous: HD/8 lanes read them with one 16-byte load each, so a warp
  * load covers 256/HD whole keys (two for HD 128: two aligned 256-byte runs, every sector used).
- * Each warp walks tiles of keys with the next tile's keys and values already in flight while the
- * current tile is computed (a memory-bound kernel needs the bytes in flight, not more warps), an
- * online softmax per head in fp32 in the log2 domain (q pre-scaled by log2 e / sqrt(HD)); its
- * lane groups merge by an xor butterfly, the warps in index order. Each chunk leaves (max, sum,
+ * Each warp walks tiles of keys with the next tiles' keys and values already in flight while the
+ * current tile is computed (a memory-bound kernel needs the bytes in flight, not more warps):
+ * one tile ahead in registers, or (head dim 128) four tiles ahead in a per-thread ring in shared
+ * memory filled by cp.async; an online softmax per head in fp32 in the log2 domain (q pre-scaled
+ * by log2 e / sqrt(HD)); its lane groups merge by an xor butterfly, the warps in index order. How
+ * the keys arrive never changes the arithmetic: the ring gives the bits of the register walk
+ * with the same tile. (The lab, dev/cuda/decode.cu, also times the chunk staged whole in shared
+ * memory and an 8-tile ring: slower on the H200.) Each chunk leaves (max, sum,
  * unnormalised output) in fp32 scratch; a second kernel merges a row's chunks in chunk order,
  * adds the sink logit, divides and rounds: the same bits for the same inputs on every run,
  * whatever else is in the batch.
@@ -35,11 +39,13 @@
 
 #include "common.cuh"
 #include "decode.h"
+#include "ptx.cuh"
 #include "rope.cuh"
 
 #define DEC_CHUNK 128     // keys per split-K chunk (a function of the position only)
 #define DEC_WARPS 4       // warps per attention block
 #define DEC_MAX_GROUP 8   // query heads per kv head held by one block
+#define DEC_STAGES 4      // cp.async groups of the staged partial (at most 4: cp_async_wait)
 #define ROPE_APPEND_THREADS 256
 #define SAMPLE_THREADS 1024
 
@@ -141,138 +147,123 @@ __device__ __forceinline__ void dec_unpack8(uint4 u, float* f) {
     }
 }
 
-// Block (row i, kv head g, chunk c): keys [c·chunk, (c+1)·chunk) ∩ [first, len) of row i's slot
-// for the `group` query heads of g (group <= GM). LPK lanes hold one key (8 head-dim elements
-// each), so a warp load covers KPW = 32/LPK whole keys; warp w takes tiles of TK = T·KPW keys at
-// j0 + (w + k·DEC_WARPS)·TK, the next tile's loads issued before the current tile's math. Each
-// group of LPK lanes keeps its own online softmax; the warp merges them by an xor butterfly, the
-// block its warps in index order, into the chunk's partial.
-template <int LPK, int GM, int T>
-__global__ void __launch_bounds__(DEC_WARPS * 32) decode_attention_partial_kernel(DecAttn a) {
-    constexpr int KPW = 32 / LPK, TK = KPW * T;
-    __shared__ float s_m[DEC_WARPS][GM], s_l[DEC_WARPS][GM];
-    extern __shared__ float s_o[];  // (DEC_WARPS, group, HD)
-    const int i = blockIdx.x, g = blockIdx.y, c = blockIdx.z, HD = a.HD;
-    const int group = a.H / a.KVH, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int sub = lane / LPK, d0 = (lane % LPK) * 8;  // key within a warp load, its elements
-    const int QKV = (a.H + 2 * a.KVH) * HD, KD = a.KVH * HD;
-    const int L = a.len[i], first = a.window > 0 && L > a.window ? L - a.window : 0;
-    const int j0 = max(c * a.chunk, first), j1 = min((c + 1) * a.chunk, L);
-    if (j0 >= j1) return;  // the combine reads only the chunks holding keys of the row
+// The per-block state of a partial: the group's query heads (pre-scaled), each lane group's online
+// softmax (max and sum in log2 units) and unnormalised output, for its 8 head-dim elements.
+template <int GM>
+struct DecPartial {
     float q[GM][8], acc[GM][8], m[GM], l[GM];
+};
+
+// Start: query heads g·group .. of row i, scaled; no key yet.
+template <int GM>
+__device__ __forceinline__ void dec_partial_init(DecPartial<GM>& p, const DecAttn& a, int i,
+                                                 int g, int group, int d0) {
+    const int QKV = (a.H + 2 * a.KVH) * a.HD;
 #pragma unroll
     for (int h = 0; h < GM; h++) {
         if (h >= group) break;
-        const bf16* qh = a.qkv + (size_t)i * QKV + (size_t)(g * group + h) * HD;
-        dec_unpack8(dec_load8(qh, d0, HD, a.vec), q[h]);
+        const bf16* qh = a.qkv + (size_t)i * QKV + (size_t)(g * group + h) * a.HD;
+        dec_unpack8(dec_load8(qh, d0, a.HD, a.vec), p.q[h]);
 #pragma unroll
         for (int e = 0; e < 8; e++) {
-            q[h][e] *= a.qscale;
-            acc[h][e] = 0.0f;
+            p.q[h][e] *= a.qscale;
+            p.acc[h][e] = 0.0f;
         }
-        m[h] = -INFINITY;
-        l[h] = 0.0f;
+        p.m[h] = -INFINITY;
+        p.l[h] = 0.0f;
     }
-    const size_t at = (size_t)a.slot[i] * a.maxT * KD + (size_t)g * HD;
-    const bf16* kb = a.kc + at;
-    const bf16* vb = a.vc + at;
-    uint4 kr[T], vr[T];  // the tile being computed
-    int jt = j0 + warp * TK;
+}
+
+// One tile: T keys per lane group, key t of this lane group at position jt + t·KPW + sub (its k
+// and v words kr[t], vr[t]: zeros past j1). The logits by a dot product over the LPK lanes of a
+// key, the online softmax, the weighted values.
+template <int LPK, int GM, int T>
+__device__ __forceinline__ void dec_partial_tile(DecPartial<GM>& p, const uint4 (&kr)[T],
+                                                 const uint4 (&vr)[T], int jt, int sub, int j1,
+                                                 int group) {
+    constexpr int KPW = 32 / LPK;
+    float s[T][GM];  // logits, then weights (0 past the chunk: its k and v are zeros)
 #pragma unroll
     for (int t = 0; t < T; t++) {
-        const int j = jt + t * KPW + sub;
-        kr[t] = j < j1 ? dec_load8(kb + (size_t)j * KD, d0, HD, a.vec) : make_uint4(0, 0, 0, 0);
-        vr[t] = j < j1 ? dec_load8(vb + (size_t)j * KD, d0, HD, a.vec) : make_uint4(0, 0, 0, 0);
-    }
-    for (; jt < j1; jt += DEC_WARPS * TK) {
-        uint4 kn[T], vn[T];  // the next tile, in flight during this one's math
-        const int jn = jt + DEC_WARPS * TK;
-#pragma unroll
-        for (int t = 0; t < T; t++) {
-            const int j = jn + t * KPW + sub;
-            kn[t] = j < j1 ? dec_load8(kb + (size_t)j * KD, d0, HD, a.vec) : make_uint4(0, 0, 0, 0);
-            vn[t] = j < j1 ? dec_load8(vb + (size_t)j * KD, d0, HD, a.vec) : make_uint4(0, 0, 0, 0);
-        }
-        float s[T][GM];  // logits, then weights (0 past the chunk: its k and v are zeros)
-#pragma unroll
-        for (int t = 0; t < T; t++) {
-            float kf[8];
-            dec_unpack8(kr[t], kf);
-            const int valid = jt + t * KPW + sub < j1;
-#pragma unroll
-            for (int h = 0; h < GM; h++) {
-                if (h >= group) break;
-                float d = 0.0f;
-#pragma unroll
-                for (int e = 0; e < 8; e++) d = fmaf(q[h][e], kf[e], d);
-#pragma unroll
-                for (int o = LPK / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-                s[t][h] = valid ? d : -INFINITY;
-            }
-        }
+        float kf[8];
+        dec_unpack8(kr[t], kf);
+        const int valid = jt + t * KPW + sub < j1;
 #pragma unroll
         for (int h = 0; h < GM; h++) {
             if (h >= group) break;
-            float mx = m[h];
+            float d = 0.0f;
 #pragma unroll
-            for (int t = 0; t < T; t++) mx = fmaxf(mx, s[t][h]);
-            const float base = mx == -INFINITY ? 0.0f : mx;  // no key yet: every weight 0
-            const float corr = exp2f(m[h] - base);
-            l[h] *= corr;
+            for (int e = 0; e < 8; e++) d = fmaf(p.q[h][e], kf[e], d);
 #pragma unroll
-            for (int e = 0; e < 8; e++) acc[h][e] *= corr;
-            m[h] = mx;
-#pragma unroll
-            for (int t = 0; t < T; t++) s[t][h] = exp2f(s[t][h] - base);
-        }
-#pragma unroll
-        for (int t = 0; t < T; t++) {
-            float vf[8];
-            dec_unpack8(vr[t], vf);
-#pragma unroll
-            for (int h = 0; h < GM; h++) {
-                if (h >= group) break;
-                l[h] += s[t][h];
-#pragma unroll
-                for (int e = 0; e < 8; e++) acc[h][e] = fmaf(s[t][h], vf[e], acc[h][e]);
-            }
-        }
-#pragma unroll
-        for (int t = 0; t < T; t++) {
-            kr[t] = kn[t];
-            vr[t] = vn[t];
+            for (int o = LPK / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+            s[t][h] = valid ? d : -INFINITY;
         }
     }
-    // the warp's key groups merged by an xor butterfly (the lanes of key group 0 are read)
+#pragma unroll
+    for (int h = 0; h < GM; h++) {
+        if (h >= group) break;
+        float mx = p.m[h];
+#pragma unroll
+        for (int t = 0; t < T; t++) mx = fmaxf(mx, s[t][h]);
+        const float base = mx == -INFINITY ? 0.0f : mx;  // no key yet: every weight 0
+        const float corr = exp2f(p.m[h] - base);
+        p.l[h] *= corr;
+#pragma unroll
+        for (int e = 0; e < 8; e++) p.acc[h][e] *= corr;
+        p.m[h] = mx;
+#pragma unroll
+        for (int t = 0; t < T; t++) s[t][h] = exp2f(s[t][h] - base);
+    }
+#pragma unroll
+    for (int t = 0; t < T; t++) {
+        float vf[8];
+        dec_unpack8(vr[t], vf);
+#pragma unroll
+        for (int h = 0; h < GM; h++) {
+            if (h >= group) break;
+            p.l[h] += s[t][h];
+#pragma unroll
+            for (int e = 0; e < 8; e++) p.acc[h][e] = fmaf(s[t][h], vf[e], p.acc[h][e]);
+        }
+    }
+}
+
+// The end of a block: the warp's lane groups merged by an xor butterfly (the lanes of key group 0
+// are read), then the warps in index order through shared memory (s_o: DEC_WARPS x group x HD
+// floats), into the chunk's partial.
+template <int LPK, int GM>
+__device__ __forceinline__ void dec_partial_store(DecPartial<GM>& p, const DecAttn& a, float* s_o,
+                                                  int i, int g, int c, int group, int d0) {
+    __shared__ float s_m[DEC_WARPS][GM], s_l[DEC_WARPS][GM];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / LPK, HD = a.HD;
 #pragma unroll
     for (int o = LPK; o < 32; o <<= 1) {
 #pragma unroll
         for (int h = 0; h < GM; h++) {
             if (h >= group) break;
-            const float mo = __shfl_xor_sync(0xffffffffu, m[h], o);
-            const float lo = __shfl_xor_sync(0xffffffffu, l[h], o);
-            const float M = fmaxf(m[h], mo);
-            const float fa = m[h] == -INFINITY ? 0.0f : exp2f(m[h] - M);
+            const float mo = __shfl_xor_sync(0xffffffffu, p.m[h], o);
+            const float lo = __shfl_xor_sync(0xffffffffu, p.l[h], o);
+            const float M = fmaxf(p.m[h], mo);
+            const float fa = p.m[h] == -INFINITY ? 0.0f : exp2f(p.m[h] - M);
             const float fb = mo == -INFINITY ? 0.0f : exp2f(mo - M);
-            l[h] = l[h] * fa + lo * fb;
+            p.l[h] = p.l[h] * fa + lo * fb;
 #pragma unroll
             for (int e = 0; e < 8; e++)
-                acc[h][e] = acc[h][e] * fa + __shfl_xor_sync(0xffffffffu, acc[h][e], o) * fb;
-            m[h] = M;
+                p.acc[h][e] = p.acc[h][e] * fa + __shfl_xor_sync(0xffffffffu, p.acc[h][e], o) * fb;
+            p.m[h] = M;
         }
     }
-    // then the warps in index order
     if (sub == 0) {
 #pragma unroll
         for (int h = 0; h < GM; h++) {
             if (h >= group) break;
             if (lane == 0) {
-                s_m[warp][h] = m[h];
-                s_l[warp][h] = l[h];
+                s_m[warp][h] = p.m[h];
+                s_l[warp][h] = p.l[h];
             }
 #pragma unroll
             for (int e = 0; e < 8; e++)
-                if (d0 + e < HD) s_o[((size_t)warp * group + h) * HD + d0 + e] = acc[h][e];
+                if (d0 + e < HD) s_o[((size_t)warp * group + h) * HD + d0 + e] = p.acc[h][e];
         }
     }
     __syncthreads();
@@ -294,6 +285,119 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) decode_attention_partial_kerne
             a.part_l[pi] = sl;
         }
     }
+}
+
+// Block (row i, kv head g, chunk c): keys [c·chunk, (c+1)·chunk) ∩ [first, len) of row i's slot
+// for the `group` query heads of g (group <= GM). LPK lanes hold one key (8 head-dim elements
+// each), so a warp load covers KPW = 32/LPK whole keys; warp w takes tiles of TK = T·KPW keys at
+// j0 + (w + k·DEC_WARPS)·TK, the next tile's loads issued before the current tile's math. Each
+// group of LPK lanes keeps its own online softmax; the warp merges them by an xor butterfly, the
+// block its warps in index order, into the chunk's partial.
+template <int LPK, int GM, int T>
+__global__ void __launch_bounds__(DEC_WARPS * 32) decode_attention_partial_kernel(DecAttn a) {
+    constexpr int KPW = 32 / LPK, TK = KPW * T;
+    extern __shared__ float s_o[];  // (DEC_WARPS, group, HD)
+    const int i = blockIdx.x, g = blockIdx.y, c = blockIdx.z, HD = a.HD;
+    const int group = a.H / a.KVH, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int sub = lane / LPK, d0 = (lane % LPK) * 8;  // key within a warp load, its elements
+    const int KD = a.KVH * HD;
+    const int L = a.len[i], first = a.window > 0 && L > a.window ? L - a.window : 0;
+    const int j0 = max(c * a.chunk, first), j1 = min((c + 1) * a.chunk, L);
+    if (j0 >= j1) return;  // the combine reads only the chunks holding keys of the row
+    DecPartial<GM> p;
+    dec_partial_init(p, a, i, g, group, d0);
+    const size_t at = (size_t)a.slot[i] * a.maxT * KD + (size_t)g * HD;
+    const bf16* kb = a.kc + at;
+    const bf16* vb = a.vc + at;
+    uint4 kr[T], vr[T];  // the tile being computed
+    int jt = j0 + warp * TK;
+#pragma unroll
+    for (int t = 0; t < T; t++) {
+        const int j = jt + t * KPW + sub;
+        kr[t] = j < j1 ? dec_load8(kb + (size_t)j * KD, d0, HD, a.vec) : make_uint4(0, 0, 0, 0);
+        vr[t] = j < j1 ? dec_load8(vb + (size_t)j * KD, d0, HD, a.vec) : make_uint4(0, 0, 0, 0);
+    }
+    for (; jt < j1; jt += DEC_WARPS * TK) {
+        uint4 kn[T], vn[T];  // the next tile, in flight during this one's math
+        const int jn = jt + DEC_WARPS * TK;
+#pragma unroll
+        for (int t = 0; t < T; t++) {
+            const int j = jn + t * KPW + sub;
+            kn[t] = j < j1 ? dec_load8(kb + (size_t)j * KD, d0, HD, a.vec) : make_uint4(0, 0, 0, 0);
+            vn[t] = j < j1 ? dec_load8(vb + (size_t)j * KD, d0, HD, a.vec) : make_uint4(0, 0, 0, 0);
+        }
+        dec_partial_tile<LPK, GM, T>(p, kr, vr, jt, sub, j1, group);
+#pragma unroll
+        for (int t = 0; t < T; t++) {
+            kr[t] = kn[t];
+            vr[t] = vn[t];
+        }
+    }
+    dec_partial_store<LPK, GM>(p, a, s_o, i, g, c, group, d0);
+}
+
+// The same partial with the chunk's keys and values staged in shared memory first: every thread
+// issues its share of the chunk's 16-byte words as cp.async in DEC_STAGES commit groups of
+// consecutive keys (the whole chunk in flight at once: a memory-bound kernel needs bytes in
+// flight, and registers held only a tile), then the block walks the stages as each arrives,
+// every warp its tiles in the register kernel's order, from shared memory: the same arithmetic,
+// so the same bits as decode_attention_partial_kernel with the same T. Needs vec (16-byte rows).
+// Shared memory: K and V words (2 x chunk x HD/8 uint4), then s_o.
+template <int LPK, int GM, int T>
+__global__ void __launch_bounds__(DEC_WARPS * 32) decode_attention_staged_kernel(DecAttn a) {
+    constexpr int KPW = 32 / LPK, TK = KPW * T;
+    extern __shared__ uint4 s_kv[];
+    const int i = blockIdx.x, g = blockIdx.y, c = blockIdx.z, HD = a.HD, W8 = HD / 8;
+    const int group = a.H / a.KVH, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int sub = lane / LPK, d0 = (lane % LPK) * 8, w = lane % LPK;
+    const int KD = a.KVH * HD;
+    const int L = a.len[i], first = a.window > 0 && L > a.window ? L - a.window : 0;
+    const int j0 = max(c * a.chunk, first), j1 = min((c + 1) * a.chunk, L);
+    if (j0 >= j1) return;
+    uint4* sk = s_kv;
+    uint4* sv = s_kv + (size_t)a.chunk * W8;
+    float* s_o = reinterpret_cast<float*>(s_kv + 2 * (size_t)a.chunk * W8);
+    // stage s holds keys [j0 + s·SK, j0 + (s+1)·SK), a whole number of the block's tile rounds
+    const int round = DEC_WARPS * TK, nk = j1 - j0;
+    const int SK = ((a.chunk + DEC_STAGES - 1) / DEC_STAGES + round - 1) / round * round;
+    const int n_stages = (nk + SK - 1) / SK;  // <= DEC_STAGES
+    const size_t at = (size_t)a.slot[i] * a.maxT * KD + (size_t)g * HD;
+    const bf16* kb = a.kc + at;
+    const bf16* vb = a.vc + at;
+    for (int s = 0; s < DEC_STAGES; s++) {
+        const int k0 = s * SK, k1 = min(nk, k0 + SK);
+        for (int x = k0 * W8 + threadIdx.x; x < k1 * W8; x += blockDim.x) {
+            const int k = x / W8, e = x % W8;
+            cp_async_16(smem_u32(sk + x), kb + (size_t)(j0 + k) * KD + 8 * e, true);
+            cp_async_16(smem_u32(sv + x), vb + (size_t)(j0 + k) * KD + 8 * e, true);
+        }
+        cp_async_commit();  // (empty groups past the last stage: every thread commits DEC_STAGES)
+    }
+    DecPartial<GM> p;
+    dec_partial_init(p, a, i, g, group, d0);
+    for (int s = 0; s < n_stages; s++) {
+        // stage s has landed when at most DEC_STAGES - 1 - s groups are pending
+        switch (DEC_STAGES - 1 - s) {
+            case 0: cp_async_wait<0>(); break;
+            case 1: cp_async_wait<1>(); break;
+            case 2: cp_async_wait<2>(); break;
+            default: cp_async_wait<3>(); break;
+        }
+        __syncthreads();
+        const int js1 = min(j1, j0 + (s + 1) * SK);
+        for (int jt = j0 + s * SK + warp * TK; jt < js1; jt += round) {
+            uint4 kr[T], vr[T];
+#pragma unroll
+            for (int t = 0; t < T; t++) {
+                const int j = jt + t * KPW + sub;
+                const bool in = j < j1 && d0 < HD;
+                kr[t] = in ? sk[(size_t)(j - j0) * W8 + w] : make_uint4(0, 0, 0, 0);
+                vr[t] = in ? sv[(size_t)(j - j0) * W8 + w] : make_uint4(0, 0, 0, 0);
+            }
+            dec_partial_tile<LPK, GM, T>(p, kr, vr, jt, sub, j1, group);
+        }
+    }
+    dec_partial_store<LPK, GM>(p, a, s_o, i, g, c, group, d0);
 }
 
 // Block (row i, head h): the chunks holding keys of the row merged in order, the sink logit
@@ -321,30 +425,127 @@ __global__ void decode_attention_combine_kernel(bf16* __restrict__ out, DecAttn 
     }
 }
 
-// T keys per lane group per tile (GM = 8 heads: 2, for registers); half_tiles: half that (the
-// lab's variant 4).
-template <int LPK, int GM>
-static void launch_partial_gm(CudaCtx* cx, const DecAttn& a, int n, int half_tiles) {
-    constexpr int T = GM >= 8 ? 2 : 4;
+// The register kernel's tiles with a deeper pipeline in shared memory: each thread copies its own
+// 16-byte words of the next D tiles (its key's k and v for each of the T keys it holds) into a
+// ring of its own with cp.async (zero-filled past the chunk), so D tiles per warp are in flight
+// without the registers to hold them; the words come back to the thread that copied them (no
+// barrier). The tiles, their order and the arithmetic are the register kernel's with the same T:
+// the same bits. Needs vec. Shared memory: D x T x 2 x blockDim.x words, then s_o.
+template <int LPK, int GM, int T, int D>
+__global__ void __launch_bounds__(DEC_WARPS * 32) decode_attention_piped_kernel(DecAttn a) {
+    constexpr int KPW = 32 / LPK, TK = KPW * T, NT = DEC_WARPS * 32;
+    extern __shared__ uint4 s_ring[];  // (D, T, 2, NT)
+    const int i = blockIdx.x, g = blockIdx.y, c = blockIdx.z, HD = a.HD, tid = threadIdx.x;
+    const int group = a.H / a.KVH, lane = tid & 31, warp = tid >> 5;
+    const int sub = lane / LPK, d0 = (lane % LPK) * 8;
+    const int KD = a.KVH * HD;
+    const int L = a.len[i], first = a.window > 0 && L > a.window ? L - a.window : 0;
+    const int j0 = max(c * a.chunk, first), j1 = min((c + 1) * a.chunk, L);
+    if (j0 >= j1) return;
+    float* s_o = reinterpret_cast<float*>(s_ring + (size_t)D * T * 2 * NT);
+    const size_t at = (size_t)a.slot[i] * a.maxT * KD + (size_t)g * HD;
+    const bf16* kb = a.kc + at;
+    const bf16* vb = a.vc + at;
+    constexpr int round = DEC_WARPS * TK;
+    // tile jt into ring slot r: one commit group per tile (empty words past the chunk)
+    auto issue = [&](int jt, int r) {
+#pragma unroll
+        for (int t = 0; t < T; t++) {
+            const int j = jt + t * KPW + sub;
+            const bool in = j < j1 && d0 < HD;
+            const size_t off = in ? (size_t)j * KD + d0 : 0;
+            cp_async_16(smem_u32(&s_ring[((size_t)(r * T + t) * 2 + 0) * NT + tid]), kb + off, in);
+            cp_async_16(smem_u32(&s_ring[((size_t)(r * T + t) * 2 + 1) * NT + tid]), vb + off, in);
+        }
+        cp_async_commit();
+    };
+    DecPartial<GM> p;
+    dec_partial_init(p, a, i, g, group, d0);
+    const int jt0 = j0 + warp * TK;
+#pragma unroll
+    for (int r = 0; r < D; r++) issue(jt0 + r * round, r);
+    int r = 0;
+    for (int jt = jt0; jt < j1; jt += round) {
+        cp_async_wait<D - 1>();  // this tile's group (the oldest) has landed
+        uint4 kr[T], vr[T];
+#pragma unroll
+        for (int t = 0; t < T; t++) {
+            kr[t] = s_ring[((size_t)(r * T + t) * 2 + 0) * NT + tid];
+            vr[t] = s_ring[((size_t)(r * T + t) * 2 + 1) * NT + tid];
+        }
+        dec_partial_tile<LPK, GM, T>(p, kr, vr, jt, sub, j1, group);
+        issue(jt + D * round, r);  // (after the words were used) the tile D rounds ahead
+        r = r + 1 == D ? 0 : r + 1;
+    }
+    cp_async_wait<0>();  // (nothing lands in shared memory after the block ends)
+    dec_partial_store<LPK, GM>(p, a, s_o, i, g, c, group, d0);
+}
+
+// How the partial kernel gets its keys (the lab times each; attention_decode_mode picks one).
+typedef enum {
+    DEC_REGS = 0,       // registers, the next tile in flight; T keys per lane group
+    DEC_REGS_HALF,      // the same with T / 2 (fewer registers, more warps per SM)
+    DEC_STAGED_HALF,    // the chunk staged in shared memory by cp.async, T / 2
+    DEC_STAGED,         // staged, T
+    DEC_PIPED4_HALF,    // a ring of 4 tiles per thread in shared memory (cp.async), T / 2
+    DEC_PIPED8_HALF,    // a ring of 8 tiles, T / 2
+    DEC_PIPED4,         // a ring of 4 tiles, T
+} DecMode;
+
+// T keys per lane group per tile (GM = 8 heads: 2, for registers); the half modes: half that.
+template <int LPK, int GM, int T>
+static void launch_partial_t(CudaCtx* cx, const DecAttn& a, int n, int staged, int depth) {
     const dim3 grid(n, a.KVH, a.chunks);
-    const size_t smem = (size_t)DEC_WARPS * (a.H / a.KVH) * a.HD * sizeof(float);
-    if (half_tiles)
-        decode_attention_partial_kernel<LPK, GM, T / 2>
-            <<<grid, DEC_WARPS * 32, smem, cx->stream>>>(a);
-    else
-        decode_attention_partial_kernel<LPK, GM, T><<<grid, DEC_WARPS * 32, smem, cx->stream>>>(a);
+    const size_t s_o = (size_t)DEC_WARPS * (a.H / a.KVH) * a.HD * sizeof(float);
+    if (depth > 0) {
+        const size_t smem = (size_t)depth * T * 2 * DEC_WARPS * 32 * sizeof(uint4) + s_o;
+        if (depth == 4) {
+            cuda_check(cudaFuncSetAttribute(decode_attention_piped_kernel<LPK, GM, T, 4>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            (int)smem));
+            decode_attention_piped_kernel<LPK, GM, T, 4>
+                <<<grid, DEC_WARPS * 32, smem, cx->stream>>>(a);
+        } else {
+            cuda_check(cudaFuncSetAttribute(decode_attention_piped_kernel<LPK, GM, T, 8>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            (int)smem));
+            decode_attention_piped_kernel<LPK, GM, T, 8>
+                <<<grid, DEC_WARPS * 32, smem, cx->stream>>>(a);
+        }
+    } else if (staged) {
+        const size_t smem = 2 * (size_t)a.chunk * a.HD * sizeof(bf16) + s_o;
+        cuda_check(cudaFuncSetAttribute(decode_attention_staged_kernel<LPK, GM, T>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        decode_attention_staged_kernel<LPK, GM, T><<<grid, DEC_WARPS * 32, smem, cx->stream>>>(a);
+    } else {
+        decode_attention_partial_kernel<LPK, GM, T><<<grid, DEC_WARPS * 32, s_o, cx->stream>>>(a);
+    }
     cuda_check_launch();
 }
 
+template <int LPK, int GM>
+static void launch_partial_gm(CudaCtx* cx, const DecAttn& a, int n, DecMode mode) {
+    constexpr int T = GM >= 8 ? 2 : 4;
+    const int staged = mode == DEC_STAGED || mode == DEC_STAGED_HALF;
+    const int depth = mode == DEC_PIPED4_HALF || mode == DEC_PIPED4 ? 4
+                      : mode == DEC_PIPED8_HALF                     ? 8
+                                                                    : 0;
+    if (mode == DEC_REGS_HALF || mode == DEC_STAGED_HALF || mode == DEC_PIPED4_HALF ||
+        mode == DEC_PIPED8_HALF)
+        launch_partial_t<LPK, GM, T / 2>(cx, a, n, staged, depth);
+    else
+        launch_partial_t<LPK, GM, T>(cx, a, n, staged, depth);
+}
+
 template <int LPK>
-static void launch_partial(CudaCtx* cx, const DecAttn& a, int n, int half_tiles) {
+static void launch_partial(CudaCtx* cx, const DecAttn& a, int n, DecMode mode) {
     const int group = a.H / a.KVH;
     if (group <= 2)
-        launch_partial_gm<LPK, 2>(cx, a, n, half_tiles);
+        launch_partial_gm<LPK, 2>(cx, a, n, mode);
     else if (group <= 4)
-        launch_partial_gm<LPK, 4>(cx, a, n, half_tiles);
+        launch_partial_gm<LPK, 4>(cx, a, n, mode);
     else
-        launch_partial_gm<LPK, DEC_MAX_GROUP>(cx, a, n, half_tiles);
+        launch_partial_gm<LPK, DEC_MAX_GROUP>(cx, a, n, mode);
 }
 
 static size_t attention_decode_scratch(int n, int maxT, int H, int HD, int chunk) {
@@ -360,12 +561,13 @@ int cuda_attention_decode_supports(int H, int KVH, int HD) {
     return KVH > 0 && H % KVH == 0 && H / KVH <= DEC_MAX_GROUP && HD <= 256;
 }
 
-// The attention with a given chunk length and tile (the production's: DEC_CHUNK, full tiles;
-// the lab measures the others).
+// The attention with a given chunk length and mode (the production's: DEC_CHUNK and
+// attention_decode_mode; the lab measures the others). The staged modes need 16-byte rows (vec):
+// without, the register kernel with the same T.
 static void attention_decode_with(CudaCtx* cx, bf16* out, const bf16* qkv, const bf16* kc,
                                   const bf16* vc, const int32_t* slot, const int32_t* len,
                                   const bf16* sinks, int n, int maxT, int H, int KVH, int HD,
-                                  int window, int chunk, int half_tiles) {
+                                  int window, int chunk, DecMode mode) {
     if (n <= 0) return;
     if (!cuda_attention_decode_supports(H, KVH, HD))
         fatal("decode attention: %d query heads over %d kv heads of dim %d is not supported "
@@ -390,16 +592,19 @@ static void attention_decode_with(CudaCtx* cx, bf16* out, const bf16* qkv, const
     a.window = window;
     a.qscale = 1.4426950408889634f / sqrtf((float)HD);
     a.vec = HD % 8 == 0 && is_aligned16(qkv) && is_aligned16(kc) && is_aligned16(vc);
+    if (!a.vec && (mode == DEC_STAGED || mode == DEC_PIPED4)) mode = DEC_REGS;
+    if (!a.vec && (mode == DEC_STAGED_HALF || mode == DEC_PIPED4_HALF || mode == DEC_PIPED8_HALF))
+        mode = DEC_REGS_HALF;
     if (HD <= 16)
-        launch_partial<2>(cx, a, n, half_tiles);
+        launch_partial<2>(cx, a, n, mode);
     else if (HD <= 32)
-        launch_partial<4>(cx, a, n, half_tiles);
+        launch_partial<4>(cx, a, n, mode);
     else if (HD <= 64)
-        launch_partial<8>(cx, a, n, half_tiles);
+        launch_partial<8>(cx, a, n, mode);
     else if (HD <= 128)
-        launch_partial<16>(cx, a, n, half_tiles);
+        launch_partial<16>(cx, a, n, mode);
     else
-        launch_partial<32>(cx, a, n, half_tiles);
+        launch_partial<32>(cx, a, n, mode);
     decode_attention_combine_kernel<<<dim3(n, H), HD <= 128 ? 128 : 256, 0, cx->stream>>>(
         out, a, sinks);
     cuda_check_launch();
@@ -409,11 +614,12 @@ void cuda_attention_decode(CudaCtx* cx, bf16* out, const bf16* qkv, const bf16* 
                            const bf16* vc, const int32_t* slot, const int32_t* len,
                            const bf16* sinks, int n, int maxT, int H, int KVH, int HD,
                            int window) {
-    // half tiles (the lab's variant 4) where the H200 measured them faster: head dim 128
-    // (Qwen3-1.7B at 272 cached keys 65 us a layer against 76, LLaMA-8B at 1024 277 against
-    // 438), full tiles at 64 (GPT-OSS-20B at 1024: 452 against 502)
+    // head dim 128: half tiles with the 4-tile ring (the lab's variant 9, the bits of variant 4;
+    // on the H200 Qwen3-1.7B at 272 cached keys 62 us a layer against 65 for variant 4 and 75
+    // for full tiles; LLaMA-8B at 1024 274 against 276 and 438); head dim 64: full tiles in
+    // registers (variant 3: GPT-OSS-20B at 1024 451 us against 492-501 for 4 and 9)
     attention_decode_with(cx, out, qkv, kc, vc, slot, len, sinks, n, maxT, H, KVH, HD, window,
-                          DEC_CHUNK, HD >= 128);
+                          DEC_CHUNK, HD >= 128 ? DEC_PIPED4_HALF : DEC_REGS);
 }
 
 // ----------------------------------------------------------------------------

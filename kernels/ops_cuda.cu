@@ -60,6 +60,7 @@ void* cuda_scratch(CudaCtx* cx, int slot, size_t bytes) {
     }
     size_t cap = bytes + bytes / 4;  // some headroom: shapes vary a little (last LM-head chunk)
     cx->scratch[slot] = device_alloc(cx, cap, "op scratch");
+    cx->scratch_epoch++;
     cx->scratch_bytes[slot] = cap;
     return cx->scratch[slot];
 }
@@ -570,6 +571,54 @@ static void op_attention_decode(void* ctx, void* out, const void* qkv, const voi
     prof_end(cx);
 }
 
+// ----------------------------------------------------------------------------
+// recorded op sequences (CUDA graphs): the generator's decode step, replayed with one launch
+
+typedef struct CudaGraph {
+    cudaGraphExec_t exec;
+    uint64_t epoch;  // the context's scratch_epoch it was recorded in
+} CudaGraph;
+
+static int op_graph_begin(void* ctx) {
+    CudaCtx* cx = ctx_enter(ctx);
+    if (cx->prof) return -1;  // the profile's events time ops one by one
+    cx->capture_epoch = cx->scratch_epoch;
+    // thread-local: other threads (the engine's issue threads) go on with their own work
+    cuda_check(cudaStreamBeginCapture(cx->stream, cudaStreamCaptureModeThreadLocal));
+    return 0;
+}
+
+static void* op_graph_end(void* ctx) {
+    CudaCtx* cx = ctx_enter(ctx);
+    cudaGraph_t graph;
+    cuda_check(cudaStreamEndCapture(cx->stream, &graph));
+    if (cx->scratch_epoch != cx->capture_epoch) {  // (growing scratch fails inside a recording)
+        cuda_check(cudaGraphDestroy(graph));
+        return NULL;
+    }
+    CudaGraph* g = (CudaGraph*)calloc_check(1, sizeof(CudaGraph));
+    cuda_check(cudaGraphInstantiate(&g->exec, graph, 0));
+    cuda_check(cudaGraphDestroy(graph));
+    g->epoch = cx->scratch_epoch;
+    return g;
+}
+
+static int op_graph_launch(void* ctx, void* graph) {
+    CudaCtx* cx = ctx_enter(ctx);
+    CudaGraph* g = (CudaGraph*)graph;
+    if (g->epoch != cx->scratch_epoch) return -1;
+    cuda_check(cudaGraphLaunch(g->exec, cx->stream));
+    return 0;
+}
+
+static void op_graph_free(void* ctx, void* graph) {
+    ctx_enter(ctx);
+    CudaGraph* g = (CudaGraph*)graph;
+    if (!g) return;
+    cuda_check(cudaGraphExecDestroy(g->exec));
+    free(g);
+}
+
 static void op_sample_tokens(void* ctx, int32_t* tokens, float* logp, const void* logits,
                              const float* u, int n, int V, float temperature) {
     CudaCtx* cx = ctx_enter(ctx);
@@ -742,6 +791,10 @@ extern "C" const Ops ops_cuda = {
     .decode_rope_append = op_decode_rope_append,
     .sample_tokens = op_sample_tokens,
     .profile_phase = ops_cuda_profile_phase,
+    .graph_begin = op_graph_begin,
+    .graph_end = op_graph_end,
+    .graph_launch = op_graph_launch,
+    .graph_free = op_graph_free,
     .attention_sink_forward = op_attention_sink_forward,
     .attention_sink_backward = op_attention_sink_backward,
     .moe_route_forward = op_moe_route_forward,

@@ -123,9 +123,21 @@ int gen_create(Generator* g, const Model* m, const Ops* ops, void* ctx, const Ge
     return 0;
 }
 
+// The free of every recorded decode step (the weights they read moved, or the end).
+static void gen_graphs_free(Generator* g) {
+    for (int n = 0; g->graphs && n <= g->o.max_seqs; n++)
+        if (g->graphs[n]) {
+            g->ops->graph_free(g->ctx, g->graphs[n]);
+            g->graphs[n] = NULL;
+        }
+    g->last_n = 0;
+}
+
 void gen_free(Generator* g) {
     if (!g->m) return;
     const Ops* ops = g->ops;
+    gen_graphs_free(g);
+    free(g->graphs);
     for (int l = 0; g->own && l < g->n_layers; l++)
         if (g->own[l]) ops->free(g->ctx, g->own[l]);
     for (int l = 0; g->kc && l < g->m->cfg.L; l++) {
@@ -194,6 +206,9 @@ size_t gen_upload_weights(Generator* g, const void* const* host, const int64_t* 
 }
 
 void gen_borrow_weights(Generator* g, void* const* slabs, int64_t version) {
+    int moved = 0;
+    for (int l = 0; l < g->n_layers; l++) moved |= g->w[l] != slabs[l];
+    if (moved) gen_graphs_free(g);  // (the recorded steps read the old slabs)
     for (int l = 0; l < g->n_layers; l++) g->w[l] = slabs[l];
     g->version = version;
 }
@@ -375,15 +390,73 @@ static void prefill_group(Generator* g, GenSeq* seqs, int first, int group) {
     }
 }
 
+// The decode step's device work for the rows of r (their ids, slots, lengths, positions and
+// uniforms already uploaded): embedding, blocks with the KV append, final norm, head and sampler,
+// into d_out. Only backend buffers of fixed size: recordable (ops->graph_begin).
+static void decode_forward_sample(Generator* g, const DecodeRows* r) {
+    const Model* m = g->m;
+    const Ops* ops = g->ops;
+    const ModelConfig* c = &m->cfg;
+    Workspace* ws = g->ws_dec;
+    const int S = g->o.max_seqs, n = r->n;
+    ws->lora_train = 0;
+    gen_phase(g, "decode step: embedding + blocks");
+    model_prefix_forward(m, ws, g->x[0], g->d_step, weight_of(g, TK_EMBED), n, 1);
+    int cur = 0;
+    for (int l = 0; l < c->L; l++) {
+        model_block_decode_at(m, ws, l, g->w[l + 1], g->kc[l], g->vc[l], r, g->x[cur],
+                              g->x[1 - cur]);
+        cur = 1 - cur;
+    }
+    // model_postfix_logits_last's final norm and head, for the n rows in one matmul
+    gen_phase(g, "decode step: final norm + head + sampler");
+    ops->rmsnorm_forward(g->ctx, ws->xf, ws->rstdf, g->x[cur], weight_of(g, TK_FINAL_NORM), n,
+                         c->C, c->norm_eps);
+    ops->matmul_forward(g->ctx, ws->logits, ws->xf, weight_of(g, TK_LM_HEAD), NULL, n, c->C,
+                        c->V);
+    ops->sample_tokens(g->ctx, g->d_out, (float*)(g->d_out + S), ws->logits,
+                       (const float*)(g->d_step + 4 * S), n, c->V, g->o.temperature);
+    gen_phase(g, NULL);
+}
+
+// decode_forward_sample as one recorded launch (the backend's graphs: ~11 ops a layer in one
+// launch, no gaps between them): replayed when the step's row count has a recording, recorded on
+// the second step in a row with that count (the first one ran plainly and sized every scratch
+// buffer). 0 when it did not run (no graphs, the first step of a count, a refused recording):
+// the caller runs the ops plainly.
+static int decode_replay(Generator* g, const DecodeRows* r) {
+    const Ops* ops = g->ops;
+    const int n = r->n;
+    if (!ops->graph_begin) return 0;
+    if (!g->graphs) g->graphs = calloc_check((size_t)g->o.max_seqs + 1, sizeof(void*));
+    const GenOptions* a = &g->o;
+    const GenOptions* b = &g->graph_o;
+    if (a->temperature != b->temperature || a->top_k != b->top_k || a->top_p != b->top_p ||
+        a->max_len != b->max_len || a->max_seqs != b->max_seqs) {
+        gen_graphs_free(g);  // (recorded with other options: the sampler's temperature)
+        g->graph_o = g->o;
+    }
+    if (g->graphs[n]) {
+        if (ops->graph_launch(g->ctx, g->graphs[n]) == 0) return 1;
+        ops->graph_free(g->ctx, g->graphs[n]);  // stale: a scratch buffer it read has moved
+        g->graphs[n] = NULL;
+    }
+    if (g->last_n != n) {
+        g->last_n = n;
+        return 0;
+    }
+    if (ops->graph_begin(g->ctx) != 0) return 0;
+    decode_forward_sample(g, r);
+    g->graphs[n] = ops->graph_end(g->ctx);
+    return g->graphs[n] && ops->graph_launch(g->ctx, g->graphs[n]) == 0;
+}
+
 // One decode step of every active sequence with the sampler on the backend: the step's rows
 // (ids, slots, lengths, positions and each sequence's uniform draw from its own RNG, the one the
 // host sampler would take) in one upload, the logits of all rows in one LM-head matmul, the
 // tokens and log-probs in one download. 0 when no sequence is left.
 static int decode_step_backend(Generator* g, GenSeq* seqs, int n_seqs) {
-    const Model* m = g->m;
     const Ops* ops = g->ops;
-    const ModelConfig* c = &m->cfg;
-    Workspace* ws = g->ws_dec;
     const int S = g->o.max_seqs;
     int32_t* ids = g->h_step;
     int32_t* slot = g->h_step + S;
@@ -408,24 +481,7 @@ static int decode_step_backend(Generator* g, GenSeq* seqs, int n_seqs) {
                           .d_len = g->d_step + 2 * S, .d_pos = g->d_step + 3 * S,
                           .rope_cos = g->ws_pre->rope_cos, .rope_sin = g->ws_pre->rope_sin,
                           .maxT = g->o.max_len};
-    ws->lora_train = 0;
-    gen_phase(g, "decode step: embedding + blocks");
-    model_prefix_forward(m, ws, g->x[0], g->d_step, weight_of(g, TK_EMBED), n, 1);
-    int cur = 0;
-    for (int l = 0; l < c->L; l++) {
-        model_block_decode_at(m, ws, l, g->w[l + 1], g->kc[l], g->vc[l], &r, g->x[cur],
-                              g->x[1 - cur]);
-        cur = 1 - cur;
-    }
-    // model_postfix_logits_last's final norm and head, for the n rows in one matmul
-    gen_phase(g, "decode step: final norm + head + sampler");
-    ops->rmsnorm_forward(g->ctx, ws->xf, ws->rstdf, g->x[cur], weight_of(g, TK_FINAL_NORM), n,
-                         c->C, c->norm_eps);
-    ops->matmul_forward(g->ctx, ws->logits, ws->xf, weight_of(g, TK_LM_HEAD), NULL, n, c->C,
-                        c->V);
-    ops->sample_tokens(g->ctx, g->d_out, (float*)(g->d_out + S), ws->logits,
-                       (const float*)(g->d_step + 4 * S), n, c->V, g->o.temperature);
-    gen_phase(g, NULL);
+    if (!decode_replay(g, &r)) decode_forward_sample(g, &r);
     ops->download(g->ctx, g->h_out, g->d_out, (size_t)3 * S * sizeof(int32_t));
     const float* lp = (const float*)(g->h_out + S);
     for (int k = 0; k < n; k++)

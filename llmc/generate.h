@@ -81,6 +81,12 @@ typedef struct Generator {
     float* logits;       // (S, V) host
     int64_t* order;      // (V) top-k / top-p scratch
     double* probs;       // (V)
+    // the backend's recorded decode steps (ops->graph_*), one per row count n (index n), recorded
+    // on the second step in a row with n rows (the first sized every buffer), replayed after
+    void** graphs;       // (S + 1)
+    GenOptions graph_o;  // the options they were recorded with (the sampler's temperature is
+                         // in them: grpo_evaluate's greedy pass drops them)
+    int last_n;          // rows of the previous decode step
     double t_prefill, t_decode;  // seconds spent, for the log
     int64_t n_decoded;   // tokens decoded (rows x steps)
 } Generator;

@@ -174,6 +174,17 @@ typedef struct Ops {
     // Op profile phases (NULL: the backend has none; a no-op unless --profile-ops): the ops issued
     // from now on count toward phase `name` until the next call (NULL: no phase).
     void (*profile_phase)(void* ctx, const char* name);
+    // Recorded sequences of ops (NULL: the backend has none; CUDA graphs). graph_begin: the ops
+    // issued from now on are recorded, not run (-1: not now, e.g. while --profile-ops times ops
+    // one by one); only ops whose buffers already have their size may be recorded (no scratch
+    // grows, no host transfer). graph_end: the recording as a replayable graph (NULL: the
+    // recording was refused). graph_launch: replay it (the same ops on the same buffers, so the
+    // same bits); -1 when it is stale (a scratch buffer it used has moved since): free it and
+    // record again. graph_free releases one.
+    int (*graph_begin)(void* ctx);
+    void* (*graph_end)(void* ctx);
+    int (*graph_launch)(void* ctx, void* graph);
+    void (*graph_free)(void* ctx, void* graph);
 
     // ---- attention with sinks and sliding windows (GPT-OSS) ----
     // As attention_forward, with key j visible to query t iff j <= t and (window == 0 or

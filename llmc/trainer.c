@@ -213,6 +213,8 @@ int trainer_create_ranked(Trainer* t, const TrainArgs* a, const Model* m, Store*
     if (t->use_cuda) {
         t->ops = &ops_cuda;
         t->ctx = ops_cuda_create(0, NULL);
+        // --profile-ops times this context's ops too (GRPO's generator and its phases)
+        if (a->profile_ops) ops_cuda_profile_enable(t->ctx);
     }
 #endif
     if (!t->ctx) t->ctx = ops_cpu_create(a->threads);
@@ -299,6 +301,11 @@ void trainer_free(Trainer* t) {
     plain_free(t->plain);
     threadpool_destroy(t->pool);
 #ifdef HAVE_CUDA
+    if (t->use_cuda && t->a->profile_ops) {
+        printf("plain path on GPU 0 (evaluation, sampling, GRPO's generator):\n");
+        fflush(stdout);
+        ops_cuda_profile_report(t->ctx, stdout);
+    }
     if (t->use_cuda) ops_cuda_destroy(t->ctx);
     else
 #endif

@@ -19,6 +19,17 @@
  *   4  variant 3 with half the keys per tile (fewer registers, more warps resident per SM):
  *      production at head dim >= 128, where the H200 measured it faster.
  *   5  variant 3 with chunks of 256 keys (half the partials, half the blocks).
+ *   6  variant 4 with the chunk's keys and values staged in shared memory by cp.async first (the
+ *      whole chunk in flight at once, in 4 groups the block walks as they land); the same
+ *      arithmetic as variant 4, checked bit for bit against it.
+ *   7  variant 3 staged the same way (bit for bit against variant 3).
+ *   8  variant 6 with chunks of 64 keys (twice the blocks, half the shared memory each).
+ *   9  variant 4 with a deeper pipeline: each thread copies its own words of the next 4 tiles
+ *      into a ring in shared memory by cp.async (4 tiles per warp in flight, no registers to
+ *      hold them); bit for bit variant 4.
+ *  10  variant 9 with a ring of 8 tiles (bit for bit variant 4).
+ *  11  variant 3 with a ring of 4 tiles (bit for bit variant 3).
+ *  12  variant 10 with chunks of 256 keys.
  * Validation on fresh random bf16 inputs against an fp64 reference: rows of lengths 1 .. maxT
  * (inside one chunk, across chunks, up to 4096) in shuffled cache slots; (H, KVH, HD) = (16, 8,
  * 128) (Qwen3-1.7B), (8, 2, 64) with sinks and a window, (64, 8, 64) (GPT-OSS-20B: group 8, with
@@ -343,9 +354,15 @@ static void decode_attention(int variant, CudaCtx* cx, bf16* out, const bf16* qk
     } else if (variant == 2) {
         v2_attention_decode(cx, out, qkv, kc, vc, slot, len, sinks, s.n, s.maxT, s.H, s.KVH, s.HD,
                             s.window);
-    } else {  // 3: production; 4: half tiles; 5: 256-key chunks
+    } else {  // 3: full tiles; 4: half tiles; 5: 256-key chunks; 6-8 staged
+        static const DecMode modes[] = {DEC_REGS,        DEC_REGS_HALF,   DEC_REGS,
+                                        DEC_STAGED_HALF, DEC_STAGED,      DEC_STAGED_HALF,
+                                        DEC_PIPED4_HALF, DEC_PIPED8_HALF, DEC_PIPED4,
+                                        DEC_PIPED8_HALF};
         attention_decode_with(cx, out, qkv, kc, vc, slot, len, sinks, s.n, s.maxT, s.H, s.KVH,
-                              s.HD, s.window, variant == 5 ? 256 : DEC_CHUNK, variant == 4);
+                              s.HD, s.window,
+                              variant == 5 || variant == 12 ? 256 : variant == 8 ? 64 : DEC_CHUNK,
+                              modes[variant - 3]);
     }
 }
 
@@ -393,6 +410,13 @@ static void validate_attention(Lab* lab, int v, Rng* r, DecShape s) {
         std::vector<float> alone = dev_download_bf16(d_out2, nh);
         lab_check_true(lab, "  a row alone as in the batch",
                        memcmp(alone.data(), got.data() + last, nh * sizeof(float)) == 0);
+    }
+    if (v == 6 || v == 7 || v == 9 || v == 10 || v == 11) {  // the bits of the register twin
+        const int twin_v = v == 7 || v == 11 ? 3 : 4;
+        decode_attention(twin_v, lab->cx, d_out2, d_qkv, d_kc, d_vc, d_slot, d_len, d_sk, s);
+        std::vector<float> twin = dev_download_bf16(d_out2, no);
+        lab_check_true(lab, twin_v == 4 ? "  the bits of variant 4" : "  the bits of variant 3",
+                       memcmp(twin.data(), got.data(), no * sizeof(float)) == 0);
     }
     void* bufs[] = {d_qkv, d_kc, d_vc, d_sk, d_slot, d_len, d_out, d_out2};
     for (void* p : bufs)
@@ -518,7 +542,7 @@ static void bench_attention(Lab* lab, int n, int L, int H, int KVH, int HD, cons
     char shape[128];
     snprintf(shape, sizeof shape, "%s n=%d L=%d H=%d KVH=%d HD=%d", model, n, L, H, KVH, HD);
     const double bytes = 2.0 * n * L * KD * 2 + (double)n * (QKV + H * HD) * 2;
-    for (int v = 1; v <= 5; v++) {
+    for (int v = 1; v <= 12; v++) {
         if (!lab_wants(&lab->args, v)) continue;
         if (v == 1 && (size_t)L * 4 > 48 * 1024) continue;  // the naive kernel's logits
         const double ms = lab_time_ms(lab, [&] {
@@ -565,7 +589,14 @@ static const char* VARIANTS =
     "  3  production below head dim 128 (kernels/decode.cu): 16-byte lane loads of whole key\n"
     "     rows, next tile in flight, 128-key split-K chunks, ordered combine\n"
     "  4  variant 3 with half the keys per tile (production at head dim >= 128)\n"
-    "  5  variant 3 with 256-key chunks\n";
+    "  5  variant 3 with 256-key chunks\n"
+    "  6  variant 4 staged in shared memory by cp.async (bit for bit variant 4)\n"
+    "  7  variant 3 staged (bit for bit variant 3)\n"
+    "  8  variant 6 with 64-key chunks\n"
+    "  9  variant 4 with a 4-tile cp.async ring per thread (bit for bit variant 4)\n"
+    " 10  variant 4 with an 8-tile ring (bit for bit variant 4)\n"
+    " 11  variant 3 with a 4-tile ring (bit for bit variant 3)\n"
+    " 12  variant 10 with 256-key chunks\n";
 
 static void validate_variant(Lab* lab, int v, Rng* r) {
     validate_attention(lab, v, r, DecShape{9, 600, 16, 8, 128, 0, 0});    // Qwen3-1.7B
@@ -586,5 +617,5 @@ static void validate_variant(Lab* lab, int v, Rng* r) {
 static void bench_lab(Lab* lab, Rng*) { bench(lab); }
 
 int main(int argc, char** argv) {
-    return lab_main(argc, argv, "decode", VARIANTS, 5, 5, validate_variant, bench_lab);
+    return lab_main(argc, argv, "decode", VARIANTS, 12, 12, validate_variant, bench_lab);
 }

@@ -26,6 +26,8 @@
  * chunks on the GPU (4096) and in 220-row chunks (64 MiB of logits: the dW product reads and
  * writes the whole fp32 dW per chunk). TFLOP/s = 2 N IC OC / time against 989 dense bf16.
  * Variant 1 runs on the layer shapes only (the LM head would take seconds per call).
+ * First, the generation step's products (128 rows, forward, variants 2 and 3) in GB/s of the
+ * weights they read.
  */
 #include "../../kernels/matmul.cu"
 #include "lab.cuh"
@@ -253,7 +255,40 @@ typedef struct Shape {
     int IC, OC, chunk;  // chunk: rows per call (0: all N at once)
 } Shape;
 
+// The generation step's products: 128 rows (8 prompts x 16 answers) through each linear layer of
+// Qwen3-1.7B and the LM head, forward only; GB/s over the weights read (what bounds them).
+static void bench_decode(Lab* lab) {
+    const int rows = 128;
+    const Shape shapes[] = {{"qkv", 2048, 4096, 0},     {"o", 2048, 2048, 0},
+                            {"gate_up", 2048, 12288, 0}, {"down", 6144, 2048, 0},
+                            {"lm_head", 2048, 151936, 0}};
+    CudaCtx* cx = lab->cx;
+    printf("\nbenchmark: decode rows (forward, 128 rows)\n");
+    lab_bench_header_bw();
+    for (const Shape& sh : shapes) {
+        bf16* x = dev_random<bf16>((size_t)rows * sh.IC, 1.0f, 1);
+        bf16* w = dev_random<bf16>((size_t)sh.OC * sh.IC, 0.05f, 2);
+        bf16* out = dev_alloc<bf16>((size_t)rows * sh.OC);
+        char shape[96];
+        snprintf(shape, sizeof shape, "%s N=%d IC=%d OC=%d", sh.name, rows, sh.IC, sh.OC);
+        const double bytes = 2.0 * ((double)sh.OC * sh.IC + (double)rows * (sh.IC + sh.OC));
+        for (int v = 2; v <= 3; v++) {
+            if (!lab_wants(&lab->args, v)) continue;
+            const double ms =
+                v == 3 ? lt_best_of_heuristics(lab, 1, 1, 0, sh.OC, rows, sh.IC, w, sh.IC, x,
+                                               sh.IC, out, sh.OC, 0, 0.0f)
+                       : lab_time_ms(lab, [&] {
+                             matmul_forward(v, cx, out, x, w, NULL, rows, sh.IC, sh.OC);
+                         });
+            lab_report_bw("matmul fwd (decode)", v, shape, "weights once, x, out", bytes, ms);
+        }
+        void* bufs[] = {x, w, out};
+        for (void* p : bufs) cuda_check(cudaFree(p));
+    }
+}
+
 static void bench(Lab* lab) {
+    bench_decode(lab);
     const int N = 16384;
     const Shape shapes[] = {
         {"qkv", 2048, 4096, 0},

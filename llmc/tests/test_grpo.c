@@ -842,6 +842,8 @@ static void test_grpo_gpu_policy_op(TestCtx* t) {
 
 // Generation on the CUDA backend against the CPU: the same greedy tokens on tiny models, and
 // sampled tokens whose log-probs match a CPU forward over their prefix within bf16 tolerance.
+// The CUDA decode steps run as recorded graphs; the same generation with the ops issued one by
+// one gives the same bits.
 static void test_grpo_gpu_generate(TestCtx* t) {
     Gpu G;
     if (!gpu_open(t, &G, 59)) return;
@@ -883,6 +885,49 @@ static void test_grpo_gpu_generate(TestCtx* t) {
                 gen_run(&g, seqs[b], S, 2);
                 CHECK(t, b == 0 || gen_samples_on_backend(&g), "the CUDA generator samples on "
                       "the host");
+                int recorded = 0;
+                for (int n = 0; b && g.graphs && n <= S; n++) recorded |= g.graphs[n] != NULL;
+                CHECK(t, b == 0 || recorded, "%s: no decode step was recorded as a graph",
+                      presets[k]);
+                gen_free(&g);
+            }
+            // the recorded decode steps (graphs) against the same ops issued one by one: the
+            // same tokens and log-probs, bit for bit; and from a generator whose steps were
+            // recorded at the other temperature first (grpo_evaluate's greedy pass does that)
+            for (int mode = 0; mode < 2; mode++) {
+                Ops plain_ops = *G.g;
+                plain_ops.graph_begin = NULL;
+                Generator g;
+                int32_t tk[4][24];
+                float lq[4][48];
+                GenSeq sq[4];
+                CHECK(t, gen_create(&g, &m, mode ? G.g : &plain_ops, G.gctx, &go, 1, err) == 0,
+                      "%s", err);
+                gen_load_weights(&g, &s, 1);
+                for (int pass = mode; pass >= 0; pass--) {
+                    g.o.temperature = pass ? (temp ? 0.0f : 0.9f) : go.temperature;
+                    for (int i = 0; i < S; i++) {
+                        memcpy(tk[i], toks[1][i], sizeof tk[i]);
+                        sq[i] = (GenSeq){.tokens = tk[i], .logp = lq[i], .logp_full = lq[i] + 24,
+                                         .prompt_len = seqs[1][i].prompt_len, .max_new = 20,
+                                         .stop_a = -1, .stop_b = -1};
+                        rng_seed(&sq[i].rng, 300 + i);
+                    }
+                    gen_run(&g, sq, S, 2);
+                }
+                int same = 1;
+                for (int i = 0; i < S; i++) {
+                    same &= sq[i].len == seqs[1][i].len;
+                    same &= memcmp(tk[i], toks[1][i], (size_t)sq[i].len * sizeof(int32_t)) == 0;
+                    for (int j = sq[i].prompt_len; j < sq[i].len; j++)
+                        same &= memcmp(&lq[i][j], &lp[1][i][j], sizeof(float)) == 0 &&
+                                memcmp(&lq[i][24 + j], &lp[1][i][24 + j], sizeof(float)) == 0;
+                }
+                CHECK(t, same, "%s (temperature %s): %s", presets[k], temp ? "0.9" : "0",
+                      mode ? "after steps recorded at the other temperature, the recorded "
+                             "decode steps differ"
+                           : "the recorded decode steps differ from the same ops issued one by "
+                             "one");
                 gen_free(&g);
             }
             float* logits = malloc_check((size_t)V * sizeof(float));
