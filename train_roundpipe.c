@@ -481,6 +481,10 @@ static int train_rl(const TrainArgs* a, Trainer* tr, const Model* model, Store* 
 // status.
 static int serve_rollouts(const TrainArgs* a, const DistConfig* dist, const Model* model) {
     char err[ERR_LEN];
+    // SIGINT / SIGTERM stay blocked: a rollout rank ends on the trainer's stop, which comes after
+    // the trainer's own clean stop (its last step's weight broadcast, its checkpoint), or when
+    // the communicator times out because the trainer is gone
+    interrupt_block();
     Comm* comm = open_data_parallel(dist);
     GrpoSplit where = {.impl = &device_cpu_impl, .first = dist->local_rank,
                        .opt = {.threads = a->threads > 0 ? a->threads : 1},
