@@ -1,5 +1,8 @@
 /*
- * grpo.c — GRPO rollouts, advantages, the policy step and the weight sync (grpo.h).
+ * grpo.c — GRPO rollouts, advantages, the policy step and the weight sync (grpo.h); the
+ * rollouts colocated, on rollout devices of this process (--rollout-gpus) or on rollout ranks
+ * in other processes (--rl-rollout-ranks: the trainer's side and grpo_serve, a rollout rank's
+ * loop, over the communicator the caller hands in).
  */
 #include "grpo.h"
 
