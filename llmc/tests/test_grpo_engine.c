@@ -742,6 +742,7 @@ typedef struct XrRank {
     const char* shard;
     CommFault fault;         // a rollout rank: injected at its at_op-th op
     uint64_t fault_at;
+    double timeout_s;        // the communicator's (0: 10 s)
     double loss[XR_STEPS + 1], reward[XR_STEPS + 1], ratio[XR_STEPS + 1], len[XR_STEPS + 1];
     int64_t version[XR_STEPS + 1];
     int staleness[XR_STEPS + 1];
@@ -787,7 +788,8 @@ static void xr_trainer(XrRank* k) {
     }
     Comm* c = NULL;
     if (k->rc == 0 && k->w) {
-        CommInit in = {.rank = 0, .world = k->world, .timeout_s = 10.0, .local = k->w};
+        CommInit in = {.rank = 0, .world = k->world,
+                       .timeout_s = k->timeout_s > 0 ? k->timeout_s : 10.0, .local = k->w};
         c = comm_emul_impl.init(&in, k->err);
         if (!c) k->rc = -1;
     }
@@ -840,7 +842,8 @@ static void xr_trainer(XrRank* k) {
 
 // A rollout rank: the CLI's serve_rollouts on an emulated device of its own.
 static void xr_rollout(XrRank* k) {
-    CommInit in = {.rank = k->rank, .world = k->world, .timeout_s = 10.0, .local = k->w};
+    CommInit in = {.rank = k->rank, .world = k->world,
+                   .timeout_s = k->timeout_s > 0 ? k->timeout_s : 10.0, .local = k->w};
     Comm* c = comm_emul_impl.init(&in, k->err);
     if (!c) {
         k->rc = -1;
@@ -937,10 +940,11 @@ static void xr_same(TestCtx* t, const char* what, const XrRank* ref, const XrRan
 
 // One trainer rank with one and two rollout ranks logs what the colocated run logs, step by
 // step (loss, reward, ratio, answer length, version, staleness; the weights at the end): on the
-// plain path and through the engine (cpu:1), on-policy with --sync 1; and one step off against
-// the colocated run one step off — the same math: in both the batch of step t+1 is generated
-// with v_{t-1} (colocated before step t trains, here during it on the rollout ranks; the weights
-// change only after the batch is back), as the in-process split schedule does.
+// plain path and through the engine (cpu:1), on-policy with --sync 1; and one step off (plain,
+// and the engine's delayed update) against the colocated run one step off — the same math: in
+// both the batch of step t+1 is generated with v_{t-1} (colocated before step t trains, here
+// during it on the rollout ranks; the weights change only after the batch is back), as the
+// in-process split schedule does (its test compares it with the colocated run the same way).
 static void test_grpo_ranks_match_colocated(TestCtx* t) {
     char script[512], shard[512], flags[2048];
     if (reward_script(t, script, sizeof script) != 0) return;
@@ -954,6 +958,7 @@ static void test_grpo_ranks_match_colocated(TestCtx* t) {
         {"plain, on-policy", "--off-policy 0", 0},
         {"cpu:1, on-policy", "--off-policy 0 --device cpu:1 --sync 1", 1},
         {"plain, one step off", "--off-policy 1", 0},
+        {"cpu:1, one step off, delayed", "--off-policy 1 --device cpu:1 --sync 0", 1},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         TrainArgs a;
@@ -991,7 +996,9 @@ static void test_grpo_ranks_match_colocated(TestCtx* t) {
 // Resumed from the trainer's checkpoint after step 2, a run with a rollout rank logs steps 3-4
 // and ends with the weights of the straight run: on-policy, and one step off, whose checkpoint
 // keeps the batch the rollout rank generated ahead for step 3 (rl_state.bin: not generated
-// again); the trainer re-sends the weights of the checkpoint's version at the start.
+// again); on the plain path and through the engine on cpu:1 (on-policy with the synchronous
+// update, one step off with the delayed one, whose pending weights the checkpoint keeps); the
+// trainer re-sends the weights of the checkpoint's version at the start.
 static void test_grpo_ranks_resume(TestCtx* t) {
     char script[512], shard[512], flags[2048], out[512];
     if (reward_script(t, script, sizeof script) != 0) return;
@@ -1001,11 +1008,19 @@ static void test_grpo_ranks_resume(TestCtx* t) {
     config_from_preset(&c, "tiny", err);
     Model m;
     if (model_init(&m, &c, 0, err) != 0) fatal("%s", err);
-    for (int off = 0; off <= 1; off++) {
-        test_path(t, out, sizeof out, off ? "xr_resume1" : "xr_resume0");
+    const struct { const char* name; const char* flags; int N; } cases[] = {
+        {"plain, on-policy", "--off-policy 0", 0},
+        {"plain, one step off", "--off-policy 1", 0},
+        {"cpu:1, on-policy", "--off-policy 0 --device cpu:1 --sync 1", 1},
+        {"cpu:1, one step off, delayed", "--off-policy 1 --device cpu:1 --sync 0", 1},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        char name[32];
+        snprintf(name, sizeof name, "xr_resume%zu", k);
+        test_path(t, out, sizeof out, name);
         mkdir(out, 0755);
         TrainArgs a;
-        snprintf(flags, sizeof flags, "%s --off-policy %d --out %s --save-every 2", XR_FLAGS, off,
+        snprintf(flags, sizeof flags, "%s %s --out %s --save-every 2", XR_FLAGS, cases[k].flags,
                  out);
         if (xr_args(t, &a, flags) != 0) continue;
         char cmd[600];
@@ -1015,21 +1030,22 @@ static void test_grpo_ranks_resume(TestCtx* t) {
         a.rl.kl_beta = 0.0f;  // (the KL reference is the weights a run starts from: a resumed
                               // run's differs from the straight run's)
         XrRank straight[2], first[2], second[2];
+        const int N = cases[k].N;
         for (int r = 0; r < 2; r++) {
-            straight[r] = (XrRank){.a = &a, .m = &m, .first = 1, .last = XR_STEPS,
-                                   .shard = shard, .out = out};
-            first[r] = (XrRank){.a = &a, .m = &m, .first = 1, .last = 2, .save_at = 2,
-                                .shard = shard, .out = out};
-            second[r] = (XrRank){.a = &a, .m = &m, .first = 3, .last = XR_STEPS, .shard = shard,
-                                 .out = out};
+            straight[r] = (XrRank){.a = &a, .m = &m, .n_devices = N, .first = 1,
+                                   .last = XR_STEPS, .shard = shard, .out = out};
+            first[r] = (XrRank){.a = &a, .m = &m, .n_devices = N, .first = 1, .last = 2,
+                                .save_at = 2, .shard = shard, .out = out};
+            second[r] = (XrRank){.a = &a, .m = &m, .n_devices = N, .first = 3, .last = XR_STEPS,
+                                 .shard = shard, .out = out};
         }
         xr_run(straight, 2);
         xr_run(first, 2);
-        CHECK(t, first[0].rc == 0 && first[1].rc == 0, "off %d: the first half: %s / %s", off,
-              first[0].err, first[1].err);
+        CHECK(t, first[0].rc == 0 && first[1].rc == 0, "%s: the first half: %s / %s",
+              cases[k].name, first[0].err, first[1].err);
         xr_run(second, 2);
-        char what[64];
-        snprintf(what, sizeof what, "resumed, off-policy %d", off);
+        char what[96];
+        snprintf(what, sizeof what, "resumed, %s", cases[k].name);
         xr_same(t, what, &straight[0], &second[0], 3, XR_STEPS);
         CHECK(t, second[1].rc == 0, "%s: the rollout rank: %s", what, second[1].err);
         free(straight[0].params);
@@ -1042,7 +1058,8 @@ static void test_grpo_ranks_resume(TestCtx* t) {
 // A rollout rank whose layout differs from the trainer's (a model of another width): every rank
 // refuses at the manifest exchange with the same one line naming the rank and the tensor, before
 // any weight moves. A rollout rank that dies during the run: the trainer fails in one line naming
-// it, at once (a process of its own here: the trainer's failure ends the process, as the CLI's).
+// it, at once; one that hangs: the same after the communicator's timeout (1 s), no hang (a
+// process of its own here: the trainer's failure ends the process, as the CLI's).
 static void test_grpo_ranks_failures(TestCtx* t) {
     char script[512], shard[512], flags[2048];
     if (reward_script(t, script, sizeof script) != 0) return;
@@ -1077,32 +1094,37 @@ static void test_grpo_ranks_failures(TestCtx* t) {
     weight_manifest_build(&wm, &m.tt, 4);
     const uint64_t die_at = 4 + 1 + (uint64_t)wm.n + 2;
     weight_manifest_free(&wm);
-    char errf[512];
-    test_path(t, errf, sizeof errf, "xr_dies.err");
-    fflush(stdout);
-    fflush(stderr);
-    const pid_t pid = fork();
-    if (pid == 0) {
-        const int fd = open(errf, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-        if (fd >= 0) dup2(fd, 2);
-        alarm(120);  // (a hang fails the test instead of stopping the suite)
-        XrRank d[2] = {{.a = &a, .m = &m, .first = 1, .last = 2, .shard = shard},
-                       {.a = &a, .m = &m, .first = 1, .last = 2, .shard = shard,
-                        .fault = COMM_FAULT_DIE, .fault_at = die_at}};
-        xr_run(d, 2);
-        if (d[0].rc != 0) fatal("--rl: %s", d[0].err);  // (as train_roundpipe.c's)
-        _exit(0);
+    for (int hang = 0; hang <= 1; hang++) {
+        char errf[512];
+        test_path(t, errf, sizeof errf, hang ? "xr_hangs.err" : "xr_dies.err");
+        fflush(stdout);
+        fflush(stderr);
+        const pid_t pid = fork();
+        if (pid == 0) {
+            const int fd = open(errf, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+            if (fd >= 0) dup2(fd, 2);
+            alarm(120);  // (a hang fails the test instead of stopping the suite)
+            XrRank d[2] = {{.a = &a, .m = &m, .first = 1, .last = 2, .shard = shard,
+                            .timeout_s = 1.0},
+                           {.a = &a, .m = &m, .first = 1, .last = 2, .shard = shard,
+                            .fault = hang ? COMM_FAULT_HANG : COMM_FAULT_DIE, .fault_at = die_at,
+                            .timeout_s = 1.0}};
+            xr_run(d, 2);
+            if (d[0].rc != 0) fatal("--rl: %s", d[0].err);  // (as train_roundpipe.c's)
+            _exit(0);
+        }
+        int status = 0;
+        const double t0 = time_now_s();
+        CHECK(t, pid > 0 && waitpid(pid, &status, 0) == pid, "fork / waitpid failed");
+        const double took = time_now_s() - t0;
+        char* e = test_read_file(errf, NULL);
+        CHECK(t, WIFEXITED(status) && WEXITSTATUS(status) != 0 && e &&
+                     test_one_error_line(e, hang ? "did not arrive" : "rank 1 died at all_gather") &&
+                     strstr(e, "--rl-rollout-ranks") && took < 30.0,
+              "a %s rollout rank: status %d after %.1f s: %s", hang ? "hanging" : "dead", status,
+              took, e ? e : "");
+        free(e);
     }
-    int status = 0;
-    const double t0 = time_now_s();
-    CHECK(t, pid > 0 && waitpid(pid, &status, 0) == pid, "fork / waitpid failed");
-    const double took = time_now_s() - t0;
-    char* e = test_read_file(errf, NULL);
-    CHECK(t, WIFEXITED(status) && WEXITSTATUS(status) != 0 && e &&
-                 test_one_error_line(e, "rank 1 died at all_gather") &&
-                 strstr(e, "--rl-rollout-ranks") && took < 60.0,
-          "a dead rollout rank: status %d after %.1f s: %s", status, took, e ? e : "");
-    free(e);
     model_free(&m);
     model_free(&m2);
 }
