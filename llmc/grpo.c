@@ -205,9 +205,8 @@ typedef struct RankMsg {
     int32_t kind;
     int32_t n, group, maxT;  // GENERATE: the batch's shape (the rollout ranks check it)
     int64_t version;         // WEIGHTS: the version sent; GENERATE: the one expected
-    int64_t step;            // GENERATE: the step the batch is for
     int64_t payload;         // GENERATE: the prompts' bytes broadcast next
-    int64_t pad;
+    int64_t reserved[2];     // (zero: 48 bytes in all)
 } RankMsg;
 
 // GENERATE's payload, per answer: what gen_run needs (the prompt's tokens follow, maxT each).
