@@ -385,7 +385,8 @@ static void save_interrupted(Trainer* tr, const DataLoader* train, const TrainAr
 // trained (*saved: the last checkpoint's).
 static int train_rl(const TrainArgs* a, Trainer* tr, const Model* model, Store* store,
                     const Tokenizer* tok, const DataLoader* train, StepLog* lg,
-                    const char* args_json, int start, int* saved, int n_train) {
+                    const char* args_json, int start, int* saved, int n_train, Comm* rl_comm,
+                    const DistConfig* dist) {
     char err[ERR_LEN];
     HostLimit lim;
     if (memory_host_limit("", &lim, err) != 0) fatal("%s", err);
@@ -393,8 +394,13 @@ static int train_rl(const TrainArgs* a, Trainer* tr, const Model* model, Store* 
                                 // what the trainer left free on the GPU with --device cuda
     // --rollout-gpus K: the K devices after the n_train training ones generate
     const int K = a->rl.rollout_gpus;
-    GrpoSplit split = {.impl = &device_cpu_impl, .K = K, .first = n_train,
-                       .budget = lim.bytes, .timeout_s = a->dist_timeout};
+    // --rl-rollout-ranks R: ranks 1..R of rl_comm generate; the weights go out from this rank's
+    // GPU (LOCAL_RANK)
+    const int R = rl_comm ? a->rl.rollout_ranks : 0;
+    GrpoSplit split = {.impl = &device_cpu_impl, .K = K, .first = R > 0 ? dist->local_rank
+                                                                         : n_train,
+                       .budget = lim.bytes, .timeout_s = a->dist_timeout, .R = R,
+                       .comm = rl_comm};
     const int per_dev = a->threads > 0 ? a->threads : threads_online_cpus() / (n_train + K);
     split.opt = (DeviceOptions){.threads = per_dev > 0 ? per_dev : 1, .delay_seed = a->seed,
                                 .max_delay_us = a->delay_us};
@@ -402,6 +408,7 @@ static int train_rl(const TrainArgs* a, Trainer* tr, const Model* model, Store* 
     size_t free_b = 0, total_b = 0;
     if (a->device == DEVICE_CUDA && cuda_device_memory(0, &free_b, &total_b) == 0)
         budget = 0.95 * (double)free_b;
+    if (a->device == DEVICE_CUDA && R > 0) split.impl = &device_cuda_impl;
     if (a->device == DEVICE_CUDA && K > 0) {
         split.impl = &device_cuda_impl;
         split.budget = 0.0;  // the least free memory of the rollout GPUs
@@ -434,6 +441,10 @@ static int train_rl(const TrainArgs* a, Trainer* tr, const Model* model, Store* 
                n_train, n_train + K - 1,
                r->off_policy ? "concurrently: the next step's answers while a step trains"
                              : "in turn: on-policy");
+    if (R > 0)
+        printf("GRPO rollout ranks: rank 0 trains, ranks 1..%d generate (%s); weights v%d sent\n",
+               R, r->off_policy ? "concurrently: the next step's answers while a step trains"
+                                : "in turn: on-policy", start);
     grpo_log_eval(lg, start, grpo_evaluate(&grpo), grpo.task.n_eval);
     int done = start;
     for (int step = start + 1; step <= a->steps && !interrupt_signal(); step++) {
@@ -462,6 +473,33 @@ static int train_rl(const TrainArgs* a, Trainer* tr, const Model* model, Store* 
         grpo_log_eval(lg, done, grpo_evaluate(&grpo), grpo.task.n_eval);
     grpo_free(&grpo);
     return done;
+}
+
+// A rollout rank of --rl-rollout-ranks (rank > 0): its generator on its GPU (LOCAL_RANK), the
+// trainer's prompts in, answers out, new weights after each step, until rank 0 says stop
+// (llmc/grpo.h grpo_serve). Nothing of training is loaded or printed here. Returns the exit
+// status.
+static int serve_rollouts(const TrainArgs* a, const DistConfig* dist, const Model* model) {
+    char err[ERR_LEN];
+    // SIGINT / SIGTERM stay blocked: a rollout rank ends on the trainer's stop, which comes after
+    // the trainer's own clean stop (its last step's weight broadcast, its checkpoint), or when
+    // the communicator times out because the trainer is gone
+    interrupt_block();
+    Comm* comm = open_data_parallel(dist);
+    GrpoSplit where = {.impl = &device_cpu_impl, .first = dist->local_rank,
+                       .opt = {.threads = a->threads > 0 ? a->threads : 1},
+                       .timeout_s = a->dist_timeout, .R = a->rl.rollout_ranks, .comm = comm};
+#ifdef HAVE_CUDA
+    size_t free_b = 0, total_b = 0;
+    if (a->device == DEVICE_CUDA) {
+        where.impl = &device_cuda_impl;
+        if (cuda_device_memory(dist->local_rank, &free_b, &total_b) == 0)
+            where.budget = 0.95 * (double)free_b;
+    }
+#endif
+    if (grpo_serve(a, model, &where, err) != 0) fatal("--rl-rollout-ranks: %s", err);
+    comm_destroy(comm);
+    return 0;
 }
 
 int main(int argc, char** argv) {
@@ -504,6 +542,15 @@ int main(int argc, char** argv) {
                            .gate_up_r = a.lora_gate_up_r};
     if (model_init_lora(&model, &src.cfg, a.decay_embeddings, &lora, err) != 0)
         fatal("%s: %s", a.model, err);
+    // --rl-rollout-ranks R: ranks 1..R only generate (the weights come from rank 0)
+    const int rl_ranks = a.rl.on && a.rl.rollout_ranks > 0;
+    if (rl_ranks && !rank0) {
+        rc = serve_rollouts(&a, &dist, &model);
+        model_free(&model);
+        checkpoint_close_source(&src);
+        outputs_release(&outs);
+        return rc;
+    }
     model.mlp_chunk = a.mlp_chunk > 0 ? a.mlp_chunk : 0;  // auto is resolved with the plan
     config_print(&model.cfg);
     if (model.tt.lora.r > 0) {
@@ -546,7 +593,7 @@ int main(int argc, char** argv) {
               "rollout devices, or more devices (--device cpu:N / cuda:N)", n_rollout, N,
               N == 0 ? " (it trains on the plain path)" : "");
     N -= n_rollout;
-    if (plan_and_check_memory(&a, &model, N, dist.world)) {  // --plan
+    if (plan_and_check_memory(&a, &model, N, rl_ranks ? 1 : dist.world)) {  // --plan
         model_free(&model);
         checkpoint_close_source(&src);
         return 0;
@@ -556,8 +603,9 @@ int main(int argc, char** argv) {
     // a rank of a data-parallel engine run zeroes AdamW's m and v for its ZeRO-1 shard only
     // (docs/DISTRIBUTED.md §6); a launcher's world of one on GPUs opens NCCL too (the same code
     // path at world size 1, for checking it against the run without it)
-    const int ranked = dist.world > 1 || (strcmp(dist.source, "default") != 0 &&
-                                          a.device == DEVICE_CUDA);
+    // (--rl-rollout-ranks: the one trainer rank holds everything; its communicator is GRPO's)
+    const int ranked = !rl_ranks && (dist.world > 1 || (strcmp(dist.source, "default") != 0 &&
+                                                        a.device == DEVICE_CUDA));
     Store store;
     if (a.mmap_base) {  // the base stays in the mapped checkpoint (its slabs' heads untouched)
         if (!src.has_weights)
@@ -596,6 +644,7 @@ int main(int argc, char** argv) {
     interrupt_block();
     Trainer tr;
     Comm* comm = ranked ? open_data_parallel(&dist) : NULL;
+    Comm* rl_comm = rl_ranks ? open_data_parallel(&dist) : NULL;  // (the rollout ranks')
     if (trainer_create_ranked(&tr, &a, &model, &store, &ts, N, engine_options, comm, err) != 0)
         fatal("%s", err);
     if (comm) print_data_parallel(&dist, &tr);
@@ -639,7 +688,7 @@ int main(int argc, char** argv) {
     int done = start, saved = -1;  // the last step trained, the last checkpoint's step
     if (a.rl.on)
         done = train_rl(&a, &tr, &model, &store, src.tok, &train, &lg, args_json, start, &saved,
-                        N);
+                        N, rl_comm, &dist);
     for (int step = start + 1; step <= a.steps && !a.rl.on; step++) {
         const int stopping = interrupt_signal() != 0;
         if (stopping && trainer_in_flight(&tr) == 0) break;
@@ -676,6 +725,7 @@ int main(int argc, char** argv) {
     if (have_val) dataloader_close(&val);
     trainer_free(&tr);
     comm_destroy(comm);
+    comm_destroy(rl_comm);
     store_free(&store);
     model_free(&model);
     outputs_release(&outs);

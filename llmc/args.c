@@ -814,19 +814,25 @@ int args_parse(TrainArgs* a, int argc, char** argv) {
         fprintf(stderr, "train_roundpipe: error: %s (see --help)\n", err);
         return 2;
     }
+    // --rl-rollout-ranks R: one trainer rank and R rollout ranks (llmc/grpo.h), not data parallel
+    const int rl_ranks = a->rl.on && a->rl.rollout_ranks > 0;
+    if (rl_ranks && rl_args_check_world(&a->rl, dc.world, dc.source,
+                                             a->device == DEVICE_CUDA) != 0)
+        return 2;
     // data parallel over NCCL: plain training (llmc/dp.h) or the engine (docs/DISTRIBUTED.md §6)
     if (dc.world > 1) {
         const char* why = NULL;
         if (a->dump_state[0])
             why = "does not write --dump-state (run it in a single process)";
-        else if (a->rl.on)
-            why = "does not run --rl yet (GRPO trains in a single process for now)";
+        else if (a->rl.on && !rl_ranks)
+            why = "does not run --rl yet (GRPO trains in a single process for now; "
+                  "--rl-rollout-ranks R gives the last R ranks to generation)";
         if (why) {
             fprintf(stderr, "train_roundpipe: error: data parallel %s (world size %d from %s)\n",
                     why, dc.world, dc.source);
             return 2;
         }
-        if (dp_check_batch(a->batch, a->micro_batches, dc.world, err) != 0) {
+        if (!rl_ranks && dp_check_batch(a->batch, a->micro_batches, dc.world, err) != 0) {
             fprintf(stderr, "train_roundpipe: error: data parallel: %s\n", err);
             return 2;
         }

@@ -113,6 +113,7 @@ int rl_args_set(RlArgs* r, int c, const char* v) {
         }
         case 19: return rl_int("--rl-ignore-eos", v, 0, 1, &r->ignore_eos);
         case 20: return rl_int("--rollout-gpus", v, 0, 1 << 10, &r->rollout_gpus);
+        case 21: return rl_int("--rl-rollout-ranks", v, 0, 1 << 16, &r->rollout_ranks);
     }
     return rl_bad("--rl", v, "internal: unknown RL flag");
 }
@@ -135,6 +136,11 @@ int rl_args_check(const RlArgs* r, int engine_batch, float temperature, int seq,
         snprintf(v, sizeof v, "%d", r->rollout_gpus);
         return rl_bad("--rollout-gpus", v, "the split schedule gives devices of the RoundPipe "
                       "engine to generation: it needs --device cuda or cpu:N");
+    }
+    if (r->rollout_ranks > r->prompts) {
+        snprintf(v, sizeof v, "%d", r->rollout_ranks);
+        return rl_bad("--rl-rollout-ranks", v, "the answers are divided among the rollout ranks "
+                      "by prompt: at most --rl-prompts of them");
     }
     snprintf(v, sizeof v, "%g", (double)temperature);
     if (temperature <= 0.0f)
@@ -195,7 +201,37 @@ void rl_args_usage(FILE* f) {
         "      --rollout-gpus K   split schedule: the last K devices generate (the answers\n"
         "                         divided among them by prompt), the others train, concurrently\n"
         "                         with --off-policy 1; the weights go to the first rollout device\n"
-        "                         once, then a broadcast to the others (default 0: colocated)\n");
+        "                         once, then a broadcast to the others (default 0: colocated)\n"
+        "      --rl-rollout-ranks R  of the launched ranks (scripts/launch_local.sh, torchrun,\n"
+        "                         --world), the last R only generate (the answers divided among\n"
+        "                         them by prompt) and rank 0 trains: world = R + 1; the weights\n"
+        "                         broadcast over NCCL after each step (default 0: none)\n");
+}
+
+int rl_args_check_world(const RlArgs* r, int world, const char* source, int cuda) {
+    char v[64];
+    snprintf(v, sizeof v, "%d", r->rollout_ranks);
+    if (r->rollout_ranks == 0 || !r->on) return 0;
+    if (r->rollout_gpus > 0)
+        return rl_bad("--rl-rollout-ranks", v, "generates in other processes: it cannot be "
+                      "combined with --rollout-gpus (rollout devices of this process); use one");
+    if (r->rollout_ranks >= world) {
+        char why[256];
+        snprintf(why, sizeof why, "the last R of the launched ranks generate and rank 0 trains: "
+                 "it needs a world of R + 1 ranks, and this one has %d (from %s)", world, source);
+        return rl_bad("--rl-rollout-ranks", v, why);
+    }
+    if (world - r->rollout_ranks != 1) {
+        char why[256];
+        snprintf(why, sizeof why, "exactly one trainer rank: the world (%d, from %s) must be R + "
+                 "1 (GRPO data parallel among several trainer ranks is not supported)", world,
+                 source);
+        return rl_bad("--rl-rollout-ranks", v, why);
+    }
+    if (!cuda)
+        return rl_bad("--rl-rollout-ranks", v, "the ranks exchange prompts, answers and weights "
+                      "over NCCL: it needs --device cuda or cuda:N (the trainer's engine)");
+    return 0;
 }
 
 void rl_args_json(FILE* m, const RlArgs* r) {
@@ -214,4 +250,5 @@ void rl_args_json(FILE* m, const RlArgs* r) {
             (double)r->kl_beta, r->off_policy, r->max_staleness, r->top_k, (double)r->top_p);
     if (r->ignore_eos) fputs(",\n  \"rl-ignore-eos\": 1", m);  // (absent when off, as before)
     if (r->rollout_gpus) fprintf(m, ",\n  \"rollout-gpus\": %d", r->rollout_gpus);
+    if (r->rollout_ranks) fprintf(m, ",\n  \"rl-rollout-ranks\": %d", r->rollout_ranks);
 }

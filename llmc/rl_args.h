@@ -35,6 +35,8 @@ typedef struct RlArgs {
     int ignore_eos;          // --rl-ignore-eos 1: answers run to --rl-max-tokens (benchmarks)
     int rollout_gpus;        // --rollout-gpus K: the last K devices generate while the others
                              // train (split schedule); 0: colocated
+    int rollout_ranks;       // --rl-rollout-ranks R: the last R ranks of the launched world only
+                             // generate, rank 0 trains (grpo.h); 0: none
 } RlArgs;
 
 #define RL_OPT_BASE 3000
@@ -59,8 +61,9 @@ typedef struct RlArgs {
     {"top-k", required_argument, 0, RL_OPT_BASE + 17},                                          \
     {"top-p", required_argument, 0, RL_OPT_BASE + 18},                                          \
     {"rl-ignore-eos", required_argument, 0, RL_OPT_BASE + 19},                                  \
-    {"rollout-gpus", required_argument, 0, RL_OPT_BASE + 20}
-#define RL_OPT_COUNT 21
+    {"rollout-gpus", required_argument, 0, RL_OPT_BASE + 20},                                   \
+    {"rl-rollout-ranks", required_argument, 0, RL_OPT_BASE + 21}
+#define RL_OPT_COUNT 22
 
 void rl_args_defaults(RlArgs* r);
 // 1 when getopt's code c is one of the RL flags.
@@ -72,6 +75,10 @@ int rl_args_set(RlArgs* r, int c, const char* v);
 // step), else 0.
 int rl_args_check(const RlArgs* r, int engine_batch, float temperature, int seq, int lora);
 void rl_args_usage(FILE* f);
+// --rl-rollout-ranks against the launched world (args.c, once the world size is known): not
+// with --rollout-gpus, exactly one trainer rank (world - R == 1), on GPUs (cuda: --device cuda).
+// 0, or 2 after one error line.
+int rl_args_check_world(const RlArgs* r, int world, const char* source, int cuda);
 // ",\n  \"rl\": ..." keys of args.json (nothing when --rl is off).
 void rl_args_json(FILE* m, const RlArgs* r);
 const char* rl_adv_std_name(RlAdvStd a);

@@ -111,6 +111,7 @@ static void test_grpo_generate_matches_forward(TestCtx* t) {
         CHECK(t, gen_create(&g, &m, &ops_cpu, ctx, &go, 1, err) == 0, "%s", err);
         gen_load_weights(&g, &s, 3);
         int32_t toks[2][4][16];
+        memset(toks, 0, sizeof toks);  // (compared whole: the positions after an answer too)
         float lp[4][32];
         GenSeq seqs[4];
         for (int run = 0; run < 2; run++) {

@@ -10,20 +10,31 @@
  *  - the CLI: --rl grpo --device cpu:N --sync 1 logs what --device cpu logs, step by step, and
  *    a resumed engine run (sync and delayed) logs its last step as the straight run.
  */
+#include <fcntl.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "../adamw.h"
+#include "../args.h"
+#include "../checkpoint.h"
+#include "../comm.h"
 #include "../common.h"
+#include "../config.h"
+#include "../dataloader.h"
 #include "../device.h"
 #include "../engine.h"
+#include "../grpo.h"
 #include "../model.h"
 #include "../plain.h"
 #include "../rng.h"
 #include "../store.h"
 #include "../threads.h"
+#include "../trainer.h"
 #include "../weightsync.h"
 #include "testing.h"
 
@@ -711,12 +722,447 @@ static void test_engine_weight_rank_broadcast(TestCtx* t) {
     model_free(&m);
 }
 
+
+// ----------------------------------------------------------------------------
+// rollout ranks (--rl-rollout-ranks R): one trainer rank and R rollout ranks, one thread each
+// over the communicator's emulation, as the processes of a launched world would be
+
+#define XR_STEPS 4
+#define XR_MAX_W 4
+
+typedef struct XrRank {
+    const TrainArgs* a;
+    const Model* m;          // this rank's model (a rollout rank may get one of another shape)
+    CommEmulWorld* w;        // NULL: colocated, no communicator (the reference)
+    int rank, world;
+    int n_devices;           // the trainer: 0 plain training, N the engine over cpu:N
+    int first, last;         // steps trained (first > 1: resumed from out/step_{first - 1})
+    int save_at;             // a checkpoint after this step (0: none)
+    const char* out;
+    const char* shard;
+    CommFault fault;         // a rollout rank: injected at its at_op-th op
+    uint64_t fault_at;
+    double timeout_s;        // the communicator's (0: 10 s)
+    double loss[XR_STEPS + 1], reward[XR_STEPS + 1], ratio[XR_STEPS + 1], len[XR_STEPS + 1];
+    int64_t version[XR_STEPS + 1];
+    int staleness[XR_STEPS + 1];
+    float* params;           // the trainer's weights after the last step
+    int64_t n_params;
+    int rc;
+    char err[ERR_LEN];
+} XrRank;
+
+static EngineOptions xr_engine_options(const TrainArgs* a, int use_cuda, int n_devices,
+                                       int64_t start_step) {
+    (void)use_cuda;
+    (void)n_devices;
+    // (as train_roundpipe.c's for --rl: every answer of a step, micro-batches of --batch rows)
+    const int B = a->rl.prompts * a->rl.group;
+    return (EngineOptions){.B = B, .T = a->seq, .M = B / a->batch, .row_chunks = 1,
+                           .sync = a->sync, .opt_threads = 1, .trace_path = "",
+                           .start_step = start_step, .policy = 1,
+                           .hyper = {a->lr, a->beta1, a->beta2, a->eps, a->weight_decay},
+                           .sched = {a->schedule, a->lr, a->warmup, a->steps, a->min_lr_frac,
+                                     a->decay_frac},
+                           .grad_clip = a->grad_clip};
+}
+
+// The trainer rank (or, without a world, the colocated run): train_roundpipe.c's GRPO loop.
+static void xr_trainer(XrRank* k) {
+    const TrainArgs* a = k->a;
+    char* args_json = args_to_json(a);
+    Store s;
+    store_create(&s, &k->m->tt);
+    store_init_random(&s, a->seed, 0.02f);
+    TrainState ts;
+    train_state_init(&ts, a->seed);
+    DataLoader train;
+    k->rc = dataloader_open(&train, k->shard, a->batch, a->seq, 0, a->seed, k->m->cfg.V, k->err);
+    const int opened = k->rc == 0;
+    if (k->rc == 0 && k->first > 1) {
+        char dir[1200];
+        snprintf(dir, sizeof dir, "%s/step_%d", k->out, k->first - 1);
+        k->rc = checkpoint_load_state(dir, k->m, &s, &ts, args_json, k->err);
+        ts.resumed = 1;
+        if (k->rc == 0) k->rc = dataloader_state_restore(&train, ts.train_loader, k->err);
+    }
+    Comm* c = NULL;
+    if (k->rc == 0 && k->w) {
+        CommInit in = {.rank = 0, .world = k->world,
+                       .timeout_s = k->timeout_s > 0 ? k->timeout_s : 10.0, .local = k->w};
+        c = comm_emul_impl.init(&in, k->err);
+        if (!c) k->rc = -1;
+    }
+    Trainer tr;
+    int made_tr = 0, made_g = 0;
+    if (k->rc == 0)
+        k->rc = trainer_create(&tr, a, k->m, &s, &ts, k->n_devices, xr_engine_options, k->err);
+    made_tr = k->rc == 0;
+    const GrpoSplit split = {.impl = &device_cpu_impl, .first = 0, .opt = {.threads = 1},
+                             .timeout_s = 10.0, .R = k->world - 1, .comm = c};
+    Grpo g;
+    if (k->rc == 0)
+        k->rc = grpo_create(&g, a, k->m, &s, tr.plain, NULL, k->first - 1, 0.0, c ? &split : NULL,
+                            k->err);
+    made_g = k->rc == 0;
+    if (k->rc == 0 && ts.rl_state_bytes && a->rl.off_policy)
+        k->rc = grpo_state_restore(&g, ts.rl_state, ts.rl_state_bytes, k->first - 1, k->err);
+    train_state_free_rl(&ts);
+    for (int step = k->first; k->rc == 0 && step <= k->last; step++) {
+        grpo_rollout(&g, step);
+        const StepStats st = grpo_train(&g, &tr, step);
+        grpo_sync(&g, step);
+        k->loss[step] = st.loss;
+        k->reward[step] = g.st.reward_mean;
+        k->ratio[step] = g.st.ratio_mean;
+        k->len[step] = g.st.answer_len;
+        k->version[step] = g.st.version;
+        k->staleness[step] = g.st.staleness;
+        if (step == k->save_at) {
+            size_t bytes = 0;
+            void* rl_state = grpo_state_pack(&g, step, &bytes);
+            ts.rl_state = rl_state;
+            ts.rl_state_bytes = bytes;
+            k->rc = trainer_save_checkpoint(&tr, &train, step, args_json, k->err);
+            ts.rl_state = NULL;
+            ts.rl_state_bytes = 0;
+            free(rl_state);
+        }
+    }
+    if (made_g) grpo_free(&g);  // (tells the rollout ranks to stop)
+    if (made_tr && k->rc == 0) k->rc = trainer_finish(&tr, k->err);
+    if (k->rc == 0) k->params = test_params_copy(k->m, &s, &k->n_params);
+    if (made_tr) trainer_free(&tr);
+    comm_destroy(c);
+    if (opened) dataloader_close(&train);
+    train_state_free(&ts);
+    store_free(&s);
+    free(args_json);
+}
+
+// A rollout rank: the CLI's serve_rollouts on an emulated device of its own.
+static void xr_rollout(XrRank* k) {
+    CommInit in = {.rank = k->rank, .world = k->world,
+                   .timeout_s = k->timeout_s > 0 ? k->timeout_s : 10.0, .local = k->w};
+    Comm* c = comm_emul_impl.init(&in, k->err);
+    if (!c) {
+        k->rc = -1;
+        return;
+    }
+    if (k->fault != COMM_FAULT_NONE) comm_emul_inject(c, k->fault, k->fault_at);
+    const GrpoSplit where = {.impl = &device_cpu_impl, .first = k->rank, .opt = {.threads = 1},
+                             .timeout_s = 10.0, .R = k->world - 1, .comm = c};
+    k->rc = grpo_serve(k->a, k->m, &where, k->err);
+    comm_destroy(c);
+}
+
+static void* xr_main(void* arg) {
+    XrRank* k = arg;
+    if (k->rank == 0) xr_trainer(k);
+    else xr_rollout(k);
+    return NULL;
+}
+
+// The ranks of one run (ranks[0] the trainer; world 1: the colocated run, no communicator),
+// their output kept out of the report.
+static void xr_run(XrRank* ranks, int world) {
+    CommEmulWorld* w = world > 1 ? comm_emul_world_create(world) : NULL;
+    pthread_t th[XR_MAX_W];
+    fflush(stdout);
+    const int saved = dup(1), devnull = open("/dev/null", O_WRONLY);
+    if (saved >= 0 && devnull >= 0) dup2(devnull, 1);
+    for (int r = 0; r < world; r++) {
+        ranks[r].w = w;
+        ranks[r].rank = r;
+        ranks[r].world = world;
+        pthread_check(pthread_create(&th[r], NULL, xr_main, &ranks[r]));
+    }
+    for (int r = 0; r < world; r++) pthread_check(pthread_join(th[r], NULL));
+    fflush(stdout);
+    if (saved >= 0) {
+        dup2(saved, 1);
+        close(saved);
+    }
+    if (devnull >= 0) close(devnull);
+    if (w) comm_emul_world_destroy(w);
+}
+
+// The run's flags as the CLI parses them (--rl-rollout-ranks is set after: the parse checks it
+// against the process's world, which is one here).
+static int xr_args(TestCtx* t, TrainArgs* a, const char* flags) {
+    char line[4096];
+    snprintf(line, sizeof line, "train_roundpipe %s", flags);
+    char* argv[64];
+    int argc = 0;
+    for (char* tok = strtok(line, " "); tok && argc < 63; tok = strtok(NULL, " ")) argv[argc++] = tok;
+    argv[argc] = NULL;
+    args_defaults(a);
+    const int rc = args_parse(a, argc, argv);
+    CHECK(t, rc == 0, "args_parse '%s': %d", flags, rc);
+    return rc;
+}
+
+// A tiny token shard for the trainer's data loader (GRPO reads none of it; checkpoints keep its
+// position).
+static void xr_shard(TestCtx* t, char* path, size_t cap) {
+    char err[ERR_LEN];
+    uint32_t toks[512];
+    for (int i = 0; i < 512; i++) toks[i] = (uint32_t)((i * 7) % 200);
+    test_path(t, path, cap, "xr_shard.bin");
+    CHECK(t, shard_write(path, toks, 512, 2, err) == 0, "%s", err);
+}
+
+static void xr_same(TestCtx* t, const char* what, const XrRank* ref, const XrRank* got, int from,
+                    int to) {
+    CHECK(t, ref->rc == 0 && got->rc == 0, "%s: reference %d (%s), run %d (%s)", what, ref->rc,
+          ref->err, got->rc, got->err);
+    if (ref->rc != 0 || got->rc != 0) return;
+    for (int s = from; s <= to; s++) {
+        CHECK(t, memcmp(&ref->loss[s], &got->loss[s], sizeof(double)) == 0 &&
+                     memcmp(&ref->reward[s], &got->reward[s], sizeof(double)) == 0 &&
+                     memcmp(&ref->ratio[s], &got->ratio[s], sizeof(double)) == 0 &&
+                     ref->len[s] == got->len[s] && ref->version[s] == got->version[s] &&
+                     ref->staleness[s] == got->staleness[s],
+              "%s: step %d: loss %.9g vs %.9g, reward %.9g vs %.9g, ratio %.9g vs %.9g, len %g vs "
+              "%g, v%lld vs v%lld", what, s, ref->loss[s], got->loss[s], ref->reward[s],
+              got->reward[s], ref->ratio[s], got->ratio[s], ref->len[s], got->len[s],
+              (long long)ref->version[s], (long long)got->version[s]);
+    }
+    CHECK(t, ref->n_params == got->n_params && ref->params && got->params &&
+                 memcmp(ref->params, got->params, (size_t)ref->n_params * sizeof(float)) == 0,
+          "%s: the trained weights differ", what);
+}
+
+#define XR_FLAGS                                                                                 \
+    "--rl grpo --seq 16 --rl-prompts 4 --rl-group 4 --batch 4 --rl-max-tokens 4 --rl-eval 2 "   \
+    "--threads 1 --sample-tokens 0 --lr 1e-3 --warmup 1 --schedule constant --row-chunks 1 "     \
+    "--rl-eval-every 0 --steps 4 --kl-beta 0.05"
+
+// One trainer rank with one and two rollout ranks logs what the colocated run logs, step by
+// step (loss, reward, ratio, answer length, version, staleness; the weights at the end): on the
+// plain path and through the engine (cpu:1), on-policy with --sync 1; and one step off (plain,
+// and the engine's delayed update) against the colocated run one step off — the same math: in
+// both the batch of step t+1 is generated with v_{t-1} (colocated before step t trains, here
+// during it on the rollout ranks; the weights change only after the batch is back), as the
+// in-process split schedule does (its test compares it with the colocated run the same way).
+static void test_grpo_ranks_match_colocated(TestCtx* t) {
+    char script[512], shard[512], flags[2048];
+    if (reward_script(t, script, sizeof script) != 0) return;
+    xr_shard(t, shard, sizeof shard);
+    ModelConfig c;
+    char err[ERR_LEN];
+    config_from_preset(&c, "tiny", err);
+    Model m;
+    if (model_init(&m, &c, 0, err) != 0) fatal("%s", err);
+    const struct { const char* name; const char* flags; int N; } cases[] = {
+        {"plain, on-policy", "--off-policy 0", 0},
+        {"cpu:1, on-policy", "--off-policy 0 --device cpu:1 --sync 1", 1},
+        {"plain, one step off", "--off-policy 1", 0},
+        {"cpu:1, one step off, delayed", "--off-policy 1 --device cpu:1 --sync 0", 1},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        TrainArgs a;
+        snprintf(flags, sizeof flags, "%s %s", XR_FLAGS, cases[k].flags);
+        if (xr_args(t, &a, flags) != 0) continue;
+        char cmd[600];  // (set after the parse: the value has a space)
+        snprintf(cmd, sizeof cmd, "sh %s", script);
+        a.rl.reward_cmd = cmd;
+        XrRank ref[1] = {{.a = &a, .m = &m, .n_devices = cases[k].N, .first = 1,
+                          .last = XR_STEPS, .shard = shard}};
+        xr_run(ref, 1);
+        for (int R = 1; R <= 2; R++) {
+            TrainArgs ar = a;
+            ar.rl.rollout_ranks = R;
+            XrRank x[3];
+            for (int r = 0; r <= R; r++)
+                x[r] = (XrRank){.a = &ar, .m = &m, .n_devices = cases[k].N, .first = 1,
+                                .last = XR_STEPS, .shard = shard};
+            xr_run(x, R + 1);
+            char what[128];
+            snprintf(what, sizeof what, "%s, %d rollout rank(s)", cases[k].name, R);
+            xr_same(t, what, &ref[0], &x[0], 1, XR_STEPS);
+            for (int r = 1; r <= R; r++)
+                CHECK(t, x[r].rc == 0, "%s: rollout rank %d: %s", what, r, x[r].err);
+            for (int s = 1; s <= XR_STEPS; s++)
+                CHECK(t, x[0].staleness[s] <= a.rl.off_policy, "%s: step %d staleness %d", what,
+                      s, x[0].staleness[s]);
+            free(x[0].params);
+        }
+        free(ref[0].params);
+    }
+    model_free(&m);
+}
+
+// Resumed from the trainer's checkpoint after step 2, a run with a rollout rank logs steps 3-4
+// and ends with the weights of the straight run: on-policy, and one step off, whose checkpoint
+// keeps the batch the rollout rank generated ahead for step 3 (rl_state.bin: not generated
+// again); on the plain path and through the engine on cpu:1 (on-policy with the synchronous
+// update, one step off with the delayed one, whose pending weights the checkpoint keeps); the
+// trainer re-sends the weights of the checkpoint's version at the start.
+static void test_grpo_ranks_resume(TestCtx* t) {
+    char script[512], shard[512], flags[2048], out[512];
+    if (reward_script(t, script, sizeof script) != 0) return;
+    xr_shard(t, shard, sizeof shard);
+    ModelConfig c;
+    char err[ERR_LEN];
+    config_from_preset(&c, "tiny", err);
+    Model m;
+    if (model_init(&m, &c, 0, err) != 0) fatal("%s", err);
+    const struct { const char* name; const char* flags; int N; } cases[] = {
+        {"plain, on-policy", "--off-policy 0", 0},
+        {"plain, one step off", "--off-policy 1", 0},
+        {"cpu:1, on-policy", "--off-policy 0 --device cpu:1 --sync 1", 1},
+        {"cpu:1, one step off, delayed", "--off-policy 1 --device cpu:1 --sync 0", 1},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        char name[32];
+        snprintf(name, sizeof name, "xr_resume%zu", k);
+        test_path(t, out, sizeof out, name);
+        mkdir(out, 0755);
+        TrainArgs a;
+        snprintf(flags, sizeof flags, "%s %s --out %s --save-every 2", XR_FLAGS, cases[k].flags,
+                 out);
+        if (xr_args(t, &a, flags) != 0) continue;
+        char cmd[600];
+        snprintf(cmd, sizeof cmd, "sh %s", script);
+        a.rl.reward_cmd = cmd;
+        a.rl.rollout_ranks = 1;
+        a.rl.kl_beta = 0.0f;  // (the KL reference is the weights a run starts from: a resumed
+                              // run's differs from the straight run's)
+        XrRank straight[2], first[2], second[2];
+        const int N = cases[k].N;
+        for (int r = 0; r < 2; r++) {
+            straight[r] = (XrRank){.a = &a, .m = &m, .n_devices = N, .first = 1,
+                                   .last = XR_STEPS, .shard = shard, .out = out};
+            first[r] = (XrRank){.a = &a, .m = &m, .n_devices = N, .first = 1, .last = 2,
+                                .save_at = 2, .shard = shard, .out = out};
+            second[r] = (XrRank){.a = &a, .m = &m, .n_devices = N, .first = 3, .last = XR_STEPS,
+                                 .shard = shard, .out = out};
+        }
+        xr_run(straight, 2);
+        xr_run(first, 2);
+        CHECK(t, first[0].rc == 0 && first[1].rc == 0, "%s: the first half: %s / %s",
+              cases[k].name, first[0].err, first[1].err);
+        xr_run(second, 2);
+        char what[96];
+        snprintf(what, sizeof what, "resumed, %s", cases[k].name);
+        xr_same(t, what, &straight[0], &second[0], 3, XR_STEPS);
+        CHECK(t, second[1].rc == 0, "%s: the rollout rank: %s", what, second[1].err);
+        free(straight[0].params);
+        free(first[0].params);
+        free(second[0].params);
+    }
+    model_free(&m);
+}
+
+// A rollout rank whose layout differs from the trainer's (a model of another width): every rank
+// refuses at the manifest exchange with the same one line naming the rank and the tensor, before
+// any weight moves. A rollout rank that dies during the run: the trainer fails in one line naming
+// it, at once; one that hangs: the same after the communicator's timeout (1 s), no hang (a
+// process of its own here: the trainer's failure ends the process, as the CLI's).
+static void test_grpo_ranks_failures(TestCtx* t) {
+    char script[512], shard[512], flags[2048];
+    if (reward_script(t, script, sizeof script) != 0) return;
+    xr_shard(t, shard, sizeof shard);
+    ModelConfig c;
+    char err[ERR_LEN];
+    config_from_preset(&c, "tiny", err);
+    ModelConfig c2 = c;
+    c2.F += 8;
+    Model m, m2;
+    if (model_init(&m, &c, 0, err) != 0 || model_init(&m2, &c2, 0, err) != 0) fatal("%s", err);
+    TrainArgs a;
+    snprintf(flags, sizeof flags, "%s --off-policy 0", XR_FLAGS);
+    if (xr_args(t, &a, flags) != 0) return;
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "sh %s", script);
+    a.rl.reward_cmd = cmd;
+    a.rl.rollout_ranks = 1;
+    XrRank x[2] = {{.a = &a, .m = &m, .first = 1, .last = 2, .shard = shard},
+                   {.a = &a, .m = &m2, .first = 1, .last = 2, .shard = shard}};
+    xr_run(x, 2);
+    for (int r = 0; r < 2; r++)
+        CHECK(t, x[r].rc != 0 && strstr(x[r].err, "rank 1") && strstr(x[r].err, "layers.0.") &&
+                     !strchr(x[r].err, '\n') && strcmp(x[r].err, x[0].err) == 0,
+              "rank %d of a mismatched rollout rank: %s", r, x[r].err);
+    free(x[0].params);
+
+    // the rollout rank dies at the first batch's answers: its ops are the verdicts' all-gather,
+    // the manifest's two broadcasts and the verdicts' all-gather (the start), the weights'
+    // header and one op per tensor, the batch's header and prompts, then the answers'
+    WeightManifest wm;
+    weight_manifest_build(&wm, &m.tt, 4);
+    const uint64_t die_at = 4 + 1 + (uint64_t)wm.n + 2;
+    weight_manifest_free(&wm);
+    for (int hang = 0; hang <= 1; hang++) {
+        char errf[512];
+        test_path(t, errf, sizeof errf, hang ? "xr_hangs.err" : "xr_dies.err");
+        fflush(stdout);
+        fflush(stderr);
+        const pid_t pid = fork();
+        if (pid == 0) {
+            const int fd = open(errf, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+            if (fd >= 0) dup2(fd, 2);
+            alarm(120);  // (a hang fails the test instead of stopping the suite)
+            XrRank d[2] = {{.a = &a, .m = &m, .first = 1, .last = 2, .shard = shard,
+                            .timeout_s = 1.0},
+                           {.a = &a, .m = &m, .first = 1, .last = 2, .shard = shard,
+                            .fault = hang ? COMM_FAULT_HANG : COMM_FAULT_DIE, .fault_at = die_at,
+                            .timeout_s = 1.0}};
+            xr_run(d, 2);
+            if (d[0].rc != 0) fatal("--rl: %s", d[0].err);  // (as train_roundpipe.c's)
+            _exit(0);
+        }
+        int status = 0;
+        const double t0 = time_now_s();
+        CHECK(t, pid > 0 && waitpid(pid, &status, 0) == pid, "fork / waitpid failed");
+        const double took = time_now_s() - t0;
+        char* e = test_read_file(errf, NULL);
+        CHECK(t, WIFEXITED(status) && WEXITSTATUS(status) != 0 && e &&
+                     test_one_error_line(e, hang ? "did not arrive" : "rank 1 died at all_gather") &&
+                     strstr(e, "--rl-rollout-ranks") && took < 30.0,
+              "a %s rollout rank: status %d after %.1f s: %s", hang ? "hanging" : "dead", status,
+              took, e ? e : "");
+        free(e);
+    }
+    model_free(&m);
+    model_free(&m2);
+}
+
+// --rl-rollout-ranks refusals: one clear line, a non-zero exit, before anything is loaded.
+static void test_grpo_ranks_refusals(TestCtx* t) {
+    const char* at = "--dist-init tcp://127.0.0.1:9 --rank 0";
+    const char* bad[][2] = {
+        {"--rl-rollout-ranks 1", "needs a world of R + 1 ranks"},
+        {"--rl-rollout-ranks 2 --world 2", "needs a world of R + 1 ranks"},
+        {"--rl-rollout-ranks 1 --world 3", "exactly one trainer rank"},
+        {"--rl-rollout-ranks 1 --world 2 --rollout-gpus 1 --device cpu:2", "--rollout-gpus"},
+        {"--rl-rollout-ranks 1 --world 2", "needs --device cuda"},
+        {"--rl-rollout-ranks 5 --world 6 --device cuda", "at most --rl-prompts"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char args[1024];
+        snprintf(args, sizeof args, "%s --steps 1 %s %s", GRPO_ENGINE_FLAGS, bad[i][0],
+                 strstr(bad[i][0], "--world") ? at : "");
+        const int rc = test_run_cli(t, "grpo_ranks_bad", args);
+        char* e = test_read_output(t, "grpo_ranks_bad", "err");
+        CHECK(t, rc != 0 && e && test_one_error_line(e, bad[i][1]) &&
+                     strstr(e, "--rl-rollout-ranks"), "'%s': exit %d, %s", bad[i][0], rc,
+              e ? e : "");
+        free(e);
+    }
+}
+
 const TestCase tests_grpo_engine[] = {
     {"engine_weight_manifest_broadcast", test_engine_weight_manifest_broadcast},
     {"engine_weight_rank_broadcast", test_engine_weight_rank_broadcast},
     {"grpo_engine_split_matches_colocated", test_grpo_engine_split_matches_colocated},
     {"grpo_engine_split_resume", test_grpo_engine_split_resume},
     {"grpo_engine_split_refusals", test_grpo_engine_split_refusals},
+    {"grpo_ranks_match_colocated", test_grpo_ranks_match_colocated},
+    {"grpo_ranks_resume", test_grpo_ranks_resume},
+    {"grpo_ranks_failures", test_grpo_ranks_failures},
+    {"grpo_ranks_refusals", test_grpo_ranks_refusals},
     {"engine_policy_matches_plain", test_engine_policy_matches_plain},
     {"grpo_engine_cli_matches_plain", test_grpo_engine_cli_matches_plain},
     {"grpo_engine_cli_resume", test_grpo_engine_cli_resume},
