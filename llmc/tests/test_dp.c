@@ -435,8 +435,7 @@ static void dp_trainer_run(const Model* m, const char* shard, const char* out, i
     CommEmulWorld* w = comm ? comm_emul_world_create(W) : NULL;
     pthread_t th[DP_MAX_W];
     fflush(stdout);  // the trainers print their device lines: not into the test report
-    const int saved = dup(1), devnull = open("/dev/null", O_WRONLY);
-    if (saved >= 0 && devnull >= 0) dup2(devnull, 1);
+    const int saved = test_stdout_mute();
     for (int r = 0; r < W; r++) {
         ranks[r] = (DpTrainerRank){.w = w, .m = m, .shard = shard, .out = out, .rank = r,
                                    .world = W, .first = first, .last = last, .save_at = save_at,
@@ -444,12 +443,7 @@ static void dp_trainer_run(const Model* m, const char* shard, const char* out, i
         pthread_check(pthread_create(&th[r], NULL, dp_trainer_rank_main, &ranks[r]));
     }
     for (int r = 0; r < W; r++) pthread_check(pthread_join(th[r], NULL));
-    fflush(stdout);
-    if (saved >= 0) {
-        dup2(saved, 1);
-        close(saved);
-    }
-    if (devnull >= 0) close(devnull);
+    test_stdout_restore(saved);
     if (w) comm_emul_world_destroy(w);
 }
 

@@ -1057,8 +1057,7 @@ static void de_trainer_run(const Model* m, const char* shard, const char* out, i
     CommEmulWorld* w = comm_emul_world_create(W);
     pthread_t th[DE_MAX_W];
     fflush(stdout);  // the trainers print their plans and device lines: not into the report
-    const int saved = dup(1), devnull = open("/dev/null", O_WRONLY);
-    if (saved >= 0 && devnull >= 0) dup2(devnull, 1);
+    const int saved = test_stdout_mute();
     for (int r = 0; r < W; r++) {
         ranks[r] = (DeTrainerRank){.w = w, .m = m, .shard = shard, .out = out, .rank = r,
                                    .world = W, .sync = sync, .first = first, .last = last,
@@ -1066,12 +1065,7 @@ static void de_trainer_run(const Model* m, const char* shard, const char* out, i
         pthread_check(pthread_create(&th[r], NULL, de_trainer_rank_main, &ranks[r]));
     }
     for (int r = 0; r < W; r++) pthread_check(pthread_join(th[r], NULL));
-    fflush(stdout);
-    if (saved >= 0) {
-        dup2(saved, 1);
-        close(saved);
-    }
-    if (devnull >= 0) close(devnull);
+    test_stdout_restore(saved);
     comm_emul_world_destroy(w);
 }
 

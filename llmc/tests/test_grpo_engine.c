@@ -868,9 +868,7 @@ static void* xr_main(void* arg) {
 static void xr_run(XrRank* ranks, int world) {
     CommEmulWorld* w = world > 1 ? comm_emul_world_create(world) : NULL;
     pthread_t th[XR_MAX_W];
-    fflush(stdout);
-    const int saved = dup(1), devnull = open("/dev/null", O_WRONLY);
-    if (saved >= 0 && devnull >= 0) dup2(devnull, 1);
+    const int saved = test_stdout_mute();
     for (int r = 0; r < world; r++) {
         ranks[r].w = w;
         ranks[r].rank = r;
@@ -878,12 +876,7 @@ static void xr_run(XrRank* ranks, int world) {
         pthread_check(pthread_create(&th[r], NULL, xr_main, &ranks[r]));
     }
     for (int r = 0; r < world; r++) pthread_check(pthread_join(th[r], NULL));
-    fflush(stdout);
-    if (saved >= 0) {
-        dup2(saved, 1);
-        close(saved);
-    }
-    if (devnull >= 0) close(devnull);
+    test_stdout_restore(saved);
     if (w) comm_emul_world_destroy(w);
 }
 
@@ -938,6 +931,18 @@ static void xr_same(TestCtx* t, const char* what, const XrRank* ref, const XrRan
     "--threads 1 --sample-tokens 0 --lr 1e-3 --warmup 1 --schedule constant --row-chunks 1 "     \
     "--rl-eval-every 0 --steps 4 --kl-beta 0.05"
 
+// The rank tests' reward script (script, 512 bytes), token shard (shard, 512 bytes) and tiny
+// model; -1 (reported) when the script cannot be written.
+static int xr_setup(TestCtx* t, char* script, char* shard, Model* m) {
+    if (reward_script(t, script, 512) != 0) return -1;
+    xr_shard(t, shard, 512);
+    ModelConfig c;
+    char err[ERR_LEN];
+    config_from_preset(&c, "tiny", err);
+    if (model_init(m, &c, 0, err) != 0) fatal("%s", err);
+    return 0;
+}
+
 // One trainer rank with one and two rollout ranks logs what the colocated run logs, step by
 // step (loss, reward, ratio, answer length, version, staleness; the weights at the end): on the
 // plain path and through the engine (cpu:1), on-policy with --sync 1; and one step off (plain,
@@ -947,13 +952,8 @@ static void xr_same(TestCtx* t, const char* what, const XrRank* ref, const XrRan
 // in-process split schedule does (its test compares it with the colocated run the same way).
 static void test_grpo_ranks_match_colocated(TestCtx* t) {
     char script[512], shard[512], flags[2048];
-    if (reward_script(t, script, sizeof script) != 0) return;
-    xr_shard(t, shard, sizeof shard);
-    ModelConfig c;
-    char err[ERR_LEN];
-    config_from_preset(&c, "tiny", err);
     Model m;
-    if (model_init(&m, &c, 0, err) != 0) fatal("%s", err);
+    if (xr_setup(t, script, shard, &m) != 0) return;
     const struct { const char* name; const char* flags; int N; } cases[] = {
         {"plain, on-policy", "--off-policy 0", 0},
         {"cpu:1, on-policy", "--off-policy 0 --device cpu:1 --sync 1", 1},
@@ -1001,13 +1001,8 @@ static void test_grpo_ranks_match_colocated(TestCtx* t) {
 // trainer re-sends the weights of the checkpoint's version at the start.
 static void test_grpo_ranks_resume(TestCtx* t) {
     char script[512], shard[512], flags[2048], out[512];
-    if (reward_script(t, script, sizeof script) != 0) return;
-    xr_shard(t, shard, sizeof shard);
-    ModelConfig c;
-    char err[ERR_LEN];
-    config_from_preset(&c, "tiny", err);
     Model m;
-    if (model_init(&m, &c, 0, err) != 0) fatal("%s", err);
+    if (xr_setup(t, script, shard, &m) != 0) return;
     const struct { const char* name; const char* flags; int N; } cases[] = {
         {"plain, on-policy", "--off-policy 0", 0},
         {"plain, one step off", "--off-policy 1", 0},

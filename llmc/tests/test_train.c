@@ -433,9 +433,7 @@ static int trainer_run(TestCtx* t, const char* shard, int n_devices, int sync, i
         return -1;
     }
     // the trainer prints its plan and device line: not into the test report
-    fflush(stdout);
-    const int saved_stdout = dup(1), devnull = open("/dev/null", O_WRONLY);
-    if (saved_stdout >= 0 && devnull >= 0) dup2(devnull, 1);
+    const int saved_stdout = test_stdout_mute();
     Trainer tr;
     int rc = trainer_create(&tr, &a, &m, &s, &ts, n_devices, trainer_test_engine_options, err);
     for (int step = 1; rc == 0 && step <= a.steps; step++) {
@@ -449,12 +447,7 @@ static int trainer_run(TestCtx* t, const char* shard, int n_devices, int sync, i
               st.mfu, st.bubble);
     }
     if (rc == 0) rc = trainer_finish(&tr, err);
-    fflush(stdout);
-    if (saved_stdout >= 0) {
-        dup2(saved_stdout, 1);
-        close(saved_stdout);
-    }
-    if (devnull >= 0) close(devnull);
+    test_stdout_restore(saved_stdout);
     CHECK(t, rc == 0, "trainer: %s", err);
     int64_t total = 0;
     for (int l = 0; l < m.tt.n_layers; l++) total += m.tt.param_numel[l];

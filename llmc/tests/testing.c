@@ -4,6 +4,7 @@
  * log records and the engine suites' small model. (No suite here: the runner
  * lists suites explicitly.)
  */
+#include <fcntl.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -391,6 +392,21 @@ float* test_params_copy(const Model* m, const Store* s, int64_t* n_out) {
     }
     *n_out = n;
     return out;
+}
+
+int test_stdout_mute(void) {
+    fflush(stdout);
+    const int saved = dup(1), devnull = open("/dev/null", O_WRONLY);
+    if (saved >= 0 && devnull >= 0) dup2(devnull, 1);
+    if (devnull >= 0) close(devnull);
+    return saved;
+}
+
+void test_stdout_restore(int saved) {
+    fflush(stdout);
+    if (saved < 0) return;
+    dup2(saved, 1);
+    close(saved);
 }
 
 double test_resident_bytes(const void* p, size_t n) {

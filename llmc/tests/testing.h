@@ -200,6 +200,10 @@ int test_log_record(const char* log, int step, char* out, size_t cap);
 void test_log_value(const char* log, int step, const char* key, char* out, size_t cap);
 // Bytes of [p, p + n) in memory now (mincore, whole pages).
 double test_resident_bytes(const void* p, size_t n);
+// Standard output to /dev/null (the ranks of a multi-rank test print their own logs) until
+// test_stdout_restore with what this returned (-1: it stayed as it was).
+int test_stdout_mute(void);
+void test_stdout_restore(int saved);
 // Every layer's fp32 weights of the Store, in layer order, in one malloc'd array (*n_out floats).
 float* test_params_copy(const Model* m, const Store* s, int64_t* n_out);
 // A LLaMA (fam FAMILY_LLAMA) or Qwen3 (otherwise) model small enough for finite differences, with
