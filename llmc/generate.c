@@ -208,7 +208,7 @@ size_t gen_upload_weights(Generator* g, const void* const* host, const int64_t* 
 void gen_borrow_weights(Generator* g, void* const* slabs, int64_t version) {
     int moved = 0;
     for (int l = 0; l < g->n_layers; l++) moved |= g->w[l] != slabs[l];
-    if (moved) gen_graphs_free(g);  // (the recorded steps read the old slabs)
+    if (moved) gen_graphs_free(g);  // (the recorded steps read the old ones)
     for (int l = 0; l < g->n_layers; l++) g->w[l] = slabs[l];
     g->version = version;
 }

@@ -16,10 +16,20 @@
  *      per-chunk partial sums.
  *   3  cuBLASLt, the fastest of the heuristic's first 8 algorithms, timed one by one: what
  *      autotuning would gain over variant 2 (benchmark only: the algorithms are cuBLAS's own).
+ *   4  the forward for few rows (the generation step: <= 128 rows, no bias, k and OC in 64s;
+ *      else variant 2): one block per 64 output columns and k range holding all rows, 4 warps
+ *      of mma.sync m16n8k16 tiles (32 columns x 64 rows each), weights and rows staged in
+ *      shared memory by cp.async four 64-wide k steps deep, the k range split 1-8 ways until
+ *      the blocks fill one wave, the splits' fp32 partials summed in order. Correct (validated
+ *      as production routing on the H200, session 11) but half cuBLASLt's speed at 128 rows:
+ *      2 blocks of 4 warps per multiprocessor (110 KB of shared memory each) do not hide the
+ *      latency; a starting point for a wgmma version, not wired in.
  * Validation (variants 1 and 2): (N, IC, OC) = (77, 200, 136) with a 16-byte aligned bias (the
  * fused epilogue) and every gradient; (50, 64, 40) with a bias one element off alignment (the
  * separate bias kernel), dW and dbias without dinp; (1, 200, 136) without bias (one row, as the
- * generation path calls it). bf16 outputs TOL_BF16, fp32 gradients (pre-filled: they accumulate)
+ * generation path calls it); and (variant 4's kernel) the forward at (77, 2048, 1024), (128,
+ * 640, 256), (1, 1024, 192), (128, 256, 64) (k split 8, 2, 4, 1 ways), the same bits twice and
+ * for a row alone. bf16 outputs TOL_BF16, fp32 gradients (pre-filled: they accumulate)
  * TOL_F32, against sums in double.
  * Benchmark: the Qwen3-1.7B linear layers at N = 16384 tokens (qkv 2048 -> 4096, o 2048 -> 2048,
  * gate_up 2048 -> 12288, down 6144 -> 2048) and the LM head 2048 -> 151936 in the model's row
@@ -30,7 +40,162 @@
  * weights they read.
  */
 #include "../../kernels/matmul.cu"
+#include "../../kernels/ptx.cuh"
 #include "lab.cuh"
+
+// ----------------------------------------------------------------------------
+// variant 4: a hand-written product for few rows (see the top)
+
+#define FEW_ROWS 128    // rows a block holds
+#define FEW_BM 64       // output columns (weight rows) per block
+#define FEW_BK 64       // k per stage
+#define FEW_STAGES 4
+#define FEW_LD (FEW_BK + 8)  // bf16 per shared row: 144 bytes, ldmatrix rows on distinct banks
+#define FEW_SMEM ((size_t)FEW_STAGES * (FEW_BM + FEW_ROWS) * FEW_LD * sizeof(bf16))
+
+// Block (column tile blockIdx.x, k split blockIdx.y): out columns [64 bx, 64 bx + 64) of rows
+// 0 .. N-1 over k in [kper by, kper (by + 1)). Warp (wm, wn): columns 32 wm .. +32, rows 64 wn
+// .. +64 (rows past N are zeros, never stored). part: (splits, N, OC) fp32, else out bf16.
+__global__ void __launch_bounds__(128) matmul_few_rows_kernel(bf16* __restrict__ out,
+                                                              float* __restrict__ part,
+                                                              const bf16* __restrict__ x,
+                                                              const bf16* __restrict__ w, int N,
+                                                              int IC, int OC, int kper) {
+    extern __shared__ __align__(16) bf16 few_sm[];
+    bf16* sw = few_sm;                                           // (STAGES, BM, LD)
+    bf16* sx = few_sm + (size_t)FEW_STAGES * FEW_BM * FEW_LD;    // (STAGES, ROWS, LD)
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp & 1, wn = warp >> 1;
+    const int c0 = blockIdx.x * FEW_BM, kb = blockIdx.y * kper, nk = kper / FEW_BK;
+    auto load = [&](int slot, int kt) {
+        const int k0 = kb + kt * FEW_BK;
+        bf16* dw = sw + (size_t)slot * FEW_BM * FEW_LD;
+        bf16* dx = sx + (size_t)slot * FEW_ROWS * FEW_LD;
+#pragma unroll
+        for (int i = tid; i < FEW_BM * 8; i += 128) {
+            const int r = i >> 3, ch = i & 7;
+            cp_async_16(smem_u32(dw + r * FEW_LD + ch * 8), w + (size_t)(c0 + r) * IC + k0 + ch * 8,
+                        true);
+        }
+#pragma unroll
+        for (int i = tid; i < FEW_ROWS * 8; i += 128) {
+            const int r = i >> 3, ch = i & 7;
+            const bool in = r < N;
+            cp_async_16(smem_u32(dx + r * FEW_LD + ch * 8),
+                        x + (size_t)(in ? r : 0) * IC + k0 + ch * 8, in);
+        }
+        cp_async_commit();
+    };
+    float acc[2][8][4];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.0f;
+#pragma unroll
+    for (int st = 0; st < FEW_STAGES - 1; st++) {
+        if (st < nk)
+            load(st, st);
+        else
+            cp_async_commit();  // (every thread commits one group per step: the counts align)
+    }
+    for (int kt = 0; kt < nk; kt++) {
+        cp_async_wait<FEW_STAGES - 2>();  // step kt's group has landed (this thread's copies)
+        __syncthreads();                  // everyone's, and step kt - 1's slot is free again
+        const int nt = kt + FEW_STAGES - 1;
+        if (nt < nk)
+            load(nt % FEW_STAGES, nt);
+        else
+            cp_async_commit();
+        const bf16* cw = sw + (size_t)(kt % FEW_STAGES) * FEW_BM * FEW_LD;
+        const bf16* cx = sx + (size_t)(kt % FEW_STAGES) * FEW_ROWS * FEW_LD;
+#pragma unroll
+        for (int kk = 0; kk < FEW_BK; kk += 16) {
+            uint32_t a[2][4];
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int r = wm * 32 + i * 16 + (lane & 15), c = kk + (lane >> 4) * 8;
+                ldsm_x4(a[i], smem_u32(cw + r * FEW_LD + c));
+            }
+#pragma unroll
+            for (int j = 0; j < 4; j++) {  // rows wn·64 + 16 j .. +16: two n8 tiles
+                uint32_t b[4];
+                const int r = wn * 64 + j * 16 + (lane & 7) + ((lane >> 4) << 3);
+                const int c = kk + ((lane >> 3) & 1) * 8;
+                ldsm_x4(b, smem_u32(cx + r * FEW_LD + c));
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    mma_16816(acc[i][2 * j], a[i], b[0], b[1]);
+                    mma_16816(acc[i][2 * j + 1], a[i], b[2], b[3]);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+    // acc[i][j][e]: column c0 + 32 wm + 16 i + lane/4 (+8 for e >= 2), row 64 wn + 8 j +
+    // 2 (lane % 4) + (e & 1)
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int col = c0 + wm * 32 + i * 16 + (lane >> 2) + (e >= 2 ? 8 : 0);
+                const int row = wn * 64 + j * 8 + 2 * (lane & 3) + (e & 1);
+                if (row >= N) continue;
+                if (part)
+                    part[((size_t)blockIdx.y * N + row) * OC + col] = acc[i][j][e];
+                else
+                    out[(size_t)row * OC + col] = __float2bfloat16_rn(acc[i][j][e]);
+            }
+}
+
+// out (N, OC) = bf16(Σ over the splits of part, in split order).
+__global__ void matmul_few_rows_sum_kernel(bf16* __restrict__ out, const float* __restrict__ part,
+                                           int splits, size_t n) {
+    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < n;
+         e += (size_t)gridDim.x * blockDim.x) {
+        float s = part[e];
+        for (int k = 1; k < splits; k++) s += part[(size_t)k * n + e];
+        out[e] = __float2bfloat16_rn(s);
+    }
+}
+
+// The k splits of a few-rows product: doubled while the blocks fit one wave (one per
+// multiprocessor) and each split keeps at least 256 of k in whole 64-wide steps. 0 when the
+// product is not one for the few-rows kernel.
+static int few_rows_splits(const CudaCtx* cx, const bf16* inp, const bf16* w, const bf16* bias,
+                           int N, int IC, int OC) {
+    if (N > FEW_ROWS || bias || IC % FEW_BK != 0 || OC % FEW_BM != 0 || !is_aligned16(inp) ||
+        !is_aligned16(w) || FEW_SMEM > cx->max_smem_optin)
+        return 0;
+    const int tiles = OC / FEW_BM;
+    if (tiles >= 4 * cx->n_sms) return 0;  // (the LM head: cuBLASLt's tiles fill the machine)
+    int splits = 1;
+    while (splits < 8 && tiles * splits * 2 <= cx->n_sms && (IC / (splits * 2)) % FEW_BK == 0 &&
+           IC / (splits * 2) >= 256)
+        splits *= 2;
+    return splits;
+}
+
+static void matmul_few_rows(CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w, int N,
+                            int IC, int OC, int splits) {
+    float* part = NULL;
+    if (splits > 1)
+        part = (float*)cuda_scratch(cx, SCRATCH_PARTIAL, (size_t)splits * N * OC * sizeof(float));
+    cuda_check(cudaFuncSetAttribute(matmul_few_rows_kernel,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)FEW_SMEM));
+    matmul_few_rows_kernel<<<dim3(OC / FEW_BM, splits), 128, FEW_SMEM, cx->stream>>>(
+        out, part, inp, w, N, IC, OC, IC / splits);
+    cuda_check_launch();
+    if (part) {
+        const size_t n = (size_t)N * OC;
+        matmul_few_rows_sum_kernel<<<grid_size(n, 256) < 1024 ? grid_size(n, 256) : 1024, 256,
+                                     0, cx->stream>>>(out, part, splits, n);
+        cuda_check_launch();
+    }
+}
+
 
 // ----------------------------------------------------------------------------
 // CPU reference (double sums)
@@ -127,6 +292,11 @@ static void matmul1(CudaCtx* cx, OutT* D, const bf16* A, const bf16* B, const bf
 static void matmul_forward(int v, CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w,
                            const bf16* bias, int N, int IC, int OC) {
     if (v == 2) return cuda_matmul_forward(cx, out, inp, w, bias, N, IC, OC);
+    if (v == 4) {
+        const int splits = few_rows_splits(cx, inp, w, bias, N, IC, OC);
+        if (splits > 0) return matmul_few_rows(cx, out, inp, w, N, IC, OC, splits);
+        return cuda_matmul_forward(cx, out, inp, w, bias, N, IC, OC);
+    }
     // m = row, n = output column, k = input column
     matmul1<bf16>(cx, out, inp, w, bias, N, OC, IC, IC, 1, 1, IC);
 }
@@ -134,7 +304,8 @@ static void matmul_forward(int v, CudaCtx* cx, bf16* out, const bf16* inp, const
 static void matmul_backward(int v, CudaCtx* cx, bf16* dinp, float* dw, float* dbias,
                             const bf16* dout, const bf16* inp, const bf16* w, int N, int IC,
                             int OC) {
-    if (v == 2) return cuda_matmul_backward(cx, dinp, dw, dbias, dout, inp, w, N, IC, OC);
+    if (v == 2 || v == 4)
+        return cuda_matmul_backward(cx, dinp, dw, dbias, dout, inp, w, N, IC, OC);
     // dinp: m = row, n = input column, k = output column
     if (dinp) matmul1<bf16>(cx, dinp, dout, w, NULL, N, IC, OC, OC, 1, IC, 1);
     // dW: m = output column, n = input column, k = row
@@ -272,7 +443,7 @@ static void bench_decode(Lab* lab) {
         char shape[96];
         snprintf(shape, sizeof shape, "%s N=%d IC=%d OC=%d", sh.name, rows, sh.IC, sh.OC);
         const double bytes = 2.0 * ((double)sh.OC * sh.IC + (double)rows * (sh.IC + sh.OC));
-        for (int v = 2; v <= 3; v++) {
+        for (int v = 2; v <= 4; v++) {
             if (!lab_wants(&lab->args, v)) continue;
             const double ms =
                 v == 3 ? lt_best_of_heuristics(lab, 1, 1, 0, sh.OC, rows, sh.IC, w, sh.IC, x,
@@ -362,18 +533,45 @@ static void bench(Lab* lab) {
 static const char* VARIANTS =
     "  1  naive: 32x32 shared-memory tiles, one output per thread, fp32 FMA\n"
     "  2  production (kernels/matmul.cu): cuBLASLt, the heuristic's first algorithm, cached\n"
-    "  3  cuBLASLt, the fastest of the heuristic's first 8 algorithms (benchmark only)\n";
+    "  3  cuBLASLt, the fastest of the heuristic's first 8 algorithms (benchmark only)\n"
+    "  4  few rows (<= 128): a hand-written mma.sync product with split k (else variant 2)\n";
 
 // The validation cases of variant v (lab_main runs them for every variant asked for).
 static void validate_variant(Lab* lab, int v, Rng* r) {
+    if (v == 3) return;  // (benchmark only)
     validate(lab, v, r, 77, 200, 136, 1, 1);
     validate(lab, v, r, 50, 64, 40, 2, 0);
     validate(lab, v, r, 1, 200, 136, 0, 1);
+    // the few-rows kernel (variant 2's forward at <= 128 rows, no bias, k and OC in 64s): k split
+    // 8, 2, 4 and 1 ways; a row count that is not a multiple of 8; one row
+    validate(lab, v, r, 77, 2048, 1024, 0, 0);
+    validate(lab, v, r, 128, 640, 256, 0, 0);
+    validate(lab, v, r, 1, 1024, 192, 0, 1);
+    validate(lab, v, r, 128, 256, 64, 0, 0);
+    if (v == 4) {  // run twice, and a row alone: the same bits
+        const int N = 77, IC = 2048, OC = 1024;
+        std::vector<float> x = rand_bf16(r, (size_t)N * IC, 1.0f),
+                           w = rand_bf16(r, (size_t)OC * IC, 0.1f);
+        bf16 *d_x = dev_upload_bf16(x), *d_w = dev_upload_bf16(w);
+        bf16 *d_a = dev_alloc<bf16>((size_t)N * OC), *d_b = dev_alloc<bf16>((size_t)N * OC);
+        matmul_forward(4, lab->cx, d_a, d_x, d_w, NULL, N, IC, OC);
+        matmul_forward(4, lab->cx, d_b, d_x, d_w, NULL, N, IC, OC);
+        std::vector<float> a = dev_download_bf16(d_a, (size_t)N * OC),
+                           b = dev_download_bf16(d_b, (size_t)N * OC);
+        lab_check_true(lab, "few rows: the same bits twice",
+                       memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+        matmul_forward(4, lab->cx, d_b, d_x + (size_t)40 * IC, d_w, NULL, 1, IC, OC);
+        std::vector<float> one = dev_download_bf16(d_b, OC);
+        lab_check_true(lab, "few rows: a row alone as in the batch",
+                       memcmp(one.data(), a.data() + (size_t)40 * OC, OC * sizeof(float)) == 0);
+        void* bufs[] = {d_x, d_w, d_a, d_b};
+        for (void* p : bufs) cuda_check(cudaFree(p));
+    }
 }
 
 // bench as lab_main's callback (the benchmark draws nothing from the lab's Rng).
 static void bench_lab(Lab* lab, Rng*) { bench(lab); }
 
 int main(int argc, char** argv) {
-    return lab_main(argc, argv, "matmul", VARIANTS, 3, 2, validate_variant, bench_lab);
+    return lab_main(argc, argv, "matmul", VARIANTS, 4, 4, validate_variant, bench_lab);
 }
