@@ -1089,43 +1089,18 @@ static void test_lora_cli_merge(TestCtx* t) {
 
 // Straight 6 steps vs 3 + --resume 3: the same log records; the checkpoint holds the adapters.
 static void test_lora_cli_resume(TestCtx* t) {
-    char args[4096], a_out[1024], b_out[1024], la[1024], lb1[1024], lb2[1024], path[1200];
-    test_path(t, a_out, sizeof a_out, "lora_ra");
-    test_path(t, b_out, sizeof b_out, "lora_rb");
-    test_path(t, la, sizeof la, "lora_ra.jsonl");
-    test_path(t, lb1, sizeof lb1, "lora_rb1.jsonl");
-    test_path(t, lb2, sizeof lb2, "lora_rb2.jsonl");
     const char* common = "--val '' --sample-tokens 0 --threads 2 --lora-r 4 --lora-targets "
                          "q,v,o,down --lora-dropout 0.1 --rslora --lr 1e-2 -m 2";
-    snprintf(args, sizeof args, "%s --steps 6 --save-every 6 --out '%s' --log '%s'", common, a_out,
-             la);
-    CHECK(t, test_run_cli(t, "straight", args) == 0, "straight run");
-    snprintf(args, sizeof args, "%s --steps 3 --save-every 3 --out '%s' --log '%s'", common, b_out,
-             lb1);
-    CHECK(t, test_run_cli(t, "first", args) == 0, "first part");
-    snprintf(path, sizeof path, "%s/step_3/adapter_model.safetensors", b_out);
+    TestResumeRuns r;
+    test_resume_runs(t, &r, "lora_r", common, 6, 3, 3);
+    char path[1200];
+    snprintf(path, sizeof path, "%s/step_3/adapter_model.safetensors", r.resumed_out);
     CHECK(t, access(path, F_OK) == 0, "the checkpoint holds the adapters");
-    snprintf(path, sizeof path, "%s/step_3/model.safetensors", b_out);
+    snprintf(path, sizeof path, "%s/step_3/model.safetensors", r.resumed_out);
     CHECK(t, access(path, F_OK) != 0, "the checkpoint does not copy the frozen base");
-    snprintf(args, sizeof args, "%s --steps 6 --save-every 3 --out '%s' --log '%s' --resume",
-             common, b_out, lb2);
-    CHECK(t, test_run_cli(t, "second", args) == 0, "resumed part");
-    char* a = test_read_file(la, NULL);
-    char* b1 = test_read_file(lb1, NULL);
-    char* b2 = test_read_file(lb2, NULL);
-    for (int s = 1; s <= 6; s++) {
-        char x[512], y[512];
-        int hx = test_log_record(a, s, x, sizeof x);
-        int hy = test_log_record(s <= 3 ? b1 : b2, s, y, sizeof y);
-        CHECK(t, hx && hy && strcmp(x, y) == 0, "step %d: '%s' vs '%s'", s, hx ? x : "-",
-              hy ? y : "-");
-    }
-    free(a);
-    free(b1);
-    free(b2);
     char fa[1200], fb[1200];
-    snprintf(fa, sizeof fa, "%s/step_6/adapter_model.safetensors", a_out);
-    snprintf(fb, sizeof fb, "%s/step_6/adapter_model.safetensors", b_out);
+    snprintf(fa, sizeof fa, "%s/step_6/adapter_model.safetensors", r.straight_out);
+    snprintf(fb, sizeof fb, "%s/step_6/adapter_model.safetensors", r.resumed_out);
     size_t na, nb;
     char* xa = test_read_file(fa, &na);
     char* xb = test_read_file(fb, &nb);
@@ -1528,16 +1503,7 @@ static void test_lora_engine_cli(TestCtx* t) {
     snprintf(args, sizeof args, "%s --steps 4 --log '%s' --export-lora '%s' --device cpu:2 "
              "--sync 1 --device-mem 6M", common, lb, eb);
     CHECK(t, test_run_cli(t, "esync", args) == 0, "engine LoRA run");
-    char* a = test_read_file(la, NULL);
-    char* b = test_read_file(lb, NULL);
-    for (int s = 1; s <= 4; s++) {
-        char x[512], y[512];
-        const int hx = test_log_record(a, s, x, sizeof x), hy = test_log_record(b, s, y, sizeof y);
-        CHECK(t, hx && hy && strcmp(x, y) == 0, "step %d: plain '%s' vs engine '%s'", s,
-              hx ? x : "-", hy ? y : "-");
-    }
-    free(a);
-    free(b);
+    test_same_steps(t, "plain vs engine", la, lb, 1, 4);
     snprintf(fa, sizeof fa, "%s/adapter_model.safetensors", ea);
     snprintf(fb, sizeof fb, "%s/adapter_model.safetensors", eb);
     size_t na, nb;
@@ -1548,41 +1514,16 @@ static void test_lora_engine_cli(TestCtx* t) {
     free(xb);
 
     // delayed update (the default), resumed
-    char oa[1024], ob[1024], l1[1024], l2[1024], l3[1024];
-    test_path(t, oa, sizeof oa, "lora_eng_ra");
-    test_path(t, ob, sizeof ob, "lora_eng_rb");
-    test_path(t, l1, sizeof l1, "lora_eng_ra.jsonl");
-    test_path(t, l2, sizeof l2, "lora_eng_rb1.jsonl");
-    test_path(t, l3, sizeof l3, "lora_eng_rb2.jsonl");
-    const char* eng = "--device cpu:2 --device-mem 6M";
-    snprintf(args, sizeof args, "%s %s --steps 6 --save-every 6 --out '%s' --log '%s'", common,
-             eng, oa, l1);
-    CHECK(t, test_run_cli(t, "estraight", args) == 0, "straight engine run");
-    snprintf(args, sizeof args, "%s %s --steps 3 --save-every 3 --out '%s' --log '%s'", common,
-             eng, ob, l2);
-    CHECK(t, test_run_cli(t, "efirst", args) == 0, "first part");
-    snprintf(args, sizeof args, "%s %s --steps 6 --save-every 3 --out '%s' --log '%s' --resume",
-             common, eng, ob, l3);
-    CHECK(t, test_run_cli(t, "esecond", args) == 0, "resumed part");
-    char* so = test_read_output(t, "esecond", "out");
+    char eng[1024];
+    snprintf(eng, sizeof eng, "%s --device cpu:2 --device-mem 6M", common);
+    TestResumeRuns r;
+    test_resume_runs(t, &r, "lora_eng_r", eng, 6, 3, 3);
+    char* so = test_read_output(t, r.resumed_tag, "out");
     CHECK(t, so && !strstr(so, "no pending weights"), "the checkpoint has pending weights: %s",
           so ? so : "");
     free(so);
-    a = test_read_file(l1, NULL);
-    char* b1 = test_read_file(l2, NULL);
-    char* b2 = test_read_file(l3, NULL);
-    for (int s = 1; s <= 6; s++) {
-        char x[512], y[512];
-        const int hx = test_log_record(a, s, x, sizeof x);
-        const int hy = test_log_record(s <= 3 ? b1 : b2, s, y, sizeof y);
-        CHECK(t, hx && hy && strcmp(x, y) == 0, "resume step %d: '%s' vs '%s'", s, hx ? x : "-",
-              hy ? y : "-");
-    }
-    free(a);
-    free(b1);
-    free(b2);
-    snprintf(fa, sizeof fa, "%s/step_6/adapter_model.safetensors", oa);
-    snprintf(fb, sizeof fb, "%s/step_6/adapter_model.safetensors", ob);
+    snprintf(fa, sizeof fa, "%s/step_6/adapter_model.safetensors", r.straight_out);
+    snprintf(fb, sizeof fb, "%s/step_6/adapter_model.safetensors", r.resumed_out);
     xa = test_read_file(fa, &na);
     xb = test_read_file(fb, &nb);
     CHECK(t, na > 0 && na == nb && memcmp(xa, xb, na) == 0, "byte-identical adapters at step 6");

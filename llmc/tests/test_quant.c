@@ -203,20 +203,7 @@ static void test_quant_keep_gguf(TestCtx* t) {
     CHECK(t, test_run_cli(t, "qkeep", args) == 0, "keep run");
     snprintf(args, sizeof args, "%s --log '%s'", common, lb);
     CHECK(t, test_run_cli(t, "qnokeep", args) == 0, "bf16 run");
-    char* a = test_read_file(la, NULL);
-    char* b = test_read_file(lb, NULL);
-    for (int k = 1; k <= 2; k++) {
-        char x[512], y[512];
-        const int hx = test_log_record(a, k, x, sizeof x), hy = test_log_record(b, k, y, sizeof y);
-        char* cx = strstr(x, ",\"ms\"");
-        char* cy = strstr(y, ",\"ms\"");
-        if (cx) *cx = 0;
-        if (cy) *cy = 0;
-        CHECK(t, hx && hy && strcmp(x, y) == 0, "step %d: keep '%s' vs '%s'", k, hx ? x : "-",
-              hy ? y : "-");
-    }
-    free(a);
-    free(b);
+    test_same_steps(t, "keep vs bf16", la, lb, 1, 2);
 }
 
 // ----------------------------------------------------------------------------
@@ -778,7 +765,7 @@ static void test_quant_cli_refusals(TestCtx* t) {
 // Plain and engine (sync) runs on a q8_0 base log the same losses; a resumed engine run (the
 // one-step-delayed default) the straight run's; --plan counts the blocks.
 static void test_quant_cli_train(TestCtx* t) {
-    char args[4096], la[1024], lb[1024], oa[1024], ob[1024], l1[1024], l2[1024], l3[1024];
+    char args[4096], la[1024], lb[1024];
     const char* common = "--val '' --sample-tokens 0 --threads 1 --lora-r 4 --lora-dropout 0.1 "
                          "--lr 1e-2 -m 2 --base-dtype q8_0";
     test_path(t, la, sizeof la, "q_plain.jsonl");
@@ -794,45 +781,10 @@ static void test_quant_cli_train(TestCtx* t) {
     so = test_read_output(t, "qsync", "out");
     CHECK(t, strstr(so, "parameter uploads per round: "), "the plan's upload line: %s", so);
     free(so);
-    char* a = test_read_file(la, NULL);
-    char* b = test_read_file(lb, NULL);
-    for (int s = 1; s <= 3; s++) {
-        char x[512], y[512];
-        const int hx = test_log_record(a, s, x, sizeof x), hy = test_log_record(b, s, y, sizeof y);
-        CHECK(t, hx && hy && strcmp(x, y) == 0, "step %d: plain '%s' vs engine '%s'", s,
-              hx ? x : "-", hy ? y : "-");
-    }
-    free(a);
-    free(b);
-
-    test_path(t, oa, sizeof oa, "q_ra");
-    test_path(t, ob, sizeof ob, "q_rb");
-    test_path(t, l1, sizeof l1, "q_ra.jsonl");
-    test_path(t, l2, sizeof l2, "q_rb1.jsonl");
-    test_path(t, l3, sizeof l3, "q_rb2.jsonl");
-    const char* eng = "--device cpu:2 --device-mem 6M";
-    snprintf(args, sizeof args, "%s %s --steps 4 --save-every 4 --out '%s' --log '%s'", common,
-             eng, oa, l1);
-    CHECK(t, test_run_cli(t, "qstraight", args) == 0, "straight run");
-    snprintf(args, sizeof args, "%s %s --steps 2 --save-every 2 --out '%s' --log '%s'", common,
-             eng, ob, l2);
-    CHECK(t, test_run_cli(t, "qfirst", args) == 0, "first part");
-    snprintf(args, sizeof args, "%s %s --steps 4 --save-every 2 --out '%s' --log '%s' --resume",
-             common, eng, ob, l3);
-    CHECK(t, test_run_cli(t, "qsecond", args) == 0, "resumed part");
-    a = test_read_file(l1, NULL);
-    char* b1 = test_read_file(l2, NULL);
-    char* b2 = test_read_file(l3, NULL);
-    for (int s = 1; s <= 4; s++) {
-        char x[512], y[512];
-        const int hx = test_log_record(a, s, x, sizeof x);
-        const int hy = test_log_record(s <= 2 ? b1 : b2, s, y, sizeof y);
-        CHECK(t, hx && hy && strcmp(x, y) == 0, "resume step %d: '%s' vs '%s'", s, hx ? x : "-",
-              hy ? y : "-");
-    }
-    free(a);
-    free(b1);
-    free(b2);
+    test_same_steps(t, "plain vs engine", la, lb, 1, 3);
+    snprintf(args, sizeof args, "%s --device cpu:2 --device-mem 6M", common);
+    TestResumeRuns r;
+    test_resume_runs(t, &r, "q_r", args, 4, 2, 2);
 
     // --plan: the base's host bytes as blocks (tiny: 4 blocks of 7 linears in q8_0)
     snprintf(args, sizeof args, "--lora-r 4 --plan --device cpu:2 --base-dtype mxfp4");
@@ -881,24 +833,12 @@ static void test_quant_cli_mmap(TestCtx* t) {
                      "--resume", common, lc, ob);
             CHECK(t, test_run_cli(t, "qmapped2", args) == 0, "the base mapped, resumed");
         }
-        char* a = test_read_file(la, NULL);
-        char* b = test_read_file(lb, NULL);
-        char* c = test_read_file(lc, NULL);
-        for (int s = 1; s <= 4; s++) {
-            char x[512], y[512];
-            const int hx = test_log_record(a, s, x, sizeof x);
-            const int hy = test_log_record(sync || s <= 2 ? b : c, s, y, sizeof y);
-            // (the records' timings differ: the losses and norms are what must agree)
-            char* cx = strstr(x, ",\"ms\"");
-            char* cy = strstr(y, ",\"ms\"");
-            if (cx) *cx = 0;
-            if (cy) *cy = 0;
-            CHECK(t, hx && hy && strcmp(x, y) == 0, "sync %d step %d: held '%s' vs mapped '%s'",
-                  sync, s, hx ? x : "-", hy ? y : "-");
-        }
-        free(a);
-        free(b);
-        free(c);
+        // (the records' timings differ, and test_same_steps leaves them out: the losses and
+        // norms are what must agree)
+        char what[64];
+        snprintf(what, sizeof what, "sync %d, held vs mapped", sync);
+        test_same_steps(t, what, la, lb, 1, sync ? 4 : 2);
+        if (!sync) test_same_steps(t, "sync 0, held vs mapped (resumed)", la, lc, 3, 4);
     }
     // a GGUF (F32 tensors, Qwen3: no layout change on load)
     const char* gg = "--model dev/gguf/fixtures/qwen3_f32.gguf --lora-r 4 --steps 2 --val '' "
@@ -907,20 +847,7 @@ static void test_quant_cli_mmap(TestCtx* t) {
     CHECK(t, test_run_cli(t, "qgheld", args) == 0, "GGUF, the base held");
     snprintf(args, sizeof args, "%s --mmap-base --log '%s'", gg, lb);
     CHECK(t, test_run_cli(t, "qgmapped", args) == 0, "GGUF, the base mapped");
-    char* ga = test_read_file(la, NULL);
-    char* gb = test_read_file(lb, NULL);
-    for (int s = 1; s <= 2; s++) {
-        char x[512], y[512];
-        const int hx = test_log_record(ga, s, x, sizeof x), hy = test_log_record(gb, s, y, sizeof y);
-        char* cx = strstr(x, ",\"ms\"");
-        char* cy = strstr(y, ",\"ms\"");
-        if (cx) *cx = 0;
-        if (cy) *cy = 0;
-        CHECK(t, hx && hy && strcmp(x, y) == 0, "GGUF step %d: held '%s' vs mapped '%s'", s,
-              hx ? x : "-", hy ? y : "-");
-    }
-    free(ga);
-    free(gb);
+    test_same_steps(t, "GGUF, held vs mapped", la, lb, 1, 2);
     snprintf(args, sizeof args, "--model '%s' --lora-r 4 --plan --device cpu:2 --mmap-base", m);
     CHECK(t, test_run_cli(t, "qmplan", args) == 0, "--plan --mmap-base");
     char* so = test_read_output(t, "qmplan", "out");
@@ -947,25 +874,6 @@ static void test_quant_cli_mmap(TestCtx* t) {
     }
 }
 
-// The step records of two logs agree (the timings aside) for steps 1..n.
-static void q_same_steps(TestCtx* t, const char* la, const char* lb, int n, const char* what) {
-    char* a = test_read_file(la, NULL);
-    char* b = test_read_file(lb, NULL);
-    for (int s = 1; s <= n; s++) {
-        char x[512] = "", y[512] = "";
-        const int hx = a && test_log_record(a, s, x, sizeof x);
-        const int hy = b && test_log_record(b, s, y, sizeof y);
-        char* cx = strstr(x, ",\"ms\"");
-        char* cy = strstr(y, ",\"ms\"");
-        if (cx) *cx = 0;
-        if (cy) *cy = 0;
-        CHECK(t, hx && hy && strcmp(x, y) == 0, "%s step %d: '%s' vs '%s'", what, s,
-              hx ? x : "-", hy ? y : "-");
-    }
-    free(a);
-    free(b);
-}
-
 // The CLI streams a block-format base on the engine when nothing reads it in fp32 (--val '',
 // --sample-tokens 0, no HF / GGUF export) and holds it in fp32 otherwise (--val): the same
 // losses either way, from the random init (q8_0 sync, mxfp4 delayed) and from a
@@ -989,7 +897,7 @@ static void test_quant_cli_streamed(TestCtx* t) {
         snprintf(args, sizeof args, "%s --val '' --log '%s' --out '%s'", common, lb, o);
         CHECK(t, test_run_cli(t, "qsstream", args) == 0, "%s sync %d: streamed", dts[k], sync);
         snprintf(what, sizeof what, "%s sync %d", dts[k], sync);
-        q_same_steps(t, la, lb, 3, what);
+        test_same_steps(t, what, la, lb, 1, 3);
         char* so = test_read_output(t, "qsstream", "out");
         CHECK(t, strstr(so, "saved the LoRA adapters"), "--out of a streamed base: %s", so);
         free(so);
@@ -1005,7 +913,7 @@ static void test_quant_cli_streamed(TestCtx* t) {
     CHECK(t, test_run_cli(t, "qsheld", args) == 0, "safetensors: the fp32 base held");
     snprintf(args, sizeof args, "%s --val '' --log '%s'", common, lb);
     CHECK(t, test_run_cli(t, "qsstream", args) == 0, "safetensors: streamed");
-    q_same_steps(t, la, lb, 3, "safetensors");
+    test_same_steps(t, "safetensors", la, lb, 1, 3);
     // --plan
     const char* plan = "--lora-r 4 --plan --device cpu:2 --base-dtype q8_0 --sample-tokens 0";
     snprintf(args, sizeof args, "%s --val ''", plan);
@@ -1197,27 +1105,11 @@ static void test_quant_gpu_cli_mmap(TestCtx* t) {
             CHECK(t, test_run_cli(t, "qgmapped2", args) == 0, "the base mapped, resumed");
         }
         snprintf(what, sizeof what, "GPU sync %d, held vs streamed", sync);
-        q_same_steps(t, lh, ls, 4, what);
+        test_same_steps(t, what, lh, ls, 1, 4);
         snprintf(what, sizeof what, "GPU sync %d, held vs mapped", sync);
-        q_same_steps(t, lh, lm, sync ? 4 : 2, what);
-        if (!sync) {
-            // (the resumed log's steps 3 and 4 against the held run's)
-            char* a = test_read_file(lh, NULL);
-            char* b = test_read_file(lm2, NULL);
-            for (int s = 3; s <= 4; s++) {
-                char x[512] = "", y[512] = "";
-                const int hx = a && test_log_record(a, s, x, sizeof x);
-                const int hy = b && test_log_record(b, s, y, sizeof y);
-                char* cx = strstr(x, ",\"ms\"");
-                char* cy = strstr(y, ",\"ms\"");
-                if (cx) *cx = 0;
-                if (cy) *cy = 0;
-                CHECK(t, hx && hy && strcmp(x, y) == 0, "GPU resumed step %d: held '%s' vs "
-                      "mapped '%s'", s, hx ? x : "-", hy ? y : "-");
-            }
-            free(a);
-            free(b);
-        }
+        test_same_steps(t, what, lh, lm, 1, sync ? 4 : 2);
+        // (the resumed log's steps 3 and 4 against the held run's)
+        if (!sync) test_same_steps(t, "GPU sync 0, held vs mapped (resumed)", lh, lm2, 3, 4);
     }
     // a q8_0 base on the GPU: held in fp32 (--val) and streamed (blocks + bf16)
     char common[2048];
@@ -1227,7 +1119,7 @@ static void test_quant_gpu_cli_mmap(TestCtx* t) {
     CHECK(t, test_run_cli(t, "qgqheld", args) == 0, "q8_0: the fp32 base held");
     snprintf(args, sizeof args, "%s --val '' --log '%s'", common, ls);
     CHECK(t, test_run_cli(t, "qgqstream", args) == 0, "q8_0: streamed");
-    q_same_steps(t, lh, ls, 3, "GPU q8_0 held vs streamed");
+    test_same_steps(t, "GPU q8_0 held vs streamed", lh, ls, 1, 3);
 }
 #else
 static void test_quant_gpu_dequant(TestCtx* t) { test_skip(t, "built without CUDA"); }

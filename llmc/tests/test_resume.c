@@ -36,74 +36,39 @@ static int same_bytes(const char* a, const char* b) {
     return same;
 }
 
-static void compare_logs(TestCtx* t, const char* log_a, const char* log_b, int from, int to,
-                         const char* what) {
-    for (int s = from; s <= to; s++) {
-        char a[512], b[512];
-        int ha = test_log_record(log_a, s, a, sizeof a);
-        int hb = test_log_record(log_b, s, b, sizeof b);
-        CHECK(t, ha && hb && strcmp(a, b) == 0, "%s step %d: '%s' vs '%s'", what, s, ha ? a : "-",
-              hb ? b : "-");
-    }
-}
-
 // ----------------------------------------------------------------------------
 // bit-exact resume
 
 // Straight N steps vs k steps, then resume for the rest. `model_args` picks model and data.
 static void resume_case(TestCtx* t, const char* name, const char* model_args, int N, int k) {
-    char a_out[1024], b_out[1024], a_log[1024], b_log1[1024], b_log2[1024], args[8192];
-    snprintf(a_out, sizeof a_out, "%s/%s_straight", t->tmpdir, name);
-    snprintf(b_out, sizeof b_out, "%s/%s_resumed", t->tmpdir, name);
-    snprintf(a_log, sizeof a_log, "%s/%s_a.jsonl", t->tmpdir, name);
-    snprintf(b_log1, sizeof b_log1, "%s/%s_b1.jsonl", t->tmpdir, name);
-    snprintf(b_log2, sizeof b_log2, "%s/%s_b2.jsonl", t->tmpdir, name);
-    const char* common = "--val '' --sample-tokens 0 --threads 2";
-
-    snprintf(args, sizeof args, "%s %s --steps %d --save-every %d --out '%s' --log '%s'",
-             model_args, common, N, N, a_out, a_log);
-    CHECK(t, test_run_cli(t, "straight", args) == 0, "%s: straight run", name);
-    // the interrupted run: saves every k steps and at N; every save after step k then loses
-    // its DONE, as if the run had crashed before completing them
-    snprintf(args, sizeof args, "%s %s --steps %d --save-every %d --out '%s' --log '%s'",
-             model_args, common, N, k, b_out, b_log1);
-    CHECK(t, test_run_cli(t, "first", args) == 0, "%s: first part", name);
-    for (int s = k + 1; s <= N; s++) {
-        char done[1200];
-        snprintf(done, sizeof done, "%s/step_%d/DONE", b_out, s);
-        if (s % k == 0 || s == N) CHECK(t, unlink(done) == 0, "%s: remove %s", name, done);
-    }
-    snprintf(args, sizeof args, "%s %s --steps %d --save-every %d --out '%s' --log '%s' --resume",
-             model_args, common, N, k, b_out, b_log2);
-    CHECK(t, test_run_cli(t, "second", args) == 0, "%s: resumed part", name);
-    char* out = test_read_output(t, "second", "out");
+    char args[8192];
+    snprintf(args, sizeof args, "%s --val '' --sample-tokens 0 --threads 2", model_args);
+    // the interrupted run saves every k steps and at N; every save after step k then loses its
+    // DONE, as if the run had crashed before completing them
+    TestResumeRuns r;
+    test_resume_runs(t, &r, name, args, N, k, N);
+    char* out = test_read_output(t, r.resumed_tag, "out");
     char want[1200];
-    snprintf(want, sizeof want, "resumed from %s/step_%d (step %d)", b_out, k, k);
+    snprintf(want, sizeof want, "resumed from %s/step_%d (step %d)", r.resumed_out, k, k);
     CHECK(t, strstr(out, want) != NULL, "%s: '%s' in %s", name, want, out);
     free(out);
 
-    char* la = test_read_file(a_log, NULL);
-    char* lb1 = test_read_file(b_log1, NULL);
-    char* lb2 = test_read_file(b_log2, NULL);
-    compare_logs(t, la, lb1, 1, k, name);
-    compare_logs(t, la, lb2, k + 1, N, name);
+    char* lb2 = test_read_file(r.resumed_log, NULL);
     char rec[512];
     CHECK(t, !test_log_record(lb2, k, rec, sizeof rec),
           "%s: the resumed log starts after step %d", name, k);
-    free(la);
-    free(lb1);
     free(lb2);
 
     const char* files[] = {"model.safetensors", "train_state.safetensors", "config.json"};
     for (int i = 0; i < 3; i++) {
         char pa[1200], pb[1200];
-        snprintf(pa, sizeof pa, "%s/step_%d/%s", a_out, N, files[i]);
-        snprintf(pb, sizeof pb, "%s/step_%d/%s", b_out, N, files[i]);
+        snprintf(pa, sizeof pa, "%s/step_%d/%s", r.straight_out, N, files[i]);
+        snprintf(pb, sizeof pb, "%s/step_%d/%s", r.resumed_out, N, files[i]);
         CHECK(t, same_bytes(pa, pb), "%s: %s identical", name, files[i]);
     }
     char pa[1200], pb[1200];
-    snprintf(pa, sizeof pa, "%s/model.safetensors", a_out);
-    snprintf(pb, sizeof pb, "%s/model.safetensors", b_out);
+    snprintf(pa, sizeof pa, "%s/model.safetensors", r.straight_out);
+    snprintf(pb, sizeof pb, "%s/model.safetensors", r.resumed_out);
     CHECK(t, same_bytes(pa, pb), "%s: final --out model identical", name);
 }
 
@@ -134,12 +99,10 @@ static void test_resume_bit_exact(TestCtx* t) {
     snprintf(moe_args, sizeof moe_args, "%s --val '' --sample-tokens 0 --threads 2 --steps 6 "
              "--log '%s'", moe, plain_log);
     CHECK(t, test_run_cli(t, "moe_plain", moe_args) == 0, "moe: plain run");
-    char* le = test_read_file(moe_log, NULL);
     char* lp = test_read_file(plain_log, NULL);
     CHECK(t, strstr(lp, "\"aux\":") != NULL, "moe: the plain log has no aux");
-    compare_logs(t, le, lp, 1, 6, "moe engine vs plain");
-    free(le);
     free(lp);
+    test_same_steps(t, "moe engine vs plain", moe_log, plain_log, 1, 6);
     // an untied LLaMA from a quantized GGUF, cosine schedule ending inside the resumed part
     char shard[1024], err[ERR_LEN], args[2048];
     uint32_t toks[3000];

@@ -1,6 +1,7 @@
 /*
  * testing.c — helpers shared by the test suites: skipping, driving ./train_roundpipe end to end,
- * the plain reference trainer the engine suites compare with, finite-difference gradient probes,
+ * runs compared by their logs (straight versus first part and --resume), the plain reference
+ * trainer the engine suites compare with, finite-difference gradient probes,
  * log records and the engine suites' small model. (No suite here: the runner
  * lists suites explicitly.)
  */
@@ -80,6 +81,77 @@ char* test_read_output(TestCtx* t, const char* tag, const char* ext) {
     char path[4200];
     snprintf(path, sizeof path, "%s/%s.%s", t->tmpdir, tag, ext);
     return test_read_file(path, NULL);
+}
+
+// ----------------------------------------------------------------------------
+// CLI runs compared by their logs
+
+int test_same_steps(TestCtx* t, const char* what, const char* log_a, const char* log_b, int from,
+                    int to) {
+    char* a = test_read_file(log_a, NULL);
+    char* b = test_read_file(log_b, NULL);
+    int same = 1;
+    for (int s = from; s <= to; s++) {
+        char x[512], y[512];
+        const int hx = test_log_record(a, s, x, sizeof x);
+        const int hy = test_log_record(b, s, y, sizeof y);
+        const int ok = hx && hy && strcmp(x, y) == 0;
+        CHECK(t, ok, "%s step %d: '%s' vs '%s'", what, s, hx ? x : "-", hy ? y : "-");
+        same &= ok;
+    }
+    free(a);
+    free(b);
+    return same;
+}
+
+int test_resume_runs(TestCtx* t, TestResumeRuns* r, const char* tag, const char* args,
+                     int steps, int split, int first_steps) {
+    snprintf(r->straight_out, sizeof r->straight_out, "%s/%s_straight", t->tmpdir, tag);
+    snprintf(r->resumed_out, sizeof r->resumed_out, "%s/%s_resumed", t->tmpdir, tag);
+    snprintf(r->straight_log, sizeof r->straight_log, "%s/%s_a.jsonl", t->tmpdir, tag);
+    snprintf(r->first_log, sizeof r->first_log, "%s/%s_b1.jsonl", t->tmpdir, tag);
+    snprintf(r->resumed_log, sizeof r->resumed_log, "%s/%s_b2.jsonl", t->tmpdir, tag);
+    char run_tag[160];
+    snprintf(r->resumed_tag, sizeof r->resumed_tag, "%s_second", tag);
+    // (the flags in this order: the same command lines as the suites wrote them out by hand)
+    const size_t cap = strlen(args) + 3 * sizeof r->straight_out + 256;
+    char* cmd = malloc_check(cap);
+    int ok = 1;
+
+    snprintf(cmd, cap, "%s --steps %d --save-every %d --out '%s' --log '%s'", args, steps, steps,
+             r->straight_out, r->straight_log);
+    snprintf(run_tag, sizeof run_tag, "%s_straight", tag);
+    int rc = test_run_cli(t, run_tag, cmd);
+    CHECK(t, rc == 0, "%s: straight run", tag);
+    ok &= rc == 0;
+
+    snprintf(cmd, cap, "%s --steps %d --save-every %d --out '%s' --log '%s'", args, first_steps,
+             split, r->resumed_out, r->first_log);
+    snprintf(run_tag, sizeof run_tag, "%s_first", tag);
+    rc = test_run_cli(t, run_tag, cmd);
+    CHECK(t, rc == 0, "%s: first part", tag);
+    ok &= rc == 0;
+    // a first part that ran past the split: every save after it loses its DONE, as if the run
+    // had crashed before completing them (the resumed run must ignore them)
+    for (int s = split + 1; s <= first_steps; s++) {
+        if (s % split != 0 && s != first_steps) continue;
+        char done[1200];
+        snprintf(done, sizeof done, "%s/step_%d/DONE", r->resumed_out, s);
+        const int gone = unlink(done) == 0;
+        CHECK(t, gone, "%s: remove %s", tag, done);
+        ok &= gone;
+    }
+
+    snprintf(cmd, cap, "%s --steps %d --save-every %d --out '%s' --log '%s' --resume", args,
+             steps, split, r->resumed_out, r->resumed_log);
+    rc = test_run_cli(t, r->resumed_tag, cmd);
+    CHECK(t, rc == 0, "%s: resumed part", tag);
+    ok &= rc == 0;
+    free(cmd);
+
+    ok &= test_same_steps(t, tag, r->straight_log, r->first_log, 1, split);
+    ok &= test_same_steps(t, tag, r->straight_log, r->resumed_log, split + 1, steps);
+    return ok;
 }
 
 // ----------------------------------------------------------------------------

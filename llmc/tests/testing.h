@@ -114,6 +114,31 @@ char* test_read_output(TestCtx* t, const char* tag, const char* ext);
 // err is one line (a trailing newline, no other), names an error and contains must.
 int test_one_error_line(const char* err, const char* must);
 
+// ---- CLI runs compared by their logs (testing.c) ----
+// The log files' records of steps from..to agree (test_log_record: loss, lr, norm, ... as logged
+// strings, the timings aside): one CHECK per step, "<what> step N: '<a>' vs '<b>'". 1 when all do.
+int test_same_steps(TestCtx* t, const char* what, const char* log_a, const char* log_b, int from,
+                    int to);
+
+// The runs of test_resume_runs, under tmpdir with the tag's prefix.
+typedef struct TestResumeRuns {
+    char straight_out[1024];  // <tag>_straight: the straight run's --out (step_<steps>/ and all)
+    char resumed_out[1024];   // <tag>_resumed: the --out of the first part and the resumed run
+    char straight_log[1024];  // <tag>_a.jsonl
+    char first_log[1024];     // <tag>_b1.jsonl
+    char resumed_log[1024];   // <tag>_b2.jsonl
+    char resumed_tag[160];    // test_run_cli's tag of the resumed run (its .out and .err)
+} TestResumeRuns;
+// `args` (model, data, run flags) three times: straight for `steps` steps (--save-every steps);
+// a first part for `first_steps` steps saving every `split` (first_steps > split: every save
+// after step `split` then loses its DONE, as if the run had crashed before completing them);
+// and --resume from that to `steps` (--save-every split). CHECKs that each exits 0 ("<tag>:
+// straight run", "first part", "resumed part"), each removal, and that the straight log's
+// records of steps 1..split are the first part's and those of split+1..steps the resumed run's
+// (test_same_steps, what = tag). 1 when all of that held.
+int test_resume_runs(TestCtx* t, TestResumeRuns* r, const char* tag, const char* args,
+                     int steps, int split, int first_steps);
+
 // ---- the reference trainer (testing.c) ----
 // Plain (non-pipelined) training of c's model on ops/ctx: each step runs M micro-batches of
 // tokens (steps x B x (T+1)), then AdamW on the host (gradient clip 1.0, the learning rate of
