@@ -27,6 +27,7 @@
 #include "llmc/dp.h"
 #include "llmc/engine.h"
 #include "llmc/grpo.h"
+#include "llmc/grpo_ranks.h"
 #include "llmc/interrupt.h"
 #include "llmc/log.h"
 #include "llmc/loader.h"
@@ -477,7 +478,7 @@ static int train_rl(const TrainArgs* a, Trainer* tr, const Model* model, Store* 
 
 // A rollout rank of --rl-rollout-ranks (rank > 0): its generator on its GPU (LOCAL_RANK), the
 // trainer's prompts in, answers out, new weights after each step, until rank 0 says stop
-// (llmc/grpo.h grpo_serve). Nothing of training is loaded or printed here. Returns the exit
+// (llmc/grpo_ranks.h grpo_serve). Nothing of training is loaded or printed here. Returns the exit
 // status.
 static int serve_rollouts(const TrainArgs* a, const DistConfig* dist, const Model* model) {
     char err[ERR_LEN];

@@ -1,8 +1,7 @@
 /*
  * grpo.c — GRPO rollouts, advantages, the policy step and the weight sync (grpo.h); the
  * rollouts colocated, on rollout devices of this process (--rollout-gpus) or on rollout ranks
- * in other processes (--rl-rollout-ranks: the trainer's side and grpo_serve, a rollout rank's
- * loop, over the communicator the caller hands in).
+ * in other processes (--rl-rollout-ranks: their message protocol is grpo_ranks.c's).
  */
 #include "grpo.h"
 
@@ -195,357 +194,17 @@ static void split_free(Grpo* g) {
     if (g->rdev.dev) device_set_close(&g->rdev);
 }
 
-// ----------------------------------------------------------------------------
-// the rollout ranks (--rl-rollout-ranks): other processes, one rank of a communicator each
-
-// Every message starts with this header, broadcast from rank 0 (the trainer); the ops that
-// follow depend on its kind, the same on every rank (one op sequence per communicator).
-enum { RANK_GENERATE = 1, RANK_WEIGHTS = 2, RANK_STOP = 3 };
-typedef struct RankMsg {
-    int32_t kind;
-    int32_t n, group, maxT;  // GENERATE: the batch's shape (the rollout ranks check it)
-    int64_t version;         // WEIGHTS: the version sent; GENERATE: the one expected
-    int64_t payload;         // GENERATE: the prompts' bytes broadcast next
-    int64_t reserved[2];     // (zero: 48 bytes in all)
-} RankMsg;
-
-// GENERATE's payload, per answer: what gen_run needs (the prompt's tokens follow, maxT each).
-typedef struct RankSeqIn {
-    int32_t prompt_len, max_new, stop_a, stop_b;
-    Rng rng;  // its sampler, seeded by the trainer (answer_seed): the colocated run's stream
-} RankSeqIn;
-
-// An answer back (its tokens (maxT) and log-probs (2 maxT: sampling, full) follow).
-typedef struct RankSeqOut {
-    int32_t len, stopped;
-    int64_t version;
-} RankSeqOut;
-
-// A rollout rank's block of the answers' all-gather: this head, then cap answers.
-typedef struct RankAnsHead {
-    int64_t n;                   // answers in the block
-    double decoded, decode_s;    // its generator's counters so far (for the step line)
-} RankAnsHead;
-
-#define RANK_VERDICT_BYTES 384
-
-// The groups [*p0, *p1) of P that rollout rank q (1..R) generates (as generate_shares divides
-// them among rollout devices).
-static void rank_groups(int P, int R, int q, int* p0, int* p1) {
-    *p0 = (int)((int64_t)P * (q - 1) / R);
-    *p1 = (int)((int64_t)P * q / R);
-}
-
-static size_t even(size_t bytes) { return (bytes + 1) & ~(size_t)1; }
-
-// bytes (even) of buf from rank 0 to every rank, host memory (the communicator stages it).
-static int rank_bcast(Comm* c, void* buf, size_t bytes, char* err) {
-    if (comm_broadcast(c, buf, buf, bytes / 2, COMM_BF16, 0, NULL) == 0) return 0;
-    char msg[ERR_LEN];
-    return errorf(err, "rollout ranks: %s", comm_error(c, msg, sizeof msg) ? msg : "failed");
-}
-
-// The answers' block size for a batch of P x G answers of maxT positions over R rollout ranks.
-static size_t rank_block_bytes(int P, int G, int R, int maxT) {
-    const size_t cap = (size_t)((P + R - 1) / R) * G;
-    return even(sizeof(RankAnsHead) + cap * (sizeof(RankSeqOut) + (size_t)maxT * 3 * 4));
-}
-
-// Every rank's verdict (mine: "" ready, else why not) to every rank: the first refusal in rank
-// order becomes err on all of them, so a rollout rank that cannot start fails the trainer with
-// its reason instead of leaving it waiting. 0 when every rank is ready.
-static int rank_verdicts(Comm* c, const char* mine, char* err) {
-    const size_t all = (size_t)c->world * RANK_VERDICT_BYTES;
-    char* buf = calloc_check(all, 1);
-    char* own = buf + (size_t)c->rank * RANK_VERDICT_BYTES;
-    snprintf(own, RANK_VERDICT_BYTES, "%s", mine);
-    int rc = 0;
-    if (comm_all_gather(c, own, buf, RANK_VERDICT_BYTES / 2, COMM_BF16, NULL) != 0) {
-        char msg[ERR_LEN];
-        rc = errorf(err, "rollout ranks: %s", comm_error(c, msg, sizeof msg) ? msg : "failed");
-    }
-    for (int q = 0; q < c->world && rc == 0; q++) {
-        char* v = buf + (size_t)q * RANK_VERDICT_BYTES;
-        v[RANK_VERDICT_BYTES - 1] = '\0';
-        if (v[0]) rc = errorf(err, "rank %d: %s", q, v);
-    }
-    free(buf);
-    return rc;
-}
-
-static int64_t ranks_send_weights(Grpo* g, int64_t version, char* err);
-
-// The trainer: the rollout ranks' start (their verdicts, the manifest exchange, the weights of
-// `version`). -1 + err.
-static int ranks_create(Grpo* g, const GrpoSplit* split, int64_t version, char* err) {
-    Comm* c = split->comm;
-    if (!c || c->rank != 0 || c->world != split->R + 1)
-        return errorf(err, "internal: --rl-rollout-ranks %d on rank %d of %d", split->R,
-                      c ? c->rank : -1, c ? c->world : 0);
-    g->R = split->R;
-    g->xc = c;
-    g->x_dec = calloc_check((size_t)g->R, sizeof(double));
-    g->x_tdec = calloc_check((size_t)g->R, sizeof(double));
-    if (rank_verdicts(c, "", err) != 0) return -1;
-    g->ximpl = split->impl;
-    g->xdev = split->impl->open(split->first, &split->opt);
-    if (!g->xdev) fatal("cannot open device %s:%d for the weight broadcast", split->impl->name,
-                        split->first);
-    const CommStream st = {.impl = split->impl, .dev = g->xdev, .stream = STREAM_COMPUTE};
-    weight_manifest_build(&g->xman, &g->m->tt, g->gen.ops->act_bytes);
-    if (weight_rank_manifest(&g->xwr, c, &st, 0, WEIGHT_SEND, &g->xman, err) != 0) return -1;
-    g->x_live = 1;
-    return ranks_send_weights(g, version, err) < 0 ? -1 : 0;
-}
-
-// The trainer: g->gen's weights (version `version`) to every rollout rank. The bytes each got,
-// or -1 + err.
-static int64_t ranks_send_weights(Grpo* g, int64_t version, char* err) {
-    RankMsg h = {.kind = RANK_WEIGHTS, .version = version};
-    if (rank_bcast(g->xc, &h, sizeof h, err) != 0) return -1;
-    return weight_rank_run(&g->xwr, g->gen.own, err);
-}
-
-// The trainer: the answers of seqs (P groups of G) from the rollout ranks: the prompts and
-// samplers out in one broadcast, each rank's answers back in one all-gather. Fatal on a
-// communicator error (a rollout rank died or timed out).
-static void ranks_generate(Grpo* g, GenSeq* seqs, int P, int G) {
-    char err[ERR_LEN];
-    const int n = P * G, T = g->maxT, R = g->R;
-    const size_t in_bytes = even((size_t)n * (sizeof(RankSeqIn) + (size_t)T * 4));
-    RankMsg h = {.kind = RANK_GENERATE, .n = n, .group = G, .maxT = T,
-                 .version = g->gen.version, .payload = (int64_t)in_bytes};
-    char* in = calloc_check(in_bytes, 1);
-    int32_t* toks = (int32_t*)(in + (size_t)n * sizeof(RankSeqIn));
-    for (int i = 0; i < n; i++) {
-        const GenSeq* q = &seqs[i];
-        const RankSeqIn s = {.prompt_len = q->prompt_len, .max_new = q->max_new,
-                             .stop_a = q->stop_a, .stop_b = q->stop_b, .rng = q->rng};
-        memcpy(in + (size_t)i * sizeof s, &s, sizeof s);
-        memcpy(toks + (size_t)i * T, q->tokens, (size_t)q->prompt_len * sizeof(int32_t));
-    }
-    if (rank_bcast(g->xc, &h, sizeof h, err) != 0 || rank_bcast(g->xc, in, in_bytes, err) != 0)
-        fatal("--rl-rollout-ranks: %s", err);
-    free(in);
-    const size_t block = rank_block_bytes(P, G, R, T);
-    char* all = calloc_check(block * (size_t)(R + 1), 1);
-    if (comm_all_gather(g->xc, all, all, block / 2, COMM_BF16, NULL) != 0) {
-        char msg[ERR_LEN];
-        fatal("--rl-rollout-ranks: the answers: %s",
-              comm_error(g->xc, msg, sizeof msg) ? msg : "failed");
-    }
-    for (int q = 1; q <= R; q++) {
-        const char* b = all + (size_t)q * block;
-        int p0, p1;
-        rank_groups(P, R, q, &p0, &p1);
-        RankAnsHead ah;
-        memcpy(&ah, b, sizeof ah);
-        const int cnt = (p1 - p0) * G;
-        if (ah.n != cnt)
-            fatal("--rl-rollout-ranks: rollout rank %d sent %lld answers, not its %d", q,
-                  (long long)ah.n, cnt);
-        g->x_dec[q - 1] = ah.decoded;
-        g->x_tdec[q - 1] = ah.decode_s;
-        const char* outs = b + sizeof ah;
-        const int32_t* otok = (const int32_t*)(outs + (size_t)cnt * sizeof(RankSeqOut));
-        const float* olp = (const float*)(otok + (size_t)cnt * T);
-        for (int j = 0; j < cnt; j++) {
-            GenSeq* s = &seqs[(size_t)p0 * G + j];
-            RankSeqOut o;
-            memcpy(&o, outs + (size_t)j * sizeof o, sizeof o);
-            if (o.len < s->prompt_len || o.len > T || o.version != g->gen.version)
-                fatal("--rl-rollout-ranks: rollout rank %d: answer %d has %d tokens after a "
-                      "prompt of %d, by weights v%lld (the trainer's are v%lld)", q, j,
-                      (int)o.len, s->prompt_len, (long long)o.version,
-                      (long long)g->gen.version);
-            s->len = o.len;
-            s->stopped = o.stopped;
-            s->version = o.version;
-            memcpy(s->tokens, otok + (size_t)j * T, (size_t)T * sizeof(int32_t));
-            memcpy(s->logp, olp + (size_t)j * 2 * T, (size_t)T * sizeof(float));
-            memcpy(s->logp_full, olp + (size_t)j * 2 * T + T, (size_t)T * sizeof(float));
-        }
-    }
-    free(all);
-}
-
-// The trainer: the rollout ranks told to stop (the run is over), its side closed.
-static void ranks_free(Grpo* g) {
-    if (g->x_live) {
-        // (the run is trained: a rollout rank gone by now costs no checkpoint or export)
-        char err[ERR_LEN];
-        RankMsg h = {.kind = RANK_STOP};
-        if (rank_bcast(g->xc, &h, sizeof h, err) != 0)
-            printf("warning: --rl-rollout-ranks: the stop did not reach every rollout rank: "
-                   "%s\n", err);
-        g->x_live = 0;
-    }
-    if (g->xwr.comm) weight_rank_close(&g->xwr);
-    weight_manifest_free(&g->xman);
-    if (g->xdev) g->ximpl->close(g->xdev);
-    g->xdev = NULL;
-    free(g->x_dec);
-    free(g->x_tdec);
-    g->x_dec = g->x_tdec = NULL;
-}
-
-// A rollout rank's generation of one GENERATE message: the payload received, its groups run,
-// its block of the answers' all-gather. -1 + err.
-static int serve_generate(Comm* c, Generator* gen, const RankMsg* h, int R, GenSeq* seqs,
-                          int cap, int* groups, char* err) {
-    const int n = h->n, G = h->group, T = h->maxT, P = n / G;
-    if (h->payload != (int64_t)even((size_t)n * (sizeof(RankSeqIn) + (size_t)T * 4)) ||
-        T != gen->o.max_len || G < 1 || n % G != 0 || (P + R - 1) / R * G > cap)
-        return errorf(err, "rollout rank %d: a batch of %d answers in groups of %d, %d positions, "
-                      "is not what its flags make (run every rank with the same flags)",
-                      c->rank, n, G, T);
-    if (h->version != gen->version)
-        return errorf(err, "rollout rank %d: the batch wants weights v%lld, it holds v%lld",
-                      c->rank, (long long)h->version, (long long)gen->version);
-    char* in = malloc_check((size_t)h->payload);
-    if (rank_bcast(c, in, (size_t)h->payload, err) != 0) {
-        free(in);
-        return -1;
-    }
-    int p0, p1;
-    rank_groups(P, R, c->rank, &p0, &p1);
-    const int cnt = (p1 - p0) * G;
-    *groups = p1 - p0;
-    const int32_t* toks = (const int32_t*)(in + (size_t)n * sizeof(RankSeqIn));
-    for (int j = 0; j < cnt; j++) {
-        const int i = p0 * G + j;
-        RankSeqIn s;
-        memcpy(&s, in + (size_t)i * sizeof s, sizeof s);
-        GenSeq* q = &seqs[j];
-        if (s.prompt_len < 1 || s.prompt_len > T - 2) {
-            free(in);
-            return errorf(err, "rollout rank %d: answer %d's prompt has %d tokens in %d "
-                          "positions", c->rank, i, (int)s.prompt_len, T);
-        }
-        memcpy(q->tokens, toks + (size_t)i * T, (size_t)s.prompt_len * sizeof(int32_t));
-        q->prompt_len = s.prompt_len;
-        q->max_new = s.max_new;
-        q->stop_a = s.stop_a;
-        q->stop_b = s.stop_b;
-        q->rng = s.rng;
-    }
-    free(in);
-    if (cnt > 0) gen_run(gen, seqs, cnt, G);
-    const size_t block = rank_block_bytes(P, G, R, T);
-    char* all = calloc_check(block * (size_t)c->world, 1);
-    char* b = all + (size_t)c->rank * block;
-    const RankAnsHead ah = {.n = cnt, .decoded = (double)gen->n_decoded,
-                            .decode_s = gen->t_decode};
-    memcpy(b, &ah, sizeof ah);
-    char* outs = b + sizeof ah;
-    int32_t* otok = (int32_t*)(outs + (size_t)cnt * sizeof(RankSeqOut));
-    float* olp = (float*)(otok + (size_t)cnt * T);
-    for (int j = 0; j < cnt; j++) {
-        const GenSeq* q = &seqs[j];
-        const RankSeqOut o = {.len = q->len, .stopped = q->stopped, .version = q->version};
-        memcpy(outs + (size_t)j * sizeof o, &o, sizeof o);
-        memcpy(otok + (size_t)j * T, q->tokens, (size_t)T * sizeof(int32_t));
-        memcpy(olp + (size_t)j * 2 * T, q->logp, (size_t)T * sizeof(float));
-        memcpy(olp + (size_t)j * 2 * T + T, q->logp_full, (size_t)T * sizeof(float));
-    }
-    int rc = 0;
-    if (comm_all_gather(c, b, all, block / 2, COMM_BF16, NULL) != 0) {
-        char msg[ERR_LEN];
-        rc = errorf(err, "rollout ranks: %s", comm_error(c, msg, sizeof msg) ? msg : "failed");
-    }
-    free(all);
-    return rc;
-}
-
-int grpo_serve(const TrainArgs* a, const Model* m, const GrpoSplit* where, char* err) {
-    Comm* c = where->comm;
-    const RlArgs* r = &a->rl;
-    const int R = where->R, T = a->seq;
-    if (!c || c->rank < 1 || c->world != R + 1)
-        return errorf(err, "internal: a rollout rank %d of %d with --rl-rollout-ranks %d",
-                      c ? c->rank : -1, c ? c->world : 0, R);
-    const int cap = (r->prompts + R - 1) / R * r->group;  // the largest share
-    const GenOptions go = {.max_seqs = cap, .max_len = T, .temperature = a->temperature,
-                           .top_k = r->top_k, .top_p = r->top_p, .max_bytes = where->budget};
-    Device* dev = where->impl->open(where->first, &where->opt);
-    if (!dev) fatal("cannot open rollout device %s:%d", where->impl->name, where->first);
-    Generator gen;
-    char why[ERR_LEN] = "";
-    const int made = gen_create(&gen, m, where->impl->ops(dev), where->impl->ops_ctx(dev), &go, 1,
-                                why) == 0;
-    if (!made && !why[0]) snprintf(why, sizeof why, "its generator could not be created");
-    int rc = rank_verdicts(c, why, err);
-    WeightManifest mine = {0};
-    WeightRank wr = {0};
-    if (rc == 0) {
-        weight_manifest_build(&mine, &m->tt, gen.ops->act_bytes);
-        const CommStream st = {.impl = where->impl, .dev = dev, .stream = STREAM_COMPUTE};
-        rc = weight_rank_manifest(&wr, c, &st, 0, WEIGHT_RECV, &mine, err);
-    }
-    int p0, p1;
-    rank_groups(r->prompts, R, c->rank, &p0, &p1);
-    if (rc == 0)
-        printf("rollout rank %d of %d (%s:%d): groups %d..%d of the %d of each batch, %d answers "
-               "each\n", c->rank, c->world, where->impl->name, where->first, p0, p1 - 1,
-               r->prompts, r->group);
-    GenSeq* seqs = calloc_check((size_t)cap, sizeof(GenSeq));
-    int32_t* toks = calloc_check((size_t)cap * T, sizeof(int32_t));
-    float* lp = calloc_check((size_t)cap * 2 * T, sizeof(float));
-    for (int j = 0; j < cap; j++)
-        seqs[j] = (GenSeq){.tokens = toks + (size_t)j * T, .logp = lp + (size_t)j * 2 * T,
-                           .logp_full = lp + (size_t)j * 2 * T + T};
-    int64_t batches = 0, answers = 0, v_first = -1, v_last = -1;
-    const double t0 = time_now_s();
-    while (rc == 0) {
-        RankMsg h;
-        memset(&h, 0, sizeof h);
-        if (rank_bcast(c, &h, sizeof h, err) != 0) {
-            rc = -1;
-        } else if (h.kind == RANK_STOP) {
-            break;
-        } else if (h.kind == RANK_WEIGHTS) {
-            // placed by name into the generator's own weights; the KV cache holds nothing of
-            // the old version (gen_run fills it afresh)
-            if (weight_rank_run(&wr, gen.own, err) < 0) rc = -1;
-            gen.version = h.version;
-            if (v_first < 0) v_first = h.version;
-            v_last = h.version;
-        } else if (h.kind == RANK_GENERATE) {
-            int groups = 0;
-            rc = serve_generate(c, &gen, &h, R, seqs, cap, &groups, err);
-            batches++;
-            answers += (int64_t)groups * h.group;
-        } else {
-            rc = errorf(err, "rollout rank %d: message kind %d from the trainer", c->rank,
-                        (int)h.kind);
-        }
-    }
-    if (rc == 0)
-        printf("rollout rank %d: %lld batches, %lld answers (%.0f tokens decoded, %.0f tokens/s), "
-               "weights v%lld..v%lld, %.1f s\n", c->rank, (long long)batches, (long long)answers,
-               (double)gen.n_decoded, gen.t_decode > 0 ? gen.n_decoded / gen.t_decode : 0.0,
-               (long long)v_first, (long long)v_last, time_now_s() - t0);
-    free(seqs);
-    free(toks);
-    free(lp);
-    if (wr.comm) weight_rank_close(&wr);
-    weight_manifest_free(&mine);
-    if (made) gen_free(&gen);
-    where->impl->close(dev);
-    return rc;
-}
-
 // The generator of rollout device k (the colocated one: k = 0).
 static Generator* gen_of(Grpo* g, int k) { return k == 0 ? &g->gen : &g->xgen[k - 1]; }
 
 // Tokens decoded and decode seconds of every generator.
 static void gen_counters(Grpo* g, double* decoded, double* t_decode) {
     *decoded = *t_decode = 0.0;
-    for (int q = 0; q < g->R; q++) {  // (the rollout ranks': the trainer's generates none)
-        *decoded += g->x_dec[q];
-        *t_decode = fmax(*t_decode, g->x_tdec[q]);
+    for (int q = 0; q < g->ranks.R; q++) {  // (the rollout ranks': the trainer's generates none)
+        *decoded += g->ranks.dec[q];
+        *t_decode = fmax(*t_decode, g->ranks.tdec[q]);
     }
-    if (g->R > 0) return;
+    if (g->ranks.R > 0) return;
     for (int k = 0; k < (g->K > 0 ? g->K : 1); k++) {
         *decoded += (double)gen_of(g, k)->n_decoded;
         *t_decode = fmax(*t_decode, gen_of(g, k)->t_decode);  // (they decode concurrently)
@@ -587,8 +246,9 @@ int grpo_create(Grpo* g, const TrainArgs* a, const Model* m, Store* s, Plain* p,
         }
         gen_load_weights(&g->gen, s, version);
         // rollout ranks: the trainer's generator (synced as colocated) is what they receive
-        if (split && split->R > 0 && ranks_create(g, split, version, err) != 0) {
-            ranks_free(g);
+        if (split && split->R > 0 &&
+            grpo_ranks_create(&g->ranks, split, m, &g->gen, version, err) != 0) {
+            grpo_ranks_free(&g->ranks);
             gen_free(&g->gen);
             rl_task_free(&g->task);
             return -1;
@@ -648,7 +308,7 @@ void grpo_free(Grpo* g) {
     free(g->e_adv);
     free(g->e_w);
     free(g->e_ref);
-    ranks_free(g);  // (the rollout ranks stop)
+    grpo_ranks_free(&g->ranks);  // (the rollout ranks stop)
     split_free(g);  // (the colocated generator too)
     rl_task_free(&g->task);
     memset(g, 0, sizeof *g);
@@ -682,8 +342,8 @@ static void* share_main(void* arg) {
 // on rollout device k, all devices at once (each sequence has its own sampler, seeded by its
 // index, so the division changes no answer).
 static void generate_shares(Grpo* g, GenSeq* seqs, int P, int G) {
-    if (g->R > 0) {  // (the rollout ranks: the same division, over the communicator)
-        ranks_generate(g, seqs, P, G);
+    if (g->ranks.R > 0) {  // (the rollout ranks: the same division, over the communicator)
+        grpo_ranks_generate(&g->ranks, seqs, P, G, g->maxT, g->gen.version);
         return;
     }
     if (g->K <= 1) {
@@ -804,7 +464,7 @@ void grpo_rollout(Grpo* g, int step) {
     // in a checkpoint, which keeps the batch (grpo_state_pack), so a run resumed from it with
     // more --steps trains on the answers the straight run would.
     const int next = r->off_policy && (step < g->a->steps || g->a->save_every > 0);
-    const int aside = g->K > 0 || g->R > 0;  // rollouts on GPUs of their own
+    const int aside = g->K > 0 || g->ranks.R > 0;  // rollouts on GPUs of their own
     if (next && !aside) fill_batch(g, &g->batch[1 - g->cur], step + 1);
     st->rollout_s = time_now_s() - t0;
     double decoded, t_decode;
@@ -1068,11 +728,11 @@ void grpo_sync(Grpo* g, int64_t version) {
         g->st.sync_bytes = (double)gen_copy_weights(&g->gen, g->p->dparam, version);
         g->p->ops->synchronize(g->p->ctx);
     }
-    if (g->R > 0) {
+    if (g->ranks.R > 0) {
         // the rollout ranks: the trainer's generator's weights broadcast to them
         char err[ERR_LEN];
         const double t1 = time_now_s();
-        const int64_t bytes = ranks_send_weights(g, version, err);
+        const int64_t bytes = grpo_ranks_send_weights(&g->ranks, &g->gen, version, err);
         if (bytes < 0) fatal("--rl-rollout-ranks: %s", err);
         g->st.bcast_bytes = (double)bytes;
         g->bcast_s = time_now_s() - t1;
@@ -1133,11 +793,11 @@ void grpo_log_step(const Grpo* g, StepLog* lg, const StepStats* s) {
            st->clip_frac, st->kl, st->answer_len, (long long)st->version,
            st->staleness ? " (1 behind)" : "", st->rollout_s * 1e3, st->gen_tok_s,
            st->train_s * 1e3, st->sync_s * 1e3, s->norm, s->lr);
-    if (g->R > 0 && st->sync_s > 0) {
+    if (g->ranks.R > 0 && st->sync_s > 0) {
         // the broadcast to the rollout ranks, after the trainer's generator was synced
         printf("  weight sync: %.1f MB broadcast to %d rollout rank%s in %.2f ms (%.1f GB/s), "
-               "the trainer's copy %.2f ms; decode %.0f tokens/s\n", st->bcast_bytes / 1e6, g->R,
-               g->R > 1 ? "s" : "", g->bcast_s * 1e3,
+               "the trainer's copy %.2f ms; decode %.0f tokens/s\n", st->bcast_bytes / 1e6,
+               g->ranks.R, g->ranks.R > 1 ? "s" : "", g->bcast_s * 1e3,
                g->bcast_s > 0 ? st->bcast_bytes / g->bcast_s / 1e9 : 0.0,
                (st->sync_s - g->bcast_s) * 1e3, st->decode_tok_s);
     } else if ((!g->p->aliased || g->K > 0) && st->sync_s > 0) {  // (the CPU's line as it was)
@@ -1173,8 +833,8 @@ void grpo_log_step(const Grpo* g, StepLog* lg, const StepStats* s) {
     json_num(lg->f, "gen_tok_s", st->gen_tok_s);
     json_num(lg->f, "sync_bytes", st->sync_bytes);
     json_num(lg->f, "decode_tok_s", st->decode_tok_s);
-    if (g->K > 1 || g->R > 0) json_num(lg->f, "bcast_bytes", st->bcast_bytes);
-    if (g->R > 0) json_num(lg->f, "bcast_ms", g->bcast_s * 1e3);
+    if (g->K > 1 || g->ranks.R > 0) json_num(lg->f, "bcast_bytes", st->bcast_bytes);
+    if (g->ranks.R > 0) json_num(lg->f, "bcast_ms", g->bcast_s * 1e3);
     fprintf(lg->f, "}\n");
     fflush(lg->f);
 }

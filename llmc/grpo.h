@@ -23,16 +23,8 @@
  * device 0, then broadcasts them to the others (weightsync.h: the manifest exchanged at
  * creation, each tensor placed by name).
  *
- * Rollout ranks (--rl-rollout-ranks R, GrpoSplit.R): of W = R + 1 ranks (processes, one GPU
- * each) rank 0 trains as colocated and ranks 1..R only generate (grpo_serve). The trainer picks
- * the prompts and seeds every answer's sampler as always, then broadcasts them (a message
- * header, then the packed prompts); rollout rank q generates the groups [P (q-1) / R, P q / R)
- * and the answers (tokens, log-probs, version) come back in one all-gather of fixed-size
- * blocks; the trainer scores them and trains. After each step the trainer's generator is
- * synced as colocated and broadcast from there (weightsync.h WeightRank, after the manifest
- * exchange at creation); one step off, the next batch's round trip runs on a thread during the
- * step, as the split schedule's rollout. A stop message ends the rollout ranks (grpo_free).
- * Same samplers, same weights: the same answers as the colocated run.
+ * Rollout ranks (--rl-rollout-ranks R, GrpoSplit.R): rank 0 trains, ranks 1..R of a communicator
+ * only generate; the message protocol between them is grpo_ranks.h's.
  *
  * The objective per answer token (ops.h policy_forward_backward): advantages Â_i from the
  * group's rewards (NaN masks an answer; a group with fewer than two scored answers or all
@@ -50,6 +42,7 @@
 #include "args.h"
 #include "device.h"
 #include "generate.h"
+#include "grpo_ranks.h"
 #include "log.h"
 #include "model.h"
 #include "plain.h"
@@ -98,21 +91,6 @@ typedef struct GrpoStats {
     double decode_tok_s;   // tokens per second of the decode steps alone (no prefill, rewards)
 } GrpoStats;
 
-// Where the rollouts run: --rollout-gpus K (the split schedule: rollout devices of this
-// process) or --rl-rollout-ranks R (rollout ranks: other processes, one rank each).
-typedef struct GrpoSplit {
-    const DeviceImpl* impl;  // device_cpu_impl (--device cpu:N) or device_cuda_impl
-    int K;                   // rollout devices (0: colocated)
-    int first;               // the first one's index (after the N - K training devices); with
-                             // R > 0 the device of this rank's broadcast (its GPU: LOCAL_RANK)
-    DeviceOptions opt;       // as the training devices'
-    double budget;           // bytes each may give its generator (0: no limit)
-    double timeout_s;        // their communicator's
-    int R;                   // rollout ranks (0: none): ranks 1..R of comm generate, rank 0 trains
-    Comm* comm;              // borrowed: the communicator over the R + 1 ranks (dist.c's: NCCL
-                             // across processes; the emulation's threads in the tests)
-} GrpoSplit;
-
 typedef struct Grpo {
     const TrainArgs* a;
     const RlArgs* r;
@@ -153,20 +131,10 @@ typedef struct Grpo {
     int bg_step;           // the step it generates for
     double bg_s;           // its seconds
     double bg_decoded;     // tokens it decoded
-    // the rollout ranks (--rl-rollout-ranks R, this process is rank 0 of xc): the same
-    // "prompts out, answers back" as the split schedule's devices (generate_shares), over the
-    // communicator: one broadcast of the batch's prompts and samplers, one all-gather of the
-    // answers; the weights after each step by the manifest broadcast (weightsync.h WeightRank)
-    // from the trainer's generator (g->gen: synced as colocated, and the held-out evaluation's)
-    int R;                 // 0: none
-    Comm* xc;              // borrowed
-    const DeviceImpl* ximpl;
-    Device* xdev;          // this rank's device of the weight broadcast
-    WeightManifest xman;   // the layout sent (g->gen's own weights)
-    WeightRank xwr;
-    int x_live;            // the rollout ranks wait for messages (a stop is owed them)
-    double* x_dec;         // (R) each rollout rank's tokens decoded so far, as it last reported
-    double* x_tdec;        // (R) and its decode seconds
+    // the rollout ranks (--rl-rollout-ranks R, grpo_ranks.h; this process is rank 0): the
+    // weights they get are the trainer's generator's (g->gen: synced as colocated, and the
+    // held-out evaluation's)
+    GrpoRanks ranks;       // R = 0: none
     double bcast_s;        // the last weight broadcast's seconds
 } Grpo;
 
@@ -193,13 +161,6 @@ StepStats grpo_train(Grpo* g, Trainer* tr, int step);
 // the compute dtype (bit for bit the Store's fp32 weights converted on the device); on the plain
 // path the Store's (CPU) or the plain path's device slabs (device to device).
 void grpo_sync(Grpo* g, int64_t version);
-// A rollout rank (--rl-rollout-ranks, rank r >= 1 of where->comm): its generator on device
-// where->first (budget where->budget), the manifest exchange with rank 0, then the trainer's
-// messages until it says stop: new weights (placed by name, the version recorded), a batch's
-// prompts (its contiguous range of the groups generated, the answers sent back). Prints one
-// line of its own at the start and one at the end. 0, or -1 + err (the same line the trainer
-// fails with, where the communicator carries it).
-int grpo_serve(const TrainArgs* a, const Model* m, const GrpoSplit* where, char* err);
 // Split schedule: the weights of rollout device 0 broadcast to the others (after the manifest
 // exchange); the bytes each received (0 with one rollout device). Fatal on a communicator error.
 double grpo_broadcast(Grpo* g);
