@@ -931,6 +931,21 @@ static void xr_same(TestCtx* t, const char* what, const XrRank* ref, const XrRan
     "--threads 1 --sample-tokens 0 --lr 1e-3 --warmup 1 --schedule constant --row-chunks 1 "     \
     "--rl-eval-every 0 --steps 4 --kl-beta 0.05"
 
+// The schedules the rank tests run: the plain path and the engine (cpu:1), on-policy with the
+// synchronous update and one step off (the engine's with the delayed one).
+typedef struct XrCase {
+    const char* name;
+    const char* flags;
+    int N;  // engine devices (0: the plain path)
+} XrCase;
+static const XrCase XR_CASES[] = {
+    {"plain, on-policy", "--off-policy 0", 0},
+    {"cpu:1, on-policy", "--off-policy 0 --device cpu:1 --sync 1", 1},
+    {"plain, one step off", "--off-policy 1", 0},
+    {"cpu:1, one step off, delayed", "--off-policy 1 --device cpu:1 --sync 0", 1},
+};
+#define XR_N_CASES (sizeof XR_CASES / sizeof XR_CASES[0])
+
 // The rank tests' reward script (script, 512 bytes), token shard (shard, 512 bytes) and tiny
 // model; -1 (reported) when the script cannot be written.
 static int xr_setup(TestCtx* t, char* script, char* shard, Model* m) {
@@ -954,13 +969,8 @@ static void test_grpo_ranks_match_colocated(TestCtx* t) {
     char script[512], shard[512], flags[2048];
     Model m;
     if (xr_setup(t, script, shard, &m) != 0) return;
-    const struct { const char* name; const char* flags; int N; } cases[] = {
-        {"plain, on-policy", "--off-policy 0", 0},
-        {"cpu:1, on-policy", "--off-policy 0 --device cpu:1 --sync 1", 1},
-        {"plain, one step off", "--off-policy 1", 0},
-        {"cpu:1, one step off, delayed", "--off-policy 1 --device cpu:1 --sync 0", 1},
-    };
-    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    const XrCase* cases = XR_CASES;
+    for (size_t k = 0; k < XR_N_CASES; k++) {
         TrainArgs a;
         snprintf(flags, sizeof flags, "%s %s", XR_FLAGS, cases[k].flags);
         if (xr_args(t, &a, flags) != 0) continue;
@@ -1003,13 +1013,8 @@ static void test_grpo_ranks_resume(TestCtx* t) {
     char script[512], shard[512], flags[2048], out[512];
     Model m;
     if (xr_setup(t, script, shard, &m) != 0) return;
-    const struct { const char* name; const char* flags; int N; } cases[] = {
-        {"plain, on-policy", "--off-policy 0", 0},
-        {"plain, one step off", "--off-policy 1", 0},
-        {"cpu:1, on-policy", "--off-policy 0 --device cpu:1 --sync 1", 1},
-        {"cpu:1, one step off, delayed", "--off-policy 1 --device cpu:1 --sync 0", 1},
-    };
-    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    const XrCase* cases = XR_CASES;
+    for (size_t k = 0; k < XR_N_CASES; k++) {
         char name[32];
         snprintf(name, sizeof name, "xr_resume%zu", k);
         test_path(t, out, sizeof out, name);
