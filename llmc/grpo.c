@@ -240,7 +240,12 @@ int grpo_create(Grpo* g, const TrainArgs* a, const Model* m, Store* s, Plain* p,
             return -1;
         }
     } else {
-        if (gen_create(&g->gen, m, p->ops, p->ctx, &go, 1, err) != 0) {
+        // with rollout ranks the trainer's generator only evaluates (in chunks of its capacity:
+        // min(n, n_eval) chunks the held-out problems as the colocated run's n does) and is the
+        // broadcast's source: no KV cache for the whole batch
+        GenOptions gt = go;
+        if (split && split->R > 0) gt.max_seqs = imax(1, imin(n, g->task.n_eval));
+        if (gen_create(&g->gen, m, p->ops, p->ctx, &gt, 1, err) != 0) {
             rl_task_free(&g->task);
             return -1;
         }

@@ -748,6 +748,8 @@ typedef struct XrRank {
     int staleness[XR_STEPS + 1];
     float* params;           // the trainer's weights after the last step
     int64_t n_params;
+    int gen_cap;             // the trainer's generator's sequences
+    double accuracy;         // its held-out accuracy after the last step
     int rc;
     char err[ERR_LEN];
 } XrRank;
@@ -805,6 +807,7 @@ static void xr_trainer(XrRank* k) {
         k->rc = grpo_create(&g, a, k->m, &s, tr.plain, NULL, k->first - 1, 0.0, c ? &split : NULL,
                             k->err);
     made_g = k->rc == 0;
+    if (made_g) k->gen_cap = g.gen.o.max_seqs;
     if (k->rc == 0 && ts.rl_state_bytes && a->rl.off_policy)
         k->rc = grpo_state_restore(&g, ts.rl_state, ts.rl_state_bytes, k->first - 1, k->err);
     train_state_free_rl(&ts);
@@ -829,6 +832,7 @@ static void xr_trainer(XrRank* k) {
             free(rl_state);
         }
     }
+    if (k->rc == 0) k->accuracy = grpo_evaluate(&g);
     if (made_g) grpo_free(&g);  // (tells the rollout ranks to stop)
     if (made_tr && k->rc == 0) k->rc = trainer_finish(&tr, k->err);
     if (k->rc == 0) k->params = test_params_copy(k->m, &s, &k->n_params);
@@ -991,6 +995,14 @@ static void test_grpo_ranks_match_colocated(TestCtx* t) {
             char what[128];
             snprintf(what, sizeof what, "%s, %d rollout rank(s)", cases[k].name, R);
             xr_same(t, what, &ref[0], &x[0], 1, XR_STEPS);
+            // the trainer's generator only evaluates: min(answers, held-out problems) sequences,
+            // and the held-out accuracy is the colocated run's
+            CHECK(t, x[0].gen_cap == imin(a.rl.prompts * a.rl.group, a.rl.eval) &&
+                         x[0].gen_cap < ref[0].gen_cap &&
+                         memcmp(&x[0].accuracy, &ref[0].accuracy, sizeof(double)) == 0,
+                  "%s: the trainer's generator holds %d sequences (colocated %d), held-out "
+                  "accuracy %g vs %g", what, x[0].gen_cap, ref[0].gen_cap, x[0].accuracy,
+                  ref[0].accuracy);
             for (int r = 1; r <= R; r++)
                 CHECK(t, x[r].rc == 0, "%s: rollout rank %d: %s", what, r, x[r].err);
             for (int s = 1; s <= XR_STEPS; s++)
