@@ -611,46 +611,51 @@ static void test_dp_engine_moe_sync(TestCtx* t) {
     }
 }
 
+// The delayed update with ranks: one rank with a communicator is the engine alone, bit for bit
+// (with moe, the router statistics too: CE, aux and expert loads; and two ranks close to one),
+// two ranks agree with each other. what names the model in the messages.
+static void de_delayed_ranks(TestCtx* t, const Model* m, const char* what, int moe) {
+    const double budget = de_moe_budget(m);
+    DeRank alone = {.m = m, .rank = 0, .world = 1, .N = 2, .sync = 0, .budget = budget};
+    de_rank_main(&alone);
+    CHECK(t, alone.failed == 0, "%s: the engine alone: %s", what, alone.err);
+    for (int W = 1; W <= 2 && !alone.failed; W++) {
+        const DeRank proto = {.m = m, .N = 2, .sync = 0, .timeout_s = 60.0, .budget = budget};
+        DeRank ranks[2];
+        de_run(&proto, W, NULL, ranks);
+        for (int r = 0; r < W; r++) {
+            CHECK(t, ranks[r].failed == 0, "%s W %d rank %d: %s", what, W, r, ranks[r].err);
+            if (ranks[r].failed) continue;
+            const DeRank* want = W == 1 ? &alone : &ranks[0];
+            for (int s = 0; s < DE_STEPS; s++)
+                CHECK(t, ranks[r].loss[s] == want->loss[s] && ranks[r].norm[s] == want->norm[s] &&
+                             (!moe || (ranks[r].ce[s] == want->ce[s] &&
+                                       ranks[r].aux[s] == want->aux[s] &&
+                                       memcmp(ranks[r].load[s], want->load[s],
+                                              sizeof want->load[s]) == 0)),
+                      "%s W %d rank %d step %d: loss %.17g norm %.17g aux %.17g, expected "
+                      "%.17g %.17g %.17g", what, W, r, s + 1, ranks[r].loss[s], ranks[r].norm[s],
+                      ranks[r].aux[s], want->loss[s], want->norm[s], want->aux[s]);
+            CHECK(t, memcmp(ranks[r].flat[0], want->flat[0], want->n * sizeof(float)) == 0,
+                  "%s W %d rank %d: the same %s", what, W, r, moe ? "weights" : "adapters");
+        }
+        if (moe && W == 2)  // (another grouping of the same sums)
+            CHECK(t, fabs(ranks[0].loss[DE_STEPS - 1] - alone.loss[DE_STEPS - 1]) <
+                         1e-3 * fabs(alone.loss[DE_STEPS - 1]),
+                  "%s: two ranks close to one: %.9g vs %.9g", what, ranks[0].loss[DE_STEPS - 1],
+                  alone.loss[DE_STEPS - 1]);
+        for (int r = 0; r < W; r++) de_rank_free(&ranks[r]);
+    }
+    de_rank_free(&alone);
+}
+
 // MoE models with the delayed update: one rank with a communicator is the engine alone, bit for
 // bit (statistics too); two ranks agree with each other.
 static void test_dp_engine_moe_delayed(TestCtx* t) {
     for (int gptoss = 0; gptoss <= 1 - DE_SAN; gptoss++) {
         Model m;
         de_moe_model(t, &m, gptoss);
-        const double budget = de_moe_budget(&m);
-        DeRank alone = {.m = &m, .rank = 0, .world = 1, .N = 2, .sync = 0, .budget = budget};
-        de_rank_main(&alone);
-        CHECK(t, alone.failed == 0, "%s: the engine alone: %s", m.cfg.name, alone.err);
-        for (int W = 1; W <= 2 && !alone.failed; W++) {
-            const DeRank proto = {.m = &m, .N = 2, .sync = 0, .timeout_s = 60.0,
-                                  .budget = budget};
-            DeRank ranks[2];
-            de_run(&proto, W, NULL, ranks);
-            for (int r = 0; r < W; r++) {
-                CHECK(t, ranks[r].failed == 0, "%s W %d rank %d: %s", m.cfg.name, W, r,
-                      ranks[r].err);
-                if (ranks[r].failed) continue;
-                const DeRank* want = W == 1 ? &alone : &ranks[0];
-                for (int s = 0; s < DE_STEPS; s++)
-                    CHECK(t, ranks[r].loss[s] == want->loss[s] &&
-                                 ranks[r].norm[s] == want->norm[s] &&
-                                 ranks[r].ce[s] == want->ce[s] && ranks[r].aux[s] == want->aux[s] &&
-                                 memcmp(ranks[r].load[s], want->load[s], sizeof want->load[s]) == 0,
-                          "%s W %d rank %d step %d: loss %.17g norm %.17g aux %.17g, expected "
-                          "%.17g %.17g %.17g", m.cfg.name, W, r, s + 1, ranks[r].loss[s],
-                          ranks[r].norm[s], ranks[r].aux[s], want->loss[s], want->norm[s],
-                          want->aux[s]);
-                CHECK(t, memcmp(ranks[r].flat[0], want->flat[0], want->n * sizeof(float)) == 0,
-                      "%s W %d rank %d: the same weights", m.cfg.name, W, r);
-            }
-            if (W == 2)  // (another grouping of the same sums)
-                CHECK(t, fabs(ranks[0].loss[DE_STEPS - 1] - alone.loss[DE_STEPS - 1]) <
-                             1e-3 * fabs(alone.loss[DE_STEPS - 1]),
-                      "%s: two ranks close to one: %.9g vs %.9g", m.cfg.name,
-                      ranks[0].loss[DE_STEPS - 1], alone.loss[DE_STEPS - 1]);
-            for (int r = 0; r < W; r++) de_rank_free(&ranks[r]);
-        }
-        de_rank_free(&alone);
+        de_delayed_ranks(t, &m, m.cfg.name, 1);
         model_free(&m);
     }
 }
@@ -742,32 +747,9 @@ static void test_dp_engine_lora_delayed(TestCtx* t) {
     for (int kind = 0; kind < (DE_SAN ? 1 : 3); kind++) {
         Model m;
         de_lora_model(t, &m, kind);
-        const double budget = de_moe_budget(&m);
-        DeRank alone = {.m = &m, .rank = 0, .world = 1, .N = 2, .sync = 0, .budget = budget};
-        de_rank_main(&alone);
-        CHECK(t, alone.failed == 0, "LoRA %d: the engine alone: %s", kind, alone.err);
-        for (int W = 1; W <= 2 && !alone.failed; W++) {
-            const DeRank proto = {.m = &m, .N = 2, .sync = 0, .timeout_s = 60.0,
-                                  .budget = budget};
-            DeRank ranks[2];
-            de_run(&proto, W, NULL, ranks);
-            for (int r = 0; r < W; r++) {
-                CHECK(t, ranks[r].failed == 0, "LoRA %d W %d rank %d: %s", kind, W, r,
-                      ranks[r].err);
-                if (ranks[r].failed) continue;
-                const DeRank* want = W == 1 ? &alone : &ranks[0];
-                for (int s = 0; s < DE_STEPS; s++)
-                    CHECK(t, ranks[r].loss[s] == want->loss[s] &&
-                                 ranks[r].norm[s] == want->norm[s],
-                          "LoRA %d W %d rank %d step %d: loss %.17g norm %.17g, expected %.17g "
-                          "%.17g", kind, W, r, s + 1, ranks[r].loss[s], ranks[r].norm[s],
-                          want->loss[s], want->norm[s]);
-                CHECK(t, memcmp(ranks[r].flat[0], want->flat[0], want->n * sizeof(float)) == 0,
-                      "LoRA %d W %d rank %d: the same adapters", kind, W, r);
-            }
-            for (int r = 0; r < W; r++) de_rank_free(&ranks[r]);
-        }
-        de_rank_free(&alone);
+        char what[32];
+        snprintf(what, sizeof what, "LoRA %d", kind);
+        de_delayed_ranks(t, &m, what, 0);
         model_free(&m);
     }
 }

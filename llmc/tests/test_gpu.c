@@ -1196,40 +1196,28 @@ static int32_t* train_tokens(int B, int T, int V) {
     return tok;
 }
 
-// Every parameter slab of a store, concatenated (malloc'd).
-static float* params_flat(const Model* m, const Store* s) {
-    int64_t n = 0;
-    for (int l = 0; l < m->tt.n_layers; l++) n += m->tt.param_numel[l];
-    float* out = malloc_check((size_t)(n > 0 ? n : 1) * sizeof(float));
-    int64_t o = 0;
-    for (int l = 0; l < m->tt.n_layers; l++) {
-        memcpy(out + o, s->param[l], (size_t)m->tt.param_numel[l] * sizeof(float));
-        o += m->tt.param_numel[l];
-    }
-    return out;
-}
-
 typedef struct TrainRun {
     int ok;                     // the engine was made and ran every step
     PartitionPlan plan;         // the plan it ran
     int row_chunks, slot_sets;
     double loss[TRAIN_STEPS];   // engine_collect's loss of each iteration
-    float* w;                   // the fp32 weights after the last step (params_flat)
+    float* w;                   // the fp32 weights after the last step (test_params_copy)
     float* w_early;             // want_early: the weights after early_steps steps (else NULL)
     int64_t early_steps;
     double seconds;
 } TrainRun;
 
-// TRAIN_STEPS iterations of the engine on n devices of impl, from the weights w0 (params_flat
-// layout), with the delayed update as the trainer runs it (t + 1 submitted before t is
-// collected). budget: EngineOptions.device_budget (the caller picks it per compute dtype so that
-// both runs get the same plan; the test checks they did).
+// TRAIN_STEPS iterations of the engine on n devices of impl, from the weights w0 (in
+// test_params_copy's layout), with the delayed update as the trainer runs it (t + 1 submitted
+// before t is collected). budget: EngineOptions.device_budget (the caller picks it per compute
+// dtype so that both runs get the same plan; the test checks they did).
 static TrainRun train_run(TestCtx* t, const DeviceImpl* impl, int n, const Model* m,
                           const float* w0, const int32_t* tokens, int B, int T, int M, int M_R,
                           double budget, int want_early) {
     TrainRun run;
     memset(&run, 0, sizeof run);
     char err[ERR_LEN];
+    int64_t n_flat = 0;  // (the weights' count: the model's)
     Store s;
     store_create(&s, &m->tt);
     int64_t o = 0;
@@ -1260,13 +1248,13 @@ static TrainRun train_run(TestCtx* t, const DeviceImpl* impl, int n, const Model
                 // (a wait changes when things run, never what they compute)
                 engine_synchronize(e);
                 run.early_steps = engine_steps_done(e);
-                run.w_early = params_flat(m, &s);
+                run.w_early = test_params_copy(m, &s, &n_flat);
             }
         }
         engine_synchronize(e);
         CHECK(t, engine_steps_done(e) == TRAIN_STEPS, "%lld optimizer steps applied, want %d",
               (long long)engine_steps_done(e), TRAIN_STEPS);
-        run.w = params_flat(m, &s);
+        run.w = test_params_copy(m, &s, &n_flat);
         run.ok = 1;
         engine_free(e);
     }
@@ -1337,10 +1325,9 @@ static void test_gpu_engine_training(TestCtx* t) {
     store_create(&s0, &m.tt);
     store_init_random(&s0, 31, 0.05f);
     store_round_bf16(&m, &s0);
-    float* w0 = params_flat(&m, &s0);
-    store_free(&s0);
     int64_t nw = 0;
-    for (int l = 0; l < m.tt.n_layers; l++) nw += m.tt.param_numel[l];
+    float* w0 = test_params_copy(&m, &s0, &nw);
+    store_free(&s0);
 
     // a device budget that splits the model into four stages, F1 (embedding + blocks 0-1),
     // FB (block 2 + head), B2 (block 1), B3 (embedding + block 0): what every plan needs plus
@@ -1430,7 +1417,7 @@ static void test_gpu_engine_training(TestCtx* t) {
         for (int i = 0; i < m.tt.n; i++) {
             const TensorDesc* d = &m.tt.t[i];
             if (d->tied_to >= 0) continue;
-            // its offset in params_flat's layout: the slabs before its own, then its place in
+            // its offset in test_params_copy's layout: the slabs before its own, then its place in
             // that slab (as store_param finds it)
             int64_t off = d->param_offset;
             for (int l = 0; l < d->owner_layer; l++) off += m.tt.param_numel[l];

@@ -375,6 +375,17 @@ static void test_quant_engine_matches_dequantised(TestCtx* t) {
 // ----------------------------------------------------------------------------
 // a streamed base (store_create_streamed)
 
+// The same init twice: held (fp32, the base quantised after it, as the loader does) into a, and
+// streamed (the blocks made by the init; bf16: the GPUs' Store with base16) into b.
+static void q_held_and_streamed(const Model* m, const ModelConfig* c, int bf16, Store* a,
+                                Store* b) {
+    store_create(a, &m->tt);
+    store_init_random(a, 7, 0.2f);
+    store_quantize_base(a, NULL, c);
+    store_create_streamed(b, &m->tt, bf16);
+    store_init_random(b, 7, 0.2f);
+}
+
 // The streamed init makes the blocks store_quantize_base makes of the fp32 init, byte for byte,
 // and the same fp32 values for the frozen tensors it holds in fp32; the engine's runs on the
 // two Stores (one and three devices, sync and one-step-delayed) give bit-identical losses and
@@ -391,11 +402,7 @@ static void test_quant_streamed_engine(TestCtx* t) {
         CHECK(t, model_init_lora(&m, &c, 0, &l, err) == 0, "%s", err);
         CHECK(t, quant_table_set(&m.tt, dtypes[k], NULL, &c, err) == 0, "%s", err);
         Store a, b;
-        store_create(&a, &m.tt);
-        store_init_random(&a, 7, 0.2f);
-        store_quantize_base(&a, NULL, &c);
-        store_create_streamed(&b, &m.tt, 0);
-        store_init_random(&b, 7, 0.2f);
+        q_held_and_streamed(&m, &c, 0, &a, &b);
         store_quantize_base(&b, NULL, &c);  // (a streamed Store: nothing to do)
         int n_q = 0, same_q = 0, n_f = 0, same_f = 0;
         for (int i = 0; i < m.tt.n; i++) {
@@ -700,11 +707,7 @@ static void test_quant_streamed_bf16(TestCtx* t) {
         CHECK(t, quant_table_set(&m.tt, q ? BASE_DTYPE_Q8_0 : BASE_DTYPE_BF16, NULL, &c, err) == 0,
               "%s", err);
         Store a, b;
-        store_create(&a, &m.tt);
-        store_init_random(&a, 7, 0.2f);
-        store_quantize_base(&a, NULL, &c);
-        store_create_streamed(&b, &m.tt, 1);
-        store_init_random(&b, 7, 0.2f);
+        q_held_and_streamed(&m, &c, 1, &a, &b);
         int64_t bad = 0, held = 0;
         double bytes = 0.0, resident = 0.0;
         for (int i = 0; i < m.tt.n; i++) {
