@@ -5,7 +5,13 @@
  * Forward: one warp per row. The sum of squares is a per-lane sum then an xor butterfly, so rstd
  * is the same bits on every run. Rounding mirrors HF in bf16 (a rounding after every tensor op):
  * the residual sum is rounded to bf16 (two bf16 tensors added), the norm reads the rounded sum,
- * and out = w · bf16(x · rstd) is rounded after the weight multiply.
+ * and out = w · bf16(x · rstd) is rounded after the weight multiply. Two kernels with the same
+ * per-lane order (lane l owns the 8-wide vectors l, l + 32, ... of its row, summed in that order),
+ * hence the same bits: rmsnorm_forward_regs_kernel (rows up to 32 · 8 · NV columns, 16-byte
+ * aligned) issues all of a lane's loads of a, b and w at once and keeps the row in registers
+ * between the two passes; rmsnorm_forward_kernel walks any row in a loop, one vector at a time.
+ * Warps per block shrink with N (rows_norm_warps) so that the decode's few rows (N = 128) spread
+ * over every SM instead of 16 blocks; a row's math never depends on the block shape.
  *
  * Backward: one block per group of rows (about 512 blocks, a function of N only). For each row
  * a block sum gives mean(g·x̂); dinp += rstd (g - x̂ mean) with g = dy·w. For dw every thread owns
@@ -63,14 +69,96 @@ __global__ void rmsnorm_forward_kernel(bf16* res, bf16* __restrict__ out, float*
     }
 }
 
+// A lane's NV vectors of 8 bf16 (column lane * 8 + i * 256 for vector i), loaded together: the
+// lane's loads are independent, so a row costs one memory round trip per pass instead of C / 256.
+// Vectors past C (a row narrower than 256 · NV) are skipped by a predicate, never read.
+// res may alias a: all of a lane's reads of a and b happen before its first write to res, and no
+// other lane touches its columns. w is fetched before the butterfly since it does not need rstd;
+// x stays in registers (the residual sum already rounded to bf16, as the loop kernel re-reads it).
+template <int NV>
+__global__ void __launch_bounds__(256)
+    rmsnorm_forward_regs_kernel(bf16* res, bf16* __restrict__ out, float* __restrict__ rstd,
+                                const bf16* a, const bf16* b, const bf16* __restrict__ w, int N,
+                                int C, float eps) {
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (row >= N) return;
+    const size_t off = (size_t)row * C;
+    uint4 xv[NV], bv[NV], wv[NV];
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        const int c = lane * 8 + i * 256;
+        if (c < C) {
+            xv[i] = *reinterpret_cast<const uint4*>(a + off + c);
+            if (b) bv[i] = *reinterpret_cast<const uint4*>(b + off + c);
+            wv[i] = *reinterpret_cast<const uint4*>(w + c);
+        }
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        const int c = lane * 8 + i * 256;
+        if (c >= C) continue;
+        float xa[8];
+        load_bf16<8>(reinterpret_cast<const bf16*>(&xv[i]), xa);
+        if (b) {
+            float xb[8];
+            load_bf16<8>(reinterpret_cast<const bf16*>(&bv[i]), xb);
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                xa[k] = bf16_round(xa[k] + xb[k]);
+                ss += xa[k] * xa[k];
+            }
+            store_bf16<8>(reinterpret_cast<bf16*>(&xv[i]), xa);  // exact: xa is bf16 already
+            *reinterpret_cast<uint4*>(res + off + c) = xv[i];
+        } else {
+#pragma unroll
+            for (int k = 0; k < 8; k++) ss += xa[k] * xa[k];
+        }
+    }
+    ss = warp_sum(ss);
+    const float rs = 1.0f / sqrtf(ss / (float)C + eps);
+    if (rstd && lane == 0) rstd[row] = rs;
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        const int c = lane * 8 + i * 256;
+        if (c >= C) continue;
+        float xa[8], wf[8];
+        load_bf16<8>(reinterpret_cast<const bf16*>(&xv[i]), xa);
+        load_bf16<8>(reinterpret_cast<const bf16*>(&wv[i]), wf);
+#pragma unroll
+        for (int k = 0; k < 8; k++) xa[k] = wf[k] * bf16_round(xa[k] * rs);
+        store_bf16<8>(out + off + c, xa);
+    }
+}
+
+// Warps (rows) per block of the forward: 8 when there are rows for every SM several times over,
+// fewer for small N so that the blocks cover the GPU (N = 128: 128 one-warp blocks on 132 SMs
+// rather than 16 eight-warp blocks). A function of N only; the bits do not depend on it.
+static inline int rmsnorm_forward_warps(int N) {
+    return N >= 4096 ? 8 : N >= 1024 ? 4 : N >= 512 ? 2 : 1;
+}
+
+// The register kernel covers rows up to 32 lanes x NORM_FWD_MAX_NV vectors x 8 = 4096 columns.
+#define NORM_FWD_MAX_NV 16
+
 void cuda_rmsnorm_forward(CudaCtx* cx, bf16* res, bf16* out, float* rstd, const bf16* a,
                           const bf16* b, const bf16* w, int N, int C, float eps) {
     if (N <= 0 || C <= 0) return;
-    const int warps = 8;
+    const int warps = rmsnorm_forward_warps(N);
     unsigned grid = grid_size((size_t)N, warps);
     int vec = C % 8 == 0 && is_aligned16(out) && is_aligned16(a) && is_aligned16(w) &&
               (!b || (is_aligned16(b) && is_aligned16(res)));
-    if (vec)
+    const int nv = vec ? (C + 255) / 256 : 0;  // 16-byte vectors per lane
+    if (vec && nv <= 4)
+        rmsnorm_forward_regs_kernel<4><<<grid, warps * 32, 0, cx->stream>>>(res, out, rstd, a, b,
+                                                                             w, N, C, eps);
+    else if (vec && nv <= 8)
+        rmsnorm_forward_regs_kernel<8><<<grid, warps * 32, 0, cx->stream>>>(res, out, rstd, a, b,
+                                                                             w, N, C, eps);
+    else if (vec && nv <= NORM_FWD_MAX_NV)
+        rmsnorm_forward_regs_kernel<NORM_FWD_MAX_NV><<<grid, warps * 32, 0, cx->stream>>>(
+            res, out, rstd, a, b, w, N, C, eps);
+    else if (vec)
         rmsnorm_forward_kernel<8><<<grid, warps * 32, 0, cx->stream>>>(res, out, rstd, a, b, w, N,
                                                                         C, eps);
     else

@@ -7,14 +7,21 @@
  * Variants (forward and backward):
  *   1  naive: one thread per row (forward and dinp), one thread per column summing dw over the
  *      rows: the CPU loops moved onto the GPU.
- *   2  production (kernels/norm.cu, included below): forward one warp per row with 16-byte
- *      vectors; backward one block per group of rows, dw as per-block partial sums reduced in
- *      block order (cuda_reduce_partials).
+ *   2  the production forward before session 12: rmsnorm_forward_kernel (kept in kernels/norm.cu
+ *      as the fallback for rows over 4096 columns or unaligned ones), one warp per row with
+ *      16-byte vectors in a loop, always 8 warps per block; backward as variant 3.
+ *   3  production (kernels/norm.cu, included below): forward one warp per row, a lane's loads of
+ *      a, b and w issued together into registers (rmsnorm_forward_regs_kernel), fewer warps per
+ *      block for small N; backward one block per group of rows, dw as per-block partial sums
+ *      reduced in block order (cuda_reduce_partials).
  * Validation: N x C = 333 x 2048 (the vector path) and 65 x 1003 (the scalar path), with and
  * without the residual (once with res in place of a, as ops.h allows); backward with dinp and dw
  * pre-filled (both accumulate), and dinp-only and dw-only calls. Tolerances: bf16 outputs
- * TOL_BF16, rstd and dw TOL_F32; res exactly (one rounding of a + b on both sides).
- * Benchmark: N = 16384 (8 x 2048 tokens), C = 2048 (Qwen3-1.7B).
+ * TOL_BF16, rstd and dw TOL_F32; res exactly (one rounding of a + b on both sides). Variant 3's
+ * forward also equals variant 2's bit for bit (out, rstd, res) at N = 128 and 333, C = 2048,
+ * with and without the residual (and in place): the same per-lane order and roundings.
+ * Benchmark: N = 16384 (8 x 2048 tokens) and N = 128 (a decode step of 128 sequences), C = 2048
+ * (Qwen3-1.7B).
  */
 #include "../../kernels/norm.cu"
 #include "lab.cuh"
@@ -126,7 +133,20 @@ static void rmsnorm_forward(int variant, CudaCtx* cx, bf16* res, bf16* out, floa
                                                                                w, N, C, eps);
             cuda_check_launch();
             break;
-        case 2:
+        case 2: {
+            const int warps = 8;
+            const unsigned grid = grid_size((size_t)N, warps);
+            if (C % 8 == 0 && is_aligned16(out) && is_aligned16(a) && is_aligned16(w) &&
+                (!b || (is_aligned16(b) && is_aligned16(res))))
+                rmsnorm_forward_kernel<8><<<grid, warps * 32, 0, cx->stream>>>(res, out, rstd, a, b,
+                                                                                w, N, C, eps);
+            else
+                rmsnorm_forward_kernel<1><<<grid, warps * 32, 0, cx->stream>>>(res, out, rstd, a, b,
+                                                                                w, N, C, eps);
+            cuda_check_launch();
+            break;
+        }
+        case 3:
             cuda_rmsnorm_forward(cx, res, out, rstd, a, b, w, N, C, eps);
             break;
     }
@@ -148,6 +168,7 @@ static void rmsnorm_backward(int variant, CudaCtx* cx, bf16* dinp, float* dw, co
             }
             break;
         case 2:
+        case 3:
             cuda_rmsnorm_backward(cx, dinp, dw, dout, inp, w, rstd, N, C);
             break;
     }
@@ -203,6 +224,42 @@ static void validate_forward(Lab* lab, int v, Rng* r, int N, int C, int residual
     cuda_check(cudaFree(d_rstd));
 }
 
+// Variant v's forward against variant 2's (the kernel production used before), bit for bit: out,
+// rstd and res on the same inputs (residual as in validate_forward).
+static void validate_forward_same_bits(Lab* lab, int v, Rng* r, int N, int C, int residual) {
+    const size_t NC = (size_t)N * C;
+    std::vector<float> a = rand_bf16(r, NC, 2.0f), b, w = rand_norm_weight(r, C);
+    if (residual) b = rand_bf16(r, NC, 2.0f);
+    bf16 *d_w = dev_upload_bf16(w), *d_b = residual ? dev_upload_bf16(b) : NULL;
+    std::vector<float> got[2][3];  // [old, new][out, rstd, res]
+    for (int k = 0; k < 2; k++) {
+        bf16* d_a = dev_upload_bf16(a);  // fresh: the in-place case overwrites it
+        bf16* d_out = dev_alloc<bf16>(NC);
+        float* d_rstd = dev_alloc<float>(N);
+        bf16* d_res = residual == 2 ? d_a : residual ? dev_alloc<bf16>(NC) : NULL;
+        dev_poison(d_out, NC * 2);
+        dev_poison(d_rstd, (size_t)N * 4);
+        if (residual == 1) dev_poison(d_res, NC * 2);
+        rmsnorm_forward(k ? v : 2, lab->cx, d_res, d_out, d_rstd, d_a, d_b, d_w, N, C, EPS);
+        got[k][0] = dev_download_bf16(d_out, NC);
+        got[k][1] = dev_download(d_rstd, N);
+        if (residual) got[k][2] = dev_download_bf16(d_res, NC);
+        if (residual == 1) cuda_check(cudaFree(d_res));
+        cuda_check(cudaFree(d_a));
+        cuda_check(cudaFree(d_out));
+        cuda_check(cudaFree(d_rstd));
+    }
+    const char* mode = residual == 0 ? "" : residual == 1 ? " +residual" : " +residual in place";
+    const char* names[3] = {"out", "rstd", "res"};
+    for (int j = 0; j < (residual ? 3 : 2); j++) {
+        char what[128];
+        snprintf(what, sizeof what, "fwd v%d = v2 N=%d C=%d%s: %s", v, N, C, mode, names[j]);
+        lab_check(lab, what, got[1][j].data(), got[0][j].data(), got[0][j].size(), TOL_EXACT);
+    }
+    cuda_check(cudaFree(d_w));
+    if (d_b) cuda_check(cudaFree(d_b));
+}
+
 static void validate_backward(Lab* lab, int v, Rng* r, int N, int C, int want_dinp, int want_dw) {
     const size_t NC = (size_t)N * C;
     std::vector<float> x = rand_bf16(r, NC, 2.0f), dout = rand_bf16(r, NC, 1.0f);
@@ -233,8 +290,7 @@ static void validate_backward(Lab* lab, int v, Rng* r, int N, int C, int want_di
 // ----------------------------------------------------------------------------
 // benchmark
 
-static void bench(Lab* lab) {
-    const int N = 16384, C = 2048;
+static void bench_shape(Lab* lab, int N, int C) {
     const double NC = (double)N * C;
     bf16* a = dev_random<bf16>((size_t)N * C, 2.0f, 1);
     bf16* b = dev_random<bf16>((size_t)N * C, 2.0f, 2);
@@ -247,11 +303,9 @@ static void bench(Lab* lab) {
     float* dw = dev_alloc<float>(C);
     dev_zero(dw, (size_t)C * 4);
     CudaCtx* cx = lab->cx;
-    const char* shape = "N=16384 C=2048";
-    printf("\nbenchmark\n");
-    lab_bench_header_bw();
-    lab_report_copy(lab, (size_t)NC * 2);
-    for (int v = 1; v <= 2; v++) {
+    char shape[64];
+    snprintf(shape, sizeof shape, "N=%d C=%d", N, C);
+    for (int v = 1; v <= 3; v++) {
         if (!lab_wants(&lab->args, v)) continue;
         double ms = lab_time_ms(
             lab, [&] { rmsnorm_forward(v, cx, NULL, out, rstd, a, NULL, w, N, C, EPS); });
@@ -267,12 +321,23 @@ static void bench(Lab* lab) {
     for (void* p : bufs) cuda_check(cudaFree(p));
 }
 
+static void bench(Lab* lab) {
+    printf("\nbenchmark\n");
+    lab_bench_header_bw();
+    lab_report_copy(lab, (size_t)16384 * 2048 * 2);
+    bench_shape(lab, 16384, 2048);  // a training micro-batch of 8 x 2048 tokens
+    bench_shape(lab, 128, 2048);    // a decode step of 128 sequences
+}
+
 // ----------------------------------------------------------------------------
 
 static const char* VARIANTS =
     "  1  naive: one thread per row (forward, dinp), one thread per column (dw)\n"
-    "  2  production (kernels/norm.cu): a warp per row forward; row groups and ordered partial\n"
-    "     sums backward\n";
+    "  2  the previous production forward: a warp per row, looped 16-byte loads, 8 warps per\n"
+    "     block (backward as 3)\n"
+    "  3  production (kernels/norm.cu): a warp per row forward, a lane's loads together in\n"
+    "     registers, fewer warps per block for small N; row groups and ordered partial sums\n"
+    "     backward\n";
 
 // The validation cases of variant v (lab_main runs them for every variant asked for).
 static void validate_variant(Lab* lab, int v, Rng* r) {
@@ -284,11 +349,16 @@ static void validate_variant(Lab* lab, int v, Rng* r) {
     validate_backward(lab, v, r, 333, 2048, 1, 0);
     validate_backward(lab, v, r, 333, 2048, 0, 1);
     validate_backward(lab, v, r, 65, 1003, 1, 1);
+    if (v == 3)
+        for (int residual = 0; residual <= 2; residual++) {
+            validate_forward_same_bits(lab, v, r, 128, 2048, residual);
+            validate_forward_same_bits(lab, v, r, 333, 2048, residual);
+        }
 }
 
 // bench as lab_main's callback (the benchmark draws nothing from the lab's Rng).
 static void bench_lab(Lab* lab, Rng*) { bench(lab); }
 
 int main(int argc, char** argv) {
-    return lab_main(argc, argv, "norm", VARIANTS, 2, 2, validate_variant, bench_lab);
+    return lab_main(argc, argv, "norm", VARIANTS, 3, 3, validate_variant, bench_lab);
 }
