@@ -402,16 +402,12 @@ static void decode_forward_sample(Generator* g, const DecodeRows* r) {
     ws->lora_train = 0;
     gen_phase(g, "decode step: embedding + blocks");
     model_prefix_forward(m, ws, g->x[0], g->d_step, weight_of(g, TK_EMBED), n, 1);
-    int cur = 0;
-    for (int l = 0; l < c->L; l++) {
-        model_block_decode_at(m, ws, l, g->w[l + 1], g->kc[l], g->vc[l], r, g->x[cur],
-                              g->x[1 - cur]);
-        cur = 1 - cur;
-    }
+    // each block's residual add is left pending and done by the next norm, into the same x
+    for (int l = 0; l < c->L; l++)
+        model_block_decode_at(m, ws, l, g->w[l + 1], g->kc[l], g->vc[l], r, g->x[0], l > 0);
     // model_postfix_logits_last's final norm and head, for the n rows in one matmul
     gen_phase(g, "decode step: final norm + head + sampler");
-    ops->rmsnorm_forward(g->ctx, ws->xf, ws->rstdf, g->x[cur], weight_of(g, TK_FINAL_NORM), n,
-                         c->C, c->norm_eps);
+    model_decode_final_norm(m, ws, weight_of(g, TK_FINAL_NORM), g->x[0], n);
     ops->matmul_forward(g->ctx, ws->logits, ws->xf, weight_of(g, TK_LM_HEAD), NULL, n, c->C,
                         c->V);
     ops->sample_tokens(g->ctx, g->d_out, (float*)(g->d_out + S), ws->logits,
@@ -518,15 +514,12 @@ static int decode_step(Generator* g, GenSeq* seqs, int n_seqs) {
     ws->lora_train = 0;
     gen_phase(g, "decode step: embedding + blocks");
     model_prefix_forward(m, ws, g->x[0], g->d_ids, weight_of(g, TK_EMBED), n, 1);
-    int cur = 0;
-    for (int l = 0; l < c->L; l++) {
-        model_block_decode_at(m, ws, l, g->w[l + 1], g->kc[l], g->vc[l], &r, g->x[cur],
-                              g->x[1 - cur]);
-        cur = 1 - cur;
-    }
+    // each block's residual add is left pending and done by the next norm, into the same x
+    for (int l = 0; l < c->L; l++)
+        model_block_decode_at(m, ws, l, g->w[l + 1], g->kc[l], g->vc[l], &r, g->x[0], l > 0);
     gen_phase(g, "decode step: final norm + head");
-    model_postfix_logits_last(m, ws, weight_of(g, TK_FINAL_NORM), weight_of(g, TK_LM_HEAD),
-                              g->x[cur], ws->logits, n, 1);
+    model_decode_final_norm(m, ws, weight_of(g, TK_FINAL_NORM), g->x[0], n);
+    model_postfix_head_last(m, ws, weight_of(g, TK_LM_HEAD), ws->logits, n, 1);
     gen_phase(g, NULL);
     ops->download_f32(g->ctx, g->logits, ws->logits, (size_t)n * c->V);
     for (int k = 0; k < n; k++)

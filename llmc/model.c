@@ -539,7 +539,9 @@ static const BlockLayout* block_layout(const Model* m, int block) {
 
 // The block after its attention, on n rows whose activations are kept in a: output projection,
 // residual + RMSNorm, then the MLP or the experts, and the second residual into x_out. Shared by
-// the training forward and the generator's decode step (model_block_decode).
+// the training forward and the generator's decode step (model_block_decode_at), which passes
+// x_out NULL: the second residual is left pending as a->h + ws->proj, for the next block's first
+// norm (or the final norm) to add in the same op.
 static void block_forward_after_attention(const Model* m, Workspace* ws, BlockActs* a, int block,
                                           const void* slab, const void* x_in, void* x_out,
                                           int n) {
@@ -559,7 +561,7 @@ static void block_forward_after_attention(const Model* m, Workspace* ws, BlockAc
         MoeWeights w = moe_weights(ws, bl, slab, &rl);
         float* stats = ws->moe_stats + (size_t)m->moe_slot[block] * 2 * c->E;
         moe_forward(c, ops, ctx, &ws->moe, &a->moe, &w, a->ln2, ws->proj, stats, n);
-        ops->add(ctx, x_out, a->h, ws->proj, (size_t)n * C);
+        if (x_out) ops->add(ctx, x_out, a->h, ws->proj, (size_t)n * C);
         return;
     }
     // MLP: x' = h + down(silu(gate(ln2)) * up(ln2))
@@ -569,7 +571,7 @@ static void block_forward_after_attention(const Model* m, Workspace* ws, BlockAc
     linear_forward(m, ws, block, LORA_BIT(LORA_DOWN), slab, ws->proj, a->act,
                    at(ws, slab, bl->wdown), NULL, n, F, C, 0,
                    lora_t_at(m, ws, a, block, LORA_BIT(LORA_DOWN), n));
-    ops->add(ctx, x_out, a->h, ws->proj, (size_t)n * C);
+    if (x_out) ops->add(ctx, x_out, a->h, ws->proj, (size_t)n * C);
 }
 
 void model_block_forward_at(const Model* m, Workspace* ws, BlockActs* a, int block,
@@ -762,6 +764,13 @@ void model_postfix_logits_last(const Model* m, Workspace* ws, const void* norm_w
     const Ops* ops = ws->ops;
     const ModelConfig* c = &m->cfg;
     ops->rmsnorm_forward(ws->ctx, ws->xf, ws->rstdf, x_in, norm_w, B * T, c->C, c->norm_eps);
+    model_postfix_head_last(m, ws, head_w, logits, B, T);
+}
+
+void model_postfix_head_last(const Model* m, Workspace* ws, const void* head_w, void* logits,
+                             int B, int T) {
+    const Ops* ops = ws->ops;
+    const ModelConfig* c = &m->cfg;
     for (int b = 0; b < B; b++) {
         const void* row = at(ws, ws->xf, ((int64_t)b * T + T - 1) * c->C);
         ops->matmul_forward(ws->ctx, at(ws, logits, (int64_t)b * c->V), row, head_w, NULL, 1, c->C,
@@ -777,7 +786,7 @@ const void* model_block_qkv(const Workspace* ws, const BlockActs* a) {
 }
 
 void model_block_decode_at(const Model* m, Workspace* ws, int block, const void* slab, void* kc,
-                           void* vc, const DecodeRows* r, const void* x_in, void* x_out) {
+                           void* vc, const DecodeRows* r, void* x, int x_pending) {
     const Ops* ops = ws->ops;
     void* ctx = ws->ctx;
     const ModelConfig* c = &m->cfg;
@@ -789,9 +798,16 @@ void model_block_decode_at(const Model* m, Workspace* ws, int block, const void*
         fatal("internal: decode of %d rows in a workspace of %d (mlp chunk %d)", n, ws->B * ws->T,
               ws->mlp_chunk);
     // ln1, qkv_raw as in the forward; then each row's RoPE at its own position (a row is a
-    // one-token sequence whose tables start at that position)
-    ops->rmsnorm_forward(ctx, a->ln1, a->rstd1, x_in, at(ws, slab, bl->attn_norm), n, C,
-                         c->norm_eps);
+    // one-token sequence whose tables start at that position). A pending input is the previous
+    // block's x' = h + proj, added here in the norm's op (the same bits as add then rmsnorm);
+    // h and proj are read before this block overwrites them (a->h in its residual norm,
+    // ws->proj in its output projection).
+    if (x_pending)
+        ops->residual_rmsnorm_forward(ctx, x, a->ln1, a->rstd1, a->h, ws->proj,
+                                      at(ws, slab, bl->attn_norm), n, C, c->norm_eps);
+    else
+        ops->rmsnorm_forward(ctx, a->ln1, a->rstd1, x, at(ws, slab, bl->attn_norm), n, C,
+                             c->norm_eps);
     linear_forward(m, ws, block, LORA_QKV, slab, a->qkv_raw, a->ln1, at(ws, slab, bl->wqkv),
                    opt_at(ws, slab, bl->bqkv), n, C, m->QKV, 0, NULL);
     if (ops->decode_rope_append && r->d_pos) {
@@ -819,8 +835,14 @@ void model_block_decode_at(const Model* m, Workspace* ws, int block, const void*
     ops->attention_decode(ctx, a->att, a->qkv, kc, vc, r->d_slot, r->d_len,
                           opt_at(ws, slab, bl->sinks), n, r->maxT, c->H, c->KVH, c->HD,
                           bl->window);
-    // the rest of the block is the forward's, on n rows
-    block_forward_after_attention(m, ws, a, block, slab, x_in, x_out, n);
+    // the rest of the block is the forward's, on n rows, its second residual left pending
+    block_forward_after_attention(m, ws, a, block, slab, x, NULL, n);
+}
+
+void model_decode_final_norm(const Model* m, Workspace* ws, const void* norm_w, void* x, int n) {
+    const ModelConfig* c = &m->cfg;
+    ws->ops->residual_rmsnorm_forward(ws->ctx, x, ws->xf, ws->rstdf, ws->acts[0].h, ws->proj,
+                                      norm_w, n, c->C, c->norm_eps);
 }
 
 // ----------------------------------------------------------------------------

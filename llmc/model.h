@@ -212,6 +212,10 @@ void model_postfix_forward_backward(const Model* m, Workspace* ws, const void* n
 // compute dtype (uses the workspace's logits chunk, so B <= lm_chunk).
 void model_postfix_logits_last(const Model* m, Workspace* ws, const void* norm_w,
                                const void* head_w, const void* x_in, void* logits, int B, int T);
+// Its second half: the LM head on the last position of each sequence of the normed rows already
+// in ws->xf (B*T, C) (model_decode_final_norm's output).
+void model_postfix_head_last(const Model* m, Workspace* ws, const void* head_w, void* logits,
+                             int B, int T);
 
 // ----------------------------------------------------------------------------
 // generation (generate.h) and the policy-gradient objective (grpo.h)
@@ -232,12 +236,20 @@ typedef struct DecodeRows {
 // The post-RoPE packed qkv (N, QKV) of the block whose forward last ran with activation set a
 // (the keys and values a prefill copies into the KV cache).
 const void* model_block_qkv(const Workspace* ws, const BlockActs* a);
-// Decoder block `block` for one new token per row: the forward's math on x_in (n, C), with
-// this block's keys and values of the new tokens written into the cache kc, vc (slots, maxT,
-// KVH*HD) at (slot, pos) and attention over each row's cache (ops->attention_decode). Uses
-// activation set 0 of ws as scratch (ws without MLP chunks, B*T >= n).
+// Decoder block `block` for one new token per row: the forward's math, with this block's keys
+// and values of the new tokens written into the cache kc, vc (slots, maxT, KVH*HD) at (slot,
+// pos) and attention over each row's cache (ops->attention_decode). Uses activation set 0 of ws
+// as scratch (ws without MLP chunks, B*T >= n).
+// The block's input is x (n, C) itself, or with x_pending the previous decode block's output,
+// which this block first writes into x. Its own output x' = h + proj is left pending in the
+// workspace (ws->acts[0].h and ws->proj; the add is fused into the next op's norm): the next
+// call must pass x_pending = 1 (x may be the same buffer), and after the last block
+// model_decode_final_norm takes it. Nothing else may touch ws in between.
 void model_block_decode_at(const Model* m, Workspace* ws, int block, const void* slab, void* kc,
-                           void* vc, const DecodeRows* r, const void* x_in, void* x_out);
+                           void* vc, const DecodeRows* r, void* x, int x_pending);
+// The final norm of a decode step: x (n, C) = the last block's pending output, ws->xf (n, C) =
+// rmsnorm(x) with norm_w, in one op.
+void model_decode_final_norm(const Model* m, Workspace* ws, const void* norm_w, void* x, int n);
 
 // Per-token inputs of the clipped policy-gradient objective (ops.h policy_forward_backward),
 // device fp32 buffers of N = B*T entries aligned with the targets; ref_logp NULL: no KL.
