@@ -1,6 +1,7 @@
 /*
  * test_grpo.c — GRPO on the CPU: the decode attention against the full attention, the
- * generation engine against a forward per token, the policy-gradient op against finite
+ * generation engine against a forward per token, the decode step's rows (residual adds fused
+ * into the next norm) against the forward's bit for bit, the policy-gradient op against finite
  * differences and a reference written out here, and (CLI) runs of --rl grpo that learn. With a
  * GPU: the CUDA decode attention, rope + cache append, sampler and policy op against the CPU
  * ops, and generation on the CUDA backend against the CPU's (skipped without a GPU).
@@ -146,6 +147,109 @@ static void test_grpo_generate_matches_forward(TestCtx* t) {
         free(logits);
         gen_free(&g);
         plain_free(p);
+        ops_cpu_destroy(ctx);
+        store_free(&s);
+        model_free(&m);
+    }
+}
+
+// max |a - b| / max |b| over n values.
+static double max_rel_diff(const float* a, const float* b, size_t n) {
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        num = fmax(num, fabs((double)a[i] - b[i]));
+        den = fmax(den, fabs((double)b[i]));
+    }
+    return den > 0 ? num / den : num;
+}
+
+// The generator's weight `kind` (as generate.c's weight_of).
+static const void* gen_weight(const Generator* g, TensorKind kind) {
+    const TensorTable* tt = &g->m->tt;
+    const TensorDesc* d = &tt->t[tensor_table_index(tt, kind, -1)];
+    return (const char*)g->w[d->owner_layer] + (size_t)d->param_offset * g->ops->act_bytes;
+}
+
+// The decode step's rows equal the full forward's bit for bit where both see the same keys:
+// n one-token sequences at position 0, decoded (each block's residual add left pending and
+// fused into the next norm, model_decode_final_norm last) against model_block_forward_at over
+// (n, 1) with explicit adds and the final rmsnorm; the final normed rows and the residual stream
+// compared with memcmp, for every family (GPT-OSS's sinks: within 1e-5, the attention's
+// rounding).
+static void test_grpo_decode_step_matches_forward_rows(TestCtx* t) {
+    const char* presets[] = {"test-llama", "test-qwen3", "test-qwen3moe", "test-gptoss"};
+    for (size_t k = 0; k < sizeof presets / sizeof presets[0]; k++) {
+        ModelConfig cfg;
+        char err[ERR_LEN];
+        Model m;
+        if (config_from_preset(&cfg, presets[k], err) != 0 || model_init(&m, &cfg, 0, err) != 0) {
+            CHECK(t, 0, "%s: %s", presets[k], err);
+            continue;
+        }
+        Store s;
+        store_create(&s, &m.tt);
+        store_init_random(&s, 5, 0.3f);
+        void* ctx = ops_cpu_create(t->n_threads);
+        const int n = 4, maxT = 8, C = cfg.C;
+        Generator g;
+        const GenOptions go = {.max_seqs = n, .max_len = maxT, .temperature = 1.0f,
+                               .top_p = 1.0f};
+        CHECK(t, gen_create(&g, &m, &ops_cpu, ctx, &go, 1, err) == 0, "%s", err);
+        gen_load_weights(&g, &s, 1);
+        Workspace* ws = g.ws_dec;
+        int32_t ids[4], pos[4], slot[4], len[4];
+        for (int i = 0; i < n; i++) {
+            ids[i] = (3 + 7 * i) % cfg.V;
+            pos[i] = 0;
+            slot[i] = i;
+            len[i] = 1;
+        }
+        const size_t row_bytes = (size_t)n * C * sizeof(float);
+        float* x = malloc_check(row_bytes);
+        float* y = malloc_check(row_bytes);
+        float* want_x = malloc_check(row_bytes);
+        float* want_xf = malloc_check(row_bytes);
+        // the forward: explicit adds inside the blocks, then the final rmsnorm
+        ws->lora_train = 0;
+        model_prefix_forward(&m, ws, x, ids, gen_weight(&g, TK_EMBED), n, 1);
+        float *cur = x, *nxt = y;
+        for (int l = 0; l < cfg.L; l++) {
+            model_block_forward_at(&m, ws, &ws->acts[0], l, g.w[l + 1], cur, nxt, n, 1);
+            float* tmp = cur;
+            cur = nxt;
+            nxt = tmp;
+        }
+        memcpy(want_x, cur, row_bytes);
+        ops_cpu.rmsnorm_forward(ctx, ws->xf, ws->rstdf, cur, gen_weight(&g, TK_FINAL_NORM), n, C,
+                                cfg.norm_eps);
+        memcpy(want_xf, ws->xf, row_bytes);
+        // the decode step: pending adds
+        const DecodeRows r = {.n = n, .pos = pos, .slot = slot, .d_slot = slot, .d_len = len,
+                              .rope_cos = g.ws_pre->rope_cos, .rope_sin = g.ws_pre->rope_sin,
+                              .maxT = maxT};
+        memset(ws->xf, 0, row_bytes);
+        model_prefix_forward(&m, ws, x, ids, gen_weight(&g, TK_EMBED), n, 1);
+        for (int l = 0; l < cfg.L; l++)
+            model_block_decode_at(&m, ws, l, g.w[l + 1], g.kc[l], g.vc[l], &r, x, l > 0);
+        model_decode_final_norm(&m, ws, gen_weight(&g, TK_FINAL_NORM), x, n);
+        if (cfg.family != FAMILY_GPTOSS) {
+            CHECK(t, memcmp(x, want_x, row_bytes) == 0, "%s: decode residual stream != forward's",
+                  presets[k]);
+            CHECK(t, memcmp(ws->xf, want_xf, row_bytes) == 0,
+                  "%s: decode final norm != forward's", presets[k]);
+        } else {
+            // sinks: the decode attention's softmax (sink logit in the running max and sum)
+            // rounds otherwise than the full attention's, within test_grpo's 1e-5 of it
+            const double ex = max_rel_diff(x, want_x, (size_t)n * C);
+            const double ef = max_rel_diff(ws->xf, want_xf, (size_t)n * C);
+            CHECK(t, ex < 1e-5 && ef < 1e-5, "%s: decode vs forward rows: rel err %.3g, %.3g",
+                  presets[k], ex, ef);
+        }
+        free(x);
+        free(y);
+        free(want_x);
+        free(want_xf);
+        gen_free(&g);
         ops_cpu_destroy(ctx);
         store_free(&s);
         model_free(&m);
@@ -1131,6 +1235,7 @@ const TestCase tests_grpo[] = {
     {"grpo_gpu_cli_learns_arith", test_grpo_gpu_cli_learns_arith},
     {"grpo_decode_attention_matches_full", test_grpo_decode_attention_matches_full},
     {"grpo_generate_matches_forward", test_grpo_generate_matches_forward},
+    {"grpo_decode_step_matches_forward_rows", test_grpo_decode_step_matches_forward_rows},
     {"grpo_sample_topk_topp", test_grpo_sample_topk_topp},
     {"grpo_policy_op_gradient", test_grpo_policy_op_gradient},
     {"grpo_policy_model_gradient", test_grpo_policy_model_gradient},
