@@ -7,11 +7,12 @@
  * the residual sum is rounded to bf16 (two bf16 tensors added), the norm reads the rounded sum,
  * and out = w · bf16(x · rstd) is rounded after the weight multiply. Two kernels with the same
  * per-lane order (lane l owns the 8-wide vectors l, l + 32, ... of its row, summed in that order),
- * hence the same bits: rmsnorm_forward_regs_kernel (rows up to 32 · 8 · NV columns, 16-byte
- * aligned) issues all of a lane's loads of a, b and w at once and keeps the row in registers
- * between the two passes; rmsnorm_forward_kernel walks any row in a loop, one vector at a time.
- * Warps per block shrink with N (rows_norm_warps) so that the decode's few rows (N = 128) spread
- * over every SM instead of 16 blocks; a row's math never depends on the block shape.
+ * hence the same bits: rmsnorm_forward_regs_kernel (rows up to 4096 columns, 16-byte aligned)
+ * issues all of a lane's loads of a, b and w at once and keeps the row in registers between the
+ * two passes; rmsnorm_forward_kernel walks any row in a loop, one vector at a time (wider or
+ * unaligned rows). Warps per block shrink with N (rmsnorm_forward_warps) so that the decode's
+ * few rows (N = 128) spread over every SM instead of 16 blocks; a row's math never depends on
+ * the block shape.
  *
  * Backward: one block per group of rows (about 512 blocks, a function of N only). For each row
  * a block sum gives mean(g·x̂); dinp += rstd (g - x̂ mean) with g = dy·w. For dw every thread owns
