@@ -12,22 +12,27 @@
  *
  * Plans: the matmul descriptor, the four layouts and the heuristic's algorithm are cached per
  * problem (transposes, m, n, k, types, epilogue, beta, pointer alignments, split-K rule) in the
- * context, so the heuristic runs once per shape. Split-K schemes that reduce in the output type are
- * excluded for bf16 outputs (partial sums would be rounded to bf16); every cuBLASLt reduction scheme
- * is deterministic (in-place reduction is sequenced by counters).
+ * context, so the heuristic runs once per shape. Split-K schemes that reduce in the output type
+ * are excluded for bf16 outputs (partial sums would be rounded to bf16); every cuBLASLt reduction
+ * scheme is deterministic (in-place reduction is sequenced by counters).
  *
  * Split-K rule for few rows (MATMUL_FEW_ROWS_SPLITK, the one switch): a forward product of at most
  * FEW_ROWS_MAX rows with a bf16 output (the generation step's linears, 128 rows) reads its weights
  * once with too few tiles to fill the machine (o: 2048 x 128 outputs in 128-wide tiles = 16 CTAs
  * on 132 SMs), so the heuristic's algorithm is split along k until its CTAs fill one wave:
  * splits = floor(1 / waves) of the unsplit algorithm (cublasLtMatmulAlgoCheck's wavesCount),
- * at most 16, each split at least SPLITK_MIN_K deep, partials reduced in fp32 (the compute-type
- * scheme: its own ordered reduction kernel). A split the algorithm does not support, or whose
- * workspace exceeds ours, falls back to fewer splits and finally to the heuristic's algorithm.
- * The rule is computed once per plan from the shape and the device, never timed: the same bits
- * on every run. Training products (thousands of rows; every backward product) keep the
- * heuristic's choice. The lab (dev/cuda/matmul.cu) times it as variant 6 beside the heuristic
- * (variant 2) and an explicit search of cuBLASLt's configurations (variant 5).
+ * at most 16, each split at least SPLITK_MIN_K deep, the fp32 partials of all splits at most 16
+ * MiB (they are written and read again: in the L2 that is cheap), reduced in fp32 (the
+ * compute-type scheme: its own ordered reduction kernel). One wave and no more: a split that
+ * spills into a second wave adds reduction traffic without shortening the first (gate_up's 96
+ * tiles at 128 rows stay whole). A split the algorithm does not support, or whose workspace
+ * exceeds ours, falls back to fewer splits and finally to the heuristic's algorithm. The rule is
+ * computed once per plan from the shape and the device, never timed: the same bits on every run
+ * on one device (like the heuristic's own choice, not across devices). Training products
+ * (thousands of rows; every backward product) keep the heuristic's choice; a training forward of
+ * at most 256 rows (a tiny test run) takes the rule too. The lab (dev/cuda/matmul.cu) times it
+ * as variant 6 beside the heuristic (variant 2) and an explicit search of cuBLASLt's
+ * configurations (variant 5).
  *
  * dbias (OC) += Σ_rows dout: per-block partial column sums over fixed row chunks, then the ordered
  * reduction of elementwise.cu. No atomics.
@@ -45,6 +50,7 @@
 #define FEW_ROWS_MAX 256          // forward products of at most this many rows take the rule
 #define SPLITK_MAX 16
 #define SPLITK_MIN_K 256          // k per split: shallower splits spend more on the reduction
+#define SPLITK_MAX_PARTIALS ((size_t)16 << 20)  // fp32 partials of all splits: stay in the L2
 
 typedef struct MatmulKey {
     int transa, transb, m, n, k, lda, ldb, ldc;
@@ -99,14 +105,18 @@ static cublasLtMatmulAlgo_t plan_split_k(CudaCtx* cx, const MatmulPlan* p,
                                           sizeof schemes, &written) != CUBLAS_STATUS_SUCCESS ||
         !(schemes & CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE) ||
         cublasLtMatmulAlgoConfigGetAttribute(heur, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits_now,
-                                             sizeof splits_now, &written) != CUBLAS_STATUS_SUCCESS ||
+                                             sizeof splits_now,
+                                             &written) != CUBLAS_STATUS_SUCCESS ||
         splits_now > 1 ||
         cublasLtMatmulAlgoCheck(cx->lt, p->desc, p->a, p->b, p->d, p->d, heur, &chk) !=
             CUBLAS_STATUS_SUCCESS ||
         !(chk.wavesCount > 0.0f))
         return *heur;
     int splits = chk.wavesCount * SPLITK_MAX <= 1.0f ? SPLITK_MAX : (int)(1.0f / chk.wavesCount);
-    while (splits > 1 && k / splits < SPLITK_MIN_K) splits--;
+    const size_t outputs = (size_t)p->key.m * (size_t)p->key.n;
+    while (splits > 1 && (k / splits < SPLITK_MIN_K ||
+                          (size_t)splits * outputs * sizeof(float) > SPLITK_MAX_PARTIALS))
+        splits--;
     for (; splits > 1; splits--) {
         cublasLtMatmulAlgo_t a = *heur;
         int32_t s = splits;
