@@ -11,10 +11,28 @@
  * gradients accumulate); out and dinp are bf16 (beta = 0).
  *
  * Plans: the matmul descriptor, the four layouts and the heuristic's algorithm are cached per
- * problem (transposes, m, n, k, types, epilogue, beta, pointer alignments) in the context, so the
- * heuristic runs once per shape. Split-K schemes that reduce in the output type are excluded for
- * bf16 outputs (partial sums would be rounded to bf16); every cuBLASLt reduction scheme is
- * deterministic (in-place reduction is sequenced by counters).
+ * problem (transposes, m, n, k, types, epilogue, beta, pointer alignments, split-K rule) in the
+ * context, so the heuristic runs once per shape. Split-K schemes that reduce in the output type
+ * are excluded for bf16 outputs (partial sums would be rounded to bf16); every cuBLASLt reduction
+ * scheme is deterministic (in-place reduction is sequenced by counters).
+ *
+ * Split-K rule for few rows (MATMUL_FEW_ROWS_SPLITK, the one switch): a forward product of at most
+ * FEW_ROWS_MAX rows with a bf16 output (the generation step's linears, 128 rows) reads its weights
+ * once with too few tiles to fill the machine (o: 2048 x 128 outputs in 128-wide tiles = 16 CTAs
+ * on 132 SMs), so the heuristic's algorithm is split along k until its CTAs fill one wave:
+ * splits = floor(1 / waves) of the unsplit algorithm (cublasLtMatmulAlgoCheck's wavesCount),
+ * at most 16, each split at least SPLITK_MIN_K deep, the fp32 partials of all splits at most 16
+ * MiB (they are written and read again: in the L2 that is cheap), reduced in fp32 (the
+ * compute-type scheme: its own ordered reduction kernel). One wave and no more: a split that
+ * spills into a second wave adds reduction traffic without shortening the first (gate_up's 96
+ * tiles at 128 rows stay whole). A split the algorithm does not support, or whose workspace
+ * exceeds ours, falls back to fewer splits and finally to the heuristic's algorithm. The rule is
+ * computed once per plan from the shape and the device, never timed: the same bits on every run
+ * on one device (like the heuristic's own choice, not across devices). Training products
+ * (thousands of rows; every backward product) keep the heuristic's choice; a training forward of
+ * at most 256 rows (a tiny test run) takes the rule too. The lab (dev/cuda/matmul.cu) times it
+ * as variant 6 beside the heuristic (variant 2) and an explicit search of cuBLASLt's
+ * configurations (variant 5).
  *
  * dbias (OC) += Σ_rows dout: per-block partial column sums over fixed row chunks, then the ordered
  * reduction of elementwise.cu. No atomics.
@@ -26,12 +44,21 @@
 
 #define PLAN_CACHE_SIZE 64
 
+#ifndef MATMUL_FEW_ROWS_SPLITK
+#define MATMUL_FEW_ROWS_SPLITK 1  // the split-K rule for few rows (see the top); 0: heuristic only
+#endif
+#define FEW_ROWS_MAX 256          // forward products of at most this many rows take the rule
+#define SPLITK_MAX 16
+#define SPLITK_MIN_K 256          // k per split: shallower splits spend more on the reduction
+#define SPLITK_MAX_PARTIALS ((size_t)16 << 20)  // fp32 partials of all splits: stay in the L2
+
 typedef struct MatmulKey {
     int transa, transb, m, n, k, lda, ldb, ldc;
     int out_f32;   // D (and C) fp32 instead of bf16
     int bias;      // bias epilogue
     int beta_one;  // accumulate into D
     int align_a, align_b, align_d, align_bias;  // pointer alignments in bytes (up to 16)
+    int split_rule;  // apply the few-rows split-K rule to the heuristic's algorithm
 } MatmulKey;
 
 struct MatmulPlan {
@@ -60,6 +87,50 @@ void cuda_matmul_plans_free(CudaCtx* cx) {
     free(cx->plans);
     cx->plans = NULL;
     cx->n_plans = 0;
+}
+
+// The few-rows split-K rule (see the top): the heuristic's algorithm `heur` split along k until
+// its CTAs fill one wave, or `heur` itself when no split applies.
+static cublasLtMatmulAlgo_t plan_split_k(CudaCtx* cx, const MatmulPlan* p,
+                                         const cublasLtMatmulAlgo_t* heur, int k) {
+    int32_t support = 0, splits_now = 1;
+    uint32_t schemes = 0;
+    size_t written = 0;
+    cublasLtMatmulHeuristicResult_t chk;
+    // (a query that fails leaves the algorithm as the heuristic chose it)
+    if (cublasLtMatmulAlgoCapGetAttribute(heur, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &support,
+                                          sizeof support, &written) != CUBLAS_STATUS_SUCCESS ||
+        !support ||
+        cublasLtMatmulAlgoCapGetAttribute(heur, CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK, &schemes,
+                                          sizeof schemes, &written) != CUBLAS_STATUS_SUCCESS ||
+        !(schemes & CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE) ||
+        cublasLtMatmulAlgoConfigGetAttribute(heur, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits_now,
+                                             sizeof splits_now,
+                                             &written) != CUBLAS_STATUS_SUCCESS ||
+        splits_now > 1 ||
+        cublasLtMatmulAlgoCheck(cx->lt, p->desc, p->a, p->b, p->d, p->d, heur, &chk) !=
+            CUBLAS_STATUS_SUCCESS ||
+        !(chk.wavesCount > 0.0f))
+        return *heur;
+    int splits = chk.wavesCount * SPLITK_MAX <= 1.0f ? SPLITK_MAX : (int)(1.0f / chk.wavesCount);
+    const size_t outputs = (size_t)p->key.m * (size_t)p->key.n;
+    while (splits > 1 && (k / splits < SPLITK_MIN_K ||
+                          (size_t)splits * outputs * sizeof(float) > SPLITK_MAX_PARTIALS))
+        splits--;
+    for (; splits > 1; splits--) {
+        cublasLtMatmulAlgo_t a = *heur;
+        int32_t s = splits;
+        uint32_t scheme = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+        if (cublasLtMatmulAlgoConfigSetAttribute(&a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &s,
+                                                 sizeof s) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatmulAlgoConfigSetAttribute(&a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
+                                                 &scheme, sizeof scheme) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatmulAlgoCheck(cx->lt, p->desc, p->a, p->b, p->d, p->d, &a, &chk) ==
+                CUBLAS_STATUS_SUCCESS &&
+            chk.workspaceSize <= LT_WORKSPACE_BYTES)
+            return a;
+    }
+    return *heur;
 }
 
 static MatmulPlan* plan_get(CudaCtx* cx, const MatmulKey* key) {
@@ -120,14 +191,14 @@ static MatmulPlan* plan_get(CudaCtx* cx, const MatmulKey* key) {
               key->transa, key->transb, key->lda, key->ldb, key->ldc,
               key->out_f32 ? "fp32" : "bf16", key->bias, key->align_a, key->align_b,
               key->align_d, cublasLtGetStatusString(st));
-    p->algo = res.algo;
+    p->algo = key->split_rule ? plan_split_k(cx, p, &res.algo, key->k) : res.algo;
     return p;
 }
 
 // D (m, n) = alpha op(A) op(B) + beta D (column-major), with the plan for this problem.
 static void lt_matmul(CudaCtx* cx, int transa, int transb, int m, int n, int k, const bf16* A,
                       int lda, const bf16* B, int ldb, void* D, int ldc, int out_f32,
-                      const bf16* bias, float beta, float alpha) {
+                      const bf16* bias, float beta, float alpha, int split_rule) {
     MatmulKey key;
     memset(&key, 0, sizeof key);  // padding bytes take part in the memcmp
     key.transa = transa;
@@ -145,6 +216,7 @@ static void lt_matmul(CudaCtx* cx, int transa, int transb, int m, int n, int k, 
     key.align_b = ptr_alignment(B);
     key.align_d = ptr_alignment(D);
     key.align_bias = bias ? ptr_alignment(bias) : 0;
+    key.split_rule = split_rule;
     MatmulPlan* p = plan_get(cx, &key);
     if (bias)
         cublas_check(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
@@ -182,12 +254,14 @@ __global__ void dbias_partial_kernel(float* __restrict__ partial, const bf16* __
 // ----------------------------------------------------------------------------
 // the three products
 
-void cuda_matmul_forward(CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w, const bf16* bias,
-                         int N, int IC, int OC) {
+// The forward with the few-rows split-K rule on (split_rule = 1, for up to FEW_ROWS_MAX rows) or
+// off; the lab times both.
+static void matmul_forward_rule(CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w,
+                                const bf16* bias, int N, int IC, int OC, int split_rule) {
     if (N <= 0 || OC <= 0) return;
     int fused_bias = bias != NULL && is_aligned16(bias);
     lt_matmul(cx, 1, 0, OC, N, IC, w, IC, inp, IC, out, OC, 0, fused_bias ? bias : NULL, 0.0f,
-              1.0f);
+              1.0f, split_rule && N <= FEW_ROWS_MAX);
     if (bias && !fused_bias) {
         add_bias_kernel<<<grid_size((size_t)N * OC, 256) < 4096 ? grid_size((size_t)N * OC, 256)
                                                                  : 4096,
@@ -196,11 +270,16 @@ void cuda_matmul_forward(CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w,
     }
 }
 
+void cuda_matmul_forward(CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w, const bf16* bias,
+                         int N, int IC, int OC) {
+    matmul_forward_rule(cx, out, inp, w, bias, N, IC, OC, MATMUL_FEW_ROWS_SPLITK);
+}
+
 void cuda_matmul_backward(CudaCtx* cx, bf16* dinp, float* dw, float* dbias, const bf16* dout,
                           const bf16* inp, const bf16* w, int N, int IC, int OC) {
     if (N <= 0) return;
-    if (dinp) lt_matmul(cx, 0, 0, IC, N, OC, w, IC, dout, OC, dinp, IC, 0, NULL, 0.0f, 1.0f);
-    if (dw) lt_matmul(cx, 0, 1, IC, OC, N, inp, IC, dout, OC, dw, IC, 1, NULL, 1.0f, 1.0f);
+    if (dinp) lt_matmul(cx, 0, 0, IC, N, OC, w, IC, dout, OC, dinp, IC, 0, NULL, 0.0f, 1.0f, 0);
+    if (dw) lt_matmul(cx, 0, 1, IC, OC, N, inp, IC, dout, OC, dw, IC, 1, NULL, 1.0f, 1.0f, 0);
     if (dbias) {
         int chunks = N < DBIAS_CHUNKS ? N : DBIAS_CHUNKS;
         int rows = (N + chunks - 1) / chunks;
@@ -225,7 +304,7 @@ void cuda_matmul_cols_forward(CudaCtx* cx, bf16* out, int accumulate, const bf16
                               const bf16* w, float scale, int N, int IC, int OC, int ld, int c0) {
     if (N <= 0 || OC <= 0) return;
     lt_matmul(cx, 1, 0, OC, N, IC, w, IC, inp, ldi, out + c0, ld, 0, NULL,
-              accumulate ? 1.0f : 0.0f, scale);
+              accumulate ? 1.0f : 0.0f, scale, 0);
 }
 
 void cuda_matmul_cols_backward(CudaCtx* cx, bf16* dinp, int accumulate, float* dw,
@@ -235,6 +314,6 @@ void cuda_matmul_cols_backward(CudaCtx* cx, bf16* dinp, int accumulate, float* d
     const bf16* g = dout + c0;
     if (dinp)
         lt_matmul(cx, 0, 0, IC, N, OC, w, IC, g, ld, dinp, ldi, 0, NULL, accumulate ? 1.0f : 0.0f,
-                  scale);
-    if (dw) lt_matmul(cx, 0, 1, IC, OC, N, inp, ldi, g, ld, dw, IC, 1, NULL, 1.0f, scale);
+                  scale, 0);
+    if (dw) lt_matmul(cx, 0, 1, IC, OC, N, inp, ldi, g, ld, dw, IC, 1, NULL, 1.0f, scale, 0);
 }

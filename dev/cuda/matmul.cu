@@ -6,14 +6,15 @@
  *   dW       dW (OC, IC) += doutᵀ · inp                    fp32, accumulated
  *   dbias    dbias (OC) += Σ_rows dout                     fp32, accumulated
  *
- *   make dev-cuda && dev/cuda/build/matmul [--validate-only] [--variant K] [--seed S]
+ *   make dev-cuda && dev/cuda/build/matmul [--validate-only] [--variant K] [--seed S] [--decode]
+ *   (--decode: the validation, then only the decode rows benchmark)
  *
  * Variants:
  *   1  naive: 32 x 32 shared-memory tiles, one output per thread, fp32 FMA on the CUDA cores
  *      (one strided kernel for the three products; dbias one thread per column).
- *   2  production (kernels/matmul.cu, included below): cuBLASLt with the heuristic's first
- *      algorithm, cached per problem; bias fused in the epilogue when aligned; dbias as ordered
- *      per-chunk partial sums.
+ *   2  production (kernels/matmul.cu, included below) with the few-rows split-K rule off:
+ *      cuBLASLt with the heuristic's first algorithm, cached per problem; bias fused in the
+ *      epilogue when aligned; dbias as ordered per-chunk partial sums.
  *   3  cuBLASLt, the fastest of the heuristic's first 8 algorithms, timed one by one: what
  *      autotuning would gain over variant 2 (benchmark only: the algorithms are cuBLAS's own).
  *   4  the forward for few rows (the generation step: <= 128 rows, no bias, k and OC in 64s;
@@ -24,20 +25,36 @@
  *      as production routing on the H200, session 11) but half cuBLASLt's speed at 128 rows:
  *      2 blocks of 4 warps per multiprocessor (110 KB of shared memory each) do not hide the
  *      latency; a starting point for a wgmma version, not wired in.
- * Validation (variants 1 and 2): (N, IC, OC) = (77, 200, 136) with a 16-byte aligned bias (the
- * fused epilogue) and every gradient; (50, 64, 40) with a bias one element off alignment (the
+ *   5  decode rows only (benchmark): an explicit search of cuBLASLt's configurations per problem
+ *      (64 / 128 / 256 rows x the four linears and the LM head): every bf16 algorithm id
+ *      (cublasLtMatmulAlgoGetIds), per algorithm its capabilities (tile ids, stages ids, split-K
+ *      support, reduction schemes, CTA swizzling; cuBLAS 13.1 has no cluster-shape capability,
+ *      left at auto), configurations (tile, split-K in {1, 2, 3, 4, 6, 8, 12, 16} with the
+ *      compute-type reduction: deterministic, partials in fp32, never in bf16; swizzle 0/1,
+ *      stages) checked with cublasLtMatmulAlgoCheck within the production workspace (32 MiB);
+ *      at most 512 checked and 48 timed per algorithm, 5 s of search per problem (5 runs
+ *      each), the best 10 re-timed (median of --reps), the best 5 printed with their attributes
+ *      and GB/s, each validated against the CPU reference on rows 0, 1, 63, 127, 255 (those
+ *      below the row count) and run twice for the same bits. Prints how many were tried.
+ *   6  production (kernels/matmul.cu) with the few-rows split-K rule on (the production default,
+ *      MATMUL_FEW_ROWS_SPLITK): forward products of at most 256 rows take the heuristic's
+ *      algorithm split along k until its CTAs fill one wave (fp32 reduction); the rest is
+ *      variant 2. The decode benchmark prints the algorithm each plan of variants 2 and 6 holds.
+ * Validation (variants 1, 2, 4 and 6): (N, IC, OC) = (77, 200, 136) with a 16-byte aligned bias
+ * (the fused epilogue) and every gradient; (50, 64, 40) with a bias one element off alignment (the
  * separate bias kernel), dW and dbias without dinp; (1, 200, 136) without bias (one row, as the
  * generation path calls it); and (variant 4's kernel) the forward at (77, 2048, 1024), (128,
  * 640, 256), (1, 1024, 192), (128, 256, 64) (k split 8, 2, 4, 1 ways), the same bits twice and
- * for a row alone. bf16 outputs TOL_BF16, fp32 gradients (pre-filled: they accumulate)
- * TOL_F32, against sums in double.
+ * for a row alone; variant 6 also the forward at (128, 2048, 2048) and (64, 6144, 2048) (the
+ * rule splits them) and the same bits twice. bf16 outputs TOL_BF16, fp32 gradients (pre-filled:
+ * they accumulate) TOL_F32, against sums in double.
  * Benchmark: the Qwen3-1.7B linear layers at N = 16384 tokens (qkv 2048 -> 4096, o 2048 -> 2048,
  * gate_up 2048 -> 12288, down 6144 -> 2048) and the LM head 2048 -> 151936 in the model's row
  * chunks on the GPU (4096) and in 220-row chunks (64 MiB of logits: the dW product reads and
  * writes the whole fp32 dW per chunk). TFLOP/s = 2 N IC OC / time against 989 dense bf16.
  * Variant 1 runs on the layer shapes only (the LM head would take seconds per call).
- * First, the generation step's products (128 rows, forward, variants 2 and 3) in GB/s of the
- * weights they read.
+ * First, the generation step's products (64, 128 and 256 rows, forward, variants 2 to 6) in GB/s
+ * of the weights they read; the Qwen3-1.7B decode runs 128.
  */
 #include "../../kernels/matmul.cu"
 #include "../../kernels/ptx.cuh"
@@ -287,15 +304,16 @@ static void matmul1(CudaCtx* cx, OutT* D, const bf16* A, const bf16* B, const bf
 }
 
 // ----------------------------------------------------------------------------
-// variant dispatch (variants 1 and 2; variant 3 is the benchmark's own loop)
+// variant dispatch (variants 1, 2, 4, 6; variants 3 and 5 are the benchmark's own loops)
 
 static void matmul_forward(int v, CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w,
                            const bf16* bias, int N, int IC, int OC) {
-    if (v == 2) return cuda_matmul_forward(cx, out, inp, w, bias, N, IC, OC);
+    if (v == 2 || v == 6)  // the production forward with the few-rows split-K rule off / on
+        return matmul_forward_rule(cx, out, inp, w, bias, N, IC, OC, v == 6);
     if (v == 4) {
         const int splits = few_rows_splits(cx, inp, w, bias, N, IC, OC);
         if (splits > 0) return matmul_few_rows(cx, out, inp, w, N, IC, OC, splits);
-        return cuda_matmul_forward(cx, out, inp, w, bias, N, IC, OC);
+        return matmul_forward_rule(cx, out, inp, w, bias, N, IC, OC, 0);
     }
     // m = row, n = output column, k = input column
     matmul1<bf16>(cx, out, inp, w, bias, N, OC, IC, IC, 1, 1, IC);
@@ -304,7 +322,7 @@ static void matmul_forward(int v, CudaCtx* cx, bf16* out, const bf16* inp, const
 static void matmul_backward(int v, CudaCtx* cx, bf16* dinp, float* dw, float* dbias,
                             const bf16* dout, const bf16* inp, const bf16* w, int N, int IC,
                             int OC) {
-    if (v == 2 || v == 4)
+    if (v == 2 || v == 4 || v == 6)
         return cuda_matmul_backward(cx, dinp, dw, dbias, dout, inp, w, N, IC, OC);
     // dinp: m = row, n = input column, k = output column
     if (dinp) matmul1<bf16>(cx, dinp, dout, w, NULL, N, IC, OC, OC, 1, IC, 1);
@@ -372,6 +390,303 @@ static double lt_best_of_heuristics(Lab* lab, int calls, int transa, int transb,
 }
 
 // ----------------------------------------------------------------------------
+// variant 5: an explicit search of cuBLASLt's configurations (decode rows benchmark only)
+
+#define SEARCH_SPLITS_N 8
+static const int SEARCH_SPLITS[SEARCH_SPLITS_N] = {1, 2, 3, 4, 6, 8, 12, 16};
+#define SEARCH_CHECKED_PER_ALGO 512   // configurations AlgoCheck'ed per algorithm, at most
+#define SEARCH_TIMED_PER_ALGO 48      // of those, timed per algorithm (sampled evenly)
+#define SEARCH_BUDGET_S 5.0           // wall seconds of search per problem (15 problems)
+#define SEARCH_TOP 5
+
+// One configuration of an algorithm, and what it measured.
+typedef struct LtConfig {
+    cublasLtMatmulAlgo_t algo;
+    size_t workspace;
+    float waves;
+    double ms;
+} LtConfig;
+
+// The forward product of kernels/matmul.cu as cuBLASLt sees it (column-major): D (OC, rows) =
+// W_cm(IC, OC)ᵀ · x_cm (IC, rows), bf16 in and out, fp32 compute.
+typedef struct LtForward {
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t a, b, d;
+} LtForward;
+
+static LtForward lt_forward_create(int rows, int IC, int OC) {
+    LtForward f;
+    cublas_check(cublasLtMatmulDescCreate(&f.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    cublas_check(
+        cublasLtMatmulDescSetAttribute(f.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    cublas_check(
+        cublasLtMatmulDescSetAttribute(f.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    cublas_check(cublasLtMatrixLayoutCreate(&f.a, CUDA_R_16BF, IC, OC, IC));
+    cublas_check(cublasLtMatrixLayoutCreate(&f.b, CUDA_R_16BF, IC, rows, IC));
+    cublas_check(cublasLtMatrixLayoutCreate(&f.d, CUDA_R_16BF, OC, rows, OC));
+    return f;
+}
+
+static void lt_forward_destroy(LtForward* f) {
+    cublasLtMatrixLayoutDestroy(f->a);
+    cublasLtMatrixLayoutDestroy(f->b);
+    cublasLtMatrixLayoutDestroy(f->d);
+    cublasLtMatmulDescDestroy(f->desc);
+}
+
+static cublasStatus_t lt_forward_try(CudaCtx* cx, const LtForward* f,
+                                     const cublasLtMatmulAlgo_t* algo, bf16* out, const bf16* x,
+                                     const bf16* w) {
+    const float alpha = 1.0f, beta = 0.0f;
+    return cublasLtMatmul(cx->lt, f->desc, &alpha, w, f->a, x, f->b, &beta, out, f->d, out, f->d,
+                          algo, cx->lt_workspace, LT_WORKSPACE_BYTES, cx->stream);
+}
+
+static void lt_forward_run(CudaCtx* cx, const LtForward* f, const cublasLtMatmulAlgo_t* algo,
+                           bf16* out, const bf16* x, const bf16* w) {
+    cublas_check(lt_forward_try(cx, f, algo, out, x, w));
+}
+
+// One configuration attribute of an algorithm (the size must match cuBLASLt's storage).
+template <typename T>
+static void lt_config_get(const cublasLtMatmulAlgo_t* a, cublasLtMatmulAlgoConfigAttributes_t at,
+                          T* v) {
+    size_t w = 0;
+    cublas_check(cublasLtMatmulAlgoConfigGetAttribute(a, at, v, sizeof *v, &w));
+}
+
+template <typename T>
+static void lt_cap_get(const cublasLtMatmulAlgo_t* a, cublasLtMatmulAlgoCapAttributes_t at, T* v) {
+    size_t w = 0;
+    cublas_check(cublasLtMatmulAlgoCapGetAttribute(a, at, v, sizeof *v, &w));
+}
+
+// Whether the algorithm takes attribute `at` = v.
+template <typename T>
+static bool lt_config_set(cublasLtMatmulAlgo_t* a, cublasLtMatmulAlgoConfigAttributes_t at, T v) {
+    return cublasLtMatmulAlgoConfigSetAttribute(a, at, &v, sizeof v) == CUBLAS_STATUS_SUCCESS;
+}
+
+// "algo 21 tile 18 splits 8 (compute type) swizzle 0 stages 20 cluster 0 inner 0 custom 0"
+static void lt_algo_describe(const cublasLtMatmulAlgo_t* a, char* buf, size_t n) {
+    int32_t id = -1, splits = 1;
+    uint32_t tile = 0, scheme = 0, swz = 0, stages = 0, custom = 0;
+    uint16_t cluster = 0, inner = 0;
+    lt_config_get(a, CUBLASLT_ALGO_CONFIG_ID, &id);
+    lt_config_get(a, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile);
+    lt_config_get(a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits);
+    lt_config_get(a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme);
+    lt_config_get(a, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &swz);
+    lt_config_get(a, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages);
+    lt_config_get(a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, &custom);
+    lt_config_get(a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster);
+    lt_config_get(a, CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID, &inner);
+    snprintf(buf, n,
+             "algo %d tile %u splits %d (%s) swizzle %u stages %u cluster %u inner %u custom %u",
+             id, tile, splits,
+             scheme == CUBLASLT_REDUCTION_SCHEME_NONE           ? "none"
+             : scheme == CUBLASLT_REDUCTION_SCHEME_INPLACE      ? "in place"
+             : scheme == CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE ? "compute type"
+                                                                : "output type",
+             swz, stages, cluster, inner, custom);
+}
+
+// The uint32 array capability `cap` of an algorithm (tile or stages ids); {fallback} if none.
+static std::vector<uint32_t> lt_cap_ids(const cublasLtMatmulAlgo_t* a,
+                                        cublasLtMatmulAlgoCapAttributes_t cap, uint32_t fallback) {
+    size_t bytes = 0;
+    std::vector<uint32_t> ids;
+    if (cublasLtMatmulAlgoCapGetAttribute(a, cap, NULL, 0, &bytes) == CUBLAS_STATUS_SUCCESS &&
+        bytes >= sizeof(uint32_t)) {
+        ids.resize(bytes / sizeof(uint32_t));
+        size_t w = 0;
+        cublas_check(cublasLtMatmulAlgoCapGetAttribute(a, cap, ids.data(), bytes, &w));
+    }
+    if (ids.empty()) ids.push_back(fallback);
+    return ids;
+}
+
+// Every configuration of every bf16 algorithm that AlgoCheck accepts for the problem, within our
+// workspace, with deterministic reductions that do not reduce in bf16 (none, or the compute-type
+// scheme), capped per algorithm; grouped per algorithm.
+static std::vector<std::vector<LtConfig>> lt_enumerate(CudaCtx* cx, const LtForward* f, int k,
+                                                       long* n_space, long* n_checked,
+                                                       long* n_passed) {
+    int ids[512], n_ids = 0;
+    cublas_check(cublasLtMatmulAlgoGetIds(cx->lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_16BF,
+                                          CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF, 512, ids, &n_ids));
+    std::vector<std::vector<LtConfig>> out;
+    for (int i = 0; i < n_ids; i++) {
+        cublasLtMatmulAlgo_t base;
+        if (cublasLtMatmulAlgoInit(cx->lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_16BF,
+                                   CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF, ids[i],
+                                   &base) != CUBLAS_STATUS_SUCCESS)
+            continue;
+        int32_t splitk = 0;
+        uint32_t schemes = 0, swz_support = 0;
+        lt_cap_get(&base, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &splitk);
+        lt_cap_get(&base, CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK, &schemes);
+        lt_cap_get(&base, CUBLASLT_ALGO_CAP_CTA_SWIZZLING_SUPPORT, &swz_support);
+        const std::vector<uint32_t> tiles =
+            lt_cap_ids(&base, CUBLASLT_ALGO_CAP_TILE_IDS, CUBLASLT_MATMUL_TILE_UNDEFINED);
+        const std::vector<uint32_t> stages =
+            lt_cap_ids(&base, CUBLASLT_ALGO_CAP_STAGES_IDS, CUBLASLT_MATMUL_STAGES_UNDEFINED);
+        const int split_ok = splitk && (schemes & CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE);
+        // the space: (tile, splits, swizzle, stages); above the cap, a fixed pseudo-random
+        // subset of it (the same on every run), so every tile and split count is drawn from
+        std::vector<int32_t> splits;
+        for (int si = 0; si < SEARCH_SPLITS_N; si++)
+            if (SEARCH_SPLITS[si] == 1 || (split_ok && k / SEARCH_SPLITS[si] >= 128))
+                splits.push_back(SEARCH_SPLITS[si]);
+        const size_t n_swz = swz_support ? 2 : 1;
+        const size_t space = tiles.size() * splits.size() * n_swz * stages.size();
+        std::vector<size_t> order(space);
+        for (size_t j = 0; j < space; j++) order[j] = j;
+        uint64_t h = 0x9e3779b97f4a7c15ull ^ (uint64_t)ids[i];
+        for (size_t j = space; j > 1; j--) {  // Fisher-Yates with xorshift64
+            h ^= h << 13;
+            h ^= h >> 7;
+            h ^= h << 17;
+            std::swap(order[j - 1], order[h % j]);
+        }
+        if (space > SEARCH_CHECKED_PER_ALGO) order.resize(SEARCH_CHECKED_PER_ALGO);
+        *n_space += (long)space;
+        std::vector<LtConfig> mine;
+        const long checked = (long)order.size();
+        for (size_t idx : order) {
+            const uint32_t st = stages[idx % stages.size()];
+            const uint32_t swz = (uint32_t)(idx / stages.size() % n_swz);
+            const int32_t s = splits[idx / stages.size() / n_swz % splits.size()];
+            const uint32_t tile = tiles[idx / stages.size() / n_swz / splits.size()];
+            LtConfig c;
+            c.algo = base;
+            const uint32_t scheme = s > 1 ? CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE
+                                          : CUBLASLT_REDUCTION_SCHEME_NONE;
+            cublasLtMatmulHeuristicResult_t res;
+            if (!lt_config_set(&c.algo, CUBLASLT_ALGO_CONFIG_TILE_ID, tile) ||
+                !lt_config_set(&c.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, s) ||
+                !lt_config_set(&c.algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, scheme) ||
+                !lt_config_set(&c.algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, swz) ||
+                !lt_config_set(&c.algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, st) ||
+                cublasLtMatmulAlgoCheck(cx->lt, f->desc, f->a, f->b, f->d, f->d, &c.algo, &res) !=
+                    CUBLAS_STATUS_SUCCESS ||
+                res.workspaceSize > LT_WORKSPACE_BYTES)
+                continue;
+            c.workspace = res.workspaceSize;
+            c.waves = res.wavesCount;
+            c.ms = INFINITY;
+            mine.push_back(c);
+        }
+        *n_checked += checked;
+        *n_passed += (long)mine.size();
+        if (mine.size() > SEARCH_TIMED_PER_ALGO) {  // every (size / cap)-th: all tiles and splits
+            std::vector<LtConfig> kept;
+            for (int j = 0; j < SEARCH_TIMED_PER_ALGO; j++)
+                kept.push_back(mine[(size_t)j * mine.size() / SEARCH_TIMED_PER_ALGO]);
+            mine.swap(kept);
+        }
+        if (!mine.empty()) out.push_back(mine);
+    }
+    return out;
+}
+
+static double wall_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+// Variant 5 on one problem: enumerate, screen (5 runs each, round-robin over the algorithms
+// until SEARCH_BUDGET_S after the start, enumeration included), re-time the best 2 x SEARCH_TOP
+// (median of the lab's --reps), print the best SEARCH_TOP with their attributes, validate each
+// against the CPU reference on the rows `ref_rows` (ref: (n_ref, OC)) and run it twice for the
+// same bits. Returns the best time (ms).
+static double lt_search(Lab* lab, const char* name, int rows, int IC, int OC, const bf16* x,
+                        const bf16* w, bf16* out, const std::vector<int>& ref_rows,
+                        const std::vector<float>& ref, double bytes) {
+    CudaCtx* cx = lab->cx;
+    const double t0 = wall_s();
+    LtForward f = lt_forward_create(rows, IC, OC);
+    long n_space = 0, n_checked = 0, n_passed = 0, n_timed = 0;
+    std::vector<std::vector<LtConfig>> per_algo =
+        lt_enumerate(cx, &f, IC, &n_space, &n_checked, &n_passed);
+    std::vector<LtConfig> timed;
+    int budget_hit = 0;
+    for (size_t j = 0; !budget_hit; j++) {
+        int any = 0;
+        for (auto& cs : per_algo) {
+            if (j >= cs.size()) continue;
+            any = 1;
+            if (j > 0 && wall_s() - t0 > SEARCH_BUDGET_S) {  // (each algorithm's first: always)
+                budget_hit = 1;
+                break;
+            }
+            LtConfig c = cs[j];
+            // (a configuration AlgoCheck accepts may still be refused at the call: skipped)
+            if (lt_forward_try(cx, &f, &c.algo, out, x, w) != CUBLAS_STATUS_SUCCESS) continue;
+            c.ms = lab_time_ms(lab, [&] { lt_forward_run(cx, &f, &c.algo, out, x, w); }, 5, 1);
+            timed.push_back(c);
+            n_timed++;
+        }
+        if (!any) break;
+    }
+    std::sort(timed.begin(), timed.end(),
+              [](const LtConfig& a, const LtConfig& b) { return a.ms < b.ms; });
+    if (timed.size() > 2 * SEARCH_TOP) timed.resize(2 * SEARCH_TOP);
+    for (LtConfig& c : timed)
+        c.ms = lab_time_ms(lab, [&] { lt_forward_run(cx, &f, &c.algo, out, x, w); });
+    std::sort(timed.begin(), timed.end(),
+              [](const LtConfig& a, const LtConfig& b) { return a.ms < b.ms; });
+    if (timed.size() > SEARCH_TOP) timed.resize(SEARCH_TOP);
+    printf("  variant 5 %s rows=%d: %zu algorithms with configurations, %ld configurations, "
+           "%ld checked, %ld accepted, %ld timed%s, %.1f s\n",
+           name, rows, per_algo.size(), n_space, n_checked, n_passed, n_timed,
+           budget_hit ? " (time budget reached)" : "", wall_s() - t0);
+    const size_t n_out = (size_t)rows * OC;
+    for (size_t i = 0; i < timed.size(); i++) {
+        char desc[200], what[300];
+        lt_algo_describe(&timed[i].algo, desc, sizeof desc);
+        printf("    #%zu %.4f ms %5.0f GB/s waves %.2f workspace %zu B: %s\n", i + 1, timed[i].ms,
+               bytes / (timed[i].ms * 1e-3) / 1e9, timed[i].waves, timed[i].workspace, desc);
+        dev_poison(out, n_out * sizeof(bf16));
+        lt_forward_run(cx, &f, &timed[i].algo, out, x, w);
+        std::vector<float> a = dev_download_bf16(out, n_out);
+        dev_poison(out, n_out * sizeof(bf16));
+        lt_forward_run(cx, &f, &timed[i].algo, out, x, w);
+        std::vector<float> b = dev_download_bf16(out, n_out);
+        snprintf(what, sizeof what, "v5 %s rows=%d #%zu (%s): the same bits twice", name, rows,
+                 i + 1, desc);
+        lab_check_true(lab, what, memcmp(a.data(), b.data(), n_out * sizeof(float)) == 0);
+        std::vector<float> got, want;
+        for (size_t r = 0; r < ref_rows.size(); r++) {
+            if (ref_rows[r] >= rows) continue;
+            got.insert(got.end(), a.begin() + (size_t)ref_rows[r] * OC,
+                       a.begin() + (size_t)(ref_rows[r] + 1) * OC);
+            want.insert(want.end(), ref.begin() + r * OC, ref.begin() + (r + 1) * OC);
+        }
+        snprintf(what, sizeof what, "v5 %s rows=%d #%zu: out (sampled rows)", name, rows, i + 1);
+        lab_check(lab, what, got.data(), want.data(), got.size(), TOL_BF16);
+    }
+    lt_forward_destroy(&f);
+    return timed.empty() ? INFINITY : timed[0].ms;
+}
+
+// The algorithm the production plan cache holds for the forward of (rows, IC, OC) with the rule
+// on or off (after a call made it), described; "(none)" if there is none.
+static void plan_describe(CudaCtx* cx, int rows, int IC, int OC, int rule, char* buf, size_t n) {
+    snprintf(buf, n, "(none)");
+    for (int i = 0; i < cx->n_plans; i++) {
+        const MatmulKey* k = &cx->plans[i].key;
+        if (k->transa == 1 && k->transb == 0 && k->m == OC && k->n == rows && k->k == IC &&
+            !k->bias && k->split_rule == (rule && rows <= FEW_ROWS_MAX)) {
+            lt_algo_describe(&cx->plans[i].algo, buf, n);
+            return;
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------
 // validation
 
 // bias_mode 0: none, 1: aligned, 2: one element off 16-byte alignment.
@@ -426,40 +741,77 @@ typedef struct Shape {
     int IC, OC, chunk;  // chunk: rows per call (0: all N at once)
 } Shape;
 
-// The generation step's products: 128 rows (8 prompts x 16 answers) through each linear layer of
-// Qwen3-1.7B and the LM head, forward only; GB/s over the weights read (what bounds them).
+// Rows of the CPU reference of the decode rows benchmark (those below the row count are checked).
+static const int DECODE_REF_ROWS[] = {0, 1, 63, 127, 255};
+
+// The generation step's products: 64, 128 (8 prompts x 16 answers) and 256 rows through each
+// linear layer of Qwen3-1.7B and the LM head, forward only; GB/s over the weights read (what
+// bounds them). Variant 5 searches cuBLASLt's configurations per problem and prints its best;
+// variants 2 and 6 print the algorithm their plan holds.
 static void bench_decode(Lab* lab) {
-    const int rows = 128;
+    const int row_counts[] = {64, 128, 256}, max_rows = 256;
     const Shape shapes[] = {{"qkv", 2048, 4096, 0},     {"o", 2048, 2048, 0},
                             {"gate_up", 2048, 12288, 0}, {"down", 6144, 2048, 0},
                             {"lm_head", 2048, 151936, 0}};
     CudaCtx* cx = lab->cx;
-    printf("\nbenchmark: decode rows (forward, 128 rows)\n");
+    const double t_start = wall_s();
+    printf("\nbenchmark: decode rows (forward, 64 / 128 / 256 rows)\n");
     lab_bench_header_bw();
     for (const Shape& sh : shapes) {
-        bf16* x = dev_random<bf16>((size_t)rows * sh.IC, 1.0f, 1);
+        bf16* x = dev_random<bf16>((size_t)max_rows * sh.IC, 1.0f, 1);
         bf16* w = dev_random<bf16>((size_t)sh.OC * sh.IC, 0.05f, 2);
-        bf16* out = dev_alloc<bf16>((size_t)rows * sh.OC);
-        char shape[96];
-        snprintf(shape, sizeof shape, "%s N=%d IC=%d OC=%d", sh.name, rows, sh.IC, sh.OC);
-        const double bytes = 2.0 * ((double)sh.OC * sh.IC + (double)rows * (sh.IC + sh.OC));
-        for (int v = 2; v <= 4; v++) {
-            if (!lab_wants(&lab->args, v)) continue;
-            const double ms =
-                v == 3 ? lt_best_of_heuristics(lab, 1, 1, 0, sh.OC, rows, sh.IC, w, sh.IC, x,
-                                               sh.IC, out, sh.OC, 0, 0.0f)
-                       : lab_time_ms(lab, [&] {
-                             matmul_forward(v, cx, out, x, w, NULL, rows, sh.IC, sh.OC);
-                         });
-            lab_report_bw("matmul fwd (decode)", v, shape, "weights once, x, out", bytes, ms);
+        bf16* out = dev_alloc<bf16>((size_t)max_rows * sh.OC);
+        // variant 5's reference: the rows DECODE_REF_ROWS of out in double (the weights are the
+        // same for every row count, and a row's inputs too)
+        std::vector<int> ref_rows(DECODE_REF_ROWS, DECODE_REF_ROWS + 5);
+        std::vector<float> ref;
+        if (lab_wants(&lab->args, 5)) {
+            const std::vector<float> hw = dev_download_bf16(w, (size_t)sh.OC * sh.IC);
+            const std::vector<float> hx = dev_download_bf16(x, (size_t)max_rows * sh.IC);
+            ref.resize(ref_rows.size() * (size_t)sh.OC);
+            for (size_t r = 0; r < ref_rows.size(); r++)
+                matmul_forward_cpu(ref.data() + r * sh.OC, hx.data() + (size_t)ref_rows[r] * sh.IC,
+                                   hw.data(), NULL, 1, sh.IC, sh.OC);
+        }
+        for (int rows : row_counts) {
+            char shape[96];
+            snprintf(shape, sizeof shape, "%s N=%d IC=%d OC=%d", sh.name, rows, sh.IC, sh.OC);
+            const double bytes =
+                2.0 * ((double)sh.OC * sh.IC + (double)rows * (sh.IC + sh.OC));
+            for (int v = 2; v <= 6; v++) {
+                if (!lab_wants(&lab->args, v)) continue;
+                double ms;
+                if (v == 3)
+                    ms = lt_best_of_heuristics(lab, 1, 1, 0, sh.OC, rows, sh.IC, w, sh.IC, x,
+                                               sh.IC, out, sh.OC, 0, 0.0f);
+                else if (v == 5)
+                    ms = lt_search(lab, sh.name, rows, sh.IC, sh.OC, x, w, out, ref_rows, ref,
+                                   bytes);
+                else
+                    ms = lab_time_ms(lab, [&] {
+                        matmul_forward(v, cx, out, x, w, NULL, rows, sh.IC, sh.OC);
+                    });
+                lab_report_bw("matmul fwd (decode)", v, shape, "weights once, x, out", bytes, ms);
+                if (v == 2 || v == 6) {
+                    char desc[200];
+                    plan_describe(cx, rows, sh.IC, sh.OC, v == 6, desc, sizeof desc);
+                    printf("  variant %d %s rows=%d: %s\n", v, sh.name, rows, desc);
+                }
+            }
         }
         void* bufs[] = {x, w, out};
         for (void* p : bufs) cuda_check(cudaFree(p));
     }
+    printf("decode rows benchmark: %.1f s\n", wall_s() - t_start);
 }
+
+// --decode (stripped by main before lab_main parses the rest): only the decode rows benchmark.
+// Set once before the lab starts, read by bench: the lab's callbacks take no extra argument.
+static int decode_only = 0;
 
 static void bench(Lab* lab) {
     bench_decode(lab);
+    if (decode_only) return;
     const int N = 16384;
     const Shape shapes[] = {
         {"qkv", 2048, 4096, 0},
@@ -534,11 +886,14 @@ static const char* VARIANTS =
     "  1  naive: 32x32 shared-memory tiles, one output per thread, fp32 FMA\n"
     "  2  production (kernels/matmul.cu): cuBLASLt, the heuristic's first algorithm, cached\n"
     "  3  cuBLASLt, the fastest of the heuristic's first 8 algorithms (benchmark only)\n"
-    "  4  few rows (<= 128): a hand-written mma.sync product with split k (else variant 2)\n";
+    "  4  few rows (<= 128): a hand-written mma.sync product with split k (else variant 2)\n"
+    "  5  decode rows: an explicit search of cuBLASLt configurations (benchmark only)\n"
+    "  6  production with the few-rows split-K rule (variant 2 is the rule off)\n"
+    "flag: --decode  only the decode rows benchmark (after the validation)\n";
 
 // The validation cases of variant v (lab_main runs them for every variant asked for).
 static void validate_variant(Lab* lab, int v, Rng* r) {
-    if (v == 3) return;  // (benchmark only)
+    if (v == 3 || v == 5) return;  // (benchmark only; variant 5 validates what it picks)
     validate(lab, v, r, 77, 200, 136, 1, 1);
     validate(lab, v, r, 50, 64, 40, 2, 0);
     validate(lab, v, r, 1, 200, 136, 0, 1);
@@ -548,22 +903,29 @@ static void validate_variant(Lab* lab, int v, Rng* r) {
     validate(lab, v, r, 128, 640, 256, 0, 0);
     validate(lab, v, r, 1, 1024, 192, 0, 1);
     validate(lab, v, r, 128, 256, 64, 0, 0);
-    if (v == 4) {  // run twice, and a row alone: the same bits
+    if (v == 6) {  // decode shapes the split-K rule splits (o: 8 ways; down: deeper k)
+        validate(lab, v, r, 128, 2048, 2048, 0, 0);
+        validate(lab, v, r, 64, 6144, 2048, 0, 0);
+    }
+    if (v == 4 || v == 6) {  // run twice (and for variant 4 a row alone): the same bits
         const int N = 77, IC = 2048, OC = 1024;
         std::vector<float> x = rand_bf16(r, (size_t)N * IC, 1.0f),
                            w = rand_bf16(r, (size_t)OC * IC, 0.1f);
         bf16 *d_x = dev_upload_bf16(x), *d_w = dev_upload_bf16(w);
         bf16 *d_a = dev_alloc<bf16>((size_t)N * OC), *d_b = dev_alloc<bf16>((size_t)N * OC);
-        matmul_forward(4, lab->cx, d_a, d_x, d_w, NULL, N, IC, OC);
-        matmul_forward(4, lab->cx, d_b, d_x, d_w, NULL, N, IC, OC);
+        matmul_forward(v, lab->cx, d_a, d_x, d_w, NULL, N, IC, OC);
+        matmul_forward(v, lab->cx, d_b, d_x, d_w, NULL, N, IC, OC);
         std::vector<float> a = dev_download_bf16(d_a, (size_t)N * OC),
                            b = dev_download_bf16(d_b, (size_t)N * OC);
-        lab_check_true(lab, "few rows: the same bits twice",
+        lab_check_true(lab, v == 4 ? "few rows: the same bits twice"
+                                   : "v6 split-K rule: the same bits twice",
                        memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
-        matmul_forward(4, lab->cx, d_b, d_x + (size_t)40 * IC, d_w, NULL, 1, IC, OC);
-        std::vector<float> one = dev_download_bf16(d_b, OC);
-        lab_check_true(lab, "few rows: a row alone as in the batch",
-                       memcmp(one.data(), a.data() + (size_t)40 * OC, OC * sizeof(float)) == 0);
+        if (v == 4) {  // (cuBLASLt's plans depend on the row count: not asked of variant 6)
+            matmul_forward(4, lab->cx, d_b, d_x + (size_t)40 * IC, d_w, NULL, 1, IC, OC);
+            std::vector<float> one = dev_download_bf16(d_b, OC);
+            lab_check_true(lab, "few rows: a row alone as in the batch",
+                           memcmp(one.data(), a.data() + (size_t)40 * OC, OC * sizeof(float)) == 0);
+        }
         void* bufs[] = {d_x, d_w, d_a, d_b};
         for (void* p : bufs) cuda_check(cudaFree(p));
     }
@@ -573,5 +935,12 @@ static void validate_variant(Lab* lab, int v, Rng* r) {
 static void bench_lab(Lab* lab, Rng*) { bench(lab); }
 
 int main(int argc, char** argv) {
-    return lab_main(argc, argv, "matmul", VARIANTS, 4, 4, validate_variant, bench_lab);
+    int n = 0;
+    for (int i = 0; i < argc; i++) {
+        if (i > 0 && !strcmp(argv[i], "--decode"))
+            decode_only = 1;
+        else
+            argv[n++] = argv[i];
+    }
+    return lab_main(n, argv, "matmul", VARIANTS, 6, 6, validate_variant, bench_lab);
 }
