@@ -157,7 +157,8 @@ __global__ void __launch_bounds__(ROPE_HEADS * 32)
     }
     const float *cost = cosb + (size_t)t * half, *sint = sinb + (size_t)t * half;
     bf16* kd = hh >= H ? kc + cache_row + (size_t)(hh - H) * HD : NULL;
-    for (int p = lane; p < half / 2; p += 32) {  // pairs (2p, 2p + half) and (2p + 1, 2p + 1 + half)
+    // lane pairs (2p, 2p + half) and (2p + 1, 2p + 1 + half): 4-byte stores, a warp's contiguous
+    for (int p = lane; p < half / 2; p += 32) {
         bf16 a1, a2, b1, b2;
         qk_row_rope_pair(sx, &rs, w, w, cost, sint, 1, HD, 0, 2 * p, &a1, &a2);
         qk_row_rope_pair(sx, &rs, w, w, cost, sint, 1, HD, 0, 2 * p + 1, &b1, &b2);
@@ -860,7 +861,8 @@ __global__ void __launch_bounds__(SAMPLE_THREADS)
     const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int words = (V + 7) / 8;
     const bf16* z = logits + (size_t)row * V;
-    for (int s = tid; s < SAMPLE_SLICES; s += blockDim.x) s_p[s] = part[(size_t)row * SAMPLE_SLICES + s];
+    for (int s = tid; s < SAMPLE_SLICES; s += blockDim.x)
+        s_p[s] = part[(size_t)row * SAMPLE_SLICES + s];
     if (tid == 0) s_pick = 0x7fffffff;
     __syncthreads();
     float mx = -INFINITY;

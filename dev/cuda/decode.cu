@@ -56,9 +56,10 @@
 // ----------------------------------------------------------------------------
 // the previous sampler (kept for its benchmark row and as a second check of the walk)
 
-// The previous production sampler (variant 1 of the sampler rows), one block of 1024 threads per
-// row. Row i: tokens[i] drawn with the uniform u[i]; logp[2i] its log-prob under the distribution it
-// was drawn from, logp[2i + 1] under the full tempered softmax (the same here: no truncation).
+// The previous production sampler (row 1 of the sampler's benchmark), one block of 1024 threads
+// per row. Row i: tokens[i] drawn with the uniform u[i]; logp[2i] its log-prob under the
+// distribution it was drawn from, logp[2i + 1] under the full tempered softmax (the same: no
+// truncation).
 // vec: V a multiple of 8 and logits 16-byte aligned.
 __global__ void sample_rows_kernel(int32_t* __restrict__ tokens, float* __restrict__ logp,
                               const bf16* __restrict__ logits, const float* __restrict__ u, int V,
@@ -651,7 +652,8 @@ static void validate_rope_heads_bits(Lab* lab, Rng* r, int H, int KVH, int HD, i
     const char* what[3] = {"rows", "key cache", "value cache"};
     for (int b = 0; b < 3; b++) {
         const size_t len = b == 0 ? (size_t)n * QKV : cache;
-        std::vector<float> want = dev_download_bf16(d[0][b], len), got = dev_download_bf16(d[1][b], len);
+        std::vector<float> want = dev_download_bf16(d[0][b], len);
+        std::vector<float> got = dev_download_bf16(d[1][b], len);
         char name[128];
         snprintf(name, sizeof name, "rope+append heads = rows bits H=%d KVH=%d HD=%d %s: %s", H,
                  KVH, HD, norm ? "q/k norm" : "no norm", what[b]);
