@@ -3,9 +3,13 @@
  * the KV-cache append, decode attention (one query row per sequence against its bf16 KV cache),
  * and the sampler (greedy or the full tempered softmax, with the log-prob of the drawn token).
  *
- * Rope + append: one block per row, the math and roundings of rope.cu's forward (HF in bf16:
- * w · bf16(x · rstd) rounded, cos/sin rounded to bf16) at the row's own position pos[i]; the
- * rotated k and the v of the row go to the cache at (slot[i], pos[i]).
+ * Rope + append: the math and roundings of rope.cu's forward (HF in bf16: w · bf16(x · rstd)
+ * rounded, cos/sin rounded to bf16) at the row's own position pos[i]; the rotated k and the v of
+ * the row go to the cache at (slot[i], pos[i]). One warp per head (q, k or v) of a row, 4 heads a
+ * block, 16-byte loads (a decode step's 128 rows are 1024 blocks, not 128): each head staged
+ * alone in its warp's shared memory and normed in rope.cuh qk_row_rstd's order, so the bits are
+ * those of the row kernel (one block per row, the whole row staged) that remains for head dims
+ * not a multiple of 8 or unaligned buffers; the lab checks the two bit for bit.
  *
  * Decode attention, split-K over the keys: the keys of a row are cut into fixed chunks of
  * DEC_CHUNK positions (a function of the position only, never of the batch or the device), one
@@ -25,15 +29,19 @@
  * adds the sink logit, divides and rounds: the same bits for the same inputs on every run,
  * whatever else is in the batch.
  *
- * Sampler: one block per row. Pass 1 finds the max (and the first index holding it: greedy);
- * pass 2 sums expf((z - max) / temperature) per thread over a contiguous slice of the vocabulary
- * (in double, as the CPU sampler does), a block scan gives each slice's prefix, and the slice
- * where the host's uniform draw u · Σ falls walks its tokens in vocabulary order: the CPU's
- * inverse-CDF walk (generate.c gen_sample), so both draw the same token from the same u unless
- * two cumulative sums straddle u · Σ within rounding. logp = (z_tok - max)/temperature - log Σ.
- * A row of 8-aligned width is read with 16-byte loads (pass 1 strided over the block, several in
- * flight; pass 2's slices are whole 8-token words), and the walk computes 8 terms at a time (the
- * exps are independent; only the running subtraction is serial).
+ * Sampler: each row cut into SAMPLE_SLICES fixed slices of whole 8-token words (a function of
+ * V only). Pass 1, one block per (slice, row): the slice's max and first argmax, then its sums
+ * of exp((z - m) / temperature) (in double, the CPU walk's terms) and of expf((z - m) · (1 /
+ * temperature)) (the log-prob's, ops.h policy_forward_backward's) at the slice's max m. Pass 2,
+ * one block per row: the slices merged in slice order (greedy: the first argmax), each slice's
+ * sums rescaled by exp((m - max) / temperature), the first slice whose cumulative sum reaches the
+ * host's uniform draw u · Σ, and inside it the inverse-CDF walk at the row's max (each thread's
+ * contiguous run of words summed, a block scan, the run where the rest falls walked token by
+ * token in vocabulary order): the CPU's walk (generate.c gen_sample), so both draw the same token
+ * from the same u unless two cumulative sums straddle u · Σ within rounding (the sums' order and
+ * the rescaling differ from the CPU's only by rounding). logp = (z_tok - max)/temperature -
+ * log Σ. Rows of 8-aligned width are read with 16-byte loads; the walk computes 8 terms at a time.
+ * (The previous sampler, one block of 1024 threads per row, three passes, is the lab's row 1.)
  */
 #include <math.h>
 
@@ -46,12 +54,16 @@
 #define DEC_WARPS 4       // warps per attention block
 #define DEC_MAX_GROUP 8   // query heads per kv head held by one block
 #define DEC_STAGES 4      // cp.async groups of the staged partial (at most 4: cp_async_wait)
-#define ROPE_APPEND_THREADS 256
-#define SAMPLE_THREADS 1024
+#define ROPE_APPEND_THREADS 256  // the row kernel's block
+#define ROPE_HEADS 4      // heads (warps) per block of the head kernel
+#define SAMPLE_THREADS 256  // per block of both sampler kernels
+#define SAMPLE_SLICES 32    // blocks per row of the sampler's first pass (slices of the vocabulary)
 
 // ----------------------------------------------------------------------------
 // q/k-norm + RoPE at each row's position, k and v into the cache
 
+// The row kernel (any head dim, any alignment; the lab's reference for the head kernel below):
+// one block per row, the row's q and k heads staged in shared memory as fp32.
 __global__ void decode_rope_append_kernel(bf16* __restrict__ out, bf16* __restrict__ kc,
                                           bf16* __restrict__ vc, const bf16* __restrict__ inp,
                                           const bf16* __restrict__ qw, const bf16* __restrict__ kw,
@@ -90,15 +102,104 @@ __global__ void decode_rope_append_kernel(bf16* __restrict__ out, bf16* __restri
     }
 }
 
+// The head kernel: one warp per head of a row (q, k or v), ROPE_HEADS heads per block, so a
+// decode step's few rows still fill the GPU (128 rows of Qwen3-1.7B: 1024 blocks). A head moves
+// in 16-byte words; a q or k head is staged in its warp's shared memory as fp32 and normed with
+// qk_row_rstd's arithmetic (lane l sums elements l, l + 32, ... in that order, then the same
+// butterfly) and rotated by qk_row_rope_pair itself: the row kernel's bits. Needs HD % 8 == 0 and
+// 16-byte aligned buffers.
+__global__ void __launch_bounds__(ROPE_HEADS * 32)
+    decode_rope_append_heads_kernel(bf16* __restrict__ out, bf16* __restrict__ kc,
+                                    bf16* __restrict__ vc, const bf16* __restrict__ inp,
+                                    const bf16* __restrict__ qw, const bf16* __restrict__ kw,
+                                    const float* __restrict__ cosb,
+                                    const float* __restrict__ sinb,
+                                    const int32_t* __restrict__ pos,
+                                    const int32_t* __restrict__ slot, int maxT, int H, int KVH,
+                                    int HD, float eps) {
+    extern __shared__ float sm[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int hh = blockIdx.x * ROPE_HEADS + warp, row = blockIdx.y;
+    const int heads = H + KVH, KD = KVH * HD, QKV = heads * HD + KD, half = HD / 2, words = HD / 8;
+    if (hh >= heads + KVH) return;  // (no barrier below spans the block)
+    const int t = pos[row];
+    const bf16* in = inp + (size_t)row * QKV + (size_t)hh * HD;
+    bf16* o = out + (size_t)row * QKV + (size_t)hh * HD;
+    const size_t cache_row = ((size_t)slot[row] * maxT + t) * KD;
+    if (hh >= heads) {  // a v head: copied to the row and the cache
+        bf16* vd = vc + cache_row + (size_t)(hh - heads) * HD;
+        for (int k = lane; k < words; k += 32) {
+            const uint4 w = *reinterpret_cast<const uint4*>(in + 8 * k);
+            *reinterpret_cast<uint4*>(o + 8 * k) = w;
+            *reinterpret_cast<uint4*>(vd + 8 * k) = w;
+        }
+        return;
+    }
+    float* sx = sm + (size_t)warp * HD;  // (HD) this head, fp32
+    for (int k = lane; k < words; k += 32) {
+        const uint4 u = *reinterpret_cast<const uint4*>(in + 8 * k);
+        const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const float2 f = __bfloat1622float2(h2[e]);
+            sx[8 * k + 2 * e] = f.x;
+            sx[8 * k + 2 * e + 1] = f.y;
+        }
+    }
+    __syncwarp();
+    const bf16* w = hh < H ? qw : kw;
+    float rs = 0.0f;
+    if (w) {  // qk_row_rstd's expression for one head
+        float ss = 0.0f;
+        for (int i = lane; i < HD; i += 32) ss += sx[i] * sx[i];
+        ss = warp_sum(ss);
+        rs = 1.0f / sqrtf(ss / (float)HD + eps);
+    }
+    const float *cost = cosb + (size_t)t * half, *sint = sinb + (size_t)t * half;
+    bf16* kd = hh >= H ? kc + cache_row + (size_t)(hh - H) * HD : NULL;
+    // lane pairs (2p, 2p + half) and (2p + 1, 2p + 1 + half): 4-byte stores, a warp's contiguous
+    for (int p = lane; p < half / 2; p += 32) {
+        bf16 a1, a2, b1, b2;
+        qk_row_rope_pair(sx, &rs, w, w, cost, sint, 1, HD, 0, 2 * p, &a1, &a2);
+        qk_row_rope_pair(sx, &rs, w, w, cost, sint, 1, HD, 0, 2 * p + 1, &b1, &b2);
+        const __nv_bfloat162 lo = __halves2bfloat162(a1, b1), hi = __halves2bfloat162(a2, b2);
+        *reinterpret_cast<__nv_bfloat162*>(o + 2 * p) = lo;
+        *reinterpret_cast<__nv_bfloat162*>(o + half + 2 * p) = hi;
+        if (kd) {
+            *reinterpret_cast<__nv_bfloat162*>(kd + 2 * p) = lo;
+            *reinterpret_cast<__nv_bfloat162*>(kd + half + 2 * p) = hi;
+        }
+    }
+}
+
+// The row kernel's launch (the fallback, and the lab's reference).
+static void launch_rope_append_rows(CudaCtx* cx, bf16* out, bf16* kc, bf16* vc, const bf16* inp,
+                                    const bf16* q_norm_w, const bf16* k_norm_w, const float* cos,
+                                    const float* sin, const int32_t* pos, const int32_t* slot,
+                                    int n, int maxT, int H, int KVH, int HD, float eps) {
+    const size_t smem = ((size_t)(H + KVH) * HD + (H + KVH)) * sizeof(float);
+    if (smem > 48 * 1024)
+        fatal("decode rope: %d heads of %d need %zu bytes of shared memory", H + KVH, HD, smem);
+    decode_rope_append_kernel<<<n, ROPE_APPEND_THREADS, smem, cx->stream>>>(
+        out, kc, vc, inp, q_norm_w, k_norm_w, cos, sin, pos, slot, maxT, H, KVH, HD, eps);
+    cuda_check_launch();
+}
+
 void cuda_decode_rope_append(CudaCtx* cx, bf16* out, bf16* kc, bf16* vc, const bf16* inp,
                              const bf16* q_norm_w, const bf16* k_norm_w, const float* cos,
                              const float* sin, const int32_t* pos, const int32_t* slot, int n,
                              int maxT, int H, int KVH, int HD, float eps) {
     if (n <= 0) return;
-    const size_t smem = ((size_t)(H + KVH) * HD + (H + KVH)) * sizeof(float);
-    if (smem > 48 * 1024)
-        fatal("decode rope: %d heads of %d need %zu bytes of shared memory", H + KVH, HD, smem);
-    decode_rope_append_kernel<<<n, ROPE_APPEND_THREADS, smem, cx->stream>>>(
+    const int vec = HD % 8 == 0 && is_aligned16(out) && is_aligned16(kc) && is_aligned16(vc) &&
+                    is_aligned16(inp);
+    const size_t smem = (size_t)ROPE_HEADS * HD * sizeof(float);
+    if (!vec || smem > 48 * 1024) {
+        launch_rope_append_rows(cx, out, kc, vc, inp, q_norm_w, k_norm_w, cos, sin, pos, slot, n,
+                                maxT, H, KVH, HD, eps);
+        return;
+    }
+    const dim3 grid((unsigned)((H + 2 * KVH + ROPE_HEADS - 1) / ROPE_HEADS), (unsigned)n);
+    decode_rope_append_heads_kernel<<<grid, ROPE_HEADS * 32, smem, cx->stream>>>(
         out, kc, vc, inp, q_norm_w, k_norm_w, cos, sin, pos, slot, maxT, H, KVH, HD, eps);
     cuda_check_launch();
 }
@@ -651,27 +752,26 @@ __device__ __forceinline__ void sample_load8(const bf16* z, int k, int V, int ve
 
 // Row i: tokens[i] drawn with the uniform u[i]; logp[2i] its log-prob under the distribution it
 // was drawn from, logp[2i + 1] under the full tempered softmax (the same here: no truncation).
-// vec: V a multiple of 8 and logits 16-byte aligned.
-__global__ void sample_kernel(int32_t* __restrict__ tokens, float* __restrict__ logp,
-                              const bf16* __restrict__ logits, const float* __restrict__ u, int V,
-                              float temperature, int vec) {
-    __shared__ float s_v[32];
-    __shared__ int s_i[32];
-    __shared__ double s_d[32], s_f[32];
-    __shared__ int s_pick;
-    const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int n_warps = blockDim.x >> 5, words = (V + 7) / 8;
-    const bf16* z = logits + (size_t)row * V;
-    // pass 1: the max and its first index (8-token words strided over the block)
-    float bv = -INFINITY;
-    int bi = V;
-#pragma unroll 4
-    for (int k = tid; k < words; k += blockDim.x) {
-        float f[8];
-        sample_load8(z, k, V, vec, f);
-#pragma unroll
-        for (int e = 0; e < 8; e++) argmax_merge(bv, bi, f[e], 8 * k + e);
-    }
+// A row is cut into SAMPLE_SLICES slices of whole 8-token words (their bounds a function of V
+// only); one block per (slice, row) leaves its slice's SamplePart, then one block per row merges
+// them in slice order and walks.
+typedef struct SamplePart {
+    double sum;   // Σ exp((z - m) / temperature) over the slice (the walk's terms, at its max)
+    double full;  // Σ expf((z - m) · (1 / temperature)) (the log-prob's terms)
+    float m;      // the slice's max (-inf: an empty slice)
+    int idx;      // the first index holding it (V: none)
+} SamplePart;
+
+// Words [*w0, *w1) of slice s of a row of `words` 8-token words.
+__device__ __forceinline__ void sample_slice(int words, int s, int* w0, int* w1) {
+    const int per = (words + SAMPLE_SLICES - 1) / SAMPLE_SLICES;
+    *w0 = min(words, s * per);
+    *w1 = min(words, *w0 + per);
+}
+
+// Block-wide (value, first index) max; every thread gets it. s_v, s_i: 32 entries.
+__device__ __forceinline__ void sample_block_argmax(float& bv, int& bi, float* s_v, int* s_i) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         const float v2 = __shfl_xor_sync(0xffffffffu, bv, o);
@@ -686,6 +786,88 @@ __global__ void sample_kernel(int32_t* __restrict__ tokens, float* __restrict__ 
     bv = s_v[0];
     bi = s_i[0];
     for (int w = 1; w < n_warps; w++) argmax_merge(bv, bi, s_v[w], s_i[w]);
+}
+
+// Pass 1 of slice blockIdx.x of row blockIdx.y: its max and first argmax (words strided over the
+// block, several 16-byte loads in flight), then (tempered) its two sums at that max, in double.
+// vec: V a multiple of 8 and logits 16-byte aligned.
+__global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_slices_kernel(SamplePart* __restrict__ part, const bf16* __restrict__ logits, int V,
+                         float temperature, int vec) {
+    __shared__ float s_v[32];
+    __shared__ int s_i[32];
+    __shared__ double s_d[32], s_f[32];
+    const int s = blockIdx.x, row = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int n_warps = blockDim.x >> 5;
+    const bf16* z = logits + (size_t)row * V;
+    int w0, w1;
+    sample_slice((V + 7) / 8, s, &w0, &w1);
+    float bv = -INFINITY;
+    int bi = V;
+#pragma unroll 4
+    for (int k = w0 + tid; k < w1; k += blockDim.x) {
+        float f[8];
+        sample_load8(z, k, V, vec, f);
+#pragma unroll
+        for (int e = 0; e < 8; e++) argmax_merge(bv, bi, f[e], 8 * k + e);
+    }
+    sample_block_argmax(bv, bi, s_v, s_i);
+    SamplePart* out = part + (size_t)row * SAMPLE_SLICES + s;
+    if (temperature <= 0.0f || bi >= V) {  // greedy, an empty slice or one of NaNs: no sums
+        if (tid == 0) *out = SamplePart{0.0, 0.0, bv, bi};
+        return;
+    }
+    const float mx = bv, inv = 1.0f / temperature;
+    double sum = 0.0, full = 0.0;
+    for (int k = w0 + tid; k < w1; k += blockDim.x) {  // (the slice is in L1/L2 by now)
+        float f[8];
+        sample_load8(z, k, V, vec, f);
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            if (8 * k + e >= V) break;
+            sum += exp((double)((f[e] - mx) / temperature));
+            full += (double)expf((f[e] - mx) * inv);
+        }
+    }
+    sum = warp_sum_f64(sum);
+    full = warp_sum_f64(full);
+    if (lane == 0) {
+        s_d[warp] = sum;
+        s_f[warp] = full;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        sum = 0.0;
+        full = 0.0;
+        for (int w = 0; w < n_warps; w++) {
+            sum += s_d[w];
+            full += s_f[w];
+        }
+        *out = SamplePart{sum, full, bv, bi};
+    }
+}
+
+// Pass 2, one block per row: the slices merged in slice order (the row's max and first argmax;
+// each slice's sums rescaled to the row's max), the first slice whose cumulative sum reaches
+// u · Σ, and inside it the inverse-CDF walk at the row's max: each thread's contiguous run of
+// words summed, a block scan, and the run where the rest of u · Σ falls walked token by token.
+__global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_pick_kernel(int32_t* __restrict__ tokens, float* __restrict__ logp,
+                       const SamplePart* __restrict__ part, const bf16* __restrict__ logits,
+                       const float* __restrict__ u, int V, float temperature, int vec) {
+    __shared__ SamplePart s_p[SAMPLE_SLICES];
+    __shared__ double s_d[32];
+    __shared__ int s_pick;
+    const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int words = (V + 7) / 8;
+    const bf16* z = logits + (size_t)row * V;
+    for (int s = tid; s < SAMPLE_SLICES; s += blockDim.x)
+        s_p[s] = part[(size_t)row * SAMPLE_SLICES + s];
+    if (tid == 0) s_pick = 0x7fffffff;
+    __syncthreads();
+    float mx = -INFINITY;
+    int bi = V;
+    for (int s = 0; s < SAMPLE_SLICES; s++) argmax_merge(mx, bi, s_p[s].m, s_p[s].idx);
     if (bi >= V) bi = 0;  // a row of NaNs: token 0, as the CPU's scan
     if (temperature <= 0.0f) {  // greedy: a point mass
         if (tid == 0) {
@@ -694,69 +876,88 @@ __global__ void sample_kernel(int32_t* __restrict__ tokens, float* __restrict__ 
         }
         return;
     }
-    // pass 2: this thread's slice of whole words [w0, w1), tokens [8·w0, min(8·w1, V)): the
-    // walk's terms exp((z - max) / temperature) in double (the CPU walk's), and the log-prob's
-    // expf((z - max) · (1 / temperature)) summed in double (ops.h policy_forward_backward's)
-    const float mx = bv, inv = 1.0f / temperature;
-    const int per = (words + blockDim.x - 1) / blockDim.x, w0 = min(words, tid * per),
-              w1 = min(words, w0 + per), v0 = 8 * w0, v1 = min(V, 8 * w1);
-    double part = 0.0, part_full = 0.0;
-    for (int k = w0; k < w1; k++) {
-        float f[8];
-        sample_load8(z, k, V, vec, f);
-#pragma unroll
-        for (int e = 0; e < 8; e++) {
-            if (8 * k + e >= V) break;
-            part += exp((double)((f[e] - mx) / temperature));
-            part_full += (double)expf((f[e] - mx) * inv);
+    const float inv = 1.0f / temperature;
+    double total = 0.0, full = 0.0;
+    for (int s = 0; s < SAMPLE_SLICES; s++) {
+        if (s_p[s].idx >= V) continue;  // empty (or NaN) slice: no mass
+        total += s_p[s].sum * exp((double)((s_p[s].m - mx) / temperature));
+        full += s_p[s].full * exp((double)((s_p[s].m - mx) * inv));
+    }
+    const double r = (double)u[row] * total;
+    int pick = -1;
+    double before = 0.0;  // the mass of the slices ahead of the picked one
+    for (int s = 0, acc = 0; s < SAMPLE_SLICES && !acc; s++) {
+        if (s_p[s].idx >= V) continue;
+        const double c = before + s_p[s].sum * exp((double)((s_p[s].m - mx) / temperature));
+        if (c >= r) {
+            pick = s;
+            acc = 1;
+        } else {
+            before = c;
         }
     }
-    // inclusive scan of `part` over the threads: in the warp, then the warps' totals in order
-    double incl = part;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const double t = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += t;
-    }
-    part_full = warp_sum_f64(part_full);
-    if (lane == 31) s_d[warp] = incl;
-    if (lane == 0) s_f[warp] = part_full;
-    if (tid == 0) s_pick = 0x7fffffff;
-    __syncthreads();
-    double before = 0.0, total = 0.0, full = 0.0;
-    for (int w = 0; w < n_warps; w++) {
-        if (w < warp) before += s_d[w];
-        total += s_d[w];
-        full += s_f[w];
-    }
-    incl += before;
-    const double excl = incl - part, r = (double)u[row] * total;
-    // the first slice whose cumulative sum reaches r (an integer minimum: order-free)
-    if (v1 > v0 && incl >= r) atomicMin(&s_pick, tid);
-    __syncthreads();
-    if (tid != s_pick && !(s_pick == 0x7fffffff && tid == 0)) return;
     int tok = bi;  // r beyond every sum (rounding): the CPU keeps the argmax too
-    if (s_pick != 0x7fffffff) {
-        double rr = r - excl;
-        tok = v1 - 1;
+    if (pick >= 0) {
+        int sw0, sw1;
+        sample_slice(words, pick, &sw0, &sw1);
+        const int per = (sw1 - sw0 + blockDim.x - 1) / blockDim.x;
+        const int w0 = min(sw1, sw0 + tid * per), w1 = min(sw1, w0 + per);
+        const int v0 = 8 * w0, v1 = min(V, 8 * w1);
+        double run = 0.0;
         for (int k = w0; k < w1; k++) {
             float f[8];
-            double t[8];
             sample_load8(z, k, V, vec, f);
 #pragma unroll
-            for (int e = 0; e < 8; e++) t[e] = exp((double)((f[e] - mx) / temperature));
-            int hit = -1;
-#pragma unroll
             for (int e = 0; e < 8; e++) {
-                if (hit >= 0 || 8 * k + e >= V) continue;
-                rr -= t[e];
-                if (rr <= 0.0) hit = 8 * k + e;
-            }
-            if (hit >= 0) {
-                tok = hit;
-                break;
+                if (8 * k + e >= V) break;
+                run += exp((double)((f[e] - mx) / temperature));
             }
         }
+        // inclusive scan of `run` over the threads: in the warp, then the warps' totals in order
+        double incl = run;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const double t = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += t;
+        }
+        if (lane == 31) s_d[warp] = incl;
+        __syncthreads();
+        double ahead = 0.0;
+        for (int w = 0; w < warp; w++) ahead += s_d[w];
+        incl += ahead;
+        const double rs = r - before, excl = incl - run;
+        if (v1 > v0 && incl >= rs) atomicMin(&s_pick, tid);  // an integer minimum: order-free
+        __syncthreads();
+        // rs beyond the slice's walk (rounding between the rescaled and the walked sums): the
+        // slice's last token, as a walk that runs out
+        if (s_pick == 0x7fffffff) {
+            if (tid != 0) return;
+            tok = min(V, 8 * sw1) - 1;
+        } else {
+            if (tid != s_pick) return;
+            double rr = rs - excl;
+            tok = v1 - 1;
+            for (int k = w0; k < w1; k++) {
+                float f[8];
+                double t[8];
+                sample_load8(z, k, V, vec, f);
+#pragma unroll
+                for (int e = 0; e < 8; e++) t[e] = exp((double)((f[e] - mx) / temperature));
+                int hit = -1;
+#pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    if (hit >= 0 || 8 * k + e >= V) continue;
+                    rr -= t[e];
+                    if (rr <= 0.0) hit = 8 * k + e;
+                }
+                if (hit >= 0) {
+                    tok = hit;
+                    break;
+                }
+            }
+        }
+    } else if (tid != 0) {
+        return;
     }
     tokens[row] = tok;
     const float lp = (float)((double)((__bfloat162float(z[tok]) - mx) * inv) - log(full));
@@ -764,11 +965,21 @@ __global__ void sample_kernel(int32_t* __restrict__ tokens, float* __restrict__ 
     logp[2 * row + 1] = lp;
 }
 
+static size_t sample_scratch_bytes(int n) {
+    return (size_t)n * SAMPLE_SLICES * sizeof(SamplePart);
+}
+
 void cuda_sample_tokens(CudaCtx* cx, int32_t* tokens, float* logp, const bf16* logits,
                         const float* u, int n, int V, float temperature) {
     if (n <= 0) return;
     const int vec = V % 8 == 0 && is_aligned16(logits);
-    sample_kernel<<<n, SAMPLE_THREADS, 0, cx->stream>>>(tokens, logp, logits, u, V, temperature,
-                                                        vec);
+    // the attention's workspace: free once its combine is enqueued (stream order)
+    SamplePart* part =
+        (SamplePart*)cuda_scratch(cx, SCRATCH_ATTN, sample_scratch_bytes(n));
+    sample_slices_kernel<<<dim3(SAMPLE_SLICES, n), SAMPLE_THREADS, 0, cx->stream>>>(
+        part, logits, V, temperature, vec);
+    cuda_check_launch();
+    sample_pick_kernel<<<n, SAMPLE_THREADS, 0, cx->stream>>>(tokens, logp, part, logits, u, V,
+                                                             temperature, vec);
     cuda_check_launch();
 }

@@ -36,16 +36,149 @@
  * sinks and a window), (32, 8, 128) (LLaMA-8B), (4, 4, 256), (4, 1, 16), (6, 2, 12) (HD not a
  * multiple of 4); the output within TOL_BF16; the split-K variants run twice must give the same
  * bits, and a row run alone the bits it had in the batch. Also the rope +
- * append (TOL_BF16 against an fp64 rotation of the bf16 inputs, cache slots checked) and the
- * sampler at V = 50000 and 4099 (not a multiple of 8) (greedy: the first argmax; tempered: the
- * token of an fp64 inverse-CDF walk with the same uniform, and its log-prob within 1e-4).
+ * append (TOL_BF16 against an fp64 rotation of the bf16 inputs, cache slots checked; and the
+ * production head kernel bit for bit against the row kernel, with and without the q/k norm, at
+ * Qwen3-1.7B's, GPT-OSS-20B's and test-qwen3's heads) and the sampler, production and the
+ * previous row sampler kept below, at V = 151936, 50000, 4099 (not a multiple of 8) and 100
+ * (fewer words than slices) (greedy: the first argmax; tempered: the token of an fp64
+ * inverse-CDF walk with the same uniform, and its log-prob within 1e-4).
  * Benchmark: 128 sequences (8 prompts x 16 answers), H 16, KVH 8, HD 128, every row at the same
  * length L in {16, 128, 272, 512, 1024, 4096}, and LLaMA-8B's and GPT-OSS-20B's heads at 1024:
  * GB/s over the keys and values read (the bytes that bound it), per layer, next to a device copy.
- * Then the sampler at V = 151936 (Qwen3) for 128 rows.
+ * Then the sampler at V = 151936 (Qwen3) for 128 rows (row 1: the previous sampler, one block of
+ * 1024 threads per row; row 2: production, SAMPLE_SLICES blocks per row and a pick kernel), and
+ * the rope + append for 128 rows of Qwen3-1.7B's heads (row 1: the row kernel, one block per row;
+ * row 2: production, a warp per head), each with its time in us.
  */
 #include "../../kernels/decode.cu"
 #include "lab.cuh"
+
+// ----------------------------------------------------------------------------
+// the previous sampler (kept for its benchmark row and as a second check of the walk)
+
+// The previous production sampler (row 1 of the sampler's benchmark), one block of 1024 threads
+// per row. Row i: tokens[i] drawn with the uniform u[i]; logp[2i] its log-prob under the
+// distribution it was drawn from, logp[2i + 1] under the full tempered softmax (the same: no
+// truncation).
+// vec: V a multiple of 8 and logits 16-byte aligned.
+__global__ void sample_rows_kernel(int32_t* __restrict__ tokens, float* __restrict__ logp,
+                              const bf16* __restrict__ logits, const float* __restrict__ u, int V,
+                              float temperature, int vec) {
+    __shared__ float s_v[32];
+    __shared__ int s_i[32];
+    __shared__ double s_d[32], s_f[32];
+    __shared__ int s_pick;
+    const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int n_warps = blockDim.x >> 5, words = (V + 7) / 8;
+    const bf16* z = logits + (size_t)row * V;
+    // pass 1: the max and its first index (8-token words strided over the block)
+    float bv = -INFINITY;
+    int bi = V;
+#pragma unroll 4
+    for (int k = tid; k < words; k += blockDim.x) {
+        float f[8];
+        sample_load8(z, k, V, vec, f);
+#pragma unroll
+        for (int e = 0; e < 8; e++) argmax_merge(bv, bi, f[e], 8 * k + e);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float v2 = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int i2 = __shfl_xor_sync(0xffffffffu, bi, o);
+        argmax_merge(bv, bi, v2, i2);
+    }
+    if (lane == 0) {
+        s_v[warp] = bv;
+        s_i[warp] = bi;
+    }
+    __syncthreads();
+    bv = s_v[0];
+    bi = s_i[0];
+    for (int w = 1; w < n_warps; w++) argmax_merge(bv, bi, s_v[w], s_i[w]);
+    if (bi >= V) bi = 0;  // a row of NaNs: token 0, as the CPU's scan
+    if (temperature <= 0.0f) {  // greedy: a point mass
+        if (tid == 0) {
+            tokens[row] = bi;
+            logp[2 * row] = logp[2 * row + 1] = 0.0f;
+        }
+        return;
+    }
+    // pass 2: this thread's slice of whole words [w0, w1), tokens [8·w0, min(8·w1, V)): the
+    // walk's terms exp((z - max) / temperature) in double (the CPU walk's), and the log-prob's
+    // expf((z - max) · (1 / temperature)) summed in double (ops.h policy_forward_backward's)
+    const float mx = bv, inv = 1.0f / temperature;
+    const int per = (words + blockDim.x - 1) / blockDim.x, w0 = min(words, tid * per),
+              w1 = min(words, w0 + per), v0 = 8 * w0, v1 = min(V, 8 * w1);
+    double part = 0.0, part_full = 0.0;
+    for (int k = w0; k < w1; k++) {
+        float f[8];
+        sample_load8(z, k, V, vec, f);
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            if (8 * k + e >= V) break;
+            part += exp((double)((f[e] - mx) / temperature));
+            part_full += (double)expf((f[e] - mx) * inv);
+        }
+    }
+    // inclusive scan of `part` over the threads: in the warp, then the warps' totals in order
+    double incl = part;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const double t = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += t;
+    }
+    part_full = warp_sum_f64(part_full);
+    if (lane == 31) s_d[warp] = incl;
+    if (lane == 0) s_f[warp] = part_full;
+    if (tid == 0) s_pick = 0x7fffffff;
+    __syncthreads();
+    double before = 0.0, total = 0.0, full = 0.0;
+    for (int w = 0; w < n_warps; w++) {
+        if (w < warp) before += s_d[w];
+        total += s_d[w];
+        full += s_f[w];
+    }
+    incl += before;
+    const double excl = incl - part, r = (double)u[row] * total;
+    // the first slice whose cumulative sum reaches r (an integer minimum: order-free)
+    if (v1 > v0 && incl >= r) atomicMin(&s_pick, tid);
+    __syncthreads();
+    if (tid != s_pick && !(s_pick == 0x7fffffff && tid == 0)) return;
+    int tok = bi;  // r beyond every sum (rounding): the CPU keeps the argmax too
+    if (s_pick != 0x7fffffff) {
+        double rr = r - excl;
+        tok = v1 - 1;
+        for (int k = w0; k < w1; k++) {
+            float f[8];
+            double t[8];
+            sample_load8(z, k, V, vec, f);
+#pragma unroll
+            for (int e = 0; e < 8; e++) t[e] = exp((double)((f[e] - mx) / temperature));
+            int hit = -1;
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                if (hit >= 0 || 8 * k + e >= V) continue;
+                rr -= t[e];
+                if (rr <= 0.0) hit = 8 * k + e;
+            }
+            if (hit >= 0) {
+                tok = hit;
+                break;
+            }
+        }
+    }
+    tokens[row] = tok;
+    const float lp = (float)((double)((__bfloat162float(z[tok]) - mx) * inv) - log(full));
+    logp[2 * row] = lp;
+    logp[2 * row + 1] = lp;
+}
+
+static void sample_tokens_rows(CudaCtx* cx, int32_t* tokens, float* logp, const bf16* logits,
+                               const float* u, int n, int V, float temperature) {
+    const int vec = V % 8 == 0 && is_aligned16(logits);
+    sample_rows_kernel<<<n, 1024, 0, cx->stream>>>(tokens, logp, logits, u, V, temperature, vec);
+    cuda_check_launch();
+}
 
 // ----------------------------------------------------------------------------
 // fp64 references
@@ -475,8 +608,66 @@ static void validate_rope_append(Lab* lab, Rng* r) {
     for (void* p : bufs) cuda_check(cudaFree(p));
 }
 
-// The sampler: greedy = the first argmax; tempered = the fp64 walk's token with the same uniform.
-static void validate_sampler(Lab* lab, Rng* r, int V) {
+// The head kernel (production, cuda_decode_rope_append) against the row kernel bit for bit, with
+// and without the q/k norm: rows, key cache and value cache.
+static void validate_rope_heads_bits(Lab* lab, Rng* r, int H, int KVH, int HD, int norm) {
+    const int n = 9, maxT = 64, slots = 11, half = HD / 2;
+    const int QKV = (H + 2 * KVH) * HD, KD = KVH * HD;
+    std::vector<int32_t> pos(n), slot(n);
+    for (int i = 0; i < n; i++) {
+        pos[i] = (int)(rng_uniform(r) * maxT) % maxT;
+        slot[i] = (i * 7 + 3) % slots;  // distinct slots
+    }
+    std::vector<float> x = rand_bf16(r, (size_t)n * QKV, 3.0f), cs(maxT * half), sn(maxT * half);
+    std::vector<float> qw = rand_bf16(r, HD, 0.5f), kw = rand_bf16(r, HD, 0.5f);
+    for (int i = 0; i < HD; i++) {
+        qw[i] = bf16r(1.0f + qw[i]);
+        kw[i] = bf16r(1.0f + kw[i]);
+    }
+    for (int p = 0; p < maxT; p++)
+        for (int i = 0; i < half; i++) {
+            const double f = p * pow(1e6, -2.0 * i / HD);
+            cs[p * half + i] = (float)cos(f);
+            sn[p * half + i] = (float)sin(f);
+        }
+    bf16 *d_x = dev_upload_bf16(x), *d_qw = dev_upload_bf16(qw), *d_kw = dev_upload_bf16(kw);
+    float *d_cs = dev_upload(cs), *d_sn = dev_upload(sn);
+    int32_t *d_pos = dev_upload(pos), *d_slot = dev_upload(slot);
+    const size_t cache = (size_t)slots * maxT * KD;
+    bf16* d[2][3];  // [rows kernel, head kernel][out, k cache, v cache]
+    for (int k = 0; k < 2; k++) {
+        d[k][0] = dev_alloc<bf16>((size_t)n * QKV);
+        d[k][1] = dev_alloc<bf16>(cache);
+        d[k][2] = dev_alloc<bf16>(cache);
+        dev_zero(d[k][0], (size_t)n * QKV * 2);
+        dev_zero(d[k][1], cache * 2);
+        dev_zero(d[k][2], cache * 2);
+    }
+    const bf16* w_q = norm ? d_qw : NULL;
+    const bf16* w_k = norm ? d_kw : NULL;
+    launch_rope_append_rows(lab->cx, d[0][0], d[0][1], d[0][2], d_x, w_q, w_k, d_cs, d_sn, d_pos,
+                            d_slot, n, maxT, H, KVH, HD, 1e-6f);
+    cuda_decode_rope_append(lab->cx, d[1][0], d[1][1], d[1][2], d_x, w_q, w_k, d_cs, d_sn, d_pos,
+                            d_slot, n, maxT, H, KVH, HD, 1e-6f);
+    const char* what[3] = {"rows", "key cache", "value cache"};
+    for (int b = 0; b < 3; b++) {
+        const size_t len = b == 0 ? (size_t)n * QKV : cache;
+        std::vector<float> want = dev_download_bf16(d[0][b], len);
+        std::vector<float> got = dev_download_bf16(d[1][b], len);
+        char name[128];
+        snprintf(name, sizeof name, "rope+append heads = rows bits H=%d KVH=%d HD=%d %s: %s", H,
+                 KVH, HD, norm ? "q/k norm" : "no norm", what[b]);
+        lab_check(lab, name, got.data(), want.data(), len, TOL_EXACT);
+    }
+    void* bufs[] = {d_x, d_qw, d_kw, d_cs, d_sn, d_pos, d_slot};
+    for (void* p : bufs) cuda_check(cudaFree(p));
+    for (int k = 0; k < 2; k++)
+        for (int b = 0; b < 3; b++) cuda_check(cudaFree(d[k][b]));
+}
+
+// The sampler: greedy = the first argmax; tempered = the fp64 walk's token with the same uniform
+// (rows: the previous sampler, kept in this lab; else production).
+static void validate_sampler(Lab* lab, Rng* r, int V, int rows) {
     const int n = 32;
     std::vector<float> z = rand_bf16(r, (size_t)n * V, 3.0f), u(n);
     for (int i = 0; i < n; i++) u[i] = rng_uniform(r);
@@ -486,7 +677,10 @@ static void validate_sampler(Lab* lab, Rng* r, int V) {
     float* d_lp = dev_alloc<float>(2 * n);
     for (int greedy = 1; greedy >= 0; greedy--) {
         const float temperature = greedy ? 0.0f : 0.7f;
-        cuda_sample_tokens(lab->cx, d_tok, d_lp, d_z, d_u, n, V, temperature);
+        if (rows)
+            sample_tokens_rows(lab->cx, d_tok, d_lp, d_z, d_u, n, V, temperature);
+        else
+            cuda_sample_tokens(lab->cx, d_tok, d_lp, d_z, d_u, n, V, temperature);
         std::vector<int32_t> tok = dev_download(d_tok, n);
         std::vector<float> lp = dev_download(d_lp, 2 * n);
         int same = 0;
@@ -516,8 +710,8 @@ static void validate_sampler(Lab* lab, Rng* r, int V) {
         }
         char what[128];
         snprintf(what, sizeof what,
-                 "sampler V=%d %s: %d of %d tokens as the fp64 walk's, logp err %.1e", V,
-                 greedy ? "greedy" : "T=0.7", same, n, worst);
+                 "sampler%s V=%d %s: %d of %d tokens as the fp64 walk's, logp err %.1e",
+                 rows ? " (rows)" : "", V, greedy ? "greedy" : "T=0.7", same, n, worst);
         lab_check_true(lab, what, same == n && worst < 1e-4);
     }
     void* bufs[] = {d_z, d_u, d_tok, d_lp};
@@ -554,6 +748,42 @@ static void bench_attention(Lab* lab, int n, int L, int H, int KVH, int HD, cons
     for (void* p : bufs) cuda_check(cudaFree(p));
 }
 
+// The rope + append of one layer: n rows at mixed positions, each its own cache slot.
+static void bench_rope_append(Lab* lab, int n, int H, int KVH, int HD) {
+    const int QKV = (H + 2 * KVH) * HD, KD = KVH * HD, maxT = 512, half = HD / 2;
+    CudaCtx* cx = lab->cx;
+    bf16* x = dev_random<bf16>((size_t)n * QKV, 2.0f, 5);
+    bf16* w = dev_random<bf16>(HD, 1.0f, 6);
+    float* cs = dev_random<float>((size_t)maxT * half, 1.0f, 7);
+    float* sn = dev_random<float>((size_t)maxT * half, 1.0f, 8);
+    std::vector<int32_t> pos(n), slot(n);
+    for (int i = 0; i < n; i++) {
+        pos[i] = (i * 37) % maxT;
+        slot[i] = i;
+    }
+    int32_t *d_pos = dev_upload(pos), *d_slot = dev_upload(slot);
+    bf16* out = dev_alloc<bf16>((size_t)n * QKV);
+    bf16* kc = dev_alloc<bf16>((size_t)n * maxT * KD);
+    bf16* vc = dev_alloc<bf16>((size_t)n * maxT * KD);
+    char shape[128];
+    snprintf(shape, sizeof shape, "qwen3-1.7b n=%d H=%d KVH=%d HD=%d", n, H, KVH, HD);
+    const double bytes = 2.0 * n * QKV * 2 + 2.0 * n * KD * 2;
+    for (int rv = 1; rv <= 2; rv++) {  // 1: the row kernel, 2: production (head kernel)
+        const double ms = lab_time_ms(lab, [&] {
+            if (rv == 1)
+                launch_rope_append_rows(cx, out, kc, vc, x, w, w, cs, sn, d_pos, d_slot, n, maxT,
+                                        H, KVH, HD, 1e-6f);
+            else
+                cuda_decode_rope_append(cx, out, kc, vc, x, w, w, cs, sn, d_pos, d_slot, n, maxT,
+                                        H, KVH, HD, 1e-6f);
+        });
+        lab_report_bw("rope+append", rv, shape, "qkv in and out, k and v to the cache", bytes, ms);
+        printf("    rope+append %s: %.2f us\n", rv == 1 ? "rows (old)" : "heads (new)", ms * 1e3);
+    }
+    void* bufs[] = {x, w, cs, sn, d_pos, d_slot, out, kc, vc};
+    for (void* p : bufs) cuda_check(cudaFree(p));
+}
+
 static void bench(Lab* lab) {
     const int n = 128;
     CudaCtx* cx = lab->cx;
@@ -570,15 +800,22 @@ static void bench(Lab* lab) {
     float* d_u = dev_upload(u);
     int32_t* tok = dev_alloc<int32_t>(n);
     float* lp = dev_alloc<float>(2 * n);
-    for (float temperature : {0.0f, 1.0f}) {
-        const double ms = lab_time_ms(lab, [&] {
-            cuda_sample_tokens(cx, tok, lp, z, d_u, n, V, temperature);
-        });
-        lab_report_bw(temperature > 0 ? "sampler (T=1)" : "sampler (greedy)", 3,
-                      "n=128 V=151936", "logits once", (double)n * V * 2, ms);
-    }
+    for (float temperature : {0.0f, 1.0f})
+        for (int sv = 1; sv <= 2; sv++) {  // 1: the previous row sampler, 2: production
+            const double ms = lab_time_ms(lab, [&] {
+                if (sv == 1)
+                    sample_tokens_rows(cx, tok, lp, z, d_u, n, V, temperature);
+                else
+                    cuda_sample_tokens(cx, tok, lp, z, d_u, n, V, temperature);
+            });
+            lab_report_bw(temperature > 0 ? "sampler (T=1)" : "sampler (greedy)", sv,
+                          "n=128 V=151936", "logits once", (double)n * V * 2, ms);
+            printf("    sampler %s %s: %.1f us\n", sv == 1 ? "rows (old)" : "slices (new)",
+                   temperature > 0 ? "T=1" : "greedy", ms * 1e3);
+        }
     void* bufs[] = {z, d_u, tok, lp};
     for (void* p : bufs) cuda_check(cudaFree(p));
+    bench_rope_append(lab, n, 16, 8, 128);
 }
 
 // ----------------------------------------------------------------------------
@@ -609,8 +846,16 @@ static void validate_variant(Lab* lab, int v, Rng* r) {
     validate_attention(lab, v, r, DecShape{5, 70, 6, 2, 12, 0, 1});       // HD not a multiple of 4
     if (v == 3) {
         validate_rope_append(lab, r);
-        validate_sampler(lab, r, 50000);  // 16-byte loads
-        validate_sampler(lab, r, 4099);   // V not a multiple of 8: element by element
+        validate_rope_heads_bits(lab, r, 16, 8, 128, 1);  // Qwen3-1.7B
+        validate_rope_heads_bits(lab, r, 16, 8, 128, 0);  // no q/k norm (LLaMA)
+        validate_rope_heads_bits(lab, r, 64, 8, 64, 0);   // GPT-OSS-20B's heads
+        validate_rope_heads_bits(lab, r, 4, 1, 16, 1);    // test-qwen3's heads
+        for (int rows = 0; rows <= 1; rows++) {
+            validate_sampler(lab, r, 151936, rows);  // Qwen3's vocabulary
+            validate_sampler(lab, r, 50000, rows);   // 16-byte loads
+            validate_sampler(lab, r, 4099, rows);    // V not a multiple of 8: element by element
+            validate_sampler(lab, r, 100, rows);     // fewer words than slices: empty slices
+        }
     }
 }
 
