@@ -23,7 +23,12 @@
  * memory and an 8-tile ring: slower on the H200.) Each chunk leaves (max, sum,
  * unnormalised output) in fp32 scratch; a second kernel merges a row's chunks in chunk order,
  * adds the sink logit, divides and rounds: the same bits for the same inputs on every run,
- * whatever else is in the batch.
+ * whatever else is in the batch. When the batch alone fills the GPU (n x KVH >= 4 blocks per SM:
+ * a decode step of 128 rows), one block per (row, kv head) walks the row's chunks in order
+ * instead, each chunk's tiles and partial exactly as the split grid's block, its ring running on
+ * across chunk ends, and merges the chunks itself with the combine's arithmetic: the same bits,
+ * one launch, and no blocks for the chunks past a short row (the fixed cost per layer is what a
+ * step at a few hundred cached keys pays).
  *
  * Sampler: one block per row. Pass 1 finds the max (and the first index holding it: greedy);
  * pass 2 sums expf((z - max) / temperature) per thread over a contiguous slice of the vocabulary
