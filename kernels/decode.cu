@@ -27,7 +27,12 @@
  * memory and an 8-tile ring: slower on the H200.) Each chunk leaves (max, sum,
  * unnormalised output) in fp32 scratch; a second kernel merges a row's chunks in chunk order,
  * adds the sink logit, divides and rounds: the same bits for the same inputs on every run,
- * whatever else is in the batch.
+ * whatever else is in the batch. When the batch alone fills the GPU (n x KVH >= 4 blocks per SM:
+ * a decode step of 128 rows), one block per (row, kv head) walks the row's chunks in order
+ * instead, each chunk's tiles and partial exactly as the split grid's block, its ring running on
+ * across chunk ends, and merges the chunks itself with the combine's arithmetic: the same bits,
+ * one launch, and no blocks for the chunks past a short row (the fixed cost per layer is what a
+ * step at a few hundred cached keys pays).
  *
  * Sampler: each row cut into SAMPLE_SLICES fixed slices of whole 8-token words (a function of
  * V only). Pass 1, one block per (slice, row): the slice's max and first argmax, then its sums
@@ -217,6 +222,8 @@ typedef struct DecAttn {
     const bf16* vc;
     const int32_t* slot;  // (n)
     const int32_t* len;   // (n) keys of each row (its position + 1)
+    bf16* out;            // (n, H*HD) the attention of each row (the walk kernel writes it)
+    const bf16* sinks;    // (H) sink logits or NULL
     int maxT, H, KVH, HD, window, chunk, chunks;
     float qscale;  // log2(e) / sqrt(HD): the logits in log2 units
     int vec;       // HD a multiple of 8 and every buffer 16-byte aligned
@@ -501,29 +508,50 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) decode_attention_staged_kernel
     dec_partial_store<LPK, GM>(p, a, s_o, i, g, c, group, d0);
 }
 
+// The chunks of row i holding its keys: [c0, c1) (first: the window's first key).
+__device__ __forceinline__ void dec_row_chunks(const DecAttn& a, int i, int* first, int* c0,
+                                               int* c1) {
+    const int L = a.len[i];
+    *first = a.window > 0 && L > a.window ? L - a.window : 0;
+    *c0 = *first / a.chunk;
+    *c1 = min(a.chunks, (L + a.chunk - 1) / a.chunk);
+}
+
+// Query head h of row i: the max over its chunks' partials [c0, c1) and the sink (log2 units).
+__device__ __forceinline__ float dec_combine_max(const DecAttn& a, int i, int h, int c0, int c1) {
+    const float LOG2E = 1.4426950408889634f;
+    const size_t pb = ((size_t)i * a.H + h) * a.chunks;
+    float M = a.sinks ? __bfloat162float(a.sinks[h]) * LOG2E : -INFINITY;
+    for (int c = c0; c < c1; c++) M = fmaxf(M, a.part_m[pb + c]);
+    return M;
+}
+
+// Element d of query head h of row i: its chunks merged in chunk order under the max M, the sink
+// added, o / Σ rounded (the combine kernel's arithmetic, shared with the walk kernel's end).
+__device__ __forceinline__ void dec_combine_store(const DecAttn& a, int i, int h, int d, int c0,
+                                                  int c1, float M) {
+    const float LOG2E = 1.4426950408889634f;
+    const size_t pb = ((size_t)i * a.H + h) * a.chunks;
+    const float sink = a.sinks ? __bfloat162float(a.sinks[h]) * LOG2E : -INFINITY;
+    float den = a.sinks ? exp2f(sink - M) : 0.0f, o = 0.0f;
+    for (int c = c0; c < c1; c++) {
+        const float mc = a.part_m[pb + c];
+        if (mc == -INFINITY) continue;  // (every chunk read holds keys: only NaN inputs)
+        const float f = exp2f(mc - M);
+        den += a.part_l[pb + c] * f;
+        o += a.part_o[(pb + c) * a.HD + d] * f;
+    }
+    a.out[((size_t)i * a.H + h) * a.HD + d] = __float2bfloat16_rn(den > 0.0f ? o / den : 0.0f);
+}
+
 // Block (row i, head h): the chunks holding keys of the row merged in order, the sink logit
 // added, out = o / Σ.
-__global__ void decode_attention_combine_kernel(bf16* __restrict__ out, DecAttn a,
-                                                const bf16* __restrict__ sinks) {
-    const float LOG2E = 1.4426950408889634f;
-    const int i = blockIdx.x, h = blockIdx.y, HD = a.HD, L = a.len[i];
-    const int first = a.window > 0 && L > a.window ? L - a.window : 0;
-    const int c0 = first / a.chunk, c1 = min(a.chunks, (L + a.chunk - 1) / a.chunk);
-    const size_t pb = ((size_t)i * a.H + h) * a.chunks;
-    const float sink = sinks ? __bfloat162float(sinks[h]) * LOG2E : -INFINITY;
-    float M = sink;
-    for (int c = c0; c < c1; c++) M = fmaxf(M, a.part_m[pb + c]);
-    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
-        float den = sinks ? exp2f(sink - M) : 0.0f, o = 0.0f;
-        for (int c = c0; c < c1; c++) {
-            const float mc = a.part_m[pb + c];
-            if (mc == -INFINITY) continue;  // (every chunk read holds keys: only NaN inputs)
-            const float f = exp2f(mc - M);
-            den += a.part_l[pb + c] * f;
-            o += a.part_o[(pb + c) * HD + d] * f;
-        }
-        out[((size_t)i * a.H + h) * HD + d] = __float2bfloat16_rn(den > 0.0f ? o / den : 0.0f);
-    }
+__global__ void decode_attention_combine_kernel(DecAttn a) {
+    const int i = blockIdx.x, h = blockIdx.y;
+    int first, c0, c1;
+    dec_row_chunks(a, i, &first, &c0, &c1);
+    const float M = dec_combine_max(a, i, h, c0, c1);
+    for (int d = threadIdx.x; d < a.HD; d += blockDim.x) dec_combine_store(a, i, h, d, c0, c1, M);
 }
 
 // The register kernel's tiles with a deeper pipeline in shared memory: each thread copies its own
@@ -582,7 +610,99 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) decode_attention_piped_kernel(
     dec_partial_store<LPK, GM>(p, a, s_o, i, g, c, group, d0);
 }
 
-// How the partial kernel gets its keys (the lab times each; attention_decode_mode picks one).
+// One block per (row i, kv head g) walking the row's chunks [c0, c1) in order: each chunk's tiles
+// exactly as the piped kernel's block for that chunk takes them (warp w: j0 + (w + k·DEC_WARPS)·TK),
+// each chunk's partial stored as there, then the block merges its group's chunks in chunk order
+// with the combine kernel's arithmetic: the bits of the split grid and its combine, without the
+// second launch, and without the empty blocks a grid over maxT's chunks launches for short rows
+// (the grid is (n, KVH) whatever maxT). The fixed cost per layer is what a decode step at a few
+// hundred keys pays; 128 rows x 8 kv heads still fill the GPU several blocks deep. Each thread's
+// ring runs ahead across chunk ends (the next chunk's first tiles are in flight while this one's
+// last tile is computed and its partial stored). Needs vec. Shared memory: the piped kernel's.
+template <int LPK, int GM, int T, int D>
+__global__ void __launch_bounds__(DEC_WARPS * 32) decode_attention_walk_kernel(DecAttn a) {
+    constexpr int KPW = 32 / LPK, TK = KPW * T, NT = DEC_WARPS * 32, round = DEC_WARPS * TK;
+    extern __shared__ uint4 s_ring[];  // (D, T, 2, NT)
+    const int i = blockIdx.x, g = blockIdx.y, HD = a.HD, tid = threadIdx.x;
+    const int group = a.H / a.KVH, lane = tid & 31, warp = tid >> 5;
+    const int sub = lane / LPK, d0 = (lane % LPK) * 8;
+    const int KD = a.KVH * HD, L = a.len[i];
+    int first, c0, c1;
+    dec_row_chunks(a, i, &first, &c0, &c1);
+    float* s_o = reinterpret_cast<float*>(s_ring + (size_t)D * T * 2 * NT);
+    const size_t at = (size_t)a.slot[i] * a.maxT * KD + (size_t)g * HD;
+    const bf16* kb = a.kc + at;
+    const bf16* vb = a.vc + at;
+    // chunk c's keys of the row: [key0(c), key1(c)) (the split kernels' j0, j1 of block c)
+    auto key0 = [&](int c) { return max(c * a.chunk, first); };
+    auto key1 = [&](int c) { return min((c + 1) * a.chunk, L); };
+    // the copy cursor: this warp's next tile to copy, at key ijt of chunk ic (ic == c1: none)
+    int ic = c0, ijt = c0 < c1 ? key0(c0) + warp * TK : 0;
+    auto settle = [&]() {  // a tile past its chunk: the warp's first tile of the next chunk
+        while (ic < c1 && ijt >= key1(ic)) {
+            ic++;
+            if (ic < c1) ijt = key0(ic) + warp * TK;
+        }
+    };
+    auto issue = [&](int r) {  // the cursor's tile into ring slot r (zeros past its chunk)
+        if (ic < c1) {
+            const int j1 = key1(ic);
+#pragma unroll
+            for (int t = 0; t < T; t++) {
+                const int j = ijt + t * KPW + sub;
+                const bool in = j < j1 && d0 < HD;
+                const size_t off = in ? (size_t)j * KD + d0 : 0;
+                cp_async_16(smem_u32(&s_ring[((size_t)(r * T + t) * 2 + 0) * NT + tid]), kb + off,
+                            in);
+                cp_async_16(smem_u32(&s_ring[((size_t)(r * T + t) * 2 + 1) * NT + tid]), vb + off,
+                            in);
+            }
+            ijt += round;
+            settle();
+        }
+        cp_async_commit();  // (an empty group past the last tile keeps the wait counts right)
+    };
+    settle();
+    DecPartial<GM> p;
+    dec_partial_init(p, a, i, g, group, d0);
+#pragma unroll
+    for (int r = 0; r < D; r++) issue(r);
+    int r = 0;
+    for (int c = c0; c < c1; c++) {
+        const int j0 = key0(c), j1 = key1(c);
+#pragma unroll
+        for (int h = 0; h < GM; h++) {  // a fresh partial (the query stays)
+            if (h >= group) break;
+#pragma unroll
+            for (int e = 0; e < 8; e++) p.acc[h][e] = 0.0f;
+            p.m[h] = -INFINITY;
+            p.l[h] = 0.0f;
+        }
+        for (int jt = j0 + warp * TK; jt < j1; jt += round) {
+            cp_async_wait<D - 1>();  // this tile's group (the oldest) has landed
+            uint4 kr[T], vr[T];
+#pragma unroll
+            for (int t = 0; t < T; t++) {
+                kr[t] = s_ring[((size_t)(r * T + t) * 2 + 0) * NT + tid];
+                vr[t] = s_ring[((size_t)(r * T + t) * 2 + 1) * NT + tid];
+            }
+            dec_partial_tile<LPK, GM, T>(p, kr, vr, jt, sub, j1, group);
+            issue(r);  // (after the words were used) the tile D ahead in the warp's sequence
+            r = r + 1 == D ? 0 : r + 1;
+        }
+        dec_partial_store<LPK, GM>(p, a, s_o, i, g, c, group, d0);
+        // the store's shared words are free for the next chunk's, and its partial is visible to
+        // every thread of the block (the merge below)
+        __syncthreads();
+    }
+    cp_async_wait<0>();  // (nothing lands in shared memory after the block ends)
+    for (int x = tid; x < group * HD; x += NT) {
+        const int h = g * group + x / HD;
+        dec_combine_store(a, i, h, x % HD, c0, c1, dec_combine_max(a, i, h, c0, c1));
+    }
+}
+
+// How the partial kernel gets its keys (the lab times each; cuda_attention_decode picks one).
 typedef enum {
     DEC_REGS = 0,       // registers, the next tile in flight; T keys per lane group
     DEC_REGS_HALF,      // the same with T / 2 (fewer registers, more warps per SM)
@@ -591,28 +711,39 @@ typedef enum {
     DEC_PIPED4_HALF,    // a ring of 4 tiles per thread in shared memory (cp.async), T / 2
     DEC_PIPED8_HALF,    // a ring of 8 tiles, T / 2
     DEC_PIPED4,         // a ring of 4 tiles, T
+    DEC_WALK4_HALF,     // one block per (row, kv head) over its chunks, 4-tile ring, merged in
+                        // the block (no combine launch), T / 2
+    DEC_WALK8_HALF,     // the walk with an 8-tile ring, T / 2
+    DEC_WALK4,          // the walk with a 4-tile ring, T
 } DecMode;
+
+// The ring kernels with D tiles per thread: the split grid (n, KVH, chunks) or the walk (n, KVH).
+template <int LPK, int GM, int T, int D>
+static void launch_ring(CudaCtx* cx, const DecAttn& a, int n, int walk, size_t s_o) {
+    const size_t smem = (size_t)D * T * 2 * DEC_WARPS * 32 * sizeof(uint4) + s_o;
+    if (walk) {
+        cuda_check(cudaFuncSetAttribute(decode_attention_walk_kernel<LPK, GM, T, D>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        decode_attention_walk_kernel<LPK, GM, T, D>
+            <<<dim3(n, a.KVH), DEC_WARPS * 32, smem, cx->stream>>>(a);
+    } else {
+        cuda_check(cudaFuncSetAttribute(decode_attention_piped_kernel<LPK, GM, T, D>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        decode_attention_piped_kernel<LPK, GM, T, D>
+            <<<dim3(n, a.KVH, a.chunks), DEC_WARPS * 32, smem, cx->stream>>>(a);
+    }
+}
 
 // T keys per lane group per tile (GM = 8 heads: 2, for registers); the half modes: half that.
 template <int LPK, int GM, int T>
-static void launch_partial_t(CudaCtx* cx, const DecAttn& a, int n, int staged, int depth) {
+static void launch_partial_t(CudaCtx* cx, const DecAttn& a, int n, int staged, int depth,
+                             int walk) {
     const dim3 grid(n, a.KVH, a.chunks);
     const size_t s_o = (size_t)DEC_WARPS * (a.H / a.KVH) * a.HD * sizeof(float);
-    if (depth > 0) {
-        const size_t smem = (size_t)depth * T * 2 * DEC_WARPS * 32 * sizeof(uint4) + s_o;
-        if (depth == 4) {
-            cuda_check(cudaFuncSetAttribute(decode_attention_piped_kernel<LPK, GM, T, 4>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            (int)smem));
-            decode_attention_piped_kernel<LPK, GM, T, 4>
-                <<<grid, DEC_WARPS * 32, smem, cx->stream>>>(a);
-        } else {
-            cuda_check(cudaFuncSetAttribute(decode_attention_piped_kernel<LPK, GM, T, 8>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            (int)smem));
-            decode_attention_piped_kernel<LPK, GM, T, 8>
-                <<<grid, DEC_WARPS * 32, smem, cx->stream>>>(a);
-        }
+    if (depth == 4) {
+        launch_ring<LPK, GM, T, 4>(cx, a, n, walk, s_o);
+    } else if (depth == 8) {
+        launch_ring<LPK, GM, T, 8>(cx, a, n, walk, s_o);
     } else if (staged) {
         const size_t smem = 2 * (size_t)a.chunk * a.HD * sizeof(bf16) + s_o;
         cuda_check(cudaFuncSetAttribute(decode_attention_staged_kernel<LPK, GM, T>,
@@ -624,18 +755,24 @@ static void launch_partial_t(CudaCtx* cx, const DecAttn& a, int n, int staged, i
     cuda_check_launch();
 }
 
+static int dec_mode_walks(DecMode mode) {
+    return mode == DEC_WALK4_HALF || mode == DEC_WALK8_HALF || mode == DEC_WALK4;
+}
+
 template <int LPK, int GM>
 static void launch_partial_gm(CudaCtx* cx, const DecAttn& a, int n, DecMode mode) {
     constexpr int T = GM >= 8 ? 2 : 4;
     const int staged = mode == DEC_STAGED || mode == DEC_STAGED_HALF;
-    const int depth = mode == DEC_PIPED4_HALF || mode == DEC_PIPED4 ? 4
-                      : mode == DEC_PIPED8_HALF                     ? 8
-                                                                    : 0;
+    const int depth =
+        mode == DEC_PIPED4_HALF || mode == DEC_PIPED4 || mode == DEC_WALK4_HALF || mode == DEC_WALK4
+            ? 4
+        : mode == DEC_PIPED8_HALF || mode == DEC_WALK8_HALF ? 8
+                                                            : 0;
     if (mode == DEC_REGS_HALF || mode == DEC_STAGED_HALF || mode == DEC_PIPED4_HALF ||
-        mode == DEC_PIPED8_HALF)
-        launch_partial_t<LPK, GM, T / 2>(cx, a, n, staged, depth);
+        mode == DEC_PIPED8_HALF || mode == DEC_WALK4_HALF || mode == DEC_WALK8_HALF)
+        launch_partial_t<LPK, GM, T / 2>(cx, a, n, staged, depth, dec_mode_walks(mode));
     else
-        launch_partial_t<LPK, GM, T>(cx, a, n, staged, depth);
+        launch_partial_t<LPK, GM, T>(cx, a, n, staged, depth, dec_mode_walks(mode));
 }
 
 template <int LPK>
@@ -662,9 +799,9 @@ int cuda_attention_decode_supports(int H, int KVH, int HD) {
     return KVH > 0 && H % KVH == 0 && H / KVH <= DEC_MAX_GROUP && HD <= 256;
 }
 
-// The attention with a given chunk length and mode (the production's: DEC_CHUNK and
-// attention_decode_mode; the lab measures the others). The staged modes need 16-byte rows (vec):
-// without, the register kernel with the same T.
+// The attention with a given chunk length and mode (the production's: DEC_CHUNK and the mode
+// cuda_attention_decode picks; the lab measures the others). The staged, ring and walk modes need
+// 16-byte rows (vec): without, the register kernel with the same T (and the combine launch).
 static void attention_decode_with(CudaCtx* cx, bf16* out, const bf16* qkv, const bf16* kc,
                                   const bf16* vc, const int32_t* slot, const int32_t* len,
                                   const bf16* sinks, int n, int maxT, int H, int KVH, int HD,
@@ -692,9 +829,12 @@ static void attention_decode_with(CudaCtx* cx, bf16* out, const bf16* qkv, const
     a.HD = HD;
     a.window = window;
     a.qscale = 1.4426950408889634f / sqrtf((float)HD);
+    a.out = out;
+    a.sinks = sinks;
     a.vec = HD % 8 == 0 && is_aligned16(qkv) && is_aligned16(kc) && is_aligned16(vc);
-    if (!a.vec && (mode == DEC_STAGED || mode == DEC_PIPED4)) mode = DEC_REGS;
-    if (!a.vec && (mode == DEC_STAGED_HALF || mode == DEC_PIPED4_HALF || mode == DEC_PIPED8_HALF))
+    if (!a.vec && (mode == DEC_STAGED || mode == DEC_PIPED4 || mode == DEC_WALK4)) mode = DEC_REGS;
+    if (!a.vec && (mode == DEC_STAGED_HALF || mode == DEC_PIPED4_HALF || mode == DEC_PIPED8_HALF ||
+                   mode == DEC_WALK4_HALF || mode == DEC_WALK8_HALF))
         mode = DEC_REGS_HALF;
     if (HD <= 16)
         launch_partial<2>(cx, a, n, mode);
@@ -706,8 +846,8 @@ static void attention_decode_with(CudaCtx* cx, bf16* out, const bf16* qkv, const
         launch_partial<16>(cx, a, n, mode);
     else
         launch_partial<32>(cx, a, n, mode);
-    decode_attention_combine_kernel<<<dim3(n, H), HD <= 128 ? 128 : 256, 0, cx->stream>>>(
-        out, a, sinks);
+    if (dec_mode_walks(mode)) return;  // the walk merged its chunks itself
+    decode_attention_combine_kernel<<<dim3(n, H), HD <= 128 ? 128 : 256, 0, cx->stream>>>(a);
     cuda_check_launch();
 }
 
@@ -717,10 +857,16 @@ void cuda_attention_decode(CudaCtx* cx, bf16* out, const bf16* qkv, const bf16* 
                            int window) {
     // head dim 128: half tiles with the 4-tile ring (the lab's variant 9, the bits of variant 4;
     // on the H200 Qwen3-1.7B at 272 cached keys 62 us a layer against 65 for variant 4 and 75
-    // for full tiles; LLaMA-8B at 1024 274 against 276 and 438); head dim 64: full tiles in
-    // registers (variant 3: GPT-OSS-20B at 1024 451 us against 492-501 for 4 and 9)
+    // for full tiles; LLaMA-8B at 1024 274 against 276 and 438), walked by one block per (row,
+    // kv head) with the merge in the block (variant 13: no combine launch, no empty blocks past
+    // the rows' lengths) when the batch has the blocks to fill the GPU (4 per SM; the walk's
+    // parallelism is n x KVH blocks whatever the length): the same bits either way, so a row's
+    // output still does not depend on the batch. Head dim 64: full tiles in registers (variant
+    // 3: GPT-OSS-20B at 1024 451 us against 492-501 for 4 and 9).
+    const int walk = n * KVH >= 4 * cx->n_sms;
     attention_decode_with(cx, out, qkv, kc, vc, slot, len, sinks, n, maxT, H, KVH, HD, window,
-                          DEC_CHUNK, HD >= 128 ? DEC_PIPED4_HALF : DEC_REGS);
+                          DEC_CHUNK,
+                          HD >= 128 ? (walk ? DEC_WALK4_HALF : DEC_PIPED4_HALF) : DEC_REGS);
 }
 
 // ----------------------------------------------------------------------------

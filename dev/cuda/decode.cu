@@ -16,8 +16,9 @@
  *      loads (HD/8 lanes per key, 256/HD keys per warp load), the next tile's keys and values
  *      in flight while the current tile is computed, every query head of the group from that
  *      one read, the softmax in the log2 domain; then the chunks merged in order.
- *   4  variant 3 with half the keys per tile (fewer registers, more warps resident per SM):
- *      production at head dim >= 128, where the H200 measured it faster.
+ *   4  variant 3 with half the keys per tile (fewer registers, more warps resident per SM): the
+ *      bits of production at head dim >= 128 (variants 9 and 13), where the H200 measured it
+ *      faster.
  *   5  variant 3 with chunks of 256 keys (half the partials, half the blocks).
  *   6  variant 4 with the chunk's keys and values staged in shared memory by cp.async first (the
  *      whole chunk in flight at once, in 4 groups the block walks as they land); the same
@@ -26,10 +27,18 @@
  *   8  variant 6 with chunks of 64 keys (twice the blocks, half the shared memory each).
  *   9  variant 4 with a deeper pipeline: each thread copies its own words of the next 4 tiles
  *      into a ring in shared memory by cp.async (4 tiles per warp in flight, no registers to
- *      hold them); bit for bit variant 4.
+ *      hold them); bit for bit variant 4. Production at head dim >= 128 for batches of
+ *      fewer than 4 (row, kv head) blocks per SM.
  *  10  variant 9 with a ring of 8 tiles (bit for bit variant 4).
  *  11  variant 3 with a ring of 4 tiles (bit for bit variant 3).
  *  12  variant 10 with chunks of 256 keys.
+ *  13  production at head dim 128 when the batch fills the GPU (n x KVH >= 4 blocks per SM; else
+ *      variant 9): one block per (row, kv head) walks the row's chunks in order, each chunk's
+ *      tiles as variant 9's block takes them, the 4-tile ring running on across chunk ends, then
+ *      merges its group's chunks in the block with the combine's arithmetic: no second launch
+ *      and no empty blocks for the chunks past a short row; bit for bit variant 4.
+ *  14  variant 13 with an 8-tile ring (bit for bit variant 4).
+ *  15  variant 13 with full tiles (bit for bit variant 3: a candidate below head dim 128).
  * Validation on fresh random bf16 inputs against an fp64 reference: rows of lengths 1 .. maxT
  * (inside one chunk, across chunks, up to 4096) in shuffled cache slots; (H, KVH, HD) = (16, 8,
  * 128) (Qwen3-1.7B), (8, 2, 64) with sinks and a window, (64, 8, 64) (GPT-OSS-20B: group 8, with
@@ -43,7 +52,9 @@
  * (fewer words than slices) (greedy: the first argmax; tempered: the token of an fp64
  * inverse-CDF walk with the same uniform, and its log-prob within 1e-4).
  * Benchmark: 128 sequences (8 prompts x 16 answers), H 16, KVH 8, HD 128, every row at the same
- * length L in {16, 128, 272, 512, 1024, 4096}, and LLaMA-8B's and GPT-OSS-20B's heads at 1024:
+ * length L in {16, 128, 272, 512, 1024, 4096} (cache maxT = L), then at L in {16, 272, 512} in
+ * the rollout's cache of maxT = 528 (16 prompt + 512 generated tokens: the chunks past L are
+ * launched and empty for the split grid), and LLaMA-8B's and GPT-OSS-20B's heads at 1024:
  * GB/s over the keys and values read (the bytes that bound it), per layer, next to a device copy.
  * Then the sampler at V = 151936 (Qwen3) for 128 rows (row 1: the previous sampler, one block of
  * 1024 threads per row; row 2: production, SAMPLE_SLICES blocks per row and a pick kernel), and
@@ -487,11 +498,12 @@ static void decode_attention(int variant, CudaCtx* cx, bf16* out, const bf16* qk
     } else if (variant == 2) {
         v2_attention_decode(cx, out, qkv, kc, vc, slot, len, sinks, s.n, s.maxT, s.H, s.KVH, s.HD,
                             s.window);
-    } else {  // 3: full tiles; 4: half tiles; 5: 256-key chunks; 6-8 staged
+    } else {  // 3: full tiles; 4: half tiles; 5: 256-key chunks; 6-8 staged; 9-12 rings; 13-15 walks
         static const DecMode modes[] = {DEC_REGS,        DEC_REGS_HALF,   DEC_REGS,
                                         DEC_STAGED_HALF, DEC_STAGED,      DEC_STAGED_HALF,
                                         DEC_PIPED4_HALF, DEC_PIPED8_HALF, DEC_PIPED4,
-                                        DEC_PIPED8_HALF};
+                                        DEC_PIPED8_HALF, DEC_WALK4_HALF,  DEC_WALK8_HALF,
+                                        DEC_WALK4};
         attention_decode_with(cx, out, qkv, kc, vc, slot, len, sinks, s.n, s.maxT, s.H, s.KVH,
                               s.HD, s.window,
                               variant == 5 || variant == 12 ? 256 : variant == 8 ? 64 : DEC_CHUNK,
@@ -544,8 +556,8 @@ static void validate_attention(Lab* lab, int v, Rng* r, DecShape s) {
         lab_check_true(lab, "  a row alone as in the batch",
                        memcmp(alone.data(), got.data() + last, nh * sizeof(float)) == 0);
     }
-    if (v == 6 || v == 7 || v == 9 || v == 10 || v == 11) {  // the bits of the register twin
-        const int twin_v = v == 7 || v == 11 ? 3 : 4;
+    if (v == 6 || v == 7 || (v >= 9 && v <= 11) || v >= 13) {  // the bits of the register twin
+        const int twin_v = v == 7 || v == 11 || v == 15 ? 3 : 4;
         decode_attention(twin_v, lab->cx, d_out2, d_qkv, d_kc, d_vc, d_slot, d_len, d_sk, s);
         std::vector<float> twin = dev_download_bf16(d_out2, no);
         lab_check_true(lab, twin_v == 4 ? "  the bits of variant 4" : "  the bits of variant 3",
@@ -721,24 +733,27 @@ static void validate_sampler(Lab* lab, Rng* r, int V, int rows) {
 // ----------------------------------------------------------------------------
 // benchmark
 
-// One layer of a decode step: n rows all at length L, every row its own slot.
-static void bench_attention(Lab* lab, int n, int L, int H, int KVH, int HD, const char* model) {
+// One layer of a decode step: n rows all at length L in a cache of maxT positions, every row its
+// own slot.
+static void bench_attention(Lab* lab, int n, int L, int maxT, int H, int KVH, int HD,
+                            const char* model) {
     const int QKV = (H + 2 * KVH) * HD, KD = KVH * HD;
     CudaCtx* cx = lab->cx;
-    const DecShape s = {n, L, H, KVH, HD, 0, 0};
+    const DecShape s = {n, maxT, H, KVH, HD, 0, 0};
     bf16* qkv = dev_random<bf16>((size_t)n * QKV, 1.0f, 1);
-    bf16* kc = dev_random<bf16>((size_t)n * L * KD, 1.0f, 2);
-    bf16* vc = dev_random<bf16>((size_t)n * L * KD, 1.0f, 3);
+    bf16* kc = dev_random<bf16>((size_t)n * maxT * KD, 1.0f, 2);
+    bf16* vc = dev_random<bf16>((size_t)n * maxT * KD, 1.0f, 3);
     std::vector<int32_t> slot(n), len(n, L);
     for (int i = 0; i < n; i++) slot[i] = i;
     int32_t *d_slot = dev_upload(slot), *d_len = dev_upload(len);
     bf16* out = dev_alloc<bf16>((size_t)n * H * HD);
     char shape[128];
-    snprintf(shape, sizeof shape, "%s n=%d L=%d H=%d KVH=%d HD=%d", model, n, L, H, KVH, HD);
+    snprintf(shape, sizeof shape, "%s n=%d L=%d maxT=%d H=%d KVH=%d HD=%d", model, n, L, maxT, H,
+             KVH, HD);
     const double bytes = 2.0 * n * L * KD * 2 + (double)n * (QKV + H * HD) * 2;
-    for (int v = 1; v <= 12; v++) {
+    for (int v = 1; v <= 15; v++) {
         if (!lab_wants(&lab->args, v)) continue;
-        if (v == 1 && (size_t)L * 4 > 48 * 1024) continue;  // the naive kernel's logits
+        if (v == 1 && (size_t)maxT * 4 > 48 * 1024) continue;  // the naive kernel's logits
         const double ms = lab_time_ms(lab, [&] {
             decode_attention(v, cx, out, qkv, kc, vc, d_slot, d_len, NULL, s);
         });
@@ -791,9 +806,11 @@ static void bench(Lab* lab) {
     lab_bench_header_bw();
     lab_report_copy(lab, (size_t)256 << 20);
     for (int L : {16, 128, 272, 512, 1024, 4096})
-        bench_attention(lab, n, L, 16, 8, 128, "qwen3-1.7b");
-    bench_attention(lab, n, 1024, 32, 8, 128, "llama-8b");
-    bench_attention(lab, n, 1024, 64, 8, 64, "gpt-oss-20b");
+        bench_attention(lab, n, L, L, 16, 8, 128, "qwen3-1.7b");
+    for (int L : {16, 272, 512})  // the rollout's cache: 16 prompt + 512 generated positions
+        bench_attention(lab, n, L, 528, 16, 8, 128, "qwen3-1.7b");
+    bench_attention(lab, n, 1024, 1024, 32, 8, 128, "llama-8b");
+    bench_attention(lab, n, 1024, 1024, 64, 8, 64, "gpt-oss-20b");
     const int V = 151936;
     bf16* z = dev_random<bf16>((size_t)n * V, 4.0f, 4);
     std::vector<float> u(n, 0.37f);
@@ -825,15 +842,21 @@ static const char* VARIANTS =
     "  2  the previous production: 256-key split-K chunks, 8-byte lane loads, warp sums per key\n"
     "  3  production below head dim 128 (kernels/decode.cu): 16-byte lane loads of whole key\n"
     "     rows, next tile in flight, 128-key split-K chunks, ordered combine\n"
-    "  4  variant 3 with half the keys per tile (production at head dim >= 128)\n"
+    "  4  variant 3 with half the keys per tile (the bits of production at head dim >= 128)\n"
     "  5  variant 3 with 256-key chunks\n"
     "  6  variant 4 staged in shared memory by cp.async (bit for bit variant 4)\n"
     "  7  variant 3 staged (bit for bit variant 3)\n"
     "  8  variant 6 with 64-key chunks\n"
-    "  9  variant 4 with a 4-tile cp.async ring per thread (bit for bit variant 4)\n"
+    "  9  variant 4 with a 4-tile cp.async ring per thread (bit for bit variant 4; production\n"
+    "     at head dim >= 128 for batches of < 4 blocks per SM)\n"
     " 10  variant 4 with an 8-tile ring (bit for bit variant 4)\n"
     " 11  variant 3 with a 4-tile ring (bit for bit variant 3)\n"
-    " 12  variant 10 with 256-key chunks\n";
+    " 12  variant 10 with 256-key chunks\n"
+    " 13  one block per (row, kv head) walking its chunks with the 4-tile ring, merged in the\n"
+    "     block, no combine launch (production at head dim 128 for batches of >= 4 blocks per\n"
+    "     SM; bit for bit variant 4)\n"
+    " 14  variant 13 with an 8-tile ring (bit for bit variant 4)\n"
+    " 15  variant 13 with full tiles (bit for bit variant 3)\n";
 
 static void validate_variant(Lab* lab, int v, Rng* r) {
     validate_attention(lab, v, r, DecShape{9, 600, 16, 8, 128, 0, 0});    // Qwen3-1.7B
@@ -862,5 +885,5 @@ static void validate_variant(Lab* lab, int v, Rng* r) {
 static void bench_lab(Lab* lab, Rng*) { bench(lab); }
 
 int main(int argc, char** argv) {
-    return lab_main(argc, argv, "decode", VARIANTS, 12, 12, validate_variant, bench_lab);
+    return lab_main(argc, argv, "decode", VARIANTS, 15, 15, validate_variant, bench_lab);
 }
