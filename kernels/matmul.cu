@@ -11,28 +11,23 @@
  * gradients accumulate); out and dinp are bf16 (beta = 0).
  *
  * Plans: the matmul descriptor, the four layouts and the heuristic's algorithm are cached per
- * problem (transposes, m, n, k, types, epilogue, beta, pointer alignments, split-K rule) in the
- * context, so the heuristic runs once per shape. Split-K schemes that reduce in the output type
- * are excluded for bf16 outputs (partial sums would be rounded to bf16); every cuBLASLt reduction
- * scheme is deterministic (in-place reduction is sequenced by counters).
+ * problem (orientation, transposes, m, n, k, types, epilogue, beta, pointer alignments) in the
+ * context, so the heuristic runs once per shape. Every product takes the heuristic's first
+ * algorithm. Split-K schemes that reduce in the output type are excluded for bf16 outputs (partial
+ * sums would be rounded to bf16); every cuBLASLt reduction scheme is deterministic (in-place
+ * reduction is sequenced by counters). (A rule splitting the heuristic's algorithm along k for few
+ * rows chose the heuristic's own configuration for every decode shape on the H200, and an explicit
+ * search of cuBLASLt's configurations found nothing faster: the lab keeps the search as variant 5.)
  *
- * Split-K rule for few rows (MATMUL_FEW_ROWS_SPLITK, the one switch): a forward product of at most
- * FEW_ROWS_MAX rows with a bf16 output (the generation step's linears, 128 rows) reads its weights
- * once with too few tiles to fill the machine (o: 2048 x 128 outputs in 128-wide tiles = 16 CTAs
- * on 132 SMs), so the heuristic's algorithm is split along k until its CTAs fill one wave:
- * splits = floor(1 / waves) of the unsplit algorithm (cublasLtMatmulAlgoCheck's wavesCount),
- * at most 16, each split at least SPLITK_MIN_K deep, the fp32 partials of all splits at most 16
- * MiB (they are written and read again: in the L2 that is cheap), reduced in fp32 (the
- * compute-type scheme: its own ordered reduction kernel). One wave and no more: a split that
- * spills into a second wave adds reduction traffic without shortening the first (gate_up's 96
- * tiles at 128 rows stay whole). A split the algorithm does not support, or whose workspace
- * exceeds ours, falls back to fewer splits and finally to the heuristic's algorithm. The rule is
- * computed once per plan from the shape and the device, never timed: the same bits on every run
- * on one device (like the heuristic's own choice, not across devices). Training products
- * (thousands of rows; every backward product) keep the heuristic's choice; a training forward of
- * at most 256 rows (a tiny test run) takes the rule too. The lab (dev/cuda/matmul.cu) times it
- * as variant 6 beside the heuristic (variant 2) and an explicit search of cuBLASLt's
- * configurations (variant 5).
+ * Row-major orientation for few rows (MATMUL_FEW_ROWS_ROWMAJOR, default off): a forward product of
+ * at most FEW_ROWS_MAX rows with a bf16 output (the generation step's linears, 128 rows) can be
+ * given to cuBLASLt the other way round, m = rows: every layout CUBLASLT_ORDER_ROW,
+ *   out (N, OC) row = inp (N, IC) row · W (OC, IC) rowᵀ      (transa N, transb T)
+ * the same memory as the column-major form, so no transpose kernel; the heuristic then sees a
+ * problem with m small and n wide and may choose other kernels. The fused bias epilogue adds a
+ * bias per row of D (here per token), so with a bias this orientation adds it with
+ * add_bias_kernel. The lab (dev/cuda/matmul.cu) times it as variant 7 beside the column-major
+ * form (variants 2 and 3); the switch is for the case the lab shows it faster.
  *
  * dbias (OC) += Σ_rows dout: per-block partial column sums over fixed row chunks, then the ordered
  * reduction of elementwise.cu. No atomics.
@@ -44,21 +39,18 @@
 
 #define PLAN_CACHE_SIZE 64
 
-#ifndef MATMUL_FEW_ROWS_SPLITK
-#define MATMUL_FEW_ROWS_SPLITK 1  // the split-K rule for few rows (see the top); 0: heuristic only
+#ifndef MATMUL_FEW_ROWS_ROWMAJOR
+#define MATMUL_FEW_ROWS_ROWMAJOR 0  // few-rows forwards in the row-major orientation (see the top)
 #endif
-#define FEW_ROWS_MAX 256          // forward products of at most this many rows take the rule
-#define SPLITK_MAX 16
-#define SPLITK_MIN_K 256          // k per split: shallower splits spend more on the reduction
-#define SPLITK_MAX_PARTIALS ((size_t)16 << 20)  // fp32 partials of all splits: stay in the L2
+#define FEW_ROWS_MAX 256            // forward products of at most this many rows take it
 
 typedef struct MatmulKey {
+    int row_major;  // every layout CUBLASLT_ORDER_ROW (m, n, k and ld in row-major terms)
     int transa, transb, m, n, k, lda, ldb, ldc;
     int out_f32;   // D (and C) fp32 instead of bf16
     int bias;      // bias epilogue
     int beta_one;  // accumulate into D
     int align_a, align_b, align_d, align_bias;  // pointer alignments in bytes (up to 16)
-    int split_rule;  // apply the few-rows split-K rule to the heuristic's algorithm
 } MatmulKey;
 
 struct MatmulPlan {
@@ -89,50 +81,6 @@ void cuda_matmul_plans_free(CudaCtx* cx) {
     cx->n_plans = 0;
 }
 
-// The few-rows split-K rule (see the top): the heuristic's algorithm `heur` split along k until
-// its CTAs fill one wave, or `heur` itself when no split applies.
-static cublasLtMatmulAlgo_t plan_split_k(CudaCtx* cx, const MatmulPlan* p,
-                                         const cublasLtMatmulAlgo_t* heur, int k) {
-    int32_t support = 0, splits_now = 1;
-    uint32_t schemes = 0;
-    size_t written = 0;
-    cublasLtMatmulHeuristicResult_t chk;
-    // (a query that fails leaves the algorithm as the heuristic chose it)
-    if (cublasLtMatmulAlgoCapGetAttribute(heur, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &support,
-                                          sizeof support, &written) != CUBLAS_STATUS_SUCCESS ||
-        !support ||
-        cublasLtMatmulAlgoCapGetAttribute(heur, CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK, &schemes,
-                                          sizeof schemes, &written) != CUBLAS_STATUS_SUCCESS ||
-        !(schemes & CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE) ||
-        cublasLtMatmulAlgoConfigGetAttribute(heur, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits_now,
-                                             sizeof splits_now,
-                                             &written) != CUBLAS_STATUS_SUCCESS ||
-        splits_now > 1 ||
-        cublasLtMatmulAlgoCheck(cx->lt, p->desc, p->a, p->b, p->d, p->d, heur, &chk) !=
-            CUBLAS_STATUS_SUCCESS ||
-        !(chk.wavesCount > 0.0f))
-        return *heur;
-    int splits = chk.wavesCount * SPLITK_MAX <= 1.0f ? SPLITK_MAX : (int)(1.0f / chk.wavesCount);
-    const size_t outputs = (size_t)p->key.m * (size_t)p->key.n;
-    while (splits > 1 && (k / splits < SPLITK_MIN_K ||
-                          (size_t)splits * outputs * sizeof(float) > SPLITK_MAX_PARTIALS))
-        splits--;
-    for (; splits > 1; splits--) {
-        cublasLtMatmulAlgo_t a = *heur;
-        int32_t s = splits;
-        uint32_t scheme = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-        if (cublasLtMatmulAlgoConfigSetAttribute(&a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &s,
-                                                 sizeof s) == CUBLAS_STATUS_SUCCESS &&
-            cublasLtMatmulAlgoConfigSetAttribute(&a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
-                                                 &scheme, sizeof scheme) == CUBLAS_STATUS_SUCCESS &&
-            cublasLtMatmulAlgoCheck(cx->lt, p->desc, p->a, p->b, p->d, p->d, &a, &chk) ==
-                CUBLAS_STATUS_SUCCESS &&
-            chk.workspaceSize <= LT_WORKSPACE_BYTES)
-            return a;
-    }
-    return *heur;
-}
-
 static MatmulPlan* plan_get(CudaCtx* cx, const MatmulKey* key) {
     for (int i = 0; i < cx->n_plans; i++)
         if (memcmp(&cx->plans[i].key, key, sizeof *key) == 0) return &cx->plans[i];
@@ -160,12 +108,20 @@ static MatmulPlan* plan_get(CudaCtx* cx, const MatmulKey* key) {
         cublas_check(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &ep, sizeof ep));
         cublas_check(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof bt));
     }
-    // Stored (pre-transpose) shapes, column-major.
+    // Stored (pre-transpose) shapes, column-major (or row-major: the same rows and columns with
+    // every layout's order set to row).
     int a_rows = key->transa ? key->k : key->m, a_cols = key->transa ? key->m : key->k;
     int b_rows = key->transb ? key->n : key->k, b_cols = key->transb ? key->k : key->n;
     cublas_check(cublasLtMatrixLayoutCreate(&p->a, CUDA_R_16BF, a_rows, a_cols, key->lda));
     cublas_check(cublasLtMatrixLayoutCreate(&p->b, CUDA_R_16BF, b_rows, b_cols, key->ldb));
     cublas_check(cublasLtMatrixLayoutCreate(&p->d, dt, key->m, key->n, key->ldc));
+    if (key->row_major) {
+        cublasLtOrder_t row = CUBLASLT_ORDER_ROW;
+        cublasLtMatrixLayout_t layouts[3] = {p->a, p->b, p->d};
+        for (int i = 0; i < 3; i++)
+            cublas_check(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_ORDER,
+                                                          &row, sizeof row));
+    }
 
     cublasLtMatmulPreference_t pref;
     cublas_check(cublasLtMatmulPreferenceCreate(&pref));
@@ -186,21 +142,25 @@ static MatmulPlan* plan_get(CudaCtx* cx, const MatmulKey* key) {
                                                        pref, 1, &res, &count);
     cublasLtMatmulPreferenceDestroy(pref);
     if (st != CUBLAS_STATUS_SUCCESS || count == 0)
-        fatal("cuBLASLt has no algorithm for m=%d n=%d k=%d (trans %d%d, lda %d ldb %d ldc %d, "
-              "%s output, bias %d, alignments %d/%d/%d): status %s", key->m, key->n, key->k,
-              key->transa, key->transb, key->lda, key->ldb, key->ldc,
+        fatal("cuBLASLt has no algorithm for m=%d n=%d k=%d (%s, trans %d%d, lda %d ldb %d ldc %d, "
+              "%s output, bias %d, alignments %d/%d/%d): status %s%s", key->m, key->n, key->k,
+              key->row_major ? "row-major" : "column-major", key->transa, key->transb, key->lda,
+              key->ldb, key->ldc,
               key->out_f32 ? "fp32" : "bf16", key->bias, key->align_a, key->align_b,
-              key->align_d, cublasLtGetStatusString(st));
-    p->algo = key->split_rule ? plan_split_k(cx, p, &res.algo, key->k) : res.algo;
+              key->align_d, cublasLtGetStatusString(st),
+              key->row_major ? " (HINT: build with -DMATMUL_FEW_ROWS_ROWMAJOR=0)" : "");
+    p->algo = res.algo;
     return p;
 }
 
-// D (m, n) = alpha op(A) op(B) + beta D (column-major), with the plan for this problem.
+// D (m, n) = alpha op(A) op(B) + beta D (column-major, or row-major with row_major = 1), with the
+// plan for this problem.
 static void lt_matmul(CudaCtx* cx, int transa, int transb, int m, int n, int k, const bf16* A,
                       int lda, const bf16* B, int ldb, void* D, int ldc, int out_f32,
-                      const bf16* bias, float beta, float alpha, int split_rule) {
+                      const bf16* bias, float beta, float alpha, int row_major) {
     MatmulKey key;
     memset(&key, 0, sizeof key);  // padding bytes take part in the memcmp
+    key.row_major = row_major;
     key.transa = transa;
     key.transb = transb;
     key.m = m;
@@ -216,7 +176,6 @@ static void lt_matmul(CudaCtx* cx, int transa, int transb, int m, int n, int k, 
     key.align_b = ptr_alignment(B);
     key.align_d = ptr_alignment(D);
     key.align_bias = bias ? ptr_alignment(bias) : 0;
-    key.split_rule = split_rule;
     MatmulPlan* p = plan_get(cx, &key);
     if (bias)
         cublas_check(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
@@ -254,14 +213,19 @@ __global__ void dbias_partial_kernel(float* __restrict__ partial, const bf16* __
 // ----------------------------------------------------------------------------
 // the three products
 
-// The forward with the few-rows split-K rule on (split_rule = 1, for up to FEW_ROWS_MAX rows) or
-// off; the lab times both.
-static void matmul_forward_rule(CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w,
-                                const bf16* bias, int N, int IC, int OC, int split_rule) {
+// The forward in either orientation (see the top); the lab times both.
+//   column-major: outᵀ (OC, N) = W_cm (IC, OC)ᵀ · inp_cm (IC, N)    m = OC, n = N
+//   row-major:    out (N, OC) = inp (N, IC) · W (OC, IC)ᵀ            m = N, n = OC
+// The bias epilogue adds per row of D: per output column only in the column-major form.
+static void matmul_forward_orient(CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w,
+                                  const bf16* bias, int N, int IC, int OC, int row_major) {
     if (N <= 0 || OC <= 0) return;
-    int fused_bias = bias != NULL && is_aligned16(bias);
-    lt_matmul(cx, 1, 0, OC, N, IC, w, IC, inp, IC, out, OC, 0, fused_bias ? bias : NULL, 0.0f,
-              1.0f, split_rule && N <= FEW_ROWS_MAX);
+    int fused_bias = bias != NULL && is_aligned16(bias) && !row_major;
+    if (row_major)
+        lt_matmul(cx, 0, 1, N, OC, IC, inp, IC, w, IC, out, OC, 0, NULL, 0.0f, 1.0f, 1);
+    else
+        lt_matmul(cx, 1, 0, OC, N, IC, w, IC, inp, IC, out, OC, 0, fused_bias ? bias : NULL,
+                  0.0f, 1.0f, 0);
     if (bias && !fused_bias) {
         add_bias_kernel<<<grid_size((size_t)N * OC, 256) < 4096 ? grid_size((size_t)N * OC, 256)
                                                                  : 4096,
@@ -272,7 +236,8 @@ static void matmul_forward_rule(CudaCtx* cx, bf16* out, const bf16* inp, const b
 
 void cuda_matmul_forward(CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w, const bf16* bias,
                          int N, int IC, int OC) {
-    matmul_forward_rule(cx, out, inp, w, bias, N, IC, OC, MATMUL_FEW_ROWS_SPLITK);
+    matmul_forward_orient(cx, out, inp, w, bias, N, IC, OC,
+                          MATMUL_FEW_ROWS_ROWMAJOR && N <= FEW_ROWS_MAX);
 }
 
 void cuda_matmul_backward(CudaCtx* cx, bf16* dinp, float* dw, float* dbias, const bf16* dout,

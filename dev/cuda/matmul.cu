@@ -7,12 +7,14 @@
  *   dbias    dbias (OC) += Σ_rows dout                     fp32, accumulated
  *
  *   make dev-cuda && dev/cuda/build/matmul [--validate-only] [--variant K] [--seed S] [--decode]
- *   (--decode: the validation, then only the decode rows benchmark)
+ *     [--orient]
+ *   (--decode: the validation, then only the decode rows benchmark; --orient: the same without
+ *   variant 5's search, to compare the orientations, variants 2 / 3 against 7)
  *
  * Variants:
  *   1  naive: 32 x 32 shared-memory tiles, one output per thread, fp32 FMA on the CUDA cores
  *      (one strided kernel for the three products; dbias one thread per column).
- *   2  production (kernels/matmul.cu, included below) with the few-rows split-K rule off:
+ *   2  production (kernels/matmul.cu, included below) in its column-major orientation:
  *      cuBLASLt with the heuristic's first algorithm, cached per problem; bias fused in the
  *      epilogue when aligned; dbias as ordered per-chunk partial sums.
  *   3  cuBLASLt, the fastest of the heuristic's first 8 algorithms, timed one by one: what
@@ -36,25 +38,37 @@
  *      each), the best 10 re-timed (median of --reps), the best 5 printed with their attributes
  *      and GB/s, each validated against the CPU reference on rows 0, 1, 63, 127, 255 (those
  *      below the row count) and run twice for the same bits. Prints how many were tried.
- *   6  production (kernels/matmul.cu) with the few-rows split-K rule on (the production default,
- *      MATMUL_FEW_ROWS_SPLITK): forward products of at most 256 rows take the heuristic's
- *      algorithm split along k until its CTAs fill one wave (fp32 reduction); the rest is
- *      variant 2. The decode benchmark prints the algorithm each plan of variants 2 and 6 holds.
- * Validation (variants 1, 2, 4 and 6): (N, IC, OC) = (77, 200, 136) with a 16-byte aligned bias
+ *      Found on the H200 (session 12, 128 rows, ms; variant 2 / 3 / best of the search):
+ *      qkv 0.012 / 0.011 / 0.0175 (algo 21 tile 17 splits 4), o 0.009 / 0.009 / 0.0132,
+ *      gate_up 0.023 / 0.022 / 0.0268 (algo 21, no split), down 0.017 / 0.017 / 0.0196: nothing
+ *      faster. The heuristic's choice (algo 66: tiles 15/92/208, clusters, custom options 1-3,
+ *      down already split 2) is not among the algorithms with enumerable configurations.
+ *   6  (retired) production with a few-rows split-K rule: the heuristic's algorithm split along
+ *      k until its CTAs filled one wave. On the H200 it chose the heuristic's own configuration
+ *      for every decode shape (the same times as variant 2): removed from production and lab.
+ *   7  production (kernels/matmul.cu) in the row-major orientation (MATMUL_FEW_ROWS_ROWMAJOR's
+ *      form, here for every row count): every layout CUBLASLT_ORDER_ROW, m = rows, n = OC,
+ *      out (N, OC) = inp (N, IC) · W (OC, IC)ᵀ, the same memory, no transpose; the heuristic's
+ *      first algorithm; bias by the separate kernel (the epilogue's bias is per row of D). The
+ *      decode benchmark also times the best of the heuristic's first 8 in this orientation and
+ *      prints the algorithm each chose (and variant 2's and 3's), or says the orientation has no
+ *      algorithm.
+ * Validation (variants 1, 2, 4 and 7): (N, IC, OC) = (77, 200, 136) with a 16-byte aligned bias
  * (the fused epilogue) and every gradient; (50, 64, 40) with a bias one element off alignment (the
  * separate bias kernel), dW and dbias without dinp; (1, 200, 136) without bias (one row, as the
  * generation path calls it); and (variant 4's kernel) the forward at (77, 2048, 1024), (128,
  * 640, 256), (1, 1024, 192), (128, 256, 64) (k split 8, 2, 4, 1 ways), the same bits twice and
- * for a row alone; variant 6 also the forward at (128, 2048, 2048) and (64, 6144, 2048) (the
- * rule splits them) and the same bits twice. bf16 outputs TOL_BF16, fp32 gradients (pre-filled:
+ * for a row alone; variant 7 also the forward at (128, 2048, 2048) and (64, 6144, 2048) (decode
+ * shapes) and the same bits twice (skipped, with a line, if the orientation has no algorithm).
+ * bf16 outputs TOL_BF16, fp32 gradients (pre-filled:
  * they accumulate) TOL_F32, against sums in double.
  * Benchmark: the Qwen3-1.7B linear layers at N = 16384 tokens (qkv 2048 -> 4096, o 2048 -> 2048,
  * gate_up 2048 -> 12288, down 6144 -> 2048) and the LM head 2048 -> 151936 in the model's row
  * chunks on the GPU (4096) and in 220-row chunks (64 MiB of logits: the dW product reads and
  * writes the whole fp32 dW per chunk). TFLOP/s = 2 N IC OC / time against 989 dense bf16.
  * Variant 1 runs on the layer shapes only (the LM head would take seconds per call).
- * First, the generation step's products (64, 128 and 256 rows, forward, variants 2 to 6) in GB/s
- * of the weights they read; the Qwen3-1.7B decode runs 128.
+ * First, the generation step's products (64, 128 and 256 rows, forward, variants 2, 3, 5, 7) in
+ * GB/s of the weights they read; the Qwen3-1.7B decode runs 128.
  */
 #include "../../kernels/matmul.cu"
 #include "../../kernels/ptx.cuh"
@@ -304,16 +318,16 @@ static void matmul1(CudaCtx* cx, OutT* D, const bf16* A, const bf16* B, const bf
 }
 
 // ----------------------------------------------------------------------------
-// variant dispatch (variants 1, 2, 4, 6; variants 3 and 5 are the benchmark's own loops)
+// variant dispatch (variants 1, 2, 4, 7; variants 3 and 5 are the benchmark's own loops)
 
 static void matmul_forward(int v, CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w,
                            const bf16* bias, int N, int IC, int OC) {
-    if (v == 2 || v == 6)  // the production forward with the few-rows split-K rule off / on
-        return matmul_forward_rule(cx, out, inp, w, bias, N, IC, OC, v == 6);
+    if (v == 2 || v == 7)  // the production forward, column-major / row-major orientation
+        return matmul_forward_orient(cx, out, inp, w, bias, N, IC, OC, v == 7);
     if (v == 4) {
         const int splits = few_rows_splits(cx, inp, w, bias, N, IC, OC);
         if (splits > 0) return matmul_few_rows(cx, out, inp, w, N, IC, OC, splits);
-        return matmul_forward_rule(cx, out, inp, w, bias, N, IC, OC, 0);
+        return matmul_forward_orient(cx, out, inp, w, bias, N, IC, OC, 0);
     }
     // m = row, n = output column, k = input column
     matmul1<bf16>(cx, out, inp, w, bias, N, OC, IC, IC, 1, 1, IC);
@@ -322,7 +336,7 @@ static void matmul_forward(int v, CudaCtx* cx, bf16* out, const bf16* inp, const
 static void matmul_backward(int v, CudaCtx* cx, bf16* dinp, float* dw, float* dbias,
                             const bf16* dout, const bf16* inp, const bf16* w, int N, int IC,
                             int OC) {
-    if (v == 2 || v == 4 || v == 6)
+    if (v == 2 || v == 4 || v == 7)
         return cuda_matmul_backward(cx, dinp, dw, dbias, dout, inp, w, N, IC, OC);
     // dinp: m = row, n = input column, k = output column
     if (dinp) matmul1<bf16>(cx, dinp, dout, w, NULL, N, IC, OC, OC, 1, IC, 1);
@@ -337,55 +351,107 @@ static void matmul_backward(int v, CudaCtx* cx, bf16* dinp, float* dw, float* db
 // ----------------------------------------------------------------------------
 // variant 3: the best of the cuBLASLt heuristic's first algorithms
 
-// Time (ms, median) of `calls` back-to-back D = op(A) op(B) (+ beta D) with the fastest of up to
-// 8 algorithms of the heuristic; the same column-major problem as lt_matmul of kernels/matmul.cu.
-static double lt_best_of_heuristics(Lab* lab, int calls, int transa, int transb, int m, int n,
-                                    int k, const bf16* A, int lda, const bf16* B, int ldb, void* D,
-                                    int ldc, int out_f32, float beta) {
-    CudaCtx* cx = lab->cx;
+static void lt_algo_describe(const cublasLtMatmulAlgo_t* a, char* buf, size_t n);
+
+// One cuBLASLt problem D (m, n) = op(A) op(B) (+ beta D) as kernels/matmul.cu states it: bf16
+// operands, fp32 compute, column-major or (row_major) every layout CUBLASLT_ORDER_ROW.
+typedef struct LtProblem {
     cublasLtMatmulDesc_t desc;
-    cublas_check(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    cublasLtMatrixLayout_t a, b, d;
+} LtProblem;
+
+static LtProblem lt_problem_create(int transa, int transb, int m, int n, int k, int lda, int ldb,
+                                   int ldc, int out_f32, int row_major) {
+    LtProblem p;
+    cublas_check(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     cublasOperation_t ta = transa ? CUBLAS_OP_T : CUBLAS_OP_N,
                       tb = transb ? CUBLAS_OP_T : CUBLAS_OP_N;
-    cublas_check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
-    cublas_check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-    cublasLtMatrixLayout_t la, lb, ld;
-    cublas_check(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, transa ? k : m, transa ? m : k, lda));
-    cublas_check(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, transb ? n : k, transb ? k : n, ldb));
-    cublas_check(cublasLtMatrixLayoutCreate(&ld, out_f32 ? CUDA_R_32F : CUDA_R_16BF, m, n, ldc));
+    cublas_check(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    cublas_check(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    cublas_check(
+        cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, transa ? k : m, transa ? m : k, lda));
+    cublas_check(
+        cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, transb ? n : k, transb ? k : n, ldb));
+    cublas_check(cublasLtMatrixLayoutCreate(&p.d, out_f32 ? CUDA_R_32F : CUDA_R_16BF, m, n, ldc));
+    if (row_major) {
+        cublasLtOrder_t row = CUBLASLT_ORDER_ROW;
+        cublasLtMatrixLayout_t layouts[3] = {p.a, p.b, p.d};
+        for (cublasLtMatrixLayout_t l : layouts)
+            cublas_check(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_ORDER, &row,
+                                                          sizeof row));
+    }
+    return p;
+}
+
+static void lt_problem_destroy(LtProblem* p) {
+    cublasLtMatrixLayoutDestroy(p->a);
+    cublasLtMatrixLayoutDestroy(p->b);
+    cublasLtMatrixLayoutDestroy(p->d);
+    cublasLtMatmulDescDestroy(p->desc);
+}
+
+// Up to `max` of the heuristic's algorithms for the problem, with the production's restriction
+// (no split-K reducing in a bf16 output); how many (0 when cuBLASLt has none or refuses).
+static int lt_problem_heuristics(CudaCtx* cx, const LtProblem* p, int out_f32,
+                                 cublasLtMatmulHeuristicResult_t* res, int max) {
     cublasLtMatmulPreference_t pref;
     cublas_check(cublasLtMatmulPreferenceCreate(&pref));
     size_t ws = LT_WORKSPACE_BYTES;
-    // the production's restriction: no split-K reducing in a bf16 output
     uint32_t schemes = out_f32 ? (uint32_t)CUBLASLT_REDUCTION_SCHEME_MASK
                                : (uint32_t)CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
     cublas_check(cublasLtMatmulPreferenceSetAttribute(
         pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
     cublas_check(cublasLtMatmulPreferenceSetAttribute(
         pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof schemes));
-    cublasLtMatmulHeuristicResult_t res[8];
     int count = 0;
-    cublas_check(
-        cublasLtMatmulAlgoGetHeuristic(cx->lt, desc, la, lb, ld, ld, pref, 8, res, &count));
+    cublasStatus_t st =
+        cublasLtMatmulAlgoGetHeuristic(cx->lt, p->desc, p->a, p->b, p->d, p->d, pref, max, res,
+                                       &count);
+    cublasLtMatmulPreferenceDestroy(pref);
+    return st == CUBLAS_STATUS_SUCCESS ? count : 0;
+}
+
+// Whether cuBLASLt has an algorithm for the forward of (rows, IC, OC) in the row-major
+// orientation (variant 7's problem).
+static int lt_row_major_supported(CudaCtx* cx, int rows, int IC, int OC) {
+    LtProblem p = lt_problem_create(0, 1, rows, OC, IC, IC, IC, OC, 0, 1);
+    cublasLtMatmulHeuristicResult_t res;
+    const int count = lt_problem_heuristics(cx, &p, 0, &res, 1);
+    lt_problem_destroy(&p);
+    return count > 0;
+}
+
+// Time (ms, median) of `calls` back-to-back D = op(A) op(B) (+ beta D) with the fastest of up to
+// 8 algorithms of the heuristic; the same problem as lt_matmul of kernels/matmul.cu (row_major:
+// its row-major orientation). `desc` (if not NULL): the fastest algorithm described. INFINITY
+// when cuBLASLt has no algorithm.
+static double lt_best_of_heuristics(Lab* lab, int calls, int transa, int transb, int m, int n,
+                                    int k, const bf16* A, int lda, const bf16* B, int ldb, void* D,
+                                    int ldc, int out_f32, float beta, int row_major = 0,
+                                    char* desc = NULL, size_t desc_n = 0) {
+    CudaCtx* cx = lab->cx;
+    LtProblem p = lt_problem_create(transa, transb, m, n, k, lda, ldb, ldc, out_f32, row_major);
+    cublasLtMatmulHeuristicResult_t res[8];
+    const int count = lt_problem_heuristics(cx, &p, out_f32, res, 8);
     double best = INFINITY;
     const float alpha = 1.0f;
+    if (desc) snprintf(desc, desc_n, "(no algorithm)");
     for (int i = 0; i < count; i++) {
         double ms = lab_time_ms(
             lab,
             [&] {
                 for (int c = 0; c < calls; c++)
-                    cublas_check(cublasLtMatmul(cx->lt, desc, &alpha, A, la, B, lb, &beta, D, ld, D,
-                                                ld, &res[i].algo, cx->lt_workspace, ws,
-                                                cx->stream));
+                    cublas_check(cublasLtMatmul(cx->lt, p.desc, &alpha, A, p.a, B, p.b, &beta, D,
+                                                p.d, D, p.d, &res[i].algo, cx->lt_workspace,
+                                                LT_WORKSPACE_BYTES, cx->stream));
             },
             5, 1);
+        if (ms < best && desc) lt_algo_describe(&res[i].algo, desc, desc_n);
         best = std::min(best, ms);
     }
-    cublasLtMatmulPreferenceDestroy(pref);
-    cublasLtMatrixLayoutDestroy(la);
-    cublasLtMatrixLayoutDestroy(lb);
-    cublasLtMatrixLayoutDestroy(ld);
-    cublasLtMatmulDescDestroy(desc);
+    lt_problem_destroy(&p);
     return best;
 }
 
@@ -672,14 +738,18 @@ static double lt_search(Lab* lab, const char* name, int rows, int IC, int OC, co
     return timed.empty() ? INFINITY : timed[0].ms;
 }
 
-// The algorithm the production plan cache holds for the forward of (rows, IC, OC) with the rule
-// on or off (after a call made it), described; "(none)" if there is none.
-static void plan_describe(CudaCtx* cx, int rows, int IC, int OC, int rule, char* buf, size_t n) {
+// The algorithm the production plan cache holds for the forward of (rows, IC, OC) in the
+// column-major or row-major orientation (after a call made it), described; "(none)" if none.
+static void plan_describe(CudaCtx* cx, int rows, int IC, int OC, int row_major, char* buf,
+                          size_t n) {
     snprintf(buf, n, "(none)");
     for (int i = 0; i < cx->n_plans; i++) {
         const MatmulKey* k = &cx->plans[i].key;
-        if (k->transa == 1 && k->transb == 0 && k->m == OC && k->n == rows && k->k == IC &&
-            !k->bias && k->split_rule == (rule && rows <= FEW_ROWS_MAX)) {
+        const int match = row_major ? k->transa == 0 && k->transb == 1 && k->m == rows &&
+                                          k->n == OC
+                                    : k->transa == 1 && k->transb == 0 && k->m == OC &&
+                                          k->n == rows;
+        if (k->row_major == row_major && match && k->k == IC && !k->bias) {
             lt_algo_describe(&cx->plans[i].algo, buf, n);
             return;
         }
@@ -741,13 +811,19 @@ typedef struct Shape {
     int IC, OC, chunk;  // chunk: rows per call (0: all N at once)
 } Shape;
 
+// --decode (stripped by main before lab_main parses the rest): only the decode rows benchmark;
+// --orient: that without variant 5's search (variants 2, 3, 4, 7: under a minute). Set once
+// before the lab starts, read by the benchmark: the lab's callbacks take no extra argument.
+static int decode_only = 0, orient_only = 0;
+
 // Rows of the CPU reference of the decode rows benchmark (those below the row count are checked).
 static const int DECODE_REF_ROWS[] = {0, 1, 63, 127, 255};
 
 // The generation step's products: 64, 128 (8 prompts x 16 answers) and 256 rows through each
 // linear layer of Qwen3-1.7B and the LM head, forward only; GB/s over the weights read (what
 // bounds them). Variant 5 searches cuBLASLt's configurations per problem and prints its best;
-// variants 2 and 6 print the algorithm their plan holds.
+// variants 2, 3 and 7 print the algorithm they chose; variant 7 also times the best of the
+// heuristic's first 8 in its orientation ("row-major best of 8").
 static void bench_decode(Lab* lab) {
     const int row_counts[] = {64, 128, 256}, max_rows = 256;
     const Shape shapes[] = {{"qkv", 2048, 4096, 0},     {"o", 2048, 2048, 0},
@@ -765,7 +841,7 @@ static void bench_decode(Lab* lab) {
         // same for every row count, and a row's inputs too)
         std::vector<int> ref_rows(DECODE_REF_ROWS, DECODE_REF_ROWS + 5);
         std::vector<float> ref;
-        if (lab_wants(&lab->args, 5)) {
+        if (lab_wants(&lab->args, 5) && !orient_only) {
             const std::vector<float> hw = dev_download_bf16(w, (size_t)sh.OC * sh.IC);
             const std::vector<float> hx = dev_download_bf16(x, (size_t)max_rows * sh.IC);
             ref.resize(ref_rows.size() * (size_t)sh.OC);
@@ -778,12 +854,19 @@ static void bench_decode(Lab* lab) {
             snprintf(shape, sizeof shape, "%s N=%d IC=%d OC=%d", sh.name, rows, sh.IC, sh.OC);
             const double bytes =
                 2.0 * ((double)sh.OC * sh.IC + (double)rows * (sh.IC + sh.OC));
-            for (int v = 2; v <= 6; v++) {
-                if (!lab_wants(&lab->args, v)) continue;
+            for (int v = 2; v <= 7; v++) {
+                if (v == 6 || (v == 5 && orient_only) || !lab_wants(&lab->args, v)) continue;
+                if (v == 7 && !lt_row_major_supported(cx, rows, sh.IC, sh.OC)) {
+                    printf("  variant 7 %s rows=%d: the row-major orientation has no cuBLASLt "
+                           "algorithm for these types (not supported)\n",
+                           sh.name, rows);
+                    continue;
+                }
                 double ms;
+                char desc[200];
                 if (v == 3)
                     ms = lt_best_of_heuristics(lab, 1, 1, 0, sh.OC, rows, sh.IC, w, sh.IC, x,
-                                               sh.IC, out, sh.OC, 0, 0.0f);
+                                               sh.IC, out, sh.OC, 0, 0.0f, 0, desc, sizeof desc);
                 else if (v == 5)
                     ms = lt_search(lab, sh.name, rows, sh.IC, sh.OC, x, w, out, ref_rows, ref,
                                    bytes);
@@ -792,10 +875,16 @@ static void bench_decode(Lab* lab) {
                         matmul_forward(v, cx, out, x, w, NULL, rows, sh.IC, sh.OC);
                     });
                 lab_report_bw("matmul fwd (decode)", v, shape, "weights once, x, out", bytes, ms);
-                if (v == 2 || v == 6) {
-                    char desc[200];
-                    plan_describe(cx, rows, sh.IC, sh.OC, v == 6, desc, sizeof desc);
+                if (v == 2 || v == 7)
+                    plan_describe(cx, rows, sh.IC, sh.OC, v == 7, desc, sizeof desc);
+                if (v == 2 || v == 3 || v == 7)
                     printf("  variant %d %s rows=%d: %s\n", v, sh.name, rows, desc);
+                if (v == 7) {  // the best of the heuristic's first 8 in the row-major orientation
+                    ms = lt_best_of_heuristics(lab, 1, 0, 1, rows, sh.OC, sh.IC, x, sh.IC, w,
+                                               sh.IC, out, sh.OC, 0, 0.0f, 1, desc, sizeof desc);
+                    lab_report_bw("matmul fwd (decode, row-major best of 8)", v, shape,
+                                  "weights once, x, out", bytes, ms);
+                    printf("  variant 7 best of 8 %s rows=%d: %s\n", sh.name, rows, desc);
                 }
             }
         }
@@ -804,10 +893,6 @@ static void bench_decode(Lab* lab) {
     }
     printf("decode rows benchmark: %.1f s\n", wall_s() - t_start);
 }
-
-// --decode (stripped by main before lab_main parses the rest): only the decode rows benchmark.
-// Set once before the lab starts, read by bench: the lab's callbacks take no extra argument.
-static int decode_only = 0;
 
 static void bench(Lab* lab) {
     bench_decode(lab);
@@ -888,12 +973,19 @@ static const char* VARIANTS =
     "  3  cuBLASLt, the fastest of the heuristic's first 8 algorithms (benchmark only)\n"
     "  4  few rows (<= 128): a hand-written mma.sync product with split k (else variant 2)\n"
     "  5  decode rows: an explicit search of cuBLASLt configurations (benchmark only)\n"
-    "  6  production with the few-rows split-K rule (variant 2 is the rule off)\n"
-    "flag: --decode  only the decode rows benchmark (after the validation)\n";
+    "  6  (retired: a few-rows split-K rule that chose the heuristic's own configuration)\n"
+    "  7  production in the row-major orientation (CUBLASLT_ORDER_ROW, m = rows)\n"
+    "flag: --decode  only the decode rows benchmark (after the validation)\n"
+    "flag: --orient  the decode rows benchmark without variant 5's search (2, 3, 4, 7)\n";
 
 // The validation cases of variant v (lab_main runs them for every variant asked for).
 static void validate_variant(Lab* lab, int v, Rng* r) {
-    if (v == 3 || v == 5) return;  // (benchmark only; variant 5 validates what it picks)
+    if (v == 3 || v == 5 || v == 6) return;  // (benchmark only / retired; 5 validates its picks)
+    if (v == 7 && !lt_row_major_supported(lab->cx, 128, 2048, 2048)) {
+        printf("variant 7: the row-major orientation has no cuBLASLt algorithm for bf16 (128, "
+               "2048, 2048): not supported, not validated\n");
+        return;
+    }
     validate(lab, v, r, 77, 200, 136, 1, 1);
     validate(lab, v, r, 50, 64, 40, 2, 0);
     validate(lab, v, r, 1, 200, 136, 0, 1);
@@ -903,11 +995,11 @@ static void validate_variant(Lab* lab, int v, Rng* r) {
     validate(lab, v, r, 128, 640, 256, 0, 0);
     validate(lab, v, r, 1, 1024, 192, 0, 1);
     validate(lab, v, r, 128, 256, 64, 0, 0);
-    if (v == 6) {  // decode shapes the split-K rule splits (o: 8 ways; down: deeper k)
+    if (v == 7) {  // decode shapes (o at 128 rows; down at 64)
         validate(lab, v, r, 128, 2048, 2048, 0, 0);
         validate(lab, v, r, 64, 6144, 2048, 0, 0);
     }
-    if (v == 4 || v == 6) {  // run twice (and for variant 4 a row alone): the same bits
+    if (v == 4 || v == 7) {  // run twice (and for variant 4 a row alone): the same bits
         const int N = 77, IC = 2048, OC = 1024;
         std::vector<float> x = rand_bf16(r, (size_t)N * IC, 1.0f),
                            w = rand_bf16(r, (size_t)OC * IC, 0.1f);
@@ -918,9 +1010,9 @@ static void validate_variant(Lab* lab, int v, Rng* r) {
         std::vector<float> a = dev_download_bf16(d_a, (size_t)N * OC),
                            b = dev_download_bf16(d_b, (size_t)N * OC);
         lab_check_true(lab, v == 4 ? "few rows: the same bits twice"
-                                   : "v6 split-K rule: the same bits twice",
+                                   : "v7 row-major: the same bits twice",
                        memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
-        if (v == 4) {  // (cuBLASLt's plans depend on the row count: not asked of variant 6)
+        if (v == 4) {  // (cuBLASLt's plans depend on the row count: not asked of variant 7)
             matmul_forward(4, lab->cx, d_b, d_x + (size_t)40 * IC, d_w, NULL, 1, IC, OC);
             std::vector<float> one = dev_download_bf16(d_b, OC);
             lab_check_true(lab, "few rows: a row alone as in the batch",
@@ -939,8 +1031,10 @@ int main(int argc, char** argv) {
     for (int i = 0; i < argc; i++) {
         if (i > 0 && !strcmp(argv[i], "--decode"))
             decode_only = 1;
+        else if (i > 0 && !strcmp(argv[i], "--orient"))
+            decode_only = orient_only = 1;
         else
             argv[n++] = argv[i];
     }
-    return lab_main(n, argv, "matmul", VARIANTS, 6, 6, validate_variant, bench_lab);
+    return lab_main(n, argv, "matmul", VARIANTS, 7, 7, validate_variant, bench_lab);
 }
