@@ -5,7 +5,8 @@
  *
  *   make dev-cuda && dev/cuda/build/decode [--validate-only] [--variant K] [--seed S]
  *
- * Variants (decode attention):
+ * Variants (decode attention; 3-5 and 9 run production's kernels and modes, 6-8 and 10-15 the
+ * rejected modes, whose kernels are defined here, sharing production's tile math and combine):
  *   1  naive: one block per (row, query head), one pass over all of the row's keys; a thread
  *      per head-dim element, the logits of the row in shared memory (softmax in fp32).
  *   2  the previous production kernel (kept here): split-K over chunks of 256 keys, one block per
@@ -17,8 +18,7 @@
  *      in flight while the current tile is computed, every query head of the group from that
  *      one read, the softmax in the log2 domain; then the chunks merged in order.
  *   4  variant 3 with half the keys per tile (fewer registers, more warps resident per SM): the
- *      bits of production at head dim >= 128 (variants 9 and 13), where the H200 measured it
- *      faster.
+ *      bits of production at head dim >= 128 (variant 9), where the H200 measured it faster.
  *   5  variant 3 with chunks of 256 keys (half the partials, half the blocks).
  *   6  variant 4 with the chunk's keys and values staged in shared memory by cp.async first (the
  *      whole chunk in flight at once, in 4 groups the block walks as they land); the same
@@ -27,16 +27,16 @@
  *   8  variant 6 with chunks of 64 keys (twice the blocks, half the shared memory each).
  *   9  variant 4 with a deeper pipeline: each thread copies its own words of the next 4 tiles
  *      into a ring in shared memory by cp.async (4 tiles per warp in flight, no registers to
- *      hold them); bit for bit variant 4. Production at head dim >= 128 for batches of
- *      fewer than 4 (row, kv head) blocks per SM.
+ *      hold them); bit for bit variant 4. Production at head dim >= 128.
  *  10  variant 9 with a ring of 8 tiles (bit for bit variant 4).
  *  11  variant 3 with a ring of 4 tiles (bit for bit variant 3).
  *  12  variant 10 with chunks of 256 keys.
- *  13  production at head dim 128 when the batch fills the GPU (n x KVH >= 4 blocks per SM; else
- *      variant 9): one block per (row, kv head) walks the row's chunks in order, each chunk's
- *      tiles as variant 9's block takes them, the 4-tile ring running on across chunk ends, then
- *      merges its group's chunks in the block with the combine's arithmetic: no second launch
- *      and no empty blocks for the chunks past a short row; bit for bit variant 4.
+ *  13  one block per (row, kv head) walks the row's chunks in order, each chunk's tiles as
+ *      variant 9's block takes them, the 4-tile ring running on across chunk ends, then merges
+ *      its group's chunks in the block with the combine's arithmetic: no second launch and no
+ *      empty blocks for the chunks past a short row; bit for bit variant 4. Production for a
+ *      while; slower than variant 9 averaged over a 512-token rollout on the H200 (faster at
+ *      16-128 keys, slower from 272).
  *  14  variant 13 with an 8-tile ring (bit for bit variant 4).
  *  15  variant 13 with full tiles (bit for bit variant 3: a candidate below head dim 128).
  * Validation on fresh random bf16 inputs against an fp64 reference: rows of lengths 1 .. maxT
@@ -1105,13 +1105,12 @@ static const char* VARIANTS =
     "  7  variant 3 staged (bit for bit variant 3)\n"
     "  8  variant 6 with 64-key chunks\n"
     "  9  variant 4 with a 4-tile cp.async ring per thread (bit for bit variant 4; production\n"
-    "     at head dim >= 128 for batches of < 4 blocks per SM)\n"
+    "     at head dim >= 128)\n"
     " 10  variant 4 with an 8-tile ring (bit for bit variant 4)\n"
     " 11  variant 3 with a 4-tile ring (bit for bit variant 3)\n"
     " 12  variant 10 with 256-key chunks\n"
     " 13  one block per (row, kv head) walking its chunks with the 4-tile ring, merged in the\n"
-    "     block, no combine launch (production at head dim 128 for batches of >= 4 blocks per\n"
-    "     SM; bit for bit variant 4)\n"
+    "     block, no combine launch (bit for bit variant 4)\n"
     " 14  variant 13 with an 8-tile ring (bit for bit variant 4)\n"
     " 15  variant 13 with full tiles (bit for bit variant 3)\n";
 
