@@ -19,20 +19,15 @@
  * load covers 256/HD whole keys (two for HD 128: two aligned 256-byte runs, every sector used).
  * Each warp walks tiles of keys with the next tiles' keys and values already in flight while the
  * current tile is computed (a memory-bound kernel needs the bytes in flight, not more warps):
- * one tile ahead in registers, or (head dim 128) four tiles ahead in a per-thread ring in shared
- * memory filled by cp.async; an online softmax per head in fp32 in the log2 domain (q pre-scaled
- * by log2 e / sqrt(HD)); its lane groups merge by an xor butterfly, the warps in index order. How
- * the keys arrive never changes the arithmetic: the ring gives the bits of the register walk
- * with the same tile. (The lab, dev/cuda/decode.cu, also times the chunk staged whole in shared
- * memory and an 8-tile ring: slower on the H200.) Each chunk leaves (max, sum,
- * unnormalised output) in fp32 scratch; a second kernel merges a row's chunks in chunk order,
- * adds the sink logit, divides and rounds: the same bits for the same inputs on every run,
- * whatever else is in the batch. When the batch alone fills the GPU (n x KVH >= 4 blocks per SM:
- * a decode step of 128 rows), one block per (row, kv head) walks the row's chunks in order
- * instead, each chunk's tiles and partial exactly as the split grid's block, its ring running on
- * across chunk ends, and merges the chunks itself with the combine's arithmetic: the same bits,
- * one launch, and no blocks for the chunks past a short row (the fixed cost per layer is what a
- * step at a few hundred cached keys pays).
+ * one tile ahead in registers, or (head dim 128) four half tiles ahead in a per-thread ring in
+ * shared memory filled by cp.async; an online softmax per head in fp32 in the log2 domain (q
+ * pre-scaled by log2 e / sqrt(HD)); its lane groups merge by an xor butterfly, the warps in index
+ * order. How the keys arrive never changes the arithmetic: the ring gives the bits of the
+ * register walk with the same tile. Each chunk leaves (max, sum, unnormalised output) in fp32
+ * scratch; a second kernel merges a row's chunks in chunk order, adds the sink logit, divides and
+ * rounds: the same bits for the same inputs on every run, whatever else is in the batch. The
+ * variants measured and rejected (the chunk staged whole in shared memory, an 8-tile ring, one
+ * block per (row, kv head) walking its chunks) live in the lab, dev/cuda/decode.cu.
  *
  * Sampler: each row cut into SAMPLE_SLICES fixed slices of whole 8-token words (a function of
  * V only). Pass 1, one block per (slice, row): the slice's max and first argmax, then its sums
@@ -58,7 +53,6 @@
 #define DEC_CHUNK 128     // keys per split-K chunk (a function of the position only)
 #define DEC_WARPS 4       // warps per attention block
 #define DEC_MAX_GROUP 8   // query heads per kv head held by one block
-#define DEC_STAGES 4      // cp.async groups of the staged partial (at most 4: cp_async_wait)
 #define ROPE_APPEND_THREADS 256  // the row kernel's block
 #define ROPE_HEADS 4      // heads (warps) per block of the head kernel
 #define SAMPLE_THREADS 256  // per block of both sampler kernels
@@ -222,7 +216,7 @@ typedef struct DecAttn {
     const bf16* vc;
     const int32_t* slot;  // (n)
     const int32_t* len;   // (n) keys of each row (its position + 1)
-    bf16* out;            // (n, H*HD) the attention of each row (the walk kernel writes it)
+    bf16* out;            // (n, H*HD) the attention of each row (the combine writes it)
     const bf16* sinks;    // (H) sink logits or NULL
     int maxT, H, KVH, HD, window, chunk, chunks;
     float qscale;  // log2(e) / sqrt(HD): the logits in log2 units
@@ -444,70 +438,6 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) decode_attention_partial_kerne
     dec_partial_store<LPK, GM>(p, a, s_o, i, g, c, group, d0);
 }
 
-// The same partial with the chunk's keys and values staged in shared memory first: every thread
-// issues its share of the chunk's 16-byte words as cp.async in DEC_STAGES commit groups of
-// consecutive keys (the whole chunk in flight at once: a memory-bound kernel needs bytes in
-// flight, and registers held only a tile), then the block walks the stages as each arrives,
-// every warp its tiles in the register kernel's order, from shared memory: the same arithmetic,
-// so the same bits as decode_attention_partial_kernel with the same T. Needs vec (16-byte rows).
-// Shared memory: K and V words (2 x chunk x HD/8 uint4), then s_o.
-template <int LPK, int GM, int T>
-__global__ void __launch_bounds__(DEC_WARPS * 32) decode_attention_staged_kernel(DecAttn a) {
-    constexpr int KPW = 32 / LPK, TK = KPW * T;
-    extern __shared__ uint4 s_kv[];
-    const int i = blockIdx.x, g = blockIdx.y, c = blockIdx.z, HD = a.HD, W8 = HD / 8;
-    const int group = a.H / a.KVH, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int sub = lane / LPK, d0 = (lane % LPK) * 8, w = lane % LPK;
-    const int KD = a.KVH * HD;
-    const int L = a.len[i], first = a.window > 0 && L > a.window ? L - a.window : 0;
-    const int j0 = max(c * a.chunk, first), j1 = min((c + 1) * a.chunk, L);
-    if (j0 >= j1) return;
-    uint4* sk = s_kv;
-    uint4* sv = s_kv + (size_t)a.chunk * W8;
-    float* s_o = reinterpret_cast<float*>(s_kv + 2 * (size_t)a.chunk * W8);
-    // stage s holds keys [j0 + s·SK, j0 + (s+1)·SK), a whole number of the block's tile rounds
-    const int round = DEC_WARPS * TK, nk = j1 - j0;
-    const int SK = ((a.chunk + DEC_STAGES - 1) / DEC_STAGES + round - 1) / round * round;
-    const int n_stages = (nk + SK - 1) / SK;  // <= DEC_STAGES
-    const size_t at = (size_t)a.slot[i] * a.maxT * KD + (size_t)g * HD;
-    const bf16* kb = a.kc + at;
-    const bf16* vb = a.vc + at;
-    for (int s = 0; s < DEC_STAGES; s++) {
-        const int k0 = s * SK, k1 = min(nk, k0 + SK);
-        for (int x = k0 * W8 + threadIdx.x; x < k1 * W8; x += blockDim.x) {
-            const int k = x / W8, e = x % W8;
-            cp_async_16(smem_u32(sk + x), kb + (size_t)(j0 + k) * KD + 8 * e, true);
-            cp_async_16(smem_u32(sv + x), vb + (size_t)(j0 + k) * KD + 8 * e, true);
-        }
-        cp_async_commit();  // (empty groups past the last stage: every thread commits DEC_STAGES)
-    }
-    DecPartial<GM> p;
-    dec_partial_init(p, a, i, g, group, d0);
-    for (int s = 0; s < n_stages; s++) {
-        // stage s has landed when at most DEC_STAGES - 1 - s groups are pending
-        switch (DEC_STAGES - 1 - s) {
-            case 0: cp_async_wait<0>(); break;
-            case 1: cp_async_wait<1>(); break;
-            case 2: cp_async_wait<2>(); break;
-            default: cp_async_wait<3>(); break;
-        }
-        __syncthreads();
-        const int js1 = min(j1, j0 + (s + 1) * SK);
-        for (int jt = j0 + s * SK + warp * TK; jt < js1; jt += round) {
-            uint4 kr[T], vr[T];
-#pragma unroll
-            for (int t = 0; t < T; t++) {
-                const int j = jt + t * KPW + sub;
-                const bool in = j < j1 && d0 < HD;
-                kr[t] = in ? sk[(size_t)(j - j0) * W8 + w] : make_uint4(0, 0, 0, 0);
-                vr[t] = in ? sv[(size_t)(j - j0) * W8 + w] : make_uint4(0, 0, 0, 0);
-            }
-            dec_partial_tile<LPK, GM, T>(p, kr, vr, jt, sub, j1, group);
-        }
-    }
-    dec_partial_store<LPK, GM>(p, a, s_o, i, g, c, group, d0);
-}
-
 // The chunks of row i holding its keys: [c0, c1) (first: the window's first key).
 __device__ __forceinline__ void dec_row_chunks(const DecAttn& a, int i, int* first, int* c0,
                                                int* c1) {
@@ -527,7 +457,7 @@ __device__ __forceinline__ float dec_combine_max(const DecAttn& a, int i, int h,
 }
 
 // Element d of query head h of row i: its chunks merged in chunk order under the max M, the sink
-// added, o / Σ rounded (the combine kernel's arithmetic, shared with the walk kernel's end).
+// added, o / Σ rounded (the combine kernel's arithmetic; the lab's walk variants end with it).
 __device__ __forceinline__ void dec_combine_store(const DecAttn& a, int i, int h, int d, int c0,
                                                   int c1, float M) {
     const float LOG2E = 1.4426950408889634f;
@@ -610,180 +540,17 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) decode_attention_piped_kernel(
     dec_partial_store<LPK, GM>(p, a, s_o, i, g, c, group, d0);
 }
 
-// One block per (row i, kv head g) walking the row's chunks [c0, c1) in order: each chunk's tiles
-// exactly as the piped kernel's block for that chunk takes them (warp w: j0 + (w + k·DEC_WARPS)·TK),
-// each chunk's partial stored as there, then the block merges its group's chunks in chunk order
-// with the combine kernel's arithmetic: the bits of the split grid and its combine, without the
-// second launch, and without the empty blocks a grid over maxT's chunks launches for short rows
-// (the grid is (n, KVH) whatever maxT). The fixed cost per layer is what a decode step at a few
-// hundred keys pays; 128 rows x 8 kv heads still fill the GPU several blocks deep. Each thread's
-// ring runs ahead across chunk ends (the next chunk's first tiles are in flight while this one's
-// last tile is computed and its partial stored). Needs vec. Shared memory: the piped kernel's.
-template <int LPK, int GM, int T, int D>
-__global__ void __launch_bounds__(DEC_WARPS * 32) decode_attention_walk_kernel(DecAttn a) {
-    constexpr int KPW = 32 / LPK, TK = KPW * T, NT = DEC_WARPS * 32, round = DEC_WARPS * TK;
-    extern __shared__ uint4 s_ring[];  // (D, T, 2, NT)
-    const int i = blockIdx.x, g = blockIdx.y, HD = a.HD, tid = threadIdx.x;
-    const int group = a.H / a.KVH, lane = tid & 31, warp = tid >> 5;
-    const int sub = lane / LPK, d0 = (lane % LPK) * 8;
-    const int KD = a.KVH * HD, L = a.len[i];
-    int first, c0, c1;
-    dec_row_chunks(a, i, &first, &c0, &c1);
-    float* s_o = reinterpret_cast<float*>(s_ring + (size_t)D * T * 2 * NT);
-    const size_t at = (size_t)a.slot[i] * a.maxT * KD + (size_t)g * HD;
-    const bf16* kb = a.kc + at;
-    const bf16* vb = a.vc + at;
-    // chunk c's keys of the row: [key0(c), key1(c)) (the split kernels' j0, j1 of block c)
-    auto key0 = [&](int c) { return max(c * a.chunk, first); };
-    auto key1 = [&](int c) { return min((c + 1) * a.chunk, L); };
-    // the copy cursor: this warp's next tile to copy, at key ijt of chunk ic (ic == c1: none)
-    int ic = c0, ijt = c0 < c1 ? key0(c0) + warp * TK : 0;
-    auto settle = [&]() {  // a tile past its chunk: the warp's first tile of the next chunk
-        while (ic < c1 && ijt >= key1(ic)) {
-            ic++;
-            if (ic < c1) ijt = key0(ic) + warp * TK;
-        }
-    };
-    auto issue = [&](int r) {  // the cursor's tile into ring slot r (zeros past its chunk)
-        if (ic < c1) {
-            const int j1 = key1(ic);
-#pragma unroll
-            for (int t = 0; t < T; t++) {
-                const int j = ijt + t * KPW + sub;
-                const bool in = j < j1 && d0 < HD;
-                const size_t off = in ? (size_t)j * KD + d0 : 0;
-                cp_async_16(smem_u32(&s_ring[((size_t)(r * T + t) * 2 + 0) * NT + tid]), kb + off,
-                            in);
-                cp_async_16(smem_u32(&s_ring[((size_t)(r * T + t) * 2 + 1) * NT + tid]), vb + off,
-                            in);
-            }
-            ijt += round;
-            settle();
-        }
-        cp_async_commit();  // (an empty group past the last tile keeps the wait counts right)
-    };
-    settle();
-    DecPartial<GM> p;
-    dec_partial_init(p, a, i, g, group, d0);
-#pragma unroll
-    for (int r = 0; r < D; r++) issue(r);
-    int r = 0;
-    for (int c = c0; c < c1; c++) {
-        const int j0 = key0(c), j1 = key1(c);
-#pragma unroll
-        for (int h = 0; h < GM; h++) {  // a fresh partial (the query stays)
-            if (h >= group) break;
-#pragma unroll
-            for (int e = 0; e < 8; e++) p.acc[h][e] = 0.0f;
-            p.m[h] = -INFINITY;
-            p.l[h] = 0.0f;
-        }
-        for (int jt = j0 + warp * TK; jt < j1; jt += round) {
-            cp_async_wait<D - 1>();  // this tile's group (the oldest) has landed
-            uint4 kr[T], vr[T];
-#pragma unroll
-            for (int t = 0; t < T; t++) {
-                kr[t] = s_ring[((size_t)(r * T + t) * 2 + 0) * NT + tid];
-                vr[t] = s_ring[((size_t)(r * T + t) * 2 + 1) * NT + tid];
-            }
-            dec_partial_tile<LPK, GM, T>(p, kr, vr, jt, sub, j1, group);
-            issue(r);  // (after the words were used) the tile D ahead in the warp's sequence
-            r = r + 1 == D ? 0 : r + 1;
-        }
-        dec_partial_store<LPK, GM>(p, a, s_o, i, g, c, group, d0);
-        // the store's shared words are free for the next chunk's, and its partial is visible to
-        // every thread of the block (the merge below)
-        __syncthreads();
-    }
-    cp_async_wait<0>();  // (nothing lands in shared memory after the block ends)
-    for (int x = tid; x < group * HD; x += NT) {
-        const int h = g * group + x / HD;
-        dec_combine_store(a, i, h, x % HD, c0, c1, dec_combine_max(a, i, h, c0, c1));
-    }
-}
-
-// How the partial kernel gets its keys (the lab times each; cuda_attention_decode picks one).
+// How the partial kernel gets its keys (cuda_attention_decode picks one; the lab times them and
+// its own rejected modes).
 typedef enum {
-    DEC_REGS = 0,       // registers, the next tile in flight; T keys per lane group
-    DEC_REGS_HALF,      // the same with T / 2 (fewer registers, more warps per SM)
-    DEC_STAGED_HALF,    // the chunk staged in shared memory by cp.async, T / 2
-    DEC_STAGED,         // staged, T
-    DEC_PIPED4_HALF,    // a ring of 4 tiles per thread in shared memory (cp.async), T / 2
-    DEC_PIPED8_HALF,    // a ring of 8 tiles, T / 2
-    DEC_PIPED4,         // a ring of 4 tiles, T
-    DEC_WALK4_HALF,     // one block per (row, kv head) over its chunks, 4-tile ring, merged in
-                        // the block (no combine launch), T / 2
-    DEC_WALK8_HALF,     // the walk with an 8-tile ring, T / 2
-    DEC_WALK4,          // the walk with a 4-tile ring, T
+    DEC_REGS = 0,     // registers, the next tile in flight; T keys per lane group
+    DEC_REGS_HALF,    // the same with T / 2 (fewer registers, more warps per SM)
+    DEC_PIPED4_HALF,  // a ring of 4 tiles per thread in shared memory (cp.async), T / 2
 } DecMode;
 
-// The ring kernels with D tiles per thread: the split grid (n, KVH, chunks) or the walk (n, KVH).
-template <int LPK, int GM, int T, int D>
-static void launch_ring(CudaCtx* cx, const DecAttn& a, int n, int walk, size_t s_o) {
-    const size_t smem = (size_t)D * T * 2 * DEC_WARPS * 32 * sizeof(uint4) + s_o;
-    if (walk) {
-        cuda_check(cudaFuncSetAttribute(decode_attention_walk_kernel<LPK, GM, T, D>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        decode_attention_walk_kernel<LPK, GM, T, D>
-            <<<dim3(n, a.KVH), DEC_WARPS * 32, smem, cx->stream>>>(a);
-    } else {
-        cuda_check(cudaFuncSetAttribute(decode_attention_piped_kernel<LPK, GM, T, D>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        decode_attention_piped_kernel<LPK, GM, T, D>
-            <<<dim3(n, a.KVH, a.chunks), DEC_WARPS * 32, smem, cx->stream>>>(a);
-    }
-}
-
-// T keys per lane group per tile (GM = 8 heads: 2, for registers); the half modes: half that.
-template <int LPK, int GM, int T>
-static void launch_partial_t(CudaCtx* cx, const DecAttn& a, int n, int staged, int depth,
-                             int walk) {
-    const dim3 grid(n, a.KVH, a.chunks);
-    const size_t s_o = (size_t)DEC_WARPS * (a.H / a.KVH) * a.HD * sizeof(float);
-    if (depth == 4) {
-        launch_ring<LPK, GM, T, 4>(cx, a, n, walk, s_o);
-    } else if (depth == 8) {
-        launch_ring<LPK, GM, T, 8>(cx, a, n, walk, s_o);
-    } else if (staged) {
-        const size_t smem = 2 * (size_t)a.chunk * a.HD * sizeof(bf16) + s_o;
-        cuda_check(cudaFuncSetAttribute(decode_attention_staged_kernel<LPK, GM, T>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        decode_attention_staged_kernel<LPK, GM, T><<<grid, DEC_WARPS * 32, smem, cx->stream>>>(a);
-    } else {
-        decode_attention_partial_kernel<LPK, GM, T><<<grid, DEC_WARPS * 32, s_o, cx->stream>>>(a);
-    }
-    cuda_check_launch();
-}
-
-static int dec_mode_walks(DecMode mode) {
-    return mode == DEC_WALK4_HALF || mode == DEC_WALK8_HALF || mode == DEC_WALK4;
-}
-
-template <int LPK, int GM>
-static void launch_partial_gm(CudaCtx* cx, const DecAttn& a, int n, DecMode mode) {
-    constexpr int T = GM >= 8 ? 2 : 4;
-    const int staged = mode == DEC_STAGED || mode == DEC_STAGED_HALF;
-    const int depth =
-        mode == DEC_PIPED4_HALF || mode == DEC_PIPED4 || mode == DEC_WALK4_HALF || mode == DEC_WALK4
-            ? 4
-        : mode == DEC_PIPED8_HALF || mode == DEC_WALK8_HALF ? 8
-                                                            : 0;
-    if (mode == DEC_REGS_HALF || mode == DEC_STAGED_HALF || mode == DEC_PIPED4_HALF ||
-        mode == DEC_PIPED8_HALF || mode == DEC_WALK4_HALF || mode == DEC_WALK8_HALF)
-        launch_partial_t<LPK, GM, T / 2>(cx, a, n, staged, depth, dec_mode_walks(mode));
-    else
-        launch_partial_t<LPK, GM, T>(cx, a, n, staged, depth, dec_mode_walks(mode));
-}
-
-template <int LPK>
-static void launch_partial(CudaCtx* cx, const DecAttn& a, int n, DecMode mode) {
-    const int group = a.H / a.KVH;
-    if (group <= 2)
-        launch_partial_gm<LPK, 2>(cx, a, n, mode);
-    else if (group <= 4)
-        launch_partial_gm<LPK, 4>(cx, a, n, mode);
-    else
-        launch_partial_gm<LPK, DEC_MAX_GROUP>(cx, a, n, mode);
+// HD a multiple of 8 and every buffer 16-byte aligned: the ring kernels' 16-byte copies.
+static int dec_attn_vec(const bf16* qkv, const bf16* kc, const bf16* vc, int HD) {
+    return HD % 8 == 0 && is_aligned16(qkv) && is_aligned16(kc) && is_aligned16(vc);
 }
 
 static size_t attention_decode_scratch(int n, int maxT, int H, int HD, int chunk) {
@@ -799,14 +566,12 @@ int cuda_attention_decode_supports(int H, int KVH, int HD) {
     return KVH > 0 && H % KVH == 0 && H / KVH <= DEC_MAX_GROUP && HD <= 256;
 }
 
-// The attention with a given chunk length and mode (the production's: DEC_CHUNK and the mode
-// cuda_attention_decode picks; the lab measures the others). The staged, ring and walk modes need
-// 16-byte rows (vec): without, the register kernel with the same T (and the combine launch).
-static void attention_decode_with(CudaCtx* cx, bf16* out, const bf16* qkv, const bf16* kc,
-                                  const bf16* vc, const int32_t* slot, const int32_t* len,
-                                  const bf16* sinks, int n, int maxT, int H, int KVH, int HD,
-                                  int window, int chunk, DecMode mode) {
-    if (n <= 0) return;
+// The launch struct of one call with chunks of `chunk` keys (production: DEC_CHUNK), its partials
+// in the SCRATCH_ATTN scratch.
+static DecAttn dec_attn_setup(CudaCtx* cx, bf16* out, const bf16* qkv, const bf16* kc,
+                              const bf16* vc, const int32_t* slot, const int32_t* len,
+                              const bf16* sinks, int n, int maxT, int H, int KVH, int HD,
+                              int window, int chunk) {
     if (!cuda_attention_decode_supports(H, KVH, HD))
         fatal("decode attention: %d query heads over %d kv heads of dim %d is not supported "
               "(at most %d query heads per kv head, head dim <= 256)", H, KVH, HD, DEC_MAX_GROUP);
@@ -831,24 +596,98 @@ static void attention_decode_with(CudaCtx* cx, bf16* out, const bf16* qkv, const
     a.qscale = 1.4426950408889634f / sqrtf((float)HD);
     a.out = out;
     a.sinks = sinks;
-    a.vec = HD % 8 == 0 && is_aligned16(qkv) && is_aligned16(kc) && is_aligned16(vc);
-    if (!a.vec && (mode == DEC_STAGED || mode == DEC_PIPED4 || mode == DEC_WALK4)) mode = DEC_REGS;
-    if (!a.vec && (mode == DEC_STAGED_HALF || mode == DEC_PIPED4_HALF || mode == DEC_PIPED8_HALF ||
-                   mode == DEC_WALK4_HALF || mode == DEC_WALK8_HALF))
-        mode = DEC_REGS_HALF;
-    if (HD <= 16)
-        launch_partial<2>(cx, a, n, mode);
-    else if (HD <= 32)
-        launch_partial<4>(cx, a, n, mode);
-    else if (HD <= 64)
-        launch_partial<8>(cx, a, n, mode);
-    else if (HD <= 128)
-        launch_partial<16>(cx, a, n, mode);
-    else
-        launch_partial<32>(cx, a, n, mode);
-    if (dec_mode_walks(mode)) return;  // the walk merged its chunks itself
-    decode_attention_combine_kernel<<<dim3(n, H), HD <= 128 ? 128 : 256, 0, cx->stream>>>(a);
+    a.vec = dec_attn_vec(qkv, kc, vc, HD);
+    return a;
+}
+
+// Shared memory of a block: s_o (DEC_WARPS x group x HD floats) for the partial's store, after a
+// ring of D tiles of T keys per thread (k and v words) for the ring kernels (D = 0: none).
+static size_t dec_smem_bytes(const DecAttn& a, int T, int D) {
+    return (size_t)D * T * 2 * DEC_WARPS * 32 * sizeof(uint4) +
+           (size_t)DEC_WARPS * (a.H / a.KVH) * a.HD * sizeof(float);
+}
+
+// The register kernel over the split grid (n, KVH, chunks).
+template <int LPK, int GM, int T>
+static void launch_regs(CudaCtx* cx, const DecAttn& a, int n) {
+    decode_attention_partial_kernel<LPK, GM, T>
+        <<<dim3(n, a.KVH, a.chunks), DEC_WARPS * 32, dec_smem_bytes(a, T, 0), cx->stream>>>(a);
     cuda_check_launch();
+}
+
+// The ring kernel with D tiles per thread over the split grid (production: D = 4).
+template <int LPK, int GM, int T, int D>
+static void launch_piped(CudaCtx* cx, const DecAttn& a, int n) {
+    const size_t smem = dec_smem_bytes(a, T, D);
+    cuda_check(cudaFuncSetAttribute(decode_attention_piped_kernel<LPK, GM, T, D>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    decode_attention_piped_kernel<LPK, GM, T, D>
+        <<<dim3(n, a.KVH, a.chunks), DEC_WARPS * 32, smem, cx->stream>>>(a);
+    cuda_check_launch();
+}
+
+// The production modes' partials for lane groups of LPK lanes and GM heads held per block: T keys
+// per lane group per tile (GM = 8 heads: 2, for registers); the half modes: half that.
+struct DecLaunchModes {
+    template <int LPK, int GM>
+    static void run(CudaCtx* cx, const DecAttn& a, int n, int mode) {
+        constexpr int T = GM >= 8 ? 2 : 4;
+        if (mode == DEC_PIPED4_HALF)
+            launch_piped<LPK, GM, T / 2, 4>(cx, a, n);
+        else if (mode == DEC_REGS_HALF)
+            launch_regs<LPK, GM, T / 2>(cx, a, n);
+        else
+            launch_regs<LPK, GM, T>(cx, a, n);
+    }
+};
+
+// Launch::run<LPK, GM>(cx, a, n, mode) instantiated for the call's head dim (LPK = HD/8 lanes per
+// key, rounded up to a power of two) and query group (GM heads held, at least the group); the lab
+// passes its own Launch for its modes.
+template <class Launch, int LPK>
+static void dec_dispatch_group(CudaCtx* cx, const DecAttn& a, int n, int mode) {
+    const int group = a.H / a.KVH;
+    if (group <= 2)
+        Launch::template run<LPK, 2>(cx, a, n, mode);
+    else if (group <= 4)
+        Launch::template run<LPK, 4>(cx, a, n, mode);
+    else
+        Launch::template run<LPK, DEC_MAX_GROUP>(cx, a, n, mode);
+}
+
+template <class Launch>
+static void dec_dispatch(CudaCtx* cx, const DecAttn& a, int n, int mode) {
+    if (a.HD <= 16)
+        dec_dispatch_group<Launch, 2>(cx, a, n, mode);
+    else if (a.HD <= 32)
+        dec_dispatch_group<Launch, 4>(cx, a, n, mode);
+    else if (a.HD <= 64)
+        dec_dispatch_group<Launch, 8>(cx, a, n, mode);
+    else if (a.HD <= 128)
+        dec_dispatch_group<Launch, 16>(cx, a, n, mode);
+    else
+        dec_dispatch_group<Launch, 32>(cx, a, n, mode);
+}
+
+// The combine of every row's chunks, after the partials.
+static void launch_combine(CudaCtx* cx, const DecAttn& a, int n) {
+    decode_attention_combine_kernel<<<dim3(n, a.H), a.HD <= 128 ? 128 : 256, 0, cx->stream>>>(a);
+    cuda_check_launch();
+}
+
+// The attention with a given chunk length and mode (the production's: DEC_CHUNK and the mode
+// cuda_attention_decode picks; the lab measures the others). The ring needs 16-byte rows (vec):
+// without, the register kernel with the same T.
+static void attention_decode_with(CudaCtx* cx, bf16* out, const bf16* qkv, const bf16* kc,
+                                  const bf16* vc, const int32_t* slot, const int32_t* len,
+                                  const bf16* sinks, int n, int maxT, int H, int KVH, int HD,
+                                  int window, int chunk, DecMode mode) {
+    if (n <= 0) return;
+    const DecAttn a = dec_attn_setup(cx, out, qkv, kc, vc, slot, len, sinks, n, maxT, H, KVH, HD,
+                                     window, chunk);
+    if (!a.vec && mode == DEC_PIPED4_HALF) mode = DEC_REGS_HALF;
+    dec_dispatch<DecLaunchModes>(cx, a, n, mode);
+    launch_combine(cx, a, n);
 }
 
 void cuda_attention_decode(CudaCtx* cx, bf16* out, const bf16* qkv, const bf16* kc,
@@ -856,17 +695,12 @@ void cuda_attention_decode(CudaCtx* cx, bf16* out, const bf16* qkv, const bf16* 
                            const bf16* sinks, int n, int maxT, int H, int KVH, int HD,
                            int window) {
     // head dim 128: half tiles with the 4-tile ring (the lab's variant 9, the bits of variant 4;
-    // on the H200 Qwen3-1.7B at 272 cached keys 62 us a layer against 65 for variant 4 and 75
-    // for full tiles; LLaMA-8B at 1024 274 against 276 and 438), walked by one block per (row,
-    // kv head) with the merge in the block (variant 13: no combine launch, no empty blocks past
-    // the rows' lengths) when the batch has the blocks to fill the GPU (4 per SM; the walk's
-    // parallelism is n x KVH blocks whatever the length): the same bits either way, so a row's
-    // output still does not depend on the batch. Head dim 64: full tiles in registers (variant
-    // 3: GPT-OSS-20B at 1024 451 us against 492-501 for 4 and 9).
-    const int walk = n * KVH >= 4 * cx->n_sms;
+    // on the H200 Qwen3-1.7B at 272 cached keys 62 us a layer against 65 for variant 4, 75 for
+    // full tiles and 64 for the walk of variant 13, which is slower averaged over a 512-token
+    // rollout; LLaMA-8B at 1024 274 against 276 and 438). Head dim 64: full tiles in registers
+    // (variant 3: GPT-OSS-20B at 1024 451 us against 492-501 for 4 and 9).
     attention_decode_with(cx, out, qkv, kc, vc, slot, len, sinks, n, maxT, H, KVH, HD, window,
-                          DEC_CHUNK,
-                          HD >= 128 ? (walk ? DEC_WALK4_HALF : DEC_PIPED4_HALF) : DEC_REGS);
+                          DEC_CHUNK, HD >= 128 ? DEC_PIPED4_HALF : DEC_REGS);
 }
 
 // ----------------------------------------------------------------------------

@@ -5,7 +5,8 @@
  *
  *   make dev-cuda && dev/cuda/build/decode [--validate-only] [--variant K] [--seed S]
  *
- * Variants (decode attention):
+ * Variants (decode attention; 3-5 and 9 run production's kernels and modes, 6-8 and 10-15 the
+ * rejected modes, whose kernels are defined here, sharing production's tile math and combine):
  *   1  naive: one block per (row, query head), one pass over all of the row's keys; a thread
  *      per head-dim element, the logits of the row in shared memory (softmax in fp32).
  *   2  the previous production kernel (kept here): split-K over chunks of 256 keys, one block per
@@ -17,8 +18,7 @@
  *      in flight while the current tile is computed, every query head of the group from that
  *      one read, the softmax in the log2 domain; then the chunks merged in order.
  *   4  variant 3 with half the keys per tile (fewer registers, more warps resident per SM): the
- *      bits of production at head dim >= 128 (variants 9 and 13), where the H200 measured it
- *      faster.
+ *      bits of production at head dim >= 128 (variant 9), where the H200 measured it faster.
  *   5  variant 3 with chunks of 256 keys (half the partials, half the blocks).
  *   6  variant 4 with the chunk's keys and values staged in shared memory by cp.async first (the
  *      whole chunk in flight at once, in 4 groups the block walks as they land); the same
@@ -27,16 +27,16 @@
  *   8  variant 6 with chunks of 64 keys (twice the blocks, half the shared memory each).
  *   9  variant 4 with a deeper pipeline: each thread copies its own words of the next 4 tiles
  *      into a ring in shared memory by cp.async (4 tiles per warp in flight, no registers to
- *      hold them); bit for bit variant 4. Production at head dim >= 128 for batches of
- *      fewer than 4 (row, kv head) blocks per SM.
+ *      hold them); bit for bit variant 4. Production at head dim >= 128.
  *  10  variant 9 with a ring of 8 tiles (bit for bit variant 4).
  *  11  variant 3 with a ring of 4 tiles (bit for bit variant 3).
  *  12  variant 10 with chunks of 256 keys.
- *  13  production at head dim 128 when the batch fills the GPU (n x KVH >= 4 blocks per SM; else
- *      variant 9): one block per (row, kv head) walks the row's chunks in order, each chunk's
- *      tiles as variant 9's block takes them, the 4-tile ring running on across chunk ends, then
- *      merges its group's chunks in the block with the combine's arithmetic: no second launch
- *      and no empty blocks for the chunks past a short row; bit for bit variant 4.
+ *  13  one block per (row, kv head) walks the row's chunks in order, each chunk's tiles as
+ *      variant 9's block takes them, the 4-tile ring running on across chunk ends, then merges
+ *      its group's chunks in the block with the combine's arithmetic: no second launch and no
+ *      empty blocks for the chunks past a short row; bit for bit variant 4. Production for a
+ *      while; slower than variant 9 averaged over a 512-token rollout on the H200 (faster at
+ *      16-128 keys, slower from 272).
  *  14  variant 13 with an 8-tile ring (bit for bit variant 4).
  *  15  variant 13 with full tiles (bit for bit variant 3: a candidate below head dim 128).
  * Validation on fresh random bf16 inputs against an fp64 reference: rows of lengths 1 .. maxT
@@ -488,6 +488,254 @@ static void v2_attention_decode(CudaCtx* cx, bf16* out, const bf16* qkv, const b
     cuda_check_launch();
 }
 
+// ----------------------------------------------------------------------------
+// variants 6-8 and 10-15: the production partials' rejected modes (kept to measure). Each takes
+// the tiles of the register kernel with the same T in the same order and arithmetic, so each
+// gives the bits of variant 3 or 4; production's helpers (DecPartial, the combine) are shared.
+
+#define DEC_STAGES 4  // cp.async groups of the staged partial (at most 4: cp_async_wait)
+
+// The same partial with the chunk's keys and values staged in shared memory first: every thread
+// issues its share of the chunk's 16-byte words as cp.async in DEC_STAGES commit groups of
+// consecutive keys (the whole chunk in flight at once: a memory-bound kernel needs bytes in
+// flight, and registers held only a tile), then the block walks the stages as each arrives,
+// every warp its tiles in the register kernel's order, from shared memory: the same arithmetic,
+// so the same bits as decode_attention_partial_kernel with the same T. Needs vec (16-byte rows).
+// Shared memory: K and V words (2 x chunk x HD/8 uint4), then s_o.
+template <int LPK, int GM, int T>
+__global__ void __launch_bounds__(DEC_WARPS * 32) decode_attention_staged_kernel(DecAttn a) {
+    constexpr int KPW = 32 / LPK, TK = KPW * T;
+    extern __shared__ uint4 s_kv[];
+    const int i = blockIdx.x, g = blockIdx.y, c = blockIdx.z, HD = a.HD, W8 = HD / 8;
+    const int group = a.H / a.KVH, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int sub = lane / LPK, d0 = (lane % LPK) * 8, w = lane % LPK;
+    const int KD = a.KVH * HD;
+    const int L = a.len[i], first = a.window > 0 && L > a.window ? L - a.window : 0;
+    const int j0 = max(c * a.chunk, first), j1 = min((c + 1) * a.chunk, L);
+    if (j0 >= j1) return;
+    uint4* sk = s_kv;
+    uint4* sv = s_kv + (size_t)a.chunk * W8;
+    float* s_o = reinterpret_cast<float*>(s_kv + 2 * (size_t)a.chunk * W8);
+    // stage s holds keys [j0 + s·SK, j0 + (s+1)·SK), a whole number of the block's tile rounds
+    const int round = DEC_WARPS * TK, nk = j1 - j0;
+    const int SK = ((a.chunk + DEC_STAGES - 1) / DEC_STAGES + round - 1) / round * round;
+    const int n_stages = (nk + SK - 1) / SK;  // <= DEC_STAGES
+    const size_t at = (size_t)a.slot[i] * a.maxT * KD + (size_t)g * HD;
+    const bf16* kb = a.kc + at;
+    const bf16* vb = a.vc + at;
+    for (int s = 0; s < DEC_STAGES; s++) {
+        const int k0 = s * SK, k1 = min(nk, k0 + SK);
+        for (int x = k0 * W8 + threadIdx.x; x < k1 * W8; x += blockDim.x) {
+            const int k = x / W8, e = x % W8;
+            cp_async_16(smem_u32(sk + x), kb + (size_t)(j0 + k) * KD + 8 * e, true);
+            cp_async_16(smem_u32(sv + x), vb + (size_t)(j0 + k) * KD + 8 * e, true);
+        }
+        cp_async_commit();  // (empty groups past the last stage: every thread commits DEC_STAGES)
+    }
+    DecPartial<GM> p;
+    dec_partial_init(p, a, i, g, group, d0);
+    for (int s = 0; s < n_stages; s++) {
+        // stage s has landed when at most DEC_STAGES - 1 - s groups are pending
+        switch (DEC_STAGES - 1 - s) {
+            case 0: cp_async_wait<0>(); break;
+            case 1: cp_async_wait<1>(); break;
+            case 2: cp_async_wait<2>(); break;
+            default: cp_async_wait<3>(); break;
+        }
+        __syncthreads();
+        const int js1 = min(j1, j0 + (s + 1) * SK);
+        for (int jt = j0 + s * SK + warp * TK; jt < js1; jt += round) {
+            uint4 kr[T], vr[T];
+#pragma unroll
+            for (int t = 0; t < T; t++) {
+                const int j = jt + t * KPW + sub;
+                const bool in = j < j1 && d0 < HD;
+                kr[t] = in ? sk[(size_t)(j - j0) * W8 + w] : make_uint4(0, 0, 0, 0);
+                vr[t] = in ? sv[(size_t)(j - j0) * W8 + w] : make_uint4(0, 0, 0, 0);
+            }
+            dec_partial_tile<LPK, GM, T>(p, kr, vr, jt, sub, j1, group);
+        }
+    }
+    dec_partial_store<LPK, GM>(p, a, s_o, i, g, c, group, d0);
+}
+
+// One block per (row i, kv head g) walking the row's chunks [c0, c1) in order: each chunk's tiles
+// exactly as the piped kernel's block for that chunk takes them (warp w: j0 + (w + k·DEC_WARPS)·TK),
+// each chunk's partial stored as there, then the block merges its group's chunks in chunk order
+// with the combine kernel's arithmetic: the bits of the split grid and its combine, without the
+// second launch, and without the empty blocks a grid over maxT's chunks launches for short rows
+// (the grid is (n, KVH) whatever maxT). The fixed cost per layer is what a decode step at a few
+// hundred keys pays; 128 rows x 8 kv heads still fill the GPU several blocks deep. Each thread's
+// ring runs ahead across chunk ends (the next chunk's first tiles are in flight while this one's
+// last tile is computed and its partial stored). Needs vec. Shared memory: the piped kernel's.
+template <int LPK, int GM, int T, int D>
+__global__ void __launch_bounds__(DEC_WARPS * 32) decode_attention_walk_kernel(DecAttn a) {
+    constexpr int KPW = 32 / LPK, TK = KPW * T, NT = DEC_WARPS * 32, round = DEC_WARPS * TK;
+    extern __shared__ uint4 s_ring[];  // (D, T, 2, NT)
+    const int i = blockIdx.x, g = blockIdx.y, HD = a.HD, tid = threadIdx.x;
+    const int group = a.H / a.KVH, lane = tid & 31, warp = tid >> 5;
+    const int sub = lane / LPK, d0 = (lane % LPK) * 8;
+    const int KD = a.KVH * HD, L = a.len[i];
+    int first, c0, c1;
+    dec_row_chunks(a, i, &first, &c0, &c1);
+    float* s_o = reinterpret_cast<float*>(s_ring + (size_t)D * T * 2 * NT);
+    const size_t at = (size_t)a.slot[i] * a.maxT * KD + (size_t)g * HD;
+    const bf16* kb = a.kc + at;
+    const bf16* vb = a.vc + at;
+    // chunk c's keys of the row: [key0(c), key1(c)) (the split kernels' j0, j1 of block c)
+    auto key0 = [&](int c) { return max(c * a.chunk, first); };
+    auto key1 = [&](int c) { return min((c + 1) * a.chunk, L); };
+    // the copy cursor: this warp's next tile to copy, at key ijt of chunk ic (ic == c1: none)
+    int ic = c0, ijt = c0 < c1 ? key0(c0) + warp * TK : 0;
+    auto settle = [&]() {  // a tile past its chunk: the warp's first tile of the next chunk
+        while (ic < c1 && ijt >= key1(ic)) {
+            ic++;
+            if (ic < c1) ijt = key0(ic) + warp * TK;
+        }
+    };
+    auto issue = [&](int r) {  // the cursor's tile into ring slot r (zeros past its chunk)
+        if (ic < c1) {
+            const int j1 = key1(ic);
+#pragma unroll
+            for (int t = 0; t < T; t++) {
+                const int j = ijt + t * KPW + sub;
+                const bool in = j < j1 && d0 < HD;
+                const size_t off = in ? (size_t)j * KD + d0 : 0;
+                cp_async_16(smem_u32(&s_ring[((size_t)(r * T + t) * 2 + 0) * NT + tid]), kb + off,
+                            in);
+                cp_async_16(smem_u32(&s_ring[((size_t)(r * T + t) * 2 + 1) * NT + tid]), vb + off,
+                            in);
+            }
+            ijt += round;
+            settle();
+        }
+        cp_async_commit();  // (an empty group past the last tile keeps the wait counts right)
+    };
+    settle();
+    DecPartial<GM> p;
+    dec_partial_init(p, a, i, g, group, d0);
+#pragma unroll
+    for (int r = 0; r < D; r++) issue(r);
+    int r = 0;
+    for (int c = c0; c < c1; c++) {
+        const int j0 = key0(c), j1 = key1(c);
+#pragma unroll
+        for (int h = 0; h < GM; h++) {  // a fresh partial (the query stays)
+            if (h >= group) break;
+#pragma unroll
+            for (int e = 0; e < 8; e++) p.acc[h][e] = 0.0f;
+            p.m[h] = -INFINITY;
+            p.l[h] = 0.0f;
+        }
+        for (int jt = j0 + warp * TK; jt < j1; jt += round) {
+            cp_async_wait<D - 1>();  // this tile's group (the oldest) has landed
+            uint4 kr[T], vr[T];
+#pragma unroll
+            for (int t = 0; t < T; t++) {
+                kr[t] = s_ring[((size_t)(r * T + t) * 2 + 0) * NT + tid];
+                vr[t] = s_ring[((size_t)(r * T + t) * 2 + 1) * NT + tid];
+            }
+            dec_partial_tile<LPK, GM, T>(p, kr, vr, jt, sub, j1, group);
+            issue(r);  // (after the words were used) the tile D ahead in the warp's sequence
+            r = r + 1 == D ? 0 : r + 1;
+        }
+        dec_partial_store<LPK, GM>(p, a, s_o, i, g, c, group, d0);
+        // the store's shared words are free for the next chunk's, and its partial is visible to
+        // every thread of the block (the merge below)
+        __syncthreads();
+    }
+    cp_async_wait<0>();  // (nothing lands in shared memory after the block ends)
+    for (int x = tid; x < group * HD; x += NT) {
+        const int h = g * group + x / HD;
+        dec_combine_store(a, i, h, x % HD, c0, c1, dec_combine_max(a, i, h, c0, c1));
+    }
+}
+
+// The lab's modes (the production ones, DecMode, go through attention_decode_with).
+typedef enum {
+    LAB_STAGED_HALF = 0,  // the chunk staged in shared memory by cp.async, T / 2
+    LAB_STAGED,           // staged, T
+    LAB_PIPED8_HALF,      // a ring of 8 tiles, T / 2
+    LAB_PIPED4,           // a ring of 4 tiles, T
+    LAB_WALK4_HALF,       // one block per (row, kv head) over its chunks, 4-tile ring, merged in
+                          // the block (no combine launch), T / 2
+    LAB_WALK8_HALF,       // the walk with an 8-tile ring, T / 2
+    LAB_WALK4,            // the walk with a 4-tile ring, T
+} LabMode;
+
+static int lab_mode_walks(int mode) {
+    return mode == LAB_WALK4_HALF || mode == LAB_WALK8_HALF || mode == LAB_WALK4;
+}
+
+static int lab_mode_half(int mode) {
+    return mode == LAB_STAGED_HALF || mode == LAB_PIPED8_HALF || mode == LAB_WALK4_HALF ||
+           mode == LAB_WALK8_HALF;
+}
+
+template <int LPK, int GM, int T>
+static void launch_staged(CudaCtx* cx, const DecAttn& a, int n) {
+    const size_t smem = 2 * (size_t)a.chunk * a.HD * sizeof(bf16) + dec_smem_bytes(a, T, 0);
+    cuda_check(cudaFuncSetAttribute(decode_attention_staged_kernel<LPK, GM, T>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    decode_attention_staged_kernel<LPK, GM, T>
+        <<<dim3(n, a.KVH, a.chunks), DEC_WARPS * 32, smem, cx->stream>>>(a);
+    cuda_check_launch();
+}
+
+// The walk with D tiles per thread over the grid (n, KVH): the piped kernel's shared memory.
+template <int LPK, int GM, int T, int D>
+static void launch_walk(CudaCtx* cx, const DecAttn& a, int n) {
+    const size_t smem = dec_smem_bytes(a, T, D);
+    cuda_check(cudaFuncSetAttribute(decode_attention_walk_kernel<LPK, GM, T, D>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    decode_attention_walk_kernel<LPK, GM, T, D>
+        <<<dim3(n, a.KVH), DEC_WARPS * 32, smem, cx->stream>>>(a);
+    cuda_check_launch();
+}
+
+// The lab modes' partials (dec_dispatch's Launch): T keys per lane group as production's.
+struct DecLaunchLab {
+    template <int LPK, int GM, int T>
+    static void run_t(CudaCtx* cx, const DecAttn& a, int n, int mode) {
+        if (mode == LAB_STAGED_HALF || mode == LAB_STAGED)
+            launch_staged<LPK, GM, T>(cx, a, n);
+        else if (mode == LAB_PIPED8_HALF)
+            launch_piped<LPK, GM, T, 8>(cx, a, n);
+        else if (mode == LAB_PIPED4)
+            launch_piped<LPK, GM, T, 4>(cx, a, n);
+        else if (mode == LAB_WALK8_HALF)
+            launch_walk<LPK, GM, T, 8>(cx, a, n);
+        else
+            launch_walk<LPK, GM, T, 4>(cx, a, n);
+    }
+    template <int LPK, int GM>
+    static void run(CudaCtx* cx, const DecAttn& a, int n, int mode) {
+        constexpr int T = GM >= 8 ? 2 : 4;
+        if (lab_mode_half(mode))
+            run_t<LPK, GM, T / 2>(cx, a, n, mode);
+        else
+            run_t<LPK, GM, T>(cx, a, n, mode);
+    }
+};
+
+// attention_decode_with for the lab's modes. They need 16-byte rows (vec): without, production's
+// register kernel with the same T (and the combine launch).
+static void attention_decode_lab(CudaCtx* cx, bf16* out, const bf16* qkv, const bf16* kc,
+                                 const bf16* vc, const int32_t* slot, const int32_t* len,
+                                 const bf16* sinks, int n, int maxT, int H, int KVH, int HD,
+                                 int window, int chunk, LabMode mode) {
+    if (n <= 0) return;
+    if (!dec_attn_vec(qkv, kc, vc, HD)) {
+        attention_decode_with(cx, out, qkv, kc, vc, slot, len, sinks, n, maxT, H, KVH, HD, window,
+                              chunk, lab_mode_half(mode) ? DEC_REGS_HALF : DEC_REGS);
+        return;
+    }
+    const DecAttn a = dec_attn_setup(cx, out, qkv, kc, vc, slot, len, sinks, n, maxT, H, KVH, HD,
+                                     window, chunk);
+    dec_dispatch<DecLaunchLab>(cx, a, n, mode);
+    if (!lab_mode_walks(mode)) launch_combine(cx, a, n);  // (the walk merged its chunks itself)
+}
+
 static void decode_attention(int variant, CudaCtx* cx, bf16* out, const bf16* qkv, const bf16* kc,
                              const bf16* vc, const int32_t* slot, const int32_t* len,
                              const bf16* sinks, DecShape s) {
@@ -498,16 +746,25 @@ static void decode_attention(int variant, CudaCtx* cx, bf16* out, const bf16* qk
     } else if (variant == 2) {
         v2_attention_decode(cx, out, qkv, kc, vc, slot, len, sinks, s.n, s.maxT, s.H, s.KVH, s.HD,
                             s.window);
-    } else {  // 3: full tiles; 4: half tiles; 5: 256-key chunks; 6-8 staged; 9-12 rings; 13-15 walks
-        static const DecMode modes[] = {DEC_REGS,        DEC_REGS_HALF,   DEC_REGS,
-                                        DEC_STAGED_HALF, DEC_STAGED,      DEC_STAGED_HALF,
-                                        DEC_PIPED4_HALF, DEC_PIPED8_HALF, DEC_PIPED4,
-                                        DEC_PIPED8_HALF, DEC_WALK4_HALF,  DEC_WALK8_HALF,
-                                        DEC_WALK4};
-        attention_decode_with(cx, out, qkv, kc, vc, slot, len, sinks, s.n, s.maxT, s.H, s.KVH,
-                              s.HD, s.window,
-                              variant == 5 || variant == 12 ? 256 : variant == 8 ? 64 : DEC_CHUNK,
-                              modes[variant - 3]);
+    } else {
+        const int chunk = variant == 5 || variant == 12 ? 256 : variant == 8 ? 64 : DEC_CHUNK;
+        if (variant == 3 || variant == 4 || variant == 5 || variant == 9) {  // production's modes
+            const DecMode mode = variant == 4   ? DEC_REGS_HALF
+                                 : variant == 9 ? DEC_PIPED4_HALF
+                                                : DEC_REGS;
+            attention_decode_with(cx, out, qkv, kc, vc, slot, len, sinks, s.n, s.maxT, s.H,
+                                  s.KVH, s.HD, s.window, chunk, mode);
+        } else {  // 6-8 staged, 10-12 rings, 13-15 walks
+            const LabMode mode = variant == 6 || variant == 8    ? LAB_STAGED_HALF
+                                 : variant == 7                   ? LAB_STAGED
+                                 : variant == 10 || variant == 12 ? LAB_PIPED8_HALF
+                                 : variant == 11                  ? LAB_PIPED4
+                                 : variant == 13                  ? LAB_WALK4_HALF
+                                 : variant == 14                  ? LAB_WALK8_HALF
+                                                                  : LAB_WALK4;
+            attention_decode_lab(cx, out, qkv, kc, vc, slot, len, sinks, s.n, s.maxT, s.H, s.KVH,
+                                 s.HD, s.window, chunk, mode);
+        }
     }
 }
 
@@ -848,13 +1105,12 @@ static const char* VARIANTS =
     "  7  variant 3 staged (bit for bit variant 3)\n"
     "  8  variant 6 with 64-key chunks\n"
     "  9  variant 4 with a 4-tile cp.async ring per thread (bit for bit variant 4; production\n"
-    "     at head dim >= 128 for batches of < 4 blocks per SM)\n"
+    "     at head dim >= 128)\n"
     " 10  variant 4 with an 8-tile ring (bit for bit variant 4)\n"
     " 11  variant 3 with a 4-tile ring (bit for bit variant 3)\n"
     " 12  variant 10 with 256-key chunks\n"
     " 13  one block per (row, kv head) walking its chunks with the 4-tile ring, merged in the\n"
-    "     block, no combine launch (production at head dim 128 for batches of >= 4 blocks per\n"
-    "     SM; bit for bit variant 4)\n"
+    "     block, no combine launch (bit for bit variant 4)\n"
     " 14  variant 13 with an 8-tile ring (bit for bit variant 4)\n"
     " 15  variant 13 with full tiles (bit for bit variant 3)\n";
 
