@@ -30,18 +30,21 @@
  * block per (row, kv head) walking its chunks) live in the lab, dev/cuda/decode.cu.
  *
  * Sampler: each row cut into SAMPLE_SLICES fixed slices of whole 8-token words (a function of
- * V only). Pass 1, one block per (slice, row): the slice's max and first argmax, then its sums
- * of exp((z - m) / temperature) (in double, the CPU walk's terms) and of expf((z - m) · (1 /
- * temperature)) (the log-prob's, ops.h policy_forward_backward's) at the slice's max m. Pass 2,
- * one block per row: the slices merged in slice order (greedy: the first argmax), each slice's
- * sums rescaled by exp((m - max) / temperature), the first slice whose cumulative sum reaches the
- * host's uniform draw u · Σ, and inside it the inverse-CDF walk at the row's max (each thread's
- * contiguous run of words summed, a block scan, the run where the rest falls walked token by
- * token in vocabulary order): the CPU's walk (generate.c gen_sample), so both draw the same token
- * from the same u unless two cumulative sums straddle u · Σ within rounding (the sums' order and
- * the rescaling differ from the CPU's only by rounding). logp = (z_tok - max)/temperature -
- * log Σ. Rows of 8-aligned width are read with 16-byte loads; the walk computes 8 terms at a time.
- * (The previous sampler, one block of 1024 threads per row, three passes, is the lab's row 1.)
+ * V only). Pass 1, one block per (slice, row): the slice's max m and first argmax, then (tempered)
+ * its sum of expf((z - m) / temperature) in fp32 terms (the exponent the CPU walk's, divided
+ * without a division; a word's 8 terms added in fp32, the words in double): a double exponential
+ * per token of the vocabulary cost 75 us at 128 rows. Pass 2, one block per row: warp 0 merges
+ * the slices a lane each (greedy: the first argmax), rescales each slice's sum by exp((m - max) /
+ * temperature), scans them in slice order and picks the first slice whose cumulative sum
+ * reaches the host's uniform draw u · Σ; the block then walks that slice at the row's max in the
+ * CPU walk's terms exp((double)((z - max) / temperature)) (each thread's contiguous run of words
+ * summed, a block scan in thread order, the one run where the rest falls walked token by token in
+ * vocabulary order): the CPU's walk (generate.c gen_sample), so both draw the same token from the
+ * same u unless two cumulative sums straddle u · Σ within the slice sums' fp32 rounding (~1e-7
+ * relative). logp = (z_tok - max) · (1 / temperature) - log Σ (Σ the walk's, within ~1e-6 of the
+ * CPU's log-prob normaliser). Every order is fixed by V: the same bits on every run. Rows of
+ * 8-aligned width are read with 16-byte loads; the walk computes 8 terms at a time. (The sampler
+ * before the slices, one block of 1024 threads per row, is the lab's row 1.)
  */
 #include <math.h>
 
@@ -734,12 +737,11 @@ __device__ __forceinline__ void sample_load8(const bf16* z, int k, int V, int ve
 // was drawn from, logp[2i + 1] under the full tempered softmax (the same here: no truncation).
 // A row is cut into SAMPLE_SLICES slices of whole 8-token words (their bounds a function of V
 // only); one block per (slice, row) leaves its slice's SamplePart, then one block per row merges
-// them in slice order and walks.
+// them (one lane per slice, in a fixed order) and walks.
 typedef struct SamplePart {
-    double sum;   // Σ exp((z - m) / temperature) over the slice (the walk's terms, at its max)
-    double full;  // Σ expf((z - m) · (1 / temperature)) (the log-prob's terms)
-    float m;      // the slice's max (-inf: an empty slice)
-    int idx;      // the first index holding it (V: none)
+    double sum;  // Σ expf((z - m) / temperature) over the slice (fp32 terms, summed in double)
+    float m;     // the slice's max (-inf: an empty slice)
+    int idx;     // the first index holding it (V: none)
 } SamplePart;
 
 // Words [*w0, *w1) of slice s of a row of `words` 8-token words.
@@ -768,15 +770,27 @@ __device__ __forceinline__ void sample_block_argmax(float& bv, int& bi, float* s
     for (int w = 1; w < n_warps; w++) argmax_merge(bv, bi, s_v[w], s_i[w]);
 }
 
+// The CPU walk's exponent fl(d / temperature) without a division: q0 = d · inv, then one fma
+// correction. With inv the correctly rounded 1 / temperature, the corrected quotient is the
+// correctly rounded one (Markstein; no over- or underflow at logit scales), so the bits of the
+// IEEE division (a division costs a reciprocal on the special-function unit and a slow-path
+// check per token: the unit that also computes the exponential).
+__device__ __forceinline__ float sample_scaled(float d, float temperature, float inv) {
+    const float q = d * inv;
+    return fmaf(fmaf(-q, temperature, d), inv, q);
+}
+
 // Pass 1 of slice blockIdx.x of row blockIdx.y: its max and first argmax (words strided over the
-// block, several 16-byte loads in flight), then (tempered) its two sums at that max, in double.
+// block, several 16-byte loads in flight), then (tempered) Σ expf((z - m) / temperature) at that
+// max m: fp32 terms (the double exponential of every token of the vocabulary was the whole cost
+// of the tempered path), each word's 8 summed in fp32 and the words in double.
 // vec: V a multiple of 8 and logits 16-byte aligned.
 __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_slices_kernel(SamplePart* __restrict__ part, const bf16* __restrict__ logits, int V,
                          float temperature, int vec) {
     __shared__ float s_v[32];
     __shared__ int s_i[32];
-    __shared__ double s_d[32], s_f[32];
+    __shared__ double s_d[32];
     const int s = blockIdx.x, row = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int n_warps = blockDim.x >> 5;
     const bf16* z = logits + (size_t)row * V;
@@ -793,90 +807,98 @@ __global__ void __launch_bounds__(SAMPLE_THREADS)
     }
     sample_block_argmax(bv, bi, s_v, s_i);
     SamplePart* out = part + (size_t)row * SAMPLE_SLICES + s;
-    if (temperature <= 0.0f || bi >= V) {  // greedy, an empty slice or one of NaNs: no sums
-        if (tid == 0) *out = SamplePart{0.0, 0.0, bv, bi};
+    if (temperature <= 0.0f || bi >= V) {  // greedy, an empty slice or one of NaNs: no sum
+        if (tid == 0) *out = SamplePart{0.0, bv, bi};
         return;
     }
     const float mx = bv, inv = 1.0f / temperature;
-    double sum = 0.0, full = 0.0;
+    double sum = 0.0;
+#pragma unroll 2
     for (int k = w0 + tid; k < w1; k += blockDim.x) {  // (the slice is in L1/L2 by now)
         float f[8];
         sample_load8(z, k, V, vec, f);
+        float word = 0.0f;
 #pragma unroll
         for (int e = 0; e < 8; e++) {
-            if (8 * k + e >= V) break;
-            sum += exp((double)((f[e] - mx) / temperature));
-            full += (double)expf((f[e] - mx) * inv);
+            const float d = f[e] - mx;  // -inf past V and for -inf logits: a zero term
+            const float t = expf(sample_scaled(d, temperature, inv));
+            word += d > -INFINITY ? t : 0.0f;
         }
+        sum += (double)word;
     }
     sum = warp_sum_f64(sum);
-    full = warp_sum_f64(full);
-    if (lane == 0) {
-        s_d[warp] = sum;
-        s_f[warp] = full;
-    }
+    if (lane == 0) s_d[warp] = sum;
     __syncthreads();
     if (tid == 0) {
         sum = 0.0;
-        full = 0.0;
-        for (int w = 0; w < n_warps; w++) {
-            sum += s_d[w];
-            full += s_f[w];
-        }
-        *out = SamplePart{sum, full, bv, bi};
+        for (int w = 0; w < n_warps; w++) sum += s_d[w];
+        *out = SamplePart{sum, bv, bi};
     }
 }
 
-// Pass 2, one block per row: the slices merged in slice order (the row's max and first argmax;
-// each slice's sums rescaled to the row's max), the first slice whose cumulative sum reaches
-// u · Σ, and inside it the inverse-CDF walk at the row's max: each thread's contiguous run of
-// words summed, a block scan, and the run where the rest of u · Σ falls walked token by token.
+// Pass 2, one block per row. Warp 0, a lane per slice: the row's max and first argmax (a
+// butterfly: max value, then lowest index, whatever the order), each slice's sum rescaled to the
+// row's max, their inclusive scan in slice order (a fixed tree), and the first slice whose
+// cumulative sum reaches u · Σ. Then the block walks that slice at the row's max in the CPU's
+// terms exp((double)((z - max) / temperature)): each thread's contiguous run of words summed, a
+// block scan in thread order, and the one run where the rest of u · Σ falls walked token by token.
 __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_pick_kernel(int32_t* __restrict__ tokens, float* __restrict__ logp,
                        const SamplePart* __restrict__ part, const bf16* __restrict__ logits,
                        const float* __restrict__ u, int V, float temperature, int vec) {
-    __shared__ SamplePart s_p[SAMPLE_SLICES];
+    static_assert(SAMPLE_SLICES == 32, "the pick kernel merges the slices a lane each");
     __shared__ double s_d[32];
-    __shared__ int s_pick;
+    __shared__ double s_r, s_total;  // the rest of u · Σ past the picked slice's start; Σ
+    __shared__ float s_mx;
+    __shared__ int s_bi, s_pick, s_slice;
     const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int words = (V + 7) / 8;
     const bf16* z = logits + (size_t)row * V;
-    for (int s = tid; s < SAMPLE_SLICES; s += blockDim.x)
-        s_p[s] = part[(size_t)row * SAMPLE_SLICES + s];
-    if (tid == 0) s_pick = 0x7fffffff;
+    if (temperature <= 0.0f && warp != 0) return;  // greedy: warp 0's argmax is the token
+    if (warp == 0) {
+        const SamplePart p = part[(size_t)row * SAMPLE_SLICES + lane];
+        float mx = p.m;
+        int bi = p.idx;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float v2 = __shfl_xor_sync(0xffffffffu, mx, o);
+            const int i2 = __shfl_xor_sync(0xffffffffu, bi, o);
+            argmax_merge(mx, bi, v2, i2);
+        }
+        if (bi >= V) bi = 0;  // a row of NaNs: token 0, as the CPU's scan
+        if (temperature <= 0.0f) {  // greedy: a point mass
+            if (lane == 0) {
+                tokens[row] = bi;
+                logp[2 * row] = logp[2 * row + 1] = 0.0f;
+            }
+            return;
+        }
+        // empty (or NaN) slices: no mass, never picked
+        const double c = p.idx < V ? p.sum * exp((double)((p.m - mx) / temperature)) : 0.0;
+        double incl = c;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const double t = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += t;
+        }
+        const double total = __shfl_sync(0xffffffffu, incl, 31);
+        const double r = (double)u[row] * total;
+        const unsigned hit = __ballot_sync(0xffffffffu, p.idx < V && incl >= r);
+        const int pick = hit ? __ffs(hit) - 1 : -1;
+        const double before = __shfl_sync(0xffffffffu, incl - c, pick >= 0 ? pick : 0);
+        if (lane == 0) {
+            s_mx = mx;
+            s_bi = bi;
+            s_slice = pick;
+            s_r = r - before;
+            s_total = total;
+            s_pick = 0x7fffffff;
+        }
+    }
     __syncthreads();
-    float mx = -INFINITY;
-    int bi = V;
-    for (int s = 0; s < SAMPLE_SLICES; s++) argmax_merge(mx, bi, s_p[s].m, s_p[s].idx);
-    if (bi >= V) bi = 0;  // a row of NaNs: token 0, as the CPU's scan
-    if (temperature <= 0.0f) {  // greedy: a point mass
-        if (tid == 0) {
-            tokens[row] = bi;
-            logp[2 * row] = logp[2 * row + 1] = 0.0f;
-        }
-        return;
-    }
-    const float inv = 1.0f / temperature;
-    double total = 0.0, full = 0.0;
-    for (int s = 0; s < SAMPLE_SLICES; s++) {
-        if (s_p[s].idx >= V) continue;  // empty (or NaN) slice: no mass
-        total += s_p[s].sum * exp((double)((s_p[s].m - mx) / temperature));
-        full += s_p[s].full * exp((double)((s_p[s].m - mx) * inv));
-    }
-    const double r = (double)u[row] * total;
-    int pick = -1;
-    double before = 0.0;  // the mass of the slices ahead of the picked one
-    for (int s = 0, acc = 0; s < SAMPLE_SLICES && !acc; s++) {
-        if (s_p[s].idx >= V) continue;
-        const double c = before + s_p[s].sum * exp((double)((s_p[s].m - mx) / temperature));
-        if (c >= r) {
-            pick = s;
-            acc = 1;
-        } else {
-            before = c;
-        }
-    }
-    int tok = bi;  // r beyond every sum (rounding): the CPU keeps the argmax too
+    const float mx = s_mx, inv = 1.0f / temperature;
+    const int pick = s_slice;
+    int tok = s_bi;  // r beyond every sum (rounding): the CPU keeps the argmax too
     if (pick >= 0) {
         int sw0, sw1;
         sample_slice(words, pick, &sw0, &sw1);
@@ -886,12 +908,13 @@ __global__ void __launch_bounds__(SAMPLE_THREADS)
         double run = 0.0;
         for (int k = w0; k < w1; k++) {
             float f[8];
+            double t[8];
             sample_load8(z, k, V, vec, f);
 #pragma unroll
-            for (int e = 0; e < 8; e++) {
-                if (8 * k + e >= V) break;
-                run += exp((double)((f[e] - mx) / temperature));
-            }
+            for (int e = 0; e < 8; e++) t[e] = exp((double)((f[e] - mx) / temperature));
+#pragma unroll
+            for (int e = 0; e < 8; e++)
+                if (8 * k + e < V) run += t[e];
         }
         // inclusive scan of `run` over the threads: in the warp, then the warps' totals in order
         double incl = run;
@@ -905,7 +928,7 @@ __global__ void __launch_bounds__(SAMPLE_THREADS)
         double ahead = 0.0;
         for (int w = 0; w < warp; w++) ahead += s_d[w];
         incl += ahead;
-        const double rs = r - before, excl = incl - run;
+        const double rs = s_r, excl = incl - run;
         if (v1 > v0 && incl >= rs) atomicMin(&s_pick, tid);  // an integer minimum: order-free
         __syncthreads();
         // rs beyond the slice's walk (rounding between the rescaled and the walked sums): the
@@ -940,7 +963,9 @@ __global__ void __launch_bounds__(SAMPLE_THREADS)
         return;
     }
     tokens[row] = tok;
-    const float lp = (float)((double)((__bfloat162float(z[tok]) - mx) * inv) - log(full));
+    // the token's tempered logit in the CPU's arithmetic, less the log of the walk's Σ (its fp32
+    // terms differ from the CPU's log-prob terms by rounding: ~1e-6 relative)
+    const float lp = (float)((double)((__bfloat162float(z[tok]) - mx) * inv) - log(s_total));
     logp[2 * row] = lp;
     logp[2 * row + 1] = lp;
 }

@@ -57,7 +57,8 @@
  * launched and empty for the split grid), and LLaMA-8B's and GPT-OSS-20B's heads at 1024:
  * GB/s over the keys and values read (the bytes that bound it), per layer, next to a device copy.
  * Then the sampler at V = 151936 (Qwen3) for 128 rows (row 1: the previous sampler, one block of
- * 1024 threads per row; row 2: production, SAMPLE_SLICES blocks per row and a pick kernel), and
+ * 1024 threads per row, double exponentials for every token; row 2: production, SAMPLE_SLICES
+ * blocks per row with fp32 terms, and a pick kernel walking the chosen slice in double), and
  * the rope + append for 128 rows of Qwen3-1.7B's heads (row 1: the row kernel, one block per row;
  * row 2: production, a warp per head), each with its time in us.
  */
@@ -1084,7 +1085,8 @@ static void bench(Lab* lab) {
             });
             lab_report_bw(temperature > 0 ? "sampler (T=1)" : "sampler (greedy)", sv,
                           "n=128 V=151936", "logits once", (double)n * V * 2, ms);
-            printf("    sampler %s %s: %.1f us\n", sv == 1 ? "rows (old)" : "slices (new)",
+            printf("    sampler %s %s: %.1f us\n",
+                   sv == 1 ? "rows (old, fp64 terms)" : "slices (new, fp32 terms)",
                    temperature > 0 ? "T=1" : "greedy", ms * 1e3);
         }
     void* bufs[] = {z, d_u, tok, lp};
