@@ -86,6 +86,20 @@ static double ref_logp(const float* logits, int V, float temperature, int tok) {
     return (double)logits[tok] / temperature - mx - log(sum);
 }
 
+// One test family's model with random weights (std 0.3: peaked distributions, so sampling
+// differences show) in s; 0 (after a failed check) when the preset does not build.
+static int family_model(TestCtx* t, const char* preset, uint64_t seed, ModelConfig* cfg, Model* m,
+                        Store* s) {
+    char err[ERR_LEN];
+    if (config_from_preset(cfg, preset, err) != 0 || model_init(m, cfg, 0, err) != 0) {
+        CHECK(t, 0, "%s: %s", preset, err);
+        return 0;
+    }
+    store_create(s, &m->tt);
+    store_init_random(s, seed, 0.3f);
+    return 1;
+}
+
 // Two groups of two sequences, prompts of different lengths: every sampled token's logp_full
 // equals the log-softmax of a full forward over its prefix (plain_logits_last), the sampling is
 // repeatable per seed, and each sequence's budget is kept; for every family (GQA, qk-norm, MoE,
@@ -96,13 +110,8 @@ static void test_grpo_generate_matches_forward(TestCtx* t) {
         ModelConfig cfg;
         char err[ERR_LEN];
         Model m;
-        if (config_from_preset(&cfg, presets[k], err) != 0 || model_init(&m, &cfg, 0, err) != 0) {
-            CHECK(t, 0, "%s: %s", presets[k], err);
-            continue;
-        }
         Store s;
-        store_create(&s, &m.tt);
-        store_init_random(&s, 11, 0.3f);  // peaked distributions: sampling differences show
+        if (!family_model(t, presets[k], 11, &cfg, &m, &s)) continue;
         void* ctx = ops_cpu_create(t->n_threads);
         const int maxT = 16, V = cfg.V;
         Plain* p = plain_create(&m, &s, &ops_cpu, ctx, 1, maxT, 0);
@@ -182,13 +191,8 @@ static void test_grpo_decode_step_matches_forward_rows(TestCtx* t) {
         ModelConfig cfg;
         char err[ERR_LEN];
         Model m;
-        if (config_from_preset(&cfg, presets[k], err) != 0 || model_init(&m, &cfg, 0, err) != 0) {
-            CHECK(t, 0, "%s: %s", presets[k], err);
-            continue;
-        }
         Store s;
-        store_create(&s, &m.tt);
-        store_init_random(&s, 5, 0.3f);
+        if (!family_model(t, presets[k], 5, &cfg, &m, &s)) continue;
         void* ctx = ops_cpu_create(t->n_threads);
         const int n = 4, maxT = 8, C = cfg.C;
         Generator g;
@@ -957,13 +961,8 @@ static void test_grpo_gpu_generate(TestCtx* t) {
         ModelConfig cfg;
         char err[ERR_LEN];
         Model m;
-        if (config_from_preset(&cfg, presets[k], err) != 0 || model_init(&m, &cfg, 0, err) != 0) {
-            CHECK(t, 0, "%s: %s", presets[k], err);
-            continue;
-        }
         Store s;
-        store_create(&s, &m.tt);
-        store_init_random(&s, 11, 0.3f);
+        if (!family_model(t, presets[k], 11, &cfg, &m, &s)) continue;
         const int maxT = 24, V = cfg.V, S = 4;
         Plain* p = plain_create(&m, &s, G.c, G.cctx, 1, maxT, 0);
         Plain* pg = plain_create(&m, &s, G.g, G.gctx, 1, maxT, 0);  // the same bf16 weights
