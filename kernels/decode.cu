@@ -733,6 +733,16 @@ __device__ __forceinline__ void sample_load8(const bf16* z, int k, int V, int ve
     for (int e = 0; e < 8; e++) f[e] = 8 * k + e < V ? __bfloat162float(z[8 * k + e]) : -INFINITY;
 }
 
+// The inverse-CDF walk's 8 terms of word k: exp((z - max) / temperature) in double, the CPU
+// sampler's arithmetic (generate.c gen_sample).
+__device__ __forceinline__ void sample_walk_terms(const bf16* z, int k, int V, int vec, float mx,
+                                                  float temperature, double* t) {
+    float f[8];
+    sample_load8(z, k, V, vec, f);
+#pragma unroll
+    for (int e = 0; e < 8; e++) t[e] = exp((double)((f[e] - mx) / temperature));
+}
+
 // Row i: tokens[i] drawn with the uniform u[i]; logp[2i] its log-prob under the distribution it
 // was drawn from, logp[2i + 1] under the full tempered softmax (the same here: no truncation).
 // A row is cut into SAMPLE_SLICES slices of whole 8-token words (their bounds a function of V
@@ -907,11 +917,8 @@ __global__ void __launch_bounds__(SAMPLE_THREADS)
         const int v0 = 8 * w0, v1 = min(V, 8 * w1);
         double run = 0.0;
         for (int k = w0; k < w1; k++) {
-            float f[8];
             double t[8];
-            sample_load8(z, k, V, vec, f);
-#pragma unroll
-            for (int e = 0; e < 8; e++) t[e] = exp((double)((f[e] - mx) / temperature));
+            sample_walk_terms(z, k, V, vec, mx, temperature, t);
 #pragma unroll
             for (int e = 0; e < 8; e++)
                 if (8 * k + e < V) run += t[e];
@@ -941,11 +948,8 @@ __global__ void __launch_bounds__(SAMPLE_THREADS)
             double rr = rs - excl;
             tok = v1 - 1;
             for (int k = w0; k < w1; k++) {
-                float f[8];
                 double t[8];
-                sample_load8(z, k, V, vec, f);
-#pragma unroll
-                for (int e = 0; e < 8; e++) t[e] = exp((double)((f[e] - mx) / temperature));
+                sample_walk_terms(z, k, V, vec, mx, temperature, t);
                 int hit = -1;
 #pragma unroll
                 for (int e = 0; e < 8; e++) {

@@ -161,11 +161,8 @@ __global__ void sample_rows_kernel(int32_t* __restrict__ tokens, float* __restri
         double rr = r - excl;
         tok = v1 - 1;
         for (int k = w0; k < w1; k++) {
-            float f[8];
             double t[8];
-            sample_load8(z, k, V, vec, f);
-#pragma unroll
-            for (int e = 0; e < 8; e++) t[e] = exp((double)((f[e] - mx) / temperature));
+            sample_walk_terms(z, k, V, vec, mx, temperature, t);
             int hit = -1;
 #pragma unroll
             for (int e = 0; e < 8; e++) {
