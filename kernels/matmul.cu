@@ -19,15 +19,13 @@
  * rows chose the heuristic's own configuration for every decode shape on the H200, and an explicit
  * search of cuBLASLt's configurations found nothing faster: the lab keeps the search as variant 5.)
  *
- * Row-major orientation for few rows (MATMUL_FEW_ROWS_ROWMAJOR, default off): a forward product of
- * at most FEW_ROWS_MAX rows with a bf16 output (the generation step's linears, 128 rows) can be
- * given to cuBLASLt the other way round, m = rows: every layout CUBLASLT_ORDER_ROW,
+ * Row-major orientation (the lab's variant 7 only): a forward product can be given to cuBLASLt
+ * the other way round, m = rows: every layout CUBLASLT_ORDER_ROW,
  *   out (N, OC) row = inp (N, IC) row · W (OC, IC) rowᵀ      (transa N, transb T)
- * the same memory as the column-major form, so no transpose kernel; the heuristic then sees a
- * problem with m small and n wide and may choose other kernels. The fused bias epilogue adds a
+ * the same memory as the column-major form, so no transpose kernel. The fused bias epilogue adds a
  * bias per row of D (here per token), so with a bias this orientation adds it with
- * add_bias_kernel. The lab (dev/cuda/matmul.cu) times it as variant 7 beside the column-major
- * form (variants 2 and 3); the switch is for the case the lab shows it faster.
+ * add_bias_kernel. At the decode step's 128 rows cuBLASLt picks the same algorithm and times as
+ * in the column-major form (docs/PERF.md, session 12), so production keeps the column-major one.
  *
  * dbias (OC) += Σ_rows dout: per-block partial column sums over fixed row chunks, then the ordered
  * reduction of elementwise.cu. No atomics.
@@ -38,11 +36,6 @@
 // plan cache
 
 #define PLAN_CACHE_SIZE 64
-
-#ifndef MATMUL_FEW_ROWS_ROWMAJOR
-#define MATMUL_FEW_ROWS_ROWMAJOR 0  // few-rows forwards in the row-major orientation (see the top)
-#endif
-#define FEW_ROWS_MAX 256            // forward products of at most this many rows take it
 
 typedef struct MatmulKey {
     int row_major;  // every layout CUBLASLT_ORDER_ROW (m, n, k and ld in row-major terms)
@@ -143,12 +136,11 @@ static MatmulPlan* plan_get(CudaCtx* cx, const MatmulKey* key) {
     cublasLtMatmulPreferenceDestroy(pref);
     if (st != CUBLAS_STATUS_SUCCESS || count == 0)
         fatal("cuBLASLt has no algorithm for m=%d n=%d k=%d (%s, trans %d%d, lda %d ldb %d ldc %d, "
-              "%s output, bias %d, alignments %d/%d/%d): status %s%s", key->m, key->n, key->k,
+              "%s output, bias %d, alignments %d/%d/%d): status %s", key->m, key->n, key->k,
               key->row_major ? "row-major" : "column-major", key->transa, key->transb, key->lda,
               key->ldb, key->ldc,
               key->out_f32 ? "fp32" : "bf16", key->bias, key->align_a, key->align_b,
-              key->align_d, cublasLtGetStatusString(st),
-              key->row_major ? " (HINT: build with -DMATMUL_FEW_ROWS_ROWMAJOR=0)" : "");
+              key->align_d, cublasLtGetStatusString(st));
     p->algo = res.algo;
     return p;
 }
@@ -236,8 +228,7 @@ static void matmul_forward_orient(CudaCtx* cx, bf16* out, const bf16* inp, const
 
 void cuda_matmul_forward(CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w, const bf16* bias,
                          int N, int IC, int OC) {
-    matmul_forward_orient(cx, out, inp, w, bias, N, IC, OC,
-                          MATMUL_FEW_ROWS_ROWMAJOR && N <= FEW_ROWS_MAX);
+    matmul_forward_orient(cx, out, inp, w, bias, N, IC, OC, 0);
 }
 
 void cuda_matmul_backward(CudaCtx* cx, bf16* dinp, float* dw, float* dbias, const bf16* dout,

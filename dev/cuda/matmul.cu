@@ -46,8 +46,8 @@
  *   6  (retired) production with a few-rows split-K rule: the heuristic's algorithm split along
  *      k until its CTAs filled one wave. On the H200 it chose the heuristic's own configuration
  *      for every decode shape (the same times as variant 2): removed from production and lab.
- *   7  production (kernels/matmul.cu) in the row-major orientation (MATMUL_FEW_ROWS_ROWMAJOR's
- *      form, here for every row count): every layout CUBLASLT_ORDER_ROW, m = rows, n = OC,
+ *   7  production (kernels/matmul.cu) in the row-major orientation (matmul_forward_orient with
+ *      row_major = 1, for every row count): every layout CUBLASLT_ORDER_ROW, m = rows, n = OC,
  *      out (N, OC) = inp (N, IC) · W (OC, IC)ᵀ, the same memory, no transpose; the heuristic's
  *      first algorithm; bias by the separate kernel (the epilogue's bias is per row of D). The
  *      decode benchmark also times the best of the heuristic's first 8 in this orientation and
