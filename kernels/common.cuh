@@ -85,6 +85,8 @@ typedef struct CudaCtx {
     uint64_t scratch_epoch;     // bumped whenever a scratch buffer moves (graphs recorded
                                 // before then read the old one: stale)
     uint64_t capture_epoch;     // scratch_epoch when the recording in progress began
+    int recording;              // a decode step is being recorded (op_graph_begin .. graph_end):
+                                // cuda_launch adds programmatic serialization, weights constant
 } CudaCtx;
 
 #define LT_WORKSPACE_BYTES ((size_t)32 << 20)  // cuBLAS's recommendation for Hopper
@@ -101,6 +103,29 @@ void prof_begin(CudaCtx* cx, double flop, double bytes, const char* fmt, ...)
     __attribute__((format(printf, 4, 5)));
 void prof_end(CudaCtx* cx);
 void prof_destroy(CudaCtx* cx);
+
+// ----------------------------------------------------------------------------
+// launches
+
+// kernel<<<grid, block, smem, cx->stream>>>(args...), checked; while a decode step is recorded
+// (cx->recording) with programmatic stream serialization: the kernel may start before the one
+// before it ends, so it must follow ptx.cuh's pdl_wait rule (every kernel launched through here
+// calls pdl_wait before it touches what earlier kernels write).
+template <typename... KArgs, typename... Args>
+static inline void cuda_launch(CudaCtx* cx, void (*kernel)(KArgs...), dim3 grid, dim3 block,
+                               size_t smem, Args... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = cx->stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = cx->recording ? 1 : 0;
+    cuda_check(cudaLaunchKernelEx(&cfg, kernel, ((KArgs)args)...));
+}
 
 // ----------------------------------------------------------------------------
 // small host helpers

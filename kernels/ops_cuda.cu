@@ -583,6 +583,7 @@ static int op_graph_begin(void* ctx) {
     CudaCtx* cx = ctx_enter(ctx);
     if (cx->prof) return -1;  // the profile's events time ops one by one
     cx->capture_epoch = cx->scratch_epoch;
+    cx->recording = 1;
     // thread-local: other threads (the engine's issue threads) go on with their own work
     cuda_check(cudaStreamBeginCapture(cx->stream, cudaStreamCaptureModeThreadLocal));
     return 0;
@@ -591,6 +592,7 @@ static int op_graph_begin(void* ctx) {
 static void* op_graph_end(void* ctx) {
     CudaCtx* cx = ctx_enter(ctx);
     cudaGraph_t graph;
+    cx->recording = 0;
     cuda_check(cudaStreamEndCapture(cx->stream, &graph));
     if (cx->scratch_epoch != cx->capture_epoch) {  // (growing scratch fails inside a recording)
         cuda_check(cudaGraphDestroy(graph));

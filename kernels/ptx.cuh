@@ -1,6 +1,6 @@
 /*
  * ptx.cuh — the PTX instruction wrappers every hand-written kernel uses: cp.async, ldmatrix,
- * mma.sync (sm_80+), and the Hopper ones (sm_90a): mbarriers, register hand-over (setmaxnreg),
+ * mma.sync (sm_80+), programmatic dependent launch (sm_90), and the Hopper ones (sm_90a): mbarriers, register hand-over (setmaxnreg),
  * proxy fences, wgmma fences / commit / wait, the wgmma shared-memory matrix descriptor. One
  * definition of each, shared by the flash-attention kernels (attention_common.cuh and the files
  * it serves) and the grouped expert GEMM (moe_matmul.cu, moe_matmul_wgmma.cuh); what only one
@@ -54,6 +54,28 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 __device__ __forceinline__ void cp_async_wait_all() { cp_async_wait<0>(); }
+
+// ----------------------------------------------------------------------------
+// programmatic dependent launch (sm_90; the launch side is common.cuh cuda_launch)
+//
+// A kernel launched with programmatic stream serialization may start while the kernel before it
+// in the stream is still running, once every block of that one has called pdl_trigger (or
+// exited). pdl_wait blocks the thread until the kernel before has completed and its writes are
+// visible; without the launch attribute both are no-ops. The rule of every kernel that calls
+// them: nothing before pdl_wait reads what an earlier kernel may write or writes what it may
+// read (only constants: weights of a recorded decode step). A kernel that waits before it
+// triggers keeps the chain: the next one can only start once this one is past its own wait.
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
 
 // ----------------------------------------------------------------------------
 // ldmatrix, mma.sync
