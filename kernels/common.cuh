@@ -85,6 +85,9 @@ typedef struct CudaCtx {
     uint64_t scratch_epoch;     // bumped whenever a scratch buffer moves (graphs recorded
                                 // before then read the old one: stale)
     uint64_t capture_epoch;     // scratch_epoch when the recording in progress began
+    int sm90;                   // a compute capability 9.0 device (the sm_90a kernels run)
+    int rows_max_clusters[4][4];  // matmul_rows.cuh: resident clusters per (tile, split); 0 unknown
+    void* encode_tiled;         // matmul_rows.cuh: the driver's cuTensorMapEncodeTiled (NULL: not yet)
     int recording;              // a decode step is being recorded (op_graph_begin .. graph_end):
                                 // cuda_launch adds programmatic serialization, weights constant
 } CudaCtx;

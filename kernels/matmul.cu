@@ -1,6 +1,7 @@
 /*
  * matmul.cu — the three matmuls of a linear layer through cuBLASLt (bf16 operands, fp32
- * accumulation), and the dbias column sum.
+ * accumulation), and the dbias column sum. Forward products of at most 128 rows (the decode step)
+ * run on the hand-written kernel of matmul_rows.cuh where its conditions hold.
  *
  * Row-major vs cuBLAS column-major: a row-major (R, K) matrix is the same memory as a column-major
  * (K, R) one, so each row-major product is computed as its transpose:
@@ -31,6 +32,7 @@
  * reduction of elementwise.cu. No atomics.
  */
 #include "common.cuh"
+#include "matmul_rows.cuh"
 
 // ----------------------------------------------------------------------------
 // plan cache
@@ -226,8 +228,12 @@ static void matmul_forward_orient(CudaCtx* cx, bf16* out, const bf16* inp, const
     }
 }
 
+// Few rows (the decode step) on the rows kernel of matmul_rows.cuh where it applies, else
+// cuBLASLt in the column-major orientation.
 void cuda_matmul_forward(CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w, const bf16* bias,
                          int N, int IC, int OC) {
+    const RowsPlan p = rows_plan(cx, out, inp, w, bias, N, IC, OC);
+    if (p.bn) return matmul_rows_launch(cx, out, inp, w, bias, N, IC, OC, p);
     matmul_forward_orient(cx, out, inp, w, bias, N, IC, OC, 0);
 }
 

@@ -157,6 +157,10 @@ extern "C" void* ops_cuda_create(int device, void* stream) {
     cuda_check(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     cx->n_sms = sms;
     cx->max_smem_optin = (size_t)smem;
+    int major = 0, minor = 0;
+    cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    cuda_check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    cx->sm90 = major == 9 && minor == 0;
     cublas_check(cublasLtCreate(&cx->lt));
     cx->lt_workspace = device_alloc(cx, LT_WORKSPACE_BYTES, "the cuBLASLt workspace");
     cx->d_error = (int*)device_alloc(cx, sizeof(int), "the error word");

@@ -14,9 +14,10 @@
  * Variants:
  *   1  naive: 32 x 32 shared-memory tiles, one output per thread, fp32 FMA on the CUDA cores
  *      (one strided kernel for the three products; dbias one thread per column).
- *   2  production (kernels/matmul.cu, included below) in its column-major orientation:
- *      cuBLASLt with the heuristic's first algorithm, cached per problem; bias fused in the
- *      epilogue when aligned; dbias as ordered per-chunk partial sums.
+ *   2  cuBLASLt (kernels/matmul.cu, included below) in its column-major orientation:
+ *      the heuristic's first algorithm, cached per problem; bias fused in the epilogue when
+ *      aligned; dbias as ordered per-chunk partial sums. Production for everything but the
+ *      forward of few rows (variant 8).
  *   3  cuBLASLt, the fastest of the heuristic's first 8 algorithms, timed one by one: what
  *      autotuning would gain over variant 2 (benchmark only: the algorithms are cuBLAS's own).
  *   4  the forward for few rows (the generation step: <= 128 rows, no bias, k and OC in 64s;
@@ -53,7 +54,14 @@
  *      decode benchmark also times the best of the heuristic's first 8 in this orientation and
  *      prints the algorithm each chose (and variant 2's and 3's), or says the orientation has no
  *      algorithm.
- * Validation (variants 1, 2, 4 and 7): (N, IC, OC) = (77, 200, 136) with a 16-byte aligned bias
+ *   8  production (cuda_matmul_forward): the forward of at most 128 rows on the rows kernel of
+ *      kernels/matmul_rows.cuh where it applies (wgmma, one wave of CTAs each on its own slice of
+ *      the weight, k split across a cluster and summed in rank order through distributed shared
+ *      memory), else variant 2; the backward is variant 2's.
+ *   9  decode rows only (benchmark): the rows kernel in every configuration (tile 32 / 64 / 96 /
+ *      128 weight rows x k split 1 / 2 / 4 / 8) that fits one wave, each validated against variant
+ *      2's output (bf16 tolerance) and timed; prints how many clusters the device holds.
+ * Validation (variants 1, 2, 4, 7 and 8): (N, IC, OC) = (77, 200, 136) with a 16-byte aligned bias
  * (the fused epilogue) and every gradient; (50, 64, 40) with a bias one element off alignment (the
  * separate bias kernel), dW and dbias without dinp; (1, 200, 136) without bias (one row, as the
  * generation path calls it); and (variant 4's kernel) the forward at (77, 2048, 1024), (128,
@@ -322,8 +330,9 @@ static void matmul1(CudaCtx* cx, OutT* D, const bf16* A, const bf16* B, const bf
 
 static void matmul_forward(int v, CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w,
                            const bf16* bias, int N, int IC, int OC) {
-    if (v == 2 || v == 7)  // the production forward, column-major / row-major orientation
+    if (v == 2 || v == 7)  // cuBLASLt, column-major / row-major orientation
         return matmul_forward_orient(cx, out, inp, w, bias, N, IC, OC, v == 7);
+    if (v == 8) return cuda_matmul_forward(cx, out, inp, w, bias, N, IC, OC);
     if (v == 4) {
         const int splits = few_rows_splits(cx, inp, w, bias, N, IC, OC);
         if (splits > 0) return matmul_few_rows(cx, out, inp, w, N, IC, OC, splits);
@@ -336,7 +345,7 @@ static void matmul_forward(int v, CudaCtx* cx, bf16* out, const bf16* inp, const
 static void matmul_backward(int v, CudaCtx* cx, bf16* dinp, float* dw, float* dbias,
                             const bf16* dout, const bf16* inp, const bf16* w, int N, int IC,
                             int OC) {
-    if (v == 2 || v == 4 || v == 7)
+    if (v == 2 || v == 4 || v == 7 || v == 8)
         return cuda_matmul_backward(cx, dinp, dw, dbias, dout, inp, w, N, IC, OC);
     // dinp: m = row, n = input column, k = output column
     if (dinp) matmul1<bf16>(cx, dinp, dout, w, NULL, N, IC, OC, OC, 1, IC, 1);
@@ -819,6 +828,42 @@ static int decode_only = 0, orient_only = 0;
 // Rows of the CPU reference of the decode rows benchmark (those below the row count are checked).
 static const int DECODE_REF_ROWS[] = {0, 1, 63, 127, 255};
 
+// Variant 9: the rows kernel in each configuration that fits one wave, checked against variant 2
+// and timed (GB/s of the weights, as the rest of the decode benchmark).
+static void bench_rows_configs(Lab* lab, const char* name, int rows, int IC, int OC, const bf16* x,
+                               const bf16* w, bf16* out, double bytes) {
+    CudaCtx* cx = lab->cx;
+    if (!ATTN_WGMMA_BUILD || !cx->sm90) {
+        printf("  variant 9: needs an sm_90a build on a 9.0 device\n");
+        return;
+    }
+    bf16* ref = dev_alloc<bf16>((size_t)rows * OC);
+    matmul_forward(2, cx, ref, x, w, NULL, rows, IC, OC);
+    const std::vector<float> hr = dev_download_bf16(ref, (size_t)rows * OC);
+    for (int bn = 32; bn <= 128; bn += 32) {
+        if (OC % bn) continue;
+        for (int split = 1; split <= RG_MAX_SPLIT && IC % (split * RG_BK) == 0; split *= 2) {
+            const int ctas = OC / bn * split, clusters = rg_max_clusters(cx, bn, split);
+            if (ctas > cx->n_sms || (split > 1 && OC / bn > clusters)) continue;
+            const RowsPlan p = {bn, split};
+            dev_poison(out, (size_t)rows * OC * 2);
+            matmul_rows_launch(cx, out, x, w, NULL, rows, IC, OC, p);
+            char what[160], shape[128];
+            snprintf(what, sizeof what, "v9 %s rows=%d tile %d split %d: out vs variant 2", name,
+                     rows, bn, split);
+            lab_check(lab, what, dev_download_bf16(out, (size_t)rows * OC).data(), hr.data(),
+                      (size_t)rows * OC, TOL_BF16);
+            const double ms =
+                lab_time_ms(lab, [&] { matmul_rows_launch(cx, out, x, w, NULL, rows, IC, OC, p); });
+            snprintf(shape, sizeof shape, "%s N=%d tile %d split %d (%d CTAs, %d clusters max)",
+                     name, rows, bn, split, ctas, clusters);
+            lab_report_bw("matmul fwd (decode, rows kernel)", 9, shape, "weights once, x, out",
+                          bytes, ms);
+        }
+    }
+    cuda_check(cudaFree(ref));
+}
+
 // The generation step's products: 64, 128 (8 prompts x 16 answers) and 256 rows through each
 // linear layer of Qwen3-1.7B and the LM head, forward only; GB/s over the weights read (what
 // bounds them). Variant 5 searches cuBLASLt's configurations per problem and prints its best;
@@ -854,8 +899,21 @@ static void bench_decode(Lab* lab) {
             snprintf(shape, sizeof shape, "%s N=%d IC=%d OC=%d", sh.name, rows, sh.IC, sh.OC);
             const double bytes =
                 2.0 * ((double)sh.OC * sh.IC + (double)rows * (sh.IC + sh.OC));
-            for (int v = 2; v <= 7; v++) {
+            for (int v = 2; v <= 9; v++) {
                 if (v == 6 || (v == 5 && orient_only) || !lab_wants(&lab->args, v)) continue;
+                if (v == 9) {
+                    if (rows <= RG_ROWS) bench_rows_configs(lab, sh.name, rows, sh.IC, sh.OC, x, w,
+                                                            out, bytes);
+                    continue;
+                }
+                if (v == 8) {
+                    const RowsPlan p = rows_plan(cx, out, x, w, NULL, rows, sh.IC, sh.OC);
+                    if (p.bn)
+                        printf("  variant 8 %s rows=%d: rows kernel, tile %d x split %d (%d CTAs)\n",
+                               sh.name, rows, p.bn, p.split, sh.OC / p.bn * p.split);
+                    else
+                        printf("  variant 8 %s rows=%d: cuBLASLt (variant 2)\n", sh.name, rows);
+                }
                 if (v == 7 && !lt_row_major_supported(cx, rows, sh.IC, sh.OC)) {
                     printf("  variant 7 %s rows=%d: the row-major orientation has no cuBLASLt "
                            "algorithm for these types (not supported)\n",
@@ -969,18 +1027,21 @@ static void bench(Lab* lab) {
 
 static const char* VARIANTS =
     "  1  naive: 32x32 shared-memory tiles, one output per thread, fp32 FMA\n"
-    "  2  production (kernels/matmul.cu): cuBLASLt, the heuristic's first algorithm, cached\n"
+    "  2  cuBLASLt (kernels/matmul.cu): the heuristic's first algorithm, cached\n"
     "  3  cuBLASLt, the fastest of the heuristic's first 8 algorithms (benchmark only)\n"
     "  4  few rows (<= 128): a hand-written mma.sync product with split k (else variant 2)\n"
     "  5  decode rows: an explicit search of cuBLASLt configurations (benchmark only)\n"
     "  6  (retired: a few-rows split-K rule that chose the heuristic's own configuration)\n"
-    "  7  production in the row-major orientation (CUBLASLT_ORDER_ROW, m = rows)\n"
+    "  7  cuBLASLt in the row-major orientation (CUBLASLT_ORDER_ROW, m = rows)\n"
+    "  8  production: few rows (<= 128) on the wgmma rows kernel (matmul_rows.cuh), else 2\n"
+    "  9  decode rows: the rows kernel in every configuration (benchmark only)\n"
     "flag: --decode  only the decode rows benchmark (after the validation)\n"
     "flag: --orient  the decode rows benchmark without variant 5's search (2, 3, 4, 7)\n";
 
 // The validation cases of variant v (lab_main runs them for every variant asked for).
 static void validate_variant(Lab* lab, int v, Rng* r) {
-    if (v == 3 || v == 5 || v == 6) return;  // (benchmark only / retired; 5 validates its picks)
+    if (v == 3 || v == 5 || v == 6 || v == 9) return;  // (benchmark only / retired; 5 and 9
+                                                         // validate what they time)
     if (v == 7 && !lt_row_major_supported(lab->cx, 128, 2048, 2048)) {
         printf("variant 7: the row-major orientation has no cuBLASLt algorithm for bf16 (128, "
                "2048, 2048): not supported, not validated\n");
@@ -995,12 +1056,24 @@ static void validate_variant(Lab* lab, int v, Rng* r) {
     validate(lab, v, r, 128, 640, 256, 0, 0);
     validate(lab, v, r, 1, 1024, 192, 0, 1);
     validate(lab, v, r, 128, 256, 64, 0, 0);
+    if (v == 8) {  // the rows kernel: decode shapes, each tile width, split 1 / 2 / 4, a bias,
+                   // row counts not a multiple of 8 (rows past M never stored: poisoned)
+        const int cases[][4] = {{128, 2048, 4096, 0}, {128, 2048, 2048, 1}, {77, 6144, 2048, 0},
+                                {1, 2048, 12288, 1},  {64, 2048, 12288, 0}, {100, 1024, 8192, 0}};
+        for (const auto& c : cases) {
+            const RowsPlan p = rows_plan(lab->cx, (bf16*)NULL, (bf16*)NULL, (bf16*)NULL, NULL,
+                                         c[0], c[1], c[2]);
+            printf("variant 8 (%d, %d, %d): %s tile %d split %d\n", c[0], c[1], c[2],
+                   p.bn ? "rows kernel" : "cuBLASLt", p.bn, p.split);
+            validate(lab, v, r, c[0], c[1], c[2], c[3], 0);
+        }
+    }
     if (v == 7) {  // decode shapes (o at 128 rows; down at 64)
         validate(lab, v, r, 128, 2048, 2048, 0, 0);
         validate(lab, v, r, 64, 6144, 2048, 0, 0);
     }
-    if (v == 4 || v == 7) {  // run twice (and for variant 4 a row alone): the same bits
-        const int N = 77, IC = 2048, OC = 1024;
+    if (v == 4 || v == 7 || v == 8) {  // run twice (and for 4 and 8 a row alone): the same bits
+        const int N = 77, IC = 2048, OC = v == 8 ? 4096 : 1024;
         std::vector<float> x = rand_bf16(r, (size_t)N * IC, 1.0f),
                            w = rand_bf16(r, (size_t)OC * IC, 0.1f);
         bf16 *d_x = dev_upload_bf16(x), *d_w = dev_upload_bf16(w);
@@ -1009,13 +1082,15 @@ static void validate_variant(Lab* lab, int v, Rng* r) {
         matmul_forward(v, lab->cx, d_b, d_x, d_w, NULL, N, IC, OC);
         std::vector<float> a = dev_download_bf16(d_a, (size_t)N * OC),
                            b = dev_download_bf16(d_b, (size_t)N * OC);
-        lab_check_true(lab, v == 4 ? "few rows: the same bits twice"
-                                   : "v7 row-major: the same bits twice",
+        lab_check_true(lab, v == 4   ? "few rows: the same bits twice"
+                            : v == 8 ? "v8 rows kernel: the same bits twice"
+                                     : "v7 row-major: the same bits twice",
                        memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
-        if (v == 4) {  // (cuBLASLt's plans depend on the row count: not asked of variant 7)
-            matmul_forward(4, lab->cx, d_b, d_x + (size_t)40 * IC, d_w, NULL, 1, IC, OC);
+        if (v != 7) {  // (cuBLASLt's plans depend on the row count: not asked of variant 7)
+            matmul_forward(v, lab->cx, d_b, d_x + (size_t)40 * IC, d_w, NULL, 1, IC, OC);
             std::vector<float> one = dev_download_bf16(d_b, OC);
-            lab_check_true(lab, "few rows: a row alone as in the batch",
+            lab_check_true(lab, v == 4 ? "few rows: a row alone as in the batch"
+                                       : "v8 rows kernel: a row alone as in the batch",
                            memcmp(one.data(), a.data() + (size_t)40 * OC, OC * sizeof(float)) == 0);
         }
         void* bufs[] = {d_x, d_w, d_a, d_b};
@@ -1036,5 +1111,5 @@ int main(int argc, char** argv) {
         else
             argv[n++] = argv[i];
     }
-    return lab_main(n, argv, "matmul", VARIANTS, 7, 7, validate_variant, bench_lab);
+    return lab_main(n, argv, "matmul", VARIANTS, 9, 8, validate_variant, bench_lab);
 }
