@@ -45,6 +45,10 @@
  * CPU's log-prob normaliser). Every order is fixed by V: the same bits on every run. Rows of
  * 8-aligned width are read with 16-byte loads; the walk computes 8 terms at a time. (The sampler
  * before the slices, one block of 1024 threads per row, is the lab's row 1.)
+ *
+ * Every kernel here that production launches waits for the kernel before it (ptx.cuh pdl_wait)
+ * before touching memory and is launched through cuda_launch, so a recorded decode step can
+ * launch it early, during the tail of the kernel before.
  */
 #include <math.h>
 
@@ -74,6 +78,8 @@ __global__ void decode_rope_append_kernel(bf16* __restrict__ out, bf16* __restri
                                           const int32_t* __restrict__ pos,
                                           const int32_t* __restrict__ slot, int maxT, int H,
                                           int KVH, int HD, float eps) {
+    pdl_wait();  // (a recorded decode step: the kernel before has finished; see ptx.cuh)
+    pdl_trigger();
     extern __shared__ float sm[];
     const int heads = H + KVH, QK = heads * HD, KD = KVH * HD, QKV = QK + KD, half = HD / 2;
     float* sx = sm;        // (heads, HD) q and k of this row
@@ -119,6 +125,8 @@ __global__ void __launch_bounds__(ROPE_HEADS * 32)
                                     const int32_t* __restrict__ pos,
                                     const int32_t* __restrict__ slot, int maxT, int H, int KVH,
                                     int HD, float eps) {
+    pdl_wait();
+    pdl_trigger();
     extern __shared__ float sm[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int hh = blockIdx.x * ROPE_HEADS + warp, row = blockIdx.y;
@@ -182,9 +190,8 @@ static void launch_rope_append_rows(CudaCtx* cx, bf16* out, bf16* kc, bf16* vc, 
     const size_t smem = ((size_t)(H + KVH) * HD + (H + KVH)) * sizeof(float);
     if (smem > 48 * 1024)
         fatal("decode rope: %d heads of %d need %zu bytes of shared memory", H + KVH, HD, smem);
-    decode_rope_append_kernel<<<n, ROPE_APPEND_THREADS, smem, cx->stream>>>(
-        out, kc, vc, inp, q_norm_w, k_norm_w, cos, sin, pos, slot, maxT, H, KVH, HD, eps);
-    cuda_check_launch();
+    cuda_launch(cx, decode_rope_append_kernel, dim3(n), dim3(ROPE_APPEND_THREADS), smem, out, kc,
+                vc, inp, q_norm_w, k_norm_w, cos, sin, pos, slot, maxT, H, KVH, HD, eps);
 }
 
 void cuda_decode_rope_append(CudaCtx* cx, bf16* out, bf16* kc, bf16* vc, const bf16* inp,
@@ -201,9 +208,8 @@ void cuda_decode_rope_append(CudaCtx* cx, bf16* out, bf16* kc, bf16* vc, const b
         return;
     }
     const dim3 grid((unsigned)((H + 2 * KVH + ROPE_HEADS - 1) / ROPE_HEADS), (unsigned)n);
-    decode_rope_append_heads_kernel<<<grid, ROPE_HEADS * 32, smem, cx->stream>>>(
-        out, kc, vc, inp, q_norm_w, k_norm_w, cos, sin, pos, slot, maxT, H, KVH, HD, eps);
-    cuda_check_launch();
+    cuda_launch(cx, decode_rope_append_heads_kernel, grid, dim3(ROPE_HEADS * 32), smem, out, kc,
+                vc, inp, q_norm_w, k_norm_w, cos, sin, pos, slot, maxT, H, KVH, HD, eps);
 }
 
 // ----------------------------------------------------------------------------
@@ -400,6 +406,8 @@ __device__ __forceinline__ void dec_partial_store(DecPartial<GM>& p, const DecAt
 // block its warps in index order, into the chunk's partial.
 template <int LPK, int GM, int T>
 __global__ void __launch_bounds__(DEC_WARPS * 32) decode_attention_partial_kernel(DecAttn a) {
+    pdl_wait();
+    pdl_trigger();
     constexpr int KPW = 32 / LPK, TK = KPW * T;
     extern __shared__ float s_o[];  // (DEC_WARPS, group, HD)
     const int i = blockIdx.x, g = blockIdx.y, c = blockIdx.z, HD = a.HD;
@@ -480,6 +488,8 @@ __device__ __forceinline__ void dec_combine_store(const DecAttn& a, int i, int h
 // Block (row i, head h): the chunks holding keys of the row merged in order, the sink logit
 // added, out = o / Σ.
 __global__ void decode_attention_combine_kernel(DecAttn a) {
+    pdl_wait();
+    pdl_trigger();
     const int i = blockIdx.x, h = blockIdx.y;
     int first, c0, c1;
     dec_row_chunks(a, i, &first, &c0, &c1);
@@ -495,6 +505,8 @@ __global__ void decode_attention_combine_kernel(DecAttn a) {
 // the same bits. Needs vec. Shared memory: D x T x 2 x blockDim.x words, then s_o.
 template <int LPK, int GM, int T, int D>
 __global__ void __launch_bounds__(DEC_WARPS * 32) decode_attention_piped_kernel(DecAttn a) {
+    pdl_wait();
+    pdl_trigger();
     constexpr int KPW = 32 / LPK, TK = KPW * T, NT = DEC_WARPS * 32;
     extern __shared__ uint4 s_ring[];  // (D, T, 2, NT)
     const int i = blockIdx.x, g = blockIdx.y, c = blockIdx.z, HD = a.HD, tid = threadIdx.x;
@@ -613,9 +625,8 @@ static size_t dec_smem_bytes(const DecAttn& a, int T, int D) {
 // The register kernel over the split grid (n, KVH, chunks).
 template <int LPK, int GM, int T>
 static void launch_regs(CudaCtx* cx, const DecAttn& a, int n) {
-    decode_attention_partial_kernel<LPK, GM, T>
-        <<<dim3(n, a.KVH, a.chunks), DEC_WARPS * 32, dec_smem_bytes(a, T, 0), cx->stream>>>(a);
-    cuda_check_launch();
+    cuda_launch(cx, decode_attention_partial_kernel<LPK, GM, T>, dim3(n, a.KVH, a.chunks),
+                dim3(DEC_WARPS * 32), dec_smem_bytes(a, T, 0), a);
 }
 
 // The ring kernel with D tiles per thread over the split grid (production: D = 4).
@@ -624,9 +635,8 @@ static void launch_piped(CudaCtx* cx, const DecAttn& a, int n) {
     const size_t smem = dec_smem_bytes(a, T, D);
     cuda_check(cudaFuncSetAttribute(decode_attention_piped_kernel<LPK, GM, T, D>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    decode_attention_piped_kernel<LPK, GM, T, D>
-        <<<dim3(n, a.KVH, a.chunks), DEC_WARPS * 32, smem, cx->stream>>>(a);
-    cuda_check_launch();
+    cuda_launch(cx, decode_attention_piped_kernel<LPK, GM, T, D>, dim3(n, a.KVH, a.chunks),
+                dim3(DEC_WARPS * 32), smem, a);
 }
 
 // The production modes' partials for lane groups of LPK lanes and GM heads held per block: T keys
@@ -674,8 +684,8 @@ static void dec_dispatch(CudaCtx* cx, const DecAttn& a, int n, int mode) {
 
 // The combine of every row's chunks, after the partials.
 static void launch_combine(CudaCtx* cx, const DecAttn& a, int n) {
-    decode_attention_combine_kernel<<<dim3(n, a.H), a.HD <= 128 ? 128 : 256, 0, cx->stream>>>(a);
-    cuda_check_launch();
+    cuda_launch(cx, decode_attention_combine_kernel, dim3(n, a.H), dim3(a.HD <= 128 ? 128 : 256), 0,
+                a);
 }
 
 // The attention with a given chunk length and mode (the production's: DEC_CHUNK and the mode
@@ -798,6 +808,8 @@ __device__ __forceinline__ float sample_scaled(float d, float temperature, float
 __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_slices_kernel(SamplePart* __restrict__ part, const bf16* __restrict__ logits, int V,
                          float temperature, int vec) {
+    pdl_wait();
+    pdl_trigger();
     __shared__ float s_v[32];
     __shared__ int s_i[32];
     __shared__ double s_d[32];
@@ -857,6 +869,8 @@ __global__ void __launch_bounds__(SAMPLE_THREADS)
                        const SamplePart* __restrict__ part, const bf16* __restrict__ logits,
                        const float* __restrict__ u, int V, float temperature, int vec) {
     static_assert(SAMPLE_SLICES == 32, "the pick kernel merges the slices a lane each");
+    pdl_wait();
+    pdl_trigger();
     __shared__ double s_d[32];
     __shared__ double s_r, s_total;  // the rest of u · Σ past the picked slice's start; Σ
     __shared__ float s_mx;
@@ -985,10 +999,8 @@ void cuda_sample_tokens(CudaCtx* cx, int32_t* tokens, float* logp, const bf16* l
     // the attention's workspace: free once its combine is enqueued (stream order)
     SamplePart* part =
         (SamplePart*)cuda_scratch(cx, SCRATCH_ATTN, sample_scratch_bytes(n));
-    sample_slices_kernel<<<dim3(SAMPLE_SLICES, n), SAMPLE_THREADS, 0, cx->stream>>>(
-        part, logits, V, temperature, vec);
-    cuda_check_launch();
-    sample_pick_kernel<<<n, SAMPLE_THREADS, 0, cx->stream>>>(tokens, logp, part, logits, u, V,
-                                                             temperature, vec);
-    cuda_check_launch();
+    cuda_launch(cx, sample_slices_kernel, dim3(SAMPLE_SLICES, n), dim3(SAMPLE_THREADS), 0, part,
+                logits, V, temperature, vec);
+    cuda_launch(cx, sample_pick_kernel, dim3(n), dim3(SAMPLE_THREADS), 0, tokens, logp, part,
+                logits, u, V, temperature, vec);
 }

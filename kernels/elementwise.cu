@@ -9,8 +9,13 @@
  *
  * Rounding mirrors HF transformers in bf16: silu(gate) is rounded to bf16 before the product with
  * up (act_fn(gate) * up is two bf16 tensor ops there).
+ *
+ * The decode step's two (the embedding gather and the SwiGLU forward) wait for the kernel before
+ * them (ptx.cuh pdl_wait) before touching memory and are launched through cuda_launch, so a
+ * recorded decode step can launch them early, during the tail of the kernel before.
  */
 #include "common.cuh"
+#include "ptx.cuh"
 
 // ----------------------------------------------------------------------------
 // fp32 <-> bf16
@@ -55,6 +60,8 @@ template <int VEC>
 __global__ void embedding_forward_kernel(bf16* __restrict__ out, const int32_t* __restrict__ ids,
                                          const bf16* __restrict__ wte, int N, int C, int V,
                                          int* err) {
+    pdl_wait();  // (a recorded decode step: the kernel before has finished; see ptx.cuh)
+    pdl_trigger();
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
     if (row >= N) return;
     int id = ids[row];
@@ -79,12 +86,11 @@ void cuda_embedding_forward(CudaCtx* cx, bf16* out, const int32_t* ids, const bf
     const int warps = 8;
     unsigned grid = grid_size((size_t)N, warps);
     if (C % 8 == 0 && is_aligned16(out) && is_aligned16(wte))
-        embedding_forward_kernel<8><<<grid, warps * 32, 0, cx->stream>>>(out, ids, wte, N, C, V,
-                                                                          cx->d_error);
+        cuda_launch(cx, embedding_forward_kernel<8>, grid, dim3(warps * 32), 0, out, ids, wte, N,
+                    C, V, cx->d_error);
     else
-        embedding_forward_kernel<1><<<grid, warps * 32, 0, cx->stream>>>(out, ids, wte, N, C, V,
-                                                                          cx->d_error);
-    cuda_check_launch();
+        cuda_launch(cx, embedding_forward_kernel<1>, grid, dim3(warps * 32), 0, out, ids, wte, N,
+                    C, V, cx->d_error);
 }
 
 // ----------------------------------------------------------------------------
@@ -95,6 +101,8 @@ __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + __ex
 template <int VEC>
 __global__ void swiglu_forward_kernel(bf16* __restrict__ out, const bf16* __restrict__ gu,
                                       size_t n_vec, int F) {
+    pdl_wait();
+    pdl_trigger();
     const int FV = F / VEC;
     for (size_t v = blockIdx.x * (size_t)blockDim.x + threadIdx.x; v < n_vec;
          v += (size_t)gridDim.x * blockDim.x) {
@@ -138,11 +146,11 @@ void cuda_swiglu_forward(CudaCtx* cx, bf16* out, const bf16* gu, int N, int F) {
     if (N <= 0 || F <= 0) return;
     size_t n = (size_t)N * F;
     if (F % 8 == 0 && is_aligned16(out) && is_aligned16(gu))
-        swiglu_forward_kernel<8><<<stride_grid(cx, n / 8, 256), 256, 0, cx->stream>>>(out, gu,
-                                                                                     n / 8, F);
+        cuda_launch(cx, swiglu_forward_kernel<8>, dim3(stride_grid(cx, n / 8, 256)), dim3(256), 0,
+                    out, gu, n / 8, F);
     else
-        swiglu_forward_kernel<1><<<stride_grid(cx, n, 256), 256, 0, cx->stream>>>(out, gu, n, F);
-    cuda_check_launch();
+        cuda_launch(cx, swiglu_forward_kernel<1>, dim3(stride_grid(cx, n, 256)), dim3(256), 0, out,
+                    gu, n, F);
 }
 
 void cuda_swiglu_backward(CudaCtx* cx, bf16* dgu, const bf16* dout, const bf16* gu, int N, int F) {

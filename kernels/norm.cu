@@ -12,7 +12,9 @@
  * two passes; rmsnorm_forward_kernel walks any row in a loop, one vector at a time (wider or
  * unaligned rows). Warps per block shrink with N (rmsnorm_forward_warps) so that the decode's
  * few rows (N = 128) spread over every SM instead of 16 blocks; a row's math never depends on
- * the block shape.
+ * the block shape. Both forward kernels wait for the kernel before them (ptx.cuh pdl_wait) before
+ * touching memory and are launched through cuda_launch, so a recorded decode step can launch
+ * them early, during the tail of the kernel before.
  *
  * Backward: one block per group of rows (about 512 blocks, a function of N only). For each row
  * a block sum gives mean(g·x̂); dinp += rstd (g - x̂ mean) with g = dy·w. For dw every thread owns
@@ -21,6 +23,7 @@
  * No atomics.
  */
 #include "common.cuh"
+#include "ptx.cuh"
 
 // ----------------------------------------------------------------------------
 // forward
@@ -31,6 +34,8 @@ template <int VEC>
 __global__ void rmsnorm_forward_kernel(bf16* res, bf16* __restrict__ out, float* __restrict__ rstd,
                                        const bf16* a, const bf16* b, const bf16* __restrict__ w,
                                        int N, int C, float eps) {
+    pdl_wait();  // (a recorded decode step: the kernel before has finished; see ptx.cuh)
+    pdl_trigger();
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
     if (row >= N) return;
     const size_t off = (size_t)row * C;
@@ -81,6 +86,8 @@ __global__ void __launch_bounds__(256)
     rmsnorm_forward_regs_kernel(bf16* res, bf16* __restrict__ out, float* __restrict__ rstd,
                                 const bf16* a, const bf16* b, const bf16* __restrict__ w, int N,
                                 int C, float eps) {
+    pdl_wait();
+    pdl_trigger();
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
     if (row >= N) return;
     const size_t off = (size_t)row * C;
@@ -150,22 +157,22 @@ void cuda_rmsnorm_forward(CudaCtx* cx, bf16* res, bf16* out, float* rstd, const 
     int vec = C % 8 == 0 && is_aligned16(out) && is_aligned16(a) && is_aligned16(w) &&
               (!b || (is_aligned16(b) && is_aligned16(res)));
     const int nv = vec ? (C + 255) / 256 : 0;  // 16-byte vectors per lane
+    const dim3 block(warps * 32);
     if (vec && nv <= 4)
-        rmsnorm_forward_regs_kernel<4><<<grid, warps * 32, 0, cx->stream>>>(res, out, rstd, a, b,
-                                                                             w, N, C, eps);
+        cuda_launch(cx, rmsnorm_forward_regs_kernel<4>, grid, block, 0, res, out, rstd, a, b, w, N,
+                    C, eps);
     else if (vec && nv <= 8)
-        rmsnorm_forward_regs_kernel<8><<<grid, warps * 32, 0, cx->stream>>>(res, out, rstd, a, b,
-                                                                             w, N, C, eps);
+        cuda_launch(cx, rmsnorm_forward_regs_kernel<8>, grid, block, 0, res, out, rstd, a, b, w, N,
+                    C, eps);
     else if (vec && nv <= NORM_FWD_MAX_NV)
-        rmsnorm_forward_regs_kernel<NORM_FWD_MAX_NV><<<grid, warps * 32, 0, cx->stream>>>(
-            res, out, rstd, a, b, w, N, C, eps);
+        cuda_launch(cx, rmsnorm_forward_regs_kernel<NORM_FWD_MAX_NV>, grid, block, 0, res, out,
+                    rstd, a, b, w, N, C, eps);
     else if (vec)
-        rmsnorm_forward_kernel<8><<<grid, warps * 32, 0, cx->stream>>>(res, out, rstd, a, b, w, N,
-                                                                        C, eps);
+        cuda_launch(cx, rmsnorm_forward_kernel<8>, grid, block, 0, res, out, rstd, a, b, w, N, C,
+                    eps);
     else
-        rmsnorm_forward_kernel<1><<<grid, warps * 32, 0, cx->stream>>>(res, out, rstd, a, b, w, N,
-                                                                        C, eps);
-    cuda_check_launch();
+        cuda_launch(cx, rmsnorm_forward_kernel<1>, grid, block, 0, res, out, rstd, a, b, w, N, C,
+                    eps);
 }
 
 // ----------------------------------------------------------------------------
