@@ -86,7 +86,8 @@ typedef struct CudaCtx {
                                 // before then read the old one: stale)
     uint64_t capture_epoch;     // scratch_epoch when the recording in progress began
     int sm90;                   // a compute capability 9.0 device (the sm_90a kernels run)
-    int rows_max_clusters[4][4];  // matmul_rows.cuh: resident clusters per (tile, split); 0 unknown
+    int rows_max_clusters[3][4][4];  // matmul_rows.cuh: resident clusters per (kernel kind,
+                                     // tile, split); 0 unknown
     void* encode_tiled;         // matmul_rows.cuh: the driver's cuTensorMapEncodeTiled (NULL: not yet)
     int recording;              // a decode step is being recorded (op_graph_begin .. graph_end):
                                 // cuda_launch adds programmatic serialization, weights constant
@@ -239,6 +240,10 @@ void cuda_rmsnorm_backward(CudaCtx* cx, bf16* dinp, float* dw, const bf16* dout,
                            const bf16* w, const float* rstd, int N, int C);
 
 // matmul.cu
+// out (N, F) = silu(gate) · up of gu = inp · wᵀ (w: (2F, IC) = [gate; up]) without storing gu,
+// with matmul then swiglu's roundings; 0 (nothing done) when the rows kernel does not apply.
+int cuda_matmul_swiglu_forward(CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w, int N,
+                               int IC, int F);
 void cuda_matmul_forward(CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w, const bf16* bias,
                          int N, int IC, int OC);
 void cuda_matmul_backward(CudaCtx* cx, bf16* dinp, float* dw, float* dbias, const bf16* dout,

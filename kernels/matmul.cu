@@ -228,6 +228,14 @@ static void matmul_forward_orient(CudaCtx* cx, bf16* out, const bf16* inp, const
     }
 }
 
+int cuda_matmul_swiglu_forward(CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w, int N,
+                               int IC, int F) {
+    const RowsPlan p = rows_plan_for(cx, out, inp, w, N, IC, F, 1);
+    if (!p.bn) return 0;
+    matmul_rows_launch(cx, out, inp, w, NULL, N, IC, F, p);
+    return 1;
+}
+
 // Few rows (the decode step) on the rows kernel of matmul_rows.cuh where it applies, else
 // cuBLASLt in the column-major orientation.
 void cuda_matmul_forward(CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w, const bf16* bias,

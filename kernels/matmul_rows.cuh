@@ -23,8 +23,10 @@
  *   BN x 64) into a STAGES-deep ring. Stage s is published by mbarrier full[s] (one arrival
  *   with the stage's byte count, completed by the copies' transaction bytes) and released by
  *   empty[s] (one arrival per consumer warp once its wgmmas on it have retired). (Copies by
- *   cp.async from 128 producer threads ran at ~35 GB/s per SM whatever the stage count: the
- *   lab's session-13 numbers, docs/PERF.md.)
+ *   cp.async from 128 producer threads ran at ~35 GB/s per SM whatever the stage count; the TMA
+ *   takes ~50-60 GB/s per SM, with one CTA per SM or two: the lab's session-13 numbers,
+ *   docs/PERF.md. The rows' tile is read again by every CTA of a k range, so the plan below
+ *   weighs each CTA's (BN + 128) x k bytes.)
  *   The tensor maps use the 128-byte swizzle: row r of a tile is 128 bytes at r * 128 with its
  *   16-byte chunk c at (c ^ (r & 7)) * 16, the K-major layout wgmma reads (descriptor of k-step
  *   kk: start + 32 kk, SBO 1024; kernels/attention_common.cuh describes it); every tile starts
@@ -40,6 +42,10 @@
  *   starts while the kernel before (a norm, the attention's combine, SwiGLU) is still running;
  *   the rows tiles (that kernel's output) are copied only after pdl_wait. Weights are constant
  *   during a recorded step. Outside recordings nothing is issued before the wait.
+ * Fused SwiGLU (cuda_matmul_swiglu_forward, the decode step's MLP): the gate_up product with a
+ *   CTA on BN/2 features, its gate rows and up rows in one tile, writes silu(gate) · up directly
+ *   (the SwiGLU kernel and the (M, 2F) product's store and load disappear) with the roundings of
+ *   the two ops.
  * Conditions (else cuBLASLt): M <= 128, IC a multiple of 64 · SPLIT, OC a multiple of BN,
  *   inp / W / out 16-byte aligned, an sm_90a build on a 9.0 device, and a configuration that
  *   fills at least half the SMs.
@@ -58,17 +64,17 @@
 
 #define RG_ROWS 128   // rows a CTA holds (two consumer warpgroups of 64)
 #define RG_BK 64      // k per stage (128 bytes: one swizzled row)
-#define RG_STAGES 6
+#define RG_STAGES 6      // ring depth of production (one CTA per SM)
+#define RG_STAGES_2 4    // the lab's alternative: two CTAs of tiles <= 64 per SM
 #define RG_THREADS 288  // 2 consumer warpgroups + the producer warp
 #define RG_MAX_SPLIT 8
 #define RG_X_BYTES (RG_ROWS * RG_BK * 2)  // 16 KiB
 #define RG_RED_PAD 4                      // fp32 per row of padding in the split-K tile
-#define RG_N_BN 4                         // tile widths: 32, 64, 96, 128
 
 static __host__ __device__ constexpr int rg_stage_bytes(int bn) { return RG_X_BYTES + bn * RG_BK * 2; }
 // ring + room to align the base to 1024 bytes + the mbarriers (2 per stage)
-static __host__ __device__ constexpr int rg_smem_bytes(int bn) {
-    return RG_STAGES * rg_stage_bytes(bn) + 1024 + 16 * RG_STAGES;
+static __host__ __device__ constexpr int rg_smem_bytes(int bn, int stages) {
+    return stages * rg_stage_bytes(bn) + 1024 + 16 * stages;
 }
 
 // ----------------------------------------------------------------------------
@@ -203,6 +209,9 @@ __device__ __forceinline__ float4 rg_ld_cluster(uint32_t addr, uint32_t rank) {
 #endif
     return v;
 }
+// swiglu_forward's sigmoid (elementwise.cu sigmoid_f): the same expression, the same bits.
+__device__ __forceinline__ float rg_sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
+
 // The consumers' named barrier (256 threads; barrier 0 is __syncthreads).
 __device__ __forceinline__ void rg_consumers_sync() {
     asm volatile("bar.sync 1, 256;\n" ::: "memory");
@@ -211,13 +220,18 @@ __device__ __forceinline__ void rg_consumers_sync() {
 // ----------------------------------------------------------------------------
 // the kernel
 
-template <int BN>
+// SWIGLU: the weight is [gate (OC rows); up (OC rows)] and the CTA's BN rows are gate rows n0 ..
+// n0 + BN/2 and the up rows OC + n0 .. (two boxes of BN/2 rows, tm_w's box), so each thread holds
+// a feature's gate and up sums (accumulator columns c and c + BN/2): out (M, OC) = silu(gate) ·
+// up with every rounding of matmul then swiglu_forward (elementwise.cu): gate and up to bf16,
+// silu(gate) to bf16, the product to bf16. Split 1 only.
+template <int BN, int S, bool SWIGLU>
 __global__ void __launch_bounds__(RG_THREADS, 1)
     matmul_rows_kernel(const __grid_constant__ CUtensorMap tm_x,
                        const __grid_constant__ CUtensorMap tm_w, bf16* __restrict__ out,
                        const bf16* __restrict__ bias, int M, int IC, int OC, int w_early) {
 #if RG_ENABLED
-    constexpr int S = RG_STAGES, SB = rg_stage_bytes(BN), NI = BN / 8;
+    constexpr int SB = rg_stage_bytes(BN), NI = BN / 8;
     extern __shared__ __align__(1024) unsigned char rg_smem[];
     const uint32_t sbase = (smem_u32(rg_smem) + 1023u) & ~1023u;
     const uint32_t bar_full = sbase + S * SB;     // [S] stage landed (1 arrival + its bytes)
@@ -226,7 +240,16 @@ __global__ void __launch_bounds__(RG_THREADS, 1)
     const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
     const int wg = warp >> 2;
     const int split = gridDim.x, kper = IC / split, n_kt = kper / RG_BK;
-    const int k_begin = blockIdx.x * kper, n0 = blockIdx.y * BN;
+    const int k_begin = blockIdx.x * kper, n0 = blockIdx.y * (SWIGLU ? BN / 2 : BN);
+    // the weight tile's copies: rows n0 .. (one box), or gate rows n0 and up rows OC + n0
+    auto load_w = [&](uint32_t dst, int k0, uint32_t bar) {
+        if (SWIGLU) {
+            rg_tma_load(dst, &tm_w, k0, n0, bar);
+            rg_tma_load(dst + (BN / 2) * 128, &tm_w, k0, OC + n0, bar);
+        } else {
+            rg_tma_load(dst, &tm_w, k0, n0, bar);
+        }
+    };
     if (tid == 0) {
         for (int s = 0; s < S; s++) {
             mbar_init(bar_full + 8 * s, 1);
@@ -242,8 +265,7 @@ __global__ void __launch_bounds__(RG_THREADS, 1)
             const int pre = w_early ? (n_kt < S ? n_kt : S) : 0;
             for (int u = 0; u < pre; u++) {  // weights only: constant during a recorded step
                 rg_arrive_expect_tx(bar_full + 8 * u, SB);
-                rg_tma_load(sbase + u * SB + RG_X_BYTES, &tm_w, k_begin + u * RG_BK, n0,
-                            bar_full + 8 * u);
+                load_w(sbase + u * SB + RG_X_BYTES, k_begin + u * RG_BK, bar_full + 8 * u);
             }
             pdl_wait();  // the rows (the kernel before's output) only once it has completed
             pdl_trigger();
@@ -254,7 +276,7 @@ __global__ void __launch_bounds__(RG_THREADS, 1)
                 if (u >= S) mbar_wait(bar_empty + 8 * s, ((u / S) & 1) ^ 1);
                 if (u >= pre) {
                     rg_arrive_expect_tx(full, SB);
-                    rg_tma_load(st + RG_X_BYTES, &tm_w, k0, n0, full);
+                    load_w(st + RG_X_BYTES, k0, full);
                 }
                 rg_tma_load(st, &tm_x, k0, 0, full);
             }
@@ -293,6 +315,28 @@ __global__ void __launch_bounds__(RG_THREADS, 1)
     // Accumulator of consumer thread (warp v of warpgroup wg, g = lane / 4, t = lane % 4):
     // acc[i][q] is row 64 wg + 16 v + g + 8 (q / 2), column 8 i + 2 t + (q % 2) of the tile.
     const int v = warp & 3, g = lane >> 2, t = lane & 3;
+    if (SWIGLU) {
+        if (wg == 2) return;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int m = wg * 64 + 16 * v + g + 8 * h;
+            if (m >= M) continue;
+            bf16* orow = out + (size_t)m * OC + n0;
+#pragma unroll
+            for (int i = 0; i < NI / 2; i++) {
+                float y[2];
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const float gt = bf16_round(acc[i][2 * h + e]);
+                    const float up = bf16_round(acc[i + NI / 2][2 * h + e]);
+                    y[e] = bf16_round(gt * rg_sigmoid(gt)) * up;
+                }
+                *reinterpret_cast<__nv_bfloat162*>(orow + 8 * i + 2 * t) =
+                    __floats2bfloat162_rn(y[0], y[1]);
+            }
+        }
+        return;
+    }
     if (split == 1) {
         if (wg == 2) return;
 #pragma unroll
@@ -368,6 +412,8 @@ __global__ void __launch_bounds__(RG_THREADS, 1)
 
 typedef struct RowsPlan {
     int bn, split;  // 0: not this kernel
+    int stages;     // RG_STAGES (production) or RG_STAGES_2 (the lab's two CTAs per SM)
+    int swiglu;     // the fused gate_up + SwiGLU (out is (M, OC/2); split 1)
 } RowsPlan;
 
 typedef void (*RowsKernel)(const CUtensorMap, const CUtensorMap, bf16*, const bf16*, int, int, int,
@@ -375,25 +421,33 @@ typedef void (*RowsKernel)(const CUtensorMap, const CUtensorMap, bf16*, const bf
 
 static int rg_bn_index(int bn) { return bn / 32 - 1; }
 static int rg_split_index(int split) { return split == 1 ? 0 : split == 2 ? 1 : split == 4 ? 2 : 3; }
-static RowsKernel rg_kernel(int bn) {
-    return bn == 32   ? matmul_rows_kernel<32>
-           : bn == 64 ? matmul_rows_kernel<64>
-           : bn == 96 ? matmul_rows_kernel<96>
-                      : matmul_rows_kernel<128>;
+static RowsKernel rg_kernel(int bn, int stages, int swiglu) {
+    if (swiglu)
+        return bn == 64   ? matmul_rows_kernel<64, RG_STAGES, true>
+               : bn == 96 ? matmul_rows_kernel<96, RG_STAGES, true>
+                          : matmul_rows_kernel<128, RG_STAGES, true>;
+    if (stages == RG_STAGES_2)
+        return bn == 32 ? matmul_rows_kernel<32, RG_STAGES_2, false>
+                        : matmul_rows_kernel<64, RG_STAGES_2, false>;
+    return bn == 32   ? matmul_rows_kernel<32, RG_STAGES, false>
+           : bn == 64 ? matmul_rows_kernel<64, RG_STAGES, false>
+           : bn == 96 ? matmul_rows_kernel<96, RG_STAGES, false>
+                      : matmul_rows_kernel<128, RG_STAGES, false>;
 }
 
 // Clusters of `split` CTAs of the BN kernel that can be resident at once (cached in the context;
 // also sets the kernel's shared-memory attribute, once).
-static int rg_max_clusters(CudaCtx* cx, int bn, int split) {
-    int* slot = &cx->rows_max_clusters[rg_bn_index(bn)][rg_split_index(split)];
+static int rg_max_clusters(CudaCtx* cx, int bn, int split, int stages, int swiglu) {
+    int* slot = &cx->rows_max_clusters[swiglu ? 2 : stages == RG_STAGES_2][rg_bn_index(bn)]
+                                      [rg_split_index(split)];
     if (*slot) return *slot;
-    RowsKernel kernel = rg_kernel(bn);
+    RowsKernel kernel = rg_kernel(bn, stages, swiglu);
     cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    rg_smem_bytes(bn)));
+                                    rg_smem_bytes(bn, stages)));
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(split, 1024 / split);
     cfg.blockDim = dim3(RG_THREADS);
-    cfg.dynamicSmemBytes = rg_smem_bytes(bn);
+    cfg.dynamicSmemBytes = rg_smem_bytes(bn, stages);
     cudaLaunchAttribute attr;
     attr.id = cudaLaunchAttributeClusterDimension;
     attr.val.clusterDim.x = split;
@@ -407,31 +461,45 @@ static int rg_max_clusters(CudaCtx* cx, int bn, int split) {
     return *slot;
 }
 
-// Whether the rows kernel can take the product and with which tile: the most CTAs in one wave
-// (CTAs <= SMs, clusters <= those the device holds), ties to the smaller split (less to sum),
-// then the wider tile (fewer reads of the rows); none when no configuration fills half the SMs
-// (cuBLASLt then).
-static RowsPlan rows_plan(CudaCtx* cx, const bf16* out, const bf16* inp, const bf16* w,
-                          const bf16* bias, int M, int IC, int OC) {
-    RowsPlan best = {0, 0};
-    (void)bias;
+// Whether the rows kernel can take the product and with which tile. A CTA streams its weight
+// slice and the rows' slice, (BN + 128) x IC / SPLIT elements, and one SM takes them in at
+// about 60 GB/s whatever the tile (the lab's session-13 numbers), so the plan is the one wave
+// (CTAs <= SMs, clusters <= those the device holds) with the most CTAs, ties to the least per
+// CTA; none when no configuration fills half the SMs (cuBLASLt then: the LM head's 1,187 tiles
+// of 128 run in waves there; the rows kernel in waves measured no faster, docs/PERF.md). swiglu: the fused gate_up +
+// SwiGLU (OC features, the weight 2 OC rows): split 1, a CTA on BN/2 features.
+static RowsPlan rows_plan_for(CudaCtx* cx, const bf16* out, const bf16* inp, const bf16* w, int M,
+                              int IC, int OC, int swiglu) {
+    RowsPlan best = {0, 0, RG_STAGES, swiglu};
     if (!ATTN_WGMMA_BUILD || !cx->sm90 || M <= 0 || M > RG_ROWS || IC % RG_BK != 0 ||
         !is_aligned16(out) || !is_aligned16(inp) || !is_aligned16(w) ||
-        rg_smem_bytes(128) > (int)cx->max_smem_optin)
+        rg_smem_bytes(128, RG_STAGES) > (int)cx->max_smem_optin)
         return best;
+    long long best_cost = 0;
     int best_ctas = 0;
-    for (int split = 1; split <= RG_MAX_SPLIT && IC % (split * RG_BK) == 0; split *= 2)
-        for (int bn = 32; bn <= 128; bn += 32) {
-            if (OC % bn != 0) continue;
-            const long long ctas = (long long)(OC / bn) * split;
-            if (ctas > cx->n_sms || ctas <= best_ctas) continue;
-            if (split > 1 && OC / bn > rg_max_clusters(cx, bn, split)) continue;
+    for (int split = 1; split <= (swiglu ? 1 : RG_MAX_SPLIT) && IC % (split * RG_BK) == 0;
+         split *= 2)
+        for (int bn = swiglu ? 64 : 32; bn <= 128; bn += 32) {
+            const int cols = swiglu ? bn / 2 : bn;  // output columns per CTA
+            if (OC % cols != 0) continue;
+            const long long ctas = (long long)(OC / cols) * split;
+            const long long cost = (long long)(bn + RG_ROWS) * (IC / split);
+            if (ctas > cx->n_sms || 2 * ctas < cx->n_sms) continue;
+            if (best.bn && (ctas < best_ctas || (ctas == best_ctas && cost >= best_cost))) continue;
+            if (split > 1 && OC / cols > rg_max_clusters(cx, bn, split, RG_STAGES, swiglu))
+                continue;
+            best_cost = cost;
             best_ctas = (int)ctas;
             best.bn = bn;
             best.split = split;
         }
-    if (2 * best_ctas < cx->n_sms) best.bn = best.split = 0;
     return best;
+}
+
+static RowsPlan rows_plan(CudaCtx* cx, const bf16* out, const bf16* inp, const bf16* w,
+                          const bf16* bias, int M, int IC, int OC) {
+    (void)bias;
+    return rows_plan_for(cx, out, inp, w, M, IC, OC, 0);
 }
 
 // A 2-D row-major bf16 tensor (rows x cols) as a tensor map with boxes of box_rows x 64 columns
@@ -463,14 +531,15 @@ static CUtensorMap rg_tensor_map(CudaCtx* cx, const bf16* p, int rows, int cols,
 
 static void matmul_rows_launch(CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w,
                                const bf16* bias, int M, int IC, int OC, RowsPlan p) {
-    RowsKernel kernel = rg_kernel(p.bn);
-    rg_max_clusters(cx, p.bn, p.split);  // (sets the kernel's shared-memory attribute once)
+    RowsKernel kernel = rg_kernel(p.bn, p.stages, p.swiglu);
+    rg_max_clusters(cx, p.bn, p.split, p.stages, p.swiglu);  // (sets the smem attribute once)
     const CUtensorMap tm_x = rg_tensor_map(cx, inp, M, IC, RG_ROWS);
-    const CUtensorMap tm_w = rg_tensor_map(cx, w, OC, IC, p.bn);
+    const CUtensorMap tm_w = p.swiglu ? rg_tensor_map(cx, w, 2 * OC, IC, p.bn / 2)
+                                      : rg_tensor_map(cx, w, OC, IC, p.bn);
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(p.split, OC / p.bn);
+    cfg.gridDim = dim3(p.split, OC / (p.swiglu ? p.bn / 2 : p.bn));
     cfg.blockDim = dim3(RG_THREADS);
-    cfg.dynamicSmemBytes = rg_smem_bytes(p.bn);
+    cfg.dynamicSmemBytes = rg_smem_bytes(p.bn, p.stages);
     cfg.stream = cx->stream;
     cudaLaunchAttribute attr[2];
     attr[0].id = cudaLaunchAttributeClusterDimension;

@@ -459,6 +459,16 @@ static void op_attention_sink_backward(void* ctx, void* dqkv, float* dsinks, con
     prof_end(cx);
 }
 
+static int op_matmul_swiglu_forward(void* ctx, void* out, const void* inp, const void* w, int N,
+                                    int IC, int F) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 4.0 * N * IC * F, 0, "matmul+swiglu fwd N=%d IC=%d F=%d", N, IC, F);
+    const int done =
+        cuda_matmul_swiglu_forward(cx, (bf16*)out, (const bf16*)inp, (const bf16*)w, N, IC, F);
+    prof_end(cx);
+    return done;
+}
+
 static void op_swiglu_forward(void* ctx, void* out, const void* gu, int N, int F) {
     CudaCtx* cx = ctx_enter(ctx);
     prof_begin(cx, 0, 6.0 * N * F, "swiglu fwd N=%d F=%d", N, F);
@@ -786,6 +796,7 @@ extern "C" const Ops ops_cuda = {
     .attention_forward = op_attention_forward,
     .attention_backward = op_attention_backward,
     .swiglu_forward = op_swiglu_forward,
+    .matmul_swiglu_forward = op_matmul_swiglu_forward,
     .swiglu_backward = op_swiglu_backward,
     .add = op_add,
     .scale = op_scale,

@@ -564,10 +564,16 @@ static void block_forward_after_attention(const Model* m, Workspace* ws, BlockAc
         if (x_out) ops->add(ctx, x_out, a->h, ws->proj, (size_t)n * C);
         return;
     }
-    // MLP: x' = h + down(silu(gate(ln2)) * up(ln2))
-    linear_forward(m, ws, block, LORA_GATE_UP, slab, a->gu, a->ln2, at(ws, slab, bl->wgu), NULL,
-                   n, C, 2 * F, 0, lora_t_at(m, ws, a, block, LORA_GATE_UP, n));
-    ops->swiglu_forward(ctx, a->act, a->gu, n, F);
+    // MLP: x' = h + down(silu(gate(ln2)) * up(ln2)). The decode step (x_out NULL: nothing keeps
+    // gu) takes the backend's fused gate_up + SwiGLU where it has one and no adapter applies.
+    const int fused = !x_out && m->tt.lora.r <= 0 && ops->matmul_swiglu_forward &&
+                      ops->matmul_swiglu_forward(ctx, a->act, a->ln2, at(ws, slab, bl->wgu), n, C,
+                                                 F);
+    if (!fused) {
+        linear_forward(m, ws, block, LORA_GATE_UP, slab, a->gu, a->ln2, at(ws, slab, bl->wgu),
+                       NULL, n, C, 2 * F, 0, lora_t_at(m, ws, a, block, LORA_GATE_UP, n));
+        ops->swiglu_forward(ctx, a->act, a->gu, n, F);
+    }
     linear_forward(m, ws, block, LORA_BIT(LORA_DOWN), slab, ws->proj, a->act,
                    at(ws, slab, bl->wdown), NULL, n, F, C, 0,
                    lora_t_at(m, ws, a, block, LORA_BIT(LORA_DOWN), n));

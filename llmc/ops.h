@@ -107,6 +107,11 @@ typedef struct Ops {
     // ---- SwiGLU ----
     // out (N, F) = silu(gate) * up with gu (N, 2F) = [gate | up].
     void (*swiglu_forward)(void* ctx, void* out, const void* gu, int N, int F);
+    // out (N, F) = silu(gate) * up of gu = inp (N, IC) · w (2F, IC)ᵀ without storing gu, with the
+    // roundings of matmul_forward then swiglu_forward. Returns 0 (nothing done: call those two)
+    // when the backend has no fused path for the shape; NULL: none (the CPU backend).
+    int (*matmul_swiglu_forward)(void* ctx, void* out, const void* inp, const void* w, int N,
+                                 int IC, int F);
     // dgu (N, 2F) = gradient w.r.t. gate and up (overwritten).
     void (*swiglu_backward)(void* ctx, void* dgu, const void* dout, const void* gu, int N, int F);
 

@@ -840,23 +840,27 @@ static void bench_rows_configs(Lab* lab, const char* name, int rows, int IC, int
     bf16* ref = dev_alloc<bf16>((size_t)rows * OC);
     matmul_forward(2, cx, ref, x, w, NULL, rows, IC, OC);
     const std::vector<float> hr = dev_download_bf16(ref, (size_t)rows * OC);
-    for (int bn = 32; bn <= 128; bn += 32) {
+    const int depths[2] = {RG_STAGES, RG_STAGES_2};
+    for (int stages : depths)
+    for (int bn = 32; bn <= (stages == RG_STAGES ? 128 : 64); bn += 32) {
         if (OC % bn) continue;
+        // (the shallow ring fits two CTAs per SM: up to two waves' worth resident at once)
+        const int max_ctas = (stages == RG_STAGES ? 1 : 2) * cx->n_sms;
         for (int split = 1; split <= RG_MAX_SPLIT && IC % (split * RG_BK) == 0; split *= 2) {
-            const int ctas = OC / bn * split, clusters = rg_max_clusters(cx, bn, split);
-            if (ctas > cx->n_sms || (split > 1 && OC / bn > clusters)) continue;
-            const RowsPlan p = {bn, split};
+            const int ctas = OC / bn * split, clusters = rg_max_clusters(cx, bn, split, stages, 0);
+            if (ctas > max_ctas || (split > 1 && OC / bn > clusters)) continue;
+            const RowsPlan p = {bn, split, stages, 0};
             dev_poison(out, (size_t)rows * OC * 2);
             matmul_rows_launch(cx, out, x, w, NULL, rows, IC, OC, p);
             char what[160], shape[128];
-            snprintf(what, sizeof what, "v9 %s rows=%d tile %d split %d: out vs variant 2", name,
-                     rows, bn, split);
+            snprintf(what, sizeof what, "v9 %s rows=%d tile %d split %d ring %d: out vs variant 2",
+                     name, rows, bn, split, stages);
             lab_check(lab, what, dev_download_bf16(out, (size_t)rows * OC).data(), hr.data(),
                       (size_t)rows * OC, TOL_BF16);
             const double ms =
                 lab_time_ms(lab, [&] { matmul_rows_launch(cx, out, x, w, NULL, rows, IC, OC, p); });
-            snprintf(shape, sizeof shape, "%s N=%d tile %d split %d (%d CTAs, %d clusters max)",
-                     name, rows, bn, split, ctas, clusters);
+            snprintf(shape, sizeof shape, "%s N=%d tile %d split %d ring %d (%d CTAs, %d clusters)",
+                     name, rows, bn, split, stages, ctas, clusters);
             lab_report_bw("matmul fwd (decode, rows kernel)", 9, shape, "weights once, x, out",
                           bytes, ms);
         }
@@ -905,6 +909,22 @@ static void bench_decode(Lab* lab) {
                     if (rows <= RG_ROWS) bench_rows_configs(lab, sh.name, rows, sh.IC, sh.OC, x, w,
                                                             out, bytes);
                     continue;
+                }
+                if (v == 8 && !strcmp(sh.name, "gate_up") && rows <= RG_ROWS) {
+                    // the fused gate_up + SwiGLU against the product then SwiGLU
+                    bf16* act = dev_alloc<bf16>((size_t)rows * sh.OC / 2);
+                    const double t2 = lab_time_ms(lab, [&] {
+                        matmul_forward(8, cx, out, x, w, NULL, rows, sh.IC, sh.OC);
+                        cuda_swiglu_forward(cx, act, out, rows, sh.OC / 2);
+                    });
+                    const double t1 = lab_time_ms(lab, [&] {
+                        cuda_matmul_swiglu_forward(cx, act, x, w, rows, sh.IC, sh.OC / 2);
+                    });
+                    lab_report_bw("gate_up + swiglu (decode, two ops)", 8, shape,
+                                  "weights once, x, out", bytes, t2);
+                    lab_report_bw("gate_up + swiglu (decode, fused)", 8, shape,
+                                  "weights once, x, out", bytes, t1);
+                    cuda_check(cudaFree(act));
                 }
                 if (v == 8) {
                     const RowsPlan p = rows_plan(cx, out, x, w, NULL, rows, sh.IC, sh.OC);
@@ -1067,6 +1087,27 @@ static void validate_variant(Lab* lab, int v, Rng* r) {
                    p.bn ? "rows kernel" : "cuBLASLt", p.bn, p.split);
             validate(lab, v, r, c[0], c[1], c[2], c[3], 0);
         }
+    }
+    if (v == 8) {  // the fused gate_up + SwiGLU: the same bits as the product then SwiGLU
+        const int IC = 2048, F = 6144, rows[3] = {128, 77, 1};
+        std::vector<float> x = rand_bf16(r, (size_t)128 * IC, 1.0f),
+                           w = rand_bf16(r, (size_t)2 * F * IC, 0.05f);
+        bf16 *d_x = dev_upload_bf16(x), *d_w = dev_upload_bf16(w);
+        bf16 *d_gu = dev_alloc<bf16>((size_t)128 * 2 * F), *d_a = dev_alloc<bf16>((size_t)128 * F),
+             *d_b = dev_alloc<bf16>((size_t)128 * F);
+        for (int M : rows) {
+            dev_poison(d_b, (size_t)128 * F * 2);
+            matmul_forward(8, lab->cx, d_gu, d_x, d_w, NULL, M, IC, 2 * F);
+            cuda_swiglu_forward(lab->cx, d_a, d_gu, M, F);
+            const int fused = cuda_matmul_swiglu_forward(lab->cx, d_b, d_x, d_w, M, IC, F);
+            const std::vector<float> a = dev_download_bf16(d_a, (size_t)M * F),
+                                     b = dev_download_bf16(d_b, (size_t)M * F);
+            char what[96];
+            snprintf(what, sizeof what, "v8 fused gate_up + swiglu M=%d: the bits of the two ops", M);
+            lab_check_true(lab, what, fused && memcmp(a.data(), b.data(), a.size() * 4) == 0);
+        }
+        void* bufs[] = {d_x, d_w, d_gu, d_a, d_b};
+        for (void* p : bufs) cuda_check(cudaFree(p));
     }
     if (v == 7) {  // decode shapes (o at 128 rows; down at 64)
         validate(lab, v, r, 128, 2048, 2048, 0, 0);
