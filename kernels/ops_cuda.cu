@@ -66,10 +66,8 @@ void* cuda_scratch(CudaCtx* cx, int slot, size_t bytes) {
 }
 
 // Fatal if a kernel flagged bad input since the last check. Waits for the stream.
-static void check_device_errors(CudaCtx* cx) {
-    cuda_check(cudaMemcpyAsync(cx->h_error, cx->d_error, sizeof(int), cudaMemcpyDeviceToHost,
-                               cx->stream));
-    cuda_check(cudaStreamSynchronize(cx->stream));
+// The error word as copied into cx->h_error by the last synchronised copy: fatal if set.
+static void report_device_errors(CudaCtx* cx) {
     int e = *cx->h_error;
     if (e & CUDA_ERR_TOKEN_ID)
         fatal("embedding: a token id outside [0, vocab) reached the GPU. HINT: the data's "
@@ -79,6 +77,13 @@ static void check_device_errors(CudaCtx* cx) {
               "must match the model's vocabulary");
     if (e & CUDA_ERR_EXPERT)
         fatal("moe_dispatch: an expert index outside [0, experts) reached the GPU (a routing bug)");
+}
+
+static void check_device_errors(CudaCtx* cx) {
+    cuda_check(cudaMemcpyAsync(cx->h_error, cx->d_error, sizeof(int), cudaMemcpyDeviceToHost,
+                               cx->stream));
+    cuda_check(cudaStreamSynchronize(cx->stream));
+    report_device_errors(cx);
 }
 
 // ----------------------------------------------------------------------------
@@ -256,19 +261,28 @@ static void op_download_f32(void* ctx, float* dst, const void* src, size_t n) {
     }
 }
 
+// From pageable memory cudaMemcpyAsync returns once the bytes are staged (src is the caller's
+// again) and the copy stays ordered before the stream's next work, so nothing waits for it (a
+// decode step's inputs go up and its graph is launched at once); from page-locked memory the
+// copy reads src later, so it is waited for.
 static void op_upload(void* ctx, void* dst, const void* src, size_t bytes) {
     CudaCtx* cx = ctx_enter(ctx);
     if (bytes == 0) return;
+    cudaPointerAttributes attr;
+    cuda_check(cudaPointerGetAttributes(&attr, src));
     cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, cx->stream));
-    cuda_check(cudaStreamSynchronize(cx->stream));
+    if (attr.type != cudaMemoryTypeUnregistered) cuda_check(cudaStreamSynchronize(cx->stream));
 }
 
+// The error word and the bytes in one round trip (the error is reported before the bytes are
+// used, as before).
 static void op_download(void* ctx, void* dst, const void* src, size_t bytes) {
     CudaCtx* cx = ctx_enter(ctx);
-    check_device_errors(cx);
-    if (bytes == 0) return;
-    cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, cx->stream));
+    cuda_check(cudaMemcpyAsync(cx->h_error, cx->d_error, sizeof(int), cudaMemcpyDeviceToHost,
+                               cx->stream));
+    if (bytes) cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, cx->stream));
     cuda_check(cudaStreamSynchronize(cx->stream));
+    report_device_errors(cx);
 }
 
 static void op_synchronize(void* ctx) { check_device_errors(ctx_enter(ctx)); }
