@@ -27,7 +27,7 @@
  *      the blocks fill one wave, the splits' fp32 partials summed in order. Correct (validated
  *      as production routing on the H200, session 11) but half cuBLASLt's speed at 128 rows:
  *      2 blocks of 4 warps per multiprocessor (110 KB of shared memory each) do not hide the
- *      latency; a starting point for a wgmma version, not wired in.
+ *      latency; variant 8 is the wgmma version that production uses.
  *   5  decode rows only (benchmark): an explicit search of cuBLASLt's configurations per problem
  *      (64 / 128 / 256 rows x the four linears and the LM head): every bf16 algorithm id
  *      (cublasLtMatmulAlgoGetIds), per algorithm its capabilities (tile ids, stages ids, split-K
