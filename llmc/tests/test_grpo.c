@@ -185,6 +185,33 @@ static const void* gen_weight(const Generator* g, TensorKind kind) {
 // (n, 1) with explicit adds and the final rmsnorm; the final normed rows and the residual stream
 // compared with memcmp, for every family (GPT-OSS's sinks: within 1e-5, the attention's
 // rounding).
+// A backend's fused gate_up + SwiGLU as the CPU's two ops (what the CUDA op promises: their bits),
+// and one that claims the product but writes nothing (the decode step must then differ: it took
+// the fused op).
+static int fused_swiglu_two_ops(void* ctx, void* out, const void* inp, const void* w, int N,
+                                int IC, int F) {
+    float* gu = malloc_check((size_t)N * 2 * F * sizeof(float));
+    ops_cpu.matmul_forward(ctx, gu, inp, w, NULL, N, IC, 2 * F);
+    ops_cpu.swiglu_forward(ctx, out, gu, N, F);
+    free(gu);
+    return 1;
+}
+static int fused_swiglu_claims_only(void* ctx, void* out, const void* inp, const void* w, int N,
+                                    int IC, int F) {
+    (void)ctx, (void)out, (void)inp, (void)w, (void)N, (void)IC, (void)F;
+    return 1;
+}
+
+// The decode step's blocks and final norm (pending adds) on n one-token rows at position 0.
+static void decode_rows(const Model* m, Generator* g, const DecodeRows* r, const int32_t* ids,
+                        float* x) {
+    Workspace* ws = g->ws_dec;
+    model_prefix_forward(m, ws, x, ids, gen_weight(g, TK_EMBED), r->n, 1);
+    for (int l = 0; l < m->cfg.L; l++)
+        model_block_decode_at(m, ws, l, g->w[l + 1], g->kc[l], g->vc[l], r, x, l > 0);
+    model_decode_final_norm(m, ws, gen_weight(g, TK_FINAL_NORM), x, r->n);
+}
+
 static void test_grpo_decode_step_matches_forward_rows(TestCtx* t) {
     const char* presets[] = {"test-llama", "test-qwen3", "test-qwen3moe", "test-gptoss"};
     for (size_t k = 0; k < sizeof presets / sizeof presets[0]; k++) {
@@ -232,15 +259,29 @@ static void test_grpo_decode_step_matches_forward_rows(TestCtx* t) {
                               .rope_cos = g.ws_pre->rope_cos, .rope_sin = g.ws_pre->rope_sin,
                               .maxT = maxT};
         memset(ws->xf, 0, row_bytes);
-        model_prefix_forward(&m, ws, x, ids, gen_weight(&g, TK_EMBED), n, 1);
-        for (int l = 0; l < cfg.L; l++)
-            model_block_decode_at(&m, ws, l, g.w[l + 1], g.kc[l], g.vc[l], &r, x, l > 0);
-        model_decode_final_norm(&m, ws, gen_weight(&g, TK_FINAL_NORM), x, n);
+        decode_rows(&m, &g, &r, ids, x);
         if (cfg.family != FAMILY_GPTOSS) {
             CHECK(t, memcmp(x, want_x, row_bytes) == 0, "%s: decode residual stream != forward's",
                   presets[k]);
             CHECK(t, memcmp(ws->xf, want_xf, row_bytes) == 0,
                   "%s: decode final norm != forward's", presets[k]);
+            if (cfg.E == 0) {
+                // a backend with the fused gate_up + SwiGLU: the decode step takes it (dense
+                // blocks, no adapters) and keeps the same bits
+                Ops fused = ops_cpu;
+                fused.matmul_swiglu_forward = fused_swiglu_two_ops;
+                ws->ops = &fused;
+                decode_rows(&m, &g, &r, ids, x);
+                CHECK(t, memcmp(x, want_x, row_bytes) == 0 &&
+                             memcmp(ws->xf, want_xf, row_bytes) == 0,
+                      "%s: decode with the fused gate_up + SwiGLU != forward's", presets[k]);
+                fused.matmul_swiglu_forward = fused_swiglu_claims_only;
+                memset(ws->acts[0].act, 0, (size_t)n * cfg.F * sizeof(float));  // (no stale act)
+                decode_rows(&m, &g, &r, ids, x);
+                CHECK(t, memcmp(ws->xf, want_xf, row_bytes) != 0,
+                      "%s: the decode step did not take the backend's fused op", presets[k]);
+                ws->ops = &ops_cpu;
+            }
         } else {
             // sinks: the decode attention's softmax (sink logit in the running max and sum)
             // rounds otherwise than the full attention's, within test_grpo's 1e-5 of it
