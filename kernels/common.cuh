@@ -86,8 +86,8 @@ typedef struct CudaCtx {
                                 // before then read the old one: stale)
     uint64_t capture_epoch;     // scratch_epoch when the recording in progress began
     int sm90;                   // a compute capability 9.0 device (the sm_90a kernels run)
-    int rows_max_clusters[3][4][4];  // matmul_rows.cuh: resident clusters per (kernel kind,
-                                     // tile, split); 0 unknown
+    int rows_max_clusters[2][4][4];  // matmul_rows.cuh: resident clusters per (plain / fused
+                                     // SwiGLU, tile, split); 0 unknown
     void* encode_tiled;         // matmul_rows.cuh: the driver's cuTensorMapEncodeTiled (NULL: not yet)
     int recording;              // a decode step is being recorded (op_graph_begin .. graph_end):
                                 // cuda_launch adds programmatic serialization, weights constant
@@ -151,6 +151,10 @@ static inline int rows_per_block(int N, int target_blocks) {
 __device__ __forceinline__ float bf16_round(float x) {
     return __bfloat162float(__float2bfloat16_rn(x));
 }
+
+// The logistic function of every SiLU / GLU kernel (SwiGLU, the fused gate_up + SwiGLU, GPT-OSS's
+// GLU): one expression, so their bits agree.
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + __expf(-x)); }
 
 // VEC consecutive bf16 <-> fp32. VEC == 8 is one 16-byte access (p must be 16-byte aligned).
 template <int VEC>

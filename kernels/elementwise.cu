@@ -96,7 +96,6 @@ void cuda_embedding_forward(CudaCtx* cx, bf16* out, const int32_t* ids, const bf
 // ----------------------------------------------------------------------------
 // SwiGLU over gu (N, 2F) = [gate | up]: element e of the (N, F) output is row e / F, column e % F
 
-__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + __expf(-x)); }
 
 template <int VEC>
 __global__ void swiglu_forward_kernel(bf16* __restrict__ out, const bf16* __restrict__ gu,

@@ -230,7 +230,7 @@ static void matmul_forward_orient(CudaCtx* cx, bf16* out, const bf16* inp, const
 
 int cuda_matmul_swiglu_forward(CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w, int N,
                                int IC, int F) {
-    const RowsPlan p = rows_plan_for(cx, out, inp, w, N, IC, F, 1);
+    const RowsPlan p = rows_plan(cx, out, inp, w, N, IC, F, 1);
     if (!p.bn) return 0;
     matmul_rows_launch(cx, out, inp, w, NULL, N, IC, F, p);
     return 1;
@@ -240,7 +240,7 @@ int cuda_matmul_swiglu_forward(CudaCtx* cx, bf16* out, const bf16* inp, const bf
 // cuBLASLt in the column-major orientation.
 void cuda_matmul_forward(CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w, const bf16* bias,
                          int N, int IC, int OC) {
-    const RowsPlan p = rows_plan(cx, out, inp, w, bias, N, IC, OC);
+    const RowsPlan p = rows_plan(cx, out, inp, w, N, IC, OC, 0);
     if (p.bn) return matmul_rows_launch(cx, out, inp, w, bias, N, IC, OC, p);
     matmul_forward_orient(cx, out, inp, w, bias, N, IC, OC, 0);
 }

@@ -64,8 +64,7 @@
 
 #define RG_ROWS 128   // rows a CTA holds (two consumer warpgroups of 64)
 #define RG_BK 64      // k per stage (128 bytes: one swizzled row)
-#define RG_STAGES 6      // ring depth of production (one CTA per SM)
-#define RG_STAGES_2 4    // the lab's alternative: two CTAs of tiles <= 64 per SM
+#define RG_STAGES 6  // ring depth (one CTA per SM; a 4-deep ring at two CTAs per SM was no faster)
 #define RG_THREADS 288  // 2 consumer warpgroups + the producer warp
 #define RG_MAX_SPLIT 8
 #define RG_X_BYTES (RG_ROWS * RG_BK * 2)  // 16 KiB
@@ -73,8 +72,8 @@
 
 static __host__ __device__ constexpr int rg_stage_bytes(int bn) { return RG_X_BYTES + bn * RG_BK * 2; }
 // ring + room to align the base to 1024 bytes + the mbarriers (2 per stage)
-static __host__ __device__ constexpr int rg_smem_bytes(int bn, int stages) {
-    return stages * rg_stage_bytes(bn) + 1024 + 16 * stages;
+static __host__ __device__ constexpr int rg_smem_bytes(int bn) {
+    return RG_STAGES * rg_stage_bytes(bn) + 1024 + 16 * RG_STAGES;
 }
 
 // ----------------------------------------------------------------------------
@@ -209,9 +208,6 @@ __device__ __forceinline__ float4 rg_ld_cluster(uint32_t addr, uint32_t rank) {
 #endif
     return v;
 }
-// swiglu_forward's sigmoid (elementwise.cu sigmoid_f): the same expression, the same bits.
-__device__ __forceinline__ float rg_sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
-
 // The consumers' named barrier (256 threads; barrier 0 is __syncthreads).
 __device__ __forceinline__ void rg_consumers_sync() {
     asm volatile("bar.sync 1, 256;\n" ::: "memory");
@@ -225,13 +221,13 @@ __device__ __forceinline__ void rg_consumers_sync() {
 // a feature's gate and up sums (accumulator columns c and c + BN/2): out (M, OC) = silu(gate) ·
 // up with every rounding of matmul then swiglu_forward (elementwise.cu): gate and up to bf16,
 // silu(gate) to bf16, the product to bf16. Split 1 only.
-template <int BN, int S, bool SWIGLU>
+template <int BN, bool SWIGLU>
 __global__ void __launch_bounds__(RG_THREADS, 1)
     matmul_rows_kernel(const __grid_constant__ CUtensorMap tm_x,
                        const __grid_constant__ CUtensorMap tm_w, bf16* __restrict__ out,
                        const bf16* __restrict__ bias, int M, int IC, int OC, int w_early) {
 #if RG_ENABLED
-    constexpr int SB = rg_stage_bytes(BN), NI = BN / 8;
+    constexpr int S = RG_STAGES, SB = rg_stage_bytes(BN), NI = BN / 8;
     extern __shared__ __align__(1024) unsigned char rg_smem[];
     const uint32_t sbase = (smem_u32(rg_smem) + 1023u) & ~1023u;
     const uint32_t bar_full = sbase + S * SB;     // [S] stage landed (1 arrival + its bytes)
@@ -329,7 +325,7 @@ __global__ void __launch_bounds__(RG_THREADS, 1)
                 for (int e = 0; e < 2; e++) {
                     const float gt = bf16_round(acc[i][2 * h + e]);
                     const float up = bf16_round(acc[i + NI / 2][2 * h + e]);
-                    y[e] = bf16_round(gt * rg_sigmoid(gt)) * up;
+                    y[e] = bf16_round(gt * sigmoid_f(gt)) * up;
                 }
                 *reinterpret_cast<__nv_bfloat162*>(orow + 8 * i + 2 * t) =
                     __floats2bfloat162_rn(y[0], y[1]);
@@ -412,7 +408,6 @@ __global__ void __launch_bounds__(RG_THREADS, 1)
 
 typedef struct RowsPlan {
     int bn, split;  // 0: not this kernel
-    int stages;     // RG_STAGES (production) or RG_STAGES_2 (the lab's two CTAs per SM)
     int swiglu;     // the fused gate_up + SwiGLU (out is (M, OC/2); split 1)
 } RowsPlan;
 
@@ -421,33 +416,29 @@ typedef void (*RowsKernel)(const CUtensorMap, const CUtensorMap, bf16*, const bf
 
 static int rg_bn_index(int bn) { return bn / 32 - 1; }
 static int rg_split_index(int split) { return split == 1 ? 0 : split == 2 ? 1 : split == 4 ? 2 : 3; }
-static RowsKernel rg_kernel(int bn, int stages, int swiglu) {
+static RowsKernel rg_kernel(int bn, int swiglu) {
     if (swiglu)
-        return bn == 64   ? matmul_rows_kernel<64, RG_STAGES, true>
-               : bn == 96 ? matmul_rows_kernel<96, RG_STAGES, true>
-                          : matmul_rows_kernel<128, RG_STAGES, true>;
-    if (stages == RG_STAGES_2)
-        return bn == 32 ? matmul_rows_kernel<32, RG_STAGES_2, false>
-                        : matmul_rows_kernel<64, RG_STAGES_2, false>;
-    return bn == 32   ? matmul_rows_kernel<32, RG_STAGES, false>
-           : bn == 64 ? matmul_rows_kernel<64, RG_STAGES, false>
-           : bn == 96 ? matmul_rows_kernel<96, RG_STAGES, false>
-                      : matmul_rows_kernel<128, RG_STAGES, false>;
+        return bn == 64   ? matmul_rows_kernel<64, true>
+               : bn == 96 ? matmul_rows_kernel<96, true>
+                          : matmul_rows_kernel<128, true>;
+    return bn == 32   ? matmul_rows_kernel<32, false>
+           : bn == 64 ? matmul_rows_kernel<64, false>
+           : bn == 96 ? matmul_rows_kernel<96, false>
+                      : matmul_rows_kernel<128, false>;
 }
 
 // Clusters of `split` CTAs of the BN kernel that can be resident at once (cached in the context;
 // also sets the kernel's shared-memory attribute, once).
-static int rg_max_clusters(CudaCtx* cx, int bn, int split, int stages, int swiglu) {
-    int* slot = &cx->rows_max_clusters[swiglu ? 2 : stages == RG_STAGES_2][rg_bn_index(bn)]
-                                      [rg_split_index(split)];
+static int rg_max_clusters(CudaCtx* cx, int bn, int split, int swiglu) {
+    int* slot = &cx->rows_max_clusters[swiglu][rg_bn_index(bn)][rg_split_index(split)];
     if (*slot) return *slot;
-    RowsKernel kernel = rg_kernel(bn, stages, swiglu);
+    RowsKernel kernel = rg_kernel(bn, swiglu);
     cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    rg_smem_bytes(bn, stages)));
+                                    rg_smem_bytes(bn)));
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(split, 1024 / split);
     cfg.blockDim = dim3(RG_THREADS);
-    cfg.dynamicSmemBytes = rg_smem_bytes(bn, stages);
+    cfg.dynamicSmemBytes = rg_smem_bytes(bn);
     cudaLaunchAttribute attr;
     attr.id = cudaLaunchAttributeClusterDimension;
     attr.val.clusterDim.x = split;
@@ -468,12 +459,12 @@ static int rg_max_clusters(CudaCtx* cx, int bn, int split, int stages, int swigl
 // CTA; none when no configuration fills half the SMs (cuBLASLt then: the LM head's 1,187 tiles
 // of 128 run in waves there; the rows kernel in waves measured no faster, docs/PERF.md). swiglu: the fused gate_up +
 // SwiGLU (OC features, the weight 2 OC rows): split 1, a CTA on BN/2 features.
-static RowsPlan rows_plan_for(CudaCtx* cx, const bf16* out, const bf16* inp, const bf16* w, int M,
+static RowsPlan rows_plan(CudaCtx* cx, const bf16* out, const bf16* inp, const bf16* w, int M,
                               int IC, int OC, int swiglu) {
-    RowsPlan best = {0, 0, RG_STAGES, swiglu};
+    RowsPlan best = {0, 0, swiglu};
     if (!ATTN_WGMMA_BUILD || !cx->sm90 || M <= 0 || M > RG_ROWS || IC % RG_BK != 0 ||
         !is_aligned16(out) || !is_aligned16(inp) || !is_aligned16(w) ||
-        rg_smem_bytes(128, RG_STAGES) > (int)cx->max_smem_optin)
+        rg_smem_bytes(128) > (int)cx->max_smem_optin)
         return best;
     long long best_cost = 0;
     int best_ctas = 0;
@@ -486,7 +477,7 @@ static RowsPlan rows_plan_for(CudaCtx* cx, const bf16* out, const bf16* inp, con
             const long long cost = (long long)(bn + RG_ROWS) * (IC / split);
             if (ctas > cx->n_sms || 2 * ctas < cx->n_sms) continue;
             if (best.bn && (ctas < best_ctas || (ctas == best_ctas && cost >= best_cost))) continue;
-            if (split > 1 && OC / cols > rg_max_clusters(cx, bn, split, RG_STAGES, swiglu))
+            if (split > 1 && OC / cols > rg_max_clusters(cx, bn, split, swiglu))
                 continue;
             best_cost = cost;
             best_ctas = (int)ctas;
@@ -494,12 +485,6 @@ static RowsPlan rows_plan_for(CudaCtx* cx, const bf16* out, const bf16* inp, con
             best.split = split;
         }
     return best;
-}
-
-static RowsPlan rows_plan(CudaCtx* cx, const bf16* out, const bf16* inp, const bf16* w,
-                          const bf16* bias, int M, int IC, int OC) {
-    (void)bias;
-    return rows_plan_for(cx, out, inp, w, M, IC, OC, 0);
 }
 
 // A 2-D row-major bf16 tensor (rows x cols) as a tensor map with boxes of box_rows x 64 columns
@@ -531,15 +516,15 @@ static CUtensorMap rg_tensor_map(CudaCtx* cx, const bf16* p, int rows, int cols,
 
 static void matmul_rows_launch(CudaCtx* cx, bf16* out, const bf16* inp, const bf16* w,
                                const bf16* bias, int M, int IC, int OC, RowsPlan p) {
-    RowsKernel kernel = rg_kernel(p.bn, p.stages, p.swiglu);
-    rg_max_clusters(cx, p.bn, p.split, p.stages, p.swiglu);  // (sets the smem attribute once)
+    RowsKernel kernel = rg_kernel(p.bn, p.swiglu);
+    rg_max_clusters(cx, p.bn, p.split, p.swiglu);  // (sets the shared-memory attribute once)
     const CUtensorMap tm_x = rg_tensor_map(cx, inp, M, IC, RG_ROWS);
     const CUtensorMap tm_w = p.swiglu ? rg_tensor_map(cx, w, 2 * OC, IC, p.bn / 2)
                                       : rg_tensor_map(cx, w, OC, IC, p.bn);
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(p.split, OC / (p.swiglu ? p.bn / 2 : p.bn));
     cfg.blockDim = dim3(RG_THREADS);
-    cfg.dynamicSmemBytes = rg_smem_bytes(p.bn, p.stages);
+    cfg.dynamicSmemBytes = rg_smem_bytes(p.bn);
     cfg.stream = cx->stream;
     cudaLaunchAttribute attr[2];
     attr[0].id = cudaLaunchAttributeClusterDimension;

@@ -655,8 +655,6 @@ void cuda_moe_combine_backward(CudaCtx* cx, bf16* dy, float* dweights, const bf1
 // g = min(gate, limit), u = clamp(up, -limit, limit). Element v of (R, F / VEC) covers columns
 // col .. col + VEC - 1 of row v / (F / VEC), i.e. 2 VEC consecutive inputs.
 
-__device__ __forceinline__ float glu_sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
-
 template <int VEC>
 __global__ void gptoss_glu_forward_kernel(bf16* __restrict__ out, const bf16* __restrict__ gu,
                                           size_t n_vec, int F, float limit, float alpha) {
@@ -673,7 +671,7 @@ __global__ void gptoss_glu_forward_kernel(bf16* __restrict__ out, const bf16* __
             const float g = fminf(a[2 * q], limit);
             const float u = fminf(fmaxf(a[2 * q + 1], -limit), limit);
             // HF: glu = gate * sigmoid(gate * alpha); (up + 1) * glu, each op a bf16 tensor
-            const float s = bf16_round(glu_sigmoid(bf16_round(g * alpha)));
+            const float s = bf16_round(sigmoid_f(bf16_round(g * alpha)));
             y[q] = bf16_round(u + 1.0f) * bf16_round(g * s);
         }
         store_bf16<VEC>(out + row * F + col, y);
@@ -699,7 +697,7 @@ __global__ void gptoss_glu_backward_kernel(bf16* __restrict__ dgu, const bf16* _
             const float gate = a[2 * q], up = a[2 * q + 1];
             const float g = fminf(gate, limit);
             const float u = fminf(fmaxf(up, -limit), limit);
-            const float sg = glu_sigmoid(alpha * g);
+            const float sg = sigmoid_f(alpha * g);
             const float glu = g * sg;
             const float dglu = sg + alpha * g * sg * (1.0f - sg);
             d[2 * q] = gate <= limit ? dy[q] * (u + 1.0f) * dglu : 0.0f;

@@ -65,7 +65,6 @@ void* cuda_scratch(CudaCtx* cx, int slot, size_t bytes) {
     return cx->scratch[slot];
 }
 
-// Fatal if a kernel flagged bad input since the last check. Waits for the stream.
 // The error word as copied into cx->h_error by the last synchronised copy: fatal if set.
 static void report_device_errors(CudaCtx* cx) {
     int e = *cx->h_error;
@@ -79,6 +78,7 @@ static void report_device_errors(CudaCtx* cx) {
         fatal("moe_dispatch: an expert index outside [0, experts) reached the GPU (a routing bug)");
 }
 
+// Fatal if a kernel flagged bad input since the last check. Waits for the stream.
 static void check_device_errors(CudaCtx* cx) {
     cuda_check(cudaMemcpyAsync(cx->h_error, cx->d_error, sizeof(int), cudaMemcpyDeviceToHost,
                                cx->stream));

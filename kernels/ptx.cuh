@@ -1,9 +1,10 @@
 /*
  * ptx.cuh — the PTX instruction wrappers every hand-written kernel uses: cp.async, ldmatrix,
- * mma.sync (sm_80+), programmatic dependent launch (sm_90), and the Hopper ones (sm_90a): mbarriers, register hand-over (setmaxnreg),
- * proxy fences, wgmma fences / commit / wait, the wgmma shared-memory matrix descriptor. One
- * definition of each, shared by the flash-attention kernels (attention_common.cuh and the files
- * it serves) and the grouped expert GEMM (moe_matmul.cu, moe_matmul_wgmma.cuh); what only one
+ * mma.sync (sm_80+), programmatic dependent launch (sm_90), and the Hopper ones (sm_90a):
+ * mbarriers, register hand-over (setmaxnreg), proxy fences, wgmma fences / commit / wait, the
+ * wgmma shared-memory matrix descriptor. One definition of each, shared by the flash-attention
+ * kernels (attention_common.cuh and the files it serves), the grouped expert GEMM
+ * (moe_matmul.cu, moe_matmul_wgmma.cuh) and the rows kernel (matmul_rows.cuh); what only one
  * kernel family uses with its own constants (named barriers, the wgmma shapes and their operand
  * lists) stays with that family.
  *

@@ -840,27 +840,23 @@ static void bench_rows_configs(Lab* lab, const char* name, int rows, int IC, int
     bf16* ref = dev_alloc<bf16>((size_t)rows * OC);
     matmul_forward(2, cx, ref, x, w, NULL, rows, IC, OC);
     const std::vector<float> hr = dev_download_bf16(ref, (size_t)rows * OC);
-    const int depths[2] = {RG_STAGES, RG_STAGES_2};
-    for (int stages : depths)
-    for (int bn = 32; bn <= (stages == RG_STAGES ? 128 : 64); bn += 32) {
+    for (int bn = 32; bn <= 128; bn += 32) {
         if (OC % bn) continue;
-        // (the shallow ring fits two CTAs per SM: up to two waves' worth resident at once)
-        const int max_ctas = (stages == RG_STAGES ? 1 : 2) * cx->n_sms;
         for (int split = 1; split <= RG_MAX_SPLIT && IC % (split * RG_BK) == 0; split *= 2) {
-            const int ctas = OC / bn * split, clusters = rg_max_clusters(cx, bn, split, stages, 0);
-            if (ctas > max_ctas || (split > 1 && OC / bn > clusters)) continue;
-            const RowsPlan p = {bn, split, stages, 0};
+            const int ctas = OC / bn * split, clusters = rg_max_clusters(cx, bn, split, 0);
+            if (ctas > cx->n_sms || (split > 1 && OC / bn > clusters)) continue;
+            const RowsPlan p = {bn, split, 0};
             dev_poison(out, (size_t)rows * OC * 2);
             matmul_rows_launch(cx, out, x, w, NULL, rows, IC, OC, p);
             char what[160], shape[128];
-            snprintf(what, sizeof what, "v9 %s rows=%d tile %d split %d ring %d: out vs variant 2",
-                     name, rows, bn, split, stages);
+            snprintf(what, sizeof what, "v9 %s rows=%d tile %d split %d: out vs variant 2", name,
+                     rows, bn, split);
             lab_check(lab, what, dev_download_bf16(out, (size_t)rows * OC).data(), hr.data(),
                       (size_t)rows * OC, TOL_BF16);
             const double ms =
                 lab_time_ms(lab, [&] { matmul_rows_launch(cx, out, x, w, NULL, rows, IC, OC, p); });
-            snprintf(shape, sizeof shape, "%s N=%d tile %d split %d ring %d (%d CTAs, %d clusters)",
-                     name, rows, bn, split, stages, ctas, clusters);
+            snprintf(shape, sizeof shape, "%s N=%d tile %d split %d (%d CTAs, %d clusters)", name,
+                     rows, bn, split, ctas, clusters);
             lab_report_bw("matmul fwd (decode, rows kernel)", 9, shape, "weights once, x, out",
                           bytes, ms);
         }
@@ -927,7 +923,7 @@ static void bench_decode(Lab* lab) {
                     cuda_check(cudaFree(act));
                 }
                 if (v == 8) {
-                    const RowsPlan p = rows_plan(cx, out, x, w, NULL, rows, sh.IC, sh.OC);
+                    const RowsPlan p = rows_plan(cx, out, x, w, rows, sh.IC, sh.OC, 0);
                     if (p.bn)
                         printf("  variant 8 %s rows=%d: rows kernel, tile %d x split %d (%d CTAs)\n",
                                sh.name, rows, p.bn, p.split, sh.OC / p.bn * p.split);
@@ -1081,8 +1077,8 @@ static void validate_variant(Lab* lab, int v, Rng* r) {
         const int cases[][4] = {{128, 2048, 4096, 0}, {128, 2048, 2048, 1}, {77, 6144, 2048, 0},
                                 {1, 2048, 12288, 1},  {64, 2048, 12288, 0}, {100, 1024, 8192, 0}};
         for (const auto& c : cases) {
-            const RowsPlan p = rows_plan(lab->cx, (bf16*)NULL, (bf16*)NULL, (bf16*)NULL, NULL,
-                                         c[0], c[1], c[2]);
+            const RowsPlan p =
+                rows_plan(lab->cx, (bf16*)NULL, (bf16*)NULL, (bf16*)NULL, c[0], c[1], c[2], 0);
             printf("variant 8 (%d, %d, %d): %s tile %d split %d\n", c[0], c[1], c[2],
                    p.bn ? "rows kernel" : "cuBLASLt", p.bn, p.split);
             validate(lab, v, r, c[0], c[1], c[2], c[3], 0);
