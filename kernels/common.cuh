@@ -66,6 +66,14 @@ enum {
 typedef struct MatmulPlan MatmulPlan;  // matmul.cu: one cached cuBLASLt problem
 typedef struct OpProfile OpProfile;    // profile.cu: device time per op (--profile-ops)
 
+// A page-locked host buffer of an overlapped transfer and the event after its copy.
+typedef struct HostSlot {
+    void* p;
+    size_t cap;
+    cudaEvent_t done;  // recorded after the slot's copy (NULL until the first)
+    int pending;       // a copy is in flight (download: not yet finished)
+} HostSlot;
+
 typedef struct CudaCtx {
     int device;
     cudaStream_t stream;
@@ -91,6 +99,8 @@ typedef struct CudaCtx {
     void* encode_tiled;         // matmul_rows.cuh: the driver's cuTensorMapEncodeTiled (NULL: not yet)
     int recording;              // a decode step is being recorded (op_graph_begin .. graph_end):
                                 // cuda_launch adds programmatic serialization, weights constant
+    HostSlot up[2], down[2];    // ops.h upload_async / download_start's page-locked buffers
+    int* h_slot_error;          // (2) pinned: the error word as each slot's download left it
 } CudaCtx;
 
 #define LT_WORKSPACE_BYTES ((size_t)32 << 20)  // cuBLAS's recommendation for Hopper
@@ -222,6 +232,8 @@ void cuda_convert_f32_to_bf16(CudaCtx* cx, bf16* dst, const float* src, size_t n
 void cuda_convert_bf16_to_f32(CudaCtx* cx, float* dst, const bf16* src, size_t n);
 void cuda_embedding_forward(CudaCtx* cx, bf16* out, const int32_t* ids, const bf16* wte, int N,
                             int C, int V);
+// ops.h gather_ids: ids[k] = prev[from[k]] where from[k] >= 0 (k < n).
+void cuda_gather_ids(CudaCtx* cx, int32_t* ids, const int32_t* prev, const int32_t* from, int n);
 void cuda_swiglu_forward(CudaCtx* cx, bf16* out, const bf16* gu, int N, int F);
 void cuda_swiglu_backward(CudaCtx* cx, bf16* dgu, const bf16* dout, const bf16* gu, int N, int F);
 void cuda_add(CudaCtx* cx, bf16* out, const bf16* a, const bf16* b, size_t n);

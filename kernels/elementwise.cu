@@ -1,7 +1,8 @@
 /*
  * elementwise.cu — the memory-bound ops without reductions across rows: fp32 <-> bf16 conversion
- * (host staging), token embedding gather, SwiGLU forward/backward, add, and the ordered reduction
- * of per-block partial sums that the column reductions (rmsnorm dw, dbias, qk-norm dw) share.
+ * (host staging), token embedding gather, the decode step's id gather, SwiGLU forward/backward,
+ * add, and the ordered reduction of per-block partial sums that the column reductions (rmsnorm
+ * dw, dbias, qk-norm dw) share.
  *
  * Each kernel has a 16-byte path (8 bf16 per thread per step, grid-stride, several independent
  * loads in flight per thread) and a scalar path for widths that are not multiples of 8 or for
@@ -10,9 +11,9 @@
  * Rounding mirrors HF transformers in bf16: silu(gate) is rounded to bf16 before the product with
  * up (act_fn(gate) * up is two bf16 tensor ops there).
  *
- * The decode step's two (the embedding gather and the SwiGLU forward) wait for the kernel before
- * them (ptx.cuh pdl_wait) before touching memory and are launched through cuda_launch, so a
- * recorded decode step can launch them early, during the tail of the kernel before.
+ * The decode step's three (the id and embedding gathers, the SwiGLU forward) wait for the kernel
+ * before them (ptx.cuh pdl_wait) before touching memory and are launched through cuda_launch, so
+ * a recorded decode step can launch them early, during the tail of the kernel before.
  */
 #include "common.cuh"
 #include "ptx.cuh"
@@ -91,6 +92,21 @@ void cuda_embedding_forward(CudaCtx* cx, bf16* out, const int32_t* ids, const bf
     else
         cuda_launch(cx, embedding_forward_kernel<1>, grid, dim3(warps * 32), 0, out, ids, wte, N,
                     C, V, cx->d_error);
+}
+
+// A decode step's ids from the step before (ops.h gather_ids): one thread per row.
+__global__ void gather_ids_kernel(int32_t* __restrict__ ids, const int32_t* __restrict__ prev,
+                                  const int32_t* __restrict__ from, int n) {
+    pdl_wait();
+    pdl_trigger();
+    const int k = blockIdx.x * blockDim.x + threadIdx.x;
+    if (k < n && from[k] >= 0) ids[k] = prev[from[k]];
+}
+
+void cuda_gather_ids(CudaCtx* cx, int32_t* ids, const int32_t* prev, const int32_t* from, int n) {
+    if (n <= 0) return;
+    cuda_launch(cx, gather_ids_kernel, dim3(grid_size((size_t)n, 128)), dim3(128), 0, ids, prev,
+                from, n);
 }
 
 // ----------------------------------------------------------------------------

@@ -65,9 +65,8 @@ void* cuda_scratch(CudaCtx* cx, int slot, size_t bytes) {
     return cx->scratch[slot];
 }
 
-// The error word as copied into cx->h_error by the last synchronised copy: fatal if set.
-static void report_device_errors(CudaCtx* cx) {
-    int e = *cx->h_error;
+// An error word copied from the device (CUDA_ERR_* bits): fatal if set.
+static void report_device_error_word(int e) {
     if (e & CUDA_ERR_TOKEN_ID)
         fatal("embedding: a token id outside [0, vocab) reached the GPU. HINT: the data's "
               "tokenizer must match the model's vocabulary");
@@ -77,6 +76,9 @@ static void report_device_errors(CudaCtx* cx) {
     if (e & CUDA_ERR_EXPERT)
         fatal("moe_dispatch: an expert index outside [0, experts) reached the GPU (a routing bug)");
 }
+
+// The error word as copied into cx->h_error by the last synchronised copy.
+static void report_device_errors(CudaCtx* cx) { report_device_error_word(*cx->h_error); }
 
 // Fatal if a kernel flagged bad input since the last check. Waits for the stream.
 static void check_device_errors(CudaCtx* cx) {
@@ -184,6 +186,14 @@ extern "C" void ops_cuda_destroy(void* ctx) {
     for (int i = 0; i < SCRATCH_COUNT; i++)
         if (cx->scratch[i]) cuda_check(cudaFree(cx->scratch[i]));
     if (cx->host_stage) cuda_check(cudaFreeHost(cx->host_stage));
+    for (int i = 0; i < 2; i++) {
+        HostSlot* slots[2] = {&cx->up[i], &cx->down[i]};
+        for (int k = 0; k < 2; k++) {
+            if (slots[k]->p) cuda_check(cudaFreeHost(slots[k]->p));
+            if (slots[k]->done) cuda_check(cudaEventDestroy(slots[k]->done));
+        }
+    }
+    if (cx->h_slot_error) cuda_check(cudaFreeHost(cx->h_slot_error));
     cuda_check(cudaFreeHost(cx->h_error));
     cuda_check(cudaFree(cx->d_error));
     cuda_check(cudaFree(cx->lt_workspace));
@@ -286,6 +296,60 @@ static void op_download(void* ctx, void* dst, const void* src, size_t bytes) {
 }
 
 static void op_synchronize(void* ctx) { check_device_errors(ctx_enter(ctx)); }
+
+// ---- overlapped transfers (ops.h upload_async / download_start / download_finish) ----
+
+// Slot h holding at least `bytes` with no copy in flight: waits for its last copy, grows it.
+static void* host_slot_take(HostSlot* h, size_t bytes) {
+    if (h->pending) cuda_check(cudaEventSynchronize(h->done));
+    h->pending = 0;
+    if (!h->done) cuda_check(cudaEventCreateWithFlags(&h->done, cudaEventDisableTiming));
+    if (bytes > h->cap) {
+        if (h->p) cuda_check(cudaFreeHost(h->p));
+        h->p = NULL;
+        cuda_check(cudaMallocHost(&h->p, bytes));
+        h->cap = bytes;
+    }
+    return h->p;
+}
+
+static HostSlot* host_slot(HostSlot* pair, int slot, const char* op) {
+    if (slot < 0 || slot > 1) fatal("internal: %s slot %d (0 or 1)", op, slot);
+    return &pair[slot];
+}
+
+static void op_upload_async(void* ctx, void* dst, const void* src, size_t bytes, int slot) {
+    CudaCtx* cx = ctx_enter(ctx);
+    HostSlot* h = host_slot(cx->up, slot, "upload_async");
+    if (bytes == 0) return;
+    memcpy(host_slot_take(h, bytes), src, bytes);
+    cuda_check(cudaMemcpyAsync(dst, h->p, bytes, cudaMemcpyHostToDevice, cx->stream));
+    cuda_check(cudaEventRecord(h->done, cx->stream));
+    h->pending = 1;
+}
+
+static void op_download_start(void* ctx, const void* src, size_t bytes, int slot) {
+    CudaCtx* cx = ctx_enter(ctx);
+    HostSlot* h = host_slot(cx->down, slot, "download_start");
+    if (!cx->h_slot_error) cuda_check(cudaMallocHost((void**)&cx->h_slot_error, 2 * sizeof(int)));
+    void* p = host_slot_take(h, bytes ? bytes : 1);
+    cuda_check(cudaMemcpyAsync(cx->h_slot_error + slot, cx->d_error, sizeof(int),
+                               cudaMemcpyDeviceToHost, cx->stream));
+    if (bytes) cuda_check(cudaMemcpyAsync(p, src, bytes, cudaMemcpyDeviceToHost, cx->stream));
+    cuda_check(cudaEventRecord(h->done, cx->stream));
+    h->pending = 1;
+}
+
+static void op_download_finish(void* ctx, void* dst, size_t bytes, int slot) {
+    CudaCtx* cx = ctx_enter(ctx);
+    HostSlot* h = host_slot(cx->down, slot, "download_finish");
+    if (!h->pending) fatal("internal: download_finish of slot %d without a download_start", slot);
+    if (bytes > h->cap) fatal("internal: download_finish of %zu bytes from a slot of %zu", bytes, h->cap);
+    cuda_check(cudaEventSynchronize(h->done));
+    h->pending = 0;
+    report_device_error_word(cx->h_slot_error[slot]);
+    if (bytes) memcpy(dst, h->p, bytes);
+}
 
 // ----------------------------------------------------------------------------
 // compute ops: thin casts onto the launchers
@@ -649,6 +713,14 @@ static void op_graph_free(void* ctx, void* graph) {
     free(g);
 }
 
+static void op_gather_ids(void* ctx, int32_t* ids, const int32_t* prev, const int32_t* from,
+                          int n) {
+    CudaCtx* cx = ctx_enter(ctx);
+    prof_begin(cx, 0, 12.0 * n, "gather ids n=%d", n);
+    cuda_gather_ids(cx, ids, prev, from, n);
+    prof_end(cx);
+}
+
 static void op_sample_tokens(void* ctx, int32_t* tokens, float* logp, const void* logits,
                              const float* u, int n, int V, float temperature) {
     CudaCtx* cx = ctx_enter(ctx);
@@ -798,6 +870,9 @@ extern "C" const Ops ops_cuda = {
     .upload = op_upload,
     .download = op_download,
     .synchronize = op_synchronize,
+    .upload_async = op_upload_async,
+    .download_start = op_download_start,
+    .download_finish = op_download_finish,
     .embedding_forward = op_embedding_forward,
     .embedding_backward = op_embedding_backward,
     .rmsnorm_forward = op_rmsnorm_forward,
@@ -821,6 +896,7 @@ extern "C" const Ops ops_cuda = {
     .policy_forward_backward = op_policy_forward_backward,
     .decode_rope_append = op_decode_rope_append,
     .sample_tokens = op_sample_tokens,
+    .gather_ids = op_gather_ids,
     .profile_phase = ops_cuda_profile_phase,
     .graph_begin = op_graph_begin,
     .graph_end = op_graph_end,

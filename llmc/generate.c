@@ -38,7 +38,7 @@ size_t gen_bytes(const Model* m, int act_bytes, const GenOptions* o, int own_wei
     b += workspace_bytes(m, act_bytes, 1, o->max_len, 1);
     b += workspace_bytes(m, act_bytes, o->max_seqs, 1, 1);
     b += 2 * rows * (size_t)m->cfg.C * act_bytes + rows * 4 + 2 * (size_t)o->max_seqs * 4;
-    b += 8 * (size_t)o->max_seqs * 4;  // the backend sampler's step buffers
+    b += 9 * (size_t)o->max_seqs * 4;  // the backend sampler's step buffers
     b += (size_t)o->max_seqs * m->cfg.V * sizeof(float);
     if (own_weights) b += weight_bytes(m, act_bytes);
     return b;
@@ -114,10 +114,12 @@ int gen_create(Generator* g, const Model* m, const Ops* ops, void* ctx, const Ge
     g->h_row = calloc_check((size_t)S, sizeof(int32_t));
     g->logits = malloc_check((size_t)S * c->V * sizeof(float));
     if (ops->sample_tokens) {
-        g->h_step = calloc_check((size_t)5 * S, sizeof(int32_t));
+        g->h_step = calloc_check((size_t)6 * S, sizeof(int32_t));
         g->h_out = calloc_check((size_t)3 * S, sizeof(int32_t));
-        g->d_step = ops->alloc(ctx, (size_t)5 * S * sizeof(int32_t));
+        g->d_step = ops->alloc(ctx, (size_t)6 * S * sizeof(int32_t));
         g->d_out = ops->alloc(ctx, (size_t)3 * S * sizeof(int32_t));
+        for (int i = 0; i < 2; i++) g->h_rows[i] = calloc_check((size_t)S, sizeof(int32_t));
+        g->h_ahead = calloc_check((size_t)S, sizeof(int32_t));
     }
     g->probs = malloc_check((size_t)c->V * sizeof(ProbIdx));
     return 0;
@@ -151,6 +153,9 @@ void gen_free(Generator* g) {
         if (dev[i]) ops->free(g->ctx, dev[i]);
     free(g->h_step);
     free(g->h_out);
+    free(g->h_rows[0]);
+    free(g->h_rows[1]);
+    free(g->h_ahead);
     if (g->ws_pre) workspace_free(g->ws_pre);
     if (g->ws_dec) workspace_free(g->ws_dec);
     free(g->own);
@@ -297,9 +302,14 @@ static const void* weight_of(const Generator* g, TensorKind kind) {
     return (const char*)g->w[d->owner_layer] + (size_t)d->param_offset * g->ops->act_bytes;
 }
 
+// True while sequence s, at len tokens, may take another one (stop tokens aside).
+static int seq_room(const Generator* g, const GenSeq* s, int len) {
+    return len < s->prompt_len + s->max_new && len < g->o.max_len;
+}
+
 // True while sequence s may take another token.
 static int seq_active(const Generator* g, const GenSeq* s) {
-    return !s->stopped && s->len < s->prompt_len + s->max_new && s->len < g->o.max_len;
+    return !s->stopped && seq_room(g, s, s->len);
 }
 
 // Token tok with its log-probs appended to s.
@@ -401,6 +411,8 @@ static void decode_forward_sample(Generator* g, const DecodeRows* r) {
     const int S = g->o.max_seqs, n = r->n;
     ws->lora_train = 0;
     gen_phase(g, "decode step: embedding + blocks");
+    // the ids of rows whose newest token the step before sampled (still in d_out)
+    if (ops->gather_ids) ops->gather_ids(g->ctx, g->d_step, g->d_out, g->d_step + 5 * S, n);
     model_prefix_forward(m, ws, g->x[0], g->d_step, weight_of(g, TK_EMBED), n, 1);
     // each block's residual add is left pending and done by the next norm, into the same x
     for (int l = 0; l < c->L; l++)
@@ -447,48 +459,105 @@ static int decode_replay(Generator* g, const DecodeRows* r) {
     return g->graphs[n] && ops->graph_launch(g->ctx, g->graphs[n]) == 0;
 }
 
-// One decode step of every active sequence with the sampler on the backend: the step's rows
-// (ids, slots, lengths, positions and each sequence's uniform draw from its own RNG, the one the
-// host sampler would take) in one upload, the logits of all rows in one LM-head matmul, the
-// tokens and log-probs in one download. 0 when no sequence is left.
-static int decode_step_backend(Generator* g, GenSeq* seqs, int n_seqs) {
+// The decode steps with the sampler on the backend, each issued before the one ahead of it is
+// read, so the backend never waits for the host between steps (where the backend has
+// overlapped transfers and gather_ids; else one step at a time). Issuing step t + 1 before
+// step t's tokens are on the host works because nothing it needs depends on them but the
+// tokens themselves: those stay on the backend (ops->gather_ids takes each row's from step t's
+// samples), a sequence's length and position follow from its count, and its uniform is the next
+// draw of its RNG. A sequence whose step-t token stops it is in step t + 1 all the same (the host
+// could not know): that row's token is dropped and its draw taken back (rng_unget_u32), so the
+// texts, log-probs and RNG streams are the one-step-at-a-time loop's. Budget ends are known
+// ahead: such a sequence is not issued again.
+
+// Issues the next step into download slot `slot`: a row for every sequence with room after the
+// step in flight (g->h_ahead), rows[] its sequences. Returns the row count (0: none, nothing
+// issued).
+static int decode_issue(Generator* g, GenSeq* seqs, int n_seqs, int32_t* rows, int slot,
+                        int overlap) {
     const Ops* ops = g->ops;
     const int S = g->o.max_seqs;
     int32_t* ids = g->h_step;
-    int32_t* slot = g->h_step + S;
+    int32_t* slots = g->h_step + S;
     int32_t* len = g->h_step + 2 * S;
     int32_t* pos = g->h_step + 3 * S;
     float* u = (float*)(g->h_step + 4 * S);
+    int32_t* from = g->h_step + 5 * S;
     int n = 0;
     for (int i = 0; i < n_seqs; i++) {
         GenSeq* s = &seqs[i];
-        if (!seq_active(g, s)) continue;
-        g->h_row[n] = i;
-        ids[n] = s->tokens[s->len - 1];  // its newest token, not yet in the cache
-        pos[n] = s->len - 1;
-        slot[n] = i;
-        len[n] = s->len;
+        const int ahead = g->h_ahead[i] >= 0;  // a token of s is in flight
+        if (s->stopped || !seq_room(g, s, s->len + ahead)) continue;
+        rows[n] = i;
+        from[n] = g->h_ahead[i];
+        ids[n] = ahead ? 0 : s->tokens[s->len - 1];  // its newest token, not yet in the cache
+        pos[n] = s->len + ahead - 1;
+        len[n] = pos[n] + 1;
+        slots[n] = i;
         u[n] = g->o.temperature > 0.0f ? rng_uniform(&s->rng) : 0.0f;  // greedy draws nothing
         n++;
     }
     if (n == 0) return 0;
-    ops->upload(g->ctx, g->d_step, g->h_step, (size_t)5 * S * sizeof(int32_t));
-    const DecodeRows r = {.n = n, .pos = pos, .slot = slot, .d_slot = g->d_step + S,
+    for (int i = 0; i < n_seqs; i++) g->h_ahead[i] = -1;
+    for (int k = 0; k < n; k++) g->h_ahead[rows[k]] = k;
+    if (overlap)
+        ops->upload_async(g->ctx, g->d_step, g->h_step, (size_t)6 * S * sizeof(int32_t), slot);
+    else
+        ops->upload(g->ctx, g->d_step, g->h_step, (size_t)6 * S * sizeof(int32_t));
+    const DecodeRows r = {.n = n, .pos = pos, .slot = slots, .d_slot = g->d_step + S,
                           .d_len = g->d_step + 2 * S, .d_pos = g->d_step + 3 * S,
                           .rope_cos = g->ws_pre->rope_cos, .rope_sin = g->ws_pre->rope_sin,
                           .maxT = g->o.max_len};
     if (!decode_replay(g, &r)) decode_forward_sample(g, &r);
-    ops->download(g->ctx, g->h_out, g->d_out, (size_t)3 * S * sizeof(int32_t));
-    const float* lp = (const float*)(g->h_out + S);
-    for (int k = 0; k < n; k++)
-        seq_push(&seqs[g->h_row[k]], g->h_out[k], lp[2 * k], lp[2 * k + 1]);
-    g->n_decoded += n;
+    if (overlap) ops->download_start(g->ctx, g->d_out, (size_t)3 * S * sizeof(int32_t), slot);
     return n;
 }
 
-// One decode step of every active sequence; 0 when none is left.
+// Reads the step of n rows (their sequences rows[]) issued into download slot `slot`: each
+// row's token and log-probs appended to its sequence, but for a sequence that had stopped.
+static void decode_read(Generator* g, GenSeq* seqs, const int32_t* rows, int n, int slot,
+                        int overlap) {
+    const Ops* ops = g->ops;
+    const int S = g->o.max_seqs;
+    if (overlap)
+        ops->download_finish(g->ctx, g->h_out, (size_t)3 * S * sizeof(int32_t), slot);
+    else
+        ops->download(g->ctx, g->h_out, g->d_out, (size_t)3 * S * sizeof(int32_t));
+    const float* lp = (const float*)(g->h_out + S);
+    for (int k = 0; k < n; k++) {
+        GenSeq* s = &seqs[rows[k]];
+        if (s->stopped) {  // issued before its stop token was read: dropped, its draw given back
+            if (g->o.temperature > 0.0f) rng_unget_u32(&s->rng);
+            continue;
+        }
+        seq_push(s, g->h_out[k], lp[2 * k], lp[2 * k + 1]);
+        g->n_decoded++;
+    }
+}
+
+static void decode_on_backend(Generator* g, GenSeq* seqs, int n_seqs) {
+    const Ops* ops = g->ops;
+    const int overlap = ops->upload_async && ops->download_start && ops->download_finish &&
+                        ops->gather_ids;
+    const int depth = overlap ? 2 : 1;  // steps in flight at most
+    int n_rows[2] = {0, 0}, oldest = 0, in_flight = 0;
+    for (int i = 0; i < n_seqs; i++) g->h_ahead[i] = -1;
+    for (;;) {
+        if (in_flight < depth) {
+            const int b = (oldest + in_flight) % 2;
+            n_rows[b] = decode_issue(g, seqs, n_seqs, g->h_rows[b], b, overlap);
+            if (n_rows[b] > 0 && ++in_flight < depth) continue;  // issue the next one first
+        }
+        if (in_flight == 0) break;
+        decode_read(g, seqs, g->h_rows[oldest], n_rows[oldest], oldest, overlap);
+        oldest = (oldest + 1) % 2;
+        if (--in_flight == 0)
+            for (int i = 0; i < n_seqs; i++) g->h_ahead[i] = -1;  // every token is on the host
+    }
+}
+
+// One decode step of every active sequence, sampled on the host; 0 when none is left.
 static int decode_step(Generator* g, GenSeq* seqs, int n_seqs) {
-    if (gen_samples_on_backend(g)) return decode_step_backend(g, seqs, n_seqs);
     const Model* m = g->m;
     const Ops* ops = g->ops;
     const ModelConfig* c = &m->cfg;
@@ -542,8 +611,11 @@ void gen_run(Generator* g, GenSeq* seqs, int n, int group) {
     for (int first = 0; first < n; first += group) prefill_group(g, seqs, first, group);
     gen_phase(g, NULL);
     double t1 = time_now_s();
-    while (decode_step(g, seqs, n) > 0) {
-    }
+    if (gen_samples_on_backend(g))
+        decode_on_backend(g, seqs, n);
+    else
+        while (decode_step(g, seqs, n) > 0) {
+        }
     g->t_prefill += t1 - t0;
     g->t_decode += time_now_s() - t1;
 }

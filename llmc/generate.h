@@ -73,11 +73,15 @@ typedef struct Generator {
     int32_t* d_len;      // (S) device
     int32_t *h_ids, *h_pos, *h_slot, *h_len, *h_row;  // host staging (S or maxT)
     // backend sampling (ops->sample_tokens, without top-k / top-p): one upload and one download
-    // per decode step
-    int32_t* h_step;     // (5, S) host: [ids | slots | lens | positions | uniforms (fp32 bits)]
-    int32_t* d_step;     // (5, S) device copy
+    // per decode step, a step issued before the one ahead of it is read (generate.c
+    // decode_on_backend)
+    int32_t* h_step;     // (6, S) host: [ids | slots | lens | positions | uniforms (fp32 bits) |
+                         // each row's row in the step before (-1: its id is in ids)]
+    int32_t* d_step;     // (6, S) device copy
     int32_t* h_out;      // (3, S) host: [tokens | log-probs (S, 2) fp32]
     int32_t* d_out;      // (3, S) device
+    int32_t* h_rows[2];  // (S) the sequence of each row of the two steps in flight
+    int32_t* h_ahead;    // (S) per sequence: its row in the last step issued, -1 if none
     float* logits;       // (S, V) host
     int64_t* order;      // (V) top-k / top-p scratch
     double* probs;       // (V)
@@ -88,7 +92,7 @@ typedef struct Generator {
                          // in them: grpo_evaluate's greedy pass drops them)
     int last_n;          // rows of the previous decode step
     double t_prefill, t_decode;  // seconds spent, for the log
-    int64_t n_decoded;   // tokens decoded (rows x steps)
+    int64_t n_decoded;   // tokens decoded and kept (not the rows dropped past a stop)
 } Generator;
 
 // 1 when the decode steps sample on the backend (ops->sample_tokens, no top-k / top-p).

@@ -49,6 +49,16 @@ typedef struct Ops {
     void (*upload)(void* ctx, void* dst, const void* src, size_t bytes);
     void (*download)(void* ctx, void* dst, const void* src, size_t bytes);
     void (*synchronize)(void* ctx);
+    // Transfers that overlap the backend's work (NULL: the backend has none; the generator then
+    // waits on each decode step), through page-locked buffers of the backend's own, one per
+    // direction and `slot` (0 or 1). upload_async: src is taken at once (the caller may reuse it
+    // on return); dst receives it after the work issued before. download_start: src's bytes as
+    // the work issued before leaves them go to slot's host buffer; returns at once.
+    // download_finish: waits for that slot's download_start, reports the device errors flagged
+    // before it (as download does) and copies its first `bytes` to dst.
+    void (*upload_async)(void* ctx, void* dst, const void* src, size_t bytes, int slot);
+    void (*download_start)(void* ctx, const void* src, size_t bytes, int slot);
+    void (*download_finish)(void* ctx, void* dst, size_t bytes, int slot);
 
     // ---- token embedding ----
     // out (N, C) = wte[ids[n]]. ids (N), wte (V, C).
@@ -176,6 +186,10 @@ typedef struct Ops {
     // or top-p: the host samples those. tokens, logp, u are backend buffers.
     void (*sample_tokens)(void* ctx, int32_t* tokens, float* logp, const void* logits,
                           const float* u, int n, int V, float temperature);
+    // A decode step's input tokens taken from the step before it on the backend, so the step can
+    // be issued before the host has read that one's samples: ids[k] = prev[from[k]] where
+    // from[k] >= 0, ids[k] unchanged where from[k] < 0 (k < n; int32 backend buffers).
+    void (*gather_ids)(void* ctx, int32_t* ids, const int32_t* prev, const int32_t* from, int n);
     // Op profile phases (NULL: the backend has none; a no-op unless --profile-ops): the ops issued
     // from now on count toward phase `name` until the next call (NULL: no phase).
     void (*profile_phase)(void* ctx, const char* name);

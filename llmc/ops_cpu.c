@@ -73,6 +73,41 @@ static void cpu_download(void* ctx, void* dst, const void* src, size_t bytes) {
 
 static void cpu_synchronize(void* ctx) { (void)ctx; }
 
+// The overlapped transfers: every op has finished when it returns, so only the snapshot a
+// download_start promises is kept (the work issued after it may overwrite src).
+static void cpu_upload_async(void* ctx, void* dst, const void* src, size_t bytes, int slot) {
+    (void)ctx, (void)slot;
+    if (bytes > 0) memcpy(dst, src, bytes);
+}
+
+static void cpu_download_start(void* ctx, const void* src, size_t bytes, int slot) {
+    CpuCtx* cx = ctx;
+    if (slot < 0 || slot > 1) fatal("internal: download_start slot %d (0 or 1)", slot);
+    if (bytes > cx->down_cap[slot]) {
+        free(cx->down[slot]);
+        cx->down[slot] = malloc_check(bytes);
+        cx->down_cap[slot] = bytes;
+    }
+    if (bytes > 0) memcpy(cx->down[slot], src, bytes);
+    cx->down_pending[slot] = 1;
+}
+
+static void cpu_download_finish(void* ctx, void* dst, size_t bytes, int slot) {
+    CpuCtx* cx = ctx;
+    if (slot < 0 || slot > 1 || !cx->down_pending[slot] || bytes > cx->down_cap[slot])
+        fatal("internal: download_finish of %zu bytes from slot %d without a start of as many",
+              bytes, slot);
+    cx->down_pending[slot] = 0;
+    if (bytes > 0) memcpy(dst, cx->down[slot], bytes);
+}
+
+static void cpu_gather_ids(void* ctx, int32_t* ids, const int32_t* prev, const int32_t* from,
+                           int n) {
+    (void)ctx;
+    for (int k = 0; k < n; k++)
+        if (from[k] >= 0) ids[k] = prev[from[k]];
+}
+
 // ----------------------------------------------------------------------------
 // token embedding
 
@@ -627,6 +662,8 @@ void ops_cpu_destroy(void* ctx) {
     CpuCtx* cx = ctx;
     threadpool_destroy(cx->pool);
     pthread_check(pthread_mutex_destroy(&cx->run_mu));
+    free(cx->down[0]);
+    free(cx->down[1]);
     free(cx);
 }
 
@@ -642,6 +679,10 @@ const Ops ops_cpu = {
     .upload = cpu_upload,
     .download = cpu_download,
     .synchronize = cpu_synchronize,
+    .upload_async = cpu_upload_async,
+    .download_start = cpu_download_start,
+    .download_finish = cpu_download_finish,
+    .gather_ids = cpu_gather_ids,
     .embedding_forward = cpu_embedding_forward,
     .embedding_backward = cpu_embedding_backward,
     .rmsnorm_forward = cpu_rmsnorm_forward,

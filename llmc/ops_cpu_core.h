@@ -31,6 +31,9 @@ typedef struct CpuCtx {
     pthread_mutex_t run_mu;  // ThreadPool runs one job at a time: callers on several threads queue
     GemmKernel gemm_kernel;  // both picked for this CPU's SIMD level at ops_cpu_create
     AttRowFn att_row;
+    void* down[2];           // ops.h download_start's slots: the bytes as the start found them
+    size_t down_cap[2];
+    int down_pending[2];
 } CpuCtx;
 
 // Every parallel loop goes through here. The lock makes the backend safe to call from several

@@ -5,6 +5,8 @@
 
 #include <math.h>
 
+#include "common.h"
+
 void rng_seed(Rng* r, uint32_t seed) {
     r->mt[0] = seed;
     for (int i = 1; i < 624; i++)
@@ -54,6 +56,11 @@ uint64_t rng_below(Rng* r, uint64_t n) {
 }
 
 float rng_uniform(Rng* r) { return (float)(rng_u32(r) >> 8) * (1.0f / 16777216.0f); }
+
+void rng_unget_u32(Rng* r) {
+    if (r->index < 1 || r->index > 624) fatal("internal: rng_unget_u32 with no draw to take back");
+    r->index--;
+}
 
 float rng_normal(Rng* r) {
     if (r->has_spare) {

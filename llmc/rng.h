@@ -22,6 +22,10 @@ uint32_t rng_u32(Rng* r);
 uint64_t rng_below(Rng* r, uint64_t n);
 // Uniform float in [0, 1).
 float rng_uniform(Rng* r);
+// Takes back the last draw of one word (rng_u32, rng_uniform): the next draw repeats it and the
+// stream goes on as it would have. (A draw that regenerated the words leaves them regenerated,
+// at their start: the same stream.) Only after a draw.
+void rng_unget_u32(Rng* r);
 // Standard normal (Box-Muller).
 float rng_normal(Rng* r);
 // Fisher-Yates shuffle of an index array.

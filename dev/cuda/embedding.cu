@@ -15,7 +15,8 @@
  * longer than the segment sum's unroll) and (2048, 100, 151936) uniform (three radix passes; C
  * not a multiple of 8: the scalar paths). Forward exactly; backward (dwte pre-filled: it
  * accumulates) TOL_F32 against sums in double. Production only: ids outside [0, V) zero their
- * forward row, are skipped by the backward, and set the context's device error word.
+ * forward row, are skipped by the backward, and set the context's device error word; the
+ * decode step's id gather (gather_ids, kernels/elementwise.cu) exactly.
  * Benchmark: N = 16384 tokens, C = 2048, V = 151936 (Qwen3-1.7B), ids uniform and log-uniform
  * (a Zipf-like text distribution: long segments for frequent ids).
  */
@@ -155,6 +156,25 @@ static void validate_bad_ids(Lab* lab, Rng* r) {
     for (void* p : bufs) cuda_check(cudaFree(p));
 }
 
+// Production only: the decode step's id gather (kernels/elementwise.cu gather_ids), ids taken
+// from the step before's samples where from >= 0, kept elsewhere; exact.
+static void validate_gather_ids(Lab* lab, Rng* r) {
+    const int n = 1000, S = 1500;
+    std::vector<int32_t> ids = rand_ids(r, n, 151936, 0), prev = rand_ids(r, S, 151936, 0);
+    std::vector<int32_t> from(n), want = ids;
+    for (int k = 0; k < n; k++) {
+        from[k] = rng_below(r, 4) == 0 ? -1 : (int32_t)rng_below(r, (uint64_t)S);
+        if (from[k] >= 0) want[k] = prev[from[k]];
+    }
+    int32_t *d_ids = dev_upload(ids), *d_prev = dev_upload(prev), *d_from = dev_upload(from);
+    cuda_gather_ids(lab->cx, d_ids, d_prev, d_from, n);
+    const std::vector<int32_t> got = dev_download(d_ids, (size_t)n);
+    lab_check_true(lab, "gather ids v2: from the step before where from >= 0, kept elsewhere",
+                   got == want);
+    void* bufs[] = {d_ids, d_prev, d_from};
+    for (void* p : bufs) cuda_check(cudaFree(p));
+}
+
 // ----------------------------------------------------------------------------
 // benchmark
 
@@ -213,7 +233,10 @@ static const char* VARIANTS =
 static void validate_variant(Lab* lab, int v, Rng* r) {
     validate(lab, v, r, 4099, 1000, 5000, 1);
     validate(lab, v, r, 2048, 100, 151936, 0);
-    if (v == 2) validate_bad_ids(lab, r);
+    if (v == 2) {
+        validate_bad_ids(lab, r);
+        validate_gather_ids(lab, r);
+    }
 }
 
 // bench as lab_main's callback (the benchmark draws nothing from the lab's Rng).

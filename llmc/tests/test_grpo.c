@@ -1,10 +1,12 @@
 /*
  * test_grpo.c — GRPO on the CPU: the decode attention against the full attention, the
- * generation engine against a forward per token, the decode step's rows (residual adds fused
+ * generation engine against a forward per token, the backend-sampled decode loop (steps issued
+ * ahead) against the host-sampled one bit for bit, the decode step's rows (residual adds fused
  * into the next norm) against the forward's bit for bit, the policy-gradient op against finite
  * differences and a reference written out here, and (CLI) runs of --rl grpo that learn. With a
- * GPU: the CUDA decode attention, rope + cache append, sampler and policy op against the CPU
- * ops, and generation on the CUDA backend against the CPU's (skipped without a GPU).
+ * GPU: the CUDA decode attention, rope + cache append, sampler, id gather, overlapped transfers
+ * and policy op against the CPU ops, and generation on the CUDA backend against the CPU's
+ * (skipped without a GPU).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -160,6 +162,125 @@ static void test_grpo_generate_matches_forward(TestCtx* t) {
         store_free(&s);
         model_free(&m);
     }
+}
+
+// ops.h sample_tokens on the CPU in gen_sample's arithmetic (its whole-distribution walk with the
+// uniform the host drew): the host sampler's tokens and log-probs, bit for bit.
+static void host_sample_tokens(void* ctx, int32_t* tokens, float* logp, const void* logits,
+                               const float* u, int n, int V, float temperature) {
+    (void)ctx;
+    for (int i = 0; i < n; i++) {
+        const float* z = (const float*)logits + (size_t)i * V;
+        int best = 0;
+        for (int v = 1; v < V; v++)
+            if (z[v] > z[best]) best = v;
+        tokens[i] = best;
+        logp[2 * i] = logp[2 * i + 1] = 0.0f;
+        if (temperature <= 0.0f) continue;
+        const float mx = z[best], inv = 1.0f / temperature;
+        double full = 0.0, sum = 0.0;
+        for (int v = 0; v < V; v++) full += expf((z[v] - mx) * inv);
+        for (int v = 0; v < V; v++) sum += exp((z[v] - mx) / temperature);
+        double r = (double)u[i] * sum;
+        for (int v = 0; v < V; v++) {
+            r -= exp((z[v] - mx) / temperature);
+            if (r <= 0.0) {
+                tokens[i] = v;
+                break;
+            }
+        }
+        logp[2 * i] = logp[2 * i + 1] =
+            (float)((double)((z[tokens[i]] - mx) * inv) - log(full));
+    }
+}
+
+// Six sequences of `maxT` positions (groups of two), seeded per sequence, generated with `ops`;
+// stop[i]: sequence i's stop token (-1: none).
+static void gen_six(TestCtx* t, const Model* m, const Store* st, const Ops* ops, void* ctx,
+                    float temperature, const int* stop, int32_t (*toks)[24], float (*lp)[48],
+                    GenSeq* seqs) {
+    char err[ERR_LEN];
+    Generator g;
+    const GenOptions go = {.max_seqs = 6, .max_len = 24, .temperature = temperature, .top_k = 0,
+                           .top_p = 1.0f};
+    CHECK(t, gen_create(&g, m, ops, ctx, &go, 1, err) == 0, "%s", err);
+    gen_load_weights(&g, st, 1);
+    memset(toks, 0, 6 * sizeof *toks);
+    memset(lp, 0, 6 * sizeof *lp);
+    for (int i = 0; i < 6; i++) {
+        const int P = 2 + i / 2;
+        for (int j = 0; j < P; j++) toks[i][j] = (3 * (i / 2) + 7 * j + 2) % m->cfg.V;
+        seqs[i] = (GenSeq){.tokens = toks[i], .logp = lp[i], .logp_full = lp[i] + 24,
+                           .prompt_len = P, .max_new = i == 4 ? 5 : 30, .stop_a = stop[i],
+                           .stop_b = -1};
+        rng_seed(&seqs[i].rng, 500 + i);
+    }
+    gen_run(&g, seqs, 6, 2);
+    gen_free(&g);
+}
+
+// Decoding with the sampler on the backend, each step issued before the one ahead of it is read
+// (decode_on_backend), gives the host-sampled loop's texts, log-probs, lengths, stops and RNG
+// streams bit for bit — also where sequences stop on a token mid-way (rows issued past their stop,
+// then dropped with their draws given back) — and so does the one-step-at-a-time backend loop
+// (a backend without overlapped transfers). The backend's sampler here is the host's arithmetic
+// (host_sample_tokens), so any difference is the loop's.
+static void test_grpo_generate_on_backend_matches_host(TestCtx* t) {
+    ModelConfig cfg;
+    Model m;
+    Store st;
+    if (!family_model(t, "test-qwen3", 17, &cfg, &m, &st)) return;
+    void* ctx = ops_cpu_create(t->n_threads);
+    Ops ahead = ops_cpu;
+    ahead.sample_tokens = host_sample_tokens;
+    Ops one = ahead;
+    one.upload_async = NULL;
+    one.download_start = NULL;
+    one.download_finish = NULL;
+    const Ops* kinds[2] = {&ahead, &one};
+    const char* names[2] = {"issued ahead", "one step at a time"};
+    for (int greedy = 0; greedy < 2; greedy++) {
+        const float temp = greedy ? 0.0f : 1.0f;
+        // the stop tokens: tokens the unstopped run samples early, so sequences stop mid-way
+        int32_t ref[6][24];
+        float rlp[6][48];
+        GenSeq rs[6];
+        const int none[6] = {-1, -1, -1, -1, -1, -1};
+        gen_six(t, &m, &st, &ops_cpu, ctx, temp, none, ref, rlp, rs);
+        int stop[6];
+        for (int i = 0; i < 6; i++) stop[i] = i == 5 ? -1 : ref[i][rs[i].prompt_len + 1 + i % 3];
+        gen_six(t, &m, &st, &ops_cpu, ctx, temp, stop, ref, rlp, rs);
+        int stopped = 0, short_len = 0;
+        for (int i = 0; i < 6; i++) {
+            stopped += rs[i].stopped;
+            short_len += rs[i].stopped && rs[i].len < 24;
+        }
+        CHECK(t, stopped >= 3 && short_len >= 3, "%s: %d sequences stopped on a token (want >= 3)",
+              greedy ? "greedy" : "sampled", stopped);
+        for (int k = 0; k < 2; k++) {
+            int32_t got[6][24];
+            float glp[6][48];
+            GenSeq gs[6];
+            gen_six(t, &m, &st, kinds[k], ctx, temp, stop, got, glp, gs);
+            for (int i = 0; i < 6; i++) {
+                const char* w = greedy ? "greedy" : "sampled";
+                CHECK(t, gs[i].len == rs[i].len && gs[i].stopped == rs[i].stopped,
+                      "%s, %s: seq %d len %d stopped %d, host %d %d", w, names[k], i, gs[i].len,
+                      gs[i].stopped, rs[i].len, rs[i].stopped);
+                CHECK(t, memcmp(got[i], ref[i], sizeof ref[i]) == 0, "%s, %s: seq %d tokens", w,
+                      names[k], i);
+                CHECK(t, memcmp(glp[i], rlp[i], sizeof rlp[i]) == 0, "%s, %s: seq %d log-probs",
+                      w, names[k], i);
+                Rng a = gs[i].rng, b = rs[i].rng;  // the RNG streams go on alike
+                int same = 1;
+                for (int d = 0; d < 700; d++) same &= rng_u32(&a) == rng_u32(&b);
+                CHECK(t, same, "%s, %s: seq %d RNG stream", w, names[k], i);
+            }
+        }
+    }
+    ops_cpu_destroy(ctx);
+    store_free(&st);
+    model_free(&m);
 }
 
 // max |a - b| / max |b| over n values.
@@ -875,6 +996,58 @@ static void test_grpo_gpu_decode_rope_append(TestCtx* t) {
 
 // The backend sampler against gen_sample on the same (bf16) logits and the same per-row
 // uniforms: the same tokens, and log-probs within fp32 rounding; greedy: the first argmax.
+// The decode loop's transfers and id gather on the GPU: gather_ids against the CPU op (rows from
+// the step before and rows kept), and the overlapped transfers' promises: an upload_async's
+// source reusable on return, a download_start's bytes as the work before it left them though a
+// later upload overwrites the buffer before the finish, slots finished out of order.
+static void test_grpo_gpu_step_transfers(TestCtx* t) {
+    Gpu G;
+    if (!gpu_open(t, &G, 71)) return;
+    const int n = 100, S = 128;
+    int32_t ids[100], prev[128], from[100], want[100], got[100];
+    for (int k = 0; k < S; k++) prev[k] = (int32_t)rng_below(&G.rng, 1000000);
+    for (int k = 0; k < n; k++) {
+        ids[k] = (int32_t)rng_below(&G.rng, 1000000);
+        from[k] = rng_below(&G.rng, 3) == 0 ? -1 : (int32_t)rng_below(&G.rng, (uint64_t)S);
+        want[k] = ids[k];
+    }
+    G.c->gather_ids(G.cctx, want, prev, from, n);
+    int32_t* d_ids = dev_raw(&G, ids, sizeof ids);
+    int32_t* d_prev = dev_raw(&G, prev, sizeof prev);
+    int32_t* d_from = dev_raw(&G, from, sizeof from);
+    G.g->gather_ids(G.gctx, d_ids, d_prev, d_from, n);
+    G.g->download(G.gctx, got, d_ids, sizeof got);
+    CHECK(t, memcmp(got, want, sizeof got) == 0, "gather_ids: GPU differs from the CPU op");
+    enum { W = 1 << 16 };  // words: large enough that a copy takes a while
+    int32_t* a = malloc_check(W * sizeof(int32_t));
+    int32_t* b = malloc_check(W * sizeof(int32_t));
+    int32_t* back = malloc_check(W * sizeof(int32_t));
+    for (int i = 0; i < W; i++) {
+        a[i] = i;
+        b[i] = -i - 1;
+    }
+    void* d = G.g->alloc(G.gctx, W * sizeof(int32_t));
+    G.g->upload_async(G.gctx, d, a, W * sizeof(int32_t), 0);
+    a[0] = 12345;  // (reusable on return: the upload took the bytes)
+    G.g->download_start(G.gctx, d, W * sizeof(int32_t), 0);
+    G.g->upload_async(G.gctx, d, b, W * sizeof(int32_t), 1);
+    G.g->download_start(G.gctx, d, W * sizeof(int32_t), 1);
+    G.g->download_finish(G.gctx, back, W * sizeof(int32_t), 1);
+    CHECK(t, memcmp(back, b, W * sizeof(int32_t)) == 0, "slot 1: not the second upload's bytes");
+    G.g->download_finish(G.gctx, back, W * sizeof(int32_t), 0);
+    a[0] = 0;
+    CHECK(t, memcmp(back, a, W * sizeof(int32_t)) == 0,
+          "slot 0: not the bytes as the first upload left them");
+    G.g->free(G.gctx, d);
+    free(a);
+    free(b);
+    free(back);
+    gfree(&G, d_ids);
+    gfree(&G, d_prev);
+    gfree(&G, d_from);
+    gpu_close(&G);
+}
+
 static void test_grpo_gpu_sample(TestCtx* t) {
     Gpu G;
     if (!gpu_open(t, &G, 47)) return;
@@ -1250,6 +1423,58 @@ static void test_grpo_gpu_cli_learns_arith(TestCtx* t) {
     grpo_arith_runs(t, "--device cuda", "grpo_gpu_arith");
 }
 
+// CUDA generation with every step issued before the one ahead of it is read against the same
+// backend one step at a time (no overlapped transfers): bit for bit where no sequence stops on a
+// token (the same rows every step); with stop tokens mid-way (rows issued past a stop and
+// dropped) the same texts, lengths and stops, and log-probs within 1e-3 (the ahead loop's steps
+// can hold one row more: a matmul planned for another row count may round differently).
+static void test_grpo_gpu_generate_ahead(TestCtx* t) {
+    Gpu G;
+    if (!gpu_open(t, &G, 73)) return;
+    const char* presets[] = {"test-llama", "test-qwen3"};
+    Ops one = *G.g;
+    one.upload_async = NULL;
+    one.download_start = NULL;
+    one.download_finish = NULL;
+    for (size_t k = 0; k < sizeof presets / sizeof presets[0]; k++) {
+        ModelConfig cfg;
+        Model m;
+        Store st;
+        if (!family_model(t, presets[k], 19, &cfg, &m, &st)) continue;
+        for (int temp = 0; temp < 2; temp++) {
+            const float tf = temp ? 1.0f : 0.0f;
+            int32_t a[6][24], b[6][24];
+            float la[6][48], lb[6][48];
+            GenSeq sa[6], sb[6];
+            int stop[6] = {-1, -1, -1, -1, -1, -1};
+            gen_six(t, &m, &st, G.g, G.gctx, tf, stop, a, la, sa);
+            gen_six(t, &m, &st, &one, G.gctx, tf, stop, b, lb, sb);
+            CHECK(t, memcmp(a, b, sizeof a) == 0 && memcmp(la, lb, sizeof la) == 0,
+                  "%s (temperature %g): issued ahead differs from one step at a time", presets[k],
+                  tf);
+            for (int i = 0; i < 5; i++) stop[i] = a[i][sa[i].prompt_len + 1 + i % 3];
+            gen_six(t, &m, &st, G.g, G.gctx, tf, stop, a, la, sa);
+            gen_six(t, &m, &st, &one, G.gctx, tf, stop, b, lb, sb);
+            int stopped = 0, same = 1;
+            double worst = 0.0;
+            for (int i = 0; i < 6; i++) {
+                stopped += sa[i].stopped && sa[i].len < 24;
+                same &= sa[i].len == sb[i].len && sa[i].stopped == sb[i].stopped &&
+                        memcmp(a[i], b[i], sizeof a[i]) == 0;
+                for (int j = 0; j < 48; j++) worst = fmax(worst, fabs((double)la[i][j] - lb[i][j]));
+            }
+            CHECK(t, stopped >= 3, "%s: %d sequences stopped on a token mid-way (want >= 3)",
+                  presets[k], stopped);
+            CHECK(t, same && worst <= 1e-3, "%s (temperature %g), stop tokens: issued ahead "
+                  "differs from one step at a time (texts %s, log-probs by %.3g)", presets[k], tf,
+                  same ? "alike" : "differ", worst);
+        }
+        store_free(&st);
+        model_free(&m);
+    }
+    gpu_close(&G);
+}
+
 #else  // no CUDA in this build
 
 static void grpo_gpu_skipped(TestCtx* t) { test_skip(t, "built without CUDA"); }
@@ -1258,8 +1483,10 @@ static void test_grpo_gpu_cli_learns_arith(TestCtx* t) { grpo_gpu_skipped(t); }
 static void test_grpo_gpu_decode_attention(TestCtx* t) { grpo_gpu_skipped(t); }
 static void test_grpo_gpu_decode_rope_append(TestCtx* t) { grpo_gpu_skipped(t); }
 static void test_grpo_gpu_sample(TestCtx* t) { grpo_gpu_skipped(t); }
+static void test_grpo_gpu_step_transfers(TestCtx* t) { grpo_gpu_skipped(t); }
 static void test_grpo_gpu_policy_op(TestCtx* t) { grpo_gpu_skipped(t); }
 static void test_grpo_gpu_generate(TestCtx* t) { grpo_gpu_skipped(t); }
+static void test_grpo_gpu_generate_ahead(TestCtx* t) { grpo_gpu_skipped(t); }
 static void test_grpo_gpu_sync_bits(TestCtx* t) { grpo_gpu_skipped(t); }
 
 #endif  // HAVE_CUDA
@@ -1268,13 +1495,16 @@ const TestCase tests_grpo[] = {
     {"grpo_gpu_decode_attention", test_grpo_gpu_decode_attention},
     {"grpo_gpu_decode_rope_append", test_grpo_gpu_decode_rope_append},
     {"grpo_gpu_sample", test_grpo_gpu_sample},
+    {"grpo_gpu_step_transfers", test_grpo_gpu_step_transfers},
     {"grpo_gpu_policy_op", test_grpo_gpu_policy_op},
     {"grpo_gpu_generate", test_grpo_gpu_generate},
+    {"grpo_gpu_generate_ahead", test_grpo_gpu_generate_ahead},
     {"grpo_gpu_sync_bits", test_grpo_gpu_sync_bits},
     {"grpo_gpu_cli_learns", test_grpo_gpu_cli_learns},
     {"grpo_gpu_cli_learns_arith", test_grpo_gpu_cli_learns_arith},
     {"grpo_decode_attention_matches_full", test_grpo_decode_attention_matches_full},
     {"grpo_generate_matches_forward", test_grpo_generate_matches_forward},
+    {"grpo_generate_on_backend_matches_host", test_grpo_generate_on_backend_matches_host},
     {"grpo_decode_step_matches_forward_rows", test_grpo_decode_step_matches_forward_rows},
     {"grpo_sample_topk_topp", test_grpo_sample_topk_topp},
     {"grpo_policy_op_gradient", test_grpo_policy_op_gradient},
