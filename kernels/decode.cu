@@ -47,8 +47,12 @@
  * before the slices, one block of 1024 threads per row, is the lab's row 1.)
  *
  * Every kernel here that production launches waits for the kernel before it (ptx.cuh pdl_wait)
- * before touching memory and is launched through cuda_launch, so a recorded decode step can
- * launch it early, during the tail of the kernel before.
+ * before touching what that kernel writes and is launched through cuda_launch, so a recorded
+ * decode step can launch it early, during the tail of the kernel before. The attention's partial
+ * kernels do more before the wait: the row's length and slot are the host's (uploaded before the
+ * step), and every key but the newest was written by an earlier step, so a block whose chunk
+ * holds no keys ends at once and the others' first tiles of older keys are in flight while the
+ * rope + append (which writes the newest key) runs (dec_early_keys; ops.h attention_decode).
  */
 #include <math.h>
 
@@ -398,6 +402,16 @@ __device__ __forceinline__ void dec_partial_store(DecPartial<GM>& p, const DecAt
     }
 }
 
+// Whether a warp's tile of keys jt .. jt + TK - 1 (those below j1) holds only keys older than the
+// row's newest, L - 1: keys that earlier decode steps (or the prefill) wrote, so the tile may be
+// loaded before pdl_wait (ptx.cuh's rule: the kernel before, the step's rope + append, writes
+// key L - 1 only). The row's length, slot and chunk bounds come from the host's upload before
+// the step, so a block also finds out before the wait whether its chunk holds keys at all: the
+// empty blocks of short rows end at once, and the first keys are in flight while the rope runs.
+__device__ __forceinline__ bool dec_early_keys(int jt, int TK, int j1, int L) {
+    return min(jt + TK, j1) <= L - 1;
+}
+
 // Block (row i, kv head g, chunk c): keys [c·chunk, (c+1)·chunk) ∩ [first, len) of row i's slot
 // for the `group` query heads of g (group <= GM). LPK lanes hold one key (8 head-dim elements
 // each), so a warp load covers KPW = 32/LPK whole keys; warp w takes tiles of TK = T·KPW keys at
@@ -406,30 +420,37 @@ __device__ __forceinline__ void dec_partial_store(DecPartial<GM>& p, const DecAt
 // block its warps in index order, into the chunk's partial.
 template <int LPK, int GM, int T>
 __global__ void __launch_bounds__(DEC_WARPS * 32) decode_attention_partial_kernel(DecAttn a) {
-    pdl_wait();
-    pdl_trigger();
     constexpr int KPW = 32 / LPK, TK = KPW * T;
     extern __shared__ float s_o[];  // (DEC_WARPS, group, HD)
     const int i = blockIdx.x, g = blockIdx.y, c = blockIdx.z, HD = a.HD;
     const int group = a.H / a.KVH, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int sub = lane / LPK, d0 = (lane % LPK) * 8;  // key within a warp load, its elements
     const int KD = a.KVH * HD;
+    // before pdl_wait: the host's lengths and slots, and keys older than the newest (see
+    // dec_early_keys)
     const int L = a.len[i], first = a.window > 0 && L > a.window ? L - a.window : 0;
     const int j0 = max(c * a.chunk, first), j1 = min((c + 1) * a.chunk, L);
     if (j0 >= j1) return;  // the combine reads only the chunks holding keys of the row
-    DecPartial<GM> p;
-    dec_partial_init(p, a, i, g, group, d0);
     const size_t at = (size_t)a.slot[i] * a.maxT * KD + (size_t)g * HD;
     const bf16* kb = a.kc + at;
     const bf16* vb = a.vc + at;
     uint4 kr[T], vr[T];  // the tile being computed
     int jt = j0 + warp * TK;
+    auto load_first = [&]() {
 #pragma unroll
-    for (int t = 0; t < T; t++) {
-        const int j = jt + t * KPW + sub;
-        kr[t] = j < j1 ? dec_load8(kb + (size_t)j * KD, d0, HD, a.vec) : make_uint4(0, 0, 0, 0);
-        vr[t] = j < j1 ? dec_load8(vb + (size_t)j * KD, d0, HD, a.vec) : make_uint4(0, 0, 0, 0);
-    }
+        for (int t = 0; t < T; t++) {
+            const int j = jt + t * KPW + sub;
+            kr[t] = j < j1 ? dec_load8(kb + (size_t)j * KD, d0, HD, a.vec) : make_uint4(0, 0, 0, 0);
+            vr[t] = j < j1 ? dec_load8(vb + (size_t)j * KD, d0, HD, a.vec) : make_uint4(0, 0, 0, 0);
+        }
+    };
+    const bool early = dec_early_keys(jt, TK, j1, L);
+    if (early) load_first();
+    pdl_wait();
+    pdl_trigger();
+    DecPartial<GM> p;
+    dec_partial_init(p, a, i, g, group, d0);
+    if (!early) load_first();
     for (; jt < j1; jt += DEC_WARPS * TK) {
         uint4 kn[T], vn[T];  // the next tile, in flight during this one's math
         const int jn = jt + DEC_WARPS * TK;
@@ -505,8 +526,6 @@ __global__ void decode_attention_combine_kernel(DecAttn a) {
 // the same bits. Needs vec. Shared memory: D x T x 2 x blockDim.x words, then s_o.
 template <int LPK, int GM, int T, int D>
 __global__ void __launch_bounds__(DEC_WARPS * 32) decode_attention_piped_kernel(DecAttn a) {
-    pdl_wait();
-    pdl_trigger();
     constexpr int KPW = 32 / LPK, TK = KPW * T, NT = DEC_WARPS * 32;
     extern __shared__ uint4 s_ring[];  // (D, T, 2, NT)
     const int i = blockIdx.x, g = blockIdx.y, c = blockIdx.z, HD = a.HD, tid = threadIdx.x;
@@ -533,11 +552,19 @@ __global__ void __launch_bounds__(DEC_WARPS * 32) decode_attention_piped_kernel(
         }
         cp_async_commit();
     };
+    // the ring's first tiles: those of older keys only before pdl_wait (dec_early_keys), in
+    // ring order (a thread's commit groups stay in tile order)
+    const int jt0 = j0 + warp * TK;
+    int early = 0;
+    while (early < D && dec_early_keys(jt0 + early * round, TK, j1, L)) {
+        issue(jt0 + early * round, early);
+        early++;
+    }
+    pdl_wait();
+    pdl_trigger();
     DecPartial<GM> p;
     dec_partial_init(p, a, i, g, group, d0);
-    const int jt0 = j0 + warp * TK;
-#pragma unroll
-    for (int r = 0; r < D; r++) issue(jt0 + r * round, r);
+    for (int r = early; r < D; r++) issue(jt0 + r * round, r);
     int r = 0;
     for (int jt = jt0; jt < j1; jt += round) {
         cp_async_wait<D - 1>();  // this tile's group (the oldest) has landed

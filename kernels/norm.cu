@@ -86,19 +86,22 @@ __global__ void __launch_bounds__(256)
     rmsnorm_forward_regs_kernel(bf16* res, bf16* __restrict__ out, float* __restrict__ rstd,
                                 const bf16* a, const bf16* b, const bf16* __restrict__ w, int N,
                                 int C, float eps) {
-    pdl_wait();
-    pdl_trigger();
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
     if (row >= N) return;
     const size_t off = (size_t)row * C;
     uint4 xv[NV], bv[NV], wv[NV];
+    // the norm's weight before pdl_wait (a recorded decode step's weights are constant)
+#pragma unroll
+    for (int i = 0; i < NV; i++)
+        if (lane * 8 + i * 256 < C) wv[i] = *reinterpret_cast<const uint4*>(w + lane * 8 + i * 256);
+    pdl_wait();
+    pdl_trigger();
 #pragma unroll
     for (int i = 0; i < NV; i++) {
         const int c = lane * 8 + i * 256;
         if (c < C) {
             xv[i] = *reinterpret_cast<const uint4*>(a + off + c);
             if (b) bv[i] = *reinterpret_cast<const uint4*>(b + off + c);
-            wv[i] = *reinterpret_cast<const uint4*>(w + c);
         }
     }
     float ss = 0.0f;

@@ -150,6 +150,9 @@ typedef struct Ops {
     // cache slot slot[i]: kc, vc (slots, maxT, KVH*HD) in the compute dtype. window > 0 keeps
     // the last `window` keys; sinks (H) or NULL adds one value-less logit per head to the
     // denominator (as attention_sink_forward). out (n, H*HD) overwritten. slot, len (n) int32.
+    // In a recorded op sequence (graph_begin) slot and len must come from before the sequence and
+    // the ops recorded before this one may write only key len[i]-1 of each row (the decode step's
+    // new key): the CUDA kernels read the older keys while the op before still runs.
     void (*attention_decode)(void* ctx, void* out, const void* qkv, const void* kc, const void* vc,
                              const int32_t* slot, const int32_t* len, const void* sinks, int n,
                              int maxT, int H, int KVH, int HD, int window);
