@@ -344,7 +344,8 @@ static void op_download_finish(void* ctx, void* dst, size_t bytes, int slot) {
     CudaCtx* cx = ctx_enter(ctx);
     HostSlot* h = host_slot(cx->down, slot, "download_finish");
     if (!h->pending) fatal("internal: download_finish of slot %d without a download_start", slot);
-    if (bytes > h->cap) fatal("internal: download_finish of %zu bytes from a slot of %zu", bytes, h->cap);
+    if (bytes > h->cap)
+        fatal("internal: download_finish of %zu bytes from a slot of %zu", bytes, h->cap);
     cuda_check(cudaEventSynchronize(h->done));
     h->pending = 0;
     report_device_error_word(cx->h_slot_error[slot]);
