@@ -647,30 +647,12 @@ __device__ __forceinline__ void sw128_tile_load_async(uint32_t tile, const bf16*
     }
 }
 
-// Operand lists of the accumulator: block i of 8 columns = registers d[i][0..3], in the PTX
-// order d0, d1, ... (d[i][e] is fragment register 4i + e; WG_ACC4 in ptx.cuh).
-#define ATTN_WG_ACC32(d)                                                                  \
-    WG_ACC4(d, 0), WG_ACC4(d, 1), WG_ACC4(d, 2), WG_ACC4(d, 3), WG_ACC4(d, 4), WG_ACC4(d, 5), \
-        WG_ACC4(d, 6), WG_ACC4(d, 7)
-#define ATTN_WG_ACC64(d)                                                                  \
-    ATTN_WG_ACC32(d), WG_ACC4(d, 8), WG_ACC4(d, 9), WG_ACC4(d, 10), WG_ACC4(d, 11),         \
-        WG_ACC4(d, 12), WG_ACC4(d, 13), WG_ACC4(d, 14), WG_ACC4(d, 15)
-#define ATTN_WG_REGS32                                                                   \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, " \
-    "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define ATTN_WG_REGS64                                                                   \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, " \
-    "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, "  \
-    "%34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, "  \
-    "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
-
 // d (64 x N, f32) = A (64 x 16, bf16) * B (16 x N, bf16) + (scale_d ? d : 0), one warpgroup.
-//   ss: A and B from shared memory through descriptors, both K-major (imm-trans-a = imm-trans-b
-//       = 0). Operands after the accumulators: A descriptor, B descriptor, scale-d (a predicate,
-//       set from the int), imm-scale-a = 1, imm-scale-b = 1 (no negation), imm-trans-a,
-//       imm-trans-b.
-//   rs: A from four registers (layout above), B MN-major from shared memory (imm-trans-b = 1);
-//       the register form has no imm-trans-a.
+//   ss: A and B from shared memory through descriptors, both K-major: ptx.cuh wgmma_ss.
+//   rs: A from four registers (layout above), B MN-major from shared memory; operands after the
+//       accumulators: the four A registers, B descriptor, scale-d (a predicate set from the int),
+//       imm-scale-a = imm-scale-b = 1 (no negation), imm-trans-b = 1 (the register form has no
+//       imm-trans-a).
 template <int N>
 struct WgmmaBf16;
 
@@ -678,24 +660,16 @@ template <>
 struct WgmmaBf16<64> {
     static __device__ __forceinline__ void ss(float (&d)[8][4], uint64_t da, uint64_t db,
                                               int scale_d) {
-#if ATTN_WG_ENABLED
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " ATTN_WG_REGS32
-            ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-            : ATTN_WG_ACC32(d)
-            : "l"(da), "l"(db), "r"(scale_d)
-            : "memory");
-#endif
+        wgmma_ss<64>(d, da, db, scale_d);
     }
     static __device__ __forceinline__ void rs_trans_b(float (&d)[8][4], const uint32_t (&a)[4],
                                                       uint64_t db, int scale_d) {
 #if ATTN_WG_ENABLED
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " ATTN_WG_REGS32
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_REGS32
             ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-            : ATTN_WG_ACC32(d)
+            : WG_ACC32(d)
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d)
             : "memory");
 #endif
@@ -706,24 +680,16 @@ template <>
 struct WgmmaBf16<128> {
     static __device__ __forceinline__ void ss(float (&d)[16][4], uint64_t da, uint64_t db,
                                               int scale_d) {
-#if ATTN_WG_ENABLED
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " ATTN_WG_REGS64
-            ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-            : ATTN_WG_ACC64(d)
-            : "l"(da), "l"(db), "r"(scale_d)
-            : "memory");
-#endif
+        wgmma_ss<128>(d, da, db, scale_d);
     }
     static __device__ __forceinline__ void rs_trans_b(float (&d)[16][4], const uint32_t (&a)[4],
                                                       uint64_t db, int scale_d) {
 #if ATTN_WG_ENABLED
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " ATTN_WG_REGS64
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " WG_REGS64
             ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-            : ATTN_WG_ACC64(d)
+            : WG_ACC64(d)
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d)
             : "memory");
 #endif

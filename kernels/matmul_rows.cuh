@@ -77,90 +77,7 @@ static __host__ __device__ constexpr int rg_smem_bytes(int bn) {
 }
 
 // ----------------------------------------------------------------------------
-// device helpers (sm_90a): the wgmma shapes, TMA, cluster rank / barrier / remote loads
-
-// d (64 x BN, f32) = A (64 x 16) · B (16 x BN) + (scale_d ? d : 0), both K-major in shared
-// memory (BN = 32, 64, 96, 128).
-__device__ __forceinline__ void rg_wgmma_n32(float (&d)[4][4], uint64_t da, uint64_t db,
-                                              int scale_d) {
-#if RG_ENABLED
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-        "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-        : WG_ACC4(d, 0), WG_ACC4(d, 1), WG_ACC4(d, 2), WG_ACC4(d, 3)
-        : "l"(da), "l"(db), "r"(scale_d)
-        : "memory");
-#endif
-}
-
-__device__ __forceinline__ void rg_wgmma_n64(float (&d)[8][4], uint64_t da, uint64_t db,
-                                              int scale_d) {
-#if RG_ENABLED
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
-        "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : WG_ACC4(d, 0), WG_ACC4(d, 1), WG_ACC4(d, 2), WG_ACC4(d, 3), WG_ACC4(d, 4),
-          WG_ACC4(d, 5), WG_ACC4(d, 6), WG_ACC4(d, 7)
-        : "l"(da), "l"(db), "r"(scale_d)
-        : "memory");
-#endif
-}
-
-__device__ __forceinline__ void rg_wgmma_n96(float (&d)[12][4], uint64_t da, uint64_t db,
-                                              int scale_d) {
-#if RG_ENABLED
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
-        "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, "
-        "%34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
-        "}, %48, %49, p, 1, 1, 0, 0;\n}\n"
-        : WG_ACC4(d, 0), WG_ACC4(d, 1), WG_ACC4(d, 2), WG_ACC4(d, 3), WG_ACC4(d, 4),
-          WG_ACC4(d, 5), WG_ACC4(d, 6), WG_ACC4(d, 7), WG_ACC4(d, 8), WG_ACC4(d, 9),
-          WG_ACC4(d, 10), WG_ACC4(d, 11)
-        : "l"(da), "l"(db), "r"(scale_d)
-        : "memory");
-#endif
-}
-
-__device__ __forceinline__ void rg_wgmma_n128(float (&d)[16][4], uint64_t da, uint64_t db,
-                                              int scale_d) {
-#if RG_ENABLED
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
-        "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, "
-        "%34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, "
-        "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-        : WG_ACC4(d, 0), WG_ACC4(d, 1), WG_ACC4(d, 2), WG_ACC4(d, 3), WG_ACC4(d, 4),
-          WG_ACC4(d, 5), WG_ACC4(d, 6), WG_ACC4(d, 7), WG_ACC4(d, 8), WG_ACC4(d, 9),
-          WG_ACC4(d, 10), WG_ACC4(d, 11), WG_ACC4(d, 12), WG_ACC4(d, 13), WG_ACC4(d, 14),
-          WG_ACC4(d, 15)
-        : "l"(da), "l"(db), "r"(scale_d)
-        : "memory");
-#endif
-}
-
-template <int BN>
-__device__ __forceinline__ void rg_wgmma(float (&d)[BN / 8][4], uint64_t da, uint64_t db,
-                                         int scale_d) {
-    if constexpr (BN == 32)
-        rg_wgmma_n32(d, da, db, scale_d);
-    else if constexpr (BN == 64)
-        rg_wgmma_n64(d, da, db, scale_d);
-    else if constexpr (BN == 96)
-        rg_wgmma_n96(d, da, db, scale_d);
-    else
-        rg_wgmma_n128(d, da, db, scale_d);
-}
+// device helpers (sm_90a): TMA, cluster rank / barrier / remote loads (the wgmma: ptx.cuh wgmma_ss)
 
 // One arrival on the mbarrier that also expects `bytes` of transactions in this phase.
 __device__ __forceinline__ void rg_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
@@ -296,7 +213,7 @@ __global__ void __launch_bounds__(RG_THREADS, 1)
             wg_fence_acc(acc);
 #pragma unroll
             for (int kk = 0; kk < RG_BK / 16; kk++)
-                rg_wgmma<BN>(acc, wg_desc(sa + kk * 32, 16, 1024), wg_desc(sb + kk * 32, 16, 1024),
+                wgmma_ss<BN>(acc, wg_desc(sa + kk * 32, 16, 1024), wg_desc(sb + kk * 32, 16, 1024),
                              u > 0 || kk > 0);
             wgmma_commit();
             wg_fence_acc(acc);

@@ -74,25 +74,6 @@
 // ----------------------------------------------------------------------------
 // device helpers (sm_90a): the m64n256k16 wgmma (the other wrappers are in ptx.cuh)
 
-#define MOE_WG_ACC128(d)                                                                           \
-    WG_ACC4(d, 0), WG_ACC4(d, 1), WG_ACC4(d, 2), WG_ACC4(d, 3), WG_ACC4(d, 4), WG_ACC4(d, 5),      \
-        WG_ACC4(d, 6), WG_ACC4(d, 7), WG_ACC4(d, 8), WG_ACC4(d, 9), WG_ACC4(d, 10),                \
-        WG_ACC4(d, 11), WG_ACC4(d, 12), WG_ACC4(d, 13), WG_ACC4(d, 14), WG_ACC4(d, 15),            \
-        WG_ACC4(d, 16), WG_ACC4(d, 17), WG_ACC4(d, 18), WG_ACC4(d, 19), WG_ACC4(d, 20),            \
-        WG_ACC4(d, 21), WG_ACC4(d, 22), WG_ACC4(d, 23), WG_ACC4(d, 24), WG_ACC4(d, 25),            \
-        WG_ACC4(d, 26), WG_ACC4(d, 27), WG_ACC4(d, 28), WG_ACC4(d, 29), WG_ACC4(d, 30),            \
-        WG_ACC4(d, 31)
-#define MOE_WG_REGS128                                                                   \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "           \
-    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
-    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "  \
-    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "  \
-    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "  \
-    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "  \
-    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, "  \
-    "%110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, " \
-    "%124, %125, %126, %127}"
-
 // d (64 x 256, f32) = A (64 x 16) · B (16 x 256) + (scale_d ? d : 0), one warpgroup, A and B
 // from shared memory; TA / TB: the operand is MN-major (transposed).
 template <int TA, int TB>
@@ -101,9 +82,9 @@ __device__ __forceinline__ void moe_wgmma_m64n256k16(float (&d)[32][4], uint64_t
 #if MOE_WG_ENABLED
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " MOE_WG_REGS128
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " WG_REGS128
         ", %128, %129, p, 1, 1, %131, %132;\n}\n"
-        : MOE_WG_ACC128(d)
+        : WG_ACC128(d)
         : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB)
         : "memory");
 #endif

@@ -2,11 +2,11 @@
  * ptx.cuh — the PTX instruction wrappers every hand-written kernel uses: cp.async, ldmatrix,
  * mma.sync (sm_80+), programmatic dependent launch (sm_90), and the Hopper ones (sm_90a):
  * mbarriers, register hand-over (setmaxnreg), proxy fences, wgmma fences / commit / wait, the
- * wgmma shared-memory matrix descriptor. One definition of each, shared by the flash-attention
- * kernels (attention_common.cuh and the files it serves), the grouped expert GEMM
- * (moe_matmul.cu, moe_matmul_wgmma.cuh) and the rows kernel (matmul_rows.cuh); what only one
- * kernel family uses with its own constants (named barriers, the wgmma shapes and their operand
- * lists) stays with that family.
+ * wgmma shared-memory matrix descriptor, the wgmma accumulator operand lists and the K-major
+ * shared-memory wgmma (wgmma_ss). One definition of each, shared by the flash-attention kernels
+ * (attention_common.cuh and the files it serves), the grouped expert GEMM (moe_matmul.cu,
+ * moe_matmul_wgmma.cuh) and the rows kernel (matmul_rows.cuh); what only one kernel family uses
+ * with its own constants (named barriers, its other wgmma forms) stays with that family.
  *
  * Each wrapper is its instruction and operands and nothing else (the descriptor helpers: the bit
  * packing of the fields), all force-inlined: a kernel that calls these instead of private copies
@@ -221,8 +221,73 @@ __device__ __forceinline__ void wg_fence_frag(uint32_t (&a)[KS][4]) {
 }
 
 // Operand list of accumulator block i (8 columns: registers d[i][0..3], fragment registers
-// 4i .. 4i+3 in the PTX order) of a wgmma; the families build their full lists from it.
+// 4i .. 4i+3 in the PTX order) of a wgmma; the lists below are built from it.
 #define WG_ACC4(d, i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+
+// The accumulator operands of an m64nNk16 wgmma, N/2 fp32 registers a thread: WG_ACCr(d) are
+// d[0 .. r/4)[4] as "+f" operands in the PTX order, WG_REGSr the matching "{%0, .., %r-1}" of the
+// instruction (the operands after them are numbered from r).
+#define WG_ACC16(d) WG_ACC4(d, 0), WG_ACC4(d, 1), WG_ACC4(d, 2), WG_ACC4(d, 3)
+#define WG_ACC32(d) WG_ACC16(d), WG_ACC4(d, 4), WG_ACC4(d, 5), WG_ACC4(d, 6), WG_ACC4(d, 7)
+#define WG_ACC48(d) WG_ACC32(d), WG_ACC4(d, 8), WG_ACC4(d, 9), WG_ACC4(d, 10), WG_ACC4(d, 11)
+#define WG_ACC64(d) WG_ACC48(d), WG_ACC4(d, 12), WG_ACC4(d, 13), WG_ACC4(d, 14), WG_ACC4(d, 15)
+#define WG_ACC128(d)                                                                          \
+    WG_ACC64(d), WG_ACC4(d, 16), WG_ACC4(d, 17), WG_ACC4(d, 18), WG_ACC4(d, 19),              \
+        WG_ACC4(d, 20), WG_ACC4(d, 21), WG_ACC4(d, 22), WG_ACC4(d, 23), WG_ACC4(d, 24),       \
+        WG_ACC4(d, 25), WG_ACC4(d, 26), WG_ACC4(d, 27), WG_ACC4(d, 28), WG_ACC4(d, 29),       \
+        WG_ACC4(d, 30), WG_ACC4(d, 31)
+#define WG_R0_15                                                                                  \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "                                       \
+    "%12, %13, %14, %15"
+#define WG_R16_31                                                                                 \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, "                             \
+    "%28, %29, %30, %31"
+#define WG_R32_47                                                                                 \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "                             \
+    "%44, %45, %46, %47"
+#define WG_R48_63                                                                                 \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, "                             \
+    "%60, %61, %62, %63"
+#define WG_R64_127                                                                                \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, "                             \
+    "%76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, "                             \
+    "%88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, "                             \
+    "%100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "                 \
+    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, "                 \
+    "%124, %125, %126, %127"
+#define WG_REGS16 "{" WG_R0_15 "}"
+#define WG_REGS32 "{" WG_R0_15 ", " WG_R16_31 "}"
+#define WG_REGS48 "{" WG_R0_15 ", " WG_R16_31 ", " WG_R32_47 "}"
+#define WG_REGS64 "{" WG_R0_15 ", " WG_R16_31 ", " WG_R32_47 ", " WG_R48_63 "}"
+#define WG_REGS128 "{" WG_R0_15 ", " WG_R16_31 ", " WG_R32_47 ", " WG_R48_63 ", " WG_R64_127 "}"
+
+// d (64 x N, f32) = A (64 x 16, bf16) · B (16 x N, bf16) + (scale_d ? d : 0), one warpgroup, A
+// and B from shared memory through descriptors, both K-major: the SS form of the flash-attention
+// kernels (attention_common.cuh WgmmaBf16) and the rows kernel (matmul_rows.cuh). Operands after
+// the accumulators: A descriptor, B descriptor, scale-d (a predicate set from the int),
+// imm-scale-a = imm-scale-b = 1 (no negation), imm-trans-a = imm-trans-b = 0. N = 32, 64, 96, 128.
+#define WG_SS_ASM(SHAPE, REGS, ACC, OA, OB, OP)                                               \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " OP ", 0;\n"                            \
+                 "wgmma.mma_async.sync.aligned." SHAPE ".f32.bf16.bf16 " REGS ", " OA ", " OB  \
+                 ", p, 1, 1, 0, 0;\n}\n"                                                      \
+                 : ACC                                                                        \
+                 : "l"(da), "l"(db), "r"(scale_d)                                             \
+                 : "memory")
+template <int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], uint64_t da, uint64_t db,
+                                         int scale_d) {
+    static_assert(N == 32 || N == 64 || N == 96 || N == 128, "wgmma_ss: N = 32, 64, 96 or 128");
+#if PTX_SM90A
+    if constexpr (N == 32)
+        WG_SS_ASM("m64n32k16", WG_REGS16, WG_ACC16(d), "%16", "%17", "%18");
+    else if constexpr (N == 64)
+        WG_SS_ASM("m64n64k16", WG_REGS32, WG_ACC32(d), "%32", "%33", "%34");
+    else if constexpr (N == 96)
+        WG_SS_ASM("m64n96k16", WG_REGS48, WG_ACC48(d), "%48", "%49", "%50");
+    else
+        WG_SS_ASM("m64n128k16", WG_REGS64, WG_ACC64(d), "%64", "%65", "%66");
+#endif
+}
 
 // wgmma shared-memory matrix descriptor, 128-byte swizzle, base offset 0 (64 bits):
 //   bits  0-13  start address >> 4        bits 16-29  leading-dimension byte offset (LBO) >> 4

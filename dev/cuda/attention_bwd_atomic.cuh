@@ -287,9 +287,9 @@ struct AttnBwaSsTransB<64> {
 #if ATTN_WG_ENABLED
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " ATTN_WG_REGS32
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_REGS32
             ", %32, %33, p, 1, 1, 0, 1;\n}\n"
-            : ATTN_WG_ACC32(d)
+            : WG_ACC32(d)
             : "l"(da), "l"(db), "r"(scale_d)
             : "memory");
 #endif

@@ -362,7 +362,7 @@ class Kernel:
             return tid % ATTN_WG_THREADS
         return wg * self.NB_Q * ATTN_WG_THREADS + (tid % ATTN_WG_THREADS)
 
-    # dq[i][e] is PTX accumulator operand 4i + e (ATTN_BWA_ACC16 / ATTN_WG_ACC32 operand order,
+    # dq[i][e] is PTX accumulator operand 4i + e (ATTN_BWA_ACC16 / WG_ACC32 operand order,
     # checked against the source by check_source); acc_registers() uses that naming.
 
     # ---- the per-thread elementwise part that produces dsf -------------------------
@@ -720,7 +720,7 @@ def check_source():
         'attn_bwa_red_v4(block + (my_f4 + i * ATTN_WG_THREADS) * 4, dq[i][0], dq[i][1],',
         # 32 or 16 accumulators, then a-desc, b-desc, p, 1, 1, trans-a 0, trans-b 1
         'setp.ne.b32 p, %34, 0;\\n"\n            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "'
-        ' ATTN_WG_REGS32\n            ", %32, %33, p, 1, 1, 0, 1;',
+        ' WG_REGS32\n            ", %32, %33, p, 1, 1, 0, 1;',
         'setp.ne.b32 p, %18, 0;\\n"\n            "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "'
         ' ATTN_BWA_REGS16\n            ", %16, %17, p, 1, 1, 0, 1;',
         # accumulator operand order d[0][0..3], d[1][0..3], ... (dq[i][e] = d_{4i+e})
