@@ -13,8 +13,9 @@
  * unaligned rows). Warps per block shrink with N (rmsnorm_forward_warps) so that the decode's
  * few rows (N = 128) spread over every SM instead of 16 blocks; a row's math never depends on
  * the block shape. Both forward kernels wait for the kernel before them (ptx.cuh pdl_wait) before
- * touching memory and are launched through cuda_launch, so a recorded decode step can launch
- * them early, during the tail of the kernel before.
+ * touching what it writes (the register kernel fetches the constant norm weight first) and are
+ * launched through cuda_launch, so a recorded decode step can launch them early, during the tail
+ * of the kernel before.
  *
  * Backward: one block per group of rows (about 512 blocks, a function of N only). For each row
  * a block sum gives mean(g·x̂); dinp += rstd (g - x̂ mean) with g = dy·w. For dw every thread owns
